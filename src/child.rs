@@ -1,0 +1,357 @@
+//! The child's process tree: spawn in its own group, signal, reap, and find
+//! every descendant through `/proc`, including those that left the group or
+//! the session. Processes are only ever found by ancestry, never by name.
+//! Backoff and patterns are not known here.
+//!
+//! The warden is a child subreaper, so an orphaned descendant is re-parented
+//! to it: "our tree" is every process whose chain of parents reaches our pid.
+//! One reaper (`waitpid(-1)` on SIGCHLD) reaps them all; a spawn and a reap
+//! never interleave, so a child that dies at once is never mistaken for a
+//! stranger.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(Signal),
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exit::Code(c) => write!(f, "exit code {c}"),
+            Exit::Signal(s) => write!(f, "killed by {}", s.as_str()),
+        }
+    }
+}
+
+/// The environment variables a child must never inherit: they would let it
+/// talk to systemd in the warden's name.
+pub const SCRUBBED_ENV: [&str; 3] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"];
+
+/// What the tree reports to the driver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TreeEvent {
+    /// The process we spawned has been reaped.
+    LeaderExited { pid: u32, exit: Exit },
+    /// After `terminate` or `kill_all`: no process of the tree is left.
+    Empty,
+}
+
+/// Make this process a child subreaper (`PR_SET_CHILD_SUBREAPER`).
+pub fn become_subreaper() -> io::Result<()> {
+    // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes one integer argument.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// One line of `/proc/PID/stat` that we need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcStat {
+    pub pid: i32,
+    pub ppid: i32,
+    pub state: char,
+    /// Start time in clock ticks after boot: with the pid, names a process
+    /// uniquely.
+    pub start_time: u64,
+}
+
+/// Parse `/proc/PID/stat`; the command name may hold spaces and ')'.
+pub fn parse_stat(text: &str) -> Option<ProcStat> {
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let pid = text[..open].trim().parse().ok()?;
+    let rest: Vec<&str> = text[close + 1..].split_whitespace().collect();
+    // Fields after the name: state(3) ppid(4) … starttime(22).
+    Some(ProcStat {
+        pid,
+        state: rest.first()?.chars().next()?,
+        ppid: rest.get(1)?.parse().ok()?,
+        start_time: rest.get(19)?.parse().ok()?,
+    })
+}
+
+pub fn read_stat(pid: i32) -> Option<ProcStat> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Every live descendant of `root` (zombies left out), parents first.
+pub fn descendants(root: i32) -> Vec<ProcStat> {
+    let mut children: HashMap<i32, Vec<ProcStat>> = HashMap::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            if let Some(st) = read_stat(pid) {
+                children.entry(st.ppid).or_default().push(st);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut queue = VecDeque::from([root]);
+    while let Some(p) = queue.pop_front() {
+        for st in children.remove(&p).unwrap_or_default() {
+            queue.push_back(st.pid);
+            if st.state != 'Z' && st.state != 'X' {
+                out.push(st);
+            }
+        }
+    }
+    out
+}
+
+/// Create the log file (and its folder) and append the start marker.
+/// Returns the file, for the child's stdout and stderr, and the offset after
+/// the marker, where following starts.
+pub fn open_log(path: &Path, start: u32, now: std::time::SystemTime) -> io::Result<(File, u64)> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = OpenOptions::new().create(true).append(true).open(path)?;
+    let stamp = humantime::format_rfc3339_seconds(now);
+    writeln!(f, "--- vllm-warden: start {start} at {stamp} ---")?;
+    let offset = f.metadata()?.len();
+    Ok((f, offset))
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<PathBuf>,
+}
+
+struct Inner {
+    leader: Option<i32>,
+    leader_reaped: bool,
+    /// Report `Empty` once the tree is gone.
+    watching: bool,
+    /// SIGKILL every descendant found after each reap.
+    killing: bool,
+    events: Box<dyn Fn(TreeEvent) + Send>,
+}
+
+/// The child's process tree. Dropping it kills whatever is left.
+pub struct Tree {
+    inner: Arc<Mutex<Inner>>,
+    me: i32,
+    reaper: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Tree {
+    /// Become a subreaper and start reaping on SIGCHLD. Needs a tokio runtime.
+    pub fn new(events: impl Fn(TreeEvent) + Send + 'static) -> io::Result<Tree> {
+        become_subreaper()?;
+        let inner = Arc::new(Mutex::new(Inner {
+            leader: None,
+            leader_reaped: true,
+            watching: false,
+            killing: false,
+            events: Box::new(events),
+        }));
+        let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
+        let me = std::process::id() as i32;
+        let i = inner.clone();
+        let reaper = tokio::spawn(async move {
+            loop {
+                i.lock().expect("tree lock").reap(me);
+                if sigchld.recv().await.is_none() {
+                    return;
+                }
+            }
+        });
+        Ok(Tree {
+            inner,
+            me,
+            reaper: Some(reaper),
+        })
+    }
+
+    /// Spawn `spec` in its own process group, stdin from /dev/null, stdout and
+    /// stderr to `log`, with a scrubbed environment.
+    pub fn spawn(&self, spec: &Spec, log: &File) -> io::Result<u32> {
+        let mut cmd = Command::new(&spec.argv[0]);
+        cmd.args(&spec.argv[1..])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log.try_clone()?)
+            .process_group(0)
+            .envs(&spec.env);
+        for var in SCRUBBED_ENV {
+            cmd.env_remove(var);
+        }
+        if let Some(cwd) = &spec.cwd {
+            cmd.current_dir(cwd);
+        }
+        let mut inner = self.inner.lock().expect("tree lock");
+        let child = cmd.spawn()?;
+        let pid = child.id();
+        // The reaper collects it; std's handle must not.
+        drop(child);
+        inner.leader = Some(pid as i32);
+        inner.leader_reaped = false;
+        inner.watching = false;
+        inner.killing = false;
+        Ok(pid)
+    }
+
+    /// Send `sig` to the leader if it is alive, else to every descendant
+    /// left; then report `Empty` when the tree is gone.
+    pub fn terminate(&self, sig: Signal) {
+        let mut inner = self.inner.lock().expect("tree lock");
+        inner.watching = true;
+        match inner.leader {
+            Some(pid) if !inner.leader_reaped => {
+                let _ = kill(Pid::from_raw(pid), sig);
+            }
+            _ => {
+                for d in descendants(self.me) {
+                    let _ = kill(Pid::from_raw(d.pid), sig);
+                }
+            }
+        }
+        inner.check_empty(self.me);
+    }
+
+    /// SIGKILL the leader's group and every descendant, until none is left;
+    /// then report `Empty`.
+    pub fn kill_all(&self) {
+        let mut inner = self.inner.lock().expect("tree lock");
+        inner.watching = true;
+        inner.killing = true;
+        if let Some(pid) = inner.leader {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        kill_descendants(self.me);
+        inner.check_empty(self.me);
+    }
+
+    /// True when no process of the tree is alive.
+    pub fn is_empty(&self) -> bool {
+        let inner = self.inner.lock().expect("tree lock");
+        (inner.leader.is_none() || inner.leader_reaped) && descendants(self.me).is_empty()
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        if let Some(r) = self.reaper.take() {
+            r.abort();
+        }
+        // A panic must not orphan the child: whatever is left is killed.
+        if let Ok(inner) = self.inner.lock()
+            && let Some(pid) = inner.leader
+            && !inner.leader_reaped
+        {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        kill_descendants(self.me);
+    }
+}
+
+fn kill_descendants(me: i32) {
+    for d in descendants(me) {
+        let _ = kill(Pid::from_raw(d.pid), Signal::SIGKILL);
+    }
+}
+
+impl Inner {
+    fn reap(&mut self, me: i32) {
+        loop {
+            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => self.reaped(pid, Exit::Code(code)),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => self.reaped(pid, Exit::Signal(sig)),
+                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
+                Ok(_) => continue,
+                Err(Errno::EINTR) => continue,
+                Err(_) => break,
+            }
+        }
+        if self.killing {
+            kill_descendants(me);
+        }
+        self.check_empty(me);
+    }
+
+    fn reaped(&mut self, pid: Pid, exit: Exit) {
+        if self.leader == Some(pid.as_raw()) && !self.leader_reaped {
+            self.leader_reaped = true;
+            (self.events)(TreeEvent::LeaderExited {
+                pid: pid.as_raw() as u32,
+                exit,
+            });
+        }
+    }
+
+    fn check_empty(&mut self, me: i32) {
+        if self.watching
+            && (self.leader.is_none() || self.leader_reaped)
+            && descendants(me).is_empty()
+        {
+            self.watching = false;
+            self.killing = false;
+            (self.events)(TreeEvent::Empty);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_spaces_and_parens_in_the_name() {
+        let text = "4242 (VLLM::Worker (0) x) S 4200 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 987654 1000 50 18446744073709551615";
+        let st = parse_stat(text).unwrap();
+        assert_eq!(
+            st,
+            ProcStat {
+                pid: 4242,
+                ppid: 4200,
+                state: 'S',
+                start_time: 987654
+            }
+        );
+    }
+
+    #[test]
+    fn our_own_stat_parses() {
+        let me = std::process::id() as i32;
+        let st = read_stat(me).unwrap();
+        assert_eq!(st.pid, me);
+        assert!(st.start_time > 0);
+    }
+
+    #[test]
+    fn exit_reads_well() {
+        assert_eq!(Exit::Code(1).to_string(), "exit code 1");
+        assert_eq!(
+            Exit::Signal(Signal::SIGKILL).to_string(),
+            "killed by SIGKILL"
+        );
+    }
+}

@@ -1,0 +1,300 @@
+//! The command line: parsing, the commands, and the process exit code,
+//! decided here in one place.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use tokio::sync::mpsc;
+
+use crate::config::{self, DEFAULT_CONFIG, Dirs, Settings};
+use crate::driver::{self, Context, Input, Real};
+use crate::fake::{self, FakeArgs};
+use crate::logwatch::Classifier;
+use crate::supervisor::{Machine, Policy, exit};
+use crate::systemd::{self, Note, Notifier, SdNotifier};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "vllm-warden",
+    version,
+    about = "Supervise one vLLM server under systemd"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ConfigArg {
+    /// Config file.
+    #[arg(short, long, env = "VLLM_WARDEN_CONFIG", default_value = DEFAULT_CONFIG)]
+    pub config: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Cmd {
+    /// Run the daemon in the foreground (systemd's ExecStart=).
+    Run(ConfigArg),
+    /// Validate the config and the environment; list every problem.
+    Check(ConfigArg),
+    /// Run the whole lifecycle against a built-in simulated vLLM.
+    Demo,
+    /// A simulated vLLM server, for the demo and the tests.
+    #[command(hide = true)]
+    FakeVllm(FakeArgs),
+}
+
+/// Parse the arguments, run the command, return the exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Run(c) => run(&c.config),
+        Cmd::Check(c) => check(&c.config),
+        Cmd::Demo => demo(),
+        Cmd::FakeVllm(a) => fake::main(a),
+    }
+}
+
+fn load(path: &Path) -> Result<Settings, i32> {
+    config::load(path, &Dirs::from_env()).map_err(|problems| {
+        for p in &problems.0 {
+            eprintln!("{p}");
+        }
+        exit::CONFIG
+    })
+}
+
+fn check(path: &Path) -> i32 {
+    let (settings, mut problems) = match config::load(path, &Dirs::from_env()) {
+        Ok(s) => {
+            let env = config::check_environment(&s);
+            (Some(s), env)
+        }
+        Err(p) => (None, p.0),
+    };
+    if let Some(s) = &settings {
+        println!(
+            "{}: config of instance {:?} is valid",
+            path.display(),
+            s.name
+        );
+        print!("{}", config::describe_patterns(s));
+    }
+    problems.dedup();
+    for p in &problems {
+        eprintln!("{p}");
+    }
+    if problems.is_empty() {
+        exit::STOPPED
+    } else {
+        eprintln!("{} problem(s) found", problems.len());
+        exit::CONFIG
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, i32> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("vllm-warden: cannot start the runtime: {e}");
+            exit::INTERNAL
+        })
+}
+
+fn run(path: &Path) -> i32 {
+    let settings = match load(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    crate::logging::init();
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
+    rt.block_on(supervise(
+        settings,
+        SdNotifier,
+        systemd::watchdog_interval(),
+        |_| {},
+    ))
+}
+
+/// Supervise `settings` until stopped: signals, the real backend, the loop.
+/// `hook` gets a sender of inputs (the demo uses it to ask for a stop).
+pub async fn supervise(
+    settings: Settings,
+    mut notifier: impl Notifier,
+    watchdog: Option<Duration>,
+    hook: impl FnOnce(mpsc::UnboundedSender<Input>),
+) -> i32 {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    if let Err(e) = listen_for_signals(tx.clone()) {
+        tracing::error!(error = %e, "cannot listen for signals");
+        return exit::INTERNAL;
+    }
+    let classifier = match Classifier::new(&settings.patterns) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "invalid pattern");
+            return exit::CONFIG;
+        }
+    };
+    let ctx = Context {
+        instance: settings.name.clone(),
+    };
+    let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
+    hook(tx.clone());
+    let mut backend = match Real::new(settings, tx) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot become a subreaper");
+            return exit::INTERNAL;
+        }
+    };
+    driver::drive(
+        machine,
+        &mut backend,
+        &mut notifier,
+        classifier,
+        &mut rx,
+        watchdog,
+        &ctx,
+    )
+    .await
+}
+
+fn listen_for_signals(tx: mpsc::UnboundedSender<Input>) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = term.recv() => { let _ = tx.send(Input::Stop); }
+                _ = int.recv() => { let _ = tx.send(Input::Stop); }
+                _ = hup.recv() => {
+                    tracing::warn!(EVENT = "reload", "SIGHUP: reloading is not supported by this version; restart the unit to apply a new config");
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Prints every notification and asks for a stop after the second READY=1.
+type StopSlot = Arc<Mutex<Option<mpsc::UnboundedSender<Input>>>>;
+
+struct Narrator {
+    readies: u32,
+    stop: StopSlot,
+    started: std::time::Instant,
+}
+
+impl Notifier for Narrator {
+    fn notify(&mut self, notes: &[Note]) {
+        let t = self.started.elapsed().as_secs_f64();
+        for n in notes {
+            let line = match n {
+                Note::Ready => "READY=1".to_string(),
+                Note::Status(s) => format!("STATUS={s}"),
+                Note::Stopping => "STOPPING=1".to_string(),
+                Note::ExtendTimeout(d) => format!("EXTEND_TIMEOUT_USEC={}", d.as_micros()),
+                Note::Watchdog => "WATCHDOG=1".to_string(),
+            };
+            println!("[{t:6.2}s] systemd <- {line}");
+            if *n == Note::Ready {
+                self.readies += 1;
+                if self.readies == 2
+                    && let Some(tx) = self.stop.lock().expect("slot lock").take()
+                {
+                    println!(
+                        "[{t:6.2}s] demo: ready again after the crash; stopping the warden as `systemctl stop` would"
+                    );
+                    let _ = tx.send(Input::Stop);
+                }
+            }
+        }
+    }
+}
+
+fn demo() -> i32 {
+    let dir = std::env::temp_dir().join(format!("vllm-warden-demo-{}", std::process::id()));
+    let code = demo_in(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    code
+}
+
+fn demo_in(dir: &Path) -> i32 {
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("demo: {e}");
+        exit::INTERNAL
+    };
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        return fail(&e);
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return fail(&e),
+    };
+    let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => return fail(&e),
+    };
+    let d = dir.display();
+    let text = format!(
+        r#"name = "demo"
+[child]
+command = ["{exe}", "fake-vllm", "--port", "{port}", "--shards", "8", "--shard-time", "300ms",
+           "--fail", "engine-death", "--fail-after", "3s", "--fail-times", "1", "--count-file", "{d}/runs"]
+log-file = "{d}/demo.log"
+stop-timeout = "5s"
+[restart]
+initial-delay = "2s"
+[status]
+file = "{d}/status.json"
+"#,
+        exe = exe.display()
+    );
+    let cfg = dir.join("demo.toml");
+    if let Err(e) = std::fs::write(&cfg, &text) {
+        return fail(&e);
+    }
+    let dirs = Dirs {
+        state: Some(dir.join("state")),
+        ..Dirs::default()
+    };
+    let settings = match config::parse(&text, &cfg, &dirs) {
+        Ok(s) => s,
+        Err(p) => return fail(&p),
+    };
+    println!(
+        "demo: a simulated vLLM on port {port}: it loads 8 shards, serves, its engine dies 3 s after the"
+    );
+    println!(
+        "demo: first ready (the API server then exits 0), and the second start stays up. Log: {d}/demo.log"
+    );
+    crate::logging::init();
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
+    let started = std::time::Instant::now();
+    let slot: StopSlot = Arc::default();
+    let narrator = Narrator {
+        readies: 0,
+        stop: slot.clone(),
+        started,
+    };
+    let code = rt.block_on(supervise(settings, narrator, None, move |tx| {
+        *slot.lock().expect("slot lock") = Some(tx);
+    }));
+    println!(
+        "[{:6.2}s] demo: the warden exited with code {code}",
+        started.elapsed().as_secs_f64()
+    );
+    code
+}

@@ -1,0 +1,383 @@
+//! A simulated vLLM (`vllm-warden fake-vllm …`, a hidden command) for
+//! `demo` and the tests. It writes vLLM 0.32's real line formats (see
+//! `tests/fixtures/`), serves `/health`, `/v1/models` and `/v1/completions`,
+//! and has knobs for the failures the warden must handle. It knows nothing
+//! of the warden.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::{Args, ValueEnum};
+use nix::sys::signal::{SigHandler, SigSet, Signal, signal};
+
+/// How a simulated run goes wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Failure {
+    /// `NCCL error` during the load, then exit 1 (a retry may succeed).
+    Nccl,
+    /// The compressed-tensors KV-cache traceback, then exit 1 (permanent).
+    KvCache,
+    /// `EngineCore encountered a fatal error` after ready, then exit **0**.
+    EngineDeath,
+    /// A fatal line, then the process hangs and never exits.
+    FatalHang,
+    /// Loading stops moving and the process waits forever.
+    Stall,
+    /// Plain exit 1 with no line.
+    Exit1,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FakeArgs {
+    /// Port for the HTTP endpoints; 0: no server.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Number of checkpoint shards to "load".
+    #[arg(long, default_value_t = 4)]
+    pub shards: u32,
+    /// Time per shard.
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub shard_time: Duration,
+    /// What goes wrong.
+    #[arg(long, value_enum)]
+    pub fail: Option<Failure>,
+    /// Delay after ready before an after-ready failure (`engine-death`).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    pub fail_after: Duration,
+    /// Fail only the first N starts, counted in `--count-file`.
+    #[arg(long)]
+    pub fail_times: Option<u32>,
+    #[arg(long)]
+    pub count_file: Option<PathBuf>,
+    /// Ignore SIGTERM (as vLLM does during parts of its load).
+    #[arg(long)]
+    pub ignore_sigterm: bool,
+    /// Start an "EngineCore" child that calls setsid() and ignores SIGTERM.
+    #[arg(long)]
+    pub setsid_engine: bool,
+    /// Exit with this code once ready (a stand-in for a crash while serving).
+    #[arg(long)]
+    pub exit_after_ready: Option<i32>,
+    /// Append `start|ready|exit <unix-nanos>` lines here.
+    #[arg(long)]
+    pub stamp_file: Option<PathBuf>,
+    /// Internal: run as the EngineCore child.
+    #[arg(long, hide = true)]
+    pub engine_core: bool,
+}
+
+fn nanos() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+fn stamp(args: &FakeArgs, what: &str) {
+    if let Some(p) = &args.stamp_file
+        && let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+    {
+        let _ = writeln!(f, "{what} {}", nanos());
+    }
+}
+
+struct Out {
+    pid: u32,
+}
+
+impl Out {
+    fn clock() -> String {
+        humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+    }
+
+    /// A vLLM logger line: `(Proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg`.
+    fn log(&self, proc_: &str, level: &str, file: &str, msg: &str) {
+        let t = Self::clock();
+        // 2026-11-29T18:10:50Z → 11-29 18:10:50
+        let stamp = format!("{} {}", &t[5..10], &t[11..19]);
+        let mut o = std::io::stdout().lock();
+        let _ = writeln!(
+            o,
+            "({proc_} pid={}) {level} {stamp} [{file}] {msg}",
+            self.pid
+        );
+        let _ = o.flush();
+    }
+
+    fn raw(&self, text: &str) {
+        let mut e = std::io::stderr().lock();
+        let _ = e.write_all(text.as_bytes());
+        let _ = e.flush();
+    }
+}
+
+fn fail_this_time(args: &FakeArgs) -> bool {
+    let Some(times) = args.fail_times else {
+        return args.fail.is_some();
+    };
+    let Some(path) = &args.count_file else {
+        return args.fail.is_some();
+    };
+    let n: u32 = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    let _ = std::fs::write(path, format!("{}\n", n + 1));
+    args.fail.is_some() && n < times
+}
+
+fn forever() -> ! {
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// Run the simulated server; returns its exit code.
+pub fn main(args: FakeArgs) -> i32 {
+    let out = Out {
+        pid: std::process::id(),
+    };
+    if args.engine_core {
+        if args.setsid_engine {
+            let _ = nix::unistd::setsid();
+        }
+        if args.ignore_sigterm {
+            // SAFETY: setting a signal to SIG_IGN runs no handler code.
+            unsafe {
+                let _ = signal(Signal::SIGTERM, SigHandler::SigIgn);
+            }
+        }
+        out.log(
+            "EngineCore",
+            "INFO",
+            "core.py:133",
+            "Initializing a V1 LLM engine (v0.32.0) with config: model='/srv/models/tiny-llama'",
+        );
+        forever();
+    }
+    stamp(&args, "start");
+    let failing = fail_this_time(&args);
+    let stop = Arc::new(AtomicBool::new(false));
+    if args.ignore_sigterm {
+        // SAFETY: SIG_IGN runs no handler code.
+        unsafe {
+            let _ = signal(Signal::SIGTERM, SigHandler::SigIgn);
+        }
+    } else {
+        // SIGTERM is taken by a thread that waits for it, as vLLM's asyncio
+        // loop does: a clean shutdown with vLLM's own shutdown lines.
+        let mut set = SigSet::empty();
+        set.add(Signal::SIGTERM);
+        let _ = set.thread_block();
+        let s = stop.clone();
+        let pid = out.pid;
+        std::thread::spawn(move || {
+            if set.wait().is_ok() {
+                s.store(true, Ordering::SeqCst);
+                let o = Out { pid };
+                o.log(
+                    "APIServer",
+                    "INFO",
+                    "launcher.py:254",
+                    "[shutdown] API server: shutdown triggered",
+                );
+                o.log(
+                    "APIServer",
+                    "ERROR",
+                    "async_llm.py:906",
+                    "AsyncLLM output_handler failed.",
+                );
+                o.log(
+                    "APIServer",
+                    "ERROR",
+                    "async_llm.py:906",
+                    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                );
+                o.raw("INFO:     Shutting down\nINFO:     Application shutdown complete.\n");
+                std::process::exit(0);
+            }
+        });
+    }
+
+    out.log("APIServer", "INFO", "api_utils.py:347", " version 0.32.0");
+    out.log(
+        "APIServer",
+        "INFO",
+        "api_utils.py:286",
+        &format!(
+            "non-default args: {{'model_tag': '/srv/models/tiny-llama', 'port': {}}}",
+            args.port
+        ),
+    );
+    if args.setsid_engine {
+        if let Ok(exe) = std::env::current_exe() {
+            let mut cmd = Command::new(exe);
+            cmd.args(["fake-vllm", "--engine-core", "--setsid-engine"])
+                .stdin(Stdio::null());
+            if args.ignore_sigterm {
+                cmd.arg("--ignore-sigterm");
+            }
+            // The child is left running on purpose: it is the "EngineCore"
+            // that outlives its parent.
+            let _ = cmd.spawn();
+        }
+    } else {
+        out.log(
+            "EngineCore",
+            "INFO",
+            "core.py:133",
+            "Initializing a V1 LLM engine (v0.32.0) with config: model='/srv/models/tiny-llama'",
+        );
+    }
+    out.log(
+        "Worker",
+        "INFO",
+        "cpu_model_runner.py:68",
+        "Starting to load model /srv/models/tiny-llama...",
+    );
+
+    let n = args.shards.max(1);
+    for i in 0..=n {
+        let pct = i * 100 / n;
+        out.raw(&format!("Loading safetensors checkpoint shards: {pct:3}% Completed | {i}/{n} [00:00<00:00, 3.14it/s]\r"));
+        if failing && args.fail == Some(Failure::Stall) && i == n / 2 {
+            forever();
+        }
+        if failing && args.fail == Some(Failure::Nccl) && i == n / 2 {
+            out.log(
+                "Worker",
+                "ERROR",
+                "pynccl.py:120",
+                "NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)",
+            );
+            return 1;
+        }
+        if i < n {
+            std::thread::sleep(args.shard_time);
+        }
+    }
+    out.raw("\n");
+    out.log(
+        "Worker",
+        "INFO",
+        "default_loader.py:501",
+        "Loading weights took 0.00 seconds",
+    );
+    if failing {
+        match args.fail {
+            Some(Failure::KvCache) => {
+                let w = "multiproc_executor.py:953";
+                out.log("Worker", "ERROR", w, "WorkerProc failed to start.");
+                out.log("Worker", "ERROR", w, "Traceback (most recent call last):");
+                out.log("Worker", "ERROR", w, "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py\", line 1118, in validate_kv_cache_scheme");
+                out.log("Worker", "ERROR", w, "    raise NotImplementedError(");
+                out.log("Worker", "ERROR", w, "NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float");
+                out.log(
+                    "EngineCore",
+                    "ERROR",
+                    "core.py:1510",
+                    "EngineCore failed to start.",
+                );
+                out.raw("Traceback (most recent call last):\n  File \"/opt/vllm/bin/vllm\", line 10, in <module>\nRuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}\n");
+                return 1;
+            }
+            Some(Failure::FatalHang) => {
+                out.log(
+                    "EngineCore",
+                    "ERROR",
+                    "core.py:1510",
+                    "EngineCore failed to start.",
+                );
+                forever();
+            }
+            Some(Failure::Exit1) => return 1,
+            _ => {}
+        }
+    }
+    out.log(
+        "EngineCore",
+        "INFO",
+        "core.py:402",
+        "init engine (profile, create kv cache, warmup model) took 1.06 s",
+    );
+    out.log(
+        "APIServer",
+        "INFO",
+        "entry.py:140",
+        &format!("Starting vLLM server on http://0.0.0.0:{}", args.port),
+    );
+    if args.port != 0 {
+        let server = match tiny_http::Server::http(("127.0.0.1", args.port)) {
+            Ok(s) => s,
+            Err(e) => {
+                out.raw(&format!("Traceback (most recent call last):\n  File \"uvicorn/server.py\", line 1\nOSError: [Errno 98] Address already in use ({e})\n"));
+                return 1;
+            }
+        };
+        std::thread::spawn(move || serve(server));
+    }
+    out.raw(&format!(
+        "INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\nINFO:     Application startup complete.\n",
+        out.pid
+    ));
+    stamp(&args, "ready");
+    if let Some(code) = args.exit_after_ready {
+        stamp(&args, "exit");
+        return code;
+    }
+    if failing && args.fail == Some(Failure::EngineDeath) {
+        std::thread::sleep(args.fail_after);
+        out.log(
+            "EngineCore",
+            "ERROR",
+            "core.py:1063",
+            "EngineCore encountered a fatal error.",
+        );
+        out.log(
+            "EngineCore",
+            "ERROR",
+            "core.py:1063",
+            "Traceback (most recent call last):",
+        );
+        out.log("EngineCore", "ERROR", "core.py:1063", "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/v1/engine/core.py\", line 1054, in run_engine_core");
+        out.log(
+            "EngineCore",
+            "ERROR",
+            "core.py:1063",
+            "RuntimeError: CUDA error: an illegal memory access was encountered",
+        );
+        out.log(
+            "APIServer",
+            "WARNING",
+            "core_client.py:817",
+            "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
+        );
+        out.raw("INFO:     Shutting down\nINFO:     Finished server process\n");
+        // The API server exits 0 when its engine dies.
+        return 0;
+    }
+    forever();
+}
+
+fn serve(server: tiny_http::Server) {
+    for req in server.incoming_requests() {
+        let (code, body) = match req.url() {
+            "/health" => (200, String::new()),
+            "/v1/models" => (200, r#"{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}"#.to_string()),
+            "/v1/completions" => (
+                200,
+                r#"{"id":"cmpl-1","object":"text_completion","model":"tiny-llama","choices":[{"index":0,"text":" a","finish_reason":"length"}]}"#
+                    .to_string(),
+            ),
+            _ => (404, r#"{"detail":"Not Found"}"#.to_string()),
+        };
+        let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(code));
+    }
+}

@@ -1,0 +1,28 @@
+//! vllm-warden: one daemon per model that owns the vLLM process tree, follows
+//! its log, restarts it with backoff and tells systemd what is going on.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`config`] | TOML → validated [`config::Settings`], every problem with file:line:col |
+//! | [`profile`] | the built-in vLLM patterns |
+//! | [`logwatch`] | following the log file; classifying lines |
+//! | [`child`] | spawning, signalling, reaping, finding descendants in `/proc` |
+//! | [`supervisor`] | the pure state machine `step(event, now) -> effects` |
+//! | [`driver`] | the loop that carries out the effects |
+//! | [`systemd`] | sd_notify, never fatal |
+//! | [`redact`] | masking secrets in printed commands |
+//! | [`logging`] | journald or stderr |
+//! | [`fake`] | a simulated vLLM for the demo and the tests |
+//! | [`cli`] | the commands and the exit code |
+
+pub mod child;
+pub mod cli;
+pub mod config;
+pub mod driver;
+pub mod fake;
+pub mod logging;
+pub mod logwatch;
+pub mod profile;
+pub mod redact;
+pub mod supervisor;
+pub mod systemd;

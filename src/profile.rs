@@ -1,0 +1,141 @@
+//! The built-in vLLM profile: which log lines mean ready, progress, fatal,
+//! benign and permanent. Only the lists live here; how they are matched
+//! belongs to `logwatch`.
+//!
+//! Every pattern is a regular expression searched anywhere in a line whose
+//! ANSI codes have been stripped. The lists come from real vLLM logs (see
+//! `tests/fixtures/`, vLLM 0.32 on CPU) and from the messages in vLLM's own
+//! source for failures that only happen on GPUs.
+
+/// Pattern lists of one profile, or the effective lists after a config's
+/// additions.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Patterns {
+    /// A line matching one of these, then the HTTP check, means ready.
+    pub ready: Vec<String>,
+    /// Lines that show the load is moving (shown in `STATUS=`, restart the
+    /// stall deadline).
+    pub progress: Vec<String>,
+    /// Lines that mean this run is lost.
+    pub fatal: Vec<String>,
+    /// Lines that are never fatal, whatever else they match.
+    pub ignore: Vec<String>,
+    /// Causes that a retry cannot fix; a line matching one is fatal too.
+    pub permanent: Vec<String>,
+}
+
+/// The profiles a config can name with `profile = "…"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    Vllm,
+    None,
+}
+
+impl Profile {
+    pub fn parse(name: &str) -> Option<Profile> {
+        match name {
+            "vllm" => Some(Profile::Vllm),
+            "none" => Some(Profile::None),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Profile::Vllm => "vllm",
+            Profile::None => "none",
+        }
+    }
+
+    pub fn patterns(self) -> Patterns {
+        match self {
+            Profile::None => Patterns::default(),
+            Profile::Vllm => vllm(),
+        }
+    }
+
+    /// Globs in `/dev/shm` that vLLM and Python's multiprocessing leave
+    /// behind after a crash.
+    pub fn shm_globs(self) -> Vec<String> {
+        match self {
+            Profile::None => Vec::new(),
+            Profile::Vllm => to_strings(&["psm_*", "sem.mp-*", "vllm_*"]),
+        }
+    }
+}
+
+fn to_strings(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn vllm() -> Patterns {
+    Patterns {
+        // uvicorn prints this on stderr once the OpenAI server accepts requests.
+        ready: to_strings(&["Application startup complete"]),
+        progress: to_strings(&[
+            r"Initializing a V1 LLM engine",
+            r"Starting to load model",
+            r"Loading safetensors checkpoint shards:\s+\d+% Completed",
+            r"Loading weights took",
+            r"Model loading took",
+            r"Memory profiling takes",
+            r"Available KV cache memory",
+            r"KV cache size:",
+            r"Capturing CUDA graphs",
+            r"Graph capturing finished",
+            r"init engine .* took",
+            r"Starting vLLM server on",
+            r"Waiting for application startup",
+        ]),
+        fatal: to_strings(&[
+            r"Traceback \(most recent call last\)",
+            r"EngineCore failed to start",
+            r"WorkerProc failed to start",
+            r"Engine core initialization failed",
+            r"EngineCore encountered a fatal error",
+            r"engine core exited unexpectedly",
+            r"EngineDeadError",
+            r"died unexpectedly",
+            r"NCCL error",
+            r"CUDA out of memory",
+            r"CUDA error",
+            r"Fatal Python error",
+        ]),
+        ignore: to_strings(&[
+            // A warning at exit of Python's multiprocessing, not a failure.
+            r"resource_tracker: There appear to be \d+ leaked",
+            // A cache miss of torch.compile's artefacts: vLLM compiles again.
+            r"Compiling model again due to a load failure",
+        ]),
+        permanent: to_strings(&[
+            r"No available memory for the cache blocks",
+            r"is larger than the available KV cache memory",
+            r"No valid attention backend found",
+            r"Currently supported kv cache quantization",
+            r"Failed to find a kernel that can implement",
+            r"is not a valid JSON file",
+            r"validation errors? for (ModelConfig|VllmConfig|CacheConfig|ParallelConfig|SchedulerConfig)",
+        ]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_pattern_compiles() {
+        let p = Profile::Vllm.patterns();
+        for list in [&p.ready, &p.progress, &p.fatal, &p.ignore, &p.permanent] {
+            for pat in list {
+                regex::Regex::new(pat).unwrap_or_else(|e| panic!("{pat}: {e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn none_has_no_patterns() {
+        assert_eq!(Profile::None.patterns(), Patterns::default());
+        assert!(Profile::None.shm_globs().is_empty());
+    }
+}
