@@ -1,0 +1,209 @@
+//! Classification on real vLLM 0.32 logs (tests/fixtures/, see its README):
+//! every log is fed, byte for byte, through the splitter, the classifier and
+//! the state machine, and the verdict is checked against what really happened.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::time::Instant;
+use vllm_warden::child::Exit;
+use vllm_warden::config::{self, Dirs};
+use vllm_warden::logwatch::{Class, Classifier, Splitter};
+use vllm_warden::supervisor::{Event, Machine, Policy, State, state_name};
+
+fn lines(name: &str) -> Vec<String> {
+    let path = format!("{}/tests/fixtures/{name}.log", env!("CARGO_MANIFEST_DIR"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let mut out = Vec::new();
+    let mut s = Splitter::default();
+    // Odd chunk sizes: lines must not depend on how reads fall.
+    for chunk in bytes.chunks(4093) {
+        s.push(chunk, &mut out);
+    }
+    s.push(b"\n", &mut out);
+    out
+}
+
+fn settings() -> vllm_warden::config::Settings {
+    config::parse(
+        "[child]\ncommand = [\"vllm\"]\n",
+        std::path::Path::new("t.toml"),
+        &Dirs::default(),
+    )
+    .unwrap()
+}
+
+/// Feed a whole log as one run, then the exit; returns the machine.
+fn replay(name: &str, exit: Exit, stop_at: Option<&str>) -> Machine {
+    let s = settings();
+    let mut c = Classifier::new(&s.patterns).unwrap();
+    let mut m = Machine::new(Policy::from_settings(&s), 1);
+    let now = Instant::now();
+    m.step(Event::Begin, now);
+    m.step(Event::Spawned { start: 1, pid: 10 }, now);
+    for text in lines(name) {
+        if stop_at.is_some_and(|p| text.contains(p)) {
+            m.step(Event::StopRequested, now);
+        }
+        let line = c.classify(text);
+        if line.class == Class::Ready {
+            m.step(Event::Line { start: 1, line }, now);
+            m.step(Event::HttpReady { start: 1 }, now);
+            continue;
+        }
+        m.step(Event::Line { start: 1, line }, now);
+    }
+    m.step(
+        Event::ChildExited { pid: 10, exit },
+        now + Duration::from_millis(1),
+    );
+    m
+}
+
+fn cause(m: &Machine) -> (String, bool) {
+    let c = m.cause.clone().expect("a cause");
+    (c.text, c.permanent.is_some())
+}
+
+#[test]
+fn successful_runs_become_ready_with_no_fatal_line_before_the_stop() {
+    for name in [
+        "a_success_sigterm_main",
+        "a_enforce_eager",
+        "b_b3-fixed-kv-cache-scheme-removed",
+    ] {
+        let s = settings();
+        let mut c = Classifier::new(&s.patterns).unwrap();
+        let mut ready = false;
+        for text in lines(name) {
+            if text.contains("[shutdown]") {
+                break;
+            }
+            let l = c.classify(text.clone());
+            assert_ne!(l.class, Class::Fatal, "{name}: {text}");
+            ready |= l.class == Class::Ready;
+        }
+        assert!(ready, "{name}: no ready line");
+        // The shutdown that follows a stop request logs EngineDeadError: never a failure.
+        let m = replay(
+            name,
+            Exit::Code(0),
+            Some("[shutdown] API server: shutdown triggered"),
+        );
+        assert_eq!(state_name(&m.state), "stopping", "{name}");
+        assert_eq!(m.cause, None, "{name}");
+    }
+}
+
+#[test]
+fn progress_lines_are_seen_in_a_real_load() {
+    let s = settings();
+    let mut c = Classifier::new(&s.patterns).unwrap();
+    let progress: Vec<String> = lines("a_success_sigterm_main")
+        .into_iter()
+        .filter_map(|t| {
+            if let Class::Progress(p) = c.classify(t).class {
+                Some(p)
+            } else {
+                None
+            }
+        })
+        .collect();
+    for want in [
+        "Loading safetensors checkpoint shards: 1/1 (100%)",
+        "init engine (profile, create kv cache, warmup model) took",
+        "Starting vLLM server on http://0.0.0.0:8011",
+    ] {
+        assert!(
+            progress.iter().any(|p| p.starts_with(want)),
+            "{want} not in {progress:#?}"
+        );
+    }
+}
+
+#[test]
+fn kv_cache_scheme_fp4_names_the_real_exception_and_is_permanent() {
+    let m = replay("b_b3-ct-kv-cache-scheme-fp4", Exit::Code(1), None);
+    let (text, permanent) = cause(&m);
+    assert_eq!(
+        text,
+        "NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float"
+    );
+    assert!(permanent);
+}
+
+#[test]
+fn nvfp4_without_a_kernel_is_permanent() {
+    let (text, permanent) = cause(&replay("b_b1-nvfp4-hf-quant-config", Exit::Code(1), None));
+    assert!(
+        text.starts_with(
+            "ValueError: Failed to find a kernel that can implement the NVFP4 linear layer"
+        ),
+        "{text}"
+    );
+    assert!(permanent);
+}
+
+#[test]
+fn no_memory_for_the_kv_cache_is_permanent() {
+    let (text, permanent) = cause(&replay("e_kv_cache_zero", Exit::Code(1), None));
+    assert!(
+        text.starts_with("ValueError: No available memory for the cache blocks."),
+        "{text}"
+    );
+    assert!(permanent);
+}
+
+#[test]
+fn a_malformed_config_json_names_the_outer_exception() {
+    let (text, permanent) = cause(&replay("d_config_json_malformed", Exit::Code(1), None));
+    assert_eq!(
+        text,
+        "OSError: It looks like the config file at '/srv/models/d-config-json-malformed/config.json' is not a valid JSON file."
+    );
+    assert!(permanent);
+}
+
+#[test]
+fn max_model_len_too_large_is_a_validation_error() {
+    let (text, permanent) = cause(&replay("e_max_model_len_too_large", Exit::Code(1), None));
+    assert!(
+        text.starts_with(
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig"
+        ),
+        "{text}"
+    );
+    assert!(permanent);
+}
+
+#[test]
+fn a_port_in_use_is_worth_a_retry() {
+    let (text, permanent) = cause(&replay("c_port_in_use", Exit::Code(1), None));
+    assert_eq!(text, "OSError: [Errno 98] Address already in use");
+    assert!(!permanent);
+}
+
+#[test]
+fn engine_death_while_serving_with_exit_0_is_a_failure() {
+    let m = replay("f_kill-engine", Exit::Code(0), None);
+    assert!(matches!(m.state, State::Stopping(_)));
+    let (text, permanent) = cause(&m);
+    assert!(text.contains("EngineDeadError"), "{text}");
+    assert!(!permanent);
+}
+
+#[test]
+fn a_killed_api_server_is_an_exit_cause() {
+    let m = replay("sig_kill-main", Exit::Signal(Signal::SIGKILL), None);
+    assert_eq!(cause(&m).0, "exited while serving (killed by SIGKILL)");
+}
+
+#[test]
+fn a_sigterm_during_startup_then_a_stop_is_not_a_failure() {
+    let m = replay(
+        "h_term-main_during_startup_at_15s",
+        Exit::Code(0),
+        Some("[shutdown] API server: shutdown triggered"),
+    );
+    assert_eq!(m.cause, None);
+}
