@@ -1,1 +1,235 @@
+//! Driver tests under paused tokio time, with a scripted fake child and a
+//! recording notifier: the loop's timing (backoff, watchdog, stall, the stop
+//! escalation) is checked to the virtual millisecond, with no real process.
 
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::child::Exit;
+use crate::profile::Profile;
+use crate::supervisor::Policy;
+
+/// What a fake run does after its spawn, in virtual time.
+#[derive(Clone)]
+enum Plan {
+    /// Write these lines (each after `gap`), then exit.
+    Exit { lines: Vec<&'static str>, gap: Duration, exit: Exit },
+    /// Write these lines, then keep running.
+    Run { lines: Vec<&'static str>, gap: Duration },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Call {
+    Spawn(u32),
+    Probe(u32),
+    Terminate(Signal),
+    Kill,
+}
+
+#[derive(Clone, Default)]
+struct Log {
+    calls: Arc<Mutex<Vec<(Duration, Call)>>>,
+    notes: Arc<Mutex<Vec<(Duration, Note)>>>,
+}
+
+struct Fake {
+    t0: Instant,
+    tx: mpsc::UnboundedSender<Input>,
+    plans: Vec<Plan>,
+    log: Log,
+    alive: Arc<Mutex<HashSet<u32>>>,
+    /// The child ignores the stop signal.
+    stubborn: bool,
+    /// Lines "in the file" that only a flush finds.
+    unflushed: Vec<String>,
+}
+
+impl Fake {
+    fn call(&self, c: Call) {
+        self.log.calls.lock().unwrap().push((self.t0.elapsed(), c));
+    }
+    fn end(&self, pid: u32, exit: Exit) {
+        if self.alive.lock().unwrap().remove(&pid) {
+            let _ = self.tx.send(Input::Tree(TreeEvent::LeaderExited { pid, exit }));
+        }
+    }
+}
+
+impl Backend for Fake {
+    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)> {
+        self.call(Call::Spawn(start));
+        let pid = 100 + start;
+        self.alive.lock().unwrap().insert(pid);
+        let plan = self.plans.get(start as usize - 1).cloned().unwrap_or(Plan::Run { lines: vec![], gap: Duration::ZERO });
+        let (tx, alive) = (self.tx.clone(), self.alive.clone());
+        tokio::spawn(async move {
+            let (lines, gap, exit) = match plan {
+                Plan::Exit { lines, gap, exit } => (lines, gap, Some(exit)),
+                Plan::Run { lines, gap } => (lines, gap, None),
+            };
+            for l in lines {
+                tokio::time::sleep(gap).await;
+                let _ = tx.send(Input::Line { start, text: l.to_string() });
+            }
+            if let Some(exit) = exit
+                && alive.lock().unwrap().remove(&pid)
+            {
+                let _ = tx.send(Input::Tree(TreeEvent::LeaderExited { pid, exit }));
+            }
+        });
+        Ok(pid)
+    }
+    fn probe(&mut self, start: u32) {
+        self.call(Call::Probe(start));
+        let _ = self.tx.send(Input::HttpReady { start });
+    }
+    fn terminate(&mut self, sig: Signal) {
+        self.call(Call::Terminate(sig));
+        let alive: Vec<u32> = self.alive.lock().unwrap().iter().copied().collect();
+        if !self.stubborn {
+            for pid in &alive {
+                self.end(*pid, Exit::Code(0));
+            }
+        }
+        if self.stubborn && !alive.is_empty() {
+            return;
+        }
+        let _ = self.tx.send(Input::Tree(TreeEvent::Empty));
+    }
+    fn kill_tree(&mut self) {
+        self.call(Call::Kill);
+        let alive: Vec<u32> = self.alive.lock().unwrap().iter().copied().collect();
+        for pid in alive {
+            self.end(pid, Exit::Signal(Signal::SIGKILL));
+        }
+        let _ = self.tx.send(Input::Tree(TreeEvent::Empty));
+    }
+    fn flush_lines(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.unflushed)
+    }
+}
+
+struct Rec {
+    t0: Instant,
+    log: Log,
+}
+
+impl Notifier for Rec {
+    fn notify(&mut self, notes: &[Note]) {
+        let t = self.t0.elapsed();
+        self.log.notes.lock().unwrap().extend(notes.iter().map(|n| (t, n.clone())));
+    }
+}
+
+fn policy() -> Policy {
+    Policy {
+        ready_log: true,
+        ready_http: true,
+        ready_timeout: Duration::from_secs(3600),
+        stall: Duration::from_secs(60),
+        grace: Duration::from_secs(5),
+        stop_signal: Signal::SIGTERM,
+        stop_timeout: Duration::from_secs(30),
+        initial_delay: Duration::from_secs(10),
+        max_delay: Duration::from_secs(300),
+        factor: 2.0,
+        jitter: 0.0,
+        reset_after: Duration::from_secs(600),
+        max_attempts: 5,
+        permanent_attempts: 2,
+    }
+}
+
+struct Outcome {
+    code: i32,
+    calls: Vec<(Duration, Call)>,
+    notes: Vec<(Duration, Note)>,
+}
+
+/// Drive a fake with `plans`; `stop_at` sends a stop request at that time.
+async fn run(p: Policy, plans: Vec<Plan>, stubborn: bool, unflushed: Vec<String>, stop_at: Option<Duration>, dog: Option<Duration>) -> Outcome {
+    let t0 = Instant::now();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let log = Log::default();
+    let mut fake = Fake { t0, tx: tx.clone(), plans, log: log.clone(), alive: Arc::default(), stubborn, unflushed };
+    let mut rec = Rec { t0, log: log.clone() };
+    if let Some(at) = stop_at {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            let _ = tx.send(Input::Stop);
+        });
+    }
+    let c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
+    let ctx = Context { instance: "t".into() };
+    let code = drive(Machine::new(p, 1), &mut fake, &mut rec, c, &mut rx, dog, &ctx).await;
+    let calls = log.calls.lock().unwrap().clone();
+    let notes = log.notes.lock().unwrap().clone();
+    Outcome { code, calls, notes }
+}
+
+const READY: &str = "INFO:     Application startup complete.";
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn spawn_times(o: &Outcome) -> Vec<Duration> {
+    o.calls.iter().filter(|(_, c)| matches!(c, Call::Spawn(_))).map(|(t, _)| *t).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn backoff_delays_are_kept_to_the_millisecond() {
+    let crash = Plan::Exit { lines: vec![], gap: Duration::ZERO, exit: Exit::Code(1) };
+    let ok = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run(policy(), vec![crash.clone(), crash, ok], false, vec![], Some(S(100)), None).await;
+    assert_eq!(o.code, 0);
+    assert_eq!(spawn_times(&o), vec![S(0), S(10), S(30)]);
+    let ready: Vec<Duration> = o.notes.iter().filter(|(_, n)| *n == Note::Ready).map(|(t, _)| *t).collect();
+    assert_eq!(ready, vec![S(32)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_watchdog_is_fed_at_its_interval() {
+    let o = run(policy(), vec![Plan::Run { lines: vec![READY], gap: S(1) }], false, vec![], Some(S(12)), Some(S(5))).await;
+    let pings: Vec<Duration> = o.notes.iter().filter(|(_, n)| *n == Note::Watchdog).map(|(t, _)| *t).collect();
+    assert_eq!(pings, vec![S(0), S(5), S(10)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stall_fails_the_start_exactly_at_the_deadline() {
+    let stalls = Plan::Run { lines: vec!["(Worker pid=1) INFO 11-29 18:11:02 [x.py:1] Starting to load model /m"], gap: S(7) };
+    let mut p = policy();
+    p.max_attempts = 1;
+    let o = run(p, vec![stalls], false, vec![], None, None).await;
+    assert_eq!(o.code, 75);
+    assert!(o.calls.contains(&(S(67), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+    assert!(o.notes.contains(&(S(7), Note::ExtendTimeout(S(60)))));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stubborn_tree_is_signalled_every_second_then_killed() {
+    let o = run(policy(), vec![Plan::Run { lines: vec![], gap: S(0) }], true, vec![], Some(S(3)), None).await;
+    assert_eq!(o.code, 0);
+    let terms: Vec<u64> =
+        o.calls.iter().filter(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| t.as_secs()).collect();
+    assert_eq!(terms, (3..13).collect::<Vec<_>>());
+    assert!(o.calls.contains(&(S(13), Call::Kill)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_lines_in_the_file_are_read_before_the_exit() {
+    let exits = Plan::Exit { lines: vec![], gap: Duration::ZERO, exit: Exit::Code(1) };
+    let tail = vec![
+        "Traceback (most recent call last):".to_string(),
+        "  File \"x.py\", line 1".to_string(),
+        "ValueError: No valid attention backend found".to_string(),
+    ];
+    let mut p = policy();
+    p.max_attempts = 1;
+    let o = run(p, vec![exits], false, tail, None, None).await;
+    assert_eq!(o.code, 75);
+    assert!(
+        o.notes.iter().any(|(_, n)| *n == Note::Status("gave up after 1 failed starts: ValueError: No valid attention backend found".into())),
+        "{:?}",
+        o.notes
+    );
+}
