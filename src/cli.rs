@@ -116,7 +116,7 @@ fn run(path: &Path) -> i32 {
     };
     rt.block_on(supervise(
         settings,
-        SdNotifier,
+        SdNotifier::from_env(),
         systemd::watchdog_interval(),
         |_| {},
     ))

@@ -45,7 +45,8 @@ pub struct FakeArgs {
     /// What goes wrong.
     #[arg(long, value_enum)]
     pub fail: Option<Failure>,
-    /// Delay after ready before an after-ready failure (`engine-death`).
+    /// Delay after the first answered /health before an after-ready
+    /// failure (`engine-death`).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     pub fail_after: Duration,
     /// Fail only the first N starts, counted in `--count-file`.
@@ -313,6 +314,9 @@ pub fn main(args: FakeArgs) -> i32 {
         "entry.py:140",
         &format!("Starting vLLM server on http://0.0.0.0:{}", args.port),
     );
+    // The first answered /health: after-ready failures wait for it, so that
+    // the supervisor has seen this run ready before it fails.
+    let (health_tx, health_rx) = std::sync::mpsc::channel::<()>();
     if args.port != 0 {
         let server = match tiny_http::Server::http(("127.0.0.1", args.port)) {
             Ok(s) => s,
@@ -321,7 +325,7 @@ pub fn main(args: FakeArgs) -> i32 {
                 return 1;
             }
         };
-        std::thread::spawn(move || serve(server));
+        std::thread::spawn(move || serve(server, health_tx));
     }
     out.raw(&format!(
         "INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\nINFO:     Application startup complete.\n",
@@ -333,6 +337,7 @@ pub fn main(args: FakeArgs) -> i32 {
         return code;
     }
     if failing && args.fail == Some(Failure::EngineDeath) {
+        let _ = health_rx.recv();
         std::thread::sleep(args.fail_after);
         out.log(
             "EngineCore",
@@ -366,8 +371,9 @@ pub fn main(args: FakeArgs) -> i32 {
     forever();
 }
 
-fn serve(server: tiny_http::Server) {
+fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>) {
     for req in server.incoming_requests() {
+        let is_health = req.url() == "/health";
         let (code, body) = match req.url() {
             "/health" => (200, String::new()),
             "/v1/models" => (200, r#"{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}"#.to_string()),
@@ -379,5 +385,8 @@ fn serve(server: tiny_http::Server) {
             _ => (404, r#"{"detail":"Not Found"}"#.to_string()),
         };
         let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(code));
+        if is_health {
+            let _ = health.send(());
+        }
     }
 }

@@ -1,0 +1,241 @@
+//! Real-process harness: the real `vllm-warden` binary supervising the fake
+//! vLLM, with a `UnixDatagram` standing in for systemd's notify socket.
+//! Every wait is on an event (a datagram, a process exit) under one generous
+//! timeout; nothing sleeps to wait for a condition.
+#![allow(dead_code)]
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Long enough for a loaded CI machine; a passing test never waits for it.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+
+pub fn exe() -> &'static str {
+    env!("CARGO_BIN_EXE_vllm-warden")
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Warden {
+    pub dir: tempfile::TempDir,
+    /// Lines of the notify socket, read as they come by a thread (as
+    /// systemd does: a sender must never find the queue full).
+    lines: mpsc::Receiver<String>,
+    pub child: Option<Child>,
+    pub pid: u32,
+    /// Every notification so far, one line each (`READY=1`, `STATUS=…`).
+    pub notes: Vec<String>,
+    /// Notes before this index were consumed by an earlier wait.
+    cursor: usize,
+    exit: Option<mpsc::Receiver<i32>>,
+    pub port: u16,
+}
+
+/// A config whose command is the fake vLLM with `fake_args`; `extra` is
+/// appended (more sections).
+pub fn config(dir: &Path, port: u16, fake_args: &[&str], child_extra: &str, extra: &str) -> String {
+    let mut argv = vec![
+        exe().to_string(),
+        "fake-vllm".into(),
+        "--port".into(),
+        port.to_string(),
+    ];
+    argv.extend(fake_args.iter().map(|s| s.to_string()));
+    let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        "name = \"t\"\n[child]\ncommand = [{}]\nlog-file = \"{d}/t.log\"\n{child_extra}\n[status]\nfile = \"{d}/status.json\"\n{extra}\n",
+        argv.join(", "),
+        d = dir.display()
+    )
+}
+
+impl Warden {
+    /// Start `vllm-warden run` on a config made by `make(dir, port)`.
+    pub fn start(make: impl FnOnce(&Path, u16) -> String) -> Warden {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let cfg = dir.path().join("t.toml");
+        std::fs::write(&cfg, make(dir.path(), port)).unwrap();
+        let sock_path = dir.path().join("notify.sock");
+        let sock = UnixDatagram::bind(&sock_path).unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65536];
+            while let Ok(n) = sock.recv(&mut buf) {
+                for line in String::from_utf8_lossy(&buf[..n]).lines() {
+                    if tx.send(line.to_string()).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let stderr = std::fs::File::create(dir.path().join("warden.stderr")).unwrap();
+        let child = Command::new(exe())
+            .args(["run", "-c"])
+            .arg(&cfg)
+            .env("NOTIFY_SOCKET", &sock_path)
+            .env("STATE_DIRECTORY", dir.path().join("state"))
+            .env_remove("JOURNAL_STREAM")
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        Warden {
+            dir,
+            lines,
+            child: Some(child),
+            pid,
+            notes: Vec::new(),
+            cursor: 0,
+            exit: None,
+            port,
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Wait for the next notification (after those consumed by earlier
+    /// waits) that satisfies `pred`; returns it.
+    pub fn wait_note(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        if let Some(i) = self.notes[self.cursor..].iter().position(|n| pred(n)) {
+            self.cursor += i + 1;
+            return self.notes[self.cursor - 1].clone();
+        }
+        let deadline = Instant::now() + TIMEOUT;
+        while Instant::now() < deadline {
+            // Wake up now and then to notice a warden that died.
+            match self.lines.recv_timeout(Duration::from_millis(250)) {
+                Ok(line) => {
+                    self.notes.push(line);
+                    if pred(self.notes.last().unwrap()) {
+                        self.cursor = self.notes.len();
+                        return self.notes[self.cursor - 1].clone();
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some(code) = self.try_exit() {
+                        self.drain_notes();
+                        panic!(
+                            "warden exited with {code} while waiting for {what}; notes: {:#?}\n{}",
+                            self.notes,
+                            self.stderr()
+                        );
+                    }
+                }
+                Err(e) => panic!("notify socket: {e}"),
+            }
+        }
+        panic!(
+            "timed out waiting for {what}; notes: {:#?}\n{}",
+            self.notes,
+            self.stderr()
+        );
+    }
+
+    /// Wait for the next `READY=1`.
+    pub fn wait_ready(&mut self) {
+        self.wait_note("READY=1", |n| n == "READY=1");
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.path("warden.stderr")).unwrap_or_default()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.path("t.log")).unwrap_or_default()
+    }
+
+    fn watch_exit(&mut self) {
+        if self.exit.is_none()
+            && let Some(mut child) = self.child.take()
+        {
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                let code = child.wait().map(|s| s.code().unwrap_or(-1)).unwrap_or(-1);
+                let _ = tx.send(code);
+            });
+            self.exit = Some(rx);
+        }
+    }
+
+    fn try_exit(&mut self) -> Option<i32> {
+        self.watch_exit();
+        self.exit.as_ref().and_then(|rx| rx.try_recv().ok())
+    }
+
+    /// Wait for the warden to exit; returns its exit code.
+    pub fn wait_exit(&mut self) -> i32 {
+        self.watch_exit();
+        match self.exit.as_ref().unwrap().recv_timeout(TIMEOUT) {
+            Ok(code) => {
+                self.drain_notes();
+                code
+            }
+            Err(_) => panic!(
+                "warden did not exit; notes: {:#?}\n{}",
+                self.notes,
+                self.stderr()
+            ),
+        }
+    }
+
+    /// Collect notifications already sent (the warden has exited).
+    pub fn drain_notes(&mut self) {
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(100)) {
+            self.notes.push(line);
+        }
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid as i32), sig).unwrap();
+    }
+
+    /// Stop with SIGTERM, as systemd does; returns the exit code.
+    pub fn stop(&mut self) -> i32 {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        self.wait_exit()
+    }
+
+    /// Live descendants of the warden.
+    pub fn descendants(&self) -> Vec<vllm_warden::child::ProcStat> {
+        vllm_warden::child::descendants(self.pid as i32)
+    }
+
+    pub fn statuses(&self) -> Vec<&str> {
+        self.notes
+            .iter()
+            .filter_map(|n| n.strip_prefix("STATUS="))
+            .collect()
+    }
+}
+
+impl Drop for Warden {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// True when `pid` with this start time is gone (or only a zombie).
+pub fn gone(p: &vllm_warden::child::ProcStat) -> bool {
+    match vllm_warden::child::read_stat(p.pid) {
+        None => true,
+        Some(now) => now.start_time != p.start_time || now.state == 'Z',
+    }
+}

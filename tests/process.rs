@@ -1,0 +1,274 @@
+//! The real binary supervising the fake vLLM: real processes, signals,
+//! inotify and HTTP, with a datagram socket in place of systemd.
+
+mod common;
+
+use common::{Warden, config, gone};
+use nix::sys::signal::Signal;
+
+const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
+
+#[test]
+fn ready_after_the_line_and_http_then_a_clean_stop() {
+    let mut w =
+        Warden::start(|d, p| config(d, p, &["--shards", "4", "--shard-time", "20ms"], "", FAST));
+    w.wait_ready();
+    let ready_status = w.wait_note("ready status", |n| n.starts_with("STATUS=ready: pid "));
+    // Progress came first, with the start timeout extended.
+    let pos = |pred: &dyn Fn(&str) -> bool| w.notes.iter().position(|n| pred(n)).unwrap();
+    let shards = pos(&|n: &str| {
+        n.starts_with("STATUS=loading, pid ")
+            && n.ends_with(": Loading safetensors checkpoint shards: 2/4 (50%)")
+    });
+    let ready = pos(&|n: &str| n == "READY=1");
+    assert!(shards < ready);
+    assert!(w.notes.iter().any(|n| n == "EXTEND_TIMEOUT_USEC=900000000"));
+
+    // The child: its own group, no systemd variables, stdin from /dev/null.
+    let pid: i32 = ready_status["STATUS=ready: pid ".len()..]
+        .split(',')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    assert!(
+        !environ.contains("NOTIFY_SOCKET="),
+        "the child must not inherit NOTIFY_SOCKET"
+    );
+    assert_eq!(
+        nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(pid)))
+            .unwrap()
+            .as_raw(),
+        pid
+    );
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{pid}/fd/0"))
+            .unwrap()
+            .to_str(),
+        Some("/dev/null")
+    );
+    let log = w.log();
+    assert!(log.starts_with("--- vllm-warden: start 1 at 20"), "{log}");
+    assert!(log.contains("Application startup complete"));
+
+    let tree = w.descendants();
+    assert_eq!(w.stop(), 0);
+    assert!(w.notes.iter().any(|n| n == "STOPPING=1"));
+    assert!(tree.iter().all(gone), "left behind: {tree:?}");
+}
+
+#[test]
+fn a_ready_child_exiting_0_after_a_fatal_engine_error_is_restarted() {
+    let mut w = Warden::start(|d, p| {
+        let count = d.join("runs");
+        let count = count.to_str().unwrap();
+        // The engine dies 1 s after the fake answered the readiness check:
+        // the warden has long declared it ready by then.
+        let args = [
+            "--shards",
+            "1",
+            "--fail",
+            "engine-death",
+            "--fail-after",
+            "1s",
+            "--fail-times",
+            "1",
+            "--count-file",
+            count,
+        ];
+        config(d, p, &args, "", FAST)
+    });
+    w.wait_ready();
+    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    assert_eq!(
+        restarting,
+        "STATUS=restarting in 0s (attempt 2/10): RuntimeError: CUDA error: an illegal memory access was encountered"
+    );
+    w.wait_ready();
+    assert!(w.log().contains("--- vllm-warden: start 2 at "));
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn a_transient_nccl_error_succeeds_on_retry() {
+    let mut w = Warden::start(|d, p| {
+        let count = d.join("runs");
+        config(
+            d,
+            p,
+            &[
+                "--shards",
+                "2",
+                "--fail",
+                "nccl",
+                "--fail-times",
+                "1",
+                "--count-file",
+                count.to_str().unwrap(),
+            ],
+            "",
+            FAST,
+        )
+    });
+    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    assert!(restarting.ends_with("(attempt 2/10): NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)"), "{restarting}");
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn a_permanent_cause_ends_in_78() {
+    let mut w =
+        Warden::start(|d, p| config(d, p, &["--shards", "1", "--fail", "kv-cache"], "", FAST));
+    assert_eq!(w.wait_exit(), 78);
+    let last = w.statuses().last().unwrap().to_string();
+    assert_eq!(
+        last,
+        "failed permanently (2 of 2 tries): NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float"
+    );
+    assert_eq!(w.log().matches("--- vllm-warden: start").count(), 2);
+}
+
+#[test]
+fn a_fatal_line_with_a_hanging_child_is_stopped_after_the_grace() {
+    let mut w = Warden::start(|d, p| {
+        let extra = "[fatal]\ngrace = \"200ms\"\n[restart]\nmax-attempts = 1\n";
+        config(
+            d,
+            p,
+            &["--shards", "1", "--fail", "fatal-hang"],
+            "stop-timeout = \"2s\"",
+            extra,
+        )
+    });
+    let failing = w.wait_note("fatal", |n| n.starts_with("STATUS=failing: "));
+    assert!(failing.contains("EngineCore failed to start."));
+    let tree = w.descendants();
+    assert_eq!(w.wait_exit(), 75);
+    assert_eq!(
+        w.statuses().last().unwrap(),
+        &"gave up after 1 failed starts: EngineCore failed to start."
+    );
+    assert!(tree.iter().all(gone), "left behind: {tree:?}");
+}
+
+#[test]
+fn a_stalled_load_is_a_failed_start() {
+    let mut w = Warden::start(|d, p| {
+        let extra = "[ready]\nstall = \"500ms\"\n[restart]\nmax-attempts = 1\n";
+        config(
+            d,
+            p,
+            &["--shards", "4", "--fail", "stall"],
+            "stop-timeout = \"2s\"",
+            extra,
+        )
+    });
+    assert_eq!(w.wait_exit(), 75);
+    let last = w.statuses().last().unwrap().to_string();
+    assert_eq!(
+        last,
+        "gave up after 1 failed starts: no progress for 1s (ready.stall); last: Loading safetensors checkpoint shards: 2/4 (50%)"
+    );
+}
+
+#[test]
+fn a_stop_during_a_load_kills_a_stubborn_tree_with_a_setsid_grandchild() {
+    let mut w = Warden::start(|d, p| {
+        config(
+            d,
+            p,
+            &[
+                "--shards",
+                "1000",
+                "--shard-time",
+                "1s",
+                "--ignore-sigterm",
+                "--setsid-engine",
+            ],
+            "stop-timeout = \"2s\"",
+            "",
+        )
+    });
+    w.wait_note("loading", |n| {
+        n.contains("Loading safetensors checkpoint shards: 1/1000")
+    });
+    let tree = w.descendants();
+    assert!(tree.len() >= 2, "the fake and its engine: {tree:?}");
+    let engine = tree
+        .iter()
+        .find(|p| p.ppid != w.pid as i32)
+        .expect("a grandchild");
+    assert_eq!(
+        nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(engine.pid)))
+            .unwrap()
+            .as_raw(),
+        engine.pid,
+        "the grandchild has its own session"
+    );
+    let t = std::time::Instant::now();
+    assert_eq!(w.stop(), 0);
+    assert!(tree.iter().all(gone), "left behind: {tree:?}");
+    // The stop signal is repeated, then SIGKILL after min(stop-timeout, 10s).
+    assert!(t.elapsed() < std::time::Duration::from_secs(30));
+    assert!(
+        w.stderr().contains("SIGKILL to the whole tree"),
+        "{}",
+        w.stderr()
+    );
+}
+
+#[test]
+fn a_killed_api_server_leaves_no_orphan_behind() {
+    let mut w = Warden::start(|d, p| {
+        config(
+            d,
+            p,
+            &["--shards", "1", "--setsid-engine"],
+            "stop-timeout = \"2s\"",
+            FAST,
+        )
+    });
+    w.wait_ready();
+    let tree = w.descendants();
+    let leader = tree.iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGKILL).unwrap();
+    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    assert!(
+        restarting.ends_with("exited while serving (killed by SIGKILL)"),
+        "{restarting}"
+    );
+    w.wait_ready();
+    assert!(
+        tree.iter().all(gone),
+        "the orphaned engine was stopped before the restart: {tree:?}"
+    );
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn sigint_stops_like_sigterm() {
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", FAST));
+    w.wait_ready();
+    w.signal(Signal::SIGINT);
+    assert_eq!(w.wait_exit(), 0);
+}
+
+#[test]
+fn a_missing_program_is_permanent() {
+    let mut w = Warden::start(|d, _| {
+        format!(
+            "[child]\ncommand = [\"/nonexistent/vllm\"]\nlog-file = \"{0}/t.log\"\n[status]\nfile = \"{0}/s.json\"\n{FAST}",
+            d.display()
+        )
+    });
+    assert_eq!(w.wait_exit(), 78);
+    assert!(
+        w.statuses()
+            .last()
+            .unwrap()
+            .contains("cannot start /nonexistent/vllm")
+    );
+}
