@@ -328,10 +328,13 @@ pub fn main(args: FakeArgs) -> i32 {
         std::thread::spawn(move || serve(server, health_tx));
     }
     out.raw(&format!(
-        "INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\nINFO:     Application startup complete.\n",
+        "INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\n",
         out.pid
     ));
+    // Stamped before the line is written, so that a reader can never see
+    // the line before the stamp exists.
     stamp(&args, "ready");
+    out.raw("INFO:     Application startup complete.\n");
     if let Some(code) = args.exit_after_ready {
         stamp(&args, "exit");
         return code;
@@ -365,6 +368,7 @@ pub fn main(args: FakeArgs) -> i32 {
             "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
         );
         out.raw("INFO:     Shutting down\nINFO:     Finished server process\n");
+        stamp(&args, "exit");
         // The API server exits 0 when its engine dies.
         return 0;
     }

@@ -1,0 +1,209 @@
+//! Latency of the two paths that matter most, over 100 real starts of the
+//! fake vLLM under the release binary:
+//!
+//! - readiness line written → `READY=1` received on the notify socket;
+//! - the child's exit → the next child's first instruction, with zero backoff.
+//!
+//! Each is reported with a baseline measured in the same run on the same
+//! machine: a bare inotify round trip (a line appended to a file → the
+//! `notify` watcher's event) for the first, and a bare spawn of the same
+//! binary (spawn → its first instruction) for the second.
+//!
+//! Run: `cargo bench --bench latency`.
+
+use std::io::Write;
+use std::os::unix::net::UnixDatagram;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use notify::Watcher;
+
+const STARTS: usize = 100;
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+fn stats(name: &str, mut xs: Vec<f64>) -> (f64, f64) {
+    xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let med = xs[xs.len() / 2];
+    let p99 = xs[((xs.len() as f64 * 0.99).ceil() as usize).min(xs.len()) - 1];
+    println!(
+        "{name:<44} n={:<4} median {med:8.3} ms   p99 {p99:8.3} ms",
+        xs.len()
+    );
+    (med, p99)
+}
+
+fn inotify_baseline(dir: &std::path::Path) -> Vec<f64> {
+    let path = dir.join("baseline.log");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let mut w = notify::recommended_watcher(move |_| {
+        let _ = tx.send(Instant::now());
+    })
+    .unwrap();
+    w.watch(&path, notify::RecursiveMode::NonRecursive).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..STARTS {
+        while rx.try_recv().is_ok() {}
+        let t = Instant::now();
+        writeln!(f, "INFO:     Application startup complete.").unwrap();
+        let seen = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        out.push((seen - t).as_secs_f64() * 1e3);
+    }
+    out
+}
+
+fn spawn_baseline(exe: &str, dir: &std::path::Path) -> Vec<f64> {
+    let stamp = dir.join("spawn.stamps");
+    let mut out = Vec::new();
+    for _ in 0..STARTS {
+        let _ = std::fs::remove_file(&stamp);
+        let t = now_ns();
+        // --fail exit1 returns at once after its first lines; only the start stamp matters.
+        let st = Command::new(exe)
+            .args([
+                "fake-vllm",
+                "--port",
+                "0",
+                "--shards",
+                "1",
+                "--shard-time",
+                "0s",
+                "--fail",
+                "exit1",
+            ])
+            .arg("--stamp-file")
+            .arg(&stamp)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(st.code(), Some(1));
+        let text = std::fs::read_to_string(&stamp).unwrap();
+        let started: u128 = text
+            .lines()
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        out.push((started - t) as f64 / 1e6);
+    }
+    out
+}
+
+fn main() {
+    let exe = env!("CARGO_BIN_EXE_vllm-warden");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let stamps = d.join("stamps");
+    let cfg = d.join("bench.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"name = "bench"
+[child]
+command = ["{exe}", "fake-vllm", "--port", "{port}", "--shards", "1", "--shard-time", "0s",
+           "--fail", "engine-death", "--fail-after", "20ms", "--stamp-file", "{stamps}"]
+log-file = "{d}/bench.log"
+[restart]
+initial-delay = "0s"
+max-attempts = 0
+[status]
+file = "{d}/status.json"
+"#,
+            stamps = stamps.display(),
+            d = d.display()
+        ),
+    )
+    .unwrap();
+    let sock_path = d.join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    let (tx, rx) = mpsc::channel::<u128>();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 65536];
+        while let Ok(n) = sock.recv(&mut buf) {
+            let t = now_ns();
+            if String::from_utf8_lossy(&buf[..n])
+                .lines()
+                .any(|l| l == "READY=1")
+                && tx.send(t).is_err()
+            {
+                return;
+            }
+        }
+    });
+    let mut warden = Command::new(exe)
+        .args(["run", "-c"])
+        .arg(&cfg)
+        .env("NOTIFY_SOCKET", &sock_path)
+        .env("STATE_DIRECTORY", d.join("state"))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ready_at = Vec::new();
+    for _ in 0..STARTS + 1 {
+        ready_at.push(rx.recv_timeout(Duration::from_secs(60)).expect("READY=1"));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(warden.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert_eq!(warden.wait().unwrap().code(), Some(0));
+
+    let text = std::fs::read_to_string(&stamps).unwrap();
+    let of = |kind: &str| -> Vec<u128> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(kind))
+            .map(|v| v.trim().parse().unwrap())
+            .collect()
+    };
+    let (starts, readies, exits) = (of("start "), of("ready "), of("exit "));
+    let ready_ms: Vec<f64> = readies
+        .iter()
+        .zip(&ready_at)
+        .take(STARTS)
+        .map(|(w, r)| (*r as f64 - *w as f64) / 1e6)
+        .collect();
+    let respawn_ms: Vec<f64> = exits
+        .iter()
+        .zip(starts.iter().skip(1))
+        .take(STARTS)
+        .map(|(e, s)| (*s as f64 - *e as f64) / 1e6)
+        .collect();
+
+    println!("vllm-warden latency, {STARTS} starts, release build");
+    let (rm, rp) = stats("ready line written -> READY=1 received", ready_ms);
+    let (bm, bp) = stats(
+        "baseline: line appended -> inotify event",
+        inotify_baseline(d),
+    );
+    let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn_ms);
+    let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(exe, d));
+    println!(
+        "ratio ready/baseline: median {:.1}x  p99 {:.1}x",
+        rm / bm,
+        rp / bp
+    );
+    println!(
+        "ratio respawn/baseline: median {:.1}x  p99 {:.1}x",
+        cm / sm,
+        cp / sp
+    );
+}
