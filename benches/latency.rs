@@ -22,20 +22,14 @@ use notify::Watcher;
 const STARTS: usize = 100;
 
 fn now_ns() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos()
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
 }
 
 fn stats(name: &str, mut xs: Vec<f64>) -> (f64, f64) {
     xs.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let med = xs[xs.len() / 2];
     let p99 = xs[((xs.len() as f64 * 0.99).ceil() as usize).min(xs.len()) - 1];
-    println!(
-        "{name:<44} n={:<4} median {med:8.3} ms   p99 {p99:8.3} ms",
-        xs.len()
-    );
+    println!("{name:<44} n={:<4} median {med:8.3} ms   p99 {p99:8.3} ms", xs.len());
     (med, p99)
 }
 
@@ -67,17 +61,7 @@ fn spawn_baseline(exe: &str, dir: &std::path::Path) -> Vec<f64> {
         let t = now_ns();
         // --fail exit1 returns at once after its first lines; only the start stamp matters.
         let st = Command::new(exe)
-            .args([
-                "fake-vllm",
-                "--port",
-                "0",
-                "--shards",
-                "1",
-                "--shard-time",
-                "0s",
-                "--fail",
-                "exit1",
-            ])
+            .args(["fake-vllm", "--port", "0", "--shards", "1", "--shard-time", "0s", "--fail", "exit1"])
             .arg("--stamp-file")
             .arg(&stamp)
             .stdout(Stdio::null())
@@ -86,15 +70,7 @@ fn spawn_baseline(exe: &str, dir: &std::path::Path) -> Vec<f64> {
             .unwrap();
         assert_eq!(st.code(), Some(1));
         let text = std::fs::read_to_string(&stamp).unwrap();
-        let started: u128 = text
-            .lines()
-            .next()
-            .unwrap()
-            .split(' ')
-            .nth(1)
-            .unwrap()
-            .parse()
-            .unwrap();
+        let started: u128 = text.lines().next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
         out.push((started - t) as f64 / 1e6);
     }
     out
@@ -104,11 +80,7 @@ fn main() {
     let exe = env!("CARGO_BIN_EXE_vllm-warden");
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let stamps = d.join("stamps");
     let cfg = d.join("bench.toml");
     std::fs::write(
@@ -137,11 +109,7 @@ file = "{d}/status.json"
         let mut buf = vec![0u8; 65536];
         while let Ok(n) = sock.recv(&mut buf) {
             let t = now_ns();
-            if String::from_utf8_lossy(&buf[..n])
-                .lines()
-                .any(|l| l == "READY=1")
-                && tx.send(t).is_err()
-            {
+            if String::from_utf8_lossy(&buf[..n]).lines().any(|l| l == "READY=1") && tx.send(t).is_err() {
                 return;
             }
         }
@@ -160,50 +128,24 @@ file = "{d}/status.json"
     for _ in 0..STARTS + 1 {
         ready_at.push(rx.recv_timeout(Duration::from_secs(60)).expect("READY=1"));
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(warden.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(warden.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     assert_eq!(warden.wait().unwrap().code(), Some(0));
 
     let text = std::fs::read_to_string(&stamps).unwrap();
     let of = |kind: &str| -> Vec<u128> {
-        text.lines()
-            .filter_map(|l| l.strip_prefix(kind))
-            .map(|v| v.trim().parse().unwrap())
-            .collect()
+        text.lines().filter_map(|l| l.strip_prefix(kind)).map(|v| v.trim().parse().unwrap()).collect()
     };
     let (starts, readies, exits) = (of("start "), of("ready "), of("exit "));
-    let ready_ms: Vec<f64> = readies
-        .iter()
-        .zip(&ready_at)
-        .take(STARTS)
-        .map(|(w, r)| (*r as f64 - *w as f64) / 1e6)
-        .collect();
-    let respawn_ms: Vec<f64> = exits
-        .iter()
-        .zip(starts.iter().skip(1))
-        .take(STARTS)
-        .map(|(e, s)| (*s as f64 - *e as f64) / 1e6)
-        .collect();
+    let ready_ms: Vec<f64> =
+        readies.iter().zip(&ready_at).take(STARTS).map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
+    let respawn_ms: Vec<f64> =
+        exits.iter().zip(starts.iter().skip(1)).take(STARTS).map(|(e, s)| (*s as f64 - *e as f64) / 1e6).collect();
 
     println!("vllm-warden latency, {STARTS} starts, release build");
     let (rm, rp) = stats("ready line written -> READY=1 received", ready_ms);
-    let (bm, bp) = stats(
-        "baseline: line appended -> inotify event",
-        inotify_baseline(d),
-    );
+    let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
     let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn_ms);
     let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(exe, d));
-    println!(
-        "ratio ready/baseline: median {:.1}x  p99 {:.1}x",
-        rm / bm,
-        rp / bp
-    );
-    println!(
-        "ratio respawn/baseline: median {:.1}x  p99 {:.1}x",
-        cm / sm,
-        cp / sp
-    );
+    println!("ratio ready/baseline: median {:.1}x  p99 {:.1}x", rm / bm, rp / bp);
+    println!("ratio respawn/baseline: median {:.1}x  p99 {:.1}x", cm / sm, cp / sp);
 }

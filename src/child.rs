@@ -56,11 +56,21 @@ pub enum TreeEvent {
 pub fn become_subreaper() -> io::Result<()> {
     // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes one integer argument.
     let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Empty this thread's signal mask. Async-signal-safe (sigemptyset and
+/// sigprocmask only), so it may run between fork and exec. The warden calls
+/// it at start too: a SIGTERM blocked by whoever started it would never
+/// reach its handler.
+pub fn unblock_all_signals() -> io::Result<()> {
+    let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    // SAFETY: sigemptyset initialises the set; sigprocmask reads it.
+    let rc = unsafe {
+        libc::sigemptyset(set.as_mut_ptr());
+        libc::sigprocmask(libc::SIG_SETMASK, set.as_ptr(), std::ptr::null_mut())
+    };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// One line of `/proc/PID/stat` that we need.
@@ -98,11 +108,7 @@ pub fn descendants(root: i32) -> Vec<ProcStat> {
     let mut children: HashMap<i32, Vec<ProcStat>> = HashMap::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for entry in dir.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<i32>().ok())
-            else {
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                 continue;
             };
             if let Some(st) = read_stat(pid) {
@@ -184,11 +190,7 @@ impl Tree {
                 }
             }
         });
-        Ok(Tree {
-            inner,
-            me,
-            reaper: Some(reaper),
-        })
+        Ok(Tree { inner, me, reaper: Some(reaper) })
     }
 
     /// Spawn `spec` in its own process group, stdin from /dev/null, stdout and
@@ -206,6 +208,13 @@ impl Tree {
         }
         if let Some(cwd) = &spec.cwd {
             cmd.current_dir(cwd);
+        }
+        // SAFETY: between fork and exec only async-signal-safe calls are
+        // made: sigemptyset and sigprocmask. A signal mask is inherited
+        // across exec; the child must start able to receive its stop signal
+        // whatever mask the warden was started with.
+        unsafe {
+            cmd.pre_exec(unblock_all_signals);
         }
         let mut inner = self.inner.lock().expect("tree lock");
         let child = cmd.spawn()?;
@@ -300,18 +309,12 @@ impl Inner {
     fn reaped(&mut self, pid: Pid, exit: Exit) {
         if self.leader == Some(pid.as_raw()) && !self.leader_reaped {
             self.leader_reaped = true;
-            (self.events)(TreeEvent::LeaderExited {
-                pid: pid.as_raw() as u32,
-                exit,
-            });
+            (self.events)(TreeEvent::LeaderExited { pid: pid.as_raw() as u32, exit });
         }
     }
 
     fn check_empty(&mut self, me: i32) {
-        if self.watching
-            && (self.leader.is_none() || self.leader_reaped)
-            && descendants(me).is_empty()
-        {
+        if self.watching && (self.leader.is_none() || self.leader_reaped) && descendants(me).is_empty() {
             self.watching = false;
             self.killing = false;
             (self.events)(TreeEvent::Empty);
@@ -327,15 +330,7 @@ mod tests {
     fn stat_with_spaces_and_parens_in_the_name() {
         let text = "4242 (VLLM::Worker (0) x) S 4200 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 987654 1000 50 18446744073709551615";
         let st = parse_stat(text).unwrap();
-        assert_eq!(
-            st,
-            ProcStat {
-                pid: 4242,
-                ppid: 4200,
-                state: 'S',
-                start_time: 987654
-            }
-        );
+        assert_eq!(st, ProcStat { pid: 4242, ppid: 4200, state: 'S', start_time: 987654 });
     }
 
     #[test]
@@ -349,9 +344,6 @@ mod tests {
     #[test]
     fn exit_reads_well() {
         assert_eq!(Exit::Code(1).to_string(), "exit code 1");
-        assert_eq!(
-            Exit::Signal(Signal::SIGKILL).to_string(),
-            "killed by SIGKILL"
-        );
+        assert_eq!(Exit::Signal(Signal::SIGKILL).to_string(), "killed by SIGKILL");
     }
 }

@@ -16,11 +16,7 @@ use crate::supervisor::{Machine, Policy, exit};
 use crate::systemd::{self, Note, Notifier, SdNotifier};
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "vllm-warden",
-    version,
-    about = "Supervise one vLLM server under systemd"
-)]
+#[command(name = "vllm-warden", version, about = "Supervise one vLLM server under systemd")]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Cmd,
@@ -75,11 +71,7 @@ fn check(path: &Path) -> i32 {
         Err(p) => (None, p.0),
     };
     if let Some(s) = &settings {
-        println!(
-            "{}: config of instance {:?} is valid",
-            path.display(),
-            s.name
-        );
+        println!("{}: config of instance {:?} is valid", path.display(), s.name);
         print!("{}", config::describe_patterns(s));
     }
     problems.dedup();
@@ -95,13 +87,10 @@ fn check(path: &Path) -> i32 {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, i32> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| {
-            eprintln!("vllm-warden: cannot start the runtime: {e}");
-            exit::INTERNAL
-        })
+    tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
+        eprintln!("vllm-warden: cannot start the runtime: {e}");
+        exit::INTERNAL
+    })
 }
 
 fn run(path: &Path) -> i32 {
@@ -110,16 +99,15 @@ fn run(path: &Path) -> i32 {
         Err(code) => return code,
     };
     crate::logging::init();
+    if let Err(e) = crate::child::unblock_all_signals() {
+        tracing::error!(error = %e, "cannot unblock signals");
+        return exit::INTERNAL;
+    }
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(code) => return code,
     };
-    rt.block_on(supervise(
-        settings,
-        SdNotifier::from_env(),
-        systemd::watchdog_interval(),
-        |_| {},
-    ))
+    rt.block_on(supervise(settings, SdNotifier::from_env(), systemd::watchdog_interval(), |_| {}))
 }
 
 /// Supervise `settings` until stopped: signals, the real backend, the loop.
@@ -142,9 +130,7 @@ pub async fn supervise(
             return exit::CONFIG;
         }
     };
-    let ctx = Context {
-        instance: settings.name.clone(),
-    };
+    let ctx = Context { instance: settings.name.clone() };
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     hook(tx.clone());
     let mut backend = match Real::new(settings, tx) {
@@ -154,16 +140,7 @@ pub async fn supervise(
             return exit::INTERNAL;
         }
     };
-    driver::drive(
-        machine,
-        &mut backend,
-        &mut notifier,
-        classifier,
-        &mut rx,
-        watchdog,
-        &ctx,
-    )
-    .await
+    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, watchdog, &ctx).await
 }
 
 fn listen_for_signals(tx: mpsc::UnboundedSender<Input>) -> std::io::Result<()> {
@@ -263,20 +240,13 @@ file = "{d}/status.json"
     if let Err(e) = std::fs::write(&cfg, &text) {
         return fail(&e);
     }
-    let dirs = Dirs {
-        state: Some(dir.join("state")),
-        ..Dirs::default()
-    };
+    let dirs = Dirs { state: Some(dir.join("state")), ..Dirs::default() };
     let settings = match config::parse(&text, &cfg, &dirs) {
         Ok(s) => s,
         Err(p) => return fail(&p),
     };
-    println!(
-        "demo: a simulated vLLM on port {port}: it loads 8 shards, serves, its engine dies 3 s after the"
-    );
-    println!(
-        "demo: first ready (the API server then exits 0), and the second start stays up. Log: {d}/demo.log"
-    );
+    println!("demo: a simulated vLLM on port {port}: it loads 8 shards, serves, its engine dies 3 s after the");
+    println!("demo: first ready (the API server then exits 0), and the second start stays up. Log: {d}/demo.log");
     crate::logging::init();
     let rt = match runtime() {
         Ok(rt) => rt,
@@ -284,17 +254,10 @@ file = "{d}/status.json"
     };
     let started = std::time::Instant::now();
     let slot: StopSlot = Arc::default();
-    let narrator = Narrator {
-        readies: 0,
-        stop: slot.clone(),
-        started,
-    };
+    let narrator = Narrator { readies: 0, stop: slot.clone(), started };
     let code = rt.block_on(supervise(settings, narrator, None, move |tx| {
         *slot.lock().expect("slot lock") = Some(tx);
     }));
-    println!(
-        "[{:6.2}s] demo: the warden exited with code {code}",
-        started.elapsed().as_secs_f64()
-    );
+    println!("[{:6.2}s] demo: the warden exited with code {code}", started.elapsed().as_secs_f64());
     code
 }

@@ -167,29 +167,17 @@ impl Dirs {
         // systemd joins several directories with ':'; the first is ours.
         let first = |var: &str| {
             std::env::var_os(var)
-                .and_then(|v| {
-                    v.to_str()
-                        .and_then(|s| s.split(':').next())
-                        .map(PathBuf::from)
-                })
+                .and_then(|v| v.to_str().and_then(|s| s.split(':').next()).map(PathBuf::from))
                 .filter(|p| !p.as_os_str().is_empty())
         };
-        Dirs {
-            runtime: first("RUNTIME_DIRECTORY"),
-            state: first("STATE_DIRECTORY"),
-            logs: first("LOGS_DIRECTORY"),
-        }
+        Dirs { runtime: first("RUNTIME_DIRECTORY"), state: first("STATE_DIRECTORY"), logs: first("LOGS_DIRECTORY") }
     }
 }
 
 /// Read and validate a config file.
 pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        Problems(vec![Problem {
-            file: path.to_path_buf(),
-            at: None,
-            message: format!("cannot read config: {e}"),
-        }])
+        Problems(vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
     })?;
     parse(&text, path, dirs)
 }
@@ -198,11 +186,7 @@ pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
 /// default instance name (its stem).
 pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
     let (doc, syntax) = DeTable::parse_recoverable(text);
-    let mut r = Reader {
-        text,
-        file: path,
-        problems: Vec::new(),
-    };
+    let mut r = Reader { text, file: path, problems: Vec::new() };
     for e in syntax {
         r.problem(e.span(), e.message().trim_end().to_string());
     }
@@ -231,35 +215,19 @@ struct Reader<'a> {
 impl Reader<'_> {
     fn problem(&mut self, span: Option<Span>, message: String) {
         let at = span.map(|s| line_col(self.text, s.start));
-        self.problems.push(Problem {
-            file: self.file.to_path_buf(),
-            at,
-            message,
-        });
+        self.problems.push(Problem { file: self.file.to_path_buf(), at, message });
     }
 
     /// The keys of `table`, checking that each is one of `known`.
-    fn keys<'t, 'i>(
-        &mut self,
-        table: &'t Table<'i>,
-        section: &str,
-        known: &[&str],
-    ) -> BTreeMap<String, &'t Value<'i>> {
+    fn keys<'t, 'i>(&mut self, table: &'t Table<'i>, section: &str, known: &[&str]) -> BTreeMap<String, &'t Value<'i>> {
         let mut out = BTreeMap::new();
         for (k, v) in table.iter() {
             let key: &str = k.get_ref();
             if known.contains(&key) {
                 out.insert(key.to_string(), v);
             } else {
-                let place = if section.is_empty() {
-                    String::new()
-                } else {
-                    format!(" in [{section}]")
-                };
-                self.problem(
-                    Some(k.span()),
-                    format!("unknown key `{key}`{place} (known: {})", known.join(", ")),
-                );
+                let place = if section.is_empty() { String::new() } else { format!(" in [{section}]") };
+                self.problem(Some(k.span()), format!("unknown key `{key}`{place} (known: {})", known.join(", ")));
             }
         }
         out
@@ -269,10 +237,7 @@ impl Reader<'_> {
         match v.get_ref() {
             DeValue::String(s) => Some(s.to_string()),
             other => {
-                self.problem(
-                    Some(v.span()),
-                    format!("`{key}` must be a string, not {}", other.type_str()),
-                );
+                self.problem(Some(v.span()), format!("`{key}` must be a string, not {}", other.type_str()));
                 None
             }
         }
@@ -280,10 +245,7 @@ impl Reader<'_> {
 
     fn strings(&mut self, v: &Value<'_>, key: &str) -> Option<Vec<String>> {
         let DeValue::Array(items) = v.get_ref() else {
-            self.problem(
-                Some(v.span()),
-                format!("`{key}` must be an array of strings"),
-            );
+            self.problem(Some(v.span()), format!("`{key}` must be an array of strings"));
             return None;
         };
         let mut out = Vec::new();
@@ -299,10 +261,7 @@ impl Reader<'_> {
 
     fn patterns(&mut self, v: &Value<'_>, key: &str) -> Vec<String> {
         let DeValue::Array(items) = v.get_ref() else {
-            self.problem(
-                Some(v.span()),
-                format!("`{key}` must be an array of regular expressions"),
-            );
+            self.problem(Some(v.span()), format!("`{key}` must be an array of regular expressions"));
             return Vec::new();
         };
         let mut out = Vec::new();
@@ -312,10 +271,7 @@ impl Reader<'_> {
                     Ok(_) => out.push(s),
                     Err(e) => {
                         let first = e.to_string().lines().last().unwrap_or_default().to_string();
-                        self.problem(
-                            Some(item.span()),
-                            format!("`{key}`: invalid regular expression {s:?}: {first}"),
-                        )
+                        self.problem(Some(item.span()), format!("`{key}`: invalid regular expression {s:?}: {first}"))
                     }
                 }
             }
@@ -345,10 +301,7 @@ impl Reader<'_> {
         match parsed {
             Some(n) if (0..=max).contains(&n) => Some(n),
             _ => {
-                self.problem(
-                    Some(v.span()),
-                    format!("`{key}` must be an integer from 0 to {max}"),
-                );
+                self.problem(Some(v.span()), format!("`{key}` must be an integer from 0 to {max}"));
                 None
             }
         }
@@ -363,10 +316,7 @@ impl Reader<'_> {
         match parsed {
             Some(x) if x >= min && x <= max => Some(x),
             _ => {
-                self.problem(
-                    Some(v.span()),
-                    format!("`{key}` must be a number from {min} to {max}"),
-                );
+                self.problem(Some(v.span()), format!("`{key}` must be a number from {min} to {max}"));
                 None
             }
         }
@@ -388,10 +338,7 @@ impl Reader<'_> {
             return Some(None);
         }
         if !(s.starts_with("http://") || s.starts_with("https://")) {
-            self.problem(
-                Some(v.span()),
-                format!("`{key}` must be an http:// URL or \"\" (off), not {s:?}"),
-            );
+            self.problem(Some(v.span()), format!("`{key}` must be an http:// URL or \"\" (off), not {s:?}"));
             return None;
         }
         Some(Some(s))
@@ -401,10 +348,7 @@ impl Reader<'_> {
         let top = self.keys(
             doc,
             "",
-            &[
-                "name", "profile", "child", "patch", "prestart", "ready", "fatal", "restart",
-                "health", "status",
-            ],
+            &["name", "profile", "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"],
         );
         let empty = Table::default();
         let section = |r: &mut Self, key: &str| -> &Table<'_> {
@@ -414,22 +358,14 @@ impl Reader<'_> {
             }
         };
 
-        let stem = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("vllm")
-            .to_string();
+        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("vllm").to_string();
         let name = match top.get("name") {
             Some(v) => self.string(v, "name").and_then(|n| {
                 let ok = !n.is_empty()
-                    && n.chars()
-                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                    && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
                     && !n.starts_with('.');
                 if !ok {
-                    self.problem(
-                        Some(v.span()),
-                        format!("`name` {n:?} must be letters, digits, '-', '_' or '.'"),
-                    );
+                    self.problem(Some(v.span()), format!("`name` {n:?} must be letters, digits, '-', '_' or '.'"));
                 }
                 ok.then_some(n)
             }),
@@ -439,10 +375,7 @@ impl Reader<'_> {
             Some(v) => self.string(v, "profile").and_then(|p| {
                 let parsed = Profile::parse(&p);
                 if parsed.is_none() {
-                    self.problem(
-                        Some(v.span()),
-                        format!("unknown profile {p:?} (known: vllm, none)"),
-                    );
+                    self.problem(Some(v.span()), format!("unknown profile {p:?} (known: vllm, none)"));
                 }
                 parsed
             }),
@@ -454,25 +387,11 @@ impl Reader<'_> {
 
         // [child]
         let t = section(self, "child");
-        let k = self.keys(
-            t,
-            "child",
-            &[
-                "command",
-                "env",
-                "cwd",
-                "log-file",
-                "stop-signal",
-                "stop-timeout",
-            ],
-        );
+        let k = self.keys(t, "child", &["command", "env", "cwd", "log-file", "stop-signal", "stop-timeout"]);
         let command = match k.get("command") {
             Some(v) => self.strings(v, "command").and_then(|c| {
                 if c.is_empty() || c[0].is_empty() {
-                    self.problem(
-                        Some(v.span()),
-                        "`command` must name a program to run".into(),
-                    );
+                    self.problem(Some(v.span()), "`command` must name a program to run".into());
                     None
                 } else {
                     Some(c)
@@ -480,10 +399,7 @@ impl Reader<'_> {
             }),
             None => {
                 let span = top.get("child").map(|v| v.span());
-                self.problem(
-                    span,
-                    "`[child] command` is required: the argv of the server to run".into(),
-                );
+                self.problem(span, "`[child] command` is required: the argv of the server to run".into());
                 None
             }
         };
@@ -497,10 +413,7 @@ impl Reader<'_> {
                 }
             }
         }
-        let cwd = k
-            .get("cwd")
-            .and_then(|v| self.string(v, "cwd"))
-            .map(PathBuf::from);
+        let cwd = k.get("cwd").and_then(|v| self.string(v, "cwd")).map(PathBuf::from);
         let log_file = match k.get("log-file") {
             Some(v) => self.string(v, "log-file").map(PathBuf::from),
             None => Some(
@@ -516,9 +429,7 @@ impl Reader<'_> {
                 if sig.is_none() {
                     self.problem(
                         Some(v.span()),
-                        format!(
-                            "`stop-signal`: unknown signal {s:?} (e.g. \"SIGTERM\", \"SIGINT\")"
-                        ),
+                        format!("`stop-signal`: unknown signal {s:?} (e.g. \"SIGTERM\", \"SIGINT\")"),
                     );
                 }
                 sig
@@ -533,41 +444,28 @@ impl Reader<'_> {
             match v.get_ref() {
                 DeValue::Array(items) => {
                     for item in items.iter() {
-                        if let Some(p) = self
-                            .table(item, "patch")
-                            .and_then(|t| self.patch(t, item.span()))
-                        {
+                        if let Some(p) = self.table(item, "patch").and_then(|t| self.patch(t, item.span())) {
                             patches.push(p);
                         }
                     }
                 }
-                _ => self.problem(
-                    Some(v.span()),
-                    "`patch` must be written as [[patch]] tables".into(),
-                ),
+                _ => self.problem(Some(v.span()), "`patch` must be written as [[patch]] tables".into()),
             }
         }
 
         // [prestart]
         let t = section(self, "prestart");
-        let k = self.keys(
-            t,
-            "prestart",
-            &[
-                "clean-shm",
-                "port",
-                "port-wait",
-                "gpu-idle-wait",
-                "gpu-query",
-            ],
-        );
+        let k = self.keys(t, "prestart", &["clean-shm", "port", "port-wait", "gpu-idle-wait", "gpu-query"]);
         let mut clean_shm = base.shm_globs();
         if let Some(v) = k.get("clean-shm")
             && let Some(globs) = self.strings(v, "clean-shm")
         {
             for g in globs {
                 if g.is_empty() || g.contains('/') || g == "*" {
-                    self.problem(Some(v.span()), format!("`clean-shm`: {g:?} must be a file-name glob in /dev/shm, narrower than \"*\""));
+                    self.problem(
+                        Some(v.span()),
+                        format!("`clean-shm`: {g:?} must be a file-name glob in /dev/shm, narrower than \"*\""),
+                    );
                 } else {
                     clean_shm.push(g);
                 }
@@ -575,22 +473,16 @@ impl Reader<'_> {
         }
         let port = match k.get("port") {
             Some(v) => self.integer(v, "port", 65535).map(|n| n as u16),
-            None => command
-                .as_deref()
-                .map(|c| port_of(c).unwrap_or(DEFAULT_PORT)),
+            None => command.as_deref().map(|c| port_of(c).unwrap_or(DEFAULT_PORT)),
         };
         let port_wait = self.opt_duration(&k, "port-wait", Duration::from_secs(30));
         let gpu_idle_wait = self.opt_duration(&k, "gpu-idle-wait", Duration::from_secs(120));
         let gpu_query = match k.get("gpu-query") {
             Some(v) => self.strings(v, "gpu-query"),
             None => Some(
-                [
-                    "nvidia-smi",
-                    "--query-compute-apps=pid,used_memory",
-                    "--format=csv,noheader,nounits",
-                ]
-                .map(String::from)
-                .to_vec(),
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+                    .map(String::from)
+                    .to_vec(),
             ),
         };
         let default_health = port.map(|p| format!("http://127.0.0.1:{p}/health"));
@@ -613,7 +505,10 @@ impl Reader<'_> {
         let ready_timeout = self.opt_duration(&k, "timeout", Duration::from_secs(90 * 60));
         let stall = self.opt_duration(&k, "stall", Duration::from_secs(15 * 60));
         if let (Some(None), true) = (&ready_http, patterns.ready.is_empty()) {
-            self.problem(None, "nothing can tell that the server is ready: `ready.log` has no pattern and `ready.http` is off".into());
+            self.problem(
+                None,
+                "nothing can tell that the server is ready: `ready.log` has no pattern and `ready.http` is off".into(),
+            );
         }
 
         // [fatal]
@@ -636,15 +531,7 @@ impl Reader<'_> {
         let k = self.keys(
             t,
             "restart",
-            &[
-                "initial-delay",
-                "max-delay",
-                "factor",
-                "jitter",
-                "reset-after",
-                "max-attempts",
-                "permanent-attempts",
-            ],
+            &["initial-delay", "max-delay", "factor", "jitter", "reset-after", "max-attempts", "permanent-attempts"],
         );
         let initial_delay = self.opt_duration(&k, "initial-delay", Duration::from_secs(10));
         let max_delay = self.opt_duration(&k, "max-delay", Duration::from_secs(300));
@@ -658,50 +545,30 @@ impl Reader<'_> {
         };
         let reset_after = self.opt_duration(&k, "reset-after", Duration::from_secs(600));
         let max_attempts = match k.get("max-attempts") {
-            Some(v) => self
-                .integer(v, "max-attempts", u32::MAX as i64)
-                .map(|n| n as u32),
+            Some(v) => self.integer(v, "max-attempts", u32::MAX as i64).map(|n| n as u32),
             None => Some(10),
         };
         let permanent_attempts = match k.get("permanent-attempts") {
-            Some(v) => self
-                .integer(v, "permanent-attempts", u32::MAX as i64)
-                .and_then(|n| {
-                    if n == 0 {
-                        self.problem(
-                            Some(v.span()),
-                            "`permanent-attempts` must be at least 1".into(),
-                        );
-                        None
-                    } else {
-                        Some(n as u32)
-                    }
-                }),
+            Some(v) => self.integer(v, "permanent-attempts", u32::MAX as i64).and_then(|n| {
+                if n == 0 {
+                    self.problem(Some(v.span()), "`permanent-attempts` must be at least 1".into());
+                    None
+                } else {
+                    Some(n as u32)
+                }
+            }),
             None => Some(2),
         };
         if let (Some(a), Some(b)) = (initial_delay, max_delay)
             && a > b
         {
-            self.problem(
-                k.get("max-delay").map(|v| v.span()),
-                "`max-delay` is shorter than `initial-delay`".into(),
-            );
+            self.problem(k.get("max-delay").map(|v| v.span()), "`max-delay` is shorter than `initial-delay`".into());
         }
 
         // [health]
         let t = section(self, "health");
-        let k = self.keys(
-            t,
-            "health",
-            &[
-                "http",
-                "interval",
-                "timeout",
-                "failures",
-                "canary-interval",
-                "canary-timeout",
-            ],
-        );
+        let k =
+            self.keys(t, "health", &["http", "interval", "timeout", "failures", "canary-interval", "canary-timeout"]);
         let health_http = match k.get("http") {
             Some(v) => self.url(v, "health.http"),
             None => Some(default_health),
@@ -722,10 +589,7 @@ impl Reader<'_> {
         let canary_interval = self.opt_duration(&k, "canary-interval", Duration::ZERO);
         let canary_timeout = self.opt_duration(&k, "canary-timeout", Duration::from_secs(60));
         if interval == Some(Duration::ZERO) {
-            self.problem(
-                k.get("interval").map(|v| v.span()),
-                "`interval` must be longer than 0s".into(),
-            );
+            self.problem(k.get("interval").map(|v| v.span()), "`interval` must be longer than 0s".into());
         }
 
         // [status]
@@ -735,22 +599,15 @@ impl Reader<'_> {
             Some(v) => self.string(v, "file").map(PathBuf::from),
             None => Some(match &dirs.runtime {
                 Some(d) => d.join("status.json"),
-                None => PathBuf::from("/run/vllm-warden")
-                    .join(&name_or)
-                    .join("status.json"),
+                None => PathBuf::from("/run/vllm-warden").join(&name_or).join("status.json"),
             }),
         };
         let metrics_file = match k.get("metrics-file") {
-            Some(v) => self
-                .string(v, "metrics-file")
-                .map(|s| (!s.is_empty()).then(|| PathBuf::from(s))),
+            Some(v) => self.string(v, "metrics-file").map(|s| (!s.is_empty()).then(|| PathBuf::from(s))),
             None => Some(None),
         };
 
-        let state_dir = dirs
-            .state
-            .clone()
-            .unwrap_or_else(|| PathBuf::from("/var/lib/vllm-warden").join(&name_or));
+        let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from("/var/lib/vllm-warden").join(&name_or));
 
         Some(Settings {
             source: path.to_path_buf(),
@@ -772,11 +629,7 @@ impl Reader<'_> {
                 gpu_idle_wait: gpu_idle_wait?,
                 gpu_query: gpu_query?,
             },
-            ready: Ready {
-                http: ready_http?,
-                timeout: ready_timeout?,
-                stall: stall?,
-            },
+            ready: Ready { http: ready_http?, timeout: ready_timeout?, stall: stall? },
             fatal: Fatal { grace: grace? },
             restart: Restart {
                 initial_delay: initial_delay?,
@@ -795,21 +648,13 @@ impl Reader<'_> {
                 canary_interval: canary_interval?,
                 canary_timeout: canary_timeout?,
             },
-            status: Status {
-                file: status_file?,
-                metrics_file: metrics_file?,
-            },
+            status: Status { file: status_file?, metrics_file: metrics_file? },
             state_dir,
             patterns,
         })
     }
 
-    fn opt_duration(
-        &mut self,
-        k: &BTreeMap<String, &Value<'_>>,
-        key: &str,
-        default: Duration,
-    ) -> Option<Duration> {
+    fn opt_duration(&mut self, k: &BTreeMap<String, &Value<'_>>, key: &str, default: Duration) -> Option<Duration> {
         match k.get(key) {
             Some(v) => self.duration(v, key),
             None => Some(default),
@@ -836,31 +681,19 @@ impl Reader<'_> {
             for (key, val) in t.iter() {
                 match to_json(val.get_ref()) {
                     Ok(j) => set.push((key.get_ref().to_string(), j)),
-                    Err(e) => {
-                        self.problem(Some(val.span()), format!("`set.{}`: {e}", key.get_ref()))
-                    }
+                    Err(e) => self.problem(Some(val.span()), format!("`set.{}`: {e}", key.get_ref())),
                 }
             }
         }
         for path in remove.iter().flatten().chain(set.iter().map(|(k, _)| k)) {
             if path.is_empty() {
-                self.problem(
-                    Some(span.clone()),
-                    format!("`[[patch]]`: {path:?} is not a dotted JSON path"),
-                );
+                self.problem(Some(span.clone()), format!("`[[patch]]`: {path:?} is not a dotted JSON path"));
             }
         }
         if remove.as_ref().is_some_and(Vec::is_empty) && set.is_empty() {
-            self.problem(
-                Some(span),
-                "`[[patch]]` changes nothing: give `remove` or `set`".into(),
-            );
+            self.problem(Some(span), "`[[patch]]` changes nothing: give `remove` or `set`".into());
         }
-        Some(Patch {
-            file: file?,
-            remove: remove?,
-            set,
-        })
+        Some(Patch { file: file?, remove: remove?, set })
     }
 }
 
@@ -884,24 +717,14 @@ fn to_json(v: &DeValue<'_>) -> Result<serde_json::Value, String> {
     use serde_json::Value as J;
     Ok(match v {
         DeValue::String(s) => J::String(s.to_string()),
-        DeValue::Integer(i) => {
-            J::from(parse_int(i.as_str(), i.radix()).ok_or("integer out of range")?)
-        }
+        DeValue::Integer(i) => J::from(parse_int(i.as_str(), i.radix()).ok_or("integer out of range")?),
         DeValue::Float(f) => {
-            let x: f64 = f
-                .as_str()
-                .replace('_', "")
-                .parse()
-                .map_err(|_| "invalid float")?;
+            let x: f64 = f.as_str().replace('_', "").parse().map_err(|_| "invalid float")?;
             J::from(serde_json::Number::from_f64(x).ok_or("JSON has no inf or nan")?)
         }
         DeValue::Boolean(b) => J::Bool(*b),
         DeValue::Datetime(d) => J::String(d.to_string()),
-        DeValue::Array(a) => J::Array(
-            a.iter()
-                .map(|x| to_json(x.get_ref()))
-                .collect::<Result<_, _>>()?,
-        ),
+        DeValue::Array(a) => J::Array(a.iter().map(|x| to_json(x.get_ref())).collect::<Result<_, _>>()?),
         DeValue::Table(t) => {
             let mut m = serde_json::Map::new();
             for (k, x) in t.iter() {
@@ -918,11 +741,7 @@ pub fn parse_signal(s: &str) -> Option<Signal> {
         return Signal::try_from(n).ok();
     }
     let upper = s.to_ascii_uppercase();
-    let full = if upper.starts_with("SIG") {
-        upper
-    } else {
-        format!("SIG{upper}")
-    };
+    let full = if upper.starts_with("SIG") { upper } else { format!("SIG{upper}") };
     full.parse().ok()
 }
 
@@ -944,23 +763,14 @@ pub fn port_of(command: &[String]) -> Option<u16> {
 /// working folder, the log folder, the patched files.
 pub fn check_environment(s: &Settings) -> Vec<Problem> {
     let mut out = Vec::new();
-    let mut say = |message: String| {
-        out.push(Problem {
-            file: s.source.clone(),
-            at: None,
-            message,
-        })
-    };
+    let mut say = |message: String| out.push(Problem { file: s.source.clone(), at: None, message });
     let program = &s.child.command[0];
     match resolve_program(program, s.child.env.get("PATH").map(String::as_str)) {
         Some(p) => {
             use std::os::unix::fs::PermissionsExt;
             match std::fs::metadata(&p) {
                 Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
-                Ok(_) => say(format!(
-                    "`command`: {} is not an executable file",
-                    p.display()
-                )),
+                Ok(_) => say(format!("`command`: {} is not an executable file", p.display())),
                 Err(e) => say(format!("`command`: {}: {e}", p.display())),
             }
         }
@@ -975,17 +785,11 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
         && let Some(existing) = dir.ancestors().find(|a| a.exists())
         && !existing.is_dir()
     {
-        say(format!(
-            "`log-file`: {} is not a folder",
-            existing.display()
-        ));
+        say(format!("`log-file`: {} is not a folder", existing.display()));
     }
     for p in &s.patches {
         if !p.file.exists() {
-            say(format!(
-                "`[[patch]] file`: {}: no such file",
-                p.file.display()
-            ));
+            say(format!("`[[patch]] file`: {}: no such file", p.file.display()));
         }
     }
     out
@@ -996,14 +800,8 @@ pub fn resolve_program(program: &str, path_override: Option<&str>) -> Option<Pat
     if program.contains('/') {
         return Some(PathBuf::from(program));
     }
-    let path = path_override
-        .map(String::from)
-        .or_else(|| std::env::var("PATH").ok())
-        .unwrap_or_default();
-    path.split(':')
-        .filter(|d| !d.is_empty())
-        .map(|d| Path::new(d).join(program))
-        .find(|p| p.is_file())
+    let path = path_override.map(String::from).or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
+    path.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(program)).find(|p| p.is_file())
 }
 
 /// The effective pattern lists, as `check` prints them.
@@ -1031,45 +829,22 @@ mod tests {
     use super::*;
 
     fn parse_str(text: &str) -> Result<Settings, Problems> {
-        parse(
-            text,
-            Path::new("/etc/vllm-warden/kimi.toml"),
-            &Dirs::default(),
-        )
+        parse(text, Path::new("/etc/vllm-warden/kimi.toml"), &Dirs::default())
     }
 
     #[test]
     fn minimal_config_has_vllm_defaults() {
-        let s =
-            parse_str("[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--port\", \"8011\"]\n")
-                .unwrap();
+        let s = parse_str("[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--port\", \"8011\"]\n").unwrap();
         assert_eq!(s.name, "kimi");
         assert_eq!(s.prestart.port, 8011);
-        assert_eq!(
-            s.ready.http.as_deref(),
-            Some("http://127.0.0.1:8011/health")
-        );
-        assert_eq!(
-            s.health.http.as_deref(),
-            Some("http://127.0.0.1:8011/health")
-        );
-        assert_eq!(
-            s.child.log_file,
-            PathBuf::from("/var/log/vllm-warden/kimi.log")
-        );
-        assert_eq!(
-            s.status.file,
-            PathBuf::from("/run/vllm-warden/kimi/status.json")
-        );
+        assert_eq!(s.ready.http.as_deref(), Some("http://127.0.0.1:8011/health"));
+        assert_eq!(s.health.http.as_deref(), Some("http://127.0.0.1:8011/health"));
+        assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/kimi.log"));
+        assert_eq!(s.status.file, PathBuf::from("/run/vllm-warden/kimi/status.json"));
         assert_eq!(s.state_dir, PathBuf::from("/var/lib/vllm-warden/kimi"));
         assert_eq!(s.child.stop_signal, Signal::SIGTERM);
         assert_eq!(s.restart.max_attempts, 10);
-        assert!(
-            s.patterns
-                .ready
-                .iter()
-                .any(|p| p.contains("Application startup complete"))
-        );
+        assert!(s.patterns.ready.iter().any(|p| p.contains("Application startup complete")));
         assert_eq!(s.prestart.clean_shm, vec!["psm_*", "sem.mp-*", "vllm_*"]);
     }
 
@@ -1081,14 +856,8 @@ mod tests {
             logs: Some("/var/log/vllm-warden".into()),
         };
         let s = parse("[child]\ncommand = [\"v\"]\n", Path::new("x.toml"), &dirs).unwrap();
-        assert_eq!(
-            s.status.file,
-            PathBuf::from("/run/vllm-warden/x/status.json")
-        );
-        assert_eq!(
-            s.child.log_file,
-            PathBuf::from("/var/log/vllm-warden/x.log")
-        );
+        assert_eq!(s.status.file, PathBuf::from("/run/vllm-warden/x/status.json"));
+        assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/x.log"));
     }
 
     #[test]
@@ -1096,12 +865,7 @@ mod tests {
         let text = include_str!("../examples/kimi-k2.5-nvfp4.toml");
         let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
         assert_eq!(s.patches.len(), 2);
-        assert!(
-            s.patterns
-                .fatal
-                .iter()
-                .any(|p| p == "illegal memory access")
-        );
+        assert!(s.patterns.fatal.iter().any(|p| p == "illegal memory access"));
     }
 
     #[test]
@@ -1121,41 +885,12 @@ max-attempts = -1
         let p = parse_str(text).unwrap_err().0;
         let shown: Vec<String> = p.iter().map(|p| p.to_string()).collect();
         assert_eq!(p.len(), 6, "{shown:#?}");
-        assert!(
-            shown[0].starts_with("/etc/vllm-warden/kimi.toml:1:1: unknown key `nme`"),
-            "{}",
-            shown[0]
-        );
-        assert!(
-            shown
-                .iter()
-                .any(|s| s.contains(":4:16: `stop-timeout`: invalid duration")),
-            "{shown:#?}"
-        );
-        assert!(
-            shown
-                .iter()
-                .any(|s| s.contains(":5:15: `stop-signal`: unknown signal")),
-            "{shown:#?}"
-        );
-        assert!(
-            shown
-                .iter()
-                .any(|s| s.contains(":7:8: `ready.log`: invalid regular expression")),
-            "{shown:#?}"
-        );
-        assert!(
-            shown
-                .iter()
-                .any(|s| s.contains(":9:10: `factor` must be a number")),
-            "{shown:#?}"
-        );
-        assert!(
-            shown
-                .iter()
-                .any(|s| s.contains(":10:16: `max-attempts` must be an integer")),
-            "{shown:#?}"
-        );
+        assert!(shown[0].starts_with("/etc/vllm-warden/kimi.toml:1:1: unknown key `nme`"), "{}", shown[0]);
+        assert!(shown.iter().any(|s| s.contains(":4:16: `stop-timeout`: invalid duration")), "{shown:#?}");
+        assert!(shown.iter().any(|s| s.contains(":5:15: `stop-signal`: unknown signal")), "{shown:#?}");
+        assert!(shown.iter().any(|s| s.contains(":7:8: `ready.log`: invalid regular expression")), "{shown:#?}");
+        assert!(shown.iter().any(|s| s.contains(":9:10: `factor` must be a number")), "{shown:#?}");
+        assert!(shown.iter().any(|s| s.contains(":10:16: `max-attempts` must be an integer")), "{shown:#?}");
     }
 
     #[test]
@@ -1167,10 +902,7 @@ max-attempts = -1
     #[test]
     fn missing_command_is_an_error() {
         let p = parse_str("name = \"x\"\n").unwrap_err().0;
-        assert!(
-            p[0].message.contains("`[child] command` is required"),
-            "{p:?}"
-        );
+        assert!(p[0].message.contains("`[child] command` is required"), "{p:?}");
     }
 
     #[test]
@@ -1182,8 +914,7 @@ max-attempts = -1
 
     #[test]
     fn profile_none_drops_builtin_patterns() {
-        let s = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nlog=[\"up\"]\n")
-            .unwrap();
+        let s = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nlog=[\"up\"]\n").unwrap();
         assert_eq!(s.patterns.ready, vec!["up"]);
         assert!(s.patterns.fatal.is_empty());
         assert!(s.prestart.clean_shm.is_empty());
@@ -1191,8 +922,7 @@ max-attempts = -1
 
     #[test]
     fn http_off_and_no_ready_pattern_is_an_error() {
-        let p = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nhttp=\"\"\n")
-            .unwrap_err();
+        let p = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nhttp=\"\"\n").unwrap_err();
         assert!(p.to_string().contains("nothing can tell"), "{p}");
     }
 
@@ -1208,10 +938,7 @@ max-attempts = -1
     #[test]
     fn port_comes_from_the_command() {
         let c = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            port_of(&c(&["vllm", "serve", "--port", "9000"])),
-            Some(9000)
-        );
+        assert_eq!(port_of(&c(&["vllm", "serve", "--port", "9000"])), Some(9000));
         assert_eq!(port_of(&c(&["vllm", "serve", "--port=9001"])), Some(9001));
         assert_eq!(port_of(&c(&["vllm", "serve"])), None);
     }

@@ -66,11 +66,7 @@ pub async fn drive(
                         classifier.reset();
                         events.push_back(match backend.spawn(start) {
                             Ok(pid) => Event::Spawned { start, pid },
-                            Err((error, permanent)) => Event::SpawnFailed {
-                                start,
-                                error,
-                                permanent,
-                            },
+                            Err((error, permanent)) => Event::SpawnFailed { start, error, permanent },
                         });
                     }
                     Effect::Probe { start } => backend.probe(start),
@@ -110,10 +106,7 @@ pub async fn drive(
             Some(Input::Stop) => events.push_back(Event::StopRequested),
             Some(Input::HttpReady { start }) => events.push_back(Event::HttpReady { start }),
             Some(Input::Line { start, text }) => {
-                events.push_back(Event::Line {
-                    start,
-                    line: classifier.classify(text),
-                });
+                events.push_back(Event::Line { start, line: classifier.classify(text) });
             }
             Some(Input::Tree(TreeEvent::Empty)) => events.push_back(Event::TreeGone),
             Some(Input::Tree(TreeEvent::LeaderExited { pid, exit })) => {
@@ -123,18 +116,14 @@ pub async fn drive(
                 let flushed = backend.flush_lines();
                 while let Ok(i) = inputs.try_recv() {
                     match i {
-                        Input::Line { start, text } => events.push_back(Event::Line {
-                            start,
-                            line: classifier.classify(text),
-                        }),
+                        Input::Line { start, text } => {
+                            events.push_back(Event::Line { start, line: classifier.classify(text) })
+                        }
                         other => deferred.push_back(other),
                     }
                 }
                 for text in flushed {
-                    events.push_back(Event::Line {
-                        start,
-                        line: classifier.classify(text),
-                    });
+                    events.push_back(Event::Line { start, line: classifier.classify(text) });
                 }
                 events.push_back(Event::ChildExited { pid, exit });
             }
@@ -164,31 +153,13 @@ fn log(ctx: &Context, m: &Machine, r: &Record) {
     let (instance, event, msg) = (ctx.instance.as_str(), r.event, r.message.as_str());
     match r.severity {
         Severity::Info => {
-            tracing::info!(
-                INSTANCE = instance,
-                CHILD_PID = pid,
-                ATTEMPT = attempt,
-                EVENT = event,
-                "{msg}"
-            )
+            tracing::info!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
         }
         Severity::Warn => {
-            tracing::warn!(
-                INSTANCE = instance,
-                CHILD_PID = pid,
-                ATTEMPT = attempt,
-                EVENT = event,
-                "{msg}"
-            )
+            tracing::warn!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
         }
         Severity::Error => {
-            tracing::error!(
-                INSTANCE = instance,
-                CHILD_PID = pid,
-                ATTEMPT = attempt,
-                EVENT = event,
-                "{msg}"
-            )
+            tracing::error!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
         }
     }
 }
@@ -209,13 +180,7 @@ impl Real {
         let tree = Tree::new(move |ev| {
             let _ = tx.send(Input::Tree(ev));
         })?;
-        Ok(Real {
-            settings,
-            tree,
-            follower: None,
-            probe: None,
-            inputs,
-        })
+        Ok(Real { settings, tree, follower: None, probe: None, inputs })
     }
 }
 
@@ -228,17 +193,8 @@ impl Backend for Real {
         let c = &self.settings.child;
         let log_path = &c.log_file;
         let (file, offset) = child::open_log(log_path, start, std::time::SystemTime::now())
-            .map_err(|e| {
-                (
-                    format!("cannot open log file {}: {e}", log_path.display()),
-                    false,
-                )
-            })?;
-        let spec = Spec {
-            argv: c.command.clone(),
-            env: c.env.clone(),
-            cwd: c.cwd.clone(),
-        };
+            .map_err(|e| (format!("cannot open log file {}: {e}", log_path.display()), false))?;
+        let spec = Spec { argv: c.command.clone(), env: c.env.clone(), cwd: c.cwd.clone() };
         tracing::info!(
             INSTANCE = self.settings.name.as_str(),
             EVENT = "spawn",
@@ -248,20 +204,10 @@ impl Backend for Real {
         );
         let tx = self.inputs.clone();
         // Follow before spawning, so that no line can be missed.
-        let follower = Follower::start(log_path, offset, move |text| {
-            tx.send(Input::Line { start, text }).is_ok()
-        })
-        .map_err(|e| {
-            (
-                format!("cannot follow log file {}: {e}", log_path.display()),
-                false,
-            )
-        })?;
+        let follower = Follower::start(log_path, offset, move |text| tx.send(Input::Line { start, text }).is_ok())
+            .map_err(|e| (format!("cannot follow log file {}: {e}", log_path.display()), false))?;
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
-            let permanent = matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
-            );
+            let permanent = matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied);
             (format!("cannot start {}: {e}", spec.argv[0]), permanent)
         })?;
         self.follower = Some(follower);
@@ -280,8 +226,7 @@ impl Backend for Real {
             let mut delay = Duration::from_millis(20);
             loop {
                 let u = url.clone();
-                let ok =
-                    tokio::task::spawn_blocking(move || http_ok(&u, Duration::from_secs(5))).await;
+                let ok = tokio::task::spawn_blocking(move || http_ok(&u, Duration::from_secs(5))).await;
                 if matches!(ok, Ok(true)) {
                     let _ = tx.send(Input::HttpReady { start });
                     return;
@@ -301,10 +246,7 @@ impl Backend for Real {
     }
 
     fn flush_lines(&mut self) -> Vec<String> {
-        self.follower
-            .as_ref()
-            .map(Follower::drain_now)
-            .unwrap_or_default()
+        self.follower.as_ref().map(Follower::drain_now).unwrap_or_default()
     }
 }
 
@@ -318,11 +260,8 @@ impl Drop for Real {
 
 /// True when `GET url` answers 200 within `timeout`.
 pub fn http_ok(url: &str, timeout: Duration) -> bool {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(timeout))
-        .http_status_as_error(false)
-        .build()
-        .into();
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().timeout_global(Some(timeout)).http_status_as_error(false).build().into();
     matches!(agent.get(url).call(), Ok(r) if r.status() == 200)
 }
 

@@ -5,6 +5,7 @@
 //! of the warden.
 
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -66,24 +67,21 @@ pub struct FakeArgs {
     /// Append `start|ready|exit <unix-nanos>` lines here.
     #[arg(long)]
     pub stamp_file: Option<PathBuf>,
+    /// Accepted like vLLM's, and ignored.
+    #[arg(long)]
+    pub api_key: Option<String>,
     /// Internal: run as the EngineCore child.
     #[arg(long, hide = true)]
     pub engine_core: bool,
 }
 
 fn nanos() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
 }
 
 fn stamp(args: &FakeArgs, what: &str) {
     if let Some(p) = &args.stamp_file
-        && let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)
+        && let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(p)
     {
         let _ = writeln!(f, "{what} {}", nanos());
     }
@@ -104,11 +102,7 @@ impl Out {
         // 2026-11-29T18:10:50Z → 11-29 18:10:50
         let stamp = format!("{} {}", &t[5..10], &t[11..19]);
         let mut o = std::io::stdout().lock();
-        let _ = writeln!(
-            o,
-            "({proc_} pid={}) {level} {stamp} [{file}] {msg}",
-            self.pid
-        );
+        let _ = writeln!(o, "({proc_} pid={}) {level} {stamp} [{file}] {msg}", self.pid);
         let _ = o.flush();
     }
 
@@ -126,10 +120,7 @@ fn fail_this_time(args: &FakeArgs) -> bool {
     let Some(path) = &args.count_file else {
         return args.fail.is_some();
     };
-    let n: u32 = std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0);
+    let n: u32 = std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
     let _ = std::fs::write(path, format!("{}\n", n + 1));
     args.fail.is_some() && n < times
 }
@@ -142,9 +133,7 @@ fn forever() -> ! {
 
 /// Run the simulated server; returns its exit code.
 pub fn main(args: FakeArgs) -> i32 {
-    let out = Out {
-        pid: std::process::id(),
-    };
+    let out = Out { pid: std::process::id() };
     if args.engine_core {
         if args.setsid_engine {
             let _ = nix::unistd::setsid();
@@ -183,18 +172,8 @@ pub fn main(args: FakeArgs) -> i32 {
             if set.wait().is_ok() {
                 s.store(true, Ordering::SeqCst);
                 let o = Out { pid };
-                o.log(
-                    "APIServer",
-                    "INFO",
-                    "launcher.py:254",
-                    "[shutdown] API server: shutdown triggered",
-                );
-                o.log(
-                    "APIServer",
-                    "ERROR",
-                    "async_llm.py:906",
-                    "AsyncLLM output_handler failed.",
-                );
+                o.log("APIServer", "INFO", "launcher.py:254", "[shutdown] API server: shutdown triggered");
+                o.log("APIServer", "ERROR", "async_llm.py:906", "AsyncLLM output_handler failed.");
                 o.log(
                     "APIServer",
                     "ERROR",
@@ -212,16 +191,21 @@ pub fn main(args: FakeArgs) -> i32 {
         "APIServer",
         "INFO",
         "api_utils.py:286",
-        &format!(
-            "non-default args: {{'model_tag': '/srv/models/tiny-llama', 'port': {}}}",
-            args.port
-        ),
+        &format!("non-default args: {{'model_tag': '/srv/models/tiny-llama', 'port': {}}}", args.port),
     );
     if args.setsid_engine {
         if let Ok(exe) = std::env::current_exe() {
             let mut cmd = Command::new(exe);
-            cmd.args(["fake-vllm", "--engine-core", "--setsid-engine"])
-                .stdin(Stdio::null());
+            cmd.args(["fake-vllm", "--engine-core", "--setsid-engine"]).stdin(Stdio::null());
+            // This thread blocks SIGTERM (for sigwait); the engine must not
+            // inherit that mask.
+            // SAFETY: only sigprocmask between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    let _ = SigSet::empty().thread_set_mask();
+                    Ok(())
+                });
+            }
             if args.ignore_sigterm {
                 cmd.arg("--ignore-sigterm");
             }
@@ -237,17 +221,14 @@ pub fn main(args: FakeArgs) -> i32 {
             "Initializing a V1 LLM engine (v0.32.0) with config: model='/srv/models/tiny-llama'",
         );
     }
-    out.log(
-        "Worker",
-        "INFO",
-        "cpu_model_runner.py:68",
-        "Starting to load model /srv/models/tiny-llama...",
-    );
+    out.log("Worker", "INFO", "cpu_model_runner.py:68", "Starting to load model /srv/models/tiny-llama...");
 
     let n = args.shards.max(1);
     for i in 0..=n {
         let pct = i * 100 / n;
-        out.raw(&format!("Loading safetensors checkpoint shards: {pct:3}% Completed | {i}/{n} [00:00<00:00, 3.14it/s]\r"));
+        out.raw(&format!(
+            "Loading safetensors checkpoint shards: {pct:3}% Completed | {i}/{n} [00:00<00:00, 3.14it/s]\r"
+        ));
         if failing && args.fail == Some(Failure::Stall) && i == n / 2 {
             forever();
         }
@@ -265,12 +246,7 @@ pub fn main(args: FakeArgs) -> i32 {
         }
     }
     out.raw("\n");
-    out.log(
-        "Worker",
-        "INFO",
-        "default_loader.py:501",
-        "Loading weights took 0.00 seconds",
-    );
+    out.log("Worker", "INFO", "default_loader.py:501", "Loading weights took 0.00 seconds");
     if failing {
         match args.fail {
             Some(Failure::KvCache) => {
@@ -280,40 +256,20 @@ pub fn main(args: FakeArgs) -> i32 {
                 out.log("Worker", "ERROR", w, "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py\", line 1118, in validate_kv_cache_scheme");
                 out.log("Worker", "ERROR", w, "    raise NotImplementedError(");
                 out.log("Worker", "ERROR", w, "NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float");
-                out.log(
-                    "EngineCore",
-                    "ERROR",
-                    "core.py:1510",
-                    "EngineCore failed to start.",
-                );
+                out.log("EngineCore", "ERROR", "core.py:1510", "EngineCore failed to start.");
                 out.raw("Traceback (most recent call last):\n  File \"/opt/vllm/bin/vllm\", line 10, in <module>\nRuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}\n");
                 return 1;
             }
             Some(Failure::FatalHang) => {
-                out.log(
-                    "EngineCore",
-                    "ERROR",
-                    "core.py:1510",
-                    "EngineCore failed to start.",
-                );
+                out.log("EngineCore", "ERROR", "core.py:1510", "EngineCore failed to start.");
                 forever();
             }
             Some(Failure::Exit1) => return 1,
             _ => {}
         }
     }
-    out.log(
-        "EngineCore",
-        "INFO",
-        "core.py:402",
-        "init engine (profile, create kv cache, warmup model) took 1.06 s",
-    );
-    out.log(
-        "APIServer",
-        "INFO",
-        "entry.py:140",
-        &format!("Starting vLLM server on http://0.0.0.0:{}", args.port),
-    );
+    out.log("EngineCore", "INFO", "core.py:402", "init engine (profile, create kv cache, warmup model) took 1.06 s");
+    out.log("APIServer", "INFO", "entry.py:140", &format!("Starting vLLM server on http://0.0.0.0:{}", args.port));
     // The first answered /health: after-ready failures wait for it, so that
     // the supervisor has seen this run ready before it fails.
     let (health_tx, health_rx) = std::sync::mpsc::channel::<()>();
@@ -327,10 +283,7 @@ pub fn main(args: FakeArgs) -> i32 {
         };
         std::thread::spawn(move || serve(server, health_tx));
     }
-    out.raw(&format!(
-        "INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\n",
-        out.pid
-    ));
+    out.raw(&format!("INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\n", out.pid));
     // Stamped before the line is written, so that a reader can never see
     // the line before the stamp exists.
     stamp(&args, "ready");
@@ -342,19 +295,14 @@ pub fn main(args: FakeArgs) -> i32 {
     if failing && args.fail == Some(Failure::EngineDeath) {
         let _ = health_rx.recv();
         std::thread::sleep(args.fail_after);
+        out.log("EngineCore", "ERROR", "core.py:1063", "EngineCore encountered a fatal error.");
+        out.log("EngineCore", "ERROR", "core.py:1063", "Traceback (most recent call last):");
         out.log(
             "EngineCore",
             "ERROR",
             "core.py:1063",
-            "EngineCore encountered a fatal error.",
+            "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/v1/engine/core.py\", line 1054, in run_engine_core",
         );
-        out.log(
-            "EngineCore",
-            "ERROR",
-            "core.py:1063",
-            "Traceback (most recent call last):",
-        );
-        out.log("EngineCore", "ERROR", "core.py:1063", "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/v1/engine/core.py\", line 1054, in run_engine_core");
         out.log(
             "EngineCore",
             "ERROR",

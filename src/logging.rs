@@ -12,25 +12,14 @@ pub fn init() {
     if std::env::var_os("JOURNAL_STREAM").is_some() {
         match tracing_journald::layer() {
             Ok(layer) => {
-                let layer = layer
-                    .with_field_prefix(None)
-                    .with_syslog_identifier("vllm-warden".into());
-                let _ = tracing_subscriber::registry()
-                    .with(filter)
-                    .with(layer)
-                    .try_init();
+                let layer = layer.with_field_prefix(None).with_syslog_identifier("vllm-warden".into());
+                let _ = tracing_subscriber::registry().with(filter).with(layer).try_init();
                 return;
             }
             Err(e) => eprintln!("vllm-warden: journal unavailable ({e}); logging to stderr"),
         }
     }
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .with_ansi(ansi);
-    let _ = tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt)
-        .try_init();
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(ansi);
+    let _ = tracing_subscriber::registry().with(filter).with(fmt).try_init();
 }

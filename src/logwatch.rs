@@ -189,32 +189,18 @@ impl Classifier {
         } else {
             Class::Plain
         };
-        let exception = if class == Class::Ignored {
-            None
-        } else {
-            self.traceback(key, &message)
-        };
+        let exception = if class == Class::Ignored { None } else { self.traceback(key, &message) };
         let permanent = if class == Class::Fatal || exception.is_some() {
             self.permanent.matches(&text).iter().next()
         } else {
             None
         };
-        Line {
-            text,
-            message,
-            level,
-            class,
-            exception,
-            permanent,
-        }
+        Line { text, message, level, class, exception, permanent }
     }
 
     fn progress_text(&self, message: &str) -> String {
         if let Some(c) = self.shards.captures(message) {
-            return format!(
-                "Loading safetensors checkpoint shards: {}/{} ({}%)",
-                &c[2], &c[3], &c[1]
-            );
+            return format!("Loading safetensors checkpoint shards: {}/{} ({}%)", &c[2], &c[3], &c[1]);
         }
         let m = message.trim();
         match m.char_indices().nth(160) {
@@ -228,8 +214,7 @@ impl Classifier {
         let is_header = message.starts_with("Traceback (most recent call last)");
         let is_chain = message.starts_with("During handling of the above exception")
             || message.starts_with("The above exception was the direct cause");
-        let indented =
-            message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty();
+        let indented = message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty();
         match state {
             _ if is_header => {
                 let group = match state {
@@ -248,10 +233,7 @@ impl Classifier {
             }
             Some(Tb::Frames(g)) => {
                 self.tracebacks.insert(key, Tb::After(g));
-                Some(Exception {
-                    group: g,
-                    text: message.trim_end().to_string(),
-                })
+                Some(Exception { group: g, text: message.trim_end().to_string() })
             }
             Some(Tb::After(g)) | Some(Tb::Chained(g)) if is_chain || message.trim().is_empty() => {
                 if is_chain {
@@ -305,12 +287,7 @@ impl Reader {
             if self.sources.iter().all(|s| s.id != id)
                 && let Ok(file) = File::open(&self.path)
             {
-                self.sources.push(Source {
-                    file,
-                    pos: 0,
-                    id,
-                    splitter: Splitter::default(),
-                });
+                self.sources.push(Source { file, pos: 0, id, splitter: Splitter::default() });
                 if self.sources.len() > 2 {
                     self.sources.remove(0);
                 }
@@ -355,38 +332,21 @@ impl Follower {
     /// (called with the reader locked, so that [`Follower::drain_now`]
     /// returns only after every line read before it was delivered); `sink`
     /// returns false to stop.
-    pub fn start(
-        path: &Path,
-        offset: u64,
-        sink: impl Fn(String) -> bool + Send + 'static,
-    ) -> io::Result<Follower> {
+    pub fn start(path: &Path, offset: u64, sink: impl Fn(String) -> bool + Send + 'static) -> io::Result<Follower> {
         let file = File::open(path)?;
         let meta = file.metadata()?;
-        let source = Source {
-            file,
-            pos: offset,
-            id: (meta.dev(), meta.ino()),
-            splitter: Splitter::default(),
-        };
-        let reader = Arc::new(Mutex::new(Reader {
-            path: path.to_path_buf(),
-            sources: vec![source],
-        }));
+        let source = Source { file, pos: offset, id: (meta.dev(), meta.ino()), splitter: Splitter::default() };
+        let reader = Arc::new(Mutex::new(Reader { path: path.to_path_buf(), sources: vec![source] }));
         let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<()>();
-        let mut watcher =
-            notify::recommended_watcher(move |_res: notify::Result<notify::Event>| {
-                let _ = wake_tx.send(());
-            })
-            .map_err(io::Error::other)?;
+        let mut watcher = notify::recommended_watcher(move |_res: notify::Result<notify::Event>| {
+            let _ = wake_tx.send(());
+        })
+        .map_err(io::Error::other)?;
         // The file itself follows its inode through renames; the folder
         // tells of a re-created file.
-        watcher
-            .watch(path, RecursiveMode::NonRecursive)
-            .map_err(io::Error::other)?;
+        watcher.watch(path, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            watcher
-                .watch(dir, RecursiveMode::NonRecursive)
-                .map_err(io::Error::other)?;
+            watcher.watch(dir, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
         }
         let r = reader.clone();
         let task = tokio::spawn(async move {
@@ -407,11 +367,7 @@ impl Follower {
                 while wake_rx.try_recv().is_ok() {}
             }
         });
-        Ok(Follower {
-            reader,
-            task,
-            _watcher: watcher,
-        })
+        Ok(Follower { reader, task, _watcher: watcher })
     }
 
     /// Read whatever is in the file now, without waiting for inotify: used
@@ -434,6 +390,53 @@ impl Drop for Follower {
 mod tests {
     use super::*;
     use crate::profile::Profile;
+    use std::io::Write;
+    use std::time::Duration;
+
+    async fn next(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
+        tokio::time::timeout(Duration::from_secs(30), rx.recv()).await.expect("a line within 30 s").unwrap()
+    }
+
+    fn append(path: &Path, text: &str) {
+        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(path).unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_follower_survives_truncation_rename_and_recreation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.log");
+        append(&path, "old line, before the offset\n");
+        let offset = std::fs::metadata(&path).unwrap().len();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let f = Follower::start(&path, offset, move |l| tx.send(l).is_ok()).unwrap();
+        append(&path, "first line, long enough to be longer than what follows a truncation\n");
+        assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
+        // Truncated in place, as logrotate's copytruncate does.
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
+        append(&path, "after truncation\n");
+        assert_eq!(next(&mut rx).await, "after truncation");
+        // Renamed: the child keeps writing to the old inode.
+        let mut old = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        std::fs::rename(&path, dir.path().join("t.log.1")).unwrap();
+        old.write_all(b"written to the renamed file\n").unwrap();
+        assert_eq!(next(&mut rx).await, "written to the renamed file");
+        // Re-created at the path: followed from its start.
+        append(&path, "in the new file\n");
+        assert_eq!(next(&mut rx).await, "in the new file");
+        // Both stay followed.
+        old.write_all(b"old inode again\n").unwrap();
+        assert_eq!(next(&mut rx).await, "old inode again");
+        // A partial line is delivered once complete; drain_now reads at once.
+        append(&path, "half");
+        assert!(f.drain_now().is_empty());
+        append(&path, " and whole\n");
+        let mut got = f.drain_now();
+        if got.is_empty() {
+            got.push(next(&mut rx).await);
+        }
+        assert_eq!(got, vec!["half and whole"]);
+    }
 
     fn split(chunks: &[&[u8]]) -> Vec<String> {
         let mut s = Splitter::default();
@@ -481,15 +484,8 @@ mod tests {
     #[test]
     fn classification_order_is_ignore_fatal_ready_progress() {
         let mut c = vllm();
-        assert_eq!(
-            c.classify("INFO:     Application startup complete.".into())
-                .class,
-            Class::Ready
-        );
-        let l = c.classify(
-            "(EngineCore pid=1) ERROR 11-29 18:16:28 [core.py:1510] EngineCore failed to start."
-                .into(),
-        );
+        assert_eq!(c.classify("INFO:     Application startup complete.".into()).class, Class::Ready);
+        let l = c.classify("(EngineCore pid=1) ERROR 11-29 18:16:28 [core.py:1510] EngineCore failed to start.".into());
         assert_eq!(l.class, Class::Fatal);
         assert_eq!(l.message, "EngineCore failed to start.");
         assert_eq!(l.level, Some(Level::Error));
@@ -502,14 +498,9 @@ mod tests {
     #[test]
     fn shard_progress_is_condensed() {
         let mut c = vllm();
-        let l = c.classify(
-            "Loading safetensors checkpoint shards:  45% Completed | 29/64 [01:02<01:10,  2.1s/it]"
-                .into(),
-        );
-        assert_eq!(
-            l.class,
-            Class::Progress("Loading safetensors checkpoint shards: 29/64 (45%)".into())
-        );
+        let l =
+            c.classify("Loading safetensors checkpoint shards:  45% Completed | 29/64 [01:02<01:10,  2.1s/it]".into());
+        assert_eq!(l.class, Class::Progress("Loading safetensors checkpoint shards: 29/64 (45%)".into()));
     }
 
     #[test]
@@ -529,10 +520,7 @@ mod tests {
             "  File \"z.py\", line 3, in g",
             "RuntimeError: later",
         ];
-        let ex: Vec<Exception> = lines
-            .iter()
-            .filter_map(|l| c.classify(l.to_string()).exception)
-            .collect();
+        let ex: Vec<Exception> = lines.iter().filter_map(|l| c.classify(l.to_string()).exception).collect();
         assert_eq!(ex.len(), 3);
         assert_eq!(ex[0].group, ex[1].group);
         assert_ne!(ex[1].group, ex[2].group);
@@ -548,9 +536,7 @@ mod tests {
             format!("{w}Traceback (most recent call last):"),
             format!("{e}something unrelated"),
             format!("{w}  File \"a.py\", line 1"),
-            format!(
-                "{w}NotImplementedError: Currently supported kv cache quantization is num_bits=8"
-            ),
+            format!("{w}NotImplementedError: Currently supported kv cache quantization is num_bits=8"),
         ];
         let mut got = Vec::new();
         for l in lines {
@@ -560,14 +546,7 @@ mod tests {
             }
         }
         assert_eq!(got.len(), 1);
-        assert!(
-            got[0]
-                .0
-                .starts_with("NotImplementedError: Currently supported")
-        );
-        assert!(
-            got[0].1.is_some(),
-            "the kv cache quantization message is permanent"
-        );
+        assert!(got[0].0.starts_with("NotImplementedError: Currently supported"));
+        assert!(got[0].1.is_some(), "the kv cache quantization message is permanent");
     }
 }

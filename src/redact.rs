@@ -29,13 +29,7 @@ pub fn command(argv: &[String]) -> String {
 /// `KEY=value` pairs, secrets masked.
 pub fn env(env: &BTreeMap<String, String>) -> String {
     env.iter()
-        .map(|(k, v)| {
-            if secret_key(k) {
-                format!("{k}={MASK}")
-            } else {
-                format!("{k}={}", quote(v))
-            }
-        })
+        .map(|(k, v)| if secret_key(k) { format!("{k}={MASK}") } else { format!("{k}={}", quote(v)) })
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -46,10 +40,7 @@ fn secret_key(key: &str) -> bool {
 }
 
 fn quote(s: &str) -> String {
-    if !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,+@%".contains(c))
-    {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:=,+@%".contains(c)) {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
@@ -62,22 +53,10 @@ mod tests {
 
     #[test]
     fn api_key_is_masked_in_both_spellings() {
-        let argv: Vec<String> = [
-            "vllm",
-            "serve",
-            "/m",
-            "--api-key",
-            "sk-123",
-            "--api-key=sk-456",
-            "--port",
-            "8000",
-        ]
-        .map(String::from)
-        .to_vec();
-        assert_eq!(
-            command(&argv),
-            "vllm serve /m --api-key *** --api-key=*** --port 8000"
-        );
+        let argv: Vec<String> = ["vllm", "serve", "/m", "--api-key", "sk-123", "--api-key=sk-456", "--port", "8000"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(command(&argv), "vllm serve /m --api-key *** --api-key=*** --port 8000");
     }
 
     #[test]
@@ -86,21 +65,12 @@ mod tests {
         e.insert("HF_TOKEN".to_string(), "hf_abc".to_string());
         e.insert("OPENAI_API_KEY".to_string(), "sk".to_string());
         e.insert("MY_SECRET_THING".to_string(), "x".to_string());
-        e.insert(
-            "VLLM_ATTENTION_BACKEND".to_string(),
-            "TRITON_MLA".to_string(),
-        );
-        assert_eq!(
-            env(&e),
-            "HF_TOKEN=*** MY_SECRET_THING=*** OPENAI_API_KEY=*** VLLM_ATTENTION_BACKEND=TRITON_MLA"
-        );
+        e.insert("VLLM_ATTENTION_BACKEND".to_string(), "TRITON_MLA".to_string());
+        assert_eq!(env(&e), "HF_TOKEN=*** MY_SECRET_THING=*** OPENAI_API_KEY=*** VLLM_ATTENTION_BACKEND=TRITON_MLA");
     }
 
     #[test]
     fn odd_arguments_are_quoted() {
-        assert_eq!(
-            command(&["a b".to_string(), "it's".to_string()]),
-            r"'a b' 'it'\''s'"
-        );
+        assert_eq!(command(&["a b".to_string(), "it's".to_string()]), r"'a b' 'it'\''s'");
     }
 }

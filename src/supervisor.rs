@@ -122,26 +122,11 @@ pub const SPAWN: usize = usize::MAX;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Begin,
-    Spawned {
-        start: u32,
-        pid: u32,
-    },
-    SpawnFailed {
-        start: u32,
-        error: String,
-        permanent: bool,
-    },
-    Line {
-        start: u32,
-        line: Line,
-    },
-    HttpReady {
-        start: u32,
-    },
-    ChildExited {
-        pid: u32,
-        exit: Exit,
-    },
+    Spawned { start: u32, pid: u32 },
+    SpawnFailed { start: u32, error: String, permanent: bool },
+    Line { start: u32, line: Line },
+    HttpReady { start: u32 },
+    ChildExited { pid: u32, exit: Exit },
     TreeGone,
     StopRequested,
     Tick,
@@ -207,17 +192,9 @@ impl Run {
         let exc = self.exception.as_ref().map(|(e, p)| (e.text.clone(), *p));
         let fatal = self.first_fatal.clone();
         // A permanent match wins, then the exception line, then the fatal line.
-        let (text, permanent) = [exc.clone(), fatal.clone()]
-            .into_iter()
-            .flatten()
-            .find(|(_, p)| p.is_some())
-            .or(exc)
-            .or(fatal)?;
-        Some(Cause {
-            text,
-            kind: FailureKind::FatalLine,
-            permanent,
-        })
+        let (text, permanent) =
+            [exc.clone(), fatal.clone()].into_iter().flatten().find(|(_, p)| p.is_some()).or(exc).or(fatal)?;
+        Some(Cause { text, kind: FailureKind::FatalLine, permanent })
     }
 }
 
@@ -273,11 +250,7 @@ fn secs(d: Duration) -> String {
 }
 
 fn record(severity: Severity, event: &'static str, message: String) -> Effect {
-    Effect::Log(Record {
-        severity,
-        event,
-        message,
-    })
+    Effect::Log(Record { severity, event, message })
 }
 
 fn status(text: String) -> Note {
@@ -357,13 +330,7 @@ impl Machine {
         match (state, event) {
             (S::Idle, E::Begin) => self.launch(),
 
-            (
-                S::Launching {
-                    start,
-                    stop_pending,
-                },
-                E::Spawned { start: s, pid },
-            ) if s == start => {
+            (S::Launching { start, stop_pending }, E::Spawned { start: s, pid }) if s == start => {
                 let mut run = Run {
                     start,
                     pid,
@@ -377,11 +344,7 @@ impl Machine {
                     exception: None,
                 };
                 let mut fx = vec![
-                    record(
-                        Severity::Info,
-                        "spawned",
-                        format!("child spawned, pid {pid}, start {start}"),
-                    ),
+                    record(Severity::Info, "spawned", format!("child spawned, pid {pid}, start {start}")),
                     Effect::Notify(vec![
                         status(format!("loading, pid {pid} ({})", self.attempts_text())),
                         Note::ExtendTimeout(self.policy.stall),
@@ -396,47 +359,17 @@ impl Machine {
                 }
                 (S::Starting(run), fx)
             }
-            (
-                S::Launching {
-                    start,
-                    stop_pending,
-                },
-                E::SpawnFailed {
-                    start: s,
-                    error,
-                    permanent,
-                },
-            ) if s == start => {
+            (S::Launching { start, stop_pending }, E::SpawnFailed { start: s, error, permanent }) if s == start => {
                 if stop_pending {
-                    return self.finish(
-                        exit::STOPPED,
-                        "stopped".into(),
-                        Severity::Info,
-                        "stopped",
-                        vec![],
-                    );
+                    return self.finish(exit::STOPPED, "stopped".into(), Severity::Info, "stopped", vec![]);
                 }
-                let cause = Cause {
-                    text: error,
-                    kind: FailureKind::Spawn,
-                    permanent: permanent.then_some(SPAWN),
-                };
-                let fx = vec![record(
-                    Severity::Error,
-                    "failed",
-                    format!("start failed: {}", cause.text),
-                )];
+                let cause = Cause { text: error, kind: FailureKind::Spawn, permanent: permanent.then_some(SPAWN) };
+                let fx = vec![record(Severity::Error, "failed", format!("start failed: {}", cause.text))];
                 self.after_failure(cause, None, now, fx)
             }
             (S::Launching { start, .. }, E::StopRequested) => (
-                S::Launching {
-                    start,
-                    stop_pending: true,
-                },
-                vec![Effect::Notify(vec![
-                    Note::Stopping,
-                    status("stopping".into()),
-                ])],
+                S::Launching { start, stop_pending: true },
+                vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])],
             ),
 
             (S::Starting(run) | S::Ready(run), E::Line { start, .. }) if start != run.start => {
@@ -447,9 +380,7 @@ impl Machine {
                 let fx = self.note_fatal(&mut run, &line, now);
                 (S::Ready(run), fx)
             }
-            (S::Starting(run), E::HttpReady { start })
-                if start == run.start && run.awaiting_http =>
-            {
+            (S::Starting(run), E::HttpReady { start }) if start == run.start && run.awaiting_http => {
                 if run.fatal_at.is_some() {
                     return (S::Starting(run), vec![]);
                 }
@@ -467,11 +398,7 @@ impl Machine {
                     kind: FailureKind::Exit,
                     permanent: None,
                 });
-                let state = if was_ready {
-                    S::Ready(run)
-                } else {
-                    S::Starting(run)
-                };
+                let state = if was_ready { S::Ready(run) } else { S::Starting(run) };
                 let (next, fx) = self.begin_stop(state, Purpose::Failure(cause), now, vec![]);
                 (self.leader_gone(next), fx)
             }
@@ -486,11 +413,7 @@ impl Machine {
                         permanent: None,
                     })
                 } else if now >= run.progress_at + p.stall {
-                    let last = run
-                        .progress
-                        .as_deref()
-                        .map(|l| format!("; last: {l}"))
-                        .unwrap_or_default();
+                    let last = run.progress.as_deref().map(|l| format!("; last: {l}")).unwrap_or_default();
                     Some(Cause {
                         text: format!("no progress for {} (ready.stall){last}", secs(p.stall)),
                         kind: FailureKind::Stall,
@@ -519,11 +442,12 @@ impl Machine {
                 self.last_exit = Some(exit);
                 stop.leader_alive = false;
                 stop.resend_at = None;
-                let fx = vec![record(
-                    Severity::Info,
-                    "exited",
-                    format!("child {pid} {exit}"),
-                )];
+                // Whatever the leader left behind is orphaned now: pass the stop
+                // on to it at once rather than waiting for the SIGKILL.
+                let mut fx = vec![record(Severity::Info, "exited", format!("child {pid} {exit}"))];
+                if !stop.killed {
+                    fx.push(Effect::Terminate(self.policy.stop_signal));
+                }
                 (S::Stopping(stop), fx)
             }
             (S::Stopping(mut stop), E::Tick) => {
@@ -531,11 +455,7 @@ impl Machine {
                 if !stop.killed && now >= stop.kill_at {
                     stop.killed = true;
                     stop.resend_at = None;
-                    fx.push(record(
-                        Severity::Warn,
-                        "kill",
-                        "stop timeout passed: SIGKILL to the whole tree".into(),
-                    ));
+                    fx.push(record(Severity::Warn, "kill", "stop timeout passed: SIGKILL to the whole tree".into()));
                     fx.push(Effect::KillTree);
                 } else if let Some(t) = stop.resend_at.filter(|t| now >= *t) {
                     stop.resend_at = Some(t + LOAD_STOP_RESEND);
@@ -546,13 +466,7 @@ impl Machine {
             (S::Stopping(mut stop), E::StopRequested) => {
                 if let Purpose::Failure(_) = stop.purpose {
                     stop.purpose = Purpose::Shutdown;
-                    (
-                        S::Stopping(stop),
-                        vec![Effect::Notify(vec![
-                            Note::Stopping,
-                            status("stopping".into()),
-                        ])],
-                    )
+                    (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
                 } else if !stop.killed {
                     // Asked twice: no more patience.
                     stop.killed = true;
@@ -563,13 +477,7 @@ impl Machine {
                 }
             }
             (S::Stopping(stop), E::TreeGone) => match stop.purpose {
-                Purpose::Shutdown => self.finish(
-                    exit::STOPPED,
-                    "stopped".into(),
-                    Severity::Info,
-                    "stopped",
-                    vec![],
-                ),
+                Purpose::Shutdown => self.finish(exit::STOPPED, "stopped".into(), Severity::Info, "stopped", vec![]),
                 Purpose::Failure(cause) => self.after_failure(cause, stop.ready_for, now, vec![]),
             },
             // Lines after a stop was asked for never count (vLLM logs
@@ -590,13 +498,9 @@ impl Machine {
                 "stopped",
                 vec![Effect::Notify(vec![Note::Stopping])],
             ),
-            (S::Idle, E::StopRequested) => self.finish(
-                exit::STOPPED,
-                "stopped".into(),
-                Severity::Info,
-                "stopped",
-                vec![],
-            ),
+            (S::Idle, E::StopRequested) => {
+                self.finish(exit::STOPPED, "stopped".into(), Severity::Info, "stopped", vec![])
+            }
 
             (state, Event::Tick) => (state, vec![]),
             (state, event) => {
@@ -607,11 +511,7 @@ impl Machine {
     }
 
     fn restore(&self, run: Run) -> State {
-        if run.ready_at.is_some() {
-            State::Ready(run)
-        } else {
-            State::Starting(run)
-        }
+        if run.ready_at.is_some() { State::Ready(run) } else { State::Starting(run) }
     }
 
     fn launch(&mut self) -> (State, Vec<Effect>) {
@@ -620,17 +520,9 @@ impl Machine {
             self.restarts += 1;
         }
         let start = self.starts;
-        let fx = vec![
-            Effect::Notify(vec![status(format!("starting ({})", self.attempts_text()))]),
-            Effect::Spawn { start },
-        ];
-        (
-            State::Launching {
-                start,
-                stop_pending: false,
-            },
-            fx,
-        )
+        let fx =
+            vec![Effect::Notify(vec![status(format!("starting ({})", self.attempts_text()))]), Effect::Spawn { start }];
+        (State::Launching { start, stop_pending: false }, fx)
     }
 
     /// Record a fatal line or exception line of this run.
@@ -649,19 +541,13 @@ impl Machine {
         if line.class == Class::Fatal {
             if run.first_fatal.is_none() {
                 run.first_fatal = Some((line.message.trim().to_string(), line.permanent));
-            } else if line.permanent.is_some()
-                && run.first_fatal.as_ref().is_some_and(|(_, p)| p.is_none())
-            {
+            } else if line.permanent.is_some() && run.first_fatal.as_ref().is_some_and(|(_, p)| p.is_none()) {
                 // Keep the first line, but remember a permanent one that follows.
                 run.first_fatal = Some((line.message.trim().to_string(), line.permanent));
             }
             if run.fatal_at.is_none() {
                 run.fatal_at = Some(now);
-                fx.push(record(
-                    Severity::Error,
-                    "fatal",
-                    format!("fatal line: {}", line.message.trim()),
-                ));
+                fx.push(record(Severity::Error, "fatal", format!("fatal line: {}", line.message.trim())));
                 fx.push(Effect::Notify(vec![status(format!(
                     "failing: {}; waiting up to {} for the child to exit",
                     line.message.trim(),
@@ -681,11 +567,7 @@ impl Machine {
             Class::Ready if !run.awaiting_http => {
                 if self.policy.ready_http {
                     run.awaiting_http = true;
-                    fx.push(record(
-                        Severity::Info,
-                        "ready-line",
-                        "ready line seen; checking HTTP".into(),
-                    ));
+                    fx.push(record(Severity::Info, "ready-line", "ready line seen; checking HTTP".into()));
                     fx.push(Effect::Probe { start: run.start });
                 } else {
                     return self.become_ready(run, now);
@@ -709,10 +591,7 @@ impl Machine {
         run.awaiting_http = false;
         let took = now - run.spawned_at;
         let text = format!("ready: pid {}, loaded in {}", run.pid, secs(took));
-        let fx = vec![
-            record(Severity::Info, "ready", text.clone()),
-            Effect::Notify(vec![Note::Ready, status(text)]),
-        ];
+        let fx = vec![record(Severity::Info, "ready", text.clone()), Effect::Notify(vec![Note::Ready, status(text)])];
         self.cause = None;
         (State::Ready(run), fx)
     }
@@ -730,11 +609,7 @@ impl Machine {
         };
         let ready_for = run.ready_at.map(|t| now - t);
         let drain = ready_for.is_some() && purpose == Purpose::Shutdown;
-        let grace = if drain {
-            self.policy.stop_timeout
-        } else {
-            self.policy.stop_timeout.min(LOAD_STOP_GRACE)
-        };
+        let grace = if drain { self.policy.stop_timeout } else { self.policy.stop_timeout.min(LOAD_STOP_GRACE) };
         match &purpose {
             Purpose::Shutdown => fx.push(Effect::Notify(vec![
                 Note::Stopping,
@@ -743,16 +618,8 @@ impl Machine {
             ])),
             Purpose::Failure(c) => {
                 self.cause = Some(c.clone());
-                fx.push(record(
-                    Severity::Error,
-                    "failed",
-                    format!("run failed: {}", c.text),
-                ));
-                fx.push(Effect::Notify(vec![status(format!(
-                    "failed ({}): {}",
-                    self.attempts_text(),
-                    c.text
-                ))]));
+                fx.push(record(Severity::Error, "failed", format!("run failed: {}", c.text)));
+                fx.push(Effect::Notify(vec![status(format!("failed ({}): {}", self.attempts_text(), c.text))]));
             }
         }
         fx.push(Effect::Terminate(self.policy.stop_signal));
@@ -817,29 +684,15 @@ impl Machine {
         let base = self.policy.backoff(self.failures);
         let j = self.policy.jitter * (self.rng.f64() * 2.0 - 1.0);
         let delay = Duration::from_secs_f64((base.as_secs_f64() * (1.0 + j)).max(0.0));
-        let text = format!(
-            "restarting in {} ({}): {}",
-            secs(delay),
-            self.attempts_text(),
-            cause.text
-        );
+        let text = format!("restarting in {} ({}): {}", secs(delay), self.attempts_text(), cause.text);
         fx.push(record(Severity::Warn, "backoff", text.clone()));
-        fx.push(Effect::Notify(vec![
-            status(text),
-            Note::ExtendTimeout(delay + self.policy.stall),
-        ]));
+        fx.push(Effect::Notify(vec![status(text), Note::ExtendTimeout(delay + self.policy.stall)]));
         if delay.is_zero() {
             let (state, more) = self.launch();
             fx.extend(more);
             return (state, fx);
         }
-        (
-            State::Backoff {
-                until: now + delay,
-                cause,
-            },
-            fx,
-        )
+        (State::Backoff { until: now + delay, cause }, fx)
     }
 
     fn finish(

@@ -43,10 +43,7 @@ pub struct SdNotifier {
 
 impl SdNotifier {
     pub fn from_env() -> SdNotifier {
-        SdNotifier {
-            target: std::env::var_os("NOTIFY_SOCKET").filter(|s| !s.is_empty()),
-            sock: None,
-        }
+        SdNotifier { target: std::env::var_os("NOTIFY_SOCKET").filter(|s| !s.is_empty()), sock: None }
     }
 
     fn send(&mut self, msg: &str) -> std::io::Result<()> {
@@ -68,10 +65,7 @@ impl SdNotifier {
         let sock = self.sock.as_ref().expect("connected above");
         match sock.send(msg.as_bytes()) {
             Ok(n) if n == msg.len() => Ok(()),
-            Ok(_) => Err(std::io::Error::new(
-                std::io::ErrorKind::WriteZero,
-                "incomplete notification",
-            )),
+            Ok(_) => Err(std::io::Error::new(std::io::ErrorKind::WriteZero, "incomplete notification")),
             Err(e) => {
                 // Connect again next time (the manager may have re-created it).
                 self.sock = None;
@@ -131,9 +125,6 @@ impl Recording {
 
 impl Notifier for Recording {
     fn notify(&mut self, notes: &[Note]) {
-        self.0
-            .lock()
-            .expect("recording lock")
-            .extend_from_slice(notes);
+        self.0.lock().expect("recording lock").extend_from_slice(notes);
     }
 }

@@ -3,11 +3,7 @@
 use std::process::Command;
 
 fn warden(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vllm-warden"))
-        .args(args)
-        .env_remove("JOURNAL_STREAM")
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_vllm-warden")).args(args).env_remove("JOURNAL_STREAM").output().unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -19,23 +15,13 @@ fn warden(args: &[&str]) -> (i32, String, String) {
 fn check_accepts_a_valid_config_and_prints_the_effective_patterns() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("kimi.toml");
-    std::fs::write(
-        &cfg,
-        "[child]\ncommand = [\"/bin/true\"]\n[fatal]\nmatch = [\"illegal memory access\"]\n",
-    )
-    .unwrap();
+    std::fs::write(&cfg, "[child]\ncommand = [\"/bin/true\"]\n[fatal]\nmatch = [\"illegal memory access\"]\n").unwrap();
     let (code, out, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert!(
-        out.contains("config of instance \"kimi\" is valid"),
-        "{out}"
-    );
+    assert!(out.contains("config of instance \"kimi\" is valid"), "{out}");
     assert!(out.contains("fatal:\n  Traceback"), "{out}");
     assert!(out.contains("  illegal memory access\n"), "{out}");
-    assert!(
-        out.contains("permanent:\n  No available memory for the cache blocks"),
-        "{out}"
-    );
+    assert!(out.contains("permanent:\n  No available memory for the cache blocks"), "{out}");
 }
 
 #[test]
@@ -50,16 +36,8 @@ fn check_lists_every_problem_and_exits_78() {
     let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
     assert_eq!(code, 78);
     let f = cfg.display().to_string();
-    assert!(
-        err.contains(&format!(
-            "{f}:3:16: `stop-timeout`: invalid duration \"soon\""
-        )),
-        "{err}"
-    );
-    assert!(
-        err.contains(&format!("{f}:5:1: unknown key `max-attemps` in [restart]")),
-        "{err}"
-    );
+    assert!(err.contains(&format!("{f}:3:16: `stop-timeout`: invalid duration \"soon\"")), "{err}");
+    assert!(err.contains(&format!("{f}:5:1: unknown key `max-attemps` in [restart]")), "{err}");
     assert!(err.contains("2 problem(s) found"), "{err}");
 }
 
@@ -70,10 +48,7 @@ fn check_reports_a_program_that_is_not_there() {
     std::fs::write(&cfg, "[child]\ncommand = [\"no-such-vllm-binary\"]\n").unwrap();
     let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
     assert_eq!(code, 78);
-    assert!(
-        err.contains("program \"no-such-vllm-binary\" not found in PATH"),
-        "{err}"
-    );
+    assert!(err.contains("program \"no-such-vllm-binary\" not found in PATH"), "{err}");
 }
 
 #[test]
@@ -82,19 +57,10 @@ fn config_comes_from_the_environment_when_not_given() {
         .arg("check")
         .env("VLLM_WARDEN_CONFIG", "/nonexistent/w.toml")
         .output()
-        .map(|o| {
-            (
-                o.status.code().unwrap(),
-                (),
-                String::from_utf8_lossy(&o.stderr).into_owned(),
-            )
-        })
+        .map(|o| (o.status.code().unwrap(), (), String::from_utf8_lossy(&o.stderr).into_owned()))
         .unwrap();
     assert_eq!(code, 78);
-    assert!(
-        err.contains("/nonexistent/w.toml: cannot read config"),
-        "{err}"
-    );
+    assert!(err.contains("/nonexistent/w.toml: cannot read config"), "{err}");
 }
 
 #[test]
@@ -109,10 +75,7 @@ fn demo_runs_the_whole_lifecycle() {
     let (code, out, err) = warden(&["demo"]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert_eq!(out.matches("systemd <- READY=1").count(), 2, "{out}");
-    assert!(
-        out.contains("Loading safetensors checkpoint shards: 4/8 (50%)"),
-        "{out}"
-    );
+    assert!(out.contains("Loading safetensors checkpoint shards: 4/8 (50%)"), "{out}");
     assert!(out.contains("STATUS=restarting in "), "{out}");
     assert!(out.contains("STOPPING=1"), "{out}");
     assert!(out.contains("the warden exited with code 0"), "{out}");

@@ -3,52 +3,32 @@
 
 mod common;
 
-use common::{Warden, config, gone};
+use common::{Opts, Warden, config, gone};
 use nix::sys::signal::Signal;
 
 const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
 
 #[test]
 fn ready_after_the_line_and_http_then_a_clean_stop() {
-    let mut w =
-        Warden::start(|d, p| config(d, p, &["--shards", "4", "--shard-time", "20ms"], "", FAST));
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "4", "--shard-time", "20ms"], "", FAST));
     w.wait_ready();
     let ready_status = w.wait_note("ready status", |n| n.starts_with("STATUS=ready: pid "));
     // Progress came first, with the start timeout extended.
     let pos = |pred: &dyn Fn(&str) -> bool| w.notes.iter().position(|n| pred(n)).unwrap();
     let shards = pos(&|n: &str| {
-        n.starts_with("STATUS=loading, pid ")
-            && n.ends_with(": Loading safetensors checkpoint shards: 2/4 (50%)")
+        n.starts_with("STATUS=loading, pid ") && n.ends_with(": Loading safetensors checkpoint shards: 2/4 (50%)")
     });
     let ready = pos(&|n: &str| n == "READY=1");
     assert!(shards < ready);
     assert!(w.notes.iter().any(|n| n == "EXTEND_TIMEOUT_USEC=900000000"));
 
     // The child: its own group, no systemd variables, stdin from /dev/null.
-    let pid: i32 = ready_status["STATUS=ready: pid ".len()..]
-        .split(',')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let pid: i32 = ready_status["STATUS=ready: pid ".len()..].split(',').next().unwrap().parse().unwrap();
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     let environ = String::from_utf8_lossy(&environ);
-    assert!(
-        !environ.contains("NOTIFY_SOCKET="),
-        "the child must not inherit NOTIFY_SOCKET"
-    );
-    assert_eq!(
-        nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(pid)))
-            .unwrap()
-            .as_raw(),
-        pid
-    );
-    assert_eq!(
-        std::fs::read_link(format!("/proc/{pid}/fd/0"))
-            .unwrap()
-            .to_str(),
-        Some("/dev/null")
-    );
+    assert!(!environ.contains("NOTIFY_SOCKET="), "the child must not inherit NOTIFY_SOCKET");
+    assert_eq!(nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(pid))).unwrap().as_raw(), pid);
+    assert_eq!(std::fs::read_link(format!("/proc/{pid}/fd/0")).unwrap().to_str(), Some("/dev/null"));
     let log = w.log();
     assert!(log.starts_with("--- vllm-warden: start 1 at 20"), "{log}");
     assert!(log.contains("Application startup complete"));
@@ -98,30 +78,24 @@ fn a_transient_nccl_error_succeeds_on_retry() {
         config(
             d,
             p,
-            &[
-                "--shards",
-                "2",
-                "--fail",
-                "nccl",
-                "--fail-times",
-                "1",
-                "--count-file",
-                count.to_str().unwrap(),
-            ],
+            &["--shards", "2", "--fail", "nccl", "--fail-times", "1", "--count-file", count.to_str().unwrap()],
             "",
             FAST,
         )
     });
     let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
-    assert!(restarting.ends_with("(attempt 2/10): NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)"), "{restarting}");
+    assert!(
+        restarting
+            .ends_with("(attempt 2/10): NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)"),
+        "{restarting}"
+    );
     w.wait_ready();
     assert_eq!(w.stop(), 0);
 }
 
 #[test]
 fn a_permanent_cause_ends_in_78() {
-    let mut w =
-        Warden::start(|d, p| config(d, p, &["--shards", "1", "--fail", "kv-cache"], "", FAST));
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1", "--fail", "kv-cache"], "", FAST));
     assert_eq!(w.wait_exit(), 78);
     let last = w.statuses().last().unwrap().to_string();
     assert_eq!(
@@ -135,22 +109,13 @@ fn a_permanent_cause_ends_in_78() {
 fn a_fatal_line_with_a_hanging_child_is_stopped_after_the_grace() {
     let mut w = Warden::start(|d, p| {
         let extra = "[fatal]\ngrace = \"200ms\"\n[restart]\nmax-attempts = 1\n";
-        config(
-            d,
-            p,
-            &["--shards", "1", "--fail", "fatal-hang"],
-            "stop-timeout = \"2s\"",
-            extra,
-        )
+        config(d, p, &["--shards", "1", "--fail", "fatal-hang"], "stop-timeout = \"2s\"", extra)
     });
     let failing = w.wait_note("fatal", |n| n.starts_with("STATUS=failing: "));
     assert!(failing.contains("EngineCore failed to start."));
     let tree = w.descendants();
     assert_eq!(w.wait_exit(), 75);
-    assert_eq!(
-        w.statuses().last().unwrap(),
-        &"gave up after 1 failed starts: EngineCore failed to start."
-    );
+    assert_eq!(w.statuses().last().unwrap(), &"gave up after 1 failed starts: EngineCore failed to start.");
     assert!(tree.iter().all(gone), "left behind: {tree:?}");
 }
 
@@ -158,13 +123,7 @@ fn a_fatal_line_with_a_hanging_child_is_stopped_after_the_grace() {
 fn a_stalled_load_is_a_failed_start() {
     let mut w = Warden::start(|d, p| {
         let extra = "[ready]\nstall = \"500ms\"\n[restart]\nmax-attempts = 1\n";
-        config(
-            d,
-            p,
-            &["--shards", "4", "--fail", "stall"],
-            "stop-timeout = \"2s\"",
-            extra,
-        )
+        config(d, p, &["--shards", "4", "--fail", "stall"], "stop-timeout = \"2s\"", extra)
     });
     assert_eq!(w.wait_exit(), 75);
     let last = w.statuses().last().unwrap().to_string();
@@ -180,31 +139,17 @@ fn a_stop_during_a_load_kills_a_stubborn_tree_with_a_setsid_grandchild() {
         config(
             d,
             p,
-            &[
-                "--shards",
-                "1000",
-                "--shard-time",
-                "1s",
-                "--ignore-sigterm",
-                "--setsid-engine",
-            ],
+            &["--shards", "1000", "--shard-time", "1s", "--ignore-sigterm", "--setsid-engine"],
             "stop-timeout = \"2s\"",
             "",
         )
     });
-    w.wait_note("loading", |n| {
-        n.contains("Loading safetensors checkpoint shards: 1/1000")
-    });
+    w.wait_note("loading", |n| n.contains("Loading safetensors checkpoint shards: 1/1000"));
     let tree = w.descendants();
     assert!(tree.len() >= 2, "the fake and its engine: {tree:?}");
-    let engine = tree
-        .iter()
-        .find(|p| p.ppid != w.pid as i32)
-        .expect("a grandchild");
+    let engine = tree.iter().find(|p| p.ppid != w.pid as i32).expect("a grandchild");
     assert_eq!(
-        nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(engine.pid)))
-            .unwrap()
-            .as_raw(),
+        nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(engine.pid))).unwrap().as_raw(),
         engine.pid,
         "the grandchild has its own session"
     );
@@ -213,38 +158,21 @@ fn a_stop_during_a_load_kills_a_stubborn_tree_with_a_setsid_grandchild() {
     assert!(tree.iter().all(gone), "left behind: {tree:?}");
     // The stop signal is repeated, then SIGKILL after min(stop-timeout, 10s).
     assert!(t.elapsed() < std::time::Duration::from_secs(30));
-    assert!(
-        w.stderr().contains("SIGKILL to the whole tree"),
-        "{}",
-        w.stderr()
-    );
+    assert!(w.stderr().contains("SIGKILL to the whole tree"), "{}", w.stderr());
 }
 
 #[test]
 fn a_killed_api_server_leaves_no_orphan_behind() {
-    let mut w = Warden::start(|d, p| {
-        config(
-            d,
-            p,
-            &["--shards", "1", "--setsid-engine"],
-            "stop-timeout = \"2s\"",
-            FAST,
-        )
-    });
+    let mut w =
+        Warden::start(|d, p| config(d, p, &["--shards", "1", "--setsid-engine"], "stop-timeout = \"2s\"", FAST));
     w.wait_ready();
     let tree = w.descendants();
     let leader = tree.iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGKILL).unwrap();
     let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
-    assert!(
-        restarting.ends_with("exited while serving (killed by SIGKILL)"),
-        "{restarting}"
-    );
+    assert!(restarting.ends_with("exited while serving (killed by SIGKILL)"), "{restarting}");
     w.wait_ready();
-    assert!(
-        tree.iter().all(gone),
-        "the orphaned engine was stopped before the restart: {tree:?}"
-    );
+    assert!(tree.iter().all(gone), "the orphaned engine was stopped before the restart: {tree:?}");
     assert_eq!(w.stop(), 0);
 }
 
@@ -265,10 +193,87 @@ fn a_missing_program_is_permanent() {
         )
     });
     assert_eq!(w.wait_exit(), 78);
-    assert!(
-        w.statuses()
-            .last()
-            .unwrap()
-            .contains("cannot start /nonexistent/vllm")
-    );
+    assert!(w.statuses().last().unwrap().contains("cannot start /nonexistent/vllm"));
+}
+
+#[test]
+fn an_abstract_notify_socket_works() {
+    let opts = Opts { abstract_socket: true, ..Opts::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn the_watchdog_is_fed_at_half_its_period() {
+    let opts = Opts { env: vec![("WATCHDOG_USEC".into(), "200000".into())], ..Opts::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    w.wait_note("WATCHDOG=1", |n| n == "WATCHDOG=1");
+    w.wait_note("WATCHDOG=1", |n| n == "WATCHDOG=1");
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn the_watchdog_of_another_pid_is_not_ours() {
+    let env = vec![("WATCHDOG_USEC".into(), "100000".into()), ("WATCHDOG_PID".into(), "1".into())];
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), Opts { env, ..Opts::default() });
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+    assert!(!w.notes.iter().any(|n| n == "WATCHDOG=1"), "{:?}", w.notes);
+}
+
+#[test]
+fn without_notify_socket_the_warden_works_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("t.toml");
+    std::fs::write(&cfg, config(dir.path(), common::free_port(), &["--shards", "1", "--fail", "kv-cache"], "", FAST))
+        .unwrap();
+    let out = std::process::Command::new(common::exe())
+        .args(["run", "-c"])
+        .arg(&cfg)
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("JOURNAL_STREAM")
+        .env("STATE_DIRECTORY", dir.path().join("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("failed permanently (2 of 2 tries)"), "{err}");
+    assert!(!err.contains("cannot notify"), "{err}");
+}
+
+#[test]
+fn secrets_are_masked_where_the_command_is_printed() {
+    let mut w = Warden::start(|d, p| {
+        let fake = config(
+            d,
+            p,
+            &["--shards", "1", "--api-key", "sk-very-secret"],
+            "env = { HF_TOKEN = \"hf_secret\", PLAIN = \"shown\" }",
+            FAST,
+        );
+        fake
+    });
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+    let err = w.stderr();
+    assert!(err.contains("--api-key ***") && err.contains("HF_TOKEN=***") && err.contains("PLAIN=shown"), "{err}");
+    assert!(!err.contains("sk-very-secret") && !err.contains("hf_secret"), "{err}");
+}
+
+#[test]
+fn blocked_signals_are_unblocked_for_the_warden_and_its_child() {
+    let opts = Opts { blocked_signals: true, ..Opts::default() };
+    // A fake that ignores SIGTERM rather than blocking it for sigwait, so
+    // that its mask is what it inherited.
+    let make =
+        |d: &std::path::Path, p| config(d, p, &["--shards", "1", "--ignore-sigterm"], "stop-timeout = \"1s\"", FAST);
+    let mut w = Warden::start_with(make, opts);
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", leader.pid)).unwrap();
+    let blocked = status.lines().find(|l| l.starts_with("SigBlk:")).unwrap();
+    assert_eq!(blocked.split_whitespace().nth(1), Some("0000000000000000"), "{blocked}");
+    assert_eq!(w.stop(), 0);
 }

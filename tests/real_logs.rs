@@ -25,12 +25,7 @@ fn lines(name: &str) -> Vec<String> {
 }
 
 fn settings() -> vllm_warden::config::Settings {
-    config::parse(
-        "[child]\ncommand = [\"vllm\"]\n",
-        std::path::Path::new("t.toml"),
-        &Dirs::default(),
-    )
-    .unwrap()
+    config::parse("[child]\ncommand = [\"vllm\"]\n", std::path::Path::new("t.toml"), &Dirs::default()).unwrap()
 }
 
 /// Feed a whole log as one run, then the exit; returns the machine.
@@ -53,10 +48,7 @@ fn replay(name: &str, exit: Exit, stop_at: Option<&str>) -> Machine {
         }
         m.step(Event::Line { start: 1, line }, now);
     }
-    m.step(
-        Event::ChildExited { pid: 10, exit },
-        now + Duration::from_millis(1),
-    );
+    m.step(Event::ChildExited { pid: 10, exit }, now + Duration::from_millis(1));
     m
 }
 
@@ -67,11 +59,7 @@ fn cause(m: &Machine) -> (String, bool) {
 
 #[test]
 fn successful_runs_become_ready_with_no_fatal_line_before_the_stop() {
-    for name in [
-        "a_success_sigterm_main",
-        "a_enforce_eager",
-        "b_b3-fixed-kv-cache-scheme-removed",
-    ] {
+    for name in ["a_success_sigterm_main", "a_enforce_eager", "b_b3-fixed-kv-cache-scheme-removed"] {
         let s = settings();
         let mut c = Classifier::new(&s.patterns).unwrap();
         let mut ready = false;
@@ -85,11 +73,7 @@ fn successful_runs_become_ready_with_no_fatal_line_before_the_stop() {
         }
         assert!(ready, "{name}: no ready line");
         // The shutdown that follows a stop request logs EngineDeadError: never a failure.
-        let m = replay(
-            name,
-            Exit::Code(0),
-            Some("[shutdown] API server: shutdown triggered"),
-        );
+        let m = replay(name, Exit::Code(0), Some("[shutdown] API server: shutdown triggered"));
         assert_eq!(state_name(&m.state), "stopping", "{name}");
         assert_eq!(m.cause, None, "{name}");
     }
@@ -101,23 +85,14 @@ fn progress_lines_are_seen_in_a_real_load() {
     let mut c = Classifier::new(&s.patterns).unwrap();
     let progress: Vec<String> = lines("a_success_sigterm_main")
         .into_iter()
-        .filter_map(|t| {
-            if let Class::Progress(p) = c.classify(t).class {
-                Some(p)
-            } else {
-                None
-            }
-        })
+        .filter_map(|t| if let Class::Progress(p) = c.classify(t).class { Some(p) } else { None })
         .collect();
     for want in [
         "Loading safetensors checkpoint shards: 1/1 (100%)",
         "init engine (profile, create kv cache, warmup model) took",
         "Starting vLLM server on http://0.0.0.0:8011",
     ] {
-        assert!(
-            progress.iter().any(|p| p.starts_with(want)),
-            "{want} not in {progress:#?}"
-        );
+        assert!(progress.iter().any(|p| p.starts_with(want)), "{want} not in {progress:#?}");
     }
 }
 
@@ -136,9 +111,7 @@ fn kv_cache_scheme_fp4_names_the_real_exception_and_is_permanent() {
 fn nvfp4_without_a_kernel_is_permanent() {
     let (text, permanent) = cause(&replay("b_b1-nvfp4-hf-quant-config", Exit::Code(1), None));
     assert!(
-        text.starts_with(
-            "ValueError: Failed to find a kernel that can implement the NVFP4 linear layer"
-        ),
+        text.starts_with("ValueError: Failed to find a kernel that can implement the NVFP4 linear layer"),
         "{text}"
     );
     assert!(permanent);
@@ -147,10 +120,7 @@ fn nvfp4_without_a_kernel_is_permanent() {
 #[test]
 fn no_memory_for_the_kv_cache_is_permanent() {
     let (text, permanent) = cause(&replay("e_kv_cache_zero", Exit::Code(1), None));
-    assert!(
-        text.starts_with("ValueError: No available memory for the cache blocks."),
-        "{text}"
-    );
+    assert!(text.starts_with("ValueError: No available memory for the cache blocks."), "{text}");
     assert!(permanent);
 }
 
@@ -168,9 +138,7 @@ fn a_malformed_config_json_names_the_outer_exception() {
 fn max_model_len_too_large_is_a_validation_error() {
     let (text, permanent) = cause(&replay("e_max_model_len_too_large", Exit::Code(1), None));
     assert!(
-        text.starts_with(
-            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig"
-        ),
+        text.starts_with("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig"),
         "{text}"
     );
     assert!(permanent);
@@ -200,10 +168,7 @@ fn a_killed_api_server_is_an_exit_cause() {
 
 #[test]
 fn a_sigterm_during_startup_then_a_stop_is_not_a_failure() {
-    let m = replay(
-        "h_term-main_during_startup_at_15s",
-        Exit::Code(0),
-        Some("[shutdown] API server: shutdown triggered"),
-    );
+    let m =
+        replay("h_term-main_during_startup_at_15s", Exit::Code(0), Some("[shutdown] API server: shutdown triggered"));
     assert_eq!(m.cause, None);
 }

@@ -14,16 +14,9 @@ use crate::supervisor::Policy;
 #[derive(Clone)]
 enum Plan {
     /// Write these lines (each after `gap`), then exit.
-    Exit {
-        lines: Vec<&'static str>,
-        gap: Duration,
-        exit: Exit,
-    },
+    Exit { lines: Vec<&'static str>, gap: Duration, exit: Exit },
     /// Write these lines, then keep running.
-    Run {
-        lines: Vec<&'static str>,
-        gap: Duration,
-    },
+    Run { lines: Vec<&'static str>, gap: Duration },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -58,9 +51,7 @@ impl Fake {
     }
     fn end(&self, pid: u32, exit: Exit) {
         if self.alive.lock().unwrap().remove(&pid) {
-            let _ = self
-                .tx
-                .send(Input::Tree(TreeEvent::LeaderExited { pid, exit }));
+            let _ = self.tx.send(Input::Tree(TreeEvent::LeaderExited { pid, exit }));
         }
     }
 }
@@ -70,14 +61,8 @@ impl Backend for Fake {
         self.call(Call::Spawn(start));
         let pid = 100 + start;
         self.alive.lock().unwrap().insert(pid);
-        let plan = self
-            .plans
-            .get(start as usize - 1)
-            .cloned()
-            .unwrap_or(Plan::Run {
-                lines: vec![],
-                gap: Duration::ZERO,
-            });
+        let plan =
+            self.plans.get(start as usize - 1).cloned().unwrap_or(Plan::Run { lines: vec![], gap: Duration::ZERO });
         let (tx, alive) = (self.tx.clone(), self.alive.clone());
         tokio::spawn(async move {
             let (lines, gap, exit) = match plan {
@@ -86,10 +71,7 @@ impl Backend for Fake {
             };
             for l in lines {
                 tokio::time::sleep(gap).await;
-                let _ = tx.send(Input::Line {
-                    start,
-                    text: l.to_string(),
-                });
+                let _ = tx.send(Input::Line { start, text: l.to_string() });
             }
             if let Some(exit) = exit
                 && alive.lock().unwrap().remove(&pid)
@@ -137,11 +119,7 @@ struct Rec {
 impl Notifier for Rec {
     fn notify(&mut self, notes: &[Note]) {
         let t = self.t0.elapsed();
-        self.log
-            .notes
-            .lock()
-            .unwrap()
-            .extend(notes.iter().map(|n| (t, n.clone())));
+        self.log.notes.lock().unwrap().extend(notes.iter().map(|n| (t, n.clone())));
     }
 }
 
@@ -182,19 +160,8 @@ async fn run(
     let t0 = Instant::now();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let log = Log::default();
-    let mut fake = Fake {
-        t0,
-        tx: tx.clone(),
-        plans,
-        log: log.clone(),
-        alive: Arc::default(),
-        stubborn,
-        unflushed,
-    };
-    let mut rec = Rec {
-        t0,
-        log: log.clone(),
-    };
+    let mut fake = Fake { t0, tx: tx.clone(), plans, log: log.clone(), alive: Arc::default(), stubborn, unflushed };
+    let mut rec = Rec { t0, log: log.clone() };
     if let Some(at) = stop_at {
         let tx = tx.clone();
         tokio::spawn(async move {
@@ -203,19 +170,8 @@ async fn run(
         });
     }
     let c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
-    let ctx = Context {
-        instance: "t".into(),
-    };
-    let code = drive(
-        Machine::new(p, 1),
-        &mut fake,
-        &mut rec,
-        c,
-        &mut rx,
-        dog,
-        &ctx,
-    )
-    .await;
+    let ctx = Context { instance: "t".into() };
+    let code = drive(Machine::new(p, 1), &mut fake, &mut rec, c, &mut rx, dog, &ctx).await;
     let calls = log.calls.lock().unwrap().clone();
     let notes = log.notes.lock().unwrap().clone();
     Outcome { code, calls, notes }
@@ -225,117 +181,53 @@ const READY: &str = "INFO:     Application startup complete.";
 const S: fn(u64) -> Duration = Duration::from_secs;
 
 fn spawn_times(o: &Outcome) -> Vec<Duration> {
-    o.calls
-        .iter()
-        .filter(|(_, c)| matches!(c, Call::Spawn(_)))
-        .map(|(t, _)| *t)
-        .collect()
+    o.calls.iter().filter(|(_, c)| matches!(c, Call::Spawn(_))).map(|(t, _)| *t).collect()
 }
 
 #[tokio::test(start_paused = true)]
 async fn backoff_delays_are_kept_to_the_millisecond() {
-    let crash = Plan::Exit {
-        lines: vec![],
-        gap: Duration::ZERO,
-        exit: Exit::Code(1),
-    };
-    let ok = Plan::Run {
-        lines: vec![READY],
-        gap: S(2),
-    };
-    let o = run(
-        policy(),
-        vec![crash.clone(), crash, ok],
-        false,
-        vec![],
-        Some(S(100)),
-        None,
-    )
-    .await;
+    let crash = Plan::Exit { lines: vec![], gap: Duration::ZERO, exit: Exit::Code(1) };
+    let ok = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run(policy(), vec![crash.clone(), crash, ok], false, vec![], Some(S(100)), None).await;
     assert_eq!(o.code, 0);
     assert_eq!(spawn_times(&o), vec![S(0), S(10), S(30)]);
-    let ready: Vec<Duration> = o
-        .notes
-        .iter()
-        .filter(|(_, n)| *n == Note::Ready)
-        .map(|(t, _)| *t)
-        .collect();
+    let ready: Vec<Duration> = o.notes.iter().filter(|(_, n)| *n == Note::Ready).map(|(t, _)| *t).collect();
     assert_eq!(ready, vec![S(32)]);
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_watchdog_is_fed_at_its_interval() {
-    let o = run(
-        policy(),
-        vec![Plan::Run {
-            lines: vec![READY],
-            gap: S(1),
-        }],
-        false,
-        vec![],
-        Some(S(12)),
-        Some(S(5)),
-    )
-    .await;
-    let pings: Vec<Duration> = o
-        .notes
-        .iter()
-        .filter(|(_, n)| *n == Note::Watchdog)
-        .map(|(t, _)| *t)
-        .collect();
+    let o =
+        run(policy(), vec![Plan::Run { lines: vec![READY], gap: S(1) }], false, vec![], Some(S(12)), Some(S(5))).await;
+    let pings: Vec<Duration> = o.notes.iter().filter(|(_, n)| *n == Note::Watchdog).map(|(t, _)| *t).collect();
     assert_eq!(pings, vec![S(0), S(5), S(10)]);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_stall_fails_the_start_exactly_at_the_deadline() {
-    let stalls = Plan::Run {
-        lines: vec!["(Worker pid=1) INFO 11-29 18:11:02 [x.py:1] Starting to load model /m"],
-        gap: S(7),
-    };
+    let stalls =
+        Plan::Run { lines: vec!["(Worker pid=1) INFO 11-29 18:11:02 [x.py:1] Starting to load model /m"], gap: S(7) };
     let mut p = policy();
     p.max_attempts = 1;
     let o = run(p, vec![stalls], false, vec![], None, None).await;
     assert_eq!(o.code, 75);
-    assert!(
-        o.calls.contains(&(S(67), Call::Terminate(Signal::SIGTERM))),
-        "{:?}",
-        o.calls
-    );
+    assert!(o.calls.contains(&(S(67), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
     assert!(o.notes.contains(&(S(7), Note::ExtendTimeout(S(60)))));
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_stubborn_tree_is_signalled_every_second_then_killed() {
-    let o = run(
-        policy(),
-        vec![Plan::Run {
-            lines: vec![],
-            gap: S(0),
-        }],
-        true,
-        vec![],
-        Some(S(3)),
-        None,
-    )
-    .await;
+    let o = run(policy(), vec![Plan::Run { lines: vec![], gap: S(0) }], true, vec![], Some(S(3)), None).await;
     assert_eq!(o.code, 0);
-    let terms: Vec<u64> = o
-        .calls
-        .iter()
-        .filter(|(_, c)| *c == Call::Terminate(Signal::SIGTERM))
-        .map(|(t, _)| t.as_secs())
-        .collect();
+    let terms: Vec<u64> =
+        o.calls.iter().filter(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| t.as_secs()).collect();
     assert_eq!(terms, (3..13).collect::<Vec<_>>());
     assert!(o.calls.contains(&(S(13), Call::Kill)));
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_last_lines_in_the_file_are_read_before_the_exit() {
-    let exits = Plan::Exit {
-        lines: vec![],
-        gap: Duration::ZERO,
-        exit: Exit::Code(1),
-    };
+    let exits = Plan::Exit { lines: vec![], gap: Duration::ZERO, exit: Exit::Code(1) };
     let tail = vec![
         "Traceback (most recent call last):".to_string(),
         "  File \"x.py\", line 1".to_string(),
@@ -347,10 +239,7 @@ async fn the_last_lines_in_the_file_are_read_before_the_exit() {
     assert_eq!(o.code, 75);
     assert!(
         o.notes.iter().any(|(_, n)| *n
-            == Note::Status(
-                "gave up after 1 failed starts: ValueError: No valid attention backend found"
-                    .into()
-            )),
+            == Note::Status("gave up after 1 failed starts: ValueError: No valid attention backend found".into())),
         "{:?}",
         o.notes
     );

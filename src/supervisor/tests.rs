@@ -35,13 +35,7 @@ struct Sim {
 impl Sim {
     fn new(p: Policy) -> Sim {
         let now = Instant::now();
-        Sim {
-            m: Machine::new(p, 7),
-            t0: now,
-            now,
-            c: Classifier::new(&Profile::Vllm.patterns()).unwrap(),
-            fx: vec![],
-        }
+        Sim { m: Machine::new(p, 7), t0: now, now, c: Classifier::new(&Profile::Vllm.patterns()).unwrap(), fx: vec![] }
     }
     fn at(&mut self, secs: f64) -> &mut Self {
         self.now = self.t0 + Duration::from_secs_f64(secs);
@@ -72,12 +66,8 @@ impl Sim {
     fn ready(&mut self, pid: u32) {
         self.spawned(pid);
         let fx = self.line("INFO:     Application startup complete.");
-        assert!(fx.contains(&Effect::Probe {
-            start: self.m.starts
-        }));
-        let fx = self.ev(Event::HttpReady {
-            start: self.m.starts,
-        });
+        assert!(fx.contains(&Effect::Probe { start: self.m.starts }));
+        let fx = self.ev(Event::HttpReady { start: self.m.starts });
         assert!(notes(&fx).contains(&Note::Ready), "{fx:?}");
     }
     fn state(&self) -> &'static str {
@@ -86,37 +76,15 @@ impl Sim {
 }
 
 fn notes(fx: &[Effect]) -> Vec<Note> {
-    fx.iter()
-        .filter_map(|e| {
-            if let Effect::Notify(n) = e {
-                Some(n.clone())
-            } else {
-                None
-            }
-        })
-        .flatten()
-        .collect()
+    fx.iter().filter_map(|e| if let Effect::Notify(n) = e { Some(n.clone()) } else { None }).flatten().collect()
 }
 
 fn statuses(fx: &[Effect]) -> Vec<String> {
-    notes(fx)
-        .into_iter()
-        .filter_map(|n| {
-            if let Note::Status(s) = n {
-                Some(s)
-            } else {
-                None
-            }
-        })
-        .collect()
+    notes(fx).into_iter().filter_map(|n| if let Note::Status(s) = n { Some(s) } else { None }).collect()
 }
 
 fn backoff_until(m: &Machine) -> Option<Instant> {
-    if let State::Backoff { until, .. } = m.state {
-        Some(until)
-    } else {
-        None
-    }
+    if let State::Backoff { until, .. } = m.state { Some(until) } else { None }
 }
 
 #[test]
@@ -124,25 +92,15 @@ fn ready_needs_the_line_and_then_http() {
     let mut s = Sim::new(policy());
     s.spawned(100);
     let fx = s.ev(Event::HttpReady { start: 1 });
-    assert!(
-        !notes(&fx).contains(&Note::Ready),
-        "HTTP alone before the line is not ready"
-    );
+    assert!(!notes(&fx).contains(&Note::Ready), "HTTP alone before the line is not ready");
     s.ready(100);
     assert_eq!(s.state(), "ready");
-    assert!(
-        statuses(&s.fx)
-            .iter()
-            .any(|t| t.starts_with("ready: pid 100, loaded in"))
-    );
+    assert!(statuses(&s.fx).iter().any(|t| t.starts_with("ready: pid 100, loaded in")));
 }
 
 #[test]
 fn without_http_the_line_alone_is_ready() {
-    let mut s = Sim::new(Policy {
-        ready_http: false,
-        ..policy()
-    });
+    let mut s = Sim::new(Policy { ready_http: false, ..policy() });
     s.spawned(100);
     let fx = s.line("INFO:     Application startup complete.");
     assert!(notes(&fx).contains(&Note::Ready));
@@ -151,10 +109,7 @@ fn without_http_the_line_alone_is_ready() {
 
 #[test]
 fn without_a_ready_line_http_alone_is_ready() {
-    let mut s = Sim::new(Policy {
-        ready_log: false,
-        ..policy()
-    });
+    let mut s = Sim::new(Policy { ready_log: false, ..policy() });
     s.ev(Event::Begin);
     let fx = s.ev(Event::Spawned { start: 1, pid: 5 });
     assert!(fx.contains(&Effect::Probe { start: 1 }));
@@ -167,32 +122,23 @@ fn progress_updates_status_and_extends_the_start_timeout() {
     let mut s = Sim::new(policy());
     s.spawned(100);
     s.at(60.0);
-    let fx = s.line(
-        "Loading safetensors checkpoint shards:  45% Completed | 29/64 [01:02<01:10,  2.1s/it]",
-    );
+    let fx = s.line("Loading safetensors checkpoint shards:  45% Completed | 29/64 [01:02<01:10,  2.1s/it]");
     assert_eq!(
         notes(&fx),
         vec![
-            Note::Status(
-                "loading, pid 100: Loading safetensors checkpoint shards: 29/64 (45%)".into()
-            ),
+            Note::Status("loading, pid 100: Loading safetensors checkpoint shards: 29/64 (45%)".into()),
             Note::ExtendTimeout(Duration::from_secs(900)),
         ]
     );
     // The stall deadline moved with the progress.
-    assert_eq!(
-        s.m.next_deadline(),
-        Some(s.t0 + Duration::from_secs(60 + 900))
-    );
+    assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(60 + 900)));
 }
 
 #[test]
 fn a_stalled_load_fails_and_names_the_last_progress() {
     let mut s = Sim::new(policy());
     s.spawned(100);
-    s.at(10.0).line(
-        "(Worker pid=9) INFO 11-29 18:11:02 [cpu_model_runner.py:68] Starting to load model /m...",
-    );
+    s.at(10.0).line("(Worker pid=9) INFO 11-29 18:11:02 [cpu_model_runner.py:68] Starting to load model /m...");
     s.at(909.0).tick();
     assert_eq!(s.state(), "starting", "not yet: 899 s without progress");
     let fx = s.at(910.0).tick();
@@ -206,13 +152,9 @@ fn a_stalled_load_fails_and_names_the_last_progress() {
 
 #[test]
 fn the_hard_timeout_fails_a_load_that_keeps_moving() {
-    let mut s = Sim::new(Policy {
-        ready_timeout: Duration::from_secs(100),
-        ..policy()
-    });
+    let mut s = Sim::new(Policy { ready_timeout: Duration::from_secs(100), ..policy() });
     s.spawned(100);
-    s.at(99.0)
-        .line("Loading safetensors checkpoint shards:   1% Completed | 1/64 [..]");
+    s.at(99.0).line("Loading safetensors checkpoint shards:   1% Completed | 1/64 [..]");
     let fx = s.at(100.0).tick();
     assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
     assert_eq!(s.m.cause.as_ref().unwrap().kind, FailureKind::Timeout);
@@ -225,33 +167,23 @@ fn a_ready_child_that_exits_0_after_a_fatal_error_is_a_failure() {
     s.at(50.0).line("(EngineCore pid=7) ERROR 11-29 18:22:57 [core.py:1063] EngineCore encountered a fatal error.");
     assert_eq!(s.state(), "ready", "the child gets its grace");
     s.at(51.0);
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Code(0),
-    });
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
     assert_eq!(s.state(), "failed");
-    assert_eq!(
-        s.m.cause.as_ref().unwrap().text,
-        "EngineCore encountered a fatal error."
-    );
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "EngineCore encountered a fatal error.");
     s.ev(Event::TreeGone);
     assert_eq!(s.state(), "backoff");
     assert_eq!(backoff_until(&s.m), Some(s.now + Duration::from_secs(10)));
-    assert!(statuses(&s.fx).iter().any(|t| t == "restarting in 10s (attempt 2/10): EngineCore encountered a fatal error."));
+    assert!(
+        statuses(&s.fx).iter().any(|t| t == "restarting in 10s (attempt 2/10): EngineCore encountered a fatal error.")
+    );
 }
 
 #[test]
 fn a_ready_child_exiting_0_without_a_line_is_a_failure_too() {
     let mut s = Sim::new(policy());
     s.ready(100);
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Code(0),
-    });
-    assert_eq!(
-        s.m.cause.as_ref().unwrap().text,
-        "exited while serving (exit code 0)"
-    );
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "exited while serving (exit code 0)");
     assert_eq!(s.m.cause.as_ref().unwrap().kind, FailureKind::Exit);
 }
 
@@ -259,18 +191,10 @@ fn a_ready_child_exiting_0_without_a_line_is_a_failure_too() {
 fn a_transient_failure_succeeds_on_retry() {
     let mut s = Sim::new(policy());
     s.spawned(100);
-    s.line(
-        "(Worker pid=9) ERROR 11-29 18:16:26 [pynccl.py:120] NCCL error: unhandled system error",
-    );
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Code(1),
-    });
+    s.line("(Worker pid=9) ERROR 11-29 18:16:26 [pynccl.py:120] NCCL error: unhandled system error");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     s.ev(Event::TreeGone);
-    assert_eq!(
-        s.m.cause.as_ref().unwrap().text,
-        "NCCL error: unhandled system error"
-    );
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "NCCL error: unhandled system error");
     assert_eq!(s.m.cause.as_ref().unwrap().permanent, None);
     let until = backoff_until(&s.m).unwrap();
     s.now = until - Duration::from_millis(1);
@@ -290,18 +214,10 @@ fn the_traceback_exception_line_is_the_cause() {
     s.line(&format!("{w} WorkerProc failed to start."));
     s.line(&format!("{w} Traceback (most recent call last):"));
     s.line(&format!("{w}   File \"x.py\", line 1, in f"));
-    s.line(&format!(
-        "{w} ValueError: Failed to find a kernel that can implement the NVFP4 linear layer."
-    ));
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Code(1),
-    });
+    s.line(&format!("{w} ValueError: Failed to find a kernel that can implement the NVFP4 linear layer."));
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     let cause = s.m.cause.clone().unwrap();
-    assert_eq!(
-        cause.text,
-        "ValueError: Failed to find a kernel that can implement the NVFP4 linear layer."
-    );
+    assert_eq!(cause.text, "ValueError: Failed to find a kernel that can implement the NVFP4 linear layer.");
     assert!(cause.permanent.is_some());
 }
 
@@ -312,10 +228,7 @@ fn a_permanent_cause_is_tried_permanent_attempts_times_then_exits_78() {
         s.spawned(pid);
         s.line("(EngineCore pid=7) ERROR 11-29 18:21:33 [core.py:1510] Traceback (most recent call last):");
         s.line("(EngineCore pid=7) ERROR 11-29 18:21:33 [core.py:1510] ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`");
-        s.ev(Event::ChildExited {
-            pid,
-            exit: Exit::Code(1),
-        });
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
         s.ev(Event::TreeGone)
     };
     fail(&mut s, 100);
@@ -326,39 +239,25 @@ fn a_permanent_cause_is_tried_permanent_attempts_times_then_exits_78() {
     let fx = fail(&mut s, 101);
     assert!(fx.contains(&Effect::Exit(exit::CONFIG)), "{fx:?}");
     assert_eq!(s.m.state, State::Done(78));
-    assert!(
-        statuses(&fx)[0]
-            .starts_with("failed permanently (2 of 2 tries): ValueError: No available memory")
-    );
+    assert!(statuses(&fx)[0].starts_with("failed permanently (2 of 2 tries): ValueError: No available memory"));
 }
 
 #[test]
 fn a_fatal_line_with_a_hanging_child_is_stopped_after_the_grace() {
     let mut s = Sim::new(policy());
     s.spawned(100);
-    s.at(5.0)
-        .line("(EngineCore pid=7) ERROR 11-29 18:16:28 [core.py:1510] EngineCore failed to start.");
+    s.at(5.0).line("(EngineCore pid=7) ERROR 11-29 18:16:28 [core.py:1510] EngineCore failed to start.");
     s.at(34.9).tick();
     assert_eq!(s.state(), "starting");
     let fx = s.at(35.0).tick();
     assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
     // Not ready: the signal is repeated, and SIGKILL follows after 10 s.
-    assert!(
-        s.at(36.0)
-            .tick()
-            .contains(&Effect::Terminate(Signal::SIGTERM))
-    );
+    assert!(s.at(36.0).tick().contains(&Effect::Terminate(Signal::SIGTERM)));
     assert!(s.at(45.0).tick().contains(&Effect::KillTree));
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Signal(Signal::SIGKILL),
-    });
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Signal(Signal::SIGKILL) });
     s.ev(Event::TreeGone);
     assert_eq!(s.state(), "backoff");
-    assert_eq!(
-        s.m.cause.as_ref().unwrap().text,
-        "EngineCore failed to start."
-    );
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "EngineCore failed to start.");
 }
 
 #[test]
@@ -369,18 +268,11 @@ fn a_stop_during_a_load_is_prompt() {
     assert!(notes(&fx).contains(&Note::Stopping));
     assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
     assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(2)));
-    assert!(
-        s.at(2.0)
-            .tick()
-            .contains(&Effect::Terminate(Signal::SIGTERM))
-    );
+    assert!(s.at(2.0).tick().contains(&Effect::Terminate(Signal::SIGTERM)));
     assert!(s.at(11.0).tick().contains(&Effect::KillTree));
     // Lines after the stop request never count as fatal.
     s.line("(APIServer pid=1) ERROR 11-29 18:22:57 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: x");
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Signal(Signal::SIGKILL),
-    });
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Signal(Signal::SIGKILL) });
     let fx = s.ev(Event::TreeGone);
     assert!(fx.contains(&Effect::Exit(0)));
 }
@@ -391,10 +283,9 @@ fn a_stop_while_ready_waits_the_full_stop_timeout() {
     s.ready(100);
     s.at(100.0).ev(Event::StopRequested);
     assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(190)));
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Code(0),
-    });
+    // The leader's orphans get the stop signal as soon as it is gone.
+    let fx = s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
     assert!(s.ev(Event::TreeGone).contains(&Effect::Exit(0)));
 }
 
@@ -410,10 +301,7 @@ fn a_second_stop_request_kills_at_once() {
 fn a_stop_during_backoff_exits_at_once() {
     let mut s = Sim::new(policy());
     s.spawned(100);
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Code(1),
-    });
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     s.ev(Event::TreeGone);
     let fx = s.ev(Event::StopRequested);
     assert!(fx.contains(&Effect::Exit(0)));
@@ -422,40 +310,24 @@ fn a_stop_during_backoff_exits_at_once() {
 
 #[test]
 fn max_attempts_failed_starts_exit_75() {
-    let mut s = Sim::new(Policy {
-        max_attempts: 3,
-        initial_delay: Duration::ZERO,
-        ..policy()
-    });
+    let mut s = Sim::new(Policy { max_attempts: 3, initial_delay: Duration::ZERO, ..policy() });
     s.ev(Event::Begin);
     let mut last = vec![];
     for pid in 0..3 {
         let start = s.m.starts;
         s.ev(Event::Spawned { start, pid });
-        s.ev(Event::ChildExited {
-            pid,
-            exit: Exit::Code(1),
-        });
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
         last = s.ev(Event::TreeGone);
     }
     assert!(last.contains(&Effect::Exit(exit::GAVE_UP)), "{last:?}");
-    assert!(
-        statuses(&last)[0]
-            .starts_with("gave up after 3 failed starts: exited before ready (exit code 1)")
-    );
+    assert!(statuses(&last)[0].starts_with("gave up after 3 failed starts: exited before ready (exit code 1)"));
 }
 
 #[test]
 fn zero_backoff_spawns_at_once() {
-    let mut s = Sim::new(Policy {
-        initial_delay: Duration::ZERO,
-        ..policy()
-    });
+    let mut s = Sim::new(Policy { initial_delay: Duration::ZERO, ..policy() });
     s.spawned(100);
-    s.ev(Event::ChildExited {
-        pid: 100,
-        exit: Exit::Code(1),
-    });
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     let fx = s.ev(Event::TreeGone);
     assert!(fx.contains(&Effect::Spawn { start: 2 }));
 }
@@ -469,27 +341,18 @@ fn backoff_grows_by_factor_and_is_capped() {
 
 #[test]
 fn jitter_stays_within_its_fraction_and_ready_runs_reset_the_count() {
-    let mut s = Sim::new(Policy {
-        jitter: 0.1,
-        ..policy()
-    });
+    let mut s = Sim::new(Policy { jitter: 0.1, ..policy() });
     let mut seen = std::collections::BTreeSet::new();
     for pid in 0..20 {
         s.ready(pid);
         // Ready for reset-after: the failure that follows counts as the first.
         s.now += Duration::from_secs(601);
-        s.ev(Event::ChildExited {
-            pid,
-            exit: Exit::Code(1),
-        });
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
         s.ev(Event::TreeGone);
         assert_eq!(s.m.failures, 1);
         let until = backoff_until(&s.m).unwrap();
         let d = until - s.now;
-        assert!(
-            d >= Duration::from_secs(9) && d <= Duration::from_secs(11),
-            "{d:?}"
-        );
+        assert!(d >= Duration::from_secs(9) && d <= Duration::from_secs(11), "{d:?}");
         seen.insert(d.as_millis());
         s.now = until;
         s.tick();
@@ -501,17 +364,10 @@ fn jitter_stays_within_its_fraction_and_ready_runs_reset_the_count() {
 fn events_of_an_old_run_are_ignored() {
     let mut s = Sim::new(policy());
     s.spawned(100);
-    let line =
-        s.c.classify("INFO:     Application startup complete.".into());
+    let line = s.c.classify("INFO:     Application startup complete.".into());
     assert!(s.ev(Event::Line { start: 99, line }).is_empty());
     assert!(s.ev(Event::HttpReady { start: 99 }).is_empty());
-    assert!(
-        s.ev(Event::ChildExited {
-            pid: 42,
-            exit: Exit::Code(1)
-        })
-        .is_empty()
-    );
+    assert!(s.ev(Event::ChildExited { pid: 42, exit: Exit::Code(1) }).is_empty());
     assert_eq!(s.state(), "starting");
 }
 
@@ -519,20 +375,12 @@ fn events_of_an_old_run_are_ignored() {
 fn a_command_that_cannot_be_spawned_is_permanent() {
     let mut s = Sim::new(policy());
     s.ev(Event::Begin);
-    s.ev(Event::SpawnFailed {
-        start: 1,
-        error: "cannot start /x: No such file".into(),
-        permanent: true,
-    });
+    s.ev(Event::SpawnFailed { start: 1, error: "cannot start /x: No such file".into(), permanent: true });
     assert_eq!(s.state(), "backoff");
     let until = backoff_until(&s.m).unwrap();
     s.now = until;
     s.tick();
-    let fx = s.ev(Event::SpawnFailed {
-        start: 2,
-        error: "cannot start /x: No such file".into(),
-        permanent: true,
-    });
+    let fx = s.ev(Event::SpawnFailed { start: 2, error: "cannot start /x: No such file".into(), permanent: true });
     assert!(fx.contains(&Effect::Exit(78)));
 }
 

@@ -18,11 +18,7 @@ pub fn exe() -> &'static str {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 pub struct Warden {
@@ -43,12 +39,7 @@ pub struct Warden {
 /// A config whose command is the fake vLLM with `fake_args`; `extra` is
 /// appended (more sections).
 pub fn config(dir: &Path, port: u16, fake_args: &[&str], child_extra: &str, extra: &str) -> String {
-    let mut argv = vec![
-        exe().to_string(),
-        "fake-vllm".into(),
-        "--port".into(),
-        port.to_string(),
-    ];
+    let mut argv = vec![exe().to_string(), "fake-vllm".into(), "--port".into(), port.to_string()];
     argv.extend(fake_args.iter().map(|s| s.to_string()));
     let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
     format!(
@@ -58,15 +49,37 @@ pub fn config(dir: &Path, port: u16, fake_args: &[&str], child_extra: &str, extr
     )
 }
 
+/// How the warden's notify socket is set up.
+#[derive(Debug, Clone, Default)]
+pub struct Opts {
+    /// Bind an abstract socket (`@name`) instead of a path.
+    pub abstract_socket: bool,
+    /// More environment for the warden.
+    pub env: Vec<(String, String)>,
+    /// Start the warden with SIGTERM and SIGINT blocked.
+    pub blocked_signals: bool,
+}
+
 impl Warden {
     /// Start `vllm-warden run` on a config made by `make(dir, port)`.
     pub fn start(make: impl FnOnce(&Path, u16) -> String) -> Warden {
+        Warden::start_with(make, Opts::default())
+    }
+
+    pub fn start_with(make: impl FnOnce(&Path, u16) -> String, opts: Opts) -> Warden {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
         let cfg = dir.path().join("t.toml");
         std::fs::write(&cfg, make(dir.path(), port)).unwrap();
-        let sock_path = dir.path().join("notify.sock");
-        let sock = UnixDatagram::bind(&sock_path).unwrap();
+        let (sock, notify_socket) = if opts.abstract_socket {
+            use std::os::linux::net::SocketAddrExt;
+            let name = format!("vllm-warden-test-{}-{port}", std::process::id());
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+            (UnixDatagram::bind_addr(&addr).unwrap(), format!("@{name}"))
+        } else {
+            let path = dir.path().join("notify.sock");
+            (UnixDatagram::bind(&path).unwrap(), path.to_str().unwrap().to_string())
+        };
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 65536];
@@ -79,29 +92,33 @@ impl Warden {
             }
         });
         let stderr = std::fs::File::create(dir.path().join("warden.stderr")).unwrap();
-        let child = Command::new(exe())
-            .args(["run", "-c"])
+        let mut cmd = Command::new(exe());
+        cmd.args(["run", "-c"])
             .arg(&cfg)
-            .env("NOTIFY_SOCKET", &sock_path)
+            .env("NOTIFY_SOCKET", &notify_socket)
+            .envs(opts.env)
             .env("STATE_DIRECTORY", dir.path().join("state"))
             .env_remove("JOURNAL_STREAM")
             .env("RUST_LOG", "debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        Warden {
-            dir,
-            lines,
-            child: Some(child),
-            pid,
-            notes: Vec::new(),
-            cursor: 0,
-            exit: None,
-            port,
+            .stderr(stderr);
+        if opts.blocked_signals {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: only sigprocmask between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    let mut set = nix::sys::signal::SigSet::empty();
+                    set.add(nix::sys::signal::Signal::SIGTERM);
+                    set.add(nix::sys::signal::Signal::SIGINT);
+                    let _ = set.thread_set_mask();
+                    Ok(())
+                });
+            }
         }
+        let child = cmd.spawn().unwrap();
+        let pid = child.id();
+        Warden { dir, lines, child: Some(child), pid, notes: Vec::new(), cursor: 0, exit: None, port }
     }
 
     pub fn path(&self, name: &str) -> PathBuf {
@@ -139,11 +156,7 @@ impl Warden {
                 Err(e) => panic!("notify socket: {e}"),
             }
         }
-        panic!(
-            "timed out waiting for {what}; notes: {:#?}\n{}",
-            self.notes,
-            self.stderr()
-        );
+        panic!("timed out waiting for {what}; notes: {:#?}\n{}", self.notes, self.stderr());
     }
 
     /// Wait for the next `READY=1`.
@@ -185,11 +198,7 @@ impl Warden {
                 self.drain_notes();
                 code
             }
-            Err(_) => panic!(
-                "warden did not exit; notes: {:#?}\n{}",
-                self.notes,
-                self.stderr()
-            ),
+            Err(_) => panic!("warden did not exit; notes: {:#?}\n{}", self.notes, self.stderr()),
         }
     }
 
@@ -216,15 +225,16 @@ impl Warden {
     }
 
     pub fn statuses(&self) -> Vec<&str> {
-        self.notes
-            .iter()
-            .filter_map(|n| n.strip_prefix("STATUS="))
-            .collect()
+        self.notes.iter().filter_map(|n| n.strip_prefix("STATUS=")).collect()
     }
 }
 
 impl Drop for Warden {
     fn drop(&mut self) {
+        // A failed test must not leave the fake's tree behind.
+        for p in self.descendants() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid), nix::sys::signal::Signal::SIGKILL);
+        }
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
