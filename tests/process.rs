@@ -245,16 +245,8 @@ fn without_notify_socket_the_warden_works_the_same() {
 
 #[test]
 fn secrets_are_masked_where_the_command_is_printed() {
-    let mut w = Warden::start(|d, p| {
-        let fake = config(
-            d,
-            p,
-            &["--shards", "1", "--api-key", "sk-very-secret"],
-            "env = { HF_TOKEN = \"hf_secret\", PLAIN = \"shown\" }",
-            FAST,
-        );
-        fake
-    });
+    let env = "env = { HF_TOKEN = \"hf_secret\", PLAIN = \"shown\" }";
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1", "--api-key", "sk-very-secret"], env, FAST));
     w.wait_ready();
     assert_eq!(w.stop(), 0);
     let err = w.stderr();
