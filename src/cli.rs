@@ -29,12 +29,29 @@ pub struct ConfigArg {
     pub config: PathBuf,
 }
 
+#[derive(Debug, clap::Args)]
+pub struct PatchArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Print a unified diff per file of what would change; write nothing.
+    #[arg(long, conflicts_with = "revert")]
+    pub dry_run: bool,
+    /// Restore the original files (symlinks back to symlinks).
+    #[arg(long)]
+    pub revert: bool,
+    /// With --revert: restore even files changed by someone else since.
+    #[arg(long, requires = "revert")]
+    pub force: bool,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Run the daemon in the foreground (systemd's ExecStart=).
     Run(ConfigArg),
     /// Validate the config and the environment; list every problem.
     Check(ConfigArg),
+    /// Apply the config's [[patch]] entries to the model files now.
+    Patch(PatchArgs),
     /// Run the whole lifecycle against a built-in simulated vLLM.
     Demo,
     /// A simulated vLLM server, for the demo and the tests.
@@ -48,6 +65,7 @@ pub fn main() -> i32 {
     match cli.command {
         Cmd::Run(c) => run(&c.config),
         Cmd::Check(c) => check(&c.config),
+        Cmd::Patch(a) => patch(&a),
         Cmd::Demo => demo(),
         Cmd::FakeVllm(a) => fake::main(a),
     }
@@ -83,6 +101,49 @@ fn check(path: &Path) -> i32 {
     } else {
         eprintln!("{} problem(s) found", problems.len());
         exit::CONFIG
+    }
+}
+
+/// Exit code of `patch` when a file cannot be patched or restored.
+const PATCH_FAILED: i32 = 1;
+
+fn patch(a: &PatchArgs) -> i32 {
+    let s = match load(&a.config.config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let result = if a.revert {
+        crate::patch::revert(&s.state_dir, a.force).map(|files| {
+            if files.is_empty() {
+                println!("nothing to restore");
+            }
+            for f in files {
+                println!("{}: restored", f.display());
+            }
+        })
+    } else if a.dry_run {
+        crate::patch::by_file(&s.patches).iter().try_for_each(|fp| {
+            let plan = crate::patch::plan(fp)?;
+            if plan.changes() {
+                print!("{}", plan.diff());
+            } else {
+                println!("{}: unchanged", plan.file.display());
+            }
+            Ok(())
+        })
+    } else {
+        crate::patch::apply(&s.patches, &s.state_dir).map(|applied| {
+            for a in applied {
+                println!("{a}");
+            }
+        })
+    };
+    match result {
+        Ok(()) => exit::STOPPED,
+        Err(e) => {
+            eprintln!("vllm-warden: {e}");
+            PATCH_FAILED
+        }
     }
 }
 
@@ -222,13 +283,24 @@ fn demo_in(dir: &Path) -> i32 {
         Err(e) => return fail(&e),
     };
     let d = dir.display();
+    // A model whose config.json asks for a 4-bit KV cache: the simulated
+    // vLLM refuses it, as vLLM 0.32 does, unless the patch removes it.
+    let model = dir.join("model");
+    let model_cfg = "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"quantization_config\": {\n    \"quant_method\": \"compressed-tensors\",\n    \"kv_cache_scheme\": {\"num_bits\": 4, \"type\": \"float\"}\n  }\n}\n";
+    if let Err(e) = std::fs::create_dir_all(&model).and_then(|()| std::fs::write(model.join("config.json"), model_cfg))
+    {
+        return fail(&e);
+    }
     let text = format!(
         r#"name = "demo"
 [child]
-command = ["{exe}", "fake-vllm", "--port", "{port}", "--shards", "8", "--shard-time", "300ms",
+command = ["{exe}", "fake-vllm", "--port", "{port}", "--model", "{d}/model", "--shards", "8", "--shard-time", "300ms",
            "--fail", "engine-death", "--fail-after", "3s", "--fail-times", "1", "--count-file", "{d}/runs"]
 log-file = "{d}/demo.log"
 stop-timeout = "5s"
+[[patch]]
+file = "{d}/model/config.json"
+remove = ["quantization_config.kv_cache_scheme"]
 [restart]
 initial-delay = "2s"
 [status]
@@ -245,8 +317,10 @@ file = "{d}/status.json"
         Ok(s) => s,
         Err(p) => return fail(&p),
     };
-    println!("demo: a simulated vLLM on port {port}: it loads 8 shards, serves, its engine dies 3 s after the");
-    println!("demo: first ready (the API server then exits 0), and the second start stays up. Log: {d}/demo.log");
+    println!("demo: a simulated vLLM on port {port}. Its model's config.json asks for a 4-bit KV cache, which it");
+    println!("demo: refuses; a [[patch]] removes the key before each start. It loads 8 shards, serves, its engine");
+    println!("demo: dies 3 s after the first ready (the API server then exits 0), and the second start stays up.");
+    println!("demo: the child's log: {d}/demo.log");
     crate::logging::init();
     let rt = match runtime() {
         Ok(rt) => rt,

@@ -787,10 +787,8 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
     {
         say(format!("`log-file`: {} is not a folder", existing.display()));
     }
-    for p in &s.patches {
-        if !p.file.exists() {
-            say(format!("`[[patch]] file`: {}: no such file", p.file.display()));
-        }
+    for problem in crate::patch::check(&s.patches) {
+        say(format!("[[patch]] {problem}"));
     }
     out
 }

@@ -29,8 +29,9 @@ pub enum Input {
 
 /// Where effects on the child are carried out.
 pub trait Backend {
-    /// Spawn start `start`. `Err((message, permanent))` when it cannot be.
-    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)>;
+    /// Prepare and spawn start `start`, telling each step to `status`.
+    /// `Err((message, permanent))` when it cannot be.
+    fn spawn(&mut self, start: u32, status: &mut dyn FnMut(String)) -> Result<u32, (String, bool)>;
     fn probe(&mut self, start: u32);
     fn terminate(&mut self, sig: Signal);
     fn kill_tree(&mut self);
@@ -64,7 +65,8 @@ pub async fn drive(
                 match fx {
                     Effect::Spawn { start } => {
                         classifier.reset();
-                        events.push_back(match backend.spawn(start) {
+                        let mut say = |text: String| notifier.notify(&[Note::Status(text)]);
+                        events.push_back(match backend.spawn(start, &mut say) {
                             Ok(pid) => Event::Spawned { start, pid },
                             Err((error, permanent)) => Event::SpawnFailed { start, error, permanent },
                         });
@@ -185,11 +187,20 @@ impl Real {
 }
 
 impl Backend for Real {
-    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)> {
+    fn spawn(&mut self, start: u32, status: &mut dyn FnMut(String)) -> Result<u32, (String, bool)> {
         if let Some(p) = self.probe.take() {
             p.abort();
         }
         self.follower = None;
+        if !self.settings.patches.is_empty() {
+            status(format!("applying {} patch(es)", self.settings.patches.len()));
+            // A patch that fails will fail the same way next time.
+            let applied = crate::patch::apply(&self.settings.patches, &self.settings.state_dir)
+                .map_err(|e| (format!("patch failed: {e}"), true))?;
+            for a in applied {
+                tracing::info!(INSTANCE = self.settings.name.as_str(), EVENT = "patch", "{a}");
+            }
+        }
         let c = &self.settings.child;
         let log_path = &c.log_file;
         let (file, offset) = child::open_log(log_path, start, std::time::SystemTime::now())

@@ -67,6 +67,10 @@ pub struct FakeArgs {
     /// Append `start|ready|exit <unix-nanos>` lines here.
     #[arg(long)]
     pub stamp_file: Option<PathBuf>,
+    /// A model folder: its config.json is read as vLLM reads it (malformed
+    /// JSON and a 4-bit `kv_cache_scheme` fail the start, as in vLLM 0.32).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
     /// Accepted like vLLM's, and ignored.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -222,6 +226,11 @@ pub fn main(args: FakeArgs) -> i32 {
         );
     }
     out.log("Worker", "INFO", "cpu_model_runner.py:68", "Starting to load model /srv/models/tiny-llama...");
+    if let Some(dir) = &args.model
+        && let Some(code) = check_model(&out, dir)
+    {
+        return code;
+    }
 
     let n = args.shards.max(1);
     for i in 0..=n {
@@ -249,17 +258,7 @@ pub fn main(args: FakeArgs) -> i32 {
     out.log("Worker", "INFO", "default_loader.py:501", "Loading weights took 0.00 seconds");
     if failing {
         match args.fail {
-            Some(Failure::KvCache) => {
-                let w = "multiproc_executor.py:953";
-                out.log("Worker", "ERROR", w, "WorkerProc failed to start.");
-                out.log("Worker", "ERROR", w, "Traceback (most recent call last):");
-                out.log("Worker", "ERROR", w, "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py\", line 1118, in validate_kv_cache_scheme");
-                out.log("Worker", "ERROR", w, "    raise NotImplementedError(");
-                out.log("Worker", "ERROR", w, "NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float");
-                out.log("EngineCore", "ERROR", "core.py:1510", "EngineCore failed to start.");
-                out.raw("Traceback (most recent call last):\n  File \"/opt/vllm/bin/vllm\", line 10, in <module>\nRuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}\n");
-                return 1;
-            }
+            Some(Failure::KvCache) => return kv_cache_failure(&out, 4),
             Some(Failure::FatalHang) => {
                 out.log("EngineCore", "ERROR", "core.py:1510", "EngineCore failed to start.");
                 forever();
@@ -321,6 +320,38 @@ pub fn main(args: FakeArgs) -> i32 {
         return 0;
     }
     forever();
+}
+
+/// vLLM 0.32's failure on a compressed-tensors KV-cache scheme it cannot
+/// run (see tests/fixtures/b_b3-ct-kv-cache-scheme-fp4.log).
+fn kv_cache_failure(out: &Out, bits: u64) -> i32 {
+    let w = "multiproc_executor.py:953";
+    out.log("Worker", "ERROR", w, "WorkerProc failed to start.");
+    out.log("Worker", "ERROR", w, "Traceback (most recent call last):");
+    out.log("Worker", "ERROR", w, "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py\", line 1118, in validate_kv_cache_scheme");
+    out.log("Worker", "ERROR", w, "    raise NotImplementedError(");
+    out.log("Worker", "ERROR", w, &format!("NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits={bits}, type=float"));
+    out.log("EngineCore", "ERROR", "core.py:1510", "EngineCore failed to start.");
+    out.raw("Traceback (most recent call last):\n  File \"/opt/vllm/bin/vllm\", line 10, in <module>\nRuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}\n");
+    1
+}
+
+/// Read the model's config.json as vLLM does; Some(exit code) on failure.
+fn check_model(out: &Out, dir: &std::path::Path) -> Option<i32> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let Ok(cfg) = serde_json::from_str::<serde_json::Value>(&text) else {
+        out.raw(&format!(
+            "Traceback (most recent call last):\n  File \"transformers/configuration_utils.py\", line 710\nOSError: It looks like the config file at '{}' is not a valid JSON file.\n",
+            path.display()
+        ));
+        return Some(1);
+    };
+    let bits = cfg.pointer("/quantization_config/kv_cache_scheme/num_bits").and_then(|b| b.as_u64());
+    if let Some(bits) = bits.filter(|b| *b != 8) {
+        return Some(kv_cache_failure(out, bits));
+    }
+    None
 }
 
 fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>) {

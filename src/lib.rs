@@ -6,6 +6,7 @@
 //! | [`config`] | TOML → validated [`config::Settings`], every problem with file:line:col |
 //! | [`profile`] | the built-in vLLM patterns |
 //! | [`logwatch`] | following the log file; classifying lines |
+//! | [`patch`] | JSON edits of model files, atomic writes, backups, revert |
 //! | [`child`] | spawning, signalling, reaping, finding descendants in `/proc` |
 //! | [`supervisor`] | the pure state machine `step(event, now) -> effects` |
 //! | [`driver`] | the loop that carries out the effects |
@@ -22,6 +23,7 @@ pub mod driver;
 pub mod fake;
 pub mod logging;
 pub mod logwatch;
+pub mod patch;
 pub mod profile;
 pub mod redact;
 pub mod supervisor;

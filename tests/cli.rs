@@ -76,6 +76,7 @@ fn demo_runs_the_whole_lifecycle() {
     assert_eq!(code, 0, "{out}\n{err}");
     assert_eq!(out.matches("systemd <- READY=1").count(), 2, "{out}");
     assert!(out.contains("Loading safetensors checkpoint shards: 4/8 (50%)"), "{out}");
+    assert!(out.contains("STATUS=applying 1 patch(es)"), "{out}");
     assert!(out.contains("STATUS=restarting in "), "{out}");
     assert!(out.contains("STOPPING=1"), "{out}");
     assert!(out.contains("the warden exited with code 0"), "{out}");

@@ -269,3 +269,58 @@ fn blocked_signals_are_unblocked_for_the_warden_and_its_child() {
     assert_eq!(blocked.split_whitespace().nth(1), Some("0000000000000000"), "{blocked}");
     assert_eq!(w.stop(), 0);
 }
+
+/// A model folder whose config.json asks for a 4-bit KV cache, which the
+/// fake (like vLLM 0.32) refuses.
+fn fp4_model(d: &std::path::Path) -> std::path::PathBuf {
+    let m = d.join("model");
+    std::fs::create_dir_all(&m).unwrap();
+    let cfg = "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"quantization_config\": {\n    \"quant_method\": \"compressed-tensors\",\n    \"kv_cache_scheme\": {\"num_bits\": 4, \"type\": \"float\"}\n  }\n}\n";
+    std::fs::write(m.join("config.json"), cfg).unwrap();
+    m
+}
+
+#[test]
+fn the_kv_cache_patch_makes_a_failing_model_load() {
+    // Without the patch: the real exception names the cause, then 78.
+    let mut w = Warden::start(|d, p| {
+        let m = fp4_model(d);
+        config(d, p, &["--shards", "1", "--model", m.to_str().unwrap()], "", FAST)
+    });
+    assert_eq!(w.wait_exit(), 78);
+    assert!(w.statuses().last().unwrap().contains("NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4"));
+
+    // With the patch, applied before the start: it loads.
+    let mut w = Warden::start(|d, p| {
+        let m = fp4_model(d);
+        let patch = format!(
+            "[[patch]]\nfile = \"{}/config.json\"\nremove = [\"quantization_config.kv_cache_scheme\"]\n",
+            m.display()
+        );
+        config(d, p, &["--shards", "1", "--model", m.to_str().unwrap()], "", &format!("{FAST}{patch}"))
+    });
+    w.wait_note("patching", |n| n == "STATUS=applying 1 patch(es)");
+    w.wait_ready();
+    let cfg = std::fs::read_to_string(w.path("model/config.json")).unwrap();
+    assert!(!cfg.contains("kv_cache_scheme") && cfg.contains("compressed-tensors"), "{cfg}");
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn a_patch_that_cannot_apply_is_a_permanent_failed_start() {
+    let mut w = Warden::start(|d, p| {
+        let m = d.join("model");
+        std::fs::create_dir_all(&m).unwrap();
+        std::fs::write(m.join("config.json"), "{ \"truncated\": ").unwrap();
+        let patch = format!("[[patch]]\nfile = \"{}/config.json\"\nremove = [\"a\"]\n", m.display());
+        config(d, p, &["--shards", "1"], "", &format!("{FAST}{patch}"))
+    });
+    assert_eq!(w.wait_exit(), 78);
+    let last = w.statuses().last().unwrap().to_string();
+    assert!(
+        last.starts_with("failed permanently (2 of 2 tries): patch failed: ")
+            && last.contains("config.json: malformed JSON at line 1"),
+        "{last}"
+    );
+    assert!(!w.log().contains("--- vllm-warden: start"), "nothing was spawned");
+}

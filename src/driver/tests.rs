@@ -57,7 +57,7 @@ impl Fake {
 }
 
 impl Backend for Fake {
-    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)> {
+    fn spawn(&mut self, start: u32, _status: &mut dyn FnMut(String)) -> Result<u32, (String, bool)> {
         self.call(Call::Spawn(start));
         let pid = 100 + start;
         self.alive.lock().unwrap().insert(pid);
