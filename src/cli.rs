@@ -44,6 +44,15 @@ pub struct PatchArgs {
     pub force: bool,
 }
 
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Print the status document instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Run the daemon in the foreground (systemd's ExecStart=).
@@ -52,6 +61,8 @@ pub enum Cmd {
     Check(ConfigArg),
     /// Apply the config's [[patch]] entries to the model files now.
     Patch(PatchArgs),
+    /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
+    Status(StatusArgs),
     /// Run the whole lifecycle against a built-in simulated vLLM.
     Demo,
     /// A simulated vLLM server, for the demo and the tests.
@@ -66,6 +77,7 @@ pub fn main() -> i32 {
         Cmd::Run(c) => run(&c.config),
         Cmd::Check(c) => check(&c.config),
         Cmd::Patch(a) => patch(&a),
+        Cmd::Status(a) => status(&a),
         Cmd::Demo => demo(),
         Cmd::FakeVllm(a) => fake::main(a),
     }
@@ -101,6 +113,34 @@ fn check(path: &Path) -> i32 {
     } else {
         eprintln!("{} problem(s) found", problems.len());
         exit::CONFIG
+    }
+}
+
+/// Exit codes of `status`.
+const STATUS_NOT_READY: i32 = 3;
+const STATUS_NOT_RUNNING: i32 = 4;
+
+fn status(a: &StatusArgs) -> i32 {
+    let s = match load(&a.config.config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    use crate::status::Verdict;
+    let verdict = crate::status::read(&s.status.file);
+    if a.json {
+        match &verdict {
+            Verdict::Ready(d) | Verdict::NotReady(d) | Verdict::NotRunning(Some(d)) => {
+                println!("{}", serde_json::to_string_pretty(d).expect("the document serialises"))
+            }
+            Verdict::NotRunning(None) => eprintln!("{}: no status file", s.status.file.display()),
+        }
+    } else {
+        println!("{}", crate::status::summary(&verdict));
+    }
+    match verdict {
+        Verdict::Ready(_) => exit::STOPPED,
+        Verdict::NotReady(_) => STATUS_NOT_READY,
+        Verdict::NotRunning(_) => STATUS_NOT_RUNNING,
     }
 }
 
@@ -192,6 +232,8 @@ pub async fn supervise(
         }
     };
     let ctx = Context { instance: settings.name.clone() };
+    let mut reporter =
+        crate::status::Reporter::new(&settings.name, &settings.status.file, settings.status.metrics_file.as_deref());
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     hook(tx.clone());
     let mut backend = match Real::new(settings, tx) {
@@ -201,7 +243,8 @@ pub async fn supervise(
             return exit::INTERNAL;
         }
     };
-    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, watchdog, &ctx).await
+    let mut report = |m: &Machine| reporter.update(&m.snapshot());
+    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, watchdog, &ctx, &mut report).await
 }
 
 fn listen_for_signals(tx: mpsc::UnboundedSender<Input>) -> std::io::Result<()> {

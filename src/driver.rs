@@ -55,6 +55,7 @@ pub async fn drive(
     inputs: &mut mpsc::UnboundedReceiver<Input>,
     watchdog: Option<Duration>,
     ctx: &Context,
+    report: &mut dyn FnMut(&Machine),
 ) -> i32 {
     let mut events: VecDeque<Event> = VecDeque::from([Event::Begin]);
     let mut deferred: VecDeque<Input> = VecDeque::new();
@@ -76,10 +77,11 @@ pub async fn drive(
                     Effect::KillTree => backend.kill_tree(),
                     Effect::Notify(notes) => notifier.notify(&notes),
                     Effect::Log(r) => log(ctx, &machine, &r),
-                    Effect::Exit(code) => return code,
+                    Effect::Exit(_) => {}
                 }
             }
         }
+        report(&machine);
         if let State::Done(code) = machine.state {
             return code;
         }

@@ -11,6 +11,8 @@
 //! | [`supervisor`] | the pure state machine `step(event, now) -> effects` |
 //! | [`driver`] | the loop that carries out the effects |
 //! | [`systemd`] | sd_notify, never fatal |
+//! | [`fsutil`] | atomic whole-file writes |
+//! | [`status`] | the status document and the metrics file |
 //! | [`redact`] | masking secrets in printed commands |
 //! | [`logging`] | journald or stderr |
 //! | [`fake`] | a simulated vLLM for the demo and the tests |
@@ -21,10 +23,12 @@ pub mod cli;
 pub mod config;
 pub mod driver;
 pub mod fake;
+pub mod fsutil;
 pub mod logging;
 pub mod logwatch;
 pub mod patch;
 pub mod profile;
 pub mod redact;
+pub mod status;
 pub mod supervisor;
 pub mod systemd;

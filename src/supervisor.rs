@@ -242,7 +242,13 @@ pub struct Machine {
     /// The permanent pattern of the last failures, and how many in a row.
     permanent_streak: Option<(usize, u32)>,
     pub last_exit: Option<Exit>,
+    /// Children exited so far.
+    pub exits: u32,
     pub cause: Option<Cause>,
+    /// Spawn to ready of the last ready run.
+    pub last_load: Option<Duration>,
+    /// Failed runs by class (see `status::FAILURE_CLASSES`).
+    pub failure_counts: std::collections::BTreeMap<&'static str, u64>,
 }
 
 fn secs(d: Duration) -> String {
@@ -269,7 +275,36 @@ impl Machine {
             restarts: 0,
             permanent_streak: None,
             last_exit: None,
+            exits: 0,
             cause: None,
+            last_load: None,
+            failure_counts: Default::default(),
+        }
+    }
+
+    /// The current run's latest progress line, while starting.
+    pub fn progress(&self) -> Option<&str> {
+        match &self.state {
+            State::Starting(r) => r.progress.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// What the status document and the metrics show.
+    pub fn snapshot(&self) -> crate::status::Snapshot {
+        crate::status::Snapshot {
+            state: state_name(&self.state),
+            child_pid: self.child_pid(),
+            attempt: self.attempt(),
+            restarts: self.restarts,
+            starts: self.starts,
+            progress: self.progress().map(String::from),
+            cause: self.cause.as_ref().map(|c| c.text.clone()),
+            exits: self.exits,
+            last_exit: self.last_exit,
+            last_load: self.last_load,
+            failures: self.failure_counts.clone(),
+            exit_code: if let State::Done(c) = self.state { Some(c) } else { None },
         }
     }
 
@@ -361,7 +396,7 @@ impl Machine {
             }
             (S::Launching { start, stop_pending }, E::SpawnFailed { start: s, error, permanent }) if s == start => {
                 if stop_pending {
-                    return self.finish(exit::STOPPED, "stopped".into(), Severity::Info, "stopped", vec![]);
+                    return self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![]);
                 }
                 let cause = Cause { text: error, kind: FailureKind::Spawn, permanent: permanent.then_some(SPAWN) };
                 let fx = vec![record(Severity::Error, "failed", format!("start failed: {}", cause.text))];
@@ -388,6 +423,7 @@ impl Machine {
             }
             (S::Starting(run) | S::Ready(run), E::ChildExited { pid, exit }) if pid == run.pid => {
                 self.last_exit = Some(exit);
+                self.exits += 1;
                 let was_ready = run.ready_at.is_some();
                 let cause = run.logged_cause().unwrap_or_else(|| Cause {
                     text: if was_ready {
@@ -440,6 +476,7 @@ impl Machine {
 
             (S::Stopping(mut stop), E::ChildExited { pid, exit }) if pid == stop.pid => {
                 self.last_exit = Some(exit);
+                self.exits += 1;
                 stop.leader_alive = false;
                 stop.resend_at = None;
                 // Whatever the leader left behind is orphaned now: pass the stop
@@ -477,7 +514,9 @@ impl Machine {
                 }
             }
             (S::Stopping(stop), E::TreeGone) => match stop.purpose {
-                Purpose::Shutdown => self.finish(exit::STOPPED, "stopped".into(), Severity::Info, "stopped", vec![]),
+                Purpose::Shutdown => {
+                    self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
+                }
                 Purpose::Failure(cause) => self.after_failure(cause, stop.ready_for, now, vec![]),
             },
             // Lines after a stop was asked for never count (vLLM logs
@@ -493,13 +532,13 @@ impl Machine {
             }
             (S::Backoff { .. }, E::StopRequested) => self.finish(
                 exit::STOPPED,
-                "stopped".into(),
+                "stopped on request".into(),
                 Severity::Info,
                 "stopped",
                 vec![Effect::Notify(vec![Note::Stopping])],
             ),
             (S::Idle, E::StopRequested) => {
-                self.finish(exit::STOPPED, "stopped".into(), Severity::Info, "stopped", vec![])
+                self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
             }
 
             (state, Event::Tick) => (state, vec![]),
@@ -590,6 +629,7 @@ impl Machine {
         run.ready_at = Some(now);
         run.awaiting_http = false;
         let took = now - run.spawned_at;
+        self.last_load = Some(took);
         let text = format!("ready: pid {}, loaded in {}", run.pid, secs(took));
         let fx = vec![record(Severity::Info, "ready", text.clone()), Effect::Notify(vec![Note::Ready, status(text)])];
         self.cause = None;
@@ -663,6 +703,16 @@ impl Machine {
         }
         self.failures += 1;
         self.cause = Some(cause.clone());
+        let class = match (cause.permanent, cause.kind) {
+            (Some(_), _) => "permanent",
+            (None, FailureKind::FatalLine) => "fatal_line",
+            (None, FailureKind::Exit) => "exit",
+            (None, FailureKind::Stall) => "stall",
+            (None, FailureKind::Timeout) => "timeout",
+            (None, FailureKind::Health) => "health",
+            (None, FailureKind::Spawn) => "spawn",
+        };
+        *self.failure_counts.entry(class).or_default() += 1;
         if let Some(p) = cause.permanent {
             let n = match self.permanent_streak {
                 Some((q, n)) if q == p => n + 1,
@@ -704,8 +754,10 @@ impl Machine {
         mut fx: Vec<Effect>,
     ) -> (State, Vec<Effect>) {
         fx.push(record(severity, event, text.clone()));
-        fx.push(Effect::Notify(vec![status(text)]));
+        fx.push(Effect::Notify(vec![status(text.clone())]));
         fx.push(Effect::Exit(code));
+        let permanent = self.cause.as_ref().and_then(|c| c.permanent);
+        self.cause = Some(Cause { text, kind: FailureKind::Exit, permanent });
         (State::Done(code), fx)
     }
 }
@@ -719,8 +771,8 @@ pub fn state_name(s: &State) -> &'static str {
             Purpose::Failure(_) => "failed",
         },
         State::Backoff { .. } => "backoff",
-        State::Done(0) => "stopped",
-        State::Done(_) => "failed",
+        // Left saying why in `cause`: a stop request, or the give-up.
+        State::Done(_) => "stopped",
     }
 }
 

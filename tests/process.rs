@@ -324,3 +324,82 @@ fn a_patch_that_cannot_apply_is_a_permanent_failed_start() {
     );
     assert!(!w.log().contains("--- vllm-warden: start"), "nothing was spawned");
 }
+
+fn status_cmd(w: &Warden, json: bool) -> (i32, String) {
+    let mut c = std::process::Command::new(common::exe());
+    c.args(["status", "-c"]).arg(w.path("t.toml"));
+    if json {
+        c.arg("--json");
+    }
+    let o = c.output().unwrap();
+    (o.status.code().unwrap(), String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+#[test]
+fn the_status_document_command_and_metrics_follow_the_run() {
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1000", "--shard-time", "50ms"], "", FAST));
+    w.wait_note("loading", |n| n.contains("Loading safetensors checkpoint shards: 1/1000"));
+    let (code, out) = status_cmd(&w, false);
+    assert_eq!(code, 3, "running, not ready: {out}");
+    assert!(out.starts_with("t: starting, pid "), "{out}");
+    assert!(out.contains("progress: Loading safetensors checkpoint shards: "), "{out}");
+    let (_, json) = status_cmd(&w, true);
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(doc["state"], "starting");
+    assert_eq!(doc["warden_pid"], w.pid);
+    assert_eq!(doc["attempt"], 1);
+    assert!(doc["child_pid"].as_u64().unwrap() > 0);
+    let metrics = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
+    assert!(metrics.contains("vllm_warden_state{name=\"t\",state=\"starting\"} 1"), "{metrics}");
+    assert!(metrics.contains("vllm_warden_child_starts_total{name=\"t\"} 1"), "{metrics}");
+    assert_eq!(w.stop(), 0);
+    let (code, out) = status_cmd(&w, false);
+    assert_eq!(code, 4, "{out}");
+    assert!(out.contains("not running (exited with 0") && out.ends_with(": stopped on request\n"), "{out}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap();
+    assert_eq!(doc["state"], "stopped");
+    assert_eq!(doc["exit_code"], 0);
+}
+
+#[test]
+fn status_is_0_when_ready_and_counts_failures_by_class() {
+    let mut w = Warden::start(|d, p| {
+        let count = d.join("runs");
+        let args = ["--shards", "1", "--fail", "nccl", "--fail-times", "1", "--count-file", count.to_str().unwrap()];
+        config(d, p, &args, "", FAST)
+    });
+    w.wait_ready();
+    let (code, out) = status_cmd(&w, false);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("t: ready, pid ") && out.contains("attempt 2, 1 restart(s)"), "{out}");
+    assert!(out.contains("last exit: exit code 1 at "), "{out}");
+    let (_, json) = status_cmd(&w, true);
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(doc["ready_since"].is_string());
+    assert_eq!(doc["last_exit"]["code"], 1);
+    let metrics = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
+    for want in [
+        "vllm_warden_ready{name=\"t\"} 1",
+        "vllm_warden_failures_total{name=\"t\",class=\"fatal_line\"} 1",
+        "vllm_warden_restarts_total{name=\"t\"} 1",
+        "vllm_warden_last_load_duration_seconds{name=\"t\"} ",
+    ] {
+        assert!(metrics.contains(want), "{want}:\n{metrics}");
+    }
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn status_without_a_running_instance_is_4() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("x.toml");
+    std::fs::write(
+        &cfg,
+        format!("[child]\ncommand = [\"/bin/true\"]\n[status]\nfile = \"{}/none.json\"\n", dir.path().display()),
+    )
+    .unwrap();
+    let o = std::process::Command::new(common::exe()).args(["status", "-c"]).arg(&cfg).output().unwrap();
+    assert_eq!(o.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("not running (no status file)"));
+}

@@ -43,7 +43,7 @@ pub fn config(dir: &Path, port: u16, fake_args: &[&str], child_extra: &str, extr
     argv.extend(fake_args.iter().map(|s| s.to_string()));
     let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
     format!(
-        "name = \"t\"\n[child]\ncommand = [{}]\nlog-file = \"{d}/t.log\"\n{child_extra}\n[status]\nfile = \"{d}/status.json\"\n{extra}\n",
+        "name = \"t\"\n[child]\ncommand = [{}]\nlog-file = \"{d}/t.log\"\n{child_extra}\n[status]\nfile = \"{d}/status.json\"\nmetrics-file = \"{d}/vllm_warden.prom\"\n{extra}\n",
         argv.join(", "),
         d = dir.display()
     )

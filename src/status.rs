@@ -1,0 +1,361 @@
+//! The status document (`status.file`) and the Prometheus textfile
+//! (`status.metrics-file`): what they contain, how they are written (whole
+//! and atomically, only when something changed), and how `status` reads
+//! them back. How the state changes is not known here: the supervisor hands
+//! over a [`Snapshot`].
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use crate::child::Exit;
+use crate::fsutil::write_atomic;
+
+/// What the supervisor is doing, as plain data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    /// `starting | ready | backoff | stopping | stopped | failed`.
+    pub state: &'static str,
+    pub child_pid: Option<u32>,
+    pub attempt: u32,
+    pub restarts: u32,
+    /// Spawns so far.
+    pub starts: u32,
+    pub progress: Option<String>,
+    pub cause: Option<String>,
+    /// Children exited so far, and the last exit.
+    pub exits: u32,
+    pub last_exit: Option<Exit>,
+    /// How long the last successful load took.
+    pub last_load: Option<Duration>,
+    /// Failures by class: `fatal_line`, `exit`, `stall`, `timeout`,
+    /// `health`, `permanent`, `spawn`.
+    pub failures: BTreeMap<&'static str, u64>,
+    /// The exit code, once the warden is done.
+    pub exit_code: Option<i32>,
+}
+
+/// Every failure class, so that each appears in the metrics from the start.
+pub const FAILURE_CLASSES: [&str; 7] = ["exit", "fatal_line", "health", "permanent", "spawn", "stall", "timeout"];
+const STATES: [&str; 6] = ["starting", "ready", "backoff", "stopping", "stopped", "failed"];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastExit {
+    pub code: Option<i32>,
+    pub signal: Option<String>,
+    pub at: String,
+}
+
+/// The status document, as written to `status.file`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Doc {
+    pub name: String,
+    pub version: String,
+    pub warden_pid: u32,
+    pub state: String,
+    pub child_pid: Option<u32>,
+    pub attempt: u32,
+    pub restarts: u32,
+    /// When the current state began.
+    pub since: String,
+    pub ready_since: Option<String>,
+    pub progress: Option<String>,
+    pub last_exit: Option<LastExit>,
+    pub cause: Option<String>,
+    /// Set when the warden has exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// Keeps both files up to date.
+pub struct Reporter {
+    name: String,
+    doc_path: PathBuf,
+    metrics_path: Option<PathBuf>,
+    started: SystemTime,
+    state: &'static str,
+    since: SystemTime,
+    ready_since: Option<SystemTime>,
+    exits: u32,
+    last_exit: Option<LastExit>,
+    written_doc: Option<String>,
+    written_metrics: Option<String>,
+}
+
+impl Reporter {
+    pub fn new(name: &str, doc_path: &Path, metrics_path: Option<&Path>) -> Reporter {
+        let now = SystemTime::now();
+        Reporter {
+            name: name.to_string(),
+            doc_path: doc_path.to_path_buf(),
+            metrics_path: metrics_path.map(Path::to_path_buf),
+            started: now,
+            state: "",
+            since: now,
+            ready_since: None,
+            exits: 0,
+            last_exit: None,
+            written_doc: None,
+            written_metrics: None,
+        }
+    }
+
+    /// Bring both files up to date with `snap`; a failure to write is
+    /// logged, never fatal.
+    pub fn update(&mut self, snap: &Snapshot) {
+        let now = SystemTime::now();
+        if snap.state != self.state {
+            self.state = snap.state;
+            self.since = now;
+            self.ready_since = (snap.state == "ready").then_some(now);
+        }
+        if snap.exits != self.exits {
+            self.exits = snap.exits;
+            self.last_exit = snap.last_exit.map(|e| LastExit {
+                code: match e {
+                    Exit::Code(c) => Some(c),
+                    Exit::Signal(_) => None,
+                },
+                signal: match e {
+                    Exit::Signal(s) => Some(s.as_str().to_string()),
+                    Exit::Code(_) => None,
+                },
+                at: rfc3339(now),
+            });
+        }
+        let doc = self.doc(snap);
+        let text = serde_json::to_string_pretty(&doc).expect("the status document serialises") + "\n";
+        if self.written_doc.as_deref() != Some(&text) {
+            if let Some(dir) = self.doc_path.parent() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            match write_atomic(&self.doc_path, text.as_bytes(), 0o644, None) {
+                Ok(()) => self.written_doc = Some(text),
+                Err(e) => tracing::warn!(error = %e, file = %self.doc_path.display(), "cannot write the status file"),
+            }
+        }
+        if let Some(path) = &self.metrics_path {
+            let text = metrics(&self.name, snap, self.started);
+            if self.written_metrics.as_deref() != Some(&text) {
+                match write_atomic(path, text.as_bytes(), 0o644, None) {
+                    Ok(()) => self.written_metrics = Some(text),
+                    Err(e) => tracing::warn!(error = %e, file = %path.display(), "cannot write the metrics file"),
+                }
+            }
+        }
+    }
+
+    fn doc(&self, snap: &Snapshot) -> Doc {
+        Doc {
+            name: self.name.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            warden_pid: std::process::id(),
+            state: snap.state.to_string(),
+            child_pid: snap.child_pid,
+            attempt: snap.attempt,
+            restarts: snap.restarts,
+            since: rfc3339(self.since),
+            ready_since: self.ready_since.map(rfc3339),
+            progress: snap.progress.clone(),
+            last_exit: self.last_exit.clone(),
+            cause: snap.cause.clone(),
+            exit_code: snap.exit_code,
+        }
+    }
+}
+
+/// The textfile-collector file: node_exporter's format, names prefixed
+/// `vllm_warden_`, each with `# HELP` and `# TYPE`.
+pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime) -> String {
+    let mut out = String::new();
+    let l = format!("name=\"{}\"", name.replace('\\', "\\\\").replace('"', "\\\""));
+    let mut metric = |n: &str, kind: &str, help: &str, samples: &[(String, String)]| {
+        let _ = writeln!(out, "# HELP vllm_warden_{n} {help}\n# TYPE vllm_warden_{n} {kind}");
+        for (labels, v) in samples {
+            let _ = writeln!(out, "vllm_warden_{n}{{{labels}}} {v}");
+        }
+    };
+    let states: Vec<(String, String)> =
+        STATES.iter().map(|s| (format!("{l},state=\"{s}\""), u8::from(*s == snap.state).to_string())).collect();
+    metric("state", "gauge", "1 for the state the warden is in, 0 for the others.", &states);
+    metric(
+        "ready",
+        "gauge",
+        "1 when the model is serving.",
+        &[(l.clone(), u8::from(snap.state == "ready").to_string())],
+    );
+    metric("child_starts_total", "counter", "Children spawned.", &[(l.clone(), snap.starts.to_string())]);
+    metric("restarts_total", "counter", "Spawns after the first.", &[(l.clone(), snap.restarts.to_string())]);
+    let failures: Vec<(String, String)> = FAILURE_CLASSES
+        .iter()
+        .map(|c| (format!("{l},class=\"{c}\""), snap.failures.get(c).copied().unwrap_or(0).to_string()))
+        .collect();
+    metric("failures_total", "counter", "Failed runs by the class of their cause.", &failures);
+    if let Some(d) = snap.last_load {
+        let v = format!("{:.3}", d.as_secs_f64());
+        metric(
+            "last_load_duration_seconds",
+            "gauge",
+            "Time from spawn to ready of the last ready run.",
+            &[(l.clone(), v)],
+        );
+    }
+    let start = started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    metric(
+        "start_time_seconds",
+        "gauge",
+        "When the warden started, in seconds since the epoch.",
+        &[(l, format!("{start:.3}"))],
+    );
+    out
+}
+
+/// What `status` concludes from the document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Ready(Doc),
+    NotReady(Doc),
+    /// No file, a stopped warden, or a warden pid that is gone.
+    NotRunning(Option<Doc>),
+}
+
+/// Read the document and tell whether its warden is still there.
+pub fn read(path: &Path) -> Verdict {
+    let Ok(text) = std::fs::read_to_string(path) else { return Verdict::NotRunning(None) };
+    let Ok(doc) = serde_json::from_str::<Doc>(&text) else { return Verdict::NotRunning(None) };
+    if doc.state == "stopped" || doc.exit_code.is_some() || !warden_alive(doc.warden_pid) {
+        return Verdict::NotRunning(Some(doc));
+    }
+    if doc.state == "ready" { Verdict::Ready(doc) } else { Verdict::NotReady(doc) }
+}
+
+/// The pid is alive and is a vllm-warden (not a recycled pid).
+fn warden_alive(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            c.split(|b| *b == 0).next().is_some_and(|argv0| String::from_utf8_lossy(argv0).contains("vllm-warden"))
+        })
+        .unwrap_or(false)
+}
+
+/// The short human summary of `status`.
+pub fn summary(v: &Verdict) -> String {
+    let doc = match v {
+        Verdict::Ready(d) | Verdict::NotReady(d) => d,
+        Verdict::NotRunning(None) => return "not running (no status file)".to_string(),
+        Verdict::NotRunning(Some(d)) => {
+            let why = d.cause.as_deref().map(|c| format!(": {c}")).unwrap_or_default();
+            return match d.exit_code {
+                Some(code) => format!("{}: not running (exited with {code} at {}){why}", d.name, d.since),
+                None => format!("{}: not running (warden {} is gone){why}", d.name, d.warden_pid),
+            };
+        }
+    };
+    let mut out = format!("{}: {}", doc.name, doc.state);
+    if let Some(pid) = doc.child_pid {
+        let _ = write!(out, ", pid {pid}");
+    }
+    let since = humantime::parse_rfc3339(&doc.since).ok().and_then(|t| SystemTime::now().duration_since(t).ok());
+    if let Some(d) = since {
+        let d = humantime::format_duration(Duration::from_secs(d.as_secs()));
+        let _ = write!(out, ", for {d}");
+    }
+    let _ = write!(out, ", attempt {}, {} restart(s)", doc.attempt, doc.restarts);
+    if let Some(p) = &doc.progress {
+        let _ = write!(out, "\nprogress: {p}");
+    }
+    if let Some(e) = &doc.last_exit {
+        let how = match (&e.code, &e.signal) {
+            (Some(c), _) => format!("exit code {c}"),
+            (None, Some(s)) => format!("killed by {s}"),
+            _ => "exited".into(),
+        };
+        let _ = write!(out, "\nlast exit: {how} at {}", e.at);
+    }
+    if let Some(c) = &doc.cause {
+        let _ = write!(out, "\ncause: {c}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap() -> Snapshot {
+        Snapshot {
+            state: "ready",
+            child_pid: Some(42),
+            attempt: 2,
+            restarts: 1,
+            starts: 2,
+            progress: None,
+            cause: None,
+            exits: 1,
+            last_exit: Some(Exit::Code(1)),
+            last_load: Some(Duration::from_millis(61_500)),
+            failures: BTreeMap::from([("exit", 1)]),
+            exit_code: None,
+        }
+    }
+
+    #[test]
+    fn metrics_follow_the_textfile_format() {
+        let text = metrics("kimi", &snap(), SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+        for want in [
+            "# TYPE vllm_warden_state gauge\n",
+            "vllm_warden_state{name=\"kimi\",state=\"ready\"} 1\n",
+            "vllm_warden_state{name=\"kimi\",state=\"starting\"} 0\n",
+            "vllm_warden_ready{name=\"kimi\"} 1\n",
+            "# TYPE vllm_warden_child_starts_total counter\nvllm_warden_child_starts_total{name=\"kimi\"} 2\n",
+            "vllm_warden_failures_total{name=\"kimi\",class=\"exit\"} 1\n",
+            "vllm_warden_failures_total{name=\"kimi\",class=\"permanent\"} 0\n",
+            "vllm_warden_last_load_duration_seconds{name=\"kimi\"} 61.500\n",
+            "vllm_warden_start_time_seconds{name=\"kimi\"} 1700000000.000\n",
+        ] {
+            assert!(text.contains(want), "{want} not in\n{text}");
+        }
+        // Every sample line belongs to a metric announced with HELP and TYPE.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split('{').next().unwrap();
+            assert!(text.contains(&format!("# HELP {name} ")) && text.contains(&format!("# TYPE {name} ")), "{line}");
+        }
+    }
+
+    #[test]
+    fn the_document_is_rewritten_only_on_change_and_is_not_world_writable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let mut r = Reporter::new("kimi", &path, None);
+        r.update(&snap());
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(doc.state, "ready");
+        assert_eq!(doc.child_pid, Some(42));
+        assert_eq!(doc.last_exit.as_ref().unwrap().code, Some(1));
+        assert!(doc.ready_since.is_some());
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o002, 0);
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        r.update(&snap());
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "unchanged: not rewritten");
+    }
+
+    #[test]
+    fn a_gone_warden_is_not_running() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        assert_eq!(read(&path), Verdict::NotRunning(None));
+        let mut doc = Reporter::new("kimi", &path, None).doc(&snap());
+        doc.warden_pid = u32::MAX - 1;
+        std::fs::write(&path, serde_json::to_string(&doc).unwrap()).unwrap();
+        assert!(matches!(read(&path), Verdict::NotRunning(Some(_))));
+        assert!(summary(&read(&path)).contains("not running (warden"));
+    }
+}
