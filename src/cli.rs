@@ -231,7 +231,7 @@ pub async fn supervise(
             return exit::CONFIG;
         }
     };
-    let ctx = Context { instance: settings.name.clone() };
+    let ctx = Context { instance: settings.name.clone(), watchdog };
     let mut reporter =
         crate::status::Reporter::new(&settings.name, &settings.status.file, settings.status.metrics_file.as_deref());
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
@@ -244,7 +244,7 @@ pub async fn supervise(
         }
     };
     let mut report = |m: &Machine| reporter.update(&m.snapshot());
-    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, watchdog, &ctx, &mut report).await
+    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, &ctx, &mut report).await
 }
 
 fn listen_for_signals(tx: mpsc::UnboundedSender<Input>) -> std::io::Result<()> {

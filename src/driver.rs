@@ -40,10 +40,13 @@ pub trait Backend {
     fn flush_lines(&mut self) -> Vec<String>;
 }
 
-/// Fields every warden event carries in the journal.
+/// What the loop needs to know besides its inputs.
 #[derive(Debug, Clone)]
 pub struct Context {
+    /// The `INSTANCE=` of every warden event.
     pub instance: String,
+    /// How often to send `WATCHDOG=1`, if systemd asks for it.
+    pub watchdog: Option<Duration>,
 }
 
 /// Run the machine until it exits; returns the exit code.
@@ -53,13 +56,12 @@ pub async fn drive(
     notifier: &mut impl Notifier,
     mut classifier: Classifier,
     inputs: &mut mpsc::UnboundedReceiver<Input>,
-    watchdog: Option<Duration>,
     ctx: &Context,
     report: &mut dyn FnMut(&Machine),
 ) -> i32 {
     let mut events: VecDeque<Event> = VecDeque::from([Event::Begin]);
     let mut deferred: VecDeque<Input> = VecDeque::new();
-    let mut dog = watchdog.map(|p| tokio::time::interval(p));
+    let mut dog = ctx.watchdog.map(tokio::time::interval);
     loop {
         while let Some(ev) = events.pop_front() {
             for fx in machine.step(ev, Instant::now()) {
