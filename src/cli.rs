@@ -232,7 +232,7 @@ pub async fn supervise(
         }
     };
     let ctx = Context { instance: settings.name.clone(), watchdog };
-    let mut reporter =
+    let reporter =
         crate::status::Reporter::new(&settings.name, &settings.status.file, settings.status.metrics_file.as_deref());
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     hook(tx.clone());
@@ -243,8 +243,25 @@ pub async fn supervise(
             return exit::INTERNAL;
         }
     };
-    let mut report = |m: &Machine| reporter.update(&m.snapshot());
-    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, &ctx, &mut report).await
+    let mut observer = Reports { status: reporter, journal: crate::journal::Forwarder::from_env(&ctx.instance) };
+    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, &ctx, &mut observer).await
+}
+
+/// The status files and the journal, kept up to date by the loop.
+struct Reports {
+    status: crate::status::Reporter,
+    journal: Option<crate::journal::Forwarder>,
+}
+
+impl driver::Observer for Reports {
+    fn changed(&mut self, m: &Machine) {
+        self.status.update(&m.snapshot());
+    }
+    fn line(&mut self, line: &crate::logwatch::Line) {
+        if let Some(j) = &self.journal {
+            j.forward(line);
+        }
+    }
 }
 
 fn listen_for_signals(tx: mpsc::UnboundedSender<Input>) -> std::io::Result<()> {

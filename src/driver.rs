@@ -40,6 +40,21 @@ pub trait Backend {
     fn flush_lines(&mut self) -> Vec<String>;
 }
 
+/// Told of every state change and every line of the child.
+pub trait Observer {
+    /// After every batch of events: the machine as it is now.
+    fn changed(&mut self, machine: &Machine);
+    /// Every line of the child, classified.
+    fn line(&mut self, _line: &crate::logwatch::Line) {}
+}
+
+/// An observer that does nothing, for tests.
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn changed(&mut self, _: &Machine) {}
+}
+
 /// What the loop needs to know besides its inputs.
 #[derive(Debug, Clone)]
 pub struct Context {
@@ -57,7 +72,7 @@ pub async fn drive(
     mut classifier: Classifier,
     inputs: &mut mpsc::UnboundedReceiver<Input>,
     ctx: &Context,
-    report: &mut dyn FnMut(&Machine),
+    observer: &mut dyn Observer,
 ) -> i32 {
     let mut events: VecDeque<Event> = VecDeque::from([Event::Begin]);
     let mut deferred: VecDeque<Input> = VecDeque::new();
@@ -83,7 +98,7 @@ pub async fn drive(
                 }
             }
         }
-        report(&machine);
+        observer.changed(&machine);
         if let State::Done(code) = machine.state {
             return code;
         }
@@ -112,7 +127,9 @@ pub async fn drive(
             Some(Input::Stop) => events.push_back(Event::StopRequested),
             Some(Input::HttpReady { start }) => events.push_back(Event::HttpReady { start }),
             Some(Input::Line { start, text }) => {
-                events.push_back(Event::Line { start, line: classifier.classify(text) });
+                let line = classifier.classify(text);
+                observer.line(&line);
+                events.push_back(Event::Line { start, line });
             }
             Some(Input::Tree(TreeEvent::Empty)) => events.push_back(Event::TreeGone),
             Some(Input::Tree(TreeEvent::LeaderExited { pid, exit })) => {
@@ -123,13 +140,17 @@ pub async fn drive(
                 while let Ok(i) = inputs.try_recv() {
                     match i {
                         Input::Line { start, text } => {
-                            events.push_back(Event::Line { start, line: classifier.classify(text) })
+                            let line = classifier.classify(text);
+                            observer.line(&line);
+                            events.push_back(Event::Line { start, line })
                         }
                         other => deferred.push_back(other),
                     }
                 }
                 for text in flushed {
-                    events.push_back(Event::Line { start, line: classifier.classify(text) });
+                    let line = classifier.classify(text);
+                    observer.line(&line);
+                    events.push_back(Event::Line { start, line });
                 }
                 events.push_back(Event::ChildExited { pid, exit });
             }

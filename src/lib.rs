@@ -14,6 +14,7 @@
 //! | [`fsutil`] | atomic whole-file writes |
 //! | [`status`] | the status document and the metrics file |
 //! | [`redact`] | masking secrets in printed commands |
+//! | [`journal`] | forwarding the child's lines to journald |
 //! | [`logging`] | journald or stderr |
 //! | [`fake`] | a simulated vLLM for the demo and the tests |
 //! | [`cli`] | the commands and the exit code |
@@ -24,6 +25,7 @@ pub mod config;
 pub mod driver;
 pub mod fake;
 pub mod fsutil;
+pub mod journal;
 pub mod logging;
 pub mod logwatch;
 pub mod patch;

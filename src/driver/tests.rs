@@ -171,7 +171,7 @@ async fn run(
     }
     let c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
     let ctx = Context { instance: "t".into(), watchdog: dog };
-    let code = drive(Machine::new(p, 1), &mut fake, &mut rec, c, &mut rx, &ctx, &mut |_| {}).await;
+    let code = drive(Machine::new(p, 1), &mut fake, &mut rec, c, &mut rx, &ctx, &mut Quiet).await;
     let calls = log.calls.lock().unwrap().clone();
     let notes = log.notes.lock().unwrap().clone();
     Outcome { code, calls, notes }
