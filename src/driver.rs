@@ -79,7 +79,10 @@ pub async fn drive(
     let mut dog = ctx.watchdog.map(tokio::time::interval);
     loop {
         while let Some(ev) = events.pop_front() {
-            for fx in machine.step(ev, Instant::now()) {
+            let effects = machine.step(ev, Instant::now());
+            // The status files first: whoever hears READY=1 finds them saying ready.
+            observer.changed(&machine);
+            for fx in effects {
                 match fx {
                     Effect::Spawn { start } => {
                         classifier.reset();
@@ -98,7 +101,6 @@ pub async fn drive(
                 }
             }
         }
-        observer.changed(&machine);
         if let State::Done(code) = machine.state {
             return code;
         }
