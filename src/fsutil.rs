@@ -9,12 +9,33 @@ use std::path::{Path, PathBuf};
 
 /// Write `bytes` to `path` atomically: a temporary file in the same folder,
 /// fsync, rename over `path` (a symlink at `path` is replaced, never
-/// followed), fsync of the folder. Never leaves a half-written file.
+/// followed), fsync of the folder. Never leaves a half-written file, even
+/// across a power loss.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<()> {
     let tmp = write_temp(path, bytes, mode, owner)?;
     rename_into_place(&tmp, path).inspect_err(|_| {
         let _ = fs::remove_file(&tmp);
     })
+}
+
+/// Replace `path` whole by rename, without fsync: a reader never sees a
+/// half-written file, but a power loss may lose the last write. For files
+/// that describe the running process (status, metrics), rewritten often and
+/// meaningless after a reboot.
+pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let tmp = temp_name(path);
+    let _ = fs::remove_file(&tmp);
+    let result = (|| {
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
+        f.write_all(bytes)?;
+        // The umask may have narrowed the mode given at creation.
+        f.set_permissions(fs::Permissions::from_mode(mode))?;
+        fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
 }
 
 /// The temporary file beside `path`, written and synced, with mode and owner.

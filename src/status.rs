@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Serialize};
 
 use crate::child::Exit;
-use crate::fsutil::write_atomic;
+use crate::fsutil::replace;
 
 /// What the supervisor is doing, as plain data.
 #[derive(Debug, Clone, PartialEq)]
@@ -136,7 +136,7 @@ impl Reporter {
             if let Some(dir) = self.doc_path.parent() {
                 let _ = std::fs::create_dir_all(dir);
             }
-            match write_atomic(&self.doc_path, text.as_bytes(), 0o644, None) {
+            match replace(&self.doc_path, text.as_bytes(), 0o644) {
                 Ok(()) => self.written_doc = Some(text),
                 Err(e) => tracing::warn!(error = %e, file = %self.doc_path.display(), "cannot write the status file"),
             }
@@ -144,7 +144,7 @@ impl Reporter {
         if let Some(path) = &self.metrics_path {
             let text = metrics(&self.name, snap, self.started);
             if self.written_metrics.as_deref() != Some(&text) {
-                match write_atomic(path, text.as_bytes(), 0o644, None) {
+                match replace(path, text.as_bytes(), 0o644) {
                     Ok(()) => self.written_metrics = Some(text),
                     Err(e) => tracing::warn!(error = %e, file = %path.display(), "cannot write the metrics file"),
                 }
