@@ -236,6 +236,7 @@ pub async fn supervise(
         crate::status::Reporter::new(&settings.name, &settings.status.file, settings.status.metrics_file.as_deref());
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     hook(tx.clone());
+    let tree = TreeRecord { state_dir: settings.state_dir.clone(), last: None };
     let mut backend = match Real::new(settings, tx) {
         Ok(b) => b,
         Err(e) => {
@@ -243,7 +244,7 @@ pub async fn supervise(
             return exit::INTERNAL;
         }
     };
-    let mut observer = Reports { status: reporter, journal: crate::journal::Forwarder::from_env(&ctx.instance) };
+    let mut observer = Reports { status: reporter, journal: crate::journal::Forwarder::from_env(&ctx.instance), tree };
     driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, &ctx, &mut observer).await
 }
 
@@ -251,11 +252,48 @@ pub async fn supervise(
 struct Reports {
     status: crate::status::Reporter,
     journal: Option<crate::journal::Forwarder>,
+    tree: TreeRecord,
+}
+
+/// Keeps the child's tree recorded in the state directory while it runs,
+/// for a warden started after this one was killed (see `prestart`).
+struct TreeRecord {
+    state_dir: std::path::PathBuf,
+    last: Option<(&'static str, std::time::Instant)>,
+}
+
+impl TreeRecord {
+    /// Recorded again at every state change, and at most once a second
+    /// while lines come in (vLLM starts its engine and workers after the
+    /// spawn).
+    fn update(&mut self, m: &Machine) {
+        let state = crate::supervisor::state_name(&m.state);
+        match &m.state {
+            crate::supervisor::State::Starting(_) | crate::supervisor::State::Ready(_) => {
+                let due = match self.last {
+                    Some((s, t)) => s != state || t.elapsed() >= Duration::from_secs(1),
+                    None => true,
+                };
+                if due {
+                    if let Err(e) = crate::prestart::record_tree(&self.state_dir) {
+                        tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
+                    }
+                    self.last = Some((state, std::time::Instant::now()));
+                }
+            }
+            crate::supervisor::State::Backoff { .. } | crate::supervisor::State::Done(_) if self.last.is_some() => {
+                crate::prestart::clear_record(&self.state_dir);
+                self.last = None;
+            }
+            _ => {}
+        }
+    }
 }
 
 impl driver::Observer for Reports {
     fn changed(&mut self, m: &Machine) {
         self.status.update(&m.snapshot());
+        self.tree.update(m);
     }
     fn line(&mut self, line: &crate::logwatch::Line) {
         if let Some(j) = &self.journal {

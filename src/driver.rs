@@ -22,16 +22,32 @@ use crate::systemd::{Note, Notifier};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Input {
     Tree(TreeEvent),
-    Line { start: u32, text: String },
-    HttpReady { start: u32 },
+    /// The pre-start steps of `start` are done.
+    Prepared {
+        start: u32,
+        result: Result<(), (String, bool)>,
+    },
+    /// A pre-start step to show in `STATUS=`.
+    Status(String),
+    Line {
+        start: u32,
+        text: String,
+    },
+    HttpReady {
+        start: u32,
+    },
     Stop,
 }
 
 /// Where effects on the child are carried out.
 pub trait Backend {
-    /// Prepare and spawn start `start`, telling each step to `status`.
-    /// `Err((message, permanent))` when it cannot be.
-    fn spawn(&mut self, start: u32, status: &mut dyn FnMut(String)) -> Result<u32, (String, bool)>;
+    /// Start the pre-start steps of `start`; `Input::Prepared` when done,
+    /// `Input::Status` for each step.
+    fn prepare(&mut self, start: u32);
+    /// Give up the pre-start steps; `Input::Prepared` still follows.
+    fn cancel_prepare(&mut self);
+    /// Spawn start `start`. `Err((message, permanent))` when it cannot be.
+    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)>;
     fn probe(&mut self, start: u32);
     fn terminate(&mut self, sig: Signal);
     fn kill_tree(&mut self);
@@ -86,12 +102,13 @@ pub async fn drive(
                 match fx {
                     Effect::Spawn { start } => {
                         classifier.reset();
-                        let mut say = |text: String| notifier.notify(&[Note::Status(text)]);
-                        events.push_back(match backend.spawn(start, &mut say) {
+                        events.push_back(match backend.spawn(start) {
                             Ok(pid) => Event::Spawned { start, pid },
                             Err((error, permanent)) => Event::SpawnFailed { start, error, permanent },
                         });
                     }
+                    Effect::Prepare { start } => backend.prepare(start),
+                    Effect::CancelPrepare => backend.cancel_prepare(),
                     Effect::Probe { start } => backend.probe(start),
                     Effect::Terminate(sig) => backend.terminate(sig),
                     Effect::KillTree => backend.kill_tree(),
@@ -128,6 +145,8 @@ pub async fn drive(
             None => events.push_back(Event::Tick),
             Some(Input::Stop) => events.push_back(Event::StopRequested),
             Some(Input::HttpReady { start }) => events.push_back(Event::HttpReady { start }),
+            Some(Input::Prepared { start, result }) => events.push_back(Event::Prepared { start, result }),
+            Some(Input::Status(text)) => notifier.notify(&[Note::Status(text)]),
             Some(Input::Line { start, text }) => {
                 let line = classifier.classify(text);
                 observer.line(&line);
@@ -199,6 +218,8 @@ pub struct Real {
     tree: Tree,
     follower: Option<Follower>,
     probe: Option<tokio::task::JoinHandle<()>>,
+    /// The pre-start steps running for a start.
+    preparing: Option<(u32, tokio::task::JoinHandle<()>)>,
     inputs: mpsc::UnboundedSender<Input>,
 }
 
@@ -209,25 +230,38 @@ impl Real {
         let tree = Tree::new(move |ev| {
             let _ = tx.send(Input::Tree(ev));
         })?;
-        Ok(Real { settings, tree, follower: None, probe: None, inputs })
+        Ok(Real { settings, tree, follower: None, probe: None, preparing: None, inputs })
     }
 }
 
 impl Backend for Real {
-    fn spawn(&mut self, start: u32, status: &mut dyn FnMut(String)) -> Result<u32, (String, bool)> {
+    fn prepare(&mut self, start: u32) {
         if let Some(p) = self.probe.take() {
             p.abort();
         }
         self.follower = None;
-        if !self.settings.patches.is_empty() {
-            status(format!("applying {} patch(es)", self.settings.patches.len()));
-            // A patch that fails will fail the same way next time.
-            let applied = crate::patch::apply(&self.settings.patches, &self.settings.state_dir)
-                .map_err(|e| (format!("patch failed: {e}"), true))?;
-            for a in applied {
-                tracing::info!(INSTANCE = self.settings.name.as_str(), EVENT = "patch", "{a}");
-            }
+        let (settings, tx) = (self.settings.clone(), self.inputs.clone());
+        self.preparing = Some((
+            start,
+            tokio::spawn(async move {
+                let result = crate::prepare::run(&settings, &|text| {
+                    let _ = tx.send(Input::Status(text));
+                })
+                .await;
+                let _ = tx.send(Input::Prepared { start, result });
+            }),
+        ));
+    }
+
+    fn cancel_prepare(&mut self) {
+        if let Some((start, task)) = self.preparing.take() {
+            task.abort();
+            let _ = self.inputs.send(Input::Prepared { start, result: Err(("cancelled".into(), false)) });
         }
+    }
+
+    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)> {
+        self.preparing = None;
         let c = &self.settings.child;
         let log_path = &c.log_file;
         let (file, offset) = child::open_log(log_path, start, std::time::SystemTime::now())

@@ -74,6 +74,12 @@ pub struct FakeArgs {
     /// Accepted like vLLM's, and ignored.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Helper for tests: keep this file open, print "holding", wait forever.
+    #[arg(long, hide = true)]
+    pub hold_file: Option<PathBuf>,
+    /// Helper for tests: map this file, close it, print "holding", wait forever.
+    #[arg(long, hide = true)]
+    pub map_file: Option<PathBuf>,
     /// Internal: run as the EngineCore child.
     #[arg(long, hide = true)]
     pub engine_core: bool,
@@ -138,6 +144,9 @@ fn forever() -> ! {
 /// Run the simulated server; returns its exit code.
 pub fn main(args: FakeArgs) -> i32 {
     let out = Out { pid: std::process::id() };
+    if args.hold_file.is_some() || args.map_file.is_some() {
+        return hold(&args);
+    }
     if args.engine_core {
         if args.setsid_engine {
             let _ = nix::unistd::setsid();
@@ -319,6 +328,52 @@ pub fn main(args: FakeArgs) -> i32 {
         // The API server exits 0 when its engine dies.
         return 0;
     }
+    forever();
+}
+
+/// Keep a file open, or mapped with its descriptor closed, as a live
+/// process of another vLLM instance would.
+fn hold(args: &FakeArgs) -> i32 {
+    let mut keep = Vec::new();
+    if let Some(p) = &args.hold_file {
+        match std::fs::File::open(p) {
+            Ok(f) => keep.push(f),
+            Err(e) => {
+                eprintln!("{}: {e}", p.display());
+                return 1;
+            }
+        }
+    }
+    if let Some(p) = &args.map_file {
+        let f = match std::fs::OpenOptions::new().read(true).write(true).open(p) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("{}: {e}", p.display());
+                return 1;
+            }
+        };
+        let len = std::num::NonZeroUsize::new(4096).expect("non-zero");
+        let _ = f.set_len(4096);
+        // SAFETY: a fresh shared mapping of a file we opened; never read here.
+        let mapped = unsafe {
+            nix::sys::mman::mmap(
+                None,
+                len,
+                nix::sys::mman::ProtFlags::PROT_READ,
+                nix::sys::mman::MapFlags::MAP_SHARED,
+                &f,
+                0,
+            )
+        };
+        if let Err(e) = mapped {
+            eprintln!("mmap {}: {e}", p.display());
+            return 1;
+        }
+        // The descriptor is closed; only the mapping remains.
+        drop(f);
+    }
+    println!("holding");
+    let _ = std::io::stdout().flush();
     forever();
 }
 

@@ -7,6 +7,8 @@
 //! | [`profile`] | the built-in vLLM patterns |
 //! | [`logwatch`] | following the log file; classifying lines |
 //! | [`patch`] | JSON edits of model files, atomic writes, backups, revert |
+//! | [`prepare`] | the pre-start steps in order, with their waits |
+//! | [`prestart`] | leftovers, shared memory, the port, the GPUs |
 //! | [`child`] | spawning, signalling, reaping, finding descendants in `/proc` |
 //! | [`supervisor`] | the pure state machine `step(event, now) -> effects` |
 //! | [`driver`] | the loop that carries out the effects |
@@ -29,6 +31,8 @@ pub mod journal;
 pub mod logging;
 pub mod logwatch;
 pub mod patch;
+pub mod prepare;
+pub mod prestart;
 pub mod profile;
 pub mod redact;
 pub mod status;

@@ -54,6 +54,15 @@ impl Profile {
         }
     }
 
+    /// Globs in the temporary folders: every vLLM run leaves a
+    /// `vllm_dist_*` file (its torch.distributed rendezvous) behind.
+    pub fn temp_globs(self) -> Vec<String> {
+        match self {
+            Profile::None => Vec::new(),
+            Profile::Vllm => to_strings(&["vllm_dist_*"]),
+        }
+    }
+
     /// Globs in `/dev/shm` that vLLM and Python's multiprocessing leave
     /// behind after a crash.
     pub fn shm_globs(self) -> Vec<String> {

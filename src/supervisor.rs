@@ -122,11 +122,31 @@ pub const SPAWN: usize = usize::MAX;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Begin,
-    Spawned { start: u32, pid: u32 },
-    SpawnFailed { start: u32, error: String, permanent: bool },
-    Line { start: u32, line: Line },
-    HttpReady { start: u32 },
-    ChildExited { pid: u32, exit: Exit },
+    /// The pre-start steps are done: `Err((cause, permanent))` if one failed.
+    Prepared {
+        start: u32,
+        result: Result<(), (String, bool)>,
+    },
+    Spawned {
+        start: u32,
+        pid: u32,
+    },
+    SpawnFailed {
+        start: u32,
+        error: String,
+        permanent: bool,
+    },
+    Line {
+        start: u32,
+        line: Line,
+    },
+    HttpReady {
+        start: u32,
+    },
+    ChildExited {
+        pid: u32,
+        exit: Exit,
+    },
     TreeGone,
     StopRequested,
     Tick,
@@ -150,7 +170,14 @@ pub struct Record {
 /// What to do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
-    /// Prepare (patches, pre-start checks), create the log, spawn, follow.
+    /// Run the pre-start steps (leftovers, patches, shared memory, port,
+    /// GPUs) in the background; `Prepared` when done.
+    Prepare {
+        start: u32,
+    },
+    /// Give up the pre-start steps at their next wait; `Prepared` follows.
+    CancelPrepare,
+    /// Create the log, spawn, follow.
     Spawn {
         start: u32,
     },
@@ -365,6 +392,20 @@ impl Machine {
         match (state, event) {
             (S::Idle, E::Begin) => self.launch(),
 
+            (S::Launching { start, stop_pending }, E::Prepared { start: s, result }) if s == start => {
+                match (stop_pending, result) {
+                    (true, _) => {
+                        self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
+                    }
+                    (false, Ok(())) => (S::Launching { start, stop_pending }, vec![Effect::Spawn { start }]),
+                    (false, Err((error, permanent))) => {
+                        let cause =
+                            Cause { text: error, kind: FailureKind::Spawn, permanent: permanent.then_some(SPAWN) };
+                        let fx = vec![record(Severity::Error, "failed", format!("start failed: {}", cause.text))];
+                        self.after_failure(cause, None, now, fx)
+                    }
+                }
+            }
             (S::Launching { start, stop_pending }, E::Spawned { start: s, pid }) if s == start => {
                 let mut run = Run {
                     start,
@@ -404,7 +445,7 @@ impl Machine {
             }
             (S::Launching { start, .. }, E::StopRequested) => (
                 S::Launching { start, stop_pending: true },
-                vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])],
+                vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())]), Effect::CancelPrepare],
             ),
 
             (S::Starting(run) | S::Ready(run), E::Line { start, .. }) if start != run.start => {
@@ -559,8 +600,10 @@ impl Machine {
             self.restarts += 1;
         }
         let start = self.starts;
-        let fx =
-            vec![Effect::Notify(vec![status(format!("starting ({})", self.attempts_text()))]), Effect::Spawn { start }];
+        let fx = vec![
+            Effect::Notify(vec![status(format!("starting ({})", self.attempts_text()))]),
+            Effect::Prepare { start },
+        ];
         (State::Launching { start, stop_pending: false }, fx)
     }
 

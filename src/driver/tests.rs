@@ -57,7 +57,11 @@ impl Fake {
 }
 
 impl Backend for Fake {
-    fn spawn(&mut self, start: u32, _status: &mut dyn FnMut(String)) -> Result<u32, (String, bool)> {
+    fn prepare(&mut self, start: u32) {
+        let _ = self.tx.send(Input::Prepared { start, result: Ok(()) });
+    }
+    fn cancel_prepare(&mut self) {}
+    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)> {
         self.call(Call::Spawn(start));
         let pid = 100 + start;
         self.alive.lock().unwrap().insert(pid);

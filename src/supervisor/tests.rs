@@ -57,14 +57,17 @@ impl Sim {
     /// Begin and spawn as pid.
     fn spawned(&mut self, pid: u32) {
         if self.m.state == State::Idle {
-            assert!(self.ev(Event::Begin).contains(&Effect::Spawn { start: 1 }));
+            assert!(self.ev(Event::Begin).contains(&Effect::Prepare { start: 1 }));
         }
         let start = self.m.starts;
+        assert!(self.ev(Event::Prepared { start, result: Ok(()) }).contains(&Effect::Spawn { start }));
         self.ev(Event::Spawned { start, pid });
         assert!(matches!(self.m.state, State::Starting(_)));
     }
     fn ready(&mut self, pid: u32) {
-        self.spawned(pid);
+        if !matches!(self.m.state, State::Starting(_)) {
+            self.spawned(pid);
+        }
         let fx = self.line("INFO:     Application startup complete.");
         assert!(fx.contains(&Effect::Probe { start: self.m.starts }));
         let fx = self.ev(Event::HttpReady { start: self.m.starts });
@@ -200,7 +203,7 @@ fn a_transient_failure_succeeds_on_retry() {
     s.now = until - Duration::from_millis(1);
     assert!(s.tick().is_empty());
     s.now = until;
-    assert!(s.tick().contains(&Effect::Spawn { start: 2 }));
+    assert!(s.tick().contains(&Effect::Prepare { start: 2 }));
     s.ready(101);
     assert_eq!(s.m.restarts, 1);
     assert_eq!(s.m.cause, None, "a ready run clears the cause");
@@ -315,6 +318,7 @@ fn max_attempts_failed_starts_exit_75() {
     let mut last = vec![];
     for pid in 0..3 {
         let start = s.m.starts;
+        s.ev(Event::Prepared { start, result: Ok(()) });
         s.ev(Event::Spawned { start, pid });
         s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
         last = s.ev(Event::TreeGone);
@@ -329,7 +333,7 @@ fn zero_backoff_spawns_at_once() {
     s.spawned(100);
     s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     let fx = s.ev(Event::TreeGone);
-    assert!(fx.contains(&Effect::Spawn { start: 2 }));
+    assert!(fx.contains(&Effect::Prepare { start: 2 }));
 }
 
 #[test]
@@ -375,11 +379,13 @@ fn events_of_an_old_run_are_ignored() {
 fn a_command_that_cannot_be_spawned_is_permanent() {
     let mut s = Sim::new(policy());
     s.ev(Event::Begin);
+    s.ev(Event::Prepared { start: 1, result: Ok(()) });
     s.ev(Event::SpawnFailed { start: 1, error: "cannot start /x: No such file".into(), permanent: true });
     assert_eq!(s.state(), "backoff");
     let until = backoff_until(&s.m).unwrap();
     s.now = until;
     s.tick();
+    s.ev(Event::Prepared { start: 2, result: Ok(()) });
     let fx = s.ev(Event::SpawnFailed { start: 2, error: "cannot start /x: No such file".into(), permanent: true });
     assert!(fx.contains(&Effect::Exit(78)));
 }
@@ -388,8 +394,30 @@ fn a_command_that_cannot_be_spawned_is_permanent() {
 fn a_stop_while_launching_stops_the_child_once_spawned() {
     let mut s = Sim::new(policy());
     s.ev(Event::Begin);
+    s.ev(Event::Prepared { start: 1, result: Ok(()) });
     s.ev(Event::StopRequested);
     let fx = s.ev(Event::Spawned { start: 1, pid: 3 });
     assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
     assert!(s.ev(Event::TreeGone).contains(&Effect::Exit(0)));
+}
+
+#[test]
+fn a_stop_during_the_pre_start_steps_cancels_them_and_exits() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    let fx = s.ev(Event::StopRequested);
+    assert!(fx.contains(&Effect::CancelPrepare));
+    let fx = s.ev(Event::Prepared { start: 1, result: Err(("cancelled".into(), false)) });
+    assert!(fx.contains(&Effect::Exit(0)), "{fx:?}");
+}
+
+#[test]
+fn a_failed_pre_start_step_is_a_failed_start_with_its_cause() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    let held = "port 8000 is held by pid 42 (python3 -m http.server 8000)";
+    s.ev(Event::Prepared { start: 1, result: Err((held.into(), false)) });
+    assert_eq!(s.state(), "backoff");
+    assert_eq!(s.m.cause.as_ref().unwrap().text, held);
+    assert!(statuses(&s.fx).iter().any(|t| t.ends_with(&format!("(attempt 2/10): {held}"))));
 }

@@ -23,6 +23,8 @@ pub fn free_port() -> u16 {
 
 pub struct Warden {
     pub dir: tempfile::TempDir,
+    opts: Opts,
+    notify_socket: String,
     /// Lines of the notify socket, read as they come by a thread (as
     /// systemd does: a sender must never find the queue full).
     lines: mpsc::Receiver<String>,
@@ -52,6 +54,8 @@ pub fn config(dir: &Path, port: u16, fake_args: &[&str], child_extra: &str, extr
 /// How the warden's notify socket is set up.
 #[derive(Debug, Clone, Default)]
 pub struct Opts {
+    /// Written into the state directory before the warden starts.
+    pub state_files: Vec<(String, String)>,
     /// Bind an abstract socket (`@name`) instead of a path.
     pub abstract_socket: bool,
     /// More environment for the warden.
@@ -71,6 +75,10 @@ impl Warden {
         let port = free_port();
         let cfg = dir.path().join("t.toml");
         std::fs::write(&cfg, make(dir.path(), port)).unwrap();
+        std::fs::create_dir_all(dir.path().join("state")).unwrap();
+        for (name, text) in &opts.state_files {
+            std::fs::write(dir.path().join("state").join(name), text).unwrap();
+        }
         let (sock, notify_socket) = if opts.abstract_socket {
             use std::os::linux::net::SocketAddrExt;
             let name = format!("vllm-warden-test-{}-{port}", std::process::id());
@@ -91,13 +99,35 @@ impl Warden {
                 }
             }
         });
-        let stderr = std::fs::File::create(dir.path().join("warden.stderr")).unwrap();
+        let mut w = Warden {
+            dir,
+            opts,
+            notify_socket,
+            lines,
+            child: None,
+            pid: 0,
+            notes: Vec::new(),
+            cursor: 0,
+            exit: None,
+            port,
+        };
+        w.spawn();
+        w
+    }
+
+    /// Start a warden on this instance's config, state and notify socket
+    /// (again, after the last one exited or was killed).
+    pub fn spawn(&mut self) {
+        self.exit = None;
+        let cfg = self.path("t.toml");
+        let opts = &self.opts;
+        let stderr = std::fs::OpenOptions::new().create(true).append(true).open(self.path("warden.stderr")).unwrap();
         let mut cmd = Command::new(exe());
         cmd.args(["run", "-c"])
             .arg(&cfg)
-            .env("NOTIFY_SOCKET", &notify_socket)
-            .envs(opts.env)
-            .env("STATE_DIRECTORY", dir.path().join("state"))
+            .env("NOTIFY_SOCKET", &self.notify_socket)
+            .envs(opts.env.clone())
+            .env("STATE_DIRECTORY", self.path("state"))
             .env_remove("JOURNAL_STREAM")
             .env("RUST_LOG", "debug")
             .stdin(Stdio::null())
@@ -117,8 +147,8 @@ impl Warden {
             }
         }
         let child = cmd.spawn().unwrap();
-        let pid = child.id();
-        Warden { dir, lines, child: Some(child), pid, notes: Vec::new(), cursor: 0, exit: None, port }
+        self.pid = child.id();
+        self.child = Some(child);
     }
 
     pub fn path(&self, name: &str) -> PathBuf {

@@ -1,0 +1,132 @@
+//! The steps before every start, in the order the specification gives:
+//! leftovers of an earlier warden, patches, shared memory (and vLLM's files
+//! in the temporary folders), the port, the GPUs. Each step is shown through
+//! `status` (`STATUS=`); a step that cannot be satisfied fails the start with
+//! a cause naming what is in the way.
+
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::config::Settings;
+use crate::prestart;
+
+/// Result of the steps: `Err((cause, permanent))` fails the start.
+pub type Prepared = Result<(), (String, bool)>;
+
+/// First wait between two looks at the port or the GPUs; doubled up to
+/// [`MAX_RETRY`].
+const FIRST_RETRY: Duration = Duration::from_millis(50);
+const MAX_RETRY: Duration = Duration::from_secs(2);
+
+pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Prepared {
+    let name = s.name.as_str();
+
+    // 1. Leftovers of an earlier warden of this instance.
+    let left = prestart::leftovers(&s.state_dir);
+    if !left.is_empty() {
+        let pids: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
+        let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), pids.join(", "));
+        tracing::warn!(INSTANCE = name, EVENT = "leftovers", "{text}");
+        status(text);
+        prestart::stop_leftovers(&left, s.child.stop_signal, s.child.stop_timeout).await;
+    }
+    prestart::clear_record(&s.state_dir);
+
+    // 2. Patches. A patch that fails will fail the same way next time.
+    if !s.patches.is_empty() {
+        status(format!("applying {} patch(es)", s.patches.len()));
+        let applied =
+            crate::patch::apply(&s.patches, &s.state_dir).map_err(|e| (format!("patch failed: {e}"), true))?;
+        for a in applied {
+            tracing::info!(INSTANCE = name, EVENT = "patch", "{a}");
+        }
+    }
+
+    // 3. Shared memory, and vLLM's files in the temporary folders.
+    let uid = nix::unistd::geteuid().as_raw();
+    let mut cleaned = Vec::new();
+    let shm = Path::new("/dev/shm");
+    if !s.prestart.clean_shm.is_empty() && shm.is_dir() {
+        status("cleaning /dev/shm".into());
+        let report = prestart::clean(shm, &s.prestart.clean_shm, uid, &prestart::in_use_under(shm));
+        cleaned.push(("/dev/shm".to_string(), report));
+    }
+    let temp_globs = s.profile.temp_globs();
+    if !temp_globs.is_empty() {
+        for dir in prestart::temp_dirs() {
+            let report = prestart::clean(&dir, &temp_globs, uid, &prestart::in_use_under(&dir));
+            cleaned.push((dir.display().to_string(), report));
+        }
+    }
+    for (dir, report) in cleaned {
+        if report != prestart::Cleaned::default() {
+            tracing::info!(INSTANCE = name, EVENT = "clean", "{dir}: {}", report.describe());
+        }
+    }
+
+    // 4. The port.
+    let port = s.prestart.port;
+    if !prestart::port_free(port) {
+        let holders = prestart::describe_holders(port);
+        status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
+        if !wait_until(s.prestart.port_wait, || async move { prestart::port_free(port) }).await {
+            return Err((prestart::describe_holders(port), false));
+        }
+    }
+
+    // 5. The GPUs.
+    if !s.prestart.gpu_idle_wait.is_zero() && !s.prestart.gpu_query.is_empty() {
+        let query = &s.prestart.gpu_query;
+        match prestart::query_gpus(query).await {
+            Ok(None) => {
+                tracing::info!(INSTANCE = name, EVENT = "gpus", "{} not found: GPU check skipped", query[0]);
+            }
+            Err(e) => tracing::warn!(INSTANCE = name, EVENT = "gpus", "GPU check skipped: {e}"),
+            Ok(Some(apps)) if apps.is_empty() => {}
+            Ok(Some(apps)) => {
+                let wait = s.prestart.gpu_idle_wait;
+                status(format!(
+                    "waiting up to {} for GPU compute processes to exit: {}",
+                    humantime::format_duration(wait),
+                    prestart::describe_gpu_apps(&apps)
+                ));
+                let idle = wait_until(wait, || async {
+                    matches!(prestart::query_gpus(query).await, Ok(Some(a)) if a.is_empty())
+                })
+                .await;
+                if !idle {
+                    let now = match prestart::query_gpus(query).await {
+                        Ok(Some(a)) if !a.is_empty() => a,
+                        _ => apps,
+                    };
+                    let busy = prestart::describe_gpu_apps(&now);
+                    return Err((format!("GPUs still busy after {}: {busy}", humantime::format_duration(wait)), false));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Look again with a growing delay until `ready` or `limit` passes.
+async fn wait_until<F, Fut>(limit: Duration, mut ready: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    let mut delay = FIRST_RETRY;
+    loop {
+        if ready().await {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        tokio::time::sleep(delay.min(deadline - now)).await;
+        delay = (delay * 2).min(MAX_RETRY);
+    }
+}

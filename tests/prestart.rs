@@ -1,0 +1,184 @@
+//! The steps before every start, with real processes: leftovers of a killed
+//! warden, shared memory held or mapped by live processes, a foreign
+//! listener on the port, a busy GPU.
+
+mod common;
+
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+
+use common::{Opts, Warden, config, gone};
+use nix::sys::signal::Signal;
+
+const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
+
+/// A helper process that holds `file` open (or mapped, closed); returns once
+/// it says it does.
+fn holder(flag: &str, file: &std::path::Path) -> Child {
+    let mut c = Command::new(common::exe())
+        .args(["fake-vllm", flag])
+        .arg(file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "holding");
+    c
+}
+
+struct Reap(Vec<Child>);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn shared_memory_nobody_holds_is_removed_and_the_rest_kept() {
+    let tag = format!("vwtest-{}", std::process::id());
+    let shm = std::path::Path::new("/dev/shm");
+    let [stale, open, mapped, foreign] = ["stale", "open", "mapped", "foreign"].map(|n| shm.join(format!("{tag}-{n}")));
+    for f in [&stale, &open, &mapped, &foreign] {
+        std::fs::write(f, b"segment").unwrap();
+    }
+    let _procs = Reap(vec![holder("--hold-file", &open), holder("--map-file", &mapped)]);
+    let root = nix::unistd::geteuid().is_root();
+    if root {
+        std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+    }
+    let globs = format!("[prestart]\nclean-shm = [\"{tag}-*\"]\n");
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", &format!("{FAST}{globs}")));
+    w.wait_ready();
+    assert!(!stale.exists(), "a stale segment is removed");
+    assert!(open.exists() && mapped.exists(), "segments of live processes are kept");
+    let err = w.stderr();
+    assert!(err.contains(&format!("removed {tag}-stale")), "{err}");
+    assert!(err.contains(&format!("kept {} (in use by pid ", open.display())), "{err}");
+    assert!(err.contains(&format!("kept {} (in use by pid ", mapped.display())), "{err}");
+    if root {
+        assert!(foreign.exists(), "another user's segment is kept");
+        assert!(err.contains(&format!("kept {} (owned by uid 65534)", foreign.display())), "{err}");
+    }
+    assert_eq!(w.stop(), 0);
+    for f in [&open, &mapped, &foreign] {
+        let _ = std::fs::remove_file(f);
+    }
+}
+
+#[test]
+fn a_foreign_listener_is_named_and_waited_for() {
+    let port = common::free_port();
+    let listener = std::net::TcpListener::bind(("0.0.0.0", port)).unwrap();
+    let mut w = Warden::start(|d, _| {
+        config(d, port, &["--shards", "1"], "", &format!("{FAST}[prestart]\nport-wait = \"60s\"\n"))
+    });
+    let me = std::process::id();
+    let waiting = w.wait_note("port held", |n| n.starts_with("STATUS=waiting up to 1m: port "));
+    assert!(waiting.contains(&format!("port {port} is held by pid {me} (")), "{waiting}");
+    drop(listener);
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn a_port_held_too_long_fails_the_start_naming_the_holder() {
+    let port = common::free_port();
+    let _listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let mut w = Warden::start(|d, _| {
+        config(d, port, &["--shards", "1"], "", "[prestart]\nport-wait = \"200ms\"\n[restart]\nmax-attempts = 1\n")
+    });
+    assert_eq!(w.wait_exit(), 75);
+    let last = w.statuses().last().unwrap().to_string();
+    let me = std::process::id();
+    assert!(last.starts_with(&format!("gave up after 1 failed starts: port {port} is held by pid {me} (")), "{last}");
+    assert!(!w.log().contains("--- vllm-warden: start"), "nothing was spawned");
+}
+
+#[test]
+fn a_busy_gpu_is_waited_for() {
+    let mut w = Warden::start(|d, p| {
+        let script = d.join("gpu-query");
+        let busy = d.join("busy");
+        std::fs::write(&busy, "").unwrap();
+        std::fs::write(&script, format!("#!/bin/sh\n[ -e {} ] && echo '4242, 81000'\nexit 0\n", busy.display()))
+            .unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let pre = format!("[prestart]\ngpu-idle-wait = \"60s\"\ngpu-query = [\"{}\"]\n", script.display());
+        config(d, p, &["--shards", "1"], "", &format!("{FAST}{pre}"))
+    });
+    let waiting = w.wait_note("gpu", |n| n.starts_with("STATUS=waiting up to 1m for GPU compute processes"));
+    assert!(waiting.ends_with(": pid 4242 (81000 MiB)"), "{waiting}");
+    std::fs::remove_file(w.path("busy")).unwrap();
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn a_missing_gpu_query_is_skipped() {
+    let mut w = Warden::start(|d, p| {
+        let pre = "[prestart]\ngpu-query = [\"/nonexistent/nvidia-smi\"]\n";
+        config(d, p, &["--shards", "1"], "", &format!("{FAST}{pre}"))
+    });
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+    assert!(w.stderr().contains("/nonexistent/nvidia-smi not found: GPU check skipped"), "{}", w.stderr());
+}
+
+#[test]
+fn a_killed_wardens_stubborn_tree_is_stopped_by_the_next_warden() {
+    let mut w = Warden::start(|d, p| {
+        config(d, p, &["--shards", "1", "--ignore-sigterm", "--setsid-engine"], "stop-timeout = \"1s\"", FAST)
+    });
+    w.wait_ready();
+    // The engine starts after the leader; wait until the record has both.
+    let tree = w.descendants();
+    assert_eq!(tree.len(), 2, "{tree:?}");
+    let record = w.path("state/tree.json");
+    let want: Vec<i32> = tree.iter().map(|p| p.pid).collect();
+    let recorded = || -> Vec<i32> {
+        let v: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(&record).unwrap_or_default()).unwrap_or_default();
+        v.iter().map(|r| r["pid"].as_i64().unwrap() as i32).collect()
+    };
+    // The record is rewritten at least once a second while lines come in;
+    // the fake prints nothing more once ready, so a stop/ready cycle is not
+    // needed: the ready transition recorded the whole tree already.
+    assert!(want.iter().all(|p| recorded().contains(p)), "recorded {:?}, tree {want:?}", recorded());
+    w.signal(Signal::SIGKILL);
+    assert_eq!(w.wait_exit(), -1);
+    assert!(tree.iter().all(|p| !gone(p)), "the tree outlives its warden");
+
+    w.spawn();
+    let stopping =
+        w.wait_note("leftovers", |n| n.starts_with("STATUS=stopping 2 leftover process(es) of an earlier run"));
+    for p in &want {
+        assert!(stopping.contains(&format!("{p} (")), "{stopping}");
+    }
+    w.wait_ready();
+    assert!(tree.iter().all(gone), "the old tree was stopped first: {tree:?}");
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn a_recorded_pid_now_used_by_another_process_is_untouched() {
+    let bystander = Command::new("sleep").arg("1000").spawn().unwrap();
+    let mut bystander = Reap(vec![bystander]);
+    let pid = bystander.0[0].id() as i32;
+    let st = vllm_warden::child::read_stat(pid).unwrap();
+    // The same pid, but another start time: a recycled pid.
+    let record = format!("[{{\"pid\": {pid}, \"start_time\": {}}}]", st.start_time + 12345);
+    let opts = Opts { state_files: vec![("tree.json".into(), record)], ..Opts::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    assert!(!gone(&st), "the bystander lives");
+    assert!(!w.notes.iter().any(|n| n.contains("leftover")), "{:?}", w.notes);
+    assert_eq!(w.stop(), 0);
+    bystander.0[0].kill().unwrap();
+    bystander.0.clear();
+}
