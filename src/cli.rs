@@ -220,7 +220,7 @@ pub async fn supervise(
     hook: impl FnOnce(mpsc::UnboundedSender<Input>),
 ) -> i32 {
     let (tx, mut rx) = mpsc::unbounded_channel();
-    if let Err(e) = listen_for_signals(tx.clone()) {
+    if let Err(e) = listen_for_signals(tx.clone(), settings.source.clone()) {
         tracing::error!(error = %e, "cannot listen for signals");
         return exit::INTERNAL;
     }
@@ -237,14 +237,16 @@ pub async fn supervise(
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     hook(tx.clone());
     let tree = TreeRecord { state_dir: settings.state_dir.clone(), last: None };
-    let mut backend = match Real::new(settings, tx) {
+    let traffic = crate::health::Traffic::default();
+    let mut backend = match Real::new(settings, tx, traffic.clone()) {
         Ok(b) => b,
         Err(e) => {
             tracing::error!(error = %e, "cannot become a subreaper");
             return exit::INTERNAL;
         }
     };
-    let mut observer = Reports { status: reporter, journal: crate::journal::Forwarder::from_env(&ctx.instance), tree };
+    let journal = crate::journal::Forwarder::from_env(&ctx.instance);
+    let mut observer = Reports { status: reporter, journal, tree, traffic, generation: Default::default() };
     driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, &ctx, &mut observer).await
 }
 
@@ -253,6 +255,8 @@ struct Reports {
     status: crate::status::Reporter,
     journal: Option<crate::journal::Forwarder>,
     tree: TreeRecord,
+    traffic: crate::health::Traffic,
+    generation: crate::health::GenerationLine,
 }
 
 /// Keeps the child's tree recorded in the state directory while it runs,
@@ -299,10 +303,13 @@ impl driver::Observer for Reports {
         if let Some(j) = &self.journal {
             j.forward(line);
         }
+        if self.generation.matches(&line.text) {
+            self.traffic.saw_generation();
+        }
     }
 }
 
-fn listen_for_signals(tx: mpsc::UnboundedSender<Input>) -> std::io::Result<()> {
+fn listen_for_signals(tx: mpsc::UnboundedSender<Input>, config: std::path::PathBuf) -> std::io::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -313,7 +320,12 @@ fn listen_for_signals(tx: mpsc::UnboundedSender<Input>) -> std::io::Result<()> {
                 _ = term.recv() => { let _ = tx.send(Input::Stop); }
                 _ = int.recv() => { let _ = tx.send(Input::Stop); }
                 _ = hup.recv() => {
-                    tracing::warn!(EVENT = "reload", "SIGHUP: reloading is not supported by this version; restart the unit to apply a new config");
+                    tracing::info!(EVENT = "reload", "SIGHUP: reading {} again", config.display());
+                    let loaded = config::load(&config, &Dirs::from_env()).and_then(|s| {
+                        let env = config::check_environment(&s);
+                        if env.is_empty() { Ok(s) } else { Err(config::Problems(env)) }
+                    });
+                    let _ = tx.send(Input::Reload(Box::new(loaded)));
                 }
             }
         }

@@ -19,7 +19,7 @@ use crate::supervisor::{Effect, Event, Machine, Record, Severity, State};
 use crate::systemd::{Note, Notifier};
 
 /// What reaches the loop from outside.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Input {
     Tree(TreeEvent),
     /// The pre-start steps of `start` are done.
@@ -29,6 +29,13 @@ pub enum Input {
     },
     /// A pre-start step to show in `STATUS=`.
     Status(String),
+    /// `health.failures` checks in a row failed for `start`.
+    HealthFailed {
+        start: u32,
+        cause: String,
+    },
+    /// SIGHUP: the config read again, or every problem found in it.
+    Reload(Box<Result<Settings, crate::config::Problems>>),
     Line {
         start: u32,
         text: String,
@@ -46,6 +53,11 @@ pub trait Backend {
     fn prepare(&mut self, start: u32);
     /// Give up the pre-start steps; `Input::Prepared` still follows.
     fn cancel_prepare(&mut self);
+    /// Check the health of ready start `start` until the run ends;
+    /// `Input::HealthFailed` when it fails.
+    fn health(&mut self, start: u32);
+    /// Use these settings from the next start on.
+    fn reconfigure(&mut self, settings: Settings);
     /// Spawn start `start`. `Err((message, permanent))` when it cannot be.
     fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)>;
     fn probe(&mut self, start: u32);
@@ -110,6 +122,7 @@ pub async fn drive(
                     Effect::Prepare { start } => backend.prepare(start),
                     Effect::CancelPrepare => backend.cancel_prepare(),
                     Effect::Probe { start } => backend.probe(start),
+                    Effect::Health { start } => backend.health(start),
                     Effect::Terminate(sig) => backend.terminate(sig),
                     Effect::KillTree => backend.kill_tree(),
                     Effect::Notify(notes) => notifier.notify(&notes),
@@ -147,6 +160,21 @@ pub async fn drive(
             Some(Input::HttpReady { start }) => events.push_back(Event::HttpReady { start }),
             Some(Input::Prepared { start, result }) => events.push_back(Event::Prepared { start, result }),
             Some(Input::Status(text)) => notifier.notify(&[Note::Status(text)]),
+            Some(Input::HealthFailed { start, cause }) => events.push_back(Event::HealthFailed { start, cause }),
+            Some(Input::Reload(result)) => match *result {
+                Ok(settings) => match Classifier::new(&settings.patterns) {
+                    Ok(c) => {
+                        classifier = c;
+                        events.push_back(Event::Reload(Box::new(crate::supervisor::Policy::from_settings(&settings))));
+                        backend.reconfigure(settings);
+                    }
+                    Err(e) => reload_refused(ctx, notifier, &[e.to_string()]),
+                },
+                Err(problems) => {
+                    let lines: Vec<String> = problems.0.iter().map(|p| p.to_string()).collect();
+                    reload_refused(ctx, notifier, &lines);
+                }
+            },
             Some(Input::Line { start, text }) => {
                 let line = classifier.classify(text);
                 observer.line(&line);
@@ -177,6 +205,19 @@ pub async fn drive(
             }
         }
     }
+}
+
+/// An invalid config on SIGHUP: the child keeps running, every problem is
+/// logged, and `STATUS=` says so.
+fn reload_refused(ctx: &Context, notifier: &mut impl Notifier, problems: &[String]) {
+    for p in problems {
+        tracing::error!(INSTANCE = ctx.instance.as_str(), EVENT = "reload", "{p}");
+    }
+    let first = problems.first().map(String::as_str).unwrap_or_default();
+    notifier.notify(&[Note::Status(format!(
+        "reload refused, still running the previous config: {} problem(s) in the new one; first: {first}",
+        problems.len()
+    ))]);
 }
 
 async fn sleep_until(deadline: Option<Instant>) {
@@ -220,25 +261,37 @@ pub struct Real {
     probe: Option<tokio::task::JoinHandle<()>>,
     /// The pre-start steps running for a start.
     preparing: Option<(u32, tokio::task::JoinHandle<()>)>,
+    /// The health checks of the ready run.
+    health: Option<tokio::task::JoinHandle<()>>,
+    /// Seen in the log: the canary waits while real traffic flows.
+    traffic: crate::health::Traffic,
     inputs: mpsc::UnboundedSender<Input>,
 }
 
 impl Real {
     /// Needs a tokio runtime; makes this process a subreaper.
-    pub fn new(settings: Settings, inputs: mpsc::UnboundedSender<Input>) -> std::io::Result<Real> {
+    pub fn new(
+        settings: Settings,
+        inputs: mpsc::UnboundedSender<Input>,
+        traffic: crate::health::Traffic,
+    ) -> std::io::Result<Real> {
         let tx = inputs.clone();
         let tree = Tree::new(move |ev| {
             let _ = tx.send(Input::Tree(ev));
         })?;
-        Ok(Real { settings, tree, follower: None, probe: None, preparing: None, inputs })
+        Ok(Real { settings, tree, follower: None, probe: None, preparing: None, health: None, traffic, inputs })
+    }
+
+    fn stop_checks(&mut self) {
+        for task in [self.probe.take(), self.health.take()].into_iter().flatten() {
+            task.abort();
+        }
     }
 }
 
 impl Backend for Real {
     fn prepare(&mut self, start: u32) {
-        if let Some(p) = self.probe.take() {
-            p.abort();
-        }
+        self.stop_checks();
         self.follower = None;
         let (settings, tx) = (self.settings.clone(), self.inputs.clone());
         self.preparing = Some((
@@ -309,11 +362,29 @@ impl Backend for Real {
         }));
     }
 
+    fn health(&mut self, start: u32) {
+        let spec = crate::health::Spec::from_settings(&self.settings);
+        if !spec.enabled() {
+            return;
+        }
+        let (tx, traffic) = (self.inputs.clone(), self.traffic.clone());
+        self.health = Some(tokio::spawn(async move {
+            let cause = crate::health::watch(spec, traffic).await;
+            let _ = tx.send(Input::HealthFailed { start, cause });
+        }));
+    }
+
+    fn reconfigure(&mut self, settings: Settings) {
+        self.settings = settings;
+    }
+
     fn terminate(&mut self, sig: Signal) {
+        self.stop_checks();
         self.tree.terminate(sig);
     }
 
     fn kill_tree(&mut self) {
+        self.stop_checks();
         self.tree.kill_all();
     }
 
@@ -324,9 +395,7 @@ impl Backend for Real {
 
 impl Drop for Real {
     fn drop(&mut self) {
-        if let Some(p) = self.probe.take() {
-            p.abort();
-        }
+        self.stop_checks();
     }
 }
 

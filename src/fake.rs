@@ -71,6 +71,12 @@ pub struct FakeArgs {
     /// JSON and a 4-bit `kv_cache_scheme` fail the start, as in vLLM 0.32).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// `/health` answers 503 from this long after the server started.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub unhealthy_after: Option<Duration>,
+    /// `/v1/completions` never answers (a wedged engine).
+    #[arg(long)]
+    pub hang_completions: bool,
     /// Accepted like vLLM's, and ignored.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -289,7 +295,11 @@ pub fn main(args: FakeArgs) -> i32 {
                 return 1;
             }
         };
-        std::thread::spawn(move || serve(server, health_tx));
+        let behaviour = Serve {
+            unhealthy_at: args.unhealthy_after.map(|d| std::time::Instant::now() + d),
+            hang_completions: args.hang_completions,
+        };
+        std::thread::spawn(move || serve(server, health_tx, behaviour));
     }
     out.raw(&format!("INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\n", out.pid));
     // Stamped before the line is written, so that a reader can never see
@@ -409,12 +419,27 @@ fn check_model(out: &Out, dir: &std::path::Path) -> Option<i32> {
     None
 }
 
-fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>) {
+/// How the simulated server answers.
+struct Serve {
+    unhealthy_at: Option<std::time::Instant>,
+    hang_completions: bool,
+}
+
+fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Serve) {
     for req in server.incoming_requests() {
         let is_health = req.url() == "/health";
         let (code, body) = match req.url() {
+            "/health" if how.unhealthy_at.is_some_and(|t| std::time::Instant::now() >= t) => (503, String::new()),
             "/health" => (200, String::new()),
             "/v1/models" => (200, r#"{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}"#.to_string()),
+            "/v1/completions" if how.hang_completions => {
+                // Held, never answered, as by an engine that makes no progress.
+                std::thread::spawn(move || {
+                    let _held = req;
+                    forever();
+                });
+                continue;
+            }
             "/v1/completions" => (
                 200,
                 r#"{"id":"cmpl-1","object":"text_completion","model":"tiny-llama","choices":[{"index":0,"text":" a","finish_reason":"length"}]}"#

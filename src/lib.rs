@@ -16,6 +16,7 @@
 //! | [`fsutil`] | atomic whole-file writes |
 //! | [`status`] | the status document and the metrics file |
 //! | [`redact`] | masking secrets in printed commands |
+//! | [`health`] | health checks and the canary after ready |
 //! | [`journal`] | forwarding the child's lines to journald |
 //! | [`logging`] | journald or stderr |
 //! | [`fake`] | a simulated vLLM for the demo and the tests |
@@ -27,6 +28,7 @@ pub mod config;
 pub mod driver;
 pub mod fake;
 pub mod fsutil;
+pub mod health;
 pub mod journal;
 pub mod logging;
 pub mod logwatch;

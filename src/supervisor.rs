@@ -47,7 +47,7 @@ pub mod exit {
 }
 
 /// The parts of the settings the machine acts on.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
     pub ready_log: bool,
     pub ready_http: bool,
@@ -143,6 +143,13 @@ pub enum Event {
     HttpReady {
         start: u32,
     },
+    /// `health.failures` consecutive health or canary checks failed.
+    HealthFailed {
+        start: u32,
+        cause: String,
+    },
+    /// A valid new config (SIGHUP): stop the child and start again with it.
+    Reload(Box<Policy>),
     ChildExited {
         pid: u32,
         exit: Exit,
@@ -183,6 +190,11 @@ pub enum Effect {
     },
     /// GET `ready.http` until it answers 200, then `HttpReady`.
     Probe {
+        start: u32,
+    },
+    /// Check the ready child's health (and the canary) until the run ends;
+    /// `HealthFailed` after `health.failures` failed checks in a row.
+    Health {
         start: u32,
     },
     /// The signal to the leader, or to every descendant left without it;
@@ -229,6 +241,8 @@ impl Run {
 pub enum Purpose {
     Shutdown,
     Failure(Cause),
+    /// A new config: start again with it once the tree is gone.
+    Reload,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -246,11 +260,20 @@ pub struct Stop {
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
     Idle,
-    Launching { start: u32, stop_pending: bool },
+    /// Pre-start steps and spawn of `start`. `relaunch`: a reload came
+    /// meanwhile, start again once these steps are over.
+    Launching {
+        start: u32,
+        stop_pending: bool,
+        relaunch: bool,
+    },
     Starting(Run),
     Ready(Run),
     Stopping(Stop),
-    Backoff { until: Instant, cause: Cause },
+    Backoff {
+        until: Instant,
+        cause: Cause,
+    },
     Done(i32),
 }
 
@@ -392,12 +415,17 @@ impl Machine {
         match (state, event) {
             (S::Idle, E::Begin) => self.launch(),
 
-            (S::Launching { start, stop_pending }, E::Prepared { start: s, result }) if s == start => {
+            (S::Launching { start, stop_pending: false, relaunch: true }, E::Prepared { start: s, .. })
+                if s == start =>
+            {
+                self.launch()
+            }
+            (S::Launching { start, stop_pending, relaunch }, E::Prepared { start: s, result }) if s == start => {
                 match (stop_pending, result) {
                     (true, _) => {
                         self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
                     }
-                    (false, Ok(())) => (S::Launching { start, stop_pending }, vec![Effect::Spawn { start }]),
+                    (false, Ok(())) => (S::Launching { start, stop_pending, relaunch }, vec![Effect::Spawn { start }]),
                     (false, Err((error, permanent))) => {
                         let cause =
                             Cause { text: error, kind: FailureKind::Spawn, permanent: permanent.then_some(SPAWN) };
@@ -406,7 +434,7 @@ impl Machine {
                     }
                 }
             }
-            (S::Launching { start, stop_pending }, E::Spawned { start: s, pid }) if s == start => {
+            (S::Launching { start, stop_pending, .. }, E::Spawned { start: s, pid }) if s == start => {
                 let mut run = Run {
                     start,
                     pid,
@@ -435,7 +463,7 @@ impl Machine {
                 }
                 (S::Starting(run), fx)
             }
-            (S::Launching { start, stop_pending }, E::SpawnFailed { start: s, error, permanent }) if s == start => {
+            (S::Launching { start, stop_pending, .. }, E::SpawnFailed { start: s, error, permanent }) if s == start => {
                 if stop_pending {
                     return self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![]);
                 }
@@ -444,7 +472,7 @@ impl Machine {
                 self.after_failure(cause, None, now, fx)
             }
             (S::Launching { start, .. }, E::StopRequested) => (
-                S::Launching { start, stop_pending: true },
+                S::Launching { start, stop_pending: true, relaunch: false },
                 vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())]), Effect::CancelPrepare],
             ),
 
@@ -542,7 +570,7 @@ impl Machine {
                 (S::Stopping(stop), fx)
             }
             (S::Stopping(mut stop), E::StopRequested) => {
-                if let Purpose::Failure(_) = stop.purpose {
+                if stop.purpose != Purpose::Shutdown {
                     stop.purpose = Purpose::Shutdown;
                     (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
                 } else if !stop.killed {
@@ -559,6 +587,7 @@ impl Machine {
                     self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
                 }
                 Purpose::Failure(cause) => self.after_failure(cause, stop.ready_for, now, vec![]),
+                Purpose::Reload => self.launch(),
             },
             // Lines after a stop was asked for never count (vLLM logs
             // EngineDeadError on every ordinary shutdown).
@@ -580,6 +609,12 @@ impl Machine {
             ),
             (S::Idle, E::StopRequested) => {
                 self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
+            }
+
+            (state, E::Reload(policy)) => self.reload(state, *policy, now),
+            (S::Ready(run), E::HealthFailed { start, cause }) if start == run.start => {
+                let cause = Cause { text: cause, kind: FailureKind::Health, permanent: None };
+                self.begin_stop(S::Ready(run), Purpose::Failure(cause), now, vec![])
             }
 
             (state, Event::Tick) => (state, vec![]),
@@ -604,7 +639,7 @@ impl Machine {
             Effect::Notify(vec![status(format!("starting ({})", self.attempts_text()))]),
             Effect::Prepare { start },
         ];
-        (State::Launching { start, stop_pending: false }, fx)
+        (State::Launching { start, stop_pending: false, relaunch: false }, fx)
     }
 
     /// Record a fatal line or exception line of this run.
@@ -674,7 +709,11 @@ impl Machine {
         let took = now - run.spawned_at;
         self.last_load = Some(took);
         let text = format!("ready: pid {}, loaded in {}", run.pid, secs(took));
-        let fx = vec![record(Severity::Info, "ready", text.clone()), Effect::Notify(vec![Note::Ready, status(text)])];
+        let fx = vec![
+            record(Severity::Info, "ready", text.clone()),
+            Effect::Notify(vec![Note::Ready, status(text)]),
+            Effect::Health { start: run.start },
+        ];
         self.cause = None;
         (State::Ready(run), fx)
     }
@@ -691,7 +730,7 @@ impl Machine {
             other => return (other, fx),
         };
         let ready_for = run.ready_at.map(|t| now - t);
-        let drain = ready_for.is_some() && purpose == Purpose::Shutdown;
+        let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload);
         let grace = if drain { self.policy.stop_timeout } else { self.policy.stop_timeout.min(LOAD_STOP_GRACE) };
         match &purpose {
             Purpose::Shutdown => fx.push(Effect::Notify(vec![
@@ -704,6 +743,10 @@ impl Machine {
                 fx.push(record(Severity::Error, "failed", format!("run failed: {}", c.text)));
                 fx.push(Effect::Notify(vec![status(format!("failed ({}): {}", self.attempts_text(), c.text))]));
             }
+            Purpose::Reload => fx.push(Effect::Notify(vec![
+                status(format!("reloading: stopping pid {} to start it with the new config", run.pid)),
+                Note::ExtendTimeout(grace + Duration::from_secs(5)),
+            ])),
         }
         fx.push(Effect::Terminate(self.policy.stop_signal));
         let stop = Stop {
@@ -719,6 +762,32 @@ impl Machine {
             fx.push(Effect::KillTree);
         }
         (State::Stopping(stop), fx)
+    }
+
+    /// A valid new config: its policy applies from now on, the failure count
+    /// starts again, and the child is started again with it.
+    fn reload(&mut self, state: State, policy: Policy, now: Instant) -> (State, Vec<Effect>) {
+        self.policy = policy;
+        self.failures = 0;
+        self.permanent_streak = None;
+        let fx = vec![record(Severity::Info, "reload", "config reloaded: starting again with it".into())];
+        match state {
+            s @ (State::Starting(_) | State::Ready(_)) => self.begin_stop(s, Purpose::Reload, now, fx),
+            State::Stopping(mut stop) if stop.purpose != Purpose::Shutdown => {
+                stop.purpose = Purpose::Reload;
+                (State::Stopping(stop), fx)
+            }
+            State::Backoff { .. } => {
+                let (next, more) = self.launch();
+                (next, fx.into_iter().chain(more).collect())
+            }
+            State::Launching { start, stop_pending: false, .. } => {
+                let mut fx = fx;
+                fx.push(Effect::CancelPrepare);
+                (State::Launching { start, stop_pending: false, relaunch: true }, fx)
+            }
+            other => (other, vec![]),
+        }
     }
 
     /// The leader has already exited: no signal to repeat.
@@ -810,7 +879,7 @@ pub fn state_name(s: &State) -> &'static str {
         State::Idle | State::Launching { .. } | State::Starting(_) => "starting",
         State::Ready(_) => "ready",
         State::Stopping(st) => match st.purpose {
-            Purpose::Shutdown => "stopping",
+            Purpose::Shutdown | Purpose::Reload => "stopping",
             Purpose::Failure(_) => "failed",
         },
         State::Backoff { .. } => "backoff",

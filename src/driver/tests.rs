@@ -61,6 +61,8 @@ impl Backend for Fake {
         let _ = self.tx.send(Input::Prepared { start, result: Ok(()) });
     }
     fn cancel_prepare(&mut self) {}
+    fn health(&mut self, _start: u32) {}
+    fn reconfigure(&mut self, _settings: crate::config::Settings) {}
     fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)> {
         self.call(Call::Spawn(start));
         let pid = 100 + start;

@@ -421,3 +421,51 @@ fn a_failed_pre_start_step_is_a_failed_start_with_its_cause() {
     assert_eq!(s.m.cause.as_ref().unwrap().text, held);
     assert!(statuses(&s.fx).iter().any(|t| t.ends_with(&format!("(attempt 2/10): {held}"))));
 }
+
+#[test]
+fn a_reload_stops_the_ready_child_and_starts_again_with_the_new_policy() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    s.now = backoff_until(&s.m).unwrap();
+    s.tick();
+    s.ready(101);
+    assert_eq!(s.m.failures, 1);
+    let new = Policy { stall: Duration::from_secs(5), ..policy() };
+    let fx = s.ev(Event::Reload(Box::new(new.clone())));
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    assert_eq!(s.state(), "stopping");
+    // A ready child drains: the full stop-timeout before SIGKILL.
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(90)));
+    s.ev(Event::ChildExited { pid: 101, exit: Exit::Code(0) });
+    let fx = s.ev(Event::TreeGone);
+    assert!(fx.contains(&Effect::Prepare { start: 3 }), "{fx:?}");
+    assert_eq!(s.m.policy, new);
+    assert_eq!(s.m.failures, 0, "a new config starts the count again");
+}
+
+#[test]
+fn a_reload_during_backoff_starts_at_once() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    let fx = s.ev(Event::Reload(Box::new(policy())));
+    assert!(fx.contains(&Effect::Prepare { start: 2 }));
+}
+
+#[test]
+fn failed_health_checks_fail_a_ready_run() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert!(s.fx.contains(&Effect::Health { start: 1 }), "checks start when ready");
+    let fx =
+        s.ev(Event::HealthFailed { start: 1, cause: "health check failed 3 times: 503 Service Unavailable".into() });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    let cause = s.m.cause.clone().unwrap();
+    assert_eq!(cause.kind, FailureKind::Health);
+    assert_eq!(cause.text, "health check failed 3 times: 503 Service Unavailable");
+    assert!(s.ev(Event::HealthFailed { start: 1, cause: "again".into() }).is_empty(), "only once");
+}

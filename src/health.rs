@@ -1,0 +1,185 @@
+//! Liveness after ready: `GET health.http` every `interval`, and, when
+//! `canary-interval` is set, a one-token completion, because vLLM's
+//! `/health` answers 200 while a wedged engine serves nothing. The state
+//! machine is not known here: after `failures` failed checks in a row the
+//! watcher reports one cause line and ends.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use regex::Regex;
+
+use crate::config::Settings;
+
+/// What to check, read from the settings.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub http: Option<String>,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failures: u32,
+    pub canary_interval: Duration,
+    pub canary_timeout: Duration,
+    /// `http://127.0.0.1:<port>`, for `/v1/models` and `/v1/completions`.
+    pub base: String,
+}
+
+impl Spec {
+    pub fn from_settings(s: &Settings) -> Spec {
+        let h = &s.health;
+        Spec {
+            http: h.http.clone(),
+            interval: h.interval,
+            timeout: h.timeout,
+            failures: h.failures,
+            canary_interval: h.canary_interval,
+            canary_timeout: h.canary_timeout,
+            base: format!("http://127.0.0.1:{}", s.prestart.port),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.http.is_some() || !self.canary_interval.is_zero()
+    }
+}
+
+/// When the child last showed that its engine generates tokens (vLLM's
+/// periodic `Avg generation throughput: N tokens/s` line with N > 0), in
+/// milliseconds since the epoch; 0 = never. Set from the log, read by the
+/// canary, which does not add a request while real traffic visibly flows.
+#[derive(Debug, Clone, Default)]
+pub struct Traffic(Arc<AtomicU64>);
+
+impl Traffic {
+    pub fn saw_generation(&self) {
+        let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        self.0.store(ms, Ordering::Relaxed);
+    }
+
+    fn seen_within(&self, d: Duration) -> bool {
+        let last = self.0.load(Ordering::Relaxed);
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        last != 0 && now.saturating_sub(last) <= d.as_millis() as u64
+    }
+}
+
+/// Recognises vLLM's throughput line with tokens generated.
+pub struct GenerationLine(Regex);
+
+impl Default for GenerationLine {
+    fn default() -> Self {
+        GenerationLine(Regex::new(r"Avg generation throughput: ([0-9.]+) tokens/s").expect("static regex"))
+    }
+}
+
+impl GenerationLine {
+    pub fn matches(&self, line: &str) -> bool {
+        self.0.captures(line).and_then(|c| c[1].parse::<f64>().ok()).is_some_and(|x| x > 0.0)
+    }
+}
+
+fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder().timeout_global(Some(timeout)).http_status_as_error(false).build().into()
+}
+
+fn describe(e: &ureq::Error, timeout: Duration) -> String {
+    match e {
+        ureq::Error::Timeout(_) => format!("no answer within {}", humantime::format_duration(timeout)),
+        ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => "connection refused".into(),
+        other => other.to_string(),
+    }
+}
+
+fn status_text(code: ureq::http::StatusCode) -> String {
+    format!("{} {}", code.as_u16(), code.canonical_reason().unwrap_or(""))
+}
+
+/// One `GET`; `Err` names why it failed.
+pub fn check(url: &str, timeout: Duration) -> Result<(), String> {
+    match agent(timeout).get(url).call() {
+        Ok(r) if r.status().is_success() => Ok(()),
+        Ok(r) => Err(status_text(r.status())),
+        Err(e) => Err(describe(&e, timeout)),
+    }
+}
+
+/// The first model the server lists.
+fn model(base: &str, timeout: Duration) -> Result<String, String> {
+    let mut r = agent(timeout).get(&format!("{base}/v1/models")).call().map_err(|e| describe(&e, timeout))?;
+    if !r.status().is_success() {
+        return Err(format!("/v1/models: {}", status_text(r.status())));
+    }
+    let v: serde_json::Value = r.body_mut().read_json().map_err(|e| format!("/v1/models: {e}"))?;
+    v["data"][0]["id"].as_str().map(String::from).ok_or_else(|| "/v1/models lists no model".into())
+}
+
+/// A one-token completion; `Err` names why it failed.
+pub fn canary(base: &str, timeout: Duration) -> Result<(), String> {
+    let model = model(base, timeout).map_err(|e| format!("canary: {e}"))?;
+    let body = serde_json::json!({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0});
+    match agent(timeout).post(&format!("{base}/v1/completions")).send_json(&body) {
+        Ok(r) if r.status().is_success() => Ok(()),
+        Ok(r) => Err(format!("canary: {}", status_text(r.status()))),
+        Err(ureq::Error::Timeout(_)) => {
+            Err(format!("canary: no completion within {}", humantime::format_duration(timeout)))
+        }
+        Err(e) => Err(format!("canary: {}", describe(&e, timeout))),
+    }
+}
+
+/// Check until `spec.failures` checks in a row have failed; returns the
+/// cause line.
+pub async fn watch(spec: Spec, traffic: Traffic) -> String {
+    let mut failed = 0;
+    let mut next_canary = tokio::time::Instant::now() + spec.canary_interval;
+    loop {
+        tokio::time::sleep(spec.interval).await;
+        let mut result = Ok(());
+        if let Some(url) = spec.http.clone() {
+            let t = spec.timeout;
+            result = tokio::task::spawn_blocking(move || check(&url, t)).await.unwrap_or_else(|e| Err(e.to_string()));
+        }
+        let now = tokio::time::Instant::now();
+        if result.is_ok() && !spec.canary_interval.is_zero() && now >= next_canary {
+            next_canary = now + spec.canary_interval;
+            if !traffic.seen_within(spec.canary_interval) {
+                let (base, t) = (spec.base.clone(), spec.canary_timeout);
+                result =
+                    tokio::task::spawn_blocking(move || canary(&base, t)).await.unwrap_or_else(|e| Err(e.to_string()));
+            }
+        }
+        match result {
+            Ok(()) => failed = 0,
+            Err(why) => {
+                failed += 1;
+                tracing::warn!(EVENT = "health", "check failed ({failed} of {}): {why}", spec.failures);
+                if failed >= spec.failures {
+                    return format!("health check failed {failed} times: {why}");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_lines_are_recognised() {
+        let g = GenerationLine::default();
+        let line = "(APIServer pid=1) INFO 11-29 18:11:16 [loggers.py:248] Engine 000: Avg prompt throughput: 12.0 tokens/s, Avg generation throughput: 48.3 tokens/s, Running: 2 reqs";
+        assert!(g.matches(line));
+        assert!(!g.matches(&line.replace("48.3", "0.0")));
+        assert!(!g.matches("INFO:     Application startup complete."));
+    }
+
+    #[test]
+    fn traffic_is_remembered_for_a_while() {
+        let t = Traffic::default();
+        assert!(!t.seen_within(Duration::from_secs(60)));
+        t.saw_generation();
+        assert!(t.seen_within(Duration::from_secs(60)));
+    }
+}
