@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Runs inside the container, as root, with systemd as PID 1. Every check
+# prints "ok - …" or "not ok - …"; the last line counts them.
+set -uo pipefail
+passed=0
+failed=0
+ok() { echo "ok - $*"; passed=$((passed + 1)); }
+bad() { echo "not ok - $*"; failed=$((failed + 1)); }
+check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
+finish() { echo "systemd e2e: $passed passed, $failed failed"; [ "$failed" -eq 0 ]; exit $?; }
+trap finish EXIT
+
+# Wait for an event with one generous deadline: $1 seconds, then the command.
+wait_for() {
+    local limit=$1; shift
+    local end=$((SECONDS + limit))
+    until "$@"; do
+        [ "$SECONDS" -lt "$end" ] || return 1
+        sleep 0.2
+    done
+}
+child_pid() { grep -o '"child_pid": [0-9]*' "/run/vllm-warden/$1/status.json" 2>/dev/null | grep -o '[0-9]*$'; }
+# Ready, with a child other than $2 (read before and after: the same one).
+ready_with_new_child() {
+    local pid
+    pid=$(child_pid "$1")
+    [ -n "$pid" ] && [ "$pid" != "$2" ] && vllm-warden status -c "/etc/vllm-warden/$1.toml" >/dev/null \
+        && [ "$(child_pid "$1")" = "$pid" ]
+}
+prop() { systemctl show -p "$2" --value "vllm-warden@$1"; }
+
+systemctl is-system-running --wait >/dev/null || true
+
+# Install: the package enables nothing and creates the user.
+check "the package installs" dpkg -i /opt/payload/vllm-warden.deb
+check "the vllm user exists" id vllm
+check "the template unit is known" systemctl cat vllm-warden@x.service
+check "installing started no instance" test -z "$(systemctl list-units --no-legend 'vllm-warden@*')"
+check "the man pages are installed" test -f /usr/share/man/man8/vllm-warden.8.gz -a -f /usr/share/man/man5/vllm-warden.toml.5.gz
+check "the completions are installed" test -f /usr/share/bash-completion/completions/vllm-warden
+check "the example config is installed" test -f /etc/vllm-warden/kimi.toml.example
+
+fake() {  # name port extra-fake-args… ; then more TOML on stdin
+    local name=$1 port=$2; shift 2
+    local args=""
+    for a in "$@"; do args+=", \"$a\""; done
+    {
+        echo "[child]"
+        echo "command = [\"/usr/bin/vllm-warden\", \"fake-vllm\", \"--port\", \"$port\"$args]"
+        cat
+    } > "/etc/vllm-warden/$name.toml"
+}
+
+# Start blocks until the model is ready.
+fake demo 8000 --shards 4 --shard-time 300ms <<'TOML'
+env = { MARKER = "1" }
+[restart]
+initial-delay = "1s"
+TOML
+start=$SECONDS
+check "systemctl start returns when the model is ready" systemctl start vllm-warden@demo
+check "the unit is active" systemctl is-active --quiet vllm-warden@demo
+check "vllm-warden status says ready" vllm-warden status -c /etc/vllm-warden/demo.toml
+check "systemctl status shows the warden's STATUS=" bash -c "systemctl status --no-pager vllm-warden@demo | grep -q 'Status: \"ready: pid '"
+check "the journal has the warden's events" bash -c "journalctl -u vllm-warden@demo EVENT=ready --no-pager -o cat | grep -q 'ready: pid'"
+check "the journal has the child's lines as vllm-demo" bash -c "journalctl -u vllm-warden@demo SYSLOG_IDENTIFIER=vllm-demo --no-pager -o cat | grep -q 'Application startup complete'"
+check "the child's INFO lines are priority info" bash -c "journalctl -u vllm-warden@demo SYSLOG_IDENTIFIER=vllm-demo -p info..info --no-pager -o cat | grep -q 'Starting to load model'"
+check "the log file is in LogsDirectory" test -s /var/log/vllm-warden/demo.log
+
+# A child killed with SIGKILL is restarted by the warden, not by systemd.
+main=$(prop demo MainPID)
+old=$(child_pid demo)
+kill -9 "$old"
+check "the warden restarts a killed child" wait_for 60 ready_with_new_child demo "$old"
+check "systemd did not restart the unit" test "$(prop demo NRestarts)" = 0 -a "$(prop demo MainPID)" = "$main"
+
+# A load longer than TimeoutStartSec= lives on EXTEND_TIMEOUT_USEC.
+mkdir -p /etc/systemd/system/vllm-warden@slow.service.d
+printf '[Service]\nTimeoutStartSec=3s\n' > /etc/systemd/system/vllm-warden@slow.service.d/timeout.conf
+systemctl daemon-reload
+fake slow 8001 --shards 8 --shard-time 1s <<'TOML'
+[ready]
+stall = "3s"
+TOML
+start=$SECONDS
+check "a load of 8 s survives TimeoutStartSec=3s" systemctl start vllm-warden@slow
+check "… and took longer than the timeout" test $((SECONDS - start)) -ge 4
+systemctl stop vllm-warden@slow
+
+# Reload applies a changed config.
+old=$(child_pid demo)
+sed -i 's/MARKER = "1"/MARKER = "2"/' /etc/vllm-warden/demo.toml
+check "systemctl reload is accepted" systemctl reload vllm-warden@demo
+check "the child is started again after the reload" wait_for 60 ready_with_new_child demo "$old"
+check "the new child has the new environment" bash -c "tr '\0' '\n' < /proc/$(child_pid demo)/environ | grep -qx MARKER=2"
+
+# Stop leaves no process of the unit.
+check "systemctl stop" systemctl stop vllm-warden@demo
+check "no process of the unit is left" bash -c "! pgrep -f 'vllm-warden [f]ake-vllm' >/dev/null"
+check "the unit stopped cleanly" test "$(prop demo Result)" = success
+
+# A permanent failure ends with 78, and systemd does not restart it.
+fake perm 8002 --shards 1 --fail kv-cache <<'TOML'
+[restart]
+initial-delay = "0s"
+TOML
+check "a permanently failing start fails" bash -c "! systemctl start vllm-warden@perm"
+check "… with exit status 78" test "$(prop perm ExecMainStatus)" = 78
+# A restart would show as activating/auto-restart; a prevented one as failed.
+check "… and is not restarted" test "$(prop perm ActiveState)/$(prop perm SubState)" = failed/failed
+check "the journal names the cause" bash -c "journalctl -u vllm-warden@perm --no-pager -o cat | grep -q 'failed permanently (2 of 2 tries): NotImplementedError: Currently supported kv cache quantization'"
