@@ -304,6 +304,7 @@ pub async fn supervise(
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     hook(tx.clone());
     let tree = TreeRecord { state_dir: settings.state_dir.clone(), last: None };
+    let cleanup = settings.clone();
     let traffic = crate::health::Traffic::default();
     let mut backend = match Real::new(settings, tx, traffic.clone()) {
         Ok(b) => b,
@@ -314,7 +315,10 @@ pub async fn supervise(
     };
     let journal = crate::journal::Forwarder::from_env(&ctx.instance);
     let mut observer = Reports { status: reporter, journal, tree, traffic, generation: Default::default() };
-    driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, &ctx, &mut observer).await
+    let code = driver::drive(machine, &mut backend, &mut notifier, classifier, &mut rx, &ctx, &mut observer).await;
+    // The tree is gone: what it left in /dev/shm goes now, not at the next start.
+    crate::prepare::clean_leftover_files(&cleanup);
+    code
 }
 
 /// The status files and the journal, kept up to date by the loop.

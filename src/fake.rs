@@ -77,6 +77,10 @@ pub struct FakeArgs {
     /// `/v1/completions` never answers (a wedged engine).
     #[arg(long)]
     pub hang_completions: bool,
+    /// Create this file in /dev/shm at start and leave it behind, as a
+    /// crashed vLLM leaves `psm_*` segments.
+    #[arg(long)]
+    pub shm_file: Option<String>,
     /// Accepted like vLLM's, and ignored.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -172,6 +176,9 @@ pub fn main(args: FakeArgs) -> i32 {
         forever();
     }
     stamp(&args, "start");
+    if let Some(name) = &args.shm_file {
+        let _ = std::fs::write(std::path::Path::new("/dev/shm").join(name), b"segment");
+    }
     let failing = fail_this_time(&args);
     let stop = Arc::new(AtomicBool::new(false));
     if args.ignore_sigterm {

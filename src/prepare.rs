@@ -4,7 +4,6 @@
 //! `status` (`STATUS=`); a step that cannot be satisfied fails the start with
 //! a cause naming what is in the way.
 
-use std::path::Path;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -45,26 +44,8 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Prepared {
     }
 
     // 3. Shared memory, and vLLM's files in the temporary folders.
-    let uid = nix::unistd::geteuid().as_raw();
-    let mut cleaned = Vec::new();
-    let shm = Path::new("/dev/shm");
-    if !s.prestart.clean_shm.is_empty() && shm.is_dir() {
-        status("cleaning /dev/shm".into());
-        let report = prestart::clean(shm, &s.prestart.clean_shm, uid, &prestart::in_use_under(shm));
-        cleaned.push(("/dev/shm".to_string(), report));
-    }
-    let temp_globs = s.profile.temp_globs();
-    if !temp_globs.is_empty() {
-        for dir in prestart::temp_dirs() {
-            let report = prestart::clean(&dir, &temp_globs, uid, &prestart::in_use_under(&dir));
-            cleaned.push((dir.display().to_string(), report));
-        }
-    }
-    for (dir, report) in cleaned {
-        if report != prestart::Cleaned::default() {
-            tracing::info!(INSTANCE = name, EVENT = "clean", "{dir}: {}", report.describe());
-        }
-    }
+    status("cleaning /dev/shm".into());
+    clean_leftover_files(s);
 
     // 4. The port.
     let port = s.prestart.port;
@@ -108,6 +89,28 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Prepared {
         }
     }
     Ok(())
+}
+
+/// Remove what crashed runs leave behind and nobody uses any more: the
+/// `clean-shm` entries of `/dev/shm`, and the profile's files in the
+/// temporary folders (see `prestart::clean` for the rule). Logs what was
+/// removed and what was kept, and why.
+pub fn clean_leftover_files(s: &Settings) {
+    let uid = nix::unistd::geteuid().as_raw();
+    let mut folders: Vec<(std::path::PathBuf, Vec<String>)> = Vec::new();
+    if !s.prestart.clean_shm.is_empty() {
+        folders.push(("/dev/shm".into(), s.prestart.clean_shm.clone()));
+    }
+    let temp = s.profile.temp_globs();
+    if !temp.is_empty() {
+        folders.extend(prestart::temp_dirs().into_iter().map(|d| (d, temp.clone())));
+    }
+    for (dir, globs) in folders.iter().filter(|(d, _)| d.is_dir()) {
+        let report = prestart::clean(dir, globs, uid, &prestart::in_use_under(dir));
+        if report != prestart::Cleaned::default() {
+            tracing::info!(INSTANCE = s.name.as_str(), EVENT = "clean", "{}: {}", dir.display(), report.describe());
+        }
+    }
 }
 
 /// Look again with a growing delay until `ready` or `limit` passes.

@@ -182,3 +182,16 @@ fn a_recorded_pid_now_used_by_another_process_is_untouched() {
     bystander.0[0].kill().unwrap();
     bystander.0.clear();
 }
+
+#[test]
+fn what_the_run_left_in_shared_memory_goes_when_the_warden_stops() {
+    let tag = format!("vwtest-{}-left", std::process::id());
+    let globs = format!("[prestart]\nclean-shm = [\"{tag}*\"]\n");
+    let mut w =
+        Warden::start(|d, p| config(d, p, &["--shards", "1", "--shm-file", &tag], "", &format!("{FAST}{globs}")));
+    w.wait_ready();
+    let file = std::path::Path::new("/dev/shm").join(&tag);
+    assert!(file.exists(), "the run left a segment");
+    assert_eq!(w.stop(), 0);
+    assert!(!file.exists(), "removed once the tree was gone");
+}
