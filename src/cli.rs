@@ -67,7 +67,7 @@ pub enum Cmd {
     Demo,
     /// A simulated vLLM server, for the demo and the tests.
     #[command(hide = true)]
-    FakeVllm(FakeArgs),
+    FakeVllm(Box<FakeArgs>),
     /// Write the man pages and shell completions into a folder (packaging).
     #[command(hide = true)]
     Assets { dir: PathBuf },
@@ -82,7 +82,7 @@ pub fn main() -> i32 {
         Cmd::Patch(a) => patch(&a),
         Cmd::Status(a) => status(&a),
         Cmd::Demo => demo(),
-        Cmd::FakeVllm(a) => fake::main(a),
+        Cmd::FakeVllm(a) => fake::main(*a),
         Cmd::Assets { dir } => match assets(&dir) {
             Ok(()) => exit::STOPPED,
             Err(e) => {
