@@ -89,7 +89,7 @@ pub struct Fatal {
     pub grace: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Restart {
     pub initial_delay: Duration,
     pub max_delay: Duration,

@@ -12,35 +12,21 @@ use regex::Regex;
 
 use crate::config::Settings;
 
-/// What to check, read from the settings.
+/// What to check: `[health]`, and where the server's API is.
 #[derive(Debug, Clone)]
 pub struct Spec {
-    pub http: Option<String>,
-    pub interval: Duration,
-    pub timeout: Duration,
-    pub failures: u32,
-    pub canary_interval: Duration,
-    pub canary_timeout: Duration,
+    pub health: crate::config::Health,
     /// `http://127.0.0.1:<port>`, for `/v1/models` and `/v1/completions`.
     pub base: String,
 }
 
 impl Spec {
     pub fn from_settings(s: &Settings) -> Spec {
-        let h = &s.health;
-        Spec {
-            http: h.http.clone(),
-            interval: h.interval,
-            timeout: h.timeout,
-            failures: h.failures,
-            canary_interval: h.canary_interval,
-            canary_timeout: h.canary_timeout,
-            base: format!("http://127.0.0.1:{}", s.prestart.port),
-        }
+        Spec { health: s.health.clone(), base: format!("http://127.0.0.1:{}", s.prestart.port) }
     }
 
     pub fn enabled(&self) -> bool {
-        self.http.is_some() || !self.canary_interval.is_zero()
+        self.health.http.is_some() || !self.health.canary_interval.is_zero()
     }
 }
 
@@ -128,23 +114,24 @@ pub fn canary(base: &str, timeout: Duration) -> Result<(), String> {
     }
 }
 
-/// Check until `spec.failures` checks in a row have failed; returns the
+/// Check until `h.failures` checks in a row have failed; returns the
 /// cause line.
 pub async fn watch(spec: Spec, traffic: Traffic) -> String {
+    let h = &spec.health;
     let mut failed = 0;
-    let mut next_canary = tokio::time::Instant::now() + spec.canary_interval;
+    let mut next_canary = tokio::time::Instant::now() + h.canary_interval;
     loop {
-        tokio::time::sleep(spec.interval).await;
+        tokio::time::sleep(h.interval).await;
         let mut result = Ok(());
-        if let Some(url) = spec.http.clone() {
-            let t = spec.timeout;
+        if let Some(url) = h.http.clone() {
+            let t = h.timeout;
             result = tokio::task::spawn_blocking(move || check(&url, t)).await.unwrap_or_else(|e| Err(e.to_string()));
         }
         let now = tokio::time::Instant::now();
-        if result.is_ok() && !spec.canary_interval.is_zero() && now >= next_canary {
-            next_canary = now + spec.canary_interval;
-            if !traffic.seen_within(spec.canary_interval) {
-                let (base, t) = (spec.base.clone(), spec.canary_timeout);
+        if result.is_ok() && !h.canary_interval.is_zero() && now >= next_canary {
+            next_canary = now + h.canary_interval;
+            if !traffic.seen_within(h.canary_interval) {
+                let (base, t) = (spec.base.clone(), h.canary_timeout);
                 result =
                     tokio::task::spawn_blocking(move || canary(&base, t)).await.unwrap_or_else(|e| Err(e.to_string()));
             }
@@ -153,8 +140,8 @@ pub async fn watch(spec: Spec, traffic: Traffic) -> String {
             Ok(()) => failed = 0,
             Err(why) => {
                 failed += 1;
-                tracing::warn!(EVENT = "health", "check failed ({failed} of {}): {why}", spec.failures);
-                if failed >= spec.failures {
+                tracing::warn!(EVENT = "health", "check failed ({failed} of {}): {why}", h.failures);
+                if failed >= h.failures {
                     return format!("health check failed {failed} times: {why}");
                 }
             }

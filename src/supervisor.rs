@@ -56,13 +56,7 @@ pub struct Policy {
     pub grace: Duration,
     pub stop_signal: Signal,
     pub stop_timeout: Duration,
-    pub initial_delay: Duration,
-    pub max_delay: Duration,
-    pub factor: f64,
-    pub jitter: f64,
-    pub reset_after: Duration,
-    pub max_attempts: u32,
-    pub permanent_attempts: u32,
+    pub restart: crate::config::Restart,
 }
 
 impl Policy {
@@ -75,21 +69,15 @@ impl Policy {
             grace: s.fatal.grace,
             stop_signal: s.child.stop_signal,
             stop_timeout: s.child.stop_timeout,
-            initial_delay: s.restart.initial_delay,
-            max_delay: s.restart.max_delay,
-            factor: s.restart.factor,
-            jitter: s.restart.jitter,
-            reset_after: s.restart.reset_after,
-            max_attempts: s.restart.max_attempts,
-            permanent_attempts: s.restart.permanent_attempts,
+            restart: s.restart.clone(),
         }
     }
 
     /// The delay before attempt `n + 1`, after `n` consecutive failures,
     /// before jitter: `initial × factor^(n-1)`, capped.
     pub fn backoff(&self, n: u32) -> Duration {
-        let exp = self.factor.powi(n.saturating_sub(1).min(1000) as i32);
-        let secs = (self.initial_delay.as_secs_f64() * exp).min(self.max_delay.as_secs_f64());
+        let exp = self.restart.factor.powi(n.saturating_sub(1).min(1000) as i32);
+        let secs = (self.restart.initial_delay.as_secs_f64() * exp).min(self.restart.max_delay.as_secs_f64());
         Duration::from_secs_f64(secs.max(0.0))
     }
 }
@@ -364,7 +352,7 @@ impl Machine {
     }
 
     fn attempts_text(&self) -> String {
-        match self.policy.max_attempts {
+        match self.policy.restart.max_attempts {
             0 => format!("attempt {}", self.attempt()),
             max => format!("attempt {}/{max}", self.attempt()),
         }
@@ -809,7 +797,7 @@ impl Machine {
         now: Instant,
         mut fx: Vec<Effect>,
     ) -> (State, Vec<Effect>) {
-        if ready_for.is_some_and(|d| d >= self.policy.reset_after) {
+        if ready_for.is_some_and(|d| d >= self.policy.restart.reset_after) {
             self.failures = 0;
             self.permanent_streak = None;
         }
@@ -831,20 +819,20 @@ impl Machine {
                 _ => 1,
             };
             self.permanent_streak = Some((p, n));
-            if n >= self.policy.permanent_attempts {
+            if n >= self.policy.restart.permanent_attempts {
                 let text = format!("failed permanently ({n} of {n} tries): {}", cause.text);
                 return self.finish(exit::CONFIG, text.clone(), Severity::Error, "gave-up", fx);
             }
         } else {
             self.permanent_streak = None;
         }
-        let max = self.policy.max_attempts;
+        let max = self.policy.restart.max_attempts;
         if max > 0 && self.failures >= max {
             let text = format!("gave up after {max} failed starts: {}", cause.text);
             return self.finish(exit::GAVE_UP, text, Severity::Error, "gave-up", fx);
         }
         let base = self.policy.backoff(self.failures);
-        let j = self.policy.jitter * (self.rng.f64() * 2.0 - 1.0);
+        let j = self.policy.restart.jitter * (self.rng.f64() * 2.0 - 1.0);
         let delay = Duration::from_secs_f64((base.as_secs_f64() * (1.0 + j)).max(0.0));
         let text = format!("restarting in {} ({}): {}", secs(delay), self.attempts_text(), cause.text);
         fx.push(record(Severity::Warn, "backoff", text.clone()));

@@ -138,13 +138,15 @@ fn policy() -> Policy {
         grace: Duration::from_secs(5),
         stop_signal: Signal::SIGTERM,
         stop_timeout: Duration::from_secs(30),
-        initial_delay: Duration::from_secs(10),
-        max_delay: Duration::from_secs(300),
-        factor: 2.0,
-        jitter: 0.0,
-        reset_after: Duration::from_secs(600),
-        max_attempts: 5,
-        permanent_attempts: 2,
+        restart: crate::config::Restart {
+            initial_delay: Duration::from_secs(10),
+            max_delay: Duration::from_secs(300),
+            factor: 2.0,
+            jitter: 0.0,
+            reset_after: Duration::from_secs(600),
+            max_attempts: 5,
+            permanent_attempts: 2,
+        },
     }
 }
 
@@ -214,7 +216,7 @@ async fn a_stall_fails_the_start_exactly_at_the_deadline() {
     let stalls =
         Plan::Run { lines: vec!["(Worker pid=1) INFO 11-29 18:11:02 [x.py:1] Starting to load model /m"], gap: S(7) };
     let mut p = policy();
-    p.max_attempts = 1;
+    p.restart.max_attempts = 1;
     let o = run(p, vec![stalls], false, vec![], None, None).await;
     assert_eq!(o.code, 75);
     assert!(o.calls.contains(&(S(67), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
@@ -240,7 +242,7 @@ async fn the_last_lines_in_the_file_are_read_before_the_exit() {
         "ValueError: No valid attention backend found".to_string(),
     ];
     let mut p = policy();
-    p.max_attempts = 1;
+    p.restart.max_attempts = 1;
     let o = run(p, vec![exits], false, tail, None, None).await;
     assert_eq!(o.code, 75);
     assert!(

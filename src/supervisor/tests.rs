@@ -13,14 +13,23 @@ fn policy() -> Policy {
         grace: Duration::from_secs(30),
         stop_signal: Signal::SIGTERM,
         stop_timeout: Duration::from_secs(90),
-        initial_delay: Duration::from_secs(10),
-        max_delay: Duration::from_secs(300),
-        factor: 2.0,
-        jitter: 0.0,
-        reset_after: Duration::from_secs(600),
-        max_attempts: 10,
-        permanent_attempts: 2,
+        restart: crate::config::Restart {
+            initial_delay: Duration::from_secs(10),
+            max_delay: Duration::from_secs(300),
+            factor: 2.0,
+            jitter: 0.0,
+            reset_after: Duration::from_secs(600),
+            max_attempts: 10,
+            permanent_attempts: 2,
+        },
     }
+}
+
+/// The test policy with other restart settings.
+fn restart(change: impl FnOnce(&mut crate::config::Restart)) -> Policy {
+    let mut p = policy();
+    change(&mut p.restart);
+    p
 }
 
 /// A machine, a clock and a classifier, for writing scenarios as tables.
@@ -313,7 +322,10 @@ fn a_stop_during_backoff_exits_at_once() {
 
 #[test]
 fn max_attempts_failed_starts_exit_75() {
-    let mut s = Sim::new(Policy { max_attempts: 3, initial_delay: Duration::ZERO, ..policy() });
+    let mut s = Sim::new(restart(|r| {
+        r.max_attempts = 3;
+        r.initial_delay = Duration::ZERO;
+    }));
     s.ev(Event::Begin);
     let mut last = vec![];
     for pid in 0..3 {
@@ -329,7 +341,7 @@ fn max_attempts_failed_starts_exit_75() {
 
 #[test]
 fn zero_backoff_spawns_at_once() {
-    let mut s = Sim::new(Policy { initial_delay: Duration::ZERO, ..policy() });
+    let mut s = Sim::new(restart(|r| r.initial_delay = Duration::ZERO));
     s.spawned(100);
     s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     let fx = s.ev(Event::TreeGone);
@@ -345,7 +357,7 @@ fn backoff_grows_by_factor_and_is_capped() {
 
 #[test]
 fn jitter_stays_within_its_fraction_and_ready_runs_reset_the_count() {
-    let mut s = Sim::new(Policy { jitter: 0.1, ..policy() });
+    let mut s = Sim::new(restart(|r| r.jitter = 0.1));
     let mut seen = std::collections::BTreeSet::new();
     for pid in 0..20 {
         s.ready(pid);
