@@ -42,5 +42,6 @@ fi
 
 export VLLM_WARDEN_VLLM=$venv/bin/vllm
 export VLLM_WARDEN_MODELS=$models
-# One scenario at a time: a vLLM tree takes about 4.6 GB.
-cargo nextest run --release --test real_vllm --run-ignored only --test-threads 1 --no-capture
+# One scenario at a time (--no-capture runs them in turn): a vLLM tree takes
+# about 4.6 GB.
+cargo nextest run --release --test real_vllm --run-ignored only --no-capture
