@@ -195,3 +195,21 @@ fn what_the_run_left_in_shared_memory_goes_when_the_warden_stops() {
     assert_eq!(w.stop(), 0);
     assert!(!file.exists(), "removed once the tree was gone");
 }
+
+#[test]
+fn vllm_dist_files_in_the_temporary_folder_are_cleaned_by_the_same_rule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (stale, held) = (tmp.path().join("vllm_dist_0123abcd"), tmp.path().join("vllm_dist_4567ef01"));
+    let other = tmp.path().join("not_vllm_dist");
+    for f in [&stale, &held, &other] {
+        std::fs::write(f, b"").unwrap();
+    }
+    let _holder = Reap(vec![holder("--hold-file", &held)]);
+    let opts = Opts { env: vec![("TMPDIR".into(), tmp.path().display().to_string())], ..Opts::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    assert!(!stale.exists(), "a vllm_dist file nobody uses is removed");
+    assert!(held.exists(), "one in use is kept");
+    assert!(other.exists(), "other files are not touched");
+    assert_eq!(w.stop(), 0);
+}
