@@ -258,12 +258,6 @@ impl Tree {
         kill_descendants(self.me);
         inner.check_empty(self.me);
     }
-
-    /// True when no process of the tree is alive.
-    pub fn is_empty(&self) -> bool {
-        let inner = self.inner.lock().expect("tree lock");
-        (inner.leader.is_none() || inner.leader_reaped) && descendants(self.me).is_empty()
-    }
 }
 
 impl Drop for Tree {

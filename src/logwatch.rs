@@ -227,10 +227,7 @@ impl Classifier {
                 self.tracebacks.insert(key, Tb::Frames(group));
                 None
             }
-            Some(Tb::Frames(g)) if indented => {
-                let _ = g;
-                None
-            }
+            Some(Tb::Frames(_)) if indented => None,
             Some(Tb::Frames(g)) => {
                 self.tracebacks.insert(key, Tb::After(g));
                 Some(Exception { group: g, text: message.trim_end().to_string() })

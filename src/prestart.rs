@@ -114,16 +114,16 @@ pub async fn stop_leftovers(procs: &[ProcStat], sig: Signal, timeout: Duration) 
     for f in &fds {
         f.signal(sig);
     }
-    let all = futures_join(&fds);
+    let all = all_exited(&fds);
     if tokio::time::timeout(timeout, all).await.is_err() {
         for f in &fds {
             f.signal(Signal::SIGKILL);
         }
-        futures_join(&fds).await;
+        all_exited(&fds).await;
     }
 }
 
-async fn futures_join(fds: &[PidFd]) {
+async fn all_exited(fds: &[PidFd]) {
     for f in fds {
         f.exited().await;
     }

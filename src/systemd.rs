@@ -3,7 +3,6 @@
 //! never stops the daemon; without `NOTIFY_SOCKET` nothing is sent. Knows
 //! nothing of what the messages mean.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use std::os::linux::net::SocketAddrExt;
@@ -111,20 +110,4 @@ pub fn watchdog_interval() -> Option<Duration> {
     }
     let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
     (usec > 0).then(|| Duration::from_micros(usec / 2))
-}
-
-/// Keeps every note, for tests and for `demo`'s narration.
-#[derive(Debug, Clone, Default)]
-pub struct Recording(pub Arc<Mutex<Vec<Note>>>);
-
-impl Recording {
-    pub fn notes(&self) -> Vec<Note> {
-        self.0.lock().expect("recording lock").clone()
-    }
-}
-
-impl Notifier for Recording {
-    fn notify(&mut self, notes: &[Note]) {
-        self.0.lock().expect("recording lock").extend_from_slice(notes);
-    }
 }
