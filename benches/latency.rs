@@ -55,24 +55,24 @@ fn inotify_baseline(dir: &std::path::Path) -> Vec<f64> {
 }
 
 /// A bare readiness check: `GET /health` on the fake, with the warden's client.
-fn http_baseline(exe: &str) -> Vec<f64> {
+fn http_baseline(sim: &str) -> Vec<f64> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut fake = Command::new(exe)
-        .args(["fake-vllm", "--port", &port.to_string(), "--shards", "1", "--shard-time", "0s"])
+    let mut fake = Command::new(sim)
+        .args(["--port", &port.to_string(), "--shards", "1", "--shard-time", "0s"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let url = format!("http://127.0.0.1:{port}/health");
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !vllm_warden::driver::http_ok(&url, Duration::from_secs(1)) {
+    while !vllm_warden::health::http_ok(&url, Duration::from_secs(1)) {
         assert!(Instant::now() < deadline, "the fake never answered");
         std::thread::sleep(Duration::from_millis(10));
     }
     let out = (0..STARTS)
         .map(|_| {
             let t = Instant::now();
-            assert!(vllm_warden::driver::http_ok(&url, Duration::from_secs(5)));
+            assert!(vllm_warden::health::http_ok(&url, Duration::from_secs(5)));
             t.elapsed().as_secs_f64() * 1e3
         })
         .collect();
@@ -81,15 +81,15 @@ fn http_baseline(exe: &str) -> Vec<f64> {
     out
 }
 
-fn spawn_baseline(exe: &str, dir: &std::path::Path) -> Vec<f64> {
+fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     let stamp = dir.join("spawn.stamps");
     let mut out = Vec::new();
     for _ in 0..STARTS {
         let _ = std::fs::remove_file(&stamp);
         let t = now_ns();
         // --fail exit1 returns at once after its first lines; only the start stamp matters.
-        let st = Command::new(exe)
-            .args(["fake-vllm", "--port", "0", "--shards", "1", "--shard-time", "0s", "--fail", "exit1"])
+        let st = Command::new(sim)
+            .args(["--port", "0", "--shards", "1", "--shard-time", "0s", "--fail", "exit1"])
             .arg("--stamp-file")
             .arg(&stamp)
             .stdout(Stdio::null())
@@ -106,6 +106,7 @@ fn spawn_baseline(exe: &str, dir: &std::path::Path) -> Vec<f64> {
 
 fn main() {
     let exe = env!("CARGO_BIN_EXE_vllm-warden");
+    let sim = env!("CARGO_BIN_EXE_vllm-warden-sim");
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -118,7 +119,7 @@ fn main() {
         format!(
             r#"name = "bench"
 [child]
-command = ["{exe}", "fake-vllm", "--port", "{port}", "--shards", "1", "--shard-time", "0s",
+command = ["{sim}", "--port", "{port}", "--shards", "1", "--shard-time", "0s",
            "--fail", "engine-death", "--fail-after", "20ms", "--stamp-file", "{stamps}"]
 log-file = "{d}/bench.log"
 [restart]
@@ -175,9 +176,9 @@ file = "{run}/status.json"
     println!("vllm-warden latency, {STARTS} starts, release build");
     let (rm, rp) = stats("ready line written -> READY=1 received", ready_ms);
     let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
-    let (hm, hp) = stats("baseline: GET /health round trip", http_baseline(exe));
+    let (hm, hp) = stats("baseline: GET /health round trip", http_baseline(sim));
     let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn_ms);
-    let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(exe, d));
+    let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(sim, d));
     println!("ratio ready/(inotify + GET): median {:.1}x  p99 {:.1}x", rm / (bm + hm), rp / (bp + hp));
     println!("ratio respawn/baseline: median {:.1}x  p99 {:.1}x", cm / sm, cp / sp);
 }

@@ -16,12 +16,15 @@ use std::io::{self, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
+use tokio::task::AbortHandle;
+
+use crate::tasks::{Lifetime, Tasks};
 
 /// How a process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,12 +168,19 @@ struct Inner {
 pub struct Tree {
     inner: Arc<Mutex<Inner>>,
     me: i32,
-    reaper: Option<tokio::task::JoinHandle<()>>,
+    reaper: Option<AbortHandle>,
+}
+
+/// A lock that a panicked holder cannot make unusable: the tree's state is
+/// a few flags, valid whatever instant a panic struck.
+fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Tree {
-    /// Become a subreaper and start reaping on SIGCHLD. Needs a tokio runtime.
-    pub fn new(events: impl Fn(TreeEvent) + Send + 'static) -> io::Result<Tree> {
+    /// Become a subreaper and start reaping on SIGCHLD, in a task of
+    /// `tasks`. Needs a tokio runtime.
+    pub fn new(events: impl Fn(TreeEvent) + Send + 'static, tasks: &mut Tasks) -> io::Result<Tree> {
         become_subreaper()?;
         let inner = Arc::new(Mutex::new(Inner {
             leader: None,
@@ -179,18 +189,31 @@ impl Tree {
             killing: false,
             events: Box::new(events),
         }));
+        let mut tree = Tree { inner, me: std::process::id() as i32, reaper: None };
+        tree.start_reaper(tasks)?;
+        Ok(tree)
+    }
+
+    /// Start (or start again, after it died) the task that reaps on SIGCHLD.
+    pub fn start_reaper(&mut self, tasks: &mut Tasks) -> io::Result<()> {
+        if let Some(old) = self.reaper.take() {
+            old.abort();
+        }
         let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
-        let me = std::process::id() as i32;
-        let i = inner.clone();
-        let reaper = tokio::spawn(async move {
+        let (i, me) = (self.inner.clone(), self.me);
+        self.reaper = Some(tasks.spawn("reaper", Lifetime::Owned, async move {
             loop {
-                i.lock().expect("tree lock").reap(me);
+                lock(&i).reap(me);
                 if sigchld.recv().await.is_none() {
                     return;
                 }
+                let running = { !lock(&i).leader_reaped };
+                if running && crate::tasks::injected_panic("reaper") {
+                    panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
+                }
             }
-        });
-        Ok(Tree { inner, me, reaper: Some(reaper) })
+        }));
+        Ok(())
     }
 
     /// Spawn `spec` in its own process group, stdin from /dev/null, stdout and
@@ -216,7 +239,7 @@ impl Tree {
         unsafe {
             cmd.pre_exec(unblock_all_signals);
         }
-        let mut inner = self.inner.lock().expect("tree lock");
+        let mut inner = lock(&self.inner);
         let child = cmd.spawn()?;
         let pid = child.id();
         // The reaper collects it; std's handle must not.
@@ -231,7 +254,7 @@ impl Tree {
     /// Send `sig` to the leader if it is alive, else to every descendant
     /// left; then report `Empty` when the tree is gone.
     pub fn terminate(&self, sig: Signal) {
-        let mut inner = self.inner.lock().expect("tree lock");
+        let mut inner = lock(&self.inner);
         inner.watching = true;
         match inner.leader {
             Some(pid) if !inner.leader_reaped => {
@@ -249,7 +272,7 @@ impl Tree {
     /// SIGKILL the leader's group and every descendant, until none is left;
     /// then report `Empty`.
     pub fn kill_all(&self) {
-        let mut inner = self.inner.lock().expect("tree lock");
+        let mut inner = lock(&self.inner);
         inner.watching = true;
         inner.killing = true;
         if let Some(pid) = inner.leader {
@@ -266,8 +289,8 @@ impl Drop for Tree {
             r.abort();
         }
         // A panic must not orphan the child: whatever is left is killed.
-        if let Ok(inner) = self.inner.lock()
-            && let Some(pid) = inner.leader
+        let inner = lock(&self.inner);
+        if let Some(pid) = inner.leader
             && !inner.leader_reaped
         {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);

@@ -100,6 +100,11 @@ fn model(base: &str, timeout: Duration) -> Result<String, String> {
     v["data"][0]["id"].as_str().map(String::from).ok_or_else(|| "/v1/models lists no model".into())
 }
 
+/// True when `GET url` answers 200 within `timeout` (readiness).
+pub fn http_ok(url: &str, timeout: Duration) -> bool {
+    matches!(agent(timeout).get(url).call(), Ok(r) if r.status() == 200)
+}
+
 /// A one-token completion; `Err` names why it failed.
 pub fn canary(base: &str, timeout: Duration) -> Result<(), String> {
     let model = model(base, timeout).map_err(|e| format!("canary: {e}"))?;

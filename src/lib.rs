@@ -3,6 +3,13 @@
 //!
 //! | module | owns |
 //! |---|---|
+//! | [`cli`] | parsing, the short commands, the wiring of `run` |
+//! | [`daemon`] | the composition: the real backend and reports around the loop |
+//! | [`driver`] | the loop that feeds the machine and carries out its effects |
+//! | [`supervisor`] | the pure state machine `step(event, now) -> effects` |
+//! | [`outcome`] | phases, failure classes, permanence, start failures |
+//! | [`exit`] | every exit code |
+//! | [`tasks`] | the watched background tasks |
 //! | [`config`] | TOML → validated [`config::Settings`], every problem with file:line:col |
 //! | [`profile`] | the built-in vLLM patterns |
 //! | [`logwatch`] | following the log file; classifying lines |
@@ -10,28 +17,30 @@
 //! | [`prepare`] | the pre-start steps in order, with their waits |
 //! | [`prestart`] | leftovers, shared memory, the port, the GPUs |
 //! | [`child`] | spawning, signalling, reaping, finding descendants in `/proc` |
-//! | [`supervisor`] | the pure state machine `step(event, now) -> effects` |
-//! | [`driver`] | the loop that carries out the effects |
 //! | [`systemd`] | sd_notify, never fatal |
-//! | [`fsutil`] | atomic whole-file writes |
 //! | [`status`] | the status document and the metrics file |
-//! | [`redact`] | masking secrets in printed commands |
-//! | [`health`] | health checks and the canary after ready |
+//! | [`health`] | readiness, health checks and the canary |
 //! | [`journal`] | forwarding the child's lines to journald |
 //! | [`logging`] | journald or stderr |
-//! | [`fake`] | a simulated vLLM for the demo and the tests |
-//! | [`cli`] | the commands and the exit code |
+//! | [`fsutil`] | atomic whole-file writes |
+//! | [`redact`] | masking secrets in printed commands |
+//! | [`demo`] | `vllm-warden demo` |
+//! | [`assets`] | man pages and completions |
 
+pub mod assets;
 pub mod child;
 pub mod cli;
 pub mod config;
+pub mod daemon;
+pub mod demo;
 pub mod driver;
-pub mod fake;
+pub mod exit;
 pub mod fsutil;
 pub mod health;
 pub mod journal;
 pub mod logging;
 pub mod logwatch;
+pub mod outcome;
 pub mod patch;
 pub mod prepare;
 pub mod prestart;
@@ -40,3 +49,4 @@ pub mod redact;
 pub mod status;
 pub mod supervisor;
 pub mod systemd;
+pub mod tasks;

@@ -20,6 +20,7 @@ use regex::{Regex, RegexSet};
 use tokio::sync::mpsc;
 
 use crate::profile::Patterns;
+use crate::tasks::{Lifetime, Tasks};
 
 /// Longest line kept; the rest of a longer line is dropped.
 pub const MAX_LINE: usize = 64 * 1024;
@@ -320,7 +321,7 @@ impl Reader {
 /// Follows a log file from an offset, sending each complete line.
 pub struct Follower {
     reader: Arc<Mutex<Reader>>,
-    task: tokio::task::JoinHandle<()>,
+    task: tokio::task::AbortHandle,
     _watcher: notify::RecommendedWatcher,
 }
 
@@ -329,7 +330,12 @@ impl Follower {
     /// (called with the reader locked, so that [`Follower::drain_now`]
     /// returns only after every line read before it was delivered); `sink`
     /// returns false to stop.
-    pub fn start(path: &Path, offset: u64, sink: impl Fn(String) -> bool + Send + 'static) -> io::Result<Follower> {
+    pub fn start(
+        path: &Path,
+        offset: u64,
+        sink: impl Fn(String) -> bool + Send + 'static,
+        tasks: &mut Tasks,
+    ) -> io::Result<Follower> {
         let file = File::open(path)?;
         let meta = file.metadata()?;
         let source = Source { file, pos: offset, id: (meta.dev(), meta.ino()), splitter: Splitter::default() };
@@ -346,11 +352,11 @@ impl Follower {
             watcher.watch(dir, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
         }
         let r = reader.clone();
-        let task = tokio::spawn(async move {
+        let task = tasks.spawn("log follower", Lifetime::Owned, async move {
             let mut out = Vec::new();
             loop {
                 {
-                    let mut reader = r.lock().expect("reader lock");
+                    let mut reader = r.lock().unwrap_or_else(|p| p.into_inner());
                     reader.drain(&mut out);
                     for line in out.drain(..) {
                         if !sink(line) {
@@ -372,7 +378,7 @@ impl Follower {
     /// its exit.
     pub fn drain_now(&self) -> Vec<String> {
         let mut out = Vec::new();
-        self.reader.lock().expect("reader lock").drain(&mut out);
+        self.reader.lock().unwrap_or_else(|p| p.into_inner()).drain(&mut out);
         out
     }
 }
@@ -406,7 +412,8 @@ mod tests {
         append(&path, "old line, before the offset\n");
         let offset = std::fs::metadata(&path).unwrap().len();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let f = Follower::start(&path, offset, move |l| tx.send(l).is_ok()).unwrap();
+        let mut tasks = Tasks::default();
+        let f = Follower::start(&path, offset, move |l| tx.send(l).is_ok(), &mut tasks).unwrap();
         append(&path, "first line, long enough to be longer than what follows a truncation\n");
         assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
         // Truncated in place, as logrotate's copytruncate does.

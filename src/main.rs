@@ -1,4 +1,3 @@
 fn main() -> std::process::ExitCode {
-    let code = vllm_warden::cli::main();
-    std::process::ExitCode::from(u8::try_from(code).unwrap_or(70))
+    vllm_warden::cli::main().into()
 }

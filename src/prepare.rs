@@ -9,17 +9,16 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::Settings;
+use crate::outcome::StartFailure;
 use crate::prestart;
-
-/// Result of the steps: `Err((cause, permanent))` fails the start.
-pub type Prepared = Result<(), (String, bool)>;
 
 /// First wait between two looks at the port or the GPUs; doubled up to
 /// [`MAX_RETRY`].
 const FIRST_RETRY: Duration = Duration::from_millis(50);
 const MAX_RETRY: Duration = Duration::from_secs(2);
 
-pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Prepared {
+/// Run the steps; an `Err` fails the start.
+pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), StartFailure> {
     let name = s.name.as_str();
 
     // 1. Leftovers of an earlier warden of this instance.
@@ -36,8 +35,8 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Prepared {
     // 2. Patches. A patch that fails will fail the same way next time.
     if !s.patches.is_empty() {
         status(format!("applying {} patch(es)", s.patches.len()));
-        let applied =
-            crate::patch::apply(&s.patches, &s.state_dir).map_err(|e| (format!("patch failed: {e}"), true))?;
+        let applied = crate::patch::apply(&s.patches, &s.state_dir)
+            .map_err(|e| StartFailure::permanent(format!("patch failed: {e}")))?;
         for a in applied {
             tracing::info!(INSTANCE = name, EVENT = "patch", "{a}");
         }
@@ -53,7 +52,7 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Prepared {
         let holders = prestart::describe_holders(port);
         status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
         if !wait_until(s.prestart.port_wait, || async move { prestart::port_free(port) }).await {
-            return Err((prestart::describe_holders(port), false));
+            return Err(StartFailure::transient(prestart::describe_holders(port)));
         }
     }
 
@@ -83,7 +82,8 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Prepared {
                         _ => apps,
                     };
                     let busy = prestart::describe_gpu_apps(&now);
-                    return Err((format!("GPUs still busy after {}: {busy}", humantime::format_duration(wait)), false));
+                    let wait = humantime::format_duration(wait);
+                    return Err(StartFailure::transient(format!("GPUs still busy after {wait}: {busy}")));
                 }
             }
         }

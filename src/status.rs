@@ -13,12 +13,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::child::Exit;
 use crate::fsutil::replace;
+use crate::outcome::{FailureClass, Phase};
 
 /// What the supervisor is doing, as plain data.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
-    /// `starting | ready | backoff | stopping | stopped | failed`.
-    pub state: &'static str,
+    pub phase: Phase,
     pub child_pid: Option<u32>,
     pub attempt: u32,
     pub restarts: u32,
@@ -31,16 +31,11 @@ pub struct Snapshot {
     pub last_exit: Option<Exit>,
     /// How long the last successful load took.
     pub last_load: Option<Duration>,
-    /// Failures by class: `fatal_line`, `exit`, `stall`, `timeout`,
-    /// `health`, `permanent`, `spawn`.
-    pub failures: BTreeMap<&'static str, u64>,
+    /// Failed runs by class.
+    pub failures: BTreeMap<FailureClass, u64>,
     /// The exit code, once the warden is done.
-    pub exit_code: Option<i32>,
+    pub exit_code: Option<crate::exit::Code>,
 }
-
-/// Every failure class, so that each appears in the metrics from the start.
-pub const FAILURE_CLASSES: [&str; 7] = ["exit", "fatal_line", "health", "permanent", "spawn", "stall", "timeout"];
-const STATES: [&str; 6] = ["starting", "ready", "backoff", "stopping", "stopped", "failed"];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LastExit {
@@ -55,7 +50,7 @@ pub struct Doc {
     pub name: String,
     pub version: String,
     pub warden_pid: u32,
-    pub state: String,
+    pub state: Phase,
     pub child_pid: Option<u32>,
     pub attempt: u32,
     pub restarts: u32,
@@ -80,7 +75,8 @@ pub struct Reporter {
     doc_path: PathBuf,
     metrics_path: Option<PathBuf>,
     started: SystemTime,
-    state: &'static str,
+    /// The phase the document shows, and since when.
+    phase: Option<Phase>,
     since: SystemTime,
     ready_since: Option<SystemTime>,
     exits: u32,
@@ -97,7 +93,7 @@ impl Reporter {
             doc_path: doc_path.to_path_buf(),
             metrics_path: metrics_path.map(Path::to_path_buf),
             started: now,
-            state: "",
+            phase: None,
             since: now,
             ready_since: None,
             exits: 0,
@@ -111,10 +107,10 @@ impl Reporter {
     /// logged, never fatal.
     pub fn update(&mut self, snap: &Snapshot) {
         let now = SystemTime::now();
-        if snap.state != self.state {
-            self.state = snap.state;
+        if self.phase != Some(snap.phase) {
+            self.phase = Some(snap.phase);
             self.since = now;
-            self.ready_since = (snap.state == "ready").then_some(now);
+            self.ready_since = (snap.phase == Phase::Ready).then_some(now);
         }
         if snap.exits != self.exits {
             self.exits = snap.exits;
@@ -157,7 +153,7 @@ impl Reporter {
             name: self.name.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             warden_pid: std::process::id(),
-            state: snap.state.to_string(),
+            state: snap.phase,
             child_pid: snap.child_pid,
             attempt: snap.attempt,
             restarts: snap.restarts,
@@ -166,7 +162,7 @@ impl Reporter {
             progress: snap.progress.clone(),
             last_exit: self.last_exit.clone(),
             cause: snap.cause.clone(),
-            exit_code: snap.exit_code,
+            exit_code: snap.exit_code.map(|c| i32::from(c.as_u8())),
         }
     }
 }
@@ -183,19 +179,22 @@ pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime) -> String {
         }
     };
     let states: Vec<(String, String)> =
-        STATES.iter().map(|s| (format!("{l},state=\"{s}\""), u8::from(*s == snap.state).to_string())).collect();
+        Phase::ALL.iter().map(|p| (format!("{l},state=\"{p}\""), u8::from(*p == snap.phase).to_string())).collect();
     metric("state", "gauge", "1 for the state the warden is in, 0 for the others.", &states);
     metric(
         "ready",
         "gauge",
         "1 when the model is serving.",
-        &[(l.clone(), u8::from(snap.state == "ready").to_string())],
+        &[(l.clone(), u8::from(snap.phase == Phase::Ready).to_string())],
     );
     metric("child_starts_total", "counter", "Children spawned.", &[(l.clone(), snap.starts.to_string())]);
     metric("restarts_total", "counter", "Spawns after the first.", &[(l.clone(), snap.restarts.to_string())]);
-    let failures: Vec<(String, String)> = FAILURE_CLASSES
+    let failures: Vec<(String, String)> = FailureClass::ALL
         .iter()
-        .map(|c| (format!("{l},class=\"{c}\""), snap.failures.get(c).copied().unwrap_or(0).to_string()))
+        .map(|c| {
+            let n = snap.failures.get(c).copied().unwrap_or(0);
+            (format!("{l},class=\"{}\"", c.as_str()), n.to_string())
+        })
         .collect();
     metric("failures_total", "counter", "Failed runs by the class of their cause.", &failures);
     if let Some(d) = snap.last_load {
@@ -230,10 +229,10 @@ pub enum Verdict {
 pub fn read(path: &Path) -> Verdict {
     let Ok(text) = std::fs::read_to_string(path) else { return Verdict::NotRunning(None) };
     let Ok(doc) = serde_json::from_str::<Doc>(&text) else { return Verdict::NotRunning(None) };
-    if doc.state == "stopped" || doc.exit_code.is_some() || !warden_alive(doc.warden_pid) {
+    if doc.state == Phase::Stopped || doc.exit_code.is_some() || !warden_alive(doc.warden_pid) {
         return Verdict::NotRunning(Some(doc));
     }
-    if doc.state == "ready" { Verdict::Ready(doc) } else { Verdict::NotReady(doc) }
+    if doc.state == Phase::Ready { Verdict::Ready(doc) } else { Verdict::NotReady(doc) }
 }
 
 /// The pid is alive and is a vllm-warden (not a recycled pid).
@@ -291,7 +290,7 @@ mod tests {
 
     fn snap() -> Snapshot {
         Snapshot {
-            state: "ready",
+            phase: Phase::Ready,
             child_pid: Some(42),
             attempt: 2,
             restarts: 1,
@@ -301,7 +300,7 @@ mod tests {
             exits: 1,
             last_exit: Some(Exit::Code(1)),
             last_load: Some(Duration::from_millis(61_500)),
-            failures: BTreeMap::from([("exit", 1)]),
+            failures: BTreeMap::from([(FailureClass::Exit, 1)]),
             exit_code: None,
         }
     }
@@ -336,7 +335,7 @@ mod tests {
         let mut r = Reporter::new("kimi", &path, None);
         r.update(&snap());
         let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        assert_eq!(doc.state, "ready");
+        assert_eq!(doc.state, Phase::Ready);
         assert_eq!(doc.child_pid, Some(42));
         assert_eq!(doc.last_exit.as_ref().unwrap().code, Some(1));
         assert!(doc.ready_since.is_some());

@@ -5,21 +5,28 @@
 //! effects and feeds back what happened. sd_notify's wire format, regexes
 //! and processes are not known here.
 //!
+//! Each state carries exactly the data that is valid in it. Events that
+//! belong to an earlier start (a line, a probe answer, a reaped pid of a run
+//! that is over) are dropped once, before the transition table.
+//!
 //! States and their transitions (every other pair is logged and ignored):
 //!
 //! ```text
 //!            Begin                Spawned            log line + HTTP 200
 //!   Idle ──────────▶ Launching ─────────────▶ Starting ─────────────────▶ Ready
-//!                      ▲   │ SpawnFailed         │ exit / fatal+grace /      │ exit (even 0) /
-//!                      │   ▼                     │ stall / timeout           │ fatal+grace
-//!                      │  (failure)              ▼                           ▼
-//!                      │                      Stopping ◀─────────────────────┘
+//!                      ▲   │ Prepared(failed)    │ exit / fatal+grace /      │ exit (even 0) /
+//!                      │   │ SpawnFailed         │ stall / timeout           │ fatal+grace / health
+//!                      │   ▼                     ▼                           ▼
+//!                      │  (failure)           Stopping ◀─────────────────────┘
 //!               Tick   │                         │ TreeGone
 //!                      │       delay             ▼
 //!                   Backoff ◀────────────── (failure) ──▶ Done(75 | 78)
-//!   StopRequested: Starting/Ready → Stopping(shutdown) → Done(0); Backoff → Done(0)
+//!   StopRequested: Starting/Ready → Stopping(shutdown) → Done(0); Launching → Done(0)
+//!                  once its steps are cancelled; Backoff → Done(0)
+//!   TaskFailed (a part of the warden died): the tree is stopped, then Done(70)
 //! ```
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -27,7 +34,9 @@ use tokio::time::Instant;
 
 use crate::child::Exit;
 use crate::config::Settings;
+use crate::exit::Code;
 use crate::logwatch::{Class, Exception, Line};
+use crate::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
 use crate::systemd::Note;
 
 /// Before ready there is nothing to drain, and vLLM can lose a SIGTERM sent
@@ -37,22 +46,16 @@ pub const LOAD_STOP_RESEND: Duration = Duration::from_secs(1);
 /// shorter). The same short grace applies to what is left of a failed run.
 pub const LOAD_STOP_GRACE: Duration = Duration::from_secs(10);
 
-/// Exit codes of `run`, decided here and in `cli` only.
-pub mod exit {
-    pub const STOPPED: i32 = 0;
-    pub const INTERNAL: i32 = 70;
-    pub const GAVE_UP: i32 = 75;
-    /// EX_CONFIG: invalid config, or a failure retries cannot fix.
-    pub const CONFIG: i32 = 78;
-}
-
 /// The parts of the settings the machine acts on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
+    /// Readiness waits for a `ready.log` line (else the HTTP check alone).
     pub ready_log: bool,
+    /// Readiness waits for a 200 from `ready.http` after the line.
     pub ready_http: bool,
     pub ready_timeout: Duration,
     pub stall: Duration,
+    /// After a fatal line, how long the child gets to exit on its own.
     pub grace: Duration,
     pub stop_signal: Signal,
     pub stop_timeout: Duration,
@@ -82,7 +85,7 @@ impl Policy {
     }
 }
 
-/// Why a run failed.
+/// What kind of thing ended a run, before permanence is considered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureKind {
     FatalLine,
@@ -98,22 +101,39 @@ pub enum FailureKind {
 pub struct Cause {
     pub text: String,
     pub kind: FailureKind,
-    /// The permanent pattern it matched (index into the effective list),
-    /// or `SPAWN` when the program cannot be started at all.
-    pub permanent: Option<usize>,
+    pub permanence: Permanence,
 }
 
-/// `Cause::permanent` for a command that cannot be executed.
-pub const SPAWN: usize = usize::MAX;
+impl Cause {
+    fn new(text: String, kind: FailureKind) -> Cause {
+        Cause { text, kind, permanence: Permanence::Transient }
+    }
+
+    /// The class counted in the metrics: a permanent cause is counted as
+    /// permanent whatever ended the run.
+    pub fn class(&self) -> FailureClass {
+        if self.permanence.is_permanent() {
+            return FailureClass::Permanent;
+        }
+        match self.kind {
+            FailureKind::FatalLine => FailureClass::FatalLine,
+            FailureKind::Exit => FailureClass::Exit,
+            FailureKind::Stall => FailureClass::Stall,
+            FailureKind::Timeout => FailureClass::Timeout,
+            FailureKind::Health => FailureClass::Health,
+            FailureKind::Spawn => FailureClass::Spawn,
+        }
+    }
+}
 
 /// What happened.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Begin,
-    /// The pre-start steps are done: `Err((cause, permanent))` if one failed.
+    /// The pre-start steps of `start` are over.
     Prepared {
         start: u32,
-        result: Result<(), (String, bool)>,
+        result: Prepared,
     },
     Spawned {
         start: u32,
@@ -121,8 +141,7 @@ pub enum Event {
     },
     SpawnFailed {
         start: u32,
-        error: String,
-        permanent: bool,
+        failure: StartFailure,
     },
     Line {
         start: u32,
@@ -144,7 +163,28 @@ pub enum Event {
     },
     TreeGone,
     StopRequested,
+    /// A part of the warden itself ended unexpectedly (`task` says which,
+    /// and how): the tree is stopped and the warden exits 70, so that its
+    /// service manager restarts it.
+    TaskFailed {
+        task: String,
+    },
     Tick,
+}
+
+impl Event {
+    /// The start an event belongs to, for those that belong to one.
+    fn start(&self) -> Option<u32> {
+        match self {
+            Event::Prepared { start, .. }
+            | Event::Spawned { start, .. }
+            | Event::SpawnFailed { start, .. }
+            | Event::Line { start, .. }
+            | Event::HttpReady { start }
+            | Event::HealthFailed { start, .. } => Some(*start),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,11 +194,49 @@ pub enum Severity {
     Error,
 }
 
-/// A warden event for the journal; `event` becomes the `EVENT=` field.
+/// The `EVENT=` field of a warden event in the journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topic {
+    Spawned,
+    ReadyLine,
+    Ready,
+    Fatal,
+    Failed,
+    Backoff,
+    Stop,
+    Kill,
+    Exited,
+    Stopped,
+    GaveUp,
+    Reload,
+    Internal,
+}
+
+impl Topic {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Topic::Spawned => "spawned",
+            Topic::ReadyLine => "ready-line",
+            Topic::Ready => "ready",
+            Topic::Fatal => "fatal",
+            Topic::Failed => "failed",
+            Topic::Backoff => "backoff",
+            Topic::Stop => "stop",
+            Topic::Kill => "kill",
+            Topic::Exited => "exited",
+            Topic::Stopped => "stopped",
+            Topic::GaveUp => "gave-up",
+            Topic::Reload => "reload",
+            Topic::Internal => "internal",
+        }
+    }
+}
+
+/// A warden event for the journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     pub severity: Severity,
-    pub event: &'static str,
+    pub topic: Topic,
     pub message: String,
 }
 
@@ -192,25 +270,20 @@ pub enum Effect {
     KillTree,
     Notify(Vec<Note>),
     Log(Record),
-    Exit(i32),
 }
 
-/// One run of the child, from spawn to exit.
+/// What is known of one run of the child, from its spawn on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Run {
-    pub start: u32,
-    pub pid: u32,
-    pub spawned_at: Instant,
-    pub progress_at: Instant,
-    pub progress: Option<String>,
-    /// The ready line was seen; waiting for HTTP 200.
-    pub awaiting_http: bool,
-    pub ready_at: Option<Instant>,
+    start: u32,
+    pid: u32,
+    spawned_at: Instant,
     /// A fatal line was seen at this instant: the child has `grace` to exit.
-    pub fatal_at: Option<Instant>,
-    pub first_fatal: Option<(String, Option<usize>)>,
-    /// The first traceback's final exception line, and its permanent match.
-    pub exception: Option<(Exception, Option<usize>)>,
+    fatal_at: Option<Instant>,
+    /// The first fatal line (or a later permanent one), with its permanence.
+    first_fatal: Option<(String, Permanence)>,
+    /// The first traceback's final exception line, and its permanence.
+    exception: Option<(Exception, Permanence)>,
 }
 
 impl Run {
@@ -219,82 +292,128 @@ impl Run {
         let exc = self.exception.as_ref().map(|(e, p)| (e.text.clone(), *p));
         let fatal = self.first_fatal.clone();
         // A permanent match wins, then the exception line, then the fatal line.
-        let (text, permanent) =
-            [exc.clone(), fatal.clone()].into_iter().flatten().find(|(_, p)| p.is_some()).or(exc).or(fatal)?;
-        Some(Cause { text, kind: FailureKind::FatalLine, permanent })
+        let (text, permanence) =
+            [exc.clone(), fatal.clone()].into_iter().flatten().find(|(_, p)| p.is_permanent()).or(exc).or(fatal)?;
+        Some(Cause { text, kind: FailureKind::FatalLine, permanence })
+    }
+
+    /// The cause of this run's end when its fatal line's grace has passed.
+    fn fatal_grace_over(&self, grace: Duration, now: Instant) -> Option<Cause> {
+        self.fatal_at.filter(|t| now >= *t + grace).and_then(|_| self.logged_cause())
     }
 }
 
+/// A run that is loading.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loading {
+    run: Run,
+    /// The last progress line, and when it came (the stall deadline counts
+    /// from it).
+    progress_at: Instant,
+    progress: Option<String>,
+    /// The ready line was seen (or none is expected); waiting for HTTP 200.
+    awaiting_http: bool,
+}
+
+/// A run that is serving.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Serving {
+    run: Run,
+    ready_at: Instant,
+}
+
+/// Why the tree is being stopped.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Purpose {
     Shutdown,
     Failure(Cause),
     /// A new config: start again with it once the tree is gone.
     Reload,
+    /// A part of the warden failed: exit 70 once the tree is gone.
+    Internal(String),
+}
+
+/// How far a stop has escalated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Escalation {
+    /// The stop signal was sent; it is sent again at `resend_at` (before
+    /// ready, while the leader lives), and SIGKILL follows at `kill_at`.
+    Signalled { kill_at: Instant, resend_at: Option<Instant> },
+    /// SIGKILL was sent to the whole tree.
+    Killed,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stop {
-    pub purpose: Purpose,
-    pub pid: u32,
-    pub leader_alive: bool,
+    purpose: Purpose,
+    /// The leader's pid, until it is reaped.
+    leader: Option<u32>,
     /// How long the run had been ready, if it was.
-    pub ready_for: Option<Duration>,
-    pub kill_at: Instant,
-    pub resend_at: Option<Instant>,
-    pub killed: bool,
+    ready_for: Option<Duration>,
+    escalation: Escalation,
+}
+
+/// What to do once the pre-start steps are over.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AfterPrepare {
+    Spawn,
+    /// A reload came meanwhile: start again with the new config.
+    Relaunch,
+    /// A stop (or a failure of the warden) came meanwhile.
+    Stop(Purpose),
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
     Idle,
-    /// Pre-start steps and spawn of `start`. `relaunch`: a reload came
-    /// meanwhile, start again once these steps are over.
+    /// Pre-start steps and spawn of `start`.
     Launching {
         start: u32,
-        stop_pending: bool,
-        relaunch: bool,
+        then: AfterPrepare,
     },
-    Starting(Run),
-    Ready(Run),
+    Starting(Loading),
+    Ready(Serving),
     Stopping(Stop),
     Backoff {
         until: Instant,
         cause: Cause,
     },
-    Done(i32),
+    Done(Code),
 }
 
 /// The supervisor: its state and its counters.
 #[derive(Debug)]
 pub struct Machine {
-    pub policy: Policy,
-    pub state: State,
+    policy: Policy,
+    state: State,
+    /// Drives the jitter: seeded in tests.
     rng: fastrand::Rng,
-    /// Spawns so far (`start N` in the log marker).
-    pub starts: u32,
+    /// Spawns so far (`start N` in the log marker); the current start.
+    starts: u32,
     /// Consecutive failed starts.
-    pub failures: u32,
+    failures: u32,
     /// Spawns after the first.
-    pub restarts: u32,
-    /// The permanent pattern of the last failures, and how many in a row.
-    permanent_streak: Option<(usize, u32)>,
-    pub last_exit: Option<Exit>,
-    /// Children exited so far.
-    pub exits: u32,
-    pub cause: Option<Cause>,
+    restarts: u32,
+    /// The permanent cause of the last failures, and how many in a row.
+    permanent_streak: Option<(Permanence, u32)>,
+    last_exit: Option<Exit>,
+    /// Children exited so far (the status document dates the last exit
+    /// when this changes).
+    exits: u32,
+    /// Why the last run failed, or why the warden ended; cleared by ready.
+    cause: Option<Cause>,
     /// Spawn to ready of the last ready run.
-    pub last_load: Option<Duration>,
-    /// Failed runs by class (see `status::FAILURE_CLASSES`).
-    pub failure_counts: std::collections::BTreeMap<&'static str, u64>,
+    last_load: Option<Duration>,
+    /// Failed runs by class.
+    failure_counts: BTreeMap<FailureClass, u64>,
 }
 
 fn secs(d: Duration) -> String {
     humantime::format_duration(Duration::from_secs(d.as_secs_f64().round() as u64)).to_string()
 }
 
-fn record(severity: Severity, event: &'static str, message: String) -> Effect {
-    Effect::Log(Record { severity, event, message })
+fn record(severity: Severity, topic: Topic, message: String) -> Effect {
+    Effect::Log(Record { severity, topic, message })
 }
 
 fn status(text: String) -> Note {
@@ -316,14 +435,52 @@ impl Machine {
             exits: 0,
             cause: None,
             last_load: None,
-            failure_counts: Default::default(),
+            failure_counts: BTreeMap::new(),
         }
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// The current (or last) start number.
+    pub fn starts(&self) -> u32 {
+        self.starts
+    }
+
+    /// Consecutive failed starts.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+
+    pub fn restarts(&self) -> u32 {
+        self.restarts
+    }
+
+    pub fn cause(&self) -> Option<&Cause> {
+        self.cause.as_ref()
+    }
+
+    /// The exit code, once the machine is done.
+    pub fn done(&self) -> Option<Code> {
+        match self.state {
+            State::Done(code) => Some(code),
+            _ => None,
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        phase_of(&self.state)
     }
 
     /// The current run's latest progress line, while starting.
     pub fn progress(&self) -> Option<&str> {
         match &self.state {
-            State::Starting(r) => r.progress.as_deref(),
+            State::Starting(l) => l.progress.as_deref(),
             _ => None,
         }
     }
@@ -331,7 +488,7 @@ impl Machine {
     /// What the status document and the metrics show.
     pub fn snapshot(&self) -> crate::status::Snapshot {
         crate::status::Snapshot {
-            state: state_name(&self.state),
+            phase: self.phase(),
             child_pid: self.child_pid(),
             attempt: self.attempt(),
             restarts: self.restarts,
@@ -342,13 +499,13 @@ impl Machine {
             last_exit: self.last_exit,
             last_load: self.last_load,
             failures: self.failure_counts.clone(),
-            exit_code: if let State::Done(c) = self.state { Some(c) } else { None },
+            exit_code: self.done(),
         }
     }
 
     /// The attempt number of the current or next start.
     pub fn attempt(&self) -> u32 {
-        self.failures + 1
+        self.failures.saturating_add(1)
     }
 
     fn attempts_text(&self) -> String {
@@ -361,8 +518,9 @@ impl Machine {
     /// The pid of the child, while there is one.
     pub fn child_pid(&self) -> Option<u32> {
         match &self.state {
-            State::Starting(r) | State::Ready(r) => Some(r.pid),
-            State::Stopping(s) if s.leader_alive => Some(s.pid),
+            State::Starting(l) => Some(l.run.pid),
+            State::Ready(s) => Some(s.run.pid),
+            State::Stopping(s) => s.leader,
             _ => None,
         }
     }
@@ -370,27 +528,39 @@ impl Machine {
     /// When the machine wants a `Tick`.
     pub fn next_deadline(&self) -> Option<Instant> {
         let p = &self.policy;
-        let mut d: Vec<Instant> = Vec::new();
         match &self.state {
-            State::Starting(r) => {
-                d.push(r.spawned_at + p.ready_timeout);
-                d.push(r.progress_at + p.stall);
-                d.extend(r.fatal_at.map(|t| t + p.grace));
-            }
-            State::Ready(r) => d.extend(r.fatal_at.map(|t| t + p.grace)),
-            State::Stopping(s) => {
-                if !s.killed {
-                    d.push(s.kill_at);
-                }
-                d.extend(s.resend_at);
-            }
-            State::Backoff { until, .. } => d.push(*until),
-            State::Idle | State::Launching { .. } | State::Done(_) => {}
+            State::Starting(l) => [
+                Some(l.run.spawned_at + p.ready_timeout),
+                Some(l.progress_at + p.stall),
+                l.run.fatal_at.map(|t| t + p.grace),
+            ]
+            .into_iter()
+            .flatten()
+            .min(),
+            State::Ready(s) => s.run.fatal_at.map(|t| t + p.grace),
+            State::Stopping(s) => match s.escalation {
+                Escalation::Signalled { kill_at, resend_at } => Some(resend_at.map_or(kill_at, |r| r.min(kill_at))),
+                Escalation::Killed => None,
+            },
+            State::Backoff { until, .. } => Some(*until),
+            State::Idle | State::Launching { .. } | State::Done(_) => None,
         }
-        d.into_iter().min()
+    }
+
+    /// An event of an earlier start, or of a process that is not (or no
+    /// longer) our child.
+    fn is_stale(&self, event: &Event) -> bool {
+        match event {
+            Event::ChildExited { pid, .. } => self.child_pid() != Some(*pid),
+            e => e.start().is_some_and(|s| s != self.starts),
+        }
     }
 
     pub fn step(&mut self, event: Event, now: Instant) -> Vec<Effect> {
+        if self.is_stale(&event) {
+            tracing::debug!(?event, "stale event dropped");
+            return Vec::new();
+        }
         let state = std::mem::replace(&mut self.state, State::Idle);
         let (next, effects) = self.transition(state, event, now);
         self.state = next;
@@ -403,218 +573,175 @@ impl Machine {
         match (state, event) {
             (S::Idle, E::Begin) => self.launch(),
 
-            (S::Launching { start, stop_pending: false, relaunch: true }, E::Prepared { start: s, .. })
-                if s == start =>
-            {
-                self.launch()
-            }
-            (S::Launching { start, stop_pending, relaunch }, E::Prepared { start: s, result }) if s == start => {
-                match (stop_pending, result) {
-                    (true, _) => {
-                        self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
-                    }
-                    (false, Ok(())) => (S::Launching { start, stop_pending, relaunch }, vec![Effect::Spawn { start }]),
-                    (false, Err((error, permanent))) => {
-                        let cause =
-                            Cause { text: error, kind: FailureKind::Spawn, permanent: permanent.then_some(SPAWN) };
-                        let fx = vec![record(Severity::Error, "failed", format!("start failed: {}", cause.text))];
-                        self.after_failure(cause, None, now, fx)
-                    }
+            (S::Launching { start, then }, E::Prepared { result, .. }) => match (then, result) {
+                (AfterPrepare::Stop(purpose), _) => self.stopped(purpose, None, now, vec![]),
+                (AfterPrepare::Relaunch, _) => self.launch(),
+                (AfterPrepare::Spawn, Prepared::Done) => {
+                    (S::Launching { start, then: AfterPrepare::Spawn }, vec![Effect::Spawn { start }])
                 }
-            }
-            (S::Launching { start, stop_pending, .. }, E::Spawned { start: s, pid }) if s == start => {
-                let mut run = Run {
-                    start,
-                    pid,
-                    spawned_at: now,
+                (AfterPrepare::Spawn, Prepared::Failed(failure)) => self.start_failed(failure, now),
+                // Nothing asked for it; fail the start rather than wait for ever.
+                (AfterPrepare::Spawn, Prepared::Cancelled) => {
+                    self.start_failed(StartFailure::transient("pre-start steps cancelled"), now)
+                }
+            },
+            (S::Launching { start, then }, E::Spawned { pid, .. }) => {
+                let mut loading = Loading {
+                    run: Run { start, pid, spawned_at: now, fatal_at: None, first_fatal: None, exception: None },
                     progress_at: now,
                     progress: None,
                     awaiting_http: false,
-                    ready_at: None,
-                    fatal_at: None,
-                    first_fatal: None,
-                    exception: None,
                 };
                 let mut fx = vec![
-                    record(Severity::Info, "spawned", format!("child spawned, pid {pid}, start {start}")),
+                    record(Severity::Info, Topic::Spawned, format!("child spawned, pid {pid}, start {start}")),
                     Effect::Notify(vec![
                         status(format!("loading, pid {pid} ({})", self.attempts_text())),
                         Note::ExtendTimeout(self.policy.stall),
                     ]),
                 ];
                 if !self.policy.ready_log {
-                    run.awaiting_http = true;
+                    loading.awaiting_http = true;
                     fx.push(Effect::Probe { start });
                 }
-                if stop_pending {
-                    return self.begin_stop(S::Starting(run), Purpose::Shutdown, now, fx);
+                match then {
+                    AfterPrepare::Stop(purpose) => self.begin_stop(S::Starting(loading), purpose, now, fx),
+                    AfterPrepare::Relaunch => self.begin_stop(S::Starting(loading), Purpose::Reload, now, fx),
+                    AfterPrepare::Spawn => (S::Starting(loading), fx),
                 }
-                (S::Starting(run), fx)
             }
-            (S::Launching { start, stop_pending, .. }, E::SpawnFailed { start: s, error, permanent }) if s == start => {
-                if stop_pending {
-                    return self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![]);
+            (S::Launching { then, .. }, E::SpawnFailed { failure, .. }) => match then {
+                AfterPrepare::Stop(purpose) => self.stopped(purpose, None, now, vec![]),
+                AfterPrepare::Relaunch => self.launch(),
+                AfterPrepare::Spawn => self.start_failed(failure, now),
+            },
+            (S::Launching { start, then }, E::StopRequested) => {
+                let fx = vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])];
+                match then {
+                    // Asked twice: the cancel is already under way.
+                    AfterPrepare::Stop(Purpose::Shutdown) => (S::Launching { start, then }, vec![]),
+                    _ => self.cancel_launch(start, Purpose::Shutdown, fx),
                 }
-                let cause = Cause { text: error, kind: FailureKind::Spawn, permanent: permanent.then_some(SPAWN) };
-                let fx = vec![record(Severity::Error, "failed", format!("start failed: {}", cause.text))];
-                self.after_failure(cause, None, now, fx)
             }
-            (S::Launching { start, .. }, E::StopRequested) => (
-                S::Launching { start, stop_pending: true, relaunch: false },
-                vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())]), Effect::CancelPrepare],
-            ),
 
-            (S::Starting(run) | S::Ready(run), E::Line { start, .. }) if start != run.start => {
-                (self.restore(run), vec![])
+            (S::Starting(loading), E::Line { line, .. }) => self.starting_line(loading, line, now),
+            (S::Ready(mut serving), E::Line { line, .. }) => {
+                let fx = self.note_fatal(&mut serving.run, &line, now);
+                (S::Ready(serving), fx)
             }
-            (S::Starting(run), E::Line { line, .. }) => self.starting_line(run, line, now),
-            (S::Ready(mut run), E::Line { line, .. }) => {
-                let fx = self.note_fatal(&mut run, &line, now);
-                (S::Ready(run), fx)
+            (S::Starting(loading), E::HttpReady { .. }) if loading.awaiting_http && loading.run.fatal_at.is_none() => {
+                self.become_ready(loading, now)
             }
-            (S::Starting(run), E::HttpReady { start }) if start == run.start && run.awaiting_http => {
-                if run.fatal_at.is_some() {
-                    return (S::Starting(run), vec![]);
-                }
-                self.become_ready(run, now)
-            }
-            (S::Starting(run) | S::Ready(run), E::ChildExited { pid, exit }) if pid == run.pid => {
+            (state @ (S::Starting(_) | S::Ready(_)), E::ChildExited { exit, .. }) => {
                 self.last_exit = Some(exit);
                 self.exits += 1;
-                let was_ready = run.ready_at.is_some();
-                let cause = run.logged_cause().unwrap_or_else(|| Cause {
-                    text: if was_ready {
-                        format!("exited while serving ({exit})")
-                    } else {
-                        format!("exited before ready ({exit})")
-                    },
-                    kind: FailureKind::Exit,
-                    permanent: None,
+                let Some((run, ready_at)) = into_run(&state) else { return (state, vec![]) };
+                let cause = run.logged_cause().unwrap_or_else(|| {
+                    let text = match ready_at {
+                        Some(_) => format!("exited while serving ({exit})"),
+                        None => format!("exited before ready ({exit})"),
+                    };
+                    Cause::new(text, FailureKind::Exit)
                 });
-                let state = if was_ready { S::Ready(run) } else { S::Starting(run) };
                 let (next, fx) = self.begin_stop(state, Purpose::Failure(cause), now, vec![]);
-                (self.leader_gone(next), fx)
+                (leader_gone(next), fx)
             }
-            (S::Starting(run), E::Tick) => {
+            (S::Starting(loading), E::Tick) => {
                 let p = &self.policy;
-                let cause = if run.fatal_at.is_some_and(|t| now >= t + p.grace) {
-                    run.logged_cause()
+                let run = &loading.run;
+                let cause = if let Some(c) = run.fatal_grace_over(p.grace, now) {
+                    Some(c)
                 } else if now >= run.spawned_at + p.ready_timeout {
-                    Some(Cause {
-                        text: format!("not ready after {} (ready.timeout)", secs(p.ready_timeout)),
-                        kind: FailureKind::Timeout,
-                        permanent: None,
-                    })
-                } else if now >= run.progress_at + p.stall {
-                    let last = run.progress.as_deref().map(|l| format!("; last: {l}")).unwrap_or_default();
-                    Some(Cause {
-                        text: format!("no progress for {} (ready.stall){last}", secs(p.stall)),
-                        kind: FailureKind::Stall,
-                        permanent: None,
-                    })
+                    Some(Cause::new(
+                        format!("not ready after {} (ready.timeout)", secs(p.ready_timeout)),
+                        FailureKind::Timeout,
+                    ))
+                } else if now >= loading.progress_at + p.stall {
+                    let last = loading.progress.as_deref().map(|l| format!("; last: {l}")).unwrap_or_default();
+                    Some(Cause::new(
+                        format!("no progress for {} (ready.stall){last}", secs(p.stall)),
+                        FailureKind::Stall,
+                    ))
                 } else {
                     None
                 };
                 match cause {
-                    Some(c) => self.begin_stop(S::Starting(run), Purpose::Failure(c), now, vec![]),
-                    None => (S::Starting(run), vec![]),
+                    Some(c) => self.begin_stop(S::Starting(loading), Purpose::Failure(c), now, vec![]),
+                    None => (S::Starting(loading), vec![]),
                 }
             }
-            (S::Ready(run), E::Tick) => match run.logged_cause() {
-                Some(c) if run.fatal_at.is_some_and(|t| now >= t + self.policy.grace) => {
-                    self.begin_stop(S::Ready(run), Purpose::Failure(c), now, vec![])
-                }
-                _ => (S::Ready(run), vec![]),
+            (S::Ready(serving), E::Tick) => match serving.run.fatal_grace_over(self.policy.grace, now) {
+                Some(c) => self.begin_stop(S::Ready(serving), Purpose::Failure(c), now, vec![]),
+                None => (S::Ready(serving), vec![]),
             },
+            (S::Ready(serving), E::HealthFailed { cause, .. }) => {
+                let cause = Cause::new(cause, FailureKind::Health);
+                self.begin_stop(S::Ready(serving), Purpose::Failure(cause), now, vec![])
+            }
             (state @ (S::Starting(_) | S::Ready(_)), E::StopRequested) => {
-                let fx = vec![record(Severity::Info, "stop", "stop requested".into())];
+                let fx = vec![record(Severity::Info, Topic::Stop, "stop requested".into())];
                 self.begin_stop(state, Purpose::Shutdown, now, fx)
             }
 
-            (S::Stopping(mut stop), E::ChildExited { pid, exit }) if pid == stop.pid => {
+            (S::Stopping(mut stop), E::ChildExited { pid, exit }) => {
                 self.last_exit = Some(exit);
                 self.exits += 1;
-                stop.leader_alive = false;
-                stop.resend_at = None;
-                // Whatever the leader left behind is orphaned now: pass the stop
-                // on to it at once rather than waiting for the SIGKILL.
-                let mut fx = vec![record(Severity::Info, "exited", format!("child {pid} {exit}"))];
-                if !stop.killed {
+                stop.leader = None;
+                let mut fx = vec![record(Severity::Info, Topic::Exited, format!("child {pid} {exit}"))];
+                if let Escalation::Signalled { kill_at, .. } = stop.escalation {
+                    // Whatever the leader left behind is orphaned now: pass the
+                    // stop on to it at once rather than waiting for the SIGKILL.
+                    stop.escalation = Escalation::Signalled { kill_at, resend_at: None };
                     fx.push(Effect::Terminate(self.policy.stop_signal));
                 }
                 (S::Stopping(stop), fx)
             }
             (S::Stopping(mut stop), E::Tick) => {
                 let mut fx = Vec::new();
-                if !stop.killed && now >= stop.kill_at {
-                    stop.killed = true;
-                    stop.resend_at = None;
-                    fx.push(record(Severity::Warn, "kill", "stop timeout passed: SIGKILL to the whole tree".into()));
-                    fx.push(Effect::KillTree);
-                } else if let Some(t) = stop.resend_at.filter(|t| now >= *t) {
-                    stop.resend_at = Some(t + LOAD_STOP_RESEND);
-                    fx.push(Effect::Terminate(self.policy.stop_signal));
+                if let Escalation::Signalled { kill_at, resend_at } = stop.escalation {
+                    if now >= kill_at {
+                        stop.escalation = Escalation::Killed;
+                        let text = "stop timeout passed: SIGKILL to the whole tree".to_string();
+                        fx.push(record(Severity::Warn, Topic::Kill, text));
+                        fx.push(Effect::KillTree);
+                    } else if let Some(t) = resend_at.filter(|t| now >= *t) {
+                        stop.escalation = Escalation::Signalled { kill_at, resend_at: Some(t + LOAD_STOP_RESEND) };
+                        fx.push(Effect::Terminate(self.policy.stop_signal));
+                    }
                 }
                 (S::Stopping(stop), fx)
             }
-            (S::Stopping(mut stop), E::StopRequested) => {
-                if stop.purpose != Purpose::Shutdown {
+            (S::Stopping(mut stop), E::StopRequested) => match (&stop.purpose, stop.escalation) {
+                (Purpose::Shutdown | Purpose::Internal(_), Escalation::Signalled { .. }) => {
+                    // Asked twice: no more patience.
+                    stop.escalation = Escalation::Killed;
+                    (S::Stopping(stop), vec![Effect::KillTree])
+                }
+                (Purpose::Shutdown | Purpose::Internal(_), Escalation::Killed) => (S::Stopping(stop), vec![]),
+                (Purpose::Failure(_) | Purpose::Reload, _) => {
                     stop.purpose = Purpose::Shutdown;
                     (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
-                } else if !stop.killed {
-                    // Asked twice: no more patience.
-                    stop.killed = true;
-                    stop.resend_at = None;
-                    (S::Stopping(stop), vec![Effect::KillTree])
-                } else {
-                    (S::Stopping(stop), vec![])
                 }
-            }
-            (S::Stopping(stop), E::TreeGone) => match stop.purpose {
-                Purpose::Shutdown => {
-                    self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
-                }
-                Purpose::Failure(cause) => self.after_failure(cause, stop.ready_for, now, vec![]),
-                Purpose::Reload => self.launch(),
             },
+            (S::Stopping(stop), E::TreeGone) => self.stopped(stop.purpose, stop.ready_for, now, vec![]),
             // Lines after a stop was asked for never count (vLLM logs
             // EngineDeadError on every ordinary shutdown).
             (S::Stopping(stop), E::Line { .. }) => (S::Stopping(stop), vec![]),
 
-            (S::Backoff { until, cause }, E::Tick) => {
-                if now >= until {
-                    self.launch()
-                } else {
-                    (S::Backoff { until, cause }, vec![])
-                }
+            (S::Backoff { until, .. }, E::Tick) if now >= until => self.launch(),
+            (S::Backoff { .. }, E::StopRequested) => {
+                self.finish(Code::Ok, "stopped on request".into(), vec![Effect::Notify(vec![Note::Stopping])])
             }
-            (S::Backoff { .. }, E::StopRequested) => self.finish(
-                exit::STOPPED,
-                "stopped on request".into(),
-                Severity::Info,
-                "stopped",
-                vec![Effect::Notify(vec![Note::Stopping])],
-            ),
-            (S::Idle, E::StopRequested) => {
-                self.finish(exit::STOPPED, "stopped on request".into(), Severity::Info, "stopped", vec![])
-            }
+            (S::Idle, E::StopRequested) => self.finish(Code::Ok, "stopped on request".into(), vec![]),
 
+            (state, E::TaskFailed { task }) => self.task_failed(state, task, now),
             (state, E::Reload(policy)) => self.reload(state, *policy, now),
-            (S::Ready(run), E::HealthFailed { start, cause }) if start == run.start => {
-                let cause = Cause { text: cause, kind: FailureKind::Health, permanent: None };
-                self.begin_stop(S::Ready(run), Purpose::Failure(cause), now, vec![])
-            }
 
-            (state, Event::Tick) => (state, vec![]),
+            (state, E::Tick) => (state, vec![]),
             (state, event) => {
-                tracing::debug!(?event, state = state_name(&state), "event ignored");
+                tracing::debug!(?event, phase = %phase_of(&state), "event ignored");
                 (state, vec![])
             }
         }
-    }
-
-    fn restore(&self, run: Run) -> State {
-        if run.ready_at.is_some() { State::Ready(run) } else { State::Starting(run) }
     }
 
     fn launch(&mut self) -> (State, Vec<Effect>) {
@@ -627,35 +754,52 @@ impl Machine {
             Effect::Notify(vec![status(format!("starting ({})", self.attempts_text()))]),
             Effect::Prepare { start },
         ];
-        (State::Launching { start, stop_pending: false, relaunch: false }, fx)
+        (State::Launching { start, then: AfterPrepare::Spawn }, fx)
+    }
+
+    /// Give up the pre-start steps of `start`; `then` happens when they
+    /// report back.
+    fn cancel_launch(&mut self, start: u32, then: Purpose, mut fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        fx.push(Effect::CancelPrepare);
+        (State::Launching { start, then: AfterPrepare::Stop(then) }, fx)
+    }
+
+    fn start_failed(&mut self, failure: StartFailure, now: Instant) -> (State, Vec<Effect>) {
+        let permanence = if failure.permanent { Permanence::Unrunnable } else { Permanence::Transient };
+        let cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence };
+        let fx = vec![record(Severity::Error, Topic::Failed, format!("start failed: {}", cause.text))];
+        self.after_failure(cause, None, now, fx)
     }
 
     /// Record a fatal line or exception line of this run.
     fn note_fatal(&mut self, run: &mut Run, line: &Line, now: Instant) -> Vec<Effect> {
         let mut fx = Vec::new();
+        let permanence = Permanence::of_match(line.permanent);
         if let Some(exc) = &line.exception {
             match &mut run.exception {
-                None => run.exception = Some((exc.clone(), line.permanent)),
+                None => run.exception = Some((exc.clone(), permanence)),
                 Some((first, p)) if first.group == exc.group => {
                     *first = exc.clone();
-                    *p = line.permanent;
+                    *p = permanence;
                 }
                 Some(_) => {}
             }
         }
         if line.class == Class::Fatal {
-            if run.first_fatal.is_none() {
-                run.first_fatal = Some((line.message.trim().to_string(), line.permanent));
-            } else if line.permanent.is_some() && run.first_fatal.as_ref().is_some_and(|(_, p)| p.is_none()) {
-                // Keep the first line, but remember a permanent one that follows.
-                run.first_fatal = Some((line.message.trim().to_string(), line.permanent));
+            let message = line.message.trim();
+            // Keep the first line, but remember a permanent one that follows.
+            let replace = match &run.first_fatal {
+                None => true,
+                Some((_, p)) => !p.is_permanent() && permanence.is_permanent(),
+            };
+            if replace {
+                run.first_fatal = Some((message.to_string(), permanence));
             }
             if run.fatal_at.is_none() {
                 run.fatal_at = Some(now);
-                fx.push(record(Severity::Error, "fatal", format!("fatal line: {}", line.message.trim())));
+                fx.push(record(Severity::Error, Topic::Fatal, format!("fatal line: {message}")));
                 fx.push(Effect::Notify(vec![status(format!(
-                    "failing: {}; waiting up to {} for the child to exit",
-                    line.message.trim(),
+                    "failing: {message}; waiting up to {} for the child to exit",
                     secs(self.policy.grace)
                 ))]));
             }
@@ -663,49 +807,49 @@ impl Machine {
         fx
     }
 
-    fn starting_line(&mut self, mut run: Run, line: Line, now: Instant) -> (State, Vec<Effect>) {
-        let mut fx = self.note_fatal(&mut run, &line, now);
-        if run.fatal_at.is_some() {
-            return (State::Starting(run), fx);
+    fn starting_line(&mut self, mut loading: Loading, line: Line, now: Instant) -> (State, Vec<Effect>) {
+        let mut fx = self.note_fatal(&mut loading.run, &line, now);
+        if loading.run.fatal_at.is_some() {
+            return (State::Starting(loading), fx);
         }
         match &line.class {
-            Class::Ready if !run.awaiting_http => {
-                if self.policy.ready_http {
-                    run.awaiting_http = true;
-                    fx.push(record(Severity::Info, "ready-line", "ready line seen; checking HTTP".into()));
-                    fx.push(Effect::Probe { start: run.start });
-                } else {
-                    return self.become_ready(run, now);
+            Class::Ready if !loading.awaiting_http => {
+                if !self.policy.ready_http {
+                    return self.become_ready(loading, now);
                 }
+                loading.awaiting_http = true;
+                fx.push(record(Severity::Info, Topic::ReadyLine, "ready line seen; checking HTTP".into()));
+                fx.push(Effect::Probe { start: loading.run.start });
             }
             Class::Progress(text) => {
-                run.progress_at = now;
-                run.progress = Some(text.clone());
+                loading.progress_at = now;
+                loading.progress = Some(text.clone());
                 fx.push(Effect::Notify(vec![
-                    status(format!("loading, pid {}: {text}", run.pid)),
+                    status(format!("loading, pid {}: {text}", loading.run.pid)),
                     Note::ExtendTimeout(self.policy.stall),
                 ]));
             }
             _ => {}
         }
-        (State::Starting(run), fx)
+        (State::Starting(loading), fx)
     }
 
-    fn become_ready(&mut self, mut run: Run, now: Instant) -> (State, Vec<Effect>) {
-        run.ready_at = Some(now);
-        run.awaiting_http = false;
+    fn become_ready(&mut self, loading: Loading, now: Instant) -> (State, Vec<Effect>) {
+        let run = loading.run;
         let took = now - run.spawned_at;
         self.last_load = Some(took);
+        self.cause = None;
         let text = format!("ready: pid {}, loaded in {}", run.pid, secs(took));
         let fx = vec![
-            record(Severity::Info, "ready", text.clone()),
+            record(Severity::Info, Topic::Ready, text.clone()),
             Effect::Notify(vec![Note::Ready, status(text)]),
             Effect::Health { start: run.start },
         ];
-        self.cause = None;
-        (State::Ready(run), fx)
+        (State::Ready(Serving { run, ready_at: now }), fx)
     }
 
+    /// Stop a running child (`Starting` or `Ready`) for `purpose`; any other
+    /// state is returned as it is.
     fn begin_stop(
         &mut self,
         state: State,
@@ -713,55 +857,56 @@ impl Machine {
         now: Instant,
         mut fx: Vec<Effect>,
     ) -> (State, Vec<Effect>) {
-        let run = match state {
-            State::Starting(r) | State::Ready(r) => r,
-            other => return (other, fx),
-        };
-        let ready_for = run.ready_at.map(|t| now - t);
+        let Some((run, ready_at)) = into_run(&state) else { return (state, fx) };
+        let pid = run.pid;
+        let ready_for = ready_at.map(|t| now - t);
+        // Only a serving child being stopped on purpose has something to
+        // drain; everything else gets the short grace, the signal repeated.
         let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload);
         let grace = if drain { self.policy.stop_timeout } else { self.policy.stop_timeout.min(LOAD_STOP_GRACE) };
         match &purpose {
             Purpose::Shutdown => fx.push(Effect::Notify(vec![
                 Note::Stopping,
-                status(format!("stopping pid {}", run.pid)),
+                status(format!("stopping pid {pid}")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),
             ])),
             Purpose::Failure(c) => {
                 self.cause = Some(c.clone());
-                fx.push(record(Severity::Error, "failed", format!("run failed: {}", c.text)));
+                fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.text)));
                 fx.push(Effect::Notify(vec![status(format!("failed ({}): {}", self.attempts_text(), c.text))]));
             }
             Purpose::Reload => fx.push(Effect::Notify(vec![
-                status(format!("reloading: stopping pid {} to start it with the new config", run.pid)),
+                status(format!("reloading: stopping pid {pid} to start it with the new config")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),
+            ])),
+            Purpose::Internal(why) => fx.push(Effect::Notify(vec![
+                Note::Stopping,
+                status(format!("internal failure, stopping pid {pid}: {why}")),
             ])),
         }
         fx.push(Effect::Terminate(self.policy.stop_signal));
-        let stop = Stop {
-            purpose,
-            pid: run.pid,
-            leader_alive: true,
-            ready_for,
-            kill_at: now + grace,
-            resend_at: (!drain).then_some(now + LOAD_STOP_RESEND),
-            killed: grace.is_zero(),
-        };
-        if stop.killed {
+        let escalation = if grace.is_zero() {
             fx.push(Effect::KillTree);
-        }
-        (State::Stopping(stop), fx)
+            Escalation::Killed
+        } else {
+            Escalation::Signalled { kill_at: now + grace, resend_at: (!drain).then_some(now + LOAD_STOP_RESEND) }
+        };
+        (State::Stopping(Stop { purpose, leader: Some(pid), ready_for, escalation }), fx)
     }
 
     /// A valid new config: its policy applies from now on, the failure count
     /// starts again, and the child is started again with it.
     fn reload(&mut self, state: State, policy: Policy, now: Instant) -> (State, Vec<Effect>) {
+        if matches!(state, State::Done(_)) {
+            return (state, vec![]);
+        }
         self.policy = policy;
         self.failures = 0;
         self.permanent_streak = None;
-        let fx = vec![record(Severity::Info, "reload", "config reloaded: starting again with it".into())];
+        let fx = vec![record(Severity::Info, Topic::Reload, "config reloaded: starting again with it".into())];
         match state {
             s @ (State::Starting(_) | State::Ready(_)) => self.begin_stop(s, Purpose::Reload, now, fx),
-            State::Stopping(mut stop) if stop.purpose != Purpose::Shutdown => {
+            State::Stopping(mut stop) if matches!(stop.purpose, Purpose::Failure(_)) => {
                 stop.purpose = Purpose::Reload;
                 (State::Stopping(stop), fx)
             }
@@ -769,24 +914,44 @@ impl Machine {
                 let (next, more) = self.launch();
                 (next, fx.into_iter().chain(more).collect())
             }
-            State::Launching { start, stop_pending: false, .. } => {
+            State::Launching { start, then: AfterPrepare::Spawn } => {
                 let mut fx = fx;
                 fx.push(Effect::CancelPrepare);
-                (State::Launching { start, stop_pending: false, relaunch: true }, fx)
+                (State::Launching { start, then: AfterPrepare::Relaunch }, fx)
             }
+            // A stop is under way, or the start is already being redone.
             other => (other, vec![]),
         }
     }
 
-    /// The leader has already exited: no signal to repeat.
-    fn leader_gone(&self, state: State) -> State {
+    /// A part of the warden died: stop the tree the short way and exit 70.
+    fn task_failed(&mut self, state: State, why: String, now: Instant) -> (State, Vec<Effect>) {
+        let fx = vec![record(Severity::Error, Topic::Internal, why.clone())];
         match state {
-            State::Stopping(mut s) => {
-                s.leader_alive = false;
-                s.resend_at = None;
-                State::Stopping(s)
+            s @ (State::Starting(_) | State::Ready(_)) => self.begin_stop(s, Purpose::Internal(why), now, fx),
+            State::Stopping(mut stop) => {
+                stop.purpose = Purpose::Internal(why);
+                (State::Stopping(stop), fx)
             }
-            other => other,
+            State::Launching { start, .. } => self.cancel_launch(start, Purpose::Internal(why), fx),
+            State::Idle | State::Backoff { .. } => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
+            done @ State::Done(_) => (done, vec![]),
+        }
+    }
+
+    /// The tree is gone (or was never spawned): carry out what the stop was for.
+    fn stopped(
+        &mut self,
+        purpose: Purpose,
+        ready_for: Option<Duration>,
+        now: Instant,
+        fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        match purpose {
+            Purpose::Shutdown => self.finish(Code::Ok, "stopped on request".into(), fx),
+            Purpose::Failure(cause) => self.after_failure(cause, ready_for, now, fx),
+            Purpose::Reload => self.launch(),
+            Purpose::Internal(why) => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
         }
     }
 
@@ -801,27 +966,18 @@ impl Machine {
             self.failures = 0;
             self.permanent_streak = None;
         }
-        self.failures += 1;
+        self.failures = self.failures.saturating_add(1);
         self.cause = Some(cause.clone());
-        let class = match (cause.permanent, cause.kind) {
-            (Some(_), _) => "permanent",
-            (None, FailureKind::FatalLine) => "fatal_line",
-            (None, FailureKind::Exit) => "exit",
-            (None, FailureKind::Stall) => "stall",
-            (None, FailureKind::Timeout) => "timeout",
-            (None, FailureKind::Health) => "health",
-            (None, FailureKind::Spawn) => "spawn",
-        };
-        *self.failure_counts.entry(class).or_default() += 1;
-        if let Some(p) = cause.permanent {
+        *self.failure_counts.entry(cause.class()).or_default() += 1;
+        if cause.permanence.is_permanent() {
             let n = match self.permanent_streak {
-                Some((q, n)) if q == p => n + 1,
+                Some((p, n)) if p == cause.permanence => n + 1,
                 _ => 1,
             };
-            self.permanent_streak = Some((p, n));
+            self.permanent_streak = Some((cause.permanence, n));
             if n >= self.policy.restart.permanent_attempts {
                 let text = format!("failed permanently ({n} of {n} tries): {}", cause.text);
-                return self.finish(exit::CONFIG, text.clone(), Severity::Error, "gave-up", fx);
+                return self.finish(Code::Config, text, fx);
             }
         } else {
             self.permanent_streak = None;
@@ -829,13 +985,13 @@ impl Machine {
         let max = self.policy.restart.max_attempts;
         if max > 0 && self.failures >= max {
             let text = format!("gave up after {max} failed starts: {}", cause.text);
-            return self.finish(exit::GAVE_UP, text, Severity::Error, "gave-up", fx);
+            return self.finish(Code::GaveUp, text, fx);
         }
         let base = self.policy.backoff(self.failures);
         let j = self.policy.restart.jitter * (self.rng.f64() * 2.0 - 1.0);
         let delay = Duration::from_secs_f64((base.as_secs_f64() * (1.0 + j)).max(0.0));
         let text = format!("restarting in {} ({}): {}", secs(delay), self.attempts_text(), cause.text);
-        fx.push(record(Severity::Warn, "backoff", text.clone()));
+        fx.push(record(Severity::Warn, Topic::Backoff, text.clone()));
         fx.push(Effect::Notify(vec![status(text), Note::ExtendTimeout(delay + self.policy.stall)]));
         if delay.is_zero() {
             let (state, more) = self.launch();
@@ -845,34 +1001,55 @@ impl Machine {
         (State::Backoff { until: now + delay, cause }, fx)
     }
 
-    fn finish(
-        &mut self,
-        code: i32,
-        text: String,
-        severity: Severity,
-        event: &'static str,
-        mut fx: Vec<Effect>,
-    ) -> (State, Vec<Effect>) {
-        fx.push(record(severity, event, text.clone()));
+    /// The one way the machine ends: `code`, and why in `text`.
+    fn finish(&mut self, code: Code, text: String, mut fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        let (severity, topic) = match code {
+            Code::Ok => (Severity::Info, Topic::Stopped),
+            Code::Internal => (Severity::Error, Topic::Internal),
+            _ => (Severity::Error, Topic::GaveUp),
+        };
+        fx.push(record(severity, topic, text.clone()));
         fx.push(Effect::Notify(vec![status(text.clone())]));
-        fx.push(Effect::Exit(code));
-        let permanent = self.cause.as_ref().and_then(|c| c.permanent);
-        self.cause = Some(Cause { text, kind: FailureKind::Exit, permanent });
+        let permanence = self.cause.as_ref().map_or(Permanence::Transient, |c| c.permanence);
+        self.cause = Some(Cause { text, kind: FailureKind::Exit, permanence });
         (State::Done(code), fx)
     }
 }
 
-pub fn state_name(s: &State) -> &'static str {
-    match s {
-        State::Idle | State::Launching { .. } | State::Starting(_) => "starting",
-        State::Ready(_) => "ready",
+/// The run of a `Starting` or `Ready` state, and when it became ready.
+fn into_run(state: &State) -> Option<(&Run, Option<Instant>)> {
+    match state {
+        State::Starting(l) => Some((&l.run, None)),
+        State::Ready(s) => Some((&s.run, Some(s.ready_at))),
+        _ => None,
+    }
+}
+
+/// The leader has already exited: no signal to repeat.
+fn leader_gone(state: State) -> State {
+    match state {
+        State::Stopping(mut s) => {
+            s.leader = None;
+            if let Escalation::Signalled { kill_at, .. } = s.escalation {
+                s.escalation = Escalation::Signalled { kill_at, resend_at: None };
+            }
+            State::Stopping(s)
+        }
+        other => other,
+    }
+}
+
+fn phase_of(state: &State) -> Phase {
+    match state {
+        State::Idle | State::Launching { .. } | State::Starting(_) => Phase::Starting,
+        State::Ready(_) => Phase::Ready,
         State::Stopping(st) => match st.purpose {
-            Purpose::Shutdown | Purpose::Reload => "stopping",
-            Purpose::Failure(_) => "failed",
+            Purpose::Failure(_) => Phase::Failed,
+            Purpose::Shutdown | Purpose::Reload | Purpose::Internal(_) => Phase::Stopping,
         },
-        State::Backoff { .. } => "backoff",
+        State::Backoff { .. } => Phase::Backoff,
         // Left saying why in `cause`: a stop request, or the give-up.
-        State::Done(_) => "stopped",
+        State::Done(_) => Phase::Stopped,
     }
 }
 

@@ -15,8 +15,8 @@ const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
 /// A helper process that holds `file` open (or mapped, closed); returns once
 /// it says it does.
 fn holder(flag: &str, file: &std::path::Path) -> Child {
-    let mut c = Command::new(common::exe())
-        .args(["fake-vllm", flag])
+    let mut c = Command::new(common::sim())
+        .arg(flag)
         .arg(file)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

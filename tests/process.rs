@@ -177,6 +177,23 @@ fn a_killed_api_server_leaves_no_orphan_behind() {
 }
 
 #[test]
+fn a_dead_reaper_stops_the_tree_and_exits_70() {
+    // The hook makes the reaper panic at a SIGCHLD while the child runs; the
+    // test sends one. No GPU query, whose failed spawn would send one too.
+    let opts = Opts { env: vec![("VLLM_WARDEN_TEST_PANIC".into(), "reaper".into())], ..Opts::default() };
+    let extra = format!("{FAST}[prestart]\ngpu-idle-wait = \"0s\"\n");
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1", "--setsid-engine"], "", &extra), opts);
+    w.wait_ready();
+    let tree = w.descendants();
+    assert!(tree.len() >= 2, "the server and its engine: {tree:?}");
+    w.signal(Signal::SIGCHLD);
+    assert_eq!(w.wait_exit(), 70);
+    assert!(tree.iter().all(gone), "nothing of the tree is left: {tree:?}");
+    assert!(w.stderr().contains("the reaper task panicked"), "{}", w.stderr());
+    assert!(w.statuses().last().unwrap().starts_with("internal failure: the reaper task panicked"), "{:?}", w.notes);
+}
+
+#[test]
 fn sigint_stops_like_sigterm() {
     let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", FAST));
     w.wait_ready();

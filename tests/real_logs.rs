@@ -9,7 +9,8 @@ use tokio::time::Instant;
 use vllm_warden::child::Exit;
 use vllm_warden::config::{self, Dirs};
 use vllm_warden::logwatch::{Class, Classifier, Splitter};
-use vllm_warden::supervisor::{Event, Machine, Policy, State, state_name};
+use vllm_warden::outcome::Phase;
+use vllm_warden::supervisor::{Event, Machine, Policy, State};
 
 fn lines(name: &str) -> Vec<String> {
     let path = format!("{}/tests/fixtures/{name}.log", env!("CARGO_MANIFEST_DIR"));
@@ -53,8 +54,8 @@ fn replay(name: &str, exit: Exit, stop_at: Option<&str>) -> Machine {
 }
 
 fn cause(m: &Machine) -> (String, bool) {
-    let c = m.cause.clone().expect("a cause");
-    (c.text, c.permanent.is_some())
+    let c = m.cause().cloned().expect("a cause");
+    (c.text, c.permanence.is_permanent())
 }
 
 #[test]
@@ -74,8 +75,8 @@ fn successful_runs_become_ready_with_no_fatal_line_before_the_stop() {
         assert!(ready, "{name}: no ready line");
         // The shutdown that follows a stop request logs EngineDeadError: never a failure.
         let m = replay(name, Exit::Code(0), Some("[shutdown] API server: shutdown triggered"));
-        assert_eq!(state_name(&m.state), "stopping", "{name}");
-        assert_eq!(m.cause, None, "{name}");
+        assert_eq!(m.phase(), Phase::Stopping, "{name}");
+        assert_eq!(m.cause(), None, "{name}");
     }
 }
 
@@ -154,7 +155,7 @@ fn a_port_in_use_is_worth_a_retry() {
 #[test]
 fn engine_death_while_serving_with_exit_0_is_a_failure() {
     let m = replay("f_kill-engine", Exit::Code(0), None);
-    assert!(matches!(m.state, State::Stopping(_)));
+    assert!(matches!(m.state(), State::Stopping(_)));
     let (text, permanent) = cause(&m);
     assert!(text.contains("EngineDeadError"), "{text}");
     assert!(!permanent);
@@ -170,5 +171,5 @@ fn a_killed_api_server_is_an_exit_cause() {
 fn a_sigterm_during_startup_then_a_stop_is_not_a_failure() {
     let m =
         replay("h_term-main_during_startup_at_15s", Exit::Code(0), Some("[shutdown] API server: shutdown triggered"));
-    assert_eq!(m.cause, None);
+    assert_eq!(m.cause(), None);
 }

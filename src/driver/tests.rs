@@ -43,6 +43,8 @@ struct Fake {
     stubborn: bool,
     /// Lines "in the file" that only a flush finds.
     unflushed: Vec<String>,
+    /// A background task dies at this time.
+    task_dies_at: Option<Duration>,
 }
 
 impl Fake {
@@ -58,12 +60,25 @@ impl Fake {
 
 impl Backend for Fake {
     fn prepare(&mut self, start: u32) {
-        let _ = self.tx.send(Input::Prepared { start, result: Ok(()) });
+        let _ = self.tx.send(Input::Prepared { start, result: Prepared::Done });
     }
     fn cancel_prepare(&mut self) {}
     fn health(&mut self, _start: u32) {}
+    fn read_config(&mut self) {}
     fn reconfigure(&mut self, _settings: crate::config::Settings) {}
-    fn spawn(&mut self, start: u32) -> Result<u32, (String, bool)> {
+    async fn task_failed(&mut self) -> String {
+        // Cancel-safe, as the real one: the wait is dropped whenever another
+        // input comes first.
+        match self.task_dies_at {
+            Some(at) => {
+                tokio::time::sleep_until(self.t0 + at).await;
+                self.task_dies_at = None;
+                "the reaper task panicked: test".into()
+            }
+            None => std::future::pending().await,
+        }
+    }
+    fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
         self.call(Call::Spawn(start));
         let pid = 100 + start;
         self.alive.lock().unwrap().insert(pid);
@@ -151,7 +166,7 @@ fn policy() -> Policy {
 }
 
 struct Outcome {
-    code: i32,
+    code: Code,
     calls: Vec<(Duration, Call)>,
     notes: Vec<(Duration, Note)>,
 }
@@ -165,21 +180,47 @@ async fn run(
     stop_at: Option<Duration>,
     dog: Option<Duration>,
 ) -> Outcome {
+    run_with(p, plans, stubborn, unflushed, stop_at, dog, None).await
+}
+
+async fn run_with(
+    p: Policy,
+    plans: Vec<Plan>,
+    stubborn: bool,
+    unflushed: Vec<String>,
+    stop_at: Option<Duration>,
+    dog: Option<Duration>,
+    task_dies_at: Option<Duration>,
+) -> Outcome {
     let t0 = Instant::now();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let log = Log::default();
-    let mut fake = Fake { t0, tx: tx.clone(), plans, log: log.clone(), alive: Arc::default(), stubborn, unflushed };
+    let alive = Arc::default();
+    let mut fake = Fake { t0, tx: tx.clone(), plans, log: log.clone(), alive, stubborn, unflushed, task_dies_at };
     let mut rec = Rec { t0, log: log.clone() };
+    // Held until the loop ends: the end of the requests would be a stop.
+    let (requests, rq) = mpsc::unbounded_channel();
     if let Some(at) = stop_at {
-        let tx = tx.clone();
+        let requests = requests.clone();
         tokio::spawn(async move {
             tokio::time::sleep(at).await;
-            let _ = tx.send(Input::Stop);
+            let _ = requests.send(Request::Stop);
         });
     }
-    let c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
+    let classifier = Classifier::new(&Profile::Vllm.patterns()).unwrap();
     let ctx = Context { instance: "t".into(), watchdog: dog };
-    let code = drive(Machine::new(p, 1), &mut fake, &mut rec, c, &mut rx, &ctx, &mut Quiet).await;
+    let code = Loop {
+        machine: Machine::new(p, 1),
+        backend: &mut fake,
+        notifier: &mut rec,
+        classifier,
+        inputs: &mut rx,
+        ctx: &ctx,
+        observer: &mut Quiet,
+    }
+    .run(tokio_stream::wrappers::UnboundedReceiverStream::new(rq))
+    .await;
+    drop(requests);
     let calls = log.calls.lock().unwrap().clone();
     let notes = log.notes.lock().unwrap().clone();
     Outcome { code, calls, notes }
@@ -197,7 +238,7 @@ async fn backoff_delays_are_kept_to_the_millisecond() {
     let crash = Plan::Exit { lines: vec![], gap: Duration::ZERO, exit: Exit::Code(1) };
     let ok = Plan::Run { lines: vec![READY], gap: S(2) };
     let o = run(policy(), vec![crash.clone(), crash, ok], false, vec![], Some(S(100)), None).await;
-    assert_eq!(o.code, 0);
+    assert_eq!(o.code, Code::Ok);
     assert_eq!(spawn_times(&o), vec![S(0), S(10), S(30)]);
     let ready: Vec<Duration> = o.notes.iter().filter(|(_, n)| *n == Note::Ready).map(|(t, _)| *t).collect();
     assert_eq!(ready, vec![S(32)]);
@@ -218,7 +259,7 @@ async fn a_stall_fails_the_start_exactly_at_the_deadline() {
     let mut p = policy();
     p.restart.max_attempts = 1;
     let o = run(p, vec![stalls], false, vec![], None, None).await;
-    assert_eq!(o.code, 75);
+    assert_eq!(o.code, Code::GaveUp);
     assert!(o.calls.contains(&(S(67), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
     assert!(o.notes.contains(&(S(7), Note::ExtendTimeout(S(60)))));
 }
@@ -226,7 +267,7 @@ async fn a_stall_fails_the_start_exactly_at_the_deadline() {
 #[tokio::test(start_paused = true)]
 async fn a_stubborn_tree_is_signalled_every_second_then_killed() {
     let o = run(policy(), vec![Plan::Run { lines: vec![], gap: S(0) }], true, vec![], Some(S(3)), None).await;
-    assert_eq!(o.code, 0);
+    assert_eq!(o.code, Code::Ok);
     let terms: Vec<u64> =
         o.calls.iter().filter(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| t.as_secs()).collect();
     assert_eq!(terms, (3..13).collect::<Vec<_>>());
@@ -244,10 +285,23 @@ async fn the_last_lines_in_the_file_are_read_before_the_exit() {
     let mut p = policy();
     p.restart.max_attempts = 1;
     let o = run(p, vec![exits], false, tail, None, None).await;
-    assert_eq!(o.code, 75);
+    assert_eq!(o.code, Code::GaveUp);
     assert!(
         o.notes.iter().any(|(_, n)| *n
             == Note::Status("gave up after 1 failed starts: ValueError: No valid attention backend found".into())),
+        "{:?}",
+        o.notes
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dead_task_stops_the_tree_and_exits_70() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(1) };
+    let o = run_with(policy(), vec![serving], false, vec![], None, None, Some(S(5))).await;
+    assert_eq!(o.code, Code::Internal);
+    assert!(o.calls.contains(&(S(5), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+    assert!(
+        o.notes.iter().any(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("internal failure"))),
         "{:?}",
         o.notes
     );

@@ -17,6 +17,11 @@ pub fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_vllm-warden")
 }
 
+/// The simulated vLLM.
+pub fn sim() -> &'static str {
+    env!("CARGO_BIN_EXE_vllm-warden-sim")
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -41,7 +46,7 @@ pub struct Warden {
 /// A config whose command is the fake vLLM with `fake_args`; `extra` is
 /// appended (more sections).
 pub fn config(dir: &Path, port: u16, fake_args: &[&str], child_extra: &str, extra: &str) -> String {
-    let mut argv = vec![exe().to_string(), "fake-vllm".into(), "--port".into(), port.to_string()];
+    let mut argv = vec![sim().to_string(), "--port".into(), port.to_string()];
     argv.extend(fake_args.iter().map(|s| s.to_string()));
     let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
     format!(

@@ -46,7 +46,7 @@ fake() {  # name port extra-fake-args… ; then more TOML on stdin
     for a in "$@"; do args+=", \"$a\""; done
     {
         echo "[child]"
-        echo "command = [\"/usr/bin/vllm-warden\", \"fake-vllm\", \"--port\", \"$port\"$args]"
+        echo "command = [\"/usr/lib/vllm-warden/vllm-warden-sim\", \"--port\", \"$port\"$args]"
         cat
     } > "/etc/vllm-warden/$name.toml"
 }

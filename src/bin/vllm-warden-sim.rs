@@ -1,5 +1,6 @@
-//! A simulated vLLM (`vllm-warden fake-vllm …`, a hidden command) for
-//! `demo` and the tests. It writes vLLM 0.32's real line formats (see
+//! `vllm-warden-sim`: a simulated vLLM for `vllm-warden demo` and the
+//! tests, built as its own binary so that none of it ships inside the
+//! warden. It writes vLLM 0.32's real line formats (see
 //! `tests/fixtures/`), serves `/health`, `/v1/models` and `/v1/completions`,
 //! and has knobs for the failures the warden must handle. It knows nothing
 //! of the warden.
@@ -12,12 +13,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use clap::{Args, ValueEnum};
+use clap::{Parser, ValueEnum};
 use nix::sys::signal::{SigHandler, SigSet, Signal, signal};
 
 /// How a simulated run goes wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Failure {
+enum Failure {
     /// `NCCL error` during the load, then exit 1 (a retry may succeed).
     Nccl,
     /// The compressed-tensors KV-cache traceback, then exit 1 (permanent).
@@ -32,67 +33,68 @@ pub enum Failure {
     Exit1,
 }
 
-#[derive(Debug, Clone, Args)]
-pub struct FakeArgs {
+#[derive(Debug, Clone, Parser)]
+#[command(name = "vllm-warden-sim", version, about = "A simulated vLLM server, for vllm-warden's demo and tests")]
+struct FakeArgs {
     /// Port for the HTTP endpoints; 0: no server.
     #[arg(long, default_value_t = 8000)]
-    pub port: u16,
+    port: u16,
     /// Number of checkpoint shards to "load".
     #[arg(long, default_value_t = 4)]
-    pub shards: u32,
+    shards: u32,
     /// Time per shard.
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
-    pub shard_time: Duration,
+    shard_time: Duration,
     /// What goes wrong.
     #[arg(long, value_enum)]
-    pub fail: Option<Failure>,
+    fail: Option<Failure>,
     /// Delay after the first answered /health before an after-ready
     /// failure (`engine-death`).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
-    pub fail_after: Duration,
+    fail_after: Duration,
     /// Fail only the first N starts, counted in `--count-file`.
     #[arg(long)]
-    pub fail_times: Option<u32>,
+    fail_times: Option<u32>,
     #[arg(long)]
-    pub count_file: Option<PathBuf>,
+    count_file: Option<PathBuf>,
     /// Ignore SIGTERM (as vLLM does during parts of its load).
     #[arg(long)]
-    pub ignore_sigterm: bool,
+    ignore_sigterm: bool,
     /// Start an "EngineCore" child that calls setsid() and ignores SIGTERM.
     #[arg(long)]
-    pub setsid_engine: bool,
+    setsid_engine: bool,
     /// Exit with this code once ready (a stand-in for a crash while serving).
     #[arg(long)]
-    pub exit_after_ready: Option<i32>,
+    exit_after_ready: Option<i32>,
     /// Append `start|ready|exit <unix-nanos>` lines here.
     #[arg(long)]
-    pub stamp_file: Option<PathBuf>,
+    stamp_file: Option<PathBuf>,
     /// A model folder: its config.json is read as vLLM reads it (malformed
     /// JSON and a 4-bit `kv_cache_scheme` fail the start, as in vLLM 0.32).
     #[arg(long)]
-    pub model: Option<PathBuf>,
+    model: Option<PathBuf>,
     /// `/health` answers 503 from this long after the server started.
     #[arg(long, value_parser = humantime::parse_duration)]
-    pub unhealthy_after: Option<Duration>,
+    unhealthy_after: Option<Duration>,
     /// `/v1/completions` never answers (a wedged engine).
     #[arg(long)]
-    pub hang_completions: bool,
+    hang_completions: bool,
     /// Create this file in /dev/shm at start and leave it behind, as a
     /// crashed vLLM leaves `psm_*` segments.
     #[arg(long)]
-    pub shm_file: Option<String>,
+    shm_file: Option<String>,
     /// Accepted like vLLM's, and ignored.
     #[arg(long)]
-    pub api_key: Option<String>,
+    api_key: Option<String>,
     /// Helper for tests: keep this file open, print "holding", wait forever.
     #[arg(long, hide = true)]
-    pub hold_file: Option<PathBuf>,
+    hold_file: Option<PathBuf>,
     /// Helper for tests: map this file, close it, print "holding", wait forever.
     #[arg(long, hide = true)]
-    pub map_file: Option<PathBuf>,
+    map_file: Option<PathBuf>,
     /// Internal: run as the EngineCore child.
     #[arg(long, hide = true)]
-    pub engine_core: bool,
+    engine_core: bool,
 }
 
 fn nanos() -> u128 {
@@ -151,8 +153,13 @@ fn forever() -> ! {
     }
 }
 
+fn main() -> std::process::ExitCode {
+    let code = simulate(FakeArgs::parse());
+    std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
 /// Run the simulated server; returns its exit code.
-pub fn main(args: FakeArgs) -> i32 {
+fn simulate(args: FakeArgs) -> i32 {
     let out = Out { pid: std::process::id() };
     if args.hold_file.is_some() || args.map_file.is_some() {
         return hold(&args);
@@ -222,7 +229,7 @@ pub fn main(args: FakeArgs) -> i32 {
     if args.setsid_engine {
         if let Ok(exe) = std::env::current_exe() {
             let mut cmd = Command::new(exe);
-            cmd.args(["fake-vllm", "--engine-core", "--setsid-engine"]).stdin(Stdio::null());
+            cmd.args(["--engine-core", "--setsid-engine"]).stdin(Stdio::null());
             // This thread blocks SIGTERM (for sigwait); the engine must not
             // inherit that mask.
             // SAFETY: only sigprocmask between fork and exec.

@@ -1,0 +1,327 @@
+//! The daemon's composition: `run(settings, notifier, watchdog, requests)`
+//! wires the real parts (the process tree, the log follower, the pre-start
+//! steps, HTTP readiness and health, the status files, the journal) around
+//! the driver's loop and returns the exit code. Where requests come from
+//! (signals, the demo, a test) and how arguments are parsed are not known
+//! here.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tokio_stream::Stream;
+
+use crate::child::{self, Spec, Tree};
+use crate::config::{self, Dirs, Settings};
+use crate::driver::{self, Backend, Context, Input, Request};
+use crate::exit::Code;
+use crate::logwatch::{Classifier, Follower};
+use crate::outcome::{Prepared, StartFailure};
+use crate::redact;
+use crate::supervisor::{Machine, Policy, State};
+use crate::systemd::Notifier;
+use crate::tasks::{Lifetime, Tasks};
+
+/// Supervise `settings` until the machine is done, taking requests (stop,
+/// reload) from `requests`; returns the exit code.
+pub async fn run(
+    settings: Settings,
+    mut notifier: impl Notifier,
+    watchdog: Option<Duration>,
+    requests: impl Stream<Item = Request>,
+) -> Code {
+    let classifier = match Classifier::new(&settings.patterns) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "invalid pattern");
+            return Code::Config;
+        }
+    };
+    let ctx = Context { instance: settings.name.clone(), watchdog };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let traffic = crate::health::Traffic::default();
+    let mut observer = Reports {
+        status: crate::status::Reporter::new(
+            &settings.name,
+            &settings.status.file,
+            settings.status.metrics_file.as_deref(),
+        ),
+        journal: crate::journal::Forwarder::from_env(&settings.name),
+        tree: TreeRecord { state_dir: settings.state_dir.clone(), last: None },
+        traffic: traffic.clone(),
+        generation: Default::default(),
+    };
+    let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
+    let cleanup = settings.clone();
+    let mut backend = match Real::new(settings, tx, traffic) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot become a subreaper");
+            return Code::Internal;
+        }
+    };
+    let code = driver::Loop {
+        machine,
+        backend: &mut backend,
+        notifier: &mut notifier,
+        classifier,
+        inputs: &mut rx,
+        ctx: &ctx,
+        observer: &mut observer,
+    }
+    .run(requests)
+    .await;
+    // The tree is gone: what it left in /dev/shm goes now, not at the next start.
+    crate::prepare::clean_leftover_files(&cleanup);
+    code
+}
+
+/// The status files and the journal, kept up to date by the loop.
+struct Reports {
+    status: crate::status::Reporter,
+    journal: Option<crate::journal::Forwarder>,
+    tree: TreeRecord,
+    /// Set when the log shows tokens being generated; read by the canary.
+    traffic: crate::health::Traffic,
+    generation: crate::health::GenerationLine,
+}
+
+impl driver::Observer for Reports {
+    fn changed(&mut self, m: &Machine) {
+        self.status.update(&m.snapshot());
+        self.tree.update(m);
+    }
+    fn line(&mut self, line: &crate::logwatch::Line) {
+        if let Some(j) = &self.journal {
+            j.forward(line);
+        }
+        if self.generation.matches(&line.text) {
+            self.traffic.saw_generation();
+        }
+    }
+}
+
+/// Keeps the child's tree recorded in the state directory while it runs,
+/// for a warden started after this one was killed (see `prestart`).
+struct TreeRecord {
+    state_dir: std::path::PathBuf,
+    /// The phase and instant of the last record, while there is one.
+    last: Option<(crate::outcome::Phase, std::time::Instant)>,
+}
+
+impl TreeRecord {
+    /// Recorded again at every state change, and at most once a second
+    /// while lines come in (vLLM starts its engine and workers after the
+    /// spawn).
+    fn update(&mut self, m: &Machine) {
+        let phase = m.phase();
+        match m.state() {
+            State::Starting(_) | State::Ready(_) => {
+                let due = match self.last {
+                    Some((p, t)) => p != phase || t.elapsed() >= Duration::from_secs(1),
+                    None => true,
+                };
+                if due {
+                    if let Err(e) = crate::prestart::record_tree(&self.state_dir) {
+                        tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
+                    }
+                    self.last = Some((phase, std::time::Instant::now()));
+                }
+            }
+            State::Backoff { .. } | State::Done(_) if self.last.is_some() => {
+                crate::prestart::clear_record(&self.state_dir);
+                self.last = None;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The backend with real processes, a real log file and real HTTP.
+pub struct Real {
+    settings: Settings,
+    /// Every background task, watched by the loop through `task_failed`.
+    tasks: Tasks,
+    tree: Tree,
+    follower: Option<Follower>,
+    probe: Option<AbortHandle>,
+    /// The pre-start steps running for a start.
+    preparing: Option<(u32, AbortHandle)>,
+    /// The health checks of the ready run.
+    health: Option<AbortHandle>,
+    /// Seen in the log: the canary waits while real traffic flows.
+    traffic: crate::health::Traffic,
+    inputs: mpsc::UnboundedSender<Input>,
+}
+
+impl Real {
+    /// Needs a tokio runtime; makes this process a subreaper.
+    pub fn new(
+        settings: Settings,
+        inputs: mpsc::UnboundedSender<Input>,
+        traffic: crate::health::Traffic,
+    ) -> std::io::Result<Real> {
+        let tx = inputs.clone();
+        let mut tasks = Tasks::default();
+        let tree = Tree::new(
+            move |ev| {
+                let _ = tx.send(Input::Tree(ev));
+            },
+            &mut tasks,
+        )?;
+        Ok(Real { settings, tasks, tree, follower: None, probe: None, preparing: None, health: None, traffic, inputs })
+    }
+
+    fn stop_checks(&mut self) {
+        for task in [self.probe.take(), self.health.take()].into_iter().flatten() {
+            task.abort();
+        }
+    }
+}
+
+impl Backend for Real {
+    fn prepare(&mut self, start: u32) {
+        self.stop_checks();
+        self.follower = None;
+        let (settings, tx) = (self.settings.clone(), self.inputs.clone());
+        let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
+            let result = crate::prepare::run(&settings, &|text| {
+                let _ = tx.send(Input::Status(text));
+            })
+            .await;
+            let result = match result {
+                Ok(()) => Prepared::Done,
+                Err(failure) => Prepared::Failed(failure),
+            };
+            let _ = tx.send(Input::Prepared { start, result });
+        });
+        self.preparing = Some((start, task));
+    }
+
+    fn cancel_prepare(&mut self) {
+        if let Some((start, task)) = self.preparing.take() {
+            task.abort();
+            let _ = self.inputs.send(Input::Prepared { start, result: Prepared::Cancelled });
+        }
+    }
+
+    fn read_config(&mut self) {
+        let (path, tx) = (self.settings.source.clone(), self.inputs.clone());
+        tracing::info!(EVENT = "reload", "reading {} again", path.display());
+        self.tasks.spawn("config reader", Lifetime::Finite, async move {
+            let loaded = tokio::task::spawn_blocking(move || {
+                config::load(&path, &Dirs::from_env()).and_then(|s| {
+                    let env = config::check_environment(&s);
+                    if env.is_empty() { Ok(s) } else { Err(config::Problems(env)) }
+                })
+            })
+            .await;
+            // A panic while reading is this task's panic.
+            let loaded = loaded.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+            let _ = tx.send(Input::Reload(Box::new(loaded)));
+        });
+    }
+
+    fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
+        self.preparing = None;
+        let c = &self.settings.child;
+        let log_path = &c.log_file;
+        let (file, offset) = child::open_log(log_path, start, std::time::SystemTime::now())
+            .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
+        let spec = Spec { argv: c.command.clone(), env: c.env.clone(), cwd: c.cwd.clone() };
+        tracing::info!(
+            INSTANCE = self.settings.name.as_str(),
+            EVENT = "spawn",
+            "running {} (env: {})",
+            redact::command(&spec.argv),
+            redact::env(&spec.env)
+        );
+        let tx = self.inputs.clone();
+        // Follow before spawning, so that no line can be missed.
+        let sink = move |text| tx.send(Input::Line { start, text }).is_ok();
+        let follower = Follower::start(log_path, offset, sink, &mut self.tasks)
+            .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
+        let pid = self.tree.spawn(&spec, &file).map_err(|e| {
+            let cause = format!("cannot start {}: {e}", spec.argv[0]);
+            match e.kind() {
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => StartFailure::permanent(cause),
+                _ => StartFailure::transient(cause),
+            }
+        })?;
+        self.follower = Some(follower);
+        Ok(pid)
+    }
+
+    fn probe(&mut self, start: u32) {
+        let Some(url) = self.settings.ready.http.clone() else {
+            return;
+        };
+        let tx = self.inputs.clone();
+        if let Some(p) = self.probe.take() {
+            p.abort();
+        }
+        self.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
+            let mut delay = Duration::from_millis(20);
+            loop {
+                let u = url.clone();
+                let ok = tokio::task::spawn_blocking(move || crate::health::http_ok(&u, Duration::from_secs(5))).await;
+                if matches!(ok, Ok(true)) {
+                    let _ = tx.send(Input::HttpReady { start });
+                    return;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }));
+    }
+
+    fn health(&mut self, start: u32) {
+        let spec = crate::health::Spec::from_settings(&self.settings);
+        if !spec.enabled() {
+            return;
+        }
+        let (tx, traffic) = (self.inputs.clone(), self.traffic.clone());
+        self.health = Some(self.tasks.spawn("health checks", Lifetime::Finite, async move {
+            let cause = crate::health::watch(spec, traffic).await;
+            let _ = tx.send(Input::HealthFailed { start, cause });
+        }));
+    }
+
+    fn reconfigure(&mut self, settings: Settings) {
+        self.settings = settings;
+    }
+
+    fn terminate(&mut self, sig: Signal) {
+        self.stop_checks();
+        self.tree.terminate(sig);
+    }
+
+    fn kill_tree(&mut self) {
+        self.stop_checks();
+        self.tree.kill_all();
+    }
+
+    fn flush_lines(&mut self) -> Vec<String> {
+        self.follower.as_ref().map(Follower::drain_now).unwrap_or_default()
+    }
+
+    async fn task_failed(&mut self) -> String {
+        let failed = self.tasks.failed().await;
+        tracing::error!(INSTANCE = self.settings.name.as_str(), EVENT = "internal", "{failed}");
+        if failed.name == "reaper" {
+            // Without a reaper the tree could never be seen gone: start one
+            // again so that the stop that follows can finish.
+            if let Err(e) = self.tree.start_reaper(&mut self.tasks) {
+                tracing::error!(error = %e, "cannot start the reaper again");
+            }
+        }
+        failed.to_string()
+    }
+}
+
+impl Drop for Real {
+    fn drop(&mut self) {
+        self.stop_checks();
+    }
+}

@@ -1,0 +1,50 @@
+//! Every exit code of every command, in one enum, turned into the process's
+//! [`std::process::ExitCode`] in one place (`main`). What leads to each code
+//! is decided elsewhere; only the numbers live here.
+
+/// How a command ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Code {
+    /// `run`: stopped on request; `check`: no problem; `status`: ready;
+    /// `patch`: done.
+    Ok,
+    /// `patch`: a file could not be patched or restored.
+    PatchFailed,
+    /// `status`: the warden runs, the model is not ready.
+    NotReady,
+    /// `status`: no warden runs for this config.
+    NotRunning,
+    /// EX_SOFTWARE: the warden itself failed (a background task ended,
+    /// the runtime could not start). The unit restarts it.
+    Internal,
+    /// EX_TEMPFAIL: `max-attempts` failed starts in a row.
+    GaveUp,
+    /// EX_CONFIG: an invalid config, or a failure that retries cannot fix.
+    Config,
+}
+
+impl Code {
+    pub fn as_u8(self) -> u8 {
+        match self {
+            Code::Ok => 0,
+            Code::PatchFailed => 1,
+            Code::NotReady => 3,
+            Code::NotRunning => 4,
+            Code::Internal => 70,
+            Code::GaveUp => 75,
+            Code::Config => 78,
+        }
+    }
+}
+
+impl From<Code> for std::process::ExitCode {
+    fn from(c: Code) -> Self {
+        std::process::ExitCode::from(c.as_u8())
+    }
+}
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.as_u8())
+    }
+}

@@ -1,0 +1,138 @@
+//! The words the state machine and the parts that report to it share: the
+//! phase shown to operators, the class of a failure, whether a retry can
+//! fix it, and how the pre-start steps ended. Plain data; nothing here
+//! knows how the state changes or how a step is carried out.
+
+use serde::{Deserialize, Serialize};
+
+/// What the warden is doing, as the status document, the metrics and
+/// `status` name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Preparing, spawning or loading.
+    Starting,
+    Ready,
+    /// Waiting before the next start.
+    Backoff,
+    /// A stop (or a reload) was asked for; the tree is being stopped.
+    Stopping,
+    /// A failed run is being stopped before its restart.
+    Failed,
+    /// The warden has exited (the document is left saying why).
+    Stopped,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 6] =
+        [Phase::Starting, Phase::Ready, Phase::Backoff, Phase::Stopping, Phase::Stopped, Phase::Failed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Starting => "starting",
+            Phase::Ready => "ready",
+            Phase::Backoff => "backoff",
+            Phase::Stopping => "stopping",
+            Phase::Failed => "failed",
+            Phase::Stopped => "stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The class of a failed run's cause, as counted in the metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FailureClass {
+    /// The child exited (any code) with no fatal line to explain it.
+    Exit,
+    /// A fatal line or a traceback.
+    FatalLine,
+    /// Health or canary checks failed after ready.
+    Health,
+    /// A cause that retries cannot fix.
+    Permanent,
+    /// A pre-start step failed, or the command could not be started.
+    Spawn,
+    /// No progress for `ready.stall`.
+    Stall,
+    /// Not ready within `ready.timeout`.
+    Timeout,
+}
+
+impl FailureClass {
+    pub const ALL: [FailureClass; 7] = [
+        FailureClass::Exit,
+        FailureClass::FatalLine,
+        FailureClass::Health,
+        FailureClass::Permanent,
+        FailureClass::Spawn,
+        FailureClass::Stall,
+        FailureClass::Timeout,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureClass::Exit => "exit",
+            FailureClass::FatalLine => "fatal_line",
+            FailureClass::Health => "health",
+            FailureClass::Permanent => "permanent",
+            FailureClass::Spawn => "spawn",
+            FailureClass::Stall => "stall",
+            FailureClass::Timeout => "timeout",
+        }
+    }
+}
+
+/// Whether a retry can fix a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Permanence {
+    Transient,
+    /// It matched the permanent pattern with this index in the effective
+    /// list: the same pattern `permanent-attempts` times in a row gives up.
+    Pattern(usize),
+    /// The command cannot be executed at all, or a patch cannot be applied.
+    Unrunnable,
+}
+
+impl Permanence {
+    pub fn is_permanent(self) -> bool {
+        self != Permanence::Transient
+    }
+
+    /// From the classifier's match of the permanent patterns.
+    pub fn of_match(index: Option<usize>) -> Permanence {
+        index.map_or(Permanence::Transient, Permanence::Pattern)
+    }
+}
+
+/// Why a start could not happen (a pre-start step, or the spawn itself).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartFailure {
+    pub cause: String,
+    /// A retry would fail the same way (a missing program, a bad patch).
+    pub permanent: bool,
+}
+
+impl StartFailure {
+    pub fn transient(cause: impl Into<String>) -> StartFailure {
+        StartFailure { cause: cause.into(), permanent: false }
+    }
+
+    pub fn permanent(cause: impl Into<String>) -> StartFailure {
+        StartFailure { cause: cause.into(), permanent: true }
+    }
+}
+
+/// How the pre-start steps of one start ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prepared {
+    Done,
+    Failed(StartFailure),
+    /// Given up on request (a stop or a reload came meanwhile).
+    Cancelled,
+}
