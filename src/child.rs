@@ -132,6 +132,34 @@ pub fn descendants(root: i32) -> Vec<ProcStat> {
     out
 }
 
+/// What is left of the warden's tree after SIGKILL, one process each: pid,
+/// state, `wchan` (where in the kernel it waits) and name. Reads only
+/// `/proc/PID/{stat,wchan,comm}`, which answer even for a process stuck in
+/// the kernel (its `cmdline` may not).
+pub fn describe_survivors() -> String {
+    let me = std::process::id() as i32;
+    let left = descendants(me);
+    let read = |pid: i32, what: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/{what}")).map(|s| s.trim().to_string()).unwrap_or_default()
+    };
+    let each: Vec<String> = left
+        .iter()
+        .map(|p| {
+            let wchan = read(p.pid, "wchan");
+            let wchan = if wchan.is_empty() || wchan == "0" { String::new() } else { format!(", wchan {wchan}") };
+            let name = crate::escape::one_line(&read(p.pid, "comm"), 64);
+            format!("pid {} ({name}, state {}{wchan})", p.pid, p.state)
+        })
+        .collect();
+    let stuck = left.iter().any(|p| p.state == 'D');
+    let why = if stuck {
+        "stuck in the kernel (state D; for a GPU server, usually the driver): needs a GPU reset or a reboot"
+    } else {
+        "still there after SIGKILL"
+    };
+    format!("{} process(es) survived SIGKILL, {why}: {}", left.len(), each.join(", "))
+}
+
 /// Create the log file (and its folder) and append the start marker.
 /// Returns the file, for the child's stdout and stderr, and the offset after
 /// the marker, where following starts.

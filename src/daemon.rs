@@ -187,7 +187,7 @@ impl Backend for Real {
         let (settings, tx) = (self.settings.clone(), self.inputs.clone());
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let result = crate::prepare::run(&settings, &|text| {
-                let _ = tx.send(Input::Status(text));
+                let _ = tx.send(Input::Step { start, text });
             })
             .await;
             let result = match result {
@@ -300,6 +300,16 @@ impl Backend for Real {
     fn kill_tree(&mut self) {
         self.stop_checks();
         self.tree.kill_all();
+    }
+
+    fn describe_survivors(&mut self) {
+        let tx = self.inputs.clone();
+        self.tasks.spawn("survivor report", Lifetime::Finite, async move {
+            // Off the loop: /proc of a process stuck in the kernel can hang.
+            if let Ok(text) = tokio::task::spawn_blocking(child::describe_survivors).await {
+                let _ = tx.send(Input::Survivors(text));
+            }
+        });
     }
 
     fn flush_lines(&mut self) -> Vec<String> {

@@ -41,8 +41,13 @@ pub enum Input {
         start: u32,
         result: Prepared,
     },
-    /// A pre-start step to show in `STATUS=`.
-    Status(String),
+    /// A pre-start step of `start` begins.
+    Step {
+        start: u32,
+        text: String,
+    },
+    /// What survived SIGKILL, described.
+    Survivors(String),
     /// `health.failures` checks in a row failed for `start`.
     HealthFailed {
         start: u32,
@@ -79,6 +84,8 @@ pub trait Backend {
     fn probe(&mut self, start: u32);
     fn terminate(&mut self, sig: Signal);
     fn kill_tree(&mut self);
+    /// Describe what is left of the tree, off the loop: `Input::Survivors`.
+    fn describe_survivors(&mut self);
     /// Lines of the current run that are in the file but not delivered yet.
     /// Every line read before this call is already in the input queue.
     fn flush_lines(&mut self) -> Vec<String>;
@@ -145,6 +152,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 continue;
             }
             let deadline = self.machine.next_deadline();
+            let retry = self.notifier.retry_at();
             tokio::select! {
                 biased;
                 request = requests.next(), if requests_open => match request {
@@ -163,6 +171,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 },
                 _ = sleep_until(deadline) => events.push_back(Event::Tick),
                 _ = tick(&mut dog) => self.notifier.notify(&[Note::Watchdog]),
+                _ = sleep_until(retry) => self.notifier.retry(),
             }
         }
     }
@@ -187,6 +196,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::Health { start } => self.backend.health(start),
                 Effect::Terminate(sig) => self.backend.terminate(sig),
                 Effect::KillTree => self.backend.kill_tree(),
+                Effect::DescribeSurvivors => self.backend.describe_survivors(),
                 Effect::Notify(notes) => self.notifier.notify(&notes),
                 Effect::Log(r) => log(self.ctx, &self.machine, &r),
             }
@@ -203,7 +213,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         match input {
             Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
-            Input::Status(text) => self.notifier.notify(&[Note::Status(text)]),
+            Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
+            Input::Survivors(description) => events.push_back(Event::Survivors { description }),
             Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {

@@ -17,6 +17,9 @@ pub enum Code {
     /// EX_SOFTWARE: the warden itself failed (a background task ended,
     /// the runtime could not start). The unit restarts it.
     Internal,
+    /// EX_OSERR: processes of the tree survived SIGKILL (stuck in the
+    /// kernel); restarting would meet them again. The unit does not restart.
+    Unkillable,
     /// EX_TEMPFAIL: `max-attempts` failed starts in a row.
     GaveUp,
     /// EX_CONFIG: an invalid config, or a failure that retries cannot fix.
@@ -31,6 +34,7 @@ impl Code {
             Code::NotReady => 3,
             Code::NotRunning => 4,
             Code::Internal => 70,
+            Code::Unkillable => 71,
             Code::GaveUp => 75,
             Code::Config => 78,
         }

@@ -34,6 +34,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod driver;
+pub mod escape;
 pub mod exit;
 pub mod fsutil;
 pub mod health;

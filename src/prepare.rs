@@ -4,38 +4,61 @@
 //! `status` (`STATUS=`); a step that cannot be satisfied fails the start with
 //! a cause naming what is in the way.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::config::Settings;
 use crate::outcome::StartFailure;
-use crate::prestart;
+use crate::prestart::{self, QueryError};
+use crate::supervisor::{COMMAND_TIMEOUT, KILL_GRACE};
 
 /// First wait between two looks at the port or the GPUs; doubled up to
 /// [`MAX_RETRY`].
 const FIRST_RETRY: Duration = Duration::from_millis(50);
 const MAX_RETRY: Duration = Duration::from_secs(2);
 
+/// Run `f` on tokio's blocking pool: `/proc` scans and file work never run
+/// on the loop's thread. A panic in `f` is this task's panic.
+async fn off_loop<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
 /// Run the steps; an `Err` fails the start.
 pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), StartFailure> {
     let name = s.name.as_str();
 
     // 1. Leftovers of an earlier warden of this instance.
-    let left = prestart::leftovers(&s.state_dir);
-    if !left.is_empty() {
-        let pids: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
-        let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), pids.join(", "));
+    let state_dir = s.state_dir.clone();
+    let left = off_loop(move || {
+        let left = prestart::leftovers(&state_dir);
+        let shown: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
+        (left, shown)
+    })
+    .await;
+    if let (left, shown) = left
+        && !left.is_empty()
+    {
+        let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), shown.join(", "));
         tracing::warn!(INSTANCE = name, EVENT = "leftovers", "{text}");
         status(text);
-        prestart::stop_leftovers(&left, s.child.stop_signal, s.child.stop_timeout).await;
+        prestart::stop_leftovers(&left, s.child.stop_signal, s.child.stop_timeout, KILL_GRACE)
+            .await
+            .map_err(StartFailure::transient)?;
     }
-    prestart::clear_record(&s.state_dir);
+    let state_dir = s.state_dir.clone();
+    off_loop(move || prestart::clear_record(&state_dir)).await;
 
     // 2. Patches. A patch that fails will fail the same way next time.
     if !s.patches.is_empty() {
         status(format!("applying {} patch(es)", s.patches.len()));
-        let applied = crate::patch::apply(&s.patches, &s.state_dir)
+        let (patches, state_dir) = (s.patches.clone(), s.state_dir.clone());
+        let applied = off_loop(move || crate::patch::apply(&patches, &state_dir))
+            .await
             .map_err(|e| StartFailure::permanent(format!("patch failed: {e}")))?;
         for a in applied {
             tracing::info!(INSTANCE = name, EVENT = "patch", "{a}");
@@ -44,26 +67,30 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), S
 
     // 3. Shared memory, and vLLM's files in the temporary folders.
     status("cleaning /dev/shm".into());
-    clean_leftover_files(s);
+    let settings = s.clone();
+    off_loop(move || clean_leftover_files(&settings)).await;
 
     // 4. The port.
     let port = s.prestart.port;
-    if !prestart::port_free(port) {
-        let holders = prestart::describe_holders(port);
+    if !off_loop(move || prestart::port_free(port)).await {
+        let holders = off_loop(move || prestart::describe_holders(port)).await;
         status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
-        if !wait_until(s.prestart.port_wait, || async move { prestart::port_free(port) }).await {
-            return Err(StartFailure::transient(prestart::describe_holders(port)));
+        if !wait_until(s.prestart.port_wait, || off_loop(move || prestart::port_free(port))).await {
+            return Err(StartFailure::transient(off_loop(move || prestart::describe_holders(port)).await));
         }
     }
 
     // 5. The GPUs.
     if !s.prestart.gpu_idle_wait.is_zero() && !s.prestart.gpu_query.is_empty() {
         let query = &s.prestart.gpu_query;
-        match prestart::query_gpus(query).await {
+        let ask = || prestart::query_gpus(query, COMMAND_TIMEOUT);
+        status(format!("checking the GPUs ({})", crate::redact::command(query)));
+        match ask().await {
             Ok(None) => {
                 tracing::info!(INSTANCE = name, EVENT = "gpus", "{} not found: GPU check skipped", query[0]);
             }
-            Err(e) => tracing::warn!(INSTANCE = name, EVENT = "gpus", "GPU check skipped: {e}"),
+            Err(QueryError::TimedOut(why)) => return Err(StartFailure::transient(why)),
+            Err(QueryError::Failed(e)) => tracing::warn!(INSTANCE = name, EVENT = "gpus", "GPU check skipped: {e}"),
             Ok(Some(apps)) if apps.is_empty() => {}
             Ok(Some(apps)) => {
                 let wait = s.prestart.gpu_idle_wait;
@@ -72,16 +99,13 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), S
                     humantime::format_duration(wait),
                     prestart::describe_gpu_apps(&apps)
                 ));
-                let idle = wait_until(wait, || async {
-                    matches!(prestart::query_gpus(query).await, Ok(Some(a)) if a.is_empty())
-                })
-                .await;
+                let (idle, last) = look_until(wait, ask, |r| matches!(r, Ok(Some(a)) if a.is_empty())).await;
                 if !idle {
-                    let now = match prestart::query_gpus(query).await {
-                        Ok(Some(a)) if !a.is_empty() => a,
-                        _ => apps,
+                    let busy = match last {
+                        Ok(Some(a)) => prestart::describe_gpu_apps(&a),
+                        Ok(None) => "the query is gone".into(),
+                        Err(QueryError::TimedOut(why) | QueryError::Failed(why)) => why,
                     };
-                    let busy = prestart::describe_gpu_apps(&now);
                     let wait = humantime::format_duration(wait);
                     return Err(StartFailure::transient(format!("GPUs still busy after {wait}: {busy}")));
                 }
@@ -97,7 +121,7 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), S
 /// removed and what was kept, and why.
 pub fn clean_leftover_files(s: &Settings) {
     let uid = nix::unistd::geteuid().as_raw();
-    let mut folders: Vec<(std::path::PathBuf, Vec<String>)> = Vec::new();
+    let mut folders: Vec<(PathBuf, Vec<String>)> = Vec::new();
     if !s.prestart.clean_shm.is_empty() {
         folders.push(("/dev/shm".into(), s.prestart.clean_shm.clone()));
     }
@@ -105,31 +129,55 @@ pub fn clean_leftover_files(s: &Settings) {
     if !temp.is_empty() {
         folders.extend(prestart::temp_dirs().into_iter().map(|d| (d, temp.clone())));
     }
-    for (dir, globs) in folders.iter().filter(|(d, _)| d.is_dir()) {
-        let report = prestart::clean(dir, globs, uid, &prestart::in_use_under(dir));
+    // One pass over /proc answers for every folder, and none is made when
+    // no file could be removed.
+    let found: Vec<(PathBuf, Vec<PathBuf>)> = folders
+        .iter()
+        .filter(|(d, _)| d.is_dir())
+        .map(|(d, globs)| (d.clone(), prestart::candidates(d, globs)))
+        .filter(|(_, c)| !c.is_empty())
+        .collect();
+    if found.is_empty() {
+        return;
+    }
+    let dirs: Vec<&std::path::Path> = found.iter().map(|(d, _)| d.as_path()).collect();
+    let in_use = prestart::in_use_under_any(&dirs);
+    for (dir, paths) in found {
+        let report = prestart::clean_candidates(paths, uid, &in_use);
         if report != prestart::Cleaned::default() {
             tracing::info!(INSTANCE = s.name.as_str(), EVENT = "clean", "{}: {}", dir.display(), report.describe());
         }
     }
 }
 
-/// Look again with a growing delay until `ready` or `limit` passes.
-async fn wait_until<F, Fut>(limit: Duration, mut ready: F) -> bool
+/// Look with `look` again, with a growing delay, until `done` says so or
+/// `limit` passes; returns whether it did, and the last look.
+async fn look_until<T, F, Fut>(limit: Duration, mut look: F, done: impl Fn(&T) -> bool) -> (bool, T)
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
+    Fut: std::future::Future<Output = T>,
 {
     let deadline = Instant::now() + limit;
     let mut delay = FIRST_RETRY;
     loop {
-        if ready().await {
-            return true;
+        let seen = look().await;
+        if done(&seen) {
+            return (true, seen);
         }
         let now = Instant::now();
         if now >= deadline {
-            return false;
+            return (false, seen);
         }
         tokio::time::sleep(delay.min(deadline - now)).await;
         delay = (delay * 2).min(MAX_RETRY);
     }
+}
+
+/// Look again with a growing delay until `ready` or `limit` passes.
+async fn wait_until<F, Fut>(limit: Duration, ready: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    look_until(limit, ready, |ok| *ok).await.0
 }

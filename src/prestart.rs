@@ -108,19 +108,33 @@ impl PidFd {
 }
 
 /// Stop leftover processes as a stop does: `sig`, then SIGKILL after
-/// `timeout`; returns when all are gone.
-pub async fn stop_leftovers(procs: &[ProcStat], sig: Signal, timeout: Duration) {
+/// `timeout`, then at most `kill_grace` more. `Err` lists the processes
+/// still there (stuck in the kernel).
+pub async fn stop_leftovers(
+    procs: &[ProcStat],
+    sig: Signal,
+    timeout: Duration,
+    kill_grace: Duration,
+) -> Result<(), String> {
     let fds: Vec<PidFd> = procs.iter().filter_map(PidFd::open).collect();
     for f in &fds {
         f.signal(sig);
     }
-    let all = all_exited(&fds);
-    if tokio::time::timeout(timeout, all).await.is_err() {
-        for f in &fds {
-            f.signal(Signal::SIGKILL);
-        }
-        all_exited(&fds).await;
+    if tokio::time::timeout(timeout, all_exited(&fds)).await.is_ok() {
+        return Ok(());
     }
+    for f in &fds {
+        f.signal(Signal::SIGKILL);
+    }
+    if tokio::time::timeout(kill_grace, all_exited(&fds)).await.is_ok() {
+        return Ok(());
+    }
+    let left: Vec<String> = procs
+        .iter()
+        .filter(|p| read_stat(p.pid).is_some_and(|s| s.start_time == p.start_time && s.state != 'Z'))
+        .map(|p| format!("pid {} (state {})", p.pid, read_stat(p.pid).map_or('?', |s| s.state)))
+        .collect();
+    Err(format!("leftover process(es) survived SIGKILL: {}", left.join(", ")))
 }
 
 async fn all_exited(fds: &[PidFd]) {
@@ -131,14 +145,21 @@ async fn all_exited(fds: &[PidFd]) {
 
 /// Paths under `dir` that a live process has open or mapped, with the pids.
 pub fn in_use_under(dir: &Path) -> HashMap<PathBuf, BTreeSet<i32>> {
+    in_use_under_any(&[dir])
+}
+
+/// Paths under any of `dirs` that a live process has open or mapped, with
+/// the pids: one pass over `/proc` answers for every folder.
+pub fn in_use_under_any(dirs: &[&Path]) -> HashMap<PathBuf, BTreeSet<i32>> {
     let mut out: HashMap<PathBuf, BTreeSet<i32>> = HashMap::new();
     let Ok(procs) = std::fs::read_dir("/proc") else { return out };
+    let under = |p: &Path| dirs.iter().any(|d| p.starts_with(d));
     for entry in procs.flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
         if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
             for fd in fds.flatten() {
                 if let Ok(target) = std::fs::read_link(fd.path())
-                    && target.starts_with(dir)
+                    && under(&target)
                 {
                     out.entry(target).or_default().insert(pid);
                 }
@@ -148,7 +169,7 @@ pub fn in_use_under(dir: &Path) -> HashMap<PathBuf, BTreeSet<i32>> {
             for line in maps.lines() {
                 // address perms offset dev inode path
                 if let Some(path) = line.splitn(6, ' ').nth(5).map(str::trim_start)
-                    && Path::new(path).starts_with(dir)
+                    && under(Path::new(path))
                 {
                     let path = path.trim_end_matches(" (deleted)");
                     out.entry(PathBuf::from(path)).or_default().insert(pid);
@@ -157,6 +178,19 @@ pub fn in_use_under(dir: &Path) -> HashMap<PathBuf, BTreeSet<i32>> {
         }
     }
     out
+}
+
+/// The regular files of `dir` whose names match one of `globs`, sorted.
+pub fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
+    let patterns: Vec<glob::Pattern> = globs.iter().filter_map(|g| glob::Pattern::new(g).ok()).collect();
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut paths: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| patterns.iter().any(|g| g.matches(n))))
+        .collect();
+    paths.sort();
+    paths
 }
 
 /// What cleaning a folder did.
@@ -188,15 +222,13 @@ impl Cleaned {
 /// Remove the entries of `dir` matching `globs` that belong to `uid` and
 /// that no live process has open or mapped.
 pub fn clean(dir: &Path, globs: &[String], uid: u32, in_use: &HashMap<PathBuf, BTreeSet<i32>>) -> Cleaned {
-    let patterns: Vec<glob::Pattern> = globs.iter().filter_map(|g| glob::Pattern::new(g).ok()).collect();
+    clean_candidates(candidates(dir, globs), uid, in_use)
+}
+
+/// Remove those of `paths` that are regular files of `uid` and that no
+/// live process has open or mapped.
+pub fn clean_candidates(paths: Vec<PathBuf>, uid: u32, in_use: &HashMap<PathBuf, BTreeSet<i32>>) -> Cleaned {
     let mut out = Cleaned::default();
-    let Ok(entries) = std::fs::read_dir(dir) else { return out };
-    let mut paths: Vec<PathBuf> = entries
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| patterns.iter().any(|g| g.matches(n))))
-        .collect();
-    paths.sort();
     for path in paths {
         let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
         if !meta.is_file() {
@@ -316,34 +348,75 @@ pub fn describe_gpu_apps(apps: &[GpuApp]) -> String {
     apps.iter().map(|a| format!("pid {} ({} MiB)", a.pid, a.mem_mib)).collect::<Vec<_>>().join(", ")
 }
 
-/// Run `gpu-query`. `Ok(None)`: the command is not installed. Run in a
-/// thread that only reads its output: the warden's reaper collects it.
-pub async fn query_gpus(cmd: &[String]) -> Result<Option<Vec<GpuApp>>, String> {
-    let cmd = cmd.to_vec();
-    tokio::task::spawn_blocking(move || {
+/// A command's process group, SIGKILLed when this is dropped while the
+/// command may still run (a timeout, a cancelled start); forgotten once its
+/// output is closed and it was waited for.
+struct KillGroupOnDrop(nix::unistd::Pid);
+
+impl Drop for KillGroupOnDrop {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::killpg(self.0, Signal::SIGKILL);
+    }
+}
+
+/// Why the GPU query gave no answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QueryError {
+    /// It could not be run (other than not installed).
+    Failed(String),
+    /// It did not finish within its time limit and was killed.
+    TimedOut(String),
+}
+
+/// Run `gpu-query` under `timeout`. `Ok(None)`: the command is not
+/// installed. It runs in its own process group, which is SIGKILLed when the
+/// time is up (a query that hangs on a failing driver must not hold the
+/// start). Its output is read in a blocking thread; the warden's reaper
+/// collects its exit, which is not needed.
+pub async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<GpuApp>>, QueryError> {
+    use std::os::unix::process::CommandExt;
+    let shown = crate::redact::command(cmd);
+    let child = std::process::Command::new(&cmd[0])
+        .args(&cmd[1..])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(QueryError::Failed(format!("cannot run {shown}: {e}"))),
+    };
+    // Killed however this ends: in time, late, or dropped by a cancelled start.
+    let group = KillGroupOnDrop(nix::unistd::Pid::from_raw(child.id() as i32));
+    let stdout = child.stdout.take();
+    let read = tokio::task::spawn_blocking(move || {
         use std::io::Read;
-        let mut child = match std::process::Command::new(&cmd[0])
-            .args(&cmd[1..])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(format!("cannot run {}: {e}", cmd[0])),
-        };
-        let mut out = String::new();
-        if let Some(mut s) = child.stdout.take() {
-            let _ = s.read_to_string(&mut out);
+        // A bounded read: a runaway command cannot fill the warden's memory.
+        let mut out = Vec::new();
+        if let Some(s) = stdout {
+            let _ = s.take(1 << 20).read_to_end(&mut out);
         }
-        // The exit status may already have been reaped by the warden's
-        // reaper; the output is what matters.
         let _ = child.wait();
-        Ok(Some(parse_gpu_apps(&out)))
-    })
-    .await
-    .map_err(|e| e.to_string())?
+        String::from_utf8_lossy(&out).into_owned()
+    });
+    match tokio::time::timeout(timeout, read).await {
+        Ok(read) => {
+            // It closed its output and was waited for: the group may be
+            // gone and its id reused, so it is not signalled.
+            std::mem::forget(group);
+            match read {
+                Ok(out) => Ok(Some(parse_gpu_apps(&out))),
+                Err(e) => Err(QueryError::Failed(format!("{shown}: {e}"))),
+            }
+        }
+        Err(_) => {
+            drop(group);
+            let t = humantime::format_duration(timeout);
+            Err(QueryError::TimedOut(format!("GPU query {shown} did not answer within {t} (killed)")))
+        }
+    }
 }
 
 /// Where vLLM leaves `vllm_dist_*` files: the temporary folders.

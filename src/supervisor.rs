@@ -45,6 +45,18 @@ pub const LOAD_STOP_RESEND: Duration = Duration::from_secs(1);
 /// … and SIGKILL follows after at most this long (or `stop-timeout`, if
 /// shorter). The same short grace applies to what is left of a failed run.
 pub const LOAD_STOP_GRACE: Duration = Duration::from_secs(10);
+/// After SIGKILL, how long the tree gets to be gone. A process still there
+/// is stuck in the kernel (state `D`; for a GPU server, usually the driver):
+/// it is reported and the warden gives up on it.
+pub const KILL_GRACE: Duration = Duration::from_secs(10);
+/// How long the report of such survivors may take (reading `/proc` of a
+/// process stuck in the kernel can hang too).
+pub const DESCRIBE_GRACE: Duration = Duration::from_secs(5);
+/// What the pre-start steps may take beyond their own waits (leftovers,
+/// port, GPUs): patches, `/proc` scans, the GPU query's own time limit.
+pub const PREPARE_MARGIN: Duration = Duration::from_secs(60);
+/// How long one run of an external command (the GPU query) may take.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The parts of the settings the machine acts on.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +71,18 @@ pub struct Policy {
     pub grace: Duration,
     pub stop_signal: Signal,
     pub stop_timeout: Duration,
+    /// How long the pre-start steps may take in all.
+    pub prepare_timeout: Duration,
     pub restart: crate::config::Restart,
+}
+
+/// The pre-start steps' whole budget: stopping leftovers (stop timeout and
+/// the kill grace), the port wait, the GPU wait and one more query, plus a
+/// margin for the rest.
+pub fn prepare_timeout(s: &Settings) -> Duration {
+    [s.child.stop_timeout, KILL_GRACE, s.prestart.port_wait, s.prestart.gpu_idle_wait, COMMAND_TIMEOUT, PREPARE_MARGIN]
+        .into_iter()
+        .fold(Duration::ZERO, Duration::saturating_add)
 }
 
 impl Policy {
@@ -72,6 +95,7 @@ impl Policy {
             grace: s.fatal.grace,
             stop_signal: s.child.stop_signal,
             stop_timeout: s.child.stop_timeout,
+            prepare_timeout: prepare_timeout(s),
             restart: s.restart.clone(),
         }
     }
@@ -135,6 +159,11 @@ pub enum Event {
         start: u32,
         result: Prepared,
     },
+    /// A pre-start step of `start` begins (shown in `STATUS=`).
+    PrepareStep {
+        start: u32,
+        text: String,
+    },
     Spawned {
         start: u32,
         pid: u32,
@@ -169,6 +198,10 @@ pub enum Event {
     TaskFailed {
         task: String,
     },
+    /// What is left of the tree after SIGKILL and its grace, described.
+    Survivors {
+        description: String,
+    },
     Tick,
 }
 
@@ -177,6 +210,7 @@ impl Event {
     fn start(&self) -> Option<u32> {
         match self {
             Event::Prepared { start, .. }
+            | Event::PrepareStep { start, .. }
             | Event::Spawned { start, .. }
             | Event::SpawnFailed { start, .. }
             | Event::Line { start, .. }
@@ -210,6 +244,7 @@ pub enum Topic {
     GaveUp,
     Reload,
     Internal,
+    Unkillable,
 }
 
 impl Topic {
@@ -228,6 +263,7 @@ impl Topic {
             Topic::GaveUp => "gave-up",
             Topic::Reload => "reload",
             Topic::Internal => "internal",
+            Topic::Unkillable => "unkillable",
         }
     }
 }
@@ -268,6 +304,9 @@ pub enum Effect {
     Terminate(Signal),
     /// SIGKILL to the group and every descendant; `TreeGone` once none is left.
     KillTree,
+    /// Describe what is left of the tree after SIGKILL (pid, state, wchan);
+    /// `Survivors` follows.
+    DescribeSurvivors,
     Notify(Vec<Note>),
     Log(Record),
 }
@@ -339,8 +378,10 @@ pub enum Escalation {
     /// The stop signal was sent; it is sent again at `resend_at` (before
     /// ready, while the leader lives), and SIGKILL follows at `kill_at`.
     Signalled { kill_at: Instant, resend_at: Option<Instant> },
-    /// SIGKILL was sent to the whole tree.
-    Killed,
+    /// SIGKILL was sent to the whole tree at this instant.
+    Killed { at: Instant },
+    /// Processes survived SIGKILL; waiting for their description until then.
+    Abandoning { until: Instant },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -356,7 +397,9 @@ pub struct Stop {
 /// What to do once the pre-start steps are over.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AfterPrepare {
-    Spawn,
+    /// Spawn, if the steps are over by `deadline`; `step` is the one now
+    /// under way.
+    Spawn { deadline: Instant, step: Option<String> },
     /// A reload came meanwhile: start again with the new config.
     Relaunch,
     /// A stop (or a failure of the warden) came meanwhile.
@@ -538,11 +581,13 @@ impl Machine {
             .flatten()
             .min(),
             State::Ready(s) => s.run.fatal_at.map(|t| t + p.grace),
-            State::Stopping(s) => match s.escalation {
-                Escalation::Signalled { kill_at, resend_at } => Some(resend_at.map_or(kill_at, |r| r.min(kill_at))),
-                Escalation::Killed => None,
-            },
+            State::Stopping(s) => Some(match s.escalation {
+                Escalation::Signalled { kill_at, resend_at } => resend_at.map_or(kill_at, |r| r.min(kill_at)),
+                Escalation::Killed { at } => at + KILL_GRACE,
+                Escalation::Abandoning { until } => until,
+            }),
             State::Backoff { until, .. } => Some(*until),
+            State::Launching { then: AfterPrepare::Spawn { deadline, .. }, .. } => Some(*deadline),
             State::Idle | State::Launching { .. } | State::Done(_) => None,
         }
     }
@@ -571,17 +616,17 @@ impl Machine {
         use Event as E;
         use State as S;
         match (state, event) {
-            (S::Idle, E::Begin) => self.launch(),
+            (S::Idle, E::Begin) => self.launch(now),
 
             (S::Launching { start, then }, E::Prepared { result, .. }) => match (then, result) {
                 (AfterPrepare::Stop(purpose), _) => self.stopped(purpose, None, now, vec![]),
-                (AfterPrepare::Relaunch, _) => self.launch(),
-                (AfterPrepare::Spawn, Prepared::Done) => {
-                    (S::Launching { start, then: AfterPrepare::Spawn }, vec![Effect::Spawn { start }])
+                (AfterPrepare::Relaunch, _) => self.launch(now),
+                (then @ AfterPrepare::Spawn { .. }, Prepared::Done) => {
+                    (S::Launching { start, then }, vec![Effect::Spawn { start }])
                 }
-                (AfterPrepare::Spawn, Prepared::Failed(failure)) => self.start_failed(failure, now),
+                (AfterPrepare::Spawn { .. }, Prepared::Failed(failure)) => self.start_failed(failure, now),
                 // Nothing asked for it; fail the start rather than wait for ever.
-                (AfterPrepare::Spawn, Prepared::Cancelled) => {
+                (AfterPrepare::Spawn { .. }, Prepared::Cancelled) => {
                     self.start_failed(StartFailure::transient("pre-start steps cancelled"), now)
                 }
             },
@@ -606,14 +651,26 @@ impl Machine {
                 match then {
                     AfterPrepare::Stop(purpose) => self.begin_stop(S::Starting(loading), purpose, now, fx),
                     AfterPrepare::Relaunch => self.begin_stop(S::Starting(loading), Purpose::Reload, now, fx),
-                    AfterPrepare::Spawn => (S::Starting(loading), fx),
+                    AfterPrepare::Spawn { .. } => (S::Starting(loading), fx),
                 }
             }
             (S::Launching { then, .. }, E::SpawnFailed { failure, .. }) => match then {
                 AfterPrepare::Stop(purpose) => self.stopped(purpose, None, now, vec![]),
-                AfterPrepare::Relaunch => self.launch(),
-                AfterPrepare::Spawn => self.start_failed(failure, now),
+                AfterPrepare::Relaunch => self.launch(now),
+                AfterPrepare::Spawn { .. } => self.start_failed(failure, now),
             },
+            (S::Launching { start, then: AfterPrepare::Spawn { deadline, .. } }, E::PrepareStep { text, .. }) => {
+                let fx = vec![Effect::Notify(vec![status(text.clone())])];
+                (S::Launching { start, then: AfterPrepare::Spawn { deadline, step: Some(text) } }, fx)
+            }
+            (S::Launching { then: AfterPrepare::Spawn { deadline, step }, .. }, E::Tick) if now >= deadline => {
+                let budget = secs(self.policy.prepare_timeout);
+                let at = step.map(|s| format!("; stuck at: {s}")).unwrap_or_default();
+                let failure = StartFailure::transient(format!("pre-start steps did not finish within {budget}{at}"));
+                let (next, mut fx) = self.start_failed(failure, now);
+                fx.insert(0, Effect::CancelPrepare);
+                (next, fx)
+            }
             (S::Launching { start, then }, E::StopRequested) => {
                 let fx = vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])];
                 match then {
@@ -697,26 +754,40 @@ impl Machine {
             }
             (S::Stopping(mut stop), E::Tick) => {
                 let mut fx = Vec::new();
-                if let Escalation::Signalled { kill_at, resend_at } = stop.escalation {
-                    if now >= kill_at {
-                        stop.escalation = Escalation::Killed;
+                match stop.escalation {
+                    Escalation::Signalled { kill_at, .. } if now >= kill_at => {
+                        stop.escalation = Escalation::Killed { at: now };
                         let text = "stop timeout passed: SIGKILL to the whole tree".to_string();
                         fx.push(record(Severity::Warn, Topic::Kill, text));
                         fx.push(Effect::KillTree);
-                    } else if let Some(t) = resend_at.filter(|t| now >= *t) {
+                    }
+                    Escalation::Signalled { kill_at, resend_at: Some(t) } if now >= t => {
                         stop.escalation = Escalation::Signalled { kill_at, resend_at: Some(t + LOAD_STOP_RESEND) };
                         fx.push(Effect::Terminate(self.policy.stop_signal));
                     }
+                    Escalation::Killed { at } if now >= at + KILL_GRACE => {
+                        stop.escalation = Escalation::Abandoning { until: now + DESCRIBE_GRACE };
+                        fx.push(Effect::DescribeSurvivors);
+                    }
+                    Escalation::Abandoning { until } if now >= until => {
+                        let text = "processes of the tree survived SIGKILL and their /proc entries do not answer; \
+                                    they are stuck in the kernel: needs a GPU reset or a reboot";
+                        return self.finish(Code::Unkillable, text.into(), fx);
+                    }
+                    _ => {}
                 }
                 (S::Stopping(stop), fx)
+            }
+            (S::Stopping(Stop { escalation: Escalation::Abandoning { .. }, .. }), E::Survivors { description }) => {
+                self.finish(Code::Unkillable, description, vec![])
             }
             (S::Stopping(mut stop), E::StopRequested) => match (&stop.purpose, stop.escalation) {
                 (Purpose::Shutdown | Purpose::Internal(_), Escalation::Signalled { .. }) => {
                     // Asked twice: no more patience.
-                    stop.escalation = Escalation::Killed;
+                    stop.escalation = Escalation::Killed { at: now };
                     (S::Stopping(stop), vec![Effect::KillTree])
                 }
-                (Purpose::Shutdown | Purpose::Internal(_), Escalation::Killed) => (S::Stopping(stop), vec![]),
+                (Purpose::Shutdown | Purpose::Internal(_), _) => (S::Stopping(stop), vec![]),
                 (Purpose::Failure(_) | Purpose::Reload, _) => {
                     stop.purpose = Purpose::Shutdown;
                     (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
@@ -727,7 +798,7 @@ impl Machine {
             // EngineDeadError on every ordinary shutdown).
             (S::Stopping(stop), E::Line { .. }) => (S::Stopping(stop), vec![]),
 
-            (S::Backoff { until, .. }, E::Tick) if now >= until => self.launch(),
+            (S::Backoff { until, .. }, E::Tick) if now >= until => self.launch(now),
             (S::Backoff { .. }, E::StopRequested) => {
                 self.finish(Code::Ok, "stopped on request".into(), vec![Effect::Notify(vec![Note::Stopping])])
             }
@@ -744,7 +815,7 @@ impl Machine {
         }
     }
 
-    fn launch(&mut self) -> (State, Vec<Effect>) {
+    fn launch(&mut self, now: Instant) -> (State, Vec<Effect>) {
         self.starts += 1;
         if self.starts > 1 {
             self.restarts += 1;
@@ -754,7 +825,8 @@ impl Machine {
             Effect::Notify(vec![status(format!("starting ({})", self.attempts_text()))]),
             Effect::Prepare { start },
         ];
-        (State::Launching { start, then: AfterPrepare::Spawn }, fx)
+        let deadline = now + self.policy.prepare_timeout;
+        (State::Launching { start, then: AfterPrepare::Spawn { deadline, step: None } }, fx)
     }
 
     /// Give up the pre-start steps of `start`; `then` happens when they
@@ -887,7 +959,7 @@ impl Machine {
         fx.push(Effect::Terminate(self.policy.stop_signal));
         let escalation = if grace.is_zero() {
             fx.push(Effect::KillTree);
-            Escalation::Killed
+            Escalation::Killed { at: now }
         } else {
             Escalation::Signalled { kill_at: now + grace, resend_at: (!drain).then_some(now + LOAD_STOP_RESEND) }
         };
@@ -911,10 +983,10 @@ impl Machine {
                 (State::Stopping(stop), fx)
             }
             State::Backoff { .. } => {
-                let (next, more) = self.launch();
+                let (next, more) = self.launch(now);
                 (next, fx.into_iter().chain(more).collect())
             }
-            State::Launching { start, then: AfterPrepare::Spawn } => {
+            State::Launching { start, then: AfterPrepare::Spawn { .. } } => {
                 let mut fx = fx;
                 fx.push(Effect::CancelPrepare);
                 (State::Launching { start, then: AfterPrepare::Relaunch }, fx)
@@ -950,7 +1022,7 @@ impl Machine {
         match purpose {
             Purpose::Shutdown => self.finish(Code::Ok, "stopped on request".into(), fx),
             Purpose::Failure(cause) => self.after_failure(cause, ready_for, now, fx),
-            Purpose::Reload => self.launch(),
+            Purpose::Reload => self.launch(now),
             Purpose::Internal(why) => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
         }
     }
@@ -994,7 +1066,7 @@ impl Machine {
         fx.push(record(Severity::Warn, Topic::Backoff, text.clone()));
         fx.push(Effect::Notify(vec![status(text), Note::ExtendTimeout(delay + self.policy.stall)]));
         if delay.is_zero() {
-            let (state, more) = self.launch();
+            let (state, more) = self.launch(now);
             fx.extend(more);
             return (state, fx);
         }
@@ -1006,6 +1078,7 @@ impl Machine {
         let (severity, topic) = match code {
             Code::Ok => (Severity::Info, Topic::Stopped),
             Code::Internal => (Severity::Error, Topic::Internal),
+            Code::Unkillable => (Severity::Error, Topic::Unkillable),
             _ => (Severity::Error, Topic::GaveUp),
         };
         fx.push(record(severity, topic, text.clone()));

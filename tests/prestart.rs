@@ -119,6 +119,53 @@ fn a_busy_gpu_is_waited_for() {
     assert_eq!(w.stop(), 0);
 }
 
+/// A config whose GPU query writes its pid into `pid` (a FIFO when the test
+/// wants to know the moment it runs) and never answers.
+fn hanging_query(d: &std::path::Path, p: u16, max_attempts: u32) -> String {
+    let script = d.join("gpu-query");
+    std::fs::write(&script, format!("#!/bin/sh\necho $$ > {}/pid\nexec sleep 3600\n", d.display())).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let restart = format!("[restart]\ninitial-delay = \"0s\"\nmax-attempts = {max_attempts}\n");
+    let pre = format!("[prestart]\ngpu-idle-wait = \"60s\"\ngpu-query = [\"{}\"]\n", script.display());
+    config(d, p, &["--shards", "1"], "", &format!("{restart}{pre}"))
+}
+
+fn alive(pid: i32) -> bool {
+    vllm_warden::child::read_stat(pid).is_some_and(|s| s.state != 'Z')
+}
+
+#[test]
+fn a_hanging_gpu_query_fails_the_start_naming_it() {
+    let mut w = Warden::start(|d, p| hanging_query(d, p, 1));
+    assert_eq!(w.wait_exit(), 75);
+    let last = w.statuses().last().unwrap().to_string();
+    assert!(last.contains("did not answer within 20s (killed)"), "{last}");
+    assert!(last.contains("gpu-query"), "names the query: {last}");
+    assert!(!w.log().contains("--- vllm-warden: start"), "nothing was spawned");
+    let pid: i32 = std::fs::read_to_string(w.path("pid")).unwrap().trim().parse().unwrap();
+    assert!(!alive(pid), "the query {pid} was killed");
+}
+
+#[test]
+fn a_stop_during_a_hanging_gpu_query_is_answered_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    nix::unistd::mkfifo(&dir.path().join("pid"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let fifo = dir.path().join("pid");
+    let mut w = Warden::start(|d, p| {
+        std::os::unix::fs::symlink(&fifo, d.join("pid")).unwrap();
+        hanging_query(d, p, 10)
+    });
+    // Blocks until the query has started and written its pid.
+    let pid: i32 = std::fs::read_to_string(&fifo).unwrap().trim().parse().unwrap();
+    assert!(alive(pid));
+    let t = std::time::Instant::now();
+    assert_eq!(w.stop(), 0);
+    // Far less than the query's 20 s limit: the stop did not wait for it.
+    assert!(t.elapsed() < std::time::Duration::from_secs(15), "{:?}", t.elapsed());
+    assert!(w.notes.iter().any(|n| n == "STOPPING=1"), "{:?}", w.notes);
+    assert!(!alive(pid), "query {pid} left behind");
+}
+
 #[test]
 fn a_missing_gpu_query_is_skipped() {
     let mut w = Warden::start(|d, p| {

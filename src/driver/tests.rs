@@ -21,6 +21,8 @@ enum Plan {
 
 #[derive(Debug, Clone, PartialEq)]
 enum Call {
+    Prepare(u32),
+    CancelPrepare,
     Spawn(u32),
     Probe(u32),
     Terminate(Signal),
@@ -45,6 +47,20 @@ struct Fake {
     unflushed: Vec<String>,
     /// A background task dies at this time.
     task_dies_at: Option<Duration>,
+    /// SIGKILL does not end the tree (a process stuck in the kernel).
+    unkillable: bool,
+    /// The pre-start steps never end (a hung GPU query).
+    prepare_hangs: bool,
+}
+
+/// What goes wrong besides the plans.
+#[derive(Default)]
+struct Quirks {
+    stubborn: bool,
+    unflushed: Vec<String>,
+    task_dies_at: Option<Duration>,
+    unkillable: bool,
+    prepare_hangs: bool,
 }
 
 impl Fake {
@@ -60,9 +76,19 @@ impl Fake {
 
 impl Backend for Fake {
     fn prepare(&mut self, start: u32) {
-        let _ = self.tx.send(Input::Prepared { start, result: Prepared::Done });
+        self.call(Call::Prepare(start));
+        if self.prepare_hangs {
+            let _ = self.tx.send(Input::Step { start, text: "waiting for the GPU query".into() });
+        } else {
+            let _ = self.tx.send(Input::Prepared { start, result: Prepared::Done });
+        }
     }
-    fn cancel_prepare(&mut self) {}
+    fn cancel_prepare(&mut self) {
+        self.call(Call::CancelPrepare);
+    }
+    fn describe_survivors(&mut self) {
+        let _ = self.tx.send(Input::Survivors("1 process(es) survived SIGKILL: pid 101 (state D)".into()));
+    }
     fn health(&mut self, _start: u32) {}
     fn read_config(&mut self) {}
     fn reconfigure(&mut self, _settings: crate::config::Settings) {}
@@ -121,6 +147,9 @@ impl Backend for Fake {
     }
     fn kill_tree(&mut self) {
         self.call(Call::Kill);
+        if self.unkillable {
+            return;
+        }
         let alive: Vec<u32> = self.alive.lock().unwrap().iter().copied().collect();
         for pid in alive {
             self.end(pid, Exit::Signal(Signal::SIGKILL));
@@ -153,6 +182,7 @@ fn policy() -> Policy {
         grace: Duration::from_secs(5),
         stop_signal: Signal::SIGTERM,
         stop_timeout: Duration::from_secs(30),
+        prepare_timeout: Duration::from_secs(300),
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),
@@ -180,23 +210,25 @@ async fn run(
     stop_at: Option<Duration>,
     dog: Option<Duration>,
 ) -> Outcome {
-    run_with(p, plans, stubborn, unflushed, stop_at, dog, None).await
+    run_with(p, plans, Quirks { stubborn, unflushed, ..Quirks::default() }, stop_at, dog).await
 }
 
-async fn run_with(
-    p: Policy,
-    plans: Vec<Plan>,
-    stubborn: bool,
-    unflushed: Vec<String>,
-    stop_at: Option<Duration>,
-    dog: Option<Duration>,
-    task_dies_at: Option<Duration>,
-) -> Outcome {
+async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Duration>, dog: Option<Duration>) -> Outcome {
     let t0 = Instant::now();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let log = Log::default();
-    let alive = Arc::default();
-    let mut fake = Fake { t0, tx: tx.clone(), plans, log: log.clone(), alive, stubborn, unflushed, task_dies_at };
+    let mut fake = Fake {
+        t0,
+        tx: tx.clone(),
+        plans,
+        log: log.clone(),
+        alive: Arc::default(),
+        stubborn: q.stubborn,
+        unflushed: q.unflushed,
+        task_dies_at: q.task_dies_at,
+        unkillable: q.unkillable,
+        prepare_hangs: q.prepare_hangs,
+    };
     let mut rec = Rec { t0, log: log.clone() };
     // Held until the loop ends: the end of the requests would be a stop.
     let (requests, rq) = mpsc::unbounded_channel();
@@ -297,7 +329,8 @@ async fn the_last_lines_in_the_file_are_read_before_the_exit() {
 #[tokio::test(start_paused = true)]
 async fn a_dead_task_stops_the_tree_and_exits_70() {
     let serving = Plan::Run { lines: vec![READY], gap: S(1) };
-    let o = run_with(policy(), vec![serving], false, vec![], None, None, Some(S(5))).await;
+    let o =
+        run_with(policy(), vec![serving], Quirks { task_dies_at: Some(S(5)), ..Quirks::default() }, None, None).await;
     assert_eq!(o.code, Code::Internal);
     assert!(o.calls.contains(&(S(5), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
     assert!(
@@ -305,4 +338,32 @@ async fn a_dead_task_stops_the_tree_and_exits_70() {
         "{:?}",
         o.notes
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn hung_pre_start_steps_fail_the_start_at_their_deadline_naming_the_step() {
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let o = run_with(p, vec![], Quirks { prepare_hangs: true, ..Quirks::default() }, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert!(o.calls.contains(&(S(300), Call::CancelPrepare)), "{:?}", o.calls);
+    let last = o.notes.iter().rev().find_map(|(_, n)| if let Note::Status(s) = n { Some(s.clone()) } else { None });
+    assert_eq!(
+        last.as_deref(),
+        Some(
+            "gave up after 1 failed starts: pre-start steps did not finish within 5m; stuck at: waiting for the GPU query"
+        )
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tree_that_survives_sigkill_is_reported_and_exits_71() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(1) };
+    let q = Quirks { stubborn: true, unkillable: true, ..Quirks::default() };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Unkillable);
+    // Stop at 10 s, SIGKILL after the 30 s stop timeout, then the kill grace.
+    assert!(o.calls.contains(&(S(40), Call::Kill)), "{:?}", o.calls);
+    let last = o.notes.iter().rev().find_map(|(_, n)| if let Note::Status(s) = n { Some(s.clone()) } else { None });
+    assert_eq!(last.as_deref(), Some("1 process(es) survived SIGKILL: pid 101 (state D)"));
 }
