@@ -5,6 +5,7 @@
 //! (signals, the demo, a test) and how arguments are parsed are not known
 //! here.
 
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -48,7 +49,7 @@ pub async fn run(
             settings.status.metrics_file.as_deref(),
         ),
         journal: crate::journal::Forwarder::from_env(&settings.name),
-        tree: TreeRecord { state_dir: settings.state_dir.clone(), last: None },
+        tree: TreeRecord::new(settings.state_dir.clone()),
         traffic: traffic.clone(),
         generation: Default::default(),
     };
@@ -72,7 +73,9 @@ pub async fn run(
     }
     .run(requests)
     .await;
-    // The tree is gone: what it left in /dev/shm goes now, not at the next start.
+    // The tree is gone: no record of it, and what it left in /dev/shm goes
+    // now, not at the next start. (The loop is over: blocking is fine.)
+    observer.tree.finish();
     crate::prepare::clean_leftover_files(&cleanup);
     code
 }
@@ -103,34 +106,95 @@ impl driver::Observer for Reports {
 }
 
 /// Keeps the child's tree recorded in the state directory while it runs,
-/// for a warden started after this one was killed (see `prestart`).
+/// for a warden started after this one was killed (see `prestart`). The
+/// `/proc` walk and the file write are done by a thread of their own; the
+/// loop only leaves the latest job in its mailbox.
 struct TreeRecord {
     state_dir: std::path::PathBuf,
-    /// The phase and instant of the last record, while there is one.
-    last: Option<(crate::outcome::Phase, std::time::Instant)>,
+    mailbox: Arc<(Mutex<Option<RecordJob>>, Condvar)>,
+    worker: Option<std::thread::JoinHandle<()>>,
+    /// The phase, progress and instant of the last record, while there is one.
+    last: Option<(crate::outcome::Phase, Option<String>, std::time::Instant)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecordJob {
+    Record,
+    Clear,
+    /// The warden is exiting: stop after the job under way.
+    Stop,
 }
 
 impl TreeRecord {
-    /// Recorded again at every state change, and at most once a second
-    /// while lines come in (vLLM starts its engine and workers after the
-    /// spawn).
+    fn new(state_dir: std::path::PathBuf) -> TreeRecord {
+        let mailbox: Arc<(Mutex<Option<RecordJob>>, Condvar)> = Arc::default();
+        let (m, dir) = (mailbox.clone(), state_dir.clone());
+        let spawned = std::thread::Builder::new().name("tree record".into()).spawn(move || {
+            loop {
+                let job = {
+                    let (slot, ready) = &*m;
+                    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+                    loop {
+                        if let Some(job) = slot.take() {
+                            break job;
+                        }
+                        slot = ready.wait(slot).unwrap_or_else(|p| p.into_inner());
+                    }
+                };
+                match job {
+                    RecordJob::Record => {
+                        if let Err(e) = crate::prestart::record_tree(&dir) {
+                            tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
+                        }
+                    }
+                    RecordJob::Clear => crate::prestart::clear_record(&dir),
+                    RecordJob::Stop => return,
+                }
+            }
+        });
+        let worker = spawned
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "cannot start the tree recorder: a killed warden's leftovers will not be found")
+            })
+            .ok();
+        TreeRecord { state_dir, mailbox, worker, last: None }
+    }
+
+    /// The warden is done and its tree gone: wait for the recorder, then
+    /// leave no record behind.
+    fn finish(&mut self) {
+        self.post(RecordJob::Stop);
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+        crate::prestart::clear_record(&self.state_dir);
+    }
+
+    fn post(&self, job: RecordJob) {
+        let (slot, ready) = &*self.mailbox;
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(job);
+        ready.notify_one();
+    }
+
+    /// Recorded again at every change of phase and, while loading, of the
+    /// progress line (vLLM starts its engine and workers after the spawn;
+    /// at most once a second); cleared when the tree is gone.
     fn update(&mut self, m: &Machine) {
         let phase = m.phase();
+        let progress = m.progress().map(String::from);
         match m.state() {
             State::Starting(_) | State::Ready(_) => {
-                let due = match self.last {
-                    Some((p, t)) => p != phase || t.elapsed() >= Duration::from_secs(1),
+                let due = match &self.last {
+                    Some((p, text, t)) => *p != phase || (*text != progress && t.elapsed() >= Duration::from_secs(1)),
                     None => true,
                 };
                 if due {
-                    if let Err(e) = crate::prestart::record_tree(&self.state_dir) {
-                        tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
-                    }
-                    self.last = Some((phase, std::time::Instant::now()));
+                    self.post(RecordJob::Record);
+                    self.last = Some((phase, progress, std::time::Instant::now()));
                 }
             }
             State::Backoff { .. } | State::Done(_) if self.last.is_some() => {
-                crate::prestart::clear_record(&self.state_dir);
+                self.post(RecordJob::Clear);
                 self.last = None;
             }
             _ => {}
@@ -240,7 +304,7 @@ impl Backend for Real {
         let tx = self.inputs.clone();
         // Follow before spawning, so that no line can be missed.
         let sink = move |text| tx.send(Input::Line { start, text }).is_ok();
-        let follower = Follower::start(log_path, offset, sink, &mut self.tasks)
+        let follower = Follower::start(&file, offset, sink, &mut self.tasks)
             .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);

@@ -21,10 +21,16 @@ pub fn tracing_level(level: Option<Level>) -> T {
     }
 }
 
-/// Sends lines to journald; built only when the warden runs under systemd.
+/// How many lines may wait for journald; more are dropped from the
+/// forwarding (never from the log file or the classification) and counted.
+pub const QUEUE: usize = 4096;
+
+/// Sends lines to journald from a thread of its own, so that a slow journal
+/// never slows the loop; built only when the warden runs under systemd.
 pub struct Forwarder {
-    dispatch: tracing::Dispatch,
-    instance: String,
+    queue: std::sync::mpsc::SyncSender<(T, String)>,
+    /// Lines dropped because the queue was full.
+    dropped: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Forwarder {
@@ -39,18 +45,49 @@ impl Forwarder {
             }
         };
         let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
-        Some(Forwarder { dispatch, instance: name.to_string() })
+        let (queue, lines) = std::sync::mpsc::sync_channel::<(T, String)>(QUEUE);
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (instance, counted) = (name.to_string(), dropped.clone());
+        let spawned = std::thread::Builder::new().name("journal".into()).spawn(move || {
+            let (mut reported, mut last) = (0, std::time::Instant::now());
+            for (level, text) in lines {
+                send(&dispatch, &instance, level, &text);
+                let now = counted.load(std::sync::atomic::Ordering::Relaxed);
+                // At most every 10 s, so that the report adds no burst of its own.
+                if now != reported && last.elapsed() >= std::time::Duration::from_secs(10) {
+                    last = std::time::Instant::now();
+                    tracing::warn!(INSTANCE = instance.as_str(), EVENT = "journal", "{} line(s) of the child dropped from the journal so far (journald too slow); the log file has them all", now);
+                    reported = now;
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the journal thread: the child's lines stay in its log file only");
+            return None;
+        }
+        Some(Forwarder { queue, dropped })
     }
 
+    /// Queue `line` for the journal; never blocks.
     pub fn forward(&self, line: &Line) {
-        let (text, instance) = (line.text.as_str(), self.instance.as_str());
-        tracing::dispatcher::with_default(&self.dispatch, || match tracing_level(line.level) {
-            T::ERROR => tracing::error!(INSTANCE = instance, "{text}"),
-            T::WARN => tracing::warn!(INSTANCE = instance, "{text}"),
-            T::TRACE => tracing::trace!(INSTANCE = instance, "{text}"),
-            _ => tracing::debug!(INSTANCE = instance, "{text}"),
-        });
+        if self.queue.try_send((tracing_level(line.level), line.text.clone())).is_err() {
+            self.dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
+
+    /// Lines dropped from the forwarding so far.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+fn send(dispatch: &tracing::Dispatch, instance: &str, level: T, text: &str) {
+    tracing::dispatcher::with_default(dispatch, || match level {
+        T::ERROR => tracing::error!(INSTANCE = instance, "{text}"),
+        T::WARN => tracing::warn!(INSTANCE = instance, "{text}"),
+        T::TRACE => tracing::trace!(INSTANCE = instance, "{text}"),
+        _ => tracing::debug!(INSTANCE = instance, "{text}"),
+    });
 }
 
 #[cfg(test)]

@@ -10,9 +10,10 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, Read, Seek, SeekFrom};
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use notify::{RecursiveMode, Watcher};
@@ -259,66 +260,45 @@ fn parse_level(s: &str) -> Option<Level> {
     })
 }
 
-/// One open inode of the log file.
-#[derive(Debug)]
-struct Source {
-    file: File,
-    pos: u64,
-    id: (u64, u64),
-    splitter: Splitter,
-}
-
-/// The reading side of a follower: the inode the child writes to, and the
-/// file now at the path if someone renamed and re-created it.
+/// The inode the child writes to, read from where the last read ended.
 #[derive(Debug)]
 struct Reader {
-    path: PathBuf,
-    sources: Vec<Source>,
+    file: File,
+    pos: u64,
+    splitter: Splitter,
 }
 
 impl Reader {
     fn drain(&mut self, out: &mut Vec<String>) {
-        // A new file at the path (rotation by rename + create): read it too,
-        // while the old inode, which the child still writes, stays followed.
-        if let Ok(meta) = std::fs::metadata(&self.path) {
-            let id = (meta.dev(), meta.ino());
-            if self.sources.iter().all(|s| s.id != id)
-                && let Ok(file) = File::open(&self.path)
-            {
-                self.sources.push(Source { file, pos: 0, id, splitter: Splitter::default() });
-                if self.sources.len() > 2 {
-                    self.sources.remove(0);
-                }
-            }
+        if let Ok(meta) = self.file.metadata()
+            && meta.len() < self.pos
+        {
+            // Truncated in place (copytruncate): start over.
+            self.pos = 0;
+            self.splitter = Splitter::default();
         }
         let mut buf = vec![0u8; 64 * 1024];
-        for s in &mut self.sources {
-            if let Ok(meta) = s.file.metadata()
-                && meta.len() < s.pos
-            {
-                // Truncated in place (copytruncate): start over.
-                s.pos = 0;
-                s.splitter = Splitter::default();
-            }
-            if s.file.seek(SeekFrom::Start(s.pos)).is_err() {
-                continue;
-            }
-            loop {
-                match s.file.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => {
-                        s.pos += n as u64;
-                        s.splitter.push(&buf[..n], out);
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(_) => break,
+        loop {
+            match self.file.read_at(&mut buf, self.pos) {
+                Ok(0) => break,
+                Ok(n) => {
+                    self.pos += n as u64;
+                    self.splitter.push(&buf[..n], out);
                 }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
             }
         }
     }
 }
 
-/// Follows a log file from an offset, sending each complete line.
+/// Follows the log file the child writes to, from an offset, sending each
+/// complete line.
+///
+/// It follows the *inode* the warden opened for the child, not the path:
+/// whatever happens to the path (renamed any number of times, deleted,
+/// re-created by someone else), the lines read are the child's, and a file
+/// that others create at the path is not read.
 pub struct Follower {
     reader: Arc<Mutex<Reader>>,
     task: tokio::task::AbortHandle,
@@ -326,31 +306,30 @@ pub struct Follower {
 }
 
 impl Follower {
-    /// Start following `path` from byte `offset`. Each line goes to `sink`
-    /// (called with the reader locked, so that [`Follower::drain_now`]
-    /// returns only after every line read before it was delivered); `sink`
-    /// returns false to stop.
+    /// Start following the file `log` (the child's stdout and stderr) from
+    /// byte `offset`. Each line goes to `sink` (called with the reader
+    /// locked, so that [`Follower::drain_now`] returns only after every line
+    /// read before it was delivered); `sink` returns false to stop.
     pub fn start(
-        path: &Path,
+        log: &File,
         offset: u64,
         sink: impl Fn(String) -> bool + Send + 'static,
         tasks: &mut Tasks,
     ) -> io::Result<Follower> {
-        let file = File::open(path)?;
-        let meta = file.metadata()?;
-        let source = Source { file, pos: offset, id: (meta.dev(), meta.ino()), splitter: Splitter::default() };
-        let reader = Arc::new(Mutex::new(Reader { path: path.to_path_buf(), sources: vec![source] }));
+        // A read-only open file of the same inode, whatever its name becomes.
+        let own = PathBuf::from(format!("/proc/self/fd/{}", log.as_raw_fd()));
+        let file = File::open(&own)?;
+        // Watched through our own descriptor's magic link: inotify watches
+        // the inode it resolves to, and the link stays valid while `file`
+        // is open, whatever happens to the path.
+        let watched = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        let reader = Arc::new(Mutex::new(Reader { file, pos: offset, splitter: Splitter::default() }));
         let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<()>();
         let mut watcher = notify::recommended_watcher(move |_res: notify::Result<notify::Event>| {
             let _ = wake_tx.send(());
         })
         .map_err(io::Error::other)?;
-        // The file itself follows its inode through renames; the folder
-        // tells of a re-created file.
-        watcher.watch(path, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            watcher.watch(dir, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
-        }
+        watcher.watch(&watched, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
         let r = reader.clone();
         let task = tasks.spawn("log follower", Lifetime::Owned, async move {
             let mut out = Vec::new();
@@ -400,41 +379,43 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(30), rx.recv()).await.expect("a line within 30 s").unwrap()
     }
 
-    fn append(path: &Path, text: &str) {
+    fn append(path: &std::path::Path, text: &str) {
         let mut f = std::fs::OpenOptions::new().append(true).create(true).open(path).unwrap();
         f.write_all(text.as_bytes()).unwrap();
     }
 
     #[tokio::test]
-    async fn the_follower_survives_truncation_rename_and_recreation() {
+    async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recreation() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.log");
         append(&path, "old line, before the offset\n");
         let offset = std::fs::metadata(&path).unwrap().len();
+        // What the child writes to.
+        let mut child = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
         let (tx, mut rx) = mpsc::unbounded_channel();
         let mut tasks = Tasks::default();
-        let f = Follower::start(&path, offset, move |l| tx.send(l).is_ok(), &mut tasks).unwrap();
-        append(&path, "first line, long enough to be longer than what follows a truncation\n");
+        let f = Follower::start(&child, offset, move |l| tx.send(l).is_ok(), &mut tasks).unwrap();
+        child.write_all(b"first line, long enough to be longer than what follows a truncation\n").unwrap();
         assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
         // Truncated in place, as logrotate's copytruncate does.
         std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
-        append(&path, "after truncation\n");
+        child.write_all(b"after truncation\n").unwrap();
         assert_eq!(next(&mut rx).await, "after truncation");
-        // Renamed: the child keeps writing to the old inode.
-        let mut old = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
-        std::fs::rename(&path, dir.path().join("t.log.1")).unwrap();
-        old.write_all(b"written to the renamed file\n").unwrap();
-        assert_eq!(next(&mut rx).await, "written to the renamed file");
-        // Re-created at the path: followed from its start.
-        append(&path, "in the new file\n");
-        assert_eq!(next(&mut rx).await, "in the new file");
-        // Both stay followed.
-        old.write_all(b"old inode again\n").unwrap();
-        assert_eq!(next(&mut rx).await, "old inode again");
+        // Renamed five times, re-created by someone else each time: only
+        // the child's inode is read.
+        for i in 1..=5 {
+            std::fs::rename(&path, dir.path().join(format!("t.log.{i}"))).unwrap();
+            append(&path, &format!("someone else's line {i}\n"));
+            child.write_all(format!("the child after rotation {i}\n").as_bytes()).unwrap();
+            assert_eq!(next(&mut rx).await, format!("the child after rotation {i}"));
+        }
+        std::fs::remove_file(dir.path().join("t.log.5")).unwrap();
+        child.write_all(b"after deletion\n").unwrap();
+        assert_eq!(next(&mut rx).await, "after deletion");
         // A partial line is delivered once complete; drain_now reads at once.
-        append(&path, "half");
+        child.write_all(b"half").unwrap();
         assert!(f.drain_now().is_empty());
-        append(&path, " and whole\n");
+        child.write_all(b" and whole\n").unwrap();
         let mut got = f.drain_now();
         if got.is_empty() {
             got.push(next(&mut rx).await);

@@ -194,6 +194,25 @@ fn a_dead_reaper_stops_the_tree_and_exits_70() {
 }
 
 #[test]
+fn the_childs_log_is_followed_through_five_rotations_and_others_lines_are_not_read() {
+    let extra = format!("{FAST}[fatal]\ngrace = \"1s\"\n");
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1", "--fatal-on-usr1"], "", &extra));
+    w.wait_ready();
+    let leader = w.descendants().iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
+    for i in 1..=5 {
+        std::fs::rename(w.path("t.log"), w.path(&format!("t.log.{i}"))).unwrap();
+        // Someone else's file at the path, with a line that would be a
+        // permanent cause if it were read as the child's.
+        std::fs::write(w.path("t.log"), "ValueError: No available memory for the cache blocks\n").unwrap();
+    }
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGUSR1).unwrap();
+    let failed = w.wait_note("the failure", |n| n.starts_with("STATUS=failed"));
+    assert!(failed.ends_with("RuntimeError: CUDA error: an illegal memory access was encountered"), "{failed}");
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
 fn sigint_stops_like_sigterm() {
     let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", FAST));
     w.wait_ready();

@@ -83,6 +83,10 @@ struct FakeArgs {
     /// crashed vLLM leaves `psm_*` segments.
     #[arg(long)]
     shm_file: Option<String>,
+    /// On SIGUSR1, write the fatal lines of an engine failure and keep
+    /// running (a fatal line from a child that stays up).
+    #[arg(long)]
+    fatal_on_usr1: bool,
     /// Accepted like vLLM's, and ignored.
     #[arg(long)]
     api_key: Option<String>,
@@ -187,6 +191,26 @@ fn simulate(args: FakeArgs) -> i32 {
         let _ = std::fs::write(std::path::Path::new("/dev/shm").join(name), b"segment");
     }
     let failing = fail_this_time(&args);
+    if args.fatal_on_usr1 {
+        // Blocked before any other thread starts, so that only this one takes it.
+        let mut set = SigSet::empty();
+        set.add(Signal::SIGUSR1);
+        let _ = set.thread_block();
+        let pid = out.pid;
+        std::thread::spawn(move || {
+            if set.wait().is_ok() {
+                let o = Out { pid };
+                o.log("EngineCore", "ERROR", "core.py:1063", "EngineCore encountered a fatal error.");
+                o.log("EngineCore", "ERROR", "core.py:1063", "Traceback (most recent call last):");
+                o.log(
+                    "EngineCore",
+                    "ERROR",
+                    "core.py:1063",
+                    "RuntimeError: CUDA error: an illegal memory access was encountered",
+                );
+            }
+        });
+    }
     let stop = Arc::new(AtomicBool::new(false));
     if args.ignore_sigterm {
         // SAFETY: SIG_IGN runs no handler code.
