@@ -208,7 +208,7 @@ fn run(path: &Path) -> Code {
         Ok(rt) => rt,
         Err(code) => return code,
     };
-    rt.block_on(async {
+    let code = rt.block_on(async {
         let requests = match signal_requests() {
             Ok(r) => r,
             Err(e) => {
@@ -217,7 +217,10 @@ fn run(path: &Path) -> Code {
             }
         };
         crate::daemon::run(settings, SdNotifier::from_env(), systemd::watchdog_interval(), requests).await
-    })
+    });
+    // A blocking read of a stuck file or command must not hold the exit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
 }
 
 /// SIGTERM and SIGINT ask for a stop, SIGHUP for a reload. Needs a runtime.
