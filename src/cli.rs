@@ -199,6 +199,17 @@ fn run(path: &Path) -> Code {
         Ok(s) => s,
         Err(code) => return code,
     };
+    // Before anything else: a second warden of this instance touches nothing.
+    let _lock = match crate::lock::InstanceLock::take(&settings.state_dir, &settings.name) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("vllm-warden: {e}");
+            return match e {
+                crate::lock::LockError::Held { .. } => Code::AlreadyRunning,
+                crate::lock::LockError::Io { .. } => Code::Config,
+            };
+        }
+    };
     crate::logging::init();
     if let Err(e) = crate::child::unblock_all_signals() {
         tracing::error!(error = %e, "cannot unblock signals");

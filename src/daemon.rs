@@ -39,6 +39,13 @@ pub async fn run(
             return Code::Config;
         }
     };
+    let token = match crate::prestart::new_run_token() {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot read /dev/urandom for the run token");
+            return Code::Internal;
+        }
+    };
     let ctx = Context { instance: settings.name.clone(), watchdog };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let traffic = crate::health::Traffic::default();
@@ -49,13 +56,13 @@ pub async fn run(
             settings.status.metrics_file.as_deref(),
         ),
         journal: crate::journal::Forwarder::from_env(&settings.name),
-        tree: TreeRecord::new(settings.state_dir.clone()),
+        tree: TreeRecord::new(settings.state_dir.clone(), settings.name.clone(), token.clone()),
         traffic: traffic.clone(),
         generation: Default::default(),
     };
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     let cleanup = settings.clone();
-    let mut backend = match Real::new(settings, tx, traffic) {
+    let mut backend = match Real::new(settings, tx, traffic, token) {
         Ok(b) => b,
         Err(e) => {
             tracing::error!(error = %e, "cannot become a subreaper");
@@ -126,7 +133,7 @@ enum RecordJob {
 }
 
 impl TreeRecord {
-    fn new(state_dir: std::path::PathBuf) -> TreeRecord {
+    fn new(state_dir: std::path::PathBuf, instance: String, token: String) -> TreeRecord {
         let mailbox: Arc<(Mutex<Option<RecordJob>>, Condvar)> = Arc::default();
         let (m, dir) = (mailbox.clone(), state_dir.clone());
         let spawned = std::thread::Builder::new().name("tree record".into()).spawn(move || {
@@ -143,7 +150,7 @@ impl TreeRecord {
                 };
                 match job {
                     RecordJob::Record => {
-                        if let Err(e) = crate::prestart::record_tree(&dir) {
+                        if let Err(e) = crate::prestart::record_tree(&dir, &instance, &token) {
                             tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
                         }
                     }
@@ -216,6 +223,8 @@ pub struct Real {
     health: Option<AbortHandle>,
     /// Seen in the log: the canary waits while real traffic flows.
     traffic: crate::health::Traffic,
+    /// Put in every child's environment (`prestart::RUN_TOKEN`).
+    token: String,
     inputs: mpsc::UnboundedSender<Input>,
 }
 
@@ -225,6 +234,7 @@ impl Real {
         settings: Settings,
         inputs: mpsc::UnboundedSender<Input>,
         traffic: crate::health::Traffic,
+        token: String,
     ) -> std::io::Result<Real> {
         let tx = inputs.clone();
         let mut tasks = Tasks::default();
@@ -234,7 +244,18 @@ impl Real {
             },
             &mut tasks,
         )?;
-        Ok(Real { settings, tasks, tree, follower: None, probe: None, preparing: None, health: None, traffic, inputs })
+        Ok(Real {
+            settings,
+            tasks,
+            tree,
+            follower: None,
+            probe: None,
+            preparing: None,
+            health: None,
+            traffic,
+            token,
+            inputs,
+        })
     }
 
     fn stop_checks(&mut self) {
@@ -293,7 +314,9 @@ impl Backend for Real {
         let log_path = &c.log_file;
         let (file, offset) = child::open_log(log_path, start, std::time::SystemTime::now())
             .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
-        let spec = Spec { argv: c.command.clone(), env: c.env.clone(), cwd: c.cwd.clone() };
+        let mut env = c.env.clone();
+        env.insert(crate::prestart::RUN_TOKEN.into(), self.token.clone());
+        let spec = Spec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
         tracing::info!(
             INSTANCE = self.settings.name.as_str(),
             EVENT = "spawn",

@@ -14,6 +14,8 @@ pub enum Code {
     NotReady,
     /// `status`: no warden runs for this config.
     NotRunning,
+    /// EX_UNAVAILABLE: another warden already supervises this instance.
+    AlreadyRunning,
     /// EX_SOFTWARE: the warden itself failed (a background task ended,
     /// the runtime could not start). The unit restarts it.
     Internal,
@@ -33,6 +35,7 @@ impl Code {
             Code::PatchFailed => 1,
             Code::NotReady => 3,
             Code::NotRunning => 4,
+            Code::AlreadyRunning => 69,
             Code::Internal => 70,
             Code::Unkillable => 71,
             Code::GaveUp => 75,

@@ -10,6 +10,7 @@
 //! | [`outcome`] | phases, failure classes, permanence, start failures |
 //! | [`exit`] | every exit code |
 //! | [`tasks`] | the watched background tasks |
+//! | [`lock`] | one warden per instance |
 //! | [`config`] | TOML → validated [`config::Settings`], every problem with file:line:col |
 //! | [`profile`] | the built-in vLLM patterns |
 //! | [`logwatch`] | following the log file; classifying lines |
@@ -39,6 +40,7 @@ pub mod exit;
 pub mod fsutil;
 pub mod health;
 pub mod journal;
+pub mod lock;
 pub mod logging;
 pub mod logwatch;
 pub mod outcome;

@@ -33,9 +33,9 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), S
     let name = s.name.as_str();
 
     // 1. Leftovers of an earlier warden of this instance.
-    let state_dir = s.state_dir.clone();
+    let (state_dir, instance) = (s.state_dir.clone(), s.name.clone());
     let left = off_loop(move || {
-        let left = prestart::leftovers(&state_dir);
+        let left = prestart::leftovers(&state_dir, &instance);
         let shown: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
         (left, shown)
     })

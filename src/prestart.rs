@@ -24,20 +24,61 @@ pub struct Recorded {
     pub start_time: u64,
 }
 
+/// The record: whose tree it is, on which boot, and the processes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// `/proc/sys/kernel/random/boot_id`: start times mean nothing across boots.
+    pub boot_id: String,
+    /// The instance name: a record is never taken for another instance's.
+    pub instance: String,
+    /// The run token the warden put in its children's environment
+    /// ([`RUN_TOKEN`]): a process is taken for a leftover only if its own
+    /// environment holds it, which no record can forge.
+    pub token: String,
+    pub tree: Vec<Recorded>,
+}
+
+/// The environment variable that marks the warden's children as its own.
+pub const RUN_TOKEN: &str = "VLLM_WARDEN_RUN_TOKEN";
+
+/// A new run token: 128 random bits from the kernel, in hex.
+pub fn new_run_token() -> io::Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// True when `pid`'s environment holds `RUN_TOKEN=token`.
+fn carries_token(pid: i32, token: &str) -> bool {
+    let want = format!("{RUN_TOKEN}={token}");
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == want.as_bytes()))
+}
+
+/// The state directory belongs to the service user (the child's uid): a
+/// record larger than this is not ours.
+const MAX_RECORD: u64 = 1 << 20;
+
 fn record_path(state_dir: &Path) -> PathBuf {
     state_dir.join("tree.json")
+}
+
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 /// Write the warden's live descendants (the child's tree) to the state
 /// directory, so that a warden started after this one was killed can find
 /// them.
-pub fn record_tree(state_dir: &Path) -> io::Result<()> {
+pub fn record_tree(state_dir: &Path, instance: &str, token: &str) -> io::Result<()> {
     let tree: Vec<Recorded> = descendants(std::process::id() as i32)
         .into_iter()
         .map(|p| Recorded { pid: p.pid, start_time: p.start_time })
         .collect();
     std::fs::create_dir_all(state_dir)?;
-    let text = serde_json::to_string(&tree).expect("records serialise");
+    let record = Record { boot_id: boot_id(), instance: instance.to_string(), token: token.to_string(), tree };
+    let text = serde_json::to_string(&record).map_err(io::Error::other)?;
     replace(&record_path(state_dir), text.as_bytes(), 0o600)
 }
 
@@ -46,21 +87,103 @@ pub fn clear_record(state_dir: &Path) {
     let _ = std::fs::remove_file(record_path(state_dir));
 }
 
+/// Read a small regular file of the state directory, never following a
+/// symlink and never blocking on a FIFO or a device.
+pub fn read_state_file(path: &Path, max: u64) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "not a regular file"));
+    }
+    if meta.len() > max {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("larger than {max} bytes")));
+    }
+    let mut out = Vec::new();
+    file.take(max).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Processes that may never be signalled as leftovers, whatever a record
+/// says: pid 1, the warden itself and each of its ancestors.
+fn protected() -> BTreeSet<i32> {
+    let mut out = BTreeSet::from([1, std::process::id() as i32]);
+    let mut pid = std::process::id() as i32;
+    while let Some(st) = read_stat(pid) {
+        if st.ppid <= 0 || !out.insert(st.ppid) {
+            break;
+        }
+        pid = st.ppid;
+    }
+    out
+}
+
+/// Our own unit's cgroup, when the warden runs as a systemd service: the
+/// only place its leftovers can be.
+fn own_service_cgroup() -> Option<String> {
+    std::env::var_os("INVOCATION_ID")?;
+    let cg = cgroup_of(std::process::id() as i32)?;
+    cg.ends_with(".service").then_some(cg)
+}
+
+fn cgroup_of(pid: i32) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    // cgroup v2: "0::/system.slice/x.service"
+    text.lines().find_map(|l| l.strip_prefix("0::")).map(str::to_string)
+}
+
 /// Recorded processes still alive with the same start time, and their live
-/// descendants (whatever their group or session). A pid now used by another
-/// process is left out.
-pub fn leftovers(state_dir: &Path) -> Vec<ProcStat> {
-    let Ok(text) = std::fs::read_to_string(record_path(state_dir)) else { return Vec::new() };
-    let recorded: Vec<Recorded> = serde_json::from_str(&text).unwrap_or_default();
+/// descendants (whatever their group or session). The record is trusted
+/// for nothing: it must be this boot's and this instance's, and each
+/// process must carry the recorded run token in its own environment; a pid
+/// now used by another process, a process of another user, one outside the
+/// unit's cgroup (under systemd), pid 1, the warden and its ancestors are
+/// left out.
+pub fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
+    let path = record_path(state_dir);
+    let text = match read_state_file(&path, MAX_RECORD) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),
+        Err(e) => {
+            tracing::warn!(file = %path.display(), error = %e, "tree record ignored");
+            return Vec::new();
+        }
+    };
+    let record: Record = match serde_json::from_slice(&text) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(file = %path.display(), error = %e, "tree record ignored: not a record");
+            return Vec::new();
+        }
+    };
+    if record.boot_id != boot_id() || record.instance != instance {
+        tracing::info!(file = %path.display(), "tree record of another boot or instance ignored");
+        return Vec::new();
+    }
+    let protected = protected();
+    let uid = nix::unistd::geteuid().as_raw();
+    let cgroup = own_service_cgroup();
+    let token = record.token.as_str();
+    let ours = |p: &ProcStat| {
+        !protected.contains(&p.pid)
+            && !token.is_empty()
+            && carries_token(p.pid, token)
+            && std::fs::metadata(format!("/proc/{}", p.pid)).is_ok_and(|m| m.uid() == uid)
+            && cgroup.as_ref().is_none_or(|cg| cgroup_of(p.pid).as_ref() == Some(cg))
+    };
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
-    for r in recorded {
+    for r in record.tree {
         let Some(st) = read_stat(r.pid) else { continue };
-        if st.start_time != r.start_time || st.state == 'Z' {
+        if st.start_time != r.start_time || st.state == 'Z' || !ours(&st) {
             continue;
         }
         for p in std::iter::once(st).chain(descendants(r.pid)) {
-            if seen.insert(p.pid) {
+            if ours(&p) && seen.insert(p.pid) {
                 out.push(p);
             }
         }
@@ -433,6 +556,14 @@ pub fn temp_dirs() -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pid_1_the_warden_and_its_ancestors_are_protected() {
+        let p = protected();
+        let me = std::process::id() as i32;
+        assert!(p.contains(&1) && p.contains(&me));
+        assert!(p.contains(&read_stat(me).unwrap().ppid));
+    }
 
     #[test]
     fn nvidia_smi_csv_parses() {

@@ -65,6 +65,12 @@ pub struct Doc {
     pub exit_code: Option<i32>,
 }
 
+/// A human field from data (a log line, a process's command line): one
+/// visible line, in the document and on the terminal alike.
+fn safe(text: &str) -> String {
+    crate::escape::one_line(text, crate::escape::MAX_LINE)
+}
+
 fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_seconds(t).to_string()
 }
@@ -159,9 +165,9 @@ impl Reporter {
             restarts: snap.restarts,
             since: rfc3339(self.since),
             ready_since: self.ready_since.map(rfc3339),
-            progress: snap.progress.clone(),
+            progress: snap.progress.as_deref().map(safe),
             last_exit: self.last_exit.clone(),
-            cause: snap.cause.clone(),
+            cause: snap.cause.as_deref().map(safe),
             exit_code: snap.exit_code.map(|c| i32::from(c.as_u8())),
         }
     }
@@ -250,14 +256,14 @@ pub fn summary(v: &Verdict) -> String {
         Verdict::Ready(d) | Verdict::NotReady(d) => d,
         Verdict::NotRunning(None) => return "not running (no status file)".to_string(),
         Verdict::NotRunning(Some(d)) => {
-            let why = d.cause.as_deref().map(|c| format!(": {c}")).unwrap_or_default();
+            let why = d.cause.as_deref().map(|c| format!(": {}", safe(c))).unwrap_or_default();
             return match d.exit_code {
                 Some(code) => format!("{}: not running (exited with {code} at {}){why}", d.name, d.since),
                 None => format!("{}: not running (warden {} is gone){why}", d.name, d.warden_pid),
             };
         }
     };
-    let mut out = format!("{}: {}", doc.name, doc.state);
+    let mut out = format!("{}: {}", safe(&doc.name), doc.state);
     if let Some(pid) = doc.child_pid {
         let _ = write!(out, ", pid {pid}");
     }
@@ -268,7 +274,7 @@ pub fn summary(v: &Verdict) -> String {
     }
     let _ = write!(out, ", attempt {}, {} restart(s)", doc.attempt, doc.restarts);
     if let Some(p) = &doc.progress {
-        let _ = write!(out, "\nprogress: {p}");
+        let _ = write!(out, "\nprogress: {}", safe(p));
     }
     if let Some(e) = &doc.last_exit {
         let how = match (&e.code, &e.signal) {
@@ -279,7 +285,7 @@ pub fn summary(v: &Verdict) -> String {
         let _ = write!(out, "\nlast exit: {how} at {}", e.at);
     }
     if let Some(c) = &doc.cause {
-        let _ = write!(out, "\ncause: {c}");
+        let _ = write!(out, "\ncause: {}", safe(c));
     }
     out
 }
@@ -344,6 +350,26 @@ mod tests {
         let ino = std::fs::metadata(&path).unwrap().ino();
         r.update(&snap());
         assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "unchanged: not rewritten");
+    }
+
+    /// Issue "untrickable", case 1: escape sequences from a port holder's
+    /// argv never reach the terminal through `status`.
+    #[test]
+    fn notify_injection_no_control_character_reaches_the_document_or_the_terminal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let mut r = Reporter::new("kimi", &path, None);
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        s.cause = Some("port 8000 is held by pid 9 (x\nREADY=1\n\x1b]0;pwned\x07)".into());
+        r.update(&s);
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert!(!doc.cause.as_deref().unwrap().chars().any(crate::escape::is_unsafe));
+        let mut forged = doc.clone();
+        forged.cause = Some("\x1b[2J\nfake line".into());
+        let text = summary(&Verdict::NotReady(forged));
+        assert!(!text.lines().any(|l| l.chars().any(crate::escape::is_unsafe)), "{text:?}");
+        assert!(text.contains("\\x1b[2J\\nfake line"), "{text}");
     }
 
     #[test]

@@ -100,6 +100,33 @@ fn a_port_held_too_long_fails_the_start_naming_the_holder() {
     assert!(!w.log().contains("--- vllm-warden: start"), "nothing was spawned");
 }
 
+/// Issue "untrickable", case 1: a port holder whose command line holds
+/// newlines and notify fields cannot make the warden say READY=1.
+#[test]
+fn notify_injection_a_port_holders_argv_never_becomes_a_notify_field() {
+    let port = common::free_port();
+    let script = format!(
+        "import socket,sys,time\ns=socket.socket()\ns.bind(('127.0.0.1',{port}))\ns.listen()\nprint('held',flush=True)\ntime.sleep(1000)"
+    );
+    let mut holder = Command::new("python3")
+        .args(["-c", &script, "x\nREADY=1\nSTATUS=pwned\n\x1b[2J"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(holder.stdout.take().unwrap()), &mut line).unwrap();
+    let mut holder = Reap(vec![holder]);
+    let pre = "[prestart]\nport-wait = \"5m\"\n";
+    let mut w = Warden::start(|d, _| config(d, port, &["--shards", "1"], "", &format!("{FAST}{pre}")));
+    let waiting = w.wait_note("the port", |n| n.starts_with("STATUS=waiting up to 5m: port"));
+    assert!(waiting.contains("x\\nREADY=1\\nSTATUS=pwned\\n\\x1b[2J"), "{waiting}");
+    assert!(!w.notes.iter().any(|n| n == "READY=1" || n.starts_with("STATUS=pwned")), "{:?}", w.notes);
+    holder.0[0].kill().unwrap();
+    w.wait_ready();
+    assert_eq!(w.notes.iter().filter(|n| *n == "READY=1").count(), 1);
+    assert_eq!(w.stop(), 0);
+}
+
 #[test]
 fn a_busy_gpu_is_waited_for() {
     let mut w = Warden::start(|d, p| {
@@ -189,14 +216,13 @@ fn a_killed_wardens_stubborn_tree_is_stopped_by_the_next_warden() {
     let record = w.path("state/tree.json");
     let want: Vec<i32> = tree.iter().map(|p| p.pid).collect();
     let recorded = || -> Vec<i32> {
-        let v: Vec<serde_json::Value> =
+        let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&record).unwrap_or_default()).unwrap_or_default();
-        v.iter().map(|r| r["pid"].as_i64().unwrap() as i32).collect()
+        v["tree"].as_array().map(|t| t.iter().map(|r| r["pid"].as_i64().unwrap() as i32).collect()).unwrap_or_default()
     };
-    // The record is rewritten at least once a second while lines come in;
-    // the fake prints nothing more once ready, so a stop/ready cycle is not
-    // needed: the ready transition recorded the whole tree already.
-    assert!(want.iter().all(|p| recorded().contains(p)), "recorded {:?}, tree {want:?}", recorded());
+    // The ready transition records the whole tree (by a thread of its own):
+    // wait for the file to say so.
+    wait_for_file(&record, || want.iter().all(|p| recorded().contains(p)));
     w.signal(Signal::SIGKILL);
     assert_eq!(w.wait_exit(), -1);
     assert!(tree.iter().all(|p| !gone(p)), "the tree outlives its warden");
@@ -212,6 +238,35 @@ fn a_killed_wardens_stubborn_tree_is_stopped_by_the_next_warden() {
     assert_eq!(w.stop(), 0);
 }
 
+/// Wait (on inotify, under one generous deadline) until `done` holds for
+/// the file at `path`.
+fn wait_for_file(path: &std::path::Path, done: impl Fn() -> bool) {
+    use notify::Watcher;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut watcher = notify::recommended_watcher(move |_| {
+        let _ = tx.send(());
+    })
+    .unwrap();
+    watcher.watch(path.parent().unwrap(), notify::RecursiveMode::NonRecursive).unwrap();
+    let deadline = std::time::Instant::now() + common::TIMEOUT;
+    while !done() {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(!left.is_zero(), "timed out after {:?} waiting for {}", common::TIMEOUT, path.display());
+        let _ = rx.recv_timeout(left);
+    }
+}
+
+/// A record as a warden of instance `t` on this boot would write it.
+fn record(token: &str, tree: &[(i32, u64)]) -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let procs: Vec<String> = tree.iter().map(|(p, s)| format!("{{\"pid\": {p}, \"start_time\": {s}}}")).collect();
+    format!(
+        "{{\"boot_id\": \"{}\", \"instance\": \"t\", \"token\": \"{token}\", \"tree\": [{}]}}",
+        boot.trim(),
+        procs.join(", ")
+    )
+}
+
 #[test]
 fn a_recorded_pid_now_used_by_another_process_is_untouched() {
     let bystander = Command::new("sleep").arg("1000").spawn().unwrap();
@@ -219,8 +274,10 @@ fn a_recorded_pid_now_used_by_another_process_is_untouched() {
     let pid = bystander.0[0].id() as i32;
     let st = vllm_warden::child::read_stat(pid).unwrap();
     // The same pid, but another start time: a recycled pid.
-    let record = format!("[{{\"pid\": {pid}, \"start_time\": {}}}]", st.start_time + 12345);
-    let opts = Opts { state_files: vec![("tree.json".into(), record)], ..Opts::default() };
+    let opts = Opts {
+        state_files: vec![("tree.json".into(), record("x", &[(pid, st.start_time + 12345)]))],
+        ..Opts::default()
+    };
     let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
     w.wait_ready();
     assert!(!gone(&st), "the bystander lives");
@@ -228,6 +285,42 @@ fn a_recorded_pid_now_used_by_another_process_is_untouched() {
     assert_eq!(w.stop(), 0);
     bystander.0[0].kill().unwrap();
     bystander.0.clear();
+}
+
+/// Issue "untrickable", case 4: a record forged to name an unrelated process
+/// with its exact pid and start time (and its descendants, and pid 1) gets
+/// nothing signalled: the process does not carry the warden's run token.
+#[test]
+fn forged_leftovers_an_exact_record_of_an_unrelated_process_signals_nothing() {
+    let bystander = Command::new("sleep").arg("1000").spawn().unwrap();
+    let mut bystander = Reap(vec![bystander]);
+    let pid = bystander.0[0].id() as i32;
+    let st = vllm_warden::child::read_stat(pid).unwrap();
+    let init = vllm_warden::child::read_stat(1).unwrap();
+    let me = vllm_warden::child::read_stat(std::process::id() as i32).unwrap();
+    let forged = record("anything", &[(pid, st.start_time), (1, init.start_time), (me.pid, me.start_time)]);
+    let opts = Opts { state_files: vec![("tree.json".into(), forged)], ..Opts::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    assert!(!gone(&st), "the bystander lives");
+    assert!(!w.notes.iter().any(|n| n.contains("leftover")), "{:?}", w.notes);
+    assert_eq!(w.stop(), 0);
+    bystander.0[0].kill().unwrap();
+    bystander.0.clear();
+}
+
+/// A record that is not a regular file (here a FIFO, which would block a
+/// plain read for ever) is ignored, and the start goes on.
+#[test]
+fn forged_leftovers_a_fifo_as_the_record_is_ignored() {
+    let mut w = Warden::start(|d, p| {
+        std::fs::create_dir_all(d.join("state")).unwrap();
+        nix::unistd::mkfifo(&d.join("state/tree.json"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        config(d, p, &["--shards", "1"], "", FAST)
+    });
+    w.wait_ready();
+    assert!(w.stderr().contains("tree record ignored"), "{}", w.stderr());
+    assert_eq!(w.stop(), 0);
 }
 
 #[test]

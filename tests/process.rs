@@ -212,6 +212,28 @@ fn the_childs_log_is_followed_through_five_rotations_and_others_lines_are_not_re
     assert_eq!(w.stop(), 0);
 }
 
+/// Issue "untrickable", case 5: a second warden on the same config exits at
+/// once, naming the first, and touches nothing of its run.
+#[test]
+fn a_second_warden_on_the_same_instance_exits_69_and_touches_nothing() {
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", FAST));
+    w.wait_ready();
+    let tree = w.descendants();
+    let out = std::process::Command::new(common::exe())
+        .args(["run", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .env_remove("NOTIFY_SOCKET")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(69));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("instance \"t\" is already supervised by pid {}", w.pid)), "{err}");
+    assert!(tree.iter().all(|p| !gone(p)), "the first warden's tree is untouched");
+    assert_eq!(w.log().matches("--- vllm-warden: start").count(), 1, "nothing was spawned");
+    assert_eq!(w.stop(), 0);
+}
+
 #[test]
 fn sigint_stops_like_sigterm() {
     let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", FAST));

@@ -1,0 +1,97 @@
+//! One warden per instance: an exclusive `flock` on `STATE_DIRECTORY/lock`,
+//! taken before anything else and held until the warden exits. A second
+//! warden on the same instance finds it held, names the pid that holds it
+//! and touches nothing. The state directory belongs to the service user, so
+//! the lock file is opened without following a symlink and must be a
+//! regular file.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+/// The held lock; released when dropped (or when the process ends).
+#[derive(Debug)]
+pub struct InstanceLock {
+    _file: File,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("instance {instance:?} is already supervised by {holder} (lock {})", path.display())]
+    Held { instance: String, holder: String, path: PathBuf },
+    #[error("cannot take the lock {}: {source}", path.display())]
+    Io { path: PathBuf, source: io::Error },
+}
+
+impl InstanceLock {
+    pub fn take(state_dir: &Path, instance: &str) -> Result<InstanceLock, LockError> {
+        let path = state_dir.join("lock");
+        let io = |source| LockError::Io { path: path.clone(), source };
+        std::fs::create_dir_all(state_dir).map_err(io)?;
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
+            return Err(io(io::Error::new(io::ErrorKind::InvalidData, "not a regular file")));
+        }
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(io(e));
+            }
+            let mut text = String::new();
+            let _ = (&file).take(64).read_to_string(&mut text);
+            let holder = match text.trim().parse::<u32>() {
+                Ok(pid) => format!("pid {pid}"),
+                Err(_) => "another warden".into(),
+            };
+            return Err(LockError::Held { instance: instance.to_string(), holder, path });
+        }
+        file.set_len(0).map_err(io)?;
+        file.rewind().map_err(io)?;
+        writeln!(file, "{}", std::process::id()).map_err(io)?;
+        Ok(InstanceLock { _file: file })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_names_the_first_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = InstanceLock::take(dir.path(), "t").unwrap();
+        // flock locks belong to the open file description: a second open in
+        // the same process conflicts as another process's would.
+        let err = InstanceLock::take(dir.path(), "t").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "instance \"t\" is already supervised by pid {} (lock {}/lock)",
+                std::process::id(),
+                dir.path().display()
+            )
+        );
+        drop(first);
+        assert!(InstanceLock::take(dir.path(), "t").is_ok());
+    }
+
+    #[test]
+    fn a_symlink_as_the_lock_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("lock")).unwrap();
+        assert!(InstanceLock::take(dir.path(), "t").is_err());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+    }
+}
