@@ -271,10 +271,11 @@ impl Backend for Real {
         self.follower = None;
         let (settings, tx) = (self.settings.clone(), self.inputs.clone());
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
-            let result = crate::prepare::run(&settings, &|text| {
-                let _ = tx.send(Input::Step { start, text });
-            })
-            .await;
+            let steps = tx.clone();
+            let status: crate::prepare::Status = Arc::new(move |text| {
+                let _ = steps.send(Input::Step { start, text });
+            });
+            let result = crate::prepare::run(&settings, status).await;
             let result = match result {
                 Ok(()) => Prepared::Done,
                 Err(failure) => Prepared::Failed(failure),

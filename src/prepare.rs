@@ -28,37 +28,30 @@ async fn off_loop<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     }
 }
 
-/// Run the steps; an `Err` fails the start.
-pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), StartFailure> {
-    let name = s.name.as_str();
+/// Shows a step in `STATUS=`; callable from any thread.
+pub type Status = std::sync::Arc<dyn Fn(String) + Send + Sync>;
 
+/// Steps 1 to 4 up to their waits, in one visit to the blocking pool (each
+/// visit is a thread hand-off, which a loaded machine makes slow): the
+/// leftovers found (to be stopped, then this is called again), or the
+/// record cleared, the patches applied, the folders cleaned and whether the
+/// port is free.
+fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Result<Blocking, StartFailure> {
+    let name = s.name.as_str();
     // 1. Leftovers of an earlier warden of this instance.
-    let (state_dir, instance) = (s.state_dir.clone(), s.name.clone());
-    let left = off_loop(move || {
-        let left = prestart::leftovers(&state_dir, &instance);
-        let shown: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
-        (left, shown)
-    })
-    .await;
-    if let (left, shown) = left
-        && !left.is_empty()
-    {
-        let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), shown.join(", "));
-        tracing::warn!(INSTANCE = name, EVENT = "leftovers", "{text}");
-        status(text);
-        prestart::stop_leftovers(&left, s.child.stop_signal, s.child.stop_timeout, KILL_GRACE)
-            .await
-            .map_err(StartFailure::transient)?;
+    if look_for_leftovers {
+        let left = prestart::leftovers(&s.state_dir, &s.name);
+        if !left.is_empty() {
+            let shown: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
+            return Ok(Blocking::Leftovers(left, shown));
+        }
     }
-    let state_dir = s.state_dir.clone();
-    off_loop(move || prestart::clear_record(&state_dir)).await;
+    prestart::clear_record(&s.state_dir);
 
     // 2. Patches. A patch that fails will fail the same way next time.
     if !s.patches.is_empty() {
         status(format!("applying {} patch(es)", s.patches.len()));
-        let (patches, state_dir) = (s.patches.clone(), s.state_dir.clone());
-        let applied = off_loop(move || crate::patch::apply(&patches, &state_dir))
-            .await
+        let applied = crate::patch::apply(&s.patches, &s.state_dir)
             .map_err(|e| StartFailure::permanent(format!("patch failed: {e}")))?;
         for a in applied {
             tracing::info!(INSTANCE = name, EVENT = "patch", "{a}");
@@ -67,13 +60,43 @@ pub async fn run(s: &Settings, status: &(dyn Fn(String) + Sync)) -> Result<(), S
 
     // 3. Shared memory, and vLLM's files in the temporary folders.
     status("cleaning /dev/shm".into());
-    let settings = s.clone();
-    off_loop(move || clean_leftover_files(&settings)).await;
+    clean_leftover_files(s);
 
-    // 4. The port.
+    // 4. The port, at first sight.
     let port = s.prestart.port;
-    if !off_loop(move || prestart::port_free(port)).await {
-        let holders = off_loop(move || prestart::describe_holders(port)).await;
+    Ok(if prestart::port_free(port) {
+        Blocking::PortFree
+    } else {
+        Blocking::PortHeld(prestart::describe_holders(port))
+    })
+}
+
+enum Blocking {
+    Leftovers(Vec<crate::child::ProcStat>, Vec<String>),
+    PortFree,
+    /// Held, by whom.
+    PortHeld(String),
+}
+
+/// Run the steps; an `Err` fails the start.
+pub async fn run(s: &Settings, status: Status) -> Result<(), StartFailure> {
+    let name = s.name.as_str();
+    let (settings, st) = (s.clone(), status.clone());
+    let mut seen = off_loop(move || blocking_steps(&settings, &st, true)).await?;
+    if let Blocking::Leftovers(left, shown) = &seen {
+        let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), shown.join(", "));
+        tracing::warn!(INSTANCE = name, EVENT = "leftovers", "{text}");
+        status(text);
+        prestart::stop_leftovers(left, s.child.stop_signal, s.child.stop_timeout, KILL_GRACE)
+            .await
+            .map_err(StartFailure::transient)?;
+        let (settings, st) = (s.clone(), status.clone());
+        seen = off_loop(move || blocking_steps(&settings, &st, false)).await?;
+    }
+
+    // 4. The port: wait while it is held.
+    if let Blocking::PortHeld(holders) = seen {
+        let port = s.prestart.port;
         status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
         if !wait_until(s.prestart.port_wait, || off_loop(move || prestart::port_free(port))).await {
             return Err(StartFailure::transient(off_loop(move || prestart::describe_holders(port)).await));
@@ -140,8 +163,14 @@ pub fn clean_leftover_files(s: &Settings) {
     if found.is_empty() {
         return;
     }
-    let dirs: Vec<&std::path::Path> = found.iter().map(|(d, _)| d.as_path()).collect();
-    let in_use = prestart::in_use_under_any(&dirs);
+    // Only files that could be removed (ours) are worth a /proc pass.
+    let removable = |p: &PathBuf| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file() && m.uid() == uid)
+    };
+    let dirs: Vec<&std::path::Path> =
+        found.iter().filter(|(_, c)| c.iter().any(removable)).map(|(d, _)| d.as_path()).collect();
+    let in_use = if dirs.is_empty() { Default::default() } else { prestart::in_use_under_any(&dirs) };
     for (dir, paths) in found {
         let report = prestart::clean_candidates(paths, uid, &in_use);
         if report != prestart::Cleaned::default() {
