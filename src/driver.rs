@@ -284,7 +284,8 @@ async fn tick(dog: &mut Option<tokio::time::Interval>) {
 fn log(ctx: &Context, m: &Machine, r: &Record) {
     let pid = m.child_pid().unwrap_or(0);
     let attempt = m.attempt();
-    let (instance, event, msg) = (ctx.instance.as_str(), r.topic.as_str(), r.message.as_str());
+    let msg = crate::redact::text(&r.message);
+    let (instance, event, msg) = (ctx.instance.as_str(), r.topic.as_str(), msg.as_ref());
     match r.severity {
         Severity::Info => {
             tracing::info!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")

@@ -51,7 +51,7 @@ impl Forwarder {
         let spawned = std::thread::Builder::new().name("journal".into()).spawn(move || {
             let (mut reported, mut last) = (0, std::time::Instant::now());
             for (level, text) in lines {
-                send(&dispatch, &instance, level, &text);
+                send(&dispatch, &instance, level, &crate::redact::text(&text));
                 let now = counted.load(std::sync::atomic::Ordering::Relaxed);
                 // At most every 10 s, so that the report adds no burst of its own.
                 if now != reported && last.elapsed() >= std::time::Duration::from_secs(10) {

@@ -68,7 +68,7 @@ pub struct Doc {
 /// A human field from data (a log line, a process's command line): one
 /// visible line, in the document and on the terminal alike.
 fn safe(text: &str) -> String {
-    crate::escape::one_line(text, crate::escape::MAX_LINE)
+    crate::escape::one_line(&crate::redact::text(text), crate::escape::MAX_LINE)
 }
 
 fn rfc3339(t: SystemTime) -> String {

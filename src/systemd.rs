@@ -35,14 +35,18 @@ pub trait Notifier: Send {
 }
 
 /// The datagram for `notes`, one `FIELD=value` line each. The only place a
-/// notification is formatted: a status text is escaped (see
-/// [`crate::escape::one_line`]), so no text from data can add a line.
+/// notification is formatted: a status text has its secrets masked and is
+/// escaped (see [`crate::escape::one_line`]), so no text from data can add
+/// a line.
 pub fn datagram(notes: &[Note]) -> String {
     let mut msg = String::new();
     for n in notes {
         let line = match n {
             Note::Ready => NotifyState::Ready.to_string(),
-            Note::Status(s) => NotifyState::Status(&crate::escape::one_line(s, crate::escape::MAX_LINE)).to_string(),
+            Note::Status(s) => {
+                let shown = crate::escape::one_line(&crate::redact::text(s), crate::escape::MAX_LINE);
+                NotifyState::Status(&shown).to_string()
+            }
             Note::Stopping => NotifyState::Stopping.to_string(),
             // sd-notify caps this at u32 microseconds (71 minutes); a stall
             // window can be longer.

@@ -109,7 +109,7 @@ fn notify_injection_a_port_holders_argv_never_becomes_a_notify_field() {
         "import socket,sys,time\ns=socket.socket()\ns.bind(('127.0.0.1',{port}))\ns.listen()\nprint('held',flush=True)\ntime.sleep(1000)"
     );
     let mut holder = Command::new("python3")
-        .args(["-c", &script, "x\nREADY=1\nSTATUS=pwned\n\x1b[2J"])
+        .args(["-c", &script, "x\nREADY=1\nSTATUS=pwned\n\x1b[2J", "--api-key", "sk-holder", "https://u:pw@h/"])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -120,6 +120,8 @@ fn notify_injection_a_port_holders_argv_never_becomes_a_notify_field() {
     let mut w = Warden::start(|d, _| config(d, port, &["--shards", "1"], "", &format!("{FAST}{pre}")));
     let waiting = w.wait_note("the port", |n| n.starts_with("STATUS=waiting up to 5m: port"));
     assert!(waiting.contains("x\\nREADY=1\\nSTATUS=pwned\\n\\x1b[2J"), "{waiting}");
+    // Case 6 too: the holder's secrets are masked.
+    assert!(waiting.contains("--api-key *** https://***@h/"), "{waiting}");
     assert!(!w.notes.iter().any(|n| n == "READY=1" || n.starts_with("STATUS=pwned")), "{:?}", w.notes);
     holder.0[0].kill().unwrap();
     w.wait_ready();
