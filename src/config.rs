@@ -17,7 +17,7 @@ use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
 use crate::patch::Patch;
-use crate::profile::{Patterns, Profile};
+use crate::profile::{List, Patterns, Profile};
 
 /// Where the config is read from when `-c` is not given.
 pub const DEFAULT_CONFIG: &str = "/etc/vllm-warden/vllm-warden.toml";
@@ -505,14 +505,10 @@ impl Reader<'_> {
         // [fatal]
         let t = section(self, "fatal");
         let k = self.keys(t, "fatal", &["match", "ignore", "permanent", "grace"]);
-        for (key, list) in [("match", 0), ("ignore", 1), ("permanent", 2)] {
+        for (key, list) in [("match", List::Fatal), ("ignore", List::Ignore), ("permanent", List::Permanent)] {
             if let Some(v) = k.get(key) {
                 let extra = self.patterns(v, &format!("fatal.{key}"));
-                match list {
-                    0 => patterns.fatal.extend(extra),
-                    1 => patterns.ignore.extend(extra),
-                    _ => patterns.permanent.extend(extra),
-                }
+                patterns.list_mut(list).extend(extra);
             }
         }
         let grace = self.opt_duration(&k, "grace", Duration::from_secs(30));
@@ -753,15 +749,8 @@ pub fn port_of(command: &[String]) -> Option<u16> {
 /// The effective pattern lists, as `check` prints them.
 pub fn describe_patterns(s: &Settings) -> String {
     let mut out = format!("profile: {}\n", s.profile.name());
-    let p = &s.patterns;
-    for (title, list) in [
-        ("ready", &p.ready),
-        ("progress", &p.progress),
-        ("fatal", &p.fatal),
-        ("ignore (benign)", &p.ignore),
-        ("permanent", &p.permanent),
-        ("clean-shm", &s.prestart.clean_shm),
-    ] {
+    let lists = List::ALL.map(|l| (if l == List::Ignore { "ignore (benign)" } else { l.name() }, s.patterns.list(l)));
+    for (title, list) in lists.into_iter().chain([("clean-shm", &s.prestart.clean_shm)]) {
         out.push_str(&format!("{title}:\n"));
         for pat in list {
             out.push_str(&format!("  {pat}\n"));
