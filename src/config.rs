@@ -22,7 +22,61 @@ use crate::profile::{List, Patterns, Profile};
 /// Where the config is read from when `-c` is not given.
 pub const DEFAULT_CONFIG: &str = "/etc/vllm-warden/vllm-warden.toml";
 /// The port vLLM listens on when the command has no `--port`.
-pub const DEFAULT_PORT: u16 = 8000;
+pub const DEFAULT_PORT: u16 = defaults::PORT;
+
+/// The value of every key the config leaves out. The man page's table
+/// shows the same values; a test compares them.
+pub mod defaults {
+    use std::time::Duration;
+
+    use nix::sys::signal::Signal;
+
+    use crate::profile::Profile;
+
+    const fn minutes(n: u64) -> Duration {
+        Duration::from_secs(n * 60)
+    }
+
+    pub const PROFILE: Profile = Profile::Vllm;
+
+    /// `child.log-file` is `NAME.log` in `$LOGS_DIRECTORY`, else here.
+    pub const LOG_DIR: &str = "/var/log/vllm-warden";
+    pub const STOP_SIGNAL: Signal = Signal::SIGTERM;
+    pub const STOP_TIMEOUT: Duration = Duration::from_secs(90);
+
+    /// The port vLLM listens on when the command has no `--port`.
+    pub const PORT: u16 = 8000;
+    pub const PORT_WAIT: Duration = Duration::from_secs(30);
+    pub const GPU_IDLE_WAIT: Duration = minutes(2);
+    pub const GPU_QUERY: [&str; 3] =
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"];
+
+    pub const READY_TIMEOUT: Duration = minutes(90);
+    pub const READY_STALL: Duration = minutes(15);
+
+    pub const FATAL_GRACE: Duration = Duration::from_secs(30);
+
+    pub const INITIAL_DELAY: Duration = Duration::from_secs(10);
+    pub const MAX_DELAY: Duration = minutes(5);
+    pub const FACTOR: f64 = 2.0;
+    pub const JITTER: f64 = 0.1;
+    pub const RESET_AFTER: Duration = minutes(10);
+    pub const MAX_ATTEMPTS: u32 = 10;
+    pub const PERMANENT_ATTEMPTS: u32 = 2;
+
+    pub const HEALTH_INTERVAL: Duration = Duration::from_secs(15);
+    pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+    pub const HEALTH_FAILURES: u32 = 3;
+    /// Zero: no canary.
+    pub const CANARY_INTERVAL: Duration = Duration::ZERO;
+    pub const CANARY_TIMEOUT: Duration = minutes(1);
+
+    /// `status.file` is `status.json` in `$RUNTIME_DIRECTORY`, else in
+    /// `NAME/` here.
+    pub const RUN_DIR: &str = "/run/vllm-warden";
+    /// `$STATE_DIRECTORY`, else `NAME/` here.
+    pub const STATE_DIR: &str = "/var/lib/vllm-warden";
+}
 
 /// A config that passed validation.
 #[derive(Debug, Clone)]
@@ -370,9 +424,9 @@ impl Reader<'_> {
                 }
                 parsed
             }),
-            None => Some(Profile::Vllm),
+            None => Some(defaults::PROFILE),
         };
-        let base = profile.unwrap_or(Profile::Vllm);
+        let base = profile.unwrap_or(defaults::PROFILE);
         let name_or = name.clone().unwrap_or_else(|| "vllm".into());
         let mut patterns = base.patterns();
 
@@ -408,10 +462,7 @@ impl Reader<'_> {
         let log_file = match k.get("log-file") {
             Some(v) => self.string(v, "log-file").map(PathBuf::from),
             None => Some(
-                dirs.logs
-                    .clone()
-                    .unwrap_or_else(|| PathBuf::from("/var/log/vllm-warden"))
-                    .join(format!("{name_or}.log")),
+                dirs.logs.clone().unwrap_or_else(|| PathBuf::from(defaults::LOG_DIR)).join(format!("{name_or}.log")),
             ),
         };
         let stop_signal = match k.get("stop-signal") {
@@ -425,9 +476,9 @@ impl Reader<'_> {
                 }
                 sig
             }),
-            None => Some(Signal::SIGTERM),
+            None => Some(defaults::STOP_SIGNAL),
         };
-        let stop_timeout = self.opt_duration(&k, "stop-timeout", Duration::from_secs(90));
+        let stop_timeout = self.opt_duration(&k, "stop-timeout", defaults::STOP_TIMEOUT);
 
         // [[patch]]
         let mut patches = Vec::new();
@@ -466,15 +517,11 @@ impl Reader<'_> {
             Some(v) => self.integer(v, "port", 65535).map(|n| n as u16),
             None => command.as_deref().map(|c| port_of(c).unwrap_or(DEFAULT_PORT)),
         };
-        let port_wait = self.opt_duration(&k, "port-wait", Duration::from_secs(30));
-        let gpu_idle_wait = self.opt_duration(&k, "gpu-idle-wait", Duration::from_secs(120));
+        let port_wait = self.opt_duration(&k, "port-wait", defaults::PORT_WAIT);
+        let gpu_idle_wait = self.opt_duration(&k, "gpu-idle-wait", defaults::GPU_IDLE_WAIT);
         let gpu_query = match k.get("gpu-query") {
             Some(v) => self.strings(v, "gpu-query"),
-            None => Some(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-                    .map(String::from)
-                    .to_vec(),
-            ),
+            None => Some(defaults::GPU_QUERY.map(String::from).to_vec()),
         };
         let default_health = port.map(|p| format!("http://127.0.0.1:{p}/health"));
 
@@ -493,8 +540,8 @@ impl Reader<'_> {
             Some(v) => self.url(v, "ready.http"),
             None => Some(default_health.clone()),
         };
-        let ready_timeout = self.opt_duration(&k, "timeout", Duration::from_secs(90 * 60));
-        let stall = self.opt_duration(&k, "stall", Duration::from_secs(15 * 60));
+        let ready_timeout = self.opt_duration(&k, "timeout", defaults::READY_TIMEOUT);
+        let stall = self.opt_duration(&k, "stall", defaults::READY_STALL);
         if let (Some(None), true) = (&ready_http, patterns.ready.is_empty()) {
             self.problem(
                 None,
@@ -511,7 +558,7 @@ impl Reader<'_> {
                 patterns.list_mut(list).extend(extra);
             }
         }
-        let grace = self.opt_duration(&k, "grace", Duration::from_secs(30));
+        let grace = self.opt_duration(&k, "grace", defaults::FATAL_GRACE);
 
         // [restart]
         let t = section(self, "restart");
@@ -520,20 +567,20 @@ impl Reader<'_> {
             "restart",
             &["initial-delay", "max-delay", "factor", "jitter", "reset-after", "max-attempts", "permanent-attempts"],
         );
-        let initial_delay = self.opt_duration(&k, "initial-delay", Duration::from_secs(10));
-        let max_delay = self.opt_duration(&k, "max-delay", Duration::from_secs(300));
+        let initial_delay = self.opt_duration(&k, "initial-delay", defaults::INITIAL_DELAY);
+        let max_delay = self.opt_duration(&k, "max-delay", defaults::MAX_DELAY);
         let factor = match k.get("factor") {
             Some(v) => self.float(v, "factor", 1.0, 100.0),
-            None => Some(2.0),
+            None => Some(defaults::FACTOR),
         };
         let jitter = match k.get("jitter") {
             Some(v) => self.float(v, "jitter", 0.0, 1.0),
-            None => Some(0.1),
+            None => Some(defaults::JITTER),
         };
-        let reset_after = self.opt_duration(&k, "reset-after", Duration::from_secs(600));
+        let reset_after = self.opt_duration(&k, "reset-after", defaults::RESET_AFTER);
         let max_attempts = match k.get("max-attempts") {
             Some(v) => self.integer(v, "max-attempts", u32::MAX as i64).map(|n| n as u32),
-            None => Some(10),
+            None => Some(defaults::MAX_ATTEMPTS),
         };
         let permanent_attempts = match k.get("permanent-attempts") {
             Some(v) => self.integer(v, "permanent-attempts", u32::MAX as i64).and_then(|n| {
@@ -544,7 +591,7 @@ impl Reader<'_> {
                     Some(n as u32)
                 }
             }),
-            None => Some(2),
+            None => Some(defaults::PERMANENT_ATTEMPTS),
         };
         if let (Some(a), Some(b)) = (initial_delay, max_delay)
             && a > b
@@ -560,8 +607,8 @@ impl Reader<'_> {
             Some(v) => self.url(v, "health.http"),
             None => Some(default_health),
         };
-        let interval = self.opt_duration(&k, "interval", Duration::from_secs(15));
-        let health_timeout = self.opt_duration(&k, "timeout", Duration::from_secs(5));
+        let interval = self.opt_duration(&k, "interval", defaults::HEALTH_INTERVAL);
+        let health_timeout = self.opt_duration(&k, "timeout", defaults::HEALTH_TIMEOUT);
         let failures = match k.get("failures") {
             Some(v) => self.integer(v, "failures", u32::MAX as i64).and_then(|n| {
                 if n == 0 {
@@ -571,10 +618,10 @@ impl Reader<'_> {
                     Some(n as u32)
                 }
             }),
-            None => Some(3),
+            None => Some(defaults::HEALTH_FAILURES),
         };
-        let canary_interval = self.opt_duration(&k, "canary-interval", Duration::ZERO);
-        let canary_timeout = self.opt_duration(&k, "canary-timeout", Duration::from_secs(60));
+        let canary_interval = self.opt_duration(&k, "canary-interval", defaults::CANARY_INTERVAL);
+        let canary_timeout = self.opt_duration(&k, "canary-timeout", defaults::CANARY_TIMEOUT);
         if interval == Some(Duration::ZERO) {
             self.problem(k.get("interval").map(|v| v.span()), "`interval` must be longer than 0s".into());
         }
@@ -586,7 +633,7 @@ impl Reader<'_> {
             Some(v) => self.string(v, "file").map(PathBuf::from),
             None => Some(match &dirs.runtime {
                 Some(d) => d.join("status.json"),
-                None => PathBuf::from("/run/vllm-warden").join(&name_or).join("status.json"),
+                None => PathBuf::from(defaults::RUN_DIR).join(&name_or).join("status.json"),
             }),
         };
         let metrics_file = match k.get("metrics-file") {
@@ -594,7 +641,7 @@ impl Reader<'_> {
             None => Some(None),
         };
 
-        let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from("/var/lib/vllm-warden").join(&name_or));
+        let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name_or));
 
         Some(Settings {
             source: path.to_path_buf(),
@@ -876,6 +923,94 @@ max-attempts = -1
         assert_eq!(port_of(&c(&["vllm", "serve", "--port", "9000"])), Some(9000));
         assert_eq!(port_of(&c(&["vllm", "serve", "--port=9001"])), Some(9001));
         assert_eq!(port_of(&c(&["vllm", "serve"])), None);
+    }
+
+    /// The man page's table of keys: (key, default column), row by row.
+    fn man_page_rows() -> Vec<(String, String)> {
+        include_str!("../docs/vllm-warden.toml.5.md")
+            .lines()
+            .filter(|l| l.starts_with("| `"))
+            .map(|l| {
+                let cells: Vec<&str> = l.trim_matches('|').split(" | ").map(str::trim).collect();
+                (cells[0].trim_matches('`').to_string(), cells[1].to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_man_page_shows_the_default_constants() {
+        let quoted = |s: &str| format!("`\"{s}\"`");
+        let duration = |d: Duration| quoted(&humantime::format_duration(d).to_string());
+        let expected = [
+            ("profile", quoted(defaults::PROFILE.name())),
+            ("child.stop-signal", quoted(defaults::STOP_SIGNAL.as_str())),
+            ("child.stop-timeout", duration(defaults::STOP_TIMEOUT)),
+            ("prestart.port-wait", duration(defaults::PORT_WAIT)),
+            ("prestart.gpu-idle-wait", duration(defaults::GPU_IDLE_WAIT)),
+            ("prestart.gpu-query", format!("`{}`", defaults::GPU_QUERY.join(" "))),
+            ("ready.timeout", duration(defaults::READY_TIMEOUT)),
+            ("ready.stall", duration(defaults::READY_STALL)),
+            ("fatal.grace", duration(defaults::FATAL_GRACE)),
+            ("restart.initial-delay", duration(defaults::INITIAL_DELAY)),
+            ("restart.max-delay", duration(defaults::MAX_DELAY)),
+            ("restart.factor", format!("{:?}", defaults::FACTOR)),
+            ("restart.jitter", format!("{:?}", defaults::JITTER)),
+            ("restart.reset-after", duration(defaults::RESET_AFTER)),
+            ("restart.max-attempts", defaults::MAX_ATTEMPTS.to_string()),
+            ("restart.permanent-attempts", defaults::PERMANENT_ATTEMPTS.to_string()),
+            ("health.interval", duration(defaults::HEALTH_INTERVAL)),
+            ("health.timeout", duration(defaults::HEALTH_TIMEOUT)),
+            ("health.failures", defaults::HEALTH_FAILURES.to_string()),
+            ("health.canary-interval", duration(defaults::CANARY_INTERVAL)),
+            ("health.canary-timeout", duration(defaults::CANARY_TIMEOUT)),
+        ];
+        let rows = man_page_rows();
+        let row = |key: &str| {
+            rows.iter().find(|(k, _)| k == key).map(|(_, d)| d.as_str()).unwrap_or_else(|| panic!("no row for {key}"))
+        };
+        for (key, want) in &expected {
+            assert_eq!(row(key), want, "the man page's default of `{key}`");
+        }
+        // A duration in the table without a constant here would go unchecked.
+        for (key, default) in &rows {
+            let inner = default.strip_prefix("`\"").and_then(|d| d.strip_suffix("\"`"));
+            if inner.is_some_and(|d| humantime::parse_duration(d).is_ok()) {
+                assert!(expected.iter().any(|(k, _)| k == key), "`{key}` has a duration default but no constant");
+            }
+        }
+        assert!(row("prestart.port").ends_with(&format!("else {}", defaults::PORT)));
+        assert!(row("child.log-file").contains(&format!("`{}/NAME.log`", defaults::LOG_DIR)));
+        assert!(row("status.file").contains(&format!("`{}/NAME/status.json`", defaults::RUN_DIR)));
+    }
+
+    /// The known keys of each section, as the unknown-key problem lists
+    /// them, are exactly the keys the man page documents.
+    #[test]
+    fn the_man_page_documents_every_known_key() {
+        let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
+                    [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
+                    [status]\nzz = 1\n";
+        let problems = parse_str(text).unwrap_err().0;
+        let mut known: Vec<String> = Vec::new();
+        for p in &problems {
+            let rest = p.message.strip_prefix("unknown key `zz`").unwrap_or_else(|| panic!("{p}"));
+            let (place, list) = rest.split_once(" (known: ").unwrap_or_else(|| panic!("{p}"));
+            let section = match place.trim_start_matches(" in ") {
+                "" => String::new(),
+                "[[patch]]" => "[[patch]] ".to_string(),
+                s => format!("{}.", s.trim_matches(['[', ']'])),
+            };
+            for key in list.trim_end_matches(')').split(", ") {
+                known.push(format!("{section}{key}"));
+            }
+        }
+        assert_eq!(problems.len(), 9, "{problems:?}");
+        let sections = ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"];
+        let mut documented: Vec<String> = man_page_rows().into_iter().map(|(k, _)| k).collect();
+        documented.extend(sections.map(String::from));
+        known.sort();
+        documented.sort();
+        assert_eq!(known, documented);
     }
 
     #[test]
