@@ -85,6 +85,29 @@ pub mod defaults {
     pub const STATE_DIR: &str = "/var/lib/vllm-warden";
 }
 
+/// The range of every duration key: wide enough for any real setting, and
+/// narrow enough that no deadline the warden computes from one can
+/// overflow (`"500000000000y"` parses, and `Instant + Duration` panics).
+/// The man page's table shows the same ranges; a test tries them.
+pub mod limits {
+    use std::ops::RangeInclusive;
+    use std::time::Duration;
+
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+    /// The longest duration any key accepts.
+    pub const LONGEST: Duration = DAY.saturating_mul(30);
+    /// The shortest duration a key that must be positive accepts.
+    pub const SHORTEST: Duration = Duration::from_millis(1);
+
+    /// A wait, delay or grace; zero means none.
+    pub const WAIT: RangeInclusive<Duration> = Duration::ZERO..=LONGEST;
+    /// A period or timeout that must be positive.
+    pub const PERIOD: RangeInclusive<Duration> = SHORTEST..=LONGEST;
+    /// The deadlines of one start (`ready.timeout`, `ready.stall`): a week
+    /// is far beyond any load.
+    pub const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
+}
+
 /// A config that passed validation.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -332,7 +355,7 @@ fn child(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Child {
     let log_dir = dirs.logs.clone().unwrap_or_else(|| PathBuf::from(defaults::LOG_DIR));
     let log_file = k.path("log-file", log_dir.join(format!("{name}.log")));
     let stop_signal = k.read("stop-signal", defaults::STOP_SIGNAL, stop_signal);
-    let stop_timeout = k.duration("stop-timeout", defaults::STOP_TIMEOUT);
+    let stop_timeout = k.duration("stop-timeout", defaults::STOP_TIMEOUT, limits::WAIT);
     Child { command, env, cwd, log_file, stop_signal, stop_timeout }
 }
 
@@ -419,10 +442,15 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
         Some(globs)
     });
     let port = k.read("port", port_of(command).unwrap_or(defaults::PORT), |r, v| {
-        r.integer(v, "port", u16::MAX.into()).and_then(|n| u16::try_from(n).ok())
+        let n = r.integer(v, "port", u16::MAX.into())?;
+        if n == 0 {
+            r.problem(Some(v.span()), "`port` must be at least 1");
+            return None;
+        }
+        u16::try_from(n).ok()
     });
-    let port_wait = k.duration("port-wait", defaults::PORT_WAIT);
-    let gpu_idle_wait = k.duration("gpu-idle-wait", defaults::GPU_IDLE_WAIT);
+    let port_wait = k.duration("port-wait", defaults::PORT_WAIT, limits::WAIT);
+    let gpu_idle_wait = k.duration("gpu-idle-wait", defaults::GPU_IDLE_WAIT, limits::WAIT);
     let gpu_query = k.strings("gpu-query", defaults::GPU_QUERY.map(String::from).to_vec());
     Prestart { clean_shm, port, port_wait, gpu_idle_wait, gpu_query }
 }
@@ -431,8 +459,8 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
 fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &str) -> Ready {
     k.patterns("log", patterns.list_mut(List::Ready));
     let http = k.url("http", Some(health_url.to_string()));
-    let timeout = k.duration("timeout", defaults::READY_TIMEOUT);
-    let stall = k.duration("stall", defaults::READY_STALL);
+    let timeout = k.duration("timeout", defaults::READY_TIMEOUT, limits::START);
+    let stall = k.duration("stall", defaults::READY_STALL, limits::START);
     k.patterns("progress", patterns.list_mut(List::Progress));
     if http.is_none() && patterns.ready.is_empty() {
         k.problem(
@@ -448,17 +476,17 @@ fn fatal(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns) -> Fatal {
     k.patterns("match", patterns.list_mut(List::Fatal));
     k.patterns("ignore", patterns.list_mut(List::Ignore));
     k.patterns("permanent", patterns.list_mut(List::Permanent));
-    let grace = k.duration("grace", defaults::FATAL_GRACE);
+    let grace = k.duration("grace", defaults::FATAL_GRACE, limits::WAIT);
     Fatal { grace }
 }
 
 /// `[restart]`
 fn restart(mut k: Keys<'_, '_, '_>) -> Restart {
-    let initial_delay = k.duration("initial-delay", defaults::INITIAL_DELAY);
-    let max_delay = k.duration("max-delay", defaults::MAX_DELAY);
+    let initial_delay = k.duration("initial-delay", defaults::INITIAL_DELAY, limits::WAIT);
+    let max_delay = k.duration("max-delay", defaults::MAX_DELAY, limits::WAIT);
     let factor = k.number("factor", defaults::FACTOR, 1.0, 100.0);
     let jitter = k.number("jitter", defaults::JITTER, 0.0, 1.0);
-    let reset_after = k.duration("reset-after", defaults::RESET_AFTER);
+    let reset_after = k.duration("reset-after", defaults::RESET_AFTER, limits::WAIT);
     let max_attempts = k.count("max-attempts", defaults::MAX_ATTEMPTS, 0);
     let permanent_attempts = k.count("permanent-attempts", defaults::PERMANENT_ATTEMPTS, 1);
     if k.ok("initial-delay") && k.ok("max-delay") && initial_delay > max_delay {
@@ -471,15 +499,11 @@ fn restart(mut k: Keys<'_, '_, '_>) -> Restart {
 /// `[health]`
 fn health(mut k: Keys<'_, '_, '_>, health_url: &str) -> Health {
     let http = k.url("http", Some(health_url.to_string()));
-    let interval = k.duration("interval", defaults::HEALTH_INTERVAL);
-    let timeout = k.duration("timeout", defaults::HEALTH_TIMEOUT);
+    let interval = k.duration("interval", defaults::HEALTH_INTERVAL, limits::PERIOD);
+    let timeout = k.duration("timeout", defaults::HEALTH_TIMEOUT, limits::PERIOD);
     let failures = k.count("failures", defaults::HEALTH_FAILURES, 1);
-    let canary_interval = k.duration("canary-interval", defaults::CANARY_INTERVAL);
-    let canary_timeout = k.duration("canary-timeout", defaults::CANARY_TIMEOUT);
-    if interval.is_zero() {
-        let span = k.span_of("interval");
-        k.problem(span, "`interval` must be longer than 0s");
-    }
+    let canary_interval = k.duration("canary-interval", defaults::CANARY_INTERVAL, limits::WAIT);
+    let canary_timeout = k.duration("canary-timeout", defaults::CANARY_TIMEOUT, limits::PERIOD);
     Health { http, interval, timeout, failures, canary_interval, canary_timeout }
 }
 

@@ -13,8 +13,11 @@
 //! regular expressions, URLs); it must not know what any key means.
 
 use std::borrow::Cow;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use humantime::format_duration;
 
 use regex::Regex;
 use toml::Spanned;
@@ -108,18 +111,36 @@ impl<'a> Reader<'a> {
         out
     }
 
-    pub fn duration(&mut self, v: &Value<'_>, key: &str) -> Option<Duration> {
+    /// A duration within `range`; `name` is the dotted name a value out of
+    /// range is reported under.
+    pub fn duration(
+        &mut self,
+        v: &Value<'_>,
+        key: &str,
+        name: &str,
+        range: &RangeInclusive<Duration>,
+    ) -> Option<Duration> {
         let s = self.string(v, key)?;
-        match humantime::parse_duration(&s) {
-            Ok(d) => Some(d),
+        let d = match humantime::parse_duration(&s) {
+            Ok(d) => d,
             Err(e) => {
                 self.problem(
                     Some(v.span()),
                     format!("`{key}`: invalid duration {s:?}: {e} (write e.g. \"90s\", \"15m\")"),
                 );
-                None
+                return None;
             }
+        };
+        if range.contains(&d) {
+            return Some(d);
         }
+        if d.is_zero() {
+            self.problem(Some(v.span()), format!("`{key}` must be longer than 0s"));
+        } else {
+            let (min, max) = (format_duration(*range.start()), format_duration(*range.end()));
+            self.problem(Some(v.span()), format!("`{name}` must be from {min} to {max}, not {s:?}"));
+        }
+        None
     }
 
     pub fn integer(&mut self, v: &Value<'_>, key: &str, max: i64) -> Option<i64> {
@@ -277,8 +298,10 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
         self.read(key, default, |r, v| r.strings(v, key))
     }
 
-    pub fn duration(&mut self, key: &'static str, default: Duration) -> Duration {
-        self.read(key, default, |r, v| r.duration(v, key))
+    /// A duration within `range`.
+    pub fn duration(&mut self, key: &'static str, default: Duration, range: RangeInclusive<Duration>) -> Duration {
+        let name = self.dotted(key);
+        self.read(key, default, |r, v| r.duration(v, key, &name, &range))
     }
 
     /// An integer of at least `min`.

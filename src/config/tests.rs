@@ -115,14 +115,21 @@ fn port_comes_from_the_command() {
     assert_eq!(port_of(&c(&["vllm", "serve"])), None);
 }
 
-/// The man page's table of keys: (key, default column), row by row.
-fn man_page_rows() -> Vec<(String, String)> {
+/// One row of the man page's table of keys.
+struct Row {
+    key: String,
+    default: String,
+    /// `` `A` to `B` ``, or empty.
+    range: String,
+}
+
+fn man_page_rows() -> Vec<Row> {
     include_str!("../../docs/vllm-warden.toml.5.md")
         .lines()
         .filter(|l| l.starts_with("| `"))
         .map(|l| {
-            let cells: Vec<&str> = l.trim_matches('|').split(" | ").map(str::trim).collect();
-            (cells[0].trim_matches('`').to_string(), cells[1].to_string())
+            let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+            Row { key: cells[0].trim_matches('`').into(), default: cells[1].into(), range: cells[2].into() }
         })
         .collect()
 }
@@ -156,13 +163,13 @@ fn the_man_page_shows_the_default_constants() {
     ];
     let rows = man_page_rows();
     let row = |key: &str| {
-        rows.iter().find(|(k, _)| k == key).map(|(_, d)| d.as_str()).unwrap_or_else(|| panic!("no row for {key}"))
+        rows.iter().find(|r| r.key == key).map(|r| r.default.as_str()).unwrap_or_else(|| panic!("no row for {key}"))
     };
     for (key, want) in &expected {
         assert_eq!(row(key), want, "the man page's default of `{key}`");
     }
     // A duration in the table without a constant here would go unchecked.
-    for (key, default) in &rows {
+    for Row { key, default, .. } in &rows {
         let inner = default.strip_prefix("`\"").and_then(|d| d.strip_suffix("\"`"));
         if inner.is_some_and(|d| humantime::parse_duration(d).is_ok()) {
             assert!(expected.iter().any(|(k, _)| k == key), "`{key}` has a duration default but no constant");
@@ -196,7 +203,7 @@ fn the_man_page_documents_every_known_key() {
     }
     assert_eq!(problems.len(), 9, "{problems:?}");
     let sections = ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"];
-    let mut documented: Vec<String> = man_page_rows().into_iter().map(|(k, _)| k).collect();
+    let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
     known.sort();
     documented.sort();
@@ -209,4 +216,112 @@ fn signals_parse_in_every_spelling() {
     assert_eq!(parse_signal("term"), Some(Signal::SIGTERM));
     assert_eq!(parse_signal("9"), Some(Signal::SIGKILL));
     assert_eq!(parse_signal("SIGNOPE"), None);
+}
+
+/// `section.key = value` in a config that is otherwise valid.
+fn with_value(dotted: &str, value: &str) -> String {
+    let (section, key) = dotted.split_once('.').unwrap_or(("", dotted));
+    // The two delays must stay in order whatever one of them is set to.
+    let other = match dotted {
+        "restart.initial-delay" => "max-delay = \"30days\"\n",
+        "restart.max-delay" => "initial-delay = \"0s\"\n",
+        _ => "",
+    };
+    let child = "[child]\ncommand = [\"vllm\"]\n";
+    if section == "child" {
+        format!("{child}{key} = {value}\n")
+    } else {
+        format!("{child}[{section}]\n{other}{key} = {value}\n")
+    }
+}
+
+/// The man page's range of every duration and number is the range the
+/// reader enforces: both ends are accepted, one step beyond either is not.
+#[test]
+fn the_man_page_shows_the_ranges_the_reader_enforces() {
+    let mut tried = 0;
+    for Row { key, default, range } in man_page_rows() {
+        if default.starts_with("`\"") && humantime::parse_duration(default.trim_matches(['`', '"'])).is_ok() {
+            assert!(!range.is_empty(), "the duration `{key}` has no range in the man page");
+        }
+        let Some((min, max)) = range.split_once(" to ") else { continue };
+        let (min, max) = (min.trim_matches('`'), max.trim_matches('`'));
+        let accepted = |value: &str| {
+            let text = with_value(&key, value);
+            if let Err(p) = parse_str(&text) {
+                panic!("`{key} = {value}` is in the man page's range but refused: {p}");
+            }
+        };
+        let refused = |value: &str, why: &str| {
+            let text = with_value(&key, value);
+            match parse_str(&text) {
+                Ok(_) => panic!("`{key} = {value}` is outside the man page's range but accepted"),
+                Err(p) => assert!(p.to_string().contains(why), "`{key} = {value}`: {p}"),
+            }
+        };
+        match (humantime::parse_duration(min), humantime::parse_duration(max)) {
+            (Ok(lo), Ok(hi)) => {
+                accepted(&format!("{min:?}"));
+                accepted(&format!("{max:?}"));
+                let above = humantime::format_duration(hi + Duration::from_millis(1)).to_string();
+                refused(&format!("{above:?}"), &format!("` must be from {min} to {max}, not {above:?}"));
+                if !lo.is_zero() {
+                    refused("\"0s\"", "` must be longer than 0s");
+                }
+            }
+            _ => {
+                let (lo, hi): (f64, f64) = (min.parse().unwrap(), max.parse().unwrap());
+                accepted(min);
+                accepted(max);
+                refused(&format!("{}", hi + 1.0), "` must be ");
+                if lo >= 1.0 {
+                    refused(&format!("{}", lo - 1.0), "` must be ");
+                }
+            }
+        }
+        tried += 1;
+    }
+    assert_eq!(tried, 19, "every duration and number has a range");
+}
+
+#[test]
+fn durations_that_overflow_are_refused() {
+    for key in [
+        "child.stop-timeout",
+        "prestart.port-wait",
+        "prestart.gpu-idle-wait",
+        "ready.timeout",
+        "ready.stall",
+        "fatal.grace",
+        "restart.initial-delay",
+        "restart.max-delay",
+        "restart.reset-after",
+        "health.interval",
+        "health.timeout",
+        "health.canary-interval",
+        "health.canary-timeout",
+    ] {
+        let p = parse_str(&with_value(key, "\"500000000000y\"")).unwrap_err().to_string();
+        assert!(p.contains(&format!("`{key}` must be from ")) && p.contains(", not \"500000000000y\""), "{p}");
+    }
+    let p = parse_str("[child]\ncommand = [\"vllm\"]\n[ready]\nstall = \"500000000000y\"\n").unwrap_err();
+    assert_eq!(
+        p.to_string(),
+        "/etc/vllm-warden/kimi.toml:4:9: `ready.stall` must be from 1ms to 7days, not \"500000000000y\""
+    );
+}
+
+#[test]
+fn zero_timeouts_are_refused() {
+    for (key, bare) in [("ready.timeout", "timeout"), ("ready.stall", "stall"), ("health.timeout", "timeout")] {
+        let p = parse_str(&with_value(key, "\"0s\"")).unwrap_err();
+        assert_eq!(p.0.len(), 1, "{p}");
+        assert!(p.0[0].at.is_some() && p.0[0].message == format!("`{bare}` must be longer than 0s"), "{p}");
+    }
+}
+
+#[test]
+fn port_zero_is_refused() {
+    let p = parse_str(&with_value("prestart.port", "0")).unwrap_err();
+    assert!(p.to_string().ends_with(":4:8: `port` must be at least 1"), "{p}");
 }
