@@ -19,7 +19,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use toml::de::{DeTable, DeValue};
 
-use self::reader::{Keys, Reader, Table, Value, to_json};
+use self::reader::{Keys, Reader, Span, Table, Value, to_json};
 
 use crate::patch::Patch;
 use crate::profile::{List, Patterns, Profile};
@@ -402,20 +402,23 @@ fn patch(mut k: Keys<'_, '_, '_>) -> Patch {
             PathBuf::new()
         }
     };
-    let remove = k.strings("remove", Vec::new());
+    let remove = k.read("remove", Vec::new(), |r, v| {
+        let paths = r.strings(v, "remove")?;
+        if let DeValue::Array(items) = v.get_ref() {
+            for (path, item) in paths.iter().zip(items.iter()) {
+                json_path(r, path, item.span());
+            }
+        }
+        Some(paths)
+    });
     let mut set = Vec::new();
     if let Some(t) = k.table("set") {
         for (key, val) in t.iter() {
+            json_path(k.reader(), key.get_ref(), key.span());
             match to_json(val.get_ref()) {
                 Ok(j) => set.push((key.get_ref().to_string(), j)),
                 Err(e) => k.problem(Some(val.span()), format!("`set.{}`: {e}", key.get_ref())),
             }
-        }
-    }
-    for path in remove.iter().chain(set.iter().map(|(p, _)| p)) {
-        if path.is_empty() {
-            let span = k.span();
-            k.problem(span, format!("`[[patch]]`: {path:?} is not a dotted JSON path"));
         }
     }
     if k.ok("remove") && remove.is_empty() && set.is_empty() {
@@ -423,6 +426,22 @@ fn patch(mut k: Keys<'_, '_, '_>) -> Patch {
         k.problem(span, "`[[patch]]` changes nothing: give `remove` or `set`");
     }
     Patch { file, remove, set }
+}
+
+/// Checks a dotted JSON path as `patch` reads it: keys between unescaped
+/// dots, `\.` for a dot inside a key. An empty key (`a..b`, `.`) or a
+/// trailing backslash (`a\`) is almost surely a typo, and is refused.
+fn json_path(r: &mut Reader<'_>, path: &str, span: Span) {
+    let why = if path.is_empty() {
+        ""
+    } else if path.ends_with('\\') {
+        ": it ends in a lone backslash (`\\.` is a dot inside a key)"
+    } else if path.replace("\\.", "x").split('.').any(str::is_empty) {
+        ": a key between its dots is empty"
+    } else {
+        return;
+    };
+    r.problem(Some(span), format!("`[[patch]]`: {path:?} is not a dotted JSON path{why}"));
 }
 
 /// `[prestart]`

@@ -325,3 +325,38 @@ fn port_zero_is_refused() {
     let p = parse_str(&with_value("prestart.port", "0")).unwrap_err();
     assert!(p.to_string().ends_with(":4:8: `port` must be at least 1"), "{p}");
 }
+
+#[test]
+fn patch_paths_with_an_empty_key_are_refused() {
+    for (entry, at) in [
+        (r#"set = {"." = 1}"#, "7:8"),
+        (r#"set = {"a..b" = 1}"#, "7:8"),
+        (r#"remove = [".a"]"#, "7:11"),
+        (r#"remove = ["a.", "ok"]"#, "7:11"),
+        (r#"remove = [""]"#, "7:11"),
+    ] {
+        let text = format!("[child]\ncommand = [\"vllm\"]\n\n[[patch]]\nfile = \"/m/config.json\"\n\n{entry}\n");
+        let p = parse_str(&text).unwrap_err();
+        assert_eq!(p.0.len(), 1, "{entry}: {p}");
+        let shown = p.to_string();
+        assert!(
+            shown.contains(&format!(":{at}: `[[patch]]`: ")) && shown.contains("is not a dotted JSON path"),
+            "{shown}"
+        );
+    }
+    // A backslash-escaped dot is a dot inside a key, not a separator.
+    let text = "[child]\ncommand = [\"vllm\"]\n[[patch]]\nfile = \"/m/c.json\"\nremove = ['a\\.b.c', 'a\\..b']\n";
+    let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
+    assert_eq!(s.patches[0].remove, vec![r"a\.b.c", r"a\..b"]);
+}
+
+#[test]
+fn patch_paths_ending_in_a_lone_backslash_are_refused() {
+    let text = "[child]\ncommand = [\"vllm\"]\n[[patch]]\nfile = \"/m/c.json\"\nremove = [\"a\\\\\"]\n";
+    let p = parse_str(text).unwrap_err();
+    assert_eq!(
+        p.to_string(),
+        "/etc/vllm-warden/kimi.toml:5:11: `[[patch]]`: \"a\\\\\" is not a dotted JSON path: it ends in a lone \
+         backslash (`\\.` is a dot inside a key)"
+    );
+}
