@@ -470,7 +470,14 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
     });
     let port_wait = k.duration("port-wait", defaults::PORT_WAIT, limits::WAIT);
     let gpu_idle_wait = k.duration("gpu-idle-wait", defaults::GPU_IDLE_WAIT, limits::WAIT);
-    let gpu_query = k.strings("gpu-query", defaults::GPU_QUERY.map(String::from).to_vec());
+    let gpu_query = k.read("gpu-query", defaults::GPU_QUERY.map(String::from).to_vec(), |r, v| {
+        let query = r.strings(v, "gpu-query")?;
+        if query.first().is_some_and(String::is_empty) {
+            r.problem(Some(v.span()), "`gpu-query` must name a program to run, or be [] (no GPU check)");
+            return None;
+        }
+        Some(query)
+    });
     Prestart { clean_shm, port, port_wait, gpu_idle_wait, gpu_query }
 }
 

@@ -294,10 +294,6 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
         self.read(key, default, |r, v| r.string(v, key).map(PathBuf::from))
     }
 
-    pub fn strings(&mut self, key: &'static str, default: Vec<String>) -> Vec<String> {
-        self.read(key, default, |r, v| r.strings(v, key))
-    }
-
     /// A duration within `range`.
     pub fn duration(&mut self, key: &'static str, default: Duration, range: RangeInclusive<Duration>) -> Duration {
         let name = self.dotted(key);

@@ -360,3 +360,14 @@ fn patch_paths_ending_in_a_lone_backslash_are_refused() {
          backslash (`\\.` is a dot inside a key)"
     );
 }
+
+#[test]
+fn an_empty_gpu_query_program_is_refused() {
+    let p = parse_str(&with_value("prestart.gpu-query", r#"["", "--x"]"#)).unwrap_err();
+    assert_eq!(
+        p.to_string(),
+        "/etc/vllm-warden/kimi.toml:4:13: `gpu-query` must name a program to run, or be [] (no GPU check)"
+    );
+    let s = parse_str(&with_value("prestart.gpu-query", "[]")).unwrap_or_else(|p| panic!("{p}"));
+    assert!(s.prestart.gpu_query.is_empty());
+}
