@@ -370,11 +370,35 @@ fn command(r: &mut Reader<'_>, v: &Value<'_>) -> Vec<String> {
 
 fn stop_signal(r: &mut Reader<'_>, v: &Value<'_>) -> Option<Signal> {
     let s = r.string(v, "stop-signal")?;
-    let sig = parse_signal(&s);
-    if sig.is_none() {
+    let Some(sig) = parse_signal(&s) else {
         r.problem(Some(v.span()), format!("`stop-signal`: unknown signal {s:?} (e.g. \"SIGTERM\", \"SIGINT\")"));
+        return None;
+    };
+    match not_a_stop_request(sig) {
+        None => Some(sig),
+        Some(why) => {
+            let message = format!(
+                "`stop-signal`: {} cannot ask a process to exit gracefully: {why} (e.g. \"SIGTERM\", \"SIGINT\")",
+                sig.as_str()
+            );
+            r.problem(Some(v.span()), message);
+            None
+        }
     }
-    sig
+}
+
+/// Why `sig` cannot be the first signal of a stop, if it cannot. SIGKILL
+/// is refused too: it cannot be caught, so vLLM's API server could not shut
+/// its engine down, and a stop sends it anyway once `stop-timeout` is over.
+fn not_a_stop_request(sig: Signal) -> Option<&'static str> {
+    use Signal::*;
+    match sig {
+        SIGKILL => Some("it cannot be caught, and a stop sends it anyway after `stop-timeout`"),
+        SIGSTOP | SIGTSTP | SIGTTIN | SIGTTOU => Some("it suspends the process"),
+        SIGCONT => Some("it resumes a suspended process"),
+        SIGCHLD | SIGURG | SIGWINCH => Some("it is ignored unless handled"),
+        _ => None,
+    }
 }
 
 /// `[[patch]]`, each entry.

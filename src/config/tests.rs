@@ -371,3 +371,30 @@ fn an_empty_gpu_query_program_is_refused() {
     let s = parse_str(&with_value("prestart.gpu-query", "[]")).unwrap_or_else(|p| panic!("{p}"));
     assert!(s.prestart.gpu_query.is_empty());
 }
+
+#[test]
+fn stop_signals_that_cannot_ask_for_a_graceful_stop_are_refused() {
+    for (sig, why) in [
+        ("SIGKILL", "it cannot be caught"),
+        ("9", "it cannot be caught"),
+        ("SIGSTOP", "it suspends the process"),
+        ("TSTP", "it suspends the process"),
+        ("SIGTTIN", "it suspends the process"),
+        ("SIGTTOU", "it suspends the process"),
+        ("SIGCONT", "it resumes a suspended process"),
+        ("SIGCHLD", "it is ignored unless handled"),
+        ("SIGWINCH", "it is ignored unless handled"),
+        ("SIGURG", "it is ignored unless handled"),
+    ] {
+        let p = parse_str(&with_value("child.stop-signal", &format!("{sig:?}"))).unwrap_err().to_string();
+        assert!(
+            p.contains(":3:15: `stop-signal`: SIG") && p.contains("cannot ask a process to exit gracefully"),
+            "{p}"
+        );
+        assert!(p.contains(why), "{sig}: {p}");
+    }
+    for sig in ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"] {
+        let s = parse_str(&with_value("child.stop-signal", &format!("{sig:?}"))).unwrap_or_else(|p| panic!("{p}"));
+        assert_eq!(s.child.stop_signal.as_str(), sig);
+    }
+}
