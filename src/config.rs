@@ -507,11 +507,11 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
 
 /// `[ready]`; adds its patterns to the ready and progress lists.
 fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &str) -> Ready {
-    k.patterns("log", patterns.list_mut(List::Ready));
+    k.patterns("log", patterns.list_mut(List::Ready), List::Ready.name());
     let http = k.url("http", Some(health_url.to_string()));
     let timeout = k.duration("timeout", defaults::READY_TIMEOUT, limits::START);
     let stall = k.duration("stall", defaults::READY_STALL, limits::START);
-    k.patterns("progress", patterns.list_mut(List::Progress));
+    k.patterns("progress", patterns.list_mut(List::Progress), List::Progress.name());
     if http.is_none() && patterns.ready.is_empty() {
         k.problem(
             None,
@@ -523,9 +523,9 @@ fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &str) -> 
 
 /// `[fatal]`; adds its patterns to the fatal, ignore and permanent lists.
 fn fatal(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns) -> Fatal {
-    k.patterns("match", patterns.list_mut(List::Fatal));
-    k.patterns("ignore", patterns.list_mut(List::Ignore));
-    k.patterns("permanent", patterns.list_mut(List::Permanent));
+    for (key, which) in [("match", List::Fatal), ("ignore", List::Ignore), ("permanent", List::Permanent)] {
+        k.patterns(key, patterns.list_mut(which), which.name());
+    }
     let grace = k.duration("grace", defaults::FATAL_GRACE, limits::WAIT);
     Fatal { grace }
 }

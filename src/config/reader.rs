@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use humantime::format_duration;
 
-use regex::Regex;
+use regex::{Regex, RegexSet};
 use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
@@ -322,12 +322,21 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
         self.read(key, default, |r, v| r.url(v, &name))
     }
 
-    /// Adds the valid patterns of `key` to `list`.
-    pub fn patterns(&mut self, key: &'static str, list: &mut Vec<String>) {
+    /// Adds the valid patterns of `key` to `list` (the effective `what`
+    /// list). The list must then still compile as one `RegexSet`, as the
+    /// classifier compiles it: patterns that each fit the regex size limit
+    /// can exceed it together.
+    pub fn patterns(&mut self, key: &'static str, list: &mut Vec<String>, what: &str) {
         let name = self.dotted(key);
-        if let Some(v) = self.take(key) {
-            let extra = self.r.patterns(v, &name);
-            list.extend(extra);
+        let Some(v) = self.take(key) else { return };
+        let extra = self.r.patterns(v, &name);
+        if extra.is_empty() {
+            return;
+        }
+        list.extend(extra);
+        if let Err(e) = RegexSet::new(&*list) {
+            let message = format!("`{name}`: the effective {what} list cannot be compiled: {}", last_line(&e));
+            self.r.problem(Some(v.span()), message);
         }
     }
 

@@ -398,3 +398,18 @@ fn stop_signals_that_cannot_ask_for_a_graceful_stop_are_refused() {
         assert_eq!(s.child.stop_signal.as_str(), sig);
     }
 }
+
+#[test]
+fn patterns_too_big_together_are_refused() {
+    // Each fits the regex size limit alone; the classifier's set of both does not.
+    let big = r"\\w{150}";
+    let text = format!("[child]\ncommand = [\"vllm\"]\n[fatal]\nmatch = [\"{big}\", \"{big}x\"]\n");
+    let p = parse_str(&text).unwrap_err();
+    let mut patterns = Profile::Vllm.patterns();
+    patterns.fatal.extend([r"\w{150}".to_string(), r"\w{150}x".to_string()]);
+    let Err(run) = crate::logwatch::Classifier::new(&patterns) else { panic!("`run` accepts these patterns") };
+    assert_eq!(
+        p.to_string(),
+        format!("/etc/vllm-warden/kimi.toml:4:9: `fatal.match`: the effective fatal list cannot be compiled: {run}")
+    );
+}
