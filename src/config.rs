@@ -365,6 +365,10 @@ fn command(r: &mut Reader<'_>, v: &Value<'_>) -> Vec<String> {
         r.problem(Some(v.span()), "`command` must name a program to run");
         return Vec::new();
     }
+    if port_of(&command) == Some(0) {
+        r.problem(Some(v.span()), "`command`: `--port 0` leaves the port to chance, and the warden must know it");
+        return Vec::new();
+    }
     command
 }
 

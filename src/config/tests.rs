@@ -413,3 +413,16 @@ fn patterns_too_big_together_are_refused() {
         format!("/etc/vllm-warden/kimi.toml:4:9: `fatal.match`: the effective fatal list cannot be compiled: {run}")
     );
 }
+
+#[test]
+fn a_command_port_of_zero_is_refused() {
+    for command in [r#"["vllm", "--port", "000"]"#, r#"["vllm", "--port=0"]"#] {
+        let p = parse_str(&format!("[child]\ncommand = {command}\n")).unwrap_err();
+        assert_eq!(p.0.len(), 1, "{p}");
+        assert!(
+            p.to_string()
+                .ends_with(":2:11: `command`: `--port 0` leaves the port to chance, and the warden must know it"),
+            "{p}"
+        );
+    }
+}
