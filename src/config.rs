@@ -611,4 +611,6 @@ pub fn describe_patterns(s: &Settings) -> String {
 }
 
 #[cfg(test)]
+mod properties;
+#[cfg(test)]
 mod tests;
