@@ -123,13 +123,15 @@ struct Row {
     range: String,
 }
 
+/// The range is the end of the meaning: `…; from `A` to `B``.
 fn man_page_rows() -> Vec<Row> {
     include_str!("../../docs/vllm-warden.toml.5.md")
         .lines()
         .filter(|l| l.starts_with("| `"))
         .map(|l| {
             let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
-            Row { key: cells[0].trim_matches('`').into(), default: cells[1].into(), range: cells[2].into() }
+            let range = cells[2].rsplit_once("; from ").map_or("", |(_, r)| r);
+            Row { key: cells[0].trim_matches('`').into(), default: cells[1].into(), range: range.into() }
         })
         .collect()
 }
