@@ -99,7 +99,7 @@ fn load(path: &Path) -> Result<Settings, Code> {
 fn check(path: &Path) -> Code {
     let (settings, mut problems) = match config::load(path, &Dirs::from_env()) {
         Ok(s) => {
-            let env = config::check_environment(&s);
+            let env = crate::environment::check_environment(&s);
             (Some(s), env)
         }
         Err(p) => (None, p.0),

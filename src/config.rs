@@ -1,10 +1,15 @@
-//! TOML → validated [`Settings`]. Every problem is collected, each naming the
-//! file and, where the TOML has one, the line and column; nothing here knows
-//! about processes or tokio.
+//! TOML → validated [`Settings`]: one function per section, each returning
+//! its struct, every default a constant in [`defaults`]. Every problem is
+//! collected, each naming the file and, where the TOML has one, the line and
+//! column.
 //!
-//! The document is parsed with `toml`'s spanned tree and read key by key,
-//! rather than through `#[derive(Deserialize)]`, because serde stops at the
-//! first error and `check` must list every one.
+//! The document is parsed with `toml`'s spanned tree and read key by key
+//! (see `reader`), rather than through `#[derive(Deserialize)]`, because
+//! serde stops at the first error and `check` must list every one.
+//!
+//! This must not know processes, tokio or anything outside the one file: the
+//! program, folders and patched files are checked by `environment`, and
+//! what a patch does is `patch`'s.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -12,16 +17,96 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use regex::Regex;
-use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
-use crate::profile::{Patterns, Profile};
+use self::reader::{Keys, Reader, Span, Table, Value, to_json};
+
+use crate::patch::Patch;
+use crate::profile::{List, Patterns, Profile};
+
+mod reader;
 
 /// Where the config is read from when `-c` is not given.
 pub const DEFAULT_CONFIG: &str = "/etc/vllm-warden/vllm-warden.toml";
 /// The port vLLM listens on when the command has no `--port`.
-pub const DEFAULT_PORT: u16 = 8000;
+pub const DEFAULT_PORT: u16 = defaults::PORT;
+
+/// The value of every key the config leaves out. The man page's table
+/// shows the same values; a test compares them.
+pub mod defaults {
+    use std::time::Duration;
+
+    use nix::sys::signal::Signal;
+
+    use crate::profile::Profile;
+
+    const fn minutes(n: u64) -> Duration {
+        Duration::from_secs(n * 60)
+    }
+
+    pub const PROFILE: Profile = Profile::Vllm;
+
+    /// `child.log-file` is `NAME.log` in `$LOGS_DIRECTORY`, else here.
+    pub const LOG_DIR: &str = "/var/log/vllm-warden";
+    pub const STOP_SIGNAL: Signal = Signal::SIGTERM;
+    pub const STOP_TIMEOUT: Duration = Duration::from_secs(90);
+
+    /// The port vLLM listens on when the command has no `--port`.
+    pub const PORT: u16 = 8000;
+    pub const PORT_WAIT: Duration = Duration::from_secs(30);
+    pub const GPU_IDLE_WAIT: Duration = minutes(2);
+    pub const GPU_QUERY: [&str; 3] =
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"];
+
+    pub const READY_TIMEOUT: Duration = minutes(90);
+    pub const READY_STALL: Duration = minutes(15);
+
+    pub const FATAL_GRACE: Duration = Duration::from_secs(30);
+
+    pub const INITIAL_DELAY: Duration = Duration::from_secs(10);
+    pub const MAX_DELAY: Duration = minutes(5);
+    pub const FACTOR: f64 = 2.0;
+    pub const JITTER: f64 = 0.1;
+    pub const RESET_AFTER: Duration = minutes(10);
+    pub const MAX_ATTEMPTS: u32 = 10;
+    pub const PERMANENT_ATTEMPTS: u32 = 2;
+
+    pub const HEALTH_INTERVAL: Duration = Duration::from_secs(15);
+    pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+    pub const HEALTH_FAILURES: u32 = 3;
+    /// Zero: no canary.
+    pub const CANARY_INTERVAL: Duration = Duration::ZERO;
+    pub const CANARY_TIMEOUT: Duration = minutes(1);
+
+    /// `status.file` is `status.json` in `$RUNTIME_DIRECTORY`, else in
+    /// `NAME/` here.
+    pub const RUN_DIR: &str = "/run/vllm-warden";
+    /// `$STATE_DIRECTORY`, else `NAME/` here.
+    pub const STATE_DIR: &str = "/var/lib/vllm-warden";
+}
+
+/// The range of every duration key: wide enough for any real setting, and
+/// narrow enough that no deadline the warden computes from one can
+/// overflow (`"500000000000y"` parses, and `Instant + Duration` panics).
+/// The man page's table shows the same ranges; a test tries them.
+pub mod limits {
+    use std::ops::RangeInclusive;
+    use std::time::Duration;
+
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+    /// The longest duration any key accepts.
+    pub const LONGEST: Duration = DAY.saturating_mul(30);
+    /// The shortest duration a key that must be positive accepts.
+    pub const SHORTEST: Duration = Duration::from_millis(1);
+
+    /// A wait, delay or grace; zero means none.
+    pub const WAIT: RangeInclusive<Duration> = Duration::ZERO..=LONGEST;
+    /// A period or timeout that must be positive.
+    pub const PERIOD: RangeInclusive<Duration> = SHORTEST..=LONGEST;
+    /// The deadlines of one start (`ready.timeout`, `ready.stall`): a week
+    /// is far beyond any load.
+    pub const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
+}
 
 /// A config that passed validation.
 #[derive(Debug, Clone)]
@@ -54,16 +139,6 @@ pub struct Child {
     pub log_file: PathBuf,
     pub stop_signal: Signal,
     pub stop_timeout: Duration,
-}
-
-/// One `[[patch]]` entry: JSON edits applied before every start.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Patch {
-    pub file: PathBuf,
-    /// Dotted paths (`a.b.0.c`, `a\.b` for a dot inside a key).
-    pub remove: Vec<String>,
-    /// Dotted path → value, in the order written.
-    pub set: Vec<(String, serde_json::Value)>,
 }
 
 #[derive(Debug, Clone)]
@@ -183,556 +258,319 @@ pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
 }
 
 /// Validate config text; `path` names the file in problems and gives the
-/// default instance name (its stem).
+/// default instance name (its stem). `Err` exactly when a problem was found.
 pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
     let (doc, syntax) = DeTable::parse_recoverable(text);
-    let mut r = Reader { text, file: path, problems: Vec::new() };
-    for e in syntax {
-        r.problem(e.span(), e.message().trim_end().to_string());
+    let mut r = Reader::new(text, path);
+    if !syntax.is_empty() {
+        for e in syntax {
+            r.problem(e.span(), e.message().trim_end());
+        }
+        return Err(Problems(r.into_problems()));
     }
-    if !r.problems.is_empty() {
-        return Err(Problems(r.problems));
-    }
-    let settings = r.settings(doc.get_ref(), path, dirs);
-    if r.problems.is_empty() {
-        Ok(settings.expect("settings are complete when there is no problem"))
-    } else {
-        Err(Problems(r.problems))
+    let settings = settings(&mut r, doc.get_ref(), path, dirs);
+    let problems = r.into_problems();
+    if problems.is_empty() { Ok(settings) } else { Err(Problems(problems)) }
+}
+
+/// The whole document, section by section.
+fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Settings {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("vllm").to_string();
+    let mut top = Keys::new(r, Some(doc), None, "", String::new());
+    let name = top.read("name", stem, instance_name);
+    let profile = top.read("profile", defaults::PROFILE, profile);
+    let [child_v, patch_v, prestart_v, ready_v, fatal_v, restart_v, health_v, status_v] =
+        ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"].map(|k| top.take(k));
+    drop(top);
+
+    let mut patterns = profile.patterns();
+    let child = child(r.section(child_v, "child"), &name, dirs);
+    let patches = patches(r, patch_v);
+    let prestart = prestart(r.section(prestart_v, "prestart"), profile, &child.command);
+    let health_url = format!("http://127.0.0.1:{}/health", prestart.port);
+    let ready = ready(r.section(ready_v, "ready"), &mut patterns, &health_url);
+    let fatal = fatal(r.section(fatal_v, "fatal"), &mut patterns);
+    let restart = restart(r.section(restart_v, "restart"));
+    let health = health(r.section(health_v, "health"), &health_url);
+    let status = status(r.section(status_v, "status"), &name, dirs);
+    let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
+    Settings {
+        source: path.to_path_buf(),
+        name,
+        profile,
+        child,
+        patches,
+        prestart,
+        ready,
+        fatal,
+        restart,
+        health,
+        status,
+        state_dir,
+        patterns,
     }
 }
 
-type Span = std::ops::Range<usize>;
-type Table<'i> = DeTable<'i>;
-type Value<'i> = Spanned<DeValue<'i>>;
-
-/// Reads typed values out of the spanned tree, recording every problem.
-struct Reader<'a> {
-    text: &'a str,
-    file: &'a Path,
-    problems: Vec<Problem>,
+fn instance_name(r: &mut Reader<'_>, v: &Value<'_>) -> Option<String> {
+    let n = r.string(v, "name")?;
+    let ok = !n.is_empty()
+        && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !n.starts_with('.');
+    if !ok {
+        r.problem(Some(v.span()), format!("`name` {n:?} must be letters, digits, '-', '_' or '.'"));
+    }
+    ok.then_some(n)
 }
 
-impl Reader<'_> {
-    fn problem(&mut self, span: Option<Span>, message: String) {
-        let at = span.map(|s| line_col(self.text, s.start));
-        self.problems.push(Problem { file: self.file.to_path_buf(), at, message });
+fn profile(r: &mut Reader<'_>, v: &Value<'_>) -> Option<Profile> {
+    let p = r.string(v, "profile")?;
+    let parsed = Profile::parse(&p);
+    if parsed.is_none() {
+        r.problem(Some(v.span()), format!("unknown profile {p:?} (known: vllm, none)"));
     }
+    parsed
+}
 
-    /// The keys of `table`, checking that each is one of `known`.
-    fn keys<'t, 'i>(&mut self, table: &'t Table<'i>, section: &str, known: &[&str]) -> BTreeMap<String, &'t Value<'i>> {
-        let mut out = BTreeMap::new();
-        for (k, v) in table.iter() {
-            let key: &str = k.get_ref();
-            if known.contains(&key) {
-                out.insert(key.to_string(), v);
-            } else {
-                let place = if section.is_empty() { String::new() } else { format!(" in [{section}]") };
-                self.problem(Some(k.span()), format!("unknown key `{key}`{place} (known: {})", known.join(", ")));
-            }
+/// `[child]`
+fn child(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Child {
+    let command = match k.take("command") {
+        Some(v) => command(k.reader(), v),
+        None => {
+            let span = k.span();
+            k.problem(span, "`[child] command` is required: the argv of the server to run");
+            Vec::new()
         }
-        out
-    }
-
-    fn string(&mut self, v: &Value<'_>, key: &str) -> Option<String> {
-        match v.get_ref() {
-            DeValue::String(s) => Some(s.to_string()),
-            other => {
-                self.problem(Some(v.span()), format!("`{key}` must be a string, not {}", other.type_str()));
-                None
-            }
-        }
-    }
-
-    fn strings(&mut self, v: &Value<'_>, key: &str) -> Option<Vec<String>> {
-        let DeValue::Array(items) = v.get_ref() else {
-            self.problem(Some(v.span()), format!("`{key}` must be an array of strings"));
-            return None;
-        };
-        let mut out = Vec::new();
-        let mut ok = true;
-        for item in items.iter() {
-            match self.string(item, key) {
-                Some(s) => out.push(s),
-                None => ok = false,
-            }
-        }
-        ok.then_some(out)
-    }
-
-    fn patterns(&mut self, v: &Value<'_>, key: &str) -> Vec<String> {
-        let DeValue::Array(items) = v.get_ref() else {
-            self.problem(Some(v.span()), format!("`{key}` must be an array of regular expressions"));
-            return Vec::new();
-        };
-        let mut out = Vec::new();
-        for item in items.iter() {
-            if let Some(s) = self.string(item, key) {
-                match Regex::new(&s) {
-                    Ok(_) => out.push(s),
-                    Err(e) => {
-                        let first = e.to_string().lines().last().unwrap_or_default().to_string();
-                        self.problem(Some(item.span()), format!("`{key}`: invalid regular expression {s:?}: {first}"))
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    fn duration(&mut self, v: &Value<'_>, key: &str) -> Option<Duration> {
-        let s = self.string(v, key)?;
-        match humantime::parse_duration(&s) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                self.problem(
-                    Some(v.span()),
-                    format!("`{key}`: invalid duration {s:?}: {e} (write e.g. \"90s\", \"15m\")"),
-                );
-                None
-            }
-        }
-    }
-
-    fn integer(&mut self, v: &Value<'_>, key: &str, max: i64) -> Option<i64> {
-        let parsed = match v.get_ref() {
-            DeValue::Integer(i) => parse_int(i.as_str(), i.radix()),
-            _ => None,
-        };
-        match parsed {
-            Some(n) if (0..=max).contains(&n) => Some(n),
-            _ => {
-                self.problem(Some(v.span()), format!("`{key}` must be an integer from 0 to {max}"));
-                None
-            }
-        }
-    }
-
-    fn float(&mut self, v: &Value<'_>, key: &str, min: f64, max: f64) -> Option<f64> {
-        let parsed = match v.get_ref() {
-            DeValue::Float(f) => f.as_str().replace('_', "").parse::<f64>().ok(),
-            DeValue::Integer(i) => parse_int(i.as_str(), i.radix()).map(|n| n as f64),
-            _ => None,
-        };
-        match parsed {
-            Some(x) if x >= min && x <= max => Some(x),
-            _ => {
-                self.problem(Some(v.span()), format!("`{key}` must be a number from {min} to {max}"));
-                None
-            }
-        }
-    }
-
-    fn table<'t, 'i>(&mut self, v: &'t Value<'i>, key: &str) -> Option<&'t Table<'i>> {
-        match v.get_ref() {
-            DeValue::Table(t) => Some(t),
-            _ => {
-                self.problem(Some(v.span()), format!("`{key}` must be a table"));
-                None
-            }
-        }
-    }
-
-    fn url(&mut self, v: &Value<'_>, key: &str) -> Option<Option<String>> {
-        let s = self.string(v, key)?;
-        if s.is_empty() {
-            return Some(None);
-        }
-        if !(s.starts_with("http://") || s.starts_with("https://")) {
-            self.problem(Some(v.span()), format!("`{key}` must be an http:// URL or \"\" (off), not {s:?}"));
-            return None;
-        }
-        Some(Some(s))
-    }
-
-    fn settings(&mut self, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Option<Settings> {
-        let top = self.keys(
-            doc,
-            "",
-            &["name", "profile", "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"],
-        );
-        let empty = Table::default();
-        let section = |r: &mut Self, key: &str| -> &Table<'_> {
-            match top.get(key) {
-                Some(v) => r.table(v, key).unwrap_or(&empty),
-                None => &empty,
-            }
-        };
-
-        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("vllm").to_string();
-        let name = match top.get("name") {
-            Some(v) => self.string(v, "name").and_then(|n| {
-                let ok = !n.is_empty()
-                    && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-                    && !n.starts_with('.');
-                if !ok {
-                    self.problem(Some(v.span()), format!("`name` {n:?} must be letters, digits, '-', '_' or '.'"));
-                }
-                ok.then_some(n)
-            }),
-            None => Some(stem),
-        };
-        let profile = match top.get("profile") {
-            Some(v) => self.string(v, "profile").and_then(|p| {
-                let parsed = Profile::parse(&p);
-                if parsed.is_none() {
-                    self.problem(Some(v.span()), format!("unknown profile {p:?} (known: vllm, none)"));
-                }
-                parsed
-            }),
-            None => Some(Profile::Vllm),
-        };
-        let base = profile.unwrap_or(Profile::Vllm);
-        let name_or = name.clone().unwrap_or_else(|| "vllm".into());
-        let mut patterns = base.patterns();
-
-        // [child]
-        let t = section(self, "child");
-        let k = self.keys(t, "child", &["command", "env", "cwd", "log-file", "stop-signal", "stop-timeout"]);
-        let command = match k.get("command") {
-            Some(v) => self.strings(v, "command").and_then(|c| {
-                if c.is_empty() || c[0].is_empty() {
-                    self.problem(Some(v.span()), "`command` must name a program to run".into());
-                    None
-                } else {
-                    Some(c)
-                }
-            }),
-            None => {
-                let span = top.get("child").map(|v| v.span());
-                self.problem(span, "`[child] command` is required: the argv of the server to run".into());
-                None
-            }
-        };
+    };
+    let env = k.read("env", BTreeMap::new(), |r, v| {
+        let t = r.table(v, "env")?;
         let mut env = BTreeMap::new();
-        if let Some(v) = k.get("env")
-            && let Some(t) = self.table(v, "env")
-        {
-            for (key, val) in t.iter() {
-                if let Some(s) = self.string(val, &format!("env.{}", key.get_ref())) {
-                    env.insert(key.get_ref().to_string(), s);
-                }
+        for (key, val) in t.iter() {
+            if let Some(s) = r.string(val, &format!("env.{}", key.get_ref())) {
+                env.insert(key.get_ref().to_string(), s);
             }
         }
-        let cwd = k.get("cwd").and_then(|v| self.string(v, "cwd")).map(PathBuf::from);
-        let log_file = match k.get("log-file") {
-            Some(v) => self.string(v, "log-file").map(PathBuf::from),
-            None => Some(
-                dirs.logs
-                    .clone()
-                    .unwrap_or_else(|| PathBuf::from("/var/log/vllm-warden"))
-                    .join(format!("{name_or}.log")),
-            ),
-        };
-        let stop_signal = match k.get("stop-signal") {
-            Some(v) => self.string(v, "stop-signal").and_then(|s| {
-                let sig = parse_signal(&s);
-                if sig.is_none() {
-                    self.problem(
-                        Some(v.span()),
-                        format!("`stop-signal`: unknown signal {s:?} (e.g. \"SIGTERM\", \"SIGINT\")"),
-                    );
-                }
-                sig
-            }),
-            None => Some(Signal::SIGTERM),
-        };
-        let stop_timeout = self.opt_duration(&k, "stop-timeout", Duration::from_secs(90));
+        Some(env)
+    });
+    let cwd = k.read("cwd", None, |r, v| r.string(v, "cwd").map(|s| Some(PathBuf::from(s))));
+    let log_dir = dirs.logs.clone().unwrap_or_else(|| PathBuf::from(defaults::LOG_DIR));
+    let log_file = k.path("log-file", log_dir.join(format!("{name}.log")));
+    let stop_signal = k.read("stop-signal", defaults::STOP_SIGNAL, stop_signal);
+    let stop_timeout = k.duration("stop-timeout", defaults::STOP_TIMEOUT, limits::WAIT);
+    Child { command, env, cwd, log_file, stop_signal, stop_timeout }
+}
 
-        // [[patch]]
-        let mut patches = Vec::new();
-        if let Some(v) = top.get("patch") {
-            match v.get_ref() {
-                DeValue::Array(items) => {
-                    for item in items.iter() {
-                        if let Some(p) = self.table(item, "patch").and_then(|t| self.patch(t, item.span())) {
-                            patches.push(p);
-                        }
-                    }
-                }
-                _ => self.problem(Some(v.span()), "`patch` must be written as [[patch]] tables".into()),
-            }
-        }
+fn command(r: &mut Reader<'_>, v: &Value<'_>) -> Vec<String> {
+    let Some(command) = r.strings(v, "command") else { return Vec::new() };
+    if command.first().is_none_or(String::is_empty) {
+        r.problem(Some(v.span()), "`command` must name a program to run");
+        return Vec::new();
+    }
+    if port_of(&command) == Some(0) {
+        r.problem(Some(v.span()), "`command`: `--port 0` leaves the port to chance, and the warden must know it");
+        return Vec::new();
+    }
+    command
+}
 
-        // [prestart]
-        let t = section(self, "prestart");
-        let k = self.keys(t, "prestart", &["clean-shm", "port", "port-wait", "gpu-idle-wait", "gpu-query"]);
-        let mut clean_shm = base.shm_globs();
-        if let Some(v) = k.get("clean-shm")
-            && let Some(globs) = self.strings(v, "clean-shm")
-        {
-            for g in globs {
-                if g.is_empty() || g.contains('/') || g == "*" {
-                    self.problem(
-                        Some(v.span()),
-                        format!("`clean-shm`: {g:?} must be a file-name glob in /dev/shm, narrower than \"*\""),
-                    );
-                } else {
-                    clean_shm.push(g);
-                }
-            }
-        }
-        let port = match k.get("port") {
-            Some(v) => self.integer(v, "port", 65535).map(|n| n as u16),
-            None => command.as_deref().map(|c| port_of(c).unwrap_or(DEFAULT_PORT)),
-        };
-        let port_wait = self.opt_duration(&k, "port-wait", Duration::from_secs(30));
-        let gpu_idle_wait = self.opt_duration(&k, "gpu-idle-wait", Duration::from_secs(120));
-        let gpu_query = match k.get("gpu-query") {
-            Some(v) => self.strings(v, "gpu-query"),
-            None => Some(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-                    .map(String::from)
-                    .to_vec(),
-            ),
-        };
-        let default_health = port.map(|p| format!("http://127.0.0.1:{p}/health"));
-
-        // [ready]
-        let t = section(self, "ready");
-        let k = self.keys(t, "ready", &["log", "http", "timeout", "stall", "progress"]);
-        if let Some(v) = k.get("log") {
-            let extra = self.patterns(v, "ready.log");
-            patterns.ready.extend(extra);
-        }
-        if let Some(v) = k.get("progress") {
-            let extra = self.patterns(v, "ready.progress");
-            patterns.progress.extend(extra);
-        }
-        let ready_http = match k.get("http") {
-            Some(v) => self.url(v, "ready.http"),
-            None => Some(default_health.clone()),
-        };
-        let ready_timeout = self.opt_duration(&k, "timeout", Duration::from_secs(90 * 60));
-        let stall = self.opt_duration(&k, "stall", Duration::from_secs(15 * 60));
-        if let (Some(None), true) = (&ready_http, patterns.ready.is_empty()) {
-            self.problem(
-                None,
-                "nothing can tell that the server is ready: `ready.log` has no pattern and `ready.http` is off".into(),
+fn stop_signal(r: &mut Reader<'_>, v: &Value<'_>) -> Option<Signal> {
+    let s = r.string(v, "stop-signal")?;
+    let Some(sig) = parse_signal(&s) else {
+        r.problem(Some(v.span()), format!("`stop-signal`: unknown signal {s:?} (e.g. \"SIGTERM\", \"SIGINT\")"));
+        return None;
+    };
+    match not_a_stop_request(sig) {
+        None => Some(sig),
+        Some(why) => {
+            let message = format!(
+                "`stop-signal`: {} cannot ask a process to exit gracefully: {why} (e.g. \"SIGTERM\", \"SIGINT\")",
+                sig.as_str()
             );
+            r.problem(Some(v.span()), message);
+            None
         }
+    }
+}
 
-        // [fatal]
-        let t = section(self, "fatal");
-        let k = self.keys(t, "fatal", &["match", "ignore", "permanent", "grace"]);
-        for (key, list) in [("match", 0), ("ignore", 1), ("permanent", 2)] {
-            if let Some(v) = k.get(key) {
-                let extra = self.patterns(v, &format!("fatal.{key}"));
-                match list {
-                    0 => patterns.fatal.extend(extra),
-                    1 => patterns.ignore.extend(extra),
-                    _ => patterns.permanent.extend(extra),
-                }
+/// Why `sig` cannot be the first signal of a stop, if it cannot. SIGKILL
+/// is refused too: it cannot be caught, so vLLM's API server could not shut
+/// its engine down, and a stop sends it anyway once `stop-timeout` is over.
+fn not_a_stop_request(sig: Signal) -> Option<&'static str> {
+    use Signal::*;
+    match sig {
+        SIGKILL => Some("it cannot be caught, and a stop sends it anyway after `stop-timeout`"),
+        SIGSTOP | SIGTSTP | SIGTTIN | SIGTTOU => Some("it suspends the process"),
+        SIGCONT => Some("it resumes a suspended process"),
+        SIGCHLD | SIGURG | SIGWINCH => Some("it is ignored unless handled"),
+        _ => None,
+    }
+}
+
+/// `[[patch]]`, each entry.
+fn patches(r: &mut Reader<'_>, v: Option<&Value<'_>>) -> Vec<Patch> {
+    let Some(v) = v else { return Vec::new() };
+    let DeValue::Array(items) = v.get_ref() else {
+        r.problem(Some(v.span()), "`patch` must be written as [[patch]] tables");
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for item in items.iter() {
+        if let Some(t) = r.table(item, "patch") {
+            out.push(patch(Keys::new(r, Some(t), Some(item.span()), "patch", " in [[patch]]".into())));
+        }
+    }
+    out
+}
+
+fn patch(mut k: Keys<'_, '_, '_>) -> Patch {
+    let file = match k.take("file") {
+        Some(v) => k.reader().string(v, "file").map(PathBuf::from).unwrap_or_default(),
+        None => {
+            let span = k.span();
+            k.problem(span, "`[[patch]]` needs `file`");
+            PathBuf::new()
+        }
+    };
+    let remove = k.read("remove", Vec::new(), |r, v| {
+        let paths = r.strings(v, "remove")?;
+        if let DeValue::Array(items) = v.get_ref() {
+            for (path, item) in paths.iter().zip(items.iter()) {
+                json_path(r, path, item.span());
             }
         }
-        let grace = self.opt_duration(&k, "grace", Duration::from_secs(30));
+        Some(paths)
+    });
+    let mut set = Vec::new();
+    if let Some(t) = k.table("set") {
+        for (key, val) in t.iter() {
+            json_path(k.reader(), key.get_ref(), key.span());
+            match to_json(val.get_ref()) {
+                Ok(j) => set.push((key.get_ref().to_string(), j)),
+                Err(e) => k.problem(Some(val.span()), format!("`set.{}`: {e}", key.get_ref())),
+            }
+        }
+    }
+    if k.ok("remove") && remove.is_empty() && set.is_empty() {
+        let span = k.span();
+        k.problem(span, "`[[patch]]` changes nothing: give `remove` or `set`");
+    }
+    Patch { file, remove, set }
+}
 
-        // [restart]
-        let t = section(self, "restart");
-        let k = self.keys(
-            t,
-            "restart",
-            &["initial-delay", "max-delay", "factor", "jitter", "reset-after", "max-attempts", "permanent-attempts"],
+/// Checks a dotted JSON path as `patch` reads it: keys between unescaped
+/// dots, `\.` for a dot inside a key. An empty key (`a..b`, `.`) or a
+/// trailing backslash (`a\`) is almost surely a typo, and is refused.
+fn json_path(r: &mut Reader<'_>, path: &str, span: Span) {
+    let why = if path.is_empty() {
+        ""
+    } else if path.ends_with('\\') {
+        ": it ends in a lone backslash (`\\.` is a dot inside a key)"
+    } else if path.replace("\\.", "x").split('.').any(str::is_empty) {
+        ": a key between its dots is empty"
+    } else {
+        return;
+    };
+    r.problem(Some(span), format!("`[[patch]]`: {path:?} is not a dotted JSON path{why}"));
+}
+
+/// `[prestart]`
+fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Prestart {
+    let clean_shm = k.read("clean-shm", profile.shm_globs(), |r, v| {
+        let mut globs = profile.shm_globs();
+        for g in r.strings(v, "clean-shm")? {
+            if g.is_empty() || g.contains('/') || g == "*" {
+                r.problem(
+                    Some(v.span()),
+                    format!("`clean-shm`: {g:?} must be a file-name glob in /dev/shm, narrower than \"*\""),
+                );
+            } else {
+                globs.push(g);
+            }
+        }
+        Some(globs)
+    });
+    let port = k.read("port", port_of(command).unwrap_or(defaults::PORT), |r, v| {
+        let n = r.integer(v, "port", u16::MAX.into())?;
+        if n == 0 {
+            r.problem(Some(v.span()), "`port` must be at least 1");
+            return None;
+        }
+        u16::try_from(n).ok()
+    });
+    let port_wait = k.duration("port-wait", defaults::PORT_WAIT, limits::WAIT);
+    let gpu_idle_wait = k.duration("gpu-idle-wait", defaults::GPU_IDLE_WAIT, limits::WAIT);
+    let gpu_query = k.read("gpu-query", defaults::GPU_QUERY.map(String::from).to_vec(), |r, v| {
+        let query = r.strings(v, "gpu-query")?;
+        if query.first().is_some_and(String::is_empty) {
+            r.problem(Some(v.span()), "`gpu-query` must name a program to run, or be [] (no GPU check)");
+            return None;
+        }
+        Some(query)
+    });
+    Prestart { clean_shm, port, port_wait, gpu_idle_wait, gpu_query }
+}
+
+/// `[ready]`; adds its patterns to the ready and progress lists.
+fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &str) -> Ready {
+    k.patterns("log", patterns.list_mut(List::Ready), List::Ready.name());
+    let http = k.url("http", Some(health_url.to_string()));
+    let timeout = k.duration("timeout", defaults::READY_TIMEOUT, limits::START);
+    let stall = k.duration("stall", defaults::READY_STALL, limits::START);
+    k.patterns("progress", patterns.list_mut(List::Progress), List::Progress.name());
+    if http.is_none() && patterns.ready.is_empty() {
+        k.problem(
+            None,
+            "nothing can tell that the server is ready: `ready.log` has no pattern and `ready.http` is off",
         );
-        let initial_delay = self.opt_duration(&k, "initial-delay", Duration::from_secs(10));
-        let max_delay = self.opt_duration(&k, "max-delay", Duration::from_secs(300));
-        let factor = match k.get("factor") {
-            Some(v) => self.float(v, "factor", 1.0, 100.0),
-            None => Some(2.0),
-        };
-        let jitter = match k.get("jitter") {
-            Some(v) => self.float(v, "jitter", 0.0, 1.0),
-            None => Some(0.1),
-        };
-        let reset_after = self.opt_duration(&k, "reset-after", Duration::from_secs(600));
-        let max_attempts = match k.get("max-attempts") {
-            Some(v) => self.integer(v, "max-attempts", u32::MAX as i64).map(|n| n as u32),
-            None => Some(10),
-        };
-        let permanent_attempts = match k.get("permanent-attempts") {
-            Some(v) => self.integer(v, "permanent-attempts", u32::MAX as i64).and_then(|n| {
-                if n == 0 {
-                    self.problem(Some(v.span()), "`permanent-attempts` must be at least 1".into());
-                    None
-                } else {
-                    Some(n as u32)
-                }
-            }),
-            None => Some(2),
-        };
-        if let (Some(a), Some(b)) = (initial_delay, max_delay)
-            && a > b
-        {
-            self.problem(k.get("max-delay").map(|v| v.span()), "`max-delay` is shorter than `initial-delay`".into());
-        }
-
-        // [health]
-        let t = section(self, "health");
-        let k =
-            self.keys(t, "health", &["http", "interval", "timeout", "failures", "canary-interval", "canary-timeout"]);
-        let health_http = match k.get("http") {
-            Some(v) => self.url(v, "health.http"),
-            None => Some(default_health),
-        };
-        let interval = self.opt_duration(&k, "interval", Duration::from_secs(15));
-        let health_timeout = self.opt_duration(&k, "timeout", Duration::from_secs(5));
-        let failures = match k.get("failures") {
-            Some(v) => self.integer(v, "failures", u32::MAX as i64).and_then(|n| {
-                if n == 0 {
-                    self.problem(Some(v.span()), "`failures` must be at least 1".into());
-                    None
-                } else {
-                    Some(n as u32)
-                }
-            }),
-            None => Some(3),
-        };
-        let canary_interval = self.opt_duration(&k, "canary-interval", Duration::ZERO);
-        let canary_timeout = self.opt_duration(&k, "canary-timeout", Duration::from_secs(60));
-        if interval == Some(Duration::ZERO) {
-            self.problem(k.get("interval").map(|v| v.span()), "`interval` must be longer than 0s".into());
-        }
-
-        // [status]
-        let t = section(self, "status");
-        let k = self.keys(t, "status", &["file", "metrics-file"]);
-        let status_file = match k.get("file") {
-            Some(v) => self.string(v, "file").map(PathBuf::from),
-            None => Some(match &dirs.runtime {
-                Some(d) => d.join("status.json"),
-                None => PathBuf::from("/run/vllm-warden").join(&name_or).join("status.json"),
-            }),
-        };
-        let metrics_file = match k.get("metrics-file") {
-            Some(v) => self.string(v, "metrics-file").map(|s| (!s.is_empty()).then(|| PathBuf::from(s))),
-            None => Some(None),
-        };
-
-        let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from("/var/lib/vllm-warden").join(&name_or));
-
-        Some(Settings {
-            source: path.to_path_buf(),
-            name: name?,
-            profile: profile?,
-            child: Child {
-                command: command?,
-                env,
-                cwd,
-                log_file: log_file?,
-                stop_signal: stop_signal?,
-                stop_timeout: stop_timeout?,
-            },
-            patches,
-            prestart: Prestart {
-                clean_shm,
-                port: port?,
-                port_wait: port_wait?,
-                gpu_idle_wait: gpu_idle_wait?,
-                gpu_query: gpu_query?,
-            },
-            ready: Ready { http: ready_http?, timeout: ready_timeout?, stall: stall? },
-            fatal: Fatal { grace: grace? },
-            restart: Restart {
-                initial_delay: initial_delay?,
-                max_delay: max_delay?,
-                factor: factor?,
-                jitter: jitter?,
-                reset_after: reset_after?,
-                max_attempts: max_attempts?,
-                permanent_attempts: permanent_attempts?,
-            },
-            health: Health {
-                http: health_http?,
-                interval: interval?,
-                timeout: health_timeout?,
-                failures: failures?,
-                canary_interval: canary_interval?,
-                canary_timeout: canary_timeout?,
-            },
-            status: Status { file: status_file?, metrics_file: metrics_file? },
-            state_dir,
-            patterns,
-        })
     }
-
-    fn opt_duration(&mut self, k: &BTreeMap<String, &Value<'_>>, key: &str, default: Duration) -> Option<Duration> {
-        match k.get(key) {
-            Some(v) => self.duration(v, key),
-            None => Some(default),
-        }
-    }
-
-    fn patch(&mut self, t: &Table<'_>, span: Span) -> Option<Patch> {
-        let k = self.keys(t, "[patch]", &["file", "remove", "set"]);
-        let file = match k.get("file") {
-            Some(v) => self.string(v, "file").map(PathBuf::from),
-            None => {
-                self.problem(Some(span.clone()), "`[[patch]]` needs `file`".into());
-                None
-            }
-        };
-        let remove = match k.get("remove") {
-            Some(v) => self.strings(v, "remove"),
-            None => Some(Vec::new()),
-        };
-        let mut set = Vec::new();
-        if let Some(v) = k.get("set")
-            && let Some(t) = self.table(v, "set")
-        {
-            for (key, val) in t.iter() {
-                match to_json(val.get_ref()) {
-                    Ok(j) => set.push((key.get_ref().to_string(), j)),
-                    Err(e) => self.problem(Some(val.span()), format!("`set.{}`: {e}", key.get_ref())),
-                }
-            }
-        }
-        for path in remove.iter().flatten().chain(set.iter().map(|(k, _)| k)) {
-            if path.is_empty() {
-                self.problem(Some(span.clone()), format!("`[[patch]]`: {path:?} is not a dotted JSON path"));
-            }
-        }
-        if remove.as_ref().is_some_and(Vec::is_empty) && set.is_empty() {
-            self.problem(Some(span), "`[[patch]]` changes nothing: give `remove` or `set`".into());
-        }
-        Some(Patch { file: file?, remove: remove?, set })
-    }
+    Ready { http, timeout, stall }
 }
 
-/// 1-based line and column (in characters) of a byte offset.
-fn line_col(text: &str, offset: usize) -> (usize, usize) {
-    let offset = offset.min(text.len());
-    let before = &text[..offset];
-    let line = before.matches('\n').count() + 1;
-    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-    (line, col)
+/// `[fatal]`; adds its patterns to the fatal, ignore and permanent lists.
+fn fatal(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns) -> Fatal {
+    for (key, which) in [("match", List::Fatal), ("ignore", List::Ignore), ("permanent", List::Permanent)] {
+        k.patterns(key, patterns.list_mut(which), which.name());
+    }
+    let grace = k.duration("grace", defaults::FATAL_GRACE, limits::WAIT);
+    Fatal { grace }
 }
 
-fn parse_int(s: &str, radix: u32) -> Option<i64> {
-    let s = s.replace('_', "");
-    let digits = if radix == 10 { s.as_str() } else { &s[2..] };
-    i64::from_str_radix(digits, radix).ok()
+/// `[restart]`
+fn restart(mut k: Keys<'_, '_, '_>) -> Restart {
+    let initial_delay = k.duration("initial-delay", defaults::INITIAL_DELAY, limits::WAIT);
+    let max_delay = k.duration("max-delay", defaults::MAX_DELAY, limits::WAIT);
+    let factor = k.number("factor", defaults::FACTOR, 1.0, 100.0);
+    let jitter = k.number("jitter", defaults::JITTER, 0.0, 1.0);
+    let reset_after = k.duration("reset-after", defaults::RESET_AFTER, limits::WAIT);
+    let max_attempts = k.count("max-attempts", defaults::MAX_ATTEMPTS, 0);
+    let permanent_attempts = k.count("permanent-attempts", defaults::PERMANENT_ATTEMPTS, 1);
+    if k.ok("initial-delay") && k.ok("max-delay") && initial_delay > max_delay {
+        let span = k.span_of("max-delay");
+        k.problem(span, "`max-delay` is shorter than `initial-delay`");
+    }
+    Restart { initial_delay, max_delay, factor, jitter, reset_after, max_attempts, permanent_attempts }
 }
 
-/// TOML value → JSON value, for `set`.
-fn to_json(v: &DeValue<'_>) -> Result<serde_json::Value, String> {
-    use serde_json::Value as J;
-    Ok(match v {
-        DeValue::String(s) => J::String(s.to_string()),
-        DeValue::Integer(i) => J::from(parse_int(i.as_str(), i.radix()).ok_or("integer out of range")?),
-        DeValue::Float(f) => {
-            let x: f64 = f.as_str().replace('_', "").parse().map_err(|_| "invalid float")?;
-            J::from(serde_json::Number::from_f64(x).ok_or("JSON has no inf or nan")?)
-        }
-        DeValue::Boolean(b) => J::Bool(*b),
-        DeValue::Datetime(d) => J::String(d.to_string()),
-        DeValue::Array(a) => J::Array(a.iter().map(|x| to_json(x.get_ref())).collect::<Result<_, _>>()?),
-        DeValue::Table(t) => {
-            let mut m = serde_json::Map::new();
-            for (k, x) in t.iter() {
-                m.insert(k.get_ref().to_string(), to_json(x.get_ref())?);
-            }
-            J::Object(m)
-        }
-    })
+/// `[health]`
+fn health(mut k: Keys<'_, '_, '_>, health_url: &str) -> Health {
+    let http = k.url("http", Some(health_url.to_string()));
+    let interval = k.duration("interval", defaults::HEALTH_INTERVAL, limits::PERIOD);
+    let timeout = k.duration("timeout", defaults::HEALTH_TIMEOUT, limits::PERIOD);
+    let failures = k.count("failures", defaults::HEALTH_FAILURES, 1);
+    let canary_interval = k.duration("canary-interval", defaults::CANARY_INTERVAL, limits::WAIT);
+    let canary_timeout = k.duration("canary-timeout", defaults::CANARY_TIMEOUT, limits::PERIOD);
+    Health { http, interval, timeout, failures, canary_interval, canary_timeout }
+}
+
+/// `[status]`
+fn status(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Status {
+    let default = match &dirs.runtime {
+        Some(d) => d.join("status.json"),
+        None => PathBuf::from(defaults::RUN_DIR).join(name).join("status.json"),
+    };
+    let file = k.path("file", default);
+    let metrics_file =
+        k.read("metrics-file", None, |r, v| r.string(v, "metrics-file").map(|s| (!s.is_empty()).then(|| s.into())));
+    Status { file, metrics_file }
 }
 
 /// `"SIGTERM"`, `"TERM"` or `"15"` → a signal.
@@ -759,61 +597,11 @@ pub fn port_of(command: &[String]) -> Option<u16> {
     None
 }
 
-/// Where `check` looks for problems outside the file: the program, the
-/// working folder, the log folder, the patched files.
-pub fn check_environment(s: &Settings) -> Vec<Problem> {
-    let mut out = Vec::new();
-    let mut say = |message: String| out.push(Problem { file: s.source.clone(), at: None, message });
-    let program = &s.child.command[0];
-    match resolve_program(program, s.child.env.get("PATH").map(String::as_str)) {
-        Some(p) => {
-            use std::os::unix::fs::PermissionsExt;
-            match std::fs::metadata(&p) {
-                Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
-                Ok(_) => say(format!("`command`: {} is not an executable file", p.display())),
-                Err(e) => say(format!("`command`: {}: {e}", p.display())),
-            }
-        }
-        None => say(format!("`command`: program {program:?} not found in PATH")),
-    }
-    if let Some(cwd) = &s.child.cwd
-        && !cwd.is_dir()
-    {
-        say(format!("`cwd`: {} is not a folder", cwd.display()));
-    }
-    if let Some(dir) = s.child.log_file.parent()
-        && let Some(existing) = dir.ancestors().find(|a| a.exists())
-        && !existing.is_dir()
-    {
-        say(format!("`log-file`: {} is not a folder", existing.display()));
-    }
-    for problem in crate::patch::check(&s.patches) {
-        say(format!("[[patch]] {problem}"));
-    }
-    out
-}
-
-/// A program name as `execvp` would find it.
-pub fn resolve_program(program: &str, path_override: Option<&str>) -> Option<PathBuf> {
-    if program.contains('/') {
-        return Some(PathBuf::from(program));
-    }
-    let path = path_override.map(String::from).or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
-    path.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(program)).find(|p| p.is_file())
-}
-
 /// The effective pattern lists, as `check` prints them.
 pub fn describe_patterns(s: &Settings) -> String {
     let mut out = format!("profile: {}\n", s.profile.name());
-    let p = &s.patterns;
-    for (title, list) in [
-        ("ready", &p.ready),
-        ("progress", &p.progress),
-        ("fatal", &p.fatal),
-        ("ignore (benign)", &p.ignore),
-        ("permanent", &p.permanent),
-        ("clean-shm", &s.prestart.clean_shm),
-    ] {
+    let lists = List::ALL.map(|l| (if l == List::Ignore { "ignore (benign)" } else { l.name() }, s.patterns.list(l)));
+    for (title, list) in lists.into_iter().chain([("clean-shm", &s.prestart.clean_shm)]) {
         out.push_str(&format!("{title}:\n"));
         for pat in list {
             out.push_str(&format!("  {pat}\n"));
@@ -823,129 +611,6 @@ pub fn describe_patterns(s: &Settings) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parse_str(text: &str) -> Result<Settings, Problems> {
-        parse(text, Path::new("/etc/vllm-warden/kimi.toml"), &Dirs::default())
-    }
-
-    #[test]
-    fn minimal_config_has_vllm_defaults() {
-        let s = parse_str("[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--port\", \"8011\"]\n").unwrap();
-        assert_eq!(s.name, "kimi");
-        assert_eq!(s.prestart.port, 8011);
-        assert_eq!(s.ready.http.as_deref(), Some("http://127.0.0.1:8011/health"));
-        assert_eq!(s.health.http.as_deref(), Some("http://127.0.0.1:8011/health"));
-        assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/kimi.log"));
-        assert_eq!(s.status.file, PathBuf::from("/run/vllm-warden/kimi/status.json"));
-        assert_eq!(s.state_dir, PathBuf::from("/var/lib/vllm-warden/kimi"));
-        assert_eq!(s.child.stop_signal, Signal::SIGTERM);
-        assert_eq!(s.restart.max_attempts, 10);
-        assert!(s.patterns.ready.iter().any(|p| p.contains("Application startup complete")));
-        assert_eq!(s.prestart.clean_shm, vec!["psm_*", "sem.mp-*", "vllm_*"]);
-    }
-
-    #[test]
-    fn systemd_directories_give_the_defaults() {
-        let dirs = Dirs {
-            runtime: Some("/run/vllm-warden/x".into()),
-            state: Some("/var/lib/vllm-warden/x".into()),
-            logs: Some("/var/log/vllm-warden".into()),
-        };
-        let s = parse("[child]\ncommand = [\"v\"]\n", Path::new("x.toml"), &dirs).unwrap();
-        assert_eq!(s.status.file, PathBuf::from("/run/vllm-warden/x/status.json"));
-        assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/x.log"));
-    }
-
-    #[test]
-    fn the_spec_example_is_valid() {
-        let text = include_str!("../examples/kimi-k2.5-nvfp4.toml");
-        let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
-        assert_eq!(s.patches.len(), 2);
-        assert!(s.patterns.fatal.iter().any(|p| p == "illegal memory access"));
-    }
-
-    #[test]
-    fn every_problem_is_listed_with_line_and_column() {
-        let text = "\
-nme = \"x\"
-[child]
-command = [\"vllm\"]
-stop-timeout = \"ninety\"
-stop-signal = \"SIGFOO\"
-[ready]
-log = [\"(unclosed\"]
-[restart]
-factor = \"two\"
-max-attempts = -1
-";
-        let p = parse_str(text).unwrap_err().0;
-        let shown: Vec<String> = p.iter().map(|p| p.to_string()).collect();
-        assert_eq!(p.len(), 6, "{shown:#?}");
-        assert!(shown[0].starts_with("/etc/vllm-warden/kimi.toml:1:1: unknown key `nme`"), "{}", shown[0]);
-        assert!(shown.iter().any(|s| s.contains(":4:16: `stop-timeout`: invalid duration")), "{shown:#?}");
-        assert!(shown.iter().any(|s| s.contains(":5:15: `stop-signal`: unknown signal")), "{shown:#?}");
-        assert!(shown.iter().any(|s| s.contains(":7:8: `ready.log`: invalid regular expression")), "{shown:#?}");
-        assert!(shown.iter().any(|s| s.contains(":9:10: `factor` must be a number")), "{shown:#?}");
-        assert!(shown.iter().any(|s| s.contains(":10:16: `max-attempts` must be an integer")), "{shown:#?}");
-    }
-
-    #[test]
-    fn syntax_errors_have_a_place() {
-        let p = parse_str("[child]\ncommand = [\"a\"\n").unwrap_err().0;
-        assert!(p[0].at.is_some(), "{:?}", p);
-    }
-
-    #[test]
-    fn missing_command_is_an_error() {
-        let p = parse_str("name = \"x\"\n").unwrap_err().0;
-        assert!(p[0].message.contains("`[child] command` is required"), "{p:?}");
-    }
-
-    #[test]
-    fn unknown_keys_in_every_section_are_errors() {
-        let text = "[child]\ncommand=[\"a\"]\nbogus=1\n[health]\nintervl=\"1s\"\n[[patch]]\nfile=\"/f\"\nremove=[\"a\"]\ndelete=[\"b\"]\n";
-        let p = parse_str(text).unwrap_err().0;
-        assert_eq!(p.len(), 3, "{p:?}");
-    }
-
-    #[test]
-    fn profile_none_drops_builtin_patterns() {
-        let s = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nlog=[\"up\"]\n").unwrap();
-        assert_eq!(s.patterns.ready, vec!["up"]);
-        assert!(s.patterns.fatal.is_empty());
-        assert!(s.prestart.clean_shm.is_empty());
-    }
-
-    #[test]
-    fn http_off_and_no_ready_pattern_is_an_error() {
-        let p = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nhttp=\"\"\n").unwrap_err();
-        assert!(p.to_string().contains("nothing can tell"), "{p}");
-    }
-
-    #[test]
-    fn set_values_become_json() {
-        let text = "[child]\ncommand=[\"a\"]\n[[patch]]\nfile=\"/m/config.json\"\nset={ \"max_position_embeddings\" = 131072, \"a.b\" = [1.5, true, \"x\"] }\n";
-        let s = parse_str(text).unwrap();
-        let set = &s.patches[0].set;
-        assert!(set.contains(&("max_position_embeddings".into(), serde_json::json!(131072))));
-        assert!(set.contains(&("a.b".into(), serde_json::json!([1.5, true, "x"]))));
-    }
-
-    #[test]
-    fn port_comes_from_the_command() {
-        let c = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(port_of(&c(&["vllm", "serve", "--port", "9000"])), Some(9000));
-        assert_eq!(port_of(&c(&["vllm", "serve", "--port=9001"])), Some(9001));
-        assert_eq!(port_of(&c(&["vllm", "serve"])), None);
-    }
-
-    #[test]
-    fn signals_parse_in_every_spelling() {
-        assert_eq!(parse_signal("SIGINT"), Some(Signal::SIGINT));
-        assert_eq!(parse_signal("term"), Some(Signal::SIGTERM));
-        assert_eq!(parse_signal("9"), Some(Signal::SIGKILL));
-        assert_eq!(parse_signal("SIGNOPE"), None);
-    }
-}
+mod properties;
+#[cfg(test)]
+mod tests;

@@ -298,7 +298,7 @@ impl Backend for Real {
         self.tasks.spawn("config reader", Lifetime::Finite, async move {
             let loaded = tokio::task::spawn_blocking(move || {
                 config::load(&path, &Dirs::from_env()).and_then(|s| {
-                    let env = config::check_environment(&s);
+                    let env = crate::environment::check_environment(&s);
                     if env.is_empty() { Ok(s) } else { Err(config::Problems(env)) }
                 })
             })

@@ -35,6 +35,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod driver;
+pub mod environment;
 pub mod escape;
 pub mod exit;
 pub mod fsutil;

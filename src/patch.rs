@@ -2,8 +2,9 @@
 //! keep mode, owner, key order, number spelling and indentation, originals
 //! saved once under the state directory with their sha256, and revert. A
 //! Hugging Face cache symlink becomes a patched regular file; the blob it
-//! points to is never written, and revert puts the link back. Nothing here
-//! knows about the child or systemd.
+//! points to is never written, and revert puts the link back. The [`Patch`]
+//! type (one `[[patch]]` entry) lives here; `config` builds it. Nothing here
+//! knows about the child, systemd or how the config file is read.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,7 +19,15 @@ use sha2::{Digest, Sha256};
 
 use crate::fsutil::{rename_into_place, sync_dir, temp_name, write_atomic, write_temp};
 
-use crate::config::Patch;
+/// One `[[patch]]` entry: JSON edits applied before every start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Patch {
+    pub file: PathBuf,
+    /// Dotted paths (`a.b.0.c`, `a\.b` for a dot inside a key).
+    pub remove: Vec<String>,
+    /// Dotted path → value, in the order written.
+    pub set: Vec<(String, Value)>,
+}
 
 /// A patch that cannot be applied or reverted; names the file and why.
 #[derive(Debug, thiserror::Error)]

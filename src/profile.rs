@@ -24,6 +24,52 @@ pub struct Patterns {
     pub permanent: Vec<String>,
 }
 
+/// One of the five lists of [`Patterns`], by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum List {
+    Ready,
+    Progress,
+    Fatal,
+    Ignore,
+    Permanent,
+}
+
+impl List {
+    pub const ALL: [List; 5] = [List::Ready, List::Progress, List::Fatal, List::Ignore, List::Permanent];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            List::Ready => "ready",
+            List::Progress => "progress",
+            List::Fatal => "fatal",
+            List::Ignore => "ignore",
+            List::Permanent => "permanent",
+        }
+    }
+}
+
+impl Patterns {
+    pub fn list(&self, which: List) -> &Vec<String> {
+        match which {
+            List::Ready => &self.ready,
+            List::Progress => &self.progress,
+            List::Fatal => &self.fatal,
+            List::Ignore => &self.ignore,
+            List::Permanent => &self.permanent,
+        }
+    }
+
+    pub fn list_mut(&mut self, which: List) -> &mut Vec<String> {
+        match which {
+            List::Ready => &mut self.ready,
+            List::Progress => &mut self.progress,
+            List::Fatal => &mut self.fatal,
+            List::Ignore => &mut self.ignore,
+            List::Permanent => &mut self.permanent,
+        }
+    }
+}
+
 /// The profiles a config can name with `profile = "…"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Profile {
@@ -135,8 +181,8 @@ mod tests {
     #[test]
     fn every_builtin_pattern_compiles() {
         let p = Profile::Vllm.patterns();
-        for list in [&p.ready, &p.progress, &p.fatal, &p.ignore, &p.permanent] {
-            for pat in list {
+        for which in List::ALL {
+            for pat in p.list(which) {
                 regex::Regex::new(pat).unwrap_or_else(|e| panic!("{pat}: {e}"));
             }
         }

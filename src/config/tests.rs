@@ -1,0 +1,430 @@
+use super::*;
+
+fn parse_str(text: &str) -> Result<Settings, Problems> {
+    parse(text, Path::new("/etc/vllm-warden/kimi.toml"), &Dirs::default())
+}
+
+#[test]
+fn minimal_config_has_vllm_defaults() {
+    let s = parse_str("[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--port\", \"8011\"]\n").unwrap();
+    assert_eq!(s.name, "kimi");
+    assert_eq!(s.prestart.port, 8011);
+    assert_eq!(s.ready.http.as_deref(), Some("http://127.0.0.1:8011/health"));
+    assert_eq!(s.health.http.as_deref(), Some("http://127.0.0.1:8011/health"));
+    assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/kimi.log"));
+    assert_eq!(s.status.file, PathBuf::from("/run/vllm-warden/kimi/status.json"));
+    assert_eq!(s.state_dir, PathBuf::from("/var/lib/vllm-warden/kimi"));
+    assert_eq!(s.child.stop_signal, Signal::SIGTERM);
+    assert_eq!(s.restart.max_attempts, 10);
+    assert!(s.patterns.ready.iter().any(|p| p.contains("Application startup complete")));
+    assert_eq!(s.prestart.clean_shm, vec!["psm_*", "sem.mp-*", "vllm_*"]);
+}
+
+#[test]
+fn systemd_directories_give_the_defaults() {
+    let dirs = Dirs {
+        runtime: Some("/run/vllm-warden/x".into()),
+        state: Some("/var/lib/vllm-warden/x".into()),
+        logs: Some("/var/log/vllm-warden".into()),
+    };
+    let s = parse("[child]\ncommand = [\"v\"]\n", Path::new("x.toml"), &dirs).unwrap();
+    assert_eq!(s.status.file, PathBuf::from("/run/vllm-warden/x/status.json"));
+    assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/x.log"));
+}
+
+#[test]
+fn the_spec_example_is_valid() {
+    let text = include_str!("../../examples/kimi-k2.5-nvfp4.toml");
+    let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
+    assert_eq!(s.patches.len(), 2);
+    assert!(s.patterns.fatal.iter().any(|p| p == "illegal memory access"));
+}
+
+#[test]
+fn every_problem_is_listed_with_line_and_column() {
+    let text = "\
+nme = \"x\"
+[child]
+command = [\"vllm\"]
+stop-timeout = \"ninety\"
+stop-signal = \"SIGFOO\"
+[ready]
+log = [\"(unclosed\"]
+[restart]
+factor = \"two\"
+max-attempts = -1
+";
+    let p = parse_str(text).unwrap_err().0;
+    let shown: Vec<String> = p.iter().map(|p| p.to_string()).collect();
+    assert_eq!(p.len(), 6, "{shown:#?}");
+    assert!(shown[0].starts_with("/etc/vllm-warden/kimi.toml:1:1: unknown key `nme`"), "{}", shown[0]);
+    assert!(shown.iter().any(|s| s.contains(":4:16: `stop-timeout`: invalid duration")), "{shown:#?}");
+    assert!(shown.iter().any(|s| s.contains(":5:15: `stop-signal`: unknown signal")), "{shown:#?}");
+    assert!(shown.iter().any(|s| s.contains(":7:8: `ready.log`: invalid regular expression")), "{shown:#?}");
+    assert!(shown.iter().any(|s| s.contains(":9:10: `factor` must be a number")), "{shown:#?}");
+    assert!(shown.iter().any(|s| s.contains(":10:16: `max-attempts` must be an integer")), "{shown:#?}");
+}
+
+#[test]
+fn syntax_errors_have_a_place() {
+    let p = parse_str("[child]\ncommand = [\"a\"\n").unwrap_err().0;
+    assert!(p[0].at.is_some(), "{:?}", p);
+}
+
+#[test]
+fn missing_command_is_an_error() {
+    let p = parse_str("name = \"x\"\n").unwrap_err().0;
+    assert!(p[0].message.contains("`[child] command` is required"), "{p:?}");
+}
+
+#[test]
+fn unknown_keys_in_every_section_are_errors() {
+    let text = "[child]\ncommand=[\"a\"]\nbogus=1\n[health]\nintervl=\"1s\"\n[[patch]]\nfile=\"/f\"\nremove=[\"a\"]\ndelete=[\"b\"]\n";
+    let p = parse_str(text).unwrap_err().0;
+    assert_eq!(p.len(), 3, "{p:?}");
+}
+
+#[test]
+fn profile_none_drops_builtin_patterns() {
+    let s = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nlog=[\"up\"]\n").unwrap();
+    assert_eq!(s.patterns.ready, vec!["up"]);
+    assert!(s.patterns.fatal.is_empty());
+    assert!(s.prestart.clean_shm.is_empty());
+}
+
+#[test]
+fn http_off_and_no_ready_pattern_is_an_error() {
+    let p = parse_str("profile = \"none\"\n[child]\ncommand=[\"a\"]\n[ready]\nhttp=\"\"\n").unwrap_err();
+    assert!(p.to_string().contains("nothing can tell"), "{p}");
+}
+
+#[test]
+fn set_values_become_json() {
+    let text = "[child]\ncommand=[\"a\"]\n[[patch]]\nfile=\"/m/config.json\"\nset={ \"max_position_embeddings\" = 131072, \"a.b\" = [1.5, true, \"x\"] }\n";
+    let s = parse_str(text).unwrap();
+    let set = &s.patches[0].set;
+    assert!(set.contains(&("max_position_embeddings".into(), serde_json::json!(131072))));
+    assert!(set.contains(&("a.b".into(), serde_json::json!([1.5, true, "x"]))));
+}
+
+#[test]
+fn port_comes_from_the_command() {
+    let c = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(port_of(&c(&["vllm", "serve", "--port", "9000"])), Some(9000));
+    assert_eq!(port_of(&c(&["vllm", "serve", "--port=9001"])), Some(9001));
+    assert_eq!(port_of(&c(&["vllm", "serve"])), None);
+}
+
+/// One row of the man page's table of keys.
+struct Row {
+    key: String,
+    default: String,
+    /// `` `A` to `B` ``, or empty.
+    range: String,
+}
+
+/// The range is the end of the meaning: `…; from `A` to `B``.
+fn man_page_rows() -> Vec<Row> {
+    include_str!("../../docs/vllm-warden.toml.5.md")
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .map(|l| {
+            let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+            let range = cells[2].rsplit_once("; from ").map_or("", |(_, r)| r);
+            Row { key: cells[0].trim_matches('`').into(), default: cells[1].into(), range: range.into() }
+        })
+        .collect()
+}
+
+#[test]
+fn the_man_page_shows_the_default_constants() {
+    let quoted = |s: &str| format!("`\"{s}\"`");
+    let duration = |d: Duration| quoted(&humantime::format_duration(d).to_string());
+    let expected = [
+        ("profile", quoted(defaults::PROFILE.name())),
+        ("child.stop-signal", quoted(defaults::STOP_SIGNAL.as_str())),
+        ("child.stop-timeout", duration(defaults::STOP_TIMEOUT)),
+        ("prestart.port-wait", duration(defaults::PORT_WAIT)),
+        ("prestart.gpu-idle-wait", duration(defaults::GPU_IDLE_WAIT)),
+        ("prestart.gpu-query", format!("`{}`", defaults::GPU_QUERY.join(" "))),
+        ("ready.timeout", duration(defaults::READY_TIMEOUT)),
+        ("ready.stall", duration(defaults::READY_STALL)),
+        ("fatal.grace", duration(defaults::FATAL_GRACE)),
+        ("restart.initial-delay", duration(defaults::INITIAL_DELAY)),
+        ("restart.max-delay", duration(defaults::MAX_DELAY)),
+        ("restart.factor", format!("{:?}", defaults::FACTOR)),
+        ("restart.jitter", format!("{:?}", defaults::JITTER)),
+        ("restart.reset-after", duration(defaults::RESET_AFTER)),
+        ("restart.max-attempts", defaults::MAX_ATTEMPTS.to_string()),
+        ("restart.permanent-attempts", defaults::PERMANENT_ATTEMPTS.to_string()),
+        ("health.interval", duration(defaults::HEALTH_INTERVAL)),
+        ("health.timeout", duration(defaults::HEALTH_TIMEOUT)),
+        ("health.failures", defaults::HEALTH_FAILURES.to_string()),
+        ("health.canary-interval", duration(defaults::CANARY_INTERVAL)),
+        ("health.canary-timeout", duration(defaults::CANARY_TIMEOUT)),
+    ];
+    let rows = man_page_rows();
+    let row = |key: &str| {
+        rows.iter().find(|r| r.key == key).map(|r| r.default.as_str()).unwrap_or_else(|| panic!("no row for {key}"))
+    };
+    for (key, want) in &expected {
+        assert_eq!(row(key), want, "the man page's default of `{key}`");
+    }
+    // A duration in the table without a constant here would go unchecked.
+    for Row { key, default, .. } in &rows {
+        let inner = default.strip_prefix("`\"").and_then(|d| d.strip_suffix("\"`"));
+        if inner.is_some_and(|d| humantime::parse_duration(d).is_ok()) {
+            assert!(expected.iter().any(|(k, _)| k == key), "`{key}` has a duration default but no constant");
+        }
+    }
+    assert!(row("prestart.port").ends_with(&format!("else {}", defaults::PORT)));
+    assert!(row("child.log-file").contains(&format!("`{}/NAME.log`", defaults::LOG_DIR)));
+    assert!(row("status.file").contains(&format!("`{}/NAME/status.json`", defaults::RUN_DIR)));
+}
+
+/// The known keys of each section, as the unknown-key problem lists
+/// them, are exactly the keys the man page documents.
+#[test]
+fn the_man_page_documents_every_known_key() {
+    let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
+                [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
+                [status]\nzz = 1\n";
+    let problems = parse_str(text).unwrap_err().0;
+    let mut known: Vec<String> = Vec::new();
+    for p in &problems {
+        let rest = p.message.strip_prefix("unknown key `zz`").unwrap_or_else(|| panic!("{p}"));
+        let (place, list) = rest.split_once(" (known: ").unwrap_or_else(|| panic!("{p}"));
+        let section = match place.trim_start_matches(" in ") {
+            "" => String::new(),
+            "[[patch]]" => "[[patch]] ".to_string(),
+            s => format!("{}.", s.trim_matches(['[', ']'])),
+        };
+        for key in list.trim_end_matches(')').split(", ") {
+            known.push(format!("{section}{key}"));
+        }
+    }
+    assert_eq!(problems.len(), 9, "{problems:?}");
+    let sections = ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"];
+    let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
+    documented.extend(sections.map(String::from));
+    known.sort();
+    documented.sort();
+    assert_eq!(known, documented);
+}
+
+#[test]
+fn signals_parse_in_every_spelling() {
+    assert_eq!(parse_signal("SIGINT"), Some(Signal::SIGINT));
+    assert_eq!(parse_signal("term"), Some(Signal::SIGTERM));
+    assert_eq!(parse_signal("9"), Some(Signal::SIGKILL));
+    assert_eq!(parse_signal("SIGNOPE"), None);
+}
+
+/// `section.key = value` in a config that is otherwise valid.
+fn with_value(dotted: &str, value: &str) -> String {
+    let (section, key) = dotted.split_once('.').unwrap_or(("", dotted));
+    // The two delays must stay in order whatever one of them is set to.
+    let other = match dotted {
+        "restart.initial-delay" => "max-delay = \"30days\"\n",
+        "restart.max-delay" => "initial-delay = \"0s\"\n",
+        _ => "",
+    };
+    let child = "[child]\ncommand = [\"vllm\"]\n";
+    if section == "child" {
+        format!("{child}{key} = {value}\n")
+    } else {
+        format!("{child}[{section}]\n{other}{key} = {value}\n")
+    }
+}
+
+/// The man page's range of every duration and number is the range the
+/// reader enforces: both ends are accepted, one step beyond either is not.
+#[test]
+fn the_man_page_shows_the_ranges_the_reader_enforces() {
+    let mut tried = 0;
+    for Row { key, default, range } in man_page_rows() {
+        if default.starts_with("`\"") && humantime::parse_duration(default.trim_matches(['`', '"'])).is_ok() {
+            assert!(!range.is_empty(), "the duration `{key}` has no range in the man page");
+        }
+        let Some((min, max)) = range.split_once(" to ") else { continue };
+        let (min, max) = (min.trim_matches('`'), max.trim_matches('`'));
+        let accepted = |value: &str| {
+            let text = with_value(&key, value);
+            if let Err(p) = parse_str(&text) {
+                panic!("`{key} = {value}` is in the man page's range but refused: {p}");
+            }
+        };
+        let refused = |value: &str, why: &str| {
+            let text = with_value(&key, value);
+            match parse_str(&text) {
+                Ok(_) => panic!("`{key} = {value}` is outside the man page's range but accepted"),
+                Err(p) => assert!(p.to_string().contains(why), "`{key} = {value}`: {p}"),
+            }
+        };
+        match (humantime::parse_duration(min), humantime::parse_duration(max)) {
+            (Ok(lo), Ok(hi)) => {
+                accepted(&format!("{min:?}"));
+                accepted(&format!("{max:?}"));
+                let above = humantime::format_duration(hi + Duration::from_millis(1)).to_string();
+                refused(&format!("{above:?}"), &format!("` must be from {min} to {max}, not {above:?}"));
+                if !lo.is_zero() {
+                    refused("\"0s\"", "` must be longer than 0s");
+                }
+            }
+            _ => {
+                let (lo, hi): (f64, f64) = (min.parse().unwrap(), max.parse().unwrap());
+                accepted(min);
+                accepted(max);
+                refused(&format!("{}", hi + 1.0), "` must be ");
+                if lo >= 1.0 {
+                    refused(&format!("{}", lo - 1.0), "` must be ");
+                }
+            }
+        }
+        tried += 1;
+    }
+    assert_eq!(tried, 19, "every duration and number has a range");
+}
+
+#[test]
+fn durations_that_overflow_are_refused() {
+    for key in [
+        "child.stop-timeout",
+        "prestart.port-wait",
+        "prestart.gpu-idle-wait",
+        "ready.timeout",
+        "ready.stall",
+        "fatal.grace",
+        "restart.initial-delay",
+        "restart.max-delay",
+        "restart.reset-after",
+        "health.interval",
+        "health.timeout",
+        "health.canary-interval",
+        "health.canary-timeout",
+    ] {
+        let p = parse_str(&with_value(key, "\"500000000000y\"")).unwrap_err().to_string();
+        assert!(p.contains(&format!("`{key}` must be from ")) && p.contains(", not \"500000000000y\""), "{p}");
+    }
+    let p = parse_str("[child]\ncommand = [\"vllm\"]\n[ready]\nstall = \"500000000000y\"\n").unwrap_err();
+    assert_eq!(
+        p.to_string(),
+        "/etc/vllm-warden/kimi.toml:4:9: `ready.stall` must be from 1ms to 7days, not \"500000000000y\""
+    );
+}
+
+#[test]
+fn zero_timeouts_are_refused() {
+    for (key, bare) in [("ready.timeout", "timeout"), ("ready.stall", "stall"), ("health.timeout", "timeout")] {
+        let p = parse_str(&with_value(key, "\"0s\"")).unwrap_err();
+        assert_eq!(p.0.len(), 1, "{p}");
+        assert!(p.0[0].at.is_some() && p.0[0].message == format!("`{bare}` must be longer than 0s"), "{p}");
+    }
+}
+
+#[test]
+fn port_zero_is_refused() {
+    let p = parse_str(&with_value("prestart.port", "0")).unwrap_err();
+    assert!(p.to_string().ends_with(":4:8: `port` must be at least 1"), "{p}");
+}
+
+#[test]
+fn patch_paths_with_an_empty_key_are_refused() {
+    for (entry, at) in [
+        (r#"set = {"." = 1}"#, "7:8"),
+        (r#"set = {"a..b" = 1}"#, "7:8"),
+        (r#"remove = [".a"]"#, "7:11"),
+        (r#"remove = ["a.", "ok"]"#, "7:11"),
+        (r#"remove = [""]"#, "7:11"),
+    ] {
+        let text = format!("[child]\ncommand = [\"vllm\"]\n\n[[patch]]\nfile = \"/m/config.json\"\n\n{entry}\n");
+        let p = parse_str(&text).unwrap_err();
+        assert_eq!(p.0.len(), 1, "{entry}: {p}");
+        let shown = p.to_string();
+        assert!(
+            shown.contains(&format!(":{at}: `[[patch]]`: ")) && shown.contains("is not a dotted JSON path"),
+            "{shown}"
+        );
+    }
+    // A backslash-escaped dot is a dot inside a key, not a separator.
+    let text = "[child]\ncommand = [\"vllm\"]\n[[patch]]\nfile = \"/m/c.json\"\nremove = ['a\\.b.c', 'a\\..b']\n";
+    let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
+    assert_eq!(s.patches[0].remove, vec![r"a\.b.c", r"a\..b"]);
+}
+
+#[test]
+fn patch_paths_ending_in_a_lone_backslash_are_refused() {
+    let text = "[child]\ncommand = [\"vllm\"]\n[[patch]]\nfile = \"/m/c.json\"\nremove = [\"a\\\\\"]\n";
+    let p = parse_str(text).unwrap_err();
+    assert_eq!(
+        p.to_string(),
+        "/etc/vllm-warden/kimi.toml:5:11: `[[patch]]`: \"a\\\\\" is not a dotted JSON path: it ends in a lone \
+         backslash (`\\.` is a dot inside a key)"
+    );
+}
+
+#[test]
+fn an_empty_gpu_query_program_is_refused() {
+    let p = parse_str(&with_value("prestart.gpu-query", r#"["", "--x"]"#)).unwrap_err();
+    assert_eq!(
+        p.to_string(),
+        "/etc/vllm-warden/kimi.toml:4:13: `gpu-query` must name a program to run, or be [] (no GPU check)"
+    );
+    let s = parse_str(&with_value("prestart.gpu-query", "[]")).unwrap_or_else(|p| panic!("{p}"));
+    assert!(s.prestart.gpu_query.is_empty());
+}
+
+#[test]
+fn stop_signals_that_cannot_ask_for_a_graceful_stop_are_refused() {
+    for (sig, why) in [
+        ("SIGKILL", "it cannot be caught"),
+        ("9", "it cannot be caught"),
+        ("SIGSTOP", "it suspends the process"),
+        ("TSTP", "it suspends the process"),
+        ("SIGTTIN", "it suspends the process"),
+        ("SIGTTOU", "it suspends the process"),
+        ("SIGCONT", "it resumes a suspended process"),
+        ("SIGCHLD", "it is ignored unless handled"),
+        ("SIGWINCH", "it is ignored unless handled"),
+        ("SIGURG", "it is ignored unless handled"),
+    ] {
+        let p = parse_str(&with_value("child.stop-signal", &format!("{sig:?}"))).unwrap_err().to_string();
+        assert!(
+            p.contains(":3:15: `stop-signal`: SIG") && p.contains("cannot ask a process to exit gracefully"),
+            "{p}"
+        );
+        assert!(p.contains(why), "{sig}: {p}");
+    }
+    for sig in ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"] {
+        let s = parse_str(&with_value("child.stop-signal", &format!("{sig:?}"))).unwrap_or_else(|p| panic!("{p}"));
+        assert_eq!(s.child.stop_signal.as_str(), sig);
+    }
+}
+
+#[test]
+fn patterns_too_big_together_are_refused() {
+    // Each fits the regex size limit alone; the classifier's set of both does not.
+    let big = r"\\w{150}";
+    let text = format!("[child]\ncommand = [\"vllm\"]\n[fatal]\nmatch = [\"{big}\", \"{big}x\"]\n");
+    let p = parse_str(&text).unwrap_err();
+    let mut patterns = Profile::Vllm.patterns();
+    patterns.fatal.extend([r"\w{150}".to_string(), r"\w{150}x".to_string()]);
+    let Err(run) = crate::logwatch::Classifier::new(&patterns) else { panic!("`run` accepts these patterns") };
+    assert_eq!(
+        p.to_string(),
+        format!("/etc/vllm-warden/kimi.toml:4:9: `fatal.match`: the effective fatal list cannot be compiled: {run}")
+    );
+}
+
+#[test]
+fn a_command_port_of_zero_is_refused() {
+    for command in [r#"["vllm", "--port", "000"]"#, r#"["vllm", "--port=0"]"#] {
+        let p = parse_str(&format!("[child]\ncommand = {command}\n")).unwrap_err();
+        assert_eq!(p.0.len(), 1, "{p}");
+        assert!(
+            p.to_string()
+                .ends_with(":2:11: `command`: `--port 0` leaves the port to chance, and the warden must know it"),
+            "{p}"
+        );
+    }
+}
