@@ -74,8 +74,13 @@ pub mod defaults {
     pub const HEALTH_INTERVAL: Duration = Duration::from_secs(15);
     pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
     pub const HEALTH_FAILURES: u32 = 3;
-    /// Zero: no canary.
-    pub const CANARY_INTERVAL: Duration = Duration::ZERO;
+    /// Requests running or waiting and no token moving for this long: the
+    /// engine has stalled. Zero: no progress check.
+    pub const PROGRESS_STALL: Duration = minutes(2);
+    /// A one-token completion a minute, when the server is idle (it is
+    /// skipped while requests run or tokens flow): on a big model about
+    /// 50 ms of one prefill a minute. Zero: no canary.
+    pub const CANARY_INTERVAL: Duration = minutes(1);
     pub const CANARY_TIMEOUT: Duration = minutes(1);
 
     /// `status.file` is `status.json` in `$RUNTIME_DIRECTORY`, else in
@@ -184,6 +189,8 @@ pub struct Health {
     pub failures: u32,
     pub canary_interval: Duration,
     pub canary_timeout: Duration,
+    /// Zero: no progress check from the server's metrics.
+    pub progress_stall: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -558,7 +565,8 @@ fn health(mut k: Keys<'_, '_, '_>, health_url: &str) -> Health {
     let failures = k.count("failures", defaults::HEALTH_FAILURES, 1);
     let canary_interval = k.duration("canary-interval", defaults::CANARY_INTERVAL, limits::WAIT);
     let canary_timeout = k.duration("canary-timeout", defaults::CANARY_TIMEOUT, limits::PERIOD);
-    Health { http, interval, timeout, failures, canary_interval, canary_timeout }
+    let progress_stall = k.duration("progress-stall", defaults::PROGRESS_STALL, limits::WAIT);
+    Health { http, interval, timeout, failures, canary_interval, canary_timeout, progress_stall }
 }
 
 /// `[status]`

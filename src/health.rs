@@ -26,7 +26,7 @@ impl Spec {
     }
 
     pub fn enabled(&self) -> bool {
-        self.health.http.is_some() || !self.health.canary_interval.is_zero()
+        self.health.http.is_some() || !self.health.canary_interval.is_zero() || !self.health.progress_stall.is_zero()
     }
 }
 
@@ -119,12 +119,36 @@ pub fn canary(base: &str, timeout: Duration) -> Result<(), String> {
     }
 }
 
-/// Check until `h.failures` checks in a row have failed; returns the
-/// cause line.
+/// What a scrape of the server's `/metrics` gave.
+enum Scrape {
+    Text(String),
+    /// The server has no metrics endpoint: the check is off.
+    NoEndpoint(String),
+    /// No answer this time (a timeout, a refused connection): no verdict.
+    Nothing,
+}
+
+/// The most a scrape may hold; vLLM's is tens of kilobytes.
+const MAX_SCRAPE: u64 = 8 << 20;
+
+fn scrape(base: &str, timeout: Duration) -> Scrape {
+    match agent(timeout).get(&format!("{base}/metrics")).call() {
+        Ok(mut r) if r.status().is_success() => match r.body_mut().with_config().limit(MAX_SCRAPE).read_to_string() {
+            Ok(text) => Scrape::Text(text),
+            Err(_) => Scrape::Nothing,
+        },
+        Ok(r) if r.status() == 404 => Scrape::NoEndpoint(format!("{base}/metrics: {}", status_text(r.status()))),
+        _ => Scrape::Nothing,
+    }
+}
+
+/// Check until `h.failures` checks in a row have failed, or the server's
+/// metrics show a stalled engine; returns the cause line.
 pub async fn watch(spec: Spec, traffic: Traffic) -> String {
     let h = &spec.health;
     let mut failed = 0;
     let mut next_canary = tokio::time::Instant::now() + h.canary_interval;
+    let mut progress = (!h.progress_stall.is_zero()).then(|| crate::progress::Watch::new(h.progress_stall));
     loop {
         tokio::time::sleep(h.interval).await;
         let mut result = Ok(());
@@ -133,9 +157,33 @@ pub async fn watch(spec: Spec, traffic: Traffic) -> String {
             result = tokio::task::spawn_blocking(move || check(&url, t)).await.unwrap_or_else(|e| Err(e.to_string()));
         }
         let now = tokio::time::Instant::now();
+        if result.is_ok()
+            && let Some(w) = progress.as_mut()
+        {
+            let (base, t) = (spec.base.clone(), h.timeout);
+            let off = match tokio::task::spawn_blocking(move || scrape(&base, t)).await {
+                Ok(Scrape::Text(text)) => match crate::progress::read(&text) {
+                    Ok(reading) => {
+                        if let Some(cause) = w.observe(reading, now).cause() {
+                            return cause;
+                        }
+                        None
+                    }
+                    Err(e) => Some(e.to_string()),
+                },
+                Ok(Scrape::NoEndpoint(why)) => Some(why),
+                Ok(Scrape::Nothing) | Err(_) => None,
+            };
+            if let Some(why) = off {
+                tracing::info!(EVENT = "health", "progress check off: {why}");
+                progress = None;
+            }
+        }
         if result.is_ok() && !h.canary_interval.is_zero() && now >= next_canary {
             next_canary = now + h.canary_interval;
-            if !traffic.seen_within(h.canary_interval) {
+            // Requests in flight: the progress check judges the engine.
+            let busy = progress.as_ref().is_some_and(crate::progress::Watch::busy);
+            if !traffic.seen_within(h.canary_interval) && !busy {
                 let (base, t) = (spec.base.clone(), h.canary_timeout);
                 result =
                     tokio::task::spawn_blocking(move || canary(&base, t)).await.unwrap_or_else(|e| Err(e.to_string()));

@@ -21,6 +21,7 @@
 //! | [`systemd`] | sd_notify, never fatal |
 //! | [`status`] | the status document and the metrics file |
 //! | [`health`] | readiness, health checks and the canary |
+//! | [`progress`] | forward progress from vLLM's metrics |
 //! | [`journal`] | forwarding the child's lines to journald |
 //! | [`logging`] | journald or stderr |
 //! | [`fsutil`] | atomic whole-file writes |
@@ -49,6 +50,7 @@ pub mod patch;
 pub mod prepare;
 pub mod prestart;
 pub mod profile;
+pub mod progress;
 pub mod redact;
 pub mod status;
 pub mod supervisor;

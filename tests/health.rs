@@ -67,3 +67,27 @@ fn reload_with_a_broken_config_keeps_the_child_and_a_valid_one_restarts_it() {
     assert!(environ.split('\0').any(|v| v == "MARKER=2"), "the new environment: {environ}");
     assert_eq!(w.stop(), 0);
 }
+
+/// Issue "eyes after ready": a wedged engine under traffic keeps `/health`
+/// at 200; its own metrics show requests in flight and no token moving.
+#[test]
+fn a_wedged_engine_under_traffic_is_caught_from_its_metrics_and_restarted() {
+    let mut w = Warden::start(|d, p| {
+        let health = "[health]\ninterval = \"100ms\"\nprogress-stall = \"1s\"\ncanary-interval = \"0s\"\n";
+        config(d, p, &["--shards", "1", "--wedge-on-usr2"], "", &format!("{FAST}{health}"))
+    });
+    w.wait_ready();
+    let leader = w.descendants().iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
+    let url = format!("http://127.0.0.1:{}/v1/completions", w.port);
+    // A long request, in flight when the engine wedges (or arriving after:
+    // either way it is counted as running and no token moves).
+    std::thread::spawn(move || {
+        let body = serde_json::json!({"model": "tiny-llama", "prompt": "Hi", "max_tokens": 100000});
+        let _ = ureq::post(&url).send_json(&body);
+    });
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGUSR2).unwrap();
+    let failed = w.wait_note("the stall", |n| n.starts_with("STATUS=failed"));
+    assert!(failed.ends_with("engine stalled: 1 running, 0 waiting, no token for 1s"), "{failed}");
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}

@@ -79,6 +79,13 @@ struct FakeArgs {
     /// `/v1/completions` never answers (a wedged engine).
     #[arg(long)]
     hang_completions: bool,
+    /// On SIGUSR2 the engine wedges: requests in flight stay running, no
+    /// token moves, `/health` still answers 200.
+    #[arg(long)]
+    wedge_on_usr2: bool,
+    /// Serve no `/metrics`.
+    #[arg(long)]
+    no_metrics: bool,
     /// Create this file in /dev/shm at start and leave it behind, as a
     /// crashed vLLM leaves `psm_*` segments.
     #[arg(long)]
@@ -211,6 +218,19 @@ fn simulate(args: FakeArgs) -> i32 {
             }
         });
     }
+    let engine = Arc::new(Engine::default());
+    if args.wedge_on_usr2 {
+        // Blocked before any other thread starts, so that only this one takes it.
+        let mut set = SigSet::empty();
+        set.add(Signal::SIGUSR2);
+        let _ = set.thread_block();
+        let e = engine.clone();
+        std::thread::spawn(move || {
+            if set.wait().is_ok() {
+                e.wedged.store(true, Ordering::SeqCst);
+            }
+        });
+    }
     let stop = Arc::new(AtomicBool::new(false));
     if args.ignore_sigterm {
         // SAFETY: SIG_IGN runs no handler code.
@@ -336,8 +356,10 @@ fn simulate(args: FakeArgs) -> i32 {
         let behaviour = Serve {
             unhealthy_at: args.unhealthy_after.map(|d| std::time::Instant::now() + d),
             hang_completions: args.hang_completions,
+            no_metrics: args.no_metrics,
         };
-        std::thread::spawn(move || serve(server, health_tx, behaviour));
+        let e = engine.clone();
+        std::thread::spawn(move || serve(server, health_tx, behaviour, e));
     }
     out.raw(&format!("INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\n", out.pid));
     // Stamped before the line is written, so that a reader can never see
@@ -461,14 +483,68 @@ fn check_model(out: &Out, dir: &std::path::Path) -> Option<i32> {
 struct Serve {
     unhealthy_at: Option<std::time::Instant>,
     hang_completions: bool,
+    /// Serve no `/metrics` (as a server without the endpoint).
+    no_metrics: bool,
 }
 
-fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Serve) {
-    for req in server.incoming_requests() {
+/// The simulated engine: what `/metrics` shows.
+#[derive(Default)]
+struct Engine {
+    running: std::sync::atomic::AtomicU64,
+    prompt_tokens: std::sync::atomic::AtomicU64,
+    generation_tokens: std::sync::atomic::AtomicU64,
+    /// SIGUSR2 wedges it: requests in flight stay, no token moves, and
+    /// `/health` still answers 200, as a wedged vLLM engine.
+    wedged: AtomicBool,
+}
+
+impl Engine {
+    /// vLLM 0.32's metric names and label sets.
+    fn metrics(&self) -> String {
+        let labels = r#"{engine="0",model_name="tiny-llama"}"#;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::SeqCst);
+        format!(
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+             # TYPE vllm:num_requests_running gauge\n\
+             vllm:num_requests_running{labels} {}.0\n\
+             # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+             # TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{labels} 0.0\n\
+             # HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n\
+             # TYPE vllm:prompt_tokens_total counter\n\
+             vllm:prompt_tokens_total{labels} {}.0\n\
+             # HELP vllm:generation_tokens_total Number of generation tokens processed.\n\
+             # TYPE vllm:generation_tokens_total counter\n\
+             vllm:generation_tokens_total{labels} {}.0\n",
+            get(&self.running),
+            get(&self.prompt_tokens),
+            get(&self.generation_tokens)
+        )
+    }
+
+    /// Generate `max_tokens` tokens, one every 20 ms, unless wedged (then
+    /// never return).
+    fn complete(&self, max_tokens: u64) {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        self.prompt_tokens.fetch_add(2, Ordering::SeqCst);
+        for _ in 0..max_tokens {
+            while self.wedged.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            self.generation_tokens.fetch_add(1, Ordering::SeqCst);
+        }
+        self.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Serve, engine: Arc<Engine>) {
+    for mut req in server.incoming_requests() {
         let is_health = req.url() == "/health";
         let (code, body) = match req.url() {
             "/health" if how.unhealthy_at.is_some_and(|t| std::time::Instant::now() >= t) => (503, String::new()),
             "/health" => (200, String::new()),
+            "/metrics" if !how.no_metrics => (200, engine.metrics()),
             "/v1/models" => (200, r#"{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}"#.to_string()),
             "/v1/completions" if how.hang_completions => {
                 // Held, never answered, as by an engine that makes no progress.
@@ -478,11 +554,24 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 });
                 continue;
             }
-            "/v1/completions" => (
-                200,
-                r#"{"id":"cmpl-1","object":"text_completion","model":"tiny-llama","choices":[{"index":0,"text":" a","finish_reason":"length"}]}"#
-                    .to_string(),
-            ),
+            "/v1/completions" => {
+                let mut body = String::new();
+                let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                let max_tokens = serde_json::from_str::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|v| v["max_tokens"].as_u64())
+                    .unwrap_or(1)
+                    .min(100_000);
+                let engine = engine.clone();
+                // Answered from its own thread once generated, so that
+                // requests run side by side, as in a real engine.
+                std::thread::spawn(move || {
+                    engine.complete(max_tokens);
+                    let text = r#"{"id":"cmpl-1","object":"text_completion","model":"tiny-llama","choices":[{"index":0,"text":" a","finish_reason":"length"}]}"#;
+                    let _ = req.respond(tiny_http::Response::from_string(text));
+                });
+                continue;
+            }
             _ => (404, r#"{"detail":"Not Found"}"#.to_string()),
         };
         let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(code));

@@ -34,6 +34,7 @@ fn holds(text: &str) -> Result<(), TestCaseError> {
                 s.health.timeout,
                 s.health.canary_interval,
                 s.health.canary_timeout,
+                s.health.progress_stall,
             ];
             let now = Instant::now();
             for d in durations {

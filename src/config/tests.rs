@@ -162,6 +162,7 @@ fn the_man_page_shows_the_default_constants() {
         ("health.failures", defaults::HEALTH_FAILURES.to_string()),
         ("health.canary-interval", duration(defaults::CANARY_INTERVAL)),
         ("health.canary-timeout", duration(defaults::CANARY_TIMEOUT)),
+        ("health.progress-stall", duration(defaults::PROGRESS_STALL)),
     ];
     let rows = man_page_rows();
     let row = |key: &str| {
@@ -283,7 +284,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 19, "every duration and number has a range");
+    assert_eq!(tried, 20, "every duration and number has a range");
 }
 
 #[test]
