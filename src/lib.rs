@@ -12,6 +12,7 @@
 //! | [`tasks`] | the watched background tasks |
 //! | [`lock`] | one warden per instance |
 //! | [`config`] | TOML → validated [`config::Settings`], every problem with file:line:col |
+//! | [`environment`] | what `check` verifies outside the config file |
 //! | [`profile`] | the built-in vLLM patterns |
 //! | [`logwatch`] | following the log file; classifying lines |
 //! | [`patch`] | JSON edits of model files, atomic writes, backups, revert |
