@@ -133,6 +133,8 @@ pub struct Settings {
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.
     pub patterns: Patterns,
+    /// `[[hint]]`: `(match, text)`, tried before the profile's hints.
+    pub hints: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone)]
@@ -286,9 +288,10 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let mut top = Keys::new(r, Some(doc), None, "", String::new());
     let name = top.read("name", stem, instance_name);
     let profile = top.read("profile", defaults::PROFILE, profile);
-    let [child_v, patch_v, prestart_v, ready_v, fatal_v, restart_v, health_v, status_v] =
-        ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"].map(|k| top.take(k));
+    let [child_v, patch_v, prestart_v, ready_v, fatal_v, restart_v, health_v, status_v, hint_v] =
+        ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "hint"].map(|k| top.take(k));
     drop(top);
+    let hints = hints(r, hint_v);
 
     let mut patterns = profile.patterns();
     let child = child(r.section(child_v, "child"), &name, dirs);
@@ -313,6 +316,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         restart,
         health,
         status,
+        hints,
         state_dir,
         patterns,
     }
@@ -413,6 +417,29 @@ fn not_a_stop_request(sig: Signal) -> Option<&'static str> {
 }
 
 /// `[[patch]]`, each entry.
+/// `[[hint]] match = "…", text = "…"`: the config's remedy hints, tried
+/// before the profile's.
+fn hints(r: &mut Reader<'_>, v: Option<&Value<'_>>) -> Vec<(String, String)> {
+    let Some(v) = v else { return Vec::new() };
+    let DeValue::Array(items) = v.get_ref() else {
+        r.problem(Some(v.span()), "`hint` must be written as [[hint]] tables");
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for item in items.iter() {
+        let Some(t) = r.table(item, "hint") else { continue };
+        let mut k = Keys::new(r, Some(t), Some(item.span()), "hint", " in [[hint]]".into());
+        let pattern = k.read("match", None, |r, v| r.regex(v, "hint.match").map(Some));
+        let text = k.read("text", None, |r, v| r.string(v, "text").map(Some));
+        match (pattern, text) {
+            (Some(p), Some(t)) if !t.trim().is_empty() => out.push((p, t)),
+            (Some(_), Some(_)) => k.problem(Some(item.span()), "`[[hint]]` needs a `text` that says something"),
+            _ => k.problem(Some(item.span()), "`[[hint]]` needs `match` (a regular expression) and `text`"),
+        }
+    }
+    out
+}
+
 fn patches(r: &mut Reader<'_>, v: Option<&Value<'_>>) -> Vec<Patch> {
     let Some(v) = v else { return Vec::new() };
     let DeValue::Array(items) = v.get_ref() else {

@@ -22,6 +22,7 @@
 //! | [`systemd`] | sd_notify, never fatal |
 //! | [`status`] | the status document and the metrics file |
 //! | [`health`] | readiness, health checks and the canary |
+//! | [`hints`] | remedy hints for known causes |
 //! | [`progress`] | forward progress from vLLM's metrics |
 //! | [`journal`] | forwarding the child's lines to journald |
 //! | [`logging`] | journald or stderr |
@@ -42,6 +43,7 @@ pub mod escape;
 pub mod exit;
 pub mod fsutil;
 pub mod health;
+pub mod hints;
 pub mod journal;
 pub mod lock;
 pub mod logging;

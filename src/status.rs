@@ -26,6 +26,8 @@ pub struct Snapshot {
     pub starts: u32,
     pub progress: Option<String>,
     pub cause: Option<String>,
+    /// What to do about the cause, when it is a known one.
+    pub hint: Option<String>,
     /// Children exited so far, and the last exit.
     pub exits: u32,
     pub last_exit: Option<Exit>,
@@ -60,6 +62,9 @@ pub struct Doc {
     pub progress: Option<String>,
     pub last_exit: Option<LastExit>,
     pub cause: Option<String>,
+    /// What to do about the cause, when it is a known one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
     /// Set when the warden has exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
@@ -168,6 +173,7 @@ impl Reporter {
             progress: snap.progress.as_deref().map(safe),
             last_exit: self.last_exit.clone(),
             cause: snap.cause.as_deref().map(safe),
+            hint: snap.hint.as_deref().map(safe),
             exit_code: snap.exit_code.map(|c| i32::from(c.as_u8())),
         }
     }
@@ -287,6 +293,9 @@ pub fn summary(v: &Verdict) -> String {
     if let Some(c) = &doc.cause {
         let _ = write!(out, "\ncause: {}", safe(c));
     }
+    if let Some(h) = &doc.hint {
+        let _ = write!(out, "\nhint: {}", safe(h));
+    }
     out
 }
 
@@ -303,6 +312,7 @@ mod tests {
             starts: 2,
             progress: None,
             cause: None,
+            hint: None,
             exits: 1,
             last_exit: Some(Exit::Code(1)),
             last_load: Some(Duration::from_millis(61_500)),

@@ -74,6 +74,8 @@ pub struct Policy {
     /// How long the pre-start steps may take in all.
     pub prepare_timeout: Duration,
     pub restart: crate::config::Restart,
+    /// A remedy line for known causes.
+    pub hints: crate::hints::Hints,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
@@ -97,6 +99,7 @@ impl Policy {
             stop_timeout: s.child.stop_timeout,
             prepare_timeout: prepare_timeout(s),
             restart: s.restart.clone(),
+            hints: crate::hints::Hints::new(s.profile, &s.hints, &s.patches, &s.child.command),
         }
     }
 
@@ -126,11 +129,21 @@ pub struct Cause {
     pub text: String,
     pub kind: FailureKind,
     pub permanence: Permanence,
+    /// What to do about it, when the cause is a known one.
+    pub hint: Option<String>,
 }
 
 impl Cause {
     fn new(text: String, kind: FailureKind) -> Cause {
-        Cause { text, kind, permanence: Permanence::Transient }
+        Cause { text, kind, permanence: Permanence::Transient, hint: None }
+    }
+
+    /// The cause, and its hint when it has one.
+    fn shown(&self) -> String {
+        match &self.hint {
+            Some(h) => format!("{} (hint: {h})", self.text),
+            None => self.text.clone(),
+        }
     }
 
     /// The class counted in the metrics: a permanent cause is counted as
@@ -333,7 +346,7 @@ impl Run {
         // A permanent match wins, then the exception line, then the fatal line.
         let (text, permanence) =
             [exc.clone(), fatal.clone()].into_iter().flatten().find(|(_, p)| p.is_permanent()).or(exc).or(fatal)?;
-        Some(Cause { text, kind: FailureKind::FatalLine, permanence })
+        Some(Cause { text, kind: FailureKind::FatalLine, permanence, hint: None })
     }
 
     /// The cause of this run's end when its fatal line's grace has passed.
@@ -538,6 +551,7 @@ impl Machine {
             starts: self.starts,
             progress: self.progress().map(String::from),
             cause: self.cause.as_ref().map(|c| c.text.clone()),
+            hint: self.cause.as_ref().and_then(|c| c.hint.clone()),
             exits: self.exits,
             last_exit: self.last_exit,
             last_load: self.last_load,
@@ -838,8 +852,9 @@ impl Machine {
 
     fn start_failed(&mut self, failure: StartFailure, now: Instant) -> (State, Vec<Effect>) {
         let permanence = if failure.permanent { Permanence::Unrunnable } else { Permanence::Transient };
-        let cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence };
-        let fx = vec![record(Severity::Error, Topic::Failed, format!("start failed: {}", cause.text))];
+        let mut cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence, hint: None };
+        cause.hint = self.policy.hints.find(&cause.text);
+        let fx = vec![record(Severity::Error, Topic::Failed, format!("start failed: {}", cause.shown()))];
         self.after_failure(cause, None, now, fx)
     }
 
@@ -936,16 +951,18 @@ impl Machine {
         // drain; everything else gets the short grace, the signal repeated.
         let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload);
         let grace = if drain { self.policy.stop_timeout } else { self.policy.stop_timeout.min(LOAD_STOP_GRACE) };
-        match &purpose {
+        let mut purpose = purpose;
+        match &mut purpose {
             Purpose::Shutdown => fx.push(Effect::Notify(vec![
                 Note::Stopping,
                 status(format!("stopping pid {pid}")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),
             ])),
             Purpose::Failure(c) => {
+                c.hint = self.policy.hints.find(&c.text);
                 self.cause = Some(c.clone());
-                fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.text)));
-                fx.push(Effect::Notify(vec![status(format!("failed ({}): {}", self.attempts_text(), c.text))]));
+                fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown())));
+                fx.push(Effect::Notify(vec![status(format!("failed ({}): {}", self.attempts_text(), c.shown()))]));
             }
             Purpose::Reload => fx.push(Effect::Notify(vec![
                 status(format!("reloading: stopping pid {pid} to start it with the new config")),
@@ -1084,7 +1101,8 @@ impl Machine {
         fx.push(record(severity, topic, text.clone()));
         fx.push(Effect::Notify(vec![status(text.clone())]));
         let permanence = self.cause.as_ref().map_or(Permanence::Transient, |c| c.permanence);
-        self.cause = Some(Cause { text, kind: FailureKind::Exit, permanence });
+        let hint = self.cause.as_ref().and_then(|c| c.hint.clone());
+        self.cause = Some(Cause { text, kind: FailureKind::Exit, permanence, hint });
         (State::Done(code), fx)
     }
 }

@@ -173,3 +173,20 @@ fn a_sigterm_during_startup_then_a_stop_is_not_a_failure() {
         replay("h_term-main_during_startup_at_15s", Exit::Code(0), Some("[shutdown] API server: shutdown triggered"));
     assert_eq!(m.cause(), None);
 }
+
+/// The hint the machine attaches to the cause of each real failure.
+fn hint(name: &str) -> Option<String> {
+    replay(name, Exit::Code(1), None).cause().and_then(|c| c.hint.clone())
+}
+
+#[test]
+fn real_failures_carry_their_hints() {
+    let kv = hint("b_b3-ct-kv-cache-scheme-fp4").expect("a hint");
+    assert!(kv.contains("remove = [\"quantization_config.kv_cache_scheme\"]"), "{kv}");
+    assert!(kv.contains("remove = [\"quantization.kv_cache_quant_algo\"]"), "{kv}");
+    assert!(hint("e_kv_cache_zero").expect("a hint").contains("--gpu-memory-utilization"));
+    assert!(hint("c_port_in_use").expect("a hint").contains("prestart.port-wait"));
+    let json = hint("d_config_json_malformed").expect("a hint");
+    assert!(json.starts_with("/srv/models/d-config-json-malformed/config.json is not valid JSON"), "{json}");
+    assert_eq!(hint("e_max_model_len_too_large"), None, "no hint is made up");
+}

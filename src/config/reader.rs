@@ -96,19 +96,19 @@ impl<'a> Reader<'a> {
             self.problem(Some(v.span()), format!("`{key}` must be an array of regular expressions"));
             return Vec::new();
         };
-        let mut out = Vec::new();
-        for item in items.iter() {
-            if let Some(s) = self.string(item, key) {
-                match Regex::new(&s) {
-                    Ok(_) => out.push(s),
-                    Err(e) => self.problem(
-                        Some(item.span()),
-                        format!("`{key}`: invalid regular expression {s:?}: {}", last_line(&e)),
-                    ),
-                }
+        items.iter().filter_map(|item| self.regex(item, key)).collect()
+    }
+
+    /// One regular expression.
+    pub fn regex(&mut self, v: &Value<'_>, key: &str) -> Option<String> {
+        let s = self.string(v, key)?;
+        match Regex::new(&s) {
+            Ok(_) => Some(s),
+            Err(e) => {
+                self.problem(Some(v.span()), format!("`{key}`: invalid regular expression {s:?}: {}", last_line(&e)));
+                None
             }
         }
-        out
     }
 
     /// A duration within `range`; `name` is the dotted name a value out of

@@ -189,7 +189,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n";
+                [status]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -198,14 +198,15 @@ fn the_man_page_documents_every_known_key() {
         let section = match place.trim_start_matches(" in ") {
             "" => String::new(),
             "[[patch]]" => "[[patch]] ".to_string(),
+            "[[hint]]" => "[[hint]] ".to_string(),
             s => format!("{}.", s.trim_matches(['[', ']'])),
         };
         for key in list.trim_end_matches(')').split(", ") {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 9, "{problems:?}");
-    let sections = ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status"];
+    assert_eq!(problems.len(), 10, "{problems:?}");
+    let sections = ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "hint"];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
     known.sort();

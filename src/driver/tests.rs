@@ -183,6 +183,7 @@ fn policy() -> Policy {
         stop_signal: Signal::SIGTERM,
         stop_timeout: Duration::from_secs(30),
         prepare_timeout: Duration::from_secs(300),
+        hints: crate::hints::Hints::none(),
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),

@@ -1,0 +1,194 @@
+//! Remedy hints: one actionable line for a known cause, shown beside it in
+//! `STATUS=`, the journal and the status document. The built-in table comes
+//! from real vLLM failures; a config adds its own (`[[hint]] match = …,
+//! text = …`), tried first. What a cause is and where the hint is shown are
+//! not known here.
+
+use std::path::{Path, PathBuf};
+
+use regex::Regex;
+
+use crate::patch::Patch;
+use crate::profile::Profile;
+
+/// The vLLM profile's hints: a pattern searched in the cause line, and the
+/// hint (`MODEL` is replaced by the model folder from the command).
+pub const VLLM: &[(&str, &str)] = &[
+    (
+        r"Currently supported kv cache quantization is",
+        "the checkpoint asks for a KV-cache quantization this backend refuses: remove it before each start with \
+         [[patch]] file = \"MODEL/config.json\" remove = [\"quantization_config.kv_cache_scheme\"] and, for a \
+         ModelOpt checkpoint, [[patch]] file = \"MODEL/hf_quant_config.json\" remove = \
+         [\"quantization.kv_cache_quant_algo\"]; vLLM then uses a bf16 KV cache",
+    ),
+    (
+        r"No valid attention backend found",
+        "no attention backend of this GPU implements what the checkpoint asks for (often an FP8 KV cache, as on \
+         SM120): remove the KV-cache quantization with [[patch]] file = \"MODEL/config.json\" remove = \
+         [\"quantization_config.kv_cache_scheme\"] and [[patch]] file = \"MODEL/hf_quant_config.json\" remove = \
+         [\"quantization.kv_cache_quant_algo\"], or choose a backend with VLLM_ATTENTION_BACKEND in child.env",
+    ),
+    (
+        r"No available memory for the cache blocks|is larger than the available KV cache memory",
+        "the KV cache does not fit: lower --max-model-len, or raise --gpu-memory-utilization if the GPU has \
+         room left",
+    ),
+    (
+        r"Free memory on device .* is less than desired GPU memory utilization|CUDA out of memory",
+        "another process holds GPU memory: find it with nvidia-smi (the warden waits for GPU compute \
+         processes before each start, up to prestart.gpu-idle-wait), or lower --gpu-memory-utilization",
+    ),
+    (
+        r"NCCL error|ncclUnhandledCudaError|ncclSystemError|ncclInternalError",
+        "NCCL failed between GPUs: on PCIe GPUs without NVLink set NCCL_P2P_DISABLE = \"1\" in child.env and \
+         add --disable-custom-all-reduce to the command",
+    ),
+    (
+        r"Address already in use",
+        "another process holds the server's port: the log names it (`port … is held by pid …`); \
+         prestart.port-wait says how long the warden waits for it",
+    ),
+];
+
+/// A malformed JSON file of the model: named, with the patch that edits it.
+const NOT_JSON: &str = r"config file at '([^']+)' is not a valid JSON file";
+
+/// The effective hints of one config.
+#[derive(Debug, Clone)]
+pub struct Hints {
+    /// Config hints first, then the profile's.
+    table: Vec<(Regex, String)>,
+    not_json: Option<Regex>,
+    /// The files the config patches, and what it does to them.
+    patched: Vec<(PathBuf, String)>,
+    model: Option<String>,
+}
+
+impl PartialEq for Hints {
+    fn eq(&self, other: &Hints) -> bool {
+        let shown = |h: &Hints| h.table.iter().map(|(r, t)| (r.as_str().to_string(), t.clone())).collect::<Vec<_>>();
+        shown(self) == shown(other) && self.patched == other.patched && self.model == other.model
+    }
+}
+
+impl Hints {
+    /// No hint at all.
+    pub fn none() -> Hints {
+        Hints { table: Vec::new(), not_json: None, patched: Vec::new(), model: None }
+    }
+
+    /// `extra`: the config's `(match, text)` pairs, already validated.
+    pub fn new(profile: Profile, extra: &[(String, String)], patches: &[Patch], command: &[String]) -> Hints {
+        let builtin: &[(&str, &str)] = match profile {
+            Profile::Vllm => VLLM,
+            Profile::None => &[],
+        };
+        let table = extra
+            .iter()
+            .map(|(m, t)| (m.as_str(), t.as_str()))
+            .chain(builtin.iter().copied())
+            .filter_map(|(m, t)| Regex::new(m).ok().map(|r| (r, t.to_string())))
+            .collect();
+        let not_json = (profile == Profile::Vllm).then(|| Regex::new(NOT_JSON)).and_then(Result::ok);
+        let patched = patches
+            .iter()
+            .map(|p| {
+                let mut what: Vec<String> = p.remove.iter().map(|r| format!("remove {r}")).collect();
+                what.extend(p.set.iter().map(|(k, _)| format!("set {k}")));
+                (p.file.clone(), what.join(", "))
+            })
+            .collect();
+        Hints { table, not_json, patched, model: model_of(command) }
+    }
+
+    /// The hint for a cause line, if one matches.
+    pub fn find(&self, cause: &str) -> Option<String> {
+        if let Some((_, text)) = self.table.iter().find(|(r, _)| r.is_match(cause)) {
+            return Some(match &self.model {
+                Some(m) => text.replace("MODEL", m),
+                None => text.clone(),
+            });
+        }
+        let file = self.not_json.as_ref()?.captures(cause)?.get(1)?.as_str().to_string();
+        let by = self.patched.iter().find(|(f, _)| f == Path::new(&file));
+        Some(match by {
+            Some((_, what)) => format!(
+                "{file} is not valid JSON; the warden patches it ([[patch]]: {what}): `vllm-warden patch --dry-run` \
+                 shows what it does, `vllm-warden patch --revert` restores the original"
+            ),
+            None => format!("{file} is not valid JSON; no [[patch]] edits it: the file itself needs fixing"),
+        })
+    }
+}
+
+/// The model folder of `vllm serve MODEL …`.
+fn model_of(command: &[String]) -> Option<String> {
+    let serve = command.iter().position(|a| a == "serve")?;
+    command.get(serve + 1).filter(|m| !m.starts_with('-')).cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hints(patches: &[Patch]) -> Hints {
+        let command: Vec<String> = ["vllm", "serve", "/models/kimi", "--port", "8000"].map(String::from).to_vec();
+        Hints::new(Profile::Vllm, &[], patches, &command)
+    }
+
+    /// Every built-in hint against a real line: from `tests/fixtures/`
+    /// (vLLM 0.32 on CPU) or, for failures that need a GPU, vLLM's own text.
+    #[test]
+    fn every_builtin_hint_matches_a_real_line() {
+        let h = hints(&[]);
+        let real = [
+            "NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float",
+            "ValueError: No valid attention backend found for cuda with AttentionSelectorConfig(head_size=576, dtype=torch.bfloat16, kv_cache_dtype=fp8)",
+            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine",
+            "ValueError: Free memory on device (10.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+            "RuntimeError: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)",
+            "OSError: [Errno 98] Address already in use",
+        ];
+        for (line, (pattern, _)) in real.iter().zip(VLLM) {
+            let hint = h.find(line).unwrap_or_else(|| panic!("no hint for {line}"));
+            assert!(Regex::new(pattern).unwrap().is_match(line), "{pattern} / {line}");
+            assert!(!hint.contains("MODEL"), "{hint}");
+        }
+        assert_eq!(real.len(), VLLM.len(), "a real line for every built-in hint");
+        let kv = h.find(real[0]).unwrap();
+        assert!(
+            kv.contains(
+                "[[patch]] file = \"/models/kimi/config.json\" remove = [\"quantization_config.kv_cache_scheme\"]"
+            ),
+            "{kv}"
+        );
+        assert!(
+            kv.contains(
+                "[[patch]] file = \"/models/kimi/hf_quant_config.json\" remove = [\"quantization.kv_cache_quant_algo\"]"
+            ),
+            "{kv}"
+        );
+        assert_eq!(h.find("RuntimeError: Engine core initialization failed."), None);
+    }
+
+    #[test]
+    fn a_malformed_json_file_is_named_with_the_patch_that_edits_it() {
+        let line = "OSError: It looks like the config file at '/srv/models/d/config.json' is not a valid JSON file.";
+        let patch = Patch {
+            file: "/srv/models/d/config.json".into(),
+            remove: vec!["quantization_config.kv_cache_scheme".into()],
+            set: vec![],
+        };
+        let hint = hints(&[patch]).find(line).unwrap();
+        assert!(hint.starts_with("/srv/models/d/config.json is not valid JSON; the warden patches it ([[patch]]: remove quantization_config.kv_cache_scheme)"), "{hint}");
+        assert!(hints(&[]).find(line).unwrap().contains("no [[patch]] edits it"));
+    }
+
+    #[test]
+    fn config_hints_come_first() {
+        let command = vec!["vllm".to_string()];
+        let extra = vec![("Address already".to_string(), "ask the on-call".to_string())];
+        let h = Hints::new(Profile::Vllm, &extra, &[], &command);
+        assert_eq!(h.find("OSError: [Errno 98] Address already in use").as_deref(), Some("ask the on-call"));
+    }
+}
