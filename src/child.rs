@@ -106,7 +106,28 @@ pub fn read_stat(pid: i32) -> Option<ProcStat> {
     parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
-/// Every live descendant of `root` (zombies left out), parents first.
+/// The warden's own helper processes that live beside the child's tree
+/// (the kernel-message follower): pid and start time. They and their
+/// descendants are never taken for part of the tree.
+static HELPERS: Mutex<Vec<(i32, u64)>> = Mutex::new(Vec::new());
+
+/// `pid`, a child of the warden, is a helper, not part of the tree.
+pub fn register_helper(pid: i32) {
+    if let Some(st) = read_stat(pid) {
+        HELPERS.lock().unwrap_or_else(|p| p.into_inner()).push((pid, st.start_time));
+    }
+}
+
+pub fn unregister_helper(pid: i32) {
+    HELPERS.lock().unwrap_or_else(|p| p.into_inner()).retain(|(p, _)| *p != pid);
+}
+
+fn is_helper(st: &ProcStat) -> bool {
+    HELPERS.lock().unwrap_or_else(|p| p.into_inner()).contains(&(st.pid, st.start_time))
+}
+
+/// Every live descendant of `root` (zombies left out), parents first; the
+/// warden's helpers and their descendants left out.
 pub fn descendants(root: i32) -> Vec<ProcStat> {
     let mut children: HashMap<i32, Vec<ProcStat>> = HashMap::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
@@ -123,6 +144,9 @@ pub fn descendants(root: i32) -> Vec<ProcStat> {
     let mut queue = VecDeque::from([root]);
     while let Some(p) = queue.pop_front() {
         for st in children.remove(&p).unwrap_or_default() {
+            if is_helper(&st) {
+                continue;
+            }
             queue.push_back(st.pid);
             if st.state != 'Z' && st.state != 'X' {
                 out.push(st);

@@ -82,6 +82,8 @@ pub mod defaults {
     /// 50 ms of one prefill a minute. Zero: no canary.
     pub const CANARY_INTERVAL: Duration = minutes(1);
     pub const CANARY_TIMEOUT: Duration = minutes(1);
+    /// New kernel messages as they come, followed while a run lives.
+    pub const KERNEL_MESSAGES: [&str; 7] = ["journalctl", "-k", "-f", "-n", "0", "-o", "short-iso"];
 
     /// `status.file` is `status.json` in `$RUNTIME_DIRECTORY`, else in
     /// `NAME/` here.
@@ -193,6 +195,9 @@ pub struct Health {
     pub canary_timeout: Duration,
     /// Zero: no progress check from the server's metrics.
     pub progress_stall: Duration,
+    /// A command whose output is new kernel messages, followed from each
+    /// spawn for GPU faults; empty: off.
+    pub kernel_messages: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -593,7 +598,12 @@ fn health(mut k: Keys<'_, '_, '_>, health_url: &str) -> Health {
     let canary_interval = k.duration("canary-interval", defaults::CANARY_INTERVAL, limits::WAIT);
     let canary_timeout = k.duration("canary-timeout", defaults::CANARY_TIMEOUT, limits::PERIOD);
     let progress_stall = k.duration("progress-stall", defaults::PROGRESS_STALL, limits::WAIT);
-    Health { http, interval, timeout, failures, canary_interval, canary_timeout, progress_stall }
+    let default_source = defaults::KERNEL_MESSAGES.map(String::from).to_vec();
+    let kernel_messages = k.read("kernel-messages", default_source, |r, v| r.strings(v, "kernel-messages"));
+    if kernel_messages.first().is_some_and(String::is_empty) {
+        k.problem(None, "`health.kernel-messages` must name a program to run, or be [] (off)");
+    }
+    Health { http, interval, timeout, failures, canary_interval, canary_timeout, progress_stall, kernel_messages }
 }
 
 /// `[status]`

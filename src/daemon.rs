@@ -216,6 +216,8 @@ pub struct Real {
     tasks: Tasks,
     tree: Tree,
     follower: Option<Follower>,
+    /// The kernel messages of the current run, for GPU faults.
+    kernel: Option<crate::kernel::Follower>,
     probe: Option<AbortHandle>,
     /// The pre-start steps running for a start.
     preparing: Option<(u32, AbortHandle)>,
@@ -249,6 +251,7 @@ impl Real {
             tasks,
             tree,
             follower: None,
+            kernel: None,
             probe: None,
             preparing: None,
             health: None,
@@ -262,6 +265,7 @@ impl Real {
         for task in [self.probe.take(), self.health.take()].into_iter().flatten() {
             task.abort();
         }
+        self.kernel = None;
     }
 }
 
@@ -338,6 +342,16 @@ impl Backend for Real {
             }
         })?;
         self.follower = Some(follower);
+        self.kernel = None;
+        let (source, tx) = (&self.settings.health.kernel_messages, self.inputs.clone());
+        match crate::kernel::follow(source, move |fault| {
+            let _ = tx.send(Input::GpuFault { start, cause: fault.cause() });
+        }) {
+            Ok(Some(f)) => self.kernel = Some(f),
+            Ok(None) if source.is_empty() => {}
+            Ok(None) => tracing::info!(EVENT = "gpus", "{} not found: GPU faults are not watched", source[0]),
+            Err(e) => tracing::warn!(error = %e, "cannot follow kernel messages: GPU faults are not watched"),
+        }
         Ok(pid)
     }
 

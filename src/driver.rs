@@ -48,6 +48,11 @@ pub enum Input {
     },
     /// What survived SIGKILL, described.
     Survivors(String),
+    /// The kernel reported a fatal GPU fault during run `start`.
+    GpuFault {
+        start: u32,
+        cause: String,
+    },
     /// `health.failures` checks in a row failed for `start`.
     HealthFailed {
         start: u32,
@@ -215,6 +220,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
             Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
             Input::Survivors(description) => events.push_back(Event::Survivors { description }),
+            Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
             Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {

@@ -24,6 +24,7 @@
 //! | [`health`] | readiness, health checks and the canary |
 //! | [`hints`] | remedy hints for known causes |
 //! | [`progress`] | forward progress from vLLM's metrics |
+//! | [`kernel`] | GPU faults (NVIDIA Xid) in the kernel's messages |
 //! | [`journal`] | forwarding the child's lines to journald |
 //! | [`logging`] | journald or stderr |
 //! | [`fsutil`] | atomic whole-file writes |
@@ -45,6 +46,7 @@ pub mod fsutil;
 pub mod health;
 pub mod hints;
 pub mod journal;
+pub mod kernel;
 pub mod lock;
 pub mod logging;
 pub mod logwatch;

@@ -97,6 +97,8 @@ pub enum Permanence {
     Pattern(usize),
     /// The command cannot be executed at all, or a patch cannot be applied.
     Unrunnable,
+    /// The hardware failed (a fatal GPU fault): no retry at all.
+    Hardware,
 }
 
 impl Permanence {

@@ -211,6 +211,11 @@ pub enum Event {
     TaskFailed {
         task: String,
     },
+    /// The kernel reported a fatal GPU fault during run `start`.
+    GpuFault {
+        start: u32,
+        cause: String,
+    },
     /// What is left of the tree after SIGKILL and its grace, described.
     Survivors {
         description: String,
@@ -228,7 +233,8 @@ impl Event {
             | Event::SpawnFailed { start, .. }
             | Event::Line { start, .. }
             | Event::HttpReady { start }
-            | Event::HealthFailed { start, .. } => Some(*start),
+            | Event::HealthFailed { start, .. }
+            | Event::GpuFault { start, .. } => Some(*start),
             _ => None,
         }
     }
@@ -744,6 +750,11 @@ impl Machine {
                 Some(c) => self.begin_stop(S::Ready(serving), Purpose::Failure(c), now, vec![]),
                 None => (S::Ready(serving), vec![]),
             },
+            (state @ (S::Starting(_) | S::Ready(_)), E::GpuFault { cause, .. }) => {
+                let cause =
+                    Cause { text: cause, kind: FailureKind::FatalLine, permanence: Permanence::Hardware, hint: None };
+                self.begin_stop(state, Purpose::Failure(cause), now, vec![])
+            }
             (S::Ready(serving), E::HealthFailed { cause, .. }) => {
                 let cause = Cause::new(cause, FailureKind::Health);
                 self.begin_stop(S::Ready(serving), Purpose::Failure(cause), now, vec![])
@@ -1058,6 +1069,9 @@ impl Machine {
         self.failures = self.failures.saturating_add(1);
         self.cause = Some(cause.clone());
         *self.failure_counts.entry(cause.class()).or_default() += 1;
+        if cause.permanence == Permanence::Hardware {
+            return self.finish(Code::Config, format!("failed permanently: {}", cause.text), fx);
+        }
         if cause.permanence.is_permanent() {
             let n = match self.permanent_streak {
                 Some((p, n)) if p == cause.permanence => n + 1,

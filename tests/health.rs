@@ -91,3 +91,32 @@ fn a_wedged_engine_under_traffic_is_caught_from_its_metrics_and_restarted() {
     w.wait_ready();
     assert_eq!(w.stop(), 0);
 }
+
+/// Issue "eyes after ready", GPU faults: a fatal Xid in the kernel's
+/// messages ends the run for good (exit 78), naming the GPU; no restart
+/// loop against a dead GPU. The source is a FIFO the test writes into.
+#[test]
+fn a_fatal_gpu_fault_in_the_kernel_messages_stops_the_restart_loop() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("kmsg");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let source = format!("[health]\nkernel-messages = [\"cat\", \"{}\"]\n", fifo.display());
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", &format!("{FAST}{source}")));
+    w.wait_ready();
+    let tree = w.descendants();
+    // Opening blocks until the follower reads: no line can be missed.
+    let mut kmsg = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    std::io::Write::write_all(
+        &mut kmsg,
+        b"2026-11-30T10:00:00+0000 host kernel: NVRM: Xid (PCI:0000:41:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n",
+    )
+    .unwrap();
+    assert_eq!(w.wait_exit(), 78);
+    let last = w.statuses().last().unwrap().to_string();
+    assert_eq!(
+        last,
+        "failed permanently: GPU fault: Xid 79 (GPU has fallen off the bus) on 0000:41:00.0 — needs a reset or reboot"
+    );
+    assert!(tree.iter().all(common::gone), "the tree is stopped: {tree:?}");
+    assert_eq!(w.log().matches("--- vllm-warden: start").count(), 1, "no restart");
+}
