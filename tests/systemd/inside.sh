@@ -39,6 +39,8 @@ check "installing started no instance" test -z "$(systemctl list-units --no-lege
 check "the man pages are installed" test -f /usr/share/man/man8/vllm-warden.8.gz -a -f /usr/share/man/man5/vllm-warden.toml.5.gz
 check "the completions are installed" test -f /usr/share/bash-completion/completions/vllm-warden
 check "the example config is installed" test -f /etc/vllm-warden/kimi.toml.example
+check "the simulator is installed beside, not in, the warden" test -x /usr/lib/vllm-warden/vllm-warden-sim
+check "vllm-warden demo runs against it" bash -c "vllm-warden demo >/tmp/demo.out 2>&1 && grep -q 'exited with code 0' /tmp/demo.out"
 
 fake() {  # name port extra-fake-args… ; then more TOML on stdin
     local name=$1 port=$2; shift 2
