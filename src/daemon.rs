@@ -102,6 +102,9 @@ impl driver::Observer for Reports {
         self.status.update(&m.snapshot());
         self.tree.update(m);
     }
+    fn reconfigure(&mut self, s: &Settings) {
+        self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
+    }
     fn line(&mut self, line: &crate::logwatch::Line) {
         if let Some(j) = &self.journal {
             j.forward(line);
@@ -221,8 +224,8 @@ pub struct Real {
     probe: Option<AbortHandle>,
     /// The pre-start steps running for a start.
     preparing: Option<(u32, AbortHandle)>,
-    /// The health checks of the ready run.
-    health: Option<AbortHandle>,
+    /// The health checks of the ready run `start`.
+    health: Option<(u32, AbortHandle)>,
     /// Seen in the log: the canary waits while real traffic flows.
     traffic: crate::health::Traffic,
     /// Put in every child's environment (`prestart::RUN_TOKEN`).
@@ -262,7 +265,7 @@ impl Real {
     }
 
     fn stop_checks(&mut self) {
-        for task in [self.probe.take(), self.health.take()].into_iter().flatten() {
+        for task in [self.probe.take(), self.health.take().map(|(_, t)| t)].into_iter().flatten() {
             task.abort();
         }
         self.kernel = None;
@@ -384,14 +387,25 @@ impl Backend for Real {
             return;
         }
         let (tx, traffic) = (self.inputs.clone(), self.traffic.clone());
-        self.health = Some(self.tasks.spawn("health checks", Lifetime::Finite, async move {
+        let task = self.tasks.spawn("health checks", Lifetime::Finite, async move {
             let cause = crate::health::watch(spec, traffic).await;
             let _ = tx.send(Input::HealthFailed { start, cause });
-        }));
+        });
+        self.health = Some((start, task));
     }
 
-    fn reconfigure(&mut self, settings: Settings) {
+    fn reconfigure(&mut self, settings: Settings) -> crate::reload::Plan {
+        let plan = crate::reload::plan(&self.settings, &settings);
+        for c in crate::reload::identity_left(&self.settings, &settings) {
+            tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
+        }
         self.settings = settings;
+        // The health checks of a ready run go on with the new settings.
+        if let Some((start, task)) = self.health.take() {
+            task.abort();
+            self.health(start);
+        }
+        plan
     }
 
     fn terminate(&mut self, sig: Signal) {

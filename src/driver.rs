@@ -20,6 +20,7 @@ use crate::config::Settings;
 use crate::exit::Code;
 use crate::logwatch::Classifier;
 use crate::outcome::{Prepared, StartFailure};
+use crate::reload::Plan;
 use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity};
 use crate::systemd::{Note, Notifier};
 
@@ -82,8 +83,10 @@ pub trait Backend {
     fn health(&mut self, start: u32);
     /// Read the config file again, off the loop; `Input::Reload` follows.
     fn read_config(&mut self);
-    /// Use these settings from the next start on.
-    fn reconfigure(&mut self, settings: Settings);
+    /// Use these settings: the warden's own at once (the health checks of a
+    /// ready run start again with them), the child's from the next start.
+    /// Returns what changed against the settings in use.
+    fn reconfigure(&mut self, settings: Settings) -> Plan;
     /// Spawn start `start`.
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure>;
     fn probe(&mut self, start: u32);
@@ -107,6 +110,8 @@ pub trait Observer {
     fn changed(&mut self, machine: &Machine);
     /// Every line of the child, classified.
     fn line(&mut self, _line: &crate::logwatch::Line) {}
+    /// A reloaded config (the status files may have moved).
+    fn reconfigure(&mut self, _settings: &Settings) {}
 }
 
 /// An observer that does nothing, for tests.
@@ -226,8 +231,15 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Ok(settings) => match Classifier::new(&settings.patterns) {
                     Ok(c) => {
                         self.classifier = c;
-                        events.push_back(Event::Reload(Box::new(Policy::from_settings(&settings))));
-                        self.backend.reconfigure(settings);
+                        let policy = Box::new(Policy::from_settings(&settings));
+                        self.observer.reconfigure(&settings);
+                        let plan = self.backend.reconfigure(settings);
+                        events.push_back(match plan {
+                            Plan::Restart { .. } => Event::Reload { policy, summary: plan.to_string() },
+                            Plan::InPlace(_) | Plan::Nothing => {
+                                Event::ReloadInPlace { policy, summary: plan.to_string() }
+                            }
+                        });
                     }
                     Err(e) => self.reload_refused(&[e.to_string()]),
                 },

@@ -28,6 +28,7 @@
 //! | [`journal`] | forwarding the child's lines to journald |
 //! | [`logging`] | journald or stderr |
 //! | [`fsutil`] | atomic whole-file writes |
+//! | [`reload`] | what a reload changes, and whether the child must restart |
 //! | [`redact`] | masking secrets in printed commands |
 //! | [`demo`] | `vllm-warden demo` |
 //! | [`assets`] | man pages and completions |
@@ -57,6 +58,7 @@ pub mod prestart;
 pub mod profile;
 pub mod progress;
 pub mod redact;
+pub mod reload;
 pub mod status;
 pub mod supervisor;
 pub mod systemd;

@@ -114,6 +114,17 @@ impl Reporter {
         }
     }
 
+    /// Write to these paths from now on (a reloaded config); the next
+    /// update writes them whole.
+    pub fn set_paths(&mut self, doc_path: &Path, metrics_path: Option<&Path>) {
+        if self.doc_path != doc_path || self.metrics_path.as_deref() != metrics_path {
+            self.doc_path = doc_path.to_path_buf();
+            self.metrics_path = metrics_path.map(Path::to_path_buf);
+            self.written_doc = None;
+            self.written_metrics = None;
+        }
+    }
+
     /// Bring both files up to date with `snap`; a failure to write is
     /// logged, never fatal.
     pub fn update(&mut self, snap: &Snapshot) {

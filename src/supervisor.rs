@@ -197,8 +197,18 @@ pub enum Event {
         start: u32,
         cause: String,
     },
-    /// A valid new config (SIGHUP): stop the child and start again with it.
-    Reload(Box<Policy>),
+    /// A valid new config the child sees (SIGHUP): stop the child and start
+    /// again with it; `summary` says which keys forced it.
+    Reload {
+        policy: Box<Policy>,
+        summary: String,
+    },
+    /// A valid new config with only the warden's own settings changed:
+    /// applied to the running child; `summary` says what changed.
+    ReloadInPlace {
+        policy: Box<Policy>,
+        summary: String,
+    },
     ChildExited {
         pid: u32,
         exit: Exit,
@@ -830,7 +840,14 @@ impl Machine {
             (S::Idle, E::StopRequested) => self.finish(Code::Ok, "stopped on request".into(), vec![]),
 
             (state, E::TaskFailed { task }) => self.task_failed(state, task, now),
-            (state, E::Reload(policy)) => self.reload(state, *policy, now),
+            (state, E::Reload { policy, summary }) => self.reload(state, *policy, summary, now),
+            (state @ S::Done(_), E::ReloadInPlace { .. }) => (state, vec![]),
+            (state, E::ReloadInPlace { policy, summary }) => {
+                self.policy = *policy;
+                let fx =
+                    vec![record(Severity::Info, Topic::Reload, summary.clone()), Effect::Notify(vec![status(summary)])];
+                (state, fx)
+            }
 
             (state, E::Tick) => (state, vec![]),
             (state, event) => {
@@ -996,14 +1013,14 @@ impl Machine {
 
     /// A valid new config: its policy applies from now on, the failure count
     /// starts again, and the child is started again with it.
-    fn reload(&mut self, state: State, policy: Policy, now: Instant) -> (State, Vec<Effect>) {
+    fn reload(&mut self, state: State, policy: Policy, summary: String, now: Instant) -> (State, Vec<Effect>) {
         if matches!(state, State::Done(_)) {
             return (state, vec![]);
         }
         self.policy = policy;
         self.failures = 0;
         self.permanent_streak = None;
-        let fx = vec![record(Severity::Info, Topic::Reload, "config reloaded: starting again with it".into())];
+        let fx = vec![record(Severity::Info, Topic::Reload, format!("config reloaded: {summary}"))];
         match state {
             s @ (State::Starting(_) | State::Ready(_)) => self.begin_stop(s, Purpose::Reload, now, fx),
             State::Stopping(mut stop) if matches!(stop.purpose, Purpose::Failure(_)) => {

@@ -120,3 +120,25 @@ fn a_fatal_gpu_fault_in_the_kernel_messages_stops_the_restart_loop() {
     assert!(tree.iter().all(common::gone), "the tree is stopped: {tree:?}");
     assert_eq!(w.log().matches("--- vllm-warden: start").count(), 1, "no restart");
 }
+
+/// Issue "change without reloading the model": a reload that changes only
+/// the warden's own settings keeps the child, and the new health cadence
+/// takes hold (here it finds the 503 the old one never looked for).
+#[test]
+fn a_reload_of_the_health_interval_keeps_the_child_and_changes_the_cadence() {
+    let mut w = Warden::start(|d, p| {
+        let health = "[health]\ninterval = \"1h\"\nfailures = 1\ncanary-interval = \"0s\"\n";
+        config(d, p, &["--shards", "1", "--unhealthy-after", "3s"], "", &format!("{FAST}{health}"))
+    });
+    w.wait_ready();
+    let first = child_pid(&w);
+    let text = std::fs::read_to_string(w.path("t.toml")).unwrap();
+    std::fs::write(w.path("t.toml"), text.replace("interval = \"1h\"", "interval = \"100ms\"")).unwrap();
+    w.signal(Signal::SIGHUP);
+    let reloaded = w.wait_note("in place", |n| n.starts_with("STATUS=reloaded in place"));
+    assert_eq!(reloaded, "STATUS=reloaded in place: health.interval 1h → 100ms");
+    assert_eq!(child_pid(&w), first, "the child is untouched");
+    let failed = w.wait_note("the new cadence", |n| n.starts_with("STATUS=failed"));
+    assert!(failed.ends_with("health check failed 1 times: 503 Service Unavailable"), "{failed}");
+    assert_eq!(w.stop(), 0);
+}

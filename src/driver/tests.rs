@@ -91,7 +91,9 @@ impl Backend for Fake {
     }
     fn health(&mut self, _start: u32) {}
     fn read_config(&mut self) {}
-    fn reconfigure(&mut self, _settings: crate::config::Settings) {}
+    fn reconfigure(&mut self, _settings: crate::config::Settings) -> crate::reload::Plan {
+        crate::reload::Plan::Nothing
+    }
     async fn task_failed(&mut self) -> String {
         // Cancel-safe, as the real one: the wait is dropped whenever another
         // input comes first.

@@ -448,7 +448,8 @@ fn a_reload_stops_the_ready_child_and_starts_again_with_the_new_policy() {
     s.ready(101);
     assert_eq!(s.m.failures, 1);
     let new = Policy { stall: Duration::from_secs(5), ..policy() };
-    let fx = s.ev(Event::Reload(Box::new(new.clone())));
+    let fx = s
+        .ev(Event::Reload { policy: Box::new(new.clone()), summary: "restarting the child: child.env changed".into() });
     assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
     assert_eq!(s.state(), "stopping");
     // A ready child drains: the full stop-timeout before SIGKILL.
@@ -467,7 +468,8 @@ fn a_reload_during_backoff_starts_at_once() {
     s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     s.ev(Event::TreeGone);
     assert_eq!(s.state(), "backoff");
-    let fx = s.ev(Event::Reload(Box::new(policy())));
+    let fx =
+        s.ev(Event::Reload { policy: Box::new(policy()), summary: "restarting the child: child.env changed".into() });
     assert!(fx.contains(&Effect::Prepare { start: 2 }));
 }
 
@@ -499,7 +501,7 @@ fn every_waiting_state() -> Vec<(&'static str, Machine)> {
     out.push(("launching, stop pending", s.m));
     let mut s = fresh();
     s.ev(Event::Begin);
-    s.ev(Event::Reload(Box::new(policy())));
+    s.ev(Event::Reload { policy: Box::new(policy()), summary: "restarting the child: child.env changed".into() });
     out.push(("launching, relaunch pending", s.m));
     let mut s = fresh();
     s.spawned(100);
