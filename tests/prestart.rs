@@ -274,17 +274,15 @@ fn record(token: &str, tree: &[(i32, u64)]) -> String {
     )
 }
 
-#[test]
-fn a_recorded_pid_now_used_by_another_process_is_untouched() {
+/// A bystander process, a record made for it by `forge(pid, start time)`,
+/// and a warden started on that record: the bystander must live on, and
+/// nothing is called a leftover.
+fn bystander_survives(forge: impl FnOnce(i32, u64) -> String) {
     let bystander = Command::new("sleep").arg("1000").spawn().unwrap();
     let mut bystander = Reap(vec![bystander]);
     let pid = bystander.0[0].id() as i32;
     let st = vllm_warden::child::read_stat(pid).unwrap();
-    // The same pid, but another start time: a recycled pid.
-    let opts = Opts {
-        state_files: vec![("tree.json".into(), record("x", &[(pid, st.start_time + 12345)]))],
-        ..Opts::default()
-    };
+    let opts = Opts { state_files: vec![("tree.json".into(), forge(pid, st.start_time))], ..Opts::default() };
     let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
     w.wait_ready();
     assert!(!gone(&st), "the bystander lives");
@@ -294,26 +292,20 @@ fn a_recorded_pid_now_used_by_another_process_is_untouched() {
     bystander.0.clear();
 }
 
+#[test]
+fn a_recorded_pid_now_used_by_another_process_is_untouched() {
+    // The same pid, but another start time: a recycled pid.
+    bystander_survives(|pid, start| record("x", &[(pid, start + 12345)]));
+}
+
 /// Issue "untrickable", case 4: a record forged to name an unrelated process
-/// with its exact pid and start time (and its descendants, and pid 1) gets
-/// nothing signalled: the process does not carry the warden's run token.
+/// with its exact pid and start time (and pid 1, and the test itself) gets
+/// nothing signalled: none carries the warden's run token.
 #[test]
 fn forged_leftovers_an_exact_record_of_an_unrelated_process_signals_nothing() {
-    let bystander = Command::new("sleep").arg("1000").spawn().unwrap();
-    let mut bystander = Reap(vec![bystander]);
-    let pid = bystander.0[0].id() as i32;
-    let st = vllm_warden::child::read_stat(pid).unwrap();
     let init = vllm_warden::child::read_stat(1).unwrap();
     let me = vllm_warden::child::read_stat(std::process::id() as i32).unwrap();
-    let forged = record("anything", &[(pid, st.start_time), (1, init.start_time), (me.pid, me.start_time)]);
-    let opts = Opts { state_files: vec![("tree.json".into(), forged)], ..Opts::default() };
-    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
-    w.wait_ready();
-    assert!(!gone(&st), "the bystander lives");
-    assert!(!w.notes.iter().any(|n| n.contains("leftover")), "{:?}", w.notes);
-    assert_eq!(w.stop(), 0);
-    bystander.0[0].kill().unwrap();
-    bystander.0.clear();
+    bystander_survives(|pid, start| record("anything", &[(pid, start), (1, init.start_time), (me.pid, me.start_time)]));
 }
 
 /// A record that is not a regular file (here a FIFO, which would block a

@@ -158,6 +158,20 @@ fn fail_this_time(args: &FakeArgs) -> bool {
     args.fail.is_some() && n < times
 }
 
+/// Run `f` in a thread of its own when `sig` arrives. Call it before any
+/// other thread starts: the signal is blocked here, and threads started
+/// later inherit the mask, so that only the waiting thread takes it.
+fn on_signal(sig: Signal, f: impl FnOnce() + Send + 'static) {
+    let mut set = SigSet::empty();
+    set.add(sig);
+    let _ = set.thread_block();
+    std::thread::spawn(move || {
+        if set.wait().is_ok() {
+            f();
+        }
+    });
+}
+
 fn forever() -> ! {
     loop {
         std::thread::sleep(Duration::from_secs(3600));
@@ -199,37 +213,23 @@ fn simulate(args: FakeArgs) -> i32 {
     }
     let failing = fail_this_time(&args);
     if args.fatal_on_usr1 {
-        // Blocked before any other thread starts, so that only this one takes it.
-        let mut set = SigSet::empty();
-        set.add(Signal::SIGUSR1);
-        let _ = set.thread_block();
         let pid = out.pid;
-        std::thread::spawn(move || {
-            if set.wait().is_ok() {
-                let o = Out { pid };
-                o.log("EngineCore", "ERROR", "core.py:1063", "EngineCore encountered a fatal error.");
-                o.log("EngineCore", "ERROR", "core.py:1063", "Traceback (most recent call last):");
-                o.log(
-                    "EngineCore",
-                    "ERROR",
-                    "core.py:1063",
-                    "RuntimeError: CUDA error: an illegal memory access was encountered",
-                );
-            }
+        on_signal(Signal::SIGUSR1, move || {
+            let o = Out { pid };
+            o.log("EngineCore", "ERROR", "core.py:1063", "EngineCore encountered a fatal error.");
+            o.log("EngineCore", "ERROR", "core.py:1063", "Traceback (most recent call last):");
+            o.log(
+                "EngineCore",
+                "ERROR",
+                "core.py:1063",
+                "RuntimeError: CUDA error: an illegal memory access was encountered",
+            );
         });
     }
     let engine = Arc::new(Engine::default());
     if args.wedge_on_usr2 {
-        // Blocked before any other thread starts, so that only this one takes it.
-        let mut set = SigSet::empty();
-        set.add(Signal::SIGUSR2);
-        let _ = set.thread_block();
         let e = engine.clone();
-        std::thread::spawn(move || {
-            if set.wait().is_ok() {
-                e.wedged.store(true, Ordering::SeqCst);
-            }
-        });
+        on_signal(Signal::SIGUSR2, move || e.wedged.store(true, Ordering::SeqCst));
     }
     let stop = Arc::new(AtomicBool::new(false));
     if args.ignore_sigterm {
@@ -240,26 +240,21 @@ fn simulate(args: FakeArgs) -> i32 {
     } else {
         // SIGTERM is taken by a thread that waits for it, as vLLM's asyncio
         // loop does: a clean shutdown with vLLM's own shutdown lines.
-        let mut set = SigSet::empty();
-        set.add(Signal::SIGTERM);
-        let _ = set.thread_block();
         let s = stop.clone();
         let pid = out.pid;
-        std::thread::spawn(move || {
-            if set.wait().is_ok() {
-                s.store(true, Ordering::SeqCst);
-                let o = Out { pid };
-                o.log("APIServer", "INFO", "launcher.py:254", "[shutdown] API server: shutdown triggered");
-                o.log("APIServer", "ERROR", "async_llm.py:906", "AsyncLLM output_handler failed.");
-                o.log(
+        on_signal(Signal::SIGTERM, move || {
+            s.store(true, Ordering::SeqCst);
+            let o = Out { pid };
+            o.log("APIServer", "INFO", "launcher.py:254", "[shutdown] API server: shutdown triggered");
+            o.log("APIServer", "ERROR", "async_llm.py:906", "AsyncLLM output_handler failed.");
+            o.log(
                     "APIServer",
                     "ERROR",
                     "async_llm.py:906",
                     "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
                 );
-                o.raw("INFO:     Shutting down\nINFO:     Application shutdown complete.\n");
-                std::process::exit(0);
-            }
+            o.raw("INFO:     Shutting down\nINFO:     Application shutdown complete.\n");
+            std::process::exit(0);
         });
     }
 
