@@ -261,12 +261,24 @@ impl Warden {
 
 impl Drop for Warden {
     fn drop(&mut self) {
-        // A failed test must not leave the fake's tree behind.
+        // A failed test must leave neither the warden nor the fake's tree
+        // behind. A warden still running (not yet reaped: the thread that
+        // waits for it has sent nothing) is frozen first, so that it starts
+        // no new child while its tree is killed, then killed itself.
+        use nix::sys::signal::{Signal, kill};
+        let pid = nix::unistd::Pid::from_raw(self.pid as i32);
+        let running = self.child.is_some()
+            || self.exit.as_ref().is_some_and(|rx| matches!(rx.try_recv(), Err(mpsc::TryRecvError::Empty)));
+        if running {
+            let _ = kill(pid, Signal::SIGSTOP);
+        }
         for p in self.descendants() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = kill(nix::unistd::Pid::from_raw(p.pid), Signal::SIGKILL);
+        }
+        if running {
+            let _ = kill(pid, Signal::SIGKILL);
         }
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
             let _ = c.wait();
         }
     }
