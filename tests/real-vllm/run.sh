@@ -3,7 +3,7 @@
 # pinned (requirements.lock), a tiny random-weight model made locally (no
 # hub), and the release build of the warden with a stand-in notify socket.
 # The venv (about 6 GB) and the model are made by setup.sh, cached outside
-# the repository and reused. Needs root only for apt.
+# the repository and reused. Needs root for apt and a private /dev/shm.
 #
 # Each wait of a scenario has a budget reckoned from the model loads it holds
 # and a load ceiling: VLLM_WARDEN_LOAD_CEILING (e.g. "3m"), else 5 minutes
@@ -15,7 +15,18 @@ VLLM_WARDEN_VLLM=$(sed -n 1p <<<"$paths")/bin/vllm
 VLLM_WARDEN_MODELS=$(sed -n 2p <<<"$paths")
 export VLLM_WARDEN_VLLM VLLM_WARDEN_MODELS
 
+# Before every start a warden removes the vLLM files of /dev/shm and of the
+# temporary folders that no process has open or mapped, and a starting vLLM
+# has such files in use (a named semaphore is mapped under a temporary name;
+# torch.distributed opens its vllm_dist_* file for each access): any other
+# warden on this machine, such as a test suite run beside this one, can
+# remove them and fail the load. So the scenarios get their own temporary
+# folder and, in a mount namespace, their own /dev/shm.
+tmp=$(mktemp -d -t real-vllm.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+export TMPDIR=$tmp
 # One scenario at a time (--no-capture runs them in turn, printing as they
 # go): on 2 cores two loads at once take as long as two in a row, and a vLLM
 # tree takes about 4.6 GB.
-cargo nextest run --release --test real_vllm --run-ignored only --no-capture --no-fail-fast
+run=(cargo nextest run --release --test real_vllm --run-ignored only --no-capture --no-fail-fast)
+unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm && exec "$@"' sh "${run[@]}"
