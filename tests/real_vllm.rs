@@ -2,7 +2,15 @@
 //! default: `tests/real-vllm/run.sh` installs vLLM, makes the model and runs
 //! these one at a time on the release build, with `VLLM_WARDEN_VLLM` (the
 //! `vllm` executable) and `VLLM_WARDEN_MODELS` (the models folder) set.
-//! Each scenario prints its timings.
+//! Each scenario prints its wait budgets and its timings.
+//!
+//! Every wait's budget is reckoned from what it waits for: the number of
+//! model loads in it times the load ceiling, plus the stops, graces and
+//! backoffs the warden's config allows on the way, plus `MARGIN`. The load
+//! ceiling is `VLLM_WARDEN_LOAD_CEILING` (a duration such as `"3m"`), else
+//! `DEFAULT_CEILING`; the warden's own `ready.timeout` and `ready.stall` are
+//! set to it, so a load that hangs is reported by the warden before a wait
+//! expires.
 
 mod common;
 
@@ -10,7 +18,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
-use common::{Warden, gone};
+use common::{Warden, gone, secs};
 use nix::sys::signal::Signal;
 use vllm_warden::child::ProcStat;
 
@@ -22,6 +30,55 @@ fn model(name: &str) -> PathBuf {
     PathBuf::from(std::env::var("VLLM_WARDEN_MODELS").expect("VLLM_WARDEN_MODELS")).join(name)
 }
 
+/// A load of the tiny model took 20 s on an idle 2-core machine, 32–45 s
+/// while the same machine compiled, 37 s for each of two at once; this
+/// leaves room for a machine several times slower.
+const DEFAULT_CEILING: Duration = Duration::from_secs(5 * 60);
+
+/// The longest one load may take here, and where that figure comes from.
+fn ceiling() -> (Duration, &'static str) {
+    match std::env::var("VLLM_WARDEN_LOAD_CEILING") {
+        Ok(v) => (
+            humantime::parse_duration(&v).unwrap_or_else(|e| panic!("VLLM_WARDEN_LOAD_CEILING={v}: {e}")),
+            "VLLM_WARDEN_LOAD_CEILING",
+        ),
+        Err(_) => (DEFAULT_CEILING, "default"),
+    }
+}
+
+/// The config's `child.stop-timeout`: a ready child's stop.
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// A stop before ready, or of what a failed run left: `min(stop-timeout,
+/// 10s)`, then SIGKILL.
+const SHORT_STOP: Duration = Duration::from_secs(10);
+/// The config's `fatal.grace`: a child that logged a fatal line may take
+/// this long to exit on its own.
+const GRACE: Duration = Duration::from_secs(30);
+/// `RESTART`'s backoff, 1 s ± 10 %, rounded up.
+const BACKOFF: Duration = Duration::from_secs(2);
+/// Beyond the loads, stops and backoffs in a wait: the warden's pre-start
+/// steps, readiness probe and reaping, and the harness, on a busy machine.
+const MARGIN: Duration = Duration::from_secs(60);
+/// One one-token completion (the warden's canary, with its timeout).
+const COMPLETION: Duration = Duration::from_secs(60);
+
+/// A wait holding `loads` model loads and `extra` (stops, graces, backoffs).
+fn budget(loads: u32, extra: Duration) -> Duration {
+    ceiling().0 * loads + extra + MARGIN
+}
+
+/// The budget of stopping a ready child.
+fn stop_budget() -> Duration {
+    STOP_TIMEOUT + MARGIN
+}
+
+/// Print a scenario's budgets before it starts waiting.
+fn budgets(scenario: &str, waits: &[(&str, Duration)]) {
+    let (c, from) = ceiling();
+    let list: Vec<String> = waits.iter().map(|(what, d)| format!("{what} {}", secs(*d))).collect();
+    eprintln!("{scenario} budgets (load ceiling {} from {from}): {}", secs(c), list.join(", "));
+}
+
 fn config(d: &Path, port: u16, model: &Path, extra: &str) -> String {
     format!(
         r#"name = "t"
@@ -30,10 +87,12 @@ command = ["{vllm}", "serve", "{model}", "--port", "{port}", "--max-model-len", 
            "--enforce-eager", "--gpu-memory-utilization", "0.5"]
 env = {{ HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1" }}
 log-file = "{d}/t.log"
-stop-timeout = "30s"
+stop-timeout = "{stop}s"
 [ready]
-timeout = "5m"
-stall = "3m"
+timeout = "{ceiling}s"
+stall = "{ceiling}s"
+[fatal]
+grace = "{grace}s"
 [prestart]
 gpu-idle-wait = "0s"
 [status]
@@ -42,7 +101,10 @@ file = "{d}/status.json"
 "#,
         vllm = vllm(),
         model = model.display(),
-        d = d.display()
+        d = d.display(),
+        stop = STOP_TIMEOUT.as_secs(),
+        ceiling = ceiling().0.as_secs(),
+        grace = GRACE.as_secs(),
     )
 }
 
@@ -53,25 +115,38 @@ fn start(model: &Path, extra: &str) -> Warden {
     Warden::start(move |d, p| config(d, p, &m, &e))
 }
 
-/// The time of the warden's first log line containing `what` after `from`.
-fn logged_at(w: &Warden, what: &str, from: SystemTime) -> Option<SystemTime> {
+/// The times of the warden's log lines containing `what`, from `from` on.
+fn logged(w: &Warden, what: &str, from: SystemTime) -> Vec<SystemTime> {
     w.stderr()
         .lines()
         .filter(|l| l.contains(what))
         .filter_map(|l| humantime::parse_rfc3339(l.split_whitespace().next()?).ok())
-        .find(|t| *t >= from)
+        .filter(|t| *t >= from)
+        .collect()
+}
+
+/// The time of the warden's first log line containing `what` from `from` on.
+fn logged_at(w: &Warden, what: &str, from: SystemTime) -> Option<SystemTime> {
+    logged(w, what, from).first().copied()
 }
 
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
 }
 
-/// Load time (spawn → READY=1) and readiness line → READY=1 of the last start.
-fn load_timings(w: &Warden, since: SystemTime) -> (Duration, Duration) {
-    let spawned = logged_at(w, "child spawned", since).expect("spawned");
-    let line = logged_at(w, "ready line seen", spawned).expect("ready line");
+/// Load time (spawn → READY=1) and readiness line → READY=1 of the first
+/// start since `since` that became ready, and how many starts that took.
+fn load_timings(w: &Warden, since: SystemTime) -> (Duration, Duration, usize) {
+    let line = logged_at(w, "ready line seen", since).expect("ready line");
+    let starts: Vec<SystemTime> = logged(w, "child spawned", since).into_iter().filter(|t| *t <= line).collect();
+    let spawned = *starts.last().expect("spawned");
     let ready = logged_at(w, "ready: pid", line).expect("ready");
-    (ready.duration_since(spawned).unwrap(), ready.duration_since(line).unwrap())
+    (ready.duration_since(spawned).unwrap(), ready.duration_since(line).unwrap(), starts.len())
+}
+
+/// "", or how many starts a load took when it took more than one.
+fn starts(n: usize) -> String {
+    if n > 1 { format!(" after {n} starts") } else { String::new() }
 }
 
 fn by_title<'a>(tree: &'a [ProcStat], title: &str) -> Vec<&'a ProcStat> {
@@ -94,28 +169,31 @@ fn shm_of(tree: &[ProcStat]) -> BTreeSet<PathBuf> {
 }
 
 fn completion(w: &Warden) -> Result<(), String> {
-    vllm_warden::health::canary(&format!("http://127.0.0.1:{}", w.port), Duration::from_secs(60))
+    vllm_warden::health::canary(&format!("http://127.0.0.1:{}", w.port), COMPLETION)
 }
 
 #[test]
 #[ignore]
 fn s1_ready_only_after_the_line_and_http_and_it_serves() {
+    let ready = budget(1, Duration::ZERO);
+    budgets("scenario 1", &[("READY=1", ready), ("completion", COMPLETION), ("stop", stop_budget())]);
     let t0 = SystemTime::now();
     let mut w = start(&model("tiny"), RESTART);
-    w.wait_ready();
-    let (load, line_to_ready) = load_timings(&w, t0);
+    w.wait_ready_within(ready, "READY=1 (one load)");
+    let (load, line_to_ready, n) = load_timings(&w, t0);
     assert!(w.log().contains("Application startup complete."));
     completion(&w).expect("a completion");
     let tree = w.descendants();
     let shm = shm_of(&tree);
     let t = Instant::now();
-    assert_eq!(w.stop(), 0);
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
     let stop = t.elapsed();
     assert!(tree.iter().all(gone), "left: {tree:?}");
     assert!(shm.iter().all(|f| !f.exists()), "left in /dev/shm: {shm:?}");
     eprintln!(
-        "scenario 1 ready: PASS  load {:.1} s, ready line -> READY=1 {}, stop {}, tree {} processes",
+        "scenario 1 ready: PASS  load {:.1} s{}, ready line -> READY=1 {}, stop {}, tree {} processes",
         load.as_secs_f64(),
+        starts(n),
         ms(line_to_ready),
         ms(stop),
         tree.len()
@@ -125,28 +203,41 @@ fn s1_ready_only_after_the_line_and_http_and_it_serves() {
 #[test]
 #[ignore]
 fn s2_engine_death_is_a_failure_even_with_exit_0() {
+    let ready = budget(1, Duration::ZERO);
+    // The API server exits by itself, or after the grace; the rest is
+    // stopped the short way.
+    let failed = budget(0, GRACE + SHORT_STOP);
+    let again = budget(1, BACKOFF);
+    budgets(
+        "scenario 2",
+        &[("READY=1", ready), ("restart", failed), ("READY=1 again", again), ("stop", stop_budget())],
+    );
     let mut w = start(&model("tiny"), RESTART);
-    w.wait_ready();
+    w.wait_ready_within(ready, "READY=1 (one load)");
     let tree = w.descendants();
     let engine = by_title(&tree, "EngineCore");
     assert_eq!(engine.len(), 1, "{tree:?}");
     let t0 = SystemTime::now();
     let t = Instant::now();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(engine[0].pid), Signal::SIGKILL).unwrap();
-    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
-    w.wait_ready();
-    let back = t.elapsed();
-    let (load, line_to_ready) = load_timings(&w, t0);
+    let restarting = w.wait_note_within(failed, "STATUS=restarting after EngineCore was killed", |n| {
+        n.starts_with("STATUS=restarting in")
+    });
+    // Written before the notification: the exit of the run that failed.
     let exit = std::fs::read_to_string(w.path("status.json")).unwrap();
-    assert!(exit.contains("\"code\": 0"), "the API server exited 0: {exit}");
+    assert!(exit.contains("\"code\": 0"), "the API server exited 0: {exit}{}", w.seen());
+    w.wait_ready_within(again, "READY=1 after the restart (one load)");
+    let back = t.elapsed();
+    let (load, line_to_ready, n) = load_timings(&w, t0);
     completion(&w).expect("a completion after the restart");
-    assert_eq!(w.stop(), 0);
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
     assert!(tree.iter().all(gone));
     eprintln!(
-        "scenario 2 engine death: PASS  cause \"{}\", crash -> ready again {:.1} s (load {:.1} s, ready line -> READY=1 {})",
+        "scenario 2 engine death: PASS  cause \"{}\", crash -> ready again {:.1} s (load {:.1} s{}, ready line -> READY=1 {})",
         restarting.split("): ").nth(1).unwrap_or(&restarting),
         back.as_secs_f64(),
         load.as_secs_f64(),
+        starts(n),
         ms(line_to_ready)
     );
 }
@@ -154,33 +245,52 @@ fn s2_engine_death_is_a_failure_even_with_exit_0() {
 #[test]
 #[ignore]
 fn s3_a_killed_api_server_leaves_no_orphan_and_no_shared_memory() {
+    let ready = budget(1, Duration::ZERO);
+    // The leader's exit is seen at once; its orphans are stopped the short way.
+    let failed = budget(0, SHORT_STOP);
+    let again = budget(1, BACKOFF);
+    budgets(
+        "scenario 3",
+        &[("READY=1", ready), ("restart", failed), ("READY=1 again", again), ("stop", stop_budget())],
+    );
     let mut w = start(&model("tiny"), RESTART);
-    w.wait_ready();
+    w.wait_ready_within(ready, "READY=1 (one load)");
     let tree = w.descendants();
     let leader = tree.iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
     let orphans: Vec<ProcStat> = tree.iter().filter(|p| p.pid != leader).copied().collect();
     assert!(!by_title(&orphans, "EngineCore").is_empty(), "{orphans:?}");
     let shm = shm_of(&tree);
+    let t0 = SystemTime::now();
     let t = Instant::now();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGKILL).unwrap();
-    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    let restarting = w.wait_note_within(failed, "STATUS=restarting after the API server was killed", |n| {
+        n.starts_with("STATUS=restarting in")
+    });
     assert!(restarting.ends_with("exited while serving (killed by SIGKILL)"), "{restarting}");
-    w.wait_ready();
+    w.wait_ready_within(again, "READY=1 after the restart (one load)");
     let back = t.elapsed();
+    let (load, _, n) = load_timings(&w, t0);
     assert!(orphans.iter().all(gone), "orphans stopped before the restart: {orphans:?}");
     assert!(shm.iter().all(|f| !f.exists()), "the first run's /dev/shm files: {shm:?}");
-    assert_eq!(w.stop(), 0);
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
     eprintln!(
-        "scenario 3 API server killed: PASS  {} orphans stopped, {} /dev/shm files of the run removed, kill -> ready again {:.1} s",
+        "scenario 3 API server killed: PASS  {} orphans stopped, {} /dev/shm files of the run removed, kill -> ready again {:.1} s (load {:.1} s{})",
         orphans.len(),
         shm.len(),
-        back.as_secs_f64()
+        back.as_secs_f64(),
+        load.as_secs_f64(),
+        starts(n)
     );
 }
 
 #[test]
 #[ignore]
 fn s4_the_kv_cache_patch_makes_the_model_load() {
+    // Two failed loads (permanent-attempts), each followed by the grace and
+    // a short stop, no backoff; then one load.
+    let gave_up = budget(2, (GRACE + SHORT_STOP) * 2);
+    let ready = budget(1, Duration::ZERO);
+    budgets("scenario 4", &[("exit 78", gave_up), ("READY=1 patched", ready), ("stop", stop_budget())]);
     let dir = tempfile::tempdir().unwrap();
     let m = dir.path().join("tiny-fp4");
     std::fs::create_dir(&m).unwrap();
@@ -194,7 +304,7 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
     // permanent-attempts the warden exits 78.
     let t = Instant::now();
     let mut w = start(&m, "[restart]\ninitial-delay = \"0s\"\n");
-    assert_eq!(w.wait_exit(), 78);
+    assert_eq!(w.wait_exit_within(gave_up, "exit 78 after two failed loads of the unpatched model"), 78);
     let failed = t.elapsed();
     let last = w.statuses().last().unwrap().to_string();
     assert!(
@@ -209,10 +319,10 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
     );
     let t0 = SystemTime::now();
     let mut w = start(&m, &patch);
-    w.wait_ready();
-    let (load, line_to_ready) = load_timings(&w, t0);
+    w.wait_ready_within(ready, "READY=1 of the patched model (one load)");
+    let (load, line_to_ready, n) = load_timings(&w, t0);
     completion(&w).expect("a completion from the patched model");
-    assert_eq!(w.stop(), 0);
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
     let revert = std::process::Command::new(common::exe())
         .args(["patch", "--revert", "-c"])
         .arg(w.path("t.toml"))
@@ -222,9 +332,10 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
     assert!(revert.status.success(), "{}", String::from_utf8_lossy(&revert.stderr));
     assert_eq!(std::fs::read(m.join("config.json")).unwrap(), original, "revert restores the file");
     eprintln!(
-        "scenario 4 kv-cache patch: PASS  unpatched: exit 78 after 2 tries in {:.1} s; patched: load {:.1} s, ready line -> READY=1 {}; revert byte-identical",
+        "scenario 4 kv-cache patch: PASS  unpatched: exit 78 after 2 tries in {:.1} s; patched: load {:.1} s{}, ready line -> READY=1 {}; revert byte-identical",
         failed.as_secs_f64(),
         load.as_secs_f64(),
+        starts(n),
         ms(line_to_ready)
     );
 }
@@ -232,27 +343,46 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
 #[test]
 #[ignore]
 fn s5_stop_while_serving_and_during_a_load() {
+    let ready = budget(1, Duration::ZERO);
+    // Part of a load.
+    let loading = budget(1, Duration::ZERO);
+    let stop_loading = SHORT_STOP + MARGIN;
+    budgets(
+        "scenario 5",
+        &[
+            ("READY=1", ready),
+            ("stop while serving", stop_budget()),
+            ("loading", loading),
+            ("stop during the load", stop_loading),
+        ],
+    );
+    let t0 = SystemTime::now();
     let mut w = start(&model("tiny"), RESTART);
-    w.wait_ready();
+    w.wait_ready_within(ready, "READY=1 (one load)");
+    let (load, _, n) = load_timings(&w, t0);
     let tree = w.descendants();
     let shm = shm_of(&tree);
     let t = Instant::now();
-    assert_eq!(w.stop(), 0);
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
     let serving = t.elapsed();
     assert!(tree.iter().all(gone), "left: {tree:?}");
     assert!(shm.iter().all(|f| !f.exists()), "left in /dev/shm: {shm:?}");
 
     let mut w = start(&model("tiny"), RESTART);
-    w.wait_note("loading", |n| n.contains("Initializing a V1 LLM engine") || n.contains("Starting to load model"));
+    w.wait_note_within(loading, "STATUS=loading (engine init or model load)", |n| {
+        n.contains("Initializing a V1 LLM engine") || n.contains("Starting to load model")
+    });
     let tree = w.descendants();
     let t = Instant::now();
-    assert_eq!(w.stop(), 0);
+    assert_eq!(w.stop_within(stop_loading, "the warden's exit after SIGTERM during the load"), 0);
     let loading = t.elapsed();
     assert!(tree.iter().all(gone), "left: {tree:?}");
     let after: BTreeSet<PathBuf> = shm_of(&w.descendants());
     assert!(after.is_empty());
     eprintln!(
-        "scenario 5 stop: PASS  while serving {}, during the load {} ({} processes at the time)",
+        "scenario 5 stop: PASS  load {:.1} s{}, stop while serving {}, during the load {} ({} processes at the time)",
+        load.as_secs_f64(),
+        starts(n),
         ms(serving),
         ms(loading),
         tree.len()

@@ -1,7 +1,9 @@
 //! Real-process harness: the real `vllm-warden` binary supervising the fake
 //! vLLM, with a `UnixDatagram` standing in for systemd's notify socket.
-//! Every wait is on an event (a datagram, a process exit) under one generous
-//! timeout; nothing sleeps to wait for a condition.
+//! Every wait is on an event (a datagram, a process exit) under a deadline:
+//! `TIMEOUT` for the fake vLLM, or a budget given by the caller (`*_within`);
+//! nothing sleeps to wait for a condition. A wait that expires says which
+//! wait it was, how long it was, and what the warden had said and written.
 #![allow(dead_code)]
 
 use std::os::unix::net::UnixDatagram;
@@ -163,14 +165,24 @@ impl Warden {
     /// Wait for the next notification (after those consumed by earlier
     /// waits) that satisfies `pred`; returns it.
     pub fn wait_note(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        self.wait_note_within(TIMEOUT, what, pred)
+    }
+
+    /// `wait_note` with a deadline of `budget`.
+    pub fn wait_note_within(&mut self, budget: Duration, what: &str, pred: impl Fn(&str) -> bool) -> String {
         if let Some(i) = self.notes[self.cursor..].iter().position(|n| pred(n)) {
             self.cursor += i + 1;
             return self.notes[self.cursor - 1].clone();
         }
-        let deadline = Instant::now() + TIMEOUT;
-        while Instant::now() < deadline {
+        let start = Instant::now();
+        let deadline = start + budget;
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
             // Wake up now and then to notice a warden that died.
-            match self.lines.recv_timeout(Duration::from_millis(250)) {
+            match self.lines.recv_timeout((deadline - now).min(Duration::from_millis(250))) {
                 Ok(line) => {
                     self.notes.push(line);
                     if pred(self.notes.last().unwrap()) {
@@ -182,21 +194,46 @@ impl Warden {
                     if let Some(code) = self.try_exit() {
                         self.drain_notes();
                         panic!(
-                            "warden exited with {code} while waiting for {what}; notes: {:#?}\n{}",
-                            self.notes,
-                            self.stderr()
+                            "warden exited with {code} after {} while waiting for {what} (budget {}){}",
+                            secs(start.elapsed()),
+                            secs(budget),
+                            self.seen()
                         );
                     }
                 }
                 Err(e) => panic!("notify socket: {e}"),
             }
         }
-        panic!("timed out waiting for {what}; notes: {:#?}\n{}", self.notes, self.stderr());
+        panic!("timed out after {} waiting for {what}{}", secs(budget), self.seen());
     }
 
     /// Wait for the next `READY=1`.
     pub fn wait_ready(&mut self) {
-        self.wait_note("READY=1", |n| n == "READY=1");
+        self.wait_ready_within(TIMEOUT, "READY=1");
+    }
+
+    /// Wait for the next `READY=1` for at most `budget`; `what` names the
+    /// wait in a failure message.
+    pub fn wait_ready_within(&mut self, budget: Duration, what: &str) {
+        self.wait_note_within(budget, what, |n| n == "READY=1");
+    }
+
+    /// What the warden has said and written so far, for a failure message:
+    /// its last notifications, the tail of its stderr and of the child's log.
+    pub fn seen(&mut self) -> String {
+        while let Ok(line) = self.lines.try_recv() {
+            self.notes.push(line);
+        }
+        let skipped = self.notes.len().saturating_sub(SEEN_NOTES);
+        format!(
+            "\n--- last {} of {} notifications\n{}\n--- warden stderr above DEBUG, last lines\n{}\n--- {}, last lines\n{}",
+            self.notes.len() - skipped,
+            self.notes.len(),
+            self.notes[skipped..].join("\n"),
+            tail(&above_debug(&self.stderr()), SEEN_LINES),
+            self.path("t.log").display(),
+            tail(&self.log(), SEEN_LINES)
+        )
     }
 
     pub fn stderr(&self) -> String {
@@ -227,13 +264,23 @@ impl Warden {
 
     /// Wait for the warden to exit; returns its exit code.
     pub fn wait_exit(&mut self) -> i32 {
+        self.wait_exit_within(TIMEOUT, "the warden's exit")
+    }
+
+    /// Wait for the warden to exit for at most `budget`; `what` names the
+    /// wait in a failure message. Returns the exit code.
+    pub fn wait_exit_within(&mut self, budget: Duration, what: &str) -> i32 {
         self.watch_exit();
-        match self.exit.as_ref().unwrap().recv_timeout(TIMEOUT) {
+        match self.exit.as_ref().unwrap().recv_timeout(budget) {
             Ok(code) => {
                 self.drain_notes();
                 code
             }
-            Err(_) => panic!("warden did not exit; notes: {:#?}\n{}", self.notes, self.stderr()),
+            Err(_) => panic!(
+                "timed out after {} waiting for {what}: the warden is still running{}",
+                secs(budget),
+                self.seen()
+            ),
         }
     }
 
@@ -250,8 +297,13 @@ impl Warden {
 
     /// Stop with SIGTERM, as systemd does; returns the exit code.
     pub fn stop(&mut self) -> i32 {
+        self.stop_within(TIMEOUT, "the warden's exit after SIGTERM")
+    }
+
+    /// `stop`, waiting for the exit for at most `budget`.
+    pub fn stop_within(&mut self, budget: Duration, what: &str) -> i32 {
         self.signal(nix::sys::signal::Signal::SIGTERM);
-        self.wait_exit()
+        self.wait_exit_within(budget, what)
     }
 
     /// Live descendants of the warden.
@@ -266,15 +318,54 @@ impl Warden {
 
 impl Drop for Warden {
     fn drop(&mut self) {
-        // A failed test must not leave the fake's tree behind.
+        // A failed test must leave neither the warden nor the fake's tree
+        // behind. A warden still running (not yet reaped: the thread that
+        // waits for it has sent nothing) is frozen first, so that it starts
+        // no new child while its tree is killed, then killed itself.
+        use nix::sys::signal::{Signal, kill};
+        let pid = nix::unistd::Pid::from_raw(self.pid as i32);
+        let running = self.child.is_some()
+            || self.exit.as_ref().is_some_and(|rx| matches!(rx.try_recv(), Err(mpsc::TryRecvError::Empty)));
+        if running {
+            let _ = kill(pid, Signal::SIGSTOP);
+        }
         for p in self.descendants() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = kill(nix::unistd::Pid::from_raw(p.pid), Signal::SIGKILL);
+        }
+        if running {
+            let _ = kill(pid, Signal::SIGKILL);
         }
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
             let _ = c.wait();
         }
     }
+}
+
+/// How many notifications and lines of output a failure message shows.
+const SEEN_NOTES: usize = 20;
+const SEEN_LINES: usize = 30;
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The lines of the warden's stderr that are not at DEBUG or TRACE level.
+fn above_debug(text: &str) -> String {
+    let low = |l: &str| matches!(l.split_whitespace().nth(1), Some("DEBUG" | "TRACE"));
+    text.lines().filter(|l| !low(l)).collect::<Vec<_>>().join("\n")
+}
+
+/// A duration for a message: whole seconds from 10 s up (`4m 20s`), else
+/// milliseconds.
+pub fn secs(d: Duration) -> String {
+    let d = if d >= Duration::from_secs(10) {
+        Duration::from_secs(d.as_secs())
+    } else {
+        Duration::from_millis(d.as_millis() as u64)
+    };
+    humantime::format_duration(d).to_string()
 }
 
 /// True when `pid` with this start time is gone (or only a zombie).

