@@ -150,12 +150,17 @@ fn patch(a: &PatchArgs) -> Code {
         Ok(s) => s,
         Err(code) => return code,
     };
+    let say = |what: &str| eprintln!("vllm-warden: {what}");
+    let wait = crate::patch::Wait::Block(&say);
     let result = if a.revert {
-        crate::patch::revert(&s.state_dir, a.force).map(|files| {
-            if files.is_empty() {
+        crate::patch::revert(&s.patches, &s.state_dir, a.force, wait).map(|done| {
+            for f in &done.ignored {
+                eprintln!("vllm-warden: {}: in the manifest, but no [[patch]] names it: left as it is", f.display());
+            }
+            if done.restored.is_empty() {
                 println!("nothing to restore");
             }
-            for f in files {
+            for f in done.restored {
                 println!("{}: restored", f.display());
             }
         })
@@ -170,7 +175,7 @@ fn patch(a: &PatchArgs) -> Code {
             Ok(())
         })
     } else {
-        crate::patch::apply(&s.patches, &s.state_dir).map(|applied| {
+        crate::patch::apply(&s.patches, &s.state_dir, wait).map(|applied| {
             for a in applied {
                 println!("{a}");
             }

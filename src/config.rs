@@ -90,6 +90,9 @@ pub mod defaults {
     pub const RUN_DIR: &str = "/run/vllm-warden";
     /// `$STATE_DIRECTORY`, else `NAME/` here.
     pub const STATE_DIR: &str = "/var/lib/vllm-warden";
+
+    /// `[[patch]] max-size`: the largest model file a patch reads.
+    pub const PATCH_MAX_SIZE: u64 = crate::patch::DEFAULT_MAX_SIZE;
 }
 
 /// The range of every duration key: wide enough for any real setting, and
@@ -113,6 +116,10 @@ pub mod limits {
     /// The deadlines of one start (`ready.timeout`, `ready.stall`): a week
     /// is far beyond any load.
     pub const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
+
+    /// `[[patch]] max-size`, in bytes: up to 4 GiB, so that a mistake
+    /// cannot ask the warden to read a disk image.
+    pub const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;
 }
 
 /// A config that passed validation.
@@ -488,11 +495,64 @@ fn patch(mut k: Keys<'_, '_, '_>) -> Patch {
             }
         }
     }
+    let max_size = k.read("max-size", None, |r, v| size(r, v, "max-size", limits::PATCH_MAX_SIZE).map(Some));
     if k.ok("remove") && remove.is_empty() && set.is_empty() {
         let span = k.span();
         k.problem(span, "`[[patch]]` changes nothing: give `remove` or `set`");
     }
-    Patch { file, remove, set }
+    Patch { file, remove, set, max_size }
+}
+
+/// A size in bytes: an integer, or a string with a binary unit
+/// (`"300 MiB"`; `B`, `KiB`, `MiB`, `GiB`), within `range`.
+fn size(r: &mut Reader<'_>, v: &Value<'_>, key: &str, range: std::ops::RangeInclusive<u64>) -> Option<u64> {
+    let shown = |n: u64| match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n => format!("{n} bytes"),
+    };
+    let n = match v.get_ref() {
+        DeValue::Integer(i) => reader::parse_int(i.as_str(), i.radix()).and_then(|n| u64::try_from(n).ok()),
+        DeValue::String(s) => {
+            let s = s.trim();
+            let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+            let unit = match s[digits..].trim_start() {
+                "" | "B" => Some(1u64),
+                "KiB" => Some(1 << 10),
+                "MiB" => Some(1 << 20),
+                "GiB" => Some(1 << 30),
+                _ => None,
+            };
+            match (s[..digits].parse::<u64>(), unit) {
+                (Ok(n), Some(unit)) => Some(n.saturating_mul(unit)),
+                _ => {
+                    let message = format!(
+                        "`{key}`: invalid size {s:?} (write a number of bytes, or e.g. \"300 MiB\"; units: B, KiB, \
+                         MiB, GiB)"
+                    );
+                    r.problem(Some(v.span()), message);
+                    return None;
+                }
+            }
+        }
+        other => {
+            let message =
+                format!("`{key}` must be a number of bytes or a size such as \"300 MiB\", not {}", other.type_str());
+            r.problem(Some(v.span()), message);
+            return None;
+        }
+    };
+    match n {
+        Some(n) if range.contains(&n) => Some(n),
+        _ => {
+            let (lo, hi) = (*range.start(), *range.end());
+            r.problem(
+                Some(v.span()),
+                format!("`{key}` must be from {} to {} ({hi} bytes)", shown(lo).trim_end_matches('s'), shown(hi)),
+            );
+            None
+        }
+    }
 }
 
 /// Checks a dotted JSON path as `patch` reads it: keys between unescaped

@@ -36,7 +36,7 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
     {
         say(format!("`log-file`: {} is not a folder", existing.display()));
     }
-    for problem in crate::patch::check(&s.patches) {
+    for problem in crate::patch::check(&s.patches, &s.state_dir) {
         say(format!("[[patch]] {problem}"));
     }
     out
