@@ -96,28 +96,27 @@ fn load(path: &Path) -> Result<Settings, Code> {
     })
 }
 
+/// Every problem `run` would meet at start, the config's and the
+/// environment's together, whatever else is wrong; "valid" only when there
+/// is none.
 fn check(path: &Path) -> Code {
-    let (settings, mut problems) = match config::load(path, &Dirs::from_env()) {
-        Ok(s) => {
-            let env = crate::environment::check_environment(&s);
-            (Some(s), env)
-        }
-        Err(p) => (None, p.0),
-    };
+    let (settings, mut problems) = config::load_all(path, &Dirs::from_env());
     if let Some(s) = &settings {
-        println!("{}: config of instance {:?} is valid", path.display(), s.name);
-        print!("{}", config::describe_patterns(s));
+        problems.extend(crate::environment::check_environment(s));
     }
     problems.dedup();
+    if problems.is_empty()
+        && let Some(s) = &settings
+    {
+        println!("{}: config of instance {:?} is valid", path.display(), s.name);
+        print!("{}", config::describe_patterns(s));
+        return Code::Ok;
+    }
     for p in &problems {
         eprintln!("{p}");
     }
-    if problems.is_empty() {
-        Code::Ok
-    } else {
-        eprintln!("{} problem(s) found", problems.len());
-        Code::Config
-    }
+    eprintln!("{} problem(s) found", problems.len());
+    Code::Config
 }
 
 fn status(a: &StatusArgs) -> Code {

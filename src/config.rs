@@ -281,17 +281,36 @@ pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
 /// Validate config text; `path` names the file in problems and gives the
 /// default instance name (its stem). `Err` exactly when a problem was found.
 pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
+    match parse_all(text, path, dirs) {
+        (Some(settings), problems) if problems.is_empty() => Ok(settings),
+        (_, problems) => Err(Problems(problems)),
+    }
+}
+
+/// Read a config and go on past its problems, for `check`, which lists
+/// the environment's problems beside the file's: the settings as far as
+/// they could be read (each value with a problem left at its default) and
+/// every problem. No settings when the file cannot be read or is not TOML.
+pub fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse_all(&text, path, dirs),
+        Err(e) => {
+            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
+        }
+    }
+}
+
+fn parse_all(text: &str, path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
     let (doc, syntax) = DeTable::parse_recoverable(text);
     let mut r = Reader::new(text, path);
     if !syntax.is_empty() {
         for e in syntax {
             r.problem(e.span(), e.message().trim_end());
         }
-        return Err(Problems(r.into_problems()));
+        return (None, r.into_problems());
     }
     let settings = settings(&mut r, doc.get_ref(), path, dirs);
-    let problems = r.into_problems();
-    if problems.is_empty() { Ok(settings) } else { Err(Problems(problems)) }
+    (Some(settings), r.into_problems())
 }
 
 /// The whole document, section by section.

@@ -6,6 +6,7 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
@@ -639,4 +640,62 @@ fn check_equals_run_a_directory_at_the_temp_name() {
     assert!(out.contains("is valid"), "{out}");
     ok(&f.run(&["patch"]));
     assert_eq!(std::fs::read_to_string(&model).unwrap(), PATCHED);
+}
+
+/// `check` skipped the environment's problems when the file had one too.
+#[test]
+fn check_equals_run_environment_problems_are_listed_beside_the_files() {
+    let f = Fixture::new();
+    let model = f.model("m", "{\"a\": ");
+    std::fs::write(
+        &f.cfg,
+        format!(
+            "[child]\ncommand = [\"no-such-vllm\"]\nbogus = 1\n[[patch]]\nfile = \"{}\"\nremove = [\"a\"]\n",
+            model.display()
+        ),
+    )
+    .unwrap();
+    let o = f.run(&["check"]);
+    let err = failed(&o, 78, "3 problem(s) found");
+    assert!(err.contains(&format!("{}:3:1: unknown key `bogus` in [child]", f.cfg.display())), "{err}");
+    assert!(err.contains("`command`: program \"no-such-vllm\" not found in PATH"), "{err}");
+    assert!(err.contains(&format!("[[patch]] {}: malformed JSON at line 1, column 6", model.display())), "{err}");
+    assert!(!stdout(&o).contains("valid"), "{}", stdout(&o));
+}
+
+/// A config whose only problem was its environment was called "valid",
+/// then "1 problem(s) found".
+#[test]
+fn check_equals_run_never_valid_with_a_problem() {
+    let f = Fixture::new();
+    std::fs::write(&f.cfg, "[child]\ncommand = [\"no-such-vllm\"]\n").unwrap();
+    let o = f.run(&["check"]);
+    failed(&o, 78, "1 problem(s) found");
+    assert_eq!(stdout(&o), "", "nothing said valid, no patterns printed");
+}
+
+/// An unwritable state directory: `run` cannot take its lock, and `check`
+/// says so.
+#[test]
+fn check_equals_run_an_unwritable_state_directory() {
+    let f = Fixture::new();
+    std::fs::write(&f.cfg, "[child]\ncommand = [\"/bin/true\"]\n").unwrap();
+    // A file where the folder should be.
+    std::fs::write(f.state(), "").unwrap();
+    failed(
+        &f.run(&["check"]),
+        78,
+        &format!("state directory {}: is a regular file, not a folder", f.state().display()),
+    );
+    failed(&f.run(&["run"]), 78, "cannot take the lock");
+    // A folder the service user cannot write (root's, 0755).
+    std::fs::remove_file(f.state()).unwrap();
+    std::fs::create_dir(f.state()).unwrap();
+    std::fs::set_permissions(&f.cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut c = f.command(&["check"]);
+    c.uid(65534).gid(65534);
+    failed(&run_within(c), 78, &format!("state directory {}: not writable by uid 65534", f.state().display()));
+    let mut c = f.command(&["run"]);
+    c.uid(65534).gid(65534);
+    failed(&run_within(c), 78, "cannot take the lock");
 }
