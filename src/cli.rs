@@ -96,28 +96,27 @@ fn load(path: &Path) -> Result<Settings, Code> {
     })
 }
 
+/// Every problem `run` would meet at start, the config's and the
+/// environment's together, whatever else is wrong; "valid" only when there
+/// is none.
 fn check(path: &Path) -> Code {
-    let (settings, mut problems) = match config::load(path, &Dirs::from_env()) {
-        Ok(s) => {
-            let env = crate::environment::check_environment(&s);
-            (Some(s), env)
-        }
-        Err(p) => (None, p.0),
-    };
+    let (settings, mut problems) = config::load_all(path, &Dirs::from_env());
     if let Some(s) = &settings {
-        println!("{}: config of instance {:?} is valid", path.display(), s.name);
-        print!("{}", config::describe_patterns(s));
+        problems.extend(crate::environment::check_environment(s));
     }
     problems.dedup();
+    if problems.is_empty()
+        && let Some(s) = &settings
+    {
+        println!("{}: config of instance {:?} is valid", path.display(), s.name);
+        print!("{}", config::describe_patterns(s));
+        return Code::Ok;
+    }
     for p in &problems {
         eprintln!("{p}");
     }
-    if problems.is_empty() {
-        Code::Ok
-    } else {
-        eprintln!("{} problem(s) found", problems.len());
-        Code::Config
-    }
+    eprintln!("{} problem(s) found", problems.len());
+    Code::Config
 }
 
 fn status(a: &StatusArgs) -> Code {
@@ -150,12 +149,17 @@ fn patch(a: &PatchArgs) -> Code {
         Ok(s) => s,
         Err(code) => return code,
     };
+    let say = |what: &str| eprintln!("vllm-warden: {what}");
+    let wait = crate::patch::Wait::Block(&say);
     let result = if a.revert {
-        crate::patch::revert(&s.state_dir, a.force).map(|files| {
-            if files.is_empty() {
+        crate::patch::revert(&s.patches, &s.state_dir, a.force, wait).map(|done| {
+            for f in &done.ignored {
+                eprintln!("vllm-warden: {}: in the manifest, but no [[patch]] names it: left as it is", f.display());
+            }
+            if done.restored.is_empty() {
                 println!("nothing to restore");
             }
-            for f in files {
+            for f in done.restored {
                 println!("{}: restored", f.display());
             }
         })
@@ -170,7 +174,7 @@ fn patch(a: &PatchArgs) -> Code {
             Ok(())
         })
     } else {
-        crate::patch::apply(&s.patches, &s.state_dir).map(|applied| {
+        crate::patch::apply(&s.patches, &s.state_dir, wait).map(|applied| {
             for a in applied {
                 println!("{a}");
             }

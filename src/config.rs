@@ -90,6 +90,9 @@ pub mod defaults {
     pub const RUN_DIR: &str = "/run/vllm-warden";
     /// `$STATE_DIRECTORY`, else `NAME/` here.
     pub const STATE_DIR: &str = "/var/lib/vllm-warden";
+
+    /// `[[patch]] max-size`: the largest model file a patch reads.
+    pub const PATCH_MAX_SIZE: u64 = crate::patch::DEFAULT_MAX_SIZE;
 }
 
 /// The range of every duration key: wide enough for any real setting, and
@@ -113,6 +116,10 @@ pub mod limits {
     /// The deadlines of one start (`ready.timeout`, `ready.stall`): a week
     /// is far beyond any load.
     pub const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
+
+    /// `[[patch]] max-size`, in bytes: up to 4 GiB, so that a mistake
+    /// cannot ask the warden to read a disk image.
+    pub const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;
 }
 
 /// A config that passed validation.
@@ -274,17 +281,36 @@ pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
 /// Validate config text; `path` names the file in problems and gives the
 /// default instance name (its stem). `Err` exactly when a problem was found.
 pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
+    match parse_all(text, path, dirs) {
+        (Some(settings), problems) if problems.is_empty() => Ok(settings),
+        (_, problems) => Err(Problems(problems)),
+    }
+}
+
+/// Read a config and go on past its problems, for `check`, which lists
+/// the environment's problems beside the file's: the settings as far as
+/// they could be read (each value with a problem left at its default) and
+/// every problem. No settings when the file cannot be read or is not TOML.
+pub fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse_all(&text, path, dirs),
+        Err(e) => {
+            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
+        }
+    }
+}
+
+fn parse_all(text: &str, path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
     let (doc, syntax) = DeTable::parse_recoverable(text);
     let mut r = Reader::new(text, path);
     if !syntax.is_empty() {
         for e in syntax {
             r.problem(e.span(), e.message().trim_end());
         }
-        return Err(Problems(r.into_problems()));
+        return (None, r.into_problems());
     }
     let settings = settings(&mut r, doc.get_ref(), path, dirs);
-    let problems = r.into_problems();
-    if problems.is_empty() { Ok(settings) } else { Err(Problems(problems)) }
+    (Some(settings), r.into_problems())
 }
 
 /// The whole document, section by section.
@@ -488,11 +514,64 @@ fn patch(mut k: Keys<'_, '_, '_>) -> Patch {
             }
         }
     }
+    let max_size = k.read("max-size", None, |r, v| size(r, v, "max-size", limits::PATCH_MAX_SIZE).map(Some));
     if k.ok("remove") && remove.is_empty() && set.is_empty() {
         let span = k.span();
         k.problem(span, "`[[patch]]` changes nothing: give `remove` or `set`");
     }
-    Patch { file, remove, set }
+    Patch { file, remove, set, max_size }
+}
+
+/// A size in bytes: an integer, or a string with a binary unit
+/// (`"300 MiB"`; `B`, `KiB`, `MiB`, `GiB`), within `range`.
+fn size(r: &mut Reader<'_>, v: &Value<'_>, key: &str, range: std::ops::RangeInclusive<u64>) -> Option<u64> {
+    let shown = |n: u64| match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n => format!("{n} bytes"),
+    };
+    let n = match v.get_ref() {
+        DeValue::Integer(i) => reader::parse_int(i.as_str(), i.radix()).and_then(|n| u64::try_from(n).ok()),
+        DeValue::String(s) => {
+            let s = s.trim();
+            let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+            let unit = match s[digits..].trim_start() {
+                "" | "B" => Some(1u64),
+                "KiB" => Some(1 << 10),
+                "MiB" => Some(1 << 20),
+                "GiB" => Some(1 << 30),
+                _ => None,
+            };
+            match (s[..digits].parse::<u64>(), unit) {
+                (Ok(n), Some(unit)) => Some(n.saturating_mul(unit)),
+                _ => {
+                    let message = format!(
+                        "`{key}`: invalid size {s:?} (write a number of bytes, or e.g. \"300 MiB\"; units: B, KiB, \
+                         MiB, GiB)"
+                    );
+                    r.problem(Some(v.span()), message);
+                    return None;
+                }
+            }
+        }
+        other => {
+            let message =
+                format!("`{key}` must be a number of bytes or a size such as \"300 MiB\", not {}", other.type_str());
+            r.problem(Some(v.span()), message);
+            return None;
+        }
+    };
+    match n {
+        Some(n) if range.contains(&n) => Some(n),
+        _ => {
+            let (lo, hi) = (*range.start(), *range.end());
+            r.problem(
+                Some(v.span()),
+                format!("`{key}` must be from {} to {} ({hi} bytes)", shown(lo).trim_end_matches('s'), shown(hi)),
+            );
+            None
+        }
+    }
 }
 
 /// Checks a dotted JSON path as `patch` reads it: keys between unescaped

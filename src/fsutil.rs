@@ -1,29 +1,33 @@
-//! Writing files whole or not at all: a temporary file beside the target,
-//! fsync, rename, fsync of the folder. Used for model files, the patch
-//! manifest, the status document and the metrics file.
+//! Files written whole or not at all, and names reached through folders that
+//! someone else may own.
+//!
+//! [`replace`] writes the status document and the metrics file. [`Dir`] is
+//! a folder opened once: every name under it is opened relative to that
+//! descriptor and never through a symlink unless asked, temporary files get
+//! names no one else uses (pid and 64 random bits), and [`Dir::open_beneath`]
+//! follows symlinks by hand, refusing any that leads out of the folder. The
+//! patches use it for model files and for the state directory, both of which
+//! the service user can change while root reads them. What is written is not
+//! known here.
 
+use std::collections::VecDeque;
+use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
 
-/// Write `bytes` to `path` atomically: a temporary file in the same folder,
-/// fsync, rename over `path` (a symlink at `path` is replaced, never
-/// followed), fsync of the folder. Never leaves a half-written file, even
-/// across a power loss.
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<()> {
-    let tmp = write_temp(path, bytes, mode, owner)?;
-    rename_into_place(&tmp, path).inspect_err(|_| {
-        let _ = fs::remove_file(&tmp);
-    })
-}
+use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 
 /// Replace `path` whole by rename, without fsync: a reader never sees a
 /// half-written file, but a power loss may lose the last write. For files
 /// that describe the running process (status, metrics), rewritten often and
 /// meaningless after a reboot.
 pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    let tmp = temp_name(path);
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = path.with_file_name(format!(".{name}.vllm-warden.tmp"));
     let _ = fs::remove_file(&tmp);
     let result = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
@@ -38,44 +42,552 @@ pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     result
 }
 
-/// The temporary file beside `path`, written and synced, with mode and owner.
-pub fn write_temp(path: &Path, bytes: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<PathBuf> {
-    let tmp = temp_name(path);
-    // Left by a writer killed before its rename: never the target itself.
-    let _ = fs::remove_file(&tmp);
-    let result = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
-        f.write_all(bytes)?;
-        if let Some((uid, gid)) = owner
-            && (uid, gid) != (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw())
-        {
-            std::os::unix::fs::fchown(&f, Some(uid), Some(gid))?;
-        }
-        f.set_permissions(fs::Permissions::from_mode(mode))?;
-        f.sync_all()
-    })();
-    match result {
-        Ok(()) => Ok(tmp),
-        Err(e) => {
-            let _ = fs::remove_file(&tmp);
-            Err(e)
+/// The kind of a file, in words, for a message: `a FIFO (named pipe)`.
+pub fn kind_of(m: &fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_file() {
+        "a regular file"
+    } else if t.is_dir() {
+        "a folder"
+    } else if t.is_symlink() {
+        "a symlink"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// What a name pointed at when it was looked at: a file replaced, or
+/// written in place, since then has another stamp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    pub dev: u64,
+    pub ino: u64,
+    pub size: u64,
+    pub mtime: (i64, i64),
+}
+
+impl Stamp {
+    pub fn of(m: &fs::Metadata) -> Stamp {
+        Stamp { dev: m.dev(), ino: m.ino(), size: m.size(), mtime: (m.mtime(), m.mtime_nsec()) }
+    }
+}
+
+/// Why a name under a folder could not be opened within it.
+#[derive(Debug, thiserror::Error)]
+pub enum BeneathError {
+    /// A symlink on the way leads out of the folder.
+    #[error("the link {} -> {} leads out of {}", link.display(), target.display(), root.display())]
+    Escapes { link: PathBuf, target: PathBuf, root: PathBuf },
+    /// A path that climbs out of the folder by itself.
+    #[error("{} climbs out of {}", path.display(), root.display())]
+    Outside { path: PathBuf, root: PathBuf },
+    /// The name is not what was asked for (a FIFO where a file should be).
+    #[error("{} is {kind}, not {wanted}", path.display())]
+    Kind { path: PathBuf, kind: &'static str, wanted: &'static str },
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: io::Error },
+}
+
+impl BeneathError {
+    fn io(path: &Path, source: impl Into<io::Error>) -> BeneathError {
+        BeneathError::Io { path: path.to_path_buf(), source: source.into() }
+    }
+
+    /// The error of the system call, if that is what it was.
+    pub fn io_error(&self) -> Option<&io::Error> {
+        match self {
+            BeneathError::Io { source, .. } => Some(source),
+            _ => None,
         }
     }
 }
 
-pub fn rename_into_place(tmp: &Path, path: &Path) -> io::Result<()> {
-    fs::rename(tmp, path)?;
-    sync_dir(path)
+/// How many symlinks one resolution follows, as the kernel's own limit.
+const MAX_LINKS: usize = 40;
+
+/// A folder, opened once. Names under it are opened relative to it.
+#[derive(Debug)]
+pub struct Dir {
+    fd: OwnedFd,
+    path: PathBuf,
 }
 
-/// One fixed name per target: a temporary file left by a killed writer is
-/// found and replaced by the next one.
-pub fn temp_name(path: &Path) -> PathBuf {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    path.with_file_name(format!(".{name}.vllm-warden.tmp"))
+impl Dir {
+    /// Open the folder at `path`, following symlinks: the path itself is
+    /// trusted (it comes from the config or from systemd).
+    pub fn open(path: &Path) -> io::Result<Dir> {
+        let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+        Ok(Dir { fd, path: path.to_path_buf() })
+    }
+
+    /// The folder `name` right under this one, never through a symlink;
+    /// created with `mode` first when `create` says so and it is missing.
+    pub fn child_dir(&self, name: &OsStr, create: Option<u32>) -> io::Result<Dir> {
+        if let Some(mode) = create {
+            match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(mode)) {
+                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = rustix::fs::openat(&self.fd, name, flags, Mode::empty()).map_err(|e| match e {
+            // A symlink with O_DIRECTORY | O_NOFOLLOW.
+            rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => {
+                io::Error::new(io::ErrorKind::InvalidData, "not a folder (a symlink is not followed here)")
+            }
+            e => e.into(),
+        })?;
+        Ok(Dir { fd, path: self.path.join(name) })
+    }
+
+    pub fn try_clone(&self) -> io::Result<Dir> {
+        Ok(Dir { fd: self.fd.try_clone()?, path: self.path.clone() })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The folder's own metadata.
+    pub fn metadata(&self) -> io::Result<fs::Metadata> {
+        let f = File::from(self.fd.try_clone()?);
+        f.metadata()
+    }
+
+    /// What `name` is, without following it if it is a symlink; `None` when
+    /// there is no such name.
+    pub fn lstat(&self, name: &OsStr) -> io::Result<Option<fs::Metadata>> {
+        let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        match rustix::fs::openat(&self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => File::from(fd).metadata().map(Some),
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The target of the symlink `name`.
+    pub fn read_link(&self, name: &OsStr) -> io::Result<OsString> {
+        let target = rustix::fs::readlinkat(&self.fd, name, Vec::new())?;
+        Ok(OsStr::from_bytes(target.as_bytes()).to_os_string())
+    }
+
+    /// Open the regular file `name` for reading, never through a symlink,
+    /// never blocking (a FIFO cannot hold the open), never making it the
+    /// controlling terminal. Anything but a regular file is refused; so is
+    /// one with more than one name (a hard link planted to reach a file
+    /// elsewhere) when `single_link` says so.
+    pub fn open_regular(&self, name: &OsStr, single_link: bool) -> Result<(File, fs::Metadata), BeneathError> {
+        let path = self.path.join(name);
+        let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = match rustix::fs::openat(&self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::LOOP) => {
+                return Err(BeneathError::Kind { path, kind: "a symlink", wanted: "a regular file" });
+            }
+            // A socket cannot be opened; say what it is rather than ENXIO.
+            Err(e) => {
+                return Err(match self.lstat(name) {
+                    Ok(Some(m)) if !m.is_file() => {
+                        BeneathError::Kind { path, kind: kind_of(&m), wanted: "a regular file" }
+                    }
+                    _ => BeneathError::io(&path, e),
+                });
+            }
+        };
+        let file = File::from(fd);
+        let meta = file.metadata().map_err(|e| BeneathError::io(&path, e))?;
+        if !meta.is_file() {
+            return Err(BeneathError::Kind { path, kind: kind_of(&meta), wanted: "a regular file" });
+        }
+        if single_link && meta.nlink() != 1 {
+            let kind = "a file with more than one name (a hard link)";
+            return Err(BeneathError::Kind { path, kind, wanted: "a file of its own" });
+        }
+        Ok((file, meta))
+    }
+
+    /// Open `rel`, a path relative to this folder, without leaving it:
+    /// symlinks on the way are followed by hand, one component at a time,
+    /// and one whose target is absolute (outside `self`'s real path) or
+    /// climbs above the folder is refused. The result is a regular file
+    /// opened for reading as [`Dir::open_regular`] does, with the path it
+    /// really is at relative to this folder and the links followed.
+    pub fn open_beneath(&self, rel: &Path) -> Result<Beneath, BeneathError> {
+        let real = fs::canonicalize(&self.path).map_err(|e| BeneathError::io(&self.path, e))?;
+        // The folders below `self` on the way, with their names.
+        let mut stack: Vec<Dir> = Vec::new();
+        let mut todo: VecDeque<OsString> = VecDeque::new();
+        push_front(&mut todo, rel, &self.path)?;
+        let mut links: Vec<(PathBuf, PathBuf)> = Vec::new();
+        while let Some(name) = todo.pop_front() {
+            let cur = stack.last().unwrap_or(self);
+            if name == ".." {
+                if stack.pop().is_none() {
+                    let root = self.path.clone();
+                    return Err(match links.last() {
+                        Some((link, target)) => {
+                            BeneathError::Escapes { link: link.clone(), target: target.clone(), root }
+                        }
+                        None => BeneathError::Outside { path: self.path.join(rel), root },
+                    });
+                }
+                continue;
+            }
+            let here = cur.path.join(&name);
+            let meta = cur
+                .lstat(&name)
+                .map_err(|e| BeneathError::io(&here, e))?
+                .ok_or_else(|| BeneathError::io(&here, io::Error::from_raw_os_error(libc::ENOENT)))?;
+            if meta.file_type().is_symlink() {
+                if links.len() >= MAX_LINKS {
+                    return Err(BeneathError::io(&here, io::Error::from_raw_os_error(libc::ELOOP)));
+                }
+                let target = PathBuf::from(cur.read_link(&name).map_err(|e| BeneathError::io(&here, e))?);
+                links.push((here.clone(), target.clone()));
+                if target.is_absolute() {
+                    // Absolute, yet inside the folder: start again from it.
+                    match target.strip_prefix(&real).or_else(|_| target.strip_prefix(&self.path)) {
+                        Ok(inside) => {
+                            stack.clear();
+                            push_front(&mut todo, inside, &here)?;
+                        }
+                        Err(_) => {
+                            return Err(BeneathError::Escapes { link: here, target, root: self.path.clone() });
+                        }
+                    }
+                } else {
+                    push_front(&mut todo, &target, &here)?;
+                }
+                continue;
+            }
+            if todo.is_empty() {
+                let (file, meta) = cur.open_regular(&name, false)?;
+                let mut path = PathBuf::new();
+                for d in &stack {
+                    path.push(d.path.file_name().unwrap_or_default());
+                }
+                path.push(&name);
+                return Ok(Beneath { file, meta, rel: path, links });
+            }
+            if !meta.is_dir() {
+                return Err(BeneathError::Kind { path: here, kind: kind_of(&meta), wanted: "a folder" });
+            }
+            let next = cur.child_dir(&name, None).map_err(|e| BeneathError::io(&here, e))?;
+            stack.push(next);
+        }
+        Err(BeneathError::Kind { path: self.path.join(rel), kind: "a folder", wanted: "a regular file" })
+    }
+
+    /// The folder `rel` (relative to this one) without leaving this one:
+    /// each component must be a real folder, never a symlink.
+    pub fn dir_beneath(&self, rel: &Path) -> Result<Dir, BeneathError> {
+        let mut cur: Option<Dir> = None;
+        for c in rel.components() {
+            match c {
+                Component::CurDir => {}
+                Component::Normal(name) => {
+                    let base = cur.as_ref().unwrap_or(self);
+                    let here = base.path.join(name);
+                    match base.lstat(name).map_err(|e| BeneathError::io(&here, e))? {
+                        Some(m) if m.is_dir() => {}
+                        Some(m) => {
+                            return Err(BeneathError::Kind { path: here, kind: kind_of(&m), wanted: "a folder" });
+                        }
+                        None => return Err(BeneathError::io(&here, io::Error::from_raw_os_error(libc::ENOENT))),
+                    }
+                    cur = Some(base.child_dir(name, None).map_err(|e| BeneathError::io(&here, e))?);
+                }
+                _ => return Err(BeneathError::Outside { path: self.path.join(rel), root: self.path.clone() }),
+            }
+        }
+        match cur {
+            Some(d) => Ok(d),
+            None => self.try_clone().map_err(|e| BeneathError::io(&self.path, e)),
+        }
+    }
+
+    /// Create a new file beside `target` under a name no other writer uses
+    /// (`.NAME.vllm-warden.PID.RANDOM.tmp`), never through a symlink, and
+    /// write `bytes` to it with `mode` and `owner` (when it differs from
+    /// ours), synced. Returns its name. A file or folder left at an earlier
+    /// name by a killed writer is in no one's way.
+    pub fn write_temp(
+        &self,
+        target: &OsStr,
+        bytes: &[u8],
+        mode: u32,
+        owner: Option<(u32, u32)>,
+    ) -> io::Result<OsString> {
+        let (file, name) = self.create_temp(target)?;
+        let result = (|| {
+            let mut f = file;
+            f.write_all(bytes)?;
+            set_owner_and_mode(&f, mode, owner)?;
+            f.sync_all()
+        })();
+        match result {
+            Ok(()) => Ok(name),
+            Err(e) => {
+                let _ = self.remove(&name);
+                Err(e)
+            }
+        }
+    }
+
+    /// A symlink to `link_target` beside `target`, under a name as
+    /// [`Dir::write_temp`] makes.
+    pub fn symlink_temp(&self, target: &OsStr, link_target: &OsStr) -> io::Result<OsString> {
+        loop {
+            let name = temp_name(target);
+            match rustix::fs::symlinkat(link_target, &self.fd, &name) {
+                Ok(()) => return Ok(name),
+                Err(rustix::io::Errno::EXIST) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn create_temp(&self, target: &OsStr) -> io::Result<(File, OsString)> {
+        let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        loop {
+            let name = temp_name(target);
+            match rustix::fs::openat(&self.fd, &name, flags, Mode::from_raw_mode(0o600)) {
+                Ok(fd) => return Ok((File::from(fd), name)),
+                Err(rustix::io::Errno::EXIST) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Create `name` new with `bytes` (never replacing anything there),
+    /// synced; `Ok(false)` when the name is taken.
+    pub fn create_new(&self, name: &OsStr, bytes: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<bool> {
+        let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let mut f = match rustix::fs::openat(&self.fd, name, flags, Mode::from_raw_mode(0o600)) {
+            Ok(fd) => File::from(fd),
+            Err(rustix::io::Errno::EXIST) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        let result = (|| {
+            f.write_all(bytes)?;
+            set_owner_and_mode(&f, mode, owner)?;
+            f.sync_all()
+        })();
+        if let Err(e) = result {
+            let _ = self.remove(name);
+            return Err(e);
+        }
+        Ok(true)
+    }
+
+    /// Write `name` whole by a temporary file and rename, synced, folder
+    /// included.
+    pub fn write_atomic(&self, name: &OsStr, bytes: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<()> {
+        let tmp = self.write_temp(name, bytes, mode, owner)?;
+        if let Err(e) = self.rename(&tmp, name) {
+            let _ = self.remove(&tmp);
+            return Err(e);
+        }
+        self.sync()
+    }
+
+    /// Swap the entries `a` and `b` in one step (`RENAME_EXCHANGE`).
+    /// `Ok(false)`: the filesystem cannot; nothing was done.
+    pub fn exchange(&self, a: &OsStr, b: &OsStr) -> io::Result<bool> {
+        match rustix::fs::renameat_with(&self.fd, a, &self.fd, b, RenameFlags::EXCHANGE) {
+            Ok(()) => Ok(true),
+            Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub fn rename(&self, from: &OsStr, to: &OsStr) -> io::Result<()> {
+        Ok(rustix::fs::renameat(&self.fd, from, &self.fd, to)?)
+    }
+
+    /// Remove the name `name` (a file or a symlink, never a folder).
+    pub fn remove(&self, name: &OsStr) -> io::Result<()> {
+        Ok(rustix::fs::unlinkat(&self.fd, name, AtFlags::empty())?)
+    }
+
+    pub fn sync(&self) -> io::Result<()> {
+        Ok(rustix::fs::fsync(&self.fd)?)
+    }
+
+    /// Whether the effective user may create and remove names here.
+    pub fn writable(&self) -> io::Result<()> {
+        let access = rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK;
+        Ok(rustix::fs::accessat(&self.fd, ".", access, AtFlags::EACCESS)?)
+    }
+
+    /// Temporary files of [`Dir::write_temp`] beside `target` whose writer
+    /// is gone (killed between its write and its rename): removed. A
+    /// writer still alive keeps its own.
+    pub fn remove_stale_temps(&self, target: &OsStr) {
+        let Ok(list) = rustix::fs::Dir::read_from(&self.fd) else { return };
+        let prefix = temp_prefix(target);
+        for entry in list.flatten() {
+            let name = OsStr::from_bytes(entry.file_name().to_bytes());
+            let Some(rest) = name.as_bytes().strip_prefix(prefix.as_bytes()) else { continue };
+            let Some(pid) = std::str::from_utf8(rest).ok().and_then(|r| r.split('.').next()?.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let gone = pid > 0
+                && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH);
+            if gone && self.lstat(name).ok().flatten().is_some_and(|m| !m.is_dir()) {
+                let _ = self.remove(name);
+            }
+        }
+    }
 }
 
-pub fn sync_dir(path: &Path) -> io::Result<()> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    File::open(dir)?.sync_all()
+/// A file opened by [`Dir::open_beneath`].
+#[derive(Debug)]
+pub struct Beneath {
+    pub file: File,
+    pub meta: fs::Metadata,
+    /// Where it really is, relative to the folder.
+    pub rel: PathBuf,
+    /// The links followed on the way: each link and its target.
+    pub links: Vec<(PathBuf, PathBuf)>,
+}
+
+/// Put the components of `p` before those still to resolve.
+fn push_front(todo: &mut VecDeque<OsString>, p: &Path, at: &Path) -> Result<(), BeneathError> {
+    let mut parts = Vec::new();
+    for c in p.components() {
+        match c {
+            Component::Normal(n) => parts.push(n.to_os_string()),
+            Component::ParentDir => parts.push(OsString::from("..")),
+            Component::CurDir => {}
+            Component::RootDir | Component::Prefix(_) => {
+                return Err(BeneathError::Outside { path: p.to_path_buf(), root: at.to_path_buf() });
+            }
+        }
+    }
+    for part in parts.into_iter().rev() {
+        todo.push_front(part);
+    }
+    Ok(())
+}
+
+/// Read at most `max` bytes of `file`; `Err(size)` when there are more.
+pub fn read_capped(file: &File, max: u64) -> io::Result<Result<Vec<u8>, u64>> {
+    let mut buf = Vec::new();
+    file.take(max.saturating_add(1)).read_to_end(&mut buf)?;
+    if buf.len() as u64 > max {
+        let size = file.metadata().map(|m| m.len()).unwrap_or(buf.len() as u64);
+        return Ok(Err(size.max(buf.len() as u64)));
+    }
+    Ok(Ok(buf))
+}
+
+fn set_owner_and_mode(f: &File, mode: u32, owner: Option<(u32, u32)>) -> io::Result<()> {
+    if let Some((uid, gid)) = owner
+        && (uid, gid) != (nix::unistd::geteuid().as_raw(), nix::unistd::getegid().as_raw())
+    {
+        std::os::unix::fs::fchown(f, Some(uid), Some(gid))?;
+    }
+    // The umask may have narrowed the mode given at creation.
+    f.set_permissions(fs::Permissions::from_mode(mode))
+}
+
+/// `.NAME.vllm-warden.`: what every temporary name beside NAME starts with.
+fn temp_prefix(target: &OsStr) -> OsString {
+    // Room for the pid, the random part and the suffix within NAME_MAX.
+    let bytes = target.as_bytes();
+    let short = &bytes[..bytes.len().min(200)];
+    let mut p = OsString::from(".");
+    p.push(OsStr::from_bytes(short));
+    p.push(".vllm-warden.");
+    p
+}
+
+/// A name beside `target` that no other writer uses: our pid and 64
+/// random bits.
+fn temp_name(target: &OsStr) -> OsString {
+    let mut n = temp_prefix(target);
+    n.push(format!("{}.{:016x}.tmp", std::process::id(), fastrand::u64(..)));
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temp_names_differ_and_a_folder_at_one_is_in_no_ones_way() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = Dir::open(d.path()).unwrap();
+        std::fs::create_dir(d.path().join(".config.json.vllm-warden.tmp")).unwrap();
+        let a = dir.write_temp(OsStr::new("config.json"), b"a", 0o644, None).unwrap();
+        let b = dir.write_temp(OsStr::new("config.json"), b"b", 0o644, None).unwrap();
+        assert_ne!(a, b);
+        assert!(a.to_string_lossy().starts_with(&format!(".config.json.vllm-warden.{}.", std::process::id())));
+        assert_eq!(std::fs::read(d.path().join(&a)).unwrap(), b"a");
+    }
+
+    #[test]
+    fn stale_temps_of_a_dead_writer_are_removed_and_a_live_ones_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = Dir::open(d.path()).unwrap();
+        let mine = dir.write_temp(OsStr::new("c.json"), b"x", 0o644, None).unwrap();
+        // pid_max is at most 2^22: this pid cannot be alive.
+        let dead = ".c.json.vllm-warden.2147483646.0123456789abcdef.tmp";
+        std::fs::write(d.path().join(dead), "old").unwrap();
+        let other = ".d.json.vllm-warden.2147483646.0123456789abcdef.tmp";
+        std::fs::write(d.path().join(other), "old").unwrap();
+        dir.remove_stale_temps(OsStr::new("c.json"));
+        assert!(!d.path().join(dead).exists());
+        assert!(d.path().join(&mine).exists());
+        assert!(d.path().join(other).exists(), "another target's temporary file is not ours to judge");
+    }
+
+    #[test]
+    fn open_beneath_follows_links_inside_and_refuses_links_out() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("models--o--m");
+        std::fs::create_dir_all(root.join("blobs")).unwrap();
+        std::fs::create_dir_all(root.join("snapshots/r")).unwrap();
+        std::fs::write(root.join("blobs/b"), "{}").unwrap();
+        std::os::unix::fs::symlink("../../blobs/b", root.join("snapshots/r/ok.json")).unwrap();
+        std::os::unix::fs::symlink(root.join("blobs/b"), root.join("snapshots/r/abs.json")).unwrap();
+        std::os::unix::fs::symlink("../../../secret", root.join("snapshots/r/up.json")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", root.join("snapshots/r/etc.json")).unwrap();
+        std::fs::write(d.path().join("secret"), "s").unwrap();
+        let dir = Dir::open(&root).unwrap();
+        let ok = dir.open_beneath(Path::new("snapshots/r/ok.json")).unwrap();
+        assert_eq!(ok.rel, Path::new("blobs/b"));
+        assert_eq!(ok.links.len(), 1);
+        assert_eq!(dir.open_beneath(Path::new("snapshots/r/abs.json")).unwrap().rel, Path::new("blobs/b"));
+        for bad in ["snapshots/r/up.json", "snapshots/r/etc.json"] {
+            let e = dir.open_beneath(Path::new(bad)).unwrap_err();
+            assert!(matches!(e, BeneathError::Escapes { .. }), "{bad}: {e}");
+        }
+        let e = dir.open_beneath(Path::new("../secret")).unwrap_err();
+        assert!(matches!(e, BeneathError::Outside { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_blocking() {
+        let d = tempfile::tempdir().unwrap();
+        nix::unistd::mkfifo(&d.path().join("f"), nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let dir = Dir::open(d.path()).unwrap();
+        let e = dir.open_beneath(Path::new("f")).unwrap_err();
+        assert!(e.to_string().ends_with("is a FIFO (named pipe), not a regular file"), "{e}");
+    }
 }

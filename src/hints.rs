@@ -178,6 +178,7 @@ mod tests {
             file: "/srv/models/d/config.json".into(),
             remove: vec!["quantization_config.kv_cache_scheme".into()],
             set: vec![],
+            max_size: None,
         };
         let hint = hints(&[patch]).find(line).unwrap();
         assert!(hint.starts_with("/srv/models/d/config.json is not valid JSON; the warden patches it ([[patch]]: remove quantization_config.kv_cache_scheme)"), "{hint}");

@@ -1,23 +1,40 @@
-//! Patching model files: pure JSON edits by dotted path, atomic writes that
-//! keep mode, owner, key order, number spelling and indentation, originals
-//! saved once under the state directory with their sha256, and revert. A
-//! Hugging Face cache symlink becomes a patched regular file; the blob it
-//! points to is never written, and revert puts the link back. The [`Patch`]
-//! type (one `[[patch]]` entry) lives here; `config` builds it. Nothing here
-//! knows about the child, systemd or how the config file is read.
+//! Patching model files: JSON edits by dotted path that keep every byte
+//! outside the edited span (`edit`), model files read as untrusted input
+//! (`source`), the patches folder with its lock, manifest and originals
+//! (`store`), and the all-or-nothing apply and the revert that put them
+//! together. A Hugging Face cache symlink becomes a patched regular file;
+//! the blob it points to is never written, and revert puts the link back.
+//!
+//! Revert touches only the files the config's `[[patch]]` entries name:
+//! the manifest is an index, never an authority. The [`Patch`] type (one
+//! `[[patch]]` entry) lives here; `config` builds it. Nothing here knows
+//! about the child, systemd or how the config file is read.
 
-use std::collections::BTreeMap;
+use std::collections::HashSet;
+use std::ffi::{OsStr, OsString};
 use std::fmt;
-use std::fs;
 use std::io;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
-use crate::fsutil::{rename_into_place, sync_dir, temp_name, write_atomic, write_temp};
+use crate::fsutil::{BeneathError, Stamp};
+
+mod edit;
+mod source;
+mod store;
+
+pub use edit::{remove, set};
+pub use store::Wait;
+
+use edit::{EditError, Op};
+use source::{Place, Source, sha256};
+use store::{Entry, Lock, Manifest, Store};
+
+/// The largest model file a `[[patch]]` reads unless its `max-size` says
+/// otherwise: far above any model's config, far below what would strain
+/// the warden's memory.
+pub const DEFAULT_MAX_SIZE: u64 = 64 << 20;
 
 /// One `[[patch]]` entry: JSON edits applied before every start.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,6 +44,9 @@ pub struct Patch {
     pub remove: Vec<String>,
     /// Dotted path → value, in the order written.
     pub set: Vec<(String, Value)>,
+    /// The largest `file` may be, in bytes; [`DEFAULT_MAX_SIZE`] when not
+    /// given.
+    pub max_size: Option<u64>,
 }
 
 /// A patch that cannot be applied or reverted; names the file and why.
@@ -34,161 +54,80 @@ pub struct Patch {
 pub enum PatchError {
     #[error("{file}: cannot read: {source}")]
     Read { file: PathBuf, source: io::Error },
+    #[error("{file}: {}is {kind}, not {wanted}", named(file, path))]
+    Kind { file: PathBuf, path: PathBuf, kind: &'static str, wanted: &'static str },
+    #[error(
+        "{file}: the link {link} -> {target} leads out of {root}; a model file's links are followed only within \
+         its folder, or within its Hugging Face cache repository"
+    )]
+    Escapes { file: PathBuf, link: PathBuf, target: PathBuf, root: PathBuf },
+    #[error(
+        "{file}: is {}, more than its `max-size` of {} (raise `max-size` in its [[patch]] if the file is right)",
+        size_of(*.size),
+        size_of(*.max)
+    )]
+    TooBig { file: PathBuf, size: u64, max: u64 },
     #[error("{file}: malformed JSON at line {line}, column {column}: {message}")]
     Json { file: PathBuf, line: usize, column: usize, message: String },
     #[error("{file}: cannot {op} `{path}`: {reason}")]
     Path { file: PathBuf, op: &'static str, path: String, reason: String },
+    #[error("{file}: its [[patch]] entries undo each other: applied to the patched file, {why}")]
+    Contradiction { file: PathBuf, why: String },
+    #[error("{file}: cannot be edited in place: {reason}")]
+    InPlace { file: PathBuf, reason: String },
     #[error("{file}: cannot write: {source}")]
     Write { file: PathBuf, source: io::Error },
     #[error("{file}: changed by someone else since it was patched (use --force to restore the original anyway)")]
     Changed { file: PathBuf },
+    #[error("{file}: changed by someone else meanwhile; left as it is")]
+    ChangedMeanwhile { file: PathBuf },
+    #[error("{file}: not restored: its original {backup} {reason}")]
+    Backup { file: PathBuf, backup: PathBuf, reason: String },
+    #[error("{file}: not restored: the link it was, -> {target}, {reason}")]
+    Link { file: PathBuf, target: PathBuf, reason: String },
+    #[error("{path}: {reason}")]
+    Manifest { path: PathBuf, reason: String },
+    #[error("{lock}: held by {holder}, which is changing the patches of this instance")]
+    Locked { lock: PathBuf, holder: String },
     #[error("state directory {dir}: {source}")]
     State { dir: PathBuf, source: io::Error },
+    #[error("{error}{}", undone_note(.undone))]
+    Undone { error: Box<PatchError>, undone: Vec<PathBuf> },
 }
 
-/// One step of a dotted path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Step {
-    Key(String),
-    /// Digits: an index into an array, or a key of an object.
-    Index(usize, String),
-}
-
-/// Split `a.b\.c.0` into `a`, `b.c`, `0`.
-fn steps(path: &str) -> Vec<Step> {
-    let mut out = Vec::new();
-    let mut cur = String::new();
-    let mut chars = path.chars().peekable();
-    let mut push = |cur: &mut String| {
-        let s = std::mem::take(cur);
-        match s.parse::<usize>() {
-            Ok(i) if !s.is_empty() && s.chars().all(|c| c.is_ascii_digit()) => out.push(Step::Index(i, s)),
-            _ => out.push(Step::Key(s)),
-        }
-    };
-    while let Some(c) = chars.next() {
-        match c {
-            '\\' if chars.peek() == Some(&'.') => {
-                cur.push('.');
-                chars.next();
-            }
-            '.' => push(&mut cur),
-            c => cur.push(c),
+impl PatchError {
+    /// Whether trying again later may succeed: another run held the lock,
+    /// or a file changed under this one.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            PatchError::Locked { .. } | PatchError::ChangedMeanwhile { .. } => true,
+            PatchError::Undone { error, .. } => error.is_transient(),
+            _ => false,
         }
     }
-    push(&mut cur);
-    out
 }
 
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
+fn named(file: &Path, path: &Path) -> String {
+    if file == path { String::new() } else { format!("{} ", path.display()) }
+}
+
+fn size_of(n: u64) -> String {
+    const MIB: u64 = 1 << 20;
+    if n >= MIB && n.is_multiple_of(MIB) {
+        format!("{} MiB", n / MIB)
+    } else if n >= MIB {
+        format!("{:.1} MiB ({n} bytes)", n as f64 / MIB as f64)
+    } else {
+        format!("{n} bytes")
     }
 }
 
-/// Remove `path`; a missing key is not an error. Returns whether it changed.
-pub fn remove(doc: &mut Value, path: &str) -> Result<bool, String> {
-    let steps = steps(path);
-    let (last, parents) = steps.split_last().ok_or("empty path")?;
-    let mut node = doc;
-    for (i, step) in parents.iter().enumerate() {
-        node = match (node, step) {
-            (Value::Object(m), Step::Key(k) | Step::Index(_, k)) => match m.get_mut(k) {
-                Some(v) => v,
-                None => return Ok(false),
-            },
-            (Value::Array(a), Step::Index(n, _)) => match a.get_mut(*n) {
-                Some(v) => v,
-                None => return Ok(false),
-            },
-            (other, _) => return Err(format!("`{}` goes through {}", path_prefix(&steps[..i]), kind(other))),
-        };
+fn undone_note(undone: &[PathBuf]) -> String {
+    if undone.is_empty() {
+        return String::new();
     }
-    match (node, last) {
-        (Value::Object(m), Step::Key(k) | Step::Index(_, k)) => Ok(m.shift_remove(k).is_some()),
-        (Value::Array(a), Step::Index(n, _)) if *n < a.len() => {
-            a.remove(*n);
-            Ok(true)
-        }
-        (Value::Array(_), Step::Index(..)) => Ok(false),
-        (other, _) => Err(format!("`{}` is {}, not an object", path_prefix(parents), kind(other))),
-    }
-}
-
-/// Set `path` to `value`, creating missing objects on the way. Returns
-/// whether it changed.
-pub fn set(doc: &mut Value, path: &str, value: &Value) -> Result<bool, String> {
-    let steps = steps(path);
-    let (last, parents) = steps.split_last().ok_or("empty path")?;
-    let mut node = doc;
-    for (i, step) in parents.iter().enumerate() {
-        let shown = path_prefix(&steps[..=i]);
-        node = match (node, step) {
-            (Value::Object(m), Step::Key(k) | Step::Index(_, k)) => {
-                m.entry(k.clone()).or_insert_with(|| Value::Object(Default::default()))
-            }
-            (Value::Array(a), Step::Index(n, _)) => {
-                let len = a.len();
-                a.get_mut(*n).ok_or_else(|| format!("`{shown}`: index {n} is past the end ({len} elements)"))?
-            }
-            (other, _) => return Err(format!("`{}` goes through {}", path_prefix(&steps[..i]), kind(other))),
-        };
-    }
-    let slot = match (node, last) {
-        (Value::Object(m), Step::Key(k) | Step::Index(_, k)) => m.entry(k.clone()).or_insert(Value::Null),
-        (Value::Array(a), Step::Index(n, _)) => {
-            let len = a.len();
-            a.get_mut(*n).ok_or_else(|| format!("`{path}`: index {n} is past the end ({len} elements)"))?
-        }
-        (other, _) => return Err(format!("`{}` is {}, not an object", path_prefix(parents), kind(other))),
-    };
-    if slot == value {
-        return Ok(false);
-    }
-    *slot = value.clone();
-    Ok(true)
-}
-
-fn path_prefix(steps: &[Step]) -> String {
-    let parts: Vec<String> = steps
-        .iter()
-        .map(|s| match s {
-            Step::Key(k) | Step::Index(_, k) => k.replace('.', "\\."),
-        })
-        .collect();
-    if parts.is_empty() { "(the document)".into() } else { parts.join(".") }
-}
-
-/// The indentation the file uses: the leading whitespace of its first
-/// indented line; `None` for a one-line document.
-fn indentation(text: &str) -> Option<String> {
-    text.lines()
-        .skip(1)
-        .map(|l| l.chars().take_while(|c| *c == ' ' || *c == '\t').collect::<String>())
-        .find(|w| !w.is_empty())
-}
-
-/// Serialise `doc` in the style of `original`.
-fn render(doc: &Value, original: &str) -> String {
-    let mut out = match indentation(original) {
-        Some(indent) => {
-            let mut buf = Vec::new();
-            let fmt = serde_json::ser::PrettyFormatter::with_indent(indent.as_bytes());
-            let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
-            doc.serialize(&mut ser).expect("a JSON value serialises");
-            String::from_utf8(buf).expect("serde_json writes UTF-8")
-        }
-        None => serde_json::to_string(doc).expect("a JSON value serialises"),
-    };
-    if original.ends_with('\n') {
-        out.push('\n');
-    }
-    out
+    let files: Vec<String> = undone.iter().map(|f| f.display().to_string()).collect();
+    format!("; the files already replaced were put back as they were: {}", files.join(", "))
 }
 
 /// The patches of one file, in config order.
@@ -196,6 +135,22 @@ fn render(doc: &Value, original: &str) -> String {
 pub struct FilePatch<'a> {
     pub file: PathBuf,
     pub patches: Vec<&'a Patch>,
+}
+
+impl FilePatch<'_> {
+    /// The largest `max-size` its entries give, else the default.
+    pub fn max_size(&self) -> u64 {
+        self.patches.iter().filter_map(|p| p.max_size).max().unwrap_or(DEFAULT_MAX_SIZE)
+    }
+
+    fn ops(&self) -> Vec<Op<'_>> {
+        let mut ops = Vec::new();
+        for p in &self.patches {
+            ops.extend(p.remove.iter().map(|path| Op::Remove(path)));
+            ops.extend(p.set.iter().map(|(path, v)| Op::Set(path, v)));
+        }
+        ops
+    }
 }
 
 /// Group patches by file, keeping the order of first appearance.
@@ -239,94 +194,55 @@ impl Plan {
 
 /// Compute what the patches of one file would do, writing nothing.
 pub fn plan(fp: &FilePatch<'_>) -> Result<Plan, PatchError> {
+    let place = Place::open(&fp.file)?;
+    let source = place.read(fp.max_size())?;
+    plan_of(fp, &source)
+}
+
+fn plan_of(fp: &FilePatch<'_>, source: &Source) -> Result<Plan, PatchError> {
     let file = fp.file.clone();
-    let old = fs::read_to_string(&file).map_err(|source| PatchError::Read { file: file.clone(), source })?;
-    let mut doc: Value = serde_json::from_str(&old).map_err(|e| PatchError::Json {
+    let json_error = |e: serde_json::Error| PatchError::Json {
         file: file.clone(),
         line: e.line(),
         column: e.column(),
         message: e.to_string().split(" at line").next().unwrap_or_default().to_string(),
-    })?;
-    let mut changed = false;
-    for p in &fp.patches {
-        for path in &p.remove {
-            changed |= remove(&mut doc, path).map_err(|reason| PatchError::Path {
-                file: file.clone(),
-                op: "remove",
-                path: path.clone(),
-                reason,
-            })?;
+    };
+    let old = match std::str::from_utf8(&source.bytes) {
+        Ok(s) => s.to_string(),
+        // serde_json says where the text stops being JSON.
+        Err(e) => {
+            return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(&source.bytes) {
+                Err(j) => json_error(j),
+                Ok(_) => PatchError::Json {
+                    file,
+                    line: 0,
+                    column: 0,
+                    message: format!("not UTF-8 after byte {}", e.valid_up_to()),
+                },
+            });
         }
-        for (path, value) in &p.set {
-            changed |= set(&mut doc, path, value).map_err(|reason| PatchError::Path {
-                file: file.clone(),
-                op: "set",
-                path: path.clone(),
-                reason,
-            })?;
+    };
+    let ops = fp.ops();
+    let patch_error = |e| match e {
+        EditError::Json { line, column, message } => PatchError::Json { file: file.clone(), line, column, message },
+        EditError::Path { op, path, reason } => PatchError::Path { file: file.clone(), op, path, reason },
+        EditError::InPlace(reason) => PatchError::InPlace { file: file.clone(), reason },
+    };
+    let new = edit::edit(&old, &ops).map_err(patch_error)?;
+    // Patched, the file must be left alone at the next start: entries that
+    // undo each other would fail it, or change it at every start.
+    if new != old {
+        match edit::edit(&new, &ops) {
+            Ok(again) if again == new => {}
+            Ok(_) => return Err(contradiction(&file, "they would change it again at the next start".into())),
+            Err(e) => return Err(contradiction(&file, patch_error(e).to_string())),
         }
     }
-    let new = if changed { render(&doc, &old) } else { old.clone() };
     Ok(Plan { file, old, new })
 }
 
-/// One patched file in the manifest.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-struct Entry {
-    /// The backup's file name in the patches folder.
-    backup: String,
-    original_sha256: String,
-    patched_sha256: String,
-    /// The link target, when the file was a symlink.
-    symlink: Option<PathBuf>,
-}
-
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct Manifest {
-    files: BTreeMap<PathBuf, Entry>,
-}
-
-fn sha256(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
-    digest.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Where originals and the manifest live: `<state>/patches/`.
-pub struct Store {
-    dir: PathBuf,
-}
-
-impl Store {
-    pub fn new(state_dir: &Path) -> Store {
-        Store { dir: state_dir.join("patches") }
-    }
-
-    fn manifest_path(&self) -> PathBuf {
-        self.dir.join("manifest.json")
-    }
-
-    fn load(&self) -> Result<Manifest, PatchError> {
-        match fs::read(self.manifest_path()) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|e| PatchError::State {
-                dir: self.dir.clone(),
-                source: io::Error::new(io::ErrorKind::InvalidData, format!("manifest.json: {e}")),
-            }),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Manifest::default()),
-            Err(source) => Err(PatchError::State { dir: self.dir.clone(), source }),
-        }
-    }
-
-    fn save(&self, m: &Manifest) -> Result<(), PatchError> {
-        let text = serde_json::to_string_pretty(m).expect("manifest serialises");
-        write_atomic(&self.manifest_path(), text.as_bytes(), 0o600, None)
-            .map_err(|source| PatchError::State { dir: self.dir.clone(), source })
-    }
-
-    fn ensure_dir(&self) -> Result<(), PatchError> {
-        fs::create_dir_all(&self.dir).map_err(|source| PatchError::State { dir: self.dir.clone(), source })?;
-        let _ = fs::set_permissions(&self.dir, fs::Permissions::from_mode(0o700));
-        Ok(())
-    }
+fn contradiction(file: &Path, why: String) -> PatchError {
+    PatchError::Contradiction { file: file.to_path_buf(), why }
 }
 
 /// What `apply` did to one file.
@@ -334,169 +250,6 @@ impl Store {
 pub enum Applied {
     Unchanged(PathBuf),
     Patched(PathBuf),
-}
-
-/// Apply every patch. All or nothing: every file is planned, and every
-/// new content written to a temporary file beside its target, before any
-/// target is replaced; malformed JSON, a bad path or an unwritable folder in
-/// any file leaves every file as it was.
-pub fn apply(patches: &[Patch], state_dir: &Path) -> Result<Vec<Applied>, PatchError> {
-    let plans = by_file(patches).iter().map(plan).collect::<Result<Vec<_>, _>>()?;
-    let mut staged: Vec<(&Plan, Staged)> = Vec::new();
-    for p in plans.iter().filter(|p| p.changes()) {
-        match stage(p) {
-            Ok(st) => staged.push((p, st)),
-            Err(e) => {
-                for (_, st) in staged {
-                    let _ = fs::remove_file(&st.tmp);
-                }
-                return Err(e);
-            }
-        }
-    }
-    let store = Store::new(state_dir);
-    let mut manifest = store.load()?;
-    let mut staged = staged.into_iter();
-    while let Some((plan, st)) = staged.next() {
-        if let Err(e) = commit(&store, &mut manifest, plan, &st) {
-            let _ = fs::remove_file(&st.tmp);
-            for (_, rest) in staged {
-                let _ = fs::remove_file(&rest.tmp);
-            }
-            return Err(e);
-        }
-    }
-    Ok(plans
-        .into_iter()
-        .map(|p| if p.changes() { Applied::Patched(p.file) } else { Applied::Unchanged(p.file) })
-        .collect())
-}
-
-/// A new content written and synced beside its target, not yet in place.
-struct Staged {
-    tmp: PathBuf,
-    /// The link target, when the file is a symlink now.
-    symlink: Option<PathBuf>,
-}
-
-fn stage(plan: &Plan) -> Result<Staged, PatchError> {
-    let file = &plan.file;
-    let werr = |source| PatchError::Write { file: file.clone(), source };
-    let link = fs::symlink_metadata(file).map_err(werr)?;
-    let symlink = if link.file_type().is_symlink() { Some(fs::read_link(file).map_err(werr)?) } else { None };
-    // Mode and owner of the content (the blob, for a symlink).
-    let meta = fs::metadata(file).map_err(werr)?;
-    let tmp =
-        write_temp(file, plan.new.as_bytes(), meta.mode() & 0o7777, Some((meta.uid(), meta.gid()))).map_err(werr)?;
-    Ok(Staged { tmp, symlink })
-}
-
-/// Keep the original (once), save the manifest, put the staged file in place.
-fn commit(store: &Store, manifest: &mut Manifest, plan: &Plan, st: &Staged) -> Result<(), PatchError> {
-    let file = &plan.file;
-    let original_sha = sha256(plan.old.as_bytes());
-    let patched_sha = sha256(plan.new.as_bytes());
-    match manifest.files.get_mut(file) {
-        // Patched by us before (with other patches): the original stays.
-        Some(e) if e.patched_sha256 == original_sha => e.patched_sha256 = patched_sha,
-        // Not patched yet, or replaced since: its content now is the original.
-        _ => {
-            store.ensure_dir()?;
-            let backup = format!(
-                "{:04}-{}",
-                manifest.files.len() + 1,
-                file.file_name().and_then(|n| n.to_str()).unwrap_or("file")
-            );
-            write_atomic(&store.dir.join(&backup), plan.old.as_bytes(), 0o600, None)
-                .map_err(|source| PatchError::State { dir: store.dir.clone(), source })?;
-            let entry = Entry {
-                backup,
-                original_sha256: original_sha,
-                patched_sha256: patched_sha,
-                symlink: st.symlink.clone(),
-            };
-            manifest.files.insert(file.clone(), entry);
-        }
-    }
-    // The manifest first: a crash between the two leaves a manifest that
-    // knows the original, and a file that is still the original.
-    store.save(manifest)?;
-    rename_into_place(&st.tmp, file).map_err(|source| PatchError::Write { file: file.clone(), source })
-}
-
-/// Restore every file in the manifest to its original (a symlink back to a
-/// symlink). Refuses a file changed by someone else since it was patched,
-/// unless `force`. Returns the files restored.
-pub fn revert(state_dir: &Path, force: bool) -> Result<Vec<PathBuf>, PatchError> {
-    let store = Store::new(state_dir);
-    let mut manifest = store.load()?;
-    let mut done = Vec::new();
-    let files: Vec<PathBuf> = manifest.files.keys().cloned().collect();
-    for file in files {
-        let entry = manifest.files[&file].clone();
-        let current = fs::read(&file).ok();
-        let current_sha = current.as_deref().map(sha256);
-        let still_ours = current_sha.as_deref() == Some(entry.patched_sha256.as_str());
-        let already_original =
-            current_sha.as_deref() == Some(entry.original_sha256.as_str()) && is_link(&file) == entry.symlink.is_some();
-        if already_original {
-            manifest.files.remove(&file);
-            store.save(&manifest)?;
-            continue;
-        }
-        if !still_ours && !force {
-            return Err(PatchError::Changed { file });
-        }
-        let werr = |source| PatchError::Write { file: file.clone(), source };
-        match &entry.symlink {
-            Some(target) => replace_with_symlink(&file, target).map_err(werr)?,
-            None => {
-                let original = fs::read(store.dir.join(&entry.backup))
-                    .map_err(|source| PatchError::State { dir: store.dir.clone(), source })?;
-                let meta = fs::metadata(&file).map_err(werr)?;
-                write_atomic(&file, &original, meta.mode() & 0o7777, Some((meta.uid(), meta.gid()))).map_err(werr)?;
-            }
-        }
-        manifest.files.remove(&file);
-        store.save(&manifest)?;
-        let _ = fs::remove_file(store.dir.join(&entry.backup));
-        done.push(file);
-    }
-    Ok(done)
-}
-
-fn is_link(p: &Path) -> bool {
-    fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink())
-}
-
-fn replace_with_symlink(path: &Path, target: &Path) -> io::Result<()> {
-    let tmp = temp_name(path);
-    let _ = fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(target, &tmp)?;
-    if let Err(e) = fs::rename(&tmp, path) {
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
-    }
-    sync_dir(path)
-}
-
-/// Problems `check` reports up front: every patch that could not be applied
-/// now, and folders a changing patch could not write.
-pub fn check(patches: &[Patch]) -> Vec<String> {
-    let mut out = Vec::new();
-    for fp in by_file(patches) {
-        match plan(&fp) {
-            Err(e) => out.push(e.to_string()),
-            Ok(p) if p.changes() => {
-                let dir = p.file.parent().unwrap_or(Path::new("."));
-                if nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK).is_err() {
-                    out.push(format!("{}: cannot write: folder {} is not writable", p.file.display(), dir.display()));
-                }
-            }
-            Ok(_) => {}
-        }
-    }
-    out
 }
 
 impl fmt::Display for Applied {
@@ -508,57 +261,439 @@ impl fmt::Display for Applied {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
+/// Apply every patch. All or nothing: every file is read and planned, and
+/// every new content written to a temporary file beside its target, its
+/// original kept and the manifest saved, before any target is replaced;
+/// each target is checked unchanged just before it is, and a failure puts
+/// back the files already replaced.
+pub fn apply(patches: &[Patch], state_dir: &Path, wait: Wait<'_>) -> Result<Vec<Applied>, PatchError> {
+    prepare(patches, state_dir, wait)?.commit()
+}
 
-    #[test]
-    fn paths_split_on_unescaped_dots() {
-        assert_eq!(
-            steps(r"a.b\.c.0"),
-            vec![Step::Key("a".into()), Step::Key("b.c".into()), Step::Index(0, "0".into())]
-        );
+/// One model file, read and planned.
+struct Planned {
+    place: Place,
+    source: Source,
+    plan: Plan,
+}
+
+fn read_all(fps: &[FilePatch<'_>]) -> Result<Vec<Planned>, PatchError> {
+    fps.iter()
+        .map(|fp| {
+            let place = Place::open(&fp.file)?;
+            let source = place.read(fp.max_size())?;
+            let plan = plan_of(fp, &source)?;
+            Ok(Planned { place, source, plan })
+        })
+        .collect()
+}
+
+/// The first half of [`apply`]: everything but the replacement of the
+/// targets, under the lock.
+pub fn prepare(patches: &[Patch], state_dir: &Path, wait: Wait<'_>) -> Result<Prepared, PatchError> {
+    let fps = by_file(patches);
+    let mut planned = read_all(&fps)?;
+    let mut prepared = Prepared::default();
+    if planned.iter().any(|p| p.plan.changes()) {
+        let store = Store::open(state_dir, true)?.ok_or_else(|| PatchError::State {
+            dir: state_dir.to_path_buf(),
+            source: io::Error::from_raw_os_error(libc::ENOENT),
+        })?;
+        prepared.lock = Some(store.lock(wait)?);
+        // Read again under the lock: another run may have patched them.
+        planned = read_all(&fps)?;
+        prepared.before = store.load()?;
+        prepared.store = Some(store);
+    }
+    let max: Vec<u64> = fps.iter().map(FilePatch::max_size).collect();
+    for (p, max) in planned.into_iter().zip(max) {
+        if !p.plan.changes() {
+            prepared.results.push(Applied::Unchanged(p.plan.file));
+            continue;
+        }
+        prepared.results.push(Applied::Patched(p.plan.file.clone()));
+        let file = p.plan.file.clone();
+        p.place.dir.remove_stale_temps(&p.place.name);
+        let mode = p.source.mode & 0o777;
+        let tmp = p
+            .place
+            .dir
+            .write_temp(&p.place.name, p.plan.new.as_bytes(), mode, Some(p.source.owner))
+            .map_err(|source| PatchError::Write { file, source })?;
+        prepared.files.push(Staged {
+            place: p.place,
+            source: p.source,
+            new: p.plan.new,
+            max,
+            tmp,
+            state: State::Staged,
+        });
+    }
+    if let Some(store) = &prepared.store {
+        let mut manifest = prepared.before.clone();
+        for f in &prepared.files {
+            let patched = sha256(f.new.as_bytes());
+            match manifest.files.get_mut(&f.place.file) {
+                // Patched by us before (with other patches): the original stays.
+                Some(e) if e.patched_sha256 == f.source.sha => e.patched_sha256 = patched,
+                // Not patched yet, or replaced since: its content now is the original.
+                _ => {
+                    if store.keep_original(&f.source.bytes, &f.source.sha)? {
+                        prepared.kept.push(f.source.sha.clone());
+                    }
+                    let entry = Entry {
+                        original_sha256: f.source.sha.clone(),
+                        patched_sha256: patched,
+                        symlink: f.source.link.clone().map(PathBuf::from),
+                    };
+                    manifest.files.insert(f.place.file.clone(), entry);
+                }
+            }
+        }
+        // The manifest first: a crash before the renames leaves a manifest
+        // that knows each original, and files that are still the original.
+        store.save(&manifest)?;
+    }
+    Ok(prepared)
+}
+
+/// Where a staged file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Its new content is at the temporary name.
+    Staged,
+    /// In place; the old entry is at the temporary name (swapped), or gone
+    /// (renamed over, on a filesystem that cannot swap).
+    Swapped,
+    Renamed,
+}
+
+/// A new content written and synced beside its target, not yet in place.
+struct Staged {
+    place: Place,
+    source: Source,
+    new: String,
+    max: u64,
+    tmp: OsString,
+    state: State,
+}
+
+/// Every file planned, its new content staged, originals kept and the
+/// manifest saved, under the lock: [`Prepared::commit`] puts them in place.
+/// Dropped without a commit, it removes what it staged.
+#[derive(Default)]
+pub struct Prepared {
+    store: Option<Store>,
+    lock: Option<Lock>,
+    /// The manifest as it was.
+    before: Manifest,
+    /// Originals written by this run.
+    kept: Vec<String>,
+    files: Vec<Staged>,
+    results: Vec<Applied>,
+}
+
+impl Prepared {
+    /// Replace each target in order, each checked unchanged just before;
+    /// on a failure, put back those already replaced.
+    pub fn commit(mut self) -> Result<Vec<Applied>, PatchError> {
+        for i in 0..self.files.len() {
+            let f = &mut self.files[i];
+            match swap_in(&f.place, &f.source, f.max, &f.tmp) {
+                Ok(state) => f.state = state,
+                Err(error) => {
+                    let undone = self.undo();
+                    return Err(PatchError::Undone { error: Box::new(error), undone });
+                }
+            }
+        }
+        for f in &mut self.files {
+            if f.state == State::Swapped {
+                let _ = f.place.dir.remove(&f.tmp);
+            }
+            f.state = State::Renamed;
+            let _ = f.place.dir.sync();
+        }
+        self.lock = None;
+        Ok(std::mem::take(&mut self.results))
     }
 
-    #[test]
-    fn remove_by_path_and_a_missing_key_is_fine() {
-        let mut d = json!({"q": {"kv_cache_quant_algo": "FP8", "x": 1}, "l": [{"n": 1}, {"n": 2}], "a.b": 3});
-        assert_eq!(remove(&mut d, "q.kv_cache_quant_algo"), Ok(true));
-        assert_eq!(remove(&mut d, "q.kv_cache_quant_algo"), Ok(false));
-        assert_eq!(remove(&mut d, "missing.deeper.key"), Ok(false));
-        assert_eq!(remove(&mut d, "l.1.n"), Ok(true));
-        assert_eq!(remove(&mut d, r"a\.b"), Ok(true));
-        assert_eq!(d, json!({"q": {"x": 1}, "l": [{"n": 1}, {}]}));
-    }
-
-    #[test]
-    fn a_path_through_a_non_object_is_an_error() {
-        let mut d = json!({"a": "text", "n": 5});
-        assert_eq!(remove(&mut d, "a.b.c"), Err("`a` goes through a string".to_string()));
-        assert!(set(&mut d, "n.m", &json!(1)).unwrap_err().contains("is a number, not an object"));
-    }
-
-    #[test]
-    fn set_creates_objects_and_is_idempotent() {
-        let mut d = json!({"a": 1});
-        assert_eq!(set(&mut d, "b.c", &json!([1, 2])), Ok(true));
-        assert_eq!(set(&mut d, "b.c", &json!([1, 2])), Ok(false));
-        assert_eq!(d, json!({"a": 1, "b": {"c": [1, 2]}}));
-    }
-
-    #[test]
-    fn rendering_keeps_order_numbers_and_indentation() {
-        let text =
-            "{\n    \"zeta\": 1,\n    \"eps\": 1e-05,\n    \"alpha\": [\n        1.0\n    ],\n    \"kv\": \"x\"\n}\n";
-        let mut d: Value = serde_json::from_str(text).unwrap();
-        remove(&mut d, "kv").unwrap();
-        assert_eq!(
-            render(&d, text),
-            "{\n    \"zeta\": 1,\n    \"eps\": 1e-05,\n    \"alpha\": [\n        1.0\n    ]\n}\n"
-        );
-        let compact = "{\"b\":1,\"a\":2}";
-        let d: Value = serde_json::from_str(compact).unwrap();
-        assert_eq!(render(&d, compact), compact);
+    /// Put back every file replaced, remove what was staged, and the
+    /// manifest and originals as they were. Returns the files put back.
+    fn undo(&mut self) -> Vec<PathBuf> {
+        let mut undone = Vec::new();
+        for f in self.files.iter_mut().rev() {
+            match f.state {
+                State::Staged => {}
+                State::Swapped => {
+                    if f.place.dir.exchange(&f.tmp, &f.place.name).unwrap_or(false) {
+                        undone.push(f.place.file.clone());
+                    }
+                }
+                State::Renamed => {
+                    if put_back(f).is_ok() {
+                        undone.push(f.place.file.clone());
+                    }
+                }
+            }
+            let _ = f.place.dir.remove(&f.tmp);
+            let _ = f.place.dir.sync();
+            f.state = State::Renamed;
+        }
+        if let Some(store) = &self.store {
+            let _ = store.save(&self.before);
+            for sha in &self.kept {
+                if !self.before.keeps(sha) {
+                    store.forget_original(sha);
+                }
+            }
+        }
+        undone.reverse();
+        undone
     }
 }
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        if self.files.iter().any(|f| f.state != State::Renamed) {
+            self.undo();
+        }
+    }
+}
+
+/// Put the entry `tmp` in place of the file `source` read, if it is still
+/// what was read: swapped with it (the old entry is then at `tmp`), or
+/// renamed over it where the filesystem cannot swap. On an error, `tmp` is
+/// where it was.
+fn swap_in(place: &Place, source: &Source, max: u64, tmp: &OsStr) -> Result<State, PatchError> {
+    let file = place.file.clone();
+    if !place.unchanged(source, max) {
+        return Err(PatchError::ChangedMeanwhile { file });
+    }
+    let werr = |source| PatchError::Write { file: file.clone(), source };
+    if !place.dir.exchange(tmp, &place.name).map_err(werr)? {
+        place.dir.rename(tmp, &place.name).map_err(werr)?;
+        return Ok(State::Renamed);
+    }
+    // The entry swapped out must be the one checked.
+    let out = place.dir.lstat(tmp).ok().flatten().map(|m| Stamp::of(&m));
+    if out != Some(source.entry) {
+        let _ = place.dir.exchange(tmp, &place.name);
+        return Err(PatchError::ChangedMeanwhile { file });
+    }
+    Ok(State::Swapped)
+}
+
+/// Write the original back where the filesystem could not swap.
+fn put_back(f: &Staged) -> io::Result<()> {
+    let dir = &f.place.dir;
+    let tmp = match &f.source.link {
+        Some(target) => dir.symlink_temp(&f.place.name, target)?,
+        None => dir.write_temp(&f.place.name, &f.source.bytes, f.source.mode & 0o777, Some(f.source.owner))?,
+    };
+    dir.rename(&tmp, &f.place.name).inspect_err(|_| {
+        let _ = dir.remove(&tmp);
+    })
+}
+
+/// What `revert` did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Reverted {
+    /// Files put back as they were.
+    pub restored: Vec<PathBuf>,
+    /// Files the manifest names and no `[[patch]]` does: left as they are.
+    pub ignored: Vec<PathBuf>,
+}
+
+/// What one file is restored to.
+enum Original {
+    /// It is already the original: only its entry goes.
+    Already,
+    Bytes(Vec<u8>),
+    Link(PathBuf),
+}
+
+/// Restore every file the `[[patch]]` entries name and the manifest knows
+/// to its original (a symlink back to the same symlink). Every file is
+/// checked before any is restored: one changed by someone else since it
+/// was patched is refused unless `force`; an original that does not hash
+/// to its recorded sha256, and a link that would lead out of the model's
+/// folder or to anything but the original, are refused whatever `force`
+/// says.
+pub fn revert(patches: &[Patch], state_dir: &Path, force: bool, wait: Wait<'_>) -> Result<Reverted, PatchError> {
+    let Some(store) = Store::open(state_dir, false)? else { return Ok(Reverted::default()) };
+    let _lock = store.lock(wait)?;
+    let mut manifest = store.load()?;
+    let fps = by_file(patches);
+    let named: HashSet<&Path> = fps.iter().map(|f| f.file.as_path()).collect();
+    let ignored: Vec<PathBuf> = manifest.files.keys().filter(|f| !named.contains(f.as_path())).cloned().collect();
+    let mut todo = Vec::new();
+    for fp in &fps {
+        let Some(entry) = manifest.files.get(&fp.file).cloned() else { continue };
+        let max = fp.max_size();
+        let place = Place::open(&fp.file)?;
+        let source = place.read(max)?;
+        let original = original_of(&store, &place, &source, &entry, force, max)?;
+        todo.push((place, source, entry, original, max));
+    }
+    let mut restored = Vec::new();
+    for (place, source, entry, original, max) in todo {
+        let file = place.file.clone();
+        if !matches!(original, Original::Already) {
+            restore(&place, &source, &original, max)?;
+            restored.push(file.clone());
+        }
+        manifest.files.remove(&file);
+        store.save(&manifest)?;
+        if !manifest.keeps(&entry.original_sha256) {
+            store.forget_original(&entry.original_sha256);
+        }
+    }
+    Ok(Reverted { restored, ignored })
+}
+
+/// What `file` is to be restored to, checked.
+fn original_of(
+    store: &Store,
+    place: &Place,
+    source: &Source,
+    entry: &Entry,
+    force: bool,
+    max: u64,
+) -> Result<Original, PatchError> {
+    let file = &place.file;
+    let link_now = source.link.as_ref().map(PathBuf::from);
+    if source.sha == entry.original_sha256 && link_now == entry.symlink {
+        return Ok(Original::Already);
+    }
+    let ours = source.sha == entry.patched_sha256 && link_now.is_none();
+    if !ours && !force {
+        return Err(PatchError::Changed { file: file.clone() });
+    }
+    match &entry.symlink {
+        Some(target) => {
+            let refuse = |reason: String| PatchError::Link { file: file.clone(), target: target.clone(), reason };
+            // Where the link leads, from the folder it is in, within the
+            // model's folder.
+            let rel = if target.is_absolute() {
+                match target.strip_prefix(place.root.path()) {
+                    Ok(inside) => inside.to_path_buf(),
+                    Err(_) => return Err(refuse(format!("leads out of {}", place.root.path().display()))),
+                }
+            } else {
+                place.dir_rel.join(target)
+            };
+            let root = place.root.path().display();
+            let b = place.root.open_beneath(&rel).map_err(|e| match e {
+                BeneathError::Outside { .. } => refuse(format!("leads out of {root}")),
+                BeneathError::Escapes { link, target, .. } => {
+                    refuse(format!("leads out of {root} (through {} -> {})", link.display(), target.display()))
+                }
+                e => refuse(format!("is refused: {e}")),
+            })?;
+            let bytes = match crate::fsutil::read_capped(&b.file, max) {
+                Ok(Ok(bytes)) => bytes,
+                Ok(Err(size)) => return Err(refuse(format!("leads to {size} bytes, more than `max-size`"))),
+                Err(e) => return Err(refuse(format!("cannot be read: {e}"))),
+            };
+            if sha256(&bytes) != entry.original_sha256 {
+                return Err(refuse("leads to a file that is not the original (its sha256 differs)".into()));
+            }
+            Ok(Original::Link(target.clone()))
+        }
+        None => store.original(&entry.original_sha256, max).map(Original::Bytes).map_err(|reason| PatchError::Backup {
+            file: file.clone(),
+            backup: store.original_path(&entry.original_sha256),
+            reason,
+        }),
+    }
+}
+
+/// Put `original` in place of the file `source` read, if it is still that.
+fn restore(place: &Place, source: &Source, original: &Original, max: u64) -> Result<(), PatchError> {
+    let file = place.file.clone();
+    let werr = |source| PatchError::Write { file: file.clone(), source };
+    let dir = &place.dir;
+    let tmp = match original {
+        Original::Already => return Ok(()),
+        Original::Link(target) => dir.symlink_temp(&place.name, target.as_os_str()).map_err(werr)?,
+        Original::Bytes(b) => dir.write_temp(&place.name, b, source.mode & 0o777, Some(source.owner)).map_err(werr)?,
+    };
+    let result = swap_in(place, source, max, &tmp);
+    // Swapped: the patched file is at `tmp`; failed: the original is.
+    if !matches!(result, Ok(State::Renamed)) {
+        let _ = dir.remove(&tmp);
+    }
+    let _ = dir.sync();
+    result.map(|_| ())
+}
+
+/// Problems `run` and `patch` would meet at start, found without writing
+/// anything: every file that cannot be read or patched now (its kind, its
+/// size, a link out of its folder, its JSON, its paths), a folder or file
+/// that could not be replaced (not writable, immutable, an owner that
+/// could not be kept), and in the state directory a patches folder, lock
+/// or manifest that cannot be used.
+pub fn check(patches: &[Patch], state_dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let fps = by_file(patches);
+    for fp in fps.iter().filter(|fp| !fp.file.as_os_str().is_empty()) {
+        let planned = Place::open(&fp.file).and_then(|place| {
+            let source = place.read(fp.max_size())?;
+            let plan = plan_of(fp, &source)?;
+            Ok((place, source, plan))
+        });
+        match planned {
+            Err(e) => out.push(e.to_string()),
+            Ok((place, source, plan)) if plan.changes() => out.extend(replaceable(&place, &source)),
+            Ok(_) => {}
+        }
+    }
+    if !fps.is_empty() {
+        out.extend(store::check(state_dir));
+    }
+    out
+}
+
+/// Why the file at `place` could not be replaced now, if it could not.
+fn replaceable(place: &Place, source: &Source) -> Vec<String> {
+    let file = place.file.display();
+    let dir = place.dir.path().display();
+    let mut out = Vec::new();
+    if let Err(e) = place.dir.writable() {
+        out.push(format!("{file}: cannot write: folder {dir} is not writable ({e})"));
+    }
+    if let Some(why) = attributes(place.dir.fd()) {
+        out.push(format!("{file}: cannot write: folder {dir} is {why}"));
+    }
+    if source.link.is_none()
+        && let Ok((f, _)) = place.dir.open_regular(&place.name, false)
+        && let Some(why) = attributes(std::os::fd::AsFd::as_fd(&f))
+    {
+        out.push(format!("{file}: cannot be replaced: it is {why}"));
+    }
+    let euid = nix::unistd::geteuid().as_raw();
+    if euid != 0 && source.owner.0 != euid {
+        out.push(format!(
+            "{file}: belongs to uid {}, and the patched file would keep its owner: only root can give a file \
+             to another user (the warden runs as uid {euid})",
+            source.owner.0
+        ));
+    }
+    out
+}
+
+/// `immutable (chattr +i)` or `append-only (chattr +a)`, if the inode is.
+fn attributes(fd: std::os::fd::BorrowedFd<'_>) -> Option<&'static str> {
+    let flags = rustix::fs::ioctl_getflags(fd).ok()?;
+    if flags.contains(rustix::fs::IFlags::IMMUTABLE) {
+        Some("immutable (chattr +i)")
+    } else if flags.contains(rustix::fs::IFlags::APPEND) {
+        Some("append-only (chattr +a)")
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod properties;

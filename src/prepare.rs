@@ -48,11 +48,14 @@ fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Re
     }
     prestart::clear_record(&s.state_dir);
 
-    // 2. Patches. A patch that fails will fail the same way next time.
+    // 2. Patches. A patch that fails will fail the same way next time,
+    // unless another run held the lock or a file changed meanwhile.
     if !s.patches.is_empty() {
         status(format!("applying {} patch(es)", s.patches.len()));
-        let applied = crate::patch::apply(&s.patches, &s.state_dir)
-            .map_err(|e| StartFailure::permanent(format!("patch failed: {e}")))?;
+        let applied = crate::patch::apply(&s.patches, &s.state_dir, crate::patch::Wait::No).map_err(|e| {
+            let cause = format!("patch failed: {e}");
+            if e.is_transient() { StartFailure::transient(cause) } else { StartFailure::permanent(cause) }
+        })?;
         for a in applied {
             tracing::info!(INSTANCE = name, EVENT = "patch", "{a}");
         }

@@ -38,7 +38,9 @@ fn check_lists_every_problem_and_exits_78() {
     let f = cfg.display().to_string();
     assert!(err.contains(&format!("{f}:3:16: `stop-timeout`: invalid duration \"soon\"")), "{err}");
     assert!(err.contains(&format!("{f}:5:1: unknown key `max-attemps` in [restart]")), "{err}");
-    assert!(err.contains("2 problem(s) found"), "{err}");
+    // The environment's problems beside the file's.
+    assert!(err.contains(&format!("{f}: `command`: /nonexistent/vllm: No such file")), "{err}");
+    assert!(err.contains("3 problem(s) found"), "{err}");
 }
 
 #[test]

@@ -163,6 +163,7 @@ fn the_man_page_shows_the_default_constants() {
         ("health.canary-interval", duration(defaults::CANARY_INTERVAL)),
         ("health.canary-timeout", duration(defaults::CANARY_TIMEOUT)),
         ("health.progress-stall", duration(defaults::PROGRESS_STALL)),
+        ("[[patch]] max-size", quoted(&format!("{} MiB", defaults::PATCH_MAX_SIZE >> 20))),
     ];
     let rows = man_page_rows();
     let row = |key: &str| {
@@ -224,6 +225,10 @@ fn signals_parse_in_every_spelling() {
 
 /// `section.key = value` in a config that is otherwise valid.
 fn with_value(dotted: &str, value: &str) -> String {
+    if let Some(key) = dotted.strip_prefix("[[patch]] ") {
+        let patch = "[[patch]]\nfile = \"/m/config.json\"\nremove = [\"a\"]\n";
+        return format!("[child]\ncommand = [\"vllm\"]\n{patch}{key} = {value}\n");
+    }
     let (section, key) = dotted.split_once('.').unwrap_or(("", dotted));
     // The two delays must stay in order whatever one of them is set to.
     let other = match dotted {
@@ -285,7 +290,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 20, "every duration and number has a range");
+    assert_eq!(tried, 21, "every duration and number has a range");
 }
 
 #[test]
