@@ -126,7 +126,10 @@ fn main() {
         let mut xs = Vec::new();
         for _ in 0..SAMPLES {
             std::fs::write(&cfg_json, &big).unwrap();
-            let more = format!("[[patch]]\nfile = \"{}\"\nremove = [\"kv_cache_scheme\"]\n", cfg_json.display());
+            let more = format!(
+                "[[patch]]\nfile = \"{}\"\nremove = [\"kv_cache_scheme\"]\nmax-size = \"300 MiB\"\n",
+                cfg_json.display()
+            );
             let run = Run::start(&mut warden(exe, d, &config(d, sim, "", &more)), d);
             run.wait("the patch", |l| l.starts_with("STATUS=applying"));
             xs.push(run.stop());
