@@ -43,6 +43,16 @@ pub struct PatchArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Also print what `systemctl reload` would do with this file against
+    /// the running instance: nothing, reload in place, or restart the child.
+    #[arg(long)]
+    pub diff: bool,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct StatusArgs {
     #[command(flatten)]
     pub config: ConfigArg,
@@ -56,7 +66,7 @@ pub enum Cmd {
     /// Run the daemon in the foreground (systemd's ExecStart=).
     Run(ConfigArg),
     /// Validate the config and the environment; list every problem.
-    Check(ConfigArg),
+    Check(CheckArgs),
     /// Apply the config's [[patch]] entries to the model files now.
     Patch(PatchArgs),
     /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
@@ -73,7 +83,10 @@ pub fn main() -> Code {
     let cli = Cli::parse();
     match cli.command {
         Cmd::Run(c) => run(&c.config),
-        Cmd::Check(c) => check(&c.config),
+        Cmd::Check(c) => match check(&c.config.config) {
+            Code::Ok if c.diff => diff(&c.config.config),
+            code => code,
+        },
         Cmd::Patch(a) => patch(&a),
         Cmd::Status(a) => status(&a),
         Cmd::Demo => crate::demo::main(),
@@ -117,6 +130,33 @@ fn check(path: &Path) -> Code {
     }
     eprintln!("{} problem(s) found", problems.len());
     Code::Config
+}
+
+/// What a reload of `path` would do against the running instance's config
+/// (`STATE_DIRECTORY/running.toml`, kept by the running warden).
+fn diff(path: &Path) -> Code {
+    let dirs = Dirs::from_env();
+    let Ok(new) = config::load(path, &dirs) else { return Code::Config };
+    let running = crate::reload::running_path(&new.state_dir);
+    let text = match crate::prestart::read_state_file(&running, 1 << 20) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) => {
+            println!("no running instance to compare with ({}: {e})", running.display());
+            return Code::NotRunning;
+        }
+    };
+    let old = match config::parse(&text, path, &dirs) {
+        Ok(s) => s,
+        Err(p) => {
+            eprintln!("{}: the running config no longer reads: {p}", running.display());
+            return Code::Config;
+        }
+    };
+    println!("{}", crate::reload::plan(&old, &new));
+    for c in crate::reload::identity_left(&old, &new) {
+        println!("{c}: takes effect when the warden itself restarts");
+    }
+    Code::Ok
 }
 
 fn status(a: &StatusArgs) -> Code {

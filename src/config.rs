@@ -127,6 +127,9 @@ pub mod limits {
 pub struct Settings {
     /// The file it came from.
     pub source: PathBuf,
+    /// The text it was read from: kept as `running.toml` in the state
+    /// directory, for `check --diff` against the running instance.
+    pub text: String,
     /// Instance name: journal identifier `vllm-<name>`, default file names.
     pub name: String,
     pub profile: Profile,
@@ -309,7 +312,8 @@ fn parse_all(text: &str, path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Pro
         }
         return (None, r.into_problems());
     }
-    let settings = settings(&mut r, doc.get_ref(), path, dirs);
+    let mut settings = settings(&mut r, doc.get_ref(), path, dirs);
+    settings.text = text.to_string();
     (Some(settings), r.into_problems())
 }
 
@@ -337,6 +341,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
+        text: String::new(),
         name,
         profile,
         child,

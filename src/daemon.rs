@@ -60,6 +60,7 @@ pub async fn run(
         traffic: traffic.clone(),
         generation: Default::default(),
     };
+    crate::reload::save_running(&settings);
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     let cleanup = settings.clone();
     let mut backend = match Real::new(settings, tx, traffic, token) {
@@ -399,6 +400,8 @@ impl Backend for Real {
         for c in crate::reload::identity_left(&self.settings, &settings) {
             tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
         }
+        let running = settings.clone();
+        tokio::task::spawn_blocking(move || crate::reload::save_running(&running));
         self.settings = settings;
         // The health checks of a ready run go on with the new settings.
         if let Some((start, task)) = self.health.take() {

@@ -52,6 +52,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     // here.
     let Settings {
         source: _,
+        text: _,
         name,
         profile,
         child,
@@ -139,6 +140,22 @@ pub fn plan(old: &Settings, new: &Settings) -> Plan {
         (true, _) => Plan::Nothing,
         (false, true) => Plan::InPlace(all),
         (false, false) => Plan::Restart { because, all },
+    }
+}
+
+/// Where a running warden keeps the config text it runs with.
+pub fn running_path(state_dir: &std::path::Path) -> std::path::PathBuf {
+    state_dir.join("running.toml")
+}
+
+/// Keep the config text the warden now runs with (for `check --diff`);
+/// a failure is logged, never fatal.
+pub fn save_running(s: &Settings) {
+    let path = running_path(&s.state_dir);
+    let saved =
+        std::fs::create_dir_all(&s.state_dir).and_then(|()| crate::fsutil::replace(&path, s.text.as_bytes(), 0o600));
+    if let Err(e) = saved {
+        tracing::warn!(error = %e, file = %path.display(), "cannot keep the running config");
     }
 }
 

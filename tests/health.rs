@@ -134,6 +134,16 @@ fn a_reload_of_the_health_interval_keeps_the_child_and_changes_the_cadence() {
     let first = child_pid(&w);
     let text = std::fs::read_to_string(w.path("t.toml")).unwrap();
     std::fs::write(w.path("t.toml"), text.replace("interval = \"1h\"", "interval = \"100ms\"")).unwrap();
+    // What a reload would do, asked before it is done.
+    let diff = std::process::Command::new(common::exe())
+        .args(["check", "--diff", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&diff.stdout);
+    assert_eq!(diff.status.code(), Some(0), "{out}");
+    assert_eq!(out.lines().last(), Some("reloaded in place: health.interval 1h → 100ms"), "{out}");
     w.signal(Signal::SIGHUP);
     let reloaded = w.wait_note("in place", |n| n.starts_with("STATUS=reloaded in place"));
     assert_eq!(reloaded, "STATUS=reloaded in place: health.interval 1h → 100ms");
