@@ -155,8 +155,8 @@ pub fn clean_leftover_files(s: &Settings) {
     if !temp.is_empty() {
         folders.extend(prestart::temp_dirs().into_iter().map(|d| (d, temp.clone())));
     }
-    // One pass over /proc answers for every folder, and none is made when
-    // no file could be removed.
+    // One pass over /proc answers for every folder (see `prestart::in_use`),
+    // and none is made when no file could be removed.
     let found: Vec<(PathBuf, Vec<PathBuf>)> = folders
         .iter()
         .filter(|(d, _)| d.is_dir())
@@ -167,13 +167,16 @@ pub fn clean_leftover_files(s: &Settings) {
         return;
     }
     // Only files that could be removed (ours) are worth a /proc pass.
-    let removable = |p: &PathBuf| {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file() && m.uid() == uid)
-    };
-    let dirs: Vec<&std::path::Path> =
-        found.iter().filter(|(_, c)| c.iter().any(removable)).map(|(d, _)| d.as_path()).collect();
-    let in_use = if dirs.is_empty() { Default::default() } else { prestart::in_use_under_any(&dirs) };
+    let removable: Vec<PathBuf> = found
+        .iter()
+        .flat_map(|(_, c)| c)
+        .filter(|p| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file() && m.uid() == uid)
+        })
+        .cloned()
+        .collect();
+    let in_use = prestart::in_use(&removable);
     for (dir, paths) in found {
         let report = prestart::clean_candidates(paths, uid, &in_use);
         if report != prestart::Cleaned::default() {

@@ -266,36 +266,63 @@ async fn all_exited(fds: &[PidFd]) {
     }
 }
 
-/// Paths under `dir` that a live process has open or mapped, with the pids.
+/// The files of `dir` that a live process has open or mapped, with the pids.
 pub fn in_use_under(dir: &Path) -> HashMap<PathBuf, BTreeSet<i32>> {
-    in_use_under_any(&[dir])
+    let files: Vec<PathBuf> =
+        std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    in_use(&files)
 }
 
-/// Paths under any of `dirs` that a live process has open or mapped, with
-/// the pids: one pass over `/proc` answers for every folder.
-pub fn in_use_under_any(dirs: &[&Path]) -> HashMap<PathBuf, BTreeSet<i32>> {
+/// A file's identity: device and inode.
+fn identity(m: &std::fs::Metadata) -> (u64, u64) {
+    (m.dev(), m.ino())
+}
+
+/// Those of `paths` that a live process has open or mapped, with the pids,
+/// matched by identity (device and inode), not by name: a process maps a
+/// POSIX semaphore under the temporary name it was created with
+/// (`/dev/shm/sem.WUuiYZ (deleted)` in `/proc/PID/maps` for what is now
+/// `/dev/shm/sem.mp-…`), and a renamed file keeps its inode. One pass over
+/// `/proc`, none when no path names a regular file.
+pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
     let mut out: HashMap<PathBuf, BTreeSet<i32>> = HashMap::new();
+    let ids: HashMap<(u64, u64), &PathBuf> = paths
+        .iter()
+        .filter_map(|p| std::fs::symlink_metadata(p).ok().filter(|m| m.is_file()).map(|m| (identity(&m), p)))
+        .collect();
+    if ids.is_empty() {
+        return out;
+    }
     let Ok(procs) = std::fs::read_dir("/proc") else { return out };
-    let under = |p: &Path| dirs.iter().any(|d| p.starts_with(d));
     for entry in procs.flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
         if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
             for fd in fds.flatten() {
-                if let Ok(target) = std::fs::read_link(fd.path())
-                    && under(&target)
+                // The magic link leads to the open file itself, renamed or not.
+                if let Ok(m) = std::fs::metadata(fd.path())
+                    && let Some(p) = ids.get(&identity(&m))
                 {
-                    out.entry(target).or_default().insert(pid);
+                    out.entry((*p).clone()).or_default().insert(pid);
                 }
             }
         }
         if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
             for line in maps.lines() {
-                // address perms offset dev inode path
-                if let Some(path) = line.splitn(6, ' ').nth(5).map(str::trim_start)
-                    && under(Path::new(path))
-                {
-                    let path = path.trim_end_matches(" (deleted)");
-                    out.entry(PathBuf::from(path)).or_default().insert(pid);
+                // address perms offset dev(major:minor, hex) inode path
+                let mut f = line.split_whitespace();
+                let (Some(dev), Some(ino)) = (f.nth(3), f.next()) else { continue };
+                let Some((major, minor)) = dev.split_once(':') else { continue };
+                let (Ok(major), Ok(minor), Ok(ino)) =
+                    (u64::from_str_radix(major, 16), u64::from_str_radix(minor, 16), ino.parse::<u64>())
+                else {
+                    continue;
+                };
+                if ino == 0 {
+                    continue;
+                }
+                let dev = nix::sys::stat::makedev(major, minor);
+                if let Some(p) = ids.get(&(dev, ino)) {
+                    out.entry((*p).clone()).or_default().insert(pid);
                 }
             }
         }

@@ -322,6 +322,28 @@ fn forged_leftovers_a_fifo_as_the_record_is_ignored() {
     assert_eq!(w.stop(), 0);
 }
 
+/// A POSIX semaphore as glibc makes one: a temporary file, mapped, linked
+/// to its final name, the temporary name removed. The process's maps show
+/// only the temporary name (`(deleted)`); the file in use is found by its
+/// identity, and kept.
+#[test]
+fn a_semaphore_in_use_under_its_final_name_is_kept() {
+    let tag = format!("vwtest-{}-sem", std::process::id());
+    let shm = std::path::Path::new("/dev/shm");
+    let (temp, last) = (shm.join(format!("{tag}.XXtmp")), shm.join(format!("{tag}.mp-final")));
+    std::fs::write(&temp, vec![0u8; 4096]).unwrap();
+    let _holder = Reap(vec![holder("--map-file", &temp)]);
+    std::fs::hard_link(&temp, &last).unwrap();
+    std::fs::remove_file(&temp).unwrap();
+    let globs = format!("[prestart]\nclean-shm = [\"{tag}.mp-*\"]\n");
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", &format!("{FAST}{globs}")));
+    w.wait_ready();
+    assert!(last.exists(), "the semaphore in use was removed");
+    assert!(w.stderr().contains(&format!("kept {}", last.display())), "{}", w.stderr());
+    assert_eq!(w.stop(), 0);
+    let _ = std::fs::remove_file(&last);
+}
+
 #[test]
 fn what_the_run_left_in_shared_memory_goes_when_the_warden_stops() {
     let tag = format!("vwtest-{}-left", std::process::id());
