@@ -2,14 +2,16 @@
 //!
 //! [`Follower`] reads the file as it grows, woken by inotify (through the
 //! `notify` crate; no polling loop), and survives truncation, rename and
-//! re-creation. [`Splitter`] cuts bytes into lines at `\n` or `\r`, strips
-//! ANSI codes and caps a line at 64 KiB. [`Classifier`] maps a line to a
-//! [`Class`] in the order ignore → fatal/permanent → ready → progress, and
-//! follows Python tracebacks to their final exception line. Restart policy
-//! is not known here.
+//! re-creation. [`Splitter`] cuts bytes into lines at `\n` or `\r`, removes
+//! ANSI codes (only from the rare line that has a control byte) and caps a
+//! line at 64 KiB. [`Classifier`] maps a line to a [`Class`] in the order
+//! ignore → fatal/permanent → ready → progress, and follows Python
+//! tracebacks to their final exception line. Restart policy is not known
+//! here.
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::hash::BuildHasher;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
@@ -26,32 +28,48 @@ use crate::tasks::{Lifetime, Tasks};
 /// Longest line kept; the rest of a longer line is dropped.
 pub const MAX_LINE: usize = 64 * 1024;
 
+/// Processes whose traceback state is kept; the least recently seen half
+/// is forgotten when a new one would pass this.
+pub const TRACEBACK_PROCESSES: usize = 1024;
+
 /// Cuts a byte stream into clean text lines.
 #[derive(Debug, Default)]
 pub struct Splitter {
     buf: Vec<u8>,
     /// The current line passed [`MAX_LINE`] and was emitted already.
     overflow: bool,
+    /// A line's text after [`strip`], when it had anything to remove.
+    scratch: String,
 }
 
 impl Splitter {
-    pub fn push(&mut self, mut bytes: &[u8], out: &mut Vec<String>) {
+    /// Cut `bytes` into lines, collecting the non-blank ones.
+    pub fn push(&mut self, bytes: &[u8], out: &mut Vec<String>) {
+        self.feed(bytes, |line| out.push(line.to_string()));
+    }
+
+    /// Cut `bytes` into lines and call `f` with each non-blank one; a line
+    /// that is whole in `bytes` and needs no cleaning is not copied.
+    pub fn feed(&mut self, mut bytes: &[u8], mut f: impl FnMut(&str)) {
         while !bytes.is_empty() {
-            let end = bytes.iter().position(|&b| b == b'\n' || b == b'\r');
+            let end = memchr::memchr2(b'\n', b'\r', bytes);
             let chunk = &bytes[..end.unwrap_or(bytes.len())];
             if !self.overflow {
-                let room = MAX_LINE - self.buf.len();
-                self.buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
-                if chunk.len() >= room && (end.is_none() || chunk.len() > room) {
-                    self.emit(out);
-                    self.overflow = true;
+                if end.is_some() && self.buf.is_empty() {
+                    emit(&chunk[..chunk.len().min(MAX_LINE)], &mut self.scratch, &mut f);
+                } else {
+                    let room = MAX_LINE - self.buf.len();
+                    self.buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    let full = chunk.len() >= room && (end.is_none() || chunk.len() > room);
+                    if full || end.is_some() {
+                        emit(&self.buf, &mut self.scratch, &mut f);
+                        self.buf.clear();
+                        self.overflow = full;
+                    }
                 }
             }
             match end {
                 Some(i) => {
-                    if !self.overflow {
-                        self.emit(out);
-                    }
                     self.overflow = false;
                     bytes = &bytes[i + 1..];
                 }
@@ -59,16 +77,205 @@ impl Splitter {
             }
         }
     }
+}
 
-    fn emit(&mut self, out: &mut Vec<String>) {
-        if !self.buf.is_empty() {
-            let clean = strip_ansi_escapes::strip(&self.buf);
-            let line = String::from_utf8_lossy(&clean).into_owned();
-            if !line.trim().is_empty() {
-                out.push(line);
-            }
+fn emit(raw: &[u8], scratch: &mut String, f: &mut impl FnMut(&str)) {
+    let text = clean(raw, scratch);
+    if !text.trim().is_empty() {
+        f(text);
+    }
+}
+
+/// The text of a raw line: `raw` itself when it has no control byte and is
+/// valid UTF-8 without C1 controls (nearly every line), else [`strip`]ped
+/// into `scratch`.
+fn clean<'a>(raw: &'a [u8], scratch: &'a mut String) -> &'a str {
+    // Without an early exit, so that it vectorises.
+    let control = raw.chunks(64).any(|c| c.iter().fold(false, |acc, &b| acc | (b < 0x20)));
+    if !control && let Ok(text) = std::str::from_utf8(raw) {
+        let c1 = !raw.is_ascii() && memchr::memchr_iter(0xc2, raw).any(|i| matches!(raw.get(i + 1), Some(0x80..=0x9f)));
+        if !c1 {
+            return text;
         }
-        self.buf.clear();
+    }
+    scratch.clear();
+    strip(raw, scratch);
+    scratch
+}
+
+/// Where [`strip`] is in an escape sequence; the states of the DEC ANSI
+/// parser (vt100.net/emu/dec_ansi_parser) that a terminal goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Vt {
+    Ground,
+    Escape,
+    EscInter,
+    CsiEntry,
+    CsiParam,
+    CsiInter,
+    CsiIgnore,
+    DcsEntry,
+    DcsParam,
+    DcsInter,
+    DcsIgnore,
+    DcsPass,
+    Osc,
+    SosPmApc,
+}
+
+/// What a terminal would print of `raw`: escape sequences (CSI, OSC, DCS,
+/// …) and control characters (C0, DEL inside sequences, C1) removed,
+/// invalid UTF-8 shown as `�`, an incomplete character at the end dropped.
+/// The same text as the `vte` parser's printed characters (tested against
+/// `strip-ansi-escapes`), without a terminal's bookkeeping.
+pub fn strip(raw: &[u8], out: &mut String) {
+    use Vt::*;
+    let mut st = Ground;
+    let mut i = 0;
+    while i < raw.len() {
+        if st == Ground {
+            let end = memchr::memchr(0x1b, &raw[i..]).map_or(raw.len(), |k| i + k);
+            if end == i {
+                st = Escape;
+                i += 1;
+                continue;
+            }
+            match std::str::from_utf8(&raw[i..end]) {
+                Ok(text) => {
+                    printable(text, out);
+                    i = end;
+                    if i < raw.len() {
+                        st = Escape;
+                        i += 1;
+                    }
+                }
+                Err(e) => {
+                    let valid = i + e.valid_up_to();
+                    printable(std::str::from_utf8(&raw[i..valid]).unwrap_or_default(), out);
+                    match e.error_len() {
+                        Some(len) => {
+                            // A lone C1 byte is a control; anything else is shown as invalid.
+                            if !(len == 1 && raw[valid] <= 0x9f) {
+                                out.push('\u{fffd}');
+                            }
+                            i = valid + len;
+                        }
+                        None if end < raw.len() => {
+                            out.push('\u{fffd}');
+                            st = Escape;
+                            i = end + 1;
+                        }
+                        None => i = raw.len(),
+                    }
+                }
+            }
+            continue;
+        }
+        // A newline (never inside a line the splitter cut) is the one
+        // control these states execute visibly.
+        if raw[i] == b'\n' && matches!(st, Escape | EscInter | CsiEntry | CsiParam | CsiInter | CsiIgnore) {
+            out.push('\n');
+        }
+        st = next_state(st, raw[i]);
+        i += 1;
+    }
+}
+
+fn printable(text: &str, out: &mut String) {
+    out.extend(text.chars().filter(|c| *c == '\n' || !matches!(c, '\x00'..='\x1f' | '\u{80}'..='\u{9f}')));
+}
+
+/// One byte inside an escape sequence.
+fn next_state(st: Vt, b: u8) -> Vt {
+    use Vt::*;
+    // C0 controls other than CAN, SUB and ESC, which act anywhere.
+    let c0 = matches!(b, 0x00..=0x17 | 0x19 | 0x1c..=0x1f);
+    let anywhere = |st| match b {
+        0x18 | 0x1a => Ground,
+        0x1b => Escape,
+        _ => st,
+    };
+    match st {
+        Ground => Ground,
+        Escape => match b {
+            _ if c0 => Escape,
+            0x20..=0x2f => EscInter,
+            0x50 => DcsEntry,
+            0x58 | 0x5e | 0x5f => SosPmApc,
+            0x5b => CsiEntry,
+            0x5d => Osc,
+            0x30..=0x7e => Ground,
+            0x18 | 0x1a => Ground,
+            _ => Escape,
+        },
+        EscInter => match b {
+            _ if c0 => EscInter,
+            0x20..=0x2f | 0x7f => EscInter,
+            0x30..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiEntry => match b {
+            _ if c0 => CsiEntry,
+            0x20..=0x2f => CsiInter,
+            0x30..=0x3f => CsiParam,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiParam => match b {
+            _ if c0 => CsiParam,
+            0x20..=0x2f => CsiInter,
+            0x30..=0x3b | 0x7f => CsiParam,
+            0x3c..=0x3f => CsiIgnore,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiInter => match b {
+            _ if c0 => CsiInter,
+            0x20..=0x2f => CsiInter,
+            0x30..=0x3f => CsiIgnore,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiIgnore => match b {
+            _ if c0 => CsiIgnore,
+            0x20..=0x3f | 0x7f => CsiIgnore,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        DcsEntry => match b {
+            _ if c0 => DcsEntry,
+            0x20..=0x2f => DcsInter,
+            0x30..=0x3f => DcsParam,
+            0x40..=0x7e => DcsPass,
+            0x7f => DcsEntry,
+            _ => anywhere(st),
+        },
+        DcsParam => match b {
+            _ if c0 => DcsParam,
+            0x20..=0x2f => DcsInter,
+            0x30..=0x3b | 0x7f => DcsParam,
+            0x3c..=0x3f => DcsIgnore,
+            0x40..=0x7e => DcsPass,
+            _ => anywhere(st),
+        },
+        DcsInter => match b {
+            _ if c0 => DcsInter,
+            0x20..=0x2f | 0x7f => DcsInter,
+            0x30..=0x3f => DcsIgnore,
+            0x40..=0x7e => DcsPass,
+            _ => anywhere(st),
+        },
+        DcsPass => match b {
+            0x18 | 0x1a | 0x9c => Ground,
+            0x1b => Escape,
+            _ => DcsPass,
+        },
+        Osc => match b {
+            0x07 | 0x18 | 0x1a => Ground,
+            0x1b => Escape,
+            _ => Osc,
+        },
+        DcsIgnore | SosPmApc => anywhere(st),
     }
 }
 
@@ -119,6 +326,15 @@ pub struct Line {
     pub permanent: Option<usize>,
 }
 
+impl Line {
+    /// Whether the state machine acts on this line: a fatal, ready or
+    /// progress line, or the end of a traceback. Every other line changes
+    /// nothing but the journal.
+    pub fn matters(&self) -> bool {
+        matches!(self.class, Class::Fatal | Class::Ready | Class::Progress(_)) || self.exception.is_some()
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tb {
     /// Inside a traceback's frames.
@@ -129,75 +345,237 @@ enum Tb {
     Chained(u64),
 }
 
-/// Classifies lines with the effective patterns.
+/// Traceback state per process, bounded: at most [`TRACEBACK_PROCESSES`]
+/// processes, each kept under a keyed hash of its prefix, so that a long
+/// prefix costs no more than a short one and none can be chosen to collide.
+#[derive(Debug, Clone, Default)]
+struct Tracebacks {
+    states: HashMap<u64, (Tb, u64)>,
+    keys: std::collections::hash_map::RandomState,
+    /// Counts uses, for the least recently seen.
+    clock: u64,
+    /// The most processes held at once.
+    high_water: usize,
+}
+
+impl Tracebacks {
+    fn key(&self, prefix: &str) -> u64 {
+        self.keys.hash_one(prefix)
+    }
+
+    fn get(&mut self, key: u64) -> Option<Tb> {
+        self.clock += 1;
+        let clock = self.clock;
+        self.states.get_mut(&key).map(|(tb, used)| {
+            *used = clock;
+            *tb
+        })
+    }
+
+    fn insert(&mut self, key: u64, tb: Tb) {
+        self.clock += 1;
+        if self.states.len() >= TRACEBACK_PROCESSES && !self.states.contains_key(&key) {
+            // Forget the least recently seen half: amortised O(1) a line.
+            let mut used: Vec<u64> = self.states.values().map(|(_, u)| *u).collect();
+            let mid = used.len() / 2;
+            let (_, median, _) = used.select_nth_unstable(mid);
+            let median = *median;
+            self.states.retain(|_, (_, u)| *u > median);
+        }
+        self.states.insert(key, (tb, self.clock));
+        self.high_water = self.high_water.max(self.states.len());
+    }
+}
+
+/// vLLM's prefix: the process (`""` for lines without one), the level word
+/// and where the message begins.
+struct Prefix<'a> {
+    process: &'a str,
+    level: Option<Level>,
+    end: usize,
+}
+
+const LEVELS: [(&str, Level); 5] = [
+    ("DEBUG", Level::Debug),
+    ("INFO", Level::Info),
+    ("WARNING", Level::Warning),
+    ("ERROR", Level::Error),
+    ("CRITICAL", Level::Critical),
+];
+
+fn level_word(s: &str) -> Option<(Level, usize)> {
+    LEVELS.iter().find(|(w, _)| s.starts_with(w)).map(|(w, l)| (*l, w.len()))
+}
+
+/// `(Proc pid=N) LEVEL MM-DD hh:mm:ss [file:line] ` or uvicorn's
+/// `LEVEL:   `, read by hand: `Err(())` when a digit's place holds a
+/// non-ASCII character (a Unicode digit), for the regex to decide.
+fn parse_prefix(text: &str) -> Result<Option<Prefix<'_>>, ()> {
+    let b = text.as_bytes();
+    if b.first() == Some(&b'(') {
+        let Some(close) = memchr::memchr(b')', b) else { return Ok(None) };
+        let process = &text[1..close];
+        let rest = &text[close + 1..];
+        let Some(rest) = rest.strip_prefix(' ') else { return Ok(None) };
+        let Some((level, n)) = level_word(rest) else { return Ok(None) };
+        let at = text.len() - rest.len() + n;
+        // " dd-dd dd:dd:dd ["
+        const SHAPE: &[u8] = b" 00-00 00:00:00 [";
+        // Too short in bytes is too short in characters too.
+        let Some(got) = b.get(at..at + SHAPE.len()) else { return Ok(None) };
+        for (want, &c) in SHAPE.iter().zip(got) {
+            let ok = if *want == b'0' { c.is_ascii_digit() } else { c == *want };
+            if !ok {
+                return if *want == b'0' && !c.is_ascii() { Err(()) } else { Ok(None) };
+            }
+        }
+        let from = at + SHAPE.len();
+        let Some(close) = memchr::memchr(b']', &b[from..]) else { return Ok(None) };
+        let mut end = from + close + 1;
+        if b.get(end) == Some(&b' ') {
+            end += 1;
+        }
+        return Ok(Some(Prefix { process, level: Some(level), end }));
+    }
+    let Some((level, n)) = level_word(text) else { return Ok(None) };
+    let Some(rest) = text[n..].strip_prefix(':') else { return Ok(None) };
+    let spaces = rest.len() - rest.trim_start().len();
+    if spaces == 0 {
+        return Ok(None);
+    }
+    Ok(Some(Prefix { process: "", level: Some(level), end: text.len() - rest.len() + spaces }))
+}
+
+/// The verdict on a line borrowed from the follower's buffer.
 #[derive(Debug)]
+pub struct Verdict {
+    pub level: Option<Level>,
+    /// The line, owned, when it [`matters`](Line::matters).
+    pub line: Option<Line>,
+}
+
+/// Classifies lines with the effective patterns.
+#[derive(Debug, Clone)]
 pub struct Classifier {
+    /// Every pattern of every list as one set: a line that matches none of
+    /// them (nearly every line) is plain after one search. `None` when the
+    /// lists together pass the size limit (each list alone is checked).
+    any: Option<RegexSet>,
     ignore: RegexSet,
     fatal: RegexSet,
     permanent: RegexSet,
     ready: RegexSet,
     progress: RegexSet,
+    /// The prefix, for lines where a Unicode digit stands where vLLM writes
+    /// an ASCII one ([`parse_prefix`] reads every other line).
     prefix: Regex,
     shards: Regex,
     /// Traceback state per process (vLLM prefixes each line with its
     /// process; raw stderr lines share the key "").
-    tracebacks: HashMap<String, Tb>,
+    tracebacks: Tracebacks,
     next_group: u64,
+}
+
+enum Kind {
+    Ignored,
+    Fatal,
+    Ready,
+    Progress,
+    Plain,
 }
 
 impl Classifier {
     /// Patterns must have been validated (see `config`).
     pub fn new(p: &Patterns) -> Result<Classifier, regex::Error> {
+        let lists = [&p.ignore, &p.fatal, &p.permanent, &p.ready, &p.progress];
+        let [ignore, fatal, permanent, ready, progress] = lists.map(RegexSet::new);
+        let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).collect();
         Ok(Classifier {
-            ignore: RegexSet::new(&p.ignore)?,
-            fatal: RegexSet::new(&p.fatal)?,
-            permanent: RegexSet::new(&p.permanent)?,
-            ready: RegexSet::new(&p.ready)?,
-            progress: RegexSet::new(&p.progress)?,
+            ignore: ignore?,
+            fatal: fatal?,
+            permanent: permanent?,
+            ready: ready?,
+            progress: progress?,
+            any: RegexSet::new(all).ok(),
             prefix: Regex::new(
                 r"^(?:\((?<proc>[^)]*)\) (?<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?|(?<ulevel>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+)",
             )
             .expect("static regex"),
             shards: Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
                 .expect("static regex"),
-            tracebacks: HashMap::new(),
+            tracebacks: Tracebacks::default(),
             next_group: 0,
         })
     }
 
     /// Forget traceback state between runs.
     pub fn reset(&mut self) {
-        self.tracebacks.clear();
+        self.tracebacks.states.clear();
+    }
+
+    /// The most processes whose traceback state was held at once.
+    pub fn traceback_high_water(&self) -> usize {
+        self.tracebacks.high_water
     }
 
     pub fn classify(&mut self, text: String) -> Line {
-        let (key, level, message) = match self.prefix.captures(&text) {
-            Some(c) => {
-                let lvl = c.name("level").or(c.name("ulevel")).map(|m| m.as_str());
-                let key = c.name("proc").map_or("", |m| m.as_str()).to_string();
-                let end = c.get(0).map_or(0, |m| m.end());
-                (key, lvl.and_then(parse_level), text[end..].to_string())
+        let (prefix, kind, exception) = self.judge(&text);
+        let end = prefix.as_ref().map_or(0, |p| p.end);
+        let level = prefix.and_then(|p| p.level);
+        self.line(&text, end, level, kind, exception)
+    }
+
+    /// Classify a borrowed line; it is copied only if it matters.
+    pub fn classify_ref(&mut self, text: &str) -> Verdict {
+        let (prefix, kind, exception) = self.judge(text);
+        let end = prefix.as_ref().map_or(0, |p| p.end);
+        let level = prefix.and_then(|p| p.level);
+        let matters = !matches!(kind, Kind::Plain | Kind::Ignored) || exception.is_some();
+        Verdict { level, line: matters.then(|| self.line(text, end, level, kind, exception)) }
+    }
+
+    fn judge<'t>(&mut self, text: &'t str) -> (Option<Prefix<'t>>, Kind, Option<Exception>) {
+        let prefix = match parse_prefix(text) {
+            Ok(p) => p,
+            Err(()) => self.prefix.captures(text).map(|c| Prefix {
+                process: c.name("proc").map_or("", |m| m.as_str()),
+                level: c.name("level").or(c.name("ulevel")).and_then(|m| level_word(m.as_str())).map(|(l, _)| l),
+                end: c.get(0).map_or(0, |m| m.end()),
+            }),
+        };
+        let kind = match &self.any {
+            Some(any) if !any.is_match(text) => Kind::Plain,
+            _ if self.ignore.is_match(text) => Kind::Ignored,
+            _ if self.fatal.is_match(text) || self.permanent.is_match(text) => Kind::Fatal,
+            _ if self.ready.is_match(text) => Kind::Ready,
+            _ if self.progress.is_match(text) => Kind::Progress,
+            _ => Kind::Plain,
+        };
+        let exception = match kind {
+            Kind::Ignored => None,
+            _ => {
+                let (process, end) = prefix.as_ref().map_or(("", 0), |p| (p.process, p.end));
+                self.traceback(process, &text[end..])
             }
-            None => (String::new(), None, text.clone()),
         };
-        let class = if self.ignore.is_match(&text) {
-            Class::Ignored
-        } else if self.fatal.is_match(&text) || self.permanent.is_match(&text) {
-            Class::Fatal
-        } else if self.ready.is_match(&text) {
-            Class::Ready
-        } else if self.progress.is_match(&text) {
-            Class::Progress(self.progress_text(&message))
-        } else {
-            Class::Plain
+        (prefix, kind, exception)
+    }
+
+    fn line(&self, text: &str, end: usize, level: Option<Level>, kind: Kind, exception: Option<Exception>) -> Line {
+        let message = &text[end..];
+        let class = match kind {
+            Kind::Ignored => Class::Ignored,
+            Kind::Fatal => Class::Fatal,
+            Kind::Ready => Class::Ready,
+            Kind::Progress => Class::Progress(self.progress_text(message)),
+            Kind::Plain => Class::Plain,
         };
-        let exception = if class == Class::Ignored { None } else { self.traceback(key, &message) };
         let permanent = if class == Class::Fatal || exception.is_some() {
-            self.permanent.matches(&text).iter().next()
+            self.permanent.matches(text).iter().next()
         } else {
             None
         };
-        Line { text, message, level, class, exception, permanent }
+        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent }
     }
 
     fn progress_text(&self, message: &str) -> String {
@@ -211,11 +589,17 @@ impl Classifier {
         }
     }
 
-    fn traceback(&mut self, key: String, message: &str) -> Option<Exception> {
-        let state = self.tracebacks.get(&key).copied();
+    fn traceback(&mut self, process: &str, message: &str) -> Option<Exception> {
         let is_header = message.starts_with("Traceback (most recent call last)");
-        let is_chain = message.starts_with("During handling of the above exception")
-            || message.starts_with("The above exception was the direct cause");
+        if !is_header && self.tracebacks.states.is_empty() {
+            return None;
+        }
+        let key = self.tracebacks.key(process);
+        let state = self.tracebacks.get(key);
+        let is_chain = || {
+            message.starts_with("During handling of the above exception")
+                || message.starts_with("The above exception was the direct cause")
+        };
         let indented = message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty();
         match state {
             _ if is_header => {
@@ -234,30 +618,19 @@ impl Classifier {
                 self.tracebacks.insert(key, Tb::After(g));
                 Some(Exception { group: g, text: message.trim_end().to_string() })
             }
-            Some(Tb::After(g)) | Some(Tb::Chained(g)) if is_chain || message.trim().is_empty() => {
-                if is_chain {
+            Some(Tb::After(g)) | Some(Tb::Chained(g)) if is_chain() || message.trim().is_empty() => {
+                if is_chain() {
                     self.tracebacks.insert(key, Tb::Chained(g));
                 }
                 None
             }
             Some(_) => {
-                self.tracebacks.remove(&key);
+                self.tracebacks.states.remove(&key);
                 None
             }
             None => None,
         }
     }
-}
-
-fn parse_level(s: &str) -> Option<Level> {
-    Some(match s {
-        "DEBUG" => Level::Debug,
-        "INFO" => Level::Info,
-        "WARNING" => Level::Warning,
-        "ERROR" => Level::Error,
-        "CRITICAL" => Level::Critical,
-        _ => return None,
-    })
 }
 
 /// The inode the child writes to, read from where the last read ended.
@@ -369,169 +742,4 @@ impl Drop for Follower {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::profile::Profile;
-    use std::io::Write;
-    use std::time::Duration;
-
-    async fn next(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
-        tokio::time::timeout(Duration::from_secs(30), rx.recv()).await.expect("a line within 30 s").unwrap()
-    }
-
-    fn append(path: &std::path::Path, text: &str) {
-        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(path).unwrap();
-        f.write_all(text.as_bytes()).unwrap();
-    }
-
-    #[tokio::test]
-    async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recreation() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.log");
-        append(&path, "old line, before the offset\n");
-        let offset = std::fs::metadata(&path).unwrap().len();
-        // What the child writes to.
-        let mut child = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let mut tasks = Tasks::default();
-        let f = Follower::start(&child, offset, move |l| tx.send(l).is_ok(), &mut tasks).unwrap();
-        child.write_all(b"first line, long enough to be longer than what follows a truncation\n").unwrap();
-        assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
-        // Truncated in place, as logrotate's copytruncate does.
-        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
-        child.write_all(b"after truncation\n").unwrap();
-        assert_eq!(next(&mut rx).await, "after truncation");
-        // Renamed five times, re-created by someone else each time: only
-        // the child's inode is read.
-        for i in 1..=5 {
-            std::fs::rename(&path, dir.path().join(format!("t.log.{i}"))).unwrap();
-            append(&path, &format!("someone else's line {i}\n"));
-            child.write_all(format!("the child after rotation {i}\n").as_bytes()).unwrap();
-            assert_eq!(next(&mut rx).await, format!("the child after rotation {i}"));
-        }
-        std::fs::remove_file(dir.path().join("t.log.5")).unwrap();
-        child.write_all(b"after deletion\n").unwrap();
-        assert_eq!(next(&mut rx).await, "after deletion");
-        // A partial line is delivered once complete; drain_now reads at once.
-        child.write_all(b"half").unwrap();
-        assert!(f.drain_now().is_empty());
-        child.write_all(b" and whole\n").unwrap();
-        let mut got = f.drain_now();
-        if got.is_empty() {
-            got.push(next(&mut rx).await);
-        }
-        assert_eq!(got, vec!["half and whole"]);
-    }
-
-    fn split(chunks: &[&[u8]]) -> Vec<String> {
-        let mut s = Splitter::default();
-        let mut out = Vec::new();
-        for c in chunks {
-            s.push(c, &mut out);
-        }
-        out
-    }
-
-    #[test]
-    fn lines_end_at_newline_or_carriage_return() {
-        let out = split(&[b"a\nb\rc\r\nd", b"e\n"]);
-        assert_eq!(out, vec!["a", "b", "c", "de"]);
-    }
-
-    #[test]
-    fn partial_lines_wait_for_their_end() {
-        assert!(split(&[b"no end yet"]).is_empty());
-    }
-
-    #[test]
-    fn ansi_codes_are_stripped() {
-        let out = split(&[b"\x1b[32mINFO\x1b[0m 11-29 ready\n"]);
-        assert_eq!(out, vec!["INFO 11-29 ready"]);
-    }
-
-    #[test]
-    fn long_lines_are_cut_at_64k() {
-        let long = vec![b'x'; MAX_LINE * 2 + 10];
-        let out = split(&[&long, b"\nnext\n"]);
-        assert_eq!(out.len(), 2);
-        assert_eq!(out[0].len(), MAX_LINE);
-        assert_eq!(out[1], "next");
-        let exact = vec![b'y'; MAX_LINE];
-        let out = split(&[&exact, b"\n"]);
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].len(), MAX_LINE);
-    }
-
-    fn vllm() -> Classifier {
-        Classifier::new(&Profile::Vllm.patterns()).unwrap()
-    }
-
-    #[test]
-    fn classification_order_is_ignore_fatal_ready_progress() {
-        let mut c = vllm();
-        assert_eq!(c.classify("INFO:     Application startup complete.".into()).class, Class::Ready);
-        let l = c.classify("(EngineCore pid=1) ERROR 11-29 18:16:28 [core.py:1510] EngineCore failed to start.".into());
-        assert_eq!(l.class, Class::Fatal);
-        assert_eq!(l.message, "EngineCore failed to start.");
-        assert_eq!(l.level, Some(Level::Error));
-        let l = c.classify(
-            "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 1 leaked shared_memory objects; NCCL error".into(),
-        );
-        assert_eq!(l.class, Class::Ignored);
-    }
-
-    #[test]
-    fn shard_progress_is_condensed() {
-        let mut c = vllm();
-        let l =
-            c.classify("Loading safetensors checkpoint shards:  45% Completed | 29/64 [01:02<01:10,  2.1s/it]".into());
-        assert_eq!(l.class, Class::Progress("Loading safetensors checkpoint shards: 29/64 (45%)".into()));
-    }
-
-    #[test]
-    fn chained_tracebacks_share_a_group() {
-        let mut c = vllm();
-        let lines = [
-            "Traceback (most recent call last):",
-            "  File \"x.py\", line 1, in <module>",
-            "json.decoder.JSONDecodeError: Unterminated string",
-            "",
-            "During handling of the above exception, another exception occurred:",
-            "",
-            "Traceback (most recent call last):",
-            "  File \"y.py\", line 2, in f",
-            "OSError: It looks like the config file at '/m/config.json' is not a valid JSON file.",
-            "Traceback (most recent call last):",
-            "  File \"z.py\", line 3, in g",
-            "RuntimeError: later",
-        ];
-        let ex: Vec<Exception> = lines.iter().filter_map(|l| c.classify(l.to_string()).exception).collect();
-        assert_eq!(ex.len(), 3);
-        assert_eq!(ex[0].group, ex[1].group);
-        assert_ne!(ex[1].group, ex[2].group);
-        assert!(ex[1].text.starts_with("OSError: It looks like"));
-    }
-
-    #[test]
-    fn prefixed_tracebacks_are_tracked_per_process() {
-        let mut c = vllm();
-        let w = "(Worker pid=7) ERROR 11-29 18:16:26 [multiproc_executor.py:953] ";
-        let e = "(EngineCore pid=6) INFO 11-29 18:16:26 [core.py:1] ";
-        let lines = [
-            format!("{w}Traceback (most recent call last):"),
-            format!("{e}something unrelated"),
-            format!("{w}  File \"a.py\", line 1"),
-            format!("{w}NotImplementedError: Currently supported kv cache quantization is num_bits=8"),
-        ];
-        let mut got = Vec::new();
-        for l in lines {
-            let l = c.classify(l);
-            if let Some(x) = l.exception {
-                got.push((x.text, l.permanent));
-            }
-        }
-        assert_eq!(got.len(), 1);
-        assert!(got[0].0.starts_with("NotImplementedError: Currently supported"));
-        assert!(got[0].1.is_some(), "the kv cache quantization message is permanent");
-    }
-}
+mod tests;
