@@ -17,7 +17,7 @@ use crate::child::{self, Spec, Tree};
 use crate::config::{self, Dirs, Settings};
 use crate::driver::{self, Backend, Context, Input, Request};
 use crate::exit::Code;
-use crate::logwatch::{Classifier, Follower};
+use crate::logwatch::{Classifier, Delivery, Follower, Level, Tap};
 use crate::outcome::{Prepared, StartFailure};
 use crate::redact;
 use crate::supervisor::{Machine, Policy, State};
@@ -48,21 +48,22 @@ pub async fn run(
     };
     let ctx = Context { instance: settings.name.clone(), watchdog };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let traffic = crate::health::Traffic::default();
+    let (lines_tx, mut lines_rx) = mpsc::channel(crate::logwatch::QUEUE);
+    let journal = crate::journal::Forwarder::from_env(&settings.name);
+    let gatherer = journal.as_ref().map(|j| j.gatherer());
     let mut observer = Reports {
         status: crate::status::Reporter::new(
             &settings.name,
             &settings.status.file,
             settings.status.metrics_file.as_deref(),
         ),
-        journal: crate::journal::Forwarder::from_env(&settings.name),
+        journal,
+        next_journal_count: std::time::Instant::now(),
         tree: TreeRecord::new(settings.state_dir.clone(), settings.name.clone(), token.clone()),
-        traffic: traffic.clone(),
-        generation: Default::default(),
     };
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     let cleanup = settings.clone();
-    let mut backend = match Real::new(settings, tx, traffic, token) {
+    let mut backend = match Real::new(settings, classifier, tx, lines_tx, gatherer, token) {
         Ok(b) => b,
         Err(e) => {
             tracing::error!(error = %e, "cannot become a subreaper");
@@ -73,8 +74,8 @@ pub async fn run(
         machine,
         backend: &mut backend,
         notifier: &mut notifier,
-        classifier,
         inputs: &mut rx,
+        lines: &mut lines_rx,
         ctx: &ctx,
         observer: &mut observer,
     }
@@ -87,27 +88,75 @@ pub async fn run(
     code
 }
 
-/// The status files and the journal, kept up to date by the loop.
+/// The status files and the tree record, kept up to date by the loop.
 struct Reports {
     status: crate::status::Reporter,
+    /// Its count of dropped lines goes into the metrics.
     journal: Option<crate::journal::Forwarder>,
+    /// When that count is read next.
+    next_journal_count: std::time::Instant,
     tree: TreeRecord,
-    /// Set when the log shows tokens being generated; read by the canary.
-    traffic: crate::health::Traffic,
-    generation: crate::health::GenerationLine,
 }
+
+/// How often the journal's count of dropped lines is brought into the
+/// metrics while nothing else changes.
+const JOURNAL_COUNT_EVERY: Duration = Duration::from_secs(5);
 
 impl driver::Observer for Reports {
     fn changed(&mut self, m: &Machine) {
+        if let Some(j) = &self.journal {
+            self.status.set_journal_dropped(j.dropped());
+        }
         self.status.update(&m.snapshot());
         self.tree.update(m);
     }
-    fn line(&mut self, line: &crate::logwatch::Line) {
-        if let Some(j) = &self.journal {
-            j.forward(line);
+
+    fn due(&self) -> Option<std::time::Instant> {
+        let journal = self.journal.as_ref().map(|_| self.next_journal_count);
+        [self.status.due(), journal].into_iter().flatten().min()
+    }
+
+    fn flush(&mut self) {
+        let now = std::time::Instant::now();
+        if let Some(j) = &self.journal
+            && now >= self.next_journal_count
+        {
+            self.status.set_journal_dropped(j.dropped());
+            self.next_journal_count = now + JOURNAL_COUNT_EVERY;
         }
-        if self.generation.matches(&line.text) {
+        if self.status.due().is_some_and(|d| d <= now) {
+            self.status.flush();
+        }
+    }
+}
+
+/// What each follower gives every line it reads besides its class.
+#[derive(Clone)]
+struct Taps {
+    journal: Option<crate::journal::Gatherer>,
+    /// Set when the log shows tokens being generated; read by the canary.
+    traffic: crate::health::Traffic,
+}
+
+struct LineTap {
+    journal: Option<crate::journal::Gatherer>,
+    generation: crate::health::GenerationLine,
+    traffic: crate::health::Traffic,
+}
+
+impl Tap for LineTap {
+    fn line(&mut self, text: &str, level: Option<Level>) {
+        if let Some(j) = &mut self.journal {
+            j.line(text, level);
+        }
+        if self.generation.matches(text) {
             self.traffic.saw_generation();
+        }
+    }
+
+    fn end_of_read(&mut self) {
+        if let Some(j) = &mut self.journal {
+            j.flush();
         }
     }
 }
@@ -215,7 +264,12 @@ pub struct Real {
     /// Every background task, watched by the loop through `task_failed`.
     tasks: Tasks,
     tree: Tree,
+    /// The effective patterns, compiled; each follower gets a copy.
+    classifier: Classifier,
     follower: Option<Follower>,
+    /// Where followers hand on the lines that matter.
+    lines: mpsc::Sender<Delivery>,
+    taps: Taps,
     probe: Option<AbortHandle>,
     /// The pre-start steps running for a start.
     preparing: Option<(u32, AbortHandle)>,
@@ -232,10 +286,13 @@ impl Real {
     /// Needs a tokio runtime; makes this process a subreaper.
     pub fn new(
         settings: Settings,
+        classifier: Classifier,
         inputs: mpsc::UnboundedSender<Input>,
-        traffic: crate::health::Traffic,
+        lines: mpsc::Sender<Delivery>,
+        journal: Option<crate::journal::Gatherer>,
         token: String,
     ) -> std::io::Result<Real> {
+        let taps = Taps { journal, traffic: crate::health::Traffic::default() };
         let tx = inputs.clone();
         let mut tasks = Tasks::default();
         let tree = Tree::new(
@@ -248,11 +305,14 @@ impl Real {
             settings,
             tasks,
             tree,
+            classifier,
             follower: None,
+            lines,
             probe: None,
             preparing: None,
             health: None,
-            traffic,
+            traffic: taps.traffic.clone(),
+            taps,
             token,
             inputs,
         })
@@ -325,11 +385,22 @@ impl Backend for Real {
             redact::command(&spec.argv),
             redact::env(&spec.env)
         );
-        let tx = self.inputs.clone();
+        let tap = LineTap {
+            journal: self.taps.journal.clone(),
+            generation: Default::default(),
+            traffic: self.taps.traffic.clone(),
+        };
         // Follow before spawning, so that no line can be missed.
-        let sink = move |text| tx.send(Input::Line { start, text }).is_ok();
-        let follower = Follower::start(&file, offset, sink, &mut self.tasks)
-            .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
+        let follower = Follower::start(
+            &file,
+            offset,
+            start,
+            self.classifier.clone(),
+            Some(Box::new(tap)),
+            self.lines.clone(),
+            &mut self.tasks,
+        )
+        .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
             match e.kind() {
@@ -376,8 +447,9 @@ impl Backend for Real {
         }));
     }
 
-    fn reconfigure(&mut self, settings: Settings) {
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) {
         self.settings = settings;
+        self.classifier = classifier;
     }
 
     fn terminate(&mut self, sig: Signal) {
@@ -400,8 +472,8 @@ impl Backend for Real {
         });
     }
 
-    fn flush_lines(&mut self) -> Vec<String> {
-        self.follower.as_ref().map(Follower::drain_now).unwrap_or_default()
+    fn drain_lines(&mut self) -> bool {
+        self.follower.as_ref().inspect(|f| f.drain()).is_some()
     }
 
     async fn task_failed(&mut self) -> String {

@@ -1,24 +1,29 @@
 //! Following the child's log file and telling what each line means.
 //!
-//! [`Follower`] reads the file as it grows, woken by inotify (through the
-//! `notify` crate; no polling loop), and survives truncation, rename and
-//! re-creation. [`Splitter`] cuts bytes into lines at `\n` or `\r`, removes
-//! ANSI codes (only from the rare line that has a control byte) and caps a
-//! line at 64 KiB. [`Classifier`] maps a line to a [`Class`] in the order
-//! ignore → fatal/permanent → ready → progress, and follows Python
-//! tracebacks to their final exception line. Restart policy is not known
+//! [`Follower`] reads the file from a thread of its own, woken by inotify
+//! (no polling loop), and survives truncation, rename and re-creation. On
+//! that thread, [`Splitter`] cuts the bytes into lines at `\n` or `\r`,
+//! removes ANSI codes (only from the rare line that has a control byte) and
+//! caps a line at 64 KiB; [`Classifier`] maps each line to a [`Class`] in
+//! the order ignore → fatal/permanent → ready → progress and follows Python
+//! tracebacks to their final exception line; a [`Tap`] sees every line.
+//! Only the lines that matter to the state machine are handed on, in
+//! batches, through a bounded channel: when the loop is behind, the
+//! follower waits, and the file is the buffer. Restart policy is not known
 //! here.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::hash::BuildHasher;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use notify::{RecursiveMode, Watcher};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use regex::{Regex, RegexSet};
 use tokio::sync::mpsc;
 
@@ -27,6 +32,17 @@ use crate::tasks::{Lifetime, Tasks};
 
 /// Longest line kept; the rest of a longer line is dropped.
 pub const MAX_LINE: usize = 64 * 1024;
+
+/// How much of the file one read takes.
+const READ: usize = 64 * 1024;
+
+/// A batch is handed on once it holds this many lines or this many bytes of
+/// text, and at the end of every read.
+pub const BATCH_LINES: usize = 256;
+pub const BATCH_BYTES: usize = 64 * 1024;
+
+/// Batches that may wait for the loop; then the follower waits too.
+pub const QUEUE: usize = 4;
 
 /// Processes whose traceback state is kept; the least recently seen half
 /// is forgotten when a new one would pass this.
@@ -633,16 +649,137 @@ impl Classifier {
     }
 }
 
-/// The inode the child writes to, read from where the last read ended.
+/// Sees every non-blank line the follower reads, on the follower's thread
+/// (the journal, the traffic seen by the canary).
+pub trait Tap: Send {
+    fn line(&mut self, text: &str, level: Option<Level>);
+    /// One read is done: a moment to pass on what was gathered.
+    fn end_of_read(&mut self) {}
+}
+
+/// What a follower hands to the loop, in the order of the file.
 #[derive(Debug)]
+pub enum Delivery {
+    /// Lines of start `start` that [matter](Line::matters) to the machine.
+    Lines { start: u32, lines: Vec<Line>, held: Held },
+    /// Everything that was in the file when [`Follower::drain`] was called
+    /// has been delivered.
+    Drained { start: u32 },
+}
+
+/// Bytes of line text handed on and not yet dropped by the loop, and the
+/// most there ever were: the follower's memory, measured.
+#[derive(Debug, Clone, Default)]
+pub struct Gauge(Arc<(AtomicUsize, AtomicUsize)>);
+
+impl Gauge {
+    pub(crate) fn hold(&self, bytes: usize) -> Held {
+        let now = self.0.0.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.0.1.fetch_max(now, Ordering::Relaxed);
+        Held { gauge: self.clone(), bytes }
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.0.0.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes ever held at once.
+    pub fn high_water(&self) -> usize {
+        self.0.1.load(Ordering::Relaxed)
+    }
+}
+
+/// A batch's bytes, counted in the [`Gauge`] until it is dropped.
+#[derive(Debug)]
+pub struct Held {
+    gauge: Gauge,
+    bytes: usize,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.gauge.0.0.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// What the loop asks of the follower's thread.
+#[derive(Debug, Default)]
+struct Asked {
+    drain: bool,
+    stop: bool,
+}
+
+#[derive(Debug)]
+struct Control {
+    asked: Mutex<Asked>,
+    /// Wakes the thread from its wait for inotify.
+    wake: EventFd,
+}
+
+impl Control {
+    fn ask(&self, f: impl FnOnce(&mut Asked)) {
+        f(&mut self.asked.lock().unwrap_or_else(|p| p.into_inner()));
+        let _ = self.wake.write(1);
+    }
+
+    fn take(&self) -> (bool, bool) {
+        let mut a = self.asked.lock().unwrap_or_else(|p| p.into_inner());
+        (std::mem::take(&mut a.drain), a.stop)
+    }
+
+    fn stopped(&self) -> bool {
+        self.asked.lock().unwrap_or_else(|p| p.into_inner()).stop
+    }
+}
+
+/// Lines that matter, gathered until they are handed on.
+#[derive(Debug, Default)]
+struct Batch {
+    lines: Vec<Line>,
+    bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, line: Line) {
+        self.bytes += line.text.len() + line.message.len();
+        self.lines.push(line);
+    }
+
+    fn full(&self) -> bool {
+        self.lines.len() >= BATCH_LINES || self.bytes >= BATCH_BYTES
+    }
+
+    /// Hand the batch on, waiting while the loop is behind; false when the
+    /// loop is gone.
+    fn hand_on(&mut self, out: &mpsc::Sender<Delivery>, gauge: &Gauge, start: u32) -> bool {
+        if self.lines.is_empty() {
+            return true;
+        }
+        let held = gauge.hold(std::mem::take(&mut self.bytes));
+        let lines = std::mem::take(&mut self.lines);
+        out.blocking_send(Delivery::Lines { start, lines, held }).is_ok()
+    }
+}
+
+/// The follower's thread: the inode the child writes to, read from where
+/// the last read ended, and where its lines go.
 struct Reader {
     file: File,
     pos: u64,
     splitter: Splitter,
+    classifier: Classifier,
+    tap: Option<Box<dyn Tap>>,
+    start: u32,
+    out: mpsc::Sender<Delivery>,
+    gauge: Gauge,
+    batch: Batch,
 }
 
 impl Reader {
-    fn drain(&mut self, out: &mut Vec<String>) {
+    /// Read to the end of the file; false when the loop is gone or the
+    /// follower was stopped.
+    fn read_to_end(&mut self, buf: &mut [u8], control: &Control) -> bool {
         if let Ok(meta) = self.file.metadata()
             && meta.len() < self.pos
         {
@@ -650,94 +787,158 @@ impl Reader {
             self.pos = 0;
             self.splitter = Splitter::default();
         }
-        let mut buf = vec![0u8; 64 * 1024];
         loop {
-            match self.file.read_at(&mut buf, self.pos) {
-                Ok(0) => break,
-                Ok(n) => {
-                    self.pos += n as u64;
-                    self.splitter.push(&buf[..n], out);
-                }
+            let n = match self.file.read_at(buf, self.pos) {
+                Ok(0) => return true,
+                Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
+                Err(_) => return true,
+            };
+            self.pos += n as u64;
+            let Reader { splitter, classifier, tap, start, out, gauge, batch, .. } = self;
+            let mut open = true;
+            splitter.feed(&buf[..n], |text| {
+                let v = classifier.classify_ref(text);
+                if let Some(t) = tap.as_mut() {
+                    t.line(text, v.level);
+                }
+                if let Some(line) = v.line {
+                    batch.push(line);
+                    if open && batch.full() {
+                        open = batch.hand_on(out, gauge, *start);
+                    }
+                }
+            });
+            if let Some(t) = tap.as_mut() {
+                t.end_of_read();
+            }
+            if !open || !batch.hand_on(out, gauge, *start) || control.stopped() {
+                return false;
             }
         }
     }
 }
 
-/// Follows the log file the child writes to, from an offset, sending each
-/// complete line.
+/// Follows the log file the child writes to, from an offset, classifying
+/// every line on a thread of its own and handing on those that matter.
 ///
 /// It follows the *inode* the warden opened for the child, not the path:
 /// whatever happens to the path (renamed any number of times, deleted,
 /// re-created by someone else), the lines read are the child's, and a file
 /// that others create at the path is not read.
 pub struct Follower {
-    reader: Arc<Mutex<Reader>>,
+    control: Arc<Control>,
     task: tokio::task::AbortHandle,
-    _watcher: notify::RecommendedWatcher,
+    gauge: Gauge,
 }
 
 impl Follower {
-    /// Start following the file `log` (the child's stdout and stderr) from
-    /// byte `offset`. Each line goes to `sink` (called with the reader
-    /// locked, so that [`Follower::drain_now`] returns only after every line
-    /// read before it was delivered); `sink` returns false to stop.
+    /// Start following the file `log` (the child's stdout and stderr) of
+    /// start `start` from byte `offset`: every line goes to `tap`, the lines
+    /// that matter to `out`, in batches. The thread is watched as the task
+    /// "log follower".
     pub fn start(
         log: &File,
         offset: u64,
-        sink: impl Fn(String) -> bool + Send + 'static,
+        start: u32,
+        classifier: Classifier,
+        tap: Option<Box<dyn Tap>>,
+        out: mpsc::Sender<Delivery>,
         tasks: &mut Tasks,
     ) -> io::Result<Follower> {
         // A read-only open file of the same inode, whatever its name becomes.
-        let own = PathBuf::from(format!("/proc/self/fd/{}", log.as_raw_fd()));
-        let file = File::open(&own)?;
+        let file = File::open(format!("/proc/self/fd/{}", log.as_raw_fd()))?;
+        let inotify = Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)?;
         // Watched through our own descriptor's magic link: inotify watches
         // the inode it resolves to, and the link stays valid while `file`
         // is open, whatever happens to the path.
-        let watched = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
-        let reader = Arc::new(Mutex::new(Reader { file, pos: offset, splitter: Splitter::default() }));
-        let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<()>();
-        let mut watcher = notify::recommended_watcher(move |_res: notify::Result<notify::Event>| {
-            let _ = wake_tx.send(());
-        })
-        .map_err(io::Error::other)?;
-        watcher.watch(&watched, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
-        let r = reader.clone();
+        inotify.add_watch(
+            format!("/proc/self/fd/{}", file.as_raw_fd()).as_str(),
+            AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE,
+        )?;
+        let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
+        let control = Arc::new(Control { asked: Mutex::default(), wake });
+        let gauge = Gauge::default();
+        let reader = Reader {
+            file,
+            pos: offset,
+            splitter: Splitter::default(),
+            classifier,
+            tap,
+            start,
+            out,
+            gauge: gauge.clone(),
+            batch: Batch::default(),
+        };
+        let c = control.clone();
+        // Started now, not when the loop next polls a task: the child's
+        // first lines follow its spawn within a millisecond.
+        let thread = tokio::task::spawn_blocking(move || follow(reader, &inotify, &c));
         let task = tasks.spawn("log follower", Lifetime::Owned, async move {
-            let mut out = Vec::new();
-            loop {
-                {
-                    let mut reader = r.lock().unwrap_or_else(|p| p.into_inner());
-                    reader.drain(&mut out);
-                    for line in out.drain(..) {
-                        if !sink(line) {
-                            return;
-                        }
-                    }
-                }
-                if wake_rx.recv().await.is_none() {
-                    return;
-                }
-                while wake_rx.try_recv().is_ok() {}
+            // A panic on the thread is this task's panic.
+            if let Err(e) = thread.await
+                && e.is_panic()
+            {
+                std::panic::resume_unwind(e.into_panic());
             }
         });
-        Ok(Follower { reader, task, _watcher: watcher })
+        Ok(Follower { control, task, gauge })
     }
 
-    /// Read whatever is in the file now, without waiting for inotify: used
-    /// when the child has exited, so that its last lines are seen before
-    /// its exit.
-    pub fn drain_now(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        self.reader.lock().unwrap_or_else(|p| p.into_inner()).drain(&mut out);
-        out
+    /// Read the file to its end now, without waiting for inotify, then
+    /// deliver [`Delivery::Drained`]: used when the child has exited, so
+    /// that its last lines are seen before its exit.
+    pub fn drain(&self) {
+        self.control.ask(|a| a.drain = true);
+    }
+
+    /// The bytes of the batches handed on and not yet dropped.
+    pub fn gauge(&self) -> &Gauge {
+        &self.gauge
     }
 }
 
 impl Drop for Follower {
     fn drop(&mut self) {
         self.task.abort();
+        self.control.ask(|a| a.stop = true);
+    }
+}
+
+/// The follower's thread: read, then wait for inotify or a request.
+fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
+    let mut buf = vec![0u8; READ];
+    let mut events = [0u8; 4096];
+    loop {
+        let (drain, stop) = control.take();
+        if stop || !reader.read_to_end(&mut buf, control) {
+            return;
+        }
+        if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
+            return;
+        }
+        let mut fds =
+            [PollFd::new(inotify.as_fd(), PollFlags::POLLIN), PollFd::new(control.wake.as_fd(), PollFlags::POLLIN)];
+        if wait(&mut fds, PollTimeout::NONE).is_err() {
+            return;
+        }
+        // Empty what woke us: it said "look again", and that is next.
+        if fds[0].any().unwrap_or(true) {
+            while nix::unistd::read(inotify, &mut events).is_ok_and(|n| n > 0) {}
+        }
+        if fds[1].any().unwrap_or(true) {
+            let _ = control.wake.read();
+        }
+    }
+}
+
+fn wait(fds: &mut [PollFd], timeout: PollTimeout) -> Result<(), ()> {
+    match nix::poll::poll(fds, timeout) {
+        Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot wait for the log file to grow");
+            Err(())
+        }
     }
 }
 

@@ -4,8 +4,21 @@ use proptest::prelude::*;
 use std::io::Write;
 use std::time::Duration;
 
-async fn next(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
+/// Every line the follower reads, as its tap sees it.
+struct Seen(mpsc::UnboundedSender<String>);
+
+impl Tap for Seen {
+    fn line(&mut self, text: &str, _level: Option<Level>) {
+        let _ = self.0.send(text.to_string());
+    }
+}
+
+async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>) -> T {
     tokio::time::timeout(Duration::from_secs(30), rx.recv()).await.expect("a line within 30 s").unwrap()
+}
+
+async fn delivery(rx: &mut mpsc::Receiver<Delivery>) -> Delivery {
+    tokio::time::timeout(Duration::from_secs(30), rx.recv()).await.expect("a delivery within 30 s").unwrap()
 }
 
 fn append(path: &std::path::Path, text: &str) {
@@ -26,8 +39,9 @@ async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recr
     // What the child writes to.
     let mut child = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
     let (tx, mut rx) = mpsc::unbounded_channel();
+    let (out, mut lines) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, offset, move |l| tx.send(l).is_ok(), &mut tasks).unwrap();
+    let f = Follower::start(&child, offset, 1, vllm(), Some(Box::new(Seen(tx))), out, &mut tasks).unwrap();
     child.write_all(b"first line, long enough to be longer than what follows a truncation\n").unwrap();
     assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
     // Truncated in place, as logrotate's copytruncate does.
@@ -45,15 +59,85 @@ async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recr
     std::fs::remove_file(dir.path().join("t.log.5")).unwrap();
     child.write_all(b"after deletion\n").unwrap();
     assert_eq!(next(&mut rx).await, "after deletion");
-    // A partial line is delivered once complete; drain_now reads at once.
+    // A partial line waits for its end; a drain reads to the end at once
+    // and says so after every line it found.
     child.write_all(b"half").unwrap();
-    assert!(f.drain_now().is_empty());
-    child.write_all(b" and whole\n").unwrap();
-    let mut got = f.drain_now();
-    if got.is_empty() {
-        got.push(next(&mut rx).await);
+    f.drain();
+    assert!(matches!(delivery(&mut lines).await, Delivery::Drained { start: 1 }));
+    assert!(rx.try_recv().is_err(), "a partial line is not a line");
+    child.write_all(b" and whole\nINFO:     Application startup complete.\n").unwrap();
+    f.drain();
+    let mut ready = Vec::new();
+    loop {
+        match delivery(&mut lines).await {
+            Delivery::Lines { start, lines, .. } => ready.extend(lines.into_iter().map(|l| (start, l.class))),
+            Delivery::Drained { start } => {
+                assert_eq!(start, 1);
+                break;
+            }
+        }
     }
-    assert_eq!(got, vec!["half and whole"]);
+    assert_eq!(ready, vec![(1, Class::Ready)], "only the lines that matter are handed on");
+    assert_eq!(next(&mut rx).await, "half and whole");
+    let alive = tokio::time::timeout(Duration::from_millis(100), tasks.failed()).await;
+    assert!(alive.is_err(), "the follower lives: {alive:?}");
+}
+
+/// The file is the buffer: a burst of lines that all matter, written while
+/// the loop reads nothing, never holds more than the queue's few batches
+/// in memory, and every line arrives, in order.
+#[tokio::test]
+async fn a_burst_is_held_in_the_file_not_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("burst.log");
+    let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
+    let (out, mut rx) = mpsc::channel(QUEUE);
+    let mut tasks = Tasks::default();
+    let f = Follower::start(&child, 0, 3, vllm(), None, out, &mut tasks).unwrap();
+    const N: usize = 100_000;
+    let mut text = String::new();
+    for i in 0..N {
+        text.push_str(&format!("(Worker pid={i}) ERROR 11-29 18:16:26 [core.py:1] EngineCore failed to start ({i})\n"));
+    }
+    child.write_all(text.as_bytes()).unwrap();
+    f.drain();
+    // The loop reads nothing until the queue is full: the follower waits.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while rx.len() < QUEUE {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the queue fills");
+    let waiting = f.gauge().held();
+    assert!(waiting < text.len() / 4, "{waiting} of {} bytes read ahead of the loop", text.len());
+    let mut seen = 0;
+    while let Delivery::Lines { start, lines, .. } = delivery(&mut rx).await {
+        assert_eq!(start, 3);
+        for l in lines {
+            assert_eq!(l.class, Class::Fatal);
+            assert!(l.text.ends_with(&format!("({seen})")), "{} out of order", l.text);
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, N);
+    let bound = (QUEUE + 2) * (BATCH_BYTES + 2 * MAX_LINE);
+    assert!(f.gauge().high_water() <= bound, "{} bytes held at once, bound {bound}", f.gauge().high_water());
+    assert!(f.gauge().high_water() > 0);
+    assert_eq!(f.gauge().held(), 0, "every batch given back");
+}
+
+#[tokio::test]
+async fn a_stopped_follower_is_not_a_failed_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.log");
+    let child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
+    let (out, _rx) = mpsc::channel(QUEUE);
+    let mut tasks = Tasks::default();
+    let f = Follower::start(&child, 0, 1, vllm(), None, out, &mut tasks).unwrap();
+    drop(f);
+    let r = tokio::time::timeout(Duration::from_millis(200), tasks.failed()).await;
+    assert!(r.is_err(), "{r:?}");
 }
 
 fn split(chunks: &[&[u8]]) -> Vec<String> {
