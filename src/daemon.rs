@@ -149,7 +149,9 @@ impl Tap for LineTap {
         if let Some(j) = &mut self.journal {
             j.line(text, level);
         }
-        if self.generation.matches(text) {
+        // The literal first: nearly every line lacks it, and the regex
+        // allocates its captures.
+        if memchr::memmem::find(text.as_bytes(), b"generation throughput").is_some() && self.generation.matches(text) {
             self.traffic.saw_generation();
         }
     }
@@ -257,6 +259,9 @@ impl TreeRecord {
         }
     }
 }
+
+/// How often a ready child's log is read at most.
+const SERVING_PACE: Duration = Duration::from_millis(10);
 
 /// The backend with real processes, a real log file and real HTTP.
 pub struct Real {
@@ -436,6 +441,11 @@ impl Backend for Real {
     }
 
     fn health(&mut self, start: u32) {
+        // Ready: the follower may gather a serving child's lines a while
+        // (a fatal line is seen within that, the exit at once).
+        if let Some(f) = &self.follower {
+            f.pace(SERVING_PACE);
+        }
         let spec = crate::health::Spec::from_settings(&self.settings);
         if !spec.enabled() {
             return;

@@ -708,6 +708,8 @@ impl Drop for Held {
 struct Asked {
     drain: bool,
     stop: bool,
+    /// Read at most this often (a drain is answered at once all the same).
+    pace: Option<std::time::Duration>,
 }
 
 #[derive(Debug)]
@@ -723,9 +725,9 @@ impl Control {
         let _ = self.wake.write(1);
     }
 
-    fn take(&self) -> (bool, bool) {
+    fn take(&self) -> (bool, bool, Option<std::time::Duration>) {
         let mut a = self.asked.lock().unwrap_or_else(|p| p.into_inner());
-        (std::mem::take(&mut a.drain), a.stop)
+        (std::mem::take(&mut a.drain), a.stop, a.pace)
     }
 
     fn stopped(&self) -> bool {
@@ -892,6 +894,13 @@ impl Follower {
         self.control.ask(|a| a.drain = true);
     }
 
+    /// Read at most every `every` from now on: a serving child's lines are
+    /// gathered for a few milliseconds, so that a chatty child costs a few
+    /// wake-ups a second, not one a line. A drain is still answered at once.
+    pub fn pace(&self, every: std::time::Duration) {
+        self.control.ask(|a| a.pace = Some(every));
+    }
+
     /// The bytes of the batches handed on and not yet dropped.
     pub fn gauge(&self) -> &Gauge {
         &self.gauge
@@ -910,12 +919,19 @@ fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
     let mut buf = vec![0u8; READ];
     let mut events = [0u8; 4096];
     loop {
-        let (drain, stop) = control.take();
+        let (drain, stop, pace) = control.take();
         if stop || !reader.read_to_end(&mut buf, control) {
             return;
         }
         if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
             return;
+        }
+        if let Some(pace) = pace {
+            // Let lines gather; only a request ends the pause early.
+            let ms = PollTimeout::try_from(pace).unwrap_or(PollTimeout::MAX);
+            if wait(&mut [PollFd::new(control.wake.as_fd(), PollFlags::POLLIN)], ms).is_err() {
+                return;
+            }
         }
         let mut fds =
             [PollFd::new(inotify.as_fd(), PollFlags::POLLIN), PollFd::new(control.wake.as_fd(), PollFlags::POLLIN)];

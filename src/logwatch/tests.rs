@@ -427,3 +427,31 @@ fn a_long_process_prefix_costs_no_more_than_a_short_one() {
     assert_eq!(end.exception.map(|e| e.text).as_deref(), Some("ValueError: x"));
     assert_eq!(std::mem::size_of_val(&c.tracebacks.states.iter().next().unwrap()), 16);
 }
+
+/// A serving child's log is read at most every `pace`, but a drain (the
+/// child's exit) is answered at once: an hour's pace would time this out.
+#[tokio::test]
+async fn a_paced_follower_still_answers_a_drain_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.log");
+    let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
+    let (out, mut rx) = mpsc::channel(QUEUE);
+    let mut tasks = Tasks::default();
+    let f = Follower::start(&child, 0, 2, vllm(), None, out, &mut tasks).unwrap();
+    f.pace(Duration::from_secs(3600));
+    child.write_all(b"INFO:     Application startup complete.\n").unwrap();
+    f.drain();
+    let mut got = Vec::new();
+    while let Delivery::Lines { lines, .. } = delivery(&mut rx).await {
+        got.extend(lines.into_iter().map(|l| l.class));
+    }
+    // The pause begins after a read: the next line waits for it, or a drain.
+    child
+        .write_all(b"(EngineCore pid=1) ERROR 11-29 18:16:28 [core.py:1] EngineCore encountered a fatal error\n")
+        .unwrap();
+    f.drain();
+    while let Delivery::Lines { lines, .. } = delivery(&mut rx).await {
+        got.extend(lines.into_iter().map(|l| l.class));
+    }
+    assert_eq!(got, vec![Class::Ready, Class::Fatal]);
+}
