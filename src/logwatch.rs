@@ -41,6 +41,10 @@ const READ: usize = 64 * 1024;
 pub const BATCH_LINES: usize = 256;
 pub const BATCH_BYTES: usize = 64 * 1024;
 
+/// While a drain is asked for, an empty batch every this many reads
+/// (1 MiB) tells the loop that a long tail is still being read.
+const DRAIN_BEAT: usize = 16;
+
 /// Batches that may wait for the loop; then the follower waits too.
 pub const QUEUE: usize = 4;
 
@@ -780,8 +784,10 @@ struct Reader {
 
 impl Reader {
     /// Read to the end of the file; false when the loop is gone or the
-    /// follower was stopped.
-    fn read_to_end(&mut self, buf: &mut [u8], control: &Control) -> bool {
+    /// follower was stopped. While `draining`, a read without a line that
+    /// matters still says, every [`DRAIN_BEAT`] reads, that reading goes on.
+    fn read_to_end(&mut self, buf: &mut [u8], control: &Control, draining: bool) -> bool {
+        let mut quiet = 0;
         if let Ok(meta) = self.file.metadata()
             && meta.len() < self.pos
         {
@@ -814,8 +820,22 @@ impl Reader {
             if let Some(t) = tap.as_mut() {
                 t.end_of_read();
             }
-            if !open || !batch.hand_on(out, gauge, *start) || control.stopped() {
+            if !open || control.stopped() {
                 return false;
+            }
+            if batch.lines.is_empty() && draining {
+                quiet += 1;
+                if quiet == DRAIN_BEAT {
+                    quiet = 0;
+                    let beat = Delivery::Lines { start: *start, lines: Vec::new(), held: gauge.hold(0) };
+                    if out.blocking_send(beat).is_err() {
+                        return false;
+                    }
+                }
+            } else if !batch.hand_on(out, gauge, *start) {
+                return false;
+            } else {
+                quiet = 0;
             }
         }
     }
@@ -920,7 +940,7 @@ fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
     let mut events = [0u8; 4096];
     loop {
         let (drain, stop, pace) = control.take();
-        if stop || !reader.read_to_end(&mut buf, control) {
+        if stop || !reader.read_to_end(&mut buf, control, drain) {
             return;
         }
         if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {

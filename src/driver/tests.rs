@@ -57,6 +57,9 @@ struct Fake {
     prepare_hangs: bool,
     /// A drain is never answered (a follower stuck in a read).
     deaf: bool,
+    /// A drain reads a long tail: an empty batch every this long, this
+    /// many times, then the answer.
+    long_tail: Option<(Duration, u32)>,
 }
 
 /// What goes wrong besides the plans.
@@ -68,6 +71,7 @@ struct Quirks {
     unkillable: bool,
     prepare_hangs: bool,
     deaf: bool,
+    long_tail: Option<(Duration, u32)>,
 }
 
 /// One line as the follower hands it on, when it matters.
@@ -178,7 +182,16 @@ impl Backend for Fake {
         if self.deaf {
             return true;
         }
+        let long_tail = self.long_tail;
         tokio::spawn(async move {
+            if let Some((every, beats)) = long_tail {
+                for _ in 0..beats {
+                    tokio::time::sleep(every).await;
+                    let beat =
+                        Delivery::Lines { start, lines: vec![], held: crate::logwatch::Gauge::default().hold(0) };
+                    let _ = out.send(beat).await;
+                }
+            }
             let mut c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
             for text in tail {
                 if let Some(d) = deliver(start, &mut c, &text) {
@@ -254,6 +267,7 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         lines: lines_tx,
         current: 0,
         deaf: q.deaf,
+        long_tail: q.long_tail,
         plans,
         log: log.clone(),
         alive: Arc::default(),
@@ -370,6 +384,27 @@ async fn an_unanswered_drain_delays_the_exit_by_its_patience_only() {
     assert_eq!(o.code, Code::GaveUp);
     let failed = o.notes.iter().find(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("failed")));
     assert_eq!(failed.map(|(t, _)| *t), Some(DRAIN_PATIENCE), "{:?}", o.notes);
+}
+
+/// A drain that keeps reading a long tail holds the exit as long as it
+/// says so, and its last lines still come first.
+#[tokio::test(start_paused = true)]
+async fn a_long_tail_holds_the_exit_while_it_is_read() {
+    let exits = Plan::Exit { lines: vec![], gap: S(1), exit: Exit::Code(1) };
+    let tail = vec!["ValueError: No valid attention backend found".to_string()];
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let q = Quirks { unflushed: tail, long_tail: Some((S(6), 5)), ..Quirks::default() };
+    let o = run_with(p, vec![exits], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let failed = o.notes.iter().find(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("failed")));
+    // Five beats six seconds apart: beyond DRAIN_PATIENCE, but never silent for it.
+    assert_eq!(failed.map(|(t, _)| *t), Some(S(30)), "{:?}", o.notes);
+    assert!(
+        o.notes.iter().any(|(_, n)| matches!(n, Note::Status(s) if s.contains("No valid attention backend found"))),
+        "{:?}",
+        o.notes
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -455,3 +455,38 @@ async fn a_paced_follower_still_answers_a_drain_at_once() {
     }
     assert_eq!(got, vec![Class::Ready, Class::Fatal]);
 }
+
+/// A drain over a long tail of plain lines says, as it reads, that it is
+/// still reading: the loop's patience is counted from the last word.
+#[test]
+fn a_long_drain_of_plain_lines_beats_while_it_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.log");
+    let plain = "(APIServer pid=1) INFO 11-29 18:11:16 [loggers.py:248] Received request\n".repeat(80_000);
+    std::fs::write(&path, &plain).unwrap();
+    let (out, mut rx) = mpsc::channel(1000);
+    let mut reader = Reader {
+        file: File::open(&path).unwrap(),
+        pos: 0,
+        splitter: Splitter::default(),
+        classifier: vllm(),
+        tap: None,
+        start: 4,
+        out,
+        gauge: Gauge::default(),
+        batch: Batch::default(),
+    };
+    let control = Control { asked: Mutex::default(), wake: EventFd::new().unwrap() };
+    let mut buf = vec![0u8; READ];
+    assert!(reader.read_to_end(&mut buf, &control, true));
+    let mut beats = 0;
+    while let Ok(Delivery::Lines { start, lines, .. }) = rx.try_recv() {
+        assert_eq!((start, lines.len()), (4, 0));
+        beats += 1;
+    }
+    assert_eq!(beats, plain.len().div_ceil(READ) / DRAIN_BEAT, "{} bytes", plain.len());
+    // Not draining: no word at all.
+    reader.pos = 0;
+    assert!(reader.read_to_end(&mut buf, &control, false));
+    assert!(rx.try_recv().is_err());
+}
