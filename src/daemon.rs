@@ -140,6 +140,8 @@ struct Taps {
 
 struct LineTap {
     journal: Option<crate::journal::Gatherer>,
+    /// The throughput line's literal, searched before its regex.
+    literal: memchr::memmem::Finder<'static>,
     generation: crate::health::GenerationLine,
     traffic: crate::health::Traffic,
 }
@@ -151,7 +153,7 @@ impl Tap for LineTap {
         }
         // The literal first: nearly every line lacks it, and the regex
         // allocates its captures.
-        if memchr::memmem::find(text.as_bytes(), b"generation throughput").is_some() && self.generation.matches(text) {
+        if self.literal.find(text.as_bytes()).is_some() && self.generation.matches(text) {
             self.traffic.saw_generation();
         }
     }
@@ -392,6 +394,7 @@ impl Backend for Real {
         );
         let tap = LineTap {
             journal: self.taps.journal.clone(),
+            literal: memchr::memmem::Finder::new(b"generation throughput"),
             generation: Default::default(),
             traffic: self.taps.traffic.clone(),
         };
