@@ -17,7 +17,7 @@ use crate::child::{self, Spec, Tree};
 use crate::config::{self, Dirs, Settings};
 use crate::driver::{self, Backend, Context, Input, Request};
 use crate::exit::Code;
-use crate::logwatch::{Classifier, Follower};
+use crate::logwatch::{Classifier, Delivery, Follower, Level, Tap};
 use crate::outcome::{Prepared, StartFailure};
 use crate::redact;
 use crate::supervisor::{Machine, Policy, State};
@@ -48,22 +48,23 @@ pub async fn run(
     };
     let ctx = Context { instance: settings.name.clone(), watchdog };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let traffic = crate::health::Traffic::default();
+    let (lines_tx, mut lines_rx) = mpsc::channel(crate::logwatch::QUEUE);
+    let journal = crate::journal::Forwarder::from_env(&settings.name);
+    let gatherer = journal.as_ref().map(|j| j.gatherer());
     let mut observer = Reports {
         status: crate::status::Reporter::new(
             &settings.name,
             &settings.status.file,
             settings.status.metrics_file.as_deref(),
         ),
-        journal: crate::journal::Forwarder::from_env(&settings.name),
+        journal,
+        next_journal_count: std::time::Instant::now(),
         tree: TreeRecord::new(settings.state_dir.clone(), settings.name.clone(), token.clone()),
-        traffic: traffic.clone(),
-        generation: Default::default(),
     };
     crate::reload::save_running(&settings);
     let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
     let cleanup = settings.clone();
-    let mut backend = match Real::new(settings, tx, traffic, token) {
+    let mut backend = match Real::new(settings, classifier, tx, lines_tx, gatherer, token) {
         Ok(b) => b,
         Err(e) => {
             tracing::error!(error = %e, "cannot become a subreaper");
@@ -74,8 +75,8 @@ pub async fn run(
         machine,
         backend: &mut backend,
         notifier: &mut notifier,
-        classifier,
         inputs: &mut rx,
+        lines: &mut lines_rx,
         ctx: &ctx,
         observer: &mut observer,
     }
@@ -88,30 +89,82 @@ pub async fn run(
     code
 }
 
-/// The status files and the journal, kept up to date by the loop.
+/// The status files and the tree record, kept up to date by the loop.
 struct Reports {
     status: crate::status::Reporter,
+    /// Its count of dropped lines goes into the metrics.
     journal: Option<crate::journal::Forwarder>,
+    /// When that count is read next.
+    next_journal_count: std::time::Instant,
     tree: TreeRecord,
-    /// Set when the log shows tokens being generated; read by the canary.
-    traffic: crate::health::Traffic,
-    generation: crate::health::GenerationLine,
 }
+
+/// How often the journal's count of dropped lines is brought into the
+/// metrics while nothing else changes.
+const JOURNAL_COUNT_EVERY: Duration = Duration::from_secs(5);
 
 impl driver::Observer for Reports {
     fn changed(&mut self, m: &Machine) {
+        if let Some(j) = &self.journal {
+            self.status.set_journal_dropped(j.dropped());
+        }
         self.status.update(&m.snapshot());
         self.tree.update(m);
     }
     fn reconfigure(&mut self, s: &Settings) {
         self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
     }
-    fn line(&mut self, line: &crate::logwatch::Line) {
-        if let Some(j) = &self.journal {
-            j.forward(line);
+
+    fn due(&self) -> Option<std::time::Instant> {
+        let journal = self.journal.as_ref().map(|_| self.next_journal_count);
+        [self.status.due(), journal].into_iter().flatten().min()
+    }
+
+    fn flush(&mut self) {
+        let now = std::time::Instant::now();
+        if let Some(j) = &self.journal
+            && now >= self.next_journal_count
+        {
+            self.status.set_journal_dropped(j.dropped());
+            self.next_journal_count = now + JOURNAL_COUNT_EVERY;
         }
-        if self.generation.matches(&line.text) {
+        if self.status.due().is_some_and(|d| d <= now) {
+            self.status.flush();
+        }
+    }
+}
+
+/// What each follower gives every line it reads besides its class.
+#[derive(Clone)]
+struct Taps {
+    journal: Option<crate::journal::Gatherer>,
+    /// Set when the log shows tokens being generated; read by the canary.
+    traffic: crate::health::Traffic,
+}
+
+struct LineTap {
+    journal: Option<crate::journal::Gatherer>,
+    /// The throughput line's literal, searched before its regex.
+    literal: memchr::memmem::Finder<'static>,
+    generation: crate::health::GenerationLine,
+    traffic: crate::health::Traffic,
+}
+
+impl Tap for LineTap {
+    fn line(&mut self, text: &str, level: Option<Level>) {
+        if let Some(j) = &mut self.journal {
+            j.line(text, level);
+        }
+        // The literal first: nearly every line lacks it, and the regex
+        // allocates its captures.
+        if self.literal.find(text.as_bytes()).is_some() && self.generation.matches(text) {
             self.traffic.saw_generation();
+        }
+    }
+
+    fn end_of_read(&mut self) {
+        if let Some(j) = &mut self.journal {
+            j.flush();
         }
     }
 }
@@ -213,15 +266,23 @@ impl TreeRecord {
     }
 }
 
+/// How often a ready child's log is read at most.
+const SERVING_PACE: Duration = Duration::from_millis(10);
+
 /// The backend with real processes, a real log file and real HTTP.
 pub struct Real {
     settings: Settings,
     /// Every background task, watched by the loop through `task_failed`.
     tasks: Tasks,
     tree: Tree,
+    /// The effective patterns, compiled; each follower gets a copy.
+    classifier: Classifier,
     follower: Option<Follower>,
     /// The kernel messages of the current run, for GPU faults.
     kernel: Option<crate::kernel::Follower>,
+    /// Where followers hand on the lines that matter.
+    lines: mpsc::Sender<Delivery>,
+    taps: Taps,
     probe: Option<AbortHandle>,
     /// The pre-start steps running for a start.
     preparing: Option<(u32, AbortHandle)>,
@@ -238,10 +299,13 @@ impl Real {
     /// Needs a tokio runtime; makes this process a subreaper.
     pub fn new(
         settings: Settings,
+        classifier: Classifier,
         inputs: mpsc::UnboundedSender<Input>,
-        traffic: crate::health::Traffic,
+        lines: mpsc::Sender<Delivery>,
+        journal: Option<crate::journal::Gatherer>,
         token: String,
     ) -> std::io::Result<Real> {
+        let taps = Taps { journal, traffic: crate::health::Traffic::default() };
         let tx = inputs.clone();
         let mut tasks = Tasks::default();
         let tree = Tree::new(
@@ -254,12 +318,15 @@ impl Real {
             settings,
             tasks,
             tree,
+            classifier,
             follower: None,
             kernel: None,
+            lines,
             probe: None,
             preparing: None,
             health: None,
-            traffic,
+            traffic: taps.traffic.clone(),
+            taps,
             token,
             inputs,
         })
@@ -333,11 +400,23 @@ impl Backend for Real {
             redact::command(&spec.argv),
             redact::env(&spec.env)
         );
-        let tx = self.inputs.clone();
+        let tap = LineTap {
+            journal: self.taps.journal.clone(),
+            literal: memchr::memmem::Finder::new(b"generation throughput"),
+            generation: Default::default(),
+            traffic: self.taps.traffic.clone(),
+        };
         // Follow before spawning, so that no line can be missed.
-        let sink = move |text| tx.send(Input::Line { start, text }).is_ok();
-        let follower = Follower::start(&file, offset, sink, &mut self.tasks)
-            .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
+        let follower = Follower::start(
+            &file,
+            offset,
+            start,
+            self.classifier.clone(),
+            Some(Box::new(tap)),
+            self.lines.clone(),
+            &mut self.tasks,
+        )
+        .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
             match e.kind() {
@@ -383,6 +462,11 @@ impl Backend for Real {
     }
 
     fn health(&mut self, start: u32) {
+        // Ready: the follower may gather a serving child's lines a while
+        // (a fatal line is seen within that, the exit at once).
+        if let Some(f) = &self.follower {
+            f.pace(SERVING_PACE);
+        }
         let spec = crate::health::Spec::from_settings(&self.settings);
         if !spec.enabled() {
             return;
@@ -395,7 +479,7 @@ impl Backend for Real {
         self.health = Some((start, task));
     }
 
-    fn reconfigure(&mut self, settings: Settings) -> crate::reload::Plan {
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::reload::Plan {
         let plan = crate::reload::plan(&self.settings, &settings);
         for c in crate::reload::identity_left(&self.settings, &settings) {
             tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
@@ -403,6 +487,7 @@ impl Backend for Real {
         let running = settings.clone();
         tokio::task::spawn_blocking(move || crate::reload::save_running(&running));
         self.settings = settings;
+        self.classifier = classifier;
         // The health checks of a ready run go on with the new settings.
         if let Some((start, task)) = self.health.take() {
             task.abort();
@@ -431,8 +516,8 @@ impl Backend for Real {
         });
     }
 
-    fn flush_lines(&mut self) -> Vec<String> {
-        self.follower.as_ref().map(Follower::drain_now).unwrap_or_default()
+    fn drain_lines(&mut self) -> bool {
+        self.follower.as_ref().inspect(|f| f.drain()).is_some()
     }
 
     async fn task_failed(&mut self) -> String {

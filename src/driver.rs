@@ -1,6 +1,6 @@
 //! Runs the supervisor: one `select!` loop feeds the [`Machine`] what
-//! happened (child events, log lines, HTTP readiness, requests from
-//! outside, its own deadlines, a background task that died) and carries out
+//! happened (child events, classified log lines, HTTP readiness, requests
+//! from outside, its own deadlines, a background task that died) and carries out
 //! the effects it returns through a [`Backend`] and a [`Notifier`]. The
 //! backend is a trait so that the loop can be driven under paused time with
 //! a fake child; processes, files and HTTP are not known here (see
@@ -18,7 +18,7 @@ use tokio_stream::{Stream, StreamExt};
 use crate::child::TreeEvent;
 use crate::config::Settings;
 use crate::exit::Code;
-use crate::logwatch::Classifier;
+use crate::logwatch::{Classifier, Delivery};
 use crate::outcome::{Prepared, StartFailure};
 use crate::reload::Plan;
 use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity};
@@ -62,10 +62,6 @@ pub enum Input {
     /// The config read again after a `Request::Reload`, or every problem
     /// found in it.
     Reload(Box<Result<Settings, crate::config::Problems>>),
-    Line {
-        start: u32,
-        text: String,
-    },
     HttpReady {
         start: u32,
     },
@@ -83,10 +79,11 @@ pub trait Backend {
     fn health(&mut self, start: u32);
     /// Read the config file again, off the loop; `Input::Reload` follows.
     fn read_config(&mut self);
-    /// Use these settings: the warden's own at once (the health checks of a
-    /// ready run start again with them), the child's from the next start.
-    /// Returns what changed against the settings in use.
-    fn reconfigure(&mut self, settings: Settings) -> Plan;
+    /// Use these settings, and their patterns compiled: the warden's own
+    /// at once (the health checks of a ready run start again with them),
+    /// the child's and the patterns from the next start. Returns what
+    /// changed against the settings in use.
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> Plan;
     /// Spawn start `start`.
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure>;
     fn probe(&mut self, start: u32);
@@ -94,9 +91,10 @@ pub trait Backend {
     fn kill_tree(&mut self);
     /// Describe what is left of the tree, off the loop: `Input::Survivors`.
     fn describe_survivors(&mut self);
-    /// Lines of the current run that are in the file but not delivered yet.
-    /// Every line read before this call is already in the input queue.
-    fn flush_lines(&mut self) -> Vec<String>;
+    /// Have the current run's lines read to the end of the file, then
+    /// `Delivery::Drained` sent after them; false when no run's lines are
+    /// followed (nothing will follow).
+    fn drain_lines(&mut self) -> bool;
     /// Wait until a background task of the backend ends unexpectedly, and
     /// name it; pending while none does. Cancel-safe. The backend has
     /// already done what it can so that the tree can still be stopped (the
@@ -104,14 +102,19 @@ pub trait Backend {
     fn task_failed(&mut self) -> impl Future<Output = String>;
 }
 
-/// Told of every state change and every line of the child.
+/// Told of every state change (the child's lines are seen by the
+/// follower's `logwatch::Tap`, on its own thread).
 pub trait Observer {
-    /// After every batch of events: the machine as it is now.
+    /// After every event: the machine as it is now.
     fn changed(&mut self, machine: &Machine);
-    /// Every line of the child, classified.
-    fn line(&mut self, _line: &crate::logwatch::Line) {}
     /// A reloaded config (the status files may have moved).
     fn reconfigure(&mut self, _settings: &Settings) {}
+    /// When [`Observer::flush`] is due: what `changed` put off (writes
+    /// coalesced to a few a second).
+    fn due(&self) -> Option<std::time::Instant> {
+        None
+    }
+    fn flush(&mut self) {}
 }
 
 /// An observer that does nothing, for tests.
@@ -130,15 +133,31 @@ pub struct Context {
     pub watchdog: Option<Duration>,
 }
 
+/// How long the loop waits for the lines of an exited child, counted from
+/// the last batch: a follower that neither reads nor fails cannot hold the
+/// exit back for ever.
+pub const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
+
 /// The loop's parts that outlive one event.
 pub struct Loop<'a, B: Backend, N: Notifier> {
     pub machine: Machine,
     pub backend: &'a mut B,
     pub notifier: &'a mut N,
-    pub classifier: Classifier,
     pub inputs: &'a mut mpsc::UnboundedReceiver<Input>,
+    /// The lines that matter, classified by the follower, in the file's
+    /// order; bounded, so that the follower waits when the loop is behind.
+    pub lines: &'a mut mpsc::Receiver<Delivery>,
     pub ctx: &'a Context,
     pub observer: &'a mut dyn Observer,
+}
+
+/// A leader's exit, held back until the lines it wrote are classified.
+struct Exiting {
+    pid: u32,
+    exit: crate::child::Exit,
+    start: u32,
+    /// Given up on the follower after this.
+    patience: Instant,
 }
 
 impl<B: Backend, N: Notifier> Loop<'_, B, N> {
@@ -147,25 +166,30 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     pub async fn run(mut self, requests: impl Stream<Item = Request>) -> Code {
         let mut requests = std::pin::pin!(requests.fuse());
         let mut events: VecDeque<Event> = VecDeque::from([Event::Begin]);
-        let mut deferred: VecDeque<Input> = VecDeque::new();
+        let mut exiting: Option<Exiting> = None;
+        // Progress notes held while the observer puts off its write.
+        let mut held: Vec<Vec<Note>> = Vec::new();
         let mut dog = self.ctx.watchdog.map(tokio::time::interval);
         let mut requests_open = true;
         loop {
             while let Some(ev) = events.pop_front() {
-                self.step(ev, &mut events);
+                self.step(ev, &mut events, &mut held);
             }
             if let Some(code) = self.machine.done() {
+                self.observer.flush();
+                self.send_held(&mut held);
                 return code;
             }
-            if let Some(input) = deferred.pop_front() {
-                self.input(input, &mut events, &mut deferred);
-                continue;
-            }
+            // While an exit waits for its lines, nothing else may come
+            // between them: requests, inputs and deadlines wait too.
+            let open = exiting.is_none();
             let deadline = self.machine.next_deadline();
+            let patience = exiting.as_ref().map(|x| x.patience);
             let retry = self.notifier.retry_at();
+            let due = self.observer.due().map(Instant::from_std);
             tokio::select! {
                 biased;
-                request = requests.next(), if requests_open => match request {
+                request = requests.next(), if requests_open && open => match request {
                     Some(Request::Stop) => events.push_back(Event::StopRequested),
                     Some(Request::Reload) => self.backend.read_config(),
                     None => {
@@ -173,28 +197,69 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                         events.push_back(Event::StopRequested);
                     }
                 },
-                task = self.backend.task_failed() => events.push_back(Event::TaskFailed { task }),
-                input = self.inputs.recv() => match input {
-                    Some(i) => self.input(i, &mut events, &mut deferred),
+                task = self.backend.task_failed() => {
+                    // A dead follower delivers no more lines: the exit first.
+                    if let Some(x) = exiting.take() {
+                        events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
+                    }
+                    events.push_back(Event::TaskFailed { task });
+                }
+                input = self.inputs.recv(), if open => match input {
+                    Some(i) => self.input(i, &mut events, &mut exiting),
                     // The backend holds a sender as long as it lives.
                     None => events.push_back(Event::TaskFailed { task: "the input queue".into() }),
                 },
-                _ = sleep_until(deadline) => events.push_back(Event::Tick),
+                _ = sleep_until(deadline), if open => events.push_back(Event::Tick),
+                _ = sleep_until(patience), if !open => {
+                    if let Some(x) = exiting.take() {
+                        tracing::warn!(
+                            INSTANCE = self.ctx.instance.as_str(),
+                            "the log was not read to its end within {}s of the exit; acting on the exit",
+                            DRAIN_PATIENCE.as_secs()
+                        );
+                        events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
+                    }
+                }
                 _ = tick(&mut dog) => self.notifier.notify(&[Note::Watchdog]),
                 _ = sleep_until(retry) => self.notifier.retry(),
+                _ = sleep_until(due) => {
+                    self.observer.flush();
+                    self.send_held(&mut held);
+                }
+                delivery = self.lines.recv() => match delivery {
+                    Some(Delivery::Lines { start, lines, .. }) => {
+                        if let Some(x) = &mut exiting {
+                            x.patience = Instant::now() + DRAIN_PATIENCE;
+                        }
+                        events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
+                    }
+                    Some(Delivery::Drained { start }) => {
+                        if let Some(x) = exiting.take_if(|x| x.start == start) {
+                            events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
+                        }
+                    }
+                    // The backend holds a sender as long as it lives.
+                    None => events.push_back(Event::TaskFailed { task: "the line queue".into() }),
+                },
             }
         }
     }
 
     /// One event through the machine, and its effects carried out.
-    fn step(&mut self, ev: Event, events: &mut VecDeque<Event>) {
+    fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
         let effects = self.machine.step(ev, Instant::now());
         // The status files first: whoever hears READY=1 finds them saying ready.
         self.observer.changed(&self.machine);
+        // A change of the progress line alone may be written later (a flood
+        // of progress lines is a few writes a second); its notes wait with
+        // it, so that no notification runs ahead of the files.
+        let deferring = self.observer.due().is_some();
+        if !deferring {
+            self.send_held(held);
+        }
         for fx in effects {
             match fx {
                 Effect::Spawn { start } => {
-                    self.classifier.reset();
                     events.push_back(match self.backend.spawn(start) {
                         Ok(pid) => Event::Spawned { start, pid },
                         Err(failure) => Event::SpawnFailed { start, failure },
@@ -207,19 +272,33 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::Terminate(sig) => self.backend.terminate(sig),
                 Effect::KillTree => self.backend.kill_tree(),
                 Effect::DescribeSurvivors => self.backend.describe_survivors(),
-                Effect::Notify(notes) => self.notifier.notify(&notes),
+                Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => {
+                    if held.len() >= HELD {
+                        // A flood: the oldest go, the latest stays.
+                        held.remove(0);
+                    }
+                    held.push(notes);
+                }
+                Effect::Notify(notes) => {
+                    if !held.is_empty() {
+                        self.observer.flush();
+                        self.send_held(held);
+                    }
+                    self.notifier.notify(&notes);
+                }
                 Effect::Log(r) => log(self.ctx, &self.machine, &r),
             }
         }
     }
 
-    fn classify(&mut self, start: u32, text: String, events: &mut VecDeque<Event>) {
-        let line = self.classifier.classify(text);
-        self.observer.line(&line);
-        events.push_back(Event::Line { start, line });
+    fn send_held(&mut self, held: &mut Vec<Vec<Note>>) {
+        // One by one: a notifier keeps only the latest status of one call.
+        for notes in held.drain(..) {
+            self.notifier.notify(&notes);
+        }
     }
 
-    fn input(&mut self, input: Input, events: &mut VecDeque<Event>, deferred: &mut VecDeque<Input>) {
+    fn input(&mut self, input: Input, events: &mut VecDeque<Event>, exiting: &mut Option<Exiting>) {
         match input {
             Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
@@ -230,10 +309,9 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {
                     Ok(c) => {
-                        self.classifier = c;
                         let policy = Box::new(Policy::from_settings(&settings));
                         self.observer.reconfigure(&settings);
-                        let plan = self.backend.reconfigure(settings);
+                        let plan = self.backend.reconfigure(settings, c);
                         events.push_back(match plan {
                             Plan::Restart { .. } => Event::Reload { policy, summary: plan.to_string() },
                             Plan::InPlace(_) | Plan::Nothing => {
@@ -248,23 +326,18 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     self.reload_refused(&lines);
                 }
             },
-            Input::Line { start, text } => self.classify(start, text, events),
             Input::Tree(TreeEvent::Empty) => events.push_back(Event::TreeGone),
             Input::Tree(TreeEvent::LeaderExited { pid, exit }) => {
                 // The child's last lines (its traceback) are written before it
-                // exits; make sure they are classified before its exit is.
-                let start = self.machine.starts();
-                let flushed = self.backend.flush_lines();
-                while let Ok(i) = self.inputs.try_recv() {
-                    match i {
-                        Input::Line { start, text } => self.classify(start, text, events),
-                        other => deferred.push_back(other),
-                    }
+                // exits; make sure they are classified before its exit is:
+                // the follower reads to the end of the file and says so
+                // after the lines, in their queue.
+                if self.backend.drain_lines() {
+                    let start = self.machine.starts();
+                    *exiting = Some(Exiting { pid, exit, start, patience: Instant::now() + DRAIN_PATIENCE });
+                } else {
+                    events.push_back(Event::ChildExited { pid, exit });
                 }
-                for text in flushed {
-                    self.classify(start, text, events);
-                }
-                events.push_back(Event::ChildExited { pid, exit });
             }
         }
     }
@@ -281,6 +354,16 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             problems.len()
         ))]);
     }
+}
+
+/// Notifications held at most while a write is put off; older ones are
+/// dropped first (systemd shows the latest status only).
+const HELD: usize = 32;
+
+/// A note that may wait with a put-off write: a status line or a timeout
+/// extension, whose latest value is all that counts.
+fn may_wait(n: &Note) -> bool {
+    matches!(n, Note::Status(_) | Note::ExtendTimeout(_))
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

@@ -1,22 +1,29 @@
 //! Following the child's log file and telling what each line means.
 //!
-//! [`Follower`] reads the file as it grows, woken by inotify (through the
-//! `notify` crate; no polling loop), and survives truncation, rename and
-//! re-creation. [`Splitter`] cuts bytes into lines at `\n` or `\r`, strips
-//! ANSI codes and caps a line at 64 KiB. [`Classifier`] maps a line to a
-//! [`Class`] in the order ignore → fatal/permanent → ready → progress, and
-//! follows Python tracebacks to their final exception line. Restart policy
-//! is not known here.
+//! [`Follower`] reads the file from a thread of its own, woken by inotify
+//! (no polling loop), and survives truncation, rename and re-creation. On
+//! that thread, [`Splitter`] cuts the bytes into lines at `\n` or `\r`,
+//! removes ANSI codes (only from the rare line that has a control byte) and
+//! caps a line at 64 KiB; [`Classifier`] maps each line to a [`Class`] in
+//! the order ignore → fatal/permanent → ready → progress and follows Python
+//! tracebacks to their final exception line; a [`Tap`] sees every line.
+//! Only the lines that matter to the state machine are handed on, in
+//! batches, through a bounded channel: when the loop is behind, the
+//! follower waits, and the file is the buffer. Restart policy is not known
+//! here.
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::hash::BuildHasher;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use notify::{RecursiveMode, Watcher};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use regex::{Regex, RegexSet};
 use tokio::sync::mpsc;
 
@@ -26,32 +33,63 @@ use crate::tasks::{Lifetime, Tasks};
 /// Longest line kept; the rest of a longer line is dropped.
 pub const MAX_LINE: usize = 64 * 1024;
 
+/// How much of the file one read takes.
+const READ: usize = 64 * 1024;
+
+/// A batch is handed on once it holds this many lines or this many bytes of
+/// text, and at the end of every read.
+pub const BATCH_LINES: usize = 256;
+pub const BATCH_BYTES: usize = 64 * 1024;
+
+/// While a drain is asked for, an empty batch every this many reads
+/// (1 MiB) tells the loop that a long tail is still being read.
+const DRAIN_BEAT: usize = 16;
+
+/// Batches that may wait for the loop; then the follower waits too.
+pub const QUEUE: usize = 4;
+
+/// Processes whose traceback state is kept; the least recently seen half
+/// is forgotten when a new one would pass this.
+pub const TRACEBACK_PROCESSES: usize = 1024;
+
 /// Cuts a byte stream into clean text lines.
 #[derive(Debug, Default)]
 pub struct Splitter {
     buf: Vec<u8>,
     /// The current line passed [`MAX_LINE`] and was emitted already.
     overflow: bool,
+    /// A line's text after [`strip`], when it had anything to remove.
+    scratch: String,
 }
 
 impl Splitter {
-    pub fn push(&mut self, mut bytes: &[u8], out: &mut Vec<String>) {
+    /// Cut `bytes` into lines, collecting the non-blank ones.
+    pub fn push(&mut self, bytes: &[u8], out: &mut Vec<String>) {
+        self.feed(bytes, |line| out.push(line.to_string()));
+    }
+
+    /// Cut `bytes` into lines and call `f` with each non-blank one; a line
+    /// that is whole in `bytes` and needs no cleaning is not copied.
+    pub fn feed(&mut self, mut bytes: &[u8], mut f: impl FnMut(&str)) {
         while !bytes.is_empty() {
-            let end = bytes.iter().position(|&b| b == b'\n' || b == b'\r');
+            let end = memchr::memchr2(b'\n', b'\r', bytes);
             let chunk = &bytes[..end.unwrap_or(bytes.len())];
             if !self.overflow {
-                let room = MAX_LINE - self.buf.len();
-                self.buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
-                if chunk.len() >= room && (end.is_none() || chunk.len() > room) {
-                    self.emit(out);
-                    self.overflow = true;
+                if end.is_some() && self.buf.is_empty() {
+                    emit(&chunk[..chunk.len().min(MAX_LINE)], &mut self.scratch, &mut f);
+                } else {
+                    let room = MAX_LINE - self.buf.len();
+                    self.buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    let full = chunk.len() >= room && (end.is_none() || chunk.len() > room);
+                    if full || end.is_some() {
+                        emit(&self.buf, &mut self.scratch, &mut f);
+                        self.buf.clear();
+                        self.overflow = full;
+                    }
                 }
             }
             match end {
                 Some(i) => {
-                    if !self.overflow {
-                        self.emit(out);
-                    }
                     self.overflow = false;
                     bytes = &bytes[i + 1..];
                 }
@@ -59,16 +97,205 @@ impl Splitter {
             }
         }
     }
+}
 
-    fn emit(&mut self, out: &mut Vec<String>) {
-        if !self.buf.is_empty() {
-            let clean = strip_ansi_escapes::strip(&self.buf);
-            let line = String::from_utf8_lossy(&clean).into_owned();
-            if !line.trim().is_empty() {
-                out.push(line);
-            }
+fn emit(raw: &[u8], scratch: &mut String, f: &mut impl FnMut(&str)) {
+    let text = clean(raw, scratch);
+    if !text.trim().is_empty() {
+        f(text);
+    }
+}
+
+/// The text of a raw line: `raw` itself when it has no control byte and is
+/// valid UTF-8 without C1 controls (nearly every line), else [`strip`]ped
+/// into `scratch`.
+fn clean<'a>(raw: &'a [u8], scratch: &'a mut String) -> &'a str {
+    // Without an early exit, so that it vectorises.
+    let control = raw.chunks(64).any(|c| c.iter().fold(false, |acc, &b| acc | (b < 0x20)));
+    if !control && let Ok(text) = std::str::from_utf8(raw) {
+        let c1 = !raw.is_ascii() && memchr::memchr_iter(0xc2, raw).any(|i| matches!(raw.get(i + 1), Some(0x80..=0x9f)));
+        if !c1 {
+            return text;
         }
-        self.buf.clear();
+    }
+    scratch.clear();
+    strip(raw, scratch);
+    scratch
+}
+
+/// Where [`strip`] is in an escape sequence; the states of the DEC ANSI
+/// parser (vt100.net/emu/dec_ansi_parser) that a terminal goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Vt {
+    Ground,
+    Escape,
+    EscInter,
+    CsiEntry,
+    CsiParam,
+    CsiInter,
+    CsiIgnore,
+    DcsEntry,
+    DcsParam,
+    DcsInter,
+    DcsIgnore,
+    DcsPass,
+    Osc,
+    SosPmApc,
+}
+
+/// What a terminal would print of `raw`: escape sequences (CSI, OSC, DCS,
+/// …) and control characters (C0, DEL inside sequences, C1) removed,
+/// invalid UTF-8 shown as `�`, an incomplete character at the end dropped.
+/// The same text as the `vte` parser's printed characters (tested against
+/// `strip-ansi-escapes`), without a terminal's bookkeeping.
+pub fn strip(raw: &[u8], out: &mut String) {
+    use Vt::*;
+    let mut st = Ground;
+    let mut i = 0;
+    while i < raw.len() {
+        if st == Ground {
+            let end = memchr::memchr(0x1b, &raw[i..]).map_or(raw.len(), |k| i + k);
+            if end == i {
+                st = Escape;
+                i += 1;
+                continue;
+            }
+            match std::str::from_utf8(&raw[i..end]) {
+                Ok(text) => {
+                    printable(text, out);
+                    i = end;
+                    if i < raw.len() {
+                        st = Escape;
+                        i += 1;
+                    }
+                }
+                Err(e) => {
+                    let valid = i + e.valid_up_to();
+                    printable(std::str::from_utf8(&raw[i..valid]).unwrap_or_default(), out);
+                    match e.error_len() {
+                        Some(len) => {
+                            // A lone C1 byte is a control; anything else is shown as invalid.
+                            if !(len == 1 && raw[valid] <= 0x9f) {
+                                out.push('\u{fffd}');
+                            }
+                            i = valid + len;
+                        }
+                        None if end < raw.len() => {
+                            out.push('\u{fffd}');
+                            st = Escape;
+                            i = end + 1;
+                        }
+                        None => i = raw.len(),
+                    }
+                }
+            }
+            continue;
+        }
+        // A newline (never inside a line the splitter cut) is the one
+        // control these states execute visibly.
+        if raw[i] == b'\n' && matches!(st, Escape | EscInter | CsiEntry | CsiParam | CsiInter | CsiIgnore) {
+            out.push('\n');
+        }
+        st = next_state(st, raw[i]);
+        i += 1;
+    }
+}
+
+fn printable(text: &str, out: &mut String) {
+    out.extend(text.chars().filter(|c| *c == '\n' || !matches!(c, '\x00'..='\x1f' | '\u{80}'..='\u{9f}')));
+}
+
+/// One byte inside an escape sequence.
+fn next_state(st: Vt, b: u8) -> Vt {
+    use Vt::*;
+    // C0 controls other than CAN, SUB and ESC, which act anywhere.
+    let c0 = matches!(b, 0x00..=0x17 | 0x19 | 0x1c..=0x1f);
+    let anywhere = |st| match b {
+        0x18 | 0x1a => Ground,
+        0x1b => Escape,
+        _ => st,
+    };
+    match st {
+        Ground => Ground,
+        Escape => match b {
+            _ if c0 => Escape,
+            0x20..=0x2f => EscInter,
+            0x50 => DcsEntry,
+            0x58 | 0x5e | 0x5f => SosPmApc,
+            0x5b => CsiEntry,
+            0x5d => Osc,
+            0x30..=0x7e => Ground,
+            0x18 | 0x1a => Ground,
+            _ => Escape,
+        },
+        EscInter => match b {
+            _ if c0 => EscInter,
+            0x20..=0x2f | 0x7f => EscInter,
+            0x30..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiEntry => match b {
+            _ if c0 => CsiEntry,
+            0x20..=0x2f => CsiInter,
+            0x30..=0x3f => CsiParam,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiParam => match b {
+            _ if c0 => CsiParam,
+            0x20..=0x2f => CsiInter,
+            0x30..=0x3b | 0x7f => CsiParam,
+            0x3c..=0x3f => CsiIgnore,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiInter => match b {
+            _ if c0 => CsiInter,
+            0x20..=0x2f => CsiInter,
+            0x30..=0x3f => CsiIgnore,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        CsiIgnore => match b {
+            _ if c0 => CsiIgnore,
+            0x20..=0x3f | 0x7f => CsiIgnore,
+            0x40..=0x7e => Ground,
+            _ => anywhere(st),
+        },
+        DcsEntry => match b {
+            _ if c0 => DcsEntry,
+            0x20..=0x2f => DcsInter,
+            0x30..=0x3f => DcsParam,
+            0x40..=0x7e => DcsPass,
+            0x7f => DcsEntry,
+            _ => anywhere(st),
+        },
+        DcsParam => match b {
+            _ if c0 => DcsParam,
+            0x20..=0x2f => DcsInter,
+            0x30..=0x3b | 0x7f => DcsParam,
+            0x3c..=0x3f => DcsIgnore,
+            0x40..=0x7e => DcsPass,
+            _ => anywhere(st),
+        },
+        DcsInter => match b {
+            _ if c0 => DcsInter,
+            0x20..=0x2f | 0x7f => DcsInter,
+            0x30..=0x3f => DcsIgnore,
+            0x40..=0x7e => DcsPass,
+            _ => anywhere(st),
+        },
+        DcsPass => match b {
+            0x18 | 0x1a | 0x9c => Ground,
+            0x1b => Escape,
+            _ => DcsPass,
+        },
+        Osc => match b {
+            0x07 | 0x18 | 0x1a => Ground,
+            0x1b => Escape,
+            _ => Osc,
+        },
+        DcsIgnore | SosPmApc => anywhere(st),
     }
 }
 
@@ -119,6 +346,15 @@ pub struct Line {
     pub permanent: Option<usize>,
 }
 
+impl Line {
+    /// Whether the state machine acts on this line: a fatal, ready or
+    /// progress line, or the end of a traceback. Every other line changes
+    /// nothing but the journal.
+    pub fn matters(&self) -> bool {
+        matches!(self.class, Class::Fatal | Class::Ready | Class::Progress(_)) || self.exception.is_some()
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tb {
     /// Inside a traceback's frames.
@@ -129,75 +365,237 @@ enum Tb {
     Chained(u64),
 }
 
-/// Classifies lines with the effective patterns.
+/// Traceback state per process, bounded: at most [`TRACEBACK_PROCESSES`]
+/// processes, each kept under a keyed hash of its prefix, so that a long
+/// prefix costs no more than a short one and none can be chosen to collide.
+#[derive(Debug, Clone, Default)]
+struct Tracebacks {
+    states: HashMap<u64, (Tb, u64)>,
+    keys: std::collections::hash_map::RandomState,
+    /// Counts uses, for the least recently seen.
+    clock: u64,
+    /// The most processes held at once.
+    high_water: usize,
+}
+
+impl Tracebacks {
+    fn key(&self, prefix: &str) -> u64 {
+        self.keys.hash_one(prefix)
+    }
+
+    fn get(&mut self, key: u64) -> Option<Tb> {
+        self.clock += 1;
+        let clock = self.clock;
+        self.states.get_mut(&key).map(|(tb, used)| {
+            *used = clock;
+            *tb
+        })
+    }
+
+    fn insert(&mut self, key: u64, tb: Tb) {
+        self.clock += 1;
+        if self.states.len() >= TRACEBACK_PROCESSES && !self.states.contains_key(&key) {
+            // Forget the least recently seen half: amortised O(1) a line.
+            let mut used: Vec<u64> = self.states.values().map(|(_, u)| *u).collect();
+            let mid = used.len() / 2;
+            let (_, median, _) = used.select_nth_unstable(mid);
+            let median = *median;
+            self.states.retain(|_, (_, u)| *u > median);
+        }
+        self.states.insert(key, (tb, self.clock));
+        self.high_water = self.high_water.max(self.states.len());
+    }
+}
+
+/// vLLM's prefix: the process (`""` for lines without one), the level word
+/// and where the message begins.
+struct Prefix<'a> {
+    process: &'a str,
+    level: Option<Level>,
+    end: usize,
+}
+
+const LEVELS: [(&str, Level); 5] = [
+    ("DEBUG", Level::Debug),
+    ("INFO", Level::Info),
+    ("WARNING", Level::Warning),
+    ("ERROR", Level::Error),
+    ("CRITICAL", Level::Critical),
+];
+
+fn level_word(s: &str) -> Option<(Level, usize)> {
+    LEVELS.iter().find(|(w, _)| s.starts_with(w)).map(|(w, l)| (*l, w.len()))
+}
+
+/// `(Proc pid=N) LEVEL MM-DD hh:mm:ss [file:line] ` or uvicorn's
+/// `LEVEL:   `, read by hand: `Err(())` when a digit's place holds a
+/// non-ASCII character (a Unicode digit), for the regex to decide.
+fn parse_prefix(text: &str) -> Result<Option<Prefix<'_>>, ()> {
+    let b = text.as_bytes();
+    if b.first() == Some(&b'(') {
+        let Some(close) = memchr::memchr(b')', b) else { return Ok(None) };
+        let process = &text[1..close];
+        let rest = &text[close + 1..];
+        let Some(rest) = rest.strip_prefix(' ') else { return Ok(None) };
+        let Some((level, n)) = level_word(rest) else { return Ok(None) };
+        let at = text.len() - rest.len() + n;
+        // " dd-dd dd:dd:dd ["
+        const SHAPE: &[u8] = b" 00-00 00:00:00 [";
+        // Too short in bytes is too short in characters too.
+        let Some(got) = b.get(at..at + SHAPE.len()) else { return Ok(None) };
+        for (want, &c) in SHAPE.iter().zip(got) {
+            let ok = if *want == b'0' { c.is_ascii_digit() } else { c == *want };
+            if !ok {
+                return if *want == b'0' && !c.is_ascii() { Err(()) } else { Ok(None) };
+            }
+        }
+        let from = at + SHAPE.len();
+        let Some(close) = memchr::memchr(b']', &b[from..]) else { return Ok(None) };
+        let mut end = from + close + 1;
+        if b.get(end) == Some(&b' ') {
+            end += 1;
+        }
+        return Ok(Some(Prefix { process, level: Some(level), end }));
+    }
+    let Some((level, n)) = level_word(text) else { return Ok(None) };
+    let Some(rest) = text[n..].strip_prefix(':') else { return Ok(None) };
+    let spaces = rest.len() - rest.trim_start().len();
+    if spaces == 0 {
+        return Ok(None);
+    }
+    Ok(Some(Prefix { process: "", level: Some(level), end: text.len() - rest.len() + spaces }))
+}
+
+/// The verdict on a line borrowed from the follower's buffer.
 #[derive(Debug)]
+pub struct Verdict {
+    pub level: Option<Level>,
+    /// The line, owned, when it [`matters`](Line::matters).
+    pub line: Option<Line>,
+}
+
+/// Classifies lines with the effective patterns.
+#[derive(Debug, Clone)]
 pub struct Classifier {
+    /// Every pattern of every list as one set: a line that matches none of
+    /// them (nearly every line) is plain after one search. `None` when the
+    /// lists together pass the size limit (each list alone is checked).
+    any: Option<RegexSet>,
     ignore: RegexSet,
     fatal: RegexSet,
     permanent: RegexSet,
     ready: RegexSet,
     progress: RegexSet,
+    /// The prefix, for lines where a Unicode digit stands where vLLM writes
+    /// an ASCII one ([`parse_prefix`] reads every other line).
     prefix: Regex,
     shards: Regex,
     /// Traceback state per process (vLLM prefixes each line with its
     /// process; raw stderr lines share the key "").
-    tracebacks: HashMap<String, Tb>,
+    tracebacks: Tracebacks,
     next_group: u64,
+}
+
+enum Kind {
+    Ignored,
+    Fatal,
+    Ready,
+    Progress,
+    Plain,
 }
 
 impl Classifier {
     /// Patterns must have been validated (see `config`).
     pub fn new(p: &Patterns) -> Result<Classifier, regex::Error> {
+        let lists = [&p.ignore, &p.fatal, &p.permanent, &p.ready, &p.progress];
+        let [ignore, fatal, permanent, ready, progress] = lists.map(RegexSet::new);
+        let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).collect();
         Ok(Classifier {
-            ignore: RegexSet::new(&p.ignore)?,
-            fatal: RegexSet::new(&p.fatal)?,
-            permanent: RegexSet::new(&p.permanent)?,
-            ready: RegexSet::new(&p.ready)?,
-            progress: RegexSet::new(&p.progress)?,
+            ignore: ignore?,
+            fatal: fatal?,
+            permanent: permanent?,
+            ready: ready?,
+            progress: progress?,
+            any: RegexSet::new(all).ok(),
             prefix: Regex::new(
                 r"^(?:\((?<proc>[^)]*)\) (?<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?|(?<ulevel>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+)",
             )
             .expect("static regex"),
             shards: Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
                 .expect("static regex"),
-            tracebacks: HashMap::new(),
+            tracebacks: Tracebacks::default(),
             next_group: 0,
         })
     }
 
     /// Forget traceback state between runs.
     pub fn reset(&mut self) {
-        self.tracebacks.clear();
+        self.tracebacks.states.clear();
+    }
+
+    /// The most processes whose traceback state was held at once.
+    pub fn traceback_high_water(&self) -> usize {
+        self.tracebacks.high_water
     }
 
     pub fn classify(&mut self, text: String) -> Line {
-        let (key, level, message) = match self.prefix.captures(&text) {
-            Some(c) => {
-                let lvl = c.name("level").or(c.name("ulevel")).map(|m| m.as_str());
-                let key = c.name("proc").map_or("", |m| m.as_str()).to_string();
-                let end = c.get(0).map_or(0, |m| m.end());
-                (key, lvl.and_then(parse_level), text[end..].to_string())
+        let (prefix, kind, exception) = self.judge(&text);
+        let end = prefix.as_ref().map_or(0, |p| p.end);
+        let level = prefix.and_then(|p| p.level);
+        self.line(&text, end, level, kind, exception)
+    }
+
+    /// Classify a borrowed line; it is copied only if it matters.
+    pub fn classify_ref(&mut self, text: &str) -> Verdict {
+        let (prefix, kind, exception) = self.judge(text);
+        let end = prefix.as_ref().map_or(0, |p| p.end);
+        let level = prefix.and_then(|p| p.level);
+        let matters = !matches!(kind, Kind::Plain | Kind::Ignored) || exception.is_some();
+        Verdict { level, line: matters.then(|| self.line(text, end, level, kind, exception)) }
+    }
+
+    fn judge<'t>(&mut self, text: &'t str) -> (Option<Prefix<'t>>, Kind, Option<Exception>) {
+        let prefix = match parse_prefix(text) {
+            Ok(p) => p,
+            Err(()) => self.prefix.captures(text).map(|c| Prefix {
+                process: c.name("proc").map_or("", |m| m.as_str()),
+                level: c.name("level").or(c.name("ulevel")).and_then(|m| level_word(m.as_str())).map(|(l, _)| l),
+                end: c.get(0).map_or(0, |m| m.end()),
+            }),
+        };
+        let kind = match &self.any {
+            Some(any) if !any.is_match(text) => Kind::Plain,
+            _ if self.ignore.is_match(text) => Kind::Ignored,
+            _ if self.fatal.is_match(text) || self.permanent.is_match(text) => Kind::Fatal,
+            _ if self.ready.is_match(text) => Kind::Ready,
+            _ if self.progress.is_match(text) => Kind::Progress,
+            _ => Kind::Plain,
+        };
+        let exception = match kind {
+            Kind::Ignored => None,
+            _ => {
+                let (process, end) = prefix.as_ref().map_or(("", 0), |p| (p.process, p.end));
+                self.traceback(process, &text[end..])
             }
-            None => (String::new(), None, text.clone()),
         };
-        let class = if self.ignore.is_match(&text) {
-            Class::Ignored
-        } else if self.fatal.is_match(&text) || self.permanent.is_match(&text) {
-            Class::Fatal
-        } else if self.ready.is_match(&text) {
-            Class::Ready
-        } else if self.progress.is_match(&text) {
-            Class::Progress(self.progress_text(&message))
-        } else {
-            Class::Plain
+        (prefix, kind, exception)
+    }
+
+    fn line(&self, text: &str, end: usize, level: Option<Level>, kind: Kind, exception: Option<Exception>) -> Line {
+        let message = &text[end..];
+        let class = match kind {
+            Kind::Ignored => Class::Ignored,
+            Kind::Fatal => Class::Fatal,
+            Kind::Ready => Class::Ready,
+            Kind::Progress => Class::Progress(self.progress_text(message)),
+            Kind::Plain => Class::Plain,
         };
-        let exception = if class == Class::Ignored { None } else { self.traceback(key, &message) };
         let permanent = if class == Class::Fatal || exception.is_some() {
-            self.permanent.matches(&text).iter().next()
+            self.permanent.matches(text).iter().next()
         } else {
             None
         };
-        Line { text, message, level, class, exception, permanent }
+        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent }
     }
 
     fn progress_text(&self, message: &str) -> String {
@@ -211,11 +609,17 @@ impl Classifier {
         }
     }
 
-    fn traceback(&mut self, key: String, message: &str) -> Option<Exception> {
-        let state = self.tracebacks.get(&key).copied();
+    fn traceback(&mut self, process: &str, message: &str) -> Option<Exception> {
         let is_header = message.starts_with("Traceback (most recent call last)");
-        let is_chain = message.starts_with("During handling of the above exception")
-            || message.starts_with("The above exception was the direct cause");
+        if !is_header && self.tracebacks.states.is_empty() {
+            return None;
+        }
+        let key = self.tracebacks.key(process);
+        let state = self.tracebacks.get(key);
+        let is_chain = || {
+            message.starts_with("During handling of the above exception")
+                || message.starts_with("The above exception was the direct cause")
+        };
         let indented = message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty();
         match state {
             _ if is_header => {
@@ -234,14 +638,14 @@ impl Classifier {
                 self.tracebacks.insert(key, Tb::After(g));
                 Some(Exception { group: g, text: message.trim_end().to_string() })
             }
-            Some(Tb::After(g)) | Some(Tb::Chained(g)) if is_chain || message.trim().is_empty() => {
-                if is_chain {
+            Some(Tb::After(g)) | Some(Tb::Chained(g)) if is_chain() || message.trim().is_empty() => {
+                if is_chain() {
                     self.tracebacks.insert(key, Tb::Chained(g));
                 }
                 None
             }
             Some(_) => {
-                self.tracebacks.remove(&key);
+                self.tracebacks.states.remove(&key);
                 None
             }
             None => None,
@@ -249,27 +653,141 @@ impl Classifier {
     }
 }
 
-fn parse_level(s: &str) -> Option<Level> {
-    Some(match s {
-        "DEBUG" => Level::Debug,
-        "INFO" => Level::Info,
-        "WARNING" => Level::Warning,
-        "ERROR" => Level::Error,
-        "CRITICAL" => Level::Critical,
-        _ => return None,
-    })
+/// Sees every non-blank line the follower reads, on the follower's thread
+/// (the journal, the traffic seen by the canary).
+pub trait Tap: Send {
+    fn line(&mut self, text: &str, level: Option<Level>);
+    /// One read is done: a moment to pass on what was gathered.
+    fn end_of_read(&mut self) {}
 }
 
-/// The inode the child writes to, read from where the last read ended.
+/// What a follower hands to the loop, in the order of the file.
 #[derive(Debug)]
+pub enum Delivery {
+    /// Lines of start `start` that [matter](Line::matters) to the machine.
+    Lines { start: u32, lines: Vec<Line>, held: Held },
+    /// Everything that was in the file when [`Follower::drain`] was called
+    /// has been delivered.
+    Drained { start: u32 },
+}
+
+/// Bytes of line text handed on and not yet dropped by the loop, and the
+/// most there ever were: the follower's memory, measured.
+#[derive(Debug, Clone, Default)]
+pub struct Gauge(Arc<(AtomicUsize, AtomicUsize)>);
+
+impl Gauge {
+    pub(crate) fn hold(&self, bytes: usize) -> Held {
+        let now = self.0.0.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.0.1.fetch_max(now, Ordering::Relaxed);
+        Held { gauge: self.clone(), bytes }
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.0.0.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes ever held at once.
+    pub fn high_water(&self) -> usize {
+        self.0.1.load(Ordering::Relaxed)
+    }
+}
+
+/// A batch's bytes, counted in the [`Gauge`] until it is dropped.
+#[derive(Debug)]
+pub struct Held {
+    gauge: Gauge,
+    bytes: usize,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.gauge.0.0.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// What the loop asks of the follower's thread.
+#[derive(Debug, Default)]
+struct Asked {
+    drain: bool,
+    stop: bool,
+    /// Read at most this often (a drain is answered at once all the same).
+    pace: Option<std::time::Duration>,
+}
+
+#[derive(Debug)]
+struct Control {
+    asked: Mutex<Asked>,
+    /// Wakes the thread from its wait for inotify.
+    wake: EventFd,
+}
+
+impl Control {
+    fn ask(&self, f: impl FnOnce(&mut Asked)) {
+        f(&mut self.asked.lock().unwrap_or_else(|p| p.into_inner()));
+        let _ = self.wake.write(1);
+    }
+
+    fn take(&self) -> (bool, bool, Option<std::time::Duration>) {
+        let mut a = self.asked.lock().unwrap_or_else(|p| p.into_inner());
+        (std::mem::take(&mut a.drain), a.stop, a.pace)
+    }
+
+    fn stopped(&self) -> bool {
+        self.asked.lock().unwrap_or_else(|p| p.into_inner()).stop
+    }
+}
+
+/// Lines that matter, gathered until they are handed on.
+#[derive(Debug, Default)]
+struct Batch {
+    lines: Vec<Line>,
+    bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, line: Line) {
+        self.bytes += line.text.len() + line.message.len();
+        self.lines.push(line);
+    }
+
+    fn full(&self) -> bool {
+        self.lines.len() >= BATCH_LINES || self.bytes >= BATCH_BYTES
+    }
+
+    /// Hand the batch on, waiting while the loop is behind; false when the
+    /// loop is gone.
+    fn hand_on(&mut self, out: &mpsc::Sender<Delivery>, gauge: &Gauge, start: u32) -> bool {
+        if self.lines.is_empty() {
+            return true;
+        }
+        let held = gauge.hold(std::mem::take(&mut self.bytes));
+        let lines = std::mem::take(&mut self.lines);
+        out.blocking_send(Delivery::Lines { start, lines, held }).is_ok()
+    }
+}
+
+/// The follower's thread: the inode the child writes to, read from where
+/// the last read ended, and where its lines go.
 struct Reader {
     file: File,
     pos: u64,
     splitter: Splitter,
+    classifier: Classifier,
+    tap: Option<Box<dyn Tap>>,
+    start: u32,
+    out: mpsc::Sender<Delivery>,
+    gauge: Gauge,
+    batch: Batch,
 }
 
 impl Reader {
-    fn drain(&mut self, out: &mut Vec<String>) {
+    /// Read to the end of the file; false when the loop is gone or the
+    /// follower was stopped. While `draining`, a read without a line that
+    /// matters still says, every [`DRAIN_BEAT`] reads, that reading goes on.
+    fn read_to_end(&mut self, buf: &mut [u8], control: &Control, draining: bool) -> bool {
+        let mut quiet = 0;
         if let Ok(meta) = self.file.metadata()
             && meta.len() < self.pos
         {
@@ -277,261 +795,188 @@ impl Reader {
             self.pos = 0;
             self.splitter = Splitter::default();
         }
-        let mut buf = vec![0u8; 64 * 1024];
         loop {
-            match self.file.read_at(&mut buf, self.pos) {
-                Ok(0) => break,
-                Ok(n) => {
-                    self.pos += n as u64;
-                    self.splitter.push(&buf[..n], out);
-                }
+            let n = match self.file.read_at(buf, self.pos) {
+                Ok(0) => return true,
+                Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
+                Err(_) => return true,
+            };
+            self.pos += n as u64;
+            let Reader { splitter, classifier, tap, start, out, gauge, batch, .. } = self;
+            let mut open = true;
+            splitter.feed(&buf[..n], |text| {
+                let v = classifier.classify_ref(text);
+                if let Some(t) = tap.as_mut() {
+                    t.line(text, v.level);
+                }
+                if let Some(line) = v.line {
+                    batch.push(line);
+                    if open && batch.full() {
+                        open = batch.hand_on(out, gauge, *start);
+                    }
+                }
+            });
+            if let Some(t) = tap.as_mut() {
+                t.end_of_read();
+            }
+            if !open || control.stopped() {
+                return false;
+            }
+            if batch.lines.is_empty() && draining {
+                quiet += 1;
+                if quiet == DRAIN_BEAT {
+                    quiet = 0;
+                    let beat = Delivery::Lines { start: *start, lines: Vec::new(), held: gauge.hold(0) };
+                    if out.blocking_send(beat).is_err() {
+                        return false;
+                    }
+                }
+            } else if !batch.hand_on(out, gauge, *start) {
+                return false;
+            } else {
+                quiet = 0;
             }
         }
     }
 }
 
-/// Follows the log file the child writes to, from an offset, sending each
-/// complete line.
+/// Follows the log file the child writes to, from an offset, classifying
+/// every line on a thread of its own and handing on those that matter.
 ///
 /// It follows the *inode* the warden opened for the child, not the path:
 /// whatever happens to the path (renamed any number of times, deleted,
 /// re-created by someone else), the lines read are the child's, and a file
 /// that others create at the path is not read.
 pub struct Follower {
-    reader: Arc<Mutex<Reader>>,
+    control: Arc<Control>,
     task: tokio::task::AbortHandle,
-    _watcher: notify::RecommendedWatcher,
+    gauge: Gauge,
 }
 
 impl Follower {
-    /// Start following the file `log` (the child's stdout and stderr) from
-    /// byte `offset`. Each line goes to `sink` (called with the reader
-    /// locked, so that [`Follower::drain_now`] returns only after every line
-    /// read before it was delivered); `sink` returns false to stop.
+    /// Start following the file `log` (the child's stdout and stderr) of
+    /// start `start` from byte `offset`: every line goes to `tap`, the lines
+    /// that matter to `out`, in batches. The thread is watched as the task
+    /// "log follower".
     pub fn start(
         log: &File,
         offset: u64,
-        sink: impl Fn(String) -> bool + Send + 'static,
+        start: u32,
+        classifier: Classifier,
+        tap: Option<Box<dyn Tap>>,
+        out: mpsc::Sender<Delivery>,
         tasks: &mut Tasks,
     ) -> io::Result<Follower> {
         // A read-only open file of the same inode, whatever its name becomes.
-        let own = PathBuf::from(format!("/proc/self/fd/{}", log.as_raw_fd()));
-        let file = File::open(&own)?;
+        let file = File::open(format!("/proc/self/fd/{}", log.as_raw_fd()))?;
+        let inotify = Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)?;
         // Watched through our own descriptor's magic link: inotify watches
         // the inode it resolves to, and the link stays valid while `file`
         // is open, whatever happens to the path.
-        let watched = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
-        let reader = Arc::new(Mutex::new(Reader { file, pos: offset, splitter: Splitter::default() }));
-        let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<()>();
-        let mut watcher = notify::recommended_watcher(move |_res: notify::Result<notify::Event>| {
-            let _ = wake_tx.send(());
-        })
-        .map_err(io::Error::other)?;
-        watcher.watch(&watched, RecursiveMode::NonRecursive).map_err(io::Error::other)?;
-        let r = reader.clone();
+        inotify.add_watch(
+            format!("/proc/self/fd/{}", file.as_raw_fd()).as_str(),
+            AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE,
+        )?;
+        let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
+        let control = Arc::new(Control { asked: Mutex::default(), wake });
+        let gauge = Gauge::default();
+        let reader = Reader {
+            file,
+            pos: offset,
+            splitter: Splitter::default(),
+            classifier,
+            tap,
+            start,
+            out,
+            gauge: gauge.clone(),
+            batch: Batch::default(),
+        };
+        let c = control.clone();
+        // Started now, not when the loop next polls a task: the child's
+        // first lines follow its spawn within a millisecond.
+        let thread = tokio::task::spawn_blocking(move || follow(reader, &inotify, &c));
         let task = tasks.spawn("log follower", Lifetime::Owned, async move {
-            let mut out = Vec::new();
-            loop {
-                {
-                    let mut reader = r.lock().unwrap_or_else(|p| p.into_inner());
-                    reader.drain(&mut out);
-                    for line in out.drain(..) {
-                        if !sink(line) {
-                            return;
-                        }
-                    }
-                }
-                if wake_rx.recv().await.is_none() {
-                    return;
-                }
-                while wake_rx.try_recv().is_ok() {}
+            // A panic on the thread is this task's panic.
+            if let Err(e) = thread.await
+                && e.is_panic()
+            {
+                std::panic::resume_unwind(e.into_panic());
             }
         });
-        Ok(Follower { reader, task, _watcher: watcher })
+        Ok(Follower { control, task, gauge })
     }
 
-    /// Read whatever is in the file now, without waiting for inotify: used
-    /// when the child has exited, so that its last lines are seen before
-    /// its exit.
-    pub fn drain_now(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        self.reader.lock().unwrap_or_else(|p| p.into_inner()).drain(&mut out);
-        out
+    /// Read the file to its end now, without waiting for inotify, then
+    /// deliver [`Delivery::Drained`]: used when the child has exited, so
+    /// that its last lines are seen before its exit.
+    pub fn drain(&self) {
+        self.control.ask(|a| a.drain = true);
+    }
+
+    /// Read at most every `every` from now on: a serving child's lines are
+    /// gathered for a few milliseconds, so that a chatty child costs a few
+    /// wake-ups a second, not one a line. A drain is still answered at once.
+    pub fn pace(&self, every: std::time::Duration) {
+        self.control.ask(|a| a.pace = Some(every));
+    }
+
+    /// The bytes of the batches handed on and not yet dropped.
+    pub fn gauge(&self) -> &Gauge {
+        &self.gauge
     }
 }
 
 impl Drop for Follower {
     fn drop(&mut self) {
         self.task.abort();
+        self.control.ask(|a| a.stop = true);
+    }
+}
+
+/// The follower's thread: read, then wait for inotify or a request.
+fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
+    let mut buf = vec![0u8; READ];
+    let mut events = [0u8; 4096];
+    loop {
+        let (drain, stop, pace) = control.take();
+        if stop || !reader.read_to_end(&mut buf, control, drain) {
+            return;
+        }
+        if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
+            return;
+        }
+        if let Some(pace) = pace {
+            // Let lines gather; only a request ends the pause early.
+            let ms = PollTimeout::try_from(pace).unwrap_or(PollTimeout::MAX);
+            if wait(&mut [PollFd::new(control.wake.as_fd(), PollFlags::POLLIN)], ms).is_err() {
+                return;
+            }
+        }
+        let mut fds =
+            [PollFd::new(inotify.as_fd(), PollFlags::POLLIN), PollFd::new(control.wake.as_fd(), PollFlags::POLLIN)];
+        if wait(&mut fds, PollTimeout::NONE).is_err() {
+            return;
+        }
+        // Empty what woke us: it said "look again", and that is next.
+        if fds[0].any().unwrap_or(true) {
+            while nix::unistd::read(inotify, &mut events).is_ok_and(|n| n > 0) {}
+        }
+        if fds[1].any().unwrap_or(true) {
+            let _ = control.wake.read();
+        }
+    }
+}
+
+fn wait(fds: &mut [PollFd], timeout: PollTimeout) -> Result<(), ()> {
+    match nix::poll::poll(fds, timeout) {
+        Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot wait for the log file to grow");
+            Err(())
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::profile::Profile;
-    use std::io::Write;
-    use std::time::Duration;
-
-    async fn next(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
-        tokio::time::timeout(Duration::from_secs(30), rx.recv()).await.expect("a line within 30 s").unwrap()
-    }
-
-    fn append(path: &std::path::Path, text: &str) {
-        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(path).unwrap();
-        f.write_all(text.as_bytes()).unwrap();
-    }
-
-    #[tokio::test]
-    async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recreation() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.log");
-        append(&path, "old line, before the offset\n");
-        let offset = std::fs::metadata(&path).unwrap().len();
-        // What the child writes to.
-        let mut child = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let mut tasks = Tasks::default();
-        let f = Follower::start(&child, offset, move |l| tx.send(l).is_ok(), &mut tasks).unwrap();
-        child.write_all(b"first line, long enough to be longer than what follows a truncation\n").unwrap();
-        assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
-        // Truncated in place, as logrotate's copytruncate does.
-        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
-        child.write_all(b"after truncation\n").unwrap();
-        assert_eq!(next(&mut rx).await, "after truncation");
-        // Renamed five times, re-created by someone else each time: only
-        // the child's inode is read.
-        for i in 1..=5 {
-            std::fs::rename(&path, dir.path().join(format!("t.log.{i}"))).unwrap();
-            append(&path, &format!("someone else's line {i}\n"));
-            child.write_all(format!("the child after rotation {i}\n").as_bytes()).unwrap();
-            assert_eq!(next(&mut rx).await, format!("the child after rotation {i}"));
-        }
-        std::fs::remove_file(dir.path().join("t.log.5")).unwrap();
-        child.write_all(b"after deletion\n").unwrap();
-        assert_eq!(next(&mut rx).await, "after deletion");
-        // A partial line is delivered once complete; drain_now reads at once.
-        child.write_all(b"half").unwrap();
-        assert!(f.drain_now().is_empty());
-        child.write_all(b" and whole\n").unwrap();
-        let mut got = f.drain_now();
-        if got.is_empty() {
-            got.push(next(&mut rx).await);
-        }
-        assert_eq!(got, vec!["half and whole"]);
-    }
-
-    fn split(chunks: &[&[u8]]) -> Vec<String> {
-        let mut s = Splitter::default();
-        let mut out = Vec::new();
-        for c in chunks {
-            s.push(c, &mut out);
-        }
-        out
-    }
-
-    #[test]
-    fn lines_end_at_newline_or_carriage_return() {
-        let out = split(&[b"a\nb\rc\r\nd", b"e\n"]);
-        assert_eq!(out, vec!["a", "b", "c", "de"]);
-    }
-
-    #[test]
-    fn partial_lines_wait_for_their_end() {
-        assert!(split(&[b"no end yet"]).is_empty());
-    }
-
-    #[test]
-    fn ansi_codes_are_stripped() {
-        let out = split(&[b"\x1b[32mINFO\x1b[0m 11-29 ready\n"]);
-        assert_eq!(out, vec!["INFO 11-29 ready"]);
-    }
-
-    #[test]
-    fn long_lines_are_cut_at_64k() {
-        let long = vec![b'x'; MAX_LINE * 2 + 10];
-        let out = split(&[&long, b"\nnext\n"]);
-        assert_eq!(out.len(), 2);
-        assert_eq!(out[0].len(), MAX_LINE);
-        assert_eq!(out[1], "next");
-        let exact = vec![b'y'; MAX_LINE];
-        let out = split(&[&exact, b"\n"]);
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].len(), MAX_LINE);
-    }
-
-    fn vllm() -> Classifier {
-        Classifier::new(&Profile::Vllm.patterns()).unwrap()
-    }
-
-    #[test]
-    fn classification_order_is_ignore_fatal_ready_progress() {
-        let mut c = vllm();
-        assert_eq!(c.classify("INFO:     Application startup complete.".into()).class, Class::Ready);
-        let l = c.classify("(EngineCore pid=1) ERROR 11-29 18:16:28 [core.py:1510] EngineCore failed to start.".into());
-        assert_eq!(l.class, Class::Fatal);
-        assert_eq!(l.message, "EngineCore failed to start.");
-        assert_eq!(l.level, Some(Level::Error));
-        let l = c.classify(
-            "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 1 leaked shared_memory objects; NCCL error".into(),
-        );
-        assert_eq!(l.class, Class::Ignored);
-    }
-
-    #[test]
-    fn shard_progress_is_condensed() {
-        let mut c = vllm();
-        let l =
-            c.classify("Loading safetensors checkpoint shards:  45% Completed | 29/64 [01:02<01:10,  2.1s/it]".into());
-        assert_eq!(l.class, Class::Progress("Loading safetensors checkpoint shards: 29/64 (45%)".into()));
-    }
-
-    #[test]
-    fn chained_tracebacks_share_a_group() {
-        let mut c = vllm();
-        let lines = [
-            "Traceback (most recent call last):",
-            "  File \"x.py\", line 1, in <module>",
-            "json.decoder.JSONDecodeError: Unterminated string",
-            "",
-            "During handling of the above exception, another exception occurred:",
-            "",
-            "Traceback (most recent call last):",
-            "  File \"y.py\", line 2, in f",
-            "OSError: It looks like the config file at '/m/config.json' is not a valid JSON file.",
-            "Traceback (most recent call last):",
-            "  File \"z.py\", line 3, in g",
-            "RuntimeError: later",
-        ];
-        let ex: Vec<Exception> = lines.iter().filter_map(|l| c.classify(l.to_string()).exception).collect();
-        assert_eq!(ex.len(), 3);
-        assert_eq!(ex[0].group, ex[1].group);
-        assert_ne!(ex[1].group, ex[2].group);
-        assert!(ex[1].text.starts_with("OSError: It looks like"));
-    }
-
-    #[test]
-    fn prefixed_tracebacks_are_tracked_per_process() {
-        let mut c = vllm();
-        let w = "(Worker pid=7) ERROR 11-29 18:16:26 [multiproc_executor.py:953] ";
-        let e = "(EngineCore pid=6) INFO 11-29 18:16:26 [core.py:1] ";
-        let lines = [
-            format!("{w}Traceback (most recent call last):"),
-            format!("{e}something unrelated"),
-            format!("{w}  File \"a.py\", line 1"),
-            format!("{w}NotImplementedError: Currently supported kv cache quantization is num_bits=8"),
-        ];
-        let mut got = Vec::new();
-        for l in lines {
-            let l = c.classify(l);
-            if let Some(x) = l.exception {
-                got.push((x.text, l.permanent));
-            }
-        }
-        assert_eq!(got.len(), 1);
-        assert!(got[0].0.starts_with("NotImplementedError: Currently supported"));
-        assert!(got[0].1.is_some(), "the kv cache quantization message is permanent");
-    }
-}
+mod tests;

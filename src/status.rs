@@ -1,6 +1,7 @@
 //! The status document (`status.file`) and the Prometheus textfile
 //! (`status.metrics-file`): what they contain, how they are written (whole
-//! and atomically, only when something changed), and how `status` reads
+//! and atomically, only when something changed, a change of the progress
+//! line alone at most every [`PROGRESS_EVERY`]), and how `status` reads
 //! them back. How the state changes is not known here: the supervisor hands
 //! over a [`Snapshot`].
 
@@ -80,6 +81,10 @@ fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_seconds(t).to_string()
 }
 
+/// How often a change of the progress line alone, or of the journal's
+/// dropped lines, is written; every other change is written at once.
+pub const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
 /// Keeps both files up to date.
 pub struct Reporter {
     name: String,
@@ -94,6 +99,14 @@ pub struct Reporter {
     last_exit: Option<LastExit>,
     written_doc: Option<String>,
     written_metrics: Option<String>,
+    /// The last snapshot given, written or not.
+    last: Option<Snapshot>,
+    /// When the files were last written.
+    written_at: Option<std::time::Instant>,
+    /// A change waits for `written_at + PROGRESS_EVERY`.
+    pending: bool,
+    /// Lines of the child dropped from the journal so far.
+    journal_dropped: u64,
 }
 
 impl Reporter {
@@ -111,6 +124,10 @@ impl Reporter {
             last_exit: None,
             written_doc: None,
             written_metrics: None,
+            last: None,
+            written_at: None,
+            pending: false,
+            journal_dropped: 0,
         }
     }
 
@@ -125,9 +142,19 @@ impl Reporter {
         }
     }
 
-    /// Bring both files up to date with `snap`; a failure to write is
-    /// logged, never fatal.
+    /// Bring both files up to date with `snap`: at once, unless only the
+    /// progress line changed and the files were written less than
+    /// [`PROGRESS_EVERY`] ago (then [`Reporter::due`] says when). Whoever
+    /// hears of a change of state finds the files saying it. A failure to
+    /// write is logged, never fatal.
     pub fn update(&mut self, snap: &Snapshot) {
+        if self.last.as_ref() == Some(snap) {
+            return;
+        }
+        let progress_only = self
+            .last
+            .as_ref()
+            .is_some_and(|last| *last == Snapshot { progress: last.progress.clone(), ..snap.clone() });
         let now = SystemTime::now();
         if self.phase != Some(snap.phase) {
             self.phase = Some(snap.phase);
@@ -148,7 +175,44 @@ impl Reporter {
                 at: rfc3339(now),
             });
         }
-        let doc = self.doc(snap);
+        self.last = Some(snap.clone());
+        if progress_only && self.recently_written() {
+            self.pending = true;
+        } else {
+            self.write();
+        }
+    }
+
+    /// The count of the metric `vllm_warden_journal_dropped_lines_total`;
+    /// written with the next change, or at [`Reporter::due`].
+    pub fn set_journal_dropped(&mut self, n: u64) {
+        if n != self.journal_dropped {
+            self.journal_dropped = n;
+            self.pending = true;
+        }
+    }
+
+    /// When [`Reporter::flush`] should write what waits.
+    pub fn due(&self) -> Option<std::time::Instant> {
+        self.pending.then(|| self.written_at.map_or_else(std::time::Instant::now, |t| t + PROGRESS_EVERY))
+    }
+
+    /// Write what waits, if anything does.
+    pub fn flush(&mut self) {
+        if self.pending {
+            self.write();
+        }
+    }
+
+    fn recently_written(&self) -> bool {
+        self.written_at.is_some_and(|t| t.elapsed() < PROGRESS_EVERY)
+    }
+
+    fn write(&mut self) {
+        self.pending = false;
+        let Some(snap) = self.last.take() else { return };
+        self.written_at = Some(std::time::Instant::now());
+        let doc = self.doc(&snap);
         let text = serde_json::to_string_pretty(&doc).expect("the status document serialises") + "\n";
         if self.written_doc.as_deref() != Some(&text) {
             if let Some(dir) = self.doc_path.parent() {
@@ -160,7 +224,7 @@ impl Reporter {
             }
         }
         if let Some(path) = &self.metrics_path {
-            let text = metrics(&self.name, snap, self.started);
+            let text = metrics(&self.name, &snap, self.started, self.journal_dropped);
             if self.written_metrics.as_deref() != Some(&text) {
                 match replace(path, text.as_bytes(), 0o644) {
                     Ok(()) => self.written_metrics = Some(text),
@@ -168,6 +232,7 @@ impl Reporter {
                 }
             }
         }
+        self.last = Some(snap);
     }
 
     fn doc(&self, snap: &Snapshot) -> Doc {
@@ -192,7 +257,7 @@ impl Reporter {
 
 /// The textfile-collector file: node_exporter's format, names prefixed
 /// `vllm_warden_`, each with `# HELP` and `# TYPE`.
-pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime) -> String {
+pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped: u64) -> String {
     let mut out = String::new();
     let l = format!("name=\"{}\"", name.replace('\\', "\\\\").replace('"', "\\\""));
     let mut metric = |n: &str, kind: &str, help: &str, samples: &[(String, String)]| {
@@ -229,6 +294,12 @@ pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime) -> String {
             &[(l.clone(), v)],
         );
     }
+    metric(
+        "journal_dropped_lines_total",
+        "counter",
+        "Lines of the child dropped from the journal forwarding (journald too slow); the log file has them all.",
+        &[(l.clone(), journal_dropped.to_string())],
+    );
     let start = started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
     metric(
         "start_time_seconds",
@@ -334,7 +405,7 @@ mod tests {
 
     #[test]
     fn metrics_follow_the_textfile_format() {
-        let text = metrics("kimi", &snap(), SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+        let text = metrics("kimi", &snap(), SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000), 7);
         for want in [
             "# TYPE vllm_warden_state gauge\n",
             "vllm_warden_state{name=\"kimi\",state=\"ready\"} 1\n",
@@ -345,6 +416,7 @@ mod tests {
             "vllm_warden_failures_total{name=\"kimi\",class=\"permanent\"} 0\n",
             "vllm_warden_last_load_duration_seconds{name=\"kimi\"} 61.500\n",
             "vllm_warden_start_time_seconds{name=\"kimi\"} 1700000000.000\n",
+            "# TYPE vllm_warden_journal_dropped_lines_total counter\nvllm_warden_journal_dropped_lines_total{name=\"kimi\"} 7\n",
         ] {
             assert!(text.contains(want), "{want} not in\n{text}");
         }
@@ -371,6 +443,48 @@ mod tests {
         let ino = std::fs::metadata(&path).unwrap().ino();
         r.update(&snap());
         assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "unchanged: not rewritten");
+    }
+
+    /// A flood of progress lines is one write per [`PROGRESS_EVERY`]; a
+    /// change of state is written at once, progress included.
+    #[test]
+    fn progress_alone_is_coalesced_and_a_change_of_state_is_written_at_once() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let metrics_path = dir.path().join("metrics.prom");
+        let mut r = Reporter::new("kimi", &path, Some(&metrics_path));
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        r.update(&s);
+        assert_eq!(r.due(), None);
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        for i in 0..1000 {
+            s.progress = Some(format!("shard {i}"));
+            r.update(&s);
+        }
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "not rewritten for each progress line");
+        let due = r.due().expect("the latest progress waits");
+        assert!(due <= std::time::Instant::now() + PROGRESS_EVERY);
+        r.flush();
+        assert_eq!(r.due(), None);
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(doc.progress.as_deref(), Some("shard 999"));
+        // Right after a write, a progress line waits again; readiness does not.
+        s.progress = Some("shard 1000".into());
+        r.update(&s);
+        assert!(r.due().is_some());
+        s.phase = Phase::Ready;
+        r.update(&s);
+        assert_eq!(r.due(), None, "written at once");
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!((doc.state, doc.progress.as_deref()), (Phase::Ready, Some("shard 1000")));
+        // The journal's dropped lines reach the metrics at the next flush.
+        r.set_journal_dropped(12);
+        assert!(r.due().is_some());
+        r.flush();
+        let text = std::fs::read_to_string(&metrics_path).unwrap();
+        assert!(text.contains("vllm_warden_journal_dropped_lines_total{name=\"kimi\"} 12\n"), "{text}");
     }
 
     /// Issue "untrickable", case 1: escape sequences from a port holder's

@@ -38,12 +38,16 @@ struct Log {
 struct Fake {
     t0: Instant,
     tx: mpsc::UnboundedSender<Input>,
+    /// Lines, classified as the real follower does.
+    lines: mpsc::Sender<Delivery>,
+    /// The latest start spawned.
+    current: u32,
     plans: Vec<Plan>,
     log: Log,
     alive: Arc<Mutex<HashSet<u32>>>,
     /// The child ignores the stop signal.
     stubborn: bool,
-    /// Lines "in the file" that only a flush finds.
+    /// Lines "in the file" that only a drain finds.
     unflushed: Vec<String>,
     /// A background task dies at this time.
     task_dies_at: Option<Duration>,
@@ -51,6 +55,11 @@ struct Fake {
     unkillable: bool,
     /// The pre-start steps never end (a hung GPU query).
     prepare_hangs: bool,
+    /// A drain is never answered (a follower stuck in a read).
+    deaf: bool,
+    /// A drain reads a long tail: an empty batch every this long, this
+    /// many times, then the answer.
+    long_tail: Option<(Duration, u32)>,
 }
 
 /// What goes wrong besides the plans.
@@ -61,6 +70,14 @@ struct Quirks {
     task_dies_at: Option<Duration>,
     unkillable: bool,
     prepare_hangs: bool,
+    deaf: bool,
+    long_tail: Option<(Duration, u32)>,
+}
+
+/// One line as the follower hands it on, when it matters.
+fn deliver(start: u32, c: &mut Classifier, text: &str) -> Option<Delivery> {
+    let line = c.classify_ref(text).line?;
+    Some(Delivery::Lines { start, lines: vec![line], held: crate::logwatch::Gauge::default().hold(0) })
 }
 
 impl Fake {
@@ -91,7 +108,7 @@ impl Backend for Fake {
     }
     fn health(&mut self, _start: u32) {}
     fn read_config(&mut self) {}
-    fn reconfigure(&mut self, _settings: crate::config::Settings) -> crate::reload::Plan {
+    fn reconfigure(&mut self, _settings: crate::config::Settings, _classifier: Classifier) -> crate::reload::Plan {
         crate::reload::Plan::Nothing
     }
     async fn task_failed(&mut self) -> String {
@@ -108,19 +125,23 @@ impl Backend for Fake {
     }
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
         self.call(Call::Spawn(start));
+        self.current = start;
         let pid = 100 + start;
         self.alive.lock().unwrap().insert(pid);
         let plan =
             self.plans.get(start as usize - 1).cloned().unwrap_or(Plan::Run { lines: vec![], gap: Duration::ZERO });
-        let (tx, alive) = (self.tx.clone(), self.alive.clone());
+        let (tx, alive, out) = (self.tx.clone(), self.alive.clone(), self.lines.clone());
         tokio::spawn(async move {
+            let mut c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
             let (lines, gap, exit) = match plan {
                 Plan::Exit { lines, gap, exit } => (lines, gap, Some(exit)),
                 Plan::Run { lines, gap } => (lines, gap, None),
             };
             for l in lines {
                 tokio::time::sleep(gap).await;
-                let _ = tx.send(Input::Line { start, text: l.to_string() });
+                if let Some(d) = deliver(start, &mut c, l) {
+                    let _ = out.send(d).await;
+                }
             }
             if let Some(exit) = exit
                 && alive.lock().unwrap().remove(&pid)
@@ -158,8 +179,30 @@ impl Backend for Fake {
         }
         let _ = self.tx.send(Input::Tree(TreeEvent::Empty));
     }
-    fn flush_lines(&mut self) -> Vec<String> {
-        std::mem::take(&mut self.unflushed)
+    fn drain_lines(&mut self) -> bool {
+        let (start, tail, out) = (self.current, std::mem::take(&mut self.unflushed), self.lines.clone());
+        if self.deaf {
+            return true;
+        }
+        let long_tail = self.long_tail;
+        tokio::spawn(async move {
+            if let Some((every, beats)) = long_tail {
+                for _ in 0..beats {
+                    tokio::time::sleep(every).await;
+                    let beat =
+                        Delivery::Lines { start, lines: vec![], held: crate::logwatch::Gauge::default().hold(0) };
+                    let _ = out.send(beat).await;
+                }
+            }
+            let mut c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
+            for text in tail {
+                if let Some(d) = deliver(start, &mut c, &text) {
+                    let _ = out.send(d).await;
+                }
+            }
+            let _ = out.send(Delivery::Drained { start }).await;
+        });
+        true
     }
 }
 
@@ -219,10 +262,15 @@ async fn run(
 async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Duration>, dog: Option<Duration>) -> Outcome {
     let t0 = Instant::now();
     let (tx, mut rx) = mpsc::unbounded_channel();
+    let (lines_tx, mut lines) = mpsc::channel(crate::logwatch::QUEUE);
     let log = Log::default();
     let mut fake = Fake {
         t0,
         tx: tx.clone(),
+        lines: lines_tx,
+        current: 0,
+        deaf: q.deaf,
+        long_tail: q.long_tail,
         plans,
         log: log.clone(),
         alive: Arc::default(),
@@ -242,14 +290,13 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
             let _ = requests.send(Request::Stop);
         });
     }
-    let classifier = Classifier::new(&Profile::Vllm.patterns()).unwrap();
     let ctx = Context { instance: "t".into(), watchdog: dog };
     let code = Loop {
         machine: Machine::new(p, 1),
         backend: &mut fake,
         notifier: &mut rec,
-        classifier,
         inputs: &mut rx,
+        lines: &mut lines,
         ctx: &ctx,
         observer: &mut Quiet,
     }
@@ -324,6 +371,40 @@ async fn the_last_lines_in_the_file_are_read_before_the_exit() {
     assert!(
         o.notes.iter().any(|(_, n)| *n
             == Note::Status("gave up after 1 failed starts: ValueError: No valid attention backend found".into())),
+        "{:?}",
+        o.notes
+    );
+}
+
+/// A follower that never answers the drain cannot hold the exit back for
+/// ever: the exit is acted on after `DRAIN_PATIENCE`.
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_drain_delays_the_exit_by_its_patience_only() {
+    let exits = Plan::Exit { lines: vec![], gap: S(1), exit: Exit::Code(1) };
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let o = run_with(p, vec![exits], Quirks { deaf: true, ..Quirks::default() }, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let failed = o.notes.iter().find(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("failed")));
+    assert_eq!(failed.map(|(t, _)| *t), Some(DRAIN_PATIENCE), "{:?}", o.notes);
+}
+
+/// A drain that keeps reading a long tail holds the exit as long as it
+/// says so, and its last lines still come first.
+#[tokio::test(start_paused = true)]
+async fn a_long_tail_holds_the_exit_while_it_is_read() {
+    let exits = Plan::Exit { lines: vec![], gap: S(1), exit: Exit::Code(1) };
+    let tail = vec!["ValueError: No valid attention backend found".to_string()];
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let q = Quirks { unflushed: tail, long_tail: Some((S(6), 5)), ..Quirks::default() };
+    let o = run_with(p, vec![exits], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let failed = o.notes.iter().find(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("failed")));
+    // Five beats six seconds apart: beyond DRAIN_PATIENCE, but never silent for it.
+    assert_eq!(failed.map(|(t, _)| *t), Some(S(30)), "{:?}", o.notes);
+    assert!(
+        o.notes.iter().any(|(_, n)| matches!(n, Note::Status(s) if s.contains("No valid attention backend found"))),
         "{:?}",
         o.notes
     );
