@@ -115,6 +115,10 @@ impl driver::Observer for Reports {
         self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
     }
 
+    fn put_off(&self) -> bool {
+        self.status.due().is_some()
+    }
+
     fn due(&self) -> Option<std::time::Instant> {
         let journal = self.journal.as_ref().map(|_| self.next_journal_count);
         [self.status.due(), journal].into_iter().flatten().min()

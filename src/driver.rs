@@ -115,6 +115,12 @@ pub trait Observer {
         None
     }
     fn flush(&mut self) {}
+    /// A write that notifications depend on (the status files) was put
+    /// off: the notes of the same change wait for it. Housekeeping that
+    /// [`Observer::due`] also wakes up for (a journal count) holds nothing.
+    fn put_off(&self) -> bool {
+        false
+    }
 }
 
 /// An observer that does nothing, for tests.
@@ -253,7 +259,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         // A change of the progress line alone may be written later (a flood
         // of progress lines is a few writes a second); its notes wait with
         // it, so that no notification runs ahead of the files.
-        let deferring = self.observer.due().is_some();
+        let deferring = self.observer.put_off();
         if !deferring {
             self.send_held(held);
         }

@@ -86,6 +86,7 @@ stall = "3s"
 TOML
 start=$SECONDS
 check "a load of 8 s survives TimeoutStartSec=3s" systemctl start vllm-warden@slow
+systemctl is-active --quiet vllm-warden@slow || journalctl -u vllm-warden@slow --no-pager -o short-precise | tail -n 40
 check "… and took longer than the timeout" test $((SECONDS - start)) -ge 4
 systemctl stop vllm-warden@slow
 
