@@ -491,6 +491,11 @@ impl Backend for Real {
         let running = settings.clone();
         tokio::task::spawn_blocking(move || crate::reload::save_running(&running));
         self.settings = settings;
+        // The running child's lines are classified with the new patterns
+        // from its follower's next read on.
+        if let Some(f) = &self.follower {
+            f.reclassify(classifier.clone());
+        }
         self.classifier = classifier;
         // The health checks of a ready run go on with the new settings.
         if let Some((start, task)) = self.health.take() {

@@ -79,10 +79,11 @@ pub trait Backend {
     fn health(&mut self, start: u32);
     /// Read the config file again, off the loop; `Input::Reload` follows.
     fn read_config(&mut self);
-    /// Use these settings, and their patterns compiled: the warden's own
-    /// at once (the health checks of a ready run start again with them),
-    /// the child's and the patterns from the next start. Returns what
-    /// changed against the settings in use.
+    /// Use these settings: the warden's own at once (the health checks of a
+    /// ready run start again with them, the running child's lines are
+    /// classified with `classifier`, their patterns compiled), the child's
+    /// from the next start. Returns what changed against the settings in
+    /// use.
     fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> Plan;
     /// Spawn start `start`.
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure>;

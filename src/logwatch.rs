@@ -712,6 +712,8 @@ impl Drop for Held {
 struct Asked {
     drain: bool,
     stop: bool,
+    /// Patterns reloaded: classify with these from the next read on.
+    classifier: Option<Classifier>,
     /// Read at most this often (a drain is answered at once all the same).
     pace: Option<std::time::Duration>,
 }
@@ -732,6 +734,10 @@ impl Control {
     fn take(&self) -> (bool, bool, Option<std::time::Duration>) {
         let mut a = self.asked.lock().unwrap_or_else(|p| p.into_inner());
         (std::mem::take(&mut a.drain), a.stop, a.pace)
+    }
+
+    fn take_classifier(&self) -> Option<Classifier> {
+        self.asked.lock().unwrap_or_else(|p| p.into_inner()).classifier.take()
     }
 
     fn stopped(&self) -> bool {
@@ -914,6 +920,11 @@ impl Follower {
         self.control.ask(|a| a.drain = true);
     }
 
+    /// Classify with `classifier` (reloaded patterns) from the next read on.
+    pub fn reclassify(&self, classifier: Classifier) {
+        self.control.ask(|a| a.classifier = Some(classifier));
+    }
+
     /// Read at most every `every` from now on: a serving child's lines are
     /// gathered for a few milliseconds, so that a chatty child costs a few
     /// wake-ups a second, not one a line. A drain is still answered at once.
@@ -940,6 +951,9 @@ fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
     let mut events = [0u8; 4096];
     loop {
         let (drain, stop, pace) = control.take();
+        if let Some(c) = control.take_classifier() {
+            reader.classifier = c;
+        }
         if stop || !reader.read_to_end(&mut buf, control, drain) {
             return;
         }

@@ -428,6 +428,28 @@ fn a_long_process_prefix_costs_no_more_than_a_short_one() {
     assert_eq!(std::mem::size_of_val(&c.tracebacks.states.iter().next().unwrap()), 16);
 }
 
+/// Patterns reloaded in place apply to the running child's next lines.
+#[tokio::test]
+async fn a_running_follower_takes_reloaded_patterns() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.log");
+    let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
+    let (out, mut rx) = mpsc::channel(QUEUE);
+    let mut tasks = Tasks::default();
+    let none = Classifier::new(&Patterns::default()).unwrap();
+    let f = Follower::start(&child, 0, 5, none, None, out, &mut tasks).unwrap();
+    child.write_all(b"INFO:     Application startup complete.\n").unwrap();
+    f.drain();
+    assert!(matches!(delivery(&mut rx).await, Delivery::Drained { .. }), "no pattern, nothing matters");
+    f.reclassify(vllm());
+    child.write_all(b"INFO:     Application startup complete.\n").unwrap();
+    f.drain();
+    match delivery(&mut rx).await {
+        Delivery::Lines { lines, .. } => assert_eq!(lines[0].class, Class::Ready),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// A serving child's log is read at most every `pace`, but a drain (the
 /// child's exit) is answered at once: an hour's pace would time this out.
 #[tokio::test]
