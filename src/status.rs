@@ -105,6 +105,8 @@ pub struct Reporter {
     written_at: Option<std::time::Instant>,
     /// A change waits for `written_at + PROGRESS_EVERY`.
     pending: bool,
+    /// The paths changed: the next update writes, whatever changed.
+    moved: bool,
     /// Lines of the child dropped from the journal so far.
     journal_dropped: u64,
 }
@@ -127,18 +129,20 @@ impl Reporter {
             last: None,
             written_at: None,
             pending: false,
+            moved: false,
             journal_dropped: 0,
         }
     }
 
     /// Write to these paths from now on (a reloaded config); the next
-    /// update writes them whole.
+    /// update writes them whole, whatever changed.
     pub fn set_paths(&mut self, doc_path: &Path, metrics_path: Option<&Path>) {
         if self.doc_path != doc_path || self.metrics_path.as_deref() != metrics_path {
             self.doc_path = doc_path.to_path_buf();
             self.metrics_path = metrics_path.map(Path::to_path_buf);
             self.written_doc = None;
             self.written_metrics = None;
+            self.moved = true;
         }
     }
 
@@ -148,7 +152,7 @@ impl Reporter {
     /// hears of a change of state finds the files saying it. A failure to
     /// write is logged, never fatal.
     pub fn update(&mut self, snap: &Snapshot) {
-        if self.last.as_ref() == Some(snap) {
+        if self.last.as_ref() == Some(snap) && !self.moved {
             return;
         }
         let progress_only = self
@@ -176,7 +180,7 @@ impl Reporter {
             });
         }
         self.last = Some(snap.clone());
-        if progress_only && self.recently_written() {
+        if progress_only && !self.moved && self.recently_written() {
             self.pending = true;
         } else {
             self.write();
@@ -210,6 +214,7 @@ impl Reporter {
 
     fn write(&mut self) {
         self.pending = false;
+        self.moved = false;
         let Some(snap) = self.last.take() else { return };
         self.written_at = Some(std::time::Instant::now());
         let doc = self.doc(&snap);
@@ -505,6 +510,21 @@ mod tests {
         let text = summary(&Verdict::NotReady(forged));
         assert!(!text.lines().any(|l| l.chars().any(crate::escape::is_unsafe)), "{text:?}");
         assert!(text.contains("\\x1b[2J\\nfake line"), "{text}");
+    }
+
+    /// A reload that moves the files: the next update writes them at the
+    /// new place, even when nothing else changed.
+    #[test]
+    fn moved_files_are_written_at_the_next_update_whatever_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (dir.path().join("old.json"), dir.path().join("new.json"));
+        let mut r = Reporter::new("kimi", &old, None);
+        r.update(&snap());
+        r.set_paths(&new, Some(&dir.path().join("new.prom")));
+        r.update(&snap());
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&new).unwrap()).unwrap();
+        assert_eq!(doc.state, Phase::Ready);
+        assert!(dir.path().join("new.prom").exists());
     }
 
     #[test]
