@@ -11,7 +11,10 @@
 //! a bare `GET /health` with the same client; for the second, a bare spawn of
 //! the same binary (spawn → its first instruction).
 //!
-//! Run: `cargo bench --bench latency`.
+//! Run: `cargo bench --bench latency`; with
+//! `LATENCY_BENCH_KERNEL_MESSAGES=off`, without the GPU fault watcher (its
+//! command is started at every spawn, while the child writes its first
+//! lines).
 
 use std::io::Write;
 use std::os::unix::net::UnixDatagram;
@@ -112,6 +115,15 @@ fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     out
 }
 
+/// `LATENCY_BENCH_KERNEL_MESSAGES=off` measures without the GPU fault
+/// watcher, whose command is started at every spawn.
+fn kernel_messages() -> &'static str {
+    match std::env::var("LATENCY_BENCH_KERNEL_MESSAGES").as_deref() {
+        Ok("off") => "[health]\nkernel-messages = []\n",
+        _ => "",
+    }
+}
+
 fn main() {
     let exe = env!("CARGO_BIN_EXE_vllm-warden");
     let sim = env!("CARGO_BIN_EXE_vllm-warden-sim");
@@ -135,7 +147,8 @@ initial-delay = "0s"
 max-attempts = 0
 [status]
 file = "{run}/status.json"
-"#,
+{kernel}"#,
+            kernel = kernel_messages(),
             stamps = stamps.display(),
             d = d.display(),
             run = run.path().display()
