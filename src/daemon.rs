@@ -282,8 +282,12 @@ pub struct Real {
     /// The effective patterns, compiled; each follower gets a copy.
     classifier: Classifier,
     follower: Option<Follower>,
-    /// The kernel messages of the current run, for GPU faults.
-    kernel: Option<crate::kernel::Follower>,
+    /// The kernel messages, for GPU faults: one follower for the warden's
+    /// life (started at the first spawn, again if its source changes), not
+    /// one per start, which would put a process spawn on the restart path.
+    kernel: Option<(Vec<String>, crate::kernel::Follower)>,
+    /// The start a GPU fault belongs to: the latest spawn.
+    kernel_start: Arc<std::sync::atomic::AtomicU32>,
     /// Where followers hand on the lines that matter.
     lines: mpsc::Sender<Delivery>,
     taps: Taps,
@@ -325,6 +329,7 @@ impl Real {
             classifier,
             follower: None,
             kernel: None,
+            kernel_start: Arc::default(),
             lines,
             probe: None,
             preparing: None,
@@ -336,11 +341,32 @@ impl Real {
         })
     }
 
+    /// Follow the kernel's messages unless already following this source.
+    fn follow_kernel(&mut self) {
+        let source = &self.settings.health.kernel_messages;
+        if source.is_empty() {
+            self.kernel = None;
+            return;
+        }
+        if self.kernel.as_ref().is_some_and(|(s, _)| s == source) {
+            return;
+        }
+        self.kernel = None;
+        let (tx, current) = (self.inputs.clone(), self.kernel_start.clone());
+        match crate::kernel::follow(source, move |fault| {
+            let start = current.load(std::sync::atomic::Ordering::SeqCst);
+            let _ = tx.send(Input::GpuFault { start, cause: fault.cause() });
+        }) {
+            Ok(Some(f)) => self.kernel = Some((source.clone(), f)),
+            Ok(None) => tracing::info!(EVENT = "gpus", "{} not found: GPU faults are not watched", source[0]),
+            Err(e) => tracing::warn!(error = %e, "cannot follow kernel messages: GPU faults are not watched"),
+        }
+    }
+
     fn stop_checks(&mut self) {
         for task in [self.probe.take(), self.health.take().map(|(_, t)| t)].into_iter().flatten() {
             task.abort();
         }
-        self.kernel = None;
     }
 }
 
@@ -429,16 +455,8 @@ impl Backend for Real {
             }
         })?;
         self.follower = Some(follower);
-        self.kernel = None;
-        let (source, tx) = (&self.settings.health.kernel_messages, self.inputs.clone());
-        match crate::kernel::follow(source, move |fault| {
-            let _ = tx.send(Input::GpuFault { start, cause: fault.cause() });
-        }) {
-            Ok(Some(f)) => self.kernel = Some(f),
-            Ok(None) if source.is_empty() => {}
-            Ok(None) => tracing::info!(EVENT = "gpus", "{} not found: GPU faults are not watched", source[0]),
-            Err(e) => tracing::warn!(error = %e, "cannot follow kernel messages: GPU faults are not watched"),
-        }
+        self.kernel_start.store(start, std::sync::atomic::Ordering::SeqCst);
+        self.follow_kernel();
         Ok(pid)
     }
 

@@ -213,12 +213,7 @@ fn a_killed_wardens_stubborn_tree_is_stopped_by_the_next_warden() {
     });
     w.wait_ready();
     // The engine starts after the leader; wait until the record has both.
-    // (The warden's own kernel-message follower is not part of the tree.)
-    let tree: Vec<_> = w
-        .descendants()
-        .into_iter()
-        .filter(|p| !std::fs::read_to_string(format!("/proc/{}/comm", p.pid)).is_ok_and(|c| c.trim() == "journalctl"))
-        .collect();
+    let tree = w.descendants();
     assert_eq!(tree.len(), 2, "{tree:?}");
     let record = w.path("state/tree.json");
     let want: Vec<i32> = tree.iter().map(|p| p.pid).collect();

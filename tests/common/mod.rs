@@ -307,8 +307,16 @@ impl Warden {
     }
 
     /// Live descendants of the warden.
+    /// Live descendants of the warden that belong to the child's tree: the
+    /// warden's own helper (its kernel-message follower, `journalctl`) left
+    /// out, as the warden leaves it out.
     pub fn descendants(&self) -> Vec<vllm_warden::child::ProcStat> {
         vllm_warden::child::descendants(self.pid as i32)
+            .into_iter()
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{}/comm", p.pid)).map_or(true, |c| c.trim() != "journalctl")
+            })
+            .collect()
     }
 
     pub fn statuses(&self) -> Vec<&str> {
