@@ -71,6 +71,13 @@ pub enum Cmd {
     Patch(PatchArgs),
     /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
     Status(StatusArgs),
+    /// Take the serving model out of rotation and hold it there (the
+    /// server keeps running): exit 0 asked, 3 not serving, 4 not running.
+    Drain(ConfigArg),
+    /// Put a drained model back into rotation.
+    Undrain(ConfigArg),
+    /// Drain, then start the model server again.
+    Restart(ConfigArg),
     /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
     Demo,
     /// Write the man pages and shell completions into a folder (packaging).
@@ -89,6 +96,9 @@ pub fn main() -> Code {
         },
         Cmd::Patch(a) => patch(&a),
         Cmd::Status(a) => status(&a),
+        Cmd::Drain(c) => control(&c.config, "/drain"),
+        Cmd::Undrain(c) => control(&c.config, "/undrain"),
+        Cmd::Restart(c) => control(&c.config, "/restart"),
         Cmd::Demo => crate::demo::main(),
         Cmd::Assets { dir } => match crate::assets::write(&dir) {
             Ok(()) => Code::Ok,
@@ -165,7 +175,11 @@ fn status(a: &StatusArgs) -> Code {
         Err(code) => return code,
     };
     use crate::status::Verdict;
-    let verdict = crate::status::read(&s.status.file);
+    // Through the socket when a warden answers there; else the file.
+    let verdict = match ask(&s.server.socket, "GET", "/status") {
+        Ok((200, body)) => crate::status::verdict(&body),
+        _ => crate::status::read(&s.status.file),
+    };
     if a.json {
         match &verdict {
             Verdict::Ready(d) | Verdict::NotReady(d) | Verdict::NotRunning(Some(d)) => {
@@ -181,6 +195,53 @@ fn status(a: &StatusArgs) -> Code {
         Verdict::Ready(_) => Code::Ok,
         Verdict::NotReady(_) => Code::NotReady,
         Verdict::NotRunning(_) => Code::NotRunning,
+    }
+}
+
+/// How long a local command waits for the warden's answer.
+const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// One request over the control socket.
+fn ask(socket: &Path, method: &str, path: &str) -> Result<(u16, String), crate::server::client::Error> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| crate::server::client::Error::Connect { path: socket.display().to_string(), source })?;
+    rt.block_on(crate::server::client::call_within(socket, method, path, ANSWER_TIMEOUT))
+}
+
+/// `drain`, `undrain`, `restart`: a POST over the control socket.
+fn control(config: &Path, path: &str) -> Code {
+    let s = match load(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    match ask(&s.server.socket, "POST", path) {
+        Ok((code, body)) => {
+            let body = crate::escape::one_line(body.trim_end(), crate::escape::MAX_LINE);
+            match code {
+                200..=299 => {
+                    println!("{}: {body}", s.name);
+                    Code::Ok
+                }
+                409 => {
+                    eprintln!("{}: {body}", s.name);
+                    Code::NotReady
+                }
+                _ => {
+                    eprintln!("vllm-warden: {}: unexpected answer {code}: {body}", s.server.socket.display());
+                    Code::Internal
+                }
+            }
+        }
+        Err(e @ crate::server::client::Error::Connect { .. }) => {
+            eprintln!("vllm-warden: {}: not running ({e})", s.name);
+            Code::NotRunning
+        }
+        Err(e) => {
+            eprintln!("vllm-warden: {}: {e}", s.server.socket.display());
+            Code::Internal
+        }
     }
 }
 

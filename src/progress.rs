@@ -60,6 +60,28 @@ pub fn read(text: &str) -> Result<Reading, Unreadable> {
     })
 }
 
+/// The requests running or waiting in a scrape, summed over label sets:
+/// what a drain waits to see at zero.
+pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
+    let (_, families) = nom_openmetrics::parser::prometheus(text).map_err(|e| {
+        let shown = e.to_string();
+        Unreadable::Format(shown.chars().take(200).collect())
+    })?;
+    let mut total = 0.0;
+    for name in [RUNNING, WAITING] {
+        let mut found = false;
+        for s in families.iter().flat_map(|f| &f.samples).filter(|s| s.name() == name) {
+            found = true;
+            total += s.number();
+        }
+        if !found {
+            return Err(Unreadable::Missing(name));
+        }
+    }
+    // A NaN or a negative count is no count.
+    if total.is_finite() && total >= 0.0 { Ok(total) } else { Err(Unreadable::Format(format!("{total} requests"))) }
+}
+
 /// What the series of readings says.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
@@ -150,6 +172,18 @@ mod tests {
     #[test]
     fn a_scrape_is_summed_over_label_sets() {
         assert_eq!(read(&scrape(2, 1, 10)), Ok(Reading { running: 2.0, waiting: 1.0, tokens: 52.0 }));
+    }
+
+    #[test]
+    fn requests_in_flight_are_running_plus_waiting() {
+        assert_eq!(in_flight(&scrape(2, 1, 10)), Ok(3.0));
+        assert_eq!(in_flight(&scrape(0, 0, 10)), Ok(0.0));
+        assert_eq!(in_flight("process_cpu_seconds_total 1.0\n"), Err(Unreadable::Missing(RUNNING)));
+        let negative = scrape(0, 0, 1).replace(
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} 0.0",
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} -5.0",
+        );
+        assert!(in_flight(&negative).is_err(), "{negative}");
     }
 
     #[test]

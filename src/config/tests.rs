@@ -163,6 +163,8 @@ fn the_man_page_shows_the_default_constants() {
         ("health.canary-interval", duration(defaults::CANARY_INTERVAL)),
         ("health.canary-timeout", duration(defaults::CANARY_TIMEOUT)),
         ("health.progress-stall", duration(defaults::PROGRESS_STALL)),
+        ("drain.delay", duration(defaults::DRAIN_DELAY)),
+        ("drain.timeout", duration(defaults::DRAIN_TIMEOUT)),
         ("[[patch]] max-size", quoted(&format!("{} MiB", defaults::PATCH_MAX_SIZE >> 20))),
     ];
     let rows = man_page_rows();
@@ -182,6 +184,7 @@ fn the_man_page_shows_the_default_constants() {
     assert!(row("prestart.port").ends_with(&format!("else {}", defaults::PORT)));
     assert!(row("child.log-file").contains(&format!("`{}/NAME.log`", defaults::LOG_DIR)));
     assert!(row("status.file").contains(&format!("`{}/NAME/status.json`", defaults::RUN_DIR)));
+    assert!(row("server.socket").contains(&format!("`{}/NAME/{}`", defaults::RUN_DIR, defaults::SOCKET)));
 }
 
 /// The known keys of each section, as the unknown-key problem lists
@@ -190,7 +193,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n";
+                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -206,8 +209,9 @@ fn the_man_page_documents_every_known_key() {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 10, "{problems:?}");
-    let sections = ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "hint"];
+    assert_eq!(problems.len(), 12, "{problems:?}");
+    let sections =
+        ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint"];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
     known.sort();
@@ -290,7 +294,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 21, "every duration and number has a range");
+    assert_eq!(tried, 23, "every duration and number has a range");
 }
 
 #[test]

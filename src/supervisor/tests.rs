@@ -24,6 +24,9 @@ fn policy() -> Policy {
             max_attempts: 10,
             permanent_attempts: 2,
         },
+        drain_delay: Duration::from_secs(5),
+        drain_timeout: Duration::from_secs(60),
+        drain_on_stop: false,
     }
 }
 

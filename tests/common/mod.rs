@@ -135,6 +135,8 @@ impl Warden {
             .env("NOTIFY_SOCKET", &self.notify_socket)
             .envs(opts.env.clone())
             .env("STATE_DIRECTORY", self.path("state"))
+            // The control socket's folder: one per test, not /run.
+            .env("RUNTIME_DIRECTORY", self.path("run"))
             .env_remove("JOURNAL_STREAM")
             .env("RUST_LOG", "debug")
             .stdin(Stdio::null())
