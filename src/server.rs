@@ -194,12 +194,16 @@ fn text(code: StatusCode, body: String) -> Response {
 }
 
 async fn livez(State(api): State<Api>) -> Response {
-    let age = api.shared.heartbeat.age();
-    let phase = api.shared.view.borrow().phase;
+    let (code, body) = live(api.shared.heartbeat.age(), api.shared.view.borrow().phase);
+    text(code, body)
+}
+
+/// `/livez` for a loop that last turned `age` ago.
+fn live(age: Duration, phase: Phase) -> (StatusCode, String) {
     if age <= LIVE_STALE {
-        text(StatusCode::OK, format!("{phase}\n"))
+        (StatusCode::OK, format!("{phase}\n"))
     } else {
-        text(StatusCode::SERVICE_UNAVAILABLE, format!("{phase}: the loop has not turned for {}s\n", age.as_secs()))
+        (StatusCode::SERVICE_UNAVAILABLE, format!("{phase}: the loop has not turned for {}s\n", age.as_secs()))
     }
 }
 
@@ -375,6 +379,18 @@ pub mod client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn livez_fails_once_the_loop_has_not_turned_for_a_few_seconds() {
+        assert_eq!(live(Duration::from_millis(900), Phase::Ready), (StatusCode::OK, "ready\n".into()));
+        assert_eq!(live(LIVE_STALE, Phase::Starting).0, StatusCode::OK);
+        let (code, body) = live(Duration::from_secs(7), Phase::Ready);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body, "ready: the loop has not turned for 7s\n");
+        let beat = Heartbeat::default();
+        beat.beat();
+        assert!(beat.age() < LIVE_STALE);
+    }
 
     #[test]
     fn the_token_is_compared_whole() {
