@@ -11,6 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 paths=$(tests/real-vllm/setup.sh)
+# Scenario 6 balances two wardens behind a real HAProxy (Debian's package).
+if ! command -v haproxy >/dev/null; then
+    apt-get install -y -q haproxy >&2 || { apt-get update -q >&2 && apt-get install -y -q haproxy >&2; } || exit 1
+fi
+VLLM_WARDEN_HAPROXY=$(command -v haproxy)
+export VLLM_WARDEN_HAPROXY
 VLLM_WARDEN_VLLM=$(sed -n 1p <<<"$paths")/bin/vllm
 VLLM_WARDEN_MODELS=$(sed -n 2p <<<"$paths")
 export VLLM_WARDEN_VLLM VLLM_WARDEN_MODELS
@@ -28,5 +34,6 @@ export TMPDIR=$tmp
 # One scenario at a time (--no-capture runs them in turn, printing as they
 # go): on 2 cores two loads at once take as long as two in a row, and a vLLM
 # tree takes about 4.6 GB.
-run=(cargo nextest run --release --test real_vllm --run-ignored only --no-capture --no-fail-fast)
+# Arguments are passed on to nextest (`-E 'test(s6)'` runs scenario 6 alone).
+run=(cargo nextest run --release --test real_vllm --run-ignored only --no-capture --no-fail-fast "$@")
 unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm && exec "$@"' sh "${run[@]}"
