@@ -28,6 +28,16 @@ pub struct ConfigArg {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The warden's own events on stderr as `text` lines (the journal under
+    /// systemd), or as `json` lines for a container's log collector.
+    #[arg(long, value_enum, default_value_t = crate::logging::Format::Text)]
+    pub log_format: crate::logging::Format,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct PatchArgs {
     #[command(flatten)]
     pub config: ConfigArg,
@@ -63,8 +73,9 @@ pub struct StatusArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
-    /// Run the daemon in the foreground (systemd's ExecStart=).
-    Run(ConfigArg),
+    /// Run the daemon in the foreground (systemd's ExecStart=, or a
+    /// container's PID 1).
+    Run(RunArgs),
     /// Validate the config and the environment; list every problem.
     Check(CheckArgs),
     /// Apply the config's [[patch]] entries to the model files now.
@@ -89,7 +100,7 @@ pub enum Cmd {
 pub fn main() -> Code {
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Run(c) => run(&c.config),
+        Cmd::Run(a) => run(&a.config.config, a.log_format),
         Cmd::Check(c) => match check(&c.config.config) {
             Code::Ok if c.diff => diff(&c.config.config),
             code => code,
@@ -299,7 +310,7 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, Code> {
     })
 }
 
-fn run(path: &Path) -> Code {
+fn run(path: &Path, log_format: crate::logging::Format) -> Code {
     let settings = match load(path) {
         Ok(s) => s,
         Err(code) => return code,
@@ -315,7 +326,7 @@ fn run(path: &Path) -> Code {
             };
         }
     };
-    crate::logging::init();
+    crate::logging::init(log_format);
     if let Err(e) = crate::child::unblock_all_signals() {
         tracing::error!(error = %e, "cannot unblock signals");
         return Code::Internal;

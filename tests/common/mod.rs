@@ -69,6 +69,11 @@ pub struct Opts {
     pub env: Vec<(String, String)>,
     /// Start the warden with SIGTERM and SIGINT blocked.
     pub blocked_signals: bool,
+    /// A command that runs the warden (`unshare … vllm-warden run …`);
+    /// `pid` is then the wrapper's.
+    pub wrapper: Vec<String>,
+    /// More arguments of `run`.
+    pub run_args: Vec<String>,
 }
 
 impl Warden {
@@ -129,8 +134,17 @@ impl Warden {
         let cfg = self.path("t.toml");
         let opts = &self.opts;
         let stderr = std::fs::OpenOptions::new().create(true).append(true).open(self.path("warden.stderr")).unwrap();
-        let mut cmd = Command::new(exe());
-        cmd.args(["run", "-c"])
+        let mut cmd = match opts.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe());
+                c
+            }
+            None => Command::new(exe()),
+        };
+        cmd.arg("run")
+            .args(&opts.run_args)
+            .arg("-c")
             .arg(&cfg)
             .env("NOTIFY_SOCKET", &self.notify_socket)
             .envs(opts.env.clone())
