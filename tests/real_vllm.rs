@@ -389,13 +389,23 @@ fn s5_stop_while_serving_and_during_a_load() {
     );
 }
 
+/// A server of HAProxy's going DOWN or UP.
+#[derive(Debug, Clone)]
+struct Change {
+    at: Instant,
+    server: String,
+    up: bool,
+    /// HAProxy's reason (`Layer7 wrong status, code: 503, info: …`).
+    reason: String,
+}
+
 /// HAProxy in the foreground (`-db`), its stderr read by a thread: each
 /// server going DOWN or UP is an event with the instant it was read.
 struct Haproxy {
     child: std::process::Child,
-    events: std::sync::mpsc::Receiver<(Instant, String, bool)>,
-    /// Every change seen so far: (when, server, up).
-    seen: Vec<(Instant, String, bool)>,
+    events: std::sync::mpsc::Receiver<Change>,
+    /// Every change seen so far.
+    seen: Vec<Change>,
     /// The whole stderr, for a failure's message.
     text: std::sync::Arc<std::sync::Mutex<String>>,
 }
@@ -413,7 +423,7 @@ impl Haproxy {
         let mut cfg = String::from(
             "defaults\n    mode http\n    timeout connect 2s\n    timeout client 120s\n    timeout server 120s\n    \
              timeout check 2s\nfrontend fe\n    bind fd@3\n    default_backend be\nbackend be\n    \
-             balance roundrobin\n    option httpchk GET /readyz\n    http-check expect status 200\n"
+             balance roundrobin\n    option httpchk GET /readyz\n    http-check expect status 200\n",
         );
         for (name, serving, warden) in servers {
             cfg += &format!("    server {name} 127.0.0.1:{serving} check port {warden} inter 500ms fall 1 rise 1\n");
@@ -468,7 +478,13 @@ impl Haproxy {
                 } else {
                     continue;
                 };
-                if tx.send((now, name, up)).is_err() {
+                let reason = rest
+                    .split("reason: ")
+                    .nth(1)
+                    .and_then(|r| r.split(", check duration").next())
+                    .unwrap_or("")
+                    .to_string();
+                if tx.send(Change { at: now, server: name, up, reason }).is_err() {
                     return;
                 }
             }
@@ -484,8 +500,8 @@ impl Haproxy {
             match self.events.recv_timeout(left) {
                 Ok(e) => {
                     self.seen.push(e.clone());
-                    if e.1 == server && e.2 == up {
-                        return e.0;
+                    if e.server == server && e.up == up {
+                        return e.at;
                     }
                 }
                 Err(_) => panic!(
@@ -502,20 +518,29 @@ impl Haproxy {
     fn out_of_rotation(&self, server: &str) -> Vec<Duration> {
         let mut down = None;
         let mut spans = Vec::new();
-        for (t, name, up) in &self.seen {
-            if name != server {
-                continue;
-            }
-            match (up, down) {
-                (false, None) => down = Some(*t),
+        for c in self.seen.iter().filter(|c| c.server == server) {
+            match (c.up, down) {
+                (false, None) => down = Some(c.at),
                 (true, Some(d)) => {
-                    spans.push(t.duration_since(d));
+                    spans.push(c.at.duration_since(d));
                     down = None;
                 }
                 _ => {}
             }
         }
         spans
+    }
+
+    /// The changes seen since `t0`, one a line.
+    fn timeline(&self, t0: Instant) -> String {
+        self.seen
+            .iter()
+            .map(|c| {
+                let why = if c.reason.is_empty() { String::new() } else { format!(" ({})", c.reason) };
+                let state = if c.up { "UP" } else { "DOWN" };
+                format!("  +{:.1} s {} {state}{why}\n", c.at.duration_since(t0).as_secs_f64(), c.server)
+            })
+            .collect()
     }
 }
 
@@ -719,6 +744,7 @@ fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
     }
     let rolled = t.elapsed();
     let drained = Rolled::new(traffic.finish(), &h);
+    let drained_timeline = h.timeline(t);
     h.seen.clear();
 
     // Without it: SIGTERM (drain.on-stop is off), the warden's exit, a new
@@ -733,12 +759,22 @@ fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
     }
     let plain = t.elapsed();
     let undrained = Rolled::new(traffic.finish(), &h);
+    let undrained_timeline = h.timeline(t);
 
     assert_eq!(a.stop_within(stop_budget(), "A's exit"), 0);
     assert_eq!(b.stop_within(stop_budget(), "B's exit"), 0);
     eprintln!("scenario 6 first loads of A then B: {:.1} s", loads.as_secs_f64());
     eprintln!("scenario 6 rolling restart with drain ({:.1} s): {}", rolled.as_secs_f64(), drained.line());
+    eprint!("{drained_timeline}");
     eprintln!("scenario 6 rolling restart by SIGTERM, no drain ({:.1} s): {}", plain.as_secs_f64(), undrained.line());
+    eprint!("{undrained_timeline}");
+    // What the wardens themselves judged meanwhile (a failed health check
+    // takes an instance out of rotation too).
+    for (name, w) in [("a", &a), ("b", &b)] {
+        for l in w.stderr().lines().filter(|l| l.contains("EVENT=\"health\"") || l.contains("EVENT=\"failed\"")) {
+            eprintln!("  {name}: {l}");
+        }
+    }
     assert!(drained.served > 0 && undrained.served > 0, "traffic flowed");
     assert!(drained.failed.is_empty(), "requests lost in the drained rolling restart: {}", drained.line());
     eprintln!("scenario 6 rolling restart behind HAProxy: PASS");
