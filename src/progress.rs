@@ -37,13 +37,28 @@ pub enum Unreadable {
     Missing(&'static str),
 }
 
-/// Read a scrape of vLLM's `/metrics` (the Prometheus text format, parsed
-/// by `nom-openmetrics`).
-pub fn read(text: &str) -> Result<Reading, Unreadable> {
-    let (_, families) = nom_openmetrics::parser::prometheus(text).map_err(|e| {
+/// The families of a scrape (the Prometheus text format, parsed by
+/// `nom-openmetrics`). Comment lines (`# HELP`, `# TYPE`) are left out
+/// first: only the samples are read, and vLLM 0.32 ends a fresh server's
+/// scrape with a family that has `# HELP` and `# TYPE` but no sample yet
+/// (`http_request_duration_seconds`, until a request is served), which the
+/// parser refuses whole.
+fn samples_only(text: &str) -> String {
+    text.lines().filter(|l| !l.trim_start().starts_with('#')).flat_map(|l| [l, "\n"]).collect()
+}
+
+fn families(samples: &str) -> Result<Vec<nom_openmetrics::Family<'_>>, Unreadable> {
+    let (_, families) = nom_openmetrics::parser::prometheus(samples).map_err(|e| {
         let shown = e.to_string();
         Unreadable::Format(shown.chars().take(200).collect())
     })?;
+    Ok(families)
+}
+
+/// Read a scrape of vLLM's `/metrics`.
+pub fn read(text: &str) -> Result<Reading, Unreadable> {
+    let samples = samples_only(text);
+    let families = families(&samples)?;
     let sum = |name: &'static str| -> Result<f64, Unreadable> {
         let mut found = false;
         let mut total = 0.0;
@@ -63,10 +78,8 @@ pub fn read(text: &str) -> Result<Reading, Unreadable> {
 /// The requests running or waiting in a scrape, summed over label sets:
 /// what a drain waits to see at zero.
 pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
-    let (_, families) = nom_openmetrics::parser::prometheus(text).map_err(|e| {
-        let shown = e.to_string();
-        Unreadable::Format(shown.chars().take(200).collect())
-    })?;
+    let samples = samples_only(text);
+    let families = families(&samples)?;
     let mut total = 0.0;
     for name in [RUNNING, WAITING] {
         let mut found = false;
@@ -184,6 +197,27 @@ mod tests {
             "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} -5.0",
         );
         assert!(in_flight(&negative).is_err(), "{negative}");
+    }
+
+    /// Regression: the progress check turned itself off, and a drain could
+    /// not count, on a real vLLM that had served no request yet.
+    #[test]
+    fn real_scrapes_read_fresh_and_after_requests() {
+        let fixture = |name: &str| {
+            std::fs::read_to_string(format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+        };
+        let fresh = fixture("vllm_0.32_metrics_fresh.txt");
+        assert!(fresh.trim_end().ends_with("# TYPE http_request_duration_seconds histogram"));
+        assert_eq!(read(&fresh), Ok(Reading { running: 0.0, waiting: 0.0, tokens: 0.0 }));
+        assert_eq!(in_flight(&fresh), Ok(0.0));
+        let served = fixture("vllm_0.32_metrics.txt");
+        assert_eq!(read(&served), Ok(Reading { running: 0.0, waiting: 0.0, tokens: 15.0 }));
+        let busy = served.replace(
+            "vllm:num_requests_running{engine=\"0\",model_name=\"/var/cache/vllm-warden-ci/models/tiny\"} 0.0",
+            "vllm:num_requests_running{engine=\"0\",model_name=\"/var/cache/vllm-warden-ci/models/tiny\"} 2.0",
+        );
+        assert_ne!(busy, served);
+        assert_eq!(in_flight(&busy), Ok(2.0));
     }
 
     #[test]
