@@ -439,3 +439,21 @@ fn a_command_port_of_zero_is_refused() {
         );
     }
 }
+
+#[test]
+fn a_tcp_listener_makes_stops_drain_by_default_and_a_token_file_needs_one() {
+    let base = "[child]\ncommand = [\"vllm\"]\n";
+    let s = parse_str(base).unwrap();
+    assert_eq!((s.server.listen, s.drain.on_stop), (None, false));
+    assert_eq!(s.server.socket, std::path::PathBuf::from(format!("{}/kimi/control.sock", defaults::RUN_DIR)));
+    let s = parse_str(&format!("{base}[server]\nlisten = \"127.0.0.1:9400\"\n")).unwrap();
+    assert_eq!((s.server.listen, s.drain.on_stop), (Some("127.0.0.1:9400".parse().unwrap()), true));
+    let s = parse_str(&format!("{base}[server]\nlisten = \"[::1]:9400\"\n[drain]\non-stop = false\n")).unwrap();
+    assert!(!s.drain.on_stop);
+    let p = parse_str(&format!("{base}[server]\nlisten = \"localhost\"\n")).unwrap_err().to_string();
+    assert!(p.contains("`server.listen`: \"localhost\" is not an address and port"), "{p}");
+    let p = parse_str(&format!("{base}[server]\ntoken-file = \"/etc/t\"\n")).unwrap_err().to_string();
+    assert!(p.contains("`server.token-file` is for the TCP listener"), "{p}");
+    let p = parse_str(&format!("{base}[drain]\non-stop = \"yes\"\n")).unwrap_err().to_string();
+    assert!(p.contains("`on-stop` must be true or false, not string"), "{p}");
+}
