@@ -771,9 +771,17 @@ fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
     // What the wardens themselves judged meanwhile (a failed health check
     // takes an instance out of rotation too).
     for (name, w) in [("a", &a), ("b", &b)] {
-        for l in w.stderr().lines().filter(|l| l.contains("EVENT=\"health\"") || l.contains("EVENT=\"failed\"")) {
+        let judged = ["EVENT=\"health\"", "EVENT=\"failed\"", "EVENT=\"drain\""];
+        for l in w.stderr().lines().filter(|l| judged.iter().any(|j| l.contains(j))) {
             eprintln!("  {name}: {l}");
         }
+    }
+    // Each drain ended when the server's own metrics showed no request in
+    // flight, not at drain.timeout.
+    for (name, w) in [("a", &a), ("b", &b)] {
+        let log = w.stderr();
+        assert!(log.contains("no request in flight after"), "{name}'s drain never saw the server quiet");
+        assert!(!log.contains("(drain.timeout)"), "{name}'s drain waited for its timeout");
     }
     assert!(drained.served > 0 && undrained.served > 0, "traffic flowed");
     assert!(drained.failed.is_empty(), "requests lost in the drained rolling restart: {}", drained.line());
