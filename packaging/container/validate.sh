@@ -8,7 +8,7 @@ cd "$(dirname "$0")"
 version=1.37.0
 # The Kubernetes version whose schemas the manifests must satisfy.
 kubernetes=${KUBERNETES_VERSION:-1.33.0}
-venv=${VLLM_WARDEN_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-warden}/kubernetes-validate-$version
+venv=${VLLM_WARDEN_TOOLS:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/vllm-warden}/kubernetes-validate-$version
 if [ ! -x "$venv/bin/kubernetes-validate" ]; then
     python3 -m venv "$venv" >&2
     "$venv/bin/pip" install -q "kubernetes-validate==$version" >&2
