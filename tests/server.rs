@@ -152,7 +152,10 @@ fn a_stop_drains_and_waits_for_the_request_in_flight() {
     w.signal(nix::sys::signal::Signal::SIGTERM);
     w.wait_note("stopping", |n| n == "STOPPING=1");
     let answered = asked.elapsed();
+    // At the same instant in the machine (the driver test holds it to
+    // the virtual millisecond); here a loaded machine gets some room.
     assert!(answered < Duration::from_secs(1), "STOPPING=1 took {answered:?}");
+    eprintln!("SIGTERM during a request in flight: STOPPING=1 after {answered:?}");
     assert_eq!(tcp(listen, "GET", "/readyz", None).0, 503);
     assert_eq!(w.wait_exit(), 0);
     let (code, finished) = client.join().unwrap();
