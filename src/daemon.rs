@@ -436,6 +436,9 @@ impl Backend for Real {
             generation: Default::default(),
             traffic: self.taps.traffic.clone(),
         };
+        let rotator = crate::rotate::Rotator::new(log_path, &file, c.log_rotation)
+            .map_err(|e| tracing::warn!(error = %e, "the log file will not be rotated"))
+            .ok();
         // Follow before spawning, so that no line can be missed.
         let follower = Follower::start(
             &file,
@@ -443,6 +446,7 @@ impl Backend for Real {
             start,
             self.classifier.clone(),
             Some(Box::new(tap)),
+            rotator,
             self.lines.clone(),
             &mut self.tasks,
         )
@@ -513,6 +517,7 @@ impl Backend for Real {
         // from its follower's next read on.
         if let Some(f) = &self.follower {
             f.reclassify(classifier.clone());
+            f.rotation(self.settings.child.log_rotation);
         }
         self.classifier = classifier;
         // The health checks of a ready run go on with the new settings.

@@ -17,7 +17,7 @@ use std::fs::File;
 use std::hash::BuildHasher;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -28,6 +28,7 @@ use regex::{Regex, RegexSet};
 use tokio::sync::mpsc;
 
 use crate::profile::Patterns;
+use crate::rotate::{Rotation, Rotator};
 use crate::tasks::{Lifetime, Tasks};
 
 /// Longest line kept; the rest of a longer line is dropped.
@@ -548,6 +549,8 @@ struct Asked {
     classifier: Option<Classifier>,
     /// Read at most this often (a drain is answered at once all the same).
     pace: Option<std::time::Duration>,
+    /// New rotation settings (a reload).
+    rotation: Option<Rotation>,
 }
 
 #[derive(Debug)]
@@ -570,6 +573,10 @@ impl Control {
 
     fn take_classifier(&self) -> Option<Classifier> {
         self.asked.lock().unwrap_or_else(|p| p.into_inner()).classifier.take()
+    }
+
+    fn take_rotation(&self) -> Option<Rotation> {
+        self.asked.lock().unwrap_or_else(|p| p.into_inner()).rotation.take()
     }
 
     fn stopped(&self) -> bool {
@@ -618,6 +625,10 @@ struct Reader {
     out: mpsc::Sender<Delivery>,
     gauge: Gauge,
     batch: Batch,
+    rotator: Option<Rotator>,
+    /// A read stops here, even before the end of the file (the rotation
+    /// copies in steps).
+    stop_at: Option<u64>,
 }
 
 impl Reader {
@@ -675,7 +686,154 @@ impl Reader {
             } else {
                 quiet = 0;
             }
+            if self.stop_at.is_some_and(|at| self.pos >= at) || (!draining && self.rotation_due()) {
+                return true;
+            }
         }
+    }
+
+    /// Copy what has been read, cut at a block boundary, and cut it out of
+    /// the file; false when the filesystem cannot.
+    fn rotate_by_collapse(&mut self, rot: &mut Rotator) -> io::Result<bool> {
+        let block = self.file.metadata()?.blksize().max(1);
+        let upto = self.pos / block * block;
+        let size = self.file.metadata()?.len();
+        if upto == 0 || upto >= size {
+            return Ok(false);
+        }
+        let mut copy = rot.begin()?;
+        if let Some((file, _)) = copy.as_mut()
+            && let Err(e) = rot.copy(&self.file, file, 0, upto)
+        {
+            if let Some((_, tmp)) = copy {
+                rot.discard(&tmp);
+            }
+            return Err(e);
+        }
+        match rot.collapse(upto) {
+            Ok(Some(n)) => {
+                // The copy may hold more than was cut (a larger block size
+                // than reported): keep only what was cut.
+                if let Some((file, _)) = copy.as_mut() {
+                    file.set_len(n)?;
+                }
+                self.pos -= n;
+                let keep = rot.settings.keep;
+                rot.finish(copy)?;
+                tracing::info!(EVENT = "log-rotated", "log file rotated: its first {n} bytes moved out ({keep} kept)");
+                Ok(true)
+            }
+            other => {
+                if let Some((_, tmp)) = copy {
+                    rot.discard(&tmp);
+                }
+                other.map(|_| false)
+            }
+        }
+    }
+
+    fn rotation_due(&self) -> bool {
+        self.rotator.as_ref().is_some_and(|r| self.pos >= r.settings.max_size)
+    }
+
+    /// Copy the file to `NAME.1` and truncate it, reading (and classifying)
+    /// what the child writes meanwhile; truncated only once everything is
+    /// read. False when the loop is gone or the follower was stopped.
+    fn rotate(&mut self, buf: &mut [u8], control: &Control) -> bool {
+        /// Copied and read in steps of this much, until the last step is
+        /// no larger than [`LAST_STEP`].
+        const STEP: u64 = 8 << 20;
+        const LAST_STEP: u64 = 64 << 10;
+        /// Steps before giving up for now (a child writing faster than the
+        /// follower reads): the file grows past the size, nothing is lost,
+        /// and the next read tries again.
+        const STEPS: usize = 64;
+        let Some(mut rot) = self.rotator.take() else { return true };
+        match self.rotate_by_collapse(&mut rot) {
+            Ok(true) => {
+                self.rotator = Some(rot);
+                return true;
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot cut the log file's start: truncating it instead"),
+        }
+        let mut copy = match rot.begin() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot rotate the log file: no copy made; it grows on");
+                rot.settings.max_size = rot.settings.max_size.saturating_mul(2);
+                self.rotator = Some(rot);
+                return true;
+            }
+        };
+        let mut copied = 0;
+        let mut open = true;
+        let mut done = None;
+        for _ in 0..STEPS {
+            if let Some((file, _)) = copy.as_mut()
+                && let Err(e) = rot.copy(&self.file, file, copied, self.pos)
+            {
+                tracing::warn!(error = %e, "cannot copy the log file for its rotation");
+                break;
+            }
+            copied = self.pos;
+            self.stop_at = Some(self.pos + STEP);
+            open = self.read_to_end(buf, control, false);
+            self.stop_at = None;
+            if !open {
+                break;
+            }
+            if self.pos - copied > LAST_STEP {
+                continue;
+            }
+            if let Some((file, _)) = copy.as_mut()
+                && let Err(e) = rot.copy(&self.file, file, copied, self.pos)
+            {
+                tracing::warn!(error = %e, "cannot copy the log file for its rotation");
+                break;
+            }
+            copied = self.pos;
+            match rot.truncate(self.pos) {
+                Ok(Some(unread)) => {
+                    done = Some(unread);
+                    break;
+                }
+                // Written since: read that too.
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot truncate the log file");
+                    break;
+                }
+            }
+        }
+        match done {
+            Some(unread) => {
+                // The child's next write lands at 0; a line cut by the
+                // rotation goes on in the splitter.
+                self.pos = 0;
+                let keep = rot.settings.keep;
+                match rot.finish(copy) {
+                    Ok(()) => tracing::info!(
+                        EVENT = "log-rotated",
+                        "log file rotated at {copied} bytes ({} kept){}",
+                        keep,
+                        if unread > 0 {
+                            format!("; {unread} bytes written during the truncation lost")
+                        } else {
+                            String::new()
+                        }
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "log file truncated, but its copy could not be put in place"),
+                }
+            }
+            None => {
+                if let Some((_, tmp)) = copy {
+                    rot.discard(&tmp);
+                }
+            }
+        }
+        self.rotator = Some(rot);
+        open
     }
 }
 
@@ -695,14 +853,16 @@ pub struct Follower {
 impl Follower {
     /// Start following the file `log` (the child's stdout and stderr) of
     /// start `start` from byte `offset`: every line goes to `tap`, the lines
-    /// that matter to `out`, in batches. The thread is watched as the task
+    /// that matter to `out`, in batches; the file is rotated by `rotator`. The thread is watched as the task
     /// "log follower".
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         log: &File,
         offset: u64,
         start: u32,
         classifier: Classifier,
         tap: Option<Box<dyn Tap>>,
+        rotator: Option<Rotator>,
         out: mpsc::Sender<Delivery>,
         tasks: &mut Tasks,
     ) -> io::Result<Follower> {
@@ -729,6 +889,8 @@ impl Follower {
             out,
             gauge: gauge.clone(),
             batch: Batch::default(),
+            rotator,
+            stop_at: None,
         };
         let c = control.clone();
         // Started now, not when the loop next polls a task: the child's
@@ -764,6 +926,11 @@ impl Follower {
         self.control.ask(|a| a.pace = Some(every));
     }
 
+    /// Rotate with these settings from now on (a reload).
+    pub fn rotation(&self, settings: Rotation) {
+        self.control.ask(|a| a.rotation = Some(settings));
+    }
+
     /// The bytes of the batches handed on and not yet dropped.
     pub fn gauge(&self) -> &Gauge {
         &self.gauge
@@ -786,8 +953,25 @@ fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
         if let Some(c) = control.take_classifier() {
             reader.classifier = c;
         }
+        if let Some(settings) = control.take_rotation()
+            && let Some(r) = reader.rotator.as_mut()
+        {
+            r.settings = settings;
+        }
         if stop || !reader.read_to_end(&mut buf, control, drain) {
             return;
+        }
+        if reader.rotation_due() {
+            if !reader.rotate(&mut buf, control) {
+                return;
+            }
+            // Read on at once: the rotation may have stopped mid-file.
+            if !drain {
+                continue;
+            }
+            if !reader.read_to_end(&mut buf, control, true) {
+                return;
+            }
         }
         if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
             return;

@@ -461,3 +461,105 @@ fn status_without_a_running_instance_is_4() {
     assert_eq!(o.status.code(), Some(4));
     assert!(String::from_utf8_lossy(&o.stdout).contains("not running (no status file)"));
 }
+
+/// A child that writes 50 MB at full speed before its ready line, into a
+/// log rotated every MiB: the ready line and then the fatal line are still
+/// seen; every line written is in one of the files, but for what the child
+/// wrote in the instant of a truncation; each copy holds at most what the
+/// file held when the rotation began plus what the child wrote meanwhile.
+#[test]
+fn the_log_rotated_under_a_flood_loses_no_line_that_matters() {
+    rotated_under_a_flood(None);
+}
+
+/// The same on tmpfs, which cannot cut a file's start: the file is
+/// truncated once read to its end.
+#[test]
+fn the_log_rotated_on_tmpfs_by_truncation_loses_no_line_that_matters() {
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    rotated_under_a_flood(Some(shm.path()));
+}
+
+fn rotated_under_a_flood(log_dir: Option<&std::path::Path>) {
+    const FLOOD: u64 = 50 << 20;
+    let log_dir = log_dir.map(|p| p.to_path_buf());
+    let mut w = Warden::start(|d, p| {
+        let count = d.join("runs");
+        let flood = FLOOD.to_string();
+        let args = [
+            "--shards",
+            "1",
+            "--fail",
+            "engine-death",
+            "--fail-after",
+            "1s",
+            "--fail-times",
+            "1",
+            "--count-file",
+            count.to_str().unwrap(),
+            "--flood-before-ready",
+            flood.as_str(),
+        ];
+        let text = config(d, p, &args, "log-max-size = \"1 MiB\"\nlog-keep = 1000\nlog-compress = false", FAST);
+        match &log_dir {
+            Some(l) => text.replace(&format!("{}/t.log", d.display()), &format!("{}/t.log", l.display())),
+            None => text,
+        }
+    });
+    w.wait_ready();
+    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    assert!(restarting.ends_with("RuntimeError: CUDA error: an illegal memory access was encountered"), "{restarting}");
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+
+    // Every file of the log, oldest first: t.log.N … t.log.1, t.log.
+    let dir = log_dir.as_deref().unwrap_or(w.dir.path());
+    let mut copies: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            let k = name.strip_prefix("t.log.")?.parse().ok()?;
+            Some((k, dir.join(name)))
+        })
+        .collect();
+    copies.sort_by_key(|c| std::cmp::Reverse(c.0));
+    assert!(!copies.is_empty(), "no rotation");
+    // The files one after the other are the child's output: a line cut at
+    // a rotation goes on at the start of the next file.
+    let mut all = Vec::new();
+    let mut largest = 0;
+    for path in copies.iter().map(|(_, p)| p).chain([&dir.join("t.log")]) {
+        let text = std::fs::read(path).unwrap();
+        largest = largest.max(text.len());
+        all.extend_from_slice(&text);
+    }
+    let seen: Vec<u64> = all
+        .split(|b| *b == b'\n')
+        .filter_map(|line| {
+            let line = String::from_utf8_lossy(line);
+            line.split(" flood ").nth(1).and_then(|r| r.get(..10)).and_then(|n| n.parse::<u64>().ok())
+        })
+        .collect();
+    let last = *seen.iter().max().unwrap();
+    let lost = last + 1 - seen.len() as u64;
+    // ext4 and XFS let the warden cut the file's start out (nothing lost);
+    // elsewhere it truncates (the instant of a truncation may lose a line).
+    let fs = nix::sys::statfs::statfs(dir).unwrap().filesystem_type();
+    let cuts = fs == nix::sys::statfs::EXT4_SUPER_MAGIC || fs == nix::sys::statfs::XFS_SUPER_MAGIC;
+    println!(
+        "{} copies; {lost} of {} lines lost; largest file {largest} bytes (size 1 MiB); start cut out: {cuts}",
+        copies.len(),
+        last + 1
+    );
+    // In order, no line twice.
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "lines out of order or twice");
+    if cuts {
+        assert!(copies.len() >= 49, "{} copies for a 50 MB flood rotated every MiB", copies.len());
+        assert_eq!(lost, 0);
+        assert!(largest <= 1 << 20, "a copy of {largest} bytes");
+    } else {
+        // Truncated only once read to the end: a child writing faster than
+        // the warden reads delays the rotation (fewer, larger copies).
+        assert!(lost <= copies.len() as u64 * 4, "{lost} lines lost in {} rotations", copies.len());
+    }
+}

@@ -157,6 +157,16 @@ impl<'a> Reader<'a> {
         }
     }
 
+    pub fn boolean(&mut self, v: &Value<'_>, key: &str) -> Option<bool> {
+        match v.get_ref() {
+            DeValue::Boolean(b) => Some(*b),
+            _ => {
+                self.problem(Some(v.span()), format!("`{key}` must be true or false"));
+                None
+            }
+        }
+    }
+
     pub fn float(&mut self, v: &Value<'_>, key: &str, min: f64, max: f64) -> Option<f64> {
         let parsed = match v.get_ref() {
             DeValue::Float(f) => f.as_str().replace('_', "").parse::<f64>().ok(),
