@@ -768,7 +768,7 @@ impl Reader {
         };
         let mut copied = 0;
         let mut open = true;
-        let mut done = None;
+        let mut done = false;
         for _ in 0..STEPS {
             if let Some((file, _)) = copy.as_mut()
                 && let Err(e) = rot.copy(&self.file, file, copied, self.pos)
@@ -794,43 +794,34 @@ impl Reader {
             }
             copied = self.pos;
             match rot.truncate(self.pos) {
-                Ok(Some(unread)) => {
-                    done = Some(unread);
+                Ok(true) => {
+                    done = true;
                     break;
                 }
                 // Written since: read that too.
-                Ok(None) => {}
+                Ok(false) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot truncate the log file");
                     break;
                 }
             }
         }
-        match done {
-            Some(unread) => {
-                // The child's next write lands at 0; a line cut by the
-                // rotation goes on in the splitter.
-                self.pos = 0;
-                let keep = rot.settings.keep;
-                match rot.finish(copy) {
-                    Ok(()) => tracing::info!(
+        if done {
+            // The child's next write lands at 0; a line cut by the rotation
+            // goes on in the splitter.
+            self.pos = 0;
+            let keep = rot.settings.keep;
+            match rot.finish(copy) {
+                Ok(()) => {
+                    tracing::info!(
                         EVENT = "log-rotated",
-                        "log file rotated at {copied} bytes ({} kept){}",
-                        keep,
-                        if unread > 0 {
-                            format!("; {unread} bytes written during the truncation lost")
-                        } else {
-                            String::new()
-                        }
-                    ),
-                    Err(e) => tracing::warn!(error = %e, "log file truncated, but its copy could not be put in place"),
+                        "log file rotated: {copied} bytes copied, then truncated ({keep} kept)"
+                    )
                 }
+                Err(e) => tracing::warn!(error = %e, "log file truncated, but its copy could not be put in place"),
             }
-            None => {
-                if let Some((_, tmp)) = copy {
-                    rot.discard(&tmp);
-                }
-            }
+        } else if let Some((_, tmp)) = copy {
+            rot.discard(&tmp);
         }
         self.rotator = Some(rot);
         open

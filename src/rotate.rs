@@ -126,16 +126,15 @@ impl Rotator {
     }
 
     /// Truncate the log to nothing, if it holds no more than `read` bytes
-    /// (everything read). Returns `None` when more has been written since:
-    /// the caller reads it first. The window in which the child's bytes are
+    /// (everything read); false when more has been written since: the
+    /// caller reads it first. The window in which the child's bytes are
     /// lost is between the `fstat` and the `ftruncate` here.
-    pub fn truncate(&self, read: u64) -> io::Result<Option<u64>> {
-        let size = self.writer.metadata()?.len();
-        if size > read {
-            return Ok(None);
+    pub fn truncate(&self, read: u64) -> io::Result<bool> {
+        if self.writer.metadata()?.len() > read {
+            return Ok(false);
         }
         self.writer.set_len(0)?;
-        Ok(Some(size.saturating_sub(read)))
+        Ok(true)
     }
 
     /// Put the finished copy in place as `NAME.1`, shifting the older ones
@@ -340,7 +339,7 @@ mod tests {
             let mut copy = r.begin().unwrap();
             let (file, _) = copy.as_mut().unwrap();
             r.copy(&File::open(&path).unwrap(), file, 0, text.len() as u64).unwrap();
-            assert_eq!(r.truncate(text.len() as u64).unwrap(), Some(0));
+            assert!(r.truncate(text.len() as u64).unwrap());
             r.finish(copy).unwrap();
             r.wait_compressed();
         }
@@ -363,7 +362,7 @@ mod tests {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap();
         let r = Rotator::new(&path, &log, settings(1, false)).unwrap();
         (&log).write_all(b"read\nnot read\n").unwrap();
-        assert_eq!(r.truncate(5).unwrap(), None);
+        assert!(!r.truncate(5).unwrap());
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 14);
     }
 
