@@ -453,7 +453,12 @@ impl Classifier {
             message.starts_with("During handling of the above exception")
                 || message.starts_with("The above exception was the direct cause")
         };
-        let indented = message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty();
+        // Frames, their code lines, and the markers Python 3.11+ puts under
+        // them (`^^^^`, `~~~^^~~`), which a prefix may have cut loose from
+        // their indentation: never the exception.
+        let marker = |m: &str| m.trim().chars().all(|c| matches!(c, '^' | '~' | ' '));
+        let indented =
+            message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty() || marker(message);
         match state {
             _ if is_header => {
                 let group = match state {

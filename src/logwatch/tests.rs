@@ -397,6 +397,24 @@ fn prefixed_tracebacks_are_tracked_per_process() {
     assert!(got[0].1.is_some(), "the kv cache quantization message is permanent");
 }
 
+/// The markers under a frame's code (Python 3.11+), even with their
+/// indentation cut off by a prefix, are frames, not the exception.
+#[test]
+fn caret_markers_are_never_the_exception() {
+    let mut c = vllm();
+    let w = "(Worker pid=7) ERROR 11-29 18:16:26 [multiproc_executor.py:953] ";
+    let lines = [
+        format!("{w}Traceback (most recent call last):"),
+        format!("{w}  File \"a.py\", line 1, in f"),
+        format!("{w}    return g(x)"),
+        format!("{w}^^^^^^^^^^^^"),
+        format!("{w}~~~~^^^~~~"),
+        format!("{w}RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ];
+    let got: Vec<String> = lines.into_iter().filter_map(|l| c.classify(l).exception.map(|x| x.text)).collect();
+    assert_eq!(got, ["RuntimeError: CUDA error: an illegal memory access was encountered"]);
+}
+
 /// A million processes each opening a traceback (profile `none`): the
 /// table never holds more than its cap, and the processes seen last still
 /// have their tracebacks followed.
