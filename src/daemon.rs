@@ -301,6 +301,8 @@ pub struct Real {
     /// Put in every child's environment (`prestart::RUN_TOKEN`).
     token: String,
     inputs: mpsc::UnboundedSender<Input>,
+    /// Set once the pre-start steps found no leftover of an earlier warden.
+    leftovers_done: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Real {
@@ -333,6 +335,7 @@ impl Real {
             lines,
             probe: None,
             preparing: None,
+            leftovers_done: Arc::default(),
             health: None,
             traffic: taps.traffic.clone(),
             taps,
@@ -374,13 +377,13 @@ impl Backend for Real {
     fn prepare(&mut self, start: u32) {
         self.stop_checks();
         self.follower = None;
-        let (settings, tx) = (self.settings.clone(), self.inputs.clone());
+        let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.leftovers_done.clone());
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
-            let result = crate::prepare::run(&settings, status).await;
+            let result = crate::prepare::run(&settings, status, done).await;
             let result = match result {
                 Ok(()) => Prepared::Done,
                 Err(failure) => Prepared::Failed(failure),
