@@ -44,7 +44,7 @@ impl fmt::Display for Exit {
 
 /// The environment variables a child must never inherit: they would let it
 /// talk to systemd in the warden's name.
-pub const SCRUBBED_ENV: [&str; 3] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"];
+pub const SCRUBBED_ENV: [&str; 4] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", crate::upgrade::STATE_ENV];
 
 /// What the tree reports to the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -370,6 +370,25 @@ impl Tree {
         inner.watching = false;
         inner.killing = false;
         Ok(pid)
+    }
+
+    /// Take `pid`, already our child (a predecessor's, before an upgrade's
+    /// exec), as the leader.
+    pub fn adopt(&self, pid: u32) {
+        let mut inner = lock(&self.inner);
+        inner.leader = Some(pid as i32);
+        inner.leader_reaped = false;
+        inner.watching = false;
+        inner.killing = false;
+        // It may have exited during the exec: its exit waits to be reaped.
+        let me = self.me;
+        inner.reap(me);
+    }
+
+    /// The leader while it lives.
+    pub fn leader(&self) -> Option<u32> {
+        let inner = lock(&self.inner);
+        inner.leader.filter(|_| !inner.leader_reaped).map(|p| p as u32)
     }
 
     /// Send `sig` to the leader if it is alive, else to every descendant

@@ -65,3 +65,4 @@ pub mod status;
 pub mod supervisor;
 pub mod systemd;
 pub mod tasks;
+pub mod upgrade;

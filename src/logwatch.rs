@@ -563,6 +563,10 @@ struct Control {
     asked: Mutex<Asked>,
     /// Wakes the thread from its wait for inotify.
     wake: EventFd,
+    /// Once the thread has ended: the offset of the first line it did not
+    /// hand on whole.
+    ended: Mutex<Option<u64>>,
+    ended_now: std::sync::Condvar,
 }
 
 impl Control {
@@ -634,6 +638,9 @@ struct Reader {
     /// A read stops here, even before the end of the file (the rotation
     /// copies in steps).
     stop_at: Option<u64>,
+    /// Every line before this offset has been handed on whole (or did not
+    /// matter): where another follower goes on.
+    resume_at: u64,
 }
 
 impl Reader {
@@ -691,6 +698,10 @@ impl Reader {
             } else {
                 quiet = 0;
             }
+            if batch.lines.is_empty() {
+                let pending = if self.splitter.overflow { 0 } else { self.splitter.buf.len() as u64 };
+                self.resume_at = self.pos.saturating_sub(pending);
+            }
             if self.stop_at.is_some_and(|at| self.pos >= at) || (!draining && self.rotation_due()) {
                 return true;
             }
@@ -723,6 +734,7 @@ impl Reader {
                     file.set_len(n)?;
                 }
                 self.pos -= n;
+                self.resume_at = self.resume_at.saturating_sub(n);
                 let keep = rot.settings.keep;
                 rot.finish(copy)?;
                 tracing::info!(EVENT = "log-rotated", "log file rotated: its first {n} bytes moved out ({keep} kept)");
@@ -815,6 +827,7 @@ impl Reader {
             // The child's next write lands at 0; a line cut by the rotation
             // goes on in the splitter.
             self.pos = 0;
+            self.resume_at = 0;
             let keep = rot.settings.keep;
             match rot.finish(copy) {
                 Ok(()) => {
@@ -873,7 +886,8 @@ impl Follower {
             AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE,
         )?;
         let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
-        let control = Arc::new(Control { asked: Mutex::default(), wake });
+        let control =
+            Arc::new(Control { asked: Mutex::default(), wake, ended: Mutex::default(), ended_now: Default::default() });
         let gauge = Gauge::default();
         let reader = Reader {
             file,
@@ -887,6 +901,7 @@ impl Follower {
             batch: Batch::default(),
             rotator,
             stop_at: None,
+            resume_at: offset,
         };
         let c = control.clone();
         // Started now, not when the loop next polls a task: the child's
@@ -933,6 +948,23 @@ impl Follower {
     }
 }
 
+impl Follower {
+    /// Stop reading and wait (up to `patience`) for the thread to end:
+    /// the offset of the first line not handed on whole, from which
+    /// another follower can go on. Every batch handed on before it is in
+    /// the channel.
+    pub fn finish(self, patience: std::time::Duration) -> Option<u64> {
+        self.control.ask(|a| a.stop = true);
+        let ended = self.control.ended.lock().unwrap_or_else(|p| p.into_inner());
+        let (ended, _) = self
+            .control
+            .ended_now
+            .wait_timeout_while(ended, patience, |e| e.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        *ended
+    }
+}
+
 impl Drop for Follower {
     fn drop(&mut self) {
         self.task.abort();
@@ -940,8 +972,15 @@ impl Drop for Follower {
     }
 }
 
-/// The follower's thread: read, then wait for inotify or a request.
+/// The follower's thread; at its end, where the next reader should start.
 fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
+    follow_until_stopped(&mut reader, inotify, control);
+    *control.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(reader.resume_at);
+    control.ended_now.notify_all();
+}
+
+/// Read, then wait for inotify or a request, until stopped.
+fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Control) {
     let mut buf = vec![0u8; READ];
     let mut events = [0u8; 4096];
     loop {

@@ -563,3 +563,48 @@ fn rotated_under_a_flood(log_dir: Option<&std::path::Path>) {
         assert!(lost <= copies.len() as u64 * 4, "{lost} lines lost in {} rotations", copies.len());
     }
 }
+
+/// `vllm-warden upgrade` while ready, with the binary at the warden's path
+/// replaced by another file: the warden runs the new file (same pid), the
+/// child keeps its pid and stays the warden's child, systemd hears the
+/// upgrade and no new READY=1; the ready run is then supervised as before
+/// (a killed child is restarted).
+#[test]
+fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
+    use std::os::unix::fs::MetadataExt;
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+
+    // The package manager's way: a new file renamed over the old name.
+    let new = bin.path().join("vllm-warden.new");
+    std::fs::copy(common::exe(), &new).unwrap();
+    std::fs::rename(&new, &path).unwrap();
+    let new_ino = std::fs::metadata(&path).unwrap().ino();
+    let out = std::process::Command::new(&path)
+        .args(["upgrade", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let note = w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    let v = env!("CARGO_PKG_VERSION");
+    assert_eq!(note, format!("STATUS=upgraded from {v} to {v}; ready: pid {}", leader.pid));
+    assert_eq!(std::fs::metadata(format!("/proc/{}/exe", w.pid)).unwrap().ino(), new_ino, "the new file runs");
+    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child, still ours");
+    assert_eq!(w.notes.iter().filter(|n| *n == "READY=1").count(), 1, "no new READY=1");
+    assert!(!w.path("upgrade.json").exists(), "the state file is gone");
+
+    // Supervised as before.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader.pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}

@@ -299,6 +299,7 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         lines: &mut lines,
         ctx: &ctx,
         observer: &mut Quiet,
+        upgrade: None,
     }
     .run(tokio_stream::wrappers::UnboundedReceiverStream::new(rq))
     .await;

@@ -518,8 +518,14 @@ fn a_long_drain_of_plain_lines_beats_while_it_reads() {
         batch: Batch::default(),
         rotator: None,
         stop_at: None,
+        resume_at: 0,
     };
-    let control = Control { asked: Mutex::default(), wake: EventFd::new().unwrap() };
+    let control = Control {
+        asked: Mutex::default(),
+        wake: EventFd::new().unwrap(),
+        ended: Mutex::default(),
+        ended_now: Default::default(),
+    };
     let mut buf = vec![0u8; READ];
     assert!(reader.read_to_end(&mut buf, &control, true));
     let mut beats = 0;

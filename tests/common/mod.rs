@@ -69,6 +69,8 @@ pub struct Opts {
     pub env: Vec<(String, String)>,
     /// Start the warden with SIGTERM and SIGINT blocked.
     pub blocked_signals: bool,
+    /// Run this binary instead of the one cargo built.
+    pub exe: Option<std::path::PathBuf>,
 }
 
 impl Warden {
@@ -129,7 +131,7 @@ impl Warden {
         let cfg = self.path("t.toml");
         let opts = &self.opts;
         let stderr = std::fs::OpenOptions::new().create(true).append(true).open(self.path("warden.stderr")).unwrap();
-        let mut cmd = Command::new(exe());
+        let mut cmd = Command::new(opts.exe.as_deref().unwrap_or(Path::new(exe())));
         cmd.args(["run", "-c"])
             .arg(&cfg)
             .env("NOTIFY_SOCKET", &self.notify_socket)
