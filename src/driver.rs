@@ -382,6 +382,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
             Input::UpgradeChecked(Err(why)) => {
                 tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");
+                // Shown by `systemctl status` until the next change of state.
+                self.notifier.notify(&[Note::Status(crate::escape::one_line(&format!("upgrade refused: {why}"), 512))]);
             }
             Input::UpgradeChecked(Ok(version)) => {
                 if self.machine.save(Instant::now()).is_none() {

@@ -608,3 +608,56 @@ fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     w.wait_ready();
     assert_eq!(w.stop(), 0);
 }
+
+fn ask_upgrade(w: &Warden, exe: &std::path::Path) {
+    let out = std::process::Command::new(exe)
+        .args(["upgrade", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A binary at the warden's path that does not answer `--version` as a
+/// vllm-warden is refused: the warden goes on with its child, and says why.
+#[test]
+fn an_upgrade_to_a_binary_that_is_not_a_warden_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let keep = bin.path().join("real");
+    std::fs::copy(common::exe(), &keep).unwrap();
+    let script = bin.path().join("script");
+    std::fs::write(&script, "#!/bin/sh\necho 'not a warden'\n").unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&script, &path).unwrap();
+    ask_upgrade(&w, &keep);
+    let note = w.wait_note("the refusal", |n| n.starts_with("STATUS=upgrade refused"));
+    assert!(note.contains("--version did not name a vllm-warden version"), "{note}");
+    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time));
+    assert!(std::fs::read_link(format!("/proc/{}/exe", w.pid)).unwrap().ends_with("vllm-warden (deleted)"));
+    assert_eq!(w.stop(), 0);
+}
+
+/// Asked while the model loads, the upgrade waits for READY=1, then
+/// happens.
+#[test]
+fn an_upgrade_asked_while_loading_waits_until_ready() {
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "6", "--shard-time", "300ms"], "", FAST), opts);
+    w.wait_note("loading", |n| n.starts_with("STATUS=loading"));
+    ask_upgrade(&w, &path);
+    w.wait_ready();
+    w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    assert_eq!(w.stop(), 0);
+}
