@@ -148,3 +148,21 @@ span=$(journalctl -u vllm-warden@flood SYSLOG_IDENTIFIER=vllm-flood -o short-uni
 echo "# journald forwarding: $total lines written; $fwd in the journal over ${span}s ($(awk -v n="$fwd" -v s="$span" 'BEGIN {if (s > 0) printf "%d", n / s; else print "-"}') lines/s); $drp dropped by the warden's queue; $sup suppressed by journald's rate limit"
 check "the warden stayed responsive" vllm-warden status -c /etc/vllm-warden/flood.toml
 systemctl stop vllm-warden@flood
+
+# Installing a later package upgrades a running warden in place: the unit
+# stays active with the same main pid, the server keeps its pid, and the
+# new binary says so.
+fake up 8004 --shards 1 <<'TOML'
+TOML
+check "an instance to upgrade starts" systemctl start vllm-warden@up
+main=$(prop up MainPID)
+old=$(child_pid up)
+check "a later package installs over the running instance" dpkg -i /opt/payload/vllm-warden-next.deb
+upgraded() { systemctl status --no-pager vllm-warden@up | grep -q 'Status: "upgraded from '; }
+check "systemctl status shows the new binary's status line" wait_for 60 upgraded
+check "the unit stayed active, same main pid, not restarted" \
+    test "$(systemctl is-active vllm-warden@up)/$(prop up MainPID)/$(prop up NRestarts)" = "active/$main/0"
+check "the server kept its pid" test "$(child_pid up)" = "$old"
+check "the warden runs the new file" bash -c "! readlink /proc/$main/exe | grep -q deleted"
+check "the journal shows the re-exec" bash -c "journalctl -u vllm-warden@up EVENT=upgrade --no-pager -o cat | grep -q 'handing pid $old over'"
+systemctl stop vllm-warden@up
