@@ -154,12 +154,17 @@ pub fn probe_version(exe: &Path) -> Result<String, String> {
             return Err(format!("{} --version did not answer within {}s", exe.display(), VERSION_TIMEOUT.as_secs()));
         }
     };
-    let status = child.wait().map_err(|e| e.to_string())?;
+    // The warden reaps every child of its own (it is a subreaper, and its
+    // reaper waits for any pid): the status may be gone already; the
+    // answer is what counts.
+    let success = match child.wait() {
+        Ok(status) => status.success(),
+        Err(e) if e.raw_os_error() == Some(libc::ECHILD) => true,
+        Err(e) => return Err(format!("{} --version: {e}", exe.display())),
+    };
     // `vllm-warden 0.1.0`
     match out.trim().strip_prefix("vllm-warden ") {
-        Some(v) if status.success() && !v.is_empty() && v.len() <= 64 && !v.contains(char::is_whitespace) => {
-            Ok(v.to_string())
-        }
+        Some(v) if success && !v.is_empty() && v.len() <= 64 && !v.contains(char::is_whitespace) => Ok(v.to_string()),
         _ => Err(format!("{} --version did not name a vllm-warden version", exe.display())),
     }
 }
