@@ -8,13 +8,16 @@
 //! machine: for the first, what readiness cannot do without, a bare inotify
 //! round trip (a line appended to a file → a blocked read of an inotify
 //! watch returns, on another thread, as the warden's reader waits) plus
-//! a bare `GET /health` with the same client; for the second, a bare spawn of
-//! the same binary (spawn → its first instruction).
+//! a bare `GET /health` with the same client, to a server up for a while and,
+//! as the warden meets it, to a server that has just written its ready line
+//! (inotify wake, read, `GET`: readiness with nothing of the warden's); for
+//! the second, a bare spawn of the same binary (spawn → its first
+//! instruction).
 //!
 //! Run: `cargo bench --bench latency`; with
 //! `LATENCY_BENCH_KERNEL_MESSAGES=off`, without the GPU fault watcher (its
-//! command is started at every spawn, while the child writes its first
-//! lines).
+//! command is started once per warden, and reads the kernel's messages
+//! beside the warden).
 
 use std::io::Write;
 use std::os::unix::net::UnixDatagram;
@@ -92,6 +95,49 @@ fn http_baseline(sim: &str) -> Vec<f64> {
     out
 }
 
+/// What readiness cannot do without, against the server the warden meets:
+/// a fresh one. Each time a new fake writes its log to a file; a thread
+/// blocked on an inotify watch wakes, reads the file, finds the ready line
+/// and sends one `GET /health` to that fake with the warden's client:
+/// ready line written (the fake's stamp) → the answer.
+fn fresh_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
+    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+    use std::io::Read;
+    let (log, stamp) = (dir.join("fresh.log"), dir.join("fresh.stamps"));
+    let mut out = Vec::new();
+    for _ in 0..STARTS {
+        let _ = std::fs::remove_file(&stamp);
+        let file = std::fs::File::create(&log).unwrap();
+        let inotify = Inotify::init(InitFlags::IN_CLOEXEC).unwrap();
+        inotify.add_watch(&log, AddWatchFlags::IN_MODIFY).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut fake = Command::new(sim)
+            .args(["--port", &port.to_string(), "--shards", "1", "--shard-time", "0s", "--stamp-file"])
+            .arg(&stamp)
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        let url = format!("http://127.0.0.1:{port}/health");
+        let mut reader = std::fs::File::open(&log).unwrap();
+        let mut text = String::new();
+        let answered = loop {
+            inotify.read_events().unwrap();
+            reader.read_to_string(&mut text).unwrap();
+            if text.contains("Application startup complete") {
+                assert!(vllm_warden::health::http_ok(&url, Duration::from_secs(5)));
+                break now_ns();
+            }
+        };
+        let stamps = std::fs::read_to_string(&stamp).unwrap();
+        let ready: u128 = stamps.lines().find_map(|l| l.strip_prefix("ready ")).unwrap().trim().parse().unwrap();
+        out.push((answered - ready) as f64 / 1e6);
+        let _ = fake.kill();
+        let _ = fake.wait();
+    }
+    out
+}
+
 fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     let stamp = dir.join("spawn.stamps");
     let mut out = Vec::new();
@@ -116,7 +162,7 @@ fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
 }
 
 /// `LATENCY_BENCH_KERNEL_MESSAGES=off` measures without the GPU fault
-/// watcher, whose command is started at every spawn.
+/// watcher.
 fn kernel_messages() -> &'static str {
     match std::env::var("LATENCY_BENCH_KERNEL_MESSAGES").as_deref() {
         Ok("off") => "[health]\nkernel-messages = []\n",
@@ -198,8 +244,10 @@ file = "{run}/status.json"
     let (rm, rp) = stats("ready line written -> READY=1 received", ready_ms);
     let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
     let (hm, hp) = stats("baseline: GET /health round trip", http_baseline(sim));
+    let (fm, fp) = stats("baseline: inotify + GET, fresh server", fresh_baseline(sim, d));
     let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn_ms);
     let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(sim, d));
     println!("ratio ready/(inotify + GET): median {:.1}x  p99 {:.1}x", rm / (bm + hm), rp / (bp + hp));
+    println!("ratio ready/(inotify + GET, fresh server): median {:.1}x  p99 {:.1}x", rm / fm, rp / fp);
     println!("ratio respawn/baseline: median {:.1}x  p99 {:.1}x", cm / sm, cp / sp);
 }

@@ -9,7 +9,7 @@
 //! never interleave, so a child that dies at once is never mistaken for a
 //! stranger.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -44,7 +44,7 @@ impl fmt::Display for Exit {
 
 /// The environment variables a child must never inherit: they would let it
 /// talk to systemd in the warden's name.
-pub const SCRUBBED_ENV: [&str; 3] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"];
+pub const SCRUBBED_ENV: [&str; 4] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", crate::upgrade::STATE_ENV];
 
 /// What the tree reports to the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,10 +62,9 @@ pub fn become_subreaper() -> io::Result<()> {
     if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
-/// Empty this thread's signal mask. Async-signal-safe (sigemptyset and
-/// sigprocmask only), so it may run between fork and exec. The warden calls
-/// it at start too: a SIGTERM blocked by whoever started it would never
-/// reach its handler.
+/// Empty this thread's signal mask. The warden calls it at start, before
+/// any other thread exists: a SIGTERM blocked by whoever started it would
+/// never reach its handler.
 pub fn unblock_all_signals() -> io::Result<()> {
     let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
     // SAFETY: sigemptyset initialises the set; sigprocmask reads it.
@@ -128,7 +127,79 @@ fn is_helper(st: &ProcStat) -> bool {
 
 /// Every live descendant of `root` (zombies left out), parents first; the
 /// warden's helpers and their descendants left out.
+///
+/// Found by following `/proc/PID/task/TID/children` down from `root`,
+/// which costs a few reads per process of the tree, whatever else runs on
+/// the machine; where the kernel has no such files, by one pass over every
+/// process in `/proc`. A process that exits during the walk hands its
+/// children to the nearest subreaper (the warden, for its own tree): the
+/// walk is made again until `root`'s children stay the same.
 pub fn descendants(root: i32) -> Vec<ProcStat> {
+    if !children_files() {
+        return descendants_by_scan(root);
+    }
+    let mut last = None;
+    for _ in 0..WALKS {
+        let before = children(root);
+        let out = walk(root, before.clone());
+        if children(root) == before {
+            return out;
+        }
+        last = Some(out);
+    }
+    last.unwrap_or_default()
+}
+
+/// Walks of the tree until the root's children stay the same; beyond it
+/// the last walk stands (the tree is changing as fast as it is read).
+const WALKS: usize = 8;
+
+fn walk(root: i32, first: Vec<i32>) -> Vec<ProcStat> {
+    let mut out = Vec::new();
+    let mut seen = HashSet::from([root]);
+    let mut queue: VecDeque<i32> = first.into();
+    while let Some(pid) = queue.pop_front() {
+        if !seen.insert(pid) {
+            continue;
+        }
+        let Some(st) = read_stat(pid) else { continue };
+        if is_helper(&st) {
+            continue;
+        }
+        queue.extend(children(pid));
+        if st.state != 'Z' && st.state != 'X' {
+            out.push(st);
+        }
+    }
+    out
+}
+
+/// The children of every thread of `pid`, in the kernel's order; none for
+/// a process that is gone.
+fn children(pid: i32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    let mut out = Vec::new();
+    for task in tasks.flatten() {
+        let mut path = task.path();
+        path.push("children");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            out.extend(text.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+        }
+    }
+    out
+}
+
+/// Whether this kernel lists each task's children (`CONFIG_PROC_CHILDREN`).
+fn children_files() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        let tid = nix::unistd::gettid().as_raw();
+        Path::new(&format!("/proc/self/task/{tid}/children")).exists()
+    })
+}
+
+/// [`descendants`] by one pass over every process in `/proc`.
+fn descendants_by_scan(root: i32) -> Vec<ProcStat> {
     let mut children: HashMap<i32, Vec<ProcStat>> = HashMap::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for entry in dir.flatten() {
@@ -284,13 +355,11 @@ impl Tree {
         if let Some(cwd) = &spec.cwd {
             cmd.current_dir(cwd);
         }
-        // SAFETY: between fork and exec only async-signal-safe calls are
-        // made: sigemptyset and sigprocmask. A signal mask is inherited
-        // across exec; the child must start able to receive its stop signal
-        // whatever mask the warden was started with.
-        unsafe {
-            cmd.pre_exec(unblock_all_signals);
-        }
+        // The child must start able to receive its stop signal whatever mask
+        // the warden was started with: std empties the signal mask (and
+        // restores SIGPIPE) in every child it starts. With no code of ours to
+        // run between fork and exec, it starts the child with posix_spawn,
+        // without copying the warden's page tables.
         let mut inner = lock(&self.inner);
         let child = cmd.spawn()?;
         let pid = child.id();
@@ -301,6 +370,25 @@ impl Tree {
         inner.watching = false;
         inner.killing = false;
         Ok(pid)
+    }
+
+    /// Take `pid`, already our child (a predecessor's, before an upgrade's
+    /// exec), as the leader.
+    pub fn adopt(&self, pid: u32) {
+        let mut inner = lock(&self.inner);
+        inner.leader = Some(pid as i32);
+        inner.leader_reaped = false;
+        inner.watching = false;
+        inner.killing = false;
+        // It may have exited during the exec: its exit waits to be reaped.
+        let me = self.me;
+        inner.reap(me);
+    }
+
+    /// The leader while it lives.
+    pub fn leader(&self) -> Option<u32> {
+        let inner = lock(&self.inner);
+        inner.leader.filter(|_| !inner.leader_reaped).map(|p| p as u32)
     }
 
     /// Send `sig` to the leader if it is alive, else to every descendant
@@ -408,6 +496,38 @@ mod tests {
         let st = read_stat(me).unwrap();
         assert_eq!(st.pid, me);
         assert!(st.start_time > 0);
+    }
+
+    /// The walk down the children files finds what a pass over all of
+    /// `/proc` finds: the shell and both of its sleeps, parents first.
+    #[test]
+    fn the_walk_finds_what_the_scan_finds() {
+        use std::io::BufRead;
+        assert!(children_files(), "this kernel lists children (CONFIG_PROC_CHILDREN)");
+        let mut sh = Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30 & echo forked; wait"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(sh.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line, "forked\n");
+        let me = std::process::id() as i32;
+        let pids = |v: Vec<ProcStat>| v.into_iter().map(|p| p.pid).collect::<Vec<_>>();
+        let walked = pids(descendants(me));
+        let scanned = pids(descendants_by_scan(me));
+        let _ = killpg(Pid::from_raw(sh.id() as i32), Signal::SIGKILL);
+        let _ = kill(Pid::from_raw(sh.id() as i32), Signal::SIGKILL);
+        for d in &walked {
+            let _ = kill(Pid::from_raw(*d), Signal::SIGKILL);
+        }
+        let _ = sh.wait();
+        assert_eq!(walked.len(), 3, "{walked:?}");
+        assert_eq!(walked[0], sh.id() as i32);
+        let (mut a, mut b) = (walked.clone(), scanned);
+        a.sort_unstable();
+        b.sort_unstable();
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -89,6 +89,9 @@ pub enum Cmd {
     Undrain(ConfigArg),
     /// Drain, then start the model server again.
     Restart(ConfigArg),
+    /// Replace the running warden by the binary now at its path, keeping
+    /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running.
+    Upgrade(ConfigArg),
     /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
     Demo,
     /// Write the man pages and shell completions into a folder (packaging).
@@ -98,9 +101,12 @@ pub enum Cmd {
 
 /// Parse the arguments, run the command, return its exit code.
 pub fn main() -> Code {
+    // First, before any thread: an upgrading predecessor's state file.
+    let upgraded = crate::upgrade::take_from_env();
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Run(a) => run(&a.config.config, a.log_format),
+        Cmd::Run(a) => run(&a.config.config, a.log_format, upgraded),
+        Cmd::Upgrade(c) => upgrade(&c.config),
         Cmd::Check(c) => match check(&c.config.config) {
             Code::Ok if c.diff => diff(&c.config.config),
             code => code,
@@ -310,13 +316,28 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, Code> {
     })
 }
 
-fn run(path: &Path, log_format: crate::logging::Format) -> Code {
+fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf>) -> Code {
     let settings = match load(path) {
         Ok(s) => s,
         Err(code) => return code,
     };
+    // An upgrade's state, checked against the live system; the lock the
+    // predecessor kept open for us, whatever else is wrong with it.
+    let handed = upgraded.map(|p| {
+        let state = crate::upgrade::read(&p, &settings.name);
+        let fd = match &state {
+            Ok(s) => Some(s.lock_fd),
+            Err(_) => None,
+        };
+        (state, fd.and_then(|fd| crate::lock::InstanceLock::adopt(&settings.state_dir, fd)))
+    });
+    let (adopted, lock) = match handed {
+        Some((state, Some(lock))) => (Some(state), Ok(lock)),
+        Some((state, None)) => (Some(state), crate::lock::InstanceLock::take(&settings.state_dir, &settings.name)),
+        None => (None, crate::lock::InstanceLock::take(&settings.state_dir, &settings.name)),
+    };
     // Before anything else: a second warden of this instance touches nothing.
-    let _lock = match crate::lock::InstanceLock::take(&settings.state_dir, &settings.name) {
+    let lock = match lock {
         Ok(l) => l,
         Err(e) => {
             eprintln!("vllm-warden: {e}");
@@ -327,10 +348,19 @@ fn run(path: &Path, log_format: crate::logging::Format) -> Code {
         }
     };
     crate::logging::init(log_format);
-    if let Err(e) = crate::child::unblock_all_signals() {
-        tracing::error!(error = %e, "cannot unblock signals");
-        return Code::Internal;
-    }
+    let adopted = match adopted {
+        Some(Ok(state)) => Some(state),
+        Some(Err(why)) => {
+            tracing::error!(EVENT = "upgrade", "the upgrade's state is unusable ({why}): starting again");
+            None
+        }
+        None => None,
+    };
+    let handover = crate::daemon::Handover {
+        exe: std::env::current_exe().ok(),
+        lock_fd: Some(std::os::fd::AsRawFd::as_raw_fd(&lock.fd())),
+        adopted,
+    };
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(code) => return code,
@@ -343,14 +373,60 @@ fn run(path: &Path, log_format: crate::logging::Format) -> Code {
                 return Code::Internal;
             }
         };
-        crate::daemon::run(settings, SdNotifier::from_env(), systemd::watchdog_interval(), requests).await
+        // Only now, with the handlers in place: a signal blocked by whoever
+        // started the warden (or by an upgrading predecessor, across its
+        // exec) reaches its handler, never the default action.
+        if let Err(e) = crate::child::unblock_all_signals() {
+            tracing::error!(error = %e, "cannot unblock signals");
+            return Code::Internal;
+        }
+        crate::daemon::run(settings, SdNotifier::from_env(), systemd::watchdog_interval(), requests, handover).await
     });
     // A blocking read of a stuck file or command must not hold the exit.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     code
 }
 
-/// SIGTERM and SIGINT ask for a stop, SIGHUP for a reload. Needs a runtime.
+/// Ask the running warden of the instance to upgrade in place: SIGUSR2 to
+/// the lock's holder, once it is seen to be a `vllm-warden run` process.
+fn upgrade(path: &Path) -> Code {
+    let settings = match load(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let pid = match crate::lock::InstanceLock::holder(&settings.state_dir) {
+        Ok(Some(pid)) => pid,
+        Ok(None) => {
+            eprintln!("vllm-warden: instance {:?} is not running", settings.name);
+            return Code::NotRunning;
+        }
+        Err(e) => {
+            eprintln!("vllm-warden: cannot read the instance's lock: {e}");
+            return Code::Internal;
+        }
+    };
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let ours = args.first().is_some_and(|a| a.ends_with(b"vllm-warden") || a.ends_with(b"vllm-warden (deleted)"))
+        && args.get(1).is_some_and(|a| *a == b"run");
+    if !ours {
+        eprintln!("vllm-warden: pid {pid}, named by the lock, is not a vllm-warden run process: not signalled");
+        return Code::NotRunning;
+    }
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGUSR2) {
+        Ok(()) => {
+            println!("asked pid {pid} to upgrade in place; it does so once the model is ready (see the journal)");
+            Code::Ok
+        }
+        Err(e) => {
+            eprintln!("vllm-warden: cannot signal pid {pid}: {e}");
+            Code::Internal
+        }
+    }
+}
+
+/// SIGTERM and SIGINT ask for a stop, SIGHUP for a reload, SIGUSR2 for an
+/// upgrade in place. Needs a runtime.
 fn signal_requests() -> std::io::Result<impl Stream<Item = Request>> {
     use tokio::signal::unix::{SignalKind, signal};
     use tokio_stream::wrappers::SignalStream;
@@ -358,5 +434,5 @@ fn signal_requests() -> std::io::Result<impl Stream<Item = Request>> {
         Ok(SignalStream::new(signal(kind)?).map(move |()| request))
     };
     let stop = on(SignalKind::terminate(), Request::Stop)?.merge(on(SignalKind::interrupt(), Request::Stop)?);
-    Ok(stop.merge(on(SignalKind::hangup(), Request::Reload)?))
+    Ok(stop.merge(on(SignalKind::hangup(), Request::Reload)?).merge(on(SignalKind::user_defined2(), Request::Upgrade)?))
 }

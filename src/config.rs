@@ -102,6 +102,11 @@ pub mod defaults {
     pub const DRAIN_DELAY: Duration = Duration::from_secs(5);
     /// The most a drain waits for the requests in flight to end.
     pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+    /// `child.log-max-size`: a day or more of request logging on a busy
+    /// server; a restart loop writes about 1 KiB a start.
+    pub const LOG_MAX_SIZE: u64 = 1 << 30;
+    pub const LOG_KEEP: u32 = 3;
+    pub const LOG_COMPRESS: bool = true;
 }
 
 /// The range of every duration key: wide enough for any real setting, and
@@ -129,6 +134,12 @@ pub mod limits {
     /// `[[patch]] max-size`, in bytes: up to 4 GiB, so that a mistake
     /// cannot ask the warden to read a disk image.
     pub const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;
+
+    /// `child.log-max-size`: from 1 MiB (smaller, and the file would be
+    /// copied many times a second by a chatty server) to 1 TiB.
+    pub const LOG_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+    /// `child.log-keep`: copies kept.
+    pub const LOG_KEEP: RangeInclusive<u32> = 0..=1000;
 }
 
 /// A config that passed validation.
@@ -167,6 +178,8 @@ pub struct Child {
     pub env: BTreeMap<String, String>,
     pub cwd: Option<PathBuf>,
     pub log_file: PathBuf,
+    /// `log-max-size`, `log-keep`, `log-compress`.
+    pub log_rotation: crate::rotate::Rotation,
     pub stop_signal: Signal,
     pub stop_timeout: Duration,
 }
@@ -443,9 +456,17 @@ fn child(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Child {
     let cwd = k.read("cwd", None, |r, v| r.string(v, "cwd").map(|s| Some(PathBuf::from(s))));
     let log_dir = dirs.logs.clone().unwrap_or_else(|| PathBuf::from(defaults::LOG_DIR));
     let log_file = k.path("log-file", log_dir.join(format!("{name}.log")));
+    let log_rotation = crate::rotate::Rotation {
+        max_size: k
+            .read("log-max-size", defaults::LOG_MAX_SIZE, |r, v| size(r, v, "log-max-size", limits::LOG_MAX_SIZE)),
+        keep: k.read("log-keep", defaults::LOG_KEEP, |r, v| {
+            r.integer(v, "log-keep", (*limits::LOG_KEEP.end()).into()).and_then(|n| u32::try_from(n).ok())
+        }),
+        compress: k.read("log-compress", defaults::LOG_COMPRESS, |r, v| r.boolean(v, "log-compress")),
+    };
     let stop_signal = k.read("stop-signal", defaults::STOP_SIGNAL, stop_signal);
     let stop_timeout = k.duration("stop-timeout", defaults::STOP_TIMEOUT, limits::WAIT);
-    Child { command, env, cwd, log_file, stop_signal, stop_timeout }
+    Child { command, env, cwd, log_file, log_rotation, stop_signal, stop_timeout }
 }
 
 fn command(r: &mut Reader<'_>, v: &Value<'_>) -> Vec<String> {

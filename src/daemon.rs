@@ -31,6 +31,7 @@ pub async fn run(
     mut notifier: impl Notifier,
     watchdog: Option<Duration>,
     requests: impl Stream<Item = Request>,
+    handover: Handover,
 ) -> Code {
     let classifier = match Classifier::new(&settings.patterns) {
         Ok(c) => c,
@@ -39,9 +40,10 @@ pub async fn run(
             return Code::Config;
         }
     };
-    let token = match crate::prestart::new_run_token() {
-        Ok(t) => t,
-        Err(e) => {
+    let token = match (&handover.adopted, crate::prestart::new_run_token()) {
+        (Some(state), _) => state.token.clone(),
+        (None, Ok(t)) => t,
+        (None, Err(e)) => {
             tracing::error!(error = %e, "cannot read /dev/urandom for the run token");
             return Code::Internal;
         }
@@ -94,7 +96,7 @@ pub async fn run(
     };
     let socket_path = settings.server.socket.clone();
     crate::reload::save_running(&settings);
-    let machine = Machine::new(Policy::from_settings(&settings), fastrand::u64(..));
+    let policy = Policy::from_settings(&settings);
     let cleanup = settings.clone();
     let mut backend = match Real::new(settings, classifier, tx, lines_tx, gatherer, token) {
         Ok(b) => b,
@@ -102,6 +104,20 @@ pub async fn run(
             tracing::error!(error = %e, "cannot become a subreaper");
             return Code::Internal;
         }
+    };
+    let adopted = handover.adopted.clone();
+    backend.handover = handover;
+    let machine = match adopted.map(|state| backend.adopt(&state).map(|()| state)) {
+        Some(Ok(state)) => {
+            Machine::adopt(policy, fastrand::u64(..), &state.machine, &state.from, tokio::time::Instant::now())
+        }
+        Some(Err(e)) => {
+            // The child is ours and recorded with its token: the pre-start
+            // steps stop it as a leftover, then the model is loaded again.
+            tracing::error!(EVENT = "upgrade", error = %e, "cannot take the ready run over: starting again");
+            Machine::new(policy, fastrand::u64(..))
+        }
+        None => Machine::new(policy, fastrand::u64(..)),
     };
     backend.last_check = last_check;
     // Watched as every other task: an endpoint that stops serving is a
@@ -120,6 +136,7 @@ pub async fn run(
         lines: &mut lines_rx,
         ctx: &ctx,
         observer: &mut observer,
+        upgrade: None,
     }
     .run(requests)
     .await;
@@ -373,6 +390,20 @@ pub struct Real {
     /// Put in every child's environment (`prestart::RUN_TOKEN`).
     token: String,
     inputs: mpsc::UnboundedSender<Input>,
+    /// Set once the pre-start steps found no leftover of an earlier warden.
+    leftovers_done: Arc<std::sync::atomic::AtomicBool>,
+    handover: Handover,
+}
+
+/// What an upgrade in place needs of the process around the daemon.
+#[derive(Debug, Clone, Default)]
+pub struct Handover {
+    /// The binary at the warden's own path (as it was started).
+    pub exe: Option<std::path::PathBuf>,
+    /// The instance lock's descriptor, kept open across the exec.
+    pub lock_fd: Option<std::os::fd::RawFd>,
+    /// The ready run of a predecessor to take over.
+    pub adopted: Option<crate::upgrade::State>,
 }
 
 impl Real {
@@ -405,6 +436,8 @@ impl Real {
             lines,
             probe: None,
             preparing: None,
+            leftovers_done: Arc::default(),
+            handover: Handover::default(),
             health: None,
             last_check: Default::default(),
             load: None,
@@ -413,6 +446,45 @@ impl Real {
             token,
             inputs,
         })
+    }
+
+    /// Follow the log file `file` of start `start` from `offset`.
+    fn follow_log(&mut self, file: &std::fs::File, offset: u64, start: u32) -> std::io::Result<Follower> {
+        let tap = LineTap {
+            journal: self.taps.journal.clone(),
+            literal: memchr::memmem::Finder::new(b"generation throughput"),
+            generation: Default::default(),
+            traffic: self.taps.traffic.clone(),
+        };
+        let c = &self.settings.child;
+        let rotator = crate::rotate::Rotator::new(&c.log_file, file, c.log_rotation)
+            .map_err(|e| tracing::warn!(error = %e, "the log file will not be rotated"))
+            .ok();
+        Follower::start(
+            file,
+            offset,
+            start,
+            self.classifier.clone(),
+            Some(Box::new(tap)),
+            rotator,
+            self.lines.clone(),
+            &mut self.tasks,
+        )
+    }
+
+    /// Take over the ready run of the predecessor that handed `state`
+    /// over: the child as the tree's leader, its log from the saved offset,
+    /// the kernel's messages.
+    fn adopt(&mut self, state: &crate::upgrade::State) -> std::io::Result<()> {
+        let pid = state.machine.pid;
+        let file = crate::upgrade::open_child_log(pid, state.log_dev, state.log_ino)?;
+        let follower = self.follow_log(&file, state.log_offset, state.machine.start)?;
+        self.tree.adopt(pid);
+        self.follower = Some(follower);
+        self.leftovers_done.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.kernel_start.store(state.machine.start, std::sync::atomic::Ordering::SeqCst);
+        self.follow_kernel();
+        Ok(())
     }
 
     /// Follow the kernel's messages unless already following this source.
@@ -448,13 +520,13 @@ impl Backend for Real {
     fn prepare(&mut self, start: u32) {
         self.stop_checks();
         self.follower = None;
-        let (settings, tx) = (self.settings.clone(), self.inputs.clone());
+        let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.leftovers_done.clone());
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
-            let result = crate::prepare::run(&settings, status).await;
+            let result = crate::prepare::run(&settings, status, done).await;
             let result = match result {
                 Ok(()) => Prepared::Done,
                 Err(failure) => Prepared::Failed(failure),
@@ -491,8 +563,8 @@ impl Backend for Real {
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
         self.preparing = None;
         let c = &self.settings.child;
-        let log_path = &c.log_file;
-        let (file, offset) = child::open_log(log_path, start, std::time::SystemTime::now())
+        let log_path = c.log_file.clone();
+        let (file, offset) = child::open_log(&log_path, start, std::time::SystemTime::now())
             .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
         let mut env = c.env.clone();
         env.insert(crate::prestart::RUN_TOKEN.into(), self.token.clone());
@@ -504,23 +576,10 @@ impl Backend for Real {
             redact::command(&spec.argv),
             redact::env(&spec.env)
         );
-        let tap = LineTap {
-            journal: self.taps.journal.clone(),
-            literal: memchr::memmem::Finder::new(b"generation throughput"),
-            generation: Default::default(),
-            traffic: self.taps.traffic.clone(),
-        };
         // Follow before spawning, so that no line can be missed.
-        let follower = Follower::start(
-            &file,
-            offset,
-            start,
-            self.classifier.clone(),
-            Some(Box::new(tap)),
-            self.lines.clone(),
-            &mut self.tasks,
-        )
-        .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
+        let follower = self
+            .follow_log(&file, offset, start)
+            .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
             match e.kind() {
@@ -588,6 +647,7 @@ impl Backend for Real {
         // from its follower's next read on.
         if let Some(f) = &self.follower {
             f.reclassify(classifier.clone());
+            f.rotation(self.settings.child.log_rotation);
         }
         self.classifier = classifier;
         // The health checks of a ready run go on with the new settings.
@@ -596,6 +656,86 @@ impl Backend for Real {
             self.health(start);
         }
         plan
+    }
+
+    fn check_upgrade(&mut self) {
+        let tx = self.inputs.clone();
+        let Some(exe) = self.handover.exe.clone() else {
+            let _ = tx.send(Input::UpgradeChecked(Err("the warden's own path is not known".into())));
+            return;
+        };
+        self.tasks.spawn("upgrade check", Lifetime::Finite, async move {
+            let checked = tokio::task::spawn_blocking(move || crate::upgrade::probe_version(&exe))
+                .await
+                .unwrap_or_else(|e| Err(format!("the check failed: {e}")));
+            let _ = tx.send(Input::UpgradeChecked(checked));
+        });
+    }
+
+    fn pause_lines(&mut self) -> Option<u64> {
+        self.follower.take()?.finish(Duration::from_secs(5))
+    }
+
+    fn resume_lines(&mut self, offset: u64) {
+        let (pid, start) = match self.tree.leader() {
+            Some(pid) => (pid, self.kernel_start.load(std::sync::atomic::Ordering::SeqCst)),
+            None => return,
+        };
+        let followed =
+            std::fs::File::open(format!("/proc/{pid}/fd/1")).and_then(|f| self.follow_log(&f, offset, start));
+        match followed {
+            Ok(f) => self.follower = Some(f),
+            Err(e) => tracing::error!(error = %e, "cannot follow the child's log again"),
+        }
+    }
+
+    fn exec_upgrade(&mut self, saved: crate::supervisor::Saved, offset: u64) -> String {
+        use std::os::unix::fs::MetadataExt;
+        let (Some(exe), Some(lock_fd)) = (self.handover.exe.clone(), self.handover.lock_fd) else {
+            return "the warden's own path or lock is not known".into();
+        };
+        let pid = saved.pid;
+        let Some(stat) = child::read_stat(pid as i32) else { return format!("the child, pid {pid}, is gone") };
+        let log = match std::fs::metadata(format!("/proc/{pid}/fd/1")) {
+            Ok(m) => m,
+            Err(e) => return format!("cannot see the child's log: {e}"),
+        };
+        // SAFETY: the lock's descriptor lives as long as the warden.
+        let lock_fd_b = unsafe { std::os::fd::BorrowedFd::borrow_raw(lock_fd) };
+        let lock = match rustix::fs::fstat(lock_fd_b) {
+            Ok(st) => st,
+            Err(e) => return format!("cannot see the lock: {e}"),
+        };
+        let state = crate::upgrade::State {
+            format: 1,
+            from: env!("CARGO_PKG_VERSION").into(),
+            instance: self.settings.name.clone(),
+            lock_fd,
+            lock_dev: lock.st_dev,
+            lock_ino: lock.st_ino,
+            token: self.token.clone(),
+            child_start_time: stat.start_time,
+            log_dev: log.dev(),
+            log_ino: log.ino(),
+            log_offset: offset,
+            machine: saved,
+        };
+        let path = crate::upgrade::state_path(&self.settings.status.file);
+        if let Err(e) = crate::upgrade::write(&path, &state) {
+            return format!("cannot write {}: {e}", path.display());
+        }
+        if let Err(e) = crate::upgrade::keep_across_exec(lock_fd_b) {
+            let _ = std::fs::remove_file(&path);
+            return format!("cannot keep the lock across the exec: {e}");
+        }
+        // The kernel-message follower is a process of ours the successor
+        // would not know: stopped (it starts its own).
+        self.kernel = None;
+        let e = crate::upgrade::exec(&exe, &path);
+        let _ = std::fs::remove_file(&path);
+        let _ = rustix::io::fcntl_setfd(lock_fd_b, rustix::io::FdFlags::CLOEXEC);
+        self.follow_kernel();
+        format!("cannot run {}: {e}", exe.display())
     }
 
     fn terminate(&mut self, sig: Signal) {

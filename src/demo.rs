@@ -127,7 +127,13 @@ file = "{d}/status.json"
     let started = std::time::Instant::now();
     let (stop, requests) = mpsc::unbounded_channel();
     let narrator = Narrator { readies: 0, stop, started };
-    let code = rt.block_on(crate::daemon::run(settings, narrator, None, UnboundedReceiverStream::new(requests)));
+    let code = rt.block_on(crate::daemon::run(
+        settings,
+        narrator,
+        None,
+        UnboundedReceiverStream::new(requests),
+        Default::default(),
+    ));
     println!("[{:6.2}s] demo: the warden exited with code {code}", started.elapsed().as_secs_f64());
     code
 }

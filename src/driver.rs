@@ -34,6 +34,9 @@ pub enum Request {
     Stop,
     /// SIGHUP: read the config again and apply it.
     Reload,
+    /// SIGUSR2: replace the warden by the binary at its path, keeping the
+    /// ready child (see [`crate::upgrade`]).
+    Upgrade,
     /// `POST /drain`: out of rotation, and held there.
     Drain,
     /// `POST /undrain`: back into rotation.
@@ -108,6 +111,9 @@ pub enum Input {
     Quiet {
         start: u32,
     },
+    /// The binary an upgrade would run answered `--version` (its version),
+    /// or why not.
+    UpgradeChecked(Result<String, String>),
 }
 
 /// Where effects on the child are carried out.
@@ -143,6 +149,22 @@ pub trait Backend {
     /// `Delivery::Drained` sent after them; false when no run's lines are
     /// followed (nothing will follow).
     fn drain_lines(&mut self) -> bool;
+    /// Ask the binary at the warden's path for its version, off the loop:
+    /// `Input::UpgradeChecked`.
+    fn check_upgrade(&mut self) {}
+    /// Stop following the run's lines: the offset of the first line not
+    /// handed on whole (every batch before it is in the line queue); `None`
+    /// when nothing is followed.
+    fn pause_lines(&mut self) -> Option<u64> {
+        None
+    }
+    /// Follow the run's lines again from `offset` (an upgrade given up).
+    fn resume_lines(&mut self, _offset: u64) {}
+    /// Replace the warden by the binary at its path, handing over `saved`
+    /// and the lines from `offset`; returns only on failure, saying why.
+    fn exec_upgrade(&mut self, _saved: crate::supervisor::Saved, _offset: u64) -> String {
+        "upgrades are not supported here".into()
+    }
     /// Wait until a background task of the backend ends unexpectedly, and
     /// name it; pending while none does. Cancel-safe. The backend has
     /// already done what it can so that the tree can still be stopped (the
@@ -205,6 +227,9 @@ pub struct Loop<'a, B: Backend, N: Notifier> {
     pub lines: &'a mut mpsc::Receiver<Delivery>,
     pub ctx: &'a Context,
     pub observer: &'a mut dyn Observer,
+    /// An upgrade to this version was asked for and checked: it is done
+    /// once the run is ready.
+    pub upgrade: Option<String>,
 }
 
 /// A leader's exit, held back until the lines it wrote are classified.
@@ -235,6 +260,9 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             while let Some(ev) = events.pop_front() {
                 self.step(ev, &mut events, &mut held);
             }
+            if exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some() {
+                self.upgrade_now(&mut events, &mut held);
+            }
             if let Some(code) = self.machine.done() {
                 self.observer.flush();
                 self.send_held(&mut held);
@@ -255,6 +283,10 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     Some(Request::Drain) => events.push_back(Event::DrainRequested),
                     Some(Request::Undrain) => events.push_back(Event::UndrainRequested),
                     Some(Request::Restart) => events.push_back(Event::RestartRequested),
+                    Some(Request::Upgrade) => {
+                        tracing::info!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade asked for: checking the binary");
+                        self.backend.check_upgrade();
+                    }
                     None => {
                         requests_open = false;
                         events.push_back(Event::StopRequested);
@@ -358,6 +390,46 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         }
     }
 
+    /// The machine is ready and an upgrade was asked for: stop following
+    /// the lines, act on those already read, and if the run is still ready,
+    /// hand it over (the exec returns only on failure); else follow on.
+    fn upgrade_now(&mut self, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
+        let Some(version) = self.upgrade.take() else { return };
+        let instance = self.ctx.instance.clone();
+        let Some(offset) = self.backend.pause_lines() else {
+            tracing::error!(
+                INSTANCE = instance.as_str(),
+                EVENT = "upgrade",
+                "upgrade given up: the log follower did not stop"
+            );
+            return;
+        };
+        while let Ok(delivery) = self.lines.try_recv() {
+            if let Delivery::Lines { start, lines, .. } = delivery {
+                events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
+            }
+        }
+        while let Some(ev) = events.pop_front() {
+            self.step(ev, events, held);
+        }
+        let Some(saved) = self.machine.save(Instant::now()) else {
+            tracing::warn!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: the run is failing");
+            self.backend.resume_lines(offset);
+            return;
+        };
+        self.observer.flush();
+        self.send_held(held);
+        tracing::info!(
+            INSTANCE = instance.as_str(),
+            EVENT = "upgrade",
+            "upgrading to {version}: handing pid {} over",
+            saved.pid
+        );
+        let why = self.backend.exec_upgrade(saved, offset);
+        tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade failed, this warden goes on: {why}");
+        self.backend.resume_lines(offset);
+    }
+
     fn send_held(&mut self, held: &mut Vec<Vec<Note>>) {
         // One by one: a notifier keeps only the latest status of one call.
         for notes in held.drain(..) {
@@ -369,6 +441,21 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         match input {
             Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
             Input::Quiet { start } => events.push_back(Event::Quiet { start }),
+            Input::UpgradeChecked(Err(why)) => {
+                tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");
+                // Shown by `systemctl status` until the next change of state.
+                self.notifier.notify(&[Note::Status(crate::escape::one_line(&format!("upgrade refused: {why}"), 512))]);
+            }
+            Input::UpgradeChecked(Ok(version)) => {
+                if self.machine.save(Instant::now()).is_none() {
+                    tracing::info!(
+                        INSTANCE = self.ctx.instance.as_str(),
+                        EVENT = "upgrade",
+                        "upgrade to {version} waits until the model is ready"
+                    );
+                }
+                self.upgrade = Some(version);
+            }
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
             Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
             Input::Survivors(description) => events.push_back(Event::Survivors { description }),

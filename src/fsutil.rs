@@ -360,7 +360,9 @@ impl Dir {
         }
     }
 
-    fn create_temp(&self, target: &OsStr) -> io::Result<(File, OsString)> {
+    /// A new empty file beside `target`, named as [`Dir::write_temp`] names
+    /// them, mode 0600; the caller writes it and renames or removes it.
+    pub fn create_temp(&self, target: &OsStr) -> io::Result<(File, OsString)> {
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         loop {
             let name = temp_name(target);

@@ -30,6 +30,7 @@
 //! | [`logging`] | journald or stderr |
 //! | [`fsutil`] | atomic whole-file writes |
 //! | [`reload`] | what a reload changes, and whether the child must restart |
+//! | [`rotate`] | the child's log file copied and truncated in place when it passes its size |
 //! | [`redact`] | masking secrets in printed commands |
 //! | [`demo`] | `vllm-warden demo` |
 //! | [`assets`] | man pages and completions |
@@ -60,8 +61,10 @@ pub mod profile;
 pub mod progress;
 pub mod redact;
 pub mod reload;
+pub mod rotate;
 pub mod server;
 pub mod status;
 pub mod supervisor;
 pub mod systemd;
 pub mod tasks;
+pub mod upgrade;

@@ -60,6 +60,54 @@ impl InstanceLock {
         writeln!(file, "{}", std::process::id()).map_err(io)?;
         Ok(InstanceLock { _file: file })
     }
+
+    /// The lock an upgraded warden's predecessor held, open across the
+    /// exec as descriptor `fd`: taken over if it is this instance's lock
+    /// file (same device and inode), else `None`.
+    pub fn adopt(state_dir: &Path, fd: std::os::fd::RawFd) -> Option<InstanceLock> {
+        use std::os::fd::FromRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let path = std::fs::symlink_metadata(state_dir.join("lock")).ok()?;
+        // SAFETY: only looked at; owned below only once it is known to be
+        // the lock file, which nothing else in this process holds.
+        let st = rustix::fs::fstat(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).ok()?;
+        if !path.is_file() || (st.st_dev, st.st_ino) != (path.dev(), path.ino()) {
+            return None;
+        }
+        // SAFETY: the descriptor was left open by the predecessor for us,
+        // and is the lock file: from now on this owns it.
+        let file = unsafe { File::from_raw_fd(fd) };
+        let _ = rustix::io::fcntl_setfd(&file, rustix::io::FdFlags::CLOEXEC);
+        Some(InstanceLock { _file: file })
+    }
+
+    /// The lock file's descriptor (kept open across an upgrade's exec).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self._file)
+    }
+
+    /// The pid of the warden that holds the lock of the instance in
+    /// `state_dir`: `Ok(None)` when none does (the lock is free). The pid
+    /// is the holder's own word; the caller checks it before signalling.
+    pub fn holder(state_dir: &Path) -> io::Result<Option<u32>> {
+        let path = state_dir.join("lock");
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        // A shared lock that we get means no warden holds it.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+            return Ok(None);
+        }
+        let mut text = String::new();
+        (&file).take(64).read_to_string(&mut text)?;
+        Ok(text.trim().parse().ok())
+    }
 }
 
 #[cfg(test)]

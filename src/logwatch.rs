@@ -17,7 +17,7 @@ use std::fs::File;
 use std::hash::BuildHasher;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -28,6 +28,7 @@ use regex::{Regex, RegexSet};
 use tokio::sync::mpsc;
 
 use crate::profile::Patterns;
+use crate::rotate::{Rotation, Rotator};
 use crate::tasks::{Lifetime, Tasks};
 
 /// Longest line kept; the rest of a longer line is dropped.
@@ -452,7 +453,12 @@ impl Classifier {
             message.starts_with("During handling of the above exception")
                 || message.starts_with("The above exception was the direct cause")
         };
-        let indented = message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty();
+        // Frames, their code lines, and the markers Python 3.11+ puts under
+        // them (`^^^^`, `~~~^^~~`), which a prefix may have cut loose from
+        // their indentation: never the exception.
+        let marker = |m: &str| m.trim().chars().all(|c| matches!(c, '^' | '~' | ' '));
+        let indented =
+            message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty() || marker(message);
         match state {
             _ if is_header => {
                 let group = match state {
@@ -548,6 +554,8 @@ struct Asked {
     classifier: Option<Classifier>,
     /// Read at most this often (a drain is answered at once all the same).
     pace: Option<std::time::Duration>,
+    /// New rotation settings (a reload).
+    rotation: Option<Rotation>,
 }
 
 #[derive(Debug)]
@@ -555,6 +563,10 @@ struct Control {
     asked: Mutex<Asked>,
     /// Wakes the thread from its wait for inotify.
     wake: EventFd,
+    /// Once the thread has ended: the offset of the first line it did not
+    /// hand on whole.
+    ended: Mutex<Option<u64>>,
+    ended_now: std::sync::Condvar,
 }
 
 impl Control {
@@ -570,6 +582,10 @@ impl Control {
 
     fn take_classifier(&self) -> Option<Classifier> {
         self.asked.lock().unwrap_or_else(|p| p.into_inner()).classifier.take()
+    }
+
+    fn take_rotation(&self) -> Option<Rotation> {
+        self.asked.lock().unwrap_or_else(|p| p.into_inner()).rotation.take()
     }
 
     fn stopped(&self) -> bool {
@@ -618,6 +634,13 @@ struct Reader {
     out: mpsc::Sender<Delivery>,
     gauge: Gauge,
     batch: Batch,
+    rotator: Option<Rotator>,
+    /// A read stops here, even before the end of the file (the rotation
+    /// copies in steps).
+    stop_at: Option<u64>,
+    /// Every line before this offset has been handed on whole (or did not
+    /// matter): where another follower goes on.
+    resume_at: u64,
 }
 
 impl Reader {
@@ -675,7 +698,151 @@ impl Reader {
             } else {
                 quiet = 0;
             }
+            if batch.lines.is_empty() {
+                let pending = if self.splitter.overflow { 0 } else { self.splitter.buf.len() as u64 };
+                self.resume_at = self.pos.saturating_sub(pending);
+            }
+            if self.stop_at.is_some_and(|at| self.pos >= at) || (!draining && self.rotation_due()) {
+                return true;
+            }
         }
+    }
+
+    /// Copy what has been read, cut at a block boundary, and cut it out of
+    /// the file; false when the filesystem cannot.
+    fn rotate_by_collapse(&mut self, rot: &mut Rotator) -> io::Result<bool> {
+        let block = self.file.metadata()?.blksize().max(1);
+        let upto = self.pos / block * block;
+        let size = self.file.metadata()?.len();
+        if upto == 0 || upto >= size {
+            return Ok(false);
+        }
+        let mut copy = rot.begin()?;
+        if let Some((file, _)) = copy.as_mut()
+            && let Err(e) = rot.copy(&self.file, file, 0, upto)
+        {
+            if let Some((_, tmp)) = copy {
+                rot.discard(&tmp);
+            }
+            return Err(e);
+        }
+        match rot.collapse(upto) {
+            Ok(Some(n)) => {
+                // The copy may hold more than was cut (a larger block size
+                // than reported): keep only what was cut.
+                if let Some((file, _)) = copy.as_mut() {
+                    file.set_len(n)?;
+                }
+                self.pos -= n;
+                self.resume_at = self.resume_at.saturating_sub(n);
+                let keep = rot.settings.keep;
+                rot.finish(copy)?;
+                tracing::info!(EVENT = "log-rotated", "log file rotated: its first {n} bytes moved out ({keep} kept)");
+                Ok(true)
+            }
+            other => {
+                if let Some((_, tmp)) = copy {
+                    rot.discard(&tmp);
+                }
+                other.map(|_| false)
+            }
+        }
+    }
+
+    fn rotation_due(&self) -> bool {
+        self.rotator.as_ref().is_some_and(|r| self.pos >= r.settings.max_size)
+    }
+
+    /// Copy the file to `NAME.1` and truncate it, reading (and classifying)
+    /// what the child writes meanwhile; truncated only once everything is
+    /// read. False when the loop is gone or the follower was stopped.
+    fn rotate(&mut self, buf: &mut [u8], control: &Control) -> bool {
+        /// Copied and read in steps of this much, until the last step is
+        /// no larger than [`LAST_STEP`].
+        const STEP: u64 = 8 << 20;
+        const LAST_STEP: u64 = 64 << 10;
+        /// Steps before giving up for now (a child writing faster than the
+        /// follower reads): the file grows past the size, nothing is lost,
+        /// and the next read tries again.
+        const STEPS: usize = 64;
+        let Some(mut rot) = self.rotator.take() else { return true };
+        match self.rotate_by_collapse(&mut rot) {
+            Ok(true) => {
+                self.rotator = Some(rot);
+                return true;
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot cut the log file's start: truncating it instead"),
+        }
+        let mut copy = match rot.begin() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot rotate the log file: no copy made; it grows on");
+                rot.settings.max_size = rot.settings.max_size.saturating_mul(2);
+                self.rotator = Some(rot);
+                return true;
+            }
+        };
+        let mut copied = 0;
+        let mut open = true;
+        let mut done = false;
+        for _ in 0..STEPS {
+            if let Some((file, _)) = copy.as_mut()
+                && let Err(e) = rot.copy(&self.file, file, copied, self.pos)
+            {
+                tracing::warn!(error = %e, "cannot copy the log file for its rotation");
+                break;
+            }
+            copied = self.pos;
+            self.stop_at = Some(self.pos + STEP);
+            open = self.read_to_end(buf, control, false);
+            self.stop_at = None;
+            if !open {
+                break;
+            }
+            if self.pos - copied > LAST_STEP {
+                continue;
+            }
+            if let Some((file, _)) = copy.as_mut()
+                && let Err(e) = rot.copy(&self.file, file, copied, self.pos)
+            {
+                tracing::warn!(error = %e, "cannot copy the log file for its rotation");
+                break;
+            }
+            copied = self.pos;
+            match rot.truncate(self.pos) {
+                Ok(true) => {
+                    done = true;
+                    break;
+                }
+                // Written since: read that too.
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot truncate the log file");
+                    break;
+                }
+            }
+        }
+        if done {
+            // The child's next write lands at 0; a line cut by the rotation
+            // goes on in the splitter.
+            self.pos = 0;
+            self.resume_at = 0;
+            let keep = rot.settings.keep;
+            match rot.finish(copy) {
+                Ok(()) => {
+                    tracing::info!(
+                        EVENT = "log-rotated",
+                        "log file rotated: {copied} bytes copied, then truncated ({keep} kept)"
+                    )
+                }
+                Err(e) => tracing::warn!(error = %e, "log file truncated, but its copy could not be put in place"),
+            }
+        } else if let Some((_, tmp)) = copy {
+            rot.discard(&tmp);
+        }
+        self.rotator = Some(rot);
+        open
     }
 }
 
@@ -695,14 +862,16 @@ pub struct Follower {
 impl Follower {
     /// Start following the file `log` (the child's stdout and stderr) of
     /// start `start` from byte `offset`: every line goes to `tap`, the lines
-    /// that matter to `out`, in batches. The thread is watched as the task
+    /// that matter to `out`, in batches; the file is rotated by `rotator`. The thread is watched as the task
     /// "log follower".
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         log: &File,
         offset: u64,
         start: u32,
         classifier: Classifier,
         tap: Option<Box<dyn Tap>>,
+        rotator: Option<Rotator>,
         out: mpsc::Sender<Delivery>,
         tasks: &mut Tasks,
     ) -> io::Result<Follower> {
@@ -717,7 +886,8 @@ impl Follower {
             AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE,
         )?;
         let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
-        let control = Arc::new(Control { asked: Mutex::default(), wake });
+        let control =
+            Arc::new(Control { asked: Mutex::default(), wake, ended: Mutex::default(), ended_now: Default::default() });
         let gauge = Gauge::default();
         let reader = Reader {
             file,
@@ -729,6 +899,9 @@ impl Follower {
             out,
             gauge: gauge.clone(),
             batch: Batch::default(),
+            rotator,
+            stop_at: None,
+            resume_at: offset,
         };
         let c = control.clone();
         // Started now, not when the loop next polls a task: the child's
@@ -764,9 +937,31 @@ impl Follower {
         self.control.ask(|a| a.pace = Some(every));
     }
 
+    /// Rotate with these settings from now on (a reload).
+    pub fn rotation(&self, settings: Rotation) {
+        self.control.ask(|a| a.rotation = Some(settings));
+    }
+
     /// The bytes of the batches handed on and not yet dropped.
     pub fn gauge(&self) -> &Gauge {
         &self.gauge
+    }
+}
+
+impl Follower {
+    /// Stop reading and wait (up to `patience`) for the thread to end:
+    /// the offset of the first line not handed on whole, from which
+    /// another follower can go on. Every batch handed on before it is in
+    /// the channel.
+    pub fn finish(self, patience: std::time::Duration) -> Option<u64> {
+        self.control.ask(|a| a.stop = true);
+        let ended = self.control.ended.lock().unwrap_or_else(|p| p.into_inner());
+        let (ended, _) = self
+            .control
+            .ended_now
+            .wait_timeout_while(ended, patience, |e| e.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        *ended
     }
 }
 
@@ -777,8 +972,15 @@ impl Drop for Follower {
     }
 }
 
-/// The follower's thread: read, then wait for inotify or a request.
+/// The follower's thread; at its end, where the next reader should start.
 fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
+    follow_until_stopped(&mut reader, inotify, control);
+    *control.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(reader.resume_at);
+    control.ended_now.notify_all();
+}
+
+/// Read, then wait for inotify or a request, until stopped.
+fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Control) {
     let mut buf = vec![0u8; READ];
     let mut events = [0u8; 4096];
     loop {
@@ -786,8 +988,25 @@ fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
         if let Some(c) = control.take_classifier() {
             reader.classifier = c;
         }
+        if let Some(settings) = control.take_rotation()
+            && let Some(r) = reader.rotator.as_mut()
+        {
+            r.settings = settings;
+        }
         if stop || !reader.read_to_end(&mut buf, control, drain) {
             return;
+        }
+        if reader.rotation_due() {
+            if !reader.rotate(&mut buf, control) {
+                return;
+            }
+            // Read on at once: the rotation may have stopped mid-file.
+            if !drain {
+                continue;
+            }
+            if !reader.read_to_end(&mut buf, control, true) {
+                return;
+            }
         }
         if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
             return;

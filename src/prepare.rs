@@ -5,6 +5,8 @@
 //! a cause naming what is in the way.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -81,11 +83,17 @@ enum Blocking {
     PortHeld(String),
 }
 
-/// Run the steps; an `Err` fails the start.
-pub async fn run(s: &Settings, status: Status) -> Result<(), StartFailure> {
+/// Run the steps; an `Err` fails the start. The leftovers of an earlier
+/// warden are looked for until `leftovers_done` is set, which is done here
+/// once none is left: later starts of this warden follow the end of its own
+/// tree, of which nothing survives (the warden is its subreaper and saw it
+/// gone), and no other warden of the instance can have run meanwhile (the
+/// lock).
+pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) -> Result<(), StartFailure> {
     let name = s.name.as_str();
     let (settings, st) = (s.clone(), status.clone());
-    let mut seen = off_loop(move || blocking_steps(&settings, &st, true)).await?;
+    let look = !leftovers_done.load(Ordering::SeqCst);
+    let mut seen = off_loop(move || blocking_steps(&settings, &st, look)).await?;
     if let Blocking::Leftovers(left, shown) = &seen {
         let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), shown.join(", "));
         tracing::warn!(INSTANCE = name, EVENT = "leftovers", "{text}");
@@ -96,6 +104,7 @@ pub async fn run(s: &Settings, status: Status) -> Result<(), StartFailure> {
         let (settings, st) = (s.clone(), status.clone());
         seen = off_loop(move || blocking_steps(&settings, &st, false)).await?;
     }
+    leftovers_done.store(true, Ordering::SeqCst);
 
     // 4. The port: wait while it is held.
     if let Blocking::PortHeld(holders) = seen {

@@ -410,8 +410,22 @@ pub fn cmdline(pid: i32) -> String {
     if line.is_empty() { "(unknown)".into() } else { format!("({line})") }
 }
 
-/// Socket inodes listening on `port` (TCP, IPv4 and IPv6).
+/// Socket inodes listening on `port` (TCP, IPv4 and IPv6): asked of the
+/// kernel's socket diagnostics (netlink, as `ss` does), which hands over the
+/// listening sockets alone; else read from `/proc/net/tcp{,6}`, which walks
+/// every bucket of the connection table and takes milliseconds on a machine
+/// with much memory, at every start.
 fn listening_inodes(port: u16) -> BTreeSet<u64> {
+    match diag::listening_inodes(port) {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::debug!(error = %e, "socket diagnostics unavailable: reading /proc/net/tcp");
+            listening_inodes_in_proc(port)
+        }
+    }
+}
+
+fn listening_inodes_in_proc(port: u16) -> BTreeSet<u64> {
     let mut out = BTreeSet::new();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(table) else { continue };
@@ -429,6 +443,88 @@ fn listening_inodes(port: u16) -> BTreeSet<u64> {
         }
     }
     out
+}
+
+/// The kernel's socket diagnostics (`NETLINK_SOCK_DIAG`), for listening TCP
+/// sockets.
+mod diag {
+    use std::collections::BTreeSet;
+    use std::io;
+
+    use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+    use netlink_packet_sock_diag::SockDiagMessage;
+    use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP};
+    use netlink_packet_sock_diag::inet::{ExtensionFlags, InetRequest, SocketId, StateFlags};
+    use netlink_sys::protocols::NETLINK_SOCK_DIAG;
+    use netlink_sys::{Socket, SocketAddr};
+
+    /// A dump larger than this is not believed: a machine has at most 65536
+    /// listening ports per address, and one message holds one socket.
+    const MAX_MESSAGES: usize = 1 << 20;
+
+    pub fn listening_inodes(port: u16) -> io::Result<BTreeSet<u64>> {
+        let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        let mut out = BTreeSet::new();
+        for family in [AF_INET, AF_INET6] {
+            dump(&socket, family, port, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn bad(what: impl std::fmt::Display) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidData, format!("socket diagnostics: {what}"))
+    }
+
+    fn dump(socket: &Socket, family: u8, port: u16, out: &mut BTreeSet<u64>) -> io::Result<()> {
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        let request = InetRequest {
+            family,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::empty(),
+            states: StateFlags::LISTEN,
+            socket_id: if family == AF_INET { SocketId::new_v4() } else { SocketId::new_v6() },
+        };
+        let mut packet = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
+        packet.finalize();
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        socket.send(&buf, 0)?;
+
+        let mut seen = 0usize;
+        loop {
+            let (data, _) = socket.recv_from_full()?;
+            if data.is_empty() {
+                return Err(bad("the dump ended without its end marker"));
+            }
+            let mut at = 0;
+            while at < data.len() {
+                let msg = <NetlinkMessage<SockDiagMessage>>::deserialize(&data[at..]).map_err(bad)?;
+                let len = msg.header.length as usize;
+                if len == 0 {
+                    return Err(bad("a message of length 0"));
+                }
+                match msg.payload {
+                    NetlinkPayload::Done(_) => return Ok(()),
+                    NetlinkPayload::Error(e) => return Err(bad(format!("{e:?}"))),
+                    NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r))
+                        if r.header.socket_id.source_port == port =>
+                    {
+                        out.insert(u64::from(r.header.inode));
+                    }
+                    _ => {}
+                }
+                seen += 1;
+                if seen > MAX_MESSAGES {
+                    return Err(bad("a dump without end"));
+                }
+                // Messages are aligned to 4 bytes.
+                at += len.div_ceil(4) * 4;
+            }
+        }
+    }
 }
 
 /// The processes listening on `port`: pid and command line.
@@ -526,7 +622,10 @@ pub enum QueryError {
 pub async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<GpuApp>>, QueryError> {
     use std::os::unix::process::CommandExt;
     let shown = crate::redact::command(cmd);
-    let child = std::process::Command::new(&cmd[0])
+    // Looked up before starting anything: on a machine without GPUs the
+    // query is missing, and a start attempt that fails costs a process.
+    let Ok(program) = which::which(&cmd[0]) else { return Ok(None) };
+    let child = std::process::Command::new(program)
         .args(&cmd[1..])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
@@ -583,6 +682,21 @@ pub fn temp_dirs() -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernel's socket diagnostics and `/proc/net/tcp{,6}` name the
+    /// same listening sockets, IPv4 and IPv6; a closed one is gone from both.
+    #[test]
+    fn socket_diagnostics_find_the_listeners_proc_lists() {
+        let v4 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = v4.local_addr().unwrap().port();
+        let v6 = std::net::TcpListener::bind(("::1", port)).ok();
+        let by_diag = diag::listening_inodes(port).unwrap();
+        assert_eq!(by_diag.len(), 1 + usize::from(v6.is_some()), "{by_diag:?}");
+        assert_eq!(by_diag, listening_inodes_in_proc(port));
+        assert!(!port_free(port));
+        drop((v4, v6));
+        assert!(diag::listening_inodes(port).unwrap().is_empty());
+    }
 
     #[test]
     fn pid_1_the_warden_and_its_ancestors_are_protected() {

@@ -83,6 +83,10 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("child.env", Child, crate::redact::env(&old.child.env), crate::redact::env(&child.env));
     cmp("child.cwd", Child, dbg(&old.child.cwd), dbg(&child.cwd));
     cmp("child.log-file", Child, dbg(&old.child.log_file), dbg(&child.log_file));
+    let (lr, nr) = (&old.child.log_rotation, &child.log_rotation);
+    cmp("child.log-max-size", Warden, lr.max_size.to_string(), nr.max_size.to_string());
+    cmp("child.log-keep", Warden, lr.keep.to_string(), nr.keep.to_string());
+    cmp("child.log-compress", Warden, lr.compress.to_string(), nr.compress.to_string());
     cmp("child.stop-signal", Child, old.child.stop_signal.as_str().into(), child.stop_signal.as_str().into());
     cmp("child.stop-timeout", Warden, d(old.child.stop_timeout), d(child.stop_timeout));
     cmp("patch", Child, dbg(&old.patches), dbg(patches));

@@ -241,7 +241,7 @@ fn applies(r: Request, phase: Phase) -> bool {
         Request::Drain => matches!(phase, Ready | Draining | Drained),
         Request::Undrain => matches!(phase, Ready | Draining | Drained),
         Request::Restart => matches!(phase, Starting | Ready | Draining | Drained | Backoff),
-        Request::Stop | Request::Reload => false,
+        Request::Stop | Request::Reload | Request::Upgrade => false,
     }
 }
 
@@ -253,7 +253,7 @@ fn taken(r: Request, before: Phase, now: Phase) -> bool {
         // A restart from a serving child drains it first; one asked while
         // draining changes only what the drain ends in.
         Request::Restart => now != before || matches!(before, Starting | Draining),
-        Request::Stop | Request::Reload => true,
+        Request::Stop | Request::Reload | Request::Upgrade => true,
     }
 }
 
@@ -316,6 +316,7 @@ fn verb(r: Request) -> &'static str {
         Request::Restart => "restart",
         Request::Stop => "stop",
         Request::Reload => "reload",
+        Request::Upgrade => "upgrade",
     }
 }
 

@@ -297,6 +297,7 @@ pub enum Topic {
     Drain,
     Internal,
     Unkillable,
+    Upgrade,
 }
 
 impl Topic {
@@ -313,6 +314,7 @@ impl Topic {
             Topic::Exited => "exited",
             Topic::Stopped => "stopped",
             Topic::GaveUp => "gave-up",
+            Topic::Upgrade => "upgrade",
             Topic::Reload => "reload",
             Topic::Drain => "drain",
             Topic::Internal => "internal",
@@ -544,6 +546,24 @@ pub struct Machine {
     last_load: Option<Duration>,
     /// Failed runs by class.
     failure_counts: BTreeMap<FailureClass, u64>,
+    /// The version of the warden this one took the ready run over from.
+    upgraded_from: Option<String>,
+}
+
+/// A ready run handed to a successor warden (see [`Machine::save`]): the
+/// instants as time elapsed, since the successor's clock is its own.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Saved {
+    pub start: u32,
+    pub pid: u32,
+    pub ready_for: Duration,
+    pub running_for: Duration,
+    pub starts: u32,
+    pub failures: u32,
+    pub restarts: u32,
+    pub exits: u32,
+    pub last_load: Option<Duration>,
+    pub failure_counts: BTreeMap<FailureClass, u64>,
 }
 
 fn secs(d: Duration) -> String {
@@ -574,11 +594,59 @@ impl Machine {
             cause: None,
             last_load: None,
             failure_counts: BTreeMap::new(),
+            upgraded_from: None,
         }
     }
 
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// The ready run and the counts, for a successor that takes over (an
+    /// upgrade in place); `None` unless ready with no fatal line waiting
+    /// for its grace.
+    pub fn save(&self, now: Instant) -> Option<Saved> {
+        let State::Ready(serving) = &self.state else { return None };
+        if serving.run.fatal_at.is_some() {
+            return None;
+        }
+        Some(Saved {
+            start: serving.run.start,
+            pid: serving.run.pid,
+            ready_for: now - serving.ready_at,
+            running_for: now - serving.run.spawned_at,
+            starts: self.starts,
+            failures: self.failures,
+            restarts: self.restarts,
+            exits: self.exits,
+            last_load: self.last_load,
+            failure_counts: self.failure_counts.clone(),
+        })
+    }
+
+    /// A machine that takes over the ready run `saved` of a predecessor
+    /// (version `from`): its first event, [`Event::Begin`], starts the
+    /// health checks and says so, with no new `READY=1`.
+    pub fn adopt(policy: Policy, seed: u64, saved: &Saved, from: &str, now: Instant) -> Machine {
+        let mut m = Machine::new(policy, seed);
+        let back = |d: Duration| now.checked_sub(d).unwrap_or(now);
+        let run = Run {
+            start: saved.start,
+            pid: saved.pid,
+            spawned_at: back(saved.running_for),
+            fatal_at: None,
+            first_fatal: None,
+            exception: None,
+        };
+        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain: None });
+        m.starts = saved.starts;
+        m.failures = saved.failures;
+        m.restarts = saved.restarts;
+        m.exits = saved.exits;
+        m.last_load = saved.last_load;
+        m.failure_counts = saved.failure_counts.clone();
+        m.upgraded_from = Some(from.to_string());
+        m
     }
 
     pub fn state(&self) -> &State {
@@ -720,6 +788,17 @@ impl Machine {
         use State as S;
         match (state, event) {
             (S::Idle, E::Begin) => self.launch(now),
+            (S::Ready(serving), E::Begin) => {
+                let from = self.upgraded_from.take().unwrap_or_default();
+                let text =
+                    format!("upgraded from {from} to {}; ready: pid {}", env!("CARGO_PKG_VERSION"), serving.run.pid);
+                let fx = vec![
+                    record(Severity::Info, Topic::Upgrade, text.clone()),
+                    Effect::Notify(vec![status(text)]),
+                    Effect::Health { start: serving.run.start },
+                ];
+                (S::Ready(serving), fx)
+            }
 
             (S::Launching { start, then }, E::Prepared { result, .. }) => match (then, result) {
                 (AfterPrepare::Stop(purpose), _) => self.stopped(purpose, None, now, vec![]),

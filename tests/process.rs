@@ -461,3 +461,203 @@ fn status_without_a_running_instance_is_4() {
     assert_eq!(o.status.code(), Some(4));
     assert!(String::from_utf8_lossy(&o.stdout).contains("not running (no status file)"));
 }
+
+/// A child that writes 50 MB at full speed before its ready line, into a
+/// log rotated every MiB: the ready line and then the fatal line are still
+/// seen; every line written is in one of the files, but for what the child
+/// wrote in the instant of a truncation; each copy holds at most what the
+/// file held when the rotation began plus what the child wrote meanwhile.
+#[test]
+fn the_log_rotated_under_a_flood_loses_no_line_that_matters() {
+    rotated_under_a_flood(None);
+}
+
+/// The same on tmpfs, which cannot cut a file's start: the file is
+/// truncated once read to its end.
+#[test]
+fn the_log_rotated_on_tmpfs_by_truncation_loses_no_line_that_matters() {
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    rotated_under_a_flood(Some(shm.path()));
+}
+
+fn rotated_under_a_flood(log_dir: Option<&std::path::Path>) {
+    const FLOOD: u64 = 50 << 20;
+    let log_dir = log_dir.map(|p| p.to_path_buf());
+    let mut w = Warden::start(|d, p| {
+        let count = d.join("runs");
+        let flood = FLOOD.to_string();
+        let args = [
+            "--shards",
+            "1",
+            "--fail",
+            "engine-death",
+            "--fail-after",
+            "1s",
+            "--fail-times",
+            "1",
+            "--count-file",
+            count.to_str().unwrap(),
+            "--flood-before-ready",
+            flood.as_str(),
+        ];
+        let text = config(d, p, &args, "log-max-size = \"1 MiB\"\nlog-keep = 1000\nlog-compress = false", FAST);
+        match &log_dir {
+            Some(l) => text.replace(&format!("{}/t.log", d.display()), &format!("{}/t.log", l.display())),
+            None => text,
+        }
+    });
+    w.wait_ready();
+    let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    assert!(restarting.ends_with("RuntimeError: CUDA error: an illegal memory access was encountered"), "{restarting}");
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+
+    // Every file of the log, oldest first: t.log.N … t.log.1, t.log.
+    let dir = log_dir.as_deref().unwrap_or(w.dir.path());
+    let mut copies: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            let k = name.strip_prefix("t.log.")?.parse().ok()?;
+            Some((k, dir.join(name)))
+        })
+        .collect();
+    copies.sort_by_key(|c| std::cmp::Reverse(c.0));
+    assert!(!copies.is_empty(), "no rotation");
+    // The files one after the other are the child's output: a line cut at
+    // a rotation goes on at the start of the next file.
+    let mut all = Vec::new();
+    let mut largest = 0;
+    for path in copies.iter().map(|(_, p)| p).chain([&dir.join("t.log")]) {
+        let text = std::fs::read(path).unwrap();
+        largest = largest.max(text.len());
+        all.extend_from_slice(&text);
+    }
+    let seen: Vec<u64> = all
+        .split(|b| *b == b'\n')
+        .filter_map(|line| {
+            let line = String::from_utf8_lossy(line);
+            line.split(" flood ").nth(1).and_then(|r| r.get(..10)).and_then(|n| n.parse::<u64>().ok())
+        })
+        .collect();
+    let last = *seen.iter().max().unwrap();
+    let lost = last + 1 - seen.len() as u64;
+    // ext4 and XFS let the warden cut the file's start out (nothing lost);
+    // elsewhere it truncates (the instant of a truncation may lose a line).
+    let fs = nix::sys::statfs::statfs(dir).unwrap().filesystem_type();
+    let cuts = fs == nix::sys::statfs::EXT4_SUPER_MAGIC || fs == nix::sys::statfs::XFS_SUPER_MAGIC;
+    println!(
+        "{} copies; {lost} of {} lines lost; largest file {largest} bytes (size 1 MiB); start cut out: {cuts}",
+        copies.len(),
+        last + 1
+    );
+    // In order, no line twice.
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "lines out of order or twice");
+    if cuts {
+        assert!(copies.len() >= 49, "{} copies for a 50 MB flood rotated every MiB", copies.len());
+        assert_eq!(lost, 0);
+        assert!(largest <= 1 << 20, "a copy of {largest} bytes");
+    } else {
+        // Truncated only once read to the end: a child writing faster than
+        // the warden reads delays the rotation (fewer, larger copies).
+        assert!(lost <= copies.len() as u64 * 4, "{lost} lines lost in {} rotations", copies.len());
+    }
+}
+
+/// `vllm-warden upgrade` while ready, with the binary at the warden's path
+/// replaced by another file: the warden runs the new file (same pid), the
+/// child keeps its pid and stays the warden's child, systemd hears the
+/// upgrade and no new READY=1; the ready run is then supervised as before
+/// (a killed child is restarted).
+#[test]
+fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
+    use std::os::unix::fs::MetadataExt;
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+
+    // The package manager's way: a new file renamed over the old name.
+    let new = bin.path().join("vllm-warden.new");
+    std::fs::copy(common::exe(), &new).unwrap();
+    std::fs::rename(&new, &path).unwrap();
+    let new_ino = std::fs::metadata(&path).unwrap().ino();
+    let out = std::process::Command::new(&path)
+        .args(["upgrade", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let note = w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    let v = env!("CARGO_PKG_VERSION");
+    assert_eq!(note, format!("STATUS=upgraded from {v} to {v}; ready: pid {}", leader.pid));
+    assert_eq!(std::fs::metadata(format!("/proc/{}/exe", w.pid)).unwrap().ino(), new_ino, "the new file runs");
+    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child, still ours");
+    assert_eq!(w.notes.iter().filter(|n| *n == "READY=1").count(), 1, "no new READY=1");
+    assert!(!w.path("upgrade.json").exists(), "the state file is gone");
+
+    // Supervised as before.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader.pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+fn ask_upgrade(w: &Warden, exe: &std::path::Path) {
+    let out = std::process::Command::new(exe)
+        .args(["upgrade", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A binary at the warden's path that does not answer `--version` as a
+/// vllm-warden is refused: the warden goes on with its child, and says why.
+#[test]
+fn an_upgrade_to_a_binary_that_is_not_a_warden_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let keep = bin.path().join("real");
+    std::fs::copy(common::exe(), &keep).unwrap();
+    let script = bin.path().join("script");
+    std::fs::write(&script, "#!/bin/sh\necho 'not a warden'\n").unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&script, &path).unwrap();
+    ask_upgrade(&w, &keep);
+    let note = w.wait_note("the refusal", |n| n.starts_with("STATUS=upgrade refused"));
+    assert!(note.contains("--version did not name a vllm-warden version"), "{note}");
+    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time));
+    assert!(std::fs::read_link(format!("/proc/{}/exe", w.pid)).unwrap().ends_with("vllm-warden (deleted)"));
+    assert_eq!(w.stop(), 0);
+}
+
+/// Asked while the model loads, the upgrade waits for READY=1, then
+/// happens.
+#[test]
+fn an_upgrade_asked_while_loading_waits_until_ready() {
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "6", "--shard-time", "300ms"], "", FAST), opts);
+    w.wait_note("loading", |n| n.starts_with("STATUS=loading"));
+    ask_upgrade(&w, &path);
+    w.wait_ready();
+    w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    assert_eq!(w.stop(), 0);
+}

@@ -787,3 +787,98 @@ fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
     assert!(drained.failed.is_empty(), "requests lost in the drained rolling restart: {}", drained.line());
     eprintln!("scenario 6 rolling restart behind HAProxy: PASS");
 }
+
+/// A completion streamed token by token, read on a thread of its own: the
+/// tokens received, once the first has arrived (sent on `first`), and
+/// whether the stream ended with `data: [DONE]`.
+fn stream_completion(
+    port: u16,
+    model: &Path,
+    tokens: u32,
+    first: std::sync::mpsc::Sender<()>,
+) -> std::thread::JoinHandle<Result<(usize, bool), String>> {
+    let model = model.display().to_string();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let body = serde_json::json!({
+            "model": model, "prompt": "Hello", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": true, "stream": true,
+        });
+        let agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(600))).build().new_agent();
+        let response = agent
+            .post(&format!("http://127.0.0.1:{port}/v1/completions"))
+            .send_json(&body)
+            .map_err(|e| e.to_string())?;
+        let reader = std::io::BufReader::new(response.into_body().into_reader());
+        let (mut chunks, mut done) = (0, false);
+        for line in reader.lines() {
+            let line = line.map_err(|e| format!("the stream broke after {chunks} tokens: {e}"))?;
+            if line == "data: [DONE]" {
+                done = true;
+            } else if line.starts_with("data: ") {
+                chunks += 1;
+                if chunks == 1 {
+                    let _ = first.send(());
+                }
+            }
+        }
+        Ok((chunks, done))
+    })
+}
+
+#[test]
+#[ignore]
+fn s7_an_upgrade_while_serving_keeps_the_model_and_a_stream() {
+    use std::os::unix::fs::MetadataExt;
+    let ready = budget(1, Duration::ZERO);
+    budgets("scenario 7", &[("READY=1", ready), ("the upgrade", MARGIN), ("the stream", COMPLETION * 5)]);
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let tiny = model("tiny");
+    let (m, e) = (tiny.clone(), RESTART.to_string());
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let t0 = SystemTime::now();
+    let mut w = Warden::start_with(move |d, p| config(d, p, &m, &e), opts);
+    w.wait_ready_within(ready, "READY=1 (one load)");
+    let (load, _, n) = load_timings(&w, t0);
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+
+    let (tx, first) = std::sync::mpsc::channel();
+    let stream = stream_completion(w.port, &tiny, 200, tx);
+    first.recv_timeout(COMPLETION).expect("the stream's first token");
+    let new = bin.path().join("vllm-warden.new");
+    std::fs::copy(common::exe(), &new).unwrap();
+    std::fs::rename(&new, &path).unwrap();
+    let t = Instant::now();
+    let out = std::process::Command::new(&path)
+        .args(["upgrade", "-c"])
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    w.wait_note_within(MARGIN, "STATUS=upgraded from", |n| n.starts_with("STATUS=upgraded from"));
+    let upgrade = t.elapsed();
+    let (tokens, done) = stream.join().unwrap().expect("the stream across the upgrade");
+    assert!(done && tokens >= 200, "{tokens} tokens, done: {done}");
+    let now = vllm_warden::child::read_stat(leader.pid).expect("the server is alive");
+    assert_eq!(
+        (now.ppid, now.start_time),
+        (w.pid as i32, leader.start_time),
+        "the same server, still the warden's child"
+    );
+    assert_eq!(
+        std::fs::metadata(format!("/proc/{}/exe", w.pid)).unwrap().ino(),
+        std::fs::metadata(&path).unwrap().ino()
+    );
+    completion(&w).expect("a completion after the upgrade");
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
+    eprintln!(
+        "scenario 7 upgrade: PASS  load {:.1} s{}; asked -> upgraded {}; the model's downtime 0 (same server pid {}); a stream of {tokens} tokens across it unbroken",
+        load.as_secs_f64(),
+        starts(n),
+        ms(upgrade),
+        leader.pid
+    );
+}

@@ -94,6 +94,14 @@ struct FakeArgs {
     /// running (a fatal line from a child that stays up).
     #[arg(long)]
     fatal_on_usr1: bool,
+    /// Before the ready line, write this many bytes of numbered request
+    /// lines at full speed (`flood N`), on a start that fails (`--fail`).
+    #[arg(long)]
+    flood_before_ready: Option<u64>,
+    /// After the ready line, write this many bytes of numbered request
+    /// lines at full speed, then `flood done N lines`.
+    #[arg(long)]
+    flood_after_ready: Option<u64>,
     /// Accepted like vLLM's, and ignored.
     #[arg(long)]
     api_key: Option<String>,
@@ -170,6 +178,25 @@ fn on_signal(sig: Signal, f: impl FnOnce() + Send + 'static) {
             f();
         }
     });
+}
+
+/// `bytes` of numbered vLLM request lines, as fast as they can be
+/// written; returns how many lines.
+fn flood(pid: u32, bytes: u64) -> u64 {
+    let mut o = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    let (mut written, mut n) = (0u64, 0u64);
+    while written < bytes {
+        let line = format!(
+            "(APIServer pid={pid}) INFO 11-30 12:00:00 [loggers.py:248] flood {n:010} Received request cmpl-{n:x}\n"
+        );
+        if o.write_all(line.as_bytes()).is_err() {
+            return n;
+        }
+        written += line.len() as u64;
+        n += 1;
+    }
+    let _ = o.flush();
+    n
 }
 
 fn forever() -> ! {
@@ -357,10 +384,17 @@ fn simulate(args: FakeArgs) -> i32 {
         std::thread::spawn(move || serve(server, health_tx, behaviour, e));
     }
     out.raw(&format!("INFO:     Started server process [{}]\nINFO:     Waiting for application startup.\n", out.pid));
+    if let Some(bytes) = args.flood_before_ready.filter(|_| failing) {
+        flood(out.pid, bytes);
+    }
     // Stamped before the line is written, so that a reader can never see
     // the line before the stamp exists.
     stamp(&args, "ready");
     out.raw("INFO:     Application startup complete.\n");
+    if let Some(bytes) = args.flood_after_ready {
+        let lines = flood(out.pid, bytes);
+        out.log("APIServer", "INFO", "loggers.py:248", &format!("flood done {lines} lines"));
+    }
     if let Some(code) = args.exit_after_ready {
         stamp(&args, "exit");
         return code;

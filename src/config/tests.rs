@@ -166,6 +166,9 @@ fn the_man_page_shows_the_default_constants() {
         ("drain.delay", duration(defaults::DRAIN_DELAY)),
         ("drain.timeout", duration(defaults::DRAIN_TIMEOUT)),
         ("[[patch]] max-size", quoted(&format!("{} MiB", defaults::PATCH_MAX_SIZE >> 20))),
+        ("child.log-max-size", quoted(&format!("{} GiB", defaults::LOG_MAX_SIZE >> 30))),
+        ("child.log-keep", format!("`{}`", defaults::LOG_KEEP)),
+        ("child.log-compress", format!("`{}`", defaults::LOG_COMPRESS)),
     ];
     let rows = man_page_rows();
     let row = |key: &str| {
@@ -294,7 +297,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 23, "every duration and number has a range");
+    assert_eq!(tried, 25, "every duration and number has a range");
 }
 
 #[test]
@@ -456,4 +459,22 @@ fn a_tcp_listener_makes_stops_drain_by_default_and_a_token_file_needs_one() {
     assert!(p.contains("`server.token-file` is for the TCP listener"), "{p}");
     let p = parse_str(&format!("{base}[drain]\non-stop = \"yes\"\n")).unwrap_err().to_string();
     assert!(p.contains("`on-stop` must be true or false, not string"), "{p}");
+}
+
+/// The log's rotation: defaults, a size in units, and a size below 1 MiB
+/// refused with the range.
+#[test]
+fn log_rotation_keys() {
+    let base = "[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n";
+    let s = parse_str(base).unwrap();
+    let r = s.child.log_rotation;
+    assert_eq!((r.max_size, r.keep, r.compress), (1 << 30, 3, true));
+    let s = parse_str(&format!("{base}log-max-size = \"64 MiB\"\nlog-keep = 0\nlog-compress = false\n")).unwrap();
+    let r = s.child.log_rotation;
+    assert_eq!((r.max_size, r.keep, r.compress), (64 << 20, 0, false));
+    let problems = parse_str(&format!("{base}log-max-size = \"512 KiB\"\n")).unwrap_err().0;
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].message.contains("`log-max-size`") && problems[0].message.contains("1 MiB"), "{}", problems[0]);
+    let problems = parse_str(&format!("{base}log-compress = \"yes\"\n")).unwrap_err().0;
+    assert!(problems[0].message.contains("true or false"), "{}", problems[0]);
 }

@@ -339,6 +339,7 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         lines: &mut lines,
         ctx: &ctx,
         observer: &mut phases,
+        upgrade: None,
     }
     .run(tokio_stream::wrappers::UnboundedReceiverStream::new(rq))
     .await;

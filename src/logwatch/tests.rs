@@ -41,7 +41,7 @@ async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recr
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (out, mut lines) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, offset, 1, vllm(), Some(Box::new(Seen(tx))), out, &mut tasks).unwrap();
+    let f = Follower::start(&child, offset, 1, vllm(), Some(Box::new(Seen(tx))), None, out, &mut tasks).unwrap();
     child.write_all(b"first line, long enough to be longer than what follows a truncation\n").unwrap();
     assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
     // Truncated in place, as logrotate's copytruncate does.
@@ -93,7 +93,7 @@ async fn a_burst_is_held_in_the_file_not_in_memory() {
     let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, 0, 3, vllm(), None, out, &mut tasks).unwrap();
+    let f = Follower::start(&child, 0, 3, vllm(), None, None, out, &mut tasks).unwrap();
     const N: usize = 100_000;
     let mut text = String::new();
     for i in 0..N {
@@ -134,7 +134,7 @@ async fn a_stopped_follower_is_not_a_failed_task() {
     let child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, _rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, 0, 1, vllm(), None, out, &mut tasks).unwrap();
+    let f = Follower::start(&child, 0, 1, vllm(), None, None, out, &mut tasks).unwrap();
     drop(f);
     let r = tokio::time::timeout(Duration::from_millis(200), tasks.failed()).await;
     assert!(r.is_err(), "{r:?}");
@@ -397,6 +397,24 @@ fn prefixed_tracebacks_are_tracked_per_process() {
     assert!(got[0].1.is_some(), "the kv cache quantization message is permanent");
 }
 
+/// The markers under a frame's code (Python 3.11+), even with their
+/// indentation cut off by a prefix, are frames, not the exception.
+#[test]
+fn caret_markers_are_never_the_exception() {
+    let mut c = vllm();
+    let w = "(Worker pid=7) ERROR 11-29 18:16:26 [multiproc_executor.py:953] ";
+    let lines = [
+        format!("{w}Traceback (most recent call last):"),
+        format!("{w}  File \"a.py\", line 1, in f"),
+        format!("{w}    return g(x)"),
+        format!("{w}^^^^^^^^^^^^"),
+        format!("{w}~~~~^^^~~~"),
+        format!("{w}RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ];
+    let got: Vec<String> = lines.into_iter().filter_map(|l| c.classify(l).exception.map(|x| x.text)).collect();
+    assert_eq!(got, ["RuntimeError: CUDA error: an illegal memory access was encountered"]);
+}
+
 /// A million processes each opening a traceback (profile `none`): the
 /// table never holds more than its cap, and the processes seen last still
 /// have their tracebacks followed.
@@ -438,7 +456,7 @@ async fn a_running_follower_takes_reloaded_patterns() {
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
     let none = Classifier::new(&Patterns::default()).unwrap();
-    let f = Follower::start(&child, 0, 5, none, None, out, &mut tasks).unwrap();
+    let f = Follower::start(&child, 0, 5, none, None, None, out, &mut tasks).unwrap();
     child.write_all(b"INFO:     Application startup complete.\n").unwrap();
     f.drain();
     assert!(matches!(delivery(&mut rx).await, Delivery::Drained { .. }), "no pattern, nothing matters");
@@ -460,7 +478,7 @@ async fn a_paced_follower_still_answers_a_drain_at_once() {
     let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, 0, 2, vllm(), None, out, &mut tasks).unwrap();
+    let f = Follower::start(&child, 0, 2, vllm(), None, None, out, &mut tasks).unwrap();
     f.pace(Duration::from_secs(3600));
     child.write_all(b"INFO:     Application startup complete.\n").unwrap();
     f.drain();
@@ -498,8 +516,16 @@ fn a_long_drain_of_plain_lines_beats_while_it_reads() {
         out,
         gauge: Gauge::default(),
         batch: Batch::default(),
+        rotator: None,
+        stop_at: None,
+        resume_at: 0,
     };
-    let control = Control { asked: Mutex::default(), wake: EventFd::new().unwrap() };
+    let control = Control {
+        asked: Mutex::default(),
+        wake: EventFd::new().unwrap(),
+        ended: Mutex::default(),
+        ended_now: Default::default(),
+    };
     let mut buf = vec![0u8; READ];
     assert!(reader.read_to_end(&mut buf, &control, true));
     let mut beats = 0;

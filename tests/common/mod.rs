@@ -74,6 +74,8 @@ pub struct Opts {
     pub wrapper: Vec<String>,
     /// More arguments of `run`.
     pub run_args: Vec<String>,
+    /// Run this binary instead of the one cargo built.
+    pub exe: Option<std::path::PathBuf>,
 }
 
 impl Warden {
@@ -134,13 +136,14 @@ impl Warden {
         let cfg = self.path("t.toml");
         let opts = &self.opts;
         let stderr = std::fs::OpenOptions::new().create(true).append(true).open(self.path("warden.stderr")).unwrap();
+        let warden = opts.exe.as_deref().unwrap_or(Path::new(exe()));
         let mut cmd = match opts.wrapper.split_first() {
             Some((first, rest)) => {
                 let mut c = Command::new(first);
-                c.args(rest).arg(exe());
+                c.args(rest).arg(warden);
                 c
             }
-            None => Command::new(exe()),
+            None => Command::new(warden),
         };
         cmd.arg("run")
             .args(&opts.run_args)

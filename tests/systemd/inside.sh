@@ -130,3 +130,57 @@ check "… with exit status 78" test "$(prop perm ExecMainStatus)" = 78
 # A restart would show as activating/auto-restart; a prevented one as failed.
 check "… and is not restarted" test "$(prop perm ActiveState)/$(prop perm SubState)" = failed/failed
 check "the journal names the cause" bash -c "journalctl -u vllm-warden@perm --no-pager -o cat | grep -q 'failed permanently (2 of 2 tries): NotImplementedError: Currently supported kv cache quantization'"
+
+# A child that floods its log: its lines go to journald through the
+# warden's bounded queue; what journald cannot take in time is dropped from
+# the forwarding only, and counted (vllm_warden_journal_dropped_lines_total);
+# journald's own rate limit (10000 lines in 30 s by default; lifted here to
+# measure the forwarding itself) would suppress more, and say how many.
+mkdir -p /etc/systemd/system/vllm-warden@flood.service.d
+printf '[Service]\nLogRateLimitIntervalSec=0\n' > /etc/systemd/system/vllm-warden@flood.service.d/rate.conf
+systemctl daemon-reload
+fake flood 8003 --shards 1 --flood-after-ready 20000000 <<'TOML'
+[status]
+metrics-file = "/run/vllm-warden/flood/vllm_warden.prom"
+TOML
+check "a child that floods its log starts" systemctl start vllm-warden@flood
+flooded() { grep -o 'flood done [0-9]*' /var/log/vllm-warden/flood.log | grep -o '[0-9]*$'; }
+forwarded() { journalctl -u vllm-warden@flood SYSLOG_IDENTIFIER=vllm-flood -o cat --no-pager | grep -c ' flood [0-9]\{10\} '; }
+dropped() { awk '/^vllm_warden_journal_dropped_lines_total/ {print $2}' /run/vllm-warden/flood/vllm_warden.prom 2>/dev/null; }
+suppressed() {
+    journalctl _SYSTEMD_UNIT=systemd-journald.service -o cat --no-pager 2>/dev/null \
+        | grep -o 'Suppressed [0-9]* messages from vllm-warden@flood.service' | awk '{s += $2} END {print s + 0}'
+}
+accounted() {
+    local n d
+    n=$(flooded) || return 1
+    d=$(dropped)
+    [ $(($(forwarded) + ${d:-0} + $(suppressed))) -ge "$n" ]
+}
+check "the flood was written" wait_for 120 eval "flooded >/dev/null"
+check "every flooded line is in the journal, dropped and counted by the warden, or suppressed by journald" \
+    wait_for 120 accounted
+total=$(flooded); fwd=$(forwarded); drp=$(dropped); sup=$(suppressed)
+span=$(journalctl -u vllm-warden@flood SYSLOG_IDENTIFIER=vllm-flood -o short-unix --no-pager | grep ' flood [0-9]\{10\} ' \
+    | awk 'NR == 1 {first = $1} {last = $1} END {printf "%.3f", last - first}')
+echo "# journald forwarding: $total lines written; $fwd in the journal over ${span}s ($(awk -v n="$fwd" -v s="$span" 'BEGIN {if (s > 0) printf "%d", n / s; else print "-"}') lines/s); $drp dropped by the warden's queue; $sup suppressed by journald's rate limit"
+check "the warden stayed responsive" vllm-warden status -c /etc/vllm-warden/flood.toml
+systemctl stop vllm-warden@flood
+
+# Installing a later package upgrades a running warden in place: the unit
+# stays active with the same main pid, the server keeps its pid, and the
+# new binary says so.
+fake up 8004 --shards 1 <<'TOML'
+TOML
+check "an instance to upgrade starts" systemctl start vllm-warden@up
+main=$(prop up MainPID)
+old=$(child_pid up)
+check "a later package installs over the running instance" dpkg -i /opt/payload/vllm-warden-next.deb
+upgraded() { systemctl status --no-pager vllm-warden@up | grep -q 'Status: "upgraded from '; }
+check "systemctl status shows the new binary's status line" wait_for 60 upgraded
+check "the unit stayed active, same main pid, not restarted" \
+    test "$(systemctl is-active vllm-warden@up)/$(prop up MainPID)/$(prop up NRestarts)" = "active/$main/0"
+check "the server kept its pid" test "$(child_pid up)" = "$old"
+check "the warden runs the new file" bash -c "! readlink /proc/$main/exe | grep -q deleted"
+check "the journal shows the re-exec" bash -c "journalctl -u vllm-warden@up EVENT=upgrade --no-pager -o cat | grep -q 'handing pid $old over'"
+systemctl stop vllm-warden@up

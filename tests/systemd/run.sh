@@ -11,13 +11,19 @@ threshold=25
 echo "systemd-analyze security (offline), gate ${threshold%?}.${threshold: -1}:"
 systemd-analyze security --offline=true --threshold=$threshold systemd/vllm-warden@.service | tail -n 1
 
-deb=$(packaging/build-deb.sh | tail -n 1)
-echo "package: $deb"
-rootfs=$(tests/systemd/rootfs.sh)
-
 payload=$(mktemp -d)
 chmod 755 "$payload"
+deb=$(packaging/build-deb.sh | tail -n 1)
+echo "package: $deb"
 cp "$deb" "$payload/vllm-warden.deb"
+# The same build as a later package version, to upgrade to (cargo-deb
+# removes the first from its folder).
+version=$(cargo metadata --no-deps --format-version 1 | sed 's/.*"name":"vllm-warden","version":"\([^"]*\)".*/\1/')
+next=$(cargo deb --no-build --no-strip --deb-version "$version+next" 2>&1 | tail -n 1)
+echo "next package: $next"
+cp "$next" "$payload/vllm-warden-next.deb"
+rootfs=$(tests/systemd/rootfs.sh)
+
 cp tests/systemd/inside.sh "$payload/"
 chmod 644 "$payload"/*
 
