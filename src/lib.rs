@@ -29,6 +29,7 @@
 //! | [`logging`] | journald or stderr |
 //! | [`fsutil`] | atomic whole-file writes |
 //! | [`reload`] | what a reload changes, and whether the child must restart |
+//! | [`reports`] | the failure report of every failed run, and their retention |
 //! | [`redact`] | masking secrets in printed commands |
 //! | [`demo`] | `vllm-warden demo` |
 //! | [`assets`] | man pages and completions |
@@ -59,6 +60,7 @@ pub mod profile;
 pub mod progress;
 pub mod redact;
 pub mod reload;
+pub mod reports;
 pub mod status;
 pub mod supervisor;
 pub mod systemd;
