@@ -725,7 +725,8 @@ fn remove(dir: &Path) -> io::Result<()> {
                 gone(fs::remove_file(e.path()))?;
             }
         }
-        gone(fs::remove_dir(&py))?;
+        // Left, with what is not ours in it.
+        let _ = fs::remove_dir(&py);
     }
     for f in FILES {
         let p = dir.join(f);

@@ -146,9 +146,9 @@ fn a_wedged_engine_leaves_a_failure_report_with_every_part_and_no_secret() {
 }
 
 /// A stop while the report is written is answered at once: its command is
-/// killed and the warden exits long before the report's 20 s budget.
+/// gone and the warden exits long before the report's 20 s budget.
 #[test]
-fn a_stop_during_the_report_is_answered_at_once_and_kills_its_commands() {
+fn a_stop_during_the_report_is_answered_at_once_and_leaves_no_command() {
     let fifos = tempfile::tempdir().unwrap();
     let fifo = fifos.path().join("started");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
@@ -182,4 +182,47 @@ fn a_stop_during_the_report_is_answered_at_once_and_kills_its_commands() {
     assert!(dir.join("tree.txt").exists() && dir.join("log-tail.txt").exists());
     assert!(!dir.join("gpu.txt").exists());
     eprintln!("stop during the report: exit after {took:?}");
+}
+
+/// A command that does not answer within the report's budget is killed
+/// with its group at once, even one that ignores SIGTERM: it neither holds
+/// the stop nor outlives the report.
+#[test]
+fn a_command_past_the_report_budget_is_killed_and_the_run_restarted() {
+    let fifos = tempfile::tempdir().unwrap();
+    let fifo = fifos.path().join("started");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let gpu = format!(r#"["sh", "-c", "trap '' TERM; echo $$ > \"$0\"; exec sleep 29.5", "{}"]"#, fifo.display());
+    let mut w = Warden::start(|d, p| {
+        let health = "[health]\ninterval = \"100ms\"\nfailures = 1\ncanary-interval = \"0s\"\n";
+        let reports = format!("[reports]\ntimeout = \"1s\"\ngpu-snapshot = {gpu}\nkernel-messages = []\n");
+        let args = ["--shards", "1", "--unhealthy-after", "500ms"];
+        config(d, p, &args, "", &format!("{FAST}{health}{reports}"))
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = fifo.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::fs::read_to_string(reader));
+    });
+    w.wait_ready();
+    let pid: i32 = rx.recv_timeout(common::TIMEOUT).expect("the report's command ran").unwrap().trim().parse().unwrap();
+    let command = vllm_warden::child::read_stat(pid).unwrap();
+    w.wait_note("the stop after the report", |n| n.starts_with("STATUS=failed (attempt 1/10, stopping pid"));
+    // Left to the stop, it would hold the tree until the SIGKILL 10 s later.
+    w.wait_ready_within(std::time::Duration::from_secs(8), "the restart's READY=1");
+    assert!(common::gone(&command), "the command is killed");
+    // The first run's report (the next run fails the same way later).
+    let mut dirs: Vec<_> =
+        std::fs::read_dir(w.path("state").join("reports")).unwrap().flatten().map(|e| e.path()).collect();
+    dirs.sort();
+    let dir = &dirs[0];
+    let gpu = std::fs::read_to_string(dir.join("gpu.txt")).unwrap();
+    assert!(
+        gpu.starts_with("sh -c ") && gpu.contains(" did not answer within ") && gpu.ends_with(" (killed)\n"),
+        "{gpu}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["complete"], true, "{summary}");
+    assert_eq!(w.stop(), 0);
 }

@@ -121,12 +121,15 @@ fn retention_removes_the_oldest_of_ours_and_nothing_else() {
     std::fs::write(outside.path().join(LOG_TAIL), b"outside").unwrap();
     std::os::unix::fs::symlink(outside.path(), root.join("20250101T000000.000Z-t-1")).unwrap();
     std::fs::write(root.join(&names[1]).join("notes.txt"), b"mine").unwrap();
+    std::fs::write(root.join(&names[1]).join(PY_SPY).join("core"), b"mine too").unwrap();
 
     retain(&root, "t", 3, 1 << 30, &names[4]);
     let left: Vec<String> = list(state.path(), "t").unwrap().into_iter().map(|r| r.name).collect();
     // names[1] lost its files but keeps the foreign note, and so its folder.
     assert_eq!(left, vec![names[1].clone(), names[2].clone(), names[3].clone(), names[4].clone()]);
-    assert_eq!(std::fs::read_dir(root.join(&names[1])).unwrap().count(), 1);
+    assert_eq!(std::fs::read_dir(root.join(&names[1])).unwrap().count(), 2);
+    assert_eq!(std::fs::read(root.join(&names[1]).join(PY_SPY).join("core")).unwrap(), b"mine too");
+    assert!(!root.join(&names[1]).join(PY_SPY).join("42.txt").exists());
     assert!(root.join("20260101T000000.000Z-other-1").join(LOG_TAIL).exists());
     assert!(root.join("keep-me").exists());
     assert_eq!(std::fs::read(outside.path().join(LOG_TAIL)).unwrap(), b"outside");
