@@ -678,6 +678,86 @@ pub fn list(state_dir: &Path, instance: &str) -> io::Result<Vec<Listed>> {
     Ok(out)
 }
 
+/// `1.5 KiB`, `12.0 MiB`.
+fn size_text(n: u64) -> String {
+    match n {
+        n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / f64::from(1u32 << 20)),
+        n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
+        n => format!("{n} B"),
+    }
+}
+
+/// What is read from a report, made one visible line.
+fn shown(text: &str) -> String {
+    crate::escape::one_line(&masked(text), crate::escape::MAX_LINE)
+}
+
+/// `reports list`: one report a line, oldest first; the time is the start
+/// of the folder's name, which `show` and `path` take.
+pub fn table(all: &[Listed]) -> String {
+    let mut out = format!("{:<20}  {:>7}  {:<10}  {:>10}  {}\n", "TIME", "ATTEMPT", "CLASS", "SIZE", "CAUSE");
+    for r in all {
+        let time = r.name.split('-').next().unwrap_or_default();
+        let (class, cause) = match &r.summary {
+            Some(s) => (s.class_name(), shown(&s.cause)),
+            None => ("?".to_string(), "(no readable summary.json)".to_string()),
+        };
+        let _ = writeln!(out, "{time:<20}  {:>7}  {class:<10}  {:>10}  {cause}", r.attempt, size_text(r.size));
+    }
+    out
+}
+
+/// `reports show`: one report, readable.
+pub fn show(r: &Listed) -> String {
+    let mut out = format!("report {} ({})\n", r.name, r.path.display());
+    let Some(s) = &r.summary else {
+        out.push_str("no readable summary.json\n");
+        return out;
+    };
+    let t = &s.timings;
+    let _ = writeln!(out, "instance {}, start {}, attempt {}", shown(&s.instance), s.start, s.attempt);
+    let _ = writeln!(out, "cause: {}", shown(&s.cause));
+    let _ = writeln!(out, "class: {}", s.class_name());
+    if let Some(h) = &s.hint {
+        let _ = writeln!(out, "hint: {}", shown(h));
+    }
+    let _ = writeln!(out, "spawned:        {}", shown(&t.spawn));
+    let _ = writeln!(out, "first progress: {}", t.first_progress.as_deref().map_or("-".into(), shown));
+    let _ = writeln!(out, "ready:          {}", t.ready.as_deref().map_or("-".into(), shown));
+    let _ = writeln!(out, "failed:         {}", shown(&t.failure));
+    let _ = writeln!(
+        out,
+        "report:         {} to {}",
+        shown(&t.report_begun),
+        t.report_done.as_deref().map_or("(not finished: cut short)".into(), shown)
+    );
+    let _ = writeln!(out, "exit: {}", s.exit.as_deref().map_or("- (still running when it failed)".into(), shown));
+    let vllm = s.vllm_version.as_deref().map_or("unknown".into(), shown);
+    let _ = writeln!(out, "vllm-warden {}, vLLM {vllm}", shown(&s.warden_version));
+    let _ = writeln!(out, "config sha256: {}", shown(&s.config_sha256));
+    for p in &s.patched_files {
+        let _ = writeln!(
+            out,
+            "patched: {} (sha256 {} → {})",
+            shown(&p.file),
+            shown(&p.original_sha256),
+            shown(&p.patched_sha256)
+        );
+    }
+    out.push_str("parts:\n");
+    for (k, v) in &s.parts {
+        let _ = writeln!(out, "  {}: {}", shown(k), shown(v));
+    }
+    let _ = writeln!(out, "size: {}{}", size_text(r.size), if s.complete { "" } else { " (incomplete: cut short)" });
+    out
+}
+
+impl Summary {
+    fn class_name(&self) -> String {
+        self.class.as_str().to_string()
+    }
+}
+
 /// Bytes of a report's regular files (its own and `py-spy/`'s), no link followed.
 pub fn size_of(dir: &Path) -> u64 {
     let mut total = 0;

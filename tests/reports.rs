@@ -1,6 +1,7 @@
 //! Failure reports with the real binary and the fake vLLM: a wedged engine
 //! caught by its metrics leaves a report with every part, secrets masked in
-//! each; a stop while a report is written is answered at once.
+//! each; `vllm-warden reports` lists and shows it; a stop while a report
+//! is written is answered at once; a command past the budget is killed.
 
 mod common;
 
@@ -22,6 +23,18 @@ fn sections() -> String {
         "[reports]\ngpu-snapshot = {gpu}\nkernel-messages = {kernel}\npy-spy = [\"py-spy-not-installed\", \"dump\", \"--pid\", \"{{pid}}\"]\n"
     );
     format!("{FAST}{health}{reports}")
+}
+
+fn reports_cmd(w: &Warden, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(common::exe())
+        .arg("reports")
+        .args(["-c"])
+        .arg(w.path("t.toml"))
+        .args(args)
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Every file under `dir`, with its text.
@@ -142,6 +155,24 @@ fn a_wedged_engine_leaves_a_failure_report_with_every_part_and_no_secret() {
     let status = String::from_utf8_lossy(&status.stdout);
     assert!(status.contains(&format!("\nreport: {}", dir.display())), "{status}");
 
+    // `vllm-warden reports`.
+    let (code, list) = reports_cmd(&w, &[]);
+    assert_eq!(code, 0, "{list}");
+    let time = names[0].split('-').next().unwrap();
+    let line = list.lines().nth(1).unwrap();
+    assert!(
+        line.starts_with(time)
+            && line.contains(" health ")
+            && line.ends_with("engine stalled: 1 running, 0 waiting, no token for 1s"),
+        "{list}"
+    );
+    assert_eq!(reports_cmd(&w, &["path"]), (0, format!("{}\n", dir.display())));
+    assert_eq!(reports_cmd(&w, &["path", time]), (0, format!("{}\n", dir.display())));
+    let (code, show) = reports_cmd(&w, &["show"]);
+    assert_eq!(code, 0);
+    assert!(show.contains("cause: engine stalled: 1 running, 0 waiting, no token for 1s\nclass: health\n"), "{show}");
+    assert!(show.contains("vLLM 0.32.0") && show.contains("  tree.txt: written: "), "{show}");
+    assert_eq!(reports_cmd(&w, &["show", "1999"]).0, 1, "no such report");
     assert_eq!(w.stop(), 0);
 }
 
