@@ -100,7 +100,11 @@ pub mod defaults {
     /// waits at most this long for it.
     pub const REPORTS_TIMEOUT: Duration = Duration::from_secs(20);
     /// A dump of the Python stacks of one process; `{pid}` is its pid.
-    pub const REPORTS_PY_SPY: [&str; 4] = ["py-spy", "dump", "--pid", "{pid}"];
+    /// Without pausing it: py-spy's pause (a ptrace stop) fails on a
+    /// process that is stopped already (`Failed to suspend process`, seen
+    /// with py-spy 0.4.3 on a SIGSTOPped EngineCore), and a wedged server
+    /// is exactly what a report is for.
+    pub const REPORTS_PY_SPY: [&str; 5] = ["py-spy", "dump", "--nonblocking", "--pid", "{pid}"];
     pub const REPORTS_GPU_SNAPSHOT: [&str; 2] = ["nvidia-smi", "-q"];
     /// The kernel's messages since the run's spawn; `{since}` is the spawn
     /// in seconds since the epoch.
