@@ -541,7 +541,8 @@ impl Drop for Helper {
 }
 
 /// Run `cmd` under `timeout` and return its output (stdout, and stderr
-/// after it when `stderr`), at most `max` bytes of it. `Ok(None)`: the
+/// with it when `stderr`), at most `max` bytes of it, without the
+/// warden's systemd variables and log level in its environment. `Ok(None)`: the
 /// command is not installed. It runs in its own process group, which is
 /// SIGKILLed when the time is up or when the future is dropped; it is not
 /// counted as part of the child's tree. Its output is read in a blocking
@@ -557,6 +558,12 @@ pub async fn run_command(
     let Some(program) = cmd.first() else { return Ok(None) };
     let mut command = std::process::Command::new(program);
     command.args(&cmd[1..]).stdin(std::process::Stdio::null()).process_group(0);
+    // Neither systemd's variables nor the warden's log level are the
+    // command's (py-spy reads RUST_LOG too, and writes its debug log into
+    // its output).
+    for var in crate::child::SCRUBBED_ENV.iter().chain(&["RUST_LOG"]) {
+        command.env_remove(var);
+    }
     let (reader, writer) = std::io::pipe().map_err(|e| QueryError::Failed(format!("cannot run {shown}: {e}")))?;
     let err_out = if stderr {
         let w = writer.try_clone().map_err(|e| QueryError::Failed(format!("cannot run {shown}: {e}")))?;

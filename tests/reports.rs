@@ -17,7 +17,8 @@ const SECRETS: [&str; 3] = ["sk-sim-secret", "hf_gpu_secret", "sk-kernel-secret"
 /// snapshot and kernel messages are small commands that print secrets.
 fn sections() -> String {
     let health = "[health]\ninterval = \"100ms\"\nprogress-stall = \"1s\"\ncanary-interval = \"0s\"\n";
-    let gpu = r#"["sh", "-c", "echo 'Product Name : Fake GPU'; echo HF_TOKEN=hf_gpu_secret"]"#;
+    // It says whether the warden's RUST_LOG and NOTIFY_SOCKET reached it.
+    let gpu = r#"["sh", "-c", "echo 'Product Name : Fake GPU'; echo HF_TOKEN=hf_gpu_secret; echo log=${RUST_LOG-none} notify=${NOTIFY_SOCKET-none}"]"#;
     let kernel = r#"["sh", "-c", "echo \"kernel: NVRM: Xid (PCI:0000:41:00): 13, since $1, --api-key sk-kernel-secret\"; echo 'kernel: usb 1-1: new device'", "sh", "{since}"]"#;
     let reports = format!(
         "[reports]\ngpu-snapshot = {gpu}\nkernel-messages = {kernel}\npy-spy = [\"py-spy-not-installed\", \"dump\", \"--pid\", \"{{pid}}\"]\n"
@@ -121,7 +122,7 @@ fn a_wedged_engine_leaves_a_failure_report_with_every_part_and_no_secret() {
     assert!(tail.contains("version 0.32.0") && tail.contains("Application startup complete"), "{tail}");
     assert!(tail.contains("'api_key': '***'"), "{tail}");
     let gpu = std::fs::read_to_string(dir.join("gpu.txt")).unwrap();
-    assert_eq!(gpu, "Product Name : Fake GPU\nHF_TOKEN=***\n");
+    assert_eq!(gpu, "Product Name : Fake GPU\nHF_TOKEN=***\nlog=none notify=none\n");
     let kernel = std::fs::read_to_string(dir.join("kernel.txt")).unwrap();
     let since = summary["timings"]["spawn"].as_str().map(|s| humantime::parse_rfc3339(s).unwrap()).unwrap();
     let since = since.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
