@@ -14,7 +14,8 @@
 //! Run: `cargo bench --bench latency`; with
 //! `LATENCY_BENCH_KERNEL_MESSAGES=off`, without the GPU fault watcher (its
 //! command is started at every spawn, while the child writes its first
-//! lines).
+//! lines); with `LATENCY_BENCH_REPORTS=off`, without the failure report that
+//! every failed run gets before its stop (`reports.keep = 0`).
 
 use std::io::Write;
 use std::os::unix::net::UnixDatagram;
@@ -124,6 +125,15 @@ fn kernel_messages() -> &'static str {
     }
 }
 
+/// `LATENCY_BENCH_REPORTS=off` measures without failure reports, which
+/// are written between a run's failure and its stop.
+fn reports() -> &'static str {
+    match std::env::var("LATENCY_BENCH_REPORTS").as_deref() {
+        Ok("off") => "[reports]\nkeep = 0\n",
+        _ => "",
+    }
+}
+
 fn main() {
     let exe = env!("CARGO_BIN_EXE_vllm-warden");
     let sim = env!("CARGO_BIN_EXE_vllm-warden-sim");
@@ -147,8 +157,9 @@ initial-delay = "0s"
 max-attempts = 0
 [status]
 file = "{run}/status.json"
-{kernel}"#,
+{kernel}{reports}"#,
             kernel = kernel_messages(),
+            reports = reports(),
             stamps = stamps.display(),
             d = d.display(),
             run = run.path().display()
