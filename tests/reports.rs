@@ -258,3 +258,30 @@ fn a_command_past_the_report_budget_is_killed_and_the_run_restarted() {
     assert_eq!(summary["complete"], true, "{summary}");
     assert_eq!(w.stop(), 0);
 }
+
+/// Retention with the real binary: five failed runs, `keep = 2`: the two
+/// newest reports are left, with their attempts, and nothing else in the
+/// folder but what was there before (a file not ours).
+#[test]
+fn only_the_newest_reports_are_kept() {
+    let mut w = Warden::start(|d, p| {
+        let extra = "[restart]\ninitial-delay = \"0s\"\nmax-attempts = 5\n\
+                     [reports]\nkeep = 2\ngpu-snapshot = []\nkernel-messages = []\n";
+        config(d, p, &["--shards", "1", "--fail", "exit1"], "", extra)
+    });
+    std::fs::create_dir_all(w.path("state").join("reports")).unwrap();
+    std::fs::write(w.path("state").join("reports").join("README"), "not a report").unwrap();
+    assert_eq!(w.wait_exit(), 75);
+    let mut names: Vec<String> = std::fs::read_dir(w.path("state").join("reports"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(names[2], "README");
+    assert!(names[0].ends_with("-t-4") && names[1].ends_with("-t-5"), "{names:?}");
+    let (code, list) = reports_cmd(&w, &[]);
+    assert_eq!(code, 0);
+    assert_eq!(list.lines().count(), 3, "a header and two reports: {list}");
+}
