@@ -21,7 +21,7 @@ use crate::exit::Code;
 use crate::logwatch::{Classifier, Delivery};
 use crate::outcome::{Prepared, StartFailure};
 use crate::reload::Plan;
-use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity};
+use crate::supervisor::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
 use crate::systemd::{Note, Notifier};
 
 /// What the warden is asked to do from outside (signals, the demo, tests).
@@ -71,6 +71,10 @@ pub enum Input {
     /// The binary an upgrade would run answered `--version` (its version),
     /// or why not.
     UpgradeChecked(Result<String, String>),
+    /// The failure report of `start` is written (or gave up).
+    Reported {
+        start: u32,
+    },
 }
 
 /// Where effects on the child are carried out.
@@ -98,6 +102,14 @@ pub trait Backend {
     fn kill_tree(&mut self);
     /// Describe what is left of the tree, off the loop: `Input::Survivors`.
     fn describe_survivors(&mut self);
+    /// Write the failure report of the failed run, off the loop, while
+    /// its tree is still there; `Input::Reported` when done. Returns the
+    /// report's folder, or `None` when no report can be written (nothing
+    /// follows then).
+    fn report(&mut self, order: ReportOrder) -> Option<std::path::PathBuf>;
+    /// Give up the report under way at once: its commands are killed,
+    /// what is written stays.
+    fn cancel_report(&mut self);
     /// Have the current run's lines read to the end of the file, then
     /// `Delivery::Drained` sent after them; false when no run's lines are
     /// followed (nothing will follow).
@@ -296,8 +308,20 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         if !deferring {
             self.send_held(held);
         }
+        // The report begun by this event, for its `failed` journal event.
+        let mut report: Option<std::path::PathBuf> = None;
         for fx in effects {
             match fx {
+                Effect::Report(order) => {
+                    let start = order.start;
+                    report = self.backend.report(order);
+                    events.push_back(match &report {
+                        Some(path) => Event::ReportStarted { start, path: path.display().to_string() },
+                        // None can be written: nothing to wait for.
+                        None => Event::Reported { start },
+                    });
+                }
+                Effect::CancelReport => self.backend.cancel_report(),
                 Effect::Spawn { start } => {
                     events.push_back(match self.backend.spawn(start) {
                         Ok(pid) => Event::Spawned { start, pid },
@@ -325,7 +349,10 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     }
                     self.notifier.notify(&notes);
                 }
-                Effect::Log(r) => log(self.ctx, &self.machine, &r),
+                Effect::Log(r) => {
+                    let path = report.as_ref().filter(|_| r.topic == Topic::Failed);
+                    log(self.ctx, &self.machine, &r, path.map(|p| p.as_path()))
+                }
             }
         }
     }
@@ -395,6 +422,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 }
                 self.upgrade = Some(version);
             }
+            Input::Reported { start } => events.push_back(Event::Reported { start }),
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
             Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
             Input::Survivors(description) => events.push_back(Event::Survivors { description }),
@@ -476,20 +504,45 @@ async fn tick(dog: &mut Option<tokio::time::Interval>) {
     }
 }
 
-fn log(ctx: &Context, m: &Machine, r: &Record) {
+/// A warden event into the log; `report`: the failure report's folder,
+/// as the `REPORT=` field of a `failed` event.
+fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>) {
     let pid = m.child_pid().unwrap_or(0);
     let attempt = m.attempt();
     let msg = crate::redact::text(&r.message);
     let (instance, event, msg) = (ctx.instance.as_str(), r.topic.as_str(), msg.as_ref());
+    let report = report.map(|p| crate::escape::one_line(&p.display().to_string(), crate::escape::MAX_LINE));
+    let report = report.as_deref();
     match r.severity {
         Severity::Info => {
-            tracing::info!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
+            tracing::info!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
         }
         Severity::Warn => {
-            tracing::warn!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
+            tracing::warn!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
         }
         Severity::Error => {
-            tracing::error!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
+            tracing::error!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
         }
     }
 }

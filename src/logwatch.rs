@@ -299,6 +299,15 @@ fn parse_prefix(text: &str) -> Result<Option<Prefix<'_>>, ()> {
     Ok(Some(Prefix { process: "", level: Some(level), end: text.len() - rest.len() + spaces }))
 }
 
+/// The process a line comes from, as vLLM's prefix names it (`""` for a
+/// line without one), and the line's message after the prefix.
+pub fn process_and_message(text: &str) -> (&str, &str) {
+    match parse_prefix(text) {
+        Ok(Some(p)) => (p.process, &text[p.end..]),
+        _ => ("", text),
+    }
+}
+
 /// The verdict on a line borrowed from the follower's buffer.
 #[derive(Debug)]
 pub struct Verdict {

@@ -40,7 +40,7 @@ pub enum Unreadable {
 /// Read a scrape of vLLM's `/metrics` (the Prometheus text format, parsed
 /// by `nom-openmetrics`).
 pub fn read(text: &str) -> Result<Reading, Unreadable> {
-    let (_, families) = nom_openmetrics::parser::prometheus(text).map_err(|e| {
+    let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
         let shown = e.to_string();
         Unreadable::Format(shown.chars().take(200).collect())
     })?;
@@ -58,6 +58,23 @@ pub fn read(text: &str) -> Result<Reading, Unreadable> {
         waiting: sum(WAITING)?,
         tokens: sum(GENERATION_TOKENS)? + sum(PROMPT_TOKENS)?,
     })
+}
+
+/// The text up to the end of its last sample line. `nom-openmetrics`
+/// refuses a family with no sample at the very end of a scrape, and vLLM
+/// 0.32.0 ends every scrape before its first completion so (the HTTP
+/// instrumentation's `http_request_duration_seconds`: only its `# HELP` and
+/// `# TYPE`); such a family holds nothing to read anyway.
+fn through_last_sample(text: &str) -> &str {
+    let (mut end, mut at) = (0, 0);
+    for line in text.split_inclusive('\n') {
+        at += line.len();
+        let t = line.trim();
+        if !t.is_empty() && !t.starts_with('#') {
+            end = at;
+        }
+    }
+    &text[..end]
 }
 
 /// What the series of readings says.
@@ -150,6 +167,28 @@ mod tests {
     #[test]
     fn a_scrape_is_summed_over_label_sets() {
         assert_eq!(read(&scrape(2, 1, 10)), Ok(Reading { running: 2.0, waiting: 1.0, tokens: 52.0 }));
+    }
+
+    /// A whole scrape of vLLM 0.32.0's `/metrics` (the tiny model after one
+    /// completion): every family vLLM, the Python client and the HTTP
+    /// instrumentation write, as they write them.
+    #[test]
+    fn a_real_vllm_scrape_is_read() {
+        let text = include_str!("../tests/fixtures/vllm-0.32.0-metrics.txt");
+        let r = read(text).unwrap();
+        assert_eq!((r.running, r.waiting), (0.0, 0.0));
+        assert!(r.tokens > 0.0, "{r:?}");
+    }
+
+    /// The scrape of a fresh vLLM 0.32.0, before its first completion: it
+    /// ends with a family that has no sample (this turned the check off).
+    #[test]
+    fn a_fresh_vllm_scrape_ending_in_an_empty_family_is_read() {
+        let text = include_str!("../tests/fixtures/vllm-0.32.0-metrics-fresh.txt");
+        assert!(text.trim_end().ends_with("# TYPE http_request_duration_seconds histogram"));
+        assert!(nom_openmetrics::parser::prometheus(text).is_err(), "the parser alone refuses it");
+        let r = read(text).unwrap();
+        assert_eq!(r, Reading { running: 0.0, waiting: 0.0, tokens: 0.0 });
     }
 
     #[test]

@@ -63,6 +63,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         restart,
         health,
         status,
+        reports,
         state_dir,
         patterns,
         hints,
@@ -116,6 +117,14 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("health.kernel-messages", Warden, dbg(&h.0.kernel_messages), dbg(&h.1.kernel_messages));
     cmp("status.file", Warden, dbg(&old.status.file), dbg(&status.file));
     cmp("status.metrics-file", Warden, dbg(&old.status.metrics_file), dbg(&status.metrics_file));
+    let rp = (&old.reports, reports);
+    cmp("reports.keep", Warden, rp.0.keep.to_string(), rp.1.keep.to_string());
+    cmp("reports.max-size", Warden, rp.0.max_size.to_string(), rp.1.max_size.to_string());
+    cmp("reports.lines", Warden, rp.0.lines.to_string(), rp.1.lines.to_string());
+    cmp("reports.timeout", Warden, d(rp.0.timeout), d(rp.1.timeout));
+    cmp("reports.py-spy", Warden, dbg(&rp.0.py_spy), dbg(&rp.1.py_spy));
+    cmp("reports.gpu-snapshot", Warden, dbg(&rp.0.gpu_snapshot), dbg(&rp.1.gpu_snapshot));
+    cmp("reports.kernel-messages", Warden, dbg(&rp.0.kernel_messages), dbg(&rp.1.kernel_messages));
     cmp("patterns", Warden, dbg(&old.patterns), dbg(patterns));
     cmp("hint", Warden, dbg(&old.hints), dbg(hints));
     out

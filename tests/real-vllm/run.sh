@@ -8,6 +8,7 @@
 # Each wait of a scenario has a budget reckoned from the model loads it holds
 # and a load ceiling: VLLM_WARDEN_LOAD_CEILING (e.g. "3m"), else 5 minutes
 # (tests/real_vllm.rs). Every scenario runs, whatever an earlier one did.
+# Arguments are passed to nextest: `tests/real-vllm/run.sh s6` runs one.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 paths=$(tests/real-vllm/setup.sh)
@@ -29,4 +30,4 @@ export TMPDIR=$tmp
 # go): on 2 cores two loads at once take as long as two in a row, and a vLLM
 # tree takes about 4.6 GB.
 run=(cargo nextest run --release --test real_vllm --run-ignored only --no-capture --no-fail-fast)
-unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm && exec "$@"' sh "${run[@]}"
+unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm && exec "$@"' sh "${run[@]}" "$@"
