@@ -566,6 +566,9 @@ pub struct Saved {
     pub exits: u32,
     pub last_load: Option<Duration>,
     pub failure_counts: BTreeMap<FailureClass, u64>,
+    /// Absent from a predecessor that did not know it.
+    #[serde(default)]
+    pub last_failure: Option<crate::status::LastFailure>,
 }
 
 fn secs(d: Duration) -> String {
@@ -624,6 +627,7 @@ impl Machine {
             exits: self.exits,
             last_load: self.last_load,
             failure_counts: self.failure_counts.clone(),
+            last_failure: self.last_failure.clone(),
         })
     }
 
@@ -649,6 +653,7 @@ impl Machine {
         m.exits = saved.exits;
         m.last_load = saved.last_load;
         m.failure_counts = saved.failure_counts.clone();
+        m.last_failure = saved.last_failure.clone();
         m.upgraded_from = Some(from.to_string());
         m
     }
