@@ -614,8 +614,14 @@ impl Backend for Real {
         });
     }
 
-    fn pause_lines(&mut self) -> Option<u64> {
-        self.follower.take()?.finish(Duration::from_secs(5))
+    fn pause_lines(&mut self) -> bool {
+        self.follower.as_ref().map(Follower::stop_reading).is_some()
+    }
+
+    fn lines_paused(&mut self, wait: Duration) -> Option<u64> {
+        let offset = self.follower.as_ref()?.ended(wait)?;
+        self.follower = None;
+        Some(offset)
     }
 
     fn resume_lines(&mut self, offset: u64) {

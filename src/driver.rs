@@ -117,10 +117,14 @@ pub trait Backend {
     /// Ask the binary at the warden's path for its version, off the loop:
     /// `Input::UpgradeChecked`.
     fn check_upgrade(&mut self) {}
-    /// Stop following the run's lines: the offset of the first line not
-    /// handed on whole (every batch before it is in the line queue); `None`
-    /// when nothing is followed.
-    fn pause_lines(&mut self) -> Option<u64> {
+    /// Stop following the run's lines; false when nothing is followed.
+    fn pause_lines(&mut self) -> bool {
+        false
+    }
+    /// After [`Backend::pause_lines`], once the follower has ended (waiting
+    /// up to `wait`): the offset of the first line not handed on whole
+    /// (every batch before it is in the line queue).
+    fn lines_paused(&mut self, _wait: Duration) -> Option<u64> {
         None
     }
     /// Follow the run's lines again from `offset` (an upgrade given up).
@@ -178,6 +182,9 @@ pub struct Context {
 /// the last batch: a follower that neither reads nor fails cannot hold the
 /// exit back for ever.
 pub const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long an upgrade waits for the log follower to stop.
+const PAUSE_PATIENCE: Duration = Duration::from_secs(5);
 
 /// The loop's parts that outlive one event.
 pub struct Loop<'a, B: Backend, N: Notifier> {
@@ -363,11 +370,34 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     fn upgrade_now(&mut self, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
         let Some(version) = self.upgrade.take() else { return };
         let instance = self.ctx.instance.clone();
-        let Some(offset) = self.backend.pause_lines() else {
+        if !self.backend.pause_lines() {
+            tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: no log is followed");
+            return;
+        }
+        // The follower may wait for room in the line queue: emptied while
+        // it ends.
+        let give_up = Instant::now() + PAUSE_PATIENCE;
+        let offset = loop {
+            while let Ok(delivery) = self.lines.try_recv() {
+                if let Delivery::Lines { start, lines, .. } = delivery {
+                    events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
+                }
+            }
+            if let Some(offset) = self.backend.lines_paused(Duration::from_millis(10)) {
+                break Some(offset);
+            }
+            if Instant::now() >= give_up {
+                break None;
+            }
+        };
+        let Some(offset) = offset else {
+            // A read that does not return (a dead network filesystem): its
+            // lines cannot be handed over; this warden keeps the run.
             tracing::error!(
                 INSTANCE = instance.as_str(),
                 EVENT = "upgrade",
-                "upgrade given up: the log follower did not stop"
+                "upgrade given up: the log follower did not stop within {}s",
+                PAUSE_PATIENCE.as_secs()
             );
             return;
         };
