@@ -17,7 +17,8 @@
 //! Run: `cargo bench --bench latency`; with
 //! `LATENCY_BENCH_KERNEL_MESSAGES=off`, without the GPU fault watcher (its
 //! command is started once per warden, and reads the kernel's messages
-//! beside the warden).
+//! beside the warden); with `LATENCY_BENCH_REPORTS=off`, without the failure
+//! report that every failed run gets before its stop (`reports.keep = 0`).
 
 use std::io::Write;
 use std::os::unix::net::UnixDatagram;
@@ -170,6 +171,15 @@ fn kernel_messages() -> &'static str {
     }
 }
 
+/// `LATENCY_BENCH_REPORTS=off` measures without failure reports, which
+/// are written between a run's failure and its stop.
+fn reports() -> &'static str {
+    match std::env::var("LATENCY_BENCH_REPORTS").as_deref() {
+        Ok("off") => "[reports]\nkeep = 0\n",
+        _ => "",
+    }
+}
+
 fn main() {
     let exe = env!("CARGO_BIN_EXE_vllm-warden");
     let sim = env!("CARGO_BIN_EXE_vllm-warden-sim");
@@ -193,8 +203,9 @@ initial-delay = "0s"
 max-attempts = 0
 [status]
 file = "{run}/status.json"
-{kernel}"#,
+{kernel}{reports}"#,
             kernel = kernel_messages(),
+            reports = reports(),
             stamps = stamps.display(),
             d = d.display(),
             run = run.path().display()

@@ -71,6 +71,30 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
+#[derive(Debug, clap::Args)]
+pub struct ReportsArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    #[command(subcommand)]
+    pub what: Option<ReportsCmd>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReportsCmd {
+    /// Every report, oldest first: time, attempt, class, size, cause (the default).
+    List,
+    /// One report as a readable summary (the latest by default).
+    Show {
+        /// A report's folder name, or the start of it (its time).
+        id: Option<String>,
+    },
+    /// The folder of one report (the latest by default).
+    Path {
+        /// A report's folder name, or the start of it (its time).
+        id: Option<String>,
+    },
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Run the daemon in the foreground (systemd's ExecStart=, or a
@@ -92,6 +116,8 @@ pub enum Cmd {
     /// Replace the running warden by the binary now at its path, keeping
     /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running.
     Upgrade(ConfigArg),
+    /// The failure reports of failed runs: list, show one, or its folder.
+    Reports(ReportsArgs),
     /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
     Demo,
     /// Write the man pages and shell completions into a folder (packaging).
@@ -116,6 +142,7 @@ pub fn main() -> Code {
         Cmd::Drain(c) => control(&c.config, "/drain"),
         Cmd::Undrain(c) => control(&c.config, "/undrain"),
         Cmd::Restart(c) => control(&c.config, "/restart"),
+        Cmd::Reports(a) => reports(&a),
         Cmd::Demo => crate::demo::main(),
         Cmd::Assets { dir } => match crate::assets::write(&dir) {
             Ok(()) => Code::Ok,
@@ -259,6 +286,66 @@ fn control(config: &Path, path: &str) -> Code {
             eprintln!("vllm-warden: {}: {e}", s.server.socket.display());
             Code::Internal
         }
+    }
+}
+
+fn reports(a: &ReportsArgs) -> Code {
+    let s = match load(&a.config.config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let all = match crate::reports::list(&s.state_dir, &s.name) {
+        Ok(all) => all,
+        Err(e) => {
+            eprintln!("vllm-warden: {}: {e}", s.state_dir.join(crate::reports::FOLDER).display());
+            return Code::NoReport;
+        }
+    };
+    let pick = |id: &Option<String>| -> Result<crate::reports::Listed, Code> {
+        let found: Vec<&crate::reports::Listed> = match id {
+            None => all.last().into_iter().collect(),
+            Some(id) => all.iter().filter(|r| r.name.starts_with(id.as_str())).collect(),
+        };
+        match found.as_slice() {
+            [one] => Ok((*one).clone()),
+            [] => {
+                let what =
+                    id.as_deref().map_or("any".to_string(), |i| format!("{:?}", crate::escape::one_line(i, 200)));
+                eprintln!(
+                    "vllm-warden: no failure report {what} in {}",
+                    s.state_dir.join(crate::reports::FOLDER).display()
+                );
+                Err(Code::NoReport)
+            }
+            many => {
+                eprintln!("vllm-warden: {} reports begin so; give more of the name", many.len());
+                Err(Code::NoReport)
+            }
+        }
+    };
+    match &a.what {
+        None | Some(ReportsCmd::List) => {
+            if all.is_empty() {
+                println!("no failure reports in {}", s.state_dir.join(crate::reports::FOLDER).display());
+            } else {
+                print!("{}", crate::reports::table(&all));
+            }
+            Code::Ok
+        }
+        Some(ReportsCmd::Show { id }) => match pick(id) {
+            Ok(r) => {
+                print!("{}", crate::reports::show(&r));
+                Code::Ok
+            }
+            Err(code) => code,
+        },
+        Some(ReportsCmd::Path { id }) => match pick(id) {
+            Ok(r) => {
+                println!("{}", r.path.display());
+                Code::Ok
+            }
+            Err(code) => code,
+        },
     }
 }
 

@@ -91,6 +91,25 @@ pub mod defaults {
     /// `$STATE_DIRECTORY`, else `NAME/` here.
     pub const STATE_DIR: &str = "/var/lib/vllm-warden";
 
+    /// `[reports]`: how many failure reports are kept, and their total size.
+    pub const REPORTS_KEEP: u32 = 20;
+    pub const REPORTS_MAX_SIZE: u64 = 200 << 20;
+    /// The last lines of a failed run's log in its report.
+    pub const REPORTS_LINES: u32 = 2000;
+    /// What one failure report may take in all: the stop of a failed run
+    /// waits at most this long for it.
+    pub const REPORTS_TIMEOUT: Duration = Duration::from_secs(20);
+    /// A dump of the Python stacks of one process; `{pid}` is its pid.
+    /// Without pausing it: py-spy's pause (a ptrace stop) fails on a
+    /// process that is stopped already (`Failed to suspend process`, seen
+    /// with py-spy 0.4.3 on a SIGSTOPped EngineCore), and a wedged server
+    /// is exactly what a report is for.
+    pub const REPORTS_PY_SPY: [&str; 5] = ["py-spy", "dump", "--nonblocking", "--pid", "{pid}"];
+    pub const REPORTS_GPU_SNAPSHOT: [&str; 2] = ["nvidia-smi", "-q"];
+    /// The kernel's messages since the run's spawn; `{since}` is the spawn
+    /// in seconds since the epoch.
+    pub const REPORTS_KERNEL_MESSAGES: [&str; 6] = ["journalctl", "-k", "-o", "short-iso", "--since", "@{since}"];
+
     /// `[[patch]] max-size`: the largest model file a patch reads.
     pub const PATCH_MAX_SIZE: u64 = crate::patch::DEFAULT_MAX_SIZE;
 
@@ -140,6 +159,13 @@ pub mod limits {
     pub const LOG_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
     /// `child.log-keep`: copies kept.
     pub const LOG_KEEP: RangeInclusive<u32> = 0..=1000;
+    /// `reports.timeout`: long enough for a slow `py-spy` on a big tree,
+    /// short enough that a failed run's stop is never held for long.
+    pub const REPORTS_TIMEOUT: RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(600);
+    /// `reports.max-size`, in bytes: 1 MiB to 1 TiB.
+    pub const REPORTS_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+    /// `reports.lines`.
+    pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
 }
 
 /// A config that passed validation.
@@ -163,6 +189,7 @@ pub struct Settings {
     pub status: Status,
     pub server: Server,
     pub drain: Drain,
+    pub reports: Reports,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.
@@ -231,6 +258,25 @@ pub struct Health {
     pub progress_stall: Duration,
     /// A command whose output is new kernel messages, followed from each
     /// spawn for GPU faults; empty: off.
+    pub kernel_messages: Vec<String>,
+}
+
+/// `[reports]`: the failure report written for every failed run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reports {
+    /// How many reports are kept; 0: none is written.
+    pub keep: u32,
+    /// The most all reports may take together, in bytes.
+    pub max_size: u64,
+    /// The last lines of the run's log in `log-tail.txt`.
+    pub lines: u32,
+    /// What one report may take in all.
+    pub timeout: Duration,
+    /// argv of a Python stack dump, `{pid}` in it; empty: none.
+    pub py_spy: Vec<String>,
+    /// argv of a GPU snapshot; empty: none.
+    pub gpu_snapshot: Vec<String>,
+    /// argv whose output is the kernel's messages since `{since}`; empty: none.
     pub kernel_messages: Vec<String>,
 }
 
@@ -373,9 +419,24 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let mut top = Keys::new(r, Some(doc), None, "", String::new());
     let name = top.read("name", stem, instance_name);
     let profile = top.read("profile", defaults::PROFILE, profile);
-    let [child_v, patch_v, prestart_v, ready_v, fatal_v, restart_v, health_v, status_v, server_v, drain_v, hint_v] =
-        ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint"]
-            .map(|k| top.take(k));
+    let [
+        child_v,
+        patch_v,
+        prestart_v,
+        ready_v,
+        fatal_v,
+        restart_v,
+        health_v,
+        status_v,
+        server_v,
+        drain_v,
+        hint_v,
+        reports_v,
+    ] = [
+        "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
+        "reports",
+    ]
+    .map(|k| top.take(k));
     drop(top);
     let hints = hints(r, hint_v);
 
@@ -391,6 +452,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let status = status(r.section(status_v, "status"), &name, dirs);
     let server = server(r.section(server_v, "server"), &name, dirs);
     let drain = drain(r.section(drain_v, "drain"), server.listen.is_some());
+    let reports = reports(r.section(reports_v, "reports"));
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
@@ -407,6 +469,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         status,
         server,
         drain,
+        reports,
         hints,
         state_dir,
         patterns,
@@ -806,6 +869,47 @@ fn drain(mut k: Keys<'_, '_, '_>, listening: bool) -> Drain {
     let timeout = k.duration("timeout", defaults::DRAIN_TIMEOUT, limits::WAIT);
     let on_stop = k.read("on-stop", listening, |r, v| r.boolean(v, "on-stop"));
     Drain { delay, timeout, on_stop }
+}
+
+/// `[reports]`
+fn reports(mut k: Keys<'_, '_, '_>) -> Reports {
+    let keep = k.count("keep", defaults::REPORTS_KEEP, 0);
+    let max_size =
+        k.read("max-size", defaults::REPORTS_MAX_SIZE, |r, v| size(r, v, "max-size", limits::REPORTS_MAX_SIZE));
+    let lines = k.read("lines", defaults::REPORTS_LINES, |r, v| {
+        let n = r.integer(v, "lines", i64::MAX)?;
+        let range = &limits::REPORTS_LINES;
+        match u64::try_from(n) {
+            Ok(n) if range.contains(&n) => u32::try_from(n).ok(),
+            _ => {
+                let message = format!("`lines` must be from {} to {}", range.start(), range.end());
+                r.problem(Some(v.span()), message);
+                None
+            }
+        }
+    });
+    let timeout = k.duration("timeout", defaults::REPORTS_TIMEOUT, limits::REPORTS_TIMEOUT);
+    fn argv(k: &mut Keys<'_, '_, '_>, key: &'static str, default: &[&str], needs: Option<&str>) -> Vec<String> {
+        k.read(key, default.iter().map(|s| s.to_string()).collect(), |r, v| {
+            let argv = r.strings(v, key)?;
+            if argv.first().is_some_and(String::is_empty) {
+                r.problem(Some(v.span()), format!("`reports.{key}` must name a program to run, or be [] (none)"));
+                return None;
+            }
+            if let Some(p) = needs
+                && !argv.is_empty()
+                && !argv.iter().any(|a| a.contains(p))
+            {
+                r.problem(Some(v.span()), format!("`reports.{key}` must hold {p} where the value goes"));
+                return None;
+            }
+            Some(argv)
+        })
+    }
+    let py_spy = argv(&mut k, "py-spy", &defaults::REPORTS_PY_SPY, Some("{pid}"));
+    let gpu_snapshot = argv(&mut k, "gpu-snapshot", &defaults::REPORTS_GPU_SNAPSHOT, None);
+    let kernel_messages = argv(&mut k, "kernel-messages", &defaults::REPORTS_KERNEL_MESSAGES, None);
+    Reports { keep, max_size, lines, timeout, py_spy, gpu_snapshot, kernel_messages }
 }
 
 /// `"SIGTERM"`, `"TERM"` or `"15"` → a signal.

@@ -354,6 +354,14 @@ impl TreeRecord {
 
 /// How often a drain counts the requests in flight.
 const LOAD_EVERY: Duration = Duration::from_millis(100);
+/// What the backend keeps of the latest run for its failure report.
+struct RunRecord {
+    start: u32,
+    spawned: std::time::SystemTime,
+    log_file: std::path::PathBuf,
+    /// Where the run's lines begin in the log.
+    offset: u64,
+}
 
 /// How often a ready child's log is read at most.
 const SERVING_PACE: Duration = Duration::from_millis(10);
@@ -387,6 +395,10 @@ pub struct Real {
     load: Option<AbortHandle>,
     /// Seen in the log: the canary waits while real traffic flows.
     traffic: crate::health::Traffic,
+    /// The latest run: what its failure report needs.
+    run: Option<RunRecord>,
+    /// The failure report being written.
+    reporting: Option<AbortHandle>,
     /// Put in every child's environment (`prestart::RUN_TOKEN`).
     token: String,
     inputs: mpsc::UnboundedSender<Input>,
@@ -442,6 +454,8 @@ impl Real {
             last_check: Default::default(),
             load: None,
             traffic: taps.traffic.clone(),
+            run: None,
+            reporting: None,
             taps,
             token,
             inputs,
@@ -564,7 +578,8 @@ impl Backend for Real {
         self.preparing = None;
         let c = &self.settings.child;
         let log_path = c.log_file.clone();
-        let (file, offset) = child::open_log(&log_path, start, std::time::SystemTime::now())
+        let spawned = std::time::SystemTime::now();
+        let (file, offset) = child::open_log(&log_path, start, spawned)
             .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
         let mut env = c.env.clone();
         env.insert(crate::prestart::RUN_TOKEN.into(), self.token.clone());
@@ -588,6 +603,7 @@ impl Backend for Real {
             }
         })?;
         self.follower = Some(follower);
+        self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset });
         self.kernel_start.store(start, std::sync::atomic::Ordering::SeqCst);
         self.follow_kernel();
         Ok(pid)
@@ -672,8 +688,14 @@ impl Backend for Real {
         });
     }
 
-    fn pause_lines(&mut self) -> Option<u64> {
-        self.follower.take()?.finish(Duration::from_secs(5))
+    fn pause_lines(&mut self) -> bool {
+        self.follower.as_ref().map(Follower::stop_reading).is_some()
+    }
+
+    fn lines_paused(&mut self, wait: Duration) -> Option<u64> {
+        let offset = self.follower.as_ref()?.ended(wait)?;
+        self.follower = None;
+        Some(offset)
     }
 
     fn resume_lines(&mut self, offset: u64) {
@@ -794,6 +816,48 @@ impl Backend for Real {
     fn unwatch_load(&mut self) {
         if let Some(t) = self.load.take() {
             t.abort();
+        }
+    }
+
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
+        self.run.as_ref().filter(|r| r.start == order.start)?;
+        // The run has failed: its checks have nothing more to say.
+        self.stop_checks();
+        let run = self.run.as_ref()?;
+        let now = std::time::SystemTime::now();
+        let s = &self.settings;
+        let job = crate::reports::Job {
+            state_dir: s.state_dir.clone(),
+            name: crate::reports::folder_name(now, &s.name, order.attempt),
+            instance: s.name.clone(),
+            spawned: run.spawned,
+            begun: now,
+            log_file: run.log_file.clone(),
+            log_offset: run.offset,
+            settings: s.reports.clone(),
+            config_sha256: crate::reports::sha256_hex(s.text.as_bytes()),
+            classifier: self.classifier.clone(),
+            warden: std::process::id() as i32,
+            order,
+        };
+        let path = job.state_dir.join(crate::reports::FOLDER).join(&job.name);
+        let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
+        let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
+            match crate::reports::write(job).await {
+                Ok(p) => tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display()),
+                Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
+            }
+            let _ = tx.send(Input::Reported { start });
+        });
+        if let Some(old) = self.reporting.replace(task) {
+            old.abort();
+        }
+        Some(path)
+    }
+
+    fn cancel_report(&mut self) {
+        if let Some(task) = self.reporting.take() {
+            task.abort();
         }
     }
 

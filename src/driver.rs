@@ -23,7 +23,7 @@ use crate::exit::Code;
 use crate::logwatch::{Classifier, Delivery};
 use crate::outcome::{Prepared, StartFailure};
 use crate::reload::Plan;
-use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity};
+use crate::supervisor::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
 use crate::systemd::{Note, Notifier};
 
 /// What the warden is asked to do from outside (signals, the control
@@ -114,6 +114,10 @@ pub enum Input {
     /// The binary an upgrade would run answered `--version` (its version),
     /// or why not.
     UpgradeChecked(Result<String, String>),
+    /// The failure report of `start` is written (or gave up).
+    Reported {
+        start: u32,
+    },
 }
 
 /// Where effects on the child are carried out.
@@ -145,6 +149,14 @@ pub trait Backend {
     /// none is running or waiting.
     fn watch_load(&mut self, start: u32);
     fn unwatch_load(&mut self);
+    /// Write the failure report of the failed run, off the loop, while
+    /// its tree is still there; `Input::Reported` when done. Returns the
+    /// report's folder, or `None` when no report can be written (nothing
+    /// follows then).
+    fn report(&mut self, order: ReportOrder) -> Option<std::path::PathBuf>;
+    /// Give up the report under way at once: its commands are killed,
+    /// what is written stays.
+    fn cancel_report(&mut self);
     /// Have the current run's lines read to the end of the file, then
     /// `Delivery::Drained` sent after them; false when no run's lines are
     /// followed (nothing will follow).
@@ -152,10 +164,14 @@ pub trait Backend {
     /// Ask the binary at the warden's path for its version, off the loop:
     /// `Input::UpgradeChecked`.
     fn check_upgrade(&mut self) {}
-    /// Stop following the run's lines: the offset of the first line not
-    /// handed on whole (every batch before it is in the line queue); `None`
-    /// when nothing is followed.
-    fn pause_lines(&mut self) -> Option<u64> {
+    /// Stop following the run's lines; false when nothing is followed.
+    fn pause_lines(&mut self) -> bool {
+        false
+    }
+    /// After [`Backend::pause_lines`], once the follower has ended (waiting
+    /// up to `wait`): the offset of the first line not handed on whole
+    /// (every batch before it is in the line queue).
+    fn lines_paused(&mut self, _wait: Duration) -> Option<u64> {
         None
     }
     /// Follow the run's lines again from `offset` (an upgrade given up).
@@ -215,6 +231,9 @@ pub struct Context {
 /// the last batch: a follower that neither reads nor fails cannot hold the
 /// exit back for ever.
 pub const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long an upgrade waits for the log follower to stop.
+const PAUSE_PATIENCE: Duration = Duration::from_secs(5);
 
 /// The loop's parts that outlive one event.
 pub struct Loop<'a, B: Backend, N: Notifier> {
@@ -354,8 +373,20 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         if !deferring {
             self.send_held(held);
         }
+        // The report begun by this event, for its `failed` journal event.
+        let mut report: Option<std::path::PathBuf> = None;
         for fx in effects {
             match fx {
+                Effect::Report(order) => {
+                    let start = order.start;
+                    report = self.backend.report(order);
+                    events.push_back(match &report {
+                        Some(path) => Event::ReportStarted { start, path: path.display().to_string() },
+                        // None can be written: nothing to wait for.
+                        None => Event::Reported { start },
+                    });
+                }
+                Effect::CancelReport => self.backend.cancel_report(),
                 Effect::Spawn { start } => {
                     events.push_back(match self.backend.spawn(start) {
                         Ok(pid) => Event::Spawned { start, pid },
@@ -385,7 +416,10 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     }
                     self.notifier.notify(&notes);
                 }
-                Effect::Log(r) => log(self.ctx, &self.machine, &r),
+                Effect::Log(r) => {
+                    let path = report.as_ref().filter(|_| r.topic == Topic::Failed);
+                    log(self.ctx, &self.machine, &r, path.map(|p| p.as_path()))
+                }
             }
         }
     }
@@ -396,11 +430,34 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     fn upgrade_now(&mut self, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
         let Some(version) = self.upgrade.take() else { return };
         let instance = self.ctx.instance.clone();
-        let Some(offset) = self.backend.pause_lines() else {
+        if !self.backend.pause_lines() {
+            tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: no log is followed");
+            return;
+        }
+        // The follower may wait for room in the line queue: emptied while
+        // it ends.
+        let give_up = Instant::now() + PAUSE_PATIENCE;
+        let offset = loop {
+            while let Ok(delivery) = self.lines.try_recv() {
+                if let Delivery::Lines { start, lines, .. } = delivery {
+                    events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
+                }
+            }
+            if let Some(offset) = self.backend.lines_paused(Duration::from_millis(10)) {
+                break Some(offset);
+            }
+            if Instant::now() >= give_up {
+                break None;
+            }
+        };
+        let Some(offset) = offset else {
+            // A read that does not return (a dead network filesystem): its
+            // lines cannot be handed over; this warden keeps the run.
             tracing::error!(
                 INSTANCE = instance.as_str(),
                 EVENT = "upgrade",
-                "upgrade given up: the log follower did not stop"
+                "upgrade given up: the log follower did not stop within {}s",
+                PAUSE_PATIENCE.as_secs()
             );
             return;
         };
@@ -456,6 +513,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 }
                 self.upgrade = Some(version);
             }
+            Input::Reported { start } => events.push_back(Event::Reported { start }),
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
             Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
             Input::Survivors(description) => events.push_back(Event::Survivors { description }),
@@ -537,20 +595,45 @@ async fn tick(dog: &mut Option<tokio::time::Interval>) {
     }
 }
 
-fn log(ctx: &Context, m: &Machine, r: &Record) {
+/// A warden event into the log; `report`: the failure report's folder,
+/// as the `REPORT=` field of a `failed` event.
+fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>) {
     let pid = m.child_pid().unwrap_or(0);
     let attempt = m.attempt();
     let msg = crate::redact::text(&r.message);
     let (instance, event, msg) = (ctx.instance.as_str(), r.topic.as_str(), msg.as_ref());
+    let report = report.map(|p| crate::escape::one_line(&p.display().to_string(), crate::escape::MAX_LINE));
+    let report = report.as_deref();
     match r.severity {
         Severity::Info => {
-            tracing::info!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
+            tracing::info!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
         }
         Severity::Warn => {
-            tracing::warn!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
+            tracing::warn!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
         }
         Severity::Error => {
-            tracing::error!(INSTANCE = instance, CHILD_PID = pid, ATTEMPT = attempt, EVENT = event, "{msg}")
+            tracing::error!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
         }
     }
 }

@@ -10,6 +10,8 @@ pub enum Code {
     Ok,
     /// `patch`: a file could not be patched or restored.
     PatchFailed,
+    /// `reports`: no such report, or the reports folder cannot be read.
+    NoReport,
     /// `status`: the warden runs, the model is not ready.
     NotReady,
     /// `status`: no warden runs for this config.
@@ -32,7 +34,7 @@ impl Code {
     pub fn as_u8(self) -> u8 {
         match self {
             Code::Ok => 0,
-            Code::PatchFailed => 1,
+            Code::PatchFailed | Code::NoReport => 1,
             Code::NotReady => 3,
             Code::NotRunning => 4,
             Code::AlreadyRunning => 69,

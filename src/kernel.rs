@@ -70,6 +70,17 @@ pub fn fault(line: &str) -> Option<Fault> {
     Some(Fault { xid: 79, what: "GPU has fallen off the bus", pci: with_function(&c[1]) })
 }
 
+/// Whether a kernel message concerns an NVIDIA GPU's health: any Xid (not
+/// only the fatal ones), a GPU fallen off the bus, the driver's GSP or ECC
+/// reports. What goes into a failure report's `kernel.txt`.
+pub fn gpu_related(line: &str) -> bool {
+    static GPU: LazyLock<Regex> = LazyLock::new(|| {
+        Regex::new(r"NVRM: Xid|fallen off the bus|GPU has fallen|NVRM: GPU at PCI|NVRM: .*(?:GSP|ECC|RmInit)")
+            .expect("static regex")
+    });
+    GPU.is_match(line)
+}
+
 /// The follower of one run; killed (with its group) when dropped.
 #[derive(Debug)]
 pub struct Follower {

@@ -30,6 +30,7 @@
 //! | [`logging`] | journald or stderr |
 //! | [`fsutil`] | atomic whole-file writes |
 //! | [`reload`] | what a reload changes, and whether the child must restart |
+//! | [`reports`] | the failure report of every failed run, and their retention |
 //! | [`rotate`] | the child's log file copied and truncated in place when it passes its size |
 //! | [`redact`] | masking secrets in printed commands |
 //! | [`demo`] | `vllm-warden demo` |
@@ -61,6 +62,7 @@ pub mod profile;
 pub mod progress;
 pub mod redact;
 pub mod reload;
+pub mod reports;
 pub mod rotate;
 pub mod server;
 pub mod status;

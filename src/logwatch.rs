@@ -299,6 +299,15 @@ fn parse_prefix(text: &str) -> Result<Option<Prefix<'_>>, ()> {
     Ok(Some(Prefix { process: "", level: Some(level), end: text.len() - rest.len() + spaces }))
 }
 
+/// The process a line comes from, as vLLM's prefix names it (`""` for a
+/// line without one), and the line's message after the prefix.
+pub fn process_and_message(text: &str) -> (&str, &str) {
+    match parse_prefix(text) {
+        Ok(Some(p)) => (p.process, &text[p.end..]),
+        _ => ("", text),
+    }
+}
+
 /// The verdict on a line borrowed from the follower's buffer.
 #[derive(Debug)]
 pub struct Verdict {
@@ -949,12 +958,17 @@ impl Follower {
 }
 
 impl Follower {
-    /// Stop reading and wait (up to `patience`) for the thread to end:
-    /// the offset of the first line not handed on whole, from which
-    /// another follower can go on. Every batch handed on before it is in
-    /// the channel.
-    pub fn finish(self, patience: std::time::Duration) -> Option<u64> {
+    /// Stop reading: the thread ends after the read under way; see
+    /// [`Follower::ended`].
+    pub fn stop_reading(&self) {
         self.control.ask(|a| a.stop = true);
+    }
+
+    /// Once the thread has ended (waiting up to `patience`): the offset of
+    /// the first line not handed on whole, from which another follower can
+    /// go on. Every batch handed on before it is in the channel; the
+    /// thread may wait for room there, so the caller empties it meanwhile.
+    pub fn ended(&self, patience: std::time::Duration) -> Option<u64> {
         let ended = self.control.ended.lock().unwrap_or_else(|p| p.into_inner());
         let (ended, _) = self
             .control

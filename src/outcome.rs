@@ -61,7 +61,8 @@ impl std::fmt::Display for Phase {
 }
 
 /// The class of a failed run's cause, as counted in the metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum FailureClass {
     /// The child exited (any code) with no fatal line to explain it.
     Exit,

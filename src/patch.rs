@@ -25,11 +25,11 @@ mod source;
 mod store;
 
 pub use edit::{remove, set};
-pub use store::Wait;
+pub use store::{Manifest, Wait};
 
 use edit::{EditError, Op};
 use source::{Place, Source, sha256};
-use store::{Entry, Lock, Manifest, Store};
+use store::{Entry, Lock, Store};
 
 /// The largest model file a `[[patch]]` reads unless its `max-size` says
 /// otherwise: far above any model's config, far below what would strain
@@ -626,6 +626,15 @@ fn restore(place: &Place, source: &Source, original: &Original, max: u64) -> Res
     }
     let _ = dir.sync();
     result.map(|_| ())
+}
+
+/// The patches' manifest in `state_dir`, read without the lock and
+/// without creating anything: `None` when nothing was ever patched.
+pub fn manifest(state_dir: &Path) -> Result<Option<store::Manifest>, PatchError> {
+    match store::Store::open(state_dir, false)? {
+        Some(s) => s.load().map(Some),
+        None => Ok(None),
+    }
 }
 
 /// Problems `run` and `patch` would meet at start, found without writing

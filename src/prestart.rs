@@ -594,17 +594,6 @@ pub fn describe_gpu_apps(apps: &[GpuApp]) -> String {
     apps.iter().map(|a| format!("pid {} ({} MiB)", a.pid, a.mem_mib)).collect::<Vec<_>>().join(", ")
 }
 
-/// A command's process group, SIGKILLed when this is dropped while the
-/// command may still run (a timeout, a cancelled start); forgotten once its
-/// output is closed and it was waited for.
-struct KillGroupOnDrop(nix::unistd::Pid);
-
-impl Drop for KillGroupOnDrop {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::killpg(self.0, Signal::SIGKILL);
-    }
-}
-
 /// Why the GPU query gave no answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum QueryError {
@@ -617,36 +606,90 @@ pub enum QueryError {
 /// Run `gpu-query` under `timeout`. `Ok(None)`: the command is not
 /// installed. It runs in its own process group, which is SIGKILLed when the
 /// time is up (a query that hangs on a failing driver must not hold the
-/// start). Its output is read in a blocking thread; the warden's reaper
-/// collects its exit, which is not needed.
+/// start).
 pub async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<GpuApp>>, QueryError> {
+    let shown = crate::redact::command(cmd);
+    match run_command(cmd, timeout, 1 << 20, false).await {
+        Ok(out) => Ok(out.map(|o| parse_gpu_apps(&o))),
+        Err(QueryError::TimedOut(_)) => {
+            let t = humantime::format_duration(timeout);
+            Err(QueryError::TimedOut(format!("GPU query {shown} did not answer within {t} (killed)")))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// A helper command of the warden (not part of the child's tree) while it
+/// runs: its group is SIGKILLed when this is dropped before it finished (a
+/// timeout, a cancelled start or report).
+struct Helper {
+    group: nix::unistd::Pid,
+    finished: bool,
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = nix::sys::signal::killpg(self.group, Signal::SIGKILL);
+        }
+        crate::child::unregister_helper(self.group.as_raw());
+    }
+}
+
+/// Run `cmd` under `timeout` and return its output (stdout, and stderr
+/// with it when `stderr`), at most `max` bytes of it, without the
+/// warden's systemd variables and log level in its environment. `Ok(None)`: the
+/// command is not installed. It runs in its own process group, which is
+/// SIGKILLed when the time is up or when the future is dropped; it is not
+/// counted as part of the child's tree. Its output is read in a blocking
+/// thread; the warden's reaper collects its exit, which is not needed.
+pub async fn run_command(
+    cmd: &[String],
+    timeout: Duration,
+    max: u64,
+    stderr: bool,
+) -> Result<Option<String>, QueryError> {
     use std::os::unix::process::CommandExt;
     let shown = crate::redact::command(cmd);
+    let Some(first) = cmd.first() else { return Ok(None) };
     // Looked up before starting anything: on a machine without GPUs the
     // query is missing, and a start attempt that fails costs a process.
-    let Ok(program) = which::which(&cmd[0]) else { return Ok(None) };
-    let child = std::process::Command::new(program)
-        .args(&cmd[1..])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .process_group(0)
-        .spawn();
-    let mut child = match child {
+    let Ok(program) = which::which(first) else { return Ok(None) };
+    let mut command = std::process::Command::new(program);
+    command.args(&cmd[1..]).stdin(std::process::Stdio::null()).process_group(0);
+    // Neither systemd's variables nor the warden's log level are the
+    // command's (py-spy reads RUST_LOG too, and writes its debug log into
+    // its output).
+    for var in crate::child::SCRUBBED_ENV.iter().chain(&["RUST_LOG"]) {
+        command.env_remove(var);
+    }
+    let (reader, writer) = std::io::pipe().map_err(|e| QueryError::Failed(format!("cannot run {shown}: {e}")))?;
+    let err_out = if stderr {
+        let w = writer.try_clone().map_err(|e| QueryError::Failed(format!("cannot run {shown}: {e}")))?;
+        std::process::Stdio::from(w)
+    } else {
+        std::process::Stdio::null()
+    };
+    command.stdout(writer).stderr(err_out);
+    let spawned = command.spawn();
+    // The write ends go with the command: the read sees the end of the
+    // output when the command (and what it started) closes its own.
+    drop(command);
+    let mut child = match spawned {
         Ok(c) => c,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(QueryError::Failed(format!("cannot run {shown}: {e}"))),
     };
-    // Killed however this ends: in time, late, or dropped by a cancelled start.
-    let group = KillGroupOnDrop(nix::unistd::Pid::from_raw(child.id() as i32));
-    let stdout = child.stdout.take();
+    let group = nix::unistd::Pid::from_raw(child.id() as i32);
+    crate::child::register_helper(group.as_raw());
+    // Killed however this ends: in time, late, or dropped by a cancel.
+    let mut helper = Helper { group, finished: false };
     let read = tokio::task::spawn_blocking(move || {
         use std::io::Read;
         // A bounded read: a runaway command cannot fill the warden's memory.
         let mut out = Vec::new();
-        if let Some(s) = stdout {
-            let _ = s.take(1 << 20).read_to_end(&mut out);
-        }
+        let _ = (&reader).take(max).read_to_end(&mut out);
+        drop(reader);
         let _ = child.wait();
         String::from_utf8_lossy(&out).into_owned()
     });
@@ -654,16 +697,13 @@ pub async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<
         Ok(read) => {
             // It closed its output and was waited for: the group may be
             // gone and its id reused, so it is not signalled.
-            std::mem::forget(group);
-            match read {
-                Ok(out) => Ok(Some(parse_gpu_apps(&out))),
-                Err(e) => Err(QueryError::Failed(format!("{shown}: {e}"))),
-            }
+            helper.finished = true;
+            read.map(Some).map_err(|e| QueryError::Failed(format!("{shown}: {e}")))
         }
         Err(_) => {
-            drop(group);
+            drop(helper);
             let t = humantime::format_duration(timeout);
-            Err(QueryError::TimedOut(format!("GPU query {shown} did not answer within {t} (killed)")))
+            Err(QueryError::TimedOut(format!("{shown} did not answer within {t} (killed)")))
         }
     }
 }

@@ -37,28 +37,13 @@ pub enum Unreadable {
     Missing(&'static str),
 }
 
-/// The families of a scrape (the Prometheus text format, parsed by
-/// `nom-openmetrics`). Comment lines (`# HELP`, `# TYPE`) are left out
-/// first: only the samples are read, and vLLM 0.32 ends a fresh server's
-/// scrape with a family that has `# HELP` and `# TYPE` but no sample yet
-/// (`http_request_duration_seconds`, until a request is served), which the
-/// parser refuses whole.
-fn samples_only(text: &str) -> String {
-    text.lines().filter(|l| !l.trim_start().starts_with('#')).flat_map(|l| [l, "\n"]).collect()
-}
-
-fn families(samples: &str) -> Result<Vec<nom_openmetrics::Family<'_>>, Unreadable> {
-    let (_, families) = nom_openmetrics::parser::prometheus(samples).map_err(|e| {
+/// Read a scrape of vLLM's `/metrics` (the Prometheus text format, parsed
+/// by `nom-openmetrics`).
+pub fn read(text: &str) -> Result<Reading, Unreadable> {
+    let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
         let shown = e.to_string();
         Unreadable::Format(shown.chars().take(200).collect())
     })?;
-    Ok(families)
-}
-
-/// Read a scrape of vLLM's `/metrics`.
-pub fn read(text: &str) -> Result<Reading, Unreadable> {
-    let samples = samples_only(text);
-    let families = families(&samples)?;
     let sum = |name: &'static str| -> Result<f64, Unreadable> {
         let mut found = false;
         let mut total = 0.0;
@@ -75,11 +60,30 @@ pub fn read(text: &str) -> Result<Reading, Unreadable> {
     })
 }
 
+/// The text up to the end of its last sample line. `nom-openmetrics`
+/// refuses a family with no sample at the very end of a scrape, and vLLM
+/// 0.32.0 ends every scrape before its first completion so (the HTTP
+/// instrumentation's `http_request_duration_seconds`: only its `# HELP` and
+/// `# TYPE`); such a family holds nothing to read anyway.
+fn through_last_sample(text: &str) -> &str {
+    let (mut end, mut at) = (0, 0);
+    for line in text.split_inclusive('\n') {
+        at += line.len();
+        let t = line.trim();
+        if !t.is_empty() && !t.starts_with('#') {
+            end = at;
+        }
+    }
+    &text[..end]
+}
+
 /// The requests running or waiting in a scrape, summed over label sets:
 /// what a drain waits to see at zero.
 pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
-    let samples = samples_only(text);
-    let families = families(&samples)?;
+    let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
+        let shown = e.to_string();
+        Unreadable::Format(shown.chars().take(200).collect())
+    })?;
     let mut total = 0.0;
     for name in [RUNNING, WAITING] {
         let mut found = false;
@@ -187,6 +191,28 @@ mod tests {
         assert_eq!(read(&scrape(2, 1, 10)), Ok(Reading { running: 2.0, waiting: 1.0, tokens: 52.0 }));
     }
 
+    /// A whole scrape of vLLM 0.32.0's `/metrics` (the tiny model after one
+    /// completion): every family vLLM, the Python client and the HTTP
+    /// instrumentation write, as they write them.
+    #[test]
+    fn a_real_vllm_scrape_is_read() {
+        let text = include_str!("../tests/fixtures/vllm-0.32.0-metrics.txt");
+        let r = read(text).unwrap();
+        assert_eq!((r.running, r.waiting), (0.0, 0.0));
+        assert!(r.tokens > 0.0, "{r:?}");
+    }
+
+    /// The scrape of a fresh vLLM 0.32.0, before its first completion: it
+    /// ends with a family that has no sample (this turned the check off).
+    #[test]
+    fn a_fresh_vllm_scrape_ending_in_an_empty_family_is_read() {
+        let text = include_str!("../tests/fixtures/vllm-0.32.0-metrics-fresh.txt");
+        assert!(text.trim_end().ends_with("# TYPE http_request_duration_seconds histogram"));
+        assert!(nom_openmetrics::parser::prometheus(text).is_err(), "the parser alone refuses it");
+        let r = read(text).unwrap();
+        assert_eq!(r, Reading { running: 0.0, waiting: 0.0, tokens: 0.0 });
+    }
+
     #[test]
     fn requests_in_flight_are_running_plus_waiting() {
         assert_eq!(in_flight(&scrape(2, 1, 10)), Ok(3.0));
@@ -199,23 +225,18 @@ mod tests {
         assert!(in_flight(&negative).is_err(), "{negative}");
     }
 
-    /// Regression: the progress check turned itself off, and a drain could
-    /// not count, on a real vLLM that had served no request yet.
+    /// A drain counts on a real vLLM that has served no request yet (its
+    /// scrape ends with a family without samples) and on one that has.
     #[test]
-    fn real_scrapes_read_fresh_and_after_requests() {
+    fn requests_in_flight_on_real_scrapes() {
         let fixture = |name: &str| {
             std::fs::read_to_string(format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
         };
-        let fresh = fixture("vllm_0.32_metrics_fresh.txt");
-        assert!(fresh.trim_end().ends_with("# TYPE http_request_duration_seconds histogram"));
-        assert_eq!(read(&fresh), Ok(Reading { running: 0.0, waiting: 0.0, tokens: 0.0 }));
-        assert_eq!(in_flight(&fresh), Ok(0.0));
-        let served = fixture("vllm_0.32_metrics.txt");
-        assert_eq!(read(&served), Ok(Reading { running: 0.0, waiting: 0.0, tokens: 15.0 }));
-        let busy = served.replace(
-            "vllm:num_requests_running{engine=\"0\",model_name=\"/var/cache/vllm-warden-ci/models/tiny\"} 0.0",
-            "vllm:num_requests_running{engine=\"0\",model_name=\"/var/cache/vllm-warden-ci/models/tiny\"} 2.0",
-        );
+        assert_eq!(in_flight(&fixture("vllm-0.32.0-metrics-fresh.txt")), Ok(0.0));
+        let served = fixture("vllm-0.32.0-metrics.txt");
+        assert_eq!(in_flight(&served), Ok(0.0));
+        let running = "vllm:num_requests_running{engine=\"0\",model_name=\"/var/cache/vllm-warden-ci/models/tiny\"}";
+        let busy = served.replace(&format!("{running} 0.0"), &format!("{running} 2.0"));
         assert_ne!(busy, served);
         assert_eq!(in_flight(&busy), Ok(2.0));
     }

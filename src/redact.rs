@@ -12,7 +12,10 @@
 //! - the value of an environment variable whose name contains `TOKEN`,
 //!   `KEY`, `SECRET`, `PASSWORD`, `PASSWD`, `CREDENTIAL` or `AUTH`;
 //! - the user information of any URL (`https://user:pw@host` →
-//!   `https://***@host`), `HTTPS_PROXY=http://u:pw@proxy` included.
+//!   `https://***@host`), `HTTPS_PROXY=http://u:pw@proxy` included;
+//! - in free text, the value of a Python dict entry whose key names a
+//!   secret as an option does (`'api_key': ['sk-1']`, as vLLM prints its
+//!   non-default arguments).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -45,6 +48,9 @@ static MAYBE: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"(?i)://|key|token|secret|passw|credential|auth").expect("static regex"));
 static OPTION: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"(--[A-Za-z0-9][A-Za-z0-9_-]*)(=|[ \t]+)([^\s]+)").expect("static regex"));
+static DICT_ENTRY: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r#"(['"])([A-Za-z0-9_-]+)(['"]):(\s*)('[^']*'|"[^"]*"|\[[^\]]*\])"#).expect("static regex")
+});
 static ENV_PAIR: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s]+)").expect("static regex"));
 
@@ -98,6 +104,16 @@ pub fn text(s: &str) -> Cow<'_, str> {
     let s = url(s);
     let s = match OPTION.replace_all(&s, |c: &regex::Captures<'_>| {
         if secret_option(&c[1]) { format!("{}{}{MASK}", &c[1], &c[2]) } else { c[0].to_string() }
+    }) {
+        Cow::Borrowed(_) => s,
+        Cow::Owned(o) => Cow::Owned(o),
+    };
+    let s = match DICT_ENTRY.replace_all(&s, |c: &regex::Captures<'_>| {
+        if secret_option(&format!("--{}", &c[2])) {
+            format!("{}{}{}:{}'{MASK}'", &c[1], &c[2], &c[3], &c[4])
+        } else {
+            c[0].to_string()
+        }
     }) {
         Cow::Borrowed(_) => s,
         Cow::Owned(o) => Cow::Owned(o),
@@ -193,6 +209,17 @@ mod tests {
         let plain = "Loading safetensors checkpoint shards: 45% Completed | 29/64";
         assert!(matches!(text(plain), Cow::Borrowed(_)));
         assert_eq!(text("--max-num-batched-tokens 8192"), "--max-num-batched-tokens 8192");
+    }
+
+    #[test]
+    fn secrets_in_vllm_s_argument_dict_are_masked() {
+        let line = "(APIServer pid=1) INFO 11-29 18:22:32 [api_utils.py:286] non-default args: {'model_tag': '/m', \
+                    'api_key': ['sk-1', 'sk-2'], \"hf_token\": \"hf_x\", 'max_num_batched_tokens': 8192}";
+        assert_eq!(
+            text(line),
+            "(APIServer pid=1) INFO 11-29 18:22:32 [api_utils.py:286] non-default args: {'model_tag': '/m', \
+             'api_key': '***', \"hf_token\": '***', 'max_num_batched_tokens': 8192}"
+        );
     }
 
     #[test]

@@ -65,6 +65,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         status,
         server,
         drain,
+        reports,
         state_dir,
         patterns,
         hints,
@@ -124,6 +125,14 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("drain.delay", Warden, d(old.drain.delay), d(drain.delay));
     cmp("drain.timeout", Warden, d(old.drain.timeout), d(drain.timeout));
     cmp("drain.on-stop", Warden, old.drain.on_stop.to_string(), drain.on_stop.to_string());
+    let rp = (&old.reports, reports);
+    cmp("reports.keep", Warden, rp.0.keep.to_string(), rp.1.keep.to_string());
+    cmp("reports.max-size", Warden, rp.0.max_size.to_string(), rp.1.max_size.to_string());
+    cmp("reports.lines", Warden, rp.0.lines.to_string(), rp.1.lines.to_string());
+    cmp("reports.timeout", Warden, d(rp.0.timeout), d(rp.1.timeout));
+    cmp("reports.py-spy", Warden, dbg(&rp.0.py_spy), dbg(&rp.1.py_spy));
+    cmp("reports.gpu-snapshot", Warden, dbg(&rp.0.gpu_snapshot), dbg(&rp.1.gpu_snapshot));
+    cmp("reports.kernel-messages", Warden, dbg(&rp.0.kernel_messages), dbg(&rp.1.kernel_messages));
     cmp("patterns", Warden, dbg(&old.patterns), dbg(patterns));
     cmp("hint", Warden, dbg(&old.hints), dbg(hints));
     out

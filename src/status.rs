@@ -44,6 +44,18 @@ pub struct Snapshot {
     pub failures: BTreeMap<FailureClass, u64>,
     /// The exit code, once the warden is done.
     pub exit_code: Option<crate::exit::Code>,
+    /// The last failed run, kept after a later ready.
+    pub last_failure: Option<LastFailure>,
+}
+
+/// The last failed run: why, and where its failure report is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastFailure {
+    pub cause: String,
+    pub class: FailureClass,
+    /// The report's folder; none for a start that never spawned, or with
+    /// reports off.
+    pub report: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +87,9 @@ pub struct Doc {
     /// Set when the warden has exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
+    /// The last failed run and its failure report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<LastFailure>,
 }
 
 /// A human field from data (a log line, a process's command line): one
@@ -279,6 +294,11 @@ impl Reporter {
             cause: snap.cause.as_deref().map(safe),
             hint: snap.hint.as_deref().map(safe),
             exit_code: snap.exit_code.map(|c| i32::from(c.as_u8())),
+            last_failure: snap.last_failure.as_ref().map(|f| LastFailure {
+                cause: safe(&f.cause),
+                class: f.class,
+                report: f.report.as_deref().map(safe),
+            }),
         }
     }
 }
@@ -469,6 +489,12 @@ pub fn summary(v: &Verdict) -> String {
     if let Some(h) = &doc.hint {
         let _ = write!(out, "\nhint: {}", safe(h));
     }
+    if let Some(f) = &doc.last_failure {
+        let _ = write!(out, "\nlast failure ({}): {}", f.class.as_str(), safe(&f.cause));
+        if let Some(r) = &f.report {
+            let _ = write!(out, "\nreport: {}", safe(r));
+        }
+    }
     out
 }
 
@@ -491,6 +517,7 @@ mod tests {
             last_load: Some(Duration::from_millis(61_500)),
             failures: BTreeMap::from([(FailureClass::Exit, 1)]),
             exit_code: None,
+            last_failure: None,
         }
     }
 

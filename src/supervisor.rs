@@ -24,6 +24,15 @@
 //!   StopRequested: Starting/Ready → Stopping(shutdown) → Done(0); Launching → Done(0)
 //!                  once its steps are cancelled; Backoff → Done(0)
 //!   TaskFailed (a part of the warden died): the tree is stopped, then Done(70)
+//!
+//!   A failed run (Starting/Ready → failure) first goes through Reporting:
+//!            Report              Reported / deadline
+//!   (failure) ──────▶ Reporting ─────────────────────▶ Stopping
+//!   the failure report is written while the tree is still there; its
+//!   deadline is the report budget (`reports.timeout` + a margin), so a
+//!   wedged report never holds the stop. StopRequested cuts the report short
+//!   and stops at once. Without reports (`reports.keep = 0`) a failure goes
+//!   straight to Stopping.
 //! ```
 
 use std::collections::BTreeMap;
@@ -57,6 +66,9 @@ pub const DESCRIBE_GRACE: Duration = Duration::from_secs(5);
 pub const PREPARE_MARGIN: Duration = Duration::from_secs(60);
 /// How long one run of an external command (the GPU query) may take.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(20);
+/// What a failure report may take beyond `reports.timeout` (which bounds
+/// its commands) before the machine stops waiting for it: its file writes.
+pub const REPORT_MARGIN: Duration = Duration::from_secs(5);
 
 /// The parts of the settings the machine acts on.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,6 +96,9 @@ pub struct Policy {
     /// A stop, and a reload that restarts the child, drain a serving child
     /// first.
     pub drain_on_stop: bool,
+    /// How long a failed run waits for its failure report before it is
+    /// stopped; `None`: no reports.
+    pub report: Option<Duration>,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
@@ -111,6 +126,7 @@ impl Policy {
             drain_delay: s.drain.delay,
             drain_timeout: s.drain.timeout,
             drain_on_stop: s.drain.on_stop,
+            report: (s.reports.keep > 0).then(|| s.reports.timeout.saturating_add(REPORT_MARGIN)),
         }
     }
 
@@ -247,6 +263,15 @@ pub enum Event {
         start: u32,
         cause: String,
     },
+    /// The failure report of run `start` is being written into `path`.
+    ReportStarted {
+        start: u32,
+        path: String,
+    },
+    /// The failure report of run `start` is written (or gave up).
+    Reported {
+        start: u32,
+    },
     /// What is left of the tree after SIGKILL and its grace, described.
     Survivors {
         description: String,
@@ -266,7 +291,9 @@ impl Event {
             | Event::HttpReady { start }
             | Event::HealthFailed { start, .. }
             | Event::Quiet { start }
-            | Event::GpuFault { start, .. } => Some(*start),
+            | Event::GpuFault { start, .. }
+            | Event::ReportStarted { start, .. }
+            | Event::Reported { start } => Some(*start),
             _ => None,
         }
     }
@@ -369,8 +396,30 @@ pub enum Effect {
     },
     /// Stop watching them (the drain was undone).
     UnwatchLoad,
+    /// Write the failure report of a failed run, off the loop, while its
+    /// tree is still there; `ReportStarted` at once, `Reported` when done.
+    Report(ReportOrder),
+    /// Give up the report under way (what is written stays).
+    CancelReport,
     Notify(Vec<Note>),
     Log(Record),
+}
+
+/// What the failure report of a run is to say, as the machine knows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportOrder {
+    pub start: u32,
+    pub attempt: u32,
+    pub cause: String,
+    pub class: FailureClass,
+    pub hint: Option<String>,
+    /// When the first progress line came, the run became ready, and it
+    /// failed, each counted from the spawn.
+    pub first_progress: Option<Duration>,
+    pub ready: Option<Duration>,
+    pub failed: Duration,
+    /// How the leader ended, when it has.
+    pub exit: Option<Exit>,
 }
 
 /// What is known of one run of the child, from its spawn on.
@@ -379,6 +428,8 @@ pub struct Run {
     start: u32,
     pid: u32,
     spawned_at: Instant,
+    /// The first progress line came at this instant.
+    first_progress: Option<Instant>,
     /// A fatal line was seen at this instant: the child has `grace` to exit.
     fatal_at: Option<Instant>,
     /// The first fatal line (or a later permanent one), with its permanence.
@@ -491,6 +542,20 @@ pub struct Stop {
     escalation: Escalation,
 }
 
+/// A failed run whose report is being written before its tree is stopped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reporting {
+    /// The run as it was when it failed: `Starting` or `Ready`.
+    run: Box<State>,
+    /// What the stop that follows is for: the failure, or what came since
+    /// (a reload, a failure of the warden).
+    purpose: Purpose,
+    /// The report's budget: the stop begins then, written or not.
+    until: Instant,
+    /// The leader has not exited.
+    leader: bool,
+}
+
 /// What to do once the pre-start steps are over.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AfterPrepare {
@@ -513,6 +578,7 @@ pub enum State {
     },
     Starting(Loading),
     Ready(Serving),
+    Reporting(Reporting),
     Stopping(Stop),
     Backoff {
         until: Instant,
@@ -546,6 +612,8 @@ pub struct Machine {
     last_load: Option<Duration>,
     /// Failed runs by class.
     failure_counts: BTreeMap<FailureClass, u64>,
+    /// The last failed run: its cause and report; kept after ready.
+    last_failure: Option<crate::status::LastFailure>,
     /// The version of the warden this one took the ready run over from.
     upgraded_from: Option<String>,
 }
@@ -564,6 +632,9 @@ pub struct Saved {
     pub exits: u32,
     pub last_load: Option<Duration>,
     pub failure_counts: BTreeMap<FailureClass, u64>,
+    /// Absent from a predecessor that did not know it.
+    #[serde(default)]
+    pub last_failure: Option<crate::status::LastFailure>,
 }
 
 fn secs(d: Duration) -> String {
@@ -595,6 +666,7 @@ impl Machine {
             last_load: None,
             failure_counts: BTreeMap::new(),
             upgraded_from: None,
+            last_failure: None,
         }
     }
 
@@ -621,6 +693,7 @@ impl Machine {
             exits: self.exits,
             last_load: self.last_load,
             failure_counts: self.failure_counts.clone(),
+            last_failure: self.last_failure.clone(),
         })
     }
 
@@ -634,6 +707,7 @@ impl Machine {
             start: saved.start,
             pid: saved.pid,
             spawned_at: back(saved.running_for),
+            first_progress: None,
             fatal_at: None,
             first_fatal: None,
             exception: None,
@@ -645,6 +719,7 @@ impl Machine {
         m.exits = saved.exits;
         m.last_load = saved.last_load;
         m.failure_counts = saved.failure_counts.clone();
+        m.last_failure = saved.last_failure.clone();
         m.upgraded_from = Some(from.to_string());
         m
     }
@@ -707,6 +782,7 @@ impl Machine {
             last_load: self.last_load,
             failures: self.failure_counts.clone(),
             exit_code: self.done(),
+            last_failure: self.last_failure.clone(),
         }
     }
 
@@ -728,6 +804,7 @@ impl Machine {
             State::Starting(l) => Some(l.run.pid),
             State::Ready(s) => Some(s.run.pid),
             State::Stopping(s) => s.leader,
+            State::Reporting(r) => into_run(&r.run).filter(|_| r.leader).map(|(run, _)| run.pid),
             _ => None,
         }
     }
@@ -758,6 +835,7 @@ impl Machine {
                 Escalation::Abandoning { until } => until,
             }),
             State::Backoff { until, .. } => Some(*until),
+            State::Reporting(r) => Some(r.until),
             State::Launching { then: AfterPrepare::Spawn { deadline, .. }, .. } => Some(*deadline),
             State::Idle | State::Launching { .. } | State::Done(_) => None,
         }
@@ -814,7 +892,15 @@ impl Machine {
             },
             (S::Launching { start, then }, E::Spawned { pid, .. }) => {
                 let mut loading = Loading {
-                    run: Run { start, pid, spawned_at: now, fatal_at: None, first_fatal: None, exception: None },
+                    run: Run {
+                        start,
+                        pid,
+                        spawned_at: now,
+                        first_progress: None,
+                        fatal_at: None,
+                        first_fatal: None,
+                        exception: None,
+                    },
                     progress_at: now,
                     progress: None,
                     awaiting_http: false,
@@ -881,7 +967,7 @@ impl Machine {
                     };
                     Cause::new(text, FailureKind::Exit)
                 });
-                let (next, fx) = self.begin_stop(state, Purpose::Failure(cause), now, vec![]);
+                let (next, fx) = self.fail(state, cause, Some(exit), now);
                 (leader_gone(next), fx)
             }
             (S::Starting(loading), E::Tick) => {
@@ -904,12 +990,12 @@ impl Machine {
                     None
                 };
                 match cause {
-                    Some(c) => self.begin_stop(S::Starting(loading), Purpose::Failure(c), now, vec![]),
+                    Some(c) => self.fail(S::Starting(loading), c, None, now),
                     None => (S::Starting(loading), vec![]),
                 }
             }
             (S::Ready(serving), E::Tick) => match serving.run.fatal_grace_over(self.policy.grace, now) {
-                Some(c) => self.begin_stop(S::Ready(serving), Purpose::Failure(c), now, vec![]),
+                Some(c) => self.fail(S::Ready(serving), c, None, now),
                 None => self.drain_tick(serving, now),
             },
             (S::Ready(serving), E::Quiet { .. }) => match serving.drain {
@@ -1003,15 +1089,47 @@ impl Machine {
             (state @ (S::Starting(_) | S::Ready(_)), E::GpuFault { cause, .. }) => {
                 let cause =
                     Cause { text: cause, kind: FailureKind::FatalLine, permanence: Permanence::Hardware, hint: None };
-                self.begin_stop(state, Purpose::Failure(cause), now, vec![])
+                self.fail(state, cause, None, now)
             }
             (S::Ready(serving), E::HealthFailed { cause, .. }) => {
                 let cause = Cause::new(cause, FailureKind::Health);
-                self.begin_stop(S::Ready(serving), Purpose::Failure(cause), now, vec![])
+                self.fail(S::Ready(serving), cause, None, now)
             }
             (state @ (S::Starting(_) | S::Ready(_)), E::StopRequested) => {
                 let fx = vec![record(Severity::Info, Topic::Stop, "stop requested".into())];
                 self.begin_stop(state, Purpose::Shutdown, now, fx)
+            }
+
+            (state, E::ReportStarted { path, .. }) => {
+                if let Some(f) = &mut self.last_failure {
+                    f.report = Some(path);
+                }
+                (state, vec![])
+            }
+            (S::Reporting(r), E::Reported { .. }) => self.report_done(r, now, vec![]),
+            (S::Reporting(r), E::Tick) if now >= r.until => {
+                let text = format!(
+                    "the failure report did not finish within {}; cut short",
+                    secs(self.policy.report.unwrap_or_default())
+                );
+                let fx = vec![Effect::CancelReport, record(Severity::Warn, Topic::Failed, text)];
+                self.report_done(r, now, fx)
+            }
+            (S::Reporting(mut r), E::StopRequested) => {
+                r.purpose = Purpose::Shutdown;
+                let text = "stop requested; the failure report is cut short".to_string();
+                let fx = vec![Effect::CancelReport, record(Severity::Info, Topic::Stop, text)];
+                self.report_done(r, now, fx)
+            }
+            (S::Reporting(mut r), E::ChildExited { exit, .. }) => {
+                self.last_exit = Some(exit);
+                self.exits += 1;
+                r.leader = false;
+                (S::Reporting(r), vec![])
+            }
+            // The run has failed already: what else it does waits for the stop.
+            (S::Reporting(r), E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. }) => {
+                (S::Reporting(r), vec![])
             }
 
             (S::Stopping(mut stop), E::ChildExited { pid, exit }) => {
@@ -1122,6 +1240,8 @@ impl Machine {
         let permanence = if failure.permanent { Permanence::Unrunnable } else { Permanence::Transient };
         let mut cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence, hint: None };
         cause.hint = self.policy.hints.find(&cause.text);
+        self.last_failure =
+            Some(crate::status::LastFailure { cause: cause.text.clone(), class: cause.class(), report: None });
         let fx = vec![record(Severity::Error, Topic::Failed, format!("start failed: {}", cause.shown()))];
         self.after_failure(cause, None, now, fx)
     }
@@ -1178,6 +1298,7 @@ impl Machine {
             }
             Class::Progress(text) => {
                 loading.progress_at = now;
+                loading.run.first_progress.get_or_insert(now);
                 loading.progress = Some(text.clone());
                 fx.push(Effect::Notify(vec![
                     status(format!("loading, pid {}: {text}", loading.run.pid)),
@@ -1205,12 +1326,64 @@ impl Machine {
 
     /// Stop a running child (`Starting` or `Ready`) for `purpose`; any other
     /// state is returned as it is.
-    fn begin_stop(
+    fn begin_stop(&mut self, state: State, purpose: Purpose, now: Instant, fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        self.begin_stop_as(state, purpose, now, fx, true)
+    }
+
+    /// A run has failed: write its report first, when reports are on, then
+    /// stop it. `exit`: the leader has exited so.
+    fn fail(&mut self, state: State, mut cause: Cause, exit: Option<Exit>, now: Instant) -> (State, Vec<Effect>) {
+        let Some(budget) = self.policy.report else {
+            return self.begin_stop(state, Purpose::Failure(cause), now, vec![]);
+        };
+        let Some((run, ready_at)) = into_run(&state) else { return (state, vec![]) };
+        let since = |t: Instant| t.saturating_duration_since(run.spawned_at);
+        cause.hint = self.policy.hints.find(&cause.text);
+        let order = ReportOrder {
+            start: run.start,
+            attempt: self.attempt(),
+            cause: cause.text.clone(),
+            class: cause.class(),
+            hint: cause.hint.clone(),
+            first_progress: run.first_progress.map(since),
+            ready: ready_at.map(since),
+            failed: since(now),
+            exit,
+        };
+        let mut fx = vec![Effect::Report(order)];
+        self.announce(&cause, ", writing the failure report", &mut fx);
+        let reporting = Reporting {
+            run: Box::new(state),
+            purpose: Purpose::Failure(cause),
+            until: now + budget,
+            leader: exit.is_none(),
+        };
+        (State::Reporting(reporting), fx)
+    }
+
+    /// The failure's journal event and status line; it is the last failure.
+    fn announce(&mut self, c: &Cause, then: &str, fx: &mut Vec<Effect>) {
+        self.cause = Some(c.clone());
+        self.last_failure = Some(crate::status::LastFailure { cause: c.text.clone(), class: c.class(), report: None });
+        fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown())));
+        fx.push(Effect::Notify(vec![status(format!("failed ({}{then}): {}", self.attempts_text(), c.shown()))]));
+    }
+
+    /// The report is over (written, cut short, or out of time): stop the
+    /// run for what is now the purpose.
+    fn report_done(&mut self, r: Reporting, now: Instant, fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        let (next, fx) = self.begin_stop_as(*r.run, r.purpose, now, fx, false);
+        if r.leader { (next, fx) } else { (leader_gone(next), fx) }
+    }
+
+    /// `announce`: a failure is said here (not when its report said it).
+    fn begin_stop_as(
         &mut self,
         state: State,
         purpose: Purpose,
         now: Instant,
         mut fx: Vec<Effect>,
+        announce: bool,
     ) -> (State, Vec<Effect>) {
         let Some((run, ready_at)) = into_run(&state) else { return (state, fx) };
         let pid = run.pid;
@@ -1235,12 +1408,16 @@ impl Machine {
                 status(format!("stopping pid {pid}")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),
             ])),
-            Purpose::Failure(c) => {
+            Purpose::Failure(c) if announce => {
                 c.hint = self.policy.hints.find(&c.text);
-                self.cause = Some(c.clone());
-                fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown())));
-                fx.push(Effect::Notify(vec![status(format!("failed ({}): {}", self.attempts_text(), c.shown()))]));
+                let c = c.clone();
+                self.announce(&c, "", &mut fx);
             }
+            Purpose::Failure(c) => fx.push(Effect::Notify(vec![status(format!(
+                "failed ({}, stopping pid {pid}): {}",
+                self.attempts_text(),
+                c.shown()
+            ))])),
             Purpose::Reload => fx.push(Effect::Notify(vec![
                 status(format!("reloading: stopping pid {pid} to start it with the new config")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),
@@ -1387,6 +1564,10 @@ impl Machine {
                 stop.purpose = Purpose::Reload;
                 (State::Stopping(stop), fx)
             }
+            State::Reporting(mut r) if matches!(r.purpose, Purpose::Failure(_)) => {
+                r.purpose = Purpose::Reload;
+                (State::Reporting(r), fx)
+            }
             State::Backoff { .. } => {
                 let (next, more) = self.launch(now);
                 (next, fx.into_iter().chain(more).collect())
@@ -1409,6 +1590,12 @@ impl Machine {
             State::Stopping(mut stop) => {
                 stop.purpose = Purpose::Internal(why);
                 (State::Stopping(stop), fx)
+            }
+            State::Reporting(mut r) => {
+                r.purpose = Purpose::Internal(why);
+                let mut fx = fx;
+                fx.push(Effect::CancelReport);
+                self.report_done(r, now, fx)
             }
             State::Launching { start, .. } => self.cancel_launch(start, Purpose::Internal(why), fx),
             State::Idle | State::Backoff { .. } => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
@@ -1531,6 +1718,7 @@ fn phase_of(state: &State) -> Phase {
             Purpose::Failure(_) => Phase::Failed,
             Purpose::Shutdown | Purpose::Reload | Purpose::Restart | Purpose::Internal(_) => Phase::Stopping,
         },
+        State::Reporting(_) => Phase::Failed,
         State::Backoff { .. } => Phase::Backoff,
         // Left saying why in `cause`: a stop request, or the give-up.
         State::Done(_) => Phase::Stopped,

@@ -61,6 +61,9 @@ const BACKOFF: Duration = Duration::from_secs(2);
 const MARGIN: Duration = Duration::from_secs(60);
 /// One one-token completion (the warden's canary, with its timeout).
 const COMPLETION: Duration = Duration::from_secs(60);
+/// A failed run's report before its stop: `reports.timeout` (its default,
+/// 20 s) and the 5 s the warden allows beyond it.
+const REPORT: Duration = Duration::from_secs(25);
 
 /// A wait holding `loads` model loads and `extra` (stops, graces, backoffs).
 fn budget(loads: u32, extra: Duration) -> Duration {
@@ -204,9 +207,9 @@ fn s1_ready_only_after_the_line_and_http_and_it_serves() {
 #[ignore]
 fn s2_engine_death_is_a_failure_even_with_exit_0() {
     let ready = budget(1, Duration::ZERO);
-    // The API server exits by itself, or after the grace; the rest is
-    // stopped the short way.
-    let failed = budget(0, GRACE + SHORT_STOP);
+    // The API server exits by itself, or after the grace; the report; the
+    // rest is stopped the short way.
+    let failed = budget(0, GRACE + REPORT + SHORT_STOP);
     let again = budget(1, BACKOFF);
     budgets(
         "scenario 2",
@@ -246,8 +249,9 @@ fn s2_engine_death_is_a_failure_even_with_exit_0() {
 #[ignore]
 fn s3_a_killed_api_server_leaves_no_orphan_and_no_shared_memory() {
     let ready = budget(1, Duration::ZERO);
-    // The leader's exit is seen at once; its orphans are stopped the short way.
-    let failed = budget(0, SHORT_STOP);
+    // The leader's exit is seen at once; the report; its orphans are stopped
+    // the short way.
+    let failed = budget(0, REPORT + SHORT_STOP);
     let again = budget(1, BACKOFF);
     budgets(
         "scenario 3",
@@ -286,9 +290,9 @@ fn s3_a_killed_api_server_leaves_no_orphan_and_no_shared_memory() {
 #[test]
 #[ignore]
 fn s4_the_kv_cache_patch_makes_the_model_load() {
-    // Two failed loads (permanent-attempts), each followed by the grace and
-    // a short stop, no backoff; then one load.
-    let gave_up = budget(2, (GRACE + SHORT_STOP) * 2);
+    // Two failed loads (permanent-attempts), each followed by the grace,
+    // the report and a short stop, no backoff; then one load.
+    let gave_up = budget(2, (GRACE + REPORT + SHORT_STOP) * 2);
     let ready = budget(1, Duration::ZERO);
     budgets("scenario 4", &[("exit 78", gave_up), ("READY=1 patched", ready), ("stop", stop_budget())]);
     let dir = tempfile::tempdir().unwrap();
@@ -311,6 +315,27 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
         last.starts_with("failed permanently (2 of 2 tries): NotImplementedError: Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4"),
         "{last}"
     );
+    // Each failed run left its report, with the patch that fixes it as hint.
+    let reports = vllm_warden::reports::list(&w.path("state"), "t").unwrap();
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    for r in &reports {
+        let s = r.summary.as_ref().unwrap_or_else(|| panic!("{}: no summary", r.path.display()));
+        let hint = s.hint.as_deref().unwrap_or_default();
+        let patch = format!(
+            "[[patch]] file = \"{}/config.json\" remove = [\"quantization_config.kv_cache_scheme\"]",
+            m.display()
+        );
+        assert!(hint.contains(&patch), "{}: {hint}", r.path.display());
+        assert!(s.cause.starts_with("NotImplementedError: Currently supported kv cache quantization"), "{}", s.cause);
+        assert_eq!(s.vllm_version.as_deref(), Some("0.32.0"));
+        assert!(s.complete);
+        let tail = std::fs::read_to_string(r.path.join("log-tail.txt")).unwrap();
+        assert!(
+            tail.contains("# traceback group 1 of ") && tail.contains("Traceback (most recent call last):"),
+            "{tail}"
+        );
+    }
+    let first = reports[0].summary.clone().unwrap();
 
     // Patched before the start: it loads and serves.
     let patch = format!(
@@ -331,6 +356,14 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
         .unwrap();
     assert!(revert.status.success(), "{}", String::from_utf8_lossy(&revert.stderr));
     assert_eq!(std::fs::read(m.join("config.json")).unwrap(), original, "revert restores the file");
+    eprintln!(
+        "scenario 4 kv-cache report: class {}, exit {}, hint: {}; parts {:?}; size {} bytes",
+        first.class.as_str(),
+        first.exit.as_deref().unwrap_or("-"),
+        first.hint.as_deref().unwrap_or("-"),
+        first.parts,
+        reports[0].size
+    );
     eprintln!(
         "scenario 4 kv-cache patch: PASS  unpatched: exit 78 after 2 tries in {:.1} s; patched: load {:.1} s{}, ready line -> READY=1 {}; revert byte-identical",
         failed.as_secs_f64(),
@@ -689,7 +722,7 @@ fn warden_command(w: &Warden, what: &str) -> (i32, String) {
 /// a start shows what a drain saves.
 #[test]
 #[ignore]
-fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
+fn s8_a_rolling_restart_behind_haproxy_loses_no_request() {
     const DRAIN_DELAY: Duration = Duration::from_secs(2);
     const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
     let ready = budget(1, Duration::ZERO);
@@ -697,7 +730,7 @@ fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
     // HAProxy checks every 500 ms, each check taking at most 2 s.
     let noticed = Duration::from_secs(10) + MARGIN;
     budgets(
-        "scenario 6",
+        "scenario 8",
         &[
             ("READY=1 of each", ready),
             ("restarted", restarted),
@@ -763,10 +796,10 @@ fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
 
     assert_eq!(a.stop_within(stop_budget(), "A's exit"), 0);
     assert_eq!(b.stop_within(stop_budget(), "B's exit"), 0);
-    eprintln!("scenario 6 first loads of A then B: {:.1} s", loads.as_secs_f64());
-    eprintln!("scenario 6 rolling restart with drain ({:.1} s): {}", rolled.as_secs_f64(), drained.line());
+    eprintln!("scenario 8 first loads of A then B: {:.1} s", loads.as_secs_f64());
+    eprintln!("scenario 8 rolling restart with drain ({:.1} s): {}", rolled.as_secs_f64(), drained.line());
     eprint!("{drained_timeline}");
-    eprintln!("scenario 6 rolling restart by SIGTERM, no drain ({:.1} s): {}", plain.as_secs_f64(), undrained.line());
+    eprintln!("scenario 8 rolling restart by SIGTERM, no drain ({:.1} s): {}", plain.as_secs_f64(), undrained.line());
     eprint!("{undrained_timeline}");
     // What the wardens themselves judged meanwhile (a failed health check
     // takes an instance out of rotation too).
@@ -785,7 +818,7 @@ fn s6_a_rolling_restart_behind_haproxy_loses_no_request() {
     }
     assert!(drained.served > 0 && undrained.served > 0, "traffic flowed");
     assert!(drained.failed.is_empty(), "requests lost in the drained rolling restart: {}", drained.line());
-    eprintln!("scenario 6 rolling restart behind HAProxy: PASS");
+    eprintln!("scenario 8 rolling restart behind HAProxy: PASS");
 }
 
 /// A completion streamed token by token, read on a thread of its own: the
@@ -880,5 +913,151 @@ fn s7_an_upgrade_while_serving_keeps_the_model_and_a_stream() {
         starts(n),
         ms(upgrade),
         leader.pid
+    );
+}
+
+/// Issue "eyes after ready": an engine wedged under traffic (`SIGSTOP` to
+/// the EngineCore, while a streaming completion runs) keeps `/health` at 200;
+/// the warden reads the server's own metrics, declares `engine stalled`
+/// within `progress-stall` + `interval`, writes the failure report while the
+/// tree is still as it was (py-spy dumps of the API server and of the stopped
+/// EngineCore, the tree with its `T (stopped)` state, the log tail), then
+/// restarts it to ready.
+#[test]
+#[ignore]
+fn s6_a_wedged_engine_under_traffic_is_caught_reported_and_restarted() {
+    const STALL: Duration = Duration::from_secs(15);
+    const INTERVAL: Duration = Duration::from_secs(5);
+    // The scrape's own time and the loop's: a few milliseconds, given 2 s.
+    const SLACK: Duration = Duration::from_secs(2);
+    let ready = budget(1, Duration::ZERO);
+    let detected = STALL + INTERVAL + SLACK;
+    let reported = REPORT + MARGIN;
+    // The API server's stop waits on a stopped engine: SIGKILL after the
+    // short stop, then the backoff and one load.
+    let again = budget(1, SHORT_STOP + BACKOFF);
+    budgets(
+        "scenario 6",
+        &[
+            ("READY=1", ready),
+            ("detection", detected),
+            ("report", reported),
+            ("READY=1 again", again),
+            ("stop", stop_budget()),
+        ],
+    );
+    let venv_bin = Path::new(&vllm()).parent().unwrap().to_path_buf();
+    assert!(venv_bin.join("py-spy").exists(), "py-spy in the venv: run tests/real-vllm/setup.sh");
+    let health = format!(
+        "{RESTART}[health]\ninterval = \"{}s\"\nprogress-stall = \"{}s\"\n",
+        INTERVAL.as_secs(),
+        STALL.as_secs()
+    );
+    let m = model("tiny");
+    // py-spy on the warden's PATH, as an operator installs it.
+    let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
+    let opts = common::Opts { env: vec![("PATH".into(), path)], ..Default::default() };
+    let mut w = Warden::start_with(move |d, p| config(d, p, &m, &health), opts);
+    w.wait_ready_within(ready, "READY=1 (one load)");
+    let tree = w.descendants();
+    let api = tree.iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
+    let engine = by_title(&tree, "EngineCore");
+    assert_eq!(engine.len(), 1, "{tree:?}");
+    let engine = engine[0].pid;
+
+    // A streaming completion long enough to be running when the engine stops.
+    let (first_tx, first_rx) = std::sync::mpsc::channel();
+    let url = format!("http://127.0.0.1:{}/v1/completions", w.port);
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let body = serde_json::json!({
+            "model": model("tiny").display().to_string(), "prompt": "Hi", "max_tokens": 200,
+            "ignore_eos": true, "stream": true
+        });
+        let Ok(mut resp) = ureq::post(&url).send_json(&body) else { return };
+        let mut lines = std::io::BufReader::new(resp.body_mut().as_reader()).lines();
+        let mut sent = false;
+        while let Some(Ok(line)) = lines.next() {
+            if !sent && line.starts_with("data: {") {
+                let _ = first_tx.send(line);
+                sent = true;
+            }
+        }
+    });
+    first_rx.recv_timeout(COMPLETION).expect("the first streamed token");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(engine), Signal::SIGSTOP).unwrap();
+    let t_wedge = Instant::now();
+    let t0 = SystemTime::now();
+
+    let failed = w.wait_note_within(detected, "STATUS=failed: engine stalled", |n| n.starts_with("STATUS=failed ("));
+    let detection = t_wedge.elapsed();
+    assert!(
+        failed.starts_with("STATUS=failed (attempt 1/10, writing the failure report): engine stalled: 1 running, 0 waiting, no token for 15s"),
+        "{failed}"
+    );
+    // The engine has stood still for the whole window, the tree is not yet
+    // stopped (its report comes first): /health still answers 200.
+    let health_ok =
+        vllm_warden::health::http_ok(&format!("http://127.0.0.1:{}/health", w.port), Duration::from_secs(5));
+    assert!(health_ok, "/health answers 200 with the engine stopped");
+    w.wait_note_within(reported, "the stop after the report", |n| {
+        n.starts_with("STATUS=failed (attempt 1/10, stopping pid")
+    });
+    let report_done = t_wedge.elapsed();
+    w.wait_ready_within(again, "READY=1 after the restart (one load)");
+    let back = t_wedge.elapsed();
+    let (load, _, n) = load_timings(&w, t0);
+
+    let reports = vllm_warden::reports::list(&w.path("state"), "t").unwrap();
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    let r = &reports[0];
+    let summary_text = std::fs::read_to_string(r.path.join("summary.json")).unwrap();
+    let s = r.summary.clone().unwrap();
+    assert!(s.complete && s.exit.is_none() && s.vllm_version.as_deref() == Some("0.32.0"), "{summary_text}");
+    let tree_txt = std::fs::read_to_string(r.path.join("tree.txt")).unwrap();
+    let row = tree_txt.lines().find(|l| l.starts_with(&format!("{engine} "))).unwrap_or_else(|| panic!("{tree_txt}"));
+    assert!(row.contains("T (stopped)"), "{row}");
+    let dump = |pid: i32| {
+        let p = r.path.join("py-spy").join(format!("{pid}.txt"));
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}\n{summary_text}", p.display()))
+    };
+    let (api_dump, engine_dump) = (dump(api), dump(engine));
+    for (who, d) in [("API server", &api_dump), ("EngineCore", &engine_dump)] {
+        assert!(d.contains("\nThread ") && d.contains(".py:"), "{who}: no Python frames:\n{d}");
+    }
+    let tail = std::fs::read_to_string(r.path.join("log-tail.txt")).unwrap();
+    assert!(tail.contains("Application startup complete."), "{tail}");
+    completion(&w).expect("a completion after the restart");
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
+
+    let mut sizes: Vec<String> = Vec::new();
+    for sub in [r.path.clone(), r.path.join("py-spy")] {
+        let mut e: Vec<_> = std::fs::read_dir(&sub).unwrap().flatten().filter(|e| e.path().is_file()).collect();
+        e.sort_by_key(|e| e.file_name());
+        for f in e {
+            let rel = f.path().strip_prefix(&r.path).unwrap().display().to_string();
+            sizes.push(format!("{rel} {}", f.metadata().unwrap().len()));
+        }
+    }
+    eprintln!("scenario 6 summary.json:\n{summary_text}");
+    eprintln!(
+        "scenario 6 py-spy of the EngineCore (pid {engine}), first lines:\n{}",
+        engine_dump.lines().take(25).collect::<Vec<_>>().join("\n")
+    );
+    eprintln!(
+        "scenario 6 py-spy of the API server (pid {api}), first lines:\n{}",
+        api_dump.lines().take(12).collect::<Vec<_>>().join("\n")
+    );
+    eprintln!(
+        "scenario 6 wedged engine: PASS  wedge -> detection {:.1} s (progress-stall {} s + interval {} s), -> report written {:.1} s, -> ready again {:.1} s (load {:.1} s{}); report {} bytes: {}",
+        detection.as_secs_f64(),
+        STALL.as_secs(),
+        INTERVAL.as_secs(),
+        report_done.as_secs_f64(),
+        back.as_secs_f64(),
+        load.as_secs_f64(),
+        starts(n),
+        r.size,
+        sizes.join(", ")
     );
 }

@@ -102,9 +102,14 @@ struct FakeArgs {
     /// lines at full speed, then `flood done N lines`.
     #[arg(long)]
     flood_after_ready: Option<u64>,
-    /// Accepted like vLLM's, and ignored.
+    /// Accepted like vLLM's, and printed among the non-default arguments
+    /// as vLLM prints it.
     #[arg(long)]
     api_key: Option<String>,
+    /// Run this Python interpreter as a child that waits forever, as
+    /// vLLM's EngineCore is a Python process of the tree.
+    #[arg(long)]
+    python_engine: Option<PathBuf>,
     /// Helper for tests: keep this file open, print "holding", wait forever.
     #[arg(long, hide = true)]
     hold_file: Option<PathBuf>,
@@ -285,12 +290,20 @@ fn simulate(args: FakeArgs) -> i32 {
         });
     }
 
-    out.log("APIServer", "INFO", "api_utils.py:347", " version 0.32.0");
+    // The banner line vLLM 0.32 prints its version in.
+    out.log("APIServer", "INFO", "api_utils.py:347", " ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.32.0");
     out.log(
         "APIServer",
         "INFO",
         "api_utils.py:286",
-        &format!("non-default args: {{'model_tag': '/srv/models/tiny-llama', 'port': {}}}", args.port),
+        &match &args.api_key {
+            // As vLLM prints it: a list of keys.
+            Some(k) => format!(
+                "non-default args: {{'model_tag': '/srv/models/tiny-llama', 'port': {}, 'api_key': ['{k}']}}",
+                args.port
+            ),
+            None => format!("non-default args: {{'model_tag': '/srv/models/tiny-llama', 'port': {}}}", args.port),
+        },
     );
     if args.setsid_engine {
         if let Ok(exe) = std::env::current_exe() {
@@ -319,6 +332,19 @@ fn simulate(args: FakeArgs) -> i32 {
             "core.py:133",
             "Initializing a V1 LLM engine (v0.32.0) with config: model='/srv/models/tiny-llama'",
         );
+    }
+    if let Some(python) = &args.python_engine {
+        let mut cmd = Command::new(python);
+        cmd.args(["-c", "import time\nwhile True: time.sleep(3600)"]).stdin(Stdio::null());
+        // SAFETY: only sigprocmask between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                let _ = SigSet::empty().thread_set_mask();
+                Ok(())
+            });
+        }
+        // Stopped with the rest of the tree by the warden.
+        let _ = cmd.spawn();
     }
     out.log("Worker", "INFO", "cpu_model_runner.py:68", "Starting to load model /srv/models/tiny-llama...");
     if let Some(dir) = &args.model

@@ -169,6 +169,13 @@ fn the_man_page_shows_the_default_constants() {
         ("child.log-max-size", quoted(&format!("{} GiB", defaults::LOG_MAX_SIZE >> 30))),
         ("child.log-keep", format!("`{}`", defaults::LOG_KEEP)),
         ("child.log-compress", format!("`{}`", defaults::LOG_COMPRESS)),
+        ("reports.keep", defaults::REPORTS_KEEP.to_string()),
+        ("reports.max-size", quoted(&format!("{} MiB", defaults::REPORTS_MAX_SIZE >> 20))),
+        ("reports.lines", defaults::REPORTS_LINES.to_string()),
+        ("reports.timeout", duration(defaults::REPORTS_TIMEOUT)),
+        ("reports.py-spy", format!("`{}`", defaults::REPORTS_PY_SPY.join(" "))),
+        ("reports.gpu-snapshot", format!("`{}`", defaults::REPORTS_GPU_SNAPSHOT.join(" "))),
+        ("reports.kernel-messages", format!("`{}`", defaults::REPORTS_KERNEL_MESSAGES.join(" "))),
     ];
     let rows = man_page_rows();
     let row = |key: &str| {
@@ -196,7 +203,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n";
+                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -212,9 +219,11 @@ fn the_man_page_documents_every_known_key() {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 12, "{problems:?}");
-    let sections =
-        ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint"];
+    assert_eq!(problems.len(), 13, "{problems:?}");
+    let sections = [
+        "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
+        "reports",
+    ];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
     known.sort();
@@ -297,7 +306,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 25, "every duration and number has a range");
+    assert_eq!(tried, 29, "every duration and number has a range");
 }
 
 #[test]

@@ -29,6 +29,8 @@ enum Call {
     Kill,
     WatchLoad(u32),
     UnwatchLoad,
+    Report(u32),
+    CancelReport,
 }
 
 #[derive(Clone, Default)]
@@ -66,6 +68,8 @@ struct Fake {
     busy_until: Option<Duration>,
     /// The watch of the requests in flight.
     load: Option<tokio::task::AbortHandle>,
+    /// A failure report takes this long; `None`: it never ends (wedged).
+    report_takes: Option<Duration>,
 }
 
 /// What goes wrong besides the plans.
@@ -81,6 +85,7 @@ struct Quirks {
     busy_until: Option<Duration>,
     /// Requests sent to the loop at these times.
     requests: Vec<(Duration, Request)>,
+    report_takes: Option<Duration>,
 }
 
 /// One line as the follower hands it on, when it matters.
@@ -132,6 +137,20 @@ impl Backend for Fake {
         if let Some(t) = self.load.take() {
             t.abort();
         }
+    }
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
+        self.call(Call::Report(order.start));
+        if let Some(takes) = self.report_takes {
+            let (tx, start) = (self.tx.clone(), order.start);
+            tokio::spawn(async move {
+                tokio::time::sleep(takes).await;
+                let _ = tx.send(Input::Reported { start });
+            });
+        }
+        Some(format!("/state/reports/x-t-{}", order.attempt).into())
+    }
+    fn cancel_report(&mut self) {
+        self.call(Call::CancelReport);
     }
     fn read_config(&mut self) {}
     fn reconfigure(&mut self, _settings: crate::config::Settings, _classifier: Classifier) -> crate::reload::Plan {
@@ -255,6 +274,7 @@ fn policy() -> Policy {
         stop_timeout: Duration::from_secs(30),
         prepare_timeout: Duration::from_secs(300),
         hints: crate::hints::Hints::none(),
+        report: None,
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),
@@ -301,6 +321,7 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         current: 0,
         deaf: q.deaf,
         long_tail: q.long_tail,
+        report_takes: q.report_takes,
         plans,
         log: log.clone(),
         alive: Arc::default(),
@@ -621,4 +642,69 @@ async fn a_child_that_dies_during_a_stop_drain_is_not_restarted() {
     let o = run_with(draining(), vec![dies], q, Some(S(8)), None).await;
     assert_eq!(o.code, Code::Ok);
     assert_eq!(spawn_times(&o), vec![S(0)]);
+}
+
+/// A failed run is reported before it is stopped: the stop signal follows
+/// the report's end, to the virtual millisecond.
+#[tokio::test(start_paused = true)]
+async fn a_failed_run_is_stopped_when_its_report_is_written() {
+    let plain = "(APIServer pid=1) INFO 11-29 18:00:00 [x.py:1] starting";
+    let exits = Plan::Exit { lines: vec![plain], gap: S(1), exit: Exit::Code(1) };
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    p.report = Some(S(25));
+    let q = Quirks { report_takes: Some(Duration::from_millis(3500)), ..Quirks::default() };
+    let o = run_with(p, vec![exits], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert!(o.calls.contains(&(S(1), Call::Report(1))), "{:?}", o.calls);
+    let term = o.calls.iter().find(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| *t);
+    assert_eq!(term, Some(Duration::from_millis(4500)), "{:?}", o.calls);
+    assert!(!o.calls.iter().any(|(_, c)| *c == Call::CancelReport));
+    let failed = o.notes.iter().find_map(|(_, n)| match n {
+        Note::Status(s) if s.starts_with("failed") => Some(s.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        failed.as_deref(),
+        Some("failed (attempt 1/1, writing the failure report): exited before ready (exit code 1)")
+    );
+}
+
+/// A report that never ends holds the stop only for its budget.
+#[tokio::test(start_paused = true)]
+async fn a_wedged_report_is_cut_short_at_its_deadline() {
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    p.report = Some(S(25));
+    let q = Quirks { report_takes: None, ..Quirks::default() };
+    // The run fails by a fatal line and its grace (5 s) after ready.
+    let fatal = "(EngineCore pid=1) ERROR 11-29 18:11:02 [core.py:1] EngineCore failed to start.";
+    let fatal = Plan::Run { lines: vec![READY, fatal], gap: S(1) };
+    let o = run_with(p, vec![fatal], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    // The fatal line at 2 s, its grace over at 7 s: the report; 25 s later, cut.
+    assert!(o.calls.contains(&(S(7), Call::Report(1))), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(32), Call::CancelReport)), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(32), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+}
+
+/// A stop request while the report is written is answered at once: the
+/// report is cut short and the tree stopped in the same instant.
+#[tokio::test(start_paused = true)]
+async fn a_stop_during_the_report_is_answered_at_once() {
+    let exits = Plan::Exit {
+        lines: vec!["(APIServer pid=1) INFO 11-29 18:00:00 [x.py:1] starting"],
+        gap: S(1),
+        exit: Exit::Code(1),
+    };
+    let mut p = policy();
+    p.report = Some(S(25));
+    let q = Quirks { report_takes: None, ..Quirks::default() };
+    let o = run_with(p, vec![exits], q, Some(S(3)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert!(o.calls.contains(&(S(1), Call::Report(1))), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(3), Call::CancelReport)), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(3), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+    assert!(o.notes.contains(&(S(3), Note::Stopping)), "{:?}", o.notes);
+    assert_eq!(spawn_times(&o), vec![S(0)], "no restart after a stop");
 }

@@ -15,6 +15,7 @@ fn policy() -> Policy {
         stop_timeout: Duration::from_secs(90),
         prepare_timeout: Duration::from_secs(300),
         hints: crate::hints::Hints::none(),
+        report: None,
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),
@@ -490,6 +491,107 @@ fn failed_health_checks_fail_a_ready_run() {
     assert!(s.ev(Event::HealthFailed { start: 1, cause: "again".into() }).is_empty(), "only once");
 }
 
+/// The test policy with failure reports of a 25 s budget.
+fn reporting() -> Policy {
+    Policy { report: Some(Duration::from_secs(25)), ..policy() }
+}
+
+fn reports(fx: &[Effect]) -> Vec<ReportOrder> {
+    fx.iter().filter_map(|e| if let Effect::Report(o) = e { Some(o.clone()) } else { None }).collect()
+}
+
+#[test]
+fn a_failed_run_is_reported_before_its_stop_with_its_timings() {
+    let mut s = Sim::new(reporting());
+    s.spawned(100);
+    s.at(2.0).line("Loading safetensors checkpoint shards:  50% Completed | 1/2");
+    s.at(3.0).line("INFO:     Application startup complete.");
+    s.at(3.5).ev(Event::HttpReady { start: 1 });
+    assert_eq!(s.state(), "ready");
+    let fx = s
+        .at(10.0)
+        .ev(Event::HealthFailed { start: 1, cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into() });
+    let order = reports(&fx).pop().expect("a report is asked for");
+    assert_eq!(
+        order,
+        ReportOrder {
+            start: 1,
+            attempt: 1,
+            cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into(),
+            class: FailureClass::Health,
+            hint: None,
+            first_progress: Some(Duration::from_secs(2)),
+            ready: Some(Duration::from_millis(3500)),
+            failed: Duration::from_secs(10),
+            exit: None,
+        }
+    );
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Terminate(_))), "nothing is stopped while it is written");
+    assert_eq!(s.state(), "failed");
+    assert_eq!(s.m.child_pid(), Some(100));
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(25)));
+    s.ev(Event::ReportStarted { start: 1, path: "/s/reports/r".into() });
+    assert_eq!(s.m.snapshot().last_failure.and_then(|f| f.report).as_deref(), Some("/s/reports/r"));
+    let fx = s.at(14.0).ev(Event::Reported { start: 1 });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert_eq!(s.state(), "failed");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    // The last failure outlives the next ready.
+    s.at(30.0).tick();
+    s.ready(101);
+    assert_eq!(s.m.snapshot().last_failure.map(|f| f.class), Some(FailureClass::Health));
+}
+
+#[test]
+fn a_report_that_does_not_end_is_cut_short_at_its_budget() {
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    assert!(s.at(24.9).tick().is_empty());
+    let fx = s.at(25.0).tick();
+    assert!(fx.contains(&Effect::CancelReport) && fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert!(s.ev(Event::Reported { start: 1 }).is_empty(), "a late answer changes nothing");
+}
+
+#[test]
+fn a_stop_request_during_the_report_cuts_it_and_stops_at_once() {
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    let fx = s.at(1.0).ev(Event::StopRequested);
+    assert!(fx.contains(&Effect::CancelReport) && fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert!(notes(&fx).contains(&Note::Stopping));
+    assert_eq!(s.state(), "stopping");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
+#[test]
+fn an_exit_while_reporting_is_kept_and_its_crash_is_not_dumped() {
+    let mut s = Sim::new(reporting());
+    s.spawned(100);
+    let fx = s.at(5.0).ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    assert_eq!(reports(&fx).pop().map(|o| o.exit), Some(Some(Exit::Code(1))));
+    // The leader is gone: nothing more of it is awaited.
+    assert_eq!(s.m.child_pid(), None);
+    let fx = s.ev(Event::Reported { start: 1 });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+}
+
+#[test]
+fn without_reports_a_failure_stops_at_once() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    let fx = s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    assert!(reports(&fx).is_empty());
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+}
+
 /// One machine in each state the loop can wait in, reached by real events.
 fn every_waiting_state() -> Vec<(&'static str, Machine)> {
     let mut out = Vec::new();
@@ -533,6 +635,11 @@ fn every_waiting_state() -> Vec<(&'static str, Machine)> {
     s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     s.ev(Event::TreeGone);
     out.push(("backoff", s.m));
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into() });
+    assert!(matches!(s.m.state(), State::Reporting(_)));
+    out.push(("reporting", s.m));
     out
 }
 

@@ -8,10 +8,11 @@
 # Each wait of a scenario has a budget reckoned from the model loads it holds
 # and a load ceiling: VLLM_WARDEN_LOAD_CEILING (e.g. "3m"), else 5 minutes
 # (tests/real_vllm.rs). Every scenario runs, whatever an earlier one did.
+# Arguments are passed to nextest: `tests/real-vllm/run.sh s6` runs one.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 paths=$(tests/real-vllm/setup.sh)
-# Scenario 6 balances two wardens behind a real HAProxy (Debian's package).
+# Scenario 8 balances two wardens behind a real HAProxy (Debian's package).
 if ! command -v haproxy >/dev/null; then
     apt-get install -y -q haproxy >&2 || { apt-get update -q >&2 && apt-get install -y -q haproxy >&2; } || exit 1
 fi
@@ -34,6 +35,5 @@ export TMPDIR=$tmp
 # One scenario at a time (--no-capture runs them in turn, printing as they
 # go): on 2 cores two loads at once take as long as two in a row, and a vLLM
 # tree takes about 4.6 GB.
-# Arguments are passed on to nextest (`-E 'test(s6)'` runs scenario 6 alone).
-run=(cargo nextest run --release --test real_vllm --run-ignored only --no-capture --no-fail-fast "$@")
-unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm && exec "$@"' sh "${run[@]}"
+run=(cargo nextest run --release --test real_vllm --run-ignored only --no-capture --no-fail-fast)
+unshare --mount --propagation private sh -c 'mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm && exec "$@"' sh "${run[@]}" "$@"

@@ -10,7 +10,12 @@ cd "$(dirname "$0")/../.."
 cache=${VLLM_WARDEN_CACHE:-/var/cache/vllm-warden-ci}
 lock=tests/real-vllm/requirements.lock
 venv=$cache/vllm-0.32.0-cpu
-stamp=$venv/.installed-$(sha256sum "$lock" | cut -c1-16)
+# py-spy (the failure reports' Python stack dumps) joined the lock after
+# venvs were made from it: the stamp leaves its line out, so that such a venv
+# is kept and py-spy is added to it below, rather than the 6 GB venv made
+# again for one small wheel.
+stamp=$venv/.installed-$(grep -v '^py-spy==' "$lock" | sha256sum | cut -c1-16)
+pyspy=$(grep '^py-spy==' "$lock")
 models=$cache/models
 
 mkdir -p "$cache"
@@ -36,6 +41,12 @@ if [ ! -f "$stamp" ]; then
     printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' >"$site/vllm-0.32.0+cpu.dist-info/METADATA"
     touch "$stamp"
     echo "venv installed in $((SECONDS - start)) s" >&2
+fi
+
+# Idempotent: only when the venv's py-spy is missing or of another version.
+if [ "$("$venv/bin/pip" show py-spy 2>/dev/null | sed -n 's/^Version: //p')" != "${pyspy#py-spy==}" ]; then
+    "$venv/bin/pip" install -q --no-deps "$pyspy" >&2
+    echo "added $pyspy to $venv" >&2
 fi
 
 if [ ! -f "$models/tiny/model.safetensors" ] || [ ! -f "$models/tiny-fp4/config.json" ]; then

@@ -130,6 +130,11 @@ check "… with exit status 78" test "$(prop perm ExecMainStatus)" = 78
 # A restart would show as activating/auto-restart; a prevented one as failed.
 check "… and is not restarted" test "$(prop perm ActiveState)/$(prop perm SubState)" = failed/failed
 check "the journal names the cause" bash -c "journalctl -u vllm-warden@perm --no-pager -o cat | grep -q 'failed permanently (2 of 2 tries): NotImplementedError: Currently supported kv cache quantization'"
+# Each failed run left its failure report in the state directory, and the
+# journal's `failed` event names it.
+check "the failed events carry REPORT= with a report folder" bash -c "journalctl -u vllm-warden@perm EVENT=failed --no-pager -o json | grep -o '\"REPORT\":\"[^\"]*\"' | grep -q '/var/lib/vllm-warden/perm/reports/'"
+check "two failure reports, each with its summary" bash -c "test \$(ls /var/lib/vllm-warden/perm/reports/*/summary.json | wc -l) = 2"
+check "vllm-warden reports lists them" bash -c "vllm-warden reports -c /etc/vllm-warden/perm.toml | grep -c ' permanent ' | grep -qx 2"
 
 # A child that floods its log: its lines go to journald through the
 # warden's bounded queue; what journald cannot take in time is dropped from
