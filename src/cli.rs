@@ -28,6 +28,16 @@ pub struct ConfigArg {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The warden's own events on stderr as `text` lines (the journal under
+    /// systemd), or as `json` lines for a container's log collector.
+    #[arg(long, value_enum, default_value_t = crate::logging::Format::Text)]
+    pub log_format: crate::logging::Format,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct PatchArgs {
     #[command(flatten)]
     pub config: ConfigArg,
@@ -87,14 +97,22 @@ pub enum ReportsCmd {
 
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
-    /// Run the daemon in the foreground (systemd's ExecStart=).
-    Run(ConfigArg),
+    /// Run the daemon in the foreground (systemd's ExecStart=, or a
+    /// container's PID 1).
+    Run(RunArgs),
     /// Validate the config and the environment; list every problem.
     Check(CheckArgs),
     /// Apply the config's [[patch]] entries to the model files now.
     Patch(PatchArgs),
     /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
     Status(StatusArgs),
+    /// Take the serving model out of rotation and hold it there (the
+    /// server keeps running): exit 0 asked, 3 not serving, 4 not running.
+    Drain(ConfigArg),
+    /// Put a drained model back into rotation.
+    Undrain(ConfigArg),
+    /// Drain, then start the model server again.
+    Restart(ConfigArg),
     /// Replace the running warden by the binary now at its path, keeping
     /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running.
     Upgrade(ConfigArg),
@@ -113,7 +131,7 @@ pub fn main() -> Code {
     let upgraded = crate::upgrade::take_from_env();
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Run(c) => run(&c.config, upgraded),
+        Cmd::Run(a) => run(&a.config.config, a.log_format, upgraded),
         Cmd::Upgrade(c) => upgrade(&c.config),
         Cmd::Check(c) => match check(&c.config.config) {
             Code::Ok if c.diff => diff(&c.config.config),
@@ -121,6 +139,9 @@ pub fn main() -> Code {
         },
         Cmd::Patch(a) => patch(&a),
         Cmd::Status(a) => status(&a),
+        Cmd::Drain(c) => control(&c.config, "/drain"),
+        Cmd::Undrain(c) => control(&c.config, "/undrain"),
+        Cmd::Restart(c) => control(&c.config, "/restart"),
         Cmd::Reports(a) => reports(&a),
         Cmd::Demo => crate::demo::main(),
         Cmd::Assets { dir } => match crate::assets::write(&dir) {
@@ -198,7 +219,11 @@ fn status(a: &StatusArgs) -> Code {
         Err(code) => return code,
     };
     use crate::status::Verdict;
-    let verdict = crate::status::read(&s.status.file);
+    // Through the socket when a warden answers there; else the file.
+    let verdict = match ask(&s.server.socket, "GET", "/status") {
+        Ok((200, body)) => crate::status::verdict(&body),
+        _ => crate::status::read(&s.status.file),
+    };
     if a.json {
         match &verdict {
             Verdict::Ready(d) | Verdict::NotReady(d) | Verdict::NotRunning(Some(d)) => {
@@ -214,6 +239,53 @@ fn status(a: &StatusArgs) -> Code {
         Verdict::Ready(_) => Code::Ok,
         Verdict::NotReady(_) => Code::NotReady,
         Verdict::NotRunning(_) => Code::NotRunning,
+    }
+}
+
+/// How long a local command waits for the warden's answer.
+const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// One request over the control socket.
+fn ask(socket: &Path, method: &str, path: &str) -> Result<(u16, String), crate::server::client::Error> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| crate::server::client::Error::Connect { path: socket.display().to_string(), source })?;
+    rt.block_on(crate::server::client::call_within(socket, method, path, ANSWER_TIMEOUT))
+}
+
+/// `drain`, `undrain`, `restart`: a POST over the control socket.
+fn control(config: &Path, path: &str) -> Code {
+    let s = match load(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    match ask(&s.server.socket, "POST", path) {
+        Ok((code, body)) => {
+            let body = crate::escape::one_line(body.trim_end(), crate::escape::MAX_LINE);
+            match code {
+                200..=299 => {
+                    println!("{}: {body}", s.name);
+                    Code::Ok
+                }
+                409 => {
+                    eprintln!("{}: {body}", s.name);
+                    Code::NotReady
+                }
+                _ => {
+                    eprintln!("vllm-warden: {}: unexpected answer {code}: {body}", s.server.socket.display());
+                    Code::Internal
+                }
+            }
+        }
+        Err(e @ crate::server::client::Error::Connect { .. }) => {
+            eprintln!("vllm-warden: {}: not running ({e})", s.name);
+            Code::NotRunning
+        }
+        Err(e) => {
+            eprintln!("vllm-warden: {}: {e}", s.server.socket.display());
+            Code::Internal
+        }
     }
 }
 
@@ -331,7 +403,7 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, Code> {
     })
 }
 
-fn run(path: &Path, upgraded: Option<PathBuf>) -> Code {
+fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf>) -> Code {
     let settings = match load(path) {
         Ok(s) => s,
         Err(code) => return code,
@@ -362,7 +434,7 @@ fn run(path: &Path, upgraded: Option<PathBuf>) -> Code {
             };
         }
     };
-    crate::logging::init();
+    crate::logging::init(log_format);
     let adopted = match adopted {
         Some(Ok(state)) => Some(state),
         Some(Err(why)) => {

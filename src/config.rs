@@ -113,6 +113,14 @@ pub mod defaults {
     /// `[[patch]] max-size`: the largest model file a patch reads.
     pub const PATCH_MAX_SIZE: u64 = crate::patch::DEFAULT_MAX_SIZE;
 
+    /// `server.socket` is this file in the runtime directory (the folder of
+    /// the default status file).
+    pub const SOCKET: &str = "control.sock";
+    /// How long a drain waits before it looks at the requests in flight:
+    /// the time a load balancer takes to see `/readyz` fail.
+    pub const DRAIN_DELAY: Duration = Duration::from_secs(5);
+    /// The most a drain waits for the requests in flight to end.
+    pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
     /// `child.log-max-size`: a day or more of request logging on a busy
     /// server; a restart loop writes about 1 KiB a start.
     pub const LOG_MAX_SIZE: u64 = 1 << 30;
@@ -179,6 +187,8 @@ pub struct Settings {
     pub restart: Restart,
     pub health: Health,
     pub status: Status,
+    pub server: Server,
+    pub drain: Drain,
     pub reports: Reports,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
@@ -274,6 +284,32 @@ pub struct Reports {
 pub struct Status {
     pub file: PathBuf,
     pub metrics_file: Option<PathBuf>,
+}
+
+/// `[server]`: the warden's own HTTP endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Server {
+    /// The unix socket, always served: `control.sock` in the runtime
+    /// directory unless set.
+    pub socket: PathBuf,
+    /// A TCP address to serve too (`127.0.0.1:9400`); none by default.
+    pub listen: Option<std::net::SocketAddr>,
+    /// A file holding the bearer token that allows the mutating endpoints
+    /// over TCP; without it they are refused there.
+    pub token_file: Option<PathBuf>,
+}
+
+/// `[drain]`: taking a serving child out of rotation before it stops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Drain {
+    /// Unready at once, then this long before looking at the requests in
+    /// flight (the balancer's detection time).
+    pub delay: Duration,
+    /// The most the drain waits for no request running or waiting.
+    pub timeout: Duration,
+    /// A stop, and a reload that restarts the child, drain first. Default:
+    /// true when `server.listen` is set.
+    pub on_stop: bool,
 }
 
 /// One problem found in a config file.
@@ -383,9 +419,24 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let mut top = Keys::new(r, Some(doc), None, "", String::new());
     let name = top.read("name", stem, instance_name);
     let profile = top.read("profile", defaults::PROFILE, profile);
-    let [child_v, patch_v, prestart_v, ready_v, fatal_v, restart_v, health_v, status_v, hint_v, reports_v] =
-        ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "hint", "reports"]
-            .map(|k| top.take(k));
+    let [
+        child_v,
+        patch_v,
+        prestart_v,
+        ready_v,
+        fatal_v,
+        restart_v,
+        health_v,
+        status_v,
+        server_v,
+        drain_v,
+        hint_v,
+        reports_v,
+    ] = [
+        "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
+        "reports",
+    ]
+    .map(|k| top.take(k));
     drop(top);
     let hints = hints(r, hint_v);
 
@@ -399,6 +450,8 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let restart = restart(r.section(restart_v, "restart"));
     let health = health(r.section(health_v, "health"), &health_url);
     let status = status(r.section(status_v, "status"), &name, dirs);
+    let server = server(r.section(server_v, "server"), &name, dirs);
+    let drain = drain(r.section(drain_v, "drain"), server.listen.is_some());
     let reports = reports(r.section(reports_v, "reports"));
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
@@ -414,6 +467,8 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         restart,
         health,
         status,
+        server,
+        drain,
         reports,
         hints,
         state_dir,
@@ -763,14 +818,57 @@ fn health(mut k: Keys<'_, '_, '_>, health_url: &str) -> Health {
 
 /// `[status]`
 fn status(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Status {
-    let default = match &dirs.runtime {
-        Some(d) => d.join("status.json"),
-        None => PathBuf::from(defaults::RUN_DIR).join(name).join("status.json"),
-    };
-    let file = k.path("file", default);
+    let file = k.path("file", runtime_dir(name, dirs).join("status.json"));
     let metrics_file =
         k.read("metrics-file", None, |r, v| r.string(v, "metrics-file").map(|s| (!s.is_empty()).then(|| s.into())));
     Status { file, metrics_file }
+}
+
+/// `$RUNTIME_DIRECTORY`, else `NAME/` in [`defaults::RUN_DIR`].
+pub fn runtime_dir(name: &str, dirs: &Dirs) -> PathBuf {
+    match &dirs.runtime {
+        Some(d) => d.clone(),
+        None => PathBuf::from(defaults::RUN_DIR).join(name),
+    }
+}
+
+/// `[server]`
+fn server(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Server {
+    let socket = k.path("socket", runtime_dir(name, dirs).join(defaults::SOCKET));
+    let listen = k.read("listen", None, |r, v| {
+        let s = r.string(v, "listen")?;
+        if s.is_empty() {
+            return Some(None);
+        }
+        match s.parse::<std::net::SocketAddr>() {
+            Ok(a) => Some(Some(a)),
+            Err(_) => {
+                r.problem(
+                    Some(v.span()),
+                    format!(
+                        "`server.listen`: {s:?} is not an address and port (e.g. \"127.0.0.1:9400\", \"[::1]:9400\")"
+                    ),
+                );
+                None
+            }
+        }
+    });
+    let token_file =
+        k.read("token-file", None, |r, v| r.string(v, "token-file").map(|s| (!s.is_empty()).then(|| s.into())));
+    if token_file.is_some() && listen.is_none() && k.ok("listen") {
+        let span = k.span_of("token-file");
+        k.problem(span, "`server.token-file` is for the TCP listener, and `server.listen` is not set");
+    }
+    Server { socket, listen, token_file }
+}
+
+/// `[drain]`; `listening`: the server has a TCP listener (a balancer may be
+/// routing to the instance), which makes stops drain by default.
+fn drain(mut k: Keys<'_, '_, '_>, listening: bool) -> Drain {
+    let delay = k.duration("delay", defaults::DRAIN_DELAY, limits::WAIT);
+    let timeout = k.duration("timeout", defaults::DRAIN_TIMEOUT, limits::WAIT);
+    let on_stop = k.read("on-stop", listening, |r, v| r.boolean(v, "on-stop"));
+    Drain { delay, timeout, on_stop }
 }
 
 /// `[reports]`

@@ -48,7 +48,30 @@ pub async fn run(
             return Code::Internal;
         }
     };
-    let ctx = Context { instance: settings.name.clone(), watchdog };
+    let heartbeat = crate::driver::Heartbeat::default();
+    let ctx = Context { instance: settings.name.clone(), watchdog, heartbeat: Some(heartbeat.clone()) };
+    // The endpoint's listeners, before anything starts: a TCP listener
+    // that cannot be had is a config problem; the socket is worth a warning.
+    let socket = match crate::server::bind_socket(&settings.server.socket) {
+        Ok(l) => Some(l),
+        Err(e) => {
+            tracing::warn!(error = %e, "the control socket is off: `vllm-warden drain|undrain|restart` cannot reach this warden");
+            None
+        }
+    };
+    let tcp = match settings.server.listen.map(|a| crate::server::bind_tcp(a, settings.server.token_file.as_deref())) {
+        Some(Ok(l)) => Some(l),
+        Some(Err(e)) => {
+            tracing::error!(error = %e, "cannot serve [server] listen");
+            return Code::Config;
+        }
+        None => None,
+    };
+    let (view_tx, view_rx) = tokio::sync::watch::channel(crate::server::View::default());
+    let (control_tx, control_rx) = mpsc::unbounded_channel();
+    let requests =
+        tokio_stream::StreamExt::merge(requests, tokio_stream::wrappers::UnboundedReceiverStream::new(control_rx));
+    let last_check = crate::health::LastCheck::default();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (lines_tx, mut lines_rx) = mpsc::channel(crate::logwatch::QUEUE);
     let journal = crate::journal::Forwarder::from_env(&settings.name);
@@ -62,7 +85,16 @@ pub async fn run(
         journal,
         next_journal_count: std::time::Instant::now(),
         tree: TreeRecord::new(settings.state_dir.clone(), settings.name.clone(), token.clone()),
+        view: view_tx,
     };
+    let shared = crate::server::Shared {
+        view: view_rx,
+        heartbeat,
+        metrics: observer.status.metrics(),
+        last_check: last_check.clone(),
+        requests: control_tx,
+    };
+    let socket_path = settings.server.socket.clone();
     crate::reload::save_running(&settings);
     let policy = Policy::from_settings(&settings);
     let cleanup = settings.clone();
@@ -87,6 +119,15 @@ pub async fn run(
         }
         None => Machine::new(policy, fastrand::u64(..)),
     };
+    backend.last_check = last_check;
+    // Watched as every other task: an endpoint that stops serving is a
+    // part of the warden that died.
+    if let Some(l) = socket {
+        backend.tasks.spawn("control socket", Lifetime::Owned, crate::server::serve_socket(l, shared.clone()));
+    }
+    if let Some((l, token)) = tcp {
+        backend.tasks.spawn("TCP endpoint", Lifetime::Owned, crate::server::serve_tcp(l, token, shared));
+    }
     let code = driver::Loop {
         machine,
         backend: &mut backend,
@@ -103,6 +144,8 @@ pub async fn run(
     // now, not at the next start. (The loop is over: blocking is fine.)
     observer.tree.finish();
     crate::prepare::clean_leftover_files(&cleanup);
+    drop(backend);
+    let _ = std::fs::remove_file(&socket_path);
     code
 }
 
@@ -114,6 +157,26 @@ struct Reports {
     /// When that count is read next.
     next_journal_count: std::time::Instant,
     tree: TreeRecord,
+    /// What the HTTP endpoint shows.
+    view: tokio::sync::watch::Sender<crate::server::View>,
+}
+
+impl Reports {
+    fn publish(&self, m: Option<&Machine>) {
+        let document = self.status.document();
+        self.view.send_if_modified(|v| {
+            let mut next = v.clone();
+            if let Some(m) = m {
+                next.phase = m.phase();
+                next.cause =
+                    m.cause().map(|c| crate::escape::one_line(&redact::text(&c.text), crate::escape::MAX_LINE));
+            }
+            next.document = document;
+            let changed = next != *v;
+            *v = next;
+            changed
+        });
+    }
 }
 
 /// How often the journal's count of dropped lines is brought into the
@@ -127,6 +190,7 @@ impl driver::Observer for Reports {
         }
         self.status.update(&m.snapshot());
         self.tree.update(m);
+        self.publish(Some(m));
     }
     fn reconfigure(&mut self, s: &Settings) {
         self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
@@ -151,6 +215,7 @@ impl driver::Observer for Reports {
         }
         if self.status.due().is_some_and(|d| d <= now) {
             self.status.flush();
+            self.publish(None);
         }
     }
 }
@@ -287,6 +352,8 @@ impl TreeRecord {
     }
 }
 
+/// How often a drain counts the requests in flight.
+const LOAD_EVERY: Duration = Duration::from_millis(100);
 /// What the backend keeps of the latest run for its failure report.
 struct RunRecord {
     start: u32,
@@ -322,6 +389,10 @@ pub struct Real {
     preparing: Option<(u32, AbortHandle)>,
     /// The health checks of the ready run `start`.
     health: Option<(u32, AbortHandle)>,
+    /// The last health check's verdict, for `/readyz`.
+    last_check: crate::health::LastCheck,
+    /// A drain's watch of the requests in flight.
+    load: Option<AbortHandle>,
     /// Seen in the log: the canary waits while real traffic flows.
     traffic: crate::health::Traffic,
     /// The latest run: what its failure report needs.
@@ -380,6 +451,8 @@ impl Real {
             leftovers_done: Arc::default(),
             handover: Handover::default(),
             health: None,
+            last_check: Default::default(),
+            load: None,
             traffic: taps.traffic.clone(),
             run: None,
             reporting: None,
@@ -451,7 +524,7 @@ impl Real {
     }
 
     fn stop_checks(&mut self) {
-        for task in [self.probe.take(), self.health.take().map(|(_, t)| t)].into_iter().flatten() {
+        for task in [self.probe.take(), self.health.take().map(|(_, t)| t), self.load.take()].into_iter().flatten() {
             task.abort();
         }
     }
@@ -566,12 +639,13 @@ impl Backend for Real {
             f.pace(SERVING_PACE);
         }
         let spec = crate::health::Spec::from_settings(&self.settings);
+        self.last_check.set(true);
         if !spec.enabled() {
             return;
         }
-        let (tx, traffic) = (self.inputs.clone(), self.traffic.clone());
+        let (tx, traffic, last) = (self.inputs.clone(), self.traffic.clone(), self.last_check.clone());
         let task = self.tasks.spawn("health checks", Lifetime::Finite, async move {
-            let cause = crate::health::watch(spec, traffic).await;
+            let cause = crate::health::watch(spec, traffic, last).await;
             let _ = tx.send(Input::HealthFailed { start, cause });
         });
         self.health = Some((start, task));
@@ -704,6 +778,45 @@ impl Backend for Real {
                 let _ = tx.send(Input::Survivors(text));
             }
         });
+    }
+
+    fn watch_load(&mut self, start: u32) {
+        self.unwatch_load();
+        let (base, tx) = (crate::health::Spec::from_settings(&self.settings).base, self.inputs.clone());
+        let timeout = self.settings.health.timeout;
+        self.load = Some(self.tasks.spawn("drain watch", Lifetime::Finite, async move {
+            let mut said = None;
+            loop {
+                let b = base.clone();
+                let n = tokio::task::spawn_blocking(move || crate::health::in_flight(&b, timeout)).await;
+                match n.unwrap_or_else(|e| Err(e.to_string())) {
+                    Ok(n) if n <= 0.0 => {
+                        let _ = tx.send(Input::Quiet { start });
+                        return;
+                    }
+                    Ok(n) => {
+                        if said != Some(n) {
+                            tracing::info!(EVENT = "drain", "{n} request(s) running or waiting");
+                            said = Some(n);
+                        }
+                    }
+                    Err(why) if said.is_none() => {
+                        // Waited for until drain.timeout: without a count,
+                        // nothing says the server is quiet.
+                        tracing::warn!(EVENT = "drain", "cannot count the requests in flight: {why}");
+                        said = Some(f64::NAN);
+                    }
+                    Err(_) => {}
+                }
+                tokio::time::sleep(LOAD_EVERY).await;
+            }
+        }));
+    }
+
+    fn unwatch_load(&mut self) {
+        if let Some(t) = self.load.take() {
+            t.abort();
+        }
     }
 
     fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {

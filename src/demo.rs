@@ -119,7 +119,7 @@ file = "{d}/status.json"
     println!("demo: refuses; a [[patch]] removes the key before each start. It loads 8 shards, serves, its engine");
     println!("demo: dies 3 s after the first ready (the API server then exits 0), and the second start stays up.");
     println!("demo: the child's log: {d}/demo.log");
-    crate::logging::init();
+    crate::logging::init(crate::logging::Format::Text);
     let rt = match crate::cli::runtime() {
         Ok(rt) => rt,
         Err(code) => return code,

@@ -8,6 +8,8 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -24,7 +26,8 @@ use crate::reload::Plan;
 use crate::supervisor::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
 use crate::systemd::{Note, Notifier};
 
-/// What the warden is asked to do from outside (signals, the demo, tests).
+/// What the warden is asked to do from outside (signals, the control
+/// endpoint, the demo, tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Request {
     /// SIGTERM, SIGINT: stop the tree and exit.
@@ -34,6 +37,42 @@ pub enum Request {
     /// SIGUSR2: replace the warden by the binary at its path, keeping the
     /// ready child (see [`crate::upgrade`]).
     Upgrade,
+    /// `POST /drain`: out of rotation, and held there.
+    Drain,
+    /// `POST /undrain`: back into rotation.
+    Undrain,
+    /// `POST /restart`: drain, then start the child again.
+    Restart,
+}
+
+/// When the loop last turned, for `/livez`: the loop beats at every turn
+/// and at least every [`HEARTBEAT_EVERY`]; readers see how long ago.
+#[derive(Debug, Clone)]
+pub struct Heartbeat {
+    base: std::time::Instant,
+    /// Milliseconds from `base` to the last beat.
+    last: Arc<AtomicU64>,
+}
+
+/// How often an idle loop beats.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Heartbeat { base: std::time::Instant::now(), last: Arc::default() }
+    }
+}
+
+impl Heartbeat {
+    pub fn beat(&self) {
+        self.last.store(self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long ago the loop last turned.
+    pub fn age(&self) -> Duration {
+        let last = Duration::from_millis(self.last.load(Ordering::Relaxed));
+        self.base.elapsed().saturating_sub(last)
+    }
 }
 
 /// What the backend's tasks report to the loop.
@@ -66,6 +105,10 @@ pub enum Input {
     /// found in it.
     Reload(Box<Result<Settings, crate::config::Problems>>),
     HttpReady {
+        start: u32,
+    },
+    /// The server of run `start` has no request running or waiting.
+    Quiet {
         start: u32,
     },
     /// The binary an upgrade would run answered `--version` (its version),
@@ -102,6 +145,10 @@ pub trait Backend {
     fn kill_tree(&mut self);
     /// Describe what is left of the tree, off the loop: `Input::Survivors`.
     fn describe_survivors(&mut self);
+    /// Watch the requests in flight of run `start`; `Input::Quiet` once
+    /// none is running or waiting.
+    fn watch_load(&mut self, start: u32);
+    fn unwatch_load(&mut self);
     /// Write the failure report of the failed run, off the loop, while
     /// its tree is still there; `Input::Reported` when done. Returns the
     /// report's folder, or `None` when no report can be written (nothing
@@ -176,6 +223,8 @@ pub struct Context {
     pub instance: String,
     /// How often to send `WATCHDOG=1`, if systemd asks for it.
     pub watchdog: Option<Duration>,
+    /// Beaten at every turn of the loop, for `/livez`.
+    pub heartbeat: Option<Heartbeat>,
 }
 
 /// How long the loop waits for the lines of an exited child, counted from
@@ -221,8 +270,12 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         // Progress notes held while the observer puts off its write.
         let mut held: Vec<Vec<Note>> = Vec::new();
         let mut dog = self.ctx.watchdog.map(tokio::time::interval);
+        let mut beat = self.ctx.heartbeat.as_ref().map(|_| tokio::time::interval(HEARTBEAT_EVERY));
         let mut requests_open = true;
         loop {
+            if let Some(h) = &self.ctx.heartbeat {
+                h.beat();
+            }
             while let Some(ev) = events.pop_front() {
                 self.step(ev, &mut events, &mut held);
             }
@@ -246,6 +299,9 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 request = requests.next(), if requests_open && open => match request {
                     Some(Request::Stop) => events.push_back(Event::StopRequested),
                     Some(Request::Reload) => self.backend.read_config(),
+                    Some(Request::Drain) => events.push_back(Event::DrainRequested),
+                    Some(Request::Undrain) => events.push_back(Event::UndrainRequested),
+                    Some(Request::Restart) => events.push_back(Event::RestartRequested),
                     Some(Request::Upgrade) => {
                         tracing::info!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade asked for: checking the binary");
                         self.backend.check_upgrade();
@@ -279,6 +335,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     }
                 }
                 _ = tick(&mut dog) => self.notifier.notify(&[Note::Watchdog]),
+                // The beat itself is at the top of the loop.
+                _ = tick(&mut beat) => {}
                 _ = sleep_until(retry) => self.notifier.retry(),
                 _ = sleep_until(due) => {
                     self.observer.flush();
@@ -342,6 +400,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::Terminate(sig) => self.backend.terminate(sig),
                 Effect::KillTree => self.backend.kill_tree(),
                 Effect::DescribeSurvivors => self.backend.describe_survivors(),
+                Effect::WatchLoad { start } => self.backend.watch_load(start),
+                Effect::UnwatchLoad => self.backend.unwatch_load(),
                 Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => {
                     if held.len() >= HELD {
                         // A flood: the oldest go, the latest stays.
@@ -437,6 +497,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     fn input(&mut self, input: Input, events: &mut VecDeque<Event>, exiting: &mut Option<Exiting>) {
         match input {
             Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
+            Input::Quiet { start } => events.push_back(Event::Quiet { start }),
             Input::UpgradeChecked(Err(why)) => {
                 tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");
                 // Shown by `systemctl status` until the next change of state.

@@ -29,6 +29,11 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
             None => say(format!("`command`: program {program:?} not found in PATH")),
         }
     }
+    if let Some(file) = &s.server.token_file
+        && let Err(e) = crate::server::read_token(file)
+    {
+        say(format!("`server.token-file`: {e}"));
+    }
     if let Some(cwd) = &s.child.cwd
         && !cwd.is_dir()
     {

@@ -142,9 +142,39 @@ fn scrape(base: &str, timeout: Duration) -> Scrape {
     }
 }
 
+/// The requests running or waiting on the server at `base`, from its
+/// `/metrics`; `Err` says why there is no count.
+pub fn in_flight(base: &str, timeout: Duration) -> Result<f64, String> {
+    match scrape(base, timeout) {
+        Scrape::Text(text) => crate::progress::in_flight(&text).map_err(|e| e.to_string()),
+        Scrape::NoEndpoint(why) => Err(why),
+        Scrape::Nothing => Err(format!("{base}/metrics did not answer")),
+    }
+}
+
+/// Whether the last health check of the ready run passed, for `/readyz`.
+#[derive(Debug, Clone)]
+pub struct LastCheck(Arc<std::sync::atomic::AtomicBool>);
+
+impl Default for LastCheck {
+    fn default() -> Self {
+        LastCheck(Arc::new(std::sync::atomic::AtomicBool::new(true)))
+    }
+}
+
+impl LastCheck {
+    pub fn set(&self, passed: bool) {
+        self.0.store(passed, Ordering::Relaxed);
+    }
+
+    pub fn passed(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// Check until `h.failures` checks in a row have failed, or the server's
 /// metrics show a stalled engine; returns the cause line.
-pub async fn watch(spec: Spec, traffic: Traffic) -> String {
+pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
     let h = &spec.health;
     let mut failed = 0;
     let mut next_canary = tokio::time::Instant::now() + h.canary_interval;
@@ -189,6 +219,7 @@ pub async fn watch(spec: Spec, traffic: Traffic) -> String {
                     tokio::task::spawn_blocking(move || canary(&base, t)).await.unwrap_or_else(|e| Err(e.to_string()));
             }
         }
+        last.set(result.is_ok());
         match result {
             Ok(()) => failed = 0,
             Err(why) => {

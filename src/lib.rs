@@ -20,7 +20,8 @@
 //! | [`prestart`] | leftovers, shared memory, the port, the GPUs |
 //! | [`child`] | spawning, signalling, reaping, finding descendants in `/proc` |
 //! | [`systemd`] | sd_notify, never fatal |
-//! | [`status`] | the status document and the metrics file |
+//! | [`status`] | the status document and the metrics (one registry, the file and `/metrics`) |
+//! | [`server`] | the warden's HTTP endpoint (unix socket, TCP) and its client |
 //! | [`health`] | readiness, health checks and the canary |
 //! | [`hints`] | remedy hints for known causes |
 //! | [`progress`] | forward progress from vLLM's metrics |
@@ -63,6 +64,7 @@ pub mod redact;
 pub mod reload;
 pub mod reports;
 pub mod rotate;
+pub mod server;
 pub mod status;
 pub mod supervisor;
 pub mod systemd;

@@ -13,6 +13,11 @@ pub enum Phase {
     /// Preparing, spawning or loading.
     Starting,
     Ready,
+    /// Ready, and being taken out of rotation: unready to balancers, the
+    /// requests in flight let finish.
+    Draining,
+    /// Ready, out of rotation, and held so until undrained or stopped.
+    Drained,
     /// Waiting before the next start.
     Backoff,
     /// A stop (or a reload) was asked for; the tree is being stopped.
@@ -24,13 +29,23 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 6] =
-        [Phase::Starting, Phase::Ready, Phase::Backoff, Phase::Stopping, Phase::Stopped, Phase::Failed];
+    pub const ALL: [Phase; 8] = [
+        Phase::Starting,
+        Phase::Ready,
+        Phase::Draining,
+        Phase::Drained,
+        Phase::Backoff,
+        Phase::Stopping,
+        Phase::Stopped,
+        Phase::Failed,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::Starting => "starting",
             Phase::Ready => "ready",
+            Phase::Draining => "draining",
+            Phase::Drained => "drained",
             Phase::Backoff => "backoff",
             Phase::Stopping => "stopping",
             Phase::Failed => "failed",

@@ -77,6 +77,28 @@ fn through_last_sample(text: &str) -> &str {
     &text[..end]
 }
 
+/// The requests running or waiting in a scrape, summed over label sets:
+/// what a drain waits to see at zero.
+pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
+    let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
+        let shown = e.to_string();
+        Unreadable::Format(shown.chars().take(200).collect())
+    })?;
+    let mut total = 0.0;
+    for name in [RUNNING, WAITING] {
+        let mut found = false;
+        for s in families.iter().flat_map(|f| &f.samples).filter(|s| s.name() == name) {
+            found = true;
+            total += s.number();
+        }
+        if !found {
+            return Err(Unreadable::Missing(name));
+        }
+    }
+    // A NaN or a negative count is no count.
+    if total.is_finite() && total >= 0.0 { Ok(total) } else { Err(Unreadable::Format(format!("{total} requests"))) }
+}
+
 /// What the series of readings says.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
@@ -189,6 +211,34 @@ mod tests {
         assert!(nom_openmetrics::parser::prometheus(text).is_err(), "the parser alone refuses it");
         let r = read(text).unwrap();
         assert_eq!(r, Reading { running: 0.0, waiting: 0.0, tokens: 0.0 });
+    }
+
+    #[test]
+    fn requests_in_flight_are_running_plus_waiting() {
+        assert_eq!(in_flight(&scrape(2, 1, 10)), Ok(3.0));
+        assert_eq!(in_flight(&scrape(0, 0, 10)), Ok(0.0));
+        assert_eq!(in_flight("process_cpu_seconds_total 1.0\n"), Err(Unreadable::Missing(RUNNING)));
+        let negative = scrape(0, 0, 1).replace(
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} 0.0",
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} -5.0",
+        );
+        assert!(in_flight(&negative).is_err(), "{negative}");
+    }
+
+    /// A drain counts on a real vLLM that has served no request yet (its
+    /// scrape ends with a family without samples) and on one that has.
+    #[test]
+    fn requests_in_flight_on_real_scrapes() {
+        let fixture = |name: &str| {
+            std::fs::read_to_string(format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+        };
+        assert_eq!(in_flight(&fixture("vllm-0.32.0-metrics-fresh.txt")), Ok(0.0));
+        let served = fixture("vllm-0.32.0-metrics.txt");
+        assert_eq!(in_flight(&served), Ok(0.0));
+        let running = "vllm:num_requests_running{engine=\"0\",model_name=\"/var/cache/vllm-warden-ci/models/tiny\"}";
+        let busy = served.replace(&format!("{running} 0.0"), &format!("{running} 2.0"));
+        assert_ne!(busy, served);
+        assert_eq!(in_flight(&busy), Ok(2.0));
     }
 
     #[test]

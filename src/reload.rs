@@ -63,6 +63,8 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         restart,
         health,
         status,
+        server,
+        drain,
         reports,
         state_dir,
         patterns,
@@ -117,6 +119,12 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("health.kernel-messages", Warden, dbg(&h.0.kernel_messages), dbg(&h.1.kernel_messages));
     cmp("status.file", Warden, dbg(&old.status.file), dbg(&status.file));
     cmp("status.metrics-file", Warden, dbg(&old.status.metrics_file), dbg(&status.metrics_file));
+    cmp("server.socket", Identity, dbg(&old.server.socket), dbg(&server.socket));
+    cmp("server.listen", Identity, dbg(&old.server.listen), dbg(&server.listen));
+    cmp("server.token-file", Identity, dbg(&old.server.token_file), dbg(&server.token_file));
+    cmp("drain.delay", Warden, d(old.drain.delay), d(drain.delay));
+    cmp("drain.timeout", Warden, d(old.drain.timeout), d(drain.timeout));
+    cmp("drain.on-stop", Warden, old.drain.on_stop.to_string(), drain.on_stop.to_string());
     let rp = (&old.reports, reports);
     cmp("reports.keep", Warden, rp.0.keep.to_string(), rp.1.keep.to_string());
     cmp("reports.max-size", Warden, rp.0.max_size.to_string(), rp.1.max_size.to_string());
@@ -236,7 +244,8 @@ mod tests {
         let text = "name = \"other\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\nenv = { A = \"1\", HF_TOKEN = \"x\" }\n";
         let renamed = crate::config::parse(text, Path::new("/etc/vllm-warden/t.toml"), &Default::default()).unwrap();
         let left: Vec<&str> = identity_left(&parse(""), &renamed).iter().map(|c| c.key).collect();
-        assert_eq!(left, ["name", "state directory"]);
+        // The default socket is in the name's runtime folder.
+        assert_eq!(left, ["name", "state directory", "server.socket"]);
         // The name also names the default log file: that, the child sees.
         let Plan::Restart { because, .. } = plan(&parse(""), &renamed) else { panic!() };
         assert_eq!(because.iter().map(|c| c.key).collect::<Vec<_>>(), ["child.log-file"]);

@@ -8,8 +8,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 
 use crate::child::Exit;
@@ -105,7 +111,10 @@ pub struct Reporter {
     name: String,
     doc_path: PathBuf,
     metrics_path: Option<PathBuf>,
-    started: SystemTime,
+    /// Shared with the HTTP endpoint.
+    metrics: Arc<Metrics>,
+    /// The document as last made (written or not), for the HTTP endpoint.
+    document: Option<Arc<str>>,
     /// The phase the document shows, and since when.
     phase: Option<Phase>,
     since: SystemTime,
@@ -133,7 +142,8 @@ impl Reporter {
             name: name.to_string(),
             doc_path: doc_path.to_path_buf(),
             metrics_path: metrics_path.map(Path::to_path_buf),
-            started: now,
+            metrics: Arc::new(Metrics::new(name, now)),
+            document: None,
             phase: None,
             since: now,
             ready_since: None,
@@ -223,6 +233,17 @@ impl Reporter {
         }
     }
 
+    /// The registry behind the metrics file, for the HTTP endpoint.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The status document as last made: what the file says (or would, if
+    /// it could not be written).
+    pub fn document(&self) -> Option<Arc<str>> {
+        self.document.clone()
+    }
+
     fn recently_written(&self) -> bool {
         self.written_at.is_some_and(|t| t.elapsed() < PROGRESS_EVERY)
     }
@@ -234,6 +255,8 @@ impl Reporter {
         self.written_at = Some(std::time::Instant::now());
         let doc = self.doc(&snap);
         let text = serde_json::to_string_pretty(&doc).expect("the status document serialises") + "\n";
+        self.document = Some(Arc::from(text.as_str()));
+        self.metrics.set(&snap, self.journal_dropped);
         if self.written_doc.as_deref() != Some(&text) {
             if let Some(dir) = self.doc_path.parent() {
                 let _ = std::fs::create_dir_all(dir);
@@ -244,7 +267,7 @@ impl Reporter {
             }
         }
         if let Some(path) = &self.metrics_path {
-            let text = metrics(&self.name, &snap, self.started, self.journal_dropped);
+            let text = self.metrics.encode();
             if self.written_metrics.as_deref() != Some(&text) {
                 match replace(path, text.as_bytes(), 0o644) {
                     Ok(()) => self.written_metrics = Some(text),
@@ -280,59 +303,117 @@ impl Reporter {
     }
 }
 
-/// The textfile-collector file: node_exporter's format, names prefixed
-/// `vllm_warden_`, each with `# HELP` and `# TYPE`.
-pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped: u64) -> String {
-    let mut out = String::new();
-    let l = format!("name=\"{}\"", name.replace('\\', "\\\\").replace('"', "\\\""));
-    let mut metric = |n: &str, kind: &str, help: &str, samples: &[(String, String)]| {
-        let _ = writeln!(out, "# HELP vllm_warden_{n} {help}\n# TYPE vllm_warden_{n} {kind}");
-        for (labels, v) in samples {
-            let _ = writeln!(out, "vllm_warden_{n}{{{labels}}} {v}");
-        }
-    };
-    let states: Vec<(String, String)> =
-        Phase::ALL.iter().map(|p| (format!("{l},state=\"{p}\""), u8::from(*p == snap.phase).to_string())).collect();
-    metric("state", "gauge", "1 for the state the warden is in, 0 for the others.", &states);
-    metric(
-        "ready",
-        "gauge",
-        "1 when the model is serving.",
-        &[(l.clone(), u8::from(snap.phase == Phase::Ready).to_string())],
-    );
-    metric("child_starts_total", "counter", "Children spawned.", &[(l.clone(), snap.starts.to_string())]);
-    metric("restarts_total", "counter", "Spawns after the first.", &[(l.clone(), snap.restarts.to_string())]);
-    let failures: Vec<(String, String)> = FailureClass::ALL
-        .iter()
-        .map(|c| {
-            let n = snap.failures.get(c).copied().unwrap_or(0);
-            (format!("{l},class=\"{}\"", c.as_str()), n.to_string())
-        })
-        .collect();
-    metric("failures_total", "counter", "Failed runs by the class of their cause.", &failures);
-    if let Some(d) = snap.last_load {
-        let v = format!("{:.3}", d.as_secs_f64());
-        metric(
-            "last_load_duration_seconds",
-            "gauge",
-            "Time from spawn to ready of the last ready run.",
-            &[(l.clone(), v)],
-        );
+/// The warden's metrics: one registry (`prometheus-client`), served by
+/// `GET /metrics` and written to the textfile-collector file, in the
+/// Prometheus text format (0.0.4), names prefixed `vllm_warden_`, each with
+/// `# HELP` and `# TYPE`, every sample labelled with the instance's `name`.
+pub struct Metrics {
+    registry: Registry,
+    state: Family<Vec<(String, String)>, Gauge>,
+    ready: Gauge,
+    child_starts: Counter,
+    restarts: Counter,
+    failures: Family<Vec<(String, String)>, Counter>,
+    /// One sample once a run was ready; none before.
+    last_load: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
+    journal_dropped: Counter,
+    start_time: Gauge<f64, AtomicU64>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
     }
-    metric(
-        "journal_dropped_lines_total",
-        "counter",
-        "Lines of the child dropped from the journal forwarding (journald too slow); the log file has them all.",
-        &[(l.clone(), journal_dropped.to_string())],
-    );
-    let start = started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
-    metric(
-        "start_time_seconds",
-        "gauge",
-        "When the warden started, in seconds since the epoch.",
-        &[(l, format!("{start:.3}"))],
-    );
-    out
+}
+
+impl Metrics {
+    pub fn new(name: &str, started: SystemTime) -> Metrics {
+        let labels = [(std::borrow::Cow::Borrowed("name"), std::borrow::Cow::Owned(name.to_string()))];
+        let mut registry = Registry::with_prefix_and_labels("vllm_warden", labels.into_iter());
+        let m = Metrics {
+            registry: Registry::default(),
+            state: Family::default(),
+            ready: Gauge::default(),
+            child_starts: Counter::default(),
+            restarts: Counter::default(),
+            failures: Family::default(),
+            last_load: Family::default(),
+            journal_dropped: Counter::default(),
+            start_time: Gauge::default(),
+        };
+        for p in Phase::ALL {
+            let _ = m.state.get_or_create(&vec![("state".into(), p.as_str().into())]);
+        }
+        for c in FailureClass::ALL {
+            let _ = m.failures.get_or_create(&vec![("class".into(), c.as_str().into())]);
+        }
+        registry.register("state", "1 for the state the warden is in, 0 for the others", m.state.clone());
+        registry.register("ready", "1 when the model is serving", m.ready.clone());
+        registry.register("child_starts", "Children spawned", m.child_starts.clone());
+        registry.register("restarts", "Spawns after the first", m.restarts.clone());
+        registry.register("failures", "Failed runs by the class of their cause", m.failures.clone());
+        registry.register_with_unit(
+            "last_load_duration",
+            "Time from spawn to ready of the last ready run",
+            Unit::Seconds,
+            m.last_load.clone(),
+        );
+        registry.register(
+            "journal_dropped_lines",
+            "Lines of the child dropped from the journal forwarding (journald too slow); the log file has them all",
+            m.journal_dropped.clone(),
+        );
+        registry.register(
+            "start_time_seconds",
+            "When the warden started, in seconds since the epoch",
+            m.start_time.clone(),
+        );
+        m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
+        Metrics { registry, ..m }
+    }
+
+    /// Bring every metric to what `snap` says.
+    pub fn set(&self, snap: &Snapshot, journal_dropped: u64) {
+        for p in Phase::ALL {
+            let v = i64::from(p == snap.phase);
+            self.state.get_or_create(&vec![("state".into(), p.as_str().into())]).set(v);
+        }
+        self.ready.set(i64::from(snap.phase == Phase::Ready));
+        raise(&self.child_starts, snap.starts.into());
+        raise(&self.restarts, snap.restarts.into());
+        for c in FailureClass::ALL {
+            let n = snap.failures.get(&c).copied().unwrap_or(0);
+            raise(&self.failures.get_or_create(&vec![("class".into(), c.as_str().into())]), n);
+        }
+        if let Some(d) = snap.last_load {
+            self.last_load.get_or_create(&vec![]).set(d.as_secs_f64());
+        }
+        raise(&self.journal_dropped, journal_dropped);
+    }
+
+    /// The exposition text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// A counter brought up to `total` (the machine keeps the counts; a
+/// counter only goes up).
+fn raise(c: &Counter, total: u64) {
+    let now = c.get();
+    if total > now {
+        c.inc_by(total - now);
+    }
+}
+
+/// The metrics of `snap` as text, from a registry of their own.
+pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped: u64) -> String {
+    let m = Metrics::new(name, started);
+    m.set(snap, journal_dropped);
+    m.encode()
 }
 
 /// What `status` concludes from the document.
@@ -347,7 +428,12 @@ pub enum Verdict {
 /// Read the document and tell whether its warden is still there.
 pub fn read(path: &Path) -> Verdict {
     let Ok(text) = std::fs::read_to_string(path) else { return Verdict::NotRunning(None) };
-    let Ok(doc) = serde_json::from_str::<Doc>(&text) else { return Verdict::NotRunning(None) };
+    verdict(&text)
+}
+
+/// What a document says (from the file, or from the warden's socket).
+pub fn verdict(text: &str) -> Verdict {
+    let Ok(doc) = serde_json::from_str::<Doc>(text) else { return Verdict::NotRunning(None) };
     if doc.state == Phase::Stopped || doc.exit_code.is_some() || !warden_alive(doc.warden_pid) {
         return Verdict::NotRunning(Some(doc));
     }
@@ -446,8 +532,9 @@ mod tests {
             "# TYPE vllm_warden_child_starts_total counter\nvllm_warden_child_starts_total{name=\"kimi\"} 2\n",
             "vllm_warden_failures_total{name=\"kimi\",class=\"exit\"} 1\n",
             "vllm_warden_failures_total{name=\"kimi\",class=\"permanent\"} 0\n",
-            "vllm_warden_last_load_duration_seconds{name=\"kimi\"} 61.500\n",
-            "vllm_warden_start_time_seconds{name=\"kimi\"} 1700000000.000\n",
+            "vllm_warden_last_load_duration_seconds{name=\"kimi\"} 61.5\n",
+            "vllm_warden_start_time_seconds{name=\"kimi\"} 1700000000.0\n",
+            "vllm_warden_state{name=\"kimi\",state=\"draining\"} 0\n",
             "# TYPE vllm_warden_journal_dropped_lines_total counter\nvllm_warden_journal_dropped_lines_total{name=\"kimi\"} 7\n",
         ] {
             assert!(text.contains(want), "{want} not in\n{text}");

@@ -88,6 +88,14 @@ pub struct Policy {
     pub restart: crate::config::Restart,
     /// A remedy line for known causes.
     pub hints: crate::hints::Hints,
+    /// A drain is unready at once, then waits this long before it looks
+    /// at the requests in flight …
+    pub drain_delay: Duration,
+    /// … and at most this long for none to be running or waiting.
+    pub drain_timeout: Duration,
+    /// A stop, and a reload that restarts the child, drain a serving child
+    /// first.
+    pub drain_on_stop: bool,
     /// How long a failed run waits for its failure report before it is
     /// stopped; `None`: no reports.
     pub report: Option<Duration>,
@@ -115,6 +123,9 @@ impl Policy {
             prepare_timeout: prepare_timeout(s),
             restart: s.restart.clone(),
             hints: crate::hints::Hints::new(s.profile, &s.hints, &s.patches, &s.child.command),
+            drain_delay: s.drain.delay,
+            drain_timeout: s.drain.timeout,
+            drain_on_stop: s.drain.on_stop,
             report: (s.reports.keep > 0).then(|| s.reports.timeout.saturating_add(REPORT_MARGIN)),
         }
     }
@@ -231,6 +242,16 @@ pub enum Event {
     },
     TreeGone,
     StopRequested,
+    /// Take the serving child out of rotation and hold it there.
+    DrainRequested,
+    /// Put a drained (or draining) child back into rotation.
+    UndrainRequested,
+    /// Start the child again, draining it first if it serves.
+    RestartRequested,
+    /// The server of run `start` has no request running or waiting.
+    Quiet {
+        start: u32,
+    },
     /// A part of the warden itself ended unexpectedly (`task` says which,
     /// and how): the tree is stopped and the warden exits 70, so that its
     /// service manager restarts it.
@@ -269,6 +290,7 @@ impl Event {
             | Event::Line { start, .. }
             | Event::HttpReady { start }
             | Event::HealthFailed { start, .. }
+            | Event::Quiet { start }
             | Event::GpuFault { start, .. }
             | Event::ReportStarted { start, .. }
             | Event::Reported { start } => Some(*start),
@@ -299,6 +321,7 @@ pub enum Topic {
     Stopped,
     GaveUp,
     Reload,
+    Drain,
     Internal,
     Unkillable,
     Upgrade,
@@ -320,6 +343,7 @@ impl Topic {
             Topic::GaveUp => "gave-up",
             Topic::Upgrade => "upgrade",
             Topic::Reload => "reload",
+            Topic::Drain => "drain",
             Topic::Internal => "internal",
             Topic::Unkillable => "unkillable",
         }
@@ -365,6 +389,13 @@ pub enum Effect {
     /// Describe what is left of the tree after SIGKILL (pid, state, wchan);
     /// `Survivors` follows.
     DescribeSurvivors,
+    /// Watch the server's requests in flight; `Quiet` once none is running
+    /// or waiting.
+    WatchLoad {
+        start: u32,
+    },
+    /// Stop watching them (the drain was undone).
+    UnwatchLoad,
     /// Write the failure report of a failed run, off the loop, while its
     /// tree is still there; `ReportStarted` at once, `Reported` when done.
     Report(ReportOrder),
@@ -441,6 +472,39 @@ pub struct Loading {
 pub struct Serving {
     run: Run,
     ready_at: Instant,
+    /// Being taken out of rotation, or held out of it.
+    drain: Option<Drain>,
+}
+
+/// What a drain ends in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainFor {
+    /// The child keeps running, out of rotation, until undrained.
+    Hold,
+    /// The child is started again (`restart`).
+    Restart,
+    /// The child is started again with a new config.
+    Reload,
+    /// The warden stops.
+    Stop,
+}
+
+/// How far a drain has gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainStage {
+    /// Unready; the balancer is given until then to notice.
+    Delay { until: Instant },
+    /// Waiting for no request running or waiting, at most until then.
+    Quiesce { deadline: Instant },
+    /// Out of rotation and quiet (a hold).
+    Drained,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drain {
+    pub for_: DrainFor,
+    pub stage: DrainStage,
+    pub began: Instant,
 }
 
 /// Why the tree is being stopped.
@@ -450,6 +514,8 @@ pub enum Purpose {
     Failure(Cause),
     /// A new config: start again with it once the tree is gone.
     Reload,
+    /// Asked for (`restart`): start again once the tree is gone.
+    Restart,
     /// A part of the warden failed: exit 70 once the tree is gone.
     Internal(String),
 }
@@ -646,7 +712,7 @@ impl Machine {
             first_fatal: None,
             exception: None,
         };
-        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for) });
+        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain: None });
         m.starts = saved.starts;
         m.failures = saved.failures;
         m.restarts = saved.restarts;
@@ -755,7 +821,14 @@ impl Machine {
             .into_iter()
             .flatten()
             .min(),
-            State::Ready(s) => s.run.fatal_at.map(|t| t + p.grace),
+            State::Ready(s) => {
+                let drain = s.drain.and_then(|d| match d.stage {
+                    DrainStage::Delay { until } => Some(until),
+                    DrainStage::Quiesce { deadline } => Some(deadline),
+                    DrainStage::Drained => None,
+                });
+                [s.run.fatal_at.map(|t| t + p.grace), drain].into_iter().flatten().min()
+            }
             State::Stopping(s) => Some(match s.escalation {
                 Escalation::Signalled { kill_at, resend_at } => resend_at.map_or(kill_at, |r| r.min(kill_at)),
                 Escalation::Killed { at } => at + KILL_GRACE,
@@ -923,8 +996,96 @@ impl Machine {
             }
             (S::Ready(serving), E::Tick) => match serving.run.fatal_grace_over(self.policy.grace, now) {
                 Some(c) => self.fail(S::Ready(serving), c, None, now),
-                None => (S::Ready(serving), vec![]),
+                None => self.drain_tick(serving, now),
             },
+            (S::Ready(serving), E::Quiet { .. }) => match serving.drain {
+                Some(d @ Drain { stage: DrainStage::Quiesce { .. }, .. }) => {
+                    let fx = vec![record(
+                        Severity::Info,
+                        Topic::Drain,
+                        format!("no request in flight after {}", secs(now - d.began)),
+                    )];
+                    self.drained(serving, d, now, fx)
+                }
+                _ => (S::Ready(serving), vec![]),
+            },
+            (S::Ready(serving), E::DrainRequested) => match serving.drain {
+                None => self.begin_drain(serving, DrainFor::Hold, now, vec![]),
+                Some(_) => (S::Ready(serving), vec![]),
+            },
+            (S::Ready(mut serving), E::UndrainRequested) => match serving.drain {
+                Some(d) if matches!(d.for_, DrainFor::Hold | DrainFor::Restart) => {
+                    serving.drain = None;
+                    let text = format!("ready again: pid {}, undrained", serving.run.pid);
+                    let fx = vec![
+                        Effect::UnwatchLoad,
+                        record(Severity::Info, Topic::Drain, text.clone()),
+                        Effect::Notify(vec![status(text)]),
+                    ];
+                    (S::Ready(serving), fx)
+                }
+                _ => (S::Ready(serving), vec![]),
+            },
+            (S::Ready(mut serving), E::RestartRequested) => {
+                self.failures = 0;
+                self.permanent_streak = None;
+                match serving.drain {
+                    None => self.begin_drain(serving, DrainFor::Restart, now, vec![]),
+                    Some(mut d) if d.for_ == DrainFor::Hold => {
+                        d.for_ = DrainFor::Restart;
+                        if d.stage == DrainStage::Drained {
+                            return self.drained(serving, d, now, vec![]);
+                        }
+                        serving.drain = Some(d);
+                        (S::Ready(serving), vec![])
+                    }
+                    Some(_) => (S::Ready(serving), vec![]),
+                }
+            }
+            (S::Starting(loading), E::RestartRequested) => {
+                self.failures = 0;
+                self.permanent_streak = None;
+                let fx = vec![record(Severity::Info, Topic::Stop, "restart requested".into())];
+                self.begin_stop(S::Starting(loading), Purpose::Restart, now, fx)
+            }
+            (S::Backoff { .. }, E::RestartRequested) => {
+                self.failures = 0;
+                self.permanent_streak = None;
+                let (next, mut fx) = self.launch(now);
+                fx.insert(0, record(Severity::Info, Topic::Stop, "restart requested".into()));
+                (next, fx)
+            }
+            (S::Launching { start, then: AfterPrepare::Spawn { .. } }, E::RestartRequested) => {
+                self.failures = 0;
+                self.permanent_streak = None;
+                let fx = vec![record(Severity::Info, Topic::Stop, "restart requested".into()), Effect::CancelPrepare];
+                (S::Launching { start, then: AfterPrepare::Relaunch }, fx)
+            }
+            (S::Ready(mut serving), E::StopRequested) if serving.drain.is_some() || self.policy.drain_on_stop => {
+                // The stop is answered at once; the drain delays only the
+                // signal. Asked again, the child is stopped now.
+                let mut fx = vec![
+                    record(Severity::Info, Topic::Stop, "stop requested".into()),
+                    Effect::Notify(vec![Note::Stopping, Note::ExtendTimeout(self.drain_budget())]),
+                ];
+                match serving.drain {
+                    None => self.begin_drain(serving, DrainFor::Stop, now, fx),
+                    Some(d) if d.for_ == DrainFor::Stop => {
+                        fx.push(record(Severity::Info, Topic::Drain, "asked again: the drain is cut short".into()));
+                        serving.drain = None;
+                        self.begin_stop(S::Ready(serving), Purpose::Shutdown, now, fx)
+                    }
+                    Some(mut d) => {
+                        d.for_ = DrainFor::Stop;
+                        if d.stage == DrainStage::Drained {
+                            return self.drained(serving, d, now, fx);
+                        }
+                        serving.drain = Some(d);
+                        fx.push(Effect::Notify(vec![status(self.drain_text(&serving, &d))]));
+                        (S::Ready(serving), fx)
+                    }
+                }
+            }
             (state @ (S::Starting(_) | S::Ready(_)), E::GpuFault { cause, .. }) => {
                 let cause =
                     Cause { text: cause, kind: FailureKind::FatalLine, permanence: Permanence::Hardware, hint: None };
@@ -1020,7 +1181,7 @@ impl Machine {
                     (S::Stopping(stop), vec![Effect::KillTree])
                 }
                 (Purpose::Shutdown | Purpose::Internal(_), _) => (S::Stopping(stop), vec![]),
-                (Purpose::Failure(_) | Purpose::Reload, _) => {
+                (Purpose::Failure(_) | Purpose::Reload | Purpose::Restart, _) => {
                     stop.purpose = Purpose::Shutdown;
                     (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
                 }
@@ -1160,7 +1321,7 @@ impl Machine {
             Effect::Notify(vec![Note::Ready, status(text)]),
             Effect::Health { start: run.start },
         ];
-        (State::Ready(Serving { run, ready_at: now }), fx)
+        (State::Ready(Serving { run, ready_at: now, drain: None }), fx)
     }
 
     /// Stop a running child (`Starting` or `Ready`) for `purpose`; any other
@@ -1227,11 +1388,20 @@ impl Machine {
         let Some((run, ready_at)) = into_run(&state) else { return (state, fx) };
         let pid = run.pid;
         let ready_for = ready_at.map(|t| now - t);
+        let mut purpose = purpose;
+        // A stop was asked for and answered: a failure during its drain
+        // ends in the stop, not in a restart.
+        if let (State::Ready(Serving { drain: Some(Drain { for_: DrainFor::Stop, .. }), .. }), Purpose::Failure(c)) =
+            (&state, &purpose)
+        {
+            fx.push(record(Severity::Warn, Topic::Drain, format!("failed while draining to stop: {}", c.text)));
+            self.cause = Some(c.clone());
+            purpose = Purpose::Shutdown;
+        }
         // Only a serving child being stopped on purpose has something to
         // drain; everything else gets the short grace, the signal repeated.
-        let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload);
+        let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload | Purpose::Restart);
         let grace = if drain { self.policy.stop_timeout } else { self.policy.stop_timeout.min(LOAD_STOP_GRACE) };
-        let mut purpose = purpose;
         match &mut purpose {
             Purpose::Shutdown => fx.push(Effect::Notify(vec![
                 Note::Stopping,
@@ -1252,6 +1422,10 @@ impl Machine {
                 status(format!("reloading: stopping pid {pid} to start it with the new config")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),
             ])),
+            Purpose::Restart => fx.push(Effect::Notify(vec![
+                status(format!("restarting: stopping pid {pid}")),
+                Note::ExtendTimeout(grace + Duration::from_secs(5)),
+            ])),
             Purpose::Internal(why) => fx.push(Effect::Notify(vec![
                 Note::Stopping,
                 status(format!("internal failure, stopping pid {pid}: {why}")),
@@ -1267,6 +1441,100 @@ impl Machine {
         (State::Stopping(Stop { purpose, leader: Some(pid), ready_for, escalation }), fx)
     }
 
+    /// How long a stop that drains first may take, for systemd's stop
+    /// timeout: the drain, the stop, and a margin.
+    fn drain_budget(&self) -> Duration {
+        let p = &self.policy;
+        [p.drain_delay, p.drain_timeout, p.stop_timeout, Duration::from_secs(5)]
+            .into_iter()
+            .fold(Duration::ZERO, Duration::saturating_add)
+    }
+
+    /// `STATUS=` while draining.
+    fn drain_text(&self, serving: &Serving, d: &Drain) -> String {
+        let then = match d.for_ {
+            DrainFor::Hold => "",
+            DrainFor::Restart => ", then restarting",
+            DrainFor::Reload => ", then restarting with the new config",
+            DrainFor::Stop => ", then stopping",
+        };
+        let pid = serving.run.pid;
+        match d.stage {
+            DrainStage::Delay { .. } => {
+                format!("draining pid {pid}: unready, {} for the balancer{then}", secs(self.policy.drain_delay))
+            }
+            DrainStage::Quiesce { .. } => format!(
+                "draining pid {pid}: waiting up to {} for the requests in flight{then}",
+                secs(self.policy.drain_timeout)
+            ),
+            DrainStage::Drained => format!("drained: pid {pid}, out of rotation"),
+        }
+    }
+
+    /// Take a serving child out of rotation: unready now, the requests in
+    /// flight waited for after the delay, then `for_`.
+    fn begin_drain(
+        &mut self,
+        mut serving: Serving,
+        for_: DrainFor,
+        now: Instant,
+        mut fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        let d = Drain { for_, stage: DrainStage::Delay { until: now + self.policy.drain_delay }, began: now };
+        let text = self.drain_text(&serving, &d);
+        fx.push(record(Severity::Info, Topic::Drain, text.clone()));
+        fx.push(Effect::Notify(vec![status(text)]));
+        serving.drain = Some(d);
+        (State::Ready(serving), fx)
+    }
+
+    /// A drain's deadlines: the delay over (look at the requests in flight),
+    /// the timeout over (go on with requests still running).
+    fn drain_tick(&mut self, mut serving: Serving, now: Instant) -> (State, Vec<Effect>) {
+        let Some(mut d) = serving.drain else { return (State::Ready(serving), vec![]) };
+        match d.stage {
+            DrainStage::Delay { until } if now >= until => {
+                d.stage = DrainStage::Quiesce { deadline: now + self.policy.drain_timeout };
+                serving.drain = Some(d);
+                let fx = vec![
+                    Effect::WatchLoad { start: serving.run.start },
+                    Effect::Notify(vec![status(self.drain_text(&serving, &d))]),
+                ];
+                (State::Ready(serving), fx)
+            }
+            DrainStage::Quiesce { deadline } if now >= deadline => {
+                let text = format!(
+                    "requests still in flight after {} (drain.timeout): going on",
+                    secs(self.policy.drain_timeout)
+                );
+                let fx = vec![record(Severity::Warn, Topic::Drain, text)];
+                self.drained(serving, d, now, fx)
+            }
+            _ => (State::Ready(serving), vec![]),
+        }
+    }
+
+    /// The drain is over: what it was for.
+    fn drained(&mut self, mut serving: Serving, d: Drain, now: Instant, mut fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        match d.for_ {
+            DrainFor::Hold => {
+                let d = Drain { stage: DrainStage::Drained, ..d };
+                serving.drain = Some(d);
+                let text = self.drain_text(&serving, &d);
+                fx.push(Effect::UnwatchLoad);
+                fx.push(record(Severity::Info, Topic::Drain, text.clone()));
+                fx.push(Effect::Notify(vec![status(text)]));
+                (State::Ready(serving), fx)
+            }
+            DrainFor::Restart => {
+                fx.push(record(Severity::Info, Topic::Stop, "drained: restarting".into()));
+                self.begin_stop(State::Ready(serving), Purpose::Restart, now, fx)
+            }
+            DrainFor::Reload => self.begin_stop(State::Ready(serving), Purpose::Reload, now, fx),
+            DrainFor::Stop => self.begin_stop(State::Ready(serving), Purpose::Shutdown, now, fx),
+        }
+    }
+
     /// A valid new config: its policy applies from now on, the failure count
     /// starts again, and the child is started again with it.
     fn reload(&mut self, state: State, policy: Policy, summary: String, now: Instant) -> (State, Vec<Effect>) {
@@ -1278,6 +1546,19 @@ impl Machine {
         self.permanent_streak = None;
         let fx = vec![record(Severity::Info, Topic::Reload, format!("config reloaded: {summary}"))];
         match state {
+            State::Ready(mut serving) if serving.drain.is_some() || self.policy.drain_on_stop => match serving.drain {
+                None => self.begin_drain(serving, DrainFor::Reload, now, fx),
+                Some(mut d) if d.for_ != DrainFor::Stop => {
+                    d.for_ = DrainFor::Reload;
+                    if d.stage == DrainStage::Drained {
+                        return self.drained(serving, d, now, fx);
+                    }
+                    serving.drain = Some(d);
+                    (State::Ready(serving), fx)
+                }
+                // A stop is under way: the new config is not started.
+                Some(_) => (State::Ready(serving), fx),
+            },
             s @ (State::Starting(_) | State::Ready(_)) => self.begin_stop(s, Purpose::Reload, now, fx),
             State::Stopping(mut stop) if matches!(stop.purpose, Purpose::Failure(_)) => {
                 stop.purpose = Purpose::Reload;
@@ -1333,7 +1614,7 @@ impl Machine {
         match purpose {
             Purpose::Shutdown => self.finish(Code::Ok, "stopped on request".into(), fx),
             Purpose::Failure(cause) => self.after_failure(cause, ready_for, now, fx),
-            Purpose::Reload => self.launch(now),
+            Purpose::Reload | Purpose::Restart => self.launch(now),
             Purpose::Internal(why) => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
         }
     }
@@ -1430,10 +1711,12 @@ fn leader_gone(state: State) -> State {
 fn phase_of(state: &State) -> Phase {
     match state {
         State::Idle | State::Launching { .. } | State::Starting(_) => Phase::Starting,
-        State::Ready(_) => Phase::Ready,
+        State::Ready(Serving { drain: None, .. }) => Phase::Ready,
+        State::Ready(Serving { drain: Some(Drain { stage: DrainStage::Drained, .. }), .. }) => Phase::Drained,
+        State::Ready(Serving { drain: Some(_), .. }) => Phase::Draining,
         State::Stopping(st) => match st.purpose {
             Purpose::Failure(_) => Phase::Failed,
-            Purpose::Shutdown | Purpose::Reload | Purpose::Internal(_) => Phase::Stopping,
+            Purpose::Shutdown | Purpose::Reload | Purpose::Restart | Purpose::Internal(_) => Phase::Stopping,
         },
         State::Reporting(_) => Phase::Failed,
         State::Backoff { .. } => Phase::Backoff,

@@ -83,3 +83,28 @@ fn demo_runs_the_whole_lifecycle() {
     assert!(out.contains("STOPPING=1"), "{out}");
     assert!(out.contains("the warden exited with code 0"), "{out}");
 }
+
+#[test]
+fn check_refuses_a_token_file_every_user_can_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let cfg = dir.path().join("kimi.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[child]\ncommand = [\"/bin/true\"]\n[server]\nlisten = \"127.0.0.1:9400\"\ntoken-file = \"{}\"\n",
+            token.display()
+        ),
+    )
+    .unwrap();
+    let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
+    assert_eq!(code, 78, "{err}");
+    assert!(err.contains(&format!("`server.token-file`: {}: readable by every user", token.display())), "{err}");
+    assert!(!err.contains("s3cret"), "the token is never shown: {err}");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -422,6 +422,405 @@ fn s5_stop_while_serving_and_during_a_load() {
     );
 }
 
+/// A server of HAProxy's going DOWN or UP.
+#[derive(Debug, Clone)]
+struct Change {
+    at: Instant,
+    server: String,
+    up: bool,
+    /// HAProxy's reason (`Layer7 wrong status, code: 503, info: …`).
+    reason: String,
+}
+
+/// HAProxy in the foreground (`-db`), its stderr read by a thread: each
+/// server going DOWN or UP is an event with the instant it was read.
+struct Haproxy {
+    child: std::process::Child,
+    events: std::sync::mpsc::Receiver<Change>,
+    /// Every change seen so far.
+    seen: Vec<Change>,
+    /// The whole stderr, for a failure's message.
+    text: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Haproxy {
+    /// Balance `port` over `servers` (name, vLLM port, warden TCP port),
+    /// each checked with `GET /readyz` on its warden every 500 ms, one
+    /// failed check taking it out of rotation and one passed check putting
+    /// it back.
+    ///
+    /// The front socket is bound here and handed to HAProxy as its fd 3
+    /// (`bind fd@3`): a client can connect as soon as this returns, with no
+    /// wait for HAProxy's own start.
+    fn start(dir: &Path, front: std::net::TcpListener, servers: &[(&str, u16, u16)]) -> Haproxy {
+        let mut cfg = String::from(
+            "defaults\n    mode http\n    timeout connect 2s\n    timeout client 120s\n    timeout server 120s\n    \
+             timeout check 2s\nfrontend fe\n    bind fd@3\n    default_backend be\nbackend be\n    \
+             balance roundrobin\n    option httpchk GET /readyz\n    http-check expect status 200\n",
+        );
+        for (name, serving, warden) in servers {
+            cfg += &format!("    server {name} 127.0.0.1:{serving} check port {warden} inter 500ms fall 1 rise 1\n");
+        }
+        let path = dir.join("haproxy.cfg");
+        std::fs::write(&path, &cfg).unwrap();
+        let exe = std::env::var("VLLM_WARDEN_HAPROXY").unwrap_or_else(|_| "haproxy".into());
+        let mut cmd = std::process::Command::new(&exe);
+        {
+            use std::os::fd::AsRawFd;
+            use std::os::unix::process::CommandExt;
+            let fd = front.as_raw_fd();
+            // SAFETY: only dup2 between fork and exec; dup2 clears
+            // close-on-exec on the new descriptor.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::dup2(fd, 3) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd
+            .args(["-db", "-f"])
+            .arg(&path)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{exe}: {e} (tests/real-vllm/run.sh installs haproxy)"));
+        drop(front);
+        let stderr = child.stderr.take().unwrap();
+        let (tx, events) = std::sync::mpsc::channel();
+        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let all = text.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                let now = Instant::now();
+                all.lock().unwrap().push_str(&format!("{line}\n"));
+                if !line.starts_with("[WARNING]") {
+                    continue;
+                }
+                let Some(rest) = line.split("Server be/").nth(1) else { continue };
+                let name = rest.split_whitespace().next().unwrap_or("").to_string();
+                let up = if rest.contains(" is UP") {
+                    true
+                } else if rest.contains(" is DOWN") {
+                    false
+                } else {
+                    continue;
+                };
+                let reason = rest
+                    .split("reason: ")
+                    .nth(1)
+                    .and_then(|r| r.split(", check duration").next())
+                    .unwrap_or("")
+                    .to_string();
+                if tx.send(Change { at: now, server: name, up, reason }).is_err() {
+                    return;
+                }
+            }
+        });
+        Haproxy { child, events, seen: Vec::new(), text }
+    }
+
+    /// Wait until HAProxy says `server` went UP (`up`) or DOWN.
+    fn wait(&mut self, server: &str, up: bool, budget: Duration) -> Instant {
+        let deadline = Instant::now() + budget;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(left) {
+                Ok(e) => {
+                    self.seen.push(e.clone());
+                    if e.server == server && e.up == up {
+                        return e.at;
+                    }
+                }
+                Err(_) => panic!(
+                    "HAProxy did not say {server} is {} within {}; its stderr:\n{}",
+                    if up { "UP" } else { "DOWN" },
+                    secs(budget),
+                    self.text.lock().unwrap()
+                ),
+            }
+        }
+    }
+
+    /// Out-of-rotation spans of `server` (DOWN to UP) in what was seen.
+    fn out_of_rotation(&self, server: &str) -> Vec<Duration> {
+        let mut down = None;
+        let mut spans = Vec::new();
+        for c in self.seen.iter().filter(|c| c.server == server) {
+            match (c.up, down) {
+                (false, None) => down = Some(c.at),
+                (true, Some(d)) => {
+                    spans.push(c.at.duration_since(d));
+                    down = None;
+                }
+                _ => {}
+            }
+        }
+        spans
+    }
+
+    /// The changes seen since `t0`, one a line.
+    fn timeline(&self, t0: Instant) -> String {
+        self.seen
+            .iter()
+            .map(|c| {
+                let why = if c.reason.is_empty() { String::new() } else { format!(" ({})", c.reason) };
+                let state = if c.up { "UP" } else { "DOWN" };
+                format!("  +{:.1} s {} {state}{why}\n", c.at.duration_since(t0).as_secs_f64(), c.server)
+            })
+            .collect()
+    }
+}
+
+impl Drop for Haproxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One client request's outcome.
+struct Sent {
+    latency: Duration,
+    /// `None`: a 200; else why it failed.
+    failure: Option<String>,
+}
+
+/// A bounded, continuous stream of completions: `workers` threads, each
+/// sending one completion after the other through `url` until `stop` is set
+/// (or the cap of requests or time is reached).
+struct Traffic {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    workers: Vec<std::thread::JoinHandle<Vec<Sent>>>,
+}
+
+/// No worker sends more than this many requests, nor for longer than this.
+const TRAFFIC_CAP: usize = 100_000;
+const TRAFFIC_TIME: Duration = Duration::from_secs(20 * 60);
+
+impl Traffic {
+    fn start(base: &str, model: &str, workers: usize) -> Traffic {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let workers = (0..workers)
+            .map(|i| {
+                let (stop, url, model) = (stop.clone(), format!("{base}/v1/completions"), model.to_string());
+                std::thread::spawn(move || {
+                    let agent: ureq::Agent = ureq::Agent::config_builder()
+                        .http_status_as_error(false)
+                        .timeout_global(Some(COMPLETION))
+                        .build()
+                        .into();
+                    let body = serde_json::json!({"model": model, "prompt": format!("Hello {i}"), "max_tokens": 8, "temperature": 0});
+                    let began = Instant::now();
+                    let mut sent = Vec::new();
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst)
+                        && sent.len() < TRAFFIC_CAP
+                        && began.elapsed() < TRAFFIC_TIME
+                    {
+                        let t = Instant::now();
+                        let failure = match agent.post(&url).send_json(&body) {
+                            Ok(mut r) if r.status() == 200 => {
+                                // The whole answer, as a client reads it.
+                                r.body_mut().read_to_string().err().map(|e| format!("reading the answer: {e}"))
+                            }
+                            Ok(mut r) => Some(format!(
+                                "{} {}",
+                                r.status().as_u16(),
+                                r.body_mut().read_to_string().unwrap_or_default().trim()
+                            )),
+                            Err(e) => Some(e.to_string()),
+                        };
+                        sent.push(Sent { latency: t.elapsed(), failure });
+                    }
+                    sent
+                })
+            })
+            .collect();
+        Traffic { stop, workers }
+    }
+
+    fn finish(self) -> Vec<Sent> {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+    }
+}
+
+/// What one rolling restart gave.
+struct Rolled {
+    served: usize,
+    failed: Vec<String>,
+    /// Out of rotation per instance, as HAProxy saw it.
+    out: Vec<(String, Vec<Duration>)>,
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+impl Rolled {
+    fn new(sent: Vec<Sent>, h: &Haproxy) -> Rolled {
+        let mut lat: Vec<Duration> = sent.iter().filter(|s| s.failure.is_none()).map(|s| s.latency).collect();
+        lat.sort();
+        let at = |q: f64| lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or_default();
+        Rolled {
+            served: lat.len(),
+            failed: sent.iter().filter_map(|s| s.failure.clone()).collect(),
+            out: ["a", "b"].iter().map(|s| (s.to_string(), h.out_of_rotation(s))).collect(),
+            p50: at(0.5),
+            p99: at(0.99),
+            max: lat.last().copied().unwrap_or_default(),
+        }
+    }
+
+    fn line(&self) -> String {
+        let out: Vec<String> = self
+            .out
+            .iter()
+            .map(|(s, spans)| {
+                let spans: Vec<String> = spans.iter().map(|d| format!("{:.1} s", d.as_secs_f64())).collect();
+                format!("{s} {}", spans.join(" + "))
+            })
+            .collect();
+        let mut kinds: std::collections::BTreeMap<String, usize> = Default::default();
+        for f in &self.failed {
+            *kinds.entry(f.chars().take(80).collect()).or_default() += 1;
+        }
+        format!(
+            "{} failed, {} served; out of rotation: {}; latency p50 {}, p99 {}, max {}{}",
+            self.failed.len(),
+            self.served,
+            out.join(", "),
+            ms(self.p50),
+            ms(self.p99),
+            ms(self.max),
+            if kinds.is_empty() { String::new() } else { format!("; failures: {kinds:?}") }
+        )
+    }
+}
+
+fn warden_command(w: &Warden, what: &str) -> (i32, String) {
+    let o = std::process::Command::new(common::exe())
+        .args([what, "-c"])
+        .arg(w.path("t.toml"))
+        .env("RUNTIME_DIRECTORY", w.path("run"))
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
+    )
+}
+
+/// Two wardens, each with a real vLLM, behind a real HAProxy that checks
+/// each through the warden's `/readyz`; a continuous stream of completions
+/// through HAProxy. A rolling restart with `vllm-warden restart` (drain,
+/// then restart) loses no request; the same with a plain SIGTERM stop and
+/// a start shows what a drain saves.
+#[test]
+#[ignore]
+fn s8_a_rolling_restart_behind_haproxy_loses_no_request() {
+    const DRAIN_DELAY: Duration = Duration::from_secs(2);
+    const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+    let ready = budget(1, Duration::ZERO);
+    let restarted = budget(1, DRAIN_DELAY + DRAIN_TIMEOUT + STOP_TIMEOUT);
+    // HAProxy checks every 500 ms, each check taking at most 2 s.
+    let noticed = Duration::from_secs(10) + MARGIN;
+    budgets(
+        "scenario 8",
+        &[
+            ("READY=1 of each", ready),
+            ("restarted", restarted),
+            ("HAProxy notices", noticed),
+            ("stop", stop_budget() + DRAIN_DELAY + DRAIN_TIMEOUT),
+        ],
+    );
+    let tiny = model("tiny");
+    let make = |d: &Path, p: u16, listen: u16| {
+        let server = format!(
+            "{RESTART}[server]\nlisten = \"127.0.0.1:{listen}\"\n[drain]\ndelay = \"{}s\"\ntimeout = \"{}s\"\non-stop = false\n",
+            DRAIN_DELAY.as_secs(),
+            DRAIN_TIMEOUT.as_secs()
+        );
+        config(d, p, &tiny, &server)
+    };
+    let (listen_a, listen_b) = (common::free_port(), common::free_port());
+    // One after the other: a warden's pre-start cleaning must not meet the
+    // other's vLLM in the middle of its start (its files look unused then).
+    let t = Instant::now();
+    let mut a = Warden::start(|d, p| make(d, p, listen_a));
+    a.wait_ready_within(ready, "READY=1 of A (one load)");
+    let mut b = Warden::start(|d, p| make(d, p, listen_b));
+    b.wait_ready_within(ready, "READY=1 of B (one load)");
+    let loads = t.elapsed();
+    let dir = tempfile::tempdir().unwrap();
+    let front = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", front.local_addr().unwrap());
+    let mut h = Haproxy::start(dir.path(), front, &[("a", a.port, listen_a), ("b", b.port, listen_b)]);
+    let models: serde_json::Value =
+        ureq::get(&format!("{base}/v1/models")).call().unwrap().body_mut().read_json().unwrap();
+    let model_id = models["data"][0]["id"].as_str().unwrap().to_string();
+
+    // With the drain: `vllm-warden restart`, A then B, each waited for
+    // until HAProxy has it back in rotation.
+    let traffic = Traffic::start(&base, &model_id, 2);
+    let t = Instant::now();
+    for (name, w) in [("a", &mut a), ("b", &mut b)] {
+        let (code, out) = warden_command(w, "restart");
+        assert_eq!(code, 0, "vllm-warden restart of {name}: {out}");
+        h.wait(name, false, noticed);
+        w.wait_ready_within(restarted, &format!("READY=1 of {name} after vllm-warden restart"));
+        h.wait(name, true, noticed);
+    }
+    let rolled = t.elapsed();
+    let drained = Rolled::new(traffic.finish(), &h);
+    let drained_timeline = h.timeline(t);
+    h.seen.clear();
+
+    // Without it: SIGTERM (drain.on-stop is off), the warden's exit, a new
+    // warden, A then B.
+    let traffic = Traffic::start(&base, &model_id, 2);
+    let t = Instant::now();
+    for (name, w) in [("a", &mut a), ("b", &mut b)] {
+        assert_eq!(w.stop_within(stop_budget(), &format!("{name}'s exit after SIGTERM")), 0);
+        w.spawn();
+        w.wait_ready_within(ready, &format!("READY=1 of {name}'s new warden (one load)"));
+        h.wait(name, true, noticed);
+    }
+    let plain = t.elapsed();
+    let undrained = Rolled::new(traffic.finish(), &h);
+    let undrained_timeline = h.timeline(t);
+
+    assert_eq!(a.stop_within(stop_budget(), "A's exit"), 0);
+    assert_eq!(b.stop_within(stop_budget(), "B's exit"), 0);
+    eprintln!("scenario 8 first loads of A then B: {:.1} s", loads.as_secs_f64());
+    eprintln!("scenario 8 rolling restart with drain ({:.1} s): {}", rolled.as_secs_f64(), drained.line());
+    eprint!("{drained_timeline}");
+    eprintln!("scenario 8 rolling restart by SIGTERM, no drain ({:.1} s): {}", plain.as_secs_f64(), undrained.line());
+    eprint!("{undrained_timeline}");
+    // What the wardens themselves judged meanwhile (a failed health check
+    // takes an instance out of rotation too).
+    for (name, w) in [("a", &a), ("b", &b)] {
+        let judged = ["EVENT=\"health\"", "EVENT=\"failed\"", "EVENT=\"drain\""];
+        for l in w.stderr().lines().filter(|l| judged.iter().any(|j| l.contains(j))) {
+            eprintln!("  {name}: {l}");
+        }
+    }
+    // Each drain ended when the server's own metrics showed no request in
+    // flight, not at drain.timeout.
+    for (name, w) in [("a", &a), ("b", &b)] {
+        let log = w.stderr();
+        assert!(log.contains("no request in flight after"), "{name}'s drain never saw the server quiet");
+        assert!(!log.contains("(drain.timeout)"), "{name}'s drain waited for its timeout");
+    }
+    assert!(drained.served > 0 && undrained.served > 0, "traffic flowed");
+    assert!(drained.failed.is_empty(), "requests lost in the drained rolling restart: {}", drained.line());
+    eprintln!("scenario 8 rolling restart behind HAProxy: PASS");
+}
+
 /// A completion streamed token by token, read on a thread of its own: the
 /// tokens received, once the first has arrived (sent on `first`), and
 /// whether the stream ended with `data: [DONE]`.

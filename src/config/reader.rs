@@ -73,6 +73,16 @@ impl<'a> Reader<'a> {
         }
     }
 
+    pub fn boolean(&mut self, v: &Value<'_>, key: &str) -> Option<bool> {
+        match v.get_ref() {
+            DeValue::Boolean(b) => Some(*b),
+            other => {
+                self.problem(Some(v.span()), format!("`{key}` must be true or false, not {}", other.type_str()));
+                None
+            }
+        }
+    }
+
     pub fn strings(&mut self, v: &Value<'_>, key: &str) -> Option<Vec<String>> {
         let DeValue::Array(items) = v.get_ref() else {
             self.problem(Some(v.span()), format!("`{key}` must be an array of strings"));
@@ -152,16 +162,6 @@ impl<'a> Reader<'a> {
             Some(n) if (0..=max).contains(&n) => Some(n),
             _ => {
                 self.problem(Some(v.span()), format!("`{key}` must be an integer from 0 to {max}"));
-                None
-            }
-        }
-    }
-
-    pub fn boolean(&mut self, v: &Value<'_>, key: &str) -> Option<bool> {
-        match v.get_ref() {
-            DeValue::Boolean(b) => Some(*b),
-            _ => {
-                self.problem(Some(v.span()), format!("`{key}` must be true or false"));
                 None
             }
         }

@@ -163,6 +163,8 @@ fn the_man_page_shows_the_default_constants() {
         ("health.canary-interval", duration(defaults::CANARY_INTERVAL)),
         ("health.canary-timeout", duration(defaults::CANARY_TIMEOUT)),
         ("health.progress-stall", duration(defaults::PROGRESS_STALL)),
+        ("drain.delay", duration(defaults::DRAIN_DELAY)),
+        ("drain.timeout", duration(defaults::DRAIN_TIMEOUT)),
         ("[[patch]] max-size", quoted(&format!("{} MiB", defaults::PATCH_MAX_SIZE >> 20))),
         ("child.log-max-size", quoted(&format!("{} GiB", defaults::LOG_MAX_SIZE >> 30))),
         ("child.log-keep", format!("`{}`", defaults::LOG_KEEP)),
@@ -192,6 +194,7 @@ fn the_man_page_shows_the_default_constants() {
     assert!(row("prestart.port").ends_with(&format!("else {}", defaults::PORT)));
     assert!(row("child.log-file").contains(&format!("`{}/NAME.log`", defaults::LOG_DIR)));
     assert!(row("status.file").contains(&format!("`{}/NAME/status.json`", defaults::RUN_DIR)));
+    assert!(row("server.socket").contains(&format!("`{}/NAME/{}`", defaults::RUN_DIR, defaults::SOCKET)));
 }
 
 /// The known keys of each section, as the unknown-key problem lists
@@ -200,7 +203,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n";
+                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -216,8 +219,11 @@ fn the_man_page_documents_every_known_key() {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 11, "{problems:?}");
-    let sections = ["child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "hint", "reports"];
+    assert_eq!(problems.len(), 13, "{problems:?}");
+    let sections = [
+        "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
+        "reports",
+    ];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
     known.sort();
@@ -300,7 +306,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 27, "every duration and number has a range");
+    assert_eq!(tried, 29, "every duration and number has a range");
 }
 
 #[test]
@@ -444,6 +450,24 @@ fn a_command_port_of_zero_is_refused() {
             "{p}"
         );
     }
+}
+
+#[test]
+fn a_tcp_listener_makes_stops_drain_by_default_and_a_token_file_needs_one() {
+    let base = "[child]\ncommand = [\"vllm\"]\n";
+    let s = parse_str(base).unwrap();
+    assert_eq!((s.server.listen, s.drain.on_stop), (None, false));
+    assert_eq!(s.server.socket, std::path::PathBuf::from(format!("{}/kimi/control.sock", defaults::RUN_DIR)));
+    let s = parse_str(&format!("{base}[server]\nlisten = \"127.0.0.1:9400\"\n")).unwrap();
+    assert_eq!((s.server.listen, s.drain.on_stop), (Some("127.0.0.1:9400".parse().unwrap()), true));
+    let s = parse_str(&format!("{base}[server]\nlisten = \"[::1]:9400\"\n[drain]\non-stop = false\n")).unwrap();
+    assert!(!s.drain.on_stop);
+    let p = parse_str(&format!("{base}[server]\nlisten = \"localhost\"\n")).unwrap_err().to_string();
+    assert!(p.contains("`server.listen`: \"localhost\" is not an address and port"), "{p}");
+    let p = parse_str(&format!("{base}[server]\ntoken-file = \"/etc/t\"\n")).unwrap_err().to_string();
+    assert!(p.contains("`server.token-file` is for the TCP listener"), "{p}");
+    let p = parse_str(&format!("{base}[drain]\non-stop = \"yes\"\n")).unwrap_err().to_string();
+    assert!(p.contains("`on-stop` must be true or false, not string"), "{p}");
 }
 
 /// The log's rotation: defaults, a size in units, and a size below 1 MiB

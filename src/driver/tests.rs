@@ -27,6 +27,8 @@ enum Call {
     Probe(u32),
     Terminate(Signal),
     Kill,
+    WatchLoad(u32),
+    UnwatchLoad,
     Report(u32),
     CancelReport,
 }
@@ -62,6 +64,10 @@ struct Fake {
     /// A drain reads a long tail: an empty batch every this long, this
     /// many times, then the answer.
     long_tail: Option<(Duration, u32)>,
+    /// The server has requests in flight until this time.
+    busy_until: Option<Duration>,
+    /// The watch of the requests in flight.
+    load: Option<tokio::task::AbortHandle>,
     /// A failure report takes this long; `None`: it never ends (wedged).
     report_takes: Option<Duration>,
 }
@@ -76,6 +82,9 @@ struct Quirks {
     prepare_hangs: bool,
     deaf: bool,
     long_tail: Option<(Duration, u32)>,
+    busy_until: Option<Duration>,
+    /// Requests sent to the loop at these times.
+    requests: Vec<(Duration, Request)>,
     report_takes: Option<Duration>,
 }
 
@@ -112,6 +121,23 @@ impl Backend for Fake {
         let _ = self.tx.send(Input::Survivors("1 process(es) survived SIGKILL: pid 101 (state D)".into()));
     }
     fn health(&mut self, _start: u32) {}
+    fn watch_load(&mut self, start: u32) {
+        self.call(Call::WatchLoad(start));
+        let (tx, quiet_at) = (self.tx.clone(), self.t0 + self.busy_until.unwrap_or_default());
+        self.load = Some(
+            tokio::spawn(async move {
+                tokio::time::sleep_until(quiet_at).await;
+                let _ = tx.send(Input::Quiet { start });
+            })
+            .abort_handle(),
+        );
+    }
+    fn unwatch_load(&mut self) {
+        self.call(Call::UnwatchLoad);
+        if let Some(t) = self.load.take() {
+            t.abort();
+        }
+    }
     fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
         self.call(Call::Report(order.start));
         if let Some(takes) = self.report_takes {
@@ -258,6 +284,9 @@ fn policy() -> Policy {
             max_attempts: 5,
             permanent_attempts: 2,
         },
+        drain_delay: Duration::from_secs(5),
+        drain_timeout: Duration::from_secs(60),
+        drain_on_stop: false,
     }
 }
 
@@ -265,6 +294,7 @@ struct Outcome {
     code: Code,
     calls: Vec<(Duration, Call)>,
     notes: Vec<(Duration, Note)>,
+    phases: Vec<(Duration, crate::outcome::Phase)>,
 }
 
 /// Drive a fake with `plans`; `stop_at` sends a stop request at that time.
@@ -300,8 +330,11 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         task_dies_at: q.task_dies_at,
         unkillable: q.unkillable,
         prepare_hangs: q.prepare_hangs,
+        busy_until: q.busy_until,
+        load: None,
     };
     let mut rec = Rec { t0, log: log.clone() };
+    let mut phases = Phases { t0, seen: Vec::new() };
     // Held until the loop ends: the end of the requests would be a stop.
     let (requests, rq) = mpsc::unbounded_channel();
     if let Some(at) = stop_at {
@@ -311,7 +344,14 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
             let _ = requests.send(Request::Stop);
         });
     }
-    let ctx = Context { instance: "t".into(), watchdog: dog };
+    for (at, r) in q.requests {
+        let requests = requests.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            let _ = requests.send(r);
+        });
+    }
+    let ctx = Context { instance: "t".into(), watchdog: dog, heartbeat: None };
     let code = Loop {
         machine: Machine::new(p, 1),
         backend: &mut fake,
@@ -319,7 +359,7 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         inputs: &mut rx,
         lines: &mut lines,
         ctx: &ctx,
-        observer: &mut Quiet,
+        observer: &mut phases,
         upgrade: None,
     }
     .run(tokio_stream::wrappers::UnboundedReceiverStream::new(rq))
@@ -327,7 +367,21 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
     drop(requests);
     let calls = log.calls.lock().unwrap().clone();
     let notes = log.notes.lock().unwrap().clone();
-    Outcome { code, calls, notes }
+    Outcome { code, calls, notes, phases: phases.seen }
+}
+
+/// Records each change of phase.
+struct Phases {
+    t0: Instant,
+    seen: Vec<(Duration, crate::outcome::Phase)>,
+}
+
+impl Observer for Phases {
+    fn changed(&mut self, m: &Machine) {
+        if self.seen.last().map(|(_, p)| *p) != Some(m.phase()) {
+            self.seen.push((self.t0.elapsed(), m.phase()));
+        }
+    }
 }
 
 const READY: &str = "INFO:     Application startup complete.";
@@ -472,6 +526,122 @@ async fn a_tree_that_survives_sigkill_is_reported_and_exits_71() {
     assert!(o.calls.contains(&(S(40), Call::Kill)), "{:?}", o.calls);
     let last = o.notes.iter().rev().find_map(|(_, n)| if let Note::Status(s) = n { Some(s.clone()) } else { None });
     assert_eq!(last.as_deref(), Some("1 process(es) survived SIGKILL: pid 101 (state D)"));
+}
+
+fn draining() -> Policy {
+    Policy { drain_on_stop: true, ..policy() }
+}
+
+fn times(o: &Outcome, want: impl Fn(&Call) -> bool) -> Vec<Duration> {
+    o.calls.iter().filter(|(_, c)| want(c)).map(|(t, _)| *t).collect()
+}
+
+fn terminations(o: &Outcome) -> Vec<Duration> {
+    times(o, |c| matches!(c, Call::Terminate(_)))
+}
+
+fn stopping_notes(o: &Outcome) -> Vec<Duration> {
+    o.notes.iter().filter(|(_, n)| *n == Note::Stopping).map(|(t, _)| *t).collect()
+}
+
+/// `systemctl stop` of a serving child with `drain.on-stop`: STOPPING=1 at
+/// once, unready at once, the stop signal only after the delay and the
+/// requests in flight.
+#[tokio::test(start_paused = true)]
+async fn a_stop_while_serving_is_answered_at_once_and_drains_before_the_signal() {
+    use crate::outcome::Phase;
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(20)), ..Quirks::default() };
+    let o = run_with(draining(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(stopping_notes(&o).first(), Some(&S(10)), "answered at once: {:?}", o.notes);
+    assert!(o.phases.contains(&(S(10), Phase::Draining)), "{:?}", o.phases);
+    assert_eq!(times(&o, |c| matches!(c, Call::WatchLoad(1))), vec![S(15)], "after drain.delay");
+    assert_eq!(terminations(&o).first(), Some(&S(20)), "once no request is in flight");
+    // systemd's stop timeout is pushed out over the drain and the stop.
+    assert!(o.notes.iter().any(|(t, n)| *t == S(10) && *n == Note::ExtendTimeout(S(5 + 60 + 30 + 5))), "{:?}", o.notes);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_drain_waits_for_the_requests_in_flight_no_longer_than_its_timeout() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(10_000)), ..Quirks::default() };
+    let o = run_with(draining(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(terminations(&o).first(), Some(&S(10 + 5 + 60)));
+}
+
+/// A second stop request (systemctl stop again, or Ctrl-C twice) does not
+/// wait for the drain.
+#[tokio::test(start_paused = true)]
+async fn a_second_stop_cuts_the_drain_short() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(10_000)), requests: vec![(S(12), Request::Stop)], ..Quirks::default() };
+    let o = run_with(draining(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(terminations(&o).first(), Some(&S(12)));
+}
+
+/// Without `drain.on-stop` a stop signals at once, as before.
+#[tokio::test(start_paused = true)]
+async fn without_drain_on_stop_a_stop_signals_at_once() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(10_000)), ..Quirks::default() };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(terminations(&o).first(), Some(&S(10)));
+    assert!(times(&o, |c| matches!(c, Call::WatchLoad(_))).is_empty());
+}
+
+/// `POST /restart`: drain, signal, start again; the new run is ready.
+#[tokio::test(start_paused = true)]
+async fn restart_drains_then_starts_the_child_again() {
+    use crate::outcome::Phase;
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(18)), requests: vec![(S(10), Request::Restart)], ..Quirks::default() };
+    let o = run_with(policy(), vec![serving.clone(), serving], q, Some(S(100)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(terminations(&o)[0], S(18));
+    assert_eq!(spawn_times(&o), vec![S(0), S(18)]);
+    let ready: Vec<Duration> = o.phases.iter().filter(|(_, p)| *p == Phase::Ready).map(|(t, _)| *t).collect();
+    assert_eq!(ready, vec![S(2), S(20)]);
+    assert!(o.phases.contains(&(S(10), Phase::Draining)), "{:?}", o.phases);
+}
+
+/// `POST /drain` holds the child out of rotation (it keeps running);
+/// `POST /undrain` puts it back; nothing is signalled.
+#[tokio::test(start_paused = true)]
+async fn a_plain_drain_holds_the_child_drained_until_undrained() {
+    use crate::outcome::Phase;
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks {
+        busy_until: Some(S(12)),
+        requests: vec![(S(10), Request::Drain), (S(30), Request::Undrain)],
+        ..Quirks::default()
+    };
+    let o = run_with(policy(), vec![serving], q, Some(S(50)), None).await;
+    assert_eq!(
+        o.phases.iter().filter(|(t, _)| *t < S(50)).cloned().collect::<Vec<_>>(),
+        vec![
+            (S(0), Phase::Starting),
+            (S(2), Phase::Ready),
+            (S(10), Phase::Draining),
+            (S(15), Phase::Drained),
+            (S(30), Phase::Ready)
+        ]
+    );
+    assert_eq!(terminations(&o).first(), Some(&S(50)), "nothing signalled before the stop");
+    assert!(o.notes.iter().any(|(t, n)| *t == S(15) && *n == Note::Status("drained: pid 101, out of rotation".into())));
+}
+
+/// The child dies while draining for a stop: the stop that was answered
+/// is carried out; it is not restarted.
+#[tokio::test(start_paused = true)]
+async fn a_child_that_dies_during_a_stop_drain_is_not_restarted() {
+    let dies = Plan::Exit { lines: vec![READY], gap: S(6), exit: Exit::Code(1) };
+    let q = Quirks { busy_until: Some(S(10_000)), ..Quirks::default() };
+    let o = run_with(draining(), vec![dies], q, Some(S(8)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(spawn_times(&o), vec![S(0)]);
 }
 
 /// A failed run is reported before it is stopped: the stop signal follows

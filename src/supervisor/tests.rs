@@ -25,6 +25,9 @@ fn policy() -> Policy {
             max_attempts: 10,
             permanent_attempts: 2,
         },
+        drain_delay: Duration::from_secs(5),
+        drain_timeout: Duration::from_secs(60),
+        drain_on_stop: false,
     }
 }
 
@@ -658,4 +661,62 @@ fn every_state_has_a_way_out() {
     for (name, m) in every_waiting_state() {
         assert!(m.next_deadline().is_some() || waits_on_a_sure_event(&m).is_some(), "{name}: no way out");
     }
+}
+
+/// With `drain.on-stop`, a reload that restarts the child drains it first,
+/// then stops it for the new config.
+#[test]
+fn a_restarting_reload_drains_first_with_drain_on_stop() {
+    let p = Policy { drain_on_stop: true, ..policy() };
+    let mut s = Sim::new(p.clone());
+    s.ready(100);
+    let fx = s.ev(Event::Reload { policy: Box::new(p), summary: "restarting the child: child.env changed".into() });
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Terminate(_))), "{fx:?}");
+    assert_eq!(s.state(), "draining");
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(5)));
+    s.at(5.0);
+    assert!(s.tick().contains(&Effect::WatchLoad { start: 1 }));
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(60)));
+    let fx = s.ev(Event::Quiet { start: 1 });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert!(s.ev(Event::TreeGone).contains(&Effect::Prepare { start: 2 }));
+}
+
+/// A stop while held drained stops at once; a quiet report of an earlier
+/// drain, or outside the wait, changes nothing.
+#[test]
+fn a_stop_while_drained_signals_at_once_and_stray_quiet_reports_are_ignored() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert!(s.ev(Event::Quiet { start: 1 }).is_empty(), "not draining");
+    s.ev(Event::DrainRequested);
+    assert_eq!(s.state(), "draining");
+    assert!(s.ev(Event::Quiet { start: 1 }).is_empty(), "still in the delay");
+    s.at(5.0);
+    s.tick();
+    s.ev(Event::Quiet { start: 1 });
+    assert_eq!(s.state(), "drained");
+    assert_eq!(s.m.next_deadline(), None, "held until undrained or stopped");
+    let fx = s.ev(Event::StopRequested);
+    assert!(notes(&fx).contains(&Note::Stopping));
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+}
+
+/// A restart asked for while not serving starts again without a drain.
+#[test]
+fn a_restart_in_backoff_starts_at_once_and_during_a_load_stops_it() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    let fx = s.ev(Event::RestartRequested);
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert!(s.ev(Event::TreeGone).contains(&Effect::Prepare { start: 2 }));
+    s.ev(Event::Prepared { start: 2, result: Prepared::Done });
+    s.ev(Event::Spawned { start: 2, pid: 101 });
+    s.ev(Event::ChildExited { pid: 101, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    assert!(s.ev(Event::RestartRequested).contains(&Effect::Prepare { start: 3 }));
+    assert_eq!(s.m.failures, 0, "asked for: the failure count starts again");
 }

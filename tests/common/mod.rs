@@ -69,6 +69,11 @@ pub struct Opts {
     pub env: Vec<(String, String)>,
     /// Start the warden with SIGTERM and SIGINT blocked.
     pub blocked_signals: bool,
+    /// A command that runs the warden (`unshare … vllm-warden run …`);
+    /// `pid` is then the wrapper's.
+    pub wrapper: Vec<String>,
+    /// More arguments of `run`.
+    pub run_args: Vec<String>,
     /// Run this binary instead of the one cargo built.
     pub exe: Option<std::path::PathBuf>,
 }
@@ -131,12 +136,24 @@ impl Warden {
         let cfg = self.path("t.toml");
         let opts = &self.opts;
         let stderr = std::fs::OpenOptions::new().create(true).append(true).open(self.path("warden.stderr")).unwrap();
-        let mut cmd = Command::new(opts.exe.as_deref().unwrap_or(Path::new(exe())));
-        cmd.args(["run", "-c"])
+        let warden = opts.exe.as_deref().unwrap_or(Path::new(exe()));
+        let mut cmd = match opts.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(warden);
+                c
+            }
+            None => Command::new(warden),
+        };
+        cmd.arg("run")
+            .args(&opts.run_args)
+            .arg("-c")
             .arg(&cfg)
             .env("NOTIFY_SOCKET", &self.notify_socket)
             .envs(opts.env.clone())
             .env("STATE_DIRECTORY", self.path("state"))
+            // The control socket's folder: one per test, not /run.
+            .env("RUNTIME_DIRECTORY", self.path("run"))
             .env_remove("JOURNAL_STREAM")
             .env("RUST_LOG", "debug")
             .stdin(Stdio::null())

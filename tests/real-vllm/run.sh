@@ -12,6 +12,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 paths=$(tests/real-vllm/setup.sh)
+# Scenario 8 balances two wardens behind a real HAProxy (Debian's package).
+if ! command -v haproxy >/dev/null; then
+    apt-get install -y -q haproxy >&2 || { apt-get update -q >&2 && apt-get install -y -q haproxy >&2; } || exit 1
+fi
+VLLM_WARDEN_HAPROXY=$(command -v haproxy)
+export VLLM_WARDEN_HAPROXY
 VLLM_WARDEN_VLLM=$(sed -n 1p <<<"$paths")/bin/vllm
 VLLM_WARDEN_MODELS=$(sed -n 2p <<<"$paths")
 export VLLM_WARDEN_VLLM VLLM_WARDEN_MODELS

@@ -40,7 +40,10 @@ check "the man pages are installed" test -f /usr/share/man/man8/vllm-warden.8.gz
 check "the completions are installed" test -f /usr/share/bash-completion/completions/vllm-warden
 check "the example config is installed" test -f /etc/vllm-warden/kimi.toml.example
 check "the simulator is installed beside, not in, the warden" test -x /usr/lib/vllm-warden/vllm-warden-sim
-check "vllm-warden demo runs against it" bash -c "vllm-warden demo >/tmp/demo.out 2>&1 && grep -q 'exited with code 0' /tmp/demo.out"
+# Not in /tmp: in runs where this check failed, its output file was gone
+# when read, as if a tmpfs had been mounted over /tmp meanwhile.
+check "vllm-warden demo runs against it" bash -c "TMPDIR=/var/tmp vllm-warden demo >/var/tmp/demo.out 2>&1 \
+    && grep -q 'exited with code 0' /var/tmp/demo.out || { tail -n 40 /var/tmp/demo.out; false; }"
 
 fake() {  # name port extra-fake-args… ; then more TOML on stdin
     local name=$1 port=$2; shift 2
@@ -96,6 +99,21 @@ sed -i 's/MARKER = "1"/MARKER = "2"/' /etc/vllm-warden/demo.toml
 check "systemctl reload is accepted" systemctl reload vllm-warden@demo
 check "the child is started again after the reload" wait_for 60 ready_with_new_child demo "$old"
 check "the new child has the new environment" bash -c "tr '\0' '\n' < /proc/$(child_pid demo)/environ | grep -qx MARKER=2"
+
+# The control socket under the unit: drain, undrain, restart.
+status_is() { vllm-warden status -c "/etc/vllm-warden/$1.toml" >/dev/null; test $? = "$2"; }
+unit_status_has() { systemctl status --no-pager "vllm-warden@$1" 2>/dev/null | grep -q "Status: \"$2"; }
+check "the control socket is in RuntimeDirectory, mode 660" \
+    bash -c 'test -S /run/vllm-warden/demo/control.sock && test "$(stat -c %a /run/vllm-warden/demo/control.sock)" = 660'
+check "vllm-warden drain answers over it" vllm-warden drain -c /etc/vllm-warden/demo.toml
+check "status is 3 while draining" status_is demo 3
+check "the unit's status says drained once drained" wait_for 30 unit_status_has demo "drained: pid "
+check "vllm-warden undrain" vllm-warden undrain -c /etc/vllm-warden/demo.toml
+check "ready again at once" status_is demo 0
+old=$(child_pid demo)
+check "vllm-warden restart" vllm-warden restart -c /etc/vllm-warden/demo.toml
+check "the child is started again after the restart" wait_for 60 ready_with_new_child demo "$old"
+check "systemd did not restart the unit for it" test "$(prop demo NRestarts)" = 0
 
 # Stop leaves no process of the unit.
 check "systemctl stop" systemctl stop vllm-warden@demo

@@ -1,0 +1,435 @@
+//! The warden's own HTTP endpoint, for load balancers, Kubernetes and the
+//! local commands: always on the unix socket `server.socket` (mode 0660),
+//! and on TCP at `server.listen` when set. It reads what the loop publishes
+//! (a [`View`], the metrics registry, the loop's heartbeat, the last health
+//! check) and hands requests (drain, undrain, restart) to the loop as
+//! [`Request`]s; it never waits on the loop for more than an answer's
+//! bounded wait, and the loop never waits on it. How the state changes is
+//! not known here.
+//!
+//! | endpoint | answer |
+//! |---|---|
+//! | `GET /livez` | 200 while the loop turns, 503 when it has not for [`LIVE_STALE`]; the phase |
+//! | `GET /readyz` | 200 when ready, not draining and the last health check passed; else 503, phase and cause |
+//! | `GET /status` | the status document |
+//! | `GET /metrics` | the metrics, Prometheus text format |
+//! | `POST /drain`, `/undrain`, `/restart` | 202 once the loop took it; 409 in a phase it does not apply to; 403 over TCP without the bearer token |
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use tokio::sync::{mpsc, watch};
+
+use crate::driver::{Heartbeat, Request};
+use crate::outcome::Phase;
+use crate::status::Metrics;
+
+/// The loop has not turned for this long: `/livez` fails.
+pub const LIVE_STALE: Duration = Duration::from_secs(5);
+/// How long a mutating request waits for the loop to show that it took it.
+pub const ANSWER_WAIT: Duration = Duration::from_secs(2);
+/// The largest token file read.
+const MAX_TOKEN: u64 = 4096;
+
+/// What the loop publishes after every change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct View {
+    pub phase: Phase,
+    /// Why the warden is not ready (the cause of the last failure, one
+    /// escaped line), when it has one.
+    pub cause: Option<String>,
+    /// The status document as last made.
+    pub document: Option<Arc<str>>,
+}
+
+impl Default for View {
+    fn default() -> Self {
+        View { phase: Phase::Starting, cause: None, document: None }
+    }
+}
+
+/// What every connection shares.
+#[derive(Debug, Clone)]
+pub struct Shared {
+    pub view: watch::Receiver<View>,
+    pub heartbeat: Heartbeat,
+    pub metrics: Arc<Metrics>,
+    pub last_check: crate::health::LastCheck,
+    pub requests: mpsc::UnboundedSender<Request>,
+}
+
+/// Who may change things through a listener.
+#[derive(Debug, Clone)]
+enum Access {
+    /// The unix socket: whoever can open it (mode 0660).
+    Local,
+    /// TCP: the bearer token, when a token file was given; else nobody.
+    Token(Option<Arc<str>>),
+}
+
+#[derive(Clone)]
+struct Api {
+    shared: Shared,
+    access: Access,
+}
+
+/// Why the token file gives no token.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("{path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: empty")]
+    Empty { path: PathBuf },
+    #[error("{path}: larger than {MAX_TOKEN} bytes")]
+    TooLarge { path: PathBuf },
+    #[error("{path}: readable by every user (chmod o-r)")]
+    WorldReadable { path: PathBuf },
+}
+
+/// The bearer token: the file's text, surrounding whitespace removed.
+pub fn read_token(path: &Path) -> Result<String, TokenError> {
+    use std::io::Read;
+    use std::os::unix::fs::PermissionsExt;
+    let read = |source| TokenError::Read { path: path.to_path_buf(), source };
+    let file = std::fs::File::open(path).map_err(read)?;
+    let meta = file.metadata().map_err(read)?;
+    if meta.permissions().mode() & 0o004 != 0 {
+        return Err(TokenError::WorldReadable { path: path.to_path_buf() });
+    }
+    let mut text = String::new();
+    file.take(MAX_TOKEN + 1).read_to_string(&mut text).map_err(read)?;
+    if text.len() as u64 > MAX_TOKEN {
+        return Err(TokenError::TooLarge { path: path.to_path_buf() });
+    }
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(TokenError::Empty { path: path.to_path_buf() });
+    }
+    Ok(token.to_string())
+}
+
+/// Why a listener could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("cannot listen on {path}: {source}")]
+    Socket { path: PathBuf, source: std::io::Error },
+    #[error("cannot listen on {addr}: {source}")]
+    Tcp { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("server.token-file {0}")]
+    Token(#[from] TokenError),
+}
+
+/// The unix socket at `path`, mode 0660: bound under a temporary name,
+/// given its mode, then renamed into place, so that it is never open to
+/// more than that. A socket left by an earlier warden of this instance
+/// (whose lock this one holds) is replaced.
+pub fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, ListenError> {
+    use std::os::unix::fs::PermissionsExt;
+    let err = |source| ListenError::Socket { path: path.to_path_buf(), source };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = tokio::net::UnixListener::bind(&tmp).map_err(err)?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o660))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err(e));
+    }
+    Ok(listener)
+}
+
+/// The TCP listener, and the token that allows changes through it.
+pub fn bind_tcp(
+    addr: std::net::SocketAddr,
+    token_file: Option<&Path>,
+) -> Result<(tokio::net::TcpListener, Option<String>), ListenError> {
+    let token = token_file.map(read_token).transpose()?;
+    let std = std::net::TcpListener::bind(addr).map_err(|source| ListenError::Tcp { addr, source })?;
+    std.set_nonblocking(true).map_err(|source| ListenError::Tcp { addr, source })?;
+    let listener = tokio::net::TcpListener::from_std(std).map_err(|source| ListenError::Tcp { addr, source })?;
+    Ok((listener, token))
+}
+
+/// Serve the unix socket until the task is aborted.
+pub async fn serve_socket(listener: tokio::net::UnixListener, shared: Shared) {
+    let app = router(Api { shared, access: Access::Local });
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!(error = %e, "the control socket stopped serving");
+    }
+}
+
+/// Serve TCP until the task is aborted; changes need `token`.
+pub async fn serve_tcp(listener: tokio::net::TcpListener, token: Option<String>, shared: Shared) {
+    let app = router(Api { shared, access: Access::Token(token.map(Arc::from)) });
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!(error = %e, "the TCP endpoint stopped serving");
+    }
+}
+
+fn router(api: Api) -> Router {
+    Router::new()
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
+        .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .route("/drain", post(|s, h| change(s, h, Request::Drain)))
+        .route("/undrain", post(|s, h| change(s, h, Request::Undrain)))
+        .route("/restart", post(|s, h| change(s, h, Request::Restart)))
+        .with_state(api)
+}
+
+fn text(code: StatusCode, body: String) -> Response {
+    (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
+}
+
+async fn livez(State(api): State<Api>) -> Response {
+    let (code, body) = live(api.shared.heartbeat.age(), api.shared.view.borrow().phase);
+    text(code, body)
+}
+
+/// `/livez` for a loop that last turned `age` ago.
+fn live(age: Duration, phase: Phase) -> (StatusCode, String) {
+    if age <= LIVE_STALE {
+        (StatusCode::OK, format!("{phase}\n"))
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("{phase}: the loop has not turned for {}s\n", age.as_secs()))
+    }
+}
+
+async fn readyz(State(api): State<Api>) -> Response {
+    let view = api.shared.view.borrow().clone();
+    let checked = api.shared.last_check.passed();
+    match (view.phase, checked) {
+        (Phase::Ready, true) => text(StatusCode::OK, "ready\n".into()),
+        (Phase::Ready, false) => text(StatusCode::SERVICE_UNAVAILABLE, "ready: the last health check failed\n".into()),
+        (phase, _) => {
+            let cause = view.cause.map(|c| format!(": {c}")).unwrap_or_default();
+            text(StatusCode::SERVICE_UNAVAILABLE, format!("{phase}{cause}\n"))
+        }
+    }
+}
+
+async fn status(State(api): State<Api>) -> Response {
+    let doc = api.shared.view.borrow().document.clone();
+    match doc {
+        Some(d) => ([(header::CONTENT_TYPE, "application/json")], d.to_string()).into_response(),
+        None => text(StatusCode::SERVICE_UNAVAILABLE, "no status yet\n".into()),
+    }
+}
+
+async fn metrics(State(api): State<Api>) -> Response {
+    let body = api.shared.metrics.encode();
+    ([(header::CONTENT_TYPE, prometheus_client::encoding::prometheus_text::CONTENT_TYPE)], body).into_response()
+}
+
+/// The phases in which a request applies, and the phases that show the
+/// loop took it.
+fn applies(r: Request, phase: Phase) -> bool {
+    use Phase::*;
+    match r {
+        Request::Drain => matches!(phase, Ready | Draining | Drained),
+        Request::Undrain => matches!(phase, Ready | Draining | Drained),
+        Request::Restart => matches!(phase, Starting | Ready | Draining | Drained | Backoff),
+        Request::Stop | Request::Reload | Request::Upgrade => false,
+    }
+}
+
+fn taken(r: Request, before: Phase, now: Phase) -> bool {
+    use Phase::*;
+    match r {
+        Request::Drain => now != Ready,
+        Request::Undrain => !matches!(now, Draining | Drained),
+        // A restart from a serving child drains it first; one asked while
+        // draining changes only what the drain ends in.
+        Request::Restart => now != before || matches!(before, Starting | Draining),
+        Request::Stop | Request::Reload | Request::Upgrade => true,
+    }
+}
+
+fn allowed(access: &Access, headers: &HeaderMap) -> bool {
+    match access {
+        Access::Local => true,
+        Access::Token(None) => false,
+        Access::Token(Some(token)) => headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| same(given.trim().as_bytes(), token.as_bytes())),
+    }
+}
+
+/// Compares without stopping at the first difference, so that the time
+/// taken does not tell how much of a guess was right.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn change(State(api): State<Api>, headers: HeaderMap, r: Request) -> Response {
+    if !allowed(&api.access, &headers) {
+        let why = match api.access {
+            Access::Token(None) => "changes are refused over TCP: no server.token-file is set\n",
+            _ => "a valid Authorization: Bearer token is needed\n",
+        };
+        return text(StatusCode::FORBIDDEN, why.into());
+    }
+    let mut view = api.shared.view.clone();
+    let before = view.borrow_and_update().phase;
+    if !applies(r, before) {
+        return text(StatusCode::CONFLICT, format!("{before}: nothing to {}\n", verb(r)));
+    }
+    let idle =
+        matches!((r, before), (Request::Drain, Phase::Draining | Phase::Drained) | (Request::Undrain, Phase::Ready));
+    if idle {
+        return text(StatusCode::OK, format!("{before}\n"));
+    }
+    if api.shared.requests.send(r).is_err() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "the warden is exiting\n".into());
+    }
+    // Answered once the loop shows it took the request, so that a
+    // `/readyz` asked right after a drain already says 503.
+    let shown = tokio::time::timeout(ANSWER_WAIT, view.wait_for(|v| taken(r, before, v.phase)))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .map(|v| v.phase);
+    match shown {
+        Some(now) => text(StatusCode::ACCEPTED, format!("{now}\n")),
+        None => text(StatusCode::ACCEPTED, format!("{}: asked; not yet shown\n", api.shared.view.borrow().phase)),
+    }
+}
+
+fn verb(r: Request) -> &'static str {
+    match r {
+        Request::Drain => "drain",
+        Request::Undrain => "undrain",
+        Request::Restart => "restart",
+        Request::Stop => "stop",
+        Request::Reload => "reload",
+        Request::Upgrade => "upgrade",
+    }
+}
+
+/// An HTTP client over the unix socket, for the local commands.
+pub mod client {
+    use std::path::Path;
+
+    use http_body_util::{BodyExt, Empty};
+    use hyper::body::Bytes;
+    use hyper_util::rt::TokioIo;
+
+    /// Why a request got no answer.
+    #[derive(Debug, thiserror::Error)]
+    pub enum Error {
+        /// No socket, or nothing listening on it: no warden runs.
+        #[error("cannot connect to {path}: {source}")]
+        Connect { path: String, source: std::io::Error },
+        #[error("{0}")]
+        Http(#[from] hyper::Error),
+        #[error("{0}")]
+        Request(#[from] hyper::http::Error),
+        #[error("no answer within {0:?}")]
+        Timeout(std::time::Duration),
+    }
+
+    /// The most an answer may hold.
+    const MAX_BODY: usize = 4 << 20;
+
+    /// `method path` over the socket; the status and the body (at most
+    /// 4 MiB, lossily UTF-8).
+    pub async fn call(socket: &Path, method: &str, path: &str) -> Result<(u16, String), Error> {
+        let stream = tokio::net::UnixStream::connect(socket)
+            .await
+            .map_err(|source| Error::Connect { path: socket.display().to_string(), source })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        let conn = tokio::spawn(conn);
+        let req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(hyper::header::HOST, "localhost")
+            .body(Empty::<Bytes>::new())?;
+        let res = sender.send_request(req).await?;
+        let code = res.status().as_u16();
+        let body = http_body_util::Limited::new(res.into_body(), MAX_BODY).collect().await;
+        conn.abort();
+        let bytes = body.map(|b| b.to_bytes()).unwrap_or_default();
+        Ok((code, String::from_utf8_lossy(&bytes).into_owned()))
+    }
+
+    /// [`call`] within `timeout`.
+    pub async fn call_within(
+        socket: &Path,
+        method: &str,
+        path: &str,
+        timeout: std::time::Duration,
+    ) -> Result<(u16, String), Error> {
+        tokio::time::timeout(timeout, call(socket, method, path)).await.map_err(|_| Error::Timeout(timeout))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn livez_fails_once_the_loop_has_not_turned_for_a_few_seconds() {
+        assert_eq!(live(Duration::from_millis(900), Phase::Ready), (StatusCode::OK, "ready\n".into()));
+        assert_eq!(live(LIVE_STALE, Phase::Starting).0, StatusCode::OK);
+        let (code, body) = live(Duration::from_secs(7), Phase::Ready);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body, "ready: the loop has not turned for 7s\n");
+        let beat = Heartbeat::default();
+        beat.beat();
+        assert!(beat.age() < LIVE_STALE);
+    }
+
+    #[test]
+    fn the_token_is_compared_whole() {
+        assert!(same(b"abc", b"abc"));
+        assert!(!same(b"abc", b"abd"));
+        assert!(!same(b"abc", b"abcd"));
+        assert!(!same(b"", b"a"));
+    }
+
+    #[test]
+    fn mutations_need_the_socket_or_the_token() {
+        let mut h = HeaderMap::new();
+        assert!(allowed(&Access::Local, &h));
+        assert!(!allowed(&Access::Token(None), &h));
+        let tcp = Access::Token(Some(Arc::from("s3cret")));
+        assert!(!allowed(&tcp, &h));
+        h.insert(header::AUTHORIZATION, "Bearer wrong".parse().unwrap());
+        assert!(!allowed(&tcp, &h));
+        h.insert(header::AUTHORIZATION, "Basic s3cret".parse().unwrap());
+        assert!(!allowed(&tcp, &h));
+        h.insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+        assert!(allowed(&tcp, &h));
+        assert!(!allowed(&Access::Token(None), &h));
+    }
+
+    #[test]
+    fn a_token_file_must_hold_a_token_and_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("token");
+        std::fs::write(&f, "  s3cret\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_token(&f).unwrap(), "s3cret");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(read_token(&f), Err(TokenError::WorldReadable { .. })));
+        std::fs::write(&f, "\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(matches!(read_token(&f), Err(TokenError::Empty { .. })));
+        assert!(matches!(read_token(&dir.path().join("none")), Err(TokenError::Read { .. })));
+    }
+}
