@@ -822,14 +822,16 @@ fn s8_a_rolling_restart_behind_haproxy_loses_no_request() {
 }
 
 /// A completion streamed token by token, read on a thread of its own: the
-/// tokens received, once the first has arrived (sent on `first`), and
-/// whether the stream ended with `data: [DONE]`.
+/// chunks received (one per token, but for a token the detokenizer holds
+/// back for the next), once the first has arrived (sent on `first`), and
+/// how it ended: the last `finish_reason`, and whether `data: [DONE]`
+/// followed.
 fn stream_completion(
     port: u16,
     model: &Path,
     tokens: u32,
     first: std::sync::mpsc::Sender<()>,
-) -> std::thread::JoinHandle<Result<(usize, bool), String>> {
+) -> std::thread::JoinHandle<Result<(usize, Option<String>, bool), String>> {
     let model = model.display().to_string();
     std::thread::spawn(move || {
         use std::io::BufRead;
@@ -843,19 +845,23 @@ fn stream_completion(
             .send_json(&body)
             .map_err(|e| e.to_string())?;
         let reader = std::io::BufReader::new(response.into_body().into_reader());
-        let (mut chunks, mut done) = (0, false);
+        let (mut chunks, mut finish, mut done) = (0, None, false);
         for line in reader.lines() {
-            let line = line.map_err(|e| format!("the stream broke after {chunks} tokens: {e}"))?;
+            let line = line.map_err(|e| format!("the stream broke after {chunks} chunks: {e}"))?;
             if line == "data: [DONE]" {
                 done = true;
-            } else if line.starts_with("data: ") {
+            } else if let Some(data) = line.strip_prefix("data: ") {
                 chunks += 1;
                 if chunks == 1 {
                     let _ = first.send(());
                 }
+                let v: serde_json::Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+                if let Some(r) = v["choices"][0]["finish_reason"].as_str() {
+                    finish = Some(r.to_string());
+                }
             }
         }
-        Ok((chunks, done))
+        Ok((chunks, finish, done))
     })
 }
 
@@ -893,8 +899,9 @@ fn s7_an_upgrade_while_serving_keeps_the_model_and_a_stream() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     w.wait_note_within(MARGIN, "STATUS=upgraded from", |n| n.starts_with("STATUS=upgraded from"));
     let upgrade = t.elapsed();
-    let (tokens, done) = stream.join().unwrap().expect("the stream across the upgrade");
-    assert!(done && tokens >= 200, "{tokens} tokens, done: {done}");
+    let (chunks, finish, done) = stream.join().unwrap().expect("the stream across the upgrade");
+    // All 200 tokens: it ended by length (`ignore_eos`), with its end marker.
+    assert!(done && finish.as_deref() == Some("length"), "{chunks} chunks, finish {finish:?}, done: {done}");
     let now = vllm_warden::child::read_stat(leader.pid).expect("the server is alive");
     assert_eq!(
         (now.ppid, now.start_time),
@@ -908,7 +915,7 @@ fn s7_an_upgrade_while_serving_keeps_the_model_and_a_stream() {
     completion(&w).expect("a completion after the upgrade");
     assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
     eprintln!(
-        "scenario 7 upgrade: PASS  load {:.1} s{}; asked -> upgraded {}; the model's downtime 0 (same server pid {}); a stream of {tokens} tokens across it unbroken",
+        "scenario 7 upgrade: PASS  load {:.1} s{}; asked -> upgraded {}; the model's downtime 0 (same server pid {}); a 200-token stream ({chunks} chunks) across it unbroken",
         load.as_secs_f64(),
         starts(n),
         ms(upgrade),
