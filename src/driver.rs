@@ -438,11 +438,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         // it ends.
         let give_up = Instant::now() + PAUSE_PATIENCE;
         let offset = loop {
-            while let Ok(delivery) = self.lines.try_recv() {
-                if let Delivery::Lines { start, lines, .. } = delivery {
-                    events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
-                }
-            }
+            self.take_delivered(events);
             if let Some(offset) = self.backend.lines_paused(Duration::from_millis(10)) {
                 break Some(offset);
             }
@@ -461,11 +457,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             );
             return;
         };
-        while let Ok(delivery) = self.lines.try_recv() {
-            if let Delivery::Lines { start, lines, .. } = delivery {
-                events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
-            }
-        }
+        self.take_delivered(events);
         while let Some(ev) = events.pop_front() {
             self.step(ev, events, held);
         }
@@ -485,6 +477,15 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         let why = self.backend.exec_upgrade(saved, offset);
         tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade failed, this warden goes on: {why}");
         self.backend.resume_lines(offset);
+    }
+
+    /// The lines already in the line queue, as events.
+    fn take_delivered(&mut self, events: &mut VecDeque<Event>) {
+        while let Ok(delivery) = self.lines.try_recv() {
+            if let Delivery::Lines { start, lines, .. } = delivery {
+                events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
+            }
+        }
     }
 
     fn send_held(&mut self, held: &mut Vec<Vec<Note>>) {

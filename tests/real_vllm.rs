@@ -821,6 +821,16 @@ fn s8_a_rolling_restart_behind_haproxy_loses_no_request() {
     eprintln!("scenario 8 rolling restart behind HAProxy: PASS");
 }
 
+/// How a streamed completion ended.
+struct Streamed {
+    /// `data:` chunks with a choice.
+    chunks: usize,
+    /// The last `finish_reason` given.
+    finish: Option<String>,
+    /// `data: [DONE]` came.
+    done: bool,
+}
+
 /// A completion streamed token by token, read on a thread of its own: the
 /// chunks received (one per token, but for a token the detokenizer holds
 /// back for the next), once the first has arrived (sent on `first`), and
@@ -831,7 +841,7 @@ fn stream_completion(
     model: &Path,
     tokens: u32,
     first: std::sync::mpsc::Sender<()>,
-) -> std::thread::JoinHandle<Result<(usize, Option<String>, bool), String>> {
+) -> std::thread::JoinHandle<Result<Streamed, String>> {
     let model = model.display().to_string();
     std::thread::spawn(move || {
         use std::io::BufRead;
@@ -861,7 +871,7 @@ fn stream_completion(
                 }
             }
         }
-        Ok((chunks, finish, done))
+        Ok(Streamed { chunks, finish, done })
     })
 }
 
@@ -899,7 +909,7 @@ fn s7_an_upgrade_while_serving_keeps_the_model_and_a_stream() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     w.wait_note_within(MARGIN, "STATUS=upgraded from", |n| n.starts_with("STATUS=upgraded from"));
     let upgrade = t.elapsed();
-    let (chunks, finish, done) = stream.join().unwrap().expect("the stream across the upgrade");
+    let Streamed { chunks, finish, done } = stream.join().unwrap().expect("the stream across the upgrade");
     // All 200 tokens: it ended by length (`ignore_eos`), with its end marker.
     assert!(done && finish.as_deref() == Some("length"), "{chunks} chunks, finish {finish:?}, done: {done}");
     let now = vllm_warden::child::read_stat(leader.pid).expect("the server is alive");
