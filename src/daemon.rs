@@ -724,17 +724,11 @@ impl Backend for Real {
         };
         // SAFETY: the lock's descriptor lives as long as the warden.
         let lock_fd_b = unsafe { std::os::fd::BorrowedFd::borrow_raw(lock_fd) };
-        let lock = match rustix::fs::fstat(lock_fd_b) {
-            Ok(st) => st,
-            Err(e) => return format!("cannot see the lock: {e}"),
-        };
         let state = crate::upgrade::State {
-            format: 1,
+            format: crate::upgrade::FORMAT,
             from: env!("CARGO_PKG_VERSION").into(),
             instance: self.settings.name.clone(),
             lock_fd,
-            lock_dev: lock.st_dev,
-            lock_ino: lock.st_ino,
             token: self.token.clone(),
             child_start_time: stat.start_time,
             log_dev: log.dev(),

@@ -68,10 +68,10 @@ impl InstanceLock {
         use std::os::fd::FromRawFd;
         use std::os::unix::fs::MetadataExt;
         let path = std::fs::symlink_metadata(state_dir.join("lock")).ok()?;
-        // SAFETY: only looked at; owned below only once it is known to be
-        // the lock file, which nothing else in this process holds.
-        let st = rustix::fs::fstat(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).ok()?;
-        if !path.is_file() || (st.st_dev, st.st_ino) != (path.dev(), path.ino()) {
+        // The number comes from a file: looked at through /proc, which
+        // names only descriptors this process has open.
+        let open = std::fs::metadata(format!("/proc/self/fd/{}", u32::try_from(fd).ok()?)).ok()?;
+        if !path.is_file() || (open.dev(), open.ino()) != (path.dev(), path.ino()) {
             return None;
         }
         // SAFETY: the descriptor was left open by the predecessor for us,
@@ -106,13 +106,76 @@ impl InstanceLock {
         }
         let mut text = String::new();
         (&file).take(64).read_to_string(&mut text)?;
-        Ok(text.trim().parse().ok())
+        let Ok(pid) = text.trim().parse::<u32>() else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "the lock file names no pid"));
+        };
+        // The file's word is checked against the kernel's table of locks.
+        let (dev, ino) = {
+            use std::os::unix::fs::MetadataExt;
+            let m = file.metadata()?;
+            (m.dev(), m.ino())
+        };
+        let table = std::fs::read_to_string("/proc/locks")?;
+        if flock_held_by(&table, pid, (libc::major(dev), libc::minor(dev)), ino) {
+            Ok(Some(pid))
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("pid {pid}, named in the lock file, does not hold it"),
+            ))
+        }
     }
+}
+
+/// Whether `/proc/locks` (`table`) shows an `flock` of process `pid` on the
+/// file `dev` (major, minor), `ino`. A line: `1: FLOCK  ADVISORY  WRITE
+/// 1234 08:01:5678 0 EOF`; a waiter's has `->` after the number.
+fn flock_held_by(table: &str, pid: u32, dev: (u32, u32), ino: u64) -> bool {
+    table.lines().any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.get(1) != Some(&"FLOCK") {
+            return false;
+        }
+        let mut id = f.get(5).map(|d| d.split(':')).into_iter().flatten();
+        let (Some(major), Some(minor), Some(i)) = (id.next(), id.next(), id.next()) else { return false };
+        f.get(4).and_then(|p| p.parse::<u32>().ok()) == Some(pid)
+            && u32::from_str_radix(major, 16).ok() == Some(dev.0)
+            && u32::from_str_radix(minor, 16).ok() == Some(dev.1)
+            && i.parse::<u64>().ok() == Some(ino)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The holder named in the lock file is believed only if the kernel's
+    /// table of locks says it holds the lock; a forged pid is refused.
+    #[test]
+    fn the_holder_is_the_one_the_kernel_names() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(InstanceLock::holder(dir.path()).unwrap(), None, "no lock file: no holder");
+        let lock = InstanceLock::take(dir.path(), "t").unwrap();
+        assert_eq!(InstanceLock::holder(dir.path()).unwrap(), Some(std::process::id()));
+        // Someone with write access to the state directory names pid 1.
+        std::fs::write(dir.path().join("lock"), "1\n").unwrap();
+        let e = InstanceLock::holder(dir.path()).unwrap_err();
+        assert_eq!(e.to_string(), "pid 1, named in the lock file, does not hold it");
+        drop(lock);
+        assert_eq!(InstanceLock::holder(dir.path()).unwrap(), None, "a free lock: no holder");
+    }
+
+    #[test]
+    fn lines_of_the_lock_table_are_read_exactly() {
+        let table = "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF\n\
+                     1: -> FLOCK  ADVISORY  WRITE 99 08:01:5678 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 77 fd:00:42 0 EOF\n";
+        assert!(flock_held_by(table, 1234, (8, 1), 5678));
+        assert!(!flock_held_by(table, 99, (8, 1), 5678), "a waiter holds nothing");
+        assert!(!flock_held_by(table, 77, (0xfd, 0), 42), "a POSIX lock is not the flock");
+        assert!(!flock_held_by(table, 1234, (8, 2), 5678));
+        assert!(!flock_held_by(table, 1234, (8, 1), 5679));
+    }
 
     #[test]
     fn a_second_lock_names_the_first_holder() {

@@ -720,9 +720,10 @@ impl Reader {
     /// Copy what has been read, cut at a block boundary, and cut it out of
     /// the file; false when the filesystem cannot.
     fn rotate_by_collapse(&mut self, rot: &mut Rotator) -> io::Result<bool> {
-        let block = self.file.metadata()?.blksize().max(1);
+        let meta = self.file.metadata()?;
+        let block = meta.blksize().max(1);
         let upto = self.pos / block * block;
-        let size = self.file.metadata()?.len();
+        let size = meta.len();
         if upto == 0 || upto >= size {
             return Ok(false);
         }

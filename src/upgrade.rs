@@ -32,7 +32,7 @@ pub const STATE_ENV: &str = "VLLM_WARDEN_UPGRADE_STATE";
 pub const STATE_FILE: &str = "upgrade.json";
 
 /// The format of the state file; a successor refuses another.
-const FORMAT: u32 = 1;
+pub const FORMAT: u32 = 1;
 
 /// A state file larger than this is not read.
 const MAX_STATE: u64 = 64 << 10;
@@ -49,8 +49,6 @@ pub struct State {
     pub instance: String,
     /// The instance lock's descriptor, kept open across the exec.
     pub lock_fd: RawFd,
-    pub lock_dev: u64,
-    pub lock_ino: u64,
     /// The run token the child carries in its environment.
     pub token: String,
     /// The child, with its start time (clock ticks after boot).
@@ -98,6 +96,14 @@ pub fn read(path: &Path, instance: &str) -> Result<State, String> {
     if state.instance != instance {
         return Err(format!("the state is instance {:?}'s", state.instance));
     }
+    // Both go on into the child's environment and a status line: only the
+    // shapes this warden writes.
+    if state.token.len() != 32 || !state.token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("the run token is not one a warden makes".into());
+    }
+    if state.from.is_empty() || state.from.len() > 64 || !state.from.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("the predecessor's version is not a version".into());
+    }
     let me = std::process::id() as i32;
     let pid = i32::try_from(state.machine.pid).map_err(|_| "a pid out of range".to_string())?;
     match crate::child::read_stat(pid) {
@@ -105,11 +111,8 @@ pub fn read(path: &Path, instance: &str) -> Result<State, String> {
         Some(_) => return Err(format!("pid {pid} is not the child that was recorded")),
         None => return Err(format!("the child, pid {pid}, is gone")),
     }
-    let lock = rustix::fs::fstat(unsafe { std::os::fd::BorrowedFd::borrow_raw(state.lock_fd) });
-    match lock {
-        Ok(st) if st.st_dev == state.lock_dev && st.st_ino == state.lock_ino => {}
-        _ => return Err(format!("descriptor {} is not the instance lock", state.lock_fd)),
-    }
+    // The lock's descriptor is checked where it is taken over
+    // (`InstanceLock::adopt`).
     Ok(state)
 }
 
@@ -220,5 +223,70 @@ fn exec_now(exe: &Path, state: &Path) -> io::Error {
             Err(e) => e.into(),
         },
         Err(e) => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(pid: u32, start_time: u64) -> State {
+        State {
+            format: FORMAT,
+            from: "0.1.0".into(),
+            instance: "t".into(),
+            lock_fd: 3,
+            token: "0123456789abcdef0123456789abcdef".into(),
+            child_start_time: start_time,
+            log_dev: 0,
+            log_ino: 0,
+            log_offset: 0,
+            machine: crate::supervisor::Saved {
+                start: 1,
+                pid,
+                ready_for: Duration::from_secs(1),
+                running_for: Duration::from_secs(2),
+                starts: 1,
+                failures: 0,
+                restarts: 0,
+                exits: 0,
+                last_load: None,
+                failure_counts: Default::default(),
+                last_failure: None,
+            },
+        }
+    }
+
+    /// A state file is believed only for this process's own child with the
+    /// recorded start time, and with fields of the shapes a warden writes;
+    /// it is gone once read.
+    #[test]
+    fn a_state_is_checked_against_the_live_system() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let st = crate::child::read_stat(child.id() as i32).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join(STATE_FILE);
+        let try_read = |s: &State| {
+            write(&path, s).unwrap();
+            let got = read(&path, "t");
+            assert!(!path.exists(), "the state file is removed once read");
+            got
+        };
+        let good = state(child.id(), st.start_time);
+        assert_eq!(try_read(&good).unwrap(), good);
+        let e = try_read(&State { instance: "u".into(), ..good.clone() }).unwrap_err();
+        assert!(e.contains("instance \"u\""), "{e}");
+        let e = try_read(&State { token: "x\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        assert!(e.contains("run token"), "{e}");
+        let e = try_read(&State { from: "1.0\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        assert!(e.contains("version"), "{e}");
+        let e = try_read(&State { child_start_time: st.start_time + 1, ..good.clone() }).unwrap_err();
+        assert!(e.contains("not the child that was recorded"), "{e}");
+        let mut other = good.clone();
+        other.machine.pid = 1;
+        let e = try_read(&other).unwrap_err();
+        assert!(e.contains("pid 1 is not the child"), "{e}");
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }

@@ -572,11 +572,7 @@ fn rotated_under_a_flood(log_dir: Option<&std::path::Path>) {
 #[test]
 fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     use std::os::unix::fs::MetadataExt;
-    let bin = tempfile::tempdir().unwrap();
-    let path = bin.path().join("vllm-warden");
-    std::fs::copy(common::exe(), &path).unwrap();
-    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
-    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    let (bin, path, mut w) = warden_from_a_copy(&["--shards", "1"]);
     w.wait_ready();
     let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
 
@@ -585,13 +581,7 @@ fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     std::fs::copy(common::exe(), &new).unwrap();
     std::fs::rename(&new, &path).unwrap();
     let new_ino = std::fs::metadata(&path).unwrap().ino();
-    let out = std::process::Command::new(&path)
-        .args(["upgrade", "-c"])
-        .arg(w.path("t.toml"))
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    w.ask_upgrade(&path);
 
     let note = w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
     let v = env!("CARGO_PKG_VERSION");
@@ -609,14 +599,15 @@ fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     assert_eq!(w.stop(), 0);
 }
 
-fn ask_upgrade(w: &Warden, exe: &std::path::Path) {
-    let out = std::process::Command::new(exe)
-        .args(["upgrade", "-c"])
-        .arg(w.path("t.toml"))
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+/// A warden run from a copy of the binary in a folder of its own (which a
+/// test may replace), on the simulator with `fake_args`.
+fn warden_from_a_copy(fake_args: &'static [&'static str]) -> (tempfile::TempDir, std::path::PathBuf, Warden) {
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let w = Warden::start_with(move |d, p| config(d, p, fake_args, "", FAST), opts);
+    (bin, path, w)
 }
 
 /// A binary at the warden's path that does not answer `--version` as a
@@ -624,11 +615,7 @@ fn ask_upgrade(w: &Warden, exe: &std::path::Path) {
 #[test]
 fn an_upgrade_to_a_binary_that_is_not_a_warden_is_refused() {
     use std::os::unix::fs::PermissionsExt;
-    let bin = tempfile::tempdir().unwrap();
-    let path = bin.path().join("vllm-warden");
-    std::fs::copy(common::exe(), &path).unwrap();
-    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
-    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    let (bin, path, mut w) = warden_from_a_copy(&["--shards", "1"]);
     w.wait_ready();
     let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
     let keep = bin.path().join("real");
@@ -637,7 +624,7 @@ fn an_upgrade_to_a_binary_that_is_not_a_warden_is_refused() {
     std::fs::write(&script, "#!/bin/sh\necho 'not a warden'\n").unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::rename(&script, &path).unwrap();
-    ask_upgrade(&w, &keep);
+    w.ask_upgrade(&keep);
     let note = w.wait_note("the refusal", |n| n.starts_with("STATUS=upgrade refused"));
     assert!(note.contains("--version did not name a vllm-warden version"), "{note}");
     let now = vllm_warden::child::read_stat(leader.pid).unwrap();
@@ -650,13 +637,9 @@ fn an_upgrade_to_a_binary_that_is_not_a_warden_is_refused() {
 /// happens.
 #[test]
 fn an_upgrade_asked_while_loading_waits_until_ready() {
-    let bin = tempfile::tempdir().unwrap();
-    let path = bin.path().join("vllm-warden");
-    std::fs::copy(common::exe(), &path).unwrap();
-    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
-    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "6", "--shard-time", "300ms"], "", FAST), opts);
+    let (_bin, path, mut w) = warden_from_a_copy(&["--shards", "6", "--shard-time", "300ms"]);
     w.wait_note("loading", |n| n.starts_with("STATUS=loading"));
-    ask_upgrade(&w, &path);
+    w.ask_upgrade(&path);
     w.wait_ready();
     w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
     assert_eq!(w.stop(), 0);

@@ -900,13 +900,7 @@ fn s7_an_upgrade_while_serving_keeps_the_model_and_a_stream() {
     std::fs::copy(common::exe(), &new).unwrap();
     std::fs::rename(&new, &path).unwrap();
     let t = Instant::now();
-    let out = std::process::Command::new(&path)
-        .args(["upgrade", "-c"])
-        .arg(w.path("t.toml"))
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    w.ask_upgrade(&path);
     w.wait_note_within(MARGIN, "STATUS=upgraded from", |n| n.starts_with("STATUS=upgraded from"));
     let upgrade = t.elapsed();
     let Streamed { chunks, finish, done } = stream.join().unwrap().expect("the stream across the upgrade");
