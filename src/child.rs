@@ -7,7 +7,8 @@
 //! to it: "our tree" is every process whose chain of parents reaches our pid.
 //! One reaper (`waitpid(-1)` on SIGCHLD) reaps them all; a spawn and a reap
 //! never interleave, so a child that dies at once is never mistaken for a
-//! stranger.
+//! stranger. The leader's exit is read without reaping it and reported at
+//! once; its zombie is reaped a little later (see [`REAP_AFTER`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -17,10 +18,11 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill, killpg};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::Pid;
 use tokio::task::AbortHandle;
 
@@ -49,9 +51,10 @@ pub const SCRUBBED_ENV: [&str; 4] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG
 /// What the tree reports to the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TreeEvent {
-    /// The process we spawned has been reaped.
+    /// The process we spawned has exited (its zombie may not be reaped yet).
     LeaderExited { pid: u32, exit: Exit },
-    /// After `terminate` or `kill_all`: no process of the tree is left.
+    /// After the leader's exit, `terminate` or `kill_all`: no process of the
+    /// tree is left.
     Empty,
 }
 
@@ -279,7 +282,8 @@ pub struct Spec {
 
 struct Inner {
     leader: Option<i32>,
-    leader_reaped: bool,
+    /// The leader's exit has been seen (and reported).
+    leader_exited: bool,
     /// Report `Empty` once the tree is gone.
     watching: bool,
     /// SIGKILL every descendant found after each reap.
@@ -307,7 +311,7 @@ impl Tree {
         become_subreaper()?;
         let inner = Arc::new(Mutex::new(Inner {
             leader: None,
-            leader_reaped: true,
+            leader_exited: true,
             watching: false,
             killing: false,
             events: Box::new(events),
@@ -326,11 +330,21 @@ impl Tree {
         let (i, me) = (self.inner.clone(), self.me);
         self.reaper = Some(tasks.spawn("reaper", Lifetime::Owned, async move {
             loop {
-                lock(&i).reap(me);
-                if sigchld.recv().await.is_none() {
+                let later = lock(&i).reap(me, Leader::Later);
+                let signalled = if later {
+                    // The leader's zombie is reaped after a while, or at the
+                    // next SIGCHLD, whichever comes first.
+                    tokio::select! {
+                        s = sigchld.recv() => s.is_some(),
+                        _ = tokio::time::sleep(REAP_AFTER) => true,
+                    }
+                } else {
+                    sigchld.recv().await.is_some()
+                };
+                if !signalled {
                     return;
                 }
-                let running = { !lock(&i).leader_reaped };
+                let running = { !lock(&i).leader_exited };
                 if running && crate::tasks::injected_panic("reaper") {
                     panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
                 }
@@ -366,7 +380,7 @@ impl Tree {
         // The reaper collects it; std's handle must not.
         drop(child);
         inner.leader = Some(pid as i32);
-        inner.leader_reaped = false;
+        inner.leader_exited = false;
         inner.watching = false;
         inner.killing = false;
         Ok(pid)
@@ -377,18 +391,18 @@ impl Tree {
     pub fn adopt(&self, pid: u32) {
         let mut inner = lock(&self.inner);
         inner.leader = Some(pid as i32);
-        inner.leader_reaped = false;
+        inner.leader_exited = false;
         inner.watching = false;
         inner.killing = false;
         // It may have exited during the exec: its exit waits to be reaped.
         let me = self.me;
-        inner.reap(me);
+        inner.reap(me, Leader::Now);
     }
 
     /// The leader while it lives.
     pub fn leader(&self) -> Option<u32> {
         let inner = lock(&self.inner);
-        inner.leader.filter(|_| !inner.leader_reaped).map(|p| p as u32)
+        inner.leader.filter(|_| !inner.leader_exited).map(|p| p as u32)
     }
 
     /// Send `sig` to the leader if it is alive, else to every descendant
@@ -397,16 +411,20 @@ impl Tree {
         let mut inner = lock(&self.inner);
         inner.watching = true;
         match inner.leader {
-            Some(pid) if !inner.leader_reaped => {
+            Some(pid) if !inner.leader_exited => {
                 let _ = kill(Pid::from_raw(pid), sig);
             }
             _ => {
-                for d in descendants(self.me) {
+                let left = descendants(self.me);
+                for d in &left {
                     let _ = kill(Pid::from_raw(d.pid), sig);
+                }
+                // Those signalled are seen gone as they are reaped.
+                if left.is_empty() {
+                    inner.gone();
                 }
             }
         }
-        inner.check_empty(self.me);
     }
 
     /// SIGKILL the leader's group and every descendant, until none is left;
@@ -431,11 +449,16 @@ impl Drop for Tree {
         // A panic must not orphan the child: whatever is left is killed.
         let inner = lock(&self.inner);
         if let Some(pid) = inner.leader
-            && !inner.leader_reaped
+            && !inner.leader_exited
         {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
         }
         kill_descendants(self.me);
+        // A leader's zombie left for a later reap, and whatever else has
+        // exited already.
+        while matches!(waitpid(None, Some(WaitPidFlag::WNOHANG)), Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)))
+        {
+        }
     }
 }
 
@@ -445,8 +468,56 @@ fn kill_descendants(me: i32) {
     }
 }
 
+/// How long the zombie of a leader whose exit was just reported waits to be
+/// reaped. Its last thread wakes the warden with SIGCHLD and may then be
+/// preempted by it before it has finished exiting; a reap at that instant
+/// makes the kernel wait, spinning, for that thread to let go of the
+/// `/proc` entries of the process (for milliseconds, until the scheduler
+/// runs it again), and the warden's loop with it. Reading the exit without
+/// reaping (`WNOWAIT`) costs nothing; the zombie keeps its pid meanwhile,
+/// so that no other process can take it.
+pub const REAP_AFTER: Duration = Duration::from_millis(20);
+
+/// What a reap does with a leader that has just exited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leader {
+    /// Report its exit, and leave its zombie (and every other one) for a
+    /// later reap.
+    Later,
+    /// Report its exit and reap it now.
+    Now,
+}
+
+/// The leader's exit, read without reaping it.
+fn exit_of(pid: i32) -> Option<Exit> {
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    match waitid(Id::Pid(Pid::from_raw(pid)), flags) {
+        Ok(WaitStatus::Exited(_, code)) => Some(Exit::Code(code)),
+        Ok(WaitStatus::Signaled(_, sig, _)) => Some(Exit::Signal(sig)),
+        _ => None,
+    }
+}
+
 impl Inner {
-    fn reap(&mut self, me: i32) {
+    /// Reap what has exited, reporting the leader's exit; true when the
+    /// leader has just exited and the reap was left for later.
+    fn reap(&mut self, me: i32, leader: Leader) -> bool {
+        if let Some(pid) = self.leader.filter(|_| !self.leader_exited)
+            && let Some(exit) = exit_of(pid)
+        {
+            self.leader_exited = true;
+            // From the leader's exit on, the tree is watched: `Empty` once
+            // nothing of it is left (at once, when nothing is).
+            self.watching = true;
+            (self.events)(TreeEvent::LeaderExited { pid: pid as u32, exit });
+            if leader == Leader::Later {
+                if self.killing {
+                    kill_descendants(me);
+                }
+                self.check_empty(me);
+                return true;
+            }
+        }
         loop {
             match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::Exited(pid, code)) => self.reaped(pid, Exit::Code(code)),
@@ -461,21 +532,27 @@ impl Inner {
             kill_descendants(me);
         }
         self.check_empty(me);
+        false
     }
 
     fn reaped(&mut self, pid: Pid, exit: Exit) {
-        if self.leader == Some(pid.as_raw()) && !self.leader_reaped {
-            self.leader_reaped = true;
+        if self.leader == Some(pid.as_raw()) && !self.leader_exited {
+            self.leader_exited = true;
+            self.watching = true;
             (self.events)(TreeEvent::LeaderExited { pid: pid.as_raw() as u32, exit });
         }
     }
 
     fn check_empty(&mut self, me: i32) {
-        if self.watching && (self.leader.is_none() || self.leader_reaped) && descendants(me).is_empty() {
-            self.watching = false;
-            self.killing = false;
-            (self.events)(TreeEvent::Empty);
+        if self.watching && (self.leader.is_none() || self.leader_exited) && descendants(me).is_empty() {
+            self.gone();
         }
+    }
+
+    fn gone(&mut self) {
+        self.watching = false;
+        self.killing = false;
+        (self.events)(TreeEvent::Empty);
     }
 }
 
