@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tokio_stream::Stream;
 
@@ -140,6 +140,8 @@ pub async fn run(
     }
     .run(requests)
     .await;
+    // Reports of runs that ended beside a new one may still be written.
+    backend.finish_reports(crate::supervisor::REPORT_MARGIN).await;
     // The tree is gone: no record of it, and what it left in /dev/shm goes
     // now, not at the next start. (The loop is over: blocking is fine.)
     observer.tree.finish();
@@ -361,6 +363,8 @@ struct RunRecord {
     log_file: std::path::PathBuf,
     /// Where the run's lines begin in the log.
     offset: u64,
+    /// Where the run began among the kernel messages followed.
+    kernel: Option<crate::kernel::Mark>,
 }
 
 /// How often a ready child's log is read at most.
@@ -399,6 +403,13 @@ pub struct Real {
     run: Option<RunRecord>,
     /// The failure report being written.
     reporting: Option<AbortHandle>,
+    /// Open once the last report has taken what describes its run (its
+    /// tree, its log, the GPUs): the next spawn waits for it.
+    report_gate: Option<oneshot::Receiver<()>>,
+    /// Answered as each report ends (or is dropped).
+    reports: Vec<oneshot::Receiver<()>>,
+    /// Between the failure reports and the log's rotations.
+    log_hold: crate::rotate::Hold,
     /// Put in every child's environment (`prestart::RUN_TOKEN`).
     token: String,
     inputs: mpsc::UnboundedSender<Input>,
@@ -456,6 +467,9 @@ impl Real {
             traffic: taps.traffic.clone(),
             run: None,
             reporting: None,
+            report_gate: None,
+            reports: Vec::new(),
+            log_hold: Default::default(),
             taps,
             token,
             inputs,
@@ -473,7 +487,8 @@ impl Real {
         let c = &self.settings.child;
         let rotator = crate::rotate::Rotator::new(&c.log_file, file, c.log_rotation)
             .map_err(|e| tracing::warn!(error = %e, "the log file will not be rotated"))
-            .ok();
+            .ok()
+            .map(|r| r.with_hold(self.log_hold.clone()));
         Follower::start(
             file,
             offset,
@@ -523,6 +538,14 @@ impl Real {
         }
     }
 
+    /// Wait, up to `within`, for the failure reports still being written.
+    async fn finish_reports(&mut self, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        for r in self.reports.drain(..) {
+            let _ = tokio::time::timeout_at(deadline, r).await;
+        }
+    }
+
     fn stop_checks(&mut self) {
         for task in [self.probe.take(), self.health.take().map(|(_, t)| t), self.load.take()].into_iter().flatten() {
             task.abort();
@@ -535,12 +558,23 @@ impl Backend for Real {
         self.stop_checks();
         self.follower = None;
         let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.leftovers_done.clone());
+        let gate = self.report_gate.take();
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
-            let result = crate::prepare::run(&settings, status, done).await;
+            let result = crate::prepare::run(&settings, status.clone(), done).await;
+            // The report of the last run goes on beside this start, but
+            // what describes that run must be taken before a new child
+            // starts.
+            if let Some(mut gate) = gate
+                && result.is_ok()
+                && gate.try_recv() == Err(oneshot::error::TryRecvError::Empty)
+            {
+                status("waiting for the failure report of the last run".into());
+                let _ = gate.await;
+            }
             let result = match result {
                 Ok(()) => Prepared::Done,
                 Err(failure) => Prepared::Failed(failure),
@@ -595,6 +629,7 @@ impl Backend for Real {
         let follower = self
             .follow_log(&file, offset, start)
             .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
+        let kernel = self.kernel.as_ref().and_then(|(_, f)| f.mark());
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
             match e.kind() {
@@ -603,7 +638,7 @@ impl Backend for Real {
             }
         })?;
         self.follower = Some(follower);
-        self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset });
+        self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel });
         self.kernel_start.store(start, std::sync::atomic::Ordering::SeqCst);
         self.follow_kernel();
         Ok(pid)
@@ -832,20 +867,31 @@ impl Backend for Real {
             config_sha256: crate::reports::sha256_hex(s.text.as_bytes()),
             classifier: self.classifier.clone(),
             warden: std::process::id() as i32,
+            kernel: run.kernel.clone(),
+            log_hold: Some(self.log_hold.clone()),
             order,
         };
         let path = job.state_dir.join(crate::reports::FOLDER).join(&job.name);
         let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
+        let (taken, gate) = oneshot::channel();
+        let (done, ended) = oneshot::channel();
         let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
-            match crate::reports::write(job).await {
+            match crate::reports::write(job, move || {
+                let _ = taken.send(());
+            })
+            .await
+            {
                 Ok(p) => tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display()),
                 Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
             }
             let _ = tx.send(Input::Reported { start });
+            let _ = done.send(());
         });
-        if let Some(old) = self.reporting.replace(task) {
-            old.abort();
-        }
+        // An earlier report still being written goes on.
+        self.reports.retain_mut(|r| r.try_recv() == Err(oneshot::error::TryRecvError::Empty));
+        self.reports.push(ended);
+        self.report_gate = Some(gate);
+        self.reporting = Some(task);
         Some(path)
     }
 

@@ -776,6 +776,9 @@ impl Reader {
         /// and the next read tries again.
         const STEPS: usize = 64;
         let Some(mut rot) = self.rotator.take() else { return true };
+        // A reader of the bytes by offset goes first.
+        let hold = rot.hold();
+        let _held = hold.as_ref().map(|h| h.blocking_lock());
         match self.rotate_by_collapse(&mut rot) {
             Ok(true) => {
                 self.rotator = Some(rot);

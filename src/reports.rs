@@ -121,6 +121,14 @@ pub struct Job {
     pub classifier: Classifier,
     /// The warden's pid: the tree is its descendants.
     pub warden: i32,
+    /// Where the run began among the kernel messages the warden follows,
+    /// if it followed them from before its spawn: with the default
+    /// `reports.kernel-messages`, `kernel.txt` is what the follower read
+    /// since (no command runs), as long as it read on all along.
+    pub kernel: Option<crate::kernel::Mark>,
+    /// Held from the report's start until its log is read: no rotation
+    /// moves the run's lines meanwhile.
+    pub log_hold: Option<crate::rotate::Hold>,
 }
 
 /// `20261130T134105.123Z-kimi-3`: sorts by time.
@@ -180,26 +188,45 @@ fn write_summary(dir: &Path, s: &Summary) -> io::Result<()> {
 /// (the tree first, while it is as it was), `summary.json` first with
 /// `complete: false` and again at the end. The commands run in parallel,
 /// bounded by `reports.timeout` in all; dropping the future kills them.
-pub async fn write(job: Job) -> io::Result<PathBuf> {
+///
+/// `taken` is called once what describes the run as it was has been taken:
+/// its tree, where its log ends, its GPU snapshot and its Python stacks.
+/// What follows (the log read up to that end, the kernel's messages, the
+/// summary, retention) needs nothing of the run any more and may go on
+/// beside a new one.
+pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf> {
     let t0 = Instant::now();
     let budget = job.settings.timeout;
     let dir = job.state_dir.join(FOLDER).join(&job.name);
+    let held = match &job.log_hold {
+        Some(h) => Some(h.clone().lock_owned().await),
+        None => None,
+    };
     let first = job.clone();
-    let (d, mut summary, pythons) = blocking(move || first_parts(&first)).await??;
+    let Taken { dir: d, parts, pythons, log } = blocking(move || first_parts(&first)).await??;
     debug_assert_eq!(d, dir);
+
+    // The log, up to where it ended, beside the commands; the first
+    // summary once it is read.
+    let (second, d) = (job.clone(), dir.clone());
+    let logged = tokio::task::spawn_blocking(move || {
+        let summary = log_parts(&second, &d, parts, log);
+        drop(held);
+        summary
+    });
 
     // The commands, in parallel, within what is left of the budget.
     let left = budget.saturating_sub(t0.elapsed());
     let mut set = tokio::task::JoinSet::new();
+    let mut notes = BTreeMap::new();
     let r = &job.settings;
     let alive = job.order.exit.is_none();
-    let py_spy_dir = dir.join(PY_SPY);
     if r.py_spy.is_empty() {
-        summary.parts.insert(PY_SPY.into(), "off (reports.py-spy = [])".into());
+        notes.insert(PY_SPY.to_string(), "off (reports.py-spy = [])".to_string());
     } else if !alive {
-        summary.parts.insert(PY_SPY.into(), format!("skipped: the server had already exited ({})", exit_text(&job)));
+        notes.insert(PY_SPY.into(), format!("skipped: the server had already exited ({})", exit_text(&job)));
     } else if pythons.is_empty() {
-        summary.parts.insert(PY_SPY.into(), "no Python process in the tree".into());
+        notes.insert(PY_SPY.into(), "no Python process in the tree".into());
     } else {
         for &pid in &pythons {
             let argv: Vec<String> = r.py_spy.iter().map(|a| a.replace("{pid}", &pid.to_string())).collect();
@@ -209,39 +236,70 @@ pub async fn write(job: Job) -> io::Result<PathBuf> {
         }
     }
     if r.gpu_snapshot.is_empty() {
-        summary.parts.insert(GPU.into(), "off (reports.gpu-snapshot = [])".into());
+        notes.insert(GPU.into(), "off (reports.gpu-snapshot = [])".into());
     } else {
         let argv = r.gpu_snapshot.clone();
         set.spawn(async move { (Part::Gpu, crate::prestart::run_command(&argv, left, OUTPUT_MAX, true).await) });
     }
+    // The default command asks the journal for what the follower has read.
+    let followed = job
+        .kernel
+        .as_ref()
+        .filter(|m| r.kernel_messages == crate::config::defaults::REPORTS_KERNEL_MESSAGES && m.since().is_some());
     if r.kernel_messages.is_empty() {
-        summary.parts.insert(KERNEL.into(), "off (reports.kernel-messages = [])".into());
-    } else {
-        let since = job.spawned.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let argv: Vec<String> = r.kernel_messages.iter().map(|a| a.replace("{since}", &since.to_string())).collect();
-        set.spawn(async move { (Part::Kernel, crate::prestart::run_command(&argv, left, OUTPUT_MAX, false).await) });
+        notes.insert(KERNEL.into(), "off (reports.kernel-messages = [])".into());
+    } else if followed.is_none() {
+        set.spawn(kernel_command(&job, left));
+    }
+    // Only the kernel's messages are waited for: the run is taken.
+    let mut taken = Some(taken);
+    let mut waiting = set.len() - usize::from(!r.kernel_messages.is_empty() && followed.is_none());
+    if waiting == 0
+        && let Some(t) = taken.take()
+    {
+        t();
     }
     let mut dumps = 0;
     while let Some(done) = set.join_next().await {
         let Ok((part, result)) = done else { continue };
-        let dir = dir.clone();
-        let py_spy_dir = py_spy_dir.clone();
-        let argv = match part {
-            Part::PySpy(_) => &r.py_spy,
-            Part::Gpu => &r.gpu_snapshot,
-            Part::Kernel => &r.kernel_messages,
-        };
-        let program = argv.first().cloned().unwrap_or_default();
-        let (key, note) = blocking(move || write_output(&dir, &py_spy_dir, part, &program, result)).await?;
-        if matches!(part, Part::PySpy(_)) && note.starts_with("written") {
+        let note = output(&job, &dir, part, result).await?;
+        if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
             dumps += 1;
         }
-        summary.parts.insert(key, note);
+        notes.insert(note.0, note.1);
+        if part != Part::Kernel {
+            waiting -= 1;
+            if waiting == 0
+                && let Some(t) = taken.take()
+            {
+                t();
+            }
+        }
     }
-    if !pythons.is_empty() && alive && !r.py_spy.is_empty() && !summary.parts.contains_key(PY_SPY) {
-        summary.parts.insert(PY_SPY.into(), format!("{dumps} of {} Python process(es) dumped", pythons.len()));
+    if let Some(t) = taken.take() {
+        t();
+    }
+    if !pythons.is_empty() && alive && !r.py_spy.is_empty() && !notes.contains_key(PY_SPY) {
+        notes.insert(PY_SPY.into(), format!("{dumps} of {} Python process(es) dumped", pythons.len()));
+    }
+    if let Some(mark) = followed {
+        // Taken last, so that messages on their way are in.
+        let note = match mark.since() {
+            Some(since) => {
+                let d = dir.clone();
+                blocking(move || write_kernel(&d, &since)).await?
+            }
+            // The follower stopped reading meanwhile: the command after all.
+            None => {
+                let (part, result) = kernel_command(&job, budget.saturating_sub(t0.elapsed())).await;
+                output(&job, &dir, part, result).await?.1
+            }
+        };
+        notes.insert(KERNEL.into(), note);
     }
 
+    let mut summary = logged.await.map_err(io::Error::other)??;
+    summary.parts.extend(notes);
     summary.complete = true;
     summary.timings.report_done = Some(rfc3339(SystemTime::now()));
     let (d, s) = (dir.clone(), summary);
@@ -251,6 +309,35 @@ pub async fn write(job: Job) -> io::Result<PathBuf> {
     let name = job.name.clone();
     blocking(move || retain(&root, &instance, keep, max, &name)).await?;
     Ok(dir)
+}
+
+/// `reports.kernel-messages`, `{since}` the run's spawn.
+fn kernel_command(
+    job: &Job,
+    left: Duration,
+) -> impl Future<Output = (Part, Result<Option<String>, QueryError>)> + use<> {
+    let since = job.spawned.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let argv: Vec<String> =
+        job.settings.kernel_messages.iter().map(|a| a.replace("{since}", &since.to_string())).collect();
+    async move { (Part::Kernel, crate::prestart::run_command(&argv, left, OUTPUT_MAX, false).await) }
+}
+
+/// A command's output into its file: the summary's key and note.
+async fn output(
+    job: &Job,
+    dir: &Path,
+    part: Part,
+    result: Result<Option<String>, QueryError>,
+) -> io::Result<(String, String)> {
+    let r = &job.settings;
+    let argv = match part {
+        Part::PySpy(_) => &r.py_spy,
+        Part::Gpu => &r.gpu_snapshot,
+        Part::Kernel => &r.kernel_messages,
+    };
+    let program = argv.first().cloned().unwrap_or_default();
+    let (dir, py_spy_dir) = (dir.to_path_buf(), dir.join(PY_SPY));
+    blocking(move || write_output(&dir, &py_spy_dir, part, &program, result)).await
 }
 
 fn exit_text(job: &Job) -> String {
@@ -291,17 +378,10 @@ fn write_output(
         }
         Ok(Some(out)) => match part {
             Part::Kernel => {
-                let all = out.lines().count();
-                let faults: Vec<&str> = out.lines().filter(|l| crate::kernel::gpu_related(l)).collect();
-                let mut text = format!(
-                    "# kernel messages since the run's spawn that concern the GPUs: {} of {all}\n",
-                    faults.len()
-                );
-                for l in &faults {
-                    text.push_str(&masked(l));
-                    text.push('\n');
-                }
-                (text, format!("written: {} of {all} kernel message(s) concern the GPUs", faults.len()))
+                let faults: Vec<String> =
+                    out.lines().filter(|l| crate::kernel::gpu_related(l)).map(String::from).collect();
+                let since = crate::kernel::Since { gpu: faults, all: out.lines().count() as u64, cut: false };
+                kernel_text(&since)
             }
             _ => (masked(&out), format!("written ({} bytes)", out.len())),
         },
@@ -319,9 +399,44 @@ fn write_output(
     }
 }
 
-/// The folder, `tree.txt`, `log-tail.txt` and the first `summary.json`;
-/// the pids of the tree's Python processes.
-fn first_parts(job: &Job) -> io::Result<(PathBuf, Summary, Vec<i32>)> {
+/// `kernel.txt` and its note.
+fn kernel_text(since: &crate::kernel::Since) -> (String, String) {
+    let (n, all) = (since.gpu.len(), since.all);
+    let mut text = format!("# kernel messages since the run's spawn that concern the GPUs: {n} of {all}\n");
+    if since.cut {
+        text.push_str("# (the oldest of them were not kept)\n");
+    }
+    for l in &since.gpu {
+        text.push_str(&masked(l));
+        text.push('\n');
+    }
+    (text, format!("written: {n} of {all} kernel message(s) concern the GPUs"))
+}
+
+/// `kernel.txt` from what the warden's follower read; the note.
+fn write_kernel(dir: &Path, since: &crate::kernel::Since) -> String {
+    let (text, note) = kernel_text(since);
+    match create(dir, KERNEL, text.as_bytes()) {
+        Ok(()) => note,
+        Err(e) => format!("cannot write: {e}"),
+    }
+}
+
+/// The run's log, opened when it was taken, and where it ended then.
+type Log = io::Result<(fs::File, u64)>;
+
+/// What [`first_parts`] took of the run.
+struct Taken {
+    dir: PathBuf,
+    /// The parts written so far, and their notes.
+    parts: BTreeMap<String, String>,
+    /// The tree's Python processes.
+    pythons: Vec<i32>,
+    log: Log,
+}
+
+/// The folder and `tree.txt`; the log opened, and where it ends.
+fn first_parts(job: &Job) -> io::Result<Taken> {
     let root = job.state_dir.join(FOLDER);
     fs::DirBuilder::new().recursive(true).mode(0o750).create(&root)?;
     // The folder of every report is made here, never found: a name taken
@@ -337,20 +452,35 @@ fn first_parts(job: &Job) -> io::Result<(PathBuf, Summary, Vec<i32>)> {
         Err(e) => format!("cannot write: {e}"),
     };
     parts.insert(TREE.to_string(), note);
+    let log = fs::File::open(&job.log_file).and_then(|f| {
+        let end = f.metadata()?.len();
+        Ok((f, end))
+    });
+    Ok(Taken { dir, parts, pythons, log })
+}
 
-    let version = vllm_version(&job.log_file, job.log_offset);
-    let note = match log_tail(&job.log_file, job.log_offset, job.settings.lines as usize, job.classifier.clone()) {
-        Ok(tail) => {
+/// `log-tail.txt`, from the log as it was taken, and the first
+/// `summary.json`: the summary.
+fn log_parts(job: &Job, dir: &Path, mut parts: BTreeMap<String, String>, log: Log) -> io::Result<Summary> {
+    let tail = log.and_then(|(f, end)| {
+        let version = vllm_version(&f, job.log_offset, end);
+        let tail =
+            log_tail(&f, &job.log_file, job.log_offset, end, job.settings.lines as usize, job.classifier.clone());
+        tail.map(|t| (t, version))
+    });
+    let (note, version) = match tail {
+        Ok((tail, version)) => {
             let n = format!("written: {} line(s), {} traceback group(s)", tail.lines, tail.groups);
-            match create(&dir, LOG_TAIL, tail.text.as_bytes()) {
+            let note = match create(dir, LOG_TAIL, tail.text.as_bytes()) {
                 Ok(()) => n,
                 Err(e) => format!("cannot write: {e}"),
-            }
+            };
+            (note, version)
         }
         Err(e) => {
             let why = format!("cannot read {}: {e}", job.log_file.display());
-            let _ = create(&dir, LOG_TAIL, format!("{why}\n").as_bytes());
-            why
+            let _ = create(dir, LOG_TAIL, format!("{why}\n").as_bytes());
+            (why, None)
         }
     };
     parts.insert(LOG_TAIL.to_string(), note);
@@ -380,8 +510,8 @@ fn first_parts(job: &Job) -> io::Result<(PathBuf, Summary, Vec<i32>)> {
         parts,
         complete: false,
     };
-    write_summary(&dir, &summary)?;
-    Ok((dir, summary, pythons))
+    write_summary(dir, &summary)?;
+    Ok(summary)
 }
 
 /// The files the patches changed, as their manifest records them.
@@ -487,15 +617,14 @@ pub fn describe_tree(tree: &[ProcStat]) -> String {
 /// vLLM's version, from its banner near the start of the run's log
 /// (`… api_utils.py:347]  ▄▄ ▄█ █ … version 0.32.0`, or, from older
 /// versions, `vLLM API server version 0.6.3`).
-fn vllm_version(log: &Path, offset: u64) -> Option<String> {
+fn vllm_version(mut f: &fs::File, offset: u64, end: u64) -> Option<String> {
     static VERSION: LazyLock<Regex> = LazyLock::new(|| {
         Regex::new(r"(?:vLLM API server version|█\s+version|vLLM version)\s+v?(\d+\.\d+[0-9A-Za-z.+_-]*)")
             .expect("static regex")
     });
-    let mut f = fs::File::open(log).ok()?;
     f.seek(io::SeekFrom::Start(offset)).ok()?;
     let mut buf = Vec::new();
-    f.take(VERSION_SCAN).read_to_end(&mut buf).ok()?;
+    f.take(VERSION_SCAN.min(end.saturating_sub(offset))).read_to_end(&mut buf).ok()?;
     let text = String::from_utf8_lossy(&buf);
     let v = VERSION.captures(&text)?.get(1)?.as_str();
     Some(crate::escape::one_line(v, 64))
@@ -508,12 +637,17 @@ struct Tail {
     groups: usize,
 }
 
-/// The last `keep` lines of the run's log from `offset`, and the traceback
-/// groups seen in it in full, masked. At most the last [`LOG_SCAN`] bytes
-/// are read, in pieces: never the whole file at once.
-fn log_tail(log: &Path, offset: u64, keep: usize, mut classifier: Classifier) -> io::Result<Tail> {
-    let mut f = fs::File::open(log)?;
-    let len = f.metadata()?.len();
+/// The last `keep` lines of the run's log `f` (at `log`) from `offset` to
+/// `len`, and the traceback groups seen in it in full, masked. At most the
+/// last [`LOG_SCAN`] bytes are read, in pieces: never the whole file at once.
+fn log_tail(
+    mut f: &fs::File,
+    log: &Path,
+    offset: u64,
+    len: u64,
+    keep: usize,
+    mut classifier: Classifier,
+) -> io::Result<Tail> {
     let mut notes = Vec::new();
     let from = if len < offset {
         notes.push(format!("the log is shorter than where the run began (offset {offset}): read from its start"));
