@@ -618,17 +618,6 @@ impl Backend for Real {
         let mut env = c.env.clone();
         env.insert(crate::prestart::RUN_TOKEN.into(), self.token.clone());
         let spec = Spec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
-        tracing::info!(
-            INSTANCE = self.settings.name.as_str(),
-            EVENT = "spawn",
-            "running {} (env: {})",
-            redact::command(&spec.argv),
-            redact::env(&spec.env)
-        );
-        // Follow before spawning, so that no line can be missed.
-        let follower = self
-            .follow_log(&file, offset, start)
-            .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
         let kernel = self.kernel.as_ref().and_then(|(_, f)| f.mark());
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
@@ -637,7 +626,23 @@ impl Backend for Real {
                 _ => StartFailure::transient(cause),
             }
         })?;
-        self.follower = Some(follower);
+        // Followed from `offset`, where the child's first line goes: begun
+        // after the spawn, the follower still reads every line.
+        match self.follow_log(&file, offset, start) {
+            Ok(f) => self.follower = Some(f),
+            Err(e) => {
+                // A child whose lines cannot be read cannot be supervised.
+                self.tree.kill_all();
+                return Err(StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())));
+            }
+        }
+        tracing::info!(
+            INSTANCE = self.settings.name.as_str(),
+            EVENT = "spawn",
+            "running {} (env: {})",
+            redact::command(&spec.argv),
+            redact::env(&spec.env)
+        );
         self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel });
         self.kernel_start.store(start, std::sync::atomic::Ordering::SeqCst);
         self.follow_kernel();
