@@ -230,6 +230,32 @@ fn descendants_by_scan(root: i32) -> Vec<ProcStat> {
     out
 }
 
+/// Whether a live process of `root`'s tree is left, `leader`'s zombie aside.
+///
+/// One look at `root`'s children answers when it finds a live one, or none
+/// but helpers and that zombie: any other process of the tree has a live
+/// ancestor among them, or was handed to `root` when its parent exited,
+/// which the leader did before its exit was seen. Another zombie (or a
+/// child gone meanwhile) may have handed its children over during the look:
+/// the whole tree is walked then.
+fn any_left(root: i32, leader: Option<i32>) -> bool {
+    if children_files() {
+        let mut sure = true;
+        for pid in children(root) {
+            match read_stat(pid) {
+                Some(st) if is_helper(&st) => {}
+                Some(st) if st.state == 'Z' || st.state == 'X' => sure &= Some(pid) == leader,
+                Some(_) => return true,
+                None => sure = false,
+            }
+        }
+        if sure {
+            return false;
+        }
+    }
+    !descendants(root).is_empty()
+}
+
 /// What is left of the warden's tree after SIGKILL, one process each: pid,
 /// state, `wchan` (where in the kernel it waits) and name. Reads only
 /// `/proc/PID/{stat,wchan,comm}`, which answer even for a process stuck in
@@ -544,7 +570,7 @@ impl Inner {
     }
 
     fn check_empty(&mut self, me: i32) {
-        if self.watching && (self.leader.is_none() || self.leader_exited) && descendants(me).is_empty() {
+        if self.watching && (self.leader.is_none() || self.leader_exited) && !any_left(me, self.leader) {
             self.gone();
         }
     }
@@ -605,6 +631,25 @@ mod tests {
         a.sort_unstable();
         b.sort_unstable();
         assert_eq!(a, b);
+    }
+
+    /// The one look at our children agrees with the walk: a live child is
+    /// left; an exited leader's zombie, read with WNOWAIT, is not.
+    #[test]
+    fn the_quick_look_agrees_with_the_walk() {
+        let me = std::process::id() as i32;
+        let mut live = Command::new("sleep").arg("30").spawn().unwrap();
+        assert!(any_left(me, None));
+        let _ = live.kill();
+        let _ = live.wait();
+        let mut done = Command::new("true").spawn().unwrap();
+        let pid = done.id() as i32;
+        while exit_of(pid).is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(read_stat(pid).map(|s| s.state), Some('Z'));
+        assert_eq!(any_left(me, Some(pid)), !descendants(me).is_empty());
+        let _ = done.wait();
     }
 
     #[test]
