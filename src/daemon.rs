@@ -345,7 +345,9 @@ impl TreeRecord {
                     self.last = Some((phase, progress, std::time::Instant::now()));
                 }
             }
-            State::Backoff { .. } | State::Done(_) if self.last.is_some() => {
+            // The tree is gone (a start without a backoff clears it here,
+            // beside its pre-start steps).
+            State::Backoff { .. } | State::Launching { .. } | State::Done(_) if self.last.is_some() => {
                 self.post(RecordJob::Clear);
                 self.last = None;
             }
