@@ -262,11 +262,6 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     let mut dumps = 0;
     while let Some(done) = set.join_next().await {
         let Ok((part, result)) = done else { continue };
-        let note = output(&job, &dir, part, result).await?;
-        if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
-            dumps += 1;
-        }
-        notes.insert(note.0, note.1);
         if part != Part::Kernel {
             waiting -= 1;
             if waiting == 0
@@ -275,6 +270,11 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
                 t();
             }
         }
+        let note = output(&job, &dir, part, result).await?;
+        if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
+            dumps += 1;
+        }
+        notes.insert(note.0, note.1);
     }
     if let Some(t) = taken.take() {
         t();
@@ -789,6 +789,11 @@ pub struct Listed {
 /// The reports of `instance` in `state_dir`, oldest first: only folders
 /// whose names are ours, not symlinks.
 pub fn list(state_dir: &Path, instance: &str) -> io::Result<Vec<Listed>> {
+    list_with(state_dir, instance, true)
+}
+
+/// [`list`], the summaries read or not.
+fn list_with(state_dir: &Path, instance: &str, summaries: bool) -> io::Result<Vec<Listed>> {
     let root = state_dir.join(FOLDER);
     let entries = match fs::read_dir(&root) {
         Ok(e) => e,
@@ -805,7 +810,7 @@ pub fn list(state_dir: &Path, instance: &str) -> io::Result<Vec<Listed>> {
         }
         let path = entry.path();
         let size = size_of(&path);
-        let summary = read_summary(&path);
+        let summary = if summaries { read_summary(&path) } else { None };
         out.push(Listed { name, path, attempt, size, summary });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -955,7 +960,7 @@ fn remove(dir: &Path) -> io::Result<()> {
 /// all, removing the oldest first; the newest (`current`) is always kept.
 pub fn retain(root: &Path, instance: &str, keep: u32, max: u64, current: &str) {
     let Some(state) = root.parent() else { return };
-    let Ok(all) = list(state, instance) else { return };
+    let Ok(all) = list_with(state, instance, false) else { return };
     let mut total: u64 = all.iter().map(|r| r.size).sum();
     let mut count = all.len();
     for r in &all {
