@@ -317,21 +317,26 @@ pub struct Verdict {
 }
 
 /// Classifies lines with the effective patterns.
+///
+/// Its copies share the compiled patterns and their search caches (a
+/// regex's clone starts with caches of its own, which are built again from
+/// the first lines it reads): each run's follower, and each failure report,
+/// goes on where the last left off.
 #[derive(Debug, Clone)]
 pub struct Classifier {
     /// Every pattern of every list as one set: a line that matches none of
     /// them (nearly every line) is plain after one search. `None` when the
     /// lists together pass the size limit (each list alone is checked).
-    any: Option<RegexSet>,
-    ignore: RegexSet,
-    fatal: RegexSet,
-    permanent: RegexSet,
-    ready: RegexSet,
-    progress: RegexSet,
+    any: Option<Arc<RegexSet>>,
+    ignore: Arc<RegexSet>,
+    fatal: Arc<RegexSet>,
+    permanent: Arc<RegexSet>,
+    ready: Arc<RegexSet>,
+    progress: Arc<RegexSet>,
     /// The prefix, for lines where a Unicode digit stands where vLLM writes
     /// an ASCII one ([`parse_prefix`] reads every other line).
-    prefix: Regex,
-    shards: Regex,
+    prefix: Arc<Regex>,
+    shards: Arc<Regex>,
     /// Traceback state per process (vLLM prefixes each line with its
     /// process; raw stderr lines share the key "").
     tracebacks: Tracebacks,
@@ -350,7 +355,7 @@ impl Classifier {
     /// Patterns must have been validated (see `config`).
     pub fn new(p: &Patterns) -> Result<Classifier, regex::Error> {
         let lists = [&p.ignore, &p.fatal, &p.permanent, &p.ready, &p.progress];
-        let [ignore, fatal, permanent, ready, progress] = lists.map(RegexSet::new);
+        let [ignore, fatal, permanent, ready, progress] = lists.map(|l| RegexSet::new(l).map(Arc::new));
         let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).collect();
         Ok(Classifier {
             ignore: ignore?,
@@ -358,13 +363,15 @@ impl Classifier {
             permanent: permanent?,
             ready: ready?,
             progress: progress?,
-            any: RegexSet::new(all).ok(),
-            prefix: Regex::new(
+            any: RegexSet::new(all).ok().map(Arc::new),
+            prefix: Arc::new(Regex::new(
                 r"^(?:\((?<proc>[^)]*)\) (?<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?|(?<ulevel>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+)",
             )
-            .expect("static regex"),
-            shards: Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
-                .expect("static regex"),
+            .expect("static regex")),
+            shards: Arc::new(
+                Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
+                    .expect("static regex"),
+            ),
             tracebacks: Tracebacks::default(),
             next_group: 0,
         })
