@@ -312,6 +312,8 @@ struct Inner {
     leader_exited: bool,
     /// Report `Empty` once the tree is gone.
     watching: bool,
+    /// `Empty` was reported since the last spawn.
+    emptied: bool,
     /// SIGKILL every descendant found after each reap.
     killing: bool,
     events: Box<dyn Fn(TreeEvent) + Send>,
@@ -339,6 +341,7 @@ impl Tree {
             leader: None,
             leader_exited: true,
             watching: false,
+            emptied: false,
             killing: false,
             events: Box::new(events),
         }));
@@ -408,6 +411,7 @@ impl Tree {
         inner.leader = Some(pid as i32);
         inner.leader_exited = false;
         inner.watching = false;
+        inner.emptied = false;
         inner.killing = false;
         Ok(pid)
     }
@@ -419,10 +423,17 @@ impl Tree {
         inner.leader = Some(pid as i32);
         inner.leader_exited = false;
         inner.watching = false;
+        inner.emptied = false;
         inner.killing = false;
         // It may have exited during the exec: its exit waits to be reaped.
         let me = self.me;
         inner.reap(me, Leader::Now);
+    }
+
+    /// Nothing of the tree is left, and `Empty` was reported: after the
+    /// leader's exit, no process can join it before the next spawn.
+    pub fn is_gone(&self) -> bool {
+        lock(&self.inner).emptied
     }
 
     /// The leader while it lives.
@@ -576,6 +587,7 @@ impl Inner {
     }
 
     fn gone(&mut self) {
+        self.emptied = true;
         self.watching = false;
         self.killing = false;
         (self.events)(TreeEvent::Empty);

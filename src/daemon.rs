@@ -874,6 +874,7 @@ impl Backend for Real {
             config_sha256: crate::reports::sha256_hex(s.text.as_bytes()),
             classifier: self.classifier.clone(),
             warden: std::process::id() as i32,
+            tree_gone: self.tree.is_gone(),
             kernel: run.kernel.clone(),
             log_hold: Some(self.log_hold.clone()),
             order,

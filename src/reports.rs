@@ -121,6 +121,9 @@ pub struct Job {
     pub classifier: Classifier,
     /// The warden's pid: the tree is its descendants.
     pub warden: i32,
+    /// Nothing of the tree was left when the report was asked for (the
+    /// server had exited): there is nothing to look for.
+    pub tree_gone: bool,
     /// Where the run began among the kernel messages the warden follows,
     /// if it followed them from before its spawn: with the default
     /// `reports.kernel-messages`, `kernel.txt` is what the follower read
@@ -445,7 +448,7 @@ fn first_parts(job: &Job) -> io::Result<Taken> {
     fs::DirBuilder::new().mode(0o750).create(&dir)?;
     let mut parts = BTreeMap::new();
 
-    let tree = crate::child::descendants(job.warden);
+    let tree = if job.tree_gone { Vec::new() } else { crate::child::descendants(job.warden) };
     let pythons: Vec<i32> = tree.iter().filter(|p| is_python(p.pid)).map(|p| p.pid).collect();
     let note = match create(&dir, TREE, describe_tree(&tree).as_bytes()) {
         Ok(()) => format!("written: {} process(es), {} of them Python", tree.len(), pythons.len()),
