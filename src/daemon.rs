@@ -540,12 +540,14 @@ impl Real {
         }
     }
 
-    /// Wait, up to `within`, for the failure reports still being written.
+    /// Wait, up to `within`, for the failure reports still being written,
+    /// and for the file work of those given up.
     async fn finish_reports(&mut self, within: Duration) {
         let deadline = tokio::time::Instant::now() + within;
         for r in self.reports.drain(..) {
             let _ = tokio::time::timeout_at(deadline, r).await;
         }
+        crate::reports::settle(deadline.saturating_duration_since(tokio::time::Instant::now())).await;
     }
 
     fn stop_checks(&mut self) {

@@ -4,8 +4,8 @@
 //! `summary.json`, `log-tail.txt`, `tree.txt`, `py-spy/<pid>.txt`,
 //! `gpu.txt`, `kernel.txt`; and their retention (`reports.keep`,
 //! `reports.max-size`). Secrets are masked in every file. When a run fails
-//! and what follows is not known here (see `supervisor`); nor is how the
-//! work is scheduled (see `daemon`).
+//! and what follows is not known here (see `supervisor`); nor is when a
+//! report is begun or given up (see `daemon`).
 //!
 //! What is read is someone else's: the log, `/proc`, the commands' output
 //! and the reports folder itself. Reads are bounded; only folders whose
@@ -211,8 +211,8 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
 
     // The log, up to where it ended, beside the commands; the first
     // summary once it is read.
-    let (second, d) = (job.clone(), dir.clone());
-    let logged = tokio::task::spawn_blocking(move || {
+    let (second, d, later) = (job.clone(), dir.clone(), job.tree_gone);
+    let logged = work(later, move || {
         let summary = log_parts(&second, &d, parts, log);
         drop(held);
         summary
@@ -290,7 +290,7 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         let note = match mark.since() {
             Some(since) => {
                 let d = dir.clone();
-                blocking(move || write_kernel(&d, &since)).await?
+                work(later, move || write_kernel(&d, &since)).await?
             }
             // The follower stopped reading meanwhile: the command after all.
             None => {
@@ -301,16 +301,16 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         notes.insert(KERNEL.into(), note);
     }
 
-    let mut summary = logged.await.map_err(io::Error::other)??;
+    let mut summary = logged.await??;
     summary.parts.extend(notes);
     summary.complete = true;
     summary.timings.report_done = Some(rfc3339(SystemTime::now()));
     let (d, s) = (dir.clone(), summary);
-    blocking(move || write_summary(&d, &s)).await??;
+    work(later, move || write_summary(&d, &s)).await??;
     let (root, instance, keep, max) =
         (job.state_dir.join(FOLDER), job.instance.clone(), job.settings.keep, job.settings.max_size);
     let name = job.name.clone();
-    blocking(move || retain(&root, &instance, keep, max, &name)).await?;
+    work(later, move || retain(&root, &instance, keep, max, &name)).await?;
     Ok(dir)
 }
 
@@ -340,7 +340,7 @@ async fn output(
     };
     let program = argv.first().cloned().unwrap_or_default();
     let (dir, py_spy_dir) = (dir.to_path_buf(), dir.join(PY_SPY));
-    blocking(move || write_output(&dir, &py_spy_dir, part, &program, result)).await
+    work(job.tree_gone, move || write_output(&dir, &py_spy_dir, part, &program, result)).await
 }
 
 fn exit_text(job: &Job) -> String {
@@ -349,6 +349,52 @@ fn exit_text(job: &Job) -> String {
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
     tokio::task::spawn_blocking(f).await.map_err(io::Error::other)
+}
+
+/// File work of a report, handed over now: to [`LATER`] when `later`, else
+/// to the blocking pool. Its result when it is done.
+fn work<T: Send + 'static>(later: bool, f: impl FnOnce() -> T + Send + 'static) -> impl Future<Output = io::Result<T>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let job: Work = Box::new(move || {
+        let _ = tx.send(f());
+    });
+    let job = match LATER.as_ref().filter(|_| later) {
+        Some(worker) => worker.send(job).err().map(|e| e.0),
+        None => Some(job),
+    };
+    if let Some(job) = job {
+        drop(tokio::task::spawn_blocking(job));
+    }
+    async move { rx.await.map_err(|_| io::Error::other("the report's file work panicked")) }
+}
+
+type Work = Box<dyn FnOnce() + Send>;
+
+/// The nice value of [`LATER`]'s thread.
+const LATER_NICE: i32 = 10;
+
+/// The file work of the reports of runs with nothing left (the log read,
+/// the files, retention): one thread, at a lower CPU priority, one job at a
+/// time, in order. It yields to the start that goes on beside it; a report
+/// the machine waits for (a run still there) uses the blocking pool.
+static LATER: LazyLock<Option<std::sync::mpsc::Sender<Work>>> = LazyLock::new(|| {
+    let (tx, rx) = std::sync::mpsc::channel::<Work>();
+    let spawned = std::thread::Builder::new().name("failure reports".into()).spawn(move || {
+        // SAFETY: setpriority on this thread (who = its tid) takes no pointer.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, LATER_NICE);
+        }
+        for job in rx {
+            // A panic is the job's: its result is never sent; the thread goes on.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        }
+    });
+    spawned.ok().map(|_| tx)
+});
+
+/// Wait, up to `within`, for the file work handed over so far to be done.
+pub async fn settle(within: Duration) {
+    let _ = tokio::time::timeout(within, work(true, || ())).await;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
