@@ -367,6 +367,8 @@ struct RunRecord {
     offset: u64,
     /// Where the run began among the kernel messages followed.
     kernel: Option<crate::kernel::Mark>,
+    /// The child's log file, as it was given it.
+    log: Option<Arc<std::fs::File>>,
 }
 
 /// How often a ready child's log is read at most.
@@ -647,7 +649,8 @@ impl Backend for Real {
             redact::command(&spec.argv),
             redact::env(&spec.env)
         );
-        self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel });
+        let log = file.try_clone().ok().map(Arc::new);
+        self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
         self.kernel_start.store(start, std::sync::atomic::Ordering::SeqCst);
         self.follow_kernel();
         Ok(pid)
@@ -877,6 +880,9 @@ impl Backend for Real {
             classifier: self.classifier.clone(),
             warden: std::process::id() as i32,
             tree_gone: self.tree.is_gone(),
+            // The follower read the log to its end after the exit (the
+            // driver waited for it): where the run's lines end.
+            log_taken: run.log.clone().zip(self.follower.as_ref().and_then(Follower::drained_to)),
             kernel: run.kernel.clone(),
             log_hold: Some(self.log_hold.clone()),
             order,

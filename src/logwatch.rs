@@ -583,6 +583,10 @@ struct Control {
     /// hand on whole.
     ended: Mutex<Option<u64>>,
     ended_now: std::sync::Condvar,
+    /// Where the last read asked for by [`Follower::drain`] ended (the end
+    /// of the file then), before its [`Delivery::Drained`] was sent;
+    /// `u64::MAX` before one.
+    drained: std::sync::atomic::AtomicU64,
 }
 
 impl Control {
@@ -906,8 +910,13 @@ impl Follower {
             AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE,
         )?;
         let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
-        let control =
-            Arc::new(Control { asked: Mutex::default(), wake, ended: Mutex::default(), ended_now: Default::default() });
+        let control = Arc::new(Control {
+            asked: Mutex::default(),
+            wake,
+            ended: Mutex::default(),
+            ended_now: Default::default(),
+            drained: u64::MAX.into(),
+        });
         let gauge = Gauge::default();
         let reader = Reader {
             file,
@@ -948,6 +957,12 @@ impl Follower {
     /// Classify with `classifier` (reloaded patterns) from the next read on.
     pub fn reclassify(&self, classifier: Classifier) {
         self.control.ask(|a| a.classifier = Some(classifier));
+    }
+
+    /// Where the file ended when the follower last read it to its end for
+    /// [`Follower::drain`]: known once its [`Delivery::Drained`] is received.
+    pub fn drained_to(&self) -> Option<u64> {
+        Some(self.control.drained.load(Ordering::SeqCst)).filter(|at| *at != u64::MAX)
     }
 
     /// Read at most every `every` from now on: a serving child's lines are
@@ -1033,8 +1048,11 @@ fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Contro
                 return;
             }
         }
-        if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
-            return;
+        if drain {
+            control.drained.store(reader.pos, Ordering::SeqCst);
+            if reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
+                return;
+            }
         }
         if let Some(pace) = pace {
             // Let lines gather; only a request ends the pause early.

@@ -16,9 +16,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::fs;
 use std::io::{self, Read, Seek};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use regex::Regex;
@@ -124,6 +125,11 @@ pub struct Job {
     /// Nothing of the tree was left when the report was asked for (the
     /// server had exited): there is nothing to look for.
     pub tree_gone: bool,
+    /// The run's log (the child's own descriptor) and where it ended, when
+    /// already known: the log was read to its end after the exit. With
+    /// `tree_gone`, nothing of the run is then left to take before a new
+    /// one starts but its GPU snapshot.
+    pub log_taken: Option<(Arc<fs::File>, u64)>,
     /// Where the run began among the kernel messages the warden follows,
     /// if it followed them from before its spawn: with the default
     /// `reports.kernel-messages`, `kernel.txt` is what the follower read
@@ -205,15 +211,25 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         Some(h) => Some(h.clone().lock_owned().await),
         None => None,
     };
-    let first = job.clone();
-    let Taken { dir: d, parts, pythons, log } = blocking(move || first_parts(&first)).await??;
-    debug_assert_eq!(d, dir);
+    // What describes the run as it was, unless known already.
+    let later = job.tree_gone;
+    let looked = if later && job.log_taken.is_some() {
+        None
+    } else {
+        let first = job.clone();
+        Some(blocking(move || look(&first)).await?)
+    };
+    let pythons = looked.as_ref().map(|l| l.pythons.clone()).unwrap_or_default();
 
-    // The log, up to where it ended, beside the commands; the first
-    // summary once it is read.
-    let (second, d, later) = (job.clone(), dir.clone(), job.tree_gone);
+    // The folder and the tree, then the log up to where it ended, beside
+    // the commands; the first summary once it is read.
+    let (made_tx, made) = tokio::sync::watch::channel(false);
+    let (second, d) = (job.clone(), dir.clone());
     let logged = work(later, move || {
-        let summary = log_parts(&second, &d, parts, log);
+        let look = looked.unwrap_or_else(|| look(&second));
+        let parts = make_folder(&second, &d, &look.tree)?;
+        let _ = made_tx.send(true);
+        let summary = log_parts(&second, &d, parts, look.log);
         drop(held);
         summary
     });
@@ -273,6 +289,10 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
                 t();
             }
         }
+        if made.clone().wait_for(|m| *m).await.is_err() {
+            // No folder: the report fails below.
+            continue;
+        }
         let note = output(&job, &dir, part, result).await?;
         if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
             dumps += 1;
@@ -285,7 +305,9 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     if !pythons.is_empty() && alive && !r.py_spy.is_empty() && !notes.contains_key(PY_SPY) {
         notes.insert(PY_SPY.into(), format!("{dumps} of {} Python process(es) dumped", pythons.len()));
     }
-    if let Some(mark) = followed {
+    if let Some(mark) = followed
+        && made.clone().wait_for(|m| *m).await.is_ok()
+    {
         // Taken last, so that messages on their way are in.
         let note = match mark.since() {
             Some(since) => {
@@ -474,38 +496,45 @@ fn write_kernel(dir: &Path, since: &crate::kernel::Since) -> String {
 /// The run's log, opened when it was taken, and where it ended then.
 type Log = io::Result<(fs::File, u64)>;
 
-/// What [`first_parts`] took of the run.
-struct Taken {
-    dir: PathBuf,
-    /// The parts written so far, and their notes.
-    parts: BTreeMap<String, String>,
+/// What describes the run as it was, taken before anything is written.
+struct Look {
+    /// `tree.txt`, and how many processes it names, how many Python.
+    tree: (String, usize, usize),
     /// The tree's Python processes.
     pythons: Vec<i32>,
     log: Log,
 }
 
-/// The folder and `tree.txt`; the log opened, and where it ends.
-fn first_parts(job: &Job) -> io::Result<Taken> {
+/// The tree, described; the log opened, and where it ends.
+fn look(job: &Job) -> Look {
+    let tree = if job.tree_gone { Vec::new() } else { crate::child::descendants(job.warden) };
+    let pythons: Vec<i32> = tree.iter().filter(|p| is_python(p.pid)).map(|p| p.pid).collect();
+    let text = describe_tree(&tree);
+    let log = match &job.log_taken {
+        // A file of its own on the same inode: the child's descriptor
+        // shares its offset.
+        Some((f, end)) => fs::File::open(format!("/proc/self/fd/{}", f.as_raw_fd())).map(|f| (f, *end)),
+        None => fs::File::open(&job.log_file).and_then(|f| {
+            let end = f.metadata()?.len();
+            Ok((f, end))
+        }),
+    };
+    Look { tree: (text, tree.len(), pythons.len()), pythons, log }
+}
+
+/// The report's folder and `tree.txt`: the parts so far, and their notes.
+fn make_folder(job: &Job, dir: &Path, tree: &(String, usize, usize)) -> io::Result<BTreeMap<String, String>> {
     let root = job.state_dir.join(FOLDER);
     fs::DirBuilder::new().recursive(true).mode(0o750).create(&root)?;
     // The folder of every report is made here, never found: a name taken
     // (a report of the same millisecond) is an error, not a reuse.
-    let dir = root.join(&job.name);
-    fs::DirBuilder::new().mode(0o750).create(&dir)?;
-    let mut parts = BTreeMap::new();
-
-    let tree = if job.tree_gone { Vec::new() } else { crate::child::descendants(job.warden) };
-    let pythons: Vec<i32> = tree.iter().filter(|p| is_python(p.pid)).map(|p| p.pid).collect();
-    let note = match create(&dir, TREE, describe_tree(&tree).as_bytes()) {
-        Ok(()) => format!("written: {} process(es), {} of them Python", tree.len(), pythons.len()),
+    fs::DirBuilder::new().mode(0o750).create(dir)?;
+    let (text, n, pythons) = tree;
+    let note = match create(dir, TREE, text.as_bytes()) {
+        Ok(()) => format!("written: {n} process(es), {pythons} of them Python"),
         Err(e) => format!("cannot write: {e}"),
     };
-    parts.insert(TREE.to_string(), note);
-    let log = fs::File::open(&job.log_file).and_then(|f| {
-        let end = f.metadata()?.len();
-        Ok((f, end))
-    });
-    Ok(Taken { dir, parts, pythons, log })
+    Ok(BTreeMap::from([(TREE.to_string(), note)]))
 }
 
 /// `log-tail.txt`, from the log as it was taken, and the first
