@@ -667,9 +667,7 @@ impl Backend for Real {
         self.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
             let mut delay = Duration::from_millis(20);
             loop {
-                let u = url.clone();
-                let ok = tokio::task::spawn_blocking(move || crate::health::http_ok(&u, Duration::from_secs(5))).await;
-                if matches!(ok, Ok(true)) {
+                if crate::health::http_ok_async(&url, Duration::from_secs(5)).await {
                     let _ = tx.send(Input::HttpReady { start });
                     return;
                 }
