@@ -198,6 +198,10 @@ impl driver::Observer for Reports {
         self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
     }
 
+    fn settled(&mut self) {
+        self.tree.settle();
+    }
+
     fn put_off(&self) -> bool {
         self.status.due().is_some()
     }
@@ -267,6 +271,9 @@ struct TreeRecord {
     worker: Option<std::thread::JoinHandle<()>>,
     /// The phase, progress and instant of the last record, while there is one.
     last: Option<(crate::outcome::Phase, Option<String>, std::time::Instant)>,
+    /// A job due, posted once the change's notifications are sent (the
+    /// recorder's thread must not hold them back).
+    due: Option<RecordJob>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -309,17 +316,25 @@ impl TreeRecord {
                 tracing::warn!(error = %e, "cannot start the tree recorder: a killed warden's leftovers will not be found")
             })
             .ok();
-        TreeRecord { state_dir, mailbox, worker, last: None }
+        TreeRecord { state_dir, mailbox, worker, last: None, due: None }
     }
 
     /// The warden is done and its tree gone: wait for the recorder, then
     /// leave no record behind.
     fn finish(&mut self) {
+        self.settle();
         self.post(RecordJob::Stop);
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
         crate::prestart::clear_record(&self.state_dir);
+    }
+
+    /// Post the job due, if any.
+    fn settle(&mut self) {
+        if let Some(job) = self.due.take() {
+            self.post(job);
+        }
     }
 
     fn post(&self, job: RecordJob) {
@@ -341,14 +356,14 @@ impl TreeRecord {
                     None => true,
                 };
                 if due {
-                    self.post(RecordJob::Record);
+                    self.due = Some(RecordJob::Record);
                     self.last = Some((phase, progress, std::time::Instant::now()));
                 }
             }
             // The tree is gone (a start without a backoff clears it here,
             // beside its pre-start steps).
             State::Backoff { .. } | State::Launching { .. } | State::Done(_) if self.last.is_some() => {
-                self.post(RecordJob::Clear);
+                self.due = Some(RecordJob::Clear);
                 self.last = None;
             }
             _ => {}

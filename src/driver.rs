@@ -201,6 +201,9 @@ pub trait Observer {
         None
     }
     fn flush(&mut self) {}
+    /// After the effects of an event, its notifications sent: work that
+    /// must not delay them.
+    fn settled(&mut self) {}
     /// A write that notifications depend on (the status files) was put
     /// off: the notes of the same change wait for it. Housekeeping that
     /// [`Observer::due`] also wakes up for (a journal count) holds nothing.
@@ -431,6 +434,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 }
             }
         }
+        self.observer.settled();
     }
 
     /// The machine is ready and an upgrade was asked for: stop following
