@@ -8,6 +8,7 @@ use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -619,20 +620,28 @@ pub async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<
     }
 }
 
-/// A helper command of the warden (not part of the child's tree) while it
-/// runs: its group is SIGKILLed when this is dropped before it finished (a
-/// timeout, a cancelled start or report).
+/// A helper command of the warden (not part of the child's tree), as its
+/// thread and its caller see it: its group, once started; whether its
+/// caller gave up on it (then it is SIGKILLed as soon as it is known), and
+/// whether it finished (then its group may be gone and its id reused).
+#[derive(Debug, Default)]
 struct Helper {
-    group: nix::unistd::Pid,
+    group: Option<nix::unistd::Pid>,
+    given_up: bool,
     finished: bool,
 }
 
-impl Drop for Helper {
+/// The caller's hold on a [`Helper`]: dropped before the command finished
+/// (a timeout, a cancelled start or report), its group is SIGKILLed.
+struct Hold(Arc<Mutex<Helper>>);
+
+impl Drop for Hold {
     fn drop(&mut self) {
-        if !self.finished {
-            let _ = nix::sys::signal::killpg(self.group, Signal::SIGKILL);
+        let mut h = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        h.given_up = true;
+        if let Some(group) = h.group.filter(|_| !h.finished) {
+            let _ = nix::sys::signal::killpg(group, Signal::SIGKILL);
         }
-        crate::child::unregister_helper(self.group.as_raw());
     }
 }
 
@@ -641,20 +650,51 @@ impl Drop for Helper {
 /// warden's systemd variables and log level in its environment. `Ok(None)`: the
 /// command is not installed. It runs in its own process group, which is
 /// SIGKILLed when the time is up or when the future is dropped; it is not
-/// counted as part of the child's tree. Its output is read in a blocking
-/// thread; the warden's reaper collects its exit, which is not needed.
+/// counted as part of the child's tree. It is looked up, started and read
+/// in a blocking thread (starting a process holds the thread that does it
+/// until the process has exec'd); the warden's reaper collects its exit,
+/// which is not needed.
 pub async fn run_command(
     cmd: &[String],
     timeout: Duration,
     max: u64,
     stderr: bool,
 ) -> Result<Option<String>, QueryError> {
-    use std::os::unix::process::CommandExt;
     let shown = crate::redact::command(cmd);
-    let Some(first) = cmd.first() else { return Ok(None) };
+    if cmd.is_empty() {
+        return Ok(None);
+    }
+    let helper = Arc::new(Mutex::new(Helper::default()));
+    // Killed however this ends: in time, late, or dropped by a cancel.
+    let hold = Hold(helper.clone());
+    let (argv, what) = (cmd.to_vec(), shown.clone());
+    let run = tokio::task::spawn_blocking(move || run_helper(&argv, &what, max, stderr, &helper));
+    match tokio::time::timeout(timeout, run).await {
+        Ok(run) => {
+            drop(hold);
+            run.unwrap_or_else(|e| Err(QueryError::Failed(format!("{shown}: {e}"))))
+        }
+        Err(_) => {
+            drop(hold);
+            let t = humantime::format_duration(timeout);
+            Err(QueryError::TimedOut(format!("{shown} did not answer within {t} (killed)")))
+        }
+    }
+}
+
+/// [`run_command`]'s blocking part.
+fn run_helper(
+    cmd: &[String],
+    shown: &str,
+    max: u64,
+    stderr: bool,
+    helper: &Mutex<Helper>,
+) -> Result<Option<String>, QueryError> {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
     // Looked up before starting anything: on a machine without GPUs the
     // query is missing, and a start attempt that fails costs a process.
-    let Ok(program) = which::which(first) else { return Ok(None) };
+    let Ok(program) = which::which(&cmd[0]) else { return Ok(None) };
     let mut command = std::process::Command::new(program);
     command.args(&cmd[1..]).stdin(std::process::Stdio::null()).process_group(0);
     // Neither systemd's variables nor the warden's log level are the
@@ -682,30 +722,23 @@ pub async fn run_command(
     };
     let group = nix::unistd::Pid::from_raw(child.id() as i32);
     crate::child::register_helper(group.as_raw());
-    // Killed however this ends: in time, late, or dropped by a cancel.
-    let mut helper = Helper { group, finished: false };
-    let read = tokio::task::spawn_blocking(move || {
-        use std::io::Read;
-        // A bounded read: a runaway command cannot fill the warden's memory.
-        let mut out = Vec::new();
-        let _ = (&reader).take(max).read_to_end(&mut out);
-        drop(reader);
-        let _ = child.wait();
-        String::from_utf8_lossy(&out).into_owned()
-    });
-    match tokio::time::timeout(timeout, read).await {
-        Ok(read) => {
-            // It closed its output and was waited for: the group may be
-            // gone and its id reused, so it is not signalled.
-            helper.finished = true;
-            read.map(Some).map_err(|e| QueryError::Failed(format!("{shown}: {e}")))
+    {
+        let mut h = helper.lock().unwrap_or_else(|p| p.into_inner());
+        if h.given_up {
+            let _ = nix::sys::signal::killpg(group, Signal::SIGKILL);
         }
-        Err(_) => {
-            drop(helper);
-            let t = humantime::format_duration(timeout);
-            Err(QueryError::TimedOut(format!("{shown} did not answer within {t} (killed)")))
-        }
+        h.group = Some(group);
     }
+    // A bounded read: a runaway command cannot fill the warden's memory.
+    let mut out = Vec::new();
+    let _ = (&reader).take(max).read_to_end(&mut out);
+    drop(reader);
+    // It closed its output: once waited for, its group may be gone and its
+    // id reused, so it is not signalled any more (given up, it was killed).
+    helper.lock().unwrap_or_else(|p| p.into_inner()).finished = true;
+    let _ = child.wait();
+    crate::child::unregister_helper(group.as_raw());
+    Ok(Some(String::from_utf8_lossy(&out).into_owned()))
 }
 
 /// Where vLLM leaves `vllm_dist_*` files: the temporary folders.
