@@ -650,10 +650,10 @@ impl Drop for Hold {
 /// warden's systemd variables and log level in its environment. `Ok(None)`: the
 /// command is not installed. It runs in its own process group, which is
 /// SIGKILLed when the time is up or when the future is dropped; it is not
-/// counted as part of the child's tree. It is looked up, started and read
-/// in a blocking thread (starting a process holds the thread that does it
-/// until the process has exec'd); the warden's reaper collects its exit,
-/// which is not needed.
+/// counted as part of the child's tree. It is started and read in a
+/// blocking thread (starting a process holds the thread that does it until
+/// the process has exec'd); the warden's reaper collects its exit, which is
+/// not needed.
 pub async fn run_command(
     cmd: &[String],
     timeout: Duration,
@@ -661,14 +661,15 @@ pub async fn run_command(
     stderr: bool,
 ) -> Result<Option<String>, QueryError> {
     let shown = crate::redact::command(cmd);
-    if cmd.is_empty() {
-        return Ok(None);
-    }
+    let Some(first) = cmd.first() else { return Ok(None) };
+    // Looked up before starting anything: on a machine without GPUs the
+    // query is missing, and a start attempt that fails costs a process.
+    let Ok(program) = which::which(first) else { return Ok(None) };
     let helper = Arc::new(Mutex::new(Helper::default()));
     // Killed however this ends: in time, late, or dropped by a cancel.
     let hold = Hold(helper.clone());
-    let (argv, what) = (cmd.to_vec(), shown.clone());
-    let run = tokio::task::spawn_blocking(move || run_helper(&argv, &what, max, stderr, &helper));
+    let (args, what) = (cmd[1..].to_vec(), shown.clone());
+    let run = tokio::task::spawn_blocking(move || run_helper(program, &args, &what, max, stderr, &helper));
     match tokio::time::timeout(timeout, run).await {
         Ok(run) => {
             drop(hold);
@@ -684,7 +685,8 @@ pub async fn run_command(
 
 /// [`run_command`]'s blocking part.
 fn run_helper(
-    cmd: &[String],
+    program: PathBuf,
+    args: &[String],
     shown: &str,
     max: u64,
     stderr: bool,
@@ -692,11 +694,8 @@ fn run_helper(
 ) -> Result<Option<String>, QueryError> {
     use std::io::Read;
     use std::os::unix::process::CommandExt;
-    // Looked up before starting anything: on a machine without GPUs the
-    // query is missing, and a start attempt that fails costs a process.
-    let Ok(program) = which::which(&cmd[0]) else { return Ok(None) };
     let mut command = std::process::Command::new(program);
-    command.args(&cmd[1..]).stdin(std::process::Stdio::null()).process_group(0);
+    command.args(args).stdin(std::process::Stdio::null()).process_group(0);
     // Neither systemd's variables nor the warden's log level are the
     // command's (py-spy reads RUST_LOG too, and writes its debug log into
     // its output).
