@@ -1035,14 +1035,16 @@ fn remove(dir: &Path) -> io::Result<()> {
 }
 
 /// Keep the newest `keep` reports of `instance`, and within `max` bytes in
-/// all, removing the oldest first; the newest (`current`) is always kept.
+/// all, removing the oldest first; the report just written (`current`) is
+/// always kept, and so is any newer one (a later run's, being written
+/// beside it: its own retention follows).
 pub fn retain(root: &Path, instance: &str, keep: u32, max: u64, current: &str) {
     let Some(state) = root.parent() else { return };
     let Ok(all) = list_with(state, instance, false) else { return };
     let mut total: u64 = all.iter().map(|r| r.size).sum();
     let mut count = all.len();
     for r in &all {
-        if r.name == current || (count <= keep as usize && total <= max) {
+        if r.name.as_str() >= current || (count <= keep as usize && total <= max) {
             continue;
         }
         match remove(&r.path) {

@@ -149,6 +149,16 @@ fn retention_removes_the_oldest_of_ours_and_nothing_else() {
     retain(&root, "t", 20, 10, &names[4]);
     let left: Vec<String> = list(state.path(), "t").unwrap().into_iter().map(|r| r.name).collect();
     assert_eq!(left, vec![names[1].clone(), names[4].clone()]);
+    // A later run's report, written beside an earlier one, is never the
+    // earlier one's to remove.
+    let later = "20261205T000000.000Z-t-2".to_string();
+    report(&root, &later, 1000);
+    retain(&root, "t", 1, 1 << 30, &names[4]);
+    let left: Vec<String> = list(state.path(), "t").unwrap().into_iter().map(|r| r.name).collect();
+    assert_eq!(left, vec![names[1].clone(), names[4].clone(), later.clone()]);
+    retain(&root, "t", 1, 1 << 30, &later);
+    let left: Vec<String> = list(state.path(), "t").unwrap().into_iter().map(|r| r.name).collect();
+    assert_eq!(left, vec![names[1].clone(), later]);
 }
 
 #[test]
