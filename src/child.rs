@@ -361,6 +361,11 @@ impl Tree {
             loop {
                 let later = lock(&i).reap(me, Leader::Later);
                 let signalled = if later {
+                    // The loop acts on the exit first (it has the log read
+                    // to its end meanwhile); then what is left of the tree
+                    // is looked at.
+                    tokio::task::yield_now().await;
+                    lock(&i).left(me);
                     // The leader's zombie is reaped after a while, or at the
                     // next SIGCHLD, whichever comes first.
                     tokio::select! {
@@ -518,8 +523,8 @@ pub const REAP_AFTER: Duration = Duration::from_millis(20);
 /// What a reap does with a leader that has just exited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Leader {
-    /// Report its exit, and leave its zombie (and every other one) for a
-    /// later reap.
+    /// Report its exit, and leave the rest (what is left of the tree, its
+    /// zombie and every other one) for later.
     Later,
     /// Report its exit and reap it now.
     Now,
@@ -548,10 +553,6 @@ impl Inner {
             self.watching = true;
             (self.events)(TreeEvent::LeaderExited { pid: pid as u32, exit });
             if leader == Leader::Later {
-                if self.killing {
-                    kill_descendants(me);
-                }
-                self.check_empty(me);
                 return true;
             }
         }
@@ -578,6 +579,15 @@ impl Inner {
             self.watching = true;
             (self.events)(TreeEvent::LeaderExited { pid: pid.as_raw() as u32, exit });
         }
+    }
+
+    /// After the leader's exit: what is left of the tree is killed when it
+    /// is being killed, and `Empty` reported when nothing is.
+    fn left(&mut self, me: i32) {
+        if self.killing {
+            kill_descendants(me);
+        }
+        self.check_empty(me);
     }
 
     fn check_empty(&mut self, me: i32) {
