@@ -44,11 +44,28 @@ pub const VLLM: &[(&str, &str)] = &[
          add --disable-custom-all-reduce to the command",
     ),
     (
+        r"RayWorkerProc.*died|ActorUnavailableError|ActorDiedError",
+        "a Ray node of the serving group died: its warden starts it again, and this server starts again once \
+         the cluster has what prestart.ray-min-nodes, ray-min-cpus and ray-min-gpus ask for",
+    ),
+    (
+        r"current platform \S+ does not support ray",
+        "this vLLM build cannot run its workers on Ray on this platform: use the default executor \
+         (no --distributed-executor-backend ray)",
+    ),
+    (
         r"Address already in use",
         "another process holds the server's port: the log names it (`port … is held by pid …`); \
          prestart.port-wait says how long the warden waits for it",
     ),
 ];
+
+/// The Ray profiles' hints.
+pub const RAY: &[(&str, &str)] = &[(
+    r"Failed to connect to GCS|Unable to connect to GCS",
+    "the Ray head is not reachable: check its warden (`systemctl status vllm-warden@ray-head`) and the address; \
+     this node's warden waits for the head (prestart.ray-wait) before each start",
+)];
 
 /// A malformed JSON file of the model: named, with the patch that edits it.
 const NOT_JSON: &str = r"config file at '([^']+)' is not a valid JSON file";
@@ -81,6 +98,7 @@ impl Hints {
     pub fn new(profile: Profile, extra: &[(String, String)], patches: &[Patch], command: &[String]) -> Hints {
         let builtin: &[(&str, &str)] = match profile {
             Profile::Vllm => VLLM,
+            Profile::RayHead | Profile::RayWorker => RAY,
             Profile::None => &[],
         };
         let table = extra
@@ -147,6 +165,8 @@ mod tests {
             "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine",
             "ValueError: Free memory on device (10.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
             "RuntimeError: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)",
+            "(EngineCore pid=4711) ERROR 11-30 12:00:00 [ray_executor_v2.py:522] RayWorkerProc rank=[1] died unexpectedly, shutting down executor.",
+            "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
         ];
         for (line, (pattern, _)) in real.iter().zip(VLLM) {

@@ -1,6 +1,6 @@
-//! The built-in vLLM profile: which log lines mean ready, progress, fatal,
-//! benign and permanent. Only the lists live here; how they are matched
-//! belongs to `logwatch`.
+//! The built-in profiles: which log lines mean ready, progress, fatal,
+//! benign and permanent, for vLLM and for the two roles of a Ray node. Only
+//! the lists live here; how they are matched belongs to `logwatch`.
 //!
 //! Every pattern is a regular expression searched anywhere in a line whose
 //! ANSI codes have been stripped. The lists come from real vLLM logs (see
@@ -74,6 +74,10 @@ impl Patterns {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Profile {
     Vllm,
+    /// `ray start --head --block`: the Ray head node of a cluster.
+    RayHead,
+    /// `ray start --address=HEAD:PORT --block`: a node that joins it.
+    RayWorker,
     None,
 }
 
@@ -81,6 +85,8 @@ impl Profile {
     pub fn parse(name: &str) -> Option<Profile> {
         match name {
             "vllm" => Some(Profile::Vllm),
+            "ray-head" => Some(Profile::RayHead),
+            "ray-worker" => Some(Profile::RayWorker),
             "none" => Some(Profile::None),
             _ => None,
         }
@@ -89,14 +95,40 @@ impl Profile {
     pub fn name(self) -> &'static str {
         match self {
             Profile::Vllm => "vllm",
+            Profile::RayHead => "ray-head",
+            Profile::RayWorker => "ray-worker",
             Profile::None => "none",
         }
+    }
+
+    /// The names `profile = "…"` accepts.
+    pub const NAMES: [&'static str; 4] = ["vllm", "ray-head", "ray-worker", "none"];
+
+    /// A Ray node, whose readiness is confirmed by the cluster and whose
+    /// session folders are cleaned.
+    pub fn is_ray(self) -> bool {
+        matches!(self, Profile::RayHead | Profile::RayWorker)
     }
 
     pub fn patterns(self) -> Patterns {
         match self {
             Profile::None => Patterns::default(),
             Profile::Vllm => vllm(),
+            Profile::RayHead | Profile::RayWorker => ray(self),
+        }
+    }
+
+    /// The port checked free before a start when the config gives none:
+    /// `--port` in the command, else the server's default (vLLM's 8000,
+    /// the Ray head's GCS on 6379); a node joining a Ray cluster listens on
+    /// none that is known beforehand.
+    pub fn default_port(self, command: &[String]) -> Option<u16> {
+        use crate::config::defaults::{PORT, RAY_PORT};
+        let given = crate::config::port_of(command);
+        match self {
+            Profile::Vllm | Profile::None => Some(given.unwrap_or(PORT)),
+            Profile::RayHead => Some(given.unwrap_or(RAY_PORT)),
+            Profile::RayWorker => None,
         }
     }
 
@@ -104,7 +136,7 @@ impl Profile {
     /// `vllm_dist_*` file (its torch.distributed rendezvous) behind.
     pub fn temp_globs(self) -> Vec<String> {
         match self {
-            Profile::None => Vec::new(),
+            Profile::None | Profile::RayHead | Profile::RayWorker => Vec::new(),
             Profile::Vllm => to_strings(&["vllm_dist_*"]),
         }
     }
@@ -115,6 +147,9 @@ impl Profile {
         match self {
             Profile::None => Vec::new(),
             Profile::Vllm => to_strings(&["psm_*", "sem.mp-*", "vllm_*"]),
+            // Ray's object store lives in /dev/shm as one file per node
+            // (`plasma_*`); its workers' multiprocessing semaphores as for vLLM.
+            Profile::RayHead | Profile::RayWorker => to_strings(&["plasma_*", "sem.mp-*"]),
         }
     }
 }
@@ -170,6 +205,30 @@ fn vllm() -> Patterns {
             r"Failed to find a kernel that can implement",
             r"is not a valid JSON file",
             r"validation errors? for (ModelConfig|VllmConfig|CacheConfig|ParallelConfig|SchedulerConfig)",
+        ]),
+    }
+}
+
+/// `ray start --block`, head or joining node: what it prints on its
+/// stdout and stderr (Ray's own processes log into the session folder).
+fn ray(role: Profile) -> Patterns {
+    let mut fatal = to_strings(&[
+        // `--block` watches its processes: one ended, the rest are killed.
+        r"Some Ray subprocesses exited unexpectedly",
+        r"Remaining processes will be killed",
+        r"Traceback \(most recent call last\)",
+    ]);
+    if role == Profile::RayWorker {
+        fatal.extend(to_strings(&[r"Failed to connect to GCS", r"Unable to connect to GCS"]));
+    }
+    Patterns {
+        ready: to_strings(&[r"Ray runtime started"]),
+        progress: to_strings(&[r"Local node IP:", r"Usage stats collection"]),
+        fatal,
+        ignore: Vec::new(),
+        permanent: to_strings(&[
+            // click's usage errors: the command line itself is wrong.
+            r"^Error: (No such option|Invalid value|Missing option|Got unexpected extra argument)",
         ]),
     }
 }

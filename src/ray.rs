@@ -1,0 +1,348 @@
+//! Ray: what a start waits for in the cluster (`prestart.ray-*`, the
+//! gate), and how a Ray node's readiness is confirmed. The cluster is asked
+//! with Ray's own `ray status --address HEAD:PORT`, under a timeout; its
+//! answer is read here, and nothing in it is trusted beyond counts and
+//! resource figures.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How long one `ray status` may take: it starts a Python interpreter and
+/// imports Ray, several seconds on a busy machine.
+pub const STATUS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `[prestart] ray-*`: the cluster a start needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    /// `HOST:PORT` of the head's GCS.
+    pub address: String,
+    /// argv of `ray status`; `--address ADDRESS` is added.
+    pub status: Vec<String>,
+    /// Whether a start waits for the cluster (a head waits for none).
+    pub gate: bool,
+    pub min_nodes: u32,
+    pub min_cpus: f64,
+    pub min_gpus: f64,
+    /// How long a start waits for it.
+    pub wait: Duration,
+}
+
+/// What `ray status` showed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct View {
+    /// Nodes alive (Ray's "Active" and "Idle" nodes).
+    pub nodes: u32,
+    /// Free and total of each resource that the gate knows (`CPU`, `GPU`).
+    pub cpus: (f64, f64),
+    pub gpus: (f64, f64),
+}
+
+impl Cluster {
+    /// What the cluster lacks for a start, in words; `None`: nothing.
+    pub fn missing(&self, v: &View) -> Option<String> {
+        let mut lack = Vec::new();
+        if v.nodes < self.min_nodes {
+            lack.push(format!("{} of {} nodes alive", v.nodes, self.min_nodes));
+        }
+        for (name, need, (free, total)) in [("CPUs", self.min_cpus, v.cpus), ("GPUs", self.min_gpus, v.gpus)] {
+            if need > 0.0 && free < need {
+                lack.push(format!("{} of {} {name} free ({} in the cluster)", num(free), num(need), num(total)));
+            }
+        }
+        (!lack.is_empty()).then(|| lack.join(", "))
+    }
+
+    /// The argv that asks the cluster: `status` with `--address`, its
+    /// program found beside the child's own when it names no folder (the
+    /// `ray` of the venv that runs `vllm` or `ray start`), else on `PATH`.
+    pub fn command(&self, child: &[String]) -> Vec<String> {
+        let mut argv = self.status.clone();
+        if let Some(first) = argv.first_mut()
+            && !first.contains('/')
+            && let Some(beside) = beside(child, first)
+        {
+            *first = beside.to_string_lossy().into_owned();
+        }
+        argv.extend(["--address".to_string(), self.address.clone()]);
+        argv
+    }
+}
+
+/// `program` in the folder of the child's program, if it is there.
+fn beside(child: &[String], program: &str) -> Option<PathBuf> {
+    let dir = Path::new(child.first()?).parent().filter(|d| !d.as_os_str().is_empty())?;
+    let candidate = dir.join(program);
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(&candidate).ok()?;
+    (meta.is_file() && meta.permissions().mode() & 0o111 != 0).then_some(candidate)
+}
+
+/// Ask the cluster with `argv` (from [`Cluster::command`]) under
+/// [`STATUS_TIMEOUT`]; `Err` says why there is no answer, in words fit for
+/// `STATUS=`.
+pub async fn ask(argv: &[String]) -> Result<View, String> {
+    use crate::prestart::QueryError;
+    let program = argv.first().map(String::as_str).unwrap_or_default();
+    // `ray status` takes 40 s to give up on an address where nothing
+    // listens, and a second of CPU to start: a refused connection says
+    // the same at once.
+    if let Some(address) = argv.last() {
+        reachable(address).await?;
+    }
+    match crate::prestart::run_command(argv, STATUS_TIMEOUT, 1 << 20, true).await {
+        Ok(Some(out)) => parse_status(&out).map_err(|e| format!("`ray status` answered: {e}")),
+        Ok(None) => Err(format!("{program} not found")),
+        Err(QueryError::TimedOut(_)) => {
+            Err(format!("`ray status` did not answer within {}", humantime::format_duration(STATUS_TIMEOUT)))
+        }
+        Err(QueryError::Failed(e)) => Err(e),
+    }
+}
+
+/// How long a connection to the head's GCS port may take to open.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Whether something accepts connections at `address` (`HOST:PORT`).
+async fn reachable(address: &str) -> Result<(), String> {
+    let host_port = address.replace(['[', ']'], "");
+    let attempt = async {
+        let (host, port) = host_port.rsplit_once(':').ok_or_else(|| format!("{address} is not HOST:PORT"))?;
+        let port: u16 = port.parse().map_err(|_| format!("{address} is not HOST:PORT"))?;
+        let addrs: Vec<std::net::SocketAddr> =
+            tokio::net::lookup_host((host, port)).await.map_err(|e| format!("cannot resolve {host}: {e}"))?.collect();
+        let mut last = format!("{host} has no address");
+        for a in addrs {
+            match tokio::net::TcpStream::connect(a).await {
+                Ok(_) => return Ok(()),
+                Err(e) => last = format!("nothing answers at {address} ({e})"),
+            }
+        }
+        Err(last)
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no answer from {address} within {}", humantime::format_duration(CONNECT_TIMEOUT))),
+    }
+}
+
+/// Look at the cluster until it answers with a node alive: a Ray node's
+/// ready line says its processes started, this that the cluster has it.
+/// The start's own deadlines (`ready.timeout`) bound the wait.
+pub async fn confirm(argv: &[String]) {
+    let mut delay = Duration::from_millis(500);
+    loop {
+        match ask(argv).await {
+            Ok(view) if view.nodes > 0 => return,
+            Ok(_) => tracing::info!(EVENT = "ray", "the Ray cluster answers with no node alive yet"),
+            Err(e) => tracing::info!(EVENT = "ray", "the Ray cluster does not answer yet: {e}"),
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// A count without a needless fraction: `2`, `0.5`.
+fn num(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 { format!("{}", x as i64) } else { format!("{x}") }
+}
+
+/// Reads `ray status`: the nodes of its "Active:" and "Idle:" lists (each
+/// line ` N node_ID`), and `used/total NAME` lines of its "Usage:" list.
+/// An answer without the "Node status" heading is not one (Ray printed an
+/// error instead): its last line is the error.
+pub fn parse_status(text: &str) -> Result<View, String> {
+    if !text.lines().any(|l| l.trim() == "Node status") {
+        let last = text.lines().rev().map(str::trim).find(|l| !l.is_empty()).unwrap_or("no output");
+        return Err(crate::escape::one_line(last, 300));
+    }
+    let mut view = View::default();
+    let mut list = "";
+    for line in text.lines() {
+        let t = line.trim();
+        if !line.starts_with(' ') && t.ends_with(':') {
+            list = t;
+            continue;
+        }
+        if t.is_empty() || t.starts_with('-') || t.starts_with('=') {
+            if !t.is_empty() {
+                list = "";
+            }
+            continue;
+        }
+        match list {
+            "Active:" | "Idle:" => {
+                if let Some((n, id)) = t.split_once(' ')
+                    && let Ok(n) = n.parse::<u32>()
+                    && id.starts_with("node_")
+                {
+                    view.nodes = view.nodes.saturating_add(n);
+                }
+            }
+            "Usage:" | "Total Usage:" => {
+                let Some((amounts, name)) = t.split_once(' ') else { continue };
+                let Some((used, total)) = amounts.split_once('/') else { continue };
+                let (Ok(used), Ok(total)) = (used.parse::<f64>(), total.parse::<f64>()) else { continue };
+                if !(used.is_finite() && total.is_finite()) {
+                    continue;
+                }
+                let free = (total - used).max(0.0);
+                match name {
+                    "CPU" => view.cpus = (free, total),
+                    "GPU" => view.gpus = (free, total),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(view)
+}
+
+/// The head's GCS address a node's own command names: `--address` of a
+/// joining node; `--node-ip-address` (else 127.0.0.1) and `--port` (else
+/// 6379) of a head.
+pub fn address_in(command: &[String], head: bool) -> Option<String> {
+    if head {
+        let ip = flag(command, "--node-ip-address").unwrap_or_else(|| "127.0.0.1".into());
+        let port = crate::config::port_of(command).unwrap_or(crate::config::defaults::RAY_PORT);
+        Some(format!("{}:{port}", bracketed(&ip)))
+    } else {
+        flag(command, "--address")
+    }
+}
+
+fn bracketed(ip: &str) -> String {
+    if ip.contains(':') && !ip.starts_with('[') { format!("[{ip}]") } else { ip.to_string() }
+}
+
+/// The value of `--name VALUE` or `--name=VALUE`.
+pub fn flag(command: &[String], name: &str) -> Option<String> {
+    let mut it = command.iter();
+    while let Some(arg) = it.next() {
+        if arg == name {
+            return it.next().cloned();
+        }
+        if let Some(v) = arg.strip_prefix(name).and_then(|r| r.strip_prefix('=')) {
+            return Some(v.to_string());
+        }
+    }
+    None
+}
+
+/// The folder a Ray node keeps its sessions in: `--temp-dir`, else
+/// `RAY_TMPDIR` or `TMPDIR` (the child's environment first, then the
+/// warden's) followed by `/ray`, else `/tmp/ray` — as Ray chooses it.
+pub fn temp_dir(command: &[String], env: &std::collections::BTreeMap<String, String>) -> PathBuf {
+    if let Some(dir) = flag(command, "--temp-dir") {
+        return PathBuf::from(dir);
+    }
+    let var = |name: &str| env.get(name).cloned().or_else(|| std::env::var(name).ok()).filter(|v| !v.is_empty());
+    if let Some(dir) = var("RAY_TMPDIR") {
+        return PathBuf::from(dir);
+    }
+    PathBuf::from(var("TMPDIR").unwrap_or_else(|| "/tmp".into())).join("ray")
+}
+
+/// What a Ray node leaves in its temporary folder: a `session_*` folder
+/// per start (logs, sockets, runtime resources; a few MB each), the
+/// `session_latest` link to the newest, and `ray_current_cluster` (the
+/// address a joining node last used).
+const SESSION_PREFIX: &str = "session_";
+const LATEST: &str = "session_latest";
+const CURRENT_CLUSTER: &str = "ray_current_cluster";
+
+/// Remove from `dir` the session folders of `uid` that no live process
+/// uses (none has a file open or its working folder inside), then the
+/// `session_latest` link when what it names is gone, and
+/// `ray_current_cluster` when no session is left in use. Nothing else is
+/// touched; a folder is removed without following a link inside it.
+pub fn clean_sessions(dir: &Path, uid: u32) -> crate::prestart::Cleaned {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = crate::prestart::Cleaned::default();
+    let Ok(entries) = std::fs::read_dir(dir) else { return out };
+    let mut sessions = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name == LATEST || !name.starts_with(SESSION_PREFIX) {
+            continue;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(e.path()) else { continue };
+        if !meta.is_dir() {
+            continue;
+        }
+        if meta.uid() != uid {
+            out.kept.push((e.path(), format!("owned by uid {}", meta.uid())));
+            continue;
+        }
+        sessions.push(e.path());
+    }
+    sessions.sort();
+    let used = if sessions.is_empty() { Default::default() } else { used_folders(&sessions) };
+    for path in sessions {
+        if let Some(pids) = used.get(&path) {
+            let who: Vec<String> = pids.iter().map(|p| format!("pid {p}")).collect();
+            out.kept.push((path, format!("in use by {}", who.join(", "))));
+            continue;
+        }
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => out.removed.push(path),
+            Err(e) => out.kept.push((path, format!("cannot remove: {e}"))),
+        }
+    }
+    let latest = dir.join(LATEST);
+    if std::fs::symlink_metadata(&latest).is_ok_and(|m| m.file_type().is_symlink() && m.uid() == uid)
+        && std::fs::metadata(&latest).is_err()
+        && std::fs::remove_file(&latest).is_ok()
+    {
+        out.removed.push(latest);
+    }
+    let current = dir.join(CURRENT_CLUSTER);
+    if used.is_empty()
+        && std::fs::symlink_metadata(&current).is_ok_and(|m| m.is_file() && m.uid() == uid)
+        && std::fs::remove_file(&current).is_ok()
+    {
+        out.removed.push(current);
+    }
+    out
+}
+
+/// Those of `folders` that a live process has a file open in, or works
+/// in, with the pids: one pass over `/proc`, comparing the kernel's names
+/// of open files with each folder's real path.
+fn used_folders(folders: &[PathBuf]) -> std::collections::HashMap<PathBuf, std::collections::BTreeSet<i32>> {
+    let mut out: std::collections::HashMap<PathBuf, std::collections::BTreeSet<i32>> = Default::default();
+    let real: Vec<(PathBuf, &PathBuf)> =
+        folders.iter().filter_map(|f| std::fs::canonicalize(f).ok().map(|r| (r, f))).collect();
+    let Ok(procs) = std::fs::read_dir("/proc") else { return out };
+    for entry in procs.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten().map(|e| e.path());
+        for link in fds.chain([PathBuf::from(format!("/proc/{pid}/cwd"))]) {
+            let Ok(target) = std::fs::read_link(&link) else { continue };
+            if let Some((_, f)) = real.iter().find(|(r, _)| target.starts_with(r)) {
+                out.entry((*f).clone()).or_default().insert(pid);
+            }
+        }
+    }
+    out
+}
+
+/// Whether `address` is `HOST:PORT` as Ray takes it: a host name, an IPv4
+/// address or a bracketed IPv6 one, and a port from 1 to 65535.
+pub fn valid_address(address: &str) -> bool {
+    let Some((host, port)) = address.rsplit_once(':') else { return false };
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
+    let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        v6.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty()
+            && host.len() <= 253
+            && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+            && !host.starts_with('-')
+    };
+    port_ok && host_ok
+}
+
+#[cfg(test)]
+mod tests;
