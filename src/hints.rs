@@ -44,9 +44,10 @@ pub const VLLM: &[(&str, &str)] = &[
          add --disable-custom-all-reduce to the command",
     ),
     (
-        r"RayWorkerProc.*died|ActorUnavailableError|ActorDiedError",
-        "a Ray node of the serving group died: its warden starts it again, and this server starts again once \
-         the cluster has what prestart.ray-min-nodes, ray-min-cpus and ray-min-gpus ask for",
+        r"Executor failed|WorkerProc.* died unexpectedly|ActorUnavailableError|ActorDiedError",
+        "a worker process of the engine died; the lines before name it (`WorkerProc … died unexpectedly`; on Ray \
+         `RayWorkerProc rank=[N] died unexpectedly`: the Ray node holding rank N died, its warden starts it \
+         again, and the next start here waits until the cluster has what prestart.ray-min-* ask for)",
     ),
     (
         r"current platform \S+ does not support ray",
@@ -61,11 +62,19 @@ pub const VLLM: &[(&str, &str)] = &[
 ];
 
 /// The Ray profiles' hints.
-pub const RAY: &[(&str, &str)] = &[(
-    r"Failed to connect to GCS|Unable to connect to GCS",
-    "the Ray head is not reachable: check its warden (`systemctl status vllm-warden@ray-head`) and the address; \
-     this node's warden waits for the head (prestart.ray-wait) before each start",
-)];
+pub const RAY: &[(&str, &str)] = &[
+    (
+        r"Some Ray subprocesses exited unexpectedly",
+        "one of Ray's processes on this node died (the next lines of the log name it, such as `raylet [exit \
+         code=-9]`, and the session's logs/ray_process_exit.log says more); `ray start --block` stopped the \
+         rest, and the warden starts the node again",
+    ),
+    (
+        r"Failed to connect to GCS|Unable to connect to GCS",
+        "the Ray head is not reachable: check its warden (`systemctl status vllm-warden@ray-head`) and the \
+         address; this node's warden waits for the head (prestart.ray-wait) before each start",
+    ),
+];
 
 /// A malformed JSON file of the model: named, with the patch that edits it.
 const NOT_JSON: &str = r"config file at '([^']+)' is not a valid JSON file";
@@ -165,7 +174,7 @@ mod tests {
             "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine",
             "ValueError: Free memory on device (10.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
             "RuntimeError: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)",
-            "(EngineCore pid=4711) ERROR 11-30 12:00:00 [ray_executor_v2.py:522] RayWorkerProc rank=[1] died unexpectedly, shutting down executor.",
+            "RuntimeError: Executor failed.",
             "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
         ];

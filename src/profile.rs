@@ -142,14 +142,18 @@ impl Profile {
     }
 
     /// Globs in `/dev/shm` that vLLM and Python's multiprocessing leave
-    /// behind after a crash.
+    /// behind after a crash: `psm_*` (shared memory), `sem.mp-*`
+    /// (semaphores), `vllm_*`, and `*-cpushm_*` (the CPU backend's segment
+    /// per tensor-parallel group, `IDENT-NAME-[0-1]-cpushm_RANK`). On Ray,
+    /// vLLM's workers run in the Ray nodes' trees: a node's warden cleans
+    /// the same files. (Ray's own object store file is unlinked as soon as
+    /// it is mapped.)
     pub fn shm_globs(self) -> Vec<String> {
         match self {
             Profile::None => Vec::new(),
-            Profile::Vllm => to_strings(&["psm_*", "sem.mp-*", "vllm_*"]),
-            // Ray's object store lives in /dev/shm as one file per node
-            // (`plasma_*`); its workers' multiprocessing semaphores as for vLLM.
-            Profile::RayHead | Profile::RayWorker => to_strings(&["plasma_*", "sem.mp-*"]),
+            Profile::Vllm | Profile::RayHead | Profile::RayWorker => {
+                to_strings(&["psm_*", "sem.mp-*", "vllm_*", "*-cpushm_*"])
+            }
         }
     }
 }

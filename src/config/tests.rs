@@ -17,7 +17,7 @@ fn minimal_config_has_vllm_defaults() {
     assert_eq!(s.child.stop_signal, Signal::SIGTERM);
     assert_eq!(s.restart.max_attempts, 10);
     assert!(s.patterns.ready.iter().any(|p| p.contains("Application startup complete")));
-    assert_eq!(s.prestart.clean_shm, vec!["psm_*", "sem.mp-*", "vllm_*"]);
+    assert_eq!(s.prestart.clean_shm, vec!["psm_*", "sem.mp-*", "vllm_*", "*-cpushm_*"]);
 }
 
 #[test]
@@ -38,6 +38,18 @@ fn the_spec_example_is_valid() {
     let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
     assert_eq!(s.patches.len(), 2);
     assert!(s.patterns.fatal.iter().any(|p| p == "illegal memory access"));
+}
+
+#[test]
+fn the_ray_examples_are_valid_and_wait_as_they_say() {
+    let head = parse_str(include_str!("../../examples/ray/ray-head.toml")).unwrap_or_else(|p| panic!("{p}"));
+    let worker = parse_str(include_str!("../../examples/ray/ray-worker.toml")).unwrap_or_else(|p| panic!("{p}"));
+    let server = parse_str(include_str!("../../examples/ray/kimi-ray.toml")).unwrap_or_else(|p| panic!("{p}"));
+    let gate = |s: &Settings| s.prestart.ray.clone().map(|c| (c.address, c.gate, c.min_nodes, c.min_gpus));
+    assert_eq!(gate(&head), Some(("10.0.0.1:6379".into(), false, 1, 0.0)));
+    assert_eq!(gate(&worker), Some(("10.0.0.1:6379".into(), true, 1, 0.0)));
+    assert_eq!(gate(&server), Some(("10.0.0.1:6379".into(), true, 2, 16.0)));
+    assert_eq!((head.prestart.port, worker.prestart.port, server.prestart.port), (Some(6379), None, Some(8000)));
 }
 
 #[test]
