@@ -70,7 +70,7 @@ pub const RAY: &[(&str, &str)] = &[
          rest, and the warden starts the node again",
     ),
     (
-        r"Failed to connect to GCS|Unable to connect to GCS",
+        r"Failed to connect to GCS",
         "the Ray head is not reachable: check its warden (`systemctl status vllm-warden@ray-head`) and the \
          address; this node's warden waits for the head (prestart.ray-wait) before each start",
     ),
@@ -161,6 +161,23 @@ mod tests {
     fn hints(patches: &[Patch]) -> Hints {
         let command: Vec<String> = ["vllm", "serve", "/models/kimi", "--port", "8000"].map(String::from).to_vec();
         Hints::new(Profile::Vllm, &[], patches, &command)
+    }
+
+    /// The Ray profiles' hints against lines `ray start --block` wrote.
+    #[test]
+    fn every_ray_hint_matches_a_real_line() {
+        let command: Vec<String> = ["ray", "start", "--address=127.0.0.3:6391", "--block"].map(String::from).to_vec();
+        let h = Hints::new(Profile::RayWorker, &[], &[], &command);
+        let real = [
+            "2026-11-30 17:09:42,138 ERR scripts.py:1304 -- Some Ray subprocesses exited unexpectedly:",
+            "[2026-11-30 17:16:18,596 W 17542 17542] rpc_client.h:153: Failed to connect to GCS at address 127.0.0.3:6399 within 5 seconds.",
+        ];
+        for (line, (pattern, text)) in real.iter().zip(RAY) {
+            assert!(Regex::new(pattern).unwrap().is_match(line), "{pattern} / {line}");
+            assert_eq!(h.find(line).as_deref(), Some(*text));
+        }
+        assert_eq!(real.len(), RAY.len(), "a real line for every Ray hint");
+        assert_eq!(Hints::new(Profile::Vllm, &[], &[], &command).find(real[0]), None);
     }
 
     /// Every built-in hint against a real line: from `tests/fixtures/`

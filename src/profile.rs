@@ -223,7 +223,9 @@ fn ray(role: Profile) -> Patterns {
         r"Traceback \(most recent call last\)",
     ]);
     if role == Profile::RayWorker {
-        fatal.extend(to_strings(&[r"Failed to connect to GCS", r"Unable to connect to GCS"]));
+        // A joining node that cannot reach the head it was started for
+        // (the gate saw it answer): fail now, wait at the gate again.
+        fatal.push(r"Failed to connect to GCS at address".to_string());
     }
     Patterns {
         ready: to_strings(&[r"Ray runtime started"]),
@@ -243,12 +245,50 @@ mod tests {
 
     #[test]
     fn every_builtin_pattern_compiles() {
-        let p = Profile::Vllm.patterns();
-        for which in List::ALL {
-            for pat in p.list(which) {
-                regex::Regex::new(pat).unwrap_or_else(|e| panic!("{pat}: {e}"));
+        for profile in [Profile::Vllm, Profile::RayHead, Profile::RayWorker] {
+            let p = profile.patterns();
+            for which in List::ALL {
+                for pat in p.list(which) {
+                    regex::Regex::new(pat).unwrap_or_else(|e| panic!("{pat}: {e}"));
+                }
             }
         }
+    }
+
+    /// Each Ray pattern against a line `ray start --block` wrote (Ray
+    /// 2.56.1, tab and colour codes as the warden strips them).
+    #[test]
+    fn every_ray_pattern_matches_a_real_line() {
+        let real = [
+            (List::Ready, "2026-11-30 16:49:05,258 SUCC scripts.py:1082 -- Ray runtime started."),
+            (List::Progress, "2026-11-30 16:49:00,991 INFO scripts.py:1042 -- Local node IP: 127.0.0.3"),
+            (
+                List::Progress,
+                "2026-11-30 16:49:00,991 INFO usage_lib.py:474 -- Usage stats collection is enabled by default without user confirmation",
+            ),
+            (List::Fatal, "2026-11-30 17:09:42,138 ERR scripts.py:1304 -- Some Ray subprocesses exited unexpectedly:"),
+            (List::Fatal, "2026-11-30 17:09:42,139 ERR scripts.py:1311 -- Remaining processes will be killed."),
+            (List::Fatal, "Traceback (most recent call last):"),
+            (
+                List::Fatal,
+                "[2026-11-30 17:16:18,596 W 17542 17542] rpc_client.h:153: Failed to connect to GCS at address 127.0.0.3:6399 within 5 seconds.",
+            ),
+            (List::Permanent, "Error: No such option '--bogus'. Did you mean '--verbose'?"),
+            (List::Permanent, "Error: Invalid value for '--port': 'abc' is not a valid integer."),
+        ];
+        let worker = Profile::RayWorker.patterns();
+        for which in List::ALL {
+            for pat in worker.list(which) {
+                let re = regex::Regex::new(pat).unwrap();
+                assert!(
+                    real.iter().any(|(l, line)| *l == which && re.is_match(line)),
+                    "no real line for the {} pattern {pat}",
+                    which.name()
+                );
+            }
+        }
+        // The head does not fail on a GCS it runs itself.
+        assert!(!Profile::RayHead.patterns().fatal.iter().any(|p| p.contains("GCS")));
     }
 
     #[test]
