@@ -173,7 +173,7 @@ fn server(c: &Cluster) -> Warden {
         ]
         .map(String::from);
         let env = format!(
-            r#"{HOOK}, HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1", RAY_ADDRESS = "{address}", VLLM_HOST_IP = "127.0.0.3""#
+            r#"{HOOK}, HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1", RAY_ADDRESS = "{address}""#
         );
         let extra = format!(
             "[fatal]\ngrace = \"{}s\"\n[prestart]\ngpu-idle-wait = \"0s\"\nray-address = \"{address}\"\nray-min-nodes = 2\nray-min-cpus = 2\nray-wait = \"10m\"\n",
