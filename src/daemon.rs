@@ -615,9 +615,9 @@ impl Backend for Real {
             p.abort();
         }
         if let Some(cluster) = self.settings.ready_by_ray() {
-            let argv = cluster.command(&self.settings.child.command);
+            let (argv, address) = (cluster.command(&self.settings.child.command), cluster.address.clone());
             self.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
-                crate::ray::confirm(&argv).await;
+                crate::ray::confirm(&argv, &address).await;
                 let _ = tx.send(Input::HttpReady { start });
             }));
             return;

@@ -167,7 +167,7 @@ async fn ray_gate(cluster: &crate::ray::Cluster, child: &[String], status: &Stat
     let deadline = Instant::now() + cluster.wait;
     let mut delay = RAY_FIRST_RETRY;
     loop {
-        let missing = match crate::ray::ask(&argv).await {
+        let missing = match crate::ray::ask(&argv, address).await {
             Ok(view) => match cluster.missing(&view) {
                 None => return Ok(()),
                 Some(m) => m,

@@ -77,18 +77,16 @@ fn beside(child: &[String], program: &str) -> Option<PathBuf> {
     (meta.is_file() && meta.permissions().mode() & 0o111 != 0).then_some(candidate)
 }
 
-/// Ask the cluster with `argv` (from [`Cluster::command`]) under
-/// [`STATUS_TIMEOUT`]; `Err` says why there is no answer, in words fit for
-/// `STATUS=`.
-pub async fn ask(argv: &[String]) -> Result<View, String> {
+/// Ask the cluster at `address` with `argv` (from [`Cluster::command`])
+/// under [`STATUS_TIMEOUT`]; `Err` says why there is no answer, in words
+/// fit for `STATUS=`.
+pub async fn ask(argv: &[String], address: &str) -> Result<View, String> {
     use crate::prestart::QueryError;
     let program = argv.first().map(String::as_str).unwrap_or_default();
     // `ray status` takes 40 s to give up on an address where nothing
     // listens, and a second of CPU to start: a refused connection says
     // the same at once.
-    if let Some(address) = argv.last() {
-        reachable(address).await?;
-    }
+    reachable(address).await?;
     match crate::prestart::run_command(argv, STATUS_TIMEOUT, 1 << 20, true).await {
         Ok(Some(out)) => parse_status(&out).map_err(|e| format!("`ray status` answered: {e}")),
         Ok(None) => Err(format!("{program} not found")),
@@ -128,10 +126,10 @@ async fn reachable(address: &str) -> Result<(), String> {
 /// Look at the cluster until it answers with a node alive: a Ray node's
 /// ready line says its processes started, this that the cluster has it.
 /// The start's own deadlines (`ready.timeout`) bound the wait.
-pub async fn confirm(argv: &[String]) {
+pub async fn confirm(argv: &[String], address: &str) {
     let mut delay = Duration::from_millis(500);
     loop {
-        match ask(argv).await {
+        match ask(argv, address).await {
             Ok(view) if view.nodes > 0 => return,
             Ok(_) => tracing::info!(EVENT = "ray", "the Ray cluster answers with no node alive yet"),
             Err(e) => tracing::info!(EVENT = "ray", "the Ray cluster does not answer yet: {e}"),

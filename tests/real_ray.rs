@@ -172,9 +172,7 @@ fn server(c: &Cluster) -> Warden {
             "2",
         ]
         .map(String::from);
-        let env = format!(
-            r#"{HOOK}, HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1", RAY_ADDRESS = "{address}""#
-        );
+        let env = format!(r#"{HOOK}, HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1", RAY_ADDRESS = "{address}""#);
         let extra = format!(
             "[fatal]\ngrace = \"{}s\"\n[prestart]\ngpu-idle-wait = \"0s\"\nray-address = \"{address}\"\nray-min-nodes = 2\nray-min-cpus = 2\nray-wait = \"10m\"\n",
             GRACE.as_secs()

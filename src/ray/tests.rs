@@ -139,11 +139,12 @@ async fn an_address_where_nothing_listens_is_named_without_asking_ray() {
         l.local_addr().unwrap().port()
     };
     // `ray status` would not be run: the program does not exist.
-    let argv = ["/nonexistent/ray".to_string(), "status".into(), "--address".into(), format!("127.0.0.1:{port}")];
-    let e = ask(&argv).await.unwrap_err();
+    let address = format!("127.0.0.1:{port}");
+    let argv = ["/nonexistent/ray".to_string(), "status".into(), "--address".into(), address.clone()];
+    let e = ask(&argv, &address).await.unwrap_err();
     assert!(e.starts_with(&format!("nothing answers at 127.0.0.1:{port} (Connection refused")), "{e}");
     let l = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
-    let e = ask(&argv).await.unwrap_err();
+    let e = ask(&argv, &address).await.unwrap_err();
     assert_eq!(e, "/nonexistent/ray not found");
     drop(l);
 }
