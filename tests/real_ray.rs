@@ -21,46 +21,20 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use common::real::{GRACE, MARGIN, REPORT, budget, by_title, ceiling, model, vllm};
 use common::{Warden, gone, secs};
 use nix::sys::signal::Signal;
 use vllm_warden::child::ProcStat;
-
-fn vllm() -> String {
-    std::env::var("VLLM_WARDEN_VLLM").expect("VLLM_WARDEN_VLLM: run tests/real-ray/run.sh")
-}
 
 fn ray() -> String {
     Path::new(&vllm()).with_file_name("ray").to_string_lossy().into_owned()
 }
 
-fn model() -> PathBuf {
-    PathBuf::from(std::env::var("VLLM_WARDEN_MODELS").expect("VLLM_WARDEN_MODELS")).join("tiny")
-}
-
-const DEFAULT_CEILING: Duration = Duration::from_secs(5 * 60);
-
-fn ceiling() -> Duration {
-    std::env::var("VLLM_WARDEN_LOAD_CEILING")
-        .map(|v| humantime::parse_duration(&v).unwrap_or_else(|e| panic!("VLLM_WARDEN_LOAD_CEILING={v}: {e}")))
-        .unwrap_or(DEFAULT_CEILING)
-}
-
-/// Beyond loads, stops and backoffs: pre-start steps, `ray status` looks
-/// (a second or more each), reaping, on a busy machine.
-const MARGIN: Duration = Duration::from_secs(60);
 /// `child.stop-timeout` of every piece.
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
-/// `fatal.grace` of the server.
-const GRACE: Duration = Duration::from_secs(30);
-/// A failed run's report (`reports.timeout` and 5 s).
-const REPORT: Duration = Duration::from_secs(25);
 /// Ray marks a node that died dead after its health checks fail: about
 /// 13 s here; the gate and a joining node wait for that.
 const RAY_DETECTION: Duration = Duration::from_secs(30);
-
-fn budget(loads: u32, extra: Duration) -> Duration {
-    ceiling() * loads + extra + MARGIN
-}
 
 /// The head's GCS port, and the ports Ray would otherwise take by default
 /// (and share with any other Ray on the machine): each its own.
@@ -104,7 +78,7 @@ file = "{d}/status.json"
         argv = argv.join(", "),
         d = d.display(),
         stop = STOP_TIMEOUT.as_secs(),
-        ceiling = ceiling().as_secs(),
+        ceiling = ceiling().0.as_secs(),
     )
 }
 
@@ -160,7 +134,7 @@ fn server(c: &Cluster) -> Warden {
         let argv = [
             vllm().as_str(),
             "serve",
-            &model().to_string_lossy(),
+            &model("tiny").to_string_lossy(),
             "--port",
             &port.to_string(),
             "--max-model-len",
@@ -181,21 +155,8 @@ fn server(c: &Cluster) -> Warden {
     })
 }
 
-fn by_title<'a>(tree: &'a [ProcStat], title: &str) -> Vec<&'a ProcStat> {
-    tree.iter()
-        .filter(|p| {
-            String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", p.pid)).unwrap_or_default())
-                .contains(title)
-        })
-        .collect()
-}
-
 fn kill(p: &ProcStat) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid), Signal::SIGKILL).unwrap();
-}
-
-fn completion(w: &Warden) -> Result<(), String> {
-    vllm_warden::health::canary(&format!("http://127.0.0.1:{}", w.port), Duration::from_secs(60))
 }
 
 /// The session folders in a node's temporary folder.
@@ -228,7 +189,7 @@ fn r1_a_group_across_two_ray_nodes_recovers_from_either_node_dying() {
     let again = budget(1, GRACE + REPORT + STOP_TIMEOUT + RAY_DETECTION * 2);
     eprintln!(
         "ray scenario budgets (load ceiling {}): node up {}, serving {}, serving again {}",
-        secs(ceiling()),
+        secs(ceiling().0),
         secs(node_up),
         secs(load),
         secs(again)
@@ -246,7 +207,7 @@ fn r1_a_group_across_two_ray_nodes_recovers_from_either_node_dying() {
     let mut s = server(&c);
     s.wait_ready_within(load, "the server's READY=1 (one load, TP 2 across both nodes)");
     let served = t.elapsed();
-    completion(&s).expect("a completion across both nodes");
+    common::real::completion(s.port).expect("a completion across both nodes");
     // One Ray worker process of the group on each node.
     let on = |x: &Warden| by_title(&x.descendants(), "RayWorkerProc").len();
     assert_eq!((on(&h), on(&w)), (1, 1), "one rank on each node");
@@ -264,7 +225,7 @@ fn r1_a_group_across_two_ray_nodes_recovers_from_either_node_dying() {
     let worker_back = t.elapsed();
     s.wait_ready_within(again, "the server's READY=1 after the worker node died");
     let server_back = t.elapsed();
-    completion(&s).expect("a completion after the worker node came back");
+    common::real::completion(s.port).expect("a completion after the worker node came back");
     assert!(failed.contains("(hint: a worker process of the engine died"), "{failed}");
     let gated = s.statuses().iter().any(|n| n.starts_with("waiting up to 10m for the Ray cluster at"));
     let worker_cause = w.statuses().iter().rev().find(|n| n.starts_with("failed (")).map(|n| cause(n).to_string());
@@ -293,7 +254,7 @@ fn r1_a_group_across_two_ray_nodes_recovers_from_either_node_dying() {
     let worker_back2 = t.elapsed();
     s.wait_ready_within(again, "the server's READY=1 after the head came back");
     let server_back2 = t.elapsed();
-    completion(&s).expect("a completion after the head came back");
+    common::real::completion(s.port).expect("a completion after the head came back");
     let last_cause = |x: &Warden| {
         x.statuses()
             .iter()
