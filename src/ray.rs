@@ -123,15 +123,18 @@ async fn reachable(address: &str) -> Result<(), String> {
     }
 }
 
-/// Look at the cluster until it answers with a node alive: a Ray node's
-/// ready line says its processes started, this that the cluster has it.
-/// The start's own deadlines (`ready.timeout`) bound the wait.
-pub async fn confirm(argv: &[String], address: &str) {
+/// Look at the cluster until it answers with `nodes` nodes alive (a head:
+/// 1, itself; a joining node: 2, the head and itself): a Ray node's ready
+/// line says its processes started, this that the cluster has it. The
+/// start's own deadlines (`ready.timeout`) bound the wait.
+pub async fn confirm(argv: &[String], address: &str, nodes: u32) {
     let mut delay = Duration::from_millis(500);
     loop {
         match ask(argv, address).await {
-            Ok(view) if view.nodes > 0 => return,
-            Ok(_) => tracing::info!(EVENT = "ray", "the Ray cluster answers with no node alive yet"),
+            Ok(view) if view.nodes >= nodes => return,
+            Ok(view) => {
+                tracing::info!(EVENT = "ray", "the Ray cluster answers with {} of {nodes} nodes alive", view.nodes)
+            }
             Err(e) => tracing::info!(EVENT = "ray", "the Ray cluster does not answer yet: {e}"),
         }
         tokio::time::sleep(delay).await;
