@@ -1428,11 +1428,14 @@ impl Machine {
                 let c = c.clone();
                 self.announce(&c, "", &mut fx);
             }
-            Purpose::Failure(c) => fx.push(Effect::Notify(vec![status(format!(
-                "failed ({}, stopping pid {pid}): {}",
-                self.attempts_text(),
-                c.shown()
-            ))])),
+            Purpose::Failure(c) => {
+                c.hint = self.policy.hints.find(&c.text);
+                fx.push(Effect::Notify(vec![status(format!(
+                    "failed ({}, stopping pid {pid}): {}",
+                    self.attempts_text(),
+                    c.shown()
+                ))]))
+            }
             Purpose::Reload => fx.push(Effect::Notify(vec![
                 status(format!("reloading: stopping pid {pid} to start it with the new config")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),

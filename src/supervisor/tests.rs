@@ -544,6 +544,25 @@ fn a_failed_run_is_reported_before_its_stop_with_its_timings() {
     assert_eq!(s.m.snapshot().last_failure.map(|f| f.class), Some(FailureClass::Health));
 }
 
+/// The stop after the report names the cause with its hint, as the
+/// failure's first word did.
+#[test]
+fn the_stop_after_a_report_keeps_the_hint() {
+    let hints = crate::hints::Hints::new(Profile::Vllm, &[], &[], &[]);
+    let mut s = Sim::new(Policy { hints, ..reporting() });
+    s.ready(100);
+    let fx = s.ev(Event::HealthFailed { start: 1, cause: "RuntimeError: Executor failed.".into() });
+    assert!(statuses(&fx).iter().any(|t| t.contains("(hint: a worker process of the engine died")), "{fx:?}");
+    let fx = s.ev(Event::Reported { start: 1 });
+    let stopping = statuses(&fx);
+    assert!(
+        stopping.iter().any(|t| t.starts_with(
+            "failed (attempt 1/10, stopping pid 100): RuntimeError: Executor failed. (hint: a worker process"
+        )),
+        "{stopping:?}"
+    );
+}
+
 #[test]
 fn a_report_that_does_not_end_is_cut_short_at_its_budget() {
     let mut s = Sim::new(reporting());
