@@ -58,8 +58,8 @@ pub mod defaults {
     /// How long a start waits for the Ray cluster (`prestart.ray-*`).
     pub const RAY_WAIT: Duration = minutes(10);
     pub const RAY_MIN_NODES: u32 = 1;
-    /// How the cluster is asked; `--address ADDRESS` is added.
-    pub const RAY_STATUS: [&str; 2] = ["ray", "status"];
+    /// The Python that asks the cluster (it must have Ray).
+    pub const RAY_PYTHON: &str = "python3";
     pub const PORT_WAIT: Duration = Duration::from_secs(30);
     pub const GPU_IDLE_WAIT: Duration = minutes(2);
     pub const GPU_QUERY: [&str; 3] =
@@ -804,13 +804,13 @@ fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -
     let min_cpus = k.number("ray-min-cpus", 0.0, 0.0, 1e9);
     let min_gpus = k.number("ray-min-gpus", 0.0, 0.0, 1e9);
     let wait = k.duration("ray-wait", defaults::RAY_WAIT, limits::WAIT);
-    let status = k.read("ray-status", defaults::RAY_STATUS.map(String::from).to_vec(), |r, v| {
-        let argv = r.strings(v, "ray-status")?;
-        if argv.first().is_none_or(String::is_empty) {
-            r.problem(Some(v.span()), "`ray-status` must name a program to run");
+    let python = k.read("ray-python", defaults::RAY_PYTHON.to_string(), |r, v| {
+        let p = r.string(v, "ray-python")?;
+        if p.is_empty() {
+            r.problem(Some(v.span()), "`ray-python` must name the Python that has Ray");
             return None;
         }
-        Some(argv)
+        Some(p)
     });
     let thresholds = ["ray-min-nodes", "ray-min-cpus", "ray-min-gpus", "ray-wait"];
     let set: Vec<&str> = thresholds.into_iter().filter(|key| k.span_of(key).is_some()).collect();
@@ -827,7 +827,7 @@ fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -
         return None;
     }
     let address = given.or(own)?;
-    Some(crate::ray::Cluster { address, status, gate: !head, min_nodes, min_cpus, min_gpus, wait })
+    Some(crate::ray::Cluster { address, python, gate: !head, min_nodes, min_cpus, min_gpus, wait })
 }
 
 /// `[ready]`; adds its patterns to the ready and progress lists.

@@ -616,9 +616,10 @@ impl Backend for Real {
         }
         if let Some(cluster) = self.settings.ready_by_ray() {
             let (argv, address) = (cluster.command(&self.settings.child.command), cluster.address.clone());
-            let nodes = if self.settings.profile == crate::profile::Profile::RayWorker { 2 } else { 1 };
+            let head = self.settings.profile == crate::profile::Profile::RayHead;
+            let member = crate::ray::Member::of(&self.settings.child.command, head);
             self.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
-                crate::ray::confirm(&argv, &address, nodes).await;
+                crate::ray::confirm(&argv, &address, &member).await;
                 let _ = tx.send(Input::HttpReady { start });
             }));
             return;

@@ -1,23 +1,46 @@
 //! Ray: what a start waits for in the cluster (`prestart.ray-*`, the
 //! gate), and how a Ray node's readiness is confirmed. The cluster is asked
-//! with Ray's own `ray status --address HEAD:PORT`, under a timeout; its
-//! answer is read here, and nothing in it is trusted beyond counts and
-//! resource figures.
+//! by Ray's own client of its GCS (`ray._raylet.GcsClient`, as `ray status`
+//! uses it) in the Python that has Ray, under a timeout: every node with
+//! its state and resources, as the GCS knows them now (`ray status` shows
+//! the autoscaler's last report instead, which lists a dead node as active
+//! long after the GCS marked it dead). The answer is one JSON line, read
+//! here; nothing in it is trusted beyond states, addresses compared for
+//! equality, and resource figures.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// How long one `ray status` may take: it starts a Python interpreter and
-/// imports Ray, several seconds on a busy machine.
+/// How long one look may take: it starts a Python interpreter and imports
+/// Ray, several seconds on a busy machine.
 pub const STATUS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The look, run as `PYTHON -c ASK_GCS HEAD:PORT`: the GCS's nodes, each
+/// with its address, whether it is alive, and its total and free
+/// resources, as one JSON line. It does not join the cluster as a driver.
+const ASK_GCS: &str = r#"import json, sys
+from ray._raylet import GcsClient
+from ray.core.generated.gcs_pb2 import GcsNodeInfo
+gcs = GcsClient(address=sys.argv[1])
+infos = gcs.get_all_node_info(timeout=10)
+usage = gcs.get_all_resource_usage(timeout=10)
+free = {b.node_id: dict(b.resources_available) for b in usage.resource_usage_data.batch}
+nodes = []
+for i in infos.values():
+    total = dict(i.resources_total)
+    mine = free.get(i.node_id, {})
+    nodes.append({"ip": i.node_manager_address, "alive": i.state == GcsNodeInfo.GcsNodeState.Value("ALIVE"),
+                  "total": total, "free": {k: mine.get(k, 0.0) for k in total}})
+print(json.dumps({"nodes": nodes}))
+"#;
 
 /// `[prestart] ray-*`: the cluster a start needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Cluster {
     /// `HOST:PORT` of the head's GCS.
     pub address: String,
-    /// argv of `ray status`; `--address ADDRESS` is added.
-    pub status: Vec<String>,
+    /// The Python that has Ray (`prestart.ray-python`).
+    pub python: String,
     /// Whether a start waits for the cluster (a head waits for none).
     pub gate: bool,
     pub min_nodes: u32,
@@ -27,11 +50,13 @@ pub struct Cluster {
     pub wait: Duration,
 }
 
-/// What `ray status` showed.
+/// What the GCS showed.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct View {
-    /// Nodes alive (Ray's "Active" and "Idle" nodes).
+    /// Nodes alive.
     pub nodes: u32,
+    /// Their addresses.
+    pub alive: Vec<String>,
     /// Free and total of each resource that the gate knows (`CPU`, `GPU`).
     pub cpus: (f64, f64),
     pub gpus: (f64, f64),
@@ -52,19 +77,17 @@ impl Cluster {
         (!lack.is_empty()).then(|| lack.join(", "))
     }
 
-    /// The argv that asks the cluster: `status` with `--address`, its
-    /// program found beside the child's own when it names no folder (the
-    /// `ray` of the venv that runs `vllm` or `ray start`), else on `PATH`.
+    /// The argv that asks the cluster: the Python, found beside the
+    /// child's program when it names no folder (the venv that runs `vllm`
+    /// or `ray start`), else on `PATH`; the look; the address.
     pub fn command(&self, child: &[String]) -> Vec<String> {
-        let mut argv = self.status.clone();
-        if let Some(first) = argv.first_mut()
-            && !first.contains('/')
-            && let Some(beside) = beside(child, first)
+        let mut python = self.python.clone();
+        if !python.contains('/')
+            && let Some(found) = beside(child, &python)
         {
-            *first = beside.to_string_lossy().into_owned();
+            python = found.to_string_lossy().into_owned();
         }
-        argv.extend(["--address".to_string(), self.address.clone()]);
-        argv
+        vec![python, "-c".into(), ASK_GCS.into(), self.address.clone()]
     }
 }
 
@@ -83,16 +106,17 @@ fn beside(child: &[String], program: &str) -> Option<PathBuf> {
 pub async fn ask(argv: &[String], address: &str) -> Result<View, String> {
     use crate::prestart::QueryError;
     let program = argv.first().map(String::as_str).unwrap_or_default();
-    // `ray status` takes 40 s to give up on an address where nothing
+    // Ray's client takes 40 s to give up on an address where nothing
     // listens, and a second of CPU to start: a refused connection says
     // the same at once.
     reachable(address).await?;
     match crate::prestart::run_command(argv, STATUS_TIMEOUT, 1 << 20, true).await {
-        Ok(Some(out)) => parse_status(&out).map_err(|e| format!("`ray status` answered: {e}")),
+        Ok(Some(out)) => parse_answer(&out).map_err(|e| format!("the Ray cluster answered: {e}")),
         Ok(None) => Err(format!("{program} not found")),
-        Err(QueryError::TimedOut(_)) => {
-            Err(format!("`ray status` did not answer within {}", humantime::format_duration(STATUS_TIMEOUT)))
-        }
+        Err(QueryError::TimedOut(_)) => Err(format!(
+            "the look at the Ray cluster took over {} (killed)",
+            humantime::format_duration(STATUS_TIMEOUT)
+        )),
         Err(QueryError::Failed(e)) => Err(e),
     }
 }
@@ -123,18 +147,47 @@ async fn reachable(address: &str) -> Result<(), String> {
     }
 }
 
-/// Look at the cluster until it answers with `nodes` nodes alive (a head:
-/// 1, itself; a joining node: 2, the head and itself): a Ray node's ready
+/// What shows that a Ray node is in its cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Member {
+    /// A node alive at this address (the node's `--node-ip-address`).
+    At(String),
+    /// At least this many nodes alive (the node's address is Ray's
+    /// choice: a head counts 1, a joining node 2, the head and itself).
+    Count(u32),
+}
+
+impl Member {
+    /// How a node started with `command` is seen in its cluster.
+    pub fn of(command: &[String], head: bool) -> Member {
+        match flag(command, "--node-ip-address") {
+            Some(ip) => Member::At(ip),
+            None => Member::Count(if head { 1 } else { 2 }),
+        }
+    }
+
+    fn seen(&self, v: &View) -> bool {
+        match self {
+            Member::At(ip) => v.alive.iter().any(|a| a == ip),
+            Member::Count(n) => v.nodes >= *n,
+        }
+    }
+}
+
+/// Look at the cluster until it has `member` alive: a Ray node's ready
 /// line says its processes started, this that the cluster has it. The
 /// start's own deadlines (`ready.timeout`) bound the wait.
-pub async fn confirm(argv: &[String], address: &str, nodes: u32) {
+pub async fn confirm(argv: &[String], address: &str, member: &Member) {
     let mut delay = Duration::from_millis(500);
     loop {
         match ask(argv, address).await {
-            Ok(view) if view.nodes >= nodes => return,
-            Ok(view) => {
-                tracing::info!(EVENT = "ray", "the Ray cluster answers with {} of {nodes} nodes alive", view.nodes)
-            }
+            Ok(view) if member.seen(&view) => return,
+            Ok(view) => tracing::info!(
+                EVENT = "ray",
+                "the Ray cluster does not show this node alive yet ({} node(s) alive: {})",
+                view.nodes,
+                view.alive.join(", ")
+            ),
             Err(e) => tracing::info!(EVENT = "ray", "the Ray cluster does not answer yet: {e}"),
         }
         tokio::time::sleep(delay).await;
@@ -147,54 +200,41 @@ fn num(x: f64) -> String {
     if x.fract() == 0.0 && x.abs() < 1e15 { format!("{}", x as i64) } else { format!("{x}") }
 }
 
-/// Reads `ray status`: the nodes of its "Active:" and "Idle:" lists (each
-/// line ` N node_ID`), and `used/total NAME` lines of its "Usage:" list.
-/// An answer without the "Node status" heading is not one (Ray printed an
-/// error instead): its last line is the error.
-pub fn parse_status(text: &str) -> Result<View, String> {
-    if !text.lines().any(|l| l.trim() == "Node status") {
-        let last = text.lines().rev().map(str::trim).find(|l| !l.is_empty()).unwrap_or("no output");
-        return Err(crate::escape::one_line(last, 300));
-    }
+/// One node as the look prints it.
+#[derive(Debug, serde::Deserialize)]
+struct Node {
+    ip: String,
+    alive: bool,
+    total: std::collections::BTreeMap<String, f64>,
+    free: std::collections::BTreeMap<String, f64>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Answer {
+    nodes: Vec<Node>,
+}
+
+/// Reads the look's output: its last line that is a JSON object is the
+/// answer (Ray's client may log warnings before it); without one, the
+/// last line is the error (a Python exception).
+pub fn parse_answer(text: &str) -> Result<View, String> {
+    let lines = || text.lines().rev().map(str::trim).filter(|l| !l.is_empty());
+    let Some(json) = lines().find(|l| l.starts_with('{')) else {
+        return Err(crate::escape::one_line(lines().next().unwrap_or("no output"), 300));
+    };
+    let answer: Answer = serde_json::from_str(json).map_err(|e| format!("not the answer asked for: {e}"))?;
     let mut view = View::default();
-    let mut list = "";
-    for line in text.lines() {
-        let t = line.trim();
-        if !line.starts_with(' ') && t.ends_with(':') {
-            list = t;
-            continue;
+    let sum = |into: &mut (f64, f64), n: &Node, name: &str| {
+        let (free, total) = (n.free.get(name).copied().unwrap_or(0.0), n.total.get(name).copied().unwrap_or(0.0));
+        if free.is_finite() && total.is_finite() {
+            *into = (into.0 + free.max(0.0), into.1 + total.max(0.0));
         }
-        if t.is_empty() || t.starts_with('-') || t.starts_with('=') {
-            if !t.is_empty() {
-                list = "";
-            }
-            continue;
-        }
-        match list {
-            "Active:" | "Idle:" => {
-                if let Some((n, id)) = t.split_once(' ')
-                    && let Ok(n) = n.parse::<u32>()
-                    && id.starts_with("node_")
-                {
-                    view.nodes = view.nodes.saturating_add(n);
-                }
-            }
-            "Usage:" | "Total Usage:" => {
-                let Some((amounts, name)) = t.split_once(' ') else { continue };
-                let Some((used, total)) = amounts.split_once('/') else { continue };
-                let (Ok(used), Ok(total)) = (used.parse::<f64>(), total.parse::<f64>()) else { continue };
-                if !(used.is_finite() && total.is_finite()) {
-                    continue;
-                }
-                let free = (total - used).max(0.0);
-                match name {
-                    "CPU" => view.cpus = (free, total),
-                    "GPU" => view.gpus = (free, total),
-                    _ => {}
-                }
-            }
-            _ => {}
-        }
+    };
+    for n in answer.nodes.iter().filter(|n| n.alive) {
+        view.nodes = view.nodes.saturating_add(1);
+        view.alive.push(n.ip.clone());
+        sum(&mut view.cpus, n, "CPU");
+        sum(&mut view.gpus, n, "GPU");
     }
     Ok(view)
 }

@@ -43,25 +43,25 @@ fn check_lists_every_problem_and_exits_78() {
     assert!(err.contains("3 problem(s) found"), "{err}");
 }
 
-/// The program that asks a Ray cluster is looked for where the warden
-/// will run it: beside the child's program, else on PATH.
+/// The Python that asks a Ray cluster is looked for where the warden will
+/// run it: beside the child's program, else on PATH.
 #[test]
-fn check_reports_a_ray_status_program_that_is_not_there() {
+fn check_reports_a_ray_python_that_is_not_there() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("x.toml");
-    let text = "[child]\ncommand = [\"/bin/true\"]\n[prestart]\nray-address = \"127.0.0.3:6379\"\nray-status = [\"no-such-ray\", \"status\"]\n";
+    let text = "[child]\ncommand = [\"/bin/true\"]\n[prestart]\nray-address = \"127.0.0.3:6379\"\nray-python = \"no-such-python\"\n";
     std::fs::write(&cfg, text).unwrap();
     let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
     assert_eq!(code, 78);
     assert!(
-        err.contains("`prestart.ray-status`: program \"no-such-ray\" not found beside \"/bin/true\" nor in PATH"),
+        err.contains("`prestart.ray-python`: \"no-such-python\" not found beside \"/bin/true\" nor in PATH"),
         "{err}"
     );
     assert!(err.contains("1 problem(s) found"), "{err}");
     // Beside the child's program: found.
     let bin = dir.path().join("bin");
     std::fs::create_dir(&bin).unwrap();
-    for name in ["server", "no-such-ray"] {
+    for name in ["server", "no-such-python"] {
         std::fs::write(bin.join(name), "#!/bin/sh\n").unwrap();
         std::fs::set_permissions(bin.join(name), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }

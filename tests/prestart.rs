@@ -370,28 +370,23 @@ fn vllm_dist_files_in_the_temporary_folder_are_cleaned_by_the_same_rule() {
     assert_eq!(w.stop(), 0);
 }
 
-/// A `ray status` that answers with the real text of Ray 2.56.1, one node
-/// alive until the file `joined` exists, two after; the address is a
-/// listener of the test (only the connection is looked at).
+/// A Python that answers the look as Ray 2.56.1's GCS did (real answers):
+/// the second node dead until the file `joined` exists, both alive after;
+/// the address is a listener of the test (only the connection is looked
+/// at).
 fn ray_gate(d: &std::path::Path, p: u16, address: &str, extra: &str, restart: &str) -> String {
-    let two = include_str!("fixtures/ray/status-two-nodes.txt");
-    let mut one: Vec<&str> = two.lines().collect();
-    let second = one.iter().position(|l| l.starts_with(" 1 node_")).unwrap() + 1;
-    one.remove(second);
-    std::fs::write(d.join("two.txt"), two).unwrap();
-    std::fs::write(d.join("one.txt"), one.join("\n")).unwrap();
-    let script = d.join("ray");
+    std::fs::write(d.join("two.json"), include_str!("fixtures/ray/gcs-two-nodes.json")).unwrap();
+    std::fs::write(d.join("one.json"), include_str!("fixtures/ray/gcs-one-dead.json")).unwrap();
+    let script = d.join("python3");
     let d = d.display();
     std::fs::write(
         &script,
-        format!(
-            "#!/bin/sh\necho \"$@\" > {d}/asked\nif [ -e {d}/joined ]; then cat {d}/two.txt; else cat {d}/one.txt; fi\n"
-        ),
+        format!("#!/bin/sh\necho \"$1 $3\" > {d}/asked\nif [ -e {d}/joined ]; then cat {d}/two.json; else cat {d}/one.json; fi\n"),
     )
     .unwrap();
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let pre = format!(
-        "[prestart]\nray-address = \"{address}\"\nray-min-nodes = 2\nray-status = [\"{}\", \"status\"]\n{extra}",
+        "[prestart]\nray-address = \"{address}\"\nray-min-nodes = 2\nray-python = \"{}\"\n{extra}",
         script.display()
     );
     config(std::path::Path::new(&d.to_string()), p, &["--shards", "1"], "", &format!("{FAST}{restart}{pre}"))
@@ -406,7 +401,7 @@ fn a_start_waits_at_the_ray_gate_until_the_cluster_is_whole() {
     assert!(waiting.contains(&format!("at {address}: 1 of 2 nodes alive (next look in ")), "{waiting}");
     assert!(!w.log().contains("--- vllm-warden: start"), "nothing is spawned while the cluster is short");
     let asked = std::fs::read_to_string(w.path("asked")).unwrap();
-    assert_eq!(asked.trim(), format!("status --address {address}"));
+    assert_eq!(asked.trim(), format!("-c {address}"));
     std::fs::write(w.path("joined"), "").unwrap();
     w.wait_ready();
     assert_eq!(w.stop(), 0);

@@ -161,7 +161,7 @@ fn the_man_page_shows_the_default_constants() {
         ("prestart.gpu-query", format!("`{}`", defaults::GPU_QUERY.join(" "))),
         ("prestart.ray-min-nodes", defaults::RAY_MIN_NODES.to_string()),
         ("prestart.ray-wait", duration(defaults::RAY_WAIT)),
-        ("prestart.ray-status", format!("`{}`", defaults::RAY_STATUS.join(" "))),
+        ("prestart.ray-python", format!("`\"{}\"`", defaults::RAY_PYTHON)),
         ("ready.timeout", duration(defaults::READY_TIMEOUT)),
         ("ready.stall", duration(defaults::READY_STALL)),
         ("fatal.grace", duration(defaults::FATAL_GRACE)),
