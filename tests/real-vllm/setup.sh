@@ -60,6 +60,12 @@ if [ -n "$(comm -23 <(pins <"$raylock") <("$venv/bin/pip" freeze 2>/dev/null | p
     "$venv/bin/pip" install -q --no-deps -r "$raylock" >&2
     echo "added $raylock to $venv" >&2
 fi
+# The import hook that gives vLLM's CPU platform a Ray device key when
+# VLLM_WARDEN_TEST_RAY_DEVICE_KEY is set (tests/real-ray/vllm_warden_test_ray.py).
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+for f in vllm_warden_test_ray.py vllm_warden_test_ray.pth; do
+    cmp -s "tests/real-ray/$f" "$site/$f" || cp "tests/real-ray/$f" "$site/$f"
+done
 
 if [ ! -f "$models/tiny/model.safetensors" ] || [ ! -f "$models/tiny-fp4/config.json" ]; then
     start=$SECONDS
