@@ -133,7 +133,7 @@ fn real_answers_are_read() {
     let dead = include_str!("../../tests/fixtures/ray/gcs-one-dead.json");
     let head = vec!["127.0.0.3".to_string()];
     assert_eq!(parse_answer(dead).unwrap(), View { nodes: 1, alive: head, cpus: (1.0, 1.0), gpus: (0.0, 0.0) });
-    let none = include_str!("../../tests/fixtures/ray/gcs-no-head.txt");
+    let none = include_str!("../../tests/fixtures/ray/status_no_head.txt");
     assert_eq!(
         parse_answer(none).unwrap_err(),
         "ray.exceptions.RpcError: Timed out while waiting for GCS to become available."
