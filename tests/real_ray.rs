@@ -258,13 +258,11 @@ fn r1_a_group_across_two_ray_nodes_recovers_from_either_node_dying() {
     let server_back2 = t.elapsed();
     common::real::completion(s.port).expect("a completion after the head came back");
     let last_cause = |x: &Warden| {
-        x.statuses()
-            .iter()
-            .rev()
-            .find(|n| n.starts_with("restarting in"))
-            .map(|n| cause(n).to_string())
-            .unwrap_or_default()
+        x.statuses().iter().rev().find(|n| n.starts_with("failed (")).map(|n| cause(n).to_string()).unwrap_or_default()
     };
+    for x in [&h, &w] {
+        assert!(last_cause(x).contains("(hint: one of Ray's processes on this node died"), "{:?}", x.statuses());
+    }
     eprintln!(
         "ray fault 2, head GCS SIGKILL: head cause \"{}\", worker cause \"{}\", server cause \"{}\"; head ready again {:.1} s, worker {:.1} s, server {:.1} s",
         last_cause(&h),
