@@ -53,6 +53,13 @@ pub mod defaults {
 
     /// The port vLLM listens on when the command has no `--port`.
     pub const PORT: u16 = 8000;
+    /// The Ray head's GCS port when `ray start --head` has no `--port`.
+    pub const RAY_PORT: u16 = 6379;
+    /// How long a start waits for the Ray cluster (`prestart.ray-*`).
+    pub const RAY_WAIT: Duration = minutes(10);
+    pub const RAY_MIN_NODES: u32 = 1;
+    /// The Python that asks the cluster (it must have Ray).
+    pub const RAY_PYTHON: &str = "python3";
     pub const PORT_WAIT: Duration = Duration::from_secs(30);
     pub const GPU_IDLE_WAIT: Duration = minutes(2);
     pub const GPU_QUERY: [&str; 3] =
@@ -168,6 +175,17 @@ pub mod limits {
     pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
 }
 
+impl Settings {
+    /// The cluster that confirms a Ray node's readiness after its ready
+    /// line, unless `ready.http` is set: Ray nodes serve no HTTP.
+    pub fn ready_by_ray(&self) -> Option<&crate::ray::Cluster> {
+        if self.ready.http.is_some() || !self.profile.is_ray() {
+            return None;
+        }
+        self.prestart.ray.as_ref()
+    }
+}
+
 /// A config that passed validation.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -215,10 +233,15 @@ pub struct Child {
 pub struct Prestart {
     /// Globs in `/dev/shm`, the profile's plus the config's.
     pub clean_shm: Vec<String>,
-    pub port: u16,
+    /// Checked free before each start; `None`: no port is known (a Ray
+    /// node that joins a cluster).
+    pub port: Option<u16>,
     pub port_wait: Duration,
     pub gpu_idle_wait: Duration,
     pub gpu_query: Vec<String>,
+    /// The Ray cluster: waited for before each start (`gate`), and asked
+    /// to confirm a Ray node's readiness.
+    pub ray: Option<crate::ray::Cluster>,
 }
 
 #[derive(Debug, Clone)]
@@ -444,7 +467,8 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let child = child(r.section(child_v, "child"), &name, dirs);
     let patches = patches(r, patch_v);
     let prestart = prestart(r.section(prestart_v, "prestart"), profile, &child.command);
-    let health_url = format!("http://127.0.0.1:{}/health", prestart.port);
+    // A Ray node serves no HTTP: its readiness is confirmed by the cluster.
+    let health_url = prestart.port.filter(|_| !profile.is_ray()).map(|p| format!("http://127.0.0.1:{p}/health"));
     let ready = ready(r.section(ready_v, "ready"), &mut patterns, &health_url);
     let fatal = fatal(r.section(fatal_v, "fatal"), &mut patterns);
     let restart = restart(r.section(restart_v, "restart"));
@@ -491,7 +515,7 @@ fn profile(r: &mut Reader<'_>, v: &Value<'_>) -> Option<Profile> {
     let p = r.string(v, "profile")?;
     let parsed = Profile::parse(&p);
     if parsed.is_none() {
-        r.problem(Some(v.span()), format!("unknown profile {p:?} (known: vllm, none)"));
+        r.problem(Some(v.span()), format!("unknown profile {p:?} (known: {})", Profile::NAMES.join(", ")));
     }
     parsed
 }
@@ -737,13 +761,13 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
         }
         Some(globs)
     });
-    let port = k.read("port", port_of(command).unwrap_or(defaults::PORT), |r, v| {
+    let port = k.read("port", profile.default_port(command), |r, v| {
         let n = r.integer(v, "port", u16::MAX.into())?;
         if n == 0 {
             r.problem(Some(v.span()), "`port` must be at least 1");
             return None;
         }
-        u16::try_from(n).ok()
+        u16::try_from(n).ok().map(Some)
     });
     let port_wait = k.duration("port-wait", defaults::PORT_WAIT, limits::WAIT);
     let gpu_idle_wait = k.duration("gpu-idle-wait", defaults::GPU_IDLE_WAIT, limits::WAIT);
@@ -755,13 +779,61 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
         }
         Some(query)
     });
-    Prestart { clean_shm, port, port_wait, gpu_idle_wait, gpu_query }
+    let ray = ray_cluster(&mut k, profile, command);
+    Prestart { clean_shm, port, port_wait, gpu_idle_wait, gpu_query, ray }
+}
+
+/// `prestart.ray-*`: the Ray cluster a start waits for. A node's own
+/// command names its cluster (`ray-address` then defaults to it); a joining
+/// node waits for its head, a head for nothing.
+fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Option<crate::ray::Cluster> {
+    let head = profile == Profile::RayHead;
+    let own = profile.is_ray().then(|| crate::ray::address_in(command, head)).flatten();
+    let given = k.read("ray-address", None, |r, v| {
+        let a = r.string(v, "ray-address")?;
+        if !crate::ray::valid_address(&a) {
+            r.problem(
+                Some(v.span()),
+                format!("`ray-address` {a:?} must be HOST:PORT, as `ray start --address` takes it"),
+            );
+            return None;
+        }
+        Some(Some(a))
+    });
+    let min_nodes = k.count("ray-min-nodes", defaults::RAY_MIN_NODES, 1);
+    let min_cpus = k.number("ray-min-cpus", 0.0, 0.0, 1e9);
+    let min_gpus = k.number("ray-min-gpus", 0.0, 0.0, 1e9);
+    let wait = k.duration("ray-wait", defaults::RAY_WAIT, limits::WAIT);
+    let python = k.read("ray-python", defaults::RAY_PYTHON.to_string(), |r, v| {
+        let p = r.string(v, "ray-python")?;
+        if p.is_empty() {
+            r.problem(Some(v.span()), "`ray-python` must name the Python that has Ray");
+            return None;
+        }
+        Some(p)
+    });
+    let thresholds = ["ray-min-nodes", "ray-min-cpus", "ray-min-gpus", "ray-wait"];
+    let set: Vec<&str> = thresholds.into_iter().filter(|key| k.span_of(key).is_some()).collect();
+    if head && (given.is_some() || !set.is_empty()) {
+        let span = k.span_of("ray-address").or_else(|| set.first().and_then(|key| k.span_of(key)));
+        k.problem(span, "a `ray-head` starts the cluster and waits for none: `ray-address` and `ray-min-*` are for the nodes and servers that need it");
+        return None;
+    }
+    if given.is_none() && own.is_none() {
+        if let Some(key) = set.first() {
+            let span = k.span_of(key);
+            k.problem(span, format!("`{key}` needs `ray-address`: the cluster to wait for"));
+        }
+        return None;
+    }
+    let address = given.or(own)?;
+    Some(crate::ray::Cluster { address, python, gate: !head, min_nodes, min_cpus, min_gpus, wait })
 }
 
 /// `[ready]`; adds its patterns to the ready and progress lists.
-fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &str) -> Ready {
+fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &Option<String>) -> Ready {
     k.patterns("log", patterns.list_mut(List::Ready), List::Ready.name());
-    let http = k.url("http", Some(health_url.to_string()));
+    let http = k.url("http", health_url.clone());
     let timeout = k.duration("timeout", defaults::READY_TIMEOUT, limits::START);
     let stall = k.duration("stall", defaults::READY_STALL, limits::START);
     k.patterns("progress", patterns.list_mut(List::Progress), List::Progress.name());
@@ -800,14 +872,17 @@ fn restart(mut k: Keys<'_, '_, '_>) -> Restart {
 }
 
 /// `[health]`
-fn health(mut k: Keys<'_, '_, '_>, health_url: &str) -> Health {
-    let http = k.url("http", Some(health_url.to_string()));
+fn health(mut k: Keys<'_, '_, '_>, health_url: &Option<String>) -> Health {
+    let http = k.url("http", health_url.clone());
     let interval = k.duration("interval", defaults::HEALTH_INTERVAL, limits::PERIOD);
     let timeout = k.duration("timeout", defaults::HEALTH_TIMEOUT, limits::PERIOD);
     let failures = k.count("failures", defaults::HEALTH_FAILURES, 1);
-    let canary_interval = k.duration("canary-interval", defaults::CANARY_INTERVAL, limits::WAIT);
+    // The canary and the progress check ask the server's API: a child that
+    // serves none (a Ray node) has neither unless the config asks.
+    let serves = |d: Duration| if health_url.is_some() { d } else { Duration::ZERO };
+    let canary_interval = k.duration("canary-interval", serves(defaults::CANARY_INTERVAL), limits::WAIT);
     let canary_timeout = k.duration("canary-timeout", defaults::CANARY_TIMEOUT, limits::PERIOD);
-    let progress_stall = k.duration("progress-stall", defaults::PROGRESS_STALL, limits::WAIT);
+    let progress_stall = k.duration("progress-stall", serves(defaults::PROGRESS_STALL), limits::WAIT);
     let default_source = defaults::KERNEL_MESSAGES.map(String::from).to_vec();
     let kernel_messages = k.read("kernel-messages", default_source, |r, v| r.strings(v, "kernel-messages"));
     if kernel_messages.first().is_some_and(String::is_empty) {

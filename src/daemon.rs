@@ -672,13 +672,23 @@ impl Backend for Real {
     }
 
     fn probe(&mut self, start: u32) {
-        let Some(url) = self.settings.ready.http.clone() else {
-            return;
-        };
         let tx = self.inputs.clone();
         if let Some(p) = self.probe.take() {
             p.abort();
         }
+        if let Some(cluster) = self.settings.ready_by_ray() {
+            let (argv, address) = (cluster.command(&self.settings.child.command), cluster.address.clone());
+            let head = self.settings.profile == crate::profile::Profile::RayHead;
+            let member = crate::ray::Member::of(&self.settings.child.command, head);
+            self.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
+                crate::ray::confirm(&argv, &address, &member).await;
+                let _ = tx.send(Input::HttpReady { start });
+            }));
+            return;
+        }
+        let Some(url) = self.settings.ready.http.clone() else {
+            return;
+        };
         self.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
             let mut delay = Duration::from_millis(20);
             loop {

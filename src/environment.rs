@@ -29,6 +29,15 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
             None => say(format!("`command`: program {program:?} not found in PATH")),
         }
     }
+    if let Some(cluster) = &s.prestart.ray {
+        // The Python that asks the cluster: beside the child's program,
+        // else on the warden's PATH, as the warden runs it.
+        let argv = cluster.command(&s.child.command);
+        let python = argv.first().map_or("", String::as_str);
+        if resolve_program(python, None).is_none_or(|p| !p.is_file()) {
+            say(format!("`prestart.ray-python`: {python:?} not found beside {program:?} nor in PATH"));
+        }
+    }
     if let Some(file) = &s.server.token_file
         && let Err(e) = crate::server::read_token(file)
     {

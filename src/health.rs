@@ -22,7 +22,8 @@ pub struct Spec {
 
 impl Spec {
     pub fn from_settings(s: &Settings) -> Spec {
-        Spec { health: s.health.clone(), base: format!("http://127.0.0.1:{}", s.prestart.port) }
+        let port = s.prestart.port.unwrap_or(crate::config::defaults::PORT);
+        Spec { health: s.health.clone(), base: format!("http://127.0.0.1:{port}") }
     }
 
     pub fn enabled(&self) -> bool {

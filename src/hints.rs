@@ -44,9 +44,35 @@ pub const VLLM: &[(&str, &str)] = &[
          add --disable-custom-all-reduce to the command",
     ),
     (
+        r"Executor failed|WorkerProc.* died unexpectedly|ActorUnavailableError|ActorDiedError",
+        "a worker process of the engine died; the lines before name it (`WorkerProc … died unexpectedly`; on Ray \
+         `RayWorkerProc rank=[N] died unexpectedly`: the Ray node holding rank N died, its warden starts it \
+         again, and the next start here waits until the cluster has what prestart.ray-min-* ask for)",
+    ),
+    (
+        r"current platform \S+ does not support ray",
+        "this vLLM build cannot run its workers on Ray on this platform: use the default executor \
+         (no --distributed-executor-backend ray)",
+    ),
+    (
         r"Address already in use",
         "another process holds the server's port: the log names it (`port … is held by pid …`); \
          prestart.port-wait says how long the warden waits for it",
+    ),
+];
+
+/// The Ray profiles' hints.
+pub const RAY: &[(&str, &str)] = &[
+    (
+        r"Some Ray subprocesses exited unexpectedly",
+        "one of Ray's processes on this node died (the next lines of the log name it, such as `raylet [exit \
+         code=-9]`, and the session's logs/ray_process_exit.log says more); `ray start --block` stopped the \
+         rest, and the warden starts the node again",
+    ),
+    (
+        r"Failed to connect to GCS",
+        "the Ray head is not reachable: check its warden (`systemctl status vllm-warden@ray-head`) and the \
+         address; this node's warden waits for the head (prestart.ray-wait) before each start",
     ),
 ];
 
@@ -81,6 +107,7 @@ impl Hints {
     pub fn new(profile: Profile, extra: &[(String, String)], patches: &[Patch], command: &[String]) -> Hints {
         let builtin: &[(&str, &str)] = match profile {
             Profile::Vllm => VLLM,
+            Profile::RayHead | Profile::RayWorker => RAY,
             Profile::None => &[],
         };
         let table = extra
@@ -136,6 +163,23 @@ mod tests {
         Hints::new(Profile::Vllm, &[], patches, &command)
     }
 
+    /// The Ray profiles' hints against lines `ray start --block` wrote.
+    #[test]
+    fn every_ray_hint_matches_a_real_line() {
+        let command: Vec<String> = ["ray", "start", "--address=127.0.0.3:6391", "--block"].map(String::from).to_vec();
+        let h = Hints::new(Profile::RayWorker, &[], &[], &command);
+        let real = [
+            "2026-11-30 17:09:42,138 ERR scripts.py:1304 -- Some Ray subprocesses exited unexpectedly:",
+            "[2026-11-30 17:16:18,596 W 17542 17542] rpc_client.h:153: Failed to connect to GCS at address 127.0.0.3:6399 within 5 seconds.",
+        ];
+        for (line, (pattern, text)) in real.iter().zip(RAY) {
+            assert!(Regex::new(pattern).unwrap().is_match(line), "{pattern} / {line}");
+            assert_eq!(h.find(line).as_deref(), Some(*text));
+        }
+        assert_eq!(real.len(), RAY.len(), "a real line for every Ray hint");
+        assert_eq!(Hints::new(Profile::Vllm, &[], &[], &command).find(real[0]), None);
+    }
+
     /// Every built-in hint against a real line: from `tests/fixtures/`
     /// (vLLM 0.32 on CPU) or, for failures that need a GPU, vLLM's own text.
     #[test]
@@ -147,6 +191,8 @@ mod tests {
             "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine",
             "ValueError: Free memory on device (10.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
             "RuntimeError: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)",
+            "RuntimeError: Executor failed.",
+            "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
         ];
         for (line, (pattern, _)) in real.iter().zip(VLLM) {

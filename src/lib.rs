@@ -13,11 +13,12 @@
 //! | [`lock`] | one warden per instance |
 //! | [`config`] | TOML → validated [`config::Settings`], every problem with file:line:col |
 //! | [`environment`] | what `check` verifies outside the config file |
-//! | [`profile`] | the built-in vLLM patterns |
+//! | [`profile`] | the built-in patterns: vLLM, a Ray head, a Ray node |
 //! | [`logwatch`] | following the log file; classifying lines |
 //! | [`patch`] | JSON edits of model files, atomic writes, backups, revert |
 //! | [`prepare`] | the pre-start steps in order, with their waits |
 //! | [`prestart`] | leftovers, shared memory, the port, the GPUs |
+//! | [`ray`] | the Ray cluster a start waits for; a Ray node's readiness |
 //! | [`child`] | spawning, signalling, reaping, finding descendants in `/proc` |
 //! | [`systemd`] | sd_notify, never fatal |
 //! | [`status`] | the status document and the metrics (one registry, the file and `/metrics`) |
@@ -60,6 +61,7 @@ pub mod prepare;
 pub mod prestart;
 pub mod profile;
 pub mod progress;
+pub mod ray;
 pub mod redact;
 pub mod reload;
 pub mod reports;

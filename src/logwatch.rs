@@ -126,9 +126,18 @@ fn clean<'a>(raw: &'a [u8], scratch: &'a mut String) -> &'a str {
 
 /// What a terminal would print of `raw`: escape sequences (CSI, OSC, DCS,
 /// …) and control characters removed, invalid UTF-8 shown as `�`, by the
-/// `strip-ansi-escapes` crate (a `vte` terminal parser). Only lines that
-/// hold a control byte or a C1 character come here (see [`clean`]).
+/// `strip-ansi-escapes` crate (a `vte` terminal parser); a tab is the space
+/// a terminal shows, not a control to drop (Ray's and Python logging's
+/// `TIME\tLEVEL …`). Only lines that hold a control byte or a C1
+/// character come here (see [`clean`]).
 pub fn strip(raw: &[u8], out: &mut String) {
+    let spaced: Vec<u8>;
+    let raw = if memchr::memchr(b'\t', raw).is_some() {
+        spaced = raw.iter().map(|&b| if b == b'\t' { b' ' } else { b }).collect();
+        &spaced[..]
+    } else {
+        raw
+    };
     out.push_str(&String::from_utf8_lossy(&strip_ansi_escapes::strip(raw)));
 }
 

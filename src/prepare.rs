@@ -68,11 +68,9 @@ fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Re
     clean_leftover_files(s);
 
     // 4. The port, at first sight.
-    let port = s.prestart.port;
-    Ok(if prestart::port_free(port) {
-        Blocking::PortFree
-    } else {
-        Blocking::PortHeld(prestart::describe_holders(port))
+    Ok(match s.prestart.port {
+        Some(port) if !prestart::port_free(port) => Blocking::PortHeld(port, prestart::describe_holders(port)),
+        _ => Blocking::PortFree,
     })
 }
 
@@ -80,7 +78,7 @@ enum Blocking {
     Leftovers(Vec<crate::child::ProcStat>, Vec<String>),
     PortFree,
     /// Held, by whom.
-    PortHeld(String),
+    PortHeld(u16, String),
 }
 
 /// Run the steps; an `Err` fails the start. The leftovers of an earlier
@@ -107,8 +105,7 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
     leftovers_done.store(true, Ordering::SeqCst);
 
     // 4. The port: wait while it is held.
-    if let Blocking::PortHeld(holders) = seen {
-        let port = s.prestart.port;
+    if let Blocking::PortHeld(port, holders) = seen {
         status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
         if !wait_until(s.prestart.port_wait, || off_loop(move || prestart::port_free(port))).await {
             return Err(StartFailure::transient(off_loop(move || prestart::describe_holders(port)).await));
@@ -147,15 +144,58 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
             }
         }
     }
+
+    // 6. The Ray cluster.
+    if let Some(cluster) = s.prestart.ray.as_ref().filter(|c| c.gate) {
+        ray_gate(cluster, &s.child.command, &status).await?;
+    }
     Ok(())
 }
 
+/// First and longest wait between two looks at the Ray cluster: each look
+/// starts a Python interpreter, about a second of CPU.
+const RAY_FIRST_RETRY: Duration = Duration::from_secs(1);
+const RAY_MAX_RETRY: Duration = Duration::from_secs(10);
+
+/// Wait until the cluster has what `cluster` asks for, looking with a
+/// growing delay and showing what is missing; fail the start naming it
+/// once `cluster.wait` has passed.
+async fn ray_gate(cluster: &crate::ray::Cluster, child: &[String], status: &Status) -> Result<(), StartFailure> {
+    let argv = cluster.command(child);
+    let address = &cluster.address;
+    let wait = humantime::format_duration(cluster.wait);
+    let deadline = Instant::now() + cluster.wait;
+    let mut delay = RAY_FIRST_RETRY;
+    loop {
+        let missing = match crate::ray::ask(&argv, address).await {
+            Ok(view) => match cluster.missing(&view) {
+                None => return Ok(()),
+                Some(m) => m,
+            },
+            Err(e) => e,
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(StartFailure::transient(format!("Ray cluster at {address} not ready after {wait}: {missing}")));
+        }
+        let next = delay.min(deadline - now);
+        status(format!(
+            "waiting up to {wait} for the Ray cluster at {address}: {missing} (next look in {})",
+            humantime::format_duration(Duration::from_secs(next.as_secs().max(1)))
+        ));
+        tokio::time::sleep(next).await;
+        delay = (delay * 2).min(RAY_MAX_RETRY);
+    }
+}
+
 /// Remove what crashed runs leave behind and nobody uses any more: the
-/// `clean-shm` entries of `/dev/shm`, and the profile's files in the
-/// temporary folders (see `prestart::clean` for the rule). Logs what was
+/// `clean-shm` entries of `/dev/shm`, the profile's files in the
+/// temporary folders (see `prestart::clean` for the rule), and a Ray
+/// node's session folders (see `ray::clean_sessions`). Logs what was
 /// removed and what was kept, and why.
 pub fn clean_leftover_files(s: &Settings) {
     let uid = nix::unistd::geteuid().as_raw();
+    clean_ray_sessions(s, uid);
     let mut folders: Vec<(PathBuf, Vec<String>)> = Vec::new();
     if !s.prestart.clean_shm.is_empty() {
         folders.push(("/dev/shm".into(), s.prestart.clean_shm.clone()));
@@ -191,6 +231,18 @@ pub fn clean_leftover_files(s: &Settings) {
         if report != prestart::Cleaned::default() {
             tracing::info!(INSTANCE = s.name.as_str(), EVENT = "clean", "{}: {}", dir.display(), report.describe());
         }
+    }
+}
+
+/// A Ray node's session folders that nothing uses any more.
+fn clean_ray_sessions(s: &Settings, uid: u32) {
+    if !s.profile.is_ray() {
+        return;
+    }
+    let dir = crate::ray::temp_dir(&s.child.command, &s.child.env);
+    let report = crate::ray::clean_sessions(&dir, uid);
+    if report != prestart::Cleaned::default() {
+        tracing::info!(INSTANCE = s.name.as_str(), EVENT = "clean", "{}: {}", dir.display(), report.describe());
     }
 }
 

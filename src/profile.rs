@@ -1,6 +1,6 @@
-//! The built-in vLLM profile: which log lines mean ready, progress, fatal,
-//! benign and permanent. Only the lists live here; how they are matched
-//! belongs to `logwatch`.
+//! The built-in profiles: which log lines mean ready, progress, fatal,
+//! benign and permanent, for vLLM and for the two roles of a Ray node. Only
+//! the lists live here; how they are matched belongs to `logwatch`.
 //!
 //! Every pattern is a regular expression searched anywhere in a line whose
 //! ANSI codes have been stripped. The lists come from real vLLM logs (see
@@ -74,6 +74,10 @@ impl Patterns {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Profile {
     Vllm,
+    /// `ray start --head --block`: the Ray head node of a cluster.
+    RayHead,
+    /// `ray start --address=HEAD:PORT --block`: a node that joins it.
+    RayWorker,
     None,
 }
 
@@ -81,6 +85,8 @@ impl Profile {
     pub fn parse(name: &str) -> Option<Profile> {
         match name {
             "vllm" => Some(Profile::Vllm),
+            "ray-head" => Some(Profile::RayHead),
+            "ray-worker" => Some(Profile::RayWorker),
             "none" => Some(Profile::None),
             _ => None,
         }
@@ -89,14 +95,40 @@ impl Profile {
     pub fn name(self) -> &'static str {
         match self {
             Profile::Vllm => "vllm",
+            Profile::RayHead => "ray-head",
+            Profile::RayWorker => "ray-worker",
             Profile::None => "none",
         }
+    }
+
+    /// The names `profile = "…"` accepts.
+    pub const NAMES: [&'static str; 4] = ["vllm", "ray-head", "ray-worker", "none"];
+
+    /// A Ray node, whose readiness is confirmed by the cluster and whose
+    /// session folders are cleaned.
+    pub fn is_ray(self) -> bool {
+        matches!(self, Profile::RayHead | Profile::RayWorker)
     }
 
     pub fn patterns(self) -> Patterns {
         match self {
             Profile::None => Patterns::default(),
             Profile::Vllm => vllm(),
+            Profile::RayHead | Profile::RayWorker => ray(self),
+        }
+    }
+
+    /// The port checked free before a start when the config gives none:
+    /// `--port` in the command, else the server's default (vLLM's 8000,
+    /// the Ray head's GCS on 6379); a node joining a Ray cluster listens on
+    /// none that is known beforehand.
+    pub fn default_port(self, command: &[String]) -> Option<u16> {
+        use crate::config::defaults::{PORT, RAY_PORT};
+        let given = crate::config::port_of(command);
+        match self {
+            Profile::Vllm | Profile::None => Some(given.unwrap_or(PORT)),
+            Profile::RayHead => Some(given.unwrap_or(RAY_PORT)),
+            Profile::RayWorker => None,
         }
     }
 
@@ -104,17 +136,24 @@ impl Profile {
     /// `vllm_dist_*` file (its torch.distributed rendezvous) behind.
     pub fn temp_globs(self) -> Vec<String> {
         match self {
-            Profile::None => Vec::new(),
+            Profile::None | Profile::RayHead | Profile::RayWorker => Vec::new(),
             Profile::Vllm => to_strings(&["vllm_dist_*"]),
         }
     }
 
     /// Globs in `/dev/shm` that vLLM and Python's multiprocessing leave
-    /// behind after a crash.
+    /// behind after a crash: `psm_*` (shared memory), `sem.mp-*`
+    /// (semaphores), `vllm_*`, and `*-cpushm_*` (the CPU backend's segment
+    /// per tensor-parallel group, `IDENT-NAME-[0-1]-cpushm_RANK`). On Ray,
+    /// vLLM's workers run in the Ray nodes' trees: a node's warden cleans
+    /// the same files. (Ray's own object store file is unlinked as soon as
+    /// it is mapped.)
     pub fn shm_globs(self) -> Vec<String> {
         match self {
             Profile::None => Vec::new(),
-            Profile::Vllm => to_strings(&["psm_*", "sem.mp-*", "vllm_*"]),
+            Profile::Vllm | Profile::RayHead | Profile::RayWorker => {
+                to_strings(&["psm_*", "sem.mp-*", "vllm_*", "*-cpushm_*"])
+            }
         }
     }
 }
@@ -174,18 +213,82 @@ fn vllm() -> Patterns {
     }
 }
 
+/// `ray start --block`, head or joining node: what it prints on its
+/// stdout and stderr (Ray's own processes log into the session folder).
+fn ray(role: Profile) -> Patterns {
+    let mut fatal = to_strings(&[
+        // `--block` watches its processes: one ended, the rest are killed.
+        r"Some Ray subprocesses exited unexpectedly",
+        r"Remaining processes will be killed",
+        r"Traceback \(most recent call last\)",
+    ]);
+    if role == Profile::RayWorker {
+        // A joining node that cannot reach the head it was started for
+        // (the gate saw it answer): fail now, wait at the gate again.
+        fatal.push(r"Failed to connect to GCS at address".to_string());
+    }
+    Patterns {
+        ready: to_strings(&[r"Ray runtime started"]),
+        progress: to_strings(&[r"Local node IP:", r"Usage stats collection"]),
+        fatal,
+        ignore: Vec::new(),
+        permanent: to_strings(&[
+            // click's usage errors: the command line itself is wrong.
+            r"^Error: (No such option|Invalid value|Missing option|Got unexpected extra argument)",
+        ]),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_builtin_pattern_compiles() {
-        let p = Profile::Vllm.patterns();
-        for which in List::ALL {
-            for pat in p.list(which) {
-                regex::Regex::new(pat).unwrap_or_else(|e| panic!("{pat}: {e}"));
+        for profile in [Profile::Vllm, Profile::RayHead, Profile::RayWorker] {
+            let p = profile.patterns();
+            for which in List::ALL {
+                for pat in p.list(which) {
+                    regex::Regex::new(pat).unwrap_or_else(|e| panic!("{pat}: {e}"));
+                }
             }
         }
+    }
+
+    /// Each Ray pattern against a line `ray start --block` wrote (Ray
+    /// 2.56.1, tab and colour codes as the warden strips them).
+    #[test]
+    fn every_ray_pattern_matches_a_real_line() {
+        let real = [
+            (List::Ready, "2026-11-30 16:49:05,258 SUCC scripts.py:1082 -- Ray runtime started."),
+            (List::Progress, "2026-11-30 16:49:00,991 INFO scripts.py:1042 -- Local node IP: 127.0.0.3"),
+            (
+                List::Progress,
+                "2026-11-30 16:49:00,991 INFO usage_lib.py:474 -- Usage stats collection is enabled by default without user confirmation",
+            ),
+            (List::Fatal, "2026-11-30 17:09:42,138 ERR scripts.py:1304 -- Some Ray subprocesses exited unexpectedly:"),
+            (List::Fatal, "2026-11-30 17:09:42,139 ERR scripts.py:1311 -- Remaining processes will be killed."),
+            (List::Fatal, "Traceback (most recent call last):"),
+            (
+                List::Fatal,
+                "[2026-11-30 17:16:18,596 W 17542 17542] rpc_client.h:153: Failed to connect to GCS at address 127.0.0.3:6399 within 5 seconds.",
+            ),
+            (List::Permanent, "Error: No such option '--bogus'. Did you mean '--verbose'?"),
+            (List::Permanent, "Error: Invalid value for '--port': 'abc' is not a valid integer."),
+        ];
+        let worker = Profile::RayWorker.patterns();
+        for which in List::ALL {
+            for pat in worker.list(which) {
+                let re = regex::Regex::new(pat).unwrap();
+                assert!(
+                    real.iter().any(|(l, line)| *l == which && re.is_match(line)),
+                    "no real line for the {} pattern {pat}",
+                    which.name()
+                );
+            }
+        }
+        // The head does not fail on a GCS it runs itself.
+        assert!(!Profile::RayHead.patterns().fatal.iter().any(|p| p.contains("GCS")));
     }
 
     #[test]

@@ -92,10 +92,11 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("child.stop-timeout", Warden, d(old.child.stop_timeout), d(child.stop_timeout));
     cmp("patch", Child, dbg(&old.patches), dbg(patches));
     cmp("prestart.clean-shm", Warden, dbg(&old.prestart.clean_shm), dbg(&prestart.clean_shm));
-    cmp("prestart.port", Warden, old.prestart.port.to_string(), prestart.port.to_string());
+    cmp("prestart.port", Warden, dbg(&old.prestart.port), dbg(&prestart.port));
     cmp("prestart.port-wait", Warden, d(old.prestart.port_wait), d(prestart.port_wait));
     cmp("prestart.gpu-idle-wait", Warden, d(old.prestart.gpu_idle_wait), d(prestart.gpu_idle_wait));
     cmp("prestart.gpu-query", Warden, dbg(&old.prestart.gpu_query), dbg(&prestart.gpu_query));
+    cmp("prestart.ray-*", Warden, dbg(&old.prestart.ray), dbg(&prestart.ray));
     cmp("ready.http", Warden, dbg(&old.ready.http), dbg(&ready.http));
     cmp("ready.timeout", Warden, d(old.ready.timeout), d(ready.timeout));
     cmp("ready.stall", Warden, d(old.ready.stall), d(ready.stall));

@@ -105,19 +105,34 @@ pub struct Policy {
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
-/// the kill grace), the port wait, the GPU wait and one more query, plus a
-/// margin for the rest.
+/// the kill grace), the port wait, the GPU wait and one more query, the
+/// Ray cluster's wait and one more look, plus a margin for the rest.
 pub fn prepare_timeout(s: &Settings) -> Duration {
-    [s.child.stop_timeout, KILL_GRACE, s.prestart.port_wait, s.prestart.gpu_idle_wait, COMMAND_TIMEOUT, PREPARE_MARGIN]
-        .into_iter()
-        .fold(Duration::ZERO, Duration::saturating_add)
+    // The Ray gate's last look may start just before its wait ends.
+    let ray = s
+        .prestart
+        .ray
+        .as_ref()
+        .filter(|c| c.gate)
+        .map_or(Duration::ZERO, |c| c.wait.saturating_add(crate::ray::STATUS_TIMEOUT));
+    [
+        s.child.stop_timeout,
+        KILL_GRACE,
+        s.prestart.port_wait,
+        s.prestart.gpu_idle_wait,
+        COMMAND_TIMEOUT,
+        ray,
+        PREPARE_MARGIN,
+    ]
+    .into_iter()
+    .fold(Duration::ZERO, Duration::saturating_add)
 }
 
 impl Policy {
     pub fn from_settings(s: &Settings) -> Policy {
         Policy {
             ready_log: !s.patterns.ready.is_empty(),
-            ready_http: s.ready.http.is_some(),
+            ready_http: s.ready.http.is_some() || s.ready_by_ray().is_some(),
             ready_timeout: s.ready.timeout,
             stall: s.ready.stall,
             grace: s.fatal.grace,
@@ -1415,11 +1430,14 @@ impl Machine {
                 let c = c.clone();
                 self.announce(&c, "", &mut fx);
             }
-            Purpose::Failure(c) => fx.push(Effect::Notify(vec![status(format!(
-                "failed ({}, stopping pid {pid}): {}",
-                self.attempts_text(),
-                c.shown()
-            ))])),
+            Purpose::Failure(c) => {
+                c.hint = self.policy.hints.find(&c.text);
+                fx.push(Effect::Notify(vec![status(format!(
+                    "failed ({}, stopping pid {pid}): {}",
+                    self.attempts_text(),
+                    c.shown()
+                ))]))
+            }
             Purpose::Reload => fx.push(Effect::Notify(vec![
                 status(format!("reloading: stopping pid {pid} to start it with the new config")),
                 Note::ExtendTimeout(grace + Duration::from_secs(5)),

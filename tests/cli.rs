@@ -43,6 +43,34 @@ fn check_lists_every_problem_and_exits_78() {
     assert!(err.contains("3 problem(s) found"), "{err}");
 }
 
+/// The Python that asks a Ray cluster is looked for where the warden will
+/// run it: beside the child's program, else on PATH.
+#[test]
+fn check_reports_a_ray_python_that_is_not_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("x.toml");
+    let text = "[child]\ncommand = [\"/bin/true\"]\n[prestart]\nray-address = \"127.0.0.3:6379\"\nray-python = \"no-such-python\"\n";
+    std::fs::write(&cfg, text).unwrap();
+    let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
+    assert_eq!(code, 78);
+    assert!(
+        err.contains("`prestart.ray-python`: \"no-such-python\" not found beside \"/bin/true\" nor in PATH"),
+        "{err}"
+    );
+    assert!(err.contains("1 problem(s) found"), "{err}");
+    // Beside the child's program: found.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for name in ["server", "no-such-python"] {
+        std::fs::write(bin.join(name), "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(bin.join(name), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let text = text.replace("/bin/true", &bin.join("server").to_string_lossy());
+    std::fs::write(&cfg, text).unwrap();
+    let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+}
+
 #[test]
 fn check_reports_a_program_that_is_not_there() {
     let dir = tempfile::tempdir().unwrap();

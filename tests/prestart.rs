@@ -369,3 +369,62 @@ fn vllm_dist_files_in_the_temporary_folder_are_cleaned_by_the_same_rule() {
     assert!(other.exists(), "other files are not touched");
     assert_eq!(w.stop(), 0);
 }
+
+/// A Python that answers the look as Ray 2.56.1's GCS did (real answers):
+/// the second node dead until the file `joined` exists, both alive after;
+/// the address is a listener of the test (only the connection is looked
+/// at).
+fn ray_gate(d: &std::path::Path, p: u16, address: &str, extra: &str, restart: &str) -> String {
+    std::fs::write(d.join("two.json"), include_str!("fixtures/ray/gcs-two-nodes.json")).unwrap();
+    std::fs::write(d.join("one.json"), include_str!("fixtures/ray/gcs-one-dead.json")).unwrap();
+    let script = d.join("python3");
+    let d = d.display();
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\necho \"$1 $3\" > {d}/asked\nif [ -e {d}/joined ]; then cat {d}/two.json; else cat {d}/one.json; fi\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let pre = format!(
+        "[prestart]\nray-address = \"{address}\"\nray-min-nodes = 2\nray-python = \"{}\"\n{extra}",
+        script.display()
+    );
+    config(std::path::Path::new(&d.to_string()), p, &["--shards", "1"], "", &format!("{FAST}{restart}{pre}"))
+}
+
+#[test]
+fn a_start_waits_at_the_ray_gate_until_the_cluster_is_whole() {
+    let head = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = head.local_addr().unwrap().to_string();
+    let mut w = Warden::start(|d, p| ray_gate(d, p, &address, "ray-wait = \"5m\"\n", ""));
+    let waiting = w.wait_note("the gate", |n| n.starts_with("STATUS=waiting up to 5m for the Ray cluster at "));
+    assert!(waiting.contains(&format!("at {address}: 1 of 2 nodes alive (next look in ")), "{waiting}");
+    assert!(!w.log().contains("--- vllm-warden: start"), "nothing is spawned while the cluster is short");
+    let asked = std::fs::read_to_string(w.path("asked")).unwrap();
+    assert_eq!(asked.trim(), format!("-c {address}"));
+    std::fs::write(w.path("joined"), "").unwrap();
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+#[test]
+fn a_cluster_that_stays_short_fails_the_start_naming_what_is_missing() {
+    let head = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = head.local_addr().unwrap().to_string();
+    let mut w = Warden::start(|d, p| ray_gate(d, p, &address, "ray-wait = \"2s\"\n", "max-attempts = 1\n"));
+    assert_eq!(w.wait_exit(), 75);
+    let last = w.statuses().last().unwrap().to_string();
+    assert!(last.contains(&format!("Ray cluster at {address} not ready after 2s: 1 of 2 nodes alive")), "{last}");
+    assert!(!w.log().contains("--- vllm-warden: start"), "nothing was spawned");
+    drop(head);
+}
+
+#[test]
+fn a_head_that_is_not_there_is_named() {
+    let address = format!("127.0.0.1:{}", common::free_port());
+    let mut w = Warden::start(|d, p| ray_gate(d, p, &address, "ray-wait = \"1s\"\n", "max-attempts = 1\n"));
+    assert_eq!(w.wait_exit(), 75);
+    let last = w.statuses().last().unwrap().to_string();
+    assert!(last.contains(&format!("not ready after 1s: nothing answers at {address} (Connection refused")), "{last}");
+    assert!(!w.path("asked").exists(), "Ray was not asked");
+}

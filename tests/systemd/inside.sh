@@ -120,6 +120,32 @@ check "systemctl stop" systemctl stop vllm-warden@demo
 check "no process of the unit is left" bash -c "! pgrep -f 'vllm-warden [f]ake-vllm' >/dev/null"
 check "the unit stopped cleanly" test "$(prop demo Result)" = success
 
+# The Ray composition (examples/ray/): the model's unit, with the drop-in,
+# starts after the head's unit is ready, is stopped first when the head's
+# unit stops, and sees the head's /tmp. Both pieces are the simulated server
+# here; tests/real-ray/run.sh runs the real Ray.
+fake ray-head 8101 --shards 1 <<'TOML'
+TOML
+fake kimi 8102 --shards 1 <<'TOML'
+TOML
+mkdir -p /etc/systemd/system/vllm-warden@kimi.service.d
+cp /opt/payload/ray.conf /etc/systemd/system/vllm-warden@kimi.service.d/ray.conf
+systemctl daemon-reload
+mono() { systemctl show -p "$2" --value "vllm-warden@$1"; }
+check "starting the model starts the head" bash -c "systemctl start vllm-warden@kimi \
+    && systemctl is-active --quiet vllm-warden@ray-head"
+check "the model started after the head was ready" \
+    test "$(mono ray-head ActiveEnterTimestampMonotonic)" -le "$(mono kimi ExecMainStartTimestampMonotonic)"
+check "the model's unit sees the head's /tmp" bash -c "h=\$(stat -L -c %d:%i /proc/$(prop ray-head MainPID)/root/tmp) \
+    && k=\$(stat -L -c %d:%i /proc/$(prop kimi MainPID)/root/tmp) && [ \"\$h\" = \"\$k\" ] \
+    && [ \"\$h\" != \"\$(stat -L -c %d:%i /tmp)\" ]"
+check "stopping the head stops the model" bash -c "systemctl stop vllm-warden@ray-head \
+    && ! systemctl is-active --quiet vllm-warden@kimi"
+check "the model stopped before the head began to" \
+    test "$(mono kimi InactiveEnterTimestampMonotonic)" -le "$(mono ray-head ActiveExitTimestampMonotonic)"
+rm -r /etc/systemd/system/vllm-warden@kimi.service.d
+systemctl daemon-reload
+
 # A permanent failure ends with 78, and systemd does not restart it.
 fake perm 8002 --shards 1 --fail kv-cache <<'TOML'
 [restart]

@@ -25,6 +25,7 @@ cp "$next" "$payload/vllm-warden-next.deb"
 rootfs=$(tests/systemd/rootfs.sh)
 
 cp tests/systemd/inside.sh "$payload/"
+cp examples/ray/vllm-warden@kimi.service.d/ray.conf "$payload/ray.conf"
 chmod 644 "$payload"/*
 
 machine=vwtest-$$
