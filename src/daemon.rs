@@ -95,6 +95,7 @@ pub async fn run(
         requests: control_tx,
     };
     let socket_path = settings.server.socket.clone();
+    let settings_name = settings.name.clone();
     crate::reload::save_running(&settings);
     let policy = Policy::from_settings(&settings);
     let cleanup = settings.clone();
@@ -140,15 +141,71 @@ pub async fn run(
     }
     .run(requests)
     .await;
+    let exit = ExitDeadline::start(&settings_name, code, EXIT_DEADLINE);
     // Reports of runs that ended beside a new one may still be written.
+    exit.at("waiting for the failure reports being written");
     backend.finish_reports(crate::supervisor::REPORT_MARGIN).await;
     // The tree is gone: no record of it, and what it left in /dev/shm goes
     // now, not at the next start. (The loop is over: blocking is fine.)
+    exit.at("clearing the tree record");
     observer.tree.finish();
+    exit.at("removing the files the tree left");
+    if crate::tasks::injected_panic("exit") {
+        // A read that never returns, for the test of the exit's deadline.
+        std::thread::sleep(Duration::MAX);
+    }
     crate::prepare::clean_leftover_files(&cleanup);
+    exit.at("closing");
     drop(backend);
     let _ = std::fs::remove_file(&socket_path);
+    exit.at("ending the process");
     code
+}
+
+/// How long the warden may take to end once its loop is done: the wait
+/// for failure reports still being written, plus a margin for the rest.
+pub const EXIT_DEADLINE: Duration = crate::supervisor::REPORT_MARGIN.saturating_add(Duration::from_secs(10));
+
+/// The warden's exit has a deadline too. What follows the loop (reports
+/// still being written, the tree record, the files the tree left, the
+/// runtime's end) reads files and `/proc`, and a read can block, for
+/// example on a process stuck in the kernel; a stopped warden must end all
+/// the same. Past the deadline, the step it was held at is logged and the
+/// process ends with the loop's code.
+struct ExitDeadline {
+    step: Arc<Mutex<&'static str>>,
+}
+
+impl ExitDeadline {
+    fn start(instance: &str, code: Code, within: Duration) -> ExitDeadline {
+        let step = Arc::new(Mutex::new("ending"));
+        let (s, instance) = (step.clone(), instance.to_string());
+        let spawned = std::thread::Builder::new().name("exit deadline".into()).spawn(move || {
+            // Not a wait for a condition: the process ends before this
+            // returns, or this ends it.
+            std::thread::sleep(within);
+            let at = *s.lock().unwrap_or_else(|p| p.into_inner());
+            tracing::error!(
+                INSTANCE = instance.as_str(),
+                EVENT = "exit",
+                "the exit was held up for {} at: {at}; ending now with code {code}",
+                humantime::format_duration(within)
+            );
+            // SAFETY: _exit ends the process at once; nothing of ours runs
+            // after it (the held-up step may hold locks: no destructor may
+            // wait for them).
+            unsafe { libc::_exit(i32::from(code.as_u8())) }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the exit's deadline");
+        }
+        ExitDeadline { step }
+    }
+
+    fn at(&self, step: &'static str) {
+        tracing::debug!(EVENT = "exit", "exit: {step}");
+        *self.step.lock().unwrap_or_else(|p| p.into_inner()) = step;
+    }
 }
 
 /// The status files and the tree record, kept up to date by the loop.
