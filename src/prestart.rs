@@ -8,7 +8,7 @@ use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -331,18 +331,57 @@ pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
     out
 }
 
-/// The regular files of `dir` whose names match one of `globs`, sorted.
+/// The files of `dir` whose names match one of `globs`, sorted.
+///
+/// A folder listed without a match is not listed again while it is the same
+/// folder with the same modification time: making, renaming or removing an
+/// entry changes that time, and `/tmp` can hold thousands of entries that
+/// would be read before every start. The time must be older than the
+/// listing by [`UNCHANGED_MARGIN`], as file times advance in clock ticks:
+/// an entry made in the tick of the listing could leave it the same.
 pub fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
+    let stamp = folder_stamp(dir);
+    let unchanged = |cache: &HashMap<PathBuf, (FolderStamp, Vec<String>)>| {
+        stamp.is_some_and(|s| cache.get(dir).is_some_and(|(was, g)| *was == s && g == globs))
+    };
+    if unchanged(&MATCHLESS.lock().unwrap_or_else(|p| p.into_inner())) {
+        return Vec::new();
+    }
+    let listed_at = std::time::SystemTime::now();
     let patterns: Vec<glob::Pattern> = globs.iter().filter_map(|g| glob::Pattern::new(g).ok()).collect();
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut paths: Vec<PathBuf> = entries
         .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| patterns.iter().any(|g| g.matches(n))))
         .map(|e| e.path())
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| patterns.iter().any(|g| g.matches(n))))
         .collect();
     paths.sort();
+    let mut cache = MATCHLESS.lock().unwrap_or_else(|p| p.into_inner());
+    match stamp.filter(|s| paths.is_empty() && s.modified + UNCHANGED_MARGIN <= listed_at) {
+        Some(s) => cache.insert(dir.to_path_buf(), (s, globs.to_vec())),
+        None => cache.remove(dir),
+    };
     paths
 }
+
+/// See [`candidates`].
+pub const UNCHANGED_MARGIN: Duration = Duration::from_secs(1);
+
+/// Which folder is at a path, and when its entries last changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FolderStamp {
+    dev: u64,
+    ino: u64,
+    modified: std::time::SystemTime,
+}
+
+fn folder_stamp(dir: &Path) -> Option<FolderStamp> {
+    let m = std::fs::metadata(dir).ok()?;
+    Some(FolderStamp { dev: m.dev(), ino: m.ino(), modified: m.modified().ok()? })
+}
+
+/// Folders last listed without a match, with their stamp and the globs.
+static MATCHLESS: LazyLock<Mutex<HashMap<PathBuf, (FolderStamp, Vec<String>)>>> = LazyLock::new(Mutex::default);
 
 /// What cleaning a folder did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -768,6 +807,38 @@ mod tests {
         assert!(!port_free(port));
         drop((v4, v6));
         assert!(diag::listening_inodes(port).unwrap().is_empty());
+    }
+
+    /// A folder found without a match is not listed again while it stays
+    /// as it was; a file made in it since is found.
+    #[test]
+    fn a_folder_is_listed_again_once_its_entries_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let globs = vec!["vllm_dist_*".to_string()];
+        std::fs::write(dir.path().join("other"), "").unwrap();
+        let old = std::time::SystemTime::now() - UNCHANGED_MARGIN * 10;
+        std::fs::File::open(dir.path()).unwrap().set_modified(old).unwrap();
+        assert!(candidates(dir.path(), &globs).is_empty());
+        let stamp = folder_stamp(dir.path()).unwrap();
+        assert!(MATCHLESS.lock().unwrap().get(dir.path()).is_some_and(|(s, _)| *s == stamp), "remembered as matchless");
+        assert!(candidates(dir.path(), &globs).is_empty());
+        let made = dir.path().join("vllm_dist_1");
+        std::fs::write(&made, "").unwrap();
+        assert_eq!(candidates(dir.path(), &globs), vec![made.clone()]);
+        // Other globs are another question.
+        std::fs::remove_file(&made).unwrap();
+        std::fs::File::open(dir.path()).unwrap().set_modified(old).unwrap();
+        assert!(candidates(dir.path(), &globs).is_empty());
+        assert_eq!(candidates(dir.path(), &["oth*".to_string()]), vec![dir.path().join("other")]);
+    }
+
+    /// A folder changed within the margin is listed every time: an entry made
+    /// in the same clock tick could leave its time as it was.
+    #[test]
+    fn a_folder_changed_just_now_is_not_remembered() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(candidates(dir.path(), &["x*".to_string()]).is_empty());
+        assert!(!MATCHLESS.lock().unwrap().contains_key(dir.path()));
     }
 
     #[test]
