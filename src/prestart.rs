@@ -341,7 +341,7 @@ pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
 /// an entry made in the tick of the listing could leave it the same.
 pub fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
     let stamp = folder_stamp(dir);
-    let unchanged = |cache: &HashMap<PathBuf, (FolderStamp, Vec<String>)>| {
+    let unchanged = |cache: &Matchless| {
         stamp.is_some_and(|s| cache.get(dir).is_some_and(|(was, g)| *was == s && g == globs))
     };
     if unchanged(&MATCHLESS.lock().unwrap_or_else(|p| p.into_inner())) {
@@ -381,7 +381,8 @@ fn folder_stamp(dir: &Path) -> Option<FolderStamp> {
 }
 
 /// Folders last listed without a match, with their stamp and the globs.
-static MATCHLESS: LazyLock<Mutex<HashMap<PathBuf, (FolderStamp, Vec<String>)>>> = LazyLock::new(Mutex::default);
+type Matchless = HashMap<PathBuf, (FolderStamp, Vec<String>)>;
+static MATCHLESS: LazyLock<Mutex<Matchless>> = LazyLock::new(Mutex::default);
 
 /// What cleaning a folder did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
