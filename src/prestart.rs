@@ -341,9 +341,8 @@ pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
 /// an entry made in the tick of the listing could leave it the same.
 pub fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
     let stamp = folder_stamp(dir);
-    let unchanged = |cache: &Matchless| {
-        stamp.is_some_and(|s| cache.get(dir).is_some_and(|(was, g)| *was == s && g == globs))
-    };
+    let unchanged =
+        |cache: &Matchless| stamp.is_some_and(|s| cache.get(dir).is_some_and(|(was, g)| *was == s && g == globs));
     if unchanged(&MATCHLESS.lock().unwrap_or_else(|p| p.into_inner())) {
         return Vec::new();
     }
