@@ -13,6 +13,8 @@
 //! as the warden meets it, to a server that has just written its ready line
 //! (inotify wake, read, `GET`: readiness with nothing of the warden's); for
 //! the second, a bare spawn of the same binary (spawn → its first
+//! instruction), and a bare respawn loop (the child's exit → waited for,
+//! which includes the kernel's reap → the same command spawned → its first
 //! instruction).
 //!
 //! Run: `cargo bench --bench latency`; with
@@ -168,6 +170,33 @@ fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     out
 }
 
+/// The least any supervisor can do between a child's exit and the next
+/// child: a loop that waits for the child (the kernel's reap included) and
+/// spawns the same command again, nothing else. The child serves HTTP with
+/// the same threads as in the warden's runs and exits once ready.
+fn respawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
+    let stamp = dir.join("respawn.stamps");
+    let _ = std::fs::remove_file(&stamp);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    for _ in 0..=STARTS {
+        let st = Command::new(sim)
+            .args(["--port", &port.to_string(), "--shards", "1", "--shard-time", "0s", "--exit-after-ready", "0"])
+            .arg("--stamp-file")
+            .arg(&stamp)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(st.code(), Some(0));
+    }
+    let text = std::fs::read_to_string(&stamp).unwrap();
+    let of = |kind: &str| -> Vec<u128> {
+        text.lines().filter_map(|l| l.strip_prefix(kind)).map(|v| v.trim().parse().unwrap()).collect()
+    };
+    let (starts, exits) = (of("start "), of("exit "));
+    exits.iter().zip(starts.iter().skip(1)).map(|(e, s)| (*s as f64 - *e as f64) / 1e6).collect()
+}
+
 /// `LATENCY_BENCH_KERNEL_MESSAGES=off` measures without the GPU fault
 /// watcher.
 fn kernel_messages() -> &'static str {
@@ -265,7 +294,9 @@ file = "{run}/status.json"
     let (fm, fp) = stats("baseline: inotify + GET, fresh server", fresh_baseline(sim, d, &rt));
     let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn_ms);
     let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(sim, d));
+    let (lm, lp) = stats("baseline: exit -> wait + spawn -> running", respawn_baseline(sim, d));
     println!("ratio ready/(inotify + GET): median {:.1}x  p99 {:.1}x", rm / (bm + hm), rp / (bp + hp));
     println!("ratio ready/(inotify + GET, fresh server): median {:.1}x  p99 {:.1}x", rm / fm, rp / fp);
     println!("ratio respawn/baseline: median {:.1}x  p99 {:.1}x", cm / sm, cp / sp);
+    println!("ratio respawn/(bare wait + spawn loop): median {:.1}x  p99 {:.1}x", cm / lm, cp / lp);
 }
