@@ -8,10 +8,13 @@
 //! machine: for the first, what readiness cannot do without, a bare inotify
 //! round trip (a line appended to a file → a blocked read of an inotify
 //! watch returns, on another thread, as the warden's reader waits) plus
-//! a bare `GET /health` with the same client, to a server up for a while and,
+//! a bare `GET /health` with the warden's readiness client (asked on a
+//! runtime's own thread, as the warden asks it), to a server up for a while and,
 //! as the warden meets it, to a server that has just written its ready line
 //! (inotify wake, read, `GET`: readiness with nothing of the warden's); for
 //! the second, a bare spawn of the same binary (spawn → its first
+//! instruction), and a bare respawn loop (the child's exit → waited for,
+//! which includes the kernel's reap → the same command spawned → its first
 //! instruction).
 //!
 //! Run: `cargo bench --bench latency`; with
@@ -69,8 +72,13 @@ fn inotify_baseline(dir: &std::path::Path) -> Vec<f64> {
     out
 }
 
+/// One readiness check, as the warden's loop makes it.
+fn ready_get(rt: &tokio::runtime::Runtime, url: &str) -> bool {
+    rt.block_on(vllm_warden::health::http_ok_async(url, Duration::from_secs(5)))
+}
+
 /// A bare readiness check: `GET /health` on the fake, with the warden's client.
-fn http_baseline(sim: &str) -> Vec<f64> {
+fn http_baseline(sim: &str, rt: &tokio::runtime::Runtime) -> Vec<f64> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut fake = Command::new(sim)
         .args(["--port", &port.to_string(), "--shards", "1", "--shard-time", "0s"])
@@ -87,7 +95,7 @@ fn http_baseline(sim: &str) -> Vec<f64> {
     let out = (0..STARTS)
         .map(|_| {
             let t = Instant::now();
-            assert!(vllm_warden::health::http_ok(&url, Duration::from_secs(5)));
+            assert!(ready_get(rt, &url));
             t.elapsed().as_secs_f64() * 1e3
         })
         .collect();
@@ -101,7 +109,7 @@ fn http_baseline(sim: &str) -> Vec<f64> {
 /// blocked on an inotify watch wakes, reads the file, finds the ready line
 /// and sends one `GET /health` to that fake with the warden's client:
 /// ready line written (the fake's stamp) → the answer.
-fn fresh_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
+fn fresh_baseline(sim: &str, dir: &std::path::Path, rt: &tokio::runtime::Runtime) -> Vec<f64> {
     use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
     use std::io::Read;
     let (log, stamp) = (dir.join("fresh.log"), dir.join("fresh.stamps"));
@@ -126,7 +134,7 @@ fn fresh_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
             inotify.read_events().unwrap();
             reader.read_to_string(&mut text).unwrap();
             if text.contains("Application startup complete") {
-                assert!(vllm_warden::health::http_ok(&url, Duration::from_secs(5)));
+                assert!(ready_get(rt, &url));
                 break now_ns();
             }
         };
@@ -160,6 +168,33 @@ fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
         out.push((started - t) as f64 / 1e6);
     }
     out
+}
+
+/// The least any supervisor can do between a child's exit and the next
+/// child: a loop that waits for the child (the kernel's reap included) and
+/// spawns the same command again, nothing else. The child serves HTTP with
+/// the same threads as in the warden's runs and exits once ready.
+fn respawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
+    let stamp = dir.join("respawn.stamps");
+    let _ = std::fs::remove_file(&stamp);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    for _ in 0..=STARTS {
+        let st = Command::new(sim)
+            .args(["--port", &port.to_string(), "--shards", "1", "--shard-time", "0s", "--exit-after-ready", "0"])
+            .arg("--stamp-file")
+            .arg(&stamp)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(st.code(), Some(0));
+    }
+    let text = std::fs::read_to_string(&stamp).unwrap();
+    let of = |kind: &str| -> Vec<u128> {
+        text.lines().filter_map(|l| l.strip_prefix(kind)).map(|v| v.trim().parse().unwrap()).collect()
+    };
+    let (starts, exits) = (of("start "), of("exit "));
+    exits.iter().zip(starts.iter().skip(1)).map(|(e, s)| (*s as f64 - *e as f64) / 1e6).collect()
 }
 
 /// `LATENCY_BENCH_KERNEL_MESSAGES=off` measures without the GPU fault
@@ -254,11 +289,14 @@ file = "{run}/status.json"
     println!("vllm-warden latency, {STARTS} starts, release build");
     let (rm, rp) = stats("ready line written -> READY=1 received", ready_ms);
     let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
-    let (hm, hp) = stats("baseline: GET /health round trip", http_baseline(sim));
-    let (fm, fp) = stats("baseline: inotify + GET, fresh server", fresh_baseline(sim, d));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (hm, hp) = stats("baseline: GET /health round trip", http_baseline(sim, &rt));
+    let (fm, fp) = stats("baseline: inotify + GET, fresh server", fresh_baseline(sim, d, &rt));
     let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn_ms);
     let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(sim, d));
+    let (lm, lp) = stats("baseline: exit -> wait + spawn -> running", respawn_baseline(sim, d));
     println!("ratio ready/(inotify + GET): median {:.1}x  p99 {:.1}x", rm / (bm + hm), rp / (bp + hp));
     println!("ratio ready/(inotify + GET, fresh server): median {:.1}x  p99 {:.1}x", rm / fm, rp / fp);
     println!("ratio respawn/baseline: median {:.1}x  p99 {:.1}x", cm / sm, cp / sp);
+    println!("ratio respawn/(bare wait + spawn loop): median {:.1}x  p99 {:.1}x", cm / lm, cp / lp);
 }

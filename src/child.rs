@@ -7,7 +7,9 @@
 //! to it: "our tree" is every process whose chain of parents reaches our pid.
 //! One reaper (`waitpid(-1)` on SIGCHLD) reaps them all; a spawn and a reap
 //! never interleave, so a child that dies at once is never mistaken for a
-//! stranger.
+//! stranger. Each exit is reaped in the turn its SIGCHLD wakes the reaper:
+//! a zombie left for later can make the kernel spin in the reap (see
+//! [`Inner::reap`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -49,9 +51,10 @@ pub const SCRUBBED_ENV: [&str; 4] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG
 /// What the tree reports to the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TreeEvent {
-    /// The process we spawned has been reaped.
+    /// The process we spawned has exited (its zombie may not be reaped yet).
     LeaderExited { pid: u32, exit: Exit },
-    /// After `terminate` or `kill_all`: no process of the tree is left.
+    /// After the leader's exit, `terminate` or `kill_all`: no process of the
+    /// tree is left.
     Empty,
 }
 
@@ -227,6 +230,32 @@ fn descendants_by_scan(root: i32) -> Vec<ProcStat> {
     out
 }
 
+/// Whether a live process of `root`'s tree is left, `leader`'s zombie aside.
+///
+/// One look at `root`'s children answers when it finds a live one, or none
+/// but helpers and that zombie: any other process of the tree has a live
+/// ancestor among them, or was handed to `root` when its parent exited,
+/// which the leader did before its exit was seen. Another zombie (or a
+/// child gone meanwhile) may have handed its children over during the look:
+/// the whole tree is walked then.
+fn any_left(root: i32, leader: Option<i32>) -> bool {
+    if children_files() {
+        let mut sure = true;
+        for pid in children(root) {
+            match read_stat(pid) {
+                Some(st) if is_helper(&st) => {}
+                Some(st) if st.state == 'Z' || st.state == 'X' => sure &= Some(pid) == leader,
+                Some(_) => return true,
+                None => sure = false,
+            }
+        }
+        if sure {
+            return false;
+        }
+    }
+    !descendants(root).is_empty()
+}
+
 /// What is left of the warden's tree after SIGKILL, one process each: pid,
 /// state, `wchan` (where in the kernel it waits) and name. Reads only
 /// `/proc/PID/{stat,wchan,comm}`, which answer even for a process stuck in
@@ -279,9 +308,12 @@ pub struct Spec {
 
 struct Inner {
     leader: Option<i32>,
-    leader_reaped: bool,
+    /// The leader's exit has been seen (and reported).
+    leader_exited: bool,
     /// Report `Empty` once the tree is gone.
     watching: bool,
+    /// `Empty` was reported since the last spawn.
+    emptied: bool,
     /// SIGKILL every descendant found after each reap.
     killing: bool,
     events: Box<dyn Fn(TreeEvent) + Send>,
@@ -307,8 +339,9 @@ impl Tree {
         become_subreaper()?;
         let inner = Arc::new(Mutex::new(Inner {
             leader: None,
-            leader_reaped: true,
+            leader_exited: true,
             watching: false,
+            emptied: false,
             killing: false,
             events: Box::new(events),
         }));
@@ -330,7 +363,7 @@ impl Tree {
                 if sigchld.recv().await.is_none() {
                     return;
                 }
-                let running = { !lock(&i).leader_reaped };
+                let running = { !lock(&i).leader_exited };
                 if running && crate::tasks::injected_panic("reaper") {
                     panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
                 }
@@ -366,8 +399,9 @@ impl Tree {
         // The reaper collects it; std's handle must not.
         drop(child);
         inner.leader = Some(pid as i32);
-        inner.leader_reaped = false;
+        inner.leader_exited = false;
         inner.watching = false;
+        inner.emptied = false;
         inner.killing = false;
         Ok(pid)
     }
@@ -377,18 +411,25 @@ impl Tree {
     pub fn adopt(&self, pid: u32) {
         let mut inner = lock(&self.inner);
         inner.leader = Some(pid as i32);
-        inner.leader_reaped = false;
+        inner.leader_exited = false;
         inner.watching = false;
+        inner.emptied = false;
         inner.killing = false;
         // It may have exited during the exec: its exit waits to be reaped.
         let me = self.me;
         inner.reap(me);
     }
 
+    /// Nothing of the tree is left, and `Empty` was reported: after the
+    /// leader's exit, no process can join it before the next spawn.
+    pub fn is_gone(&self) -> bool {
+        lock(&self.inner).emptied
+    }
+
     /// The leader while it lives.
     pub fn leader(&self) -> Option<u32> {
         let inner = lock(&self.inner);
-        inner.leader.filter(|_| !inner.leader_reaped).map(|p| p as u32)
+        inner.leader.filter(|_| !inner.leader_exited).map(|p| p as u32)
     }
 
     /// Send `sig` to the leader if it is alive, else to every descendant
@@ -397,16 +438,20 @@ impl Tree {
         let mut inner = lock(&self.inner);
         inner.watching = true;
         match inner.leader {
-            Some(pid) if !inner.leader_reaped => {
+            Some(pid) if !inner.leader_exited => {
                 let _ = kill(Pid::from_raw(pid), sig);
             }
             _ => {
-                for d in descendants(self.me) {
+                let left = descendants(self.me);
+                for d in &left {
                     let _ = kill(Pid::from_raw(d.pid), sig);
+                }
+                // Those signalled are seen gone as they are reaped.
+                if left.is_empty() {
+                    inner.gone();
                 }
             }
         }
-        inner.check_empty(self.me);
     }
 
     /// SIGKILL the leader's group and every descendant, until none is left;
@@ -431,11 +476,15 @@ impl Drop for Tree {
         // A panic must not orphan the child: whatever is left is killed.
         let inner = lock(&self.inner);
         if let Some(pid) = inner.leader
-            && !inner.leader_reaped
+            && !inner.leader_exited
         {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
         }
         kill_descendants(self.me);
+        // Whatever has exited since the last reap.
+        while matches!(waitpid(None, Some(WaitPidFlag::WNOHANG)), Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)))
+        {
+        }
     }
 }
 
@@ -446,6 +495,16 @@ fn kill_descendants(me: i32) {
 }
 
 impl Inner {
+    /// Reap what has exited, reporting the leader's exit.
+    ///
+    /// A zombie is reaped as soon as its exit is seen, before anything of
+    /// ours reads its `/proc` entries. The reap removes those entries, and
+    /// waits, spinning in the kernel, for whoever is dropping one of them
+    /// at that instant. Left unreaped for 20 ms (which saved the restart
+    /// path the wait for the leader's last thread, up to 1.4 ms), a vLLM
+    /// zombie's reap was seen to spin for minutes on this machine's kernel
+    /// (6.18), in `shrink_dcache_parent` under `release_task`, the loop
+    /// with it.
     fn reap(&mut self, me: i32) {
         loop {
             match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
@@ -464,18 +523,24 @@ impl Inner {
     }
 
     fn reaped(&mut self, pid: Pid, exit: Exit) {
-        if self.leader == Some(pid.as_raw()) && !self.leader_reaped {
-            self.leader_reaped = true;
+        if self.leader == Some(pid.as_raw()) && !self.leader_exited {
+            self.leader_exited = true;
+            self.watching = true;
             (self.events)(TreeEvent::LeaderExited { pid: pid.as_raw() as u32, exit });
         }
     }
 
     fn check_empty(&mut self, me: i32) {
-        if self.watching && (self.leader.is_none() || self.leader_reaped) && descendants(me).is_empty() {
-            self.watching = false;
-            self.killing = false;
-            (self.events)(TreeEvent::Empty);
+        if self.watching && (self.leader.is_none() || self.leader_exited) && !any_left(me, self.leader) {
+            self.gone();
         }
+    }
+
+    fn gone(&mut self) {
+        self.emptied = true;
+        self.watching = false;
+        self.killing = false;
+        (self.events)(TreeEvent::Empty);
     }
 }
 
@@ -528,6 +593,27 @@ mod tests {
         a.sort_unstable();
         b.sort_unstable();
         assert_eq!(a, b);
+    }
+
+    /// The one look at our children agrees with the walk: a live child is
+    /// left; an exited leader's zombie, its exit seen (WNOWAIT), is not.
+    #[test]
+    fn the_quick_look_agrees_with_the_walk() {
+        let me = std::process::id() as i32;
+        let mut live = Command::new("sleep").arg("30").spawn().unwrap();
+        assert!(any_left(me, None));
+        let _ = live.kill();
+        let _ = live.wait();
+        let mut done = Command::new("true").spawn().unwrap();
+        let pid = done.id() as i32;
+        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT;
+        assert!(matches!(
+            nix::sys::wait::waitid(nix::sys::wait::Id::Pid(Pid::from_raw(pid)), flags),
+            Ok(WaitStatus::Exited(..))
+        ));
+        assert_eq!(read_stat(pid).map(|s| s.state), Some('Z'));
+        assert_eq!(any_left(me, Some(pid)), !descendants(me).is_empty());
+        let _ = done.wait();
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tokio_stream::Stream;
 
@@ -95,6 +95,7 @@ pub async fn run(
         requests: control_tx,
     };
     let socket_path = settings.server.socket.clone();
+    let settings_name = settings.name.clone();
     crate::reload::save_running(&settings);
     let policy = Policy::from_settings(&settings);
     let cleanup = settings.clone();
@@ -140,13 +141,71 @@ pub async fn run(
     }
     .run(requests)
     .await;
+    let exit = ExitDeadline::start(&settings_name, code, EXIT_DEADLINE);
+    // Reports of runs that ended beside a new one may still be written.
+    exit.at("waiting for the failure reports being written");
+    backend.finish_reports(crate::supervisor::REPORT_MARGIN).await;
     // The tree is gone: no record of it, and what it left in /dev/shm goes
     // now, not at the next start. (The loop is over: blocking is fine.)
+    exit.at("clearing the tree record");
     observer.tree.finish();
+    exit.at("removing the files the tree left");
+    if crate::tasks::injected_panic("exit") {
+        // A read that never returns, for the test of the exit's deadline.
+        std::thread::sleep(Duration::MAX);
+    }
     crate::prepare::clean_leftover_files(&cleanup);
+    exit.at("closing");
     drop(backend);
     let _ = std::fs::remove_file(&socket_path);
+    exit.at("ending the process");
     code
+}
+
+/// How long the warden may take to end once its loop is done: the wait
+/// for failure reports still being written, plus a margin for the rest.
+pub const EXIT_DEADLINE: Duration = crate::supervisor::REPORT_MARGIN.saturating_add(Duration::from_secs(10));
+
+/// The warden's exit has a deadline too. What follows the loop (reports
+/// still being written, the tree record, the files the tree left, the
+/// runtime's end) reads files and `/proc`, and a read can block, for
+/// example on a process stuck in the kernel; a stopped warden must end all
+/// the same. Past the deadline, the step it was held at is logged and the
+/// process ends with the loop's code.
+struct ExitDeadline {
+    step: Arc<Mutex<&'static str>>,
+}
+
+impl ExitDeadline {
+    fn start(instance: &str, code: Code, within: Duration) -> ExitDeadline {
+        let step = Arc::new(Mutex::new("ending"));
+        let (s, instance) = (step.clone(), instance.to_string());
+        let spawned = std::thread::Builder::new().name("exit deadline".into()).spawn(move || {
+            // Not a wait for a condition: the process ends before this
+            // returns, or this ends it.
+            std::thread::sleep(within);
+            let at = *s.lock().unwrap_or_else(|p| p.into_inner());
+            tracing::error!(
+                INSTANCE = instance.as_str(),
+                EVENT = "exit",
+                "the exit was held up for {} at: {at}; ending now with code {code}",
+                humantime::format_duration(within)
+            );
+            // SAFETY: _exit ends the process at once; nothing of ours runs
+            // after it (the held-up step may hold locks: no destructor may
+            // wait for them).
+            unsafe { libc::_exit(i32::from(code.as_u8())) }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the exit's deadline");
+        }
+        ExitDeadline { step }
+    }
+
+    fn at(&self, step: &'static str) {
+        tracing::debug!(EVENT = "exit", "exit: {step}");
+        *self.step.lock().unwrap_or_else(|p| p.into_inner()) = step;
+    }
 }
 
 /// The status files and the tree record, kept up to date by the loop.
@@ -194,6 +253,10 @@ impl driver::Observer for Reports {
     }
     fn reconfigure(&mut self, s: &Settings) {
         self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
+    }
+
+    fn settled(&mut self) {
+        self.tree.settle();
     }
 
     fn put_off(&self) -> bool {
@@ -265,6 +328,9 @@ struct TreeRecord {
     worker: Option<std::thread::JoinHandle<()>>,
     /// The phase, progress and instant of the last record, while there is one.
     last: Option<(crate::outcome::Phase, Option<String>, std::time::Instant)>,
+    /// A job due, posted once the change's notifications are sent (the
+    /// recorder's thread must not hold them back).
+    due: Option<RecordJob>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,17 +373,25 @@ impl TreeRecord {
                 tracing::warn!(error = %e, "cannot start the tree recorder: a killed warden's leftovers will not be found")
             })
             .ok();
-        TreeRecord { state_dir, mailbox, worker, last: None }
+        TreeRecord { state_dir, mailbox, worker, last: None, due: None }
     }
 
     /// The warden is done and its tree gone: wait for the recorder, then
     /// leave no record behind.
     fn finish(&mut self) {
+        self.settle();
         self.post(RecordJob::Stop);
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
         crate::prestart::clear_record(&self.state_dir);
+    }
+
+    /// Post the job due, if any.
+    fn settle(&mut self) {
+        if let Some(job) = self.due.take() {
+            self.post(job);
+        }
     }
 
     fn post(&self, job: RecordJob) {
@@ -339,12 +413,14 @@ impl TreeRecord {
                     None => true,
                 };
                 if due {
-                    self.post(RecordJob::Record);
+                    self.due = Some(RecordJob::Record);
                     self.last = Some((phase, progress, std::time::Instant::now()));
                 }
             }
-            State::Backoff { .. } | State::Done(_) if self.last.is_some() => {
-                self.post(RecordJob::Clear);
+            // The tree is gone (a start without a backoff clears it here,
+            // beside its pre-start steps).
+            State::Backoff { .. } | State::Launching { .. } | State::Done(_) if self.last.is_some() => {
+                self.due = Some(RecordJob::Clear);
                 self.last = None;
             }
             _ => {}
@@ -361,6 +437,10 @@ struct RunRecord {
     log_file: std::path::PathBuf,
     /// Where the run's lines begin in the log.
     offset: u64,
+    /// Where the run began among the kernel messages followed.
+    kernel: Option<crate::kernel::Mark>,
+    /// The child's log file, as it was given it.
+    log: Option<Arc<std::fs::File>>,
 }
 
 /// How often a ready child's log is read at most.
@@ -399,6 +479,13 @@ pub struct Real {
     run: Option<RunRecord>,
     /// The failure report being written.
     reporting: Option<AbortHandle>,
+    /// Open once the last report has taken what describes its run (its
+    /// tree, its log, the GPUs): the next spawn waits for it.
+    report_gate: Option<oneshot::Receiver<()>>,
+    /// Answered as each report ends (or is dropped).
+    reports: Vec<oneshot::Receiver<()>>,
+    /// Between the failure reports and the log's rotations.
+    log_hold: crate::rotate::Hold,
     /// Put in every child's environment (`prestart::RUN_TOKEN`).
     token: String,
     inputs: mpsc::UnboundedSender<Input>,
@@ -456,6 +543,9 @@ impl Real {
             traffic: taps.traffic.clone(),
             run: None,
             reporting: None,
+            report_gate: None,
+            reports: Vec::new(),
+            log_hold: Default::default(),
             taps,
             token,
             inputs,
@@ -473,7 +563,8 @@ impl Real {
         let c = &self.settings.child;
         let rotator = crate::rotate::Rotator::new(&c.log_file, file, c.log_rotation)
             .map_err(|e| tracing::warn!(error = %e, "the log file will not be rotated"))
-            .ok();
+            .ok()
+            .map(|r| r.with_hold(self.log_hold.clone()));
         Follower::start(
             file,
             offset,
@@ -523,6 +614,16 @@ impl Real {
         }
     }
 
+    /// Wait, up to `within`, for the failure reports still being written,
+    /// and for the file work of those given up.
+    async fn finish_reports(&mut self, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        for r in self.reports.drain(..) {
+            let _ = tokio::time::timeout_at(deadline, r).await;
+        }
+        crate::reports::settle(deadline.saturating_duration_since(tokio::time::Instant::now())).await;
+    }
+
     fn stop_checks(&mut self) {
         for task in [self.probe.take(), self.health.take().map(|(_, t)| t), self.load.take()].into_iter().flatten() {
             task.abort();
@@ -535,12 +636,23 @@ impl Backend for Real {
         self.stop_checks();
         self.follower = None;
         let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.leftovers_done.clone());
+        let gate = self.report_gate.take();
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
-            let result = crate::prepare::run(&settings, status, done).await;
+            let result = crate::prepare::run(&settings, status.clone(), done).await;
+            // The report of the last run goes on beside this start, but
+            // what describes that run must be taken before a new child
+            // starts.
+            if let Some(mut gate) = gate
+                && result.is_ok()
+                && gate.try_recv() == Err(oneshot::error::TryRecvError::Empty)
+            {
+                status("waiting for the failure report of the last run".into());
+                let _ = gate.await;
+            }
             let result = match result {
                 Ok(()) => Prepared::Done,
                 Err(failure) => Prepared::Failed(failure),
@@ -584,17 +696,7 @@ impl Backend for Real {
         let mut env = c.env.clone();
         env.insert(crate::prestart::RUN_TOKEN.into(), self.token.clone());
         let spec = Spec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
-        tracing::info!(
-            INSTANCE = self.settings.name.as_str(),
-            EVENT = "spawn",
-            "running {} (env: {})",
-            redact::command(&spec.argv),
-            redact::env(&spec.env)
-        );
-        // Follow before spawning, so that no line can be missed.
-        let follower = self
-            .follow_log(&file, offset, start)
-            .map_err(|e| StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())))?;
+        let kernel = self.kernel.as_ref().and_then(|(_, f)| f.mark());
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
             match e.kind() {
@@ -602,8 +704,25 @@ impl Backend for Real {
                 _ => StartFailure::transient(cause),
             }
         })?;
-        self.follower = Some(follower);
-        self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset });
+        // Followed from `offset`, where the child's first line goes: begun
+        // after the spawn, the follower still reads every line.
+        match self.follow_log(&file, offset, start) {
+            Ok(f) => self.follower = Some(f),
+            Err(e) => {
+                // A child whose lines cannot be read cannot be supervised.
+                self.tree.kill_all();
+                return Err(StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())));
+            }
+        }
+        tracing::info!(
+            INSTANCE = self.settings.name.as_str(),
+            EVENT = "spawn",
+            "running {} (env: {})",
+            redact::command(&spec.argv),
+            redact::env(&spec.env)
+        );
+        let log = file.try_clone().ok().map(Arc::new);
+        self.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
         self.kernel_start.store(start, std::sync::atomic::Ordering::SeqCst);
         self.follow_kernel();
         Ok(pid)
@@ -630,9 +749,7 @@ impl Backend for Real {
         self.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
             let mut delay = Duration::from_millis(20);
             loop {
-                let u = url.clone();
-                let ok = tokio::task::spawn_blocking(move || crate::health::http_ok(&u, Duration::from_secs(5))).await;
-                if matches!(ok, Ok(true)) {
+                if crate::health::http_ok_async(&url, Duration::from_secs(5)).await {
                     let _ = tx.send(Input::HttpReady { start });
                     return;
                 }
@@ -842,20 +959,35 @@ impl Backend for Real {
             config_sha256: crate::reports::sha256_hex(s.text.as_bytes()),
             classifier: self.classifier.clone(),
             warden: std::process::id() as i32,
+            tree_gone: self.tree.is_gone(),
+            // The follower read the log to its end after the exit (the
+            // driver waited for it): where the run's lines end.
+            log_taken: run.log.clone().zip(self.follower.as_ref().and_then(Follower::drained_to)),
+            kernel: run.kernel.clone(),
+            log_hold: Some(self.log_hold.clone()),
             order,
         };
         let path = job.state_dir.join(crate::reports::FOLDER).join(&job.name);
         let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
+        let (taken, gate) = oneshot::channel();
+        let (done, ended) = oneshot::channel();
         let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
-            match crate::reports::write(job).await {
+            match crate::reports::write(job, move || {
+                let _ = taken.send(());
+            })
+            .await
+            {
                 Ok(p) => tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display()),
                 Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
             }
             let _ = tx.send(Input::Reported { start });
+            let _ = done.send(());
         });
-        if let Some(old) = self.reporting.replace(task) {
-            old.abort();
-        }
+        // An earlier report still being written goes on.
+        self.reports.retain_mut(|r| r.try_recv() == Err(oneshot::error::TryRecvError::Empty));
+        self.reports.push(ended);
+        self.report_gate = Some(gate);
+        self.reporting = Some(task);
         Some(path)
     }
 

@@ -201,6 +201,9 @@ pub trait Observer {
         None
     }
     fn flush(&mut self) {}
+    /// After the effects of an event, its notifications sent: work that
+    /// must not delay them.
+    fn settled(&mut self) {}
     /// A write that notifications depend on (the status files) was put
     /// off: the notes of the same change wait for it. Housekeeping that
     /// [`Observer::due`] also wakes up for (a journal count) holds nothing.
@@ -363,7 +366,25 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
 
     /// One event through the machine, and its effects carried out.
     fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
-        let effects = self.machine.step(ev, Instant::now());
+        let mut effects = self.machine.step(ev, Instant::now());
+        // The report begun by this event, for its `failed` journal event;
+        // the machine has its folder at once, so that one write of the
+        // status files says the failure and its report.
+        let mut report: Option<std::path::PathBuf> = None;
+        if let Some(i) = effects.iter().position(|fx| matches!(fx, Effect::Report(_)))
+            && let Effect::Report(order) = effects.remove(i)
+        {
+            let start = order.start;
+            report = self.backend.report(order);
+            match &report {
+                Some(path) => {
+                    let started = Event::ReportStarted { start, path: path.display().to_string() };
+                    effects.extend(self.machine.step(started, Instant::now()));
+                }
+                // None can be written: nothing to wait for.
+                None => events.push_back(Event::Reported { start }),
+            }
+        }
         // The status files first: whoever hears READY=1 finds them saying ready.
         self.observer.changed(&self.machine);
         // A change of the progress line alone may be written later (a flood
@@ -373,19 +394,10 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         if !deferring {
             self.send_held(held);
         }
-        // The report begun by this event, for its `failed` journal event.
-        let mut report: Option<std::path::PathBuf> = None;
         for fx in effects {
             match fx {
-                Effect::Report(order) => {
-                    let start = order.start;
-                    report = self.backend.report(order);
-                    events.push_back(match &report {
-                        Some(path) => Event::ReportStarted { start, path: path.display().to_string() },
-                        // None can be written: nothing to wait for.
-                        None => Event::Reported { start },
-                    });
-                }
+                // Carried out above; a machine asks for one report at a time.
+                Effect::Report(_) => {}
                 Effect::CancelReport => self.backend.cancel_report(),
                 Effect::Spawn { start } => {
                     events.push_back(match self.backend.spawn(start) {
@@ -422,6 +434,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 }
             }
         }
+        self.observer.settled();
     }
 
     /// The machine is ready and an upgrade was asked for: stop following

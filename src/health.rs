@@ -106,6 +106,54 @@ pub fn http_ok(url: &str, timeout: Duration) -> bool {
     matches!(agent(timeout).get(url).call(), Ok(r) if r.status() == 200)
 }
 
+/// [`http_ok`] without a thread of its own, for the readiness check the
+/// loop waits on: a plain `http://` URL is asked on the runtime's own
+/// thread; a redirect, another scheme or a proxy in the environment goes
+/// to [`http_ok`] on the blocking pool, which follows them as before.
+pub async fn http_ok_async(url: &str, timeout: Duration) -> bool {
+    const PROXIES: [&str; 6] = ["ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"];
+    let direct = url.starts_with("http://") && !PROXIES.iter().any(|v| std::env::var_os(v).is_some());
+    let status = match direct {
+        true => tokio::time::timeout(timeout, status_of(url)).await.ok().flatten(),
+        false => None,
+    };
+    match status {
+        Some(code) => code == 200 || ((300..400).contains(&code) && blocking_ok(url, timeout).await),
+        None if direct => false,
+        None => blocking_ok(url, timeout).await,
+    }
+}
+
+async fn blocking_ok(url: &str, timeout: Duration) -> bool {
+    let u = url.to_string();
+    tokio::task::spawn_blocking(move || http_ok(&u, timeout)).await.unwrap_or(false)
+}
+
+/// The status of `GET url` (`http://`), one request on a new connection.
+async fn status_of(url: &str) -> Option<u16> {
+    use http_body_util::Empty;
+    use hyper::body::Bytes;
+    let uri: hyper::Uri = url.parse().ok()?;
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    let stream = tokio::net::TcpStream::connect((host, uri.port_u16().unwrap_or(80))).await.ok()?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, mut conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.ok()?;
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let authority = uri.authority()?.as_str();
+    let req = hyper::Request::get(path).header(hyper::header::HOST, authority).body(Empty::<Bytes>::new()).ok()?;
+    // The connection is driven here, beside the request: no task of its
+    // own. Once it ends (the server closed it), the answer is in, or never.
+    let res = sender.send_request(req);
+    tokio::pin!(res);
+    let res = tokio::select! {
+        biased;
+        res = &mut res => res,
+        _ = &mut conn => res.await,
+    };
+    res.ok().map(|r| r.status().as_u16())
+}
+
 /// A one-token completion; `Err` names why it failed.
 pub fn canary(base: &str, timeout: Duration) -> Result<(), String> {
     let model = model(base, timeout).map_err(|e| format!("canary: {e}"))?;
@@ -245,6 +293,39 @@ mod tests {
         assert!(g.matches(line));
         assert!(!g.matches(&line.replace("48.3", "0.0")));
         assert!(!g.matches("INFO:     Application startup complete."));
+    }
+
+    /// A server that answers every connection with `answer`; its address.
+    fn answering(answer: String) -> std::net::SocketAddr {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for mut c in l.incoming().flatten() {
+                let mut buf = [0u8; 4096];
+                let _ = c.read(&mut buf);
+                let _ = c.write_all(answer.as_bytes());
+            }
+        });
+        addr
+    }
+
+    /// The readiness check asked on the runtime's thread agrees with the
+    /// blocking one: 200 is ready, another status or no server is not, a
+    /// redirect is followed.
+    #[tokio::test]
+    async fn the_async_readiness_check_answers_as_the_blocking_one() {
+        let ok = answering("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".into());
+        let down = answering("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n".into());
+        let moved =
+            answering(format!("HTTP/1.1 302 Found\r\nlocation: http://{ok}/health\r\ncontent-length: 0\r\n\r\n"));
+        let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let t = Duration::from_secs(5);
+        for (addr, want) in [(ok, true), (down, false), (moved, true), (gone, false)] {
+            let url = format!("http://{addr}/health");
+            assert_eq!(http_ok_async(&url, t).await, want, "{url}");
+            assert_eq!(tokio::task::spawn_blocking(move || http_ok(&url, t)).await.unwrap(), want);
+        }
     }
 
     #[test]

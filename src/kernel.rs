@@ -3,12 +3,15 @@
 //! messages as they come) is followed; a line of a fatal NVIDIA Xid class
 //! ends the run with a permanent cause: no restart loop against a dead GPU.
 //! The follower is a helper of the warden (its own process group, not part
-//! of the child's tree, killed when the run ends). What a fault leads to is
-//! not known here.
+//! of the child's tree, killed when the run ends). It keeps the latest
+//! messages that concern the GPUs, numbered among all it read, so that a
+//! failure report can take those of a run without running a command (see
+//! [`Mark`]). What a fault leads to is not known here.
 
+use std::collections::VecDeque;
 use std::io::BufRead;
 use std::process::{Command, Stdio};
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock, Mutex};
 
 use regex::Regex;
 
@@ -85,6 +88,85 @@ pub fn gpu_related(line: &str) -> bool {
 #[derive(Debug)]
 pub struct Follower {
     pid: nix::unistd::Pid,
+    seen: Arc<Mutex<Seen>>,
+}
+
+/// GPU-related messages kept at most, and their bytes.
+const KEEP_LINES: usize = 10_000;
+const KEEP_BYTES: usize = 4 << 20;
+
+/// What a follower has read.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Messages read, all of them.
+    count: u64,
+    /// The latest that concern the GPUs, each with its number among all.
+    gpu: VecDeque<(u64, String)>,
+    bytes: usize,
+    /// The number of the latest one dropped to stay within the bounds.
+    dropped: Option<u64>,
+    /// False once the follower stopped reading (its command ended).
+    reading: bool,
+}
+
+impl Seen {
+    fn line(&mut self, text: &str) {
+        let n = self.count;
+        self.count += 1;
+        if !gpu_related(text) {
+            return;
+        }
+        let text = text.trim_end_matches(['\n', '\r']).to_string();
+        self.bytes += text.len();
+        self.gpu.push_back((n, text));
+        while self.gpu.len() > KEEP_LINES || self.bytes > KEEP_BYTES {
+            let Some((n, old)) = self.gpu.pop_front() else { break };
+            self.bytes -= old.len();
+            self.dropped = Some(n);
+        }
+    }
+}
+
+/// Where a run began among the messages of a follower: what the follower
+/// reads from then on is the run's (see [`Mark::since`]).
+#[derive(Debug, Clone)]
+pub struct Mark {
+    seen: Arc<Mutex<Seen>>,
+    at: u64,
+}
+
+/// The messages of a run that concern the GPUs, as its follower read them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Since {
+    pub gpu: Vec<String>,
+    /// Every message read since the mark.
+    pub all: u64,
+    /// Some of those about the GPUs were dropped (the oldest first).
+    pub cut: bool,
+}
+
+impl Mark {
+    /// What was read since the mark; `None` when the follower has stopped
+    /// reading, and may have missed some.
+    pub fn since(&self) -> Option<Since> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if !seen.reading {
+            return None;
+        }
+        let gpu = seen.gpu.iter().filter(|(n, _)| *n >= self.at).map(|(_, t)| t.clone()).collect();
+        Some(Since { gpu, all: seen.count - self.at, cut: seen.dropped.is_some_and(|n| n >= self.at) })
+    }
+}
+
+impl Follower {
+    /// Here, among what the follower reads; `None` when it no longer reads.
+    pub fn mark(&self) -> Option<Mark> {
+        let at = {
+            let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+            seen.reading.then_some(seen.count)?
+        };
+        Some(Mark { seen: self.seen.clone(), at })
+    }
 }
 
 impl Drop for Follower {
@@ -96,7 +178,8 @@ impl Drop for Follower {
 
 /// Start following `source` (an argv whose output is kernel messages, one
 /// per line); `on_fault` is called from a thread of its own for the first
-/// fatal fault. `Ok(None)`: the command is not installed.
+/// fatal fault, and the follower reads on. `Ok(None)`: the command is not
+/// installed.
 pub fn follow(source: &[String], on_fault: impl FnOnce(Fault) + Send + 'static) -> std::io::Result<Option<Follower>> {
     use std::os::unix::process::CommandExt;
     let Some(program) = source.first() else { return Ok(None) };
@@ -123,31 +206,44 @@ pub fn follow(source: &[String], on_fault: impl FnOnce(Fault) + Send + 'static) 
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     crate::child::register_helper(pid.as_raw());
     let stdout = child.stdout.take();
-    std::thread::Builder::new().name("kernel messages".into()).spawn(move || {
-        let Some(out) = stdout else { return };
-        // Lines are capped: a runaway source cannot fill memory.
-        let mut reader = std::io::BufReader::new(out);
-        let mut line = Vec::new();
-        loop {
-            line.clear();
-            match std::io::Read::take(&mut reader, 64 * 1024).read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
-                    if let Some(f) = fault(&String::from_utf8_lossy(&line)) {
-                        on_fault(f);
-                        break;
-                    }
-                    // A line longer than the cap: skip the rest of it.
-                    if !line.ends_with(b"\n") && reader.skip_until(b'\n').is_err() {
-                        break;
+    let seen = Arc::new(Mutex::new(Seen { reading: true, ..Seen::default() }));
+    let s = seen.clone();
+    let read = std::thread::Builder::new().name("kernel messages".into()).spawn(move || {
+        let mut on_fault = Some(on_fault);
+        if let Some(out) = stdout {
+            // Lines are capped: a runaway source cannot fill memory.
+            let mut reader = std::io::BufReader::new(out);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match std::io::Read::take(&mut reader, 64 * 1024).read_until(b'\n', &mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        let text = String::from_utf8_lossy(&line);
+                        s.lock().unwrap_or_else(|p| p.into_inner()).line(&text);
+                        if let Some(f) = fault(&text)
+                            && let Some(call) = on_fault.take()
+                        {
+                            call(f);
+                        }
+                        // A line longer than the cap: skip the rest of it.
+                        if !line.ends_with(b"\n") && reader.skip_until(b'\n').is_err() {
+                            break;
+                        }
                     }
                 }
             }
         }
+        s.lock().unwrap_or_else(|p| p.into_inner()).reading = false;
         // The warden's reaper collects its exit; this only drops the handle.
         drop(child);
-    })?;
-    Ok(Some(Follower { pid }))
+    });
+    if let Err(e) = read {
+        let _ = nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL);
+        crate::child::unregister_helper(pid.as_raw());
+        return Err(e);
+    }
+    Ok(Some(Follower { pid, seen }))
 }
 
 #[cfg(test)]
@@ -167,6 +263,28 @@ mod tests {
         let bus =
             "kernel: NVRM: GPU at PCI:0000:41:00: GPU-3b0b3b0b-0000-0000-0000-000000000000 has fallen off the bus.";
         assert_eq!(fault(bus).map(|f| f.pci), Some("0000:41:00.0".to_string()));
+    }
+
+    /// What a follower read since a mark: the messages about the GPUs,
+    /// bounded, and the count of all; nothing once it stopped reading.
+    #[test]
+    fn a_mark_gives_the_gpu_messages_read_since() {
+        let seen = Arc::new(Mutex::new(Seen { reading: true, ..Seen::default() }));
+        let read = |t: &str| seen.lock().unwrap().line(t);
+        read("kernel: NVRM: Xid (PCI:0000:41:00): 13, before\n");
+        let mark = Mark { seen: seen.clone(), at: seen.lock().unwrap().count };
+        read("kernel: usb 1-1: new high-speed USB device\n");
+        read("kernel: NVRM: Xid (PCI:0000:41:00): 31, after\n");
+        let after = "kernel: NVRM: Xid (PCI:0000:41:00): 31, after".to_string();
+        assert_eq!(mark.since(), Some(Since { gpu: vec![after.clone()], all: 2, cut: false }));
+        for i in 0..KEEP_LINES {
+            read(&format!("kernel: NVRM: Xid (PCI:0000:41:00): 13, {i}\n"));
+        }
+        let since = mark.since().unwrap();
+        assert!(since.cut && !since.gpu.contains(&after), "the oldest go first");
+        assert_eq!((since.gpu.len(), since.all), (KEEP_LINES, KEEP_LINES as u64 + 2));
+        seen.lock().unwrap().reading = false;
+        assert_eq!(mark.since(), None, "it may have missed some");
     }
 
     #[test]

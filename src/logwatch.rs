@@ -326,21 +326,26 @@ pub struct Verdict {
 }
 
 /// Classifies lines with the effective patterns.
+///
+/// Its copies share the compiled patterns and their search caches (a
+/// regex's clone starts with caches of its own, which are built again from
+/// the first lines it reads): each run's follower, and each failure report,
+/// goes on where the last left off.
 #[derive(Debug, Clone)]
 pub struct Classifier {
     /// Every pattern of every list as one set: a line that matches none of
     /// them (nearly every line) is plain after one search. `None` when the
     /// lists together pass the size limit (each list alone is checked).
-    any: Option<RegexSet>,
-    ignore: RegexSet,
-    fatal: RegexSet,
-    permanent: RegexSet,
-    ready: RegexSet,
-    progress: RegexSet,
+    any: Option<Arc<RegexSet>>,
+    ignore: Arc<RegexSet>,
+    fatal: Arc<RegexSet>,
+    permanent: Arc<RegexSet>,
+    ready: Arc<RegexSet>,
+    progress: Arc<RegexSet>,
     /// The prefix, for lines where a Unicode digit stands where vLLM writes
     /// an ASCII one ([`parse_prefix`] reads every other line).
-    prefix: Regex,
-    shards: Regex,
+    prefix: Arc<Regex>,
+    shards: Arc<Regex>,
     /// Traceback state per process (vLLM prefixes each line with its
     /// process; raw stderr lines share the key "").
     tracebacks: Tracebacks,
@@ -359,7 +364,7 @@ impl Classifier {
     /// Patterns must have been validated (see `config`).
     pub fn new(p: &Patterns) -> Result<Classifier, regex::Error> {
         let lists = [&p.ignore, &p.fatal, &p.permanent, &p.ready, &p.progress];
-        let [ignore, fatal, permanent, ready, progress] = lists.map(RegexSet::new);
+        let [ignore, fatal, permanent, ready, progress] = lists.map(|l| RegexSet::new(l).map(Arc::new));
         let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).collect();
         Ok(Classifier {
             ignore: ignore?,
@@ -367,13 +372,15 @@ impl Classifier {
             permanent: permanent?,
             ready: ready?,
             progress: progress?,
-            any: RegexSet::new(all).ok(),
-            prefix: Regex::new(
+            any: RegexSet::new(all).ok().map(Arc::new),
+            prefix: Arc::new(Regex::new(
                 r"^(?:\((?<proc>[^)]*)\) (?<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?|(?<ulevel>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+)",
             )
-            .expect("static regex"),
-            shards: Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
-                .expect("static regex"),
+            .expect("static regex")),
+            shards: Arc::new(
+                Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
+                    .expect("static regex"),
+            ),
             tracebacks: Tracebacks::default(),
             next_group: 0,
         })
@@ -585,6 +592,10 @@ struct Control {
     /// hand on whole.
     ended: Mutex<Option<u64>>,
     ended_now: std::sync::Condvar,
+    /// Where the last read asked for by [`Follower::drain`] ended (the end
+    /// of the file then), before its [`Delivery::Drained`] was sent;
+    /// `u64::MAX` before one.
+    drained: std::sync::atomic::AtomicU64,
 }
 
 impl Control {
@@ -785,6 +796,9 @@ impl Reader {
         /// and the next read tries again.
         const STEPS: usize = 64;
         let Some(mut rot) = self.rotator.take() else { return true };
+        // A reader of the bytes by offset goes first.
+        let hold = rot.hold();
+        let _held = hold.as_ref().map(|h| h.blocking_lock());
         match self.rotate_by_collapse(&mut rot) {
             Ok(true) => {
                 self.rotator = Some(rot);
@@ -905,8 +919,13 @@ impl Follower {
             AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE,
         )?;
         let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
-        let control =
-            Arc::new(Control { asked: Mutex::default(), wake, ended: Mutex::default(), ended_now: Default::default() });
+        let control = Arc::new(Control {
+            asked: Mutex::default(),
+            wake,
+            ended: Mutex::default(),
+            ended_now: Default::default(),
+            drained: u64::MAX.into(),
+        });
         let gauge = Gauge::default();
         let reader = Reader {
             file,
@@ -947,6 +966,12 @@ impl Follower {
     /// Classify with `classifier` (reloaded patterns) from the next read on.
     pub fn reclassify(&self, classifier: Classifier) {
         self.control.ask(|a| a.classifier = Some(classifier));
+    }
+
+    /// Where the file ended when the follower last read it to its end for
+    /// [`Follower::drain`]: known once its [`Delivery::Drained`] is received.
+    pub fn drained_to(&self) -> Option<u64> {
+        Some(self.control.drained.load(Ordering::SeqCst)).filter(|at| *at != u64::MAX)
     }
 
     /// Read at most every `every` from now on: a serving child's lines are
@@ -1032,8 +1057,11 @@ fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Contro
                 return;
             }
         }
-        if drain && reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
-            return;
+        if drain {
+            control.drained.store(reader.pos, Ordering::SeqCst);
+            if reader.out.blocking_send(Delivery::Drained { start: reader.start }).is_err() {
+                return;
+            }
         }
         if let Some(pace) = pace {
             // Let lines gather; only a request ends the pause early.

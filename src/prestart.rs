@@ -8,6 +8,7 @@ use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -330,18 +331,57 @@ pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
     out
 }
 
-/// The regular files of `dir` whose names match one of `globs`, sorted.
+/// The files of `dir` whose names match one of `globs`, sorted.
+///
+/// A folder listed without a match is not listed again while it is the same
+/// folder with the same modification time: making, renaming or removing an
+/// entry changes that time, and `/tmp` can hold thousands of entries that
+/// would be read before every start. The time must be older than the
+/// listing by [`UNCHANGED_MARGIN`], as file times advance in clock ticks:
+/// an entry made in the tick of the listing could leave it the same.
 pub fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
+    let stamp = folder_stamp(dir);
+    let unchanged =
+        |cache: &Matchless| stamp.is_some_and(|s| cache.get(dir).is_some_and(|(was, g)| *was == s && g == globs));
+    if unchanged(&MATCHLESS.lock().unwrap_or_else(|p| p.into_inner())) {
+        return Vec::new();
+    }
+    let listed_at = std::time::SystemTime::now();
     let patterns: Vec<glob::Pattern> = globs.iter().filter_map(|g| glob::Pattern::new(g).ok()).collect();
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut paths: Vec<PathBuf> = entries
         .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| patterns.iter().any(|g| g.matches(n))))
         .map(|e| e.path())
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| patterns.iter().any(|g| g.matches(n))))
         .collect();
     paths.sort();
+    let mut cache = MATCHLESS.lock().unwrap_or_else(|p| p.into_inner());
+    match stamp.filter(|s| paths.is_empty() && s.modified + UNCHANGED_MARGIN <= listed_at) {
+        Some(s) => cache.insert(dir.to_path_buf(), (s, globs.to_vec())),
+        None => cache.remove(dir),
+    };
     paths
 }
+
+/// See [`candidates`].
+pub const UNCHANGED_MARGIN: Duration = Duration::from_secs(1);
+
+/// Which folder is at a path, and when its entries last changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FolderStamp {
+    dev: u64,
+    ino: u64,
+    modified: std::time::SystemTime,
+}
+
+fn folder_stamp(dir: &Path) -> Option<FolderStamp> {
+    let m = std::fs::metadata(dir).ok()?;
+    Some(FolderStamp { dev: m.dev(), ino: m.ino(), modified: m.modified().ok()? })
+}
+
+/// Folders last listed without a match, with their stamp and the globs.
+type Matchless = HashMap<PathBuf, (FolderStamp, Vec<String>)>;
+static MATCHLESS: LazyLock<Mutex<Matchless>> = LazyLock::new(Mutex::default);
 
 /// What cleaning a folder did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -619,20 +659,28 @@ pub async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<
     }
 }
 
-/// A helper command of the warden (not part of the child's tree) while it
-/// runs: its group is SIGKILLed when this is dropped before it finished (a
-/// timeout, a cancelled start or report).
+/// A helper command of the warden (not part of the child's tree), as its
+/// thread and its caller see it: its group, once started; whether its
+/// caller gave up on it (then it is SIGKILLed as soon as it is known), and
+/// whether it finished (then its group may be gone and its id reused).
+#[derive(Debug, Default)]
 struct Helper {
-    group: nix::unistd::Pid,
+    group: Option<nix::unistd::Pid>,
+    given_up: bool,
     finished: bool,
 }
 
-impl Drop for Helper {
+/// The caller's hold on a [`Helper`]: dropped before the command finished
+/// (a timeout, a cancelled start or report), its group is SIGKILLed.
+struct Hold(Arc<Mutex<Helper>>);
+
+impl Drop for Hold {
     fn drop(&mut self) {
-        if !self.finished {
-            let _ = nix::sys::signal::killpg(self.group, Signal::SIGKILL);
+        let mut h = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        h.given_up = true;
+        if let Some(group) = h.group.filter(|_| !h.finished) {
+            let _ = nix::sys::signal::killpg(group, Signal::SIGKILL);
         }
-        crate::child::unregister_helper(self.group.as_raw());
     }
 }
 
@@ -641,22 +689,52 @@ impl Drop for Helper {
 /// warden's systemd variables and log level in its environment. `Ok(None)`: the
 /// command is not installed. It runs in its own process group, which is
 /// SIGKILLed when the time is up or when the future is dropped; it is not
-/// counted as part of the child's tree. Its output is read in a blocking
-/// thread; the warden's reaper collects its exit, which is not needed.
+/// counted as part of the child's tree. It is started and read in a
+/// blocking thread (starting a process holds the thread that does it until
+/// the process has exec'd); the warden's reaper collects its exit, which is
+/// not needed.
 pub async fn run_command(
     cmd: &[String],
     timeout: Duration,
     max: u64,
     stderr: bool,
 ) -> Result<Option<String>, QueryError> {
-    use std::os::unix::process::CommandExt;
     let shown = crate::redact::command(cmd);
     let Some(first) = cmd.first() else { return Ok(None) };
     // Looked up before starting anything: on a machine without GPUs the
     // query is missing, and a start attempt that fails costs a process.
     let Ok(program) = which::which(first) else { return Ok(None) };
+    let helper = Arc::new(Mutex::new(Helper::default()));
+    // Killed however this ends: in time, late, or dropped by a cancel.
+    let hold = Hold(helper.clone());
+    let (args, what) = (cmd[1..].to_vec(), shown.clone());
+    let run = tokio::task::spawn_blocking(move || run_helper(program, &args, &what, max, stderr, &helper));
+    match tokio::time::timeout(timeout, run).await {
+        Ok(run) => {
+            drop(hold);
+            run.unwrap_or_else(|e| Err(QueryError::Failed(format!("{shown}: {e}"))))
+        }
+        Err(_) => {
+            drop(hold);
+            let t = humantime::format_duration(timeout);
+            Err(QueryError::TimedOut(format!("{shown} did not answer within {t} (killed)")))
+        }
+    }
+}
+
+/// [`run_command`]'s blocking part.
+fn run_helper(
+    program: PathBuf,
+    args: &[String],
+    shown: &str,
+    max: u64,
+    stderr: bool,
+    helper: &Mutex<Helper>,
+) -> Result<Option<String>, QueryError> {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
     let mut command = std::process::Command::new(program);
-    command.args(&cmd[1..]).stdin(std::process::Stdio::null()).process_group(0);
+    command.args(args).stdin(std::process::Stdio::null()).process_group(0);
     // Neither systemd's variables nor the warden's log level are the
     // command's (py-spy reads RUST_LOG too, and writes its debug log into
     // its output).
@@ -682,30 +760,23 @@ pub async fn run_command(
     };
     let group = nix::unistd::Pid::from_raw(child.id() as i32);
     crate::child::register_helper(group.as_raw());
-    // Killed however this ends: in time, late, or dropped by a cancel.
-    let mut helper = Helper { group, finished: false };
-    let read = tokio::task::spawn_blocking(move || {
-        use std::io::Read;
-        // A bounded read: a runaway command cannot fill the warden's memory.
-        let mut out = Vec::new();
-        let _ = (&reader).take(max).read_to_end(&mut out);
-        drop(reader);
-        let _ = child.wait();
-        String::from_utf8_lossy(&out).into_owned()
-    });
-    match tokio::time::timeout(timeout, read).await {
-        Ok(read) => {
-            // It closed its output and was waited for: the group may be
-            // gone and its id reused, so it is not signalled.
-            helper.finished = true;
-            read.map(Some).map_err(|e| QueryError::Failed(format!("{shown}: {e}")))
+    {
+        let mut h = helper.lock().unwrap_or_else(|p| p.into_inner());
+        if h.given_up {
+            let _ = nix::sys::signal::killpg(group, Signal::SIGKILL);
         }
-        Err(_) => {
-            drop(helper);
-            let t = humantime::format_duration(timeout);
-            Err(QueryError::TimedOut(format!("{shown} did not answer within {t} (killed)")))
-        }
+        h.group = Some(group);
     }
+    // A bounded read: a runaway command cannot fill the warden's memory.
+    let mut out = Vec::new();
+    let _ = (&reader).take(max).read_to_end(&mut out);
+    drop(reader);
+    // It closed its output: once waited for, its group may be gone and its
+    // id reused, so it is not signalled any more (given up, it was killed).
+    helper.lock().unwrap_or_else(|p| p.into_inner()).finished = true;
+    let _ = child.wait();
+    crate::child::unregister_helper(group.as_raw());
+    Ok(Some(String::from_utf8_lossy(&out).into_owned()))
 }
 
 /// Where vLLM leaves `vllm_dist_*` files: the temporary folders.
@@ -736,6 +807,38 @@ mod tests {
         assert!(!port_free(port));
         drop((v4, v6));
         assert!(diag::listening_inodes(port).unwrap().is_empty());
+    }
+
+    /// A folder found without a match is not listed again while it stays
+    /// as it was; a file made in it since is found.
+    #[test]
+    fn a_folder_is_listed_again_once_its_entries_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let globs = vec!["vllm_dist_*".to_string()];
+        std::fs::write(dir.path().join("other"), "").unwrap();
+        let old = std::time::SystemTime::now() - UNCHANGED_MARGIN * 10;
+        std::fs::File::open(dir.path()).unwrap().set_modified(old).unwrap();
+        assert!(candidates(dir.path(), &globs).is_empty());
+        let stamp = folder_stamp(dir.path()).unwrap();
+        assert!(MATCHLESS.lock().unwrap().get(dir.path()).is_some_and(|(s, _)| *s == stamp), "remembered as matchless");
+        assert!(candidates(dir.path(), &globs).is_empty());
+        let made = dir.path().join("vllm_dist_1");
+        std::fs::write(&made, "").unwrap();
+        assert_eq!(candidates(dir.path(), &globs), vec![made.clone()]);
+        // Other globs are another question.
+        std::fs::remove_file(&made).unwrap();
+        std::fs::File::open(dir.path()).unwrap().set_modified(old).unwrap();
+        assert!(candidates(dir.path(), &globs).is_empty());
+        assert_eq!(candidates(dir.path(), &["oth*".to_string()]), vec![dir.path().join("other")]);
+    }
+
+    /// A folder changed within the margin is listed every time: an entry made
+    /// in the same clock tick could leave its time as it was.
+    #[test]
+    fn a_folder_changed_just_now_is_not_remembered() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(candidates(dir.path(), &["x*".to_string()]).is_empty());
+        assert!(!MATCHLESS.lock().unwrap().contains_key(dir.path()));
     }
 
     #[test]

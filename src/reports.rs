@@ -4,8 +4,8 @@
 //! `summary.json`, `log-tail.txt`, `tree.txt`, `py-spy/<pid>.txt`,
 //! `gpu.txt`, `kernel.txt`; and their retention (`reports.keep`,
 //! `reports.max-size`). Secrets are masked in every file. When a run fails
-//! and what follows is not known here (see `supervisor`); nor is how the
-//! work is scheduled (see `daemon`).
+//! and what follows is not known here (see `supervisor`); nor is when a
+//! report is begun or given up (see `daemon`).
 //!
 //! What is read is someone else's: the log, `/proc`, the commands' output
 //! and the reports folder itself. Reads are bounded; only folders whose
@@ -16,9 +16,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::fs;
 use std::io::{self, Read, Seek};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use regex::Regex;
@@ -121,6 +122,22 @@ pub struct Job {
     pub classifier: Classifier,
     /// The warden's pid: the tree is its descendants.
     pub warden: i32,
+    /// Nothing of the tree was left when the report was asked for (the
+    /// server had exited): there is nothing to look for.
+    pub tree_gone: bool,
+    /// The run's log (the child's own descriptor) and where it ended, when
+    /// already known: the log was read to its end after the exit. With
+    /// `tree_gone`, nothing of the run is then left to take before a new
+    /// one starts but its GPU snapshot.
+    pub log_taken: Option<(Arc<fs::File>, u64)>,
+    /// Where the run began among the kernel messages the warden follows,
+    /// if it followed them from before its spawn: with the default
+    /// `reports.kernel-messages`, `kernel.txt` is what the follower read
+    /// since (no command runs), as long as it read on all along.
+    pub kernel: Option<crate::kernel::Mark>,
+    /// Held from the report's start until its log is read: no rotation
+    /// moves the run's lines meanwhile.
+    pub log_hold: Option<crate::rotate::Hold>,
 }
 
 /// `20261130T134105.123Z-kimi-3`: sorts by time.
@@ -180,26 +197,55 @@ fn write_summary(dir: &Path, s: &Summary) -> io::Result<()> {
 /// (the tree first, while it is as it was), `summary.json` first with
 /// `complete: false` and again at the end. The commands run in parallel,
 /// bounded by `reports.timeout` in all; dropping the future kills them.
-pub async fn write(job: Job) -> io::Result<PathBuf> {
+///
+/// `taken` is called once what describes the run as it was has been taken:
+/// its tree, where its log ends, its GPU snapshot and its Python stacks.
+/// What follows (the log read up to that end, the kernel's messages, the
+/// summary, retention) needs nothing of the run any more and may go on
+/// beside a new one.
+pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf> {
     let t0 = Instant::now();
     let budget = job.settings.timeout;
     let dir = job.state_dir.join(FOLDER).join(&job.name);
-    let first = job.clone();
-    let (d, mut summary, pythons) = blocking(move || first_parts(&first)).await??;
-    debug_assert_eq!(d, dir);
+    let held = match &job.log_hold {
+        Some(h) => Some(h.clone().lock_owned().await),
+        None => None,
+    };
+    // What describes the run as it was, unless known already.
+    let later = job.tree_gone;
+    let looked = if later && job.log_taken.is_some() {
+        None
+    } else {
+        let first = job.clone();
+        Some(blocking(move || look(&first)).await?)
+    };
+    let pythons = looked.as_ref().map(|l| l.pythons.clone()).unwrap_or_default();
+
+    // The folder and the tree, then the log up to where it ended, beside
+    // the commands; the first summary once it is read.
+    let (made_tx, made) = tokio::sync::watch::channel(false);
+    let (second, d) = (job.clone(), dir.clone());
+    let logged = work(later, move || {
+        let look = looked.unwrap_or_else(|| look(&second));
+        let parts = make_folder(&second, &d, &look.tree)?;
+        let _ = made_tx.send(true);
+        let summary = log_parts(&second, &d, parts, look.log);
+        drop(held);
+        summary
+    });
 
     // The commands, in parallel, within what is left of the budget.
     let left = budget.saturating_sub(t0.elapsed());
     let mut set = tokio::task::JoinSet::new();
+    let mut notes = BTreeMap::new();
     let r = &job.settings;
     let alive = job.order.exit.is_none();
-    let py_spy_dir = dir.join(PY_SPY);
     if r.py_spy.is_empty() {
-        summary.parts.insert(PY_SPY.into(), "off (reports.py-spy = [])".into());
+        notes.insert(PY_SPY.to_string(), "off (reports.py-spy = [])".to_string());
     } else if !alive {
-        summary.parts.insert(PY_SPY.into(), format!("skipped: the server had already exited ({})", exit_text(&job)));
+        notes.insert(PY_SPY.into(), format!("skipped: the server had already exited ({})", exit_text(&job)));
     } else if pythons.is_empty() {
-        summary.parts.insert(PY_SPY.into(), "no Python process in the tree".into());
+        notes.insert(PY_SPY.into(), "no Python process in the tree".into());
     } else {
         for &pid in &pythons {
             let argv: Vec<String> = r.py_spy.iter().map(|a| a.replace("{pid}", &pid.to_string())).collect();
@@ -209,48 +255,114 @@ pub async fn write(job: Job) -> io::Result<PathBuf> {
         }
     }
     if r.gpu_snapshot.is_empty() {
-        summary.parts.insert(GPU.into(), "off (reports.gpu-snapshot = [])".into());
+        notes.insert(GPU.into(), "off (reports.gpu-snapshot = [])".into());
     } else {
         let argv = r.gpu_snapshot.clone();
         set.spawn(async move { (Part::Gpu, crate::prestart::run_command(&argv, left, OUTPUT_MAX, true).await) });
     }
+    // The default command asks the journal for what the follower has read.
+    let followed = job
+        .kernel
+        .as_ref()
+        .filter(|m| r.kernel_messages == crate::config::defaults::REPORTS_KERNEL_MESSAGES && m.since().is_some());
     if r.kernel_messages.is_empty() {
-        summary.parts.insert(KERNEL.into(), "off (reports.kernel-messages = [])".into());
-    } else {
-        let since = job.spawned.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let argv: Vec<String> = r.kernel_messages.iter().map(|a| a.replace("{since}", &since.to_string())).collect();
-        set.spawn(async move { (Part::Kernel, crate::prestart::run_command(&argv, left, OUTPUT_MAX, false).await) });
+        notes.insert(KERNEL.into(), "off (reports.kernel-messages = [])".into());
+    } else if followed.is_none() {
+        set.spawn(kernel_command(&job, left));
+    }
+    // Only the kernel's messages are waited for: the run is taken.
+    let mut taken = Some(taken);
+    let mut waiting = set.len() - usize::from(!r.kernel_messages.is_empty() && followed.is_none());
+    if waiting == 0
+        && let Some(t) = taken.take()
+    {
+        t();
     }
     let mut dumps = 0;
     while let Some(done) = set.join_next().await {
         let Ok((part, result)) = done else { continue };
-        let dir = dir.clone();
-        let py_spy_dir = py_spy_dir.clone();
-        let argv = match part {
-            Part::PySpy(_) => &r.py_spy,
-            Part::Gpu => &r.gpu_snapshot,
-            Part::Kernel => &r.kernel_messages,
-        };
-        let program = argv.first().cloned().unwrap_or_default();
-        let (key, note) = blocking(move || write_output(&dir, &py_spy_dir, part, &program, result)).await?;
-        if matches!(part, Part::PySpy(_)) && note.starts_with("written") {
+        if part != Part::Kernel {
+            waiting -= 1;
+            if waiting == 0
+                && let Some(t) = taken.take()
+            {
+                t();
+            }
+        }
+        if made.clone().wait_for(|m| *m).await.is_err() {
+            // No folder: the report fails below.
+            continue;
+        }
+        let note = output(&job, &dir, part, result).await?;
+        if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
             dumps += 1;
         }
-        summary.parts.insert(key, note);
+        notes.insert(note.0, note.1);
     }
-    if !pythons.is_empty() && alive && !r.py_spy.is_empty() && !summary.parts.contains_key(PY_SPY) {
-        summary.parts.insert(PY_SPY.into(), format!("{dumps} of {} Python process(es) dumped", pythons.len()));
+    if let Some(t) = taken.take() {
+        t();
+    }
+    if !pythons.is_empty() && alive && !r.py_spy.is_empty() && !notes.contains_key(PY_SPY) {
+        notes.insert(PY_SPY.into(), format!("{dumps} of {} Python process(es) dumped", pythons.len()));
+    }
+    if let Some(mark) = followed
+        && made.clone().wait_for(|m| *m).await.is_ok()
+    {
+        // Taken last, so that messages on their way are in.
+        let note = match mark.since() {
+            Some(since) => {
+                let d = dir.clone();
+                work(later, move || write_kernel(&d, &since)).await?
+            }
+            // The follower stopped reading meanwhile: the command after all.
+            None => {
+                let (part, result) = kernel_command(&job, budget.saturating_sub(t0.elapsed())).await;
+                output(&job, &dir, part, result).await?.1
+            }
+        };
+        notes.insert(KERNEL.into(), note);
     }
 
+    let mut summary = logged.await??;
+    summary.parts.extend(notes);
     summary.complete = true;
     summary.timings.report_done = Some(rfc3339(SystemTime::now()));
     let (d, s) = (dir.clone(), summary);
-    blocking(move || write_summary(&d, &s)).await??;
+    work(later, move || write_summary(&d, &s)).await??;
     let (root, instance, keep, max) =
         (job.state_dir.join(FOLDER), job.instance.clone(), job.settings.keep, job.settings.max_size);
     let name = job.name.clone();
-    blocking(move || retain(&root, &instance, keep, max, &name)).await?;
+    work(later, move || retain(&root, &instance, keep, max, &name)).await?;
     Ok(dir)
+}
+
+/// `reports.kernel-messages`, `{since}` the run's spawn.
+fn kernel_command(
+    job: &Job,
+    left: Duration,
+) -> impl Future<Output = (Part, Result<Option<String>, QueryError>)> + use<> {
+    let since = job.spawned.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let argv: Vec<String> =
+        job.settings.kernel_messages.iter().map(|a| a.replace("{since}", &since.to_string())).collect();
+    async move { (Part::Kernel, crate::prestart::run_command(&argv, left, OUTPUT_MAX, false).await) }
+}
+
+/// A command's output into its file: the summary's key and note.
+async fn output(
+    job: &Job,
+    dir: &Path,
+    part: Part,
+    result: Result<Option<String>, QueryError>,
+) -> io::Result<(String, String)> {
+    let r = &job.settings;
+    let argv = match part {
+        Part::PySpy(_) => &r.py_spy,
+        Part::Gpu => &r.gpu_snapshot,
+        Part::Kernel => &r.kernel_messages,
+    };
+    let program = argv.first().cloned().unwrap_or_default();
+    let (dir, py_spy_dir) = (dir.to_path_buf(), dir.join(PY_SPY));
+    work(job.tree_gone, move || write_output(&dir, &py_spy_dir, part, &program, result)).await
 }
 
 fn exit_text(job: &Job) -> String {
@@ -259,6 +371,52 @@ fn exit_text(job: &Job) -> String {
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
     tokio::task::spawn_blocking(f).await.map_err(io::Error::other)
+}
+
+/// File work of a report, handed over now: to [`LATER`] when `later`, else
+/// to the blocking pool. Its result when it is done.
+fn work<T: Send + 'static>(later: bool, f: impl FnOnce() -> T + Send + 'static) -> impl Future<Output = io::Result<T>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let job: Work = Box::new(move || {
+        let _ = tx.send(f());
+    });
+    let job = match LATER.as_ref().filter(|_| later) {
+        Some(worker) => worker.send(job).err().map(|e| e.0),
+        None => Some(job),
+    };
+    if let Some(job) = job {
+        drop(tokio::task::spawn_blocking(job));
+    }
+    async move { rx.await.map_err(|_| io::Error::other("the report's file work panicked")) }
+}
+
+type Work = Box<dyn FnOnce() + Send>;
+
+/// The nice value of [`LATER`]'s thread.
+const LATER_NICE: i32 = 10;
+
+/// The file work of the reports of runs with nothing left (the log read,
+/// the files, retention): one thread, at a lower CPU priority, one job at a
+/// time, in order. It yields to the start that goes on beside it; a report
+/// the machine waits for (a run still there) uses the blocking pool.
+static LATER: LazyLock<Option<std::sync::mpsc::Sender<Work>>> = LazyLock::new(|| {
+    let (tx, rx) = std::sync::mpsc::channel::<Work>();
+    let spawned = std::thread::Builder::new().name("failure reports".into()).spawn(move || {
+        // SAFETY: setpriority on this thread (who = its tid) takes no pointer.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, LATER_NICE);
+        }
+        for job in rx {
+            // A panic is the job's: its result is never sent; the thread goes on.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        }
+    });
+    spawned.ok().map(|_| tx)
+});
+
+/// Wait, up to `within`, for the file work handed over so far to be done.
+pub async fn settle(within: Duration) {
+    let _ = tokio::time::timeout(within, work(true, || ())).await;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -291,17 +449,10 @@ fn write_output(
         }
         Ok(Some(out)) => match part {
             Part::Kernel => {
-                let all = out.lines().count();
-                let faults: Vec<&str> = out.lines().filter(|l| crate::kernel::gpu_related(l)).collect();
-                let mut text = format!(
-                    "# kernel messages since the run's spawn that concern the GPUs: {} of {all}\n",
-                    faults.len()
-                );
-                for l in &faults {
-                    text.push_str(&masked(l));
-                    text.push('\n');
-                }
-                (text, format!("written: {} of {all} kernel message(s) concern the GPUs", faults.len()))
+                let faults: Vec<String> =
+                    out.lines().filter(|l| crate::kernel::gpu_related(l)).map(String::from).collect();
+                let since = crate::kernel::Since { gpu: faults, all: out.lines().count() as u64, cut: false };
+                kernel_text(&since)
             }
             _ => (masked(&out), format!("written ({} bytes)", out.len())),
         },
@@ -319,38 +470,95 @@ fn write_output(
     }
 }
 
-/// The folder, `tree.txt`, `log-tail.txt` and the first `summary.json`;
-/// the pids of the tree's Python processes.
-fn first_parts(job: &Job) -> io::Result<(PathBuf, Summary, Vec<i32>)> {
+/// `kernel.txt` and its note.
+fn kernel_text(since: &crate::kernel::Since) -> (String, String) {
+    let (n, all) = (since.gpu.len(), since.all);
+    let mut text = format!("# kernel messages since the run's spawn that concern the GPUs: {n} of {all}\n");
+    if since.cut {
+        text.push_str("# (the oldest of them were not kept)\n");
+    }
+    for l in &since.gpu {
+        text.push_str(&masked(l));
+        text.push('\n');
+    }
+    (text, format!("written: {n} of {all} kernel message(s) concern the GPUs"))
+}
+
+/// `kernel.txt` from what the warden's follower read; the note.
+fn write_kernel(dir: &Path, since: &crate::kernel::Since) -> String {
+    let (text, note) = kernel_text(since);
+    match create(dir, KERNEL, text.as_bytes()) {
+        Ok(()) => note,
+        Err(e) => format!("cannot write: {e}"),
+    }
+}
+
+/// The run's log, opened when it was taken, and where it ended then.
+type Log = io::Result<(fs::File, u64)>;
+
+/// What describes the run as it was, taken before anything is written.
+struct Look {
+    /// `tree.txt`, and how many processes it names, how many Python.
+    tree: (String, usize, usize),
+    /// The tree's Python processes.
+    pythons: Vec<i32>,
+    log: Log,
+}
+
+/// The tree, described; the log opened, and where it ends.
+fn look(job: &Job) -> Look {
+    let tree = if job.tree_gone { Vec::new() } else { crate::child::descendants(job.warden) };
+    let pythons: Vec<i32> = tree.iter().filter(|p| is_python(p.pid)).map(|p| p.pid).collect();
+    let text = describe_tree(&tree);
+    let log = match &job.log_taken {
+        // A file of its own on the same inode: the child's descriptor
+        // shares its offset.
+        Some((f, end)) => fs::File::open(format!("/proc/self/fd/{}", f.as_raw_fd())).map(|f| (f, *end)),
+        None => fs::File::open(&job.log_file).and_then(|f| {
+            let end = f.metadata()?.len();
+            Ok((f, end))
+        }),
+    };
+    Look { tree: (text, tree.len(), pythons.len()), pythons, log }
+}
+
+/// The report's folder and `tree.txt`: the parts so far, and their notes.
+fn make_folder(job: &Job, dir: &Path, tree: &(String, usize, usize)) -> io::Result<BTreeMap<String, String>> {
     let root = job.state_dir.join(FOLDER);
     fs::DirBuilder::new().recursive(true).mode(0o750).create(&root)?;
     // The folder of every report is made here, never found: a name taken
     // (a report of the same millisecond) is an error, not a reuse.
-    let dir = root.join(&job.name);
-    fs::DirBuilder::new().mode(0o750).create(&dir)?;
-    let mut parts = BTreeMap::new();
-
-    let tree = crate::child::descendants(job.warden);
-    let pythons: Vec<i32> = tree.iter().filter(|p| is_python(p.pid)).map(|p| p.pid).collect();
-    let note = match create(&dir, TREE, describe_tree(&tree).as_bytes()) {
-        Ok(()) => format!("written: {} process(es), {} of them Python", tree.len(), pythons.len()),
+    fs::DirBuilder::new().mode(0o750).create(dir)?;
+    let (text, n, pythons) = tree;
+    let note = match create(dir, TREE, text.as_bytes()) {
+        Ok(()) => format!("written: {n} process(es), {pythons} of them Python"),
         Err(e) => format!("cannot write: {e}"),
     };
-    parts.insert(TREE.to_string(), note);
+    Ok(BTreeMap::from([(TREE.to_string(), note)]))
+}
 
-    let version = vllm_version(&job.log_file, job.log_offset);
-    let note = match log_tail(&job.log_file, job.log_offset, job.settings.lines as usize, job.classifier.clone()) {
-        Ok(tail) => {
+/// `log-tail.txt`, from the log as it was taken, and the first
+/// `summary.json`: the summary.
+fn log_parts(job: &Job, dir: &Path, mut parts: BTreeMap<String, String>, log: Log) -> io::Result<Summary> {
+    let tail = log.and_then(|(f, end)| {
+        let version = vllm_version(&f, job.log_offset, end);
+        let tail =
+            log_tail(&f, &job.log_file, job.log_offset, end, job.settings.lines as usize, job.classifier.clone());
+        tail.map(|t| (t, version))
+    });
+    let (note, version) = match tail {
+        Ok((tail, version)) => {
             let n = format!("written: {} line(s), {} traceback group(s)", tail.lines, tail.groups);
-            match create(&dir, LOG_TAIL, tail.text.as_bytes()) {
+            let note = match create(dir, LOG_TAIL, tail.text.as_bytes()) {
                 Ok(()) => n,
                 Err(e) => format!("cannot write: {e}"),
-            }
+            };
+            (note, version)
         }
         Err(e) => {
             let why = format!("cannot read {}: {e}", job.log_file.display());
-            let _ = create(&dir, LOG_TAIL, format!("{why}\n").as_bytes());
-            why
+            let _ = create(dir, LOG_TAIL, format!("{why}\n").as_bytes());
+            (why, None)
         }
     };
     parts.insert(LOG_TAIL.to_string(), note);
@@ -380,8 +588,8 @@ fn first_parts(job: &Job) -> io::Result<(PathBuf, Summary, Vec<i32>)> {
         parts,
         complete: false,
     };
-    write_summary(&dir, &summary)?;
-    Ok((dir, summary, pythons))
+    write_summary(dir, &summary)?;
+    Ok(summary)
 }
 
 /// The files the patches changed, as their manifest records them.
@@ -487,15 +695,14 @@ pub fn describe_tree(tree: &[ProcStat]) -> String {
 /// vLLM's version, from its banner near the start of the run's log
 /// (`… api_utils.py:347]  ▄▄ ▄█ █ … version 0.32.0`, or, from older
 /// versions, `vLLM API server version 0.6.3`).
-fn vllm_version(log: &Path, offset: u64) -> Option<String> {
+fn vllm_version(mut f: &fs::File, offset: u64, end: u64) -> Option<String> {
     static VERSION: LazyLock<Regex> = LazyLock::new(|| {
         Regex::new(r"(?:vLLM API server version|█\s+version|vLLM version)\s+v?(\d+\.\d+[0-9A-Za-z.+_-]*)")
             .expect("static regex")
     });
-    let mut f = fs::File::open(log).ok()?;
     f.seek(io::SeekFrom::Start(offset)).ok()?;
     let mut buf = Vec::new();
-    f.take(VERSION_SCAN).read_to_end(&mut buf).ok()?;
+    f.take(VERSION_SCAN.min(end.saturating_sub(offset))).read_to_end(&mut buf).ok()?;
     let text = String::from_utf8_lossy(&buf);
     let v = VERSION.captures(&text)?.get(1)?.as_str();
     Some(crate::escape::one_line(v, 64))
@@ -508,12 +715,17 @@ struct Tail {
     groups: usize,
 }
 
-/// The last `keep` lines of the run's log from `offset`, and the traceback
-/// groups seen in it in full, masked. At most the last [`LOG_SCAN`] bytes
-/// are read, in pieces: never the whole file at once.
-fn log_tail(log: &Path, offset: u64, keep: usize, mut classifier: Classifier) -> io::Result<Tail> {
-    let mut f = fs::File::open(log)?;
-    let len = f.metadata()?.len();
+/// The last `keep` lines of the run's log `f` (at `log`) from `offset` to
+/// `len`, and the traceback groups seen in it in full, masked. At most the
+/// last [`LOG_SCAN`] bytes are read, in pieces: never the whole file at once.
+fn log_tail(
+    mut f: &fs::File,
+    log: &Path,
+    offset: u64,
+    len: u64,
+    keep: usize,
+    mut classifier: Classifier,
+) -> io::Result<Tail> {
     let mut notes = Vec::new();
     let from = if len < offset {
         notes.push(format!("the log is shorter than where the run began (offset {offset}): read from its start"));
@@ -655,6 +867,11 @@ pub struct Listed {
 /// The reports of `instance` in `state_dir`, oldest first: only folders
 /// whose names are ours, not symlinks.
 pub fn list(state_dir: &Path, instance: &str) -> io::Result<Vec<Listed>> {
+    list_with(state_dir, instance, true)
+}
+
+/// [`list`], the summaries read or not.
+fn list_with(state_dir: &Path, instance: &str, summaries: bool) -> io::Result<Vec<Listed>> {
     let root = state_dir.join(FOLDER);
     let entries = match fs::read_dir(&root) {
         Ok(e) => e,
@@ -671,7 +888,7 @@ pub fn list(state_dir: &Path, instance: &str) -> io::Result<Vec<Listed>> {
         }
         let path = entry.path();
         let size = size_of(&path);
-        let summary = read_summary(&path);
+        let summary = if summaries { read_summary(&path) } else { None };
         out.push(Listed { name, path, attempt, size, summary });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -818,14 +1035,16 @@ fn remove(dir: &Path) -> io::Result<()> {
 }
 
 /// Keep the newest `keep` reports of `instance`, and within `max` bytes in
-/// all, removing the oldest first; the newest (`current`) is always kept.
+/// all, removing the oldest first; the report just written (`current`) is
+/// always kept, and so is any newer one (a later run's, being written
+/// beside it: its own retention follows).
 pub fn retain(root: &Path, instance: &str, keep: u32, max: u64, current: &str) {
     let Some(state) = root.parent() else { return };
-    let Ok(all) = list(state, instance) else { return };
+    let Ok(all) = list_with(state, instance, false) else { return };
     let mut total: u64 = all.iter().map(|r| r.size).sum();
     let mut count = all.len();
     for r in &all {
-        if r.name == current || (count <= keep as usize && total <= max) {
+        if r.name.as_str() >= current || (count <= keep as usize && total <= max) {
             continue;
         }
         match remove(&r.path) {

@@ -54,7 +54,14 @@ pub struct Rotator {
     compressor: Option<std::thread::JoinHandle<()>>,
     /// False once the filesystem refused [`Rotator::collapse`].
     can_collapse: bool,
+    /// Taken for each rotation (see [`Hold`]).
+    hold: Option<Hold>,
 }
+
+/// Held by whoever reads the log's bytes by offset (a failure report): no
+/// rotation moves them meanwhile. A rotation takes it for its whole run, on
+/// the follower's thread.
+pub type Hold = Arc<tokio::sync::Mutex<()>>;
 
 impl std::fmt::Debug for Rotator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -73,7 +80,26 @@ impl Rotator {
         let dir = Dir::open(folder)?;
         // A second open file of the same inode, writable, whatever its path.
         let writer = std::fs::OpenOptions::new().write(true).open(format!("/proc/self/fd/{}", log.as_raw_fd()))?;
-        Ok(Rotator { settings, dir, name, writer, names: Arc::default(), compressor: None, can_collapse: true })
+        Ok(Rotator {
+            settings,
+            dir,
+            name,
+            writer,
+            names: Arc::default(),
+            compressor: None,
+            can_collapse: true,
+            hold: None,
+        })
+    }
+
+    /// Rotate only while `hold` is free.
+    pub fn with_hold(self, hold: Hold) -> Rotator {
+        Rotator { hold: Some(hold), ..self }
+    }
+
+    /// The hold, to be taken for a rotation.
+    pub fn hold(&self) -> Option<Hold> {
+        self.hold.clone()
     }
 
     /// The name of copy `k` (`NAME.k`, `NAME.k.gz`).

@@ -31,8 +31,11 @@
 //!   the failure report is written while the tree is still there; its
 //!   deadline is the report budget (`reports.timeout` + a margin), so a
 //!   wedged report never holds the stop. StopRequested cuts the report short
-//!   and stops at once. Without reports (`reports.keep = 0`) a failure goes
-//!   straight to Stopping.
+//!   and stops at once. A run whose leader has exited and whose tree is
+//!   gone (TreeGone) has nothing left to stop: its report goes on beside
+//!   what follows (the backend holds the next spawn until the report has
+//!   what describes the run as it was). Without reports (`reports.keep = 0`)
+//!   a failure goes straight to Stopping.
 //! ```
 
 use std::collections::BTreeMap;
@@ -1122,6 +1125,14 @@ impl Machine {
                 (state, vec![])
             }
             (S::Reporting(r), E::Reported { .. }) => self.report_done(r, now, vec![]),
+            // Nothing of the run is left to stop: what follows begins now,
+            // beside the report.
+            (S::Reporting(r), E::TreeGone) if !r.leader => {
+                let mut fx = vec![];
+                let purpose = self.purpose_of_stop(&r.run, r.purpose, &mut fx);
+                let ready_for = into_run(&r.run).and_then(|(_, ready_at)| ready_at).map(|t| now - t);
+                self.stopped(purpose, ready_for, now, fx)
+            }
             (S::Reporting(r), E::Tick) if now >= r.until => {
                 let text = format!(
                     "the failure report did not finish within {}; cut short",
@@ -1403,16 +1414,7 @@ impl Machine {
         let Some((run, ready_at)) = into_run(&state) else { return (state, fx) };
         let pid = run.pid;
         let ready_for = ready_at.map(|t| now - t);
-        let mut purpose = purpose;
-        // A stop was asked for and answered: a failure during its drain
-        // ends in the stop, not in a restart.
-        if let (State::Ready(Serving { drain: Some(Drain { for_: DrainFor::Stop, .. }), .. }), Purpose::Failure(c)) =
-            (&state, &purpose)
-        {
-            fx.push(record(Severity::Warn, Topic::Drain, format!("failed while draining to stop: {}", c.text)));
-            self.cause = Some(c.clone());
-            purpose = Purpose::Shutdown;
-        }
+        let mut purpose = self.purpose_of_stop(&state, purpose, &mut fx);
         // Only a serving child being stopped on purpose has something to
         // drain; everything else gets the short grace, the signal repeated.
         let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload | Purpose::Restart);
@@ -1457,6 +1459,20 @@ impl Machine {
             Escalation::Signalled { kill_at: now + grace, resend_at: (!drain).then_some(now + LOAD_STOP_RESEND) }
         };
         (State::Stopping(Stop { purpose, leader: Some(pid), ready_for, escalation }), fx)
+    }
+
+    /// What stopping the run in `state` for `purpose` is for: a stop was
+    /// asked for and answered, so a failure during its drain ends in the
+    /// stop, not in a restart.
+    fn purpose_of_stop(&mut self, state: &State, purpose: Purpose, fx: &mut Vec<Effect>) -> Purpose {
+        match (state, purpose) {
+            (State::Ready(Serving { drain: Some(Drain { for_: DrainFor::Stop, .. }), .. }), Purpose::Failure(c)) => {
+                fx.push(record(Severity::Warn, Topic::Drain, format!("failed while draining to stop: {}", c.text)));
+                self.cause = Some(c);
+                Purpose::Shutdown
+            }
+            (_, purpose) => purpose,
+        }
     }
 
     /// How long a stop that drains first may take, for systemd's stop

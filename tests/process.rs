@@ -194,6 +194,23 @@ fn a_dead_reaper_stops_the_tree_and_exits_70() {
 }
 
 #[test]
+fn an_exit_held_up_after_the_stop_ends_at_its_deadline_naming_the_step() {
+    // The hook makes the exit's removal of the tree's files block for ever,
+    // as a read of a process stuck in the kernel can.
+    let opts = Opts { env: vec![("VLLM_WARDEN_TEST_PANIC".into(), "exit".into())], ..Opts::default() };
+    let extra = format!("{FAST}[prestart]\ngpu-idle-wait = \"0s\"\n");
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", &extra), opts);
+    w.wait_ready();
+    assert_eq!(w.stop(), 0, "the loop's code");
+    let stderr = w.stderr();
+    assert!(
+        stderr.contains("the exit was held up for 15s at: removing the files the tree left; ending now with code 0"),
+        "{stderr}"
+    );
+    assert_eq!(vllm_warden::daemon::EXIT_DEADLINE, std::time::Duration::from_secs(15));
+}
+
+#[test]
 fn the_childs_log_is_followed_through_five_rotations_and_others_lines_are_not_read() {
     let extra = format!("{FAST}[fatal]\ngrace = \"1s\"\n");
     let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1", "--fatal-on-usr1"], "", &extra));

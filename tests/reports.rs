@@ -285,3 +285,77 @@ fn only_the_newest_reports_are_kept() {
     assert_eq!(code, 0);
     assert_eq!(list.lines().count(), 3, "a header and two reports: {list}");
 }
+
+/// A server that exits and leaves nothing behind is reported beside the
+/// next start, which does not wait for the report; yet each report
+/// describes its run as it ended: a tree with nothing of the next run in
+/// it, the log up to the run's end, and the kernel's messages about the
+/// GPUs that the warden's follower read from the spawn on (no command).
+#[test]
+fn an_exited_run_is_reported_beside_the_next_start() {
+    // In place of `journalctl -k -f`: a GPU message and another, again and again.
+    let follower = r#"["sh", "-c", "while :; do echo 'kernel: NVRM: Xid (PCI:0000:41:00): 13, pid=1, name=x'; echo 'kernel: usb 1-1: new device'; sleep 0.02; done"]"#;
+    let mut w = Warden::start(|d, p| {
+        let extra = format!(
+            "[restart]\ninitial-delay = \"0s\"\nmax-attempts = 3\n[health]\nkernel-messages = {follower}\n\
+             [reports]\ngpu-snapshot = []\n"
+        );
+        config(d, p, &["--shards", "1", "--shard-time", "200ms", "--fail", "exit1"], "", &extra)
+    });
+    assert_eq!(w.wait_exit(), 75);
+    let mut dirs: Vec<_> =
+        std::fs::read_dir(w.path("state").join("reports")).unwrap().flatten().map(|e| e.path()).collect();
+    dirs.sort();
+    assert_eq!(dirs.len(), 3, "{dirs:?}");
+    for (i, dir) in dirs.iter().enumerate() {
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+        assert_eq!(summary["complete"], true, "{summary}");
+        assert_eq!(summary["exit"], "exit code 1", "{summary}");
+        let tree = std::fs::read_to_string(dir.join("tree.txt")).unwrap();
+        assert!(tree.starts_with("# the server's process tree when the run failed: 0 process(es)\n"), "{tree}");
+        let tail = std::fs::read_to_string(dir.join("log-tail.txt")).unwrap();
+        assert!(tail.contains("Loading weights took"), "{tail}");
+        assert!(!tail.contains(&format!("--- vllm-warden: start {}", i + 2)), "the next run's lines: {tail}");
+    }
+    // The first run was spawned before the follower: its report runs the
+    // command; the later ones take what the follower read.
+    for dir in &dirs[1..] {
+        let kernel = std::fs::read_to_string(dir.join("kernel.txt")).unwrap();
+        let (head, lines) = kernel.split_once('\n').unwrap();
+        let counts = head.strip_prefix("# kernel messages since the run's spawn that concern the GPUs: ").unwrap();
+        let (n, all) = counts.split_once(" of ").unwrap();
+        let (n, all): (usize, usize) = (n.parse().unwrap(), all.parse().unwrap());
+        assert!(n >= 2 && all >= 2 * n - 1, "{kernel}");
+        assert_eq!(lines.lines().count(), n, "{kernel}");
+        assert!(lines.lines().all(|l| l == "kernel: NVRM: Xid (PCI:0000:41:00): 13, pid=1, name=x"), "{kernel}");
+    }
+}
+
+/// The next start waits for the GPU snapshot of a run that exited (taken
+/// before a new child can use the GPUs), not for the rest of its report:
+/// here a kernel-message command that takes a second.
+#[test]
+fn the_next_start_waits_for_the_gpu_snapshot_of_an_exited_run_only() {
+    let mut w = Warden::start(|d, p| {
+        let extra = "[restart]\ninitial-delay = \"0s\"\nmax-attempts = 2\n[health]\nkernel-messages = []\n\
+                     [reports]\ngpu-snapshot = [\"sh\", \"-c\", \"sleep 0.3; echo gpu\"]\n\
+                     kernel-messages = [\"sh\", \"-c\", \"sleep 1; echo kernel\"]\n";
+        config(d, p, &["--shards", "1", "--fail", "exit1"], "", extra)
+    });
+    assert_eq!(w.wait_exit(), 75);
+    let mut dirs: Vec<_> =
+        std::fs::read_dir(w.path("state").join("reports")).unwrap().flatten().map(|e| e.path()).collect();
+    dirs.sort();
+    assert_eq!(dirs.len(), 2, "{dirs:?}");
+    let timings: Vec<serde_json::Value> = dirs
+        .iter()
+        .map(|d| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(d.join("summary.json")).unwrap()))
+        .map(|s| s.unwrap()["timings"].clone())
+        .collect();
+    let at = |t: &serde_json::Value, k: &str| humantime::parse_rfc3339(t[k].as_str().unwrap()).unwrap();
+    let (failed, done, next) = (at(&timings[0], "failure"), at(&timings[0], "report_done"), at(&timings[1], "spawn"));
+    assert!(next >= failed + std::time::Duration::from_millis(300), "{timings:?}");
+    assert!(next < done, "{timings:?}");
+    assert_eq!(std::fs::read_to_string(dirs[0].join("gpu.txt")).unwrap(), "gpu\n");
+}

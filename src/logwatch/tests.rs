@@ -62,8 +62,10 @@ async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recr
     // A partial line waits for its end; a drain reads to the end at once
     // and says so after every line it found.
     child.write_all(b"half").unwrap();
+    assert_eq!(f.drained_to(), None);
     f.drain();
     assert!(matches!(delivery(&mut lines).await, Delivery::Drained { start: 1 }));
+    assert_eq!(f.drained_to(), Some(child.metadata().unwrap().len()), "read to the end, the partial line too");
     assert!(rx.try_recv().is_err(), "a partial line is not a line");
     child.write_all(b" and whole\nINFO:     Application startup complete.\n").unwrap();
     f.drain();
@@ -286,7 +288,7 @@ proptest! {
             2 => format!("({proc_}) {level} {date}"),
             _ => format!("{rest}{level}: x"),
         };
-        static PREFIX: std::sync::LazyLock<Regex> = std::sync::LazyLock::new(|| vllm().prefix);
+        static PREFIX: std::sync::LazyLock<Arc<Regex>> = std::sync::LazyLock::new(|| vllm().prefix);
         let theirs = PREFIX.captures(&text).map(|m| {
             let proc_ = m.name("proc").map_or("", |p| p.as_str()).to_string();
             let level = m.name("level").or(m.name("ulevel")).map(|l| l.as_str().to_string());
@@ -535,6 +537,7 @@ fn a_long_drain_of_plain_lines_beats_while_it_reads() {
         wake: EventFd::new().unwrap(),
         ended: Mutex::default(),
         ended_now: Default::default(),
+        drained: u64::MAX.into(),
     };
     let mut buf = vec![0u8; READ];
     assert!(reader.read_to_end(&mut buf, &control, true));

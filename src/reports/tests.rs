@@ -8,6 +8,13 @@ fn classifier() -> Classifier {
     Classifier::new(&Profile::Vllm.patterns()).unwrap()
 }
 
+/// [`log_tail`] of the whole file from `offset`.
+fn tail_of(log: &Path, offset: u64, keep: usize) -> Tail {
+    let f = fs::File::open(log).unwrap();
+    let end = f.metadata().unwrap().len();
+    log_tail(&f, log, offset, end, keep, classifier()).unwrap()
+}
+
 const KV_CACHE: &str = include_str!("../../tests/fixtures/b_b3-ct-kv-cache-scheme-fp4.log");
 
 #[test]
@@ -32,7 +39,7 @@ fn the_log_tail_holds_the_last_lines_and_every_traceback_group_in_full() {
     let secret = "(APIServer pid=13424) INFO 11-29 18:16:29 [x.py:1] argv: vllm serve /m --api-key sk-live-1 \
                   HF_TOKEN=hf_secret\n";
     std::fs::write(&log, format!("{earlier}{KV_CACHE}{secret}")).unwrap();
-    let tail = log_tail(&log, earlier.len() as u64, 5, classifier()).unwrap();
+    let tail = tail_of(&log, earlier.len() as u64, 5);
     assert_eq!(tail.lines, 5);
     assert!(!tail.text.contains("an earlier run"));
     // The last line, masked.
@@ -52,7 +59,7 @@ fn the_log_tail_holds_the_last_lines_and_every_traceback_group_in_full() {
     let version = {
         let cut = dir.path().join("v.log");
         std::fs::write(&cut, KV_CACHE).unwrap();
-        vllm_version(&cut, 0)
+        vllm_version(&fs::File::open(&cut).unwrap(), 0, KV_CACHE.len() as u64)
     };
     assert_eq!(version.as_deref(), Some("0.32.0"));
 }
@@ -67,7 +74,7 @@ fn a_long_run_log_is_read_from_its_last_part_only() {
     drop(f);
     let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
     std::io::Write::write_all(&mut f, b"\nthe last line\n").unwrap();
-    let tail = log_tail(&log, 0, 3, classifier()).unwrap();
+    let tail = tail_of(&log, 0, 3);
     assert!(tail.text.contains("its last 256 MiB read"), "{}", tail.text);
     assert!(tail.text.trim_end().ends_with("the last line"));
 }
@@ -142,6 +149,16 @@ fn retention_removes_the_oldest_of_ours_and_nothing_else() {
     retain(&root, "t", 20, 10, &names[4]);
     let left: Vec<String> = list(state.path(), "t").unwrap().into_iter().map(|r| r.name).collect();
     assert_eq!(left, vec![names[1].clone(), names[4].clone()]);
+    // A later run's report, written beside an earlier one, is never the
+    // earlier one's to remove.
+    let later = "20261205T000000.000Z-t-2".to_string();
+    report(&root, &later, 1000);
+    retain(&root, "t", 1, 1 << 30, &names[4]);
+    let left: Vec<String> = list(state.path(), "t").unwrap().into_iter().map(|r| r.name).collect();
+    assert_eq!(left, vec![names[1].clone(), names[4].clone(), later.clone()]);
+    retain(&root, "t", 1, 1 << 30, &later);
+    let left: Vec<String> = list(state.path(), "t").unwrap().into_iter().map(|r| r.name).collect();
+    assert_eq!(left, vec![names[1].clone(), later]);
 }
 
 #[test]

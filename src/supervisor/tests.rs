@@ -625,6 +625,46 @@ fn an_exit_while_reporting_is_kept_and_its_crash_is_not_dumped() {
     assert_eq!(s.state(), "backoff");
 }
 
+/// A server that exited and left nothing behind has nothing to stop: the
+/// next start begins beside its report, whose late answer changes nothing.
+#[test]
+fn a_run_with_nothing_left_starts_again_beside_its_report() {
+    let mut s =
+        Sim::new(Policy { report: Some(Duration::from_secs(25)), ..restart(|r| r.initial_delay = Duration::ZERO) });
+    s.spawned(100);
+    let fx = s.at(5.0).ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    assert_eq!(reports(&fx).len(), 1);
+    assert_eq!(s.state(), "failed");
+    let fx = s.ev(Event::TreeGone);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Terminate(_) | Effect::CancelReport)), "{fx:?}");
+    assert!(fx.contains(&Effect::Prepare { start: 2 }), "{fx:?}");
+    assert!(s.ev(Event::Reported { start: 1 }).is_empty(), "the report of an earlier run");
+    s.ev(Event::Prepared { start: 2, result: Prepared::Done });
+    s.ev(Event::Spawned { start: 2, pid: 101 });
+    assert_eq!(s.m.child_pid(), Some(101));
+    // While the leader lives, its tree is not gone whatever comes.
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    assert!(s.ev(Event::TreeGone).is_empty());
+    assert_eq!(s.state(), "failed");
+}
+
+/// A failure while draining for a stop ends in the stop, even when nothing
+/// of the run is left to stop.
+#[test]
+fn a_failure_while_draining_to_stop_stops_even_with_nothing_left() {
+    let p = Policy { drain_on_stop: true, report: Some(Duration::from_secs(25)), ..policy() };
+    let mut s = Sim::new(p);
+    s.ready(100);
+    s.ev(Event::StopRequested);
+    assert_eq!(s.state(), "draining");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert_eq!(s.state(), "failed");
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
 #[test]
 fn without_reports_a_failure_stops_at_once() {
     let mut s = Sim::new(policy());
