@@ -147,6 +147,21 @@ fn fresh_baseline(sim: &str, dir: &std::path::Path, rt: &tokio::runtime::Runtime
     out
 }
 
+/// The fake with one shard loaded at once and `args`, stamping into
+/// `stamp`, run to its end: its exit code.
+fn run_sim(sim: &str, args: &[&str], stamp: &std::path::Path) -> Option<i32> {
+    Command::new(sim)
+        .args(["--shards", "1", "--shard-time", "0s"])
+        .args(args)
+        .arg("--stamp-file")
+        .arg(stamp)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .code()
+}
+
 fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     let stamp = dir.join("spawn.stamps");
     let mut out = Vec::new();
@@ -154,15 +169,7 @@ fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
         let _ = std::fs::remove_file(&stamp);
         let t = now_ns();
         // --fail exit1 returns at once after its first lines; only the start stamp matters.
-        let st = Command::new(sim)
-            .args(["--port", "0", "--shards", "1", "--shard-time", "0s", "--fail", "exit1"])
-            .arg("--stamp-file")
-            .arg(&stamp)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .unwrap();
-        assert_eq!(st.code(), Some(1));
+        assert_eq!(run_sim(sim, &["--port", "0", "--fail", "exit1"], &stamp), Some(1));
         let text = std::fs::read_to_string(&stamp).unwrap();
         let started: u128 = text.lines().next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
         out.push((started - t) as f64 / 1e6);
@@ -179,15 +186,7 @@ fn respawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     let _ = std::fs::remove_file(&stamp);
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     for _ in 0..=STARTS {
-        let st = Command::new(sim)
-            .args(["--port", &port.to_string(), "--shards", "1", "--shard-time", "0s", "--exit-after-ready", "0"])
-            .arg("--stamp-file")
-            .arg(&stamp)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .unwrap();
-        assert_eq!(st.code(), Some(0));
+        assert_eq!(run_sim(sim, &["--port", &port.to_string(), "--exit-after-ready", "0"], &stamp), Some(0));
     }
     let text = std::fs::read_to_string(&stamp).unwrap();
     let of = |kind: &str| -> Vec<u128> {
