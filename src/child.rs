@@ -497,14 +497,14 @@ fn kill_descendants(me: i32) {
 impl Inner {
     /// Reap what has exited, reporting the leader's exit.
     ///
-    /// A zombie is reaped as soon as its exit is seen, before anything of
-    /// ours reads its `/proc` entries. The reap removes those entries, and
-    /// waits, spinning in the kernel, for whoever is dropping one of them
-    /// at that instant. Left unreaped for 20 ms (which saved the restart
-    /// path the wait for the leader's last thread, up to 1.4 ms), a vLLM
-    /// zombie's reap was seen to spin for minutes on this machine's kernel
-    /// (6.18), in `shrink_dcache_parent` under `release_task`, the loop
-    /// with it.
+    /// A zombie is reaped as soon as its exit is seen. The reap removes the
+    /// process's `/proc` entries and waits, spinning in the kernel, for
+    /// whoever is dropping one of them at that instant: usually the child's
+    /// own last thread, for up to 1.4 ms. On kernel 6.18 a vLLM process's
+    /// reap was also seen spinning for 15 s to minutes (`shrink_dcache_parent`
+    /// under `release_task`), the loop with it: in 3 of 7 runs of the real
+    /// rolling restart with the zombie left 20 ms for later (to spare the
+    /// restart path that wait), in 1 of 5 with every reap at once.
     fn reap(&mut self, me: i32) {
         loop {
             match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
