@@ -147,6 +147,11 @@ fn fresh_baseline(sim: &str, dir: &std::path::Path, rt: &tokio::runtime::Runtime
     out
 }
 
+/// The fake's stamps of one kind (`start `, `ready `, `exit `), in order.
+fn stamps_of(text: &str, kind: &str) -> Vec<u128> {
+    text.lines().filter_map(|l| l.strip_prefix(kind)).map(|v| v.trim().parse().unwrap()).collect()
+}
+
 /// The fake with one shard loaded at once and `args`, stamping into
 /// `stamp`, run to its end: its exit code.
 fn run_sim(sim: &str, args: &[&str], stamp: &std::path::Path) -> Option<i32> {
@@ -189,10 +194,7 @@ fn respawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
         assert_eq!(run_sim(sim, &["--port", &port.to_string(), "--exit-after-ready", "0"], &stamp), Some(0));
     }
     let text = std::fs::read_to_string(&stamp).unwrap();
-    let of = |kind: &str| -> Vec<u128> {
-        text.lines().filter_map(|l| l.strip_prefix(kind)).map(|v| v.trim().parse().unwrap()).collect()
-    };
-    let (starts, exits) = (of("start "), of("exit "));
+    let (starts, exits) = (stamps_of(&text, "start "), stamps_of(&text, "exit "));
     exits.iter().zip(starts.iter().skip(1)).map(|(e, s)| (*s as f64 - *e as f64) / 1e6).collect()
 }
 
@@ -276,10 +278,7 @@ file = "{run}/status.json"
     assert_eq!(warden.wait().unwrap().code(), Some(0));
 
     let text = std::fs::read_to_string(&stamps).unwrap();
-    let of = |kind: &str| -> Vec<u128> {
-        text.lines().filter_map(|l| l.strip_prefix(kind)).map(|v| v.trim().parse().unwrap()).collect()
-    };
-    let (starts, readies, exits) = (of("start "), of("ready "), of("exit "));
+    let (starts, readies, exits) = (stamps_of(&text, "start "), stamps_of(&text, "ready "), stamps_of(&text, "exit "));
     let ready_ms: Vec<f64> =
         readies.iter().zip(&ready_at).take(STARTS).map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
     let respawn_ms: Vec<f64> =

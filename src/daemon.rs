@@ -95,7 +95,6 @@ pub async fn run(
         requests: control_tx,
     };
     let socket_path = settings.server.socket.clone();
-    let settings_name = settings.name.clone();
     crate::reload::save_running(&settings);
     let policy = Policy::from_settings(&settings);
     let cleanup = settings.clone();
@@ -141,7 +140,7 @@ pub async fn run(
     }
     .run(requests)
     .await;
-    let exit = ExitDeadline::start(&settings_name, code, EXIT_DEADLINE);
+    let exit = ExitDeadline::start(&cleanup.name, code, EXIT_DEADLINE);
     // Reports of runs that ended beside a new one may still be written.
     exit.at("waiting for the failure reports being written");
     backend.finish_reports(crate::supervisor::REPORT_MARGIN).await;
