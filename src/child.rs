@@ -552,8 +552,9 @@ fn reap_loop(inner: &Mutex<Inner>, me: i32) {
             }
             i.exited(pid.as_raw(), exit, me);
         }
-        // The reap itself; another waiter may have taken it first.
-        let _ = waitpid(pid, None);
+        // The reap itself; another waiter may have taken it first (a
+        // helper's own wait), and then its pid is not waited for again.
+        let _ = waitpid(pid, Some(WaitPidFlag::WNOHANG));
         lock(inner).check_empty(me);
     }
 }
