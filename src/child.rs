@@ -359,13 +359,13 @@ impl Tree {
             old.abort();
         }
         let (i, me) = (self.inner.clone(), self.me);
-        let thread = std::thread::Builder::new().name("reaper".into()).spawn(move || reap_loop(&i, me))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        // Joined on a thread of the blocking pool, which the task awaits.
-        let join = tokio::task::spawn_blocking(move || {
-            let _ = tx.send(thread.join());
-        });
-        drop(join);
+        // The thread says how it ended, if it ever does; it is not joined
+        // (at the warden's exit it is still waiting for exits).
+        std::thread::Builder::new().name("reaper".into()).spawn(move || {
+            let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reap_loop(&i, me)));
+            let _ = tx.send(ended);
+        })?;
         self.reaper = Some(tasks.spawn("reaper", Lifetime::Owned, async move {
             if let Ok(Err(panic)) = rx.await {
                 std::panic::resume_unwind(panic);
