@@ -7,9 +7,9 @@
 //! to it: "our tree" is every process whose chain of parents reaches our pid.
 //! One reaper (`waitpid(-1)` on SIGCHLD) reaps them all; a spawn and a reap
 //! never interleave, so a child that dies at once is never mistaken for a
-//! stranger. Each exit is reaped in the turn its SIGCHLD wakes the reaper:
-//! a zombie left for later can make the kernel spin in the reap (see
-//! [`Inner::reap`]).
+//! stranger. The reaper is a thread of its own: each exit is read without
+//! reaping it, reported, and then reaped there, as a reap can spin in the
+//! kernel (see [`reap_loop`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill, killpg};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::Pid;
 use tokio::task::AbortHandle;
 
@@ -118,6 +118,7 @@ pub fn register_helper(pid: i32) {
     if let Some(st) = read_stat(pid) {
         HELPERS.lock().unwrap_or_else(|p| p.into_inner()).push((pid, st.start_time));
     }
+    children_born();
 }
 
 pub fn unregister_helper(pid: i32) {
@@ -323,6 +324,7 @@ struct Inner {
 pub struct Tree {
     inner: Arc<Mutex<Inner>>,
     me: i32,
+    /// The task that watches the reaper's thread.
     reaper: Option<AbortHandle>,
 }
 
@@ -333,8 +335,8 @@ fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
 }
 
 impl Tree {
-    /// Become a subreaper and start reaping on SIGCHLD, in a task of
-    /// `tasks`. Needs a tokio runtime.
+    /// Become a subreaper and start reaping, on a thread watched by a task
+    /// of `tasks`. Needs a tokio runtime.
     pub fn new(events: impl Fn(TreeEvent) + Send + 'static, tasks: &mut Tasks) -> io::Result<Tree> {
         become_subreaper()?;
         let inner = Arc::new(Mutex::new(Inner {
@@ -350,23 +352,23 @@ impl Tree {
         Ok(tree)
     }
 
-    /// Start (or start again, after it died) the task that reaps on SIGCHLD.
+    /// Start (or start again, after it died) the reaper: a thread, watched
+    /// as the task "reaper" (a panic there is that task's).
     pub fn start_reaper(&mut self, tasks: &mut Tasks) -> io::Result<()> {
         if let Some(old) = self.reaper.take() {
             old.abort();
         }
-        let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
         let (i, me) = (self.inner.clone(), self.me);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // The thread says how it ended, if it ever does; it is not joined
+        // (at the warden's exit it is still waiting for exits).
+        std::thread::Builder::new().name("reaper".into()).spawn(move || {
+            let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reap_loop(&i, me)));
+            let _ = tx.send(ended);
+        })?;
         self.reaper = Some(tasks.spawn("reaper", Lifetime::Owned, async move {
-            loop {
-                lock(&i).reap(me);
-                if sigchld.recv().await.is_none() {
-                    return;
-                }
-                let running = { !lock(&i).leader_exited };
-                if running && crate::tasks::injected_panic("reaper") {
-                    panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
-                }
+            if let Ok(Err(panic)) = rx.await {
+                std::panic::resume_unwind(panic);
             }
         }));
         Ok(())
@@ -398,6 +400,7 @@ impl Tree {
         let pid = child.id();
         // The reaper collects it; std's handle must not.
         drop(child);
+        children_born();
         inner.leader = Some(pid as i32);
         inner.leader_exited = false;
         inner.watching = false;
@@ -415,9 +418,12 @@ impl Tree {
         inner.watching = false;
         inner.emptied = false;
         inner.killing = false;
-        // It may have exited during the exec: its exit waits to be reaped.
+        // It may have exited during the exec: its exit waits for the
+        // reaper, which may have read it before the leader was known.
         let me = self.me;
-        inner.reap(me);
+        if let Some(exit) = exit_of(pid as i32) {
+            inner.exited(pid as i32, exit, me);
+        }
     }
 
     /// Nothing of the tree is left, and `Empty` was reported: after the
@@ -481,10 +487,6 @@ impl Drop for Tree {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
         }
         kill_descendants(self.me);
-        // Whatever has exited since the last reap.
-        while matches!(waitpid(None, Some(WaitPidFlag::WNOHANG)), Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)))
-        {
-        }
     }
 }
 
@@ -494,40 +496,83 @@ fn kill_descendants(me: i32) {
     }
 }
 
-impl Inner {
-    /// Reap what has exited, reporting the leader's exit.
-    ///
-    /// A zombie is reaped as soon as its exit is seen. The reap removes the
-    /// process's `/proc` entries and waits, spinning in the kernel, for
-    /// whoever is dropping one of them at that instant: usually the child's
-    /// own last thread, for up to 1.4 ms. On kernel 6.18 a vLLM process's
-    /// reap was also seen spinning for 15 s to minutes (`shrink_dcache_parent`
-    /// under `release_task`), the loop with it: in 3 of 7 runs of the real
-    /// rolling restart with the zombie left 20 ms for later (to spare the
-    /// restart path that wait), in 1 of 5 with every reap at once.
-    fn reap(&mut self, me: i32) {
-        loop {
-            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => self.reaped(pid, Exit::Code(code)),
-                Ok(WaitStatus::Signaled(pid, sig, _)) => self.reaped(pid, Exit::Signal(sig)),
-                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
-                Ok(_) => continue,
-                Err(Errno::EINTR) => continue,
-                Err(_) => break,
+/// The leader's exit, read without reaping it.
+fn exit_of(pid: i32) -> Option<Exit> {
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    match waitid(Id::Pid(Pid::from_raw(pid)), flags) {
+        Ok(WaitStatus::Exited(_, code)) => Some(Exit::Code(code)),
+        Ok(WaitStatus::Signaled(_, sig, _)) => Some(Exit::Signal(sig)),
+        _ => None,
+    }
+}
+
+/// Children may exist again: a reaper that found none waits for this.
+static BORN: (Mutex<u64>, std::sync::Condvar) = (Mutex::new(0), std::sync::Condvar::new());
+
+/// Wake a reaper waiting for children (a spawn, a helper started).
+fn children_born() {
+    *BORN.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    BORN.1.notify_all();
+}
+
+/// How long a reaper without children waits before it looks again, in case
+/// a child was started without [`children_born`].
+const CHILDLESS_LOOK: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The reaper's thread. Each exit is read without reaping it
+/// (`WNOWAIT`) and reported at once, the tree looked at, and only then is
+/// the zombie reaped, with no lock held: the reap removes the process's
+/// `/proc` entries and waits, spinning in the kernel, for whoever is
+/// dropping one of them at that instant. That is usually the child's own
+/// last thread, for up to 1.4 ms; but on kernel 6.18 a vLLM process's reap
+/// was also seen spinning for 15 s to minutes (`shrink_dcache_parent` under
+/// `release_task`), and the warden's loop used to spin with it. Now only
+/// this thread does; an exit after the one being reaped is seen when the
+/// reap ends.
+fn reap_loop(inner: &Mutex<Inner>, me: i32) {
+    loop {
+        let born = *BORN.0.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = waitid(Id::All, WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+        let (pid, exit) = match seen {
+            Ok(WaitStatus::Exited(pid, code)) => (pid, Exit::Code(code)),
+            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, Exit::Signal(sig)),
+            Ok(_) | Err(Errno::EINTR) => continue,
+            Err(Errno::ECHILD) => {
+                let count = BORN.0.lock().unwrap_or_else(|p| p.into_inner());
+                let _ = BORN.1.wait_timeout_while(count, CHILDLESS_LOOK, |n| *n == born);
+                continue;
             }
+            Err(e) => panic!("waitid: {e}"),
+        };
+        {
+            let mut i = lock(inner);
+            let running = i.leader.is_some_and(|l| l != pid.as_raw()) && !i.leader_exited;
+            if running && crate::tasks::injected_panic("reaper") {
+                panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
+            }
+            i.exited(pid.as_raw(), exit, me);
+        }
+        // The reap itself; another waiter may have taken it first (a
+        // helper's own wait), and then its pid is not waited for again.
+        let _ = waitpid(pid, Some(WaitPidFlag::WNOHANG));
+        lock(inner).check_empty(me);
+    }
+}
+
+impl Inner {
+    /// `pid` has exited (its zombie is not reaped yet): the leader's exit is
+    /// reported; what is left of a tree being killed is killed; `Empty` is
+    /// reported once nothing is left.
+    fn exited(&mut self, pid: i32, exit: Exit, me: i32) {
+        if self.leader == Some(pid) && !self.leader_exited {
+            self.leader_exited = true;
+            self.watching = true;
+            (self.events)(TreeEvent::LeaderExited { pid: pid as u32, exit });
         }
         if self.killing {
             kill_descendants(me);
         }
         self.check_empty(me);
-    }
-
-    fn reaped(&mut self, pid: Pid, exit: Exit) {
-        if self.leader == Some(pid.as_raw()) && !self.leader_exited {
-            self.leader_exited = true;
-            self.watching = true;
-            (self.events)(TreeEvent::LeaderExited { pid: pid.as_raw() as u32, exit });
-        }
     }
 
     fn check_empty(&mut self, me: i32) {
