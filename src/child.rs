@@ -5,11 +5,11 @@
 //!
 //! The warden is a child subreaper, so an orphaned descendant is re-parented
 //! to it: "our tree" is every process whose chain of parents reaches our pid.
-//! One reaper (`waitpid(-1)` on SIGCHLD) reaps them all; a spawn and a reap
-//! never interleave, so a child that dies at once is never mistaken for a
-//! stranger. The reaper is a thread of its own: each exit is read without
-//! reaping it, reported, and then reaped there, as a reap can spin in the
-//! kernel (see [`reap_loop`]).
+//! One reaper, a thread of its own, reads every exit (`waitid(P_ALL)`)
+//! without reaping it and reports it; a spawn and that report never
+//! interleave, so a child that dies at once is never mistaken for a
+//! stranger. Each zombie is then reaped on a thread of its own, as a reap
+//! can spin in the kernel (see [`reap_loop`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -163,17 +163,16 @@ fn walk(root: i32, first: Vec<i32>) -> Vec<ProcStat> {
     let mut seen = HashSet::from([root]);
     let mut queue: VecDeque<i32> = first.into();
     while let Some(pid) = queue.pop_front() {
-        if !seen.insert(pid) {
+        if !seen.insert(pid) || being_reaped(pid) {
             continue;
         }
         let Some(st) = read_stat(pid) else { continue };
-        if is_helper(&st) {
+        if is_helper(&st) || st.state == 'Z' || st.state == 'X' {
+            // A zombie has no children: they were handed on at its exit.
             continue;
         }
         queue.extend(children(pid));
-        if st.state != 'Z' && st.state != 'X' {
-            out.push(st);
-        }
+        out.push(st);
     }
     out
 }
@@ -202,18 +201,22 @@ fn children_files() -> bool {
     })
 }
 
+/// Every process listed in `/proc`, the warden's children being reaped
+/// left out ([`being_reaped`]).
+pub fn processes() -> impl Iterator<Item = i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|pid| !being_reaped(*pid))
+}
+
 /// [`descendants`] by one pass over every process in `/proc`.
 fn descendants_by_scan(root: i32) -> Vec<ProcStat> {
     let mut children: HashMap<i32, Vec<ProcStat>> = HashMap::new();
-    if let Ok(dir) = std::fs::read_dir("/proc") {
-        for entry in dir.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                continue;
-            };
-            if let Some(st) = read_stat(pid) {
-                children.entry(st.ppid).or_default().push(st);
-            }
-        }
+    for st in processes().filter_map(read_stat) {
+        children.entry(st.ppid).or_default().push(st);
     }
     let mut out = Vec::new();
     let mut queue = VecDeque::from([root]);
@@ -234,15 +237,19 @@ fn descendants_by_scan(root: i32) -> Vec<ProcStat> {
 /// Whether a live process of `root`'s tree is left, `leader`'s zombie aside.
 ///
 /// One look at `root`'s children answers when it finds a live one, or none
-/// but helpers and that zombie: any other process of the tree has a live
-/// ancestor among them, or was handed to `root` when its parent exited,
-/// which the leader did before its exit was seen. Another zombie (or a
-/// child gone meanwhile) may have handed its children over during the look:
-/// the whole tree is walked then.
+/// but helpers, that zombie and those whose exit the reaper has read: any
+/// other process of the tree has a live ancestor among them, or was handed
+/// to `root` when its parent exited, which they did before their exit was
+/// seen. Another zombie (or a child gone meanwhile) may have handed its
+/// children over during the look: the whole tree is walked then.
 fn any_left(root: i32, leader: Option<i32>) -> bool {
     if children_files() {
         let mut sure = true;
         for pid in children(root) {
+            if being_reaped(pid) {
+                // Its exit was read after it had handed its children on.
+                continue;
+            }
             match read_stat(pid) {
                 Some(st) if is_helper(&st) => {}
                 Some(st) if st.state == 'Z' || st.state == 'X' => sure &= Some(pid) == leader,
@@ -257,13 +264,17 @@ fn any_left(root: i32, leader: Option<i32>) -> bool {
     !descendants(root).is_empty()
 }
 
-/// What is left of the warden's tree after SIGKILL, one process each: pid,
-/// state, `wchan` (where in the kernel it waits) and name. Reads only
-/// `/proc/PID/{stat,wchan,comm}`, which answer even for a process stuck in
-/// the kernel (its `cmdline` may not).
-pub fn describe_survivors() -> String {
+/// What is left of the warden's tree after SIGKILL: how many live
+/// processes, and one description each: pid, state, `wchan` (where in the
+/// kernel it waits) and name. Reads only `/proc/PID/{stat,wchan,comm}`,
+/// which answer even for a process stuck in the kernel (its `cmdline` may
+/// not). Zombies are not counted: they are gone but for their reap.
+pub fn describe_survivors() -> (usize, String) {
     let me = std::process::id() as i32;
     let left = descendants(me);
+    if left.is_empty() {
+        return (0, "no live process of the tree is left after SIGKILL".into());
+    }
     let read = |pid: i32, what: &str| {
         std::fs::read_to_string(format!("/proc/{pid}/{what}")).map(|s| s.trim().to_string()).unwrap_or_default()
     };
@@ -282,7 +293,7 @@ pub fn describe_survivors() -> String {
     } else {
         "still there after SIGKILL"
     };
-    format!("{} process(es) survived SIGKILL, {why}: {}", left.len(), each.join(", "))
+    (left.len(), format!("{} process(es) survived SIGKILL, {why}: {}", left.len(), each.join(", ")))
 }
 
 /// Create the log file (and its folder) and append the start marker.
@@ -358,17 +369,14 @@ impl Tree {
         if let Some(old) = self.reaper.take() {
             old.abort();
         }
-        let (i, me) = (self.inner.clone(), self.me);
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        // The thread says how it ended, if it ever does; it is not joined
-        // (at the warden's exit it is still waiting for exits).
-        std::thread::Builder::new().name("reaper".into()).spawn(move || {
-            let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reap_loop(&i, me)));
-            let _ = tx.send(ended);
-        })?;
+        // Every reaper and the watcher of reaps say here if they panic;
+        // they are not joined (at the warden's exit they still wait).
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        start_generation(self.inner.clone(), self.me, tx)?;
         self.reaper = Some(tasks.spawn("reaper", Lifetime::Owned, async move {
-            if let Ok(Err(panic)) = rx.await {
-                std::panic::resume_unwind(panic);
+            match rx.recv().await {
+                Some(panic) => std::panic::resume_unwind(panic),
+                None => std::future::pending().await,
             }
         }));
         Ok(())
@@ -422,7 +430,8 @@ impl Tree {
         // reaper, which may have read it before the leader was known.
         let me = self.me;
         if let Some(exit) = exit_of(pid as i32) {
-            inner.exited(pid as i32, exit, me);
+            inner.leader_exit(pid as i32, exit);
+            inner.after_exit(me);
         }
     }
 
@@ -519,18 +528,23 @@ fn children_born() {
 /// a child was started without [`children_born`].
 const CHILDLESS_LOOK: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// The reaper's thread. Each exit is read without reaping it
-/// (`WNOWAIT`) and reported at once, the tree looked at, and only then is
-/// the zombie reaped, with no lock held: the reap removes the process's
-/// `/proc` entries and waits, spinning in the kernel, for whoever is
-/// dropping one of them at that instant. That is usually the child's own
+/// The reaper's thread, of generation `generation`. Each exit is read
+/// without reaping it (`WNOWAIT`); the leader's is reported at once; the
+/// process is reaped at once, and then the tree looked at.
+///
+/// A reap removes the process's `/proc` entries and the kernel spins until
+/// whoever is dropping one of them has done so: usually the child's own
 /// last thread, for up to 1.4 ms; but on kernel 6.18 a vLLM process's reap
 /// was also seen spinning for 15 s to minutes (`shrink_dcache_parent` under
-/// `release_task`), and the warden's loop used to spin with it. Now only
-/// this thread does; an exit after the one being reaped is seen when the
-/// reap ends.
-fn reap_loop(inner: &Mutex<Inner>, me: i32) {
+/// `release_task`), more often the later the reap came after the exit. So
+/// each reap is made at once, and [`watch_reaps`] hands over to a new
+/// reaper when one lasts beyond [`REAP_PATIENCE`]: the old one ends when
+/// its reap returns, and no later exit waits for it.
+fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
     loop {
+        if WATCH.state().generation != generation {
+            return;
+        }
         let born = *BORN.0.lock().unwrap_or_else(|p| p.into_inner());
         let seen = waitid(Id::All, WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
         let (pid, exit) = match seen {
@@ -544,31 +558,194 @@ fn reap_loop(inner: &Mutex<Inner>, me: i32) {
             }
             Err(e) => panic!("waitid: {e}"),
         };
+        let pid = pid.as_raw();
+        if being_reaped(pid) {
+            // Its reaper was handed over from before it took the zombie
+            // (a thread held off the CPU that long): it takes it next.
+            std::thread::sleep(TAKING);
+            continue;
+        }
+        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
         {
             let mut i = lock(inner);
-            let running = i.leader.is_some_and(|l| l != pid.as_raw()) && !i.leader_exited;
+            let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
             if running && crate::tasks::injected_panic("reaper") {
                 panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
             }
-            i.exited(pid.as_raw(), exit, me);
+            i.leader_exit(pid, exit);
         }
-        // The reap itself; another waiter may have taken it first (a
-        // helper's own wait), and then its pid is not waited for again.
-        let _ = waitpid(pid, Some(WaitPidFlag::WNOHANG));
-        lock(inner).check_empty(me);
+        let reap = WATCH.begin(generation, pid);
+        // Another waiter may have taken it first (a helper's own wait).
+        let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        if crate::tasks::injected_panic("reap") {
+            // A test's stand-in for a reap that spins for ever in the
+            // kernel after taking its zombie.
+            loop {
+                std::thread::park();
+            }
+        }
+        let mine = WATCH.end(reap);
+        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != pid);
+        if !mine {
+            // Handed over: the new reaper looked at the tree for this exit.
+            return;
+        }
+        lock(inner).after_exit(me);
+    }
+}
+
+/// The exits read whose reap has not returned: see [`being_reaped`].
+static UNREAPED: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+/// Whether `pid` is one of the warden's children whose exit the reaper has
+/// read and whose reap has not returned. Nothing of its `/proc` is read
+/// then: it is a zombie with no children, and each of its `/proc` entries
+/// looked up before the reap is one more that the reap must take down. A
+/// number freed during a long reap and reused at once would be missed
+/// meanwhile; pids are handed out in turn over `pid_max`, so that takes a
+/// full cycle.
+pub fn being_reaped(pid: i32) -> bool {
+    UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).contains(&pid)
+}
+
+/// How long a reaper that meets a zombie another reaper is about to take
+/// waits before it looks again.
+const TAKING: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// How long a reap may last before a new reaper takes over the waiting
+/// for exits: far beyond the kernel's usual wait (up to 1.4 ms seen).
+pub const REAP_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The reaps under way, watched by [`watch_reaps`].
+struct Watch {
+    state: Mutex<WatchState>,
+    changed: std::sync::Condvar,
+}
+
+struct WatchState {
+    /// The generation of the reaper that waits for exits.
+    generation: u64,
+    /// Reaps begun so far, and the one under way: its number, reaper's
+    /// generation and pid.
+    begun: u64,
+    reaping: Option<(u64, u64, i32)>,
+    /// What a new reaper needs: the tree, the warden's pid, where a panic
+    /// is told.
+    tree: Option<(Arc<Mutex<Inner>>, i32, Panics)>,
+}
+
+type Panics = tokio::sync::mpsc::UnboundedSender<Box<dyn std::any::Any + Send>>;
+
+static WATCH: Watch = Watch {
+    state: Mutex::new(WatchState { generation: 0, begun: 0, reaping: None, tree: None }),
+    changed: std::sync::Condvar::new(),
+};
+
+impl Watch {
+    fn state(&self) -> MutexGuard<'_, WatchState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A reap by the reaper of `generation` begins: its number.
+    fn begin(&self, generation: u64, pid: i32) -> u64 {
+        let mut s = self.state();
+        s.begun += 1;
+        let n = s.begun;
+        s.reaping = Some((n, generation, pid));
+        self.changed.notify_all();
+        n
+    }
+
+    /// Reap `n` has returned: false if it was handed over meanwhile.
+    fn end(&self, n: u64) -> bool {
+        let mut s = self.state();
+        match s.reaping {
+            Some((m, ..)) if m == n => {
+                s.reaping = None;
+                self.changed.notify_all();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Start a reaper of a new generation; the one before ends at its next
+/// look. The watcher of reaps is started with the first.
+fn start_generation(inner: Arc<Mutex<Inner>>, me: i32, panics: Panics) -> io::Result<()> {
+    let generation = {
+        let mut s = WATCH.state();
+        s.generation += 1;
+        s.tree = Some((inner.clone(), me, panics.clone()));
+        s.generation
+    };
+    spawn_watched("reaper", panics.clone(), move || reap_loop(&inner, me, generation))?;
+    static WATCHING: std::sync::Once = std::sync::Once::new();
+    let mut started = Ok(());
+    WATCHING.call_once(|| started = spawn_watched("reap watch", panics, watch_reaps));
+    started
+}
+
+/// A thread whose panic is told through `panics`.
+fn spawn_watched(name: &str, panics: Panics, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            let _ = panics.send(panic);
+        }
+    })?;
+    Ok(())
+}
+
+/// The watcher of reaps: a reap that lasts beyond [`REAP_PATIENCE`] is left
+/// to its thread; this one looks at the tree for that exit, as its reaper
+/// would have after the reap, and starts a new reaper.
+fn watch_reaps() {
+    let mut s = WATCH.state();
+    loop {
+        let Some(reap) = s.reaping else {
+            s = WATCH.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+            continue;
+        };
+        let (later, timeout) = WATCH
+            .changed
+            .wait_timeout_while(s, REAP_PATIENCE, |w| w.reaping == Some(reap))
+            .unwrap_or_else(|p| p.into_inner());
+        s = later;
+        if !timeout.timed_out() || s.reaping != Some(reap) {
+            continue;
+        }
+        s.reaping = None;
+        let Some((inner, me, panics)) = s.tree.clone() else { continue };
+        drop(s);
+        tracing::warn!(
+            EVENT = "reap",
+            "the reap of pid {} has lasted over {} ms (the kernel is still taking down its /proc entries): \
+             a new reaper waits for the other exits",
+            reap.2,
+            REAP_PATIENCE.as_millis()
+        );
+        lock(&inner).after_exit(me);
+        if let Err(e) = start_generation(inner, me, panics) {
+            tracing::error!(EVENT = "reap", "cannot start a new reaper: {e}");
+        }
+        s = WATCH.state();
     }
 }
 
 impl Inner {
     /// `pid` has exited (its zombie is not reaped yet): the leader's exit is
-    /// reported; what is left of a tree being killed is killed; `Empty` is
-    /// reported once nothing is left.
-    fn exited(&mut self, pid: i32, exit: Exit, me: i32) {
+    /// reported.
+    fn leader_exit(&mut self, pid: i32, exit: Exit) {
         if self.leader == Some(pid) && !self.leader_exited {
             self.leader_exited = true;
             self.watching = true;
             (self.events)(TreeEvent::LeaderExited { pid: pid as u32, exit });
         }
+    }
+
+    /// After an exit: what is left of a tree being killed is killed;
+    /// `Empty` is reported once nothing is left.
+    fn after_exit(&mut self, me: i32) {
         if self.killing {
             kill_descendants(me);
         }

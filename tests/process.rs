@@ -204,6 +204,30 @@ fn a_dead_reaper_stops_the_tree_and_exits_70() {
     assert!(w.statuses().last().unwrap().starts_with("internal failure: the reaper task panicked"), "{:?}", w.notes);
 }
 
+#[test]
+fn a_reap_that_never_ends_hides_no_later_exit() {
+    // The hook makes every reap's thread stop for ever once it has reaped
+    // its zombie, as a reap spinning in the kernel does: each exit after it
+    // must still be seen, its tree stopped and the child started again.
+    let opts = Opts { env: vec![("VLLM_WARDEN_TEST_PANIC".into(), "reap".into())], ..Opts::default() };
+    let extra = format!("{FAST}[prestart]\ngpu-idle-wait = \"0s\"\n");
+    let mut w = Warden::start_with(
+        |d, p| config(d, p, &["--shards", "1", "--setsid-engine"], "stop-timeout = \"2s\"", &extra),
+        opts,
+    );
+    w.wait_ready();
+    for _ in 0..2 {
+        let tree = w.descendants();
+        let leader = tree.iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGKILL).unwrap();
+        let restarting = w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+        assert!(restarting.ends_with("exited while serving (killed by SIGKILL)"), "{restarting}");
+        w.wait_ready();
+        assert!(tree.iter().all(gone), "the orphaned engine was stopped before the restart: {tree:?}");
+    }
+    assert_eq!(w.stop(), 0);
+}
+
 /// The warden's `cat` (its kernel-message follower in the reaper's test).
 fn helper_pid(w: &Warden) -> i32 {
     vllm_warden::child::descendants(w.pid as i32)

@@ -327,10 +327,6 @@ impl Warden {
         self.wait_exit_within(budget, what)
     }
 
-    /// Live descendants of the warden.
-    /// Live descendants of the warden that belong to the child's tree: the
-    /// warden's own helper (its kernel-message follower, `journalctl`) left
-    /// out, as the warden leaves it out.
     /// `EXE upgrade` on this instance, as an operator runs it: exit 0.
     pub fn ask_upgrade(&self, exe: &Path) {
         let out = Command::new(exe)
@@ -342,6 +338,9 @@ impl Warden {
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
+    /// Live descendants of the warden that belong to the child's tree: the
+    /// warden's own helper (its kernel-message follower, `journalctl`) left
+    /// out, as the warden leaves it out.
     pub fn descendants(&self) -> Vec<vllm_warden::child::ProcStat> {
         vllm_warden::child::descendants(self.pid as i32)
             .into_iter()
