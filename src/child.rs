@@ -6,10 +6,10 @@
 //! The warden is a child subreaper, so an orphaned descendant is re-parented
 //! to it: "our tree" is every process whose chain of parents reaches our pid.
 //! One reaper, a thread of its own, reads every exit (`waitid(P_ALL)`)
-//! without reaping it and reports it; a spawn and that report never
-//! interleave, so a child that dies at once is never mistaken for a
-//! stranger. Each zombie is then reaped on a thread of its own, as a reap
-//! can spin in the kernel (see [`reap_loop`]).
+//! without reaping it, reports it and reaps it; a spawn and that report
+//! never interleave, so a child that dies at once is never mistaken for a
+//! stranger. A reap can spin in the kernel: one that lasts too long is left
+//! to its thread and a new reaper takes over (see [`reap_loop`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -178,18 +178,46 @@ fn walk(root: i32, first: Vec<i32>) -> Vec<ProcStat> {
 }
 
 /// The children of every thread of `pid`, in the kernel's order; none for
-/// a process that is gone.
+/// a process that is gone. For the warden itself, once it holds a [`Tree`],
+/// only the threads its tree's processes can be children of.
 fn children(pid: i32) -> Vec<i32> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
-    let mut out = Vec::new();
-    for task in tasks.flatten() {
-        let mut path = task.path();
-        path.push("children");
-        if let Ok(text) = std::fs::read_to_string(&path) {
+    let read = |path: &Path, out: &mut Vec<i32>| {
+        if let Ok(text) = std::fs::read_to_string(path) {
             out.extend(text.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()));
         }
+    };
+    let mut out = Vec::new();
+    if pid == std::process::id() as i32
+        && let Some(tids) = TREE_THREADS.get()
+    {
+        let tids = tids.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for tid in tids {
+            read(Path::new(&format!("/proc/{pid}/task/{tid}/children")), &mut out);
+        }
+        return out;
+    }
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    for task in tasks.flatten() {
+        read(&task.path().join("children"), &mut out);
     }
     out
+}
+
+/// The warden's threads whose children can be part of its tree: the main
+/// thread, to which the kernel hands every orphan of a subreaper (the first
+/// of its threads alive), and each thread that has spawned a leader (the
+/// loop's, which is the main one). The others start only the warden's own
+/// helpers, never part of the tree; reading only these few children files
+/// spares a look at the tree a read per thread of the warden. Set once a
+/// [`Tree`] exists; before, every thread is read.
+static TREE_THREADS: std::sync::OnceLock<Mutex<Vec<i32>>> = std::sync::OnceLock::new();
+
+fn tree_thread(tid: i32) {
+    let me = std::process::id() as i32;
+    let mut tids = TREE_THREADS.get_or_init(|| Mutex::new(vec![me])).lock().unwrap_or_else(|p| p.into_inner());
+    if !tids.contains(&tid) {
+        tids.push(tid);
+    }
 }
 
 /// Whether this kernel lists each task's children (`CONFIG_PROC_CHILDREN`).
@@ -350,6 +378,7 @@ impl Tree {
     /// of `tasks`. Needs a tokio runtime.
     pub fn new(events: impl Fn(TreeEvent) + Send + 'static, tasks: &mut Tasks) -> io::Result<Tree> {
         become_subreaper()?;
+        tree_thread(std::process::id() as i32);
         let inner = Arc::new(Mutex::new(Inner {
             leader: None,
             leader_exited: true,
@@ -404,6 +433,7 @@ impl Tree {
         // run between fork and exec, it starts the child with posix_spawn,
         // without copying the warden's page tables.
         let mut inner = lock(&self.inner);
+        tree_thread(nix::unistd::gettid().as_raw());
         let child = cmd.spawn()?;
         let pid = child.id();
         // The reaper collects it; std's handle must not.
