@@ -566,10 +566,10 @@ const CHILDLESS_LOOK: std::time::Duration = std::time::Duration::from_millis(200
 /// whoever is dropping one of them has done so: usually the child's own
 /// last thread, for up to 1.4 ms; but on kernel 6.18 a vLLM process's reap
 /// was also seen spinning for 15 s to minutes (`shrink_dcache_parent` under
-/// `release_task`), more often the later the reap came after the exit. So
-/// each reap is made at once, and [`watch_reaps`] hands over to a new
-/// reaper when one lasts beyond [`REAP_PATIENCE`]: the old one ends when
-/// its reap returns, and no later exit waits for it.
+/// `release_task`; on a machine whose memory was mostly page cache). So
+/// [`watch_reaps`] hands over to a new reaper when a reap lasts beyond
+/// [`REAP_PATIENCE`]: the old one ends when its reap returns, and no later
+/// exit waits for it.
 fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
     loop {
         if WATCH.state().generation != generation {
@@ -595,7 +595,7 @@ fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
             std::thread::sleep(TAKING);
             continue;
         }
-        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
+        let _unreaped = Unreaped::new(pid);
         {
             let mut i = lock(inner);
             let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
@@ -614,9 +614,7 @@ fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
                 std::thread::park();
             }
         }
-        let mine = WATCH.end(reap);
-        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != pid);
-        if !mine {
+        if !WATCH.end(reap) {
             // Handed over: the new reaper looked at the tree for this exit.
             return;
         }
@@ -626,6 +624,23 @@ fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
 
 /// The exits read whose reap has not returned: see [`being_reaped`].
 static UNREAPED: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+/// A pid in [`UNREAPED`] until its reap has returned, or its reaper has
+/// panicked before the reap (then the next reaper reaps it).
+struct Unreaped(i32);
+
+impl Unreaped {
+    fn new(pid: i32) -> Unreaped {
+        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
+        Unreaped(pid)
+    }
+}
+
+impl Drop for Unreaped {
+    fn drop(&mut self) {
+        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != self.0);
+    }
+}
 
 /// Whether `pid` is one of the warden's children whose exit the reaper has
 /// read and whose reap has not returned. Nothing of its `/proc` is read
