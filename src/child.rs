@@ -5,11 +5,11 @@
 //!
 //! The warden is a child subreaper, so an orphaned descendant is re-parented
 //! to it: "our tree" is every process whose chain of parents reaches our pid.
-//! One reaper (`waitpid(-1)` on SIGCHLD) reaps them all; a spawn and a reap
+//! One reaper, a thread of its own, reads every exit (`waitid(P_ALL)`)
+//! without reaping it, reports it and reaps it; a spawn and that report
 //! never interleave, so a child that dies at once is never mistaken for a
-//! stranger. Each exit is reaped in the turn its SIGCHLD wakes the reaper:
-//! a zombie left for later can make the kernel spin in the reap (see
-//! [`Inner::reap`]).
+//! stranger. A reap can spin in the kernel: one that lasts too long is left
+//! to its thread and a new reaper takes over (see [`reap_loop`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill, killpg};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::Pid;
 use tokio::task::AbortHandle;
 
@@ -118,6 +118,7 @@ pub fn register_helper(pid: i32) {
     if let Some(st) = read_stat(pid) {
         HELPERS.lock().unwrap_or_else(|p| p.into_inner()).push((pid, st.start_time));
     }
+    children_born();
 }
 
 pub fn unregister_helper(pid: i32) {
@@ -162,34 +163,61 @@ fn walk(root: i32, first: Vec<i32>) -> Vec<ProcStat> {
     let mut seen = HashSet::from([root]);
     let mut queue: VecDeque<i32> = first.into();
     while let Some(pid) = queue.pop_front() {
-        if !seen.insert(pid) {
+        if !seen.insert(pid) || being_reaped(pid) {
             continue;
         }
         let Some(st) = read_stat(pid) else { continue };
-        if is_helper(&st) {
+        if is_helper(&st) || st.state == 'Z' || st.state == 'X' {
+            // A zombie has no children: they were handed on at its exit.
             continue;
         }
         queue.extend(children(pid));
-        if st.state != 'Z' && st.state != 'X' {
-            out.push(st);
-        }
+        out.push(st);
     }
     out
 }
 
 /// The children of every thread of `pid`, in the kernel's order; none for
-/// a process that is gone.
+/// a process that is gone. For the warden itself, once it holds a [`Tree`],
+/// only the threads its tree's processes can be children of.
 fn children(pid: i32) -> Vec<i32> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
-    let mut out = Vec::new();
-    for task in tasks.flatten() {
-        let mut path = task.path();
-        path.push("children");
-        if let Ok(text) = std::fs::read_to_string(&path) {
+    let read = |path: &Path, out: &mut Vec<i32>| {
+        if let Ok(text) = std::fs::read_to_string(path) {
             out.extend(text.split_ascii_whitespace().filter_map(|p| p.parse::<i32>().ok()));
         }
+    };
+    let mut out = Vec::new();
+    if pid == std::process::id() as i32
+        && let Some(tids) = TREE_THREADS.get()
+    {
+        let tids = tids.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for tid in tids {
+            read(Path::new(&format!("/proc/{pid}/task/{tid}/children")), &mut out);
+        }
+        return out;
+    }
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    for task in tasks.flatten() {
+        read(&task.path().join("children"), &mut out);
     }
     out
+}
+
+/// The warden's threads whose children can be part of its tree: the main
+/// thread, to which the kernel hands every orphan of a subreaper (the first
+/// of its threads alive), and each thread that has spawned a leader (the
+/// loop's, which is the main one). The others start only the warden's own
+/// helpers, never part of the tree; reading only these few children files
+/// spares a look at the tree a read per thread of the warden. Set once a
+/// [`Tree`] exists; before, every thread is read.
+static TREE_THREADS: std::sync::OnceLock<Mutex<Vec<i32>>> = std::sync::OnceLock::new();
+
+fn tree_thread(tid: i32) {
+    let me = std::process::id() as i32;
+    let mut tids = TREE_THREADS.get_or_init(|| Mutex::new(vec![me])).lock().unwrap_or_else(|p| p.into_inner());
+    if !tids.contains(&tid) {
+        tids.push(tid);
+    }
 }
 
 /// Whether this kernel lists each task's children (`CONFIG_PROC_CHILDREN`).
@@ -201,18 +229,22 @@ fn children_files() -> bool {
     })
 }
 
+/// Every process listed in `/proc`, the warden's children being reaped
+/// left out ([`being_reaped`]).
+pub fn processes() -> impl Iterator<Item = i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|pid| !being_reaped(*pid))
+}
+
 /// [`descendants`] by one pass over every process in `/proc`.
 fn descendants_by_scan(root: i32) -> Vec<ProcStat> {
     let mut children: HashMap<i32, Vec<ProcStat>> = HashMap::new();
-    if let Ok(dir) = std::fs::read_dir("/proc") {
-        for entry in dir.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                continue;
-            };
-            if let Some(st) = read_stat(pid) {
-                children.entry(st.ppid).or_default().push(st);
-            }
-        }
+    for st in processes().filter_map(read_stat) {
+        children.entry(st.ppid).or_default().push(st);
     }
     let mut out = Vec::new();
     let mut queue = VecDeque::from([root]);
@@ -233,15 +265,19 @@ fn descendants_by_scan(root: i32) -> Vec<ProcStat> {
 /// Whether a live process of `root`'s tree is left, `leader`'s zombie aside.
 ///
 /// One look at `root`'s children answers when it finds a live one, or none
-/// but helpers and that zombie: any other process of the tree has a live
-/// ancestor among them, or was handed to `root` when its parent exited,
-/// which the leader did before its exit was seen. Another zombie (or a
-/// child gone meanwhile) may have handed its children over during the look:
-/// the whole tree is walked then.
+/// but helpers, that zombie and those whose exit the reaper has read: any
+/// other process of the tree has a live ancestor among them, or was handed
+/// to `root` when its parent exited, which they did before their exit was
+/// seen. Another zombie (or a child gone meanwhile) may have handed its
+/// children over during the look: the whole tree is walked then.
 fn any_left(root: i32, leader: Option<i32>) -> bool {
     if children_files() {
         let mut sure = true;
         for pid in children(root) {
+            if being_reaped(pid) {
+                // Its exit was read after it had handed its children on.
+                continue;
+            }
             match read_stat(pid) {
                 Some(st) if is_helper(&st) => {}
                 Some(st) if st.state == 'Z' || st.state == 'X' => sure &= Some(pid) == leader,
@@ -256,13 +292,17 @@ fn any_left(root: i32, leader: Option<i32>) -> bool {
     !descendants(root).is_empty()
 }
 
-/// What is left of the warden's tree after SIGKILL, one process each: pid,
-/// state, `wchan` (where in the kernel it waits) and name. Reads only
-/// `/proc/PID/{stat,wchan,comm}`, which answer even for a process stuck in
-/// the kernel (its `cmdline` may not).
-pub fn describe_survivors() -> String {
+/// What is left of the warden's tree after SIGKILL: how many live
+/// processes, and one description each: pid, state, `wchan` (where in the
+/// kernel it waits) and name. Reads only `/proc/PID/{stat,wchan,comm}`,
+/// which answer even for a process stuck in the kernel (its `cmdline` may
+/// not). Zombies are not counted: they are gone but for their reap.
+pub fn describe_survivors() -> (usize, String) {
     let me = std::process::id() as i32;
     let left = descendants(me);
+    if left.is_empty() {
+        return (0, "no live process of the tree is left after SIGKILL".into());
+    }
     let read = |pid: i32, what: &str| {
         std::fs::read_to_string(format!("/proc/{pid}/{what}")).map(|s| s.trim().to_string()).unwrap_or_default()
     };
@@ -281,7 +321,7 @@ pub fn describe_survivors() -> String {
     } else {
         "still there after SIGKILL"
     };
-    format!("{} process(es) survived SIGKILL, {why}: {}", left.len(), each.join(", "))
+    (left.len(), format!("{} process(es) survived SIGKILL, {why}: {}", left.len(), each.join(", ")))
 }
 
 /// Create the log file (and its folder) and append the start marker.
@@ -323,6 +363,7 @@ struct Inner {
 pub struct Tree {
     inner: Arc<Mutex<Inner>>,
     me: i32,
+    /// The task that watches the reaper's thread.
     reaper: Option<AbortHandle>,
 }
 
@@ -333,10 +374,11 @@ fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
 }
 
 impl Tree {
-    /// Become a subreaper and start reaping on SIGCHLD, in a task of
-    /// `tasks`. Needs a tokio runtime.
+    /// Become a subreaper and start reaping, on a thread watched by a task
+    /// of `tasks`. Needs a tokio runtime.
     pub fn new(events: impl Fn(TreeEvent) + Send + 'static, tasks: &mut Tasks) -> io::Result<Tree> {
         become_subreaper()?;
+        tree_thread(std::process::id() as i32);
         let inner = Arc::new(Mutex::new(Inner {
             leader: None,
             leader_exited: true,
@@ -350,23 +392,20 @@ impl Tree {
         Ok(tree)
     }
 
-    /// Start (or start again, after it died) the task that reaps on SIGCHLD.
+    /// Start (or start again, after it died) the reaper: a thread, watched
+    /// as the task "reaper" (a panic there is that task's).
     pub fn start_reaper(&mut self, tasks: &mut Tasks) -> io::Result<()> {
         if let Some(old) = self.reaper.take() {
             old.abort();
         }
-        let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
-        let (i, me) = (self.inner.clone(), self.me);
+        // Every reaper and the watcher of reaps say here if they panic;
+        // they are not joined (at the warden's exit they still wait).
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        start_generation(self.inner.clone(), self.me, tx)?;
         self.reaper = Some(tasks.spawn("reaper", Lifetime::Owned, async move {
-            loop {
-                lock(&i).reap(me);
-                if sigchld.recv().await.is_none() {
-                    return;
-                }
-                let running = { !lock(&i).leader_exited };
-                if running && crate::tasks::injected_panic("reaper") {
-                    panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
-                }
+            match rx.recv().await {
+                Some(panic) => std::panic::resume_unwind(panic),
+                None => std::future::pending().await,
             }
         }));
         Ok(())
@@ -394,10 +433,12 @@ impl Tree {
         // run between fork and exec, it starts the child with posix_spawn,
         // without copying the warden's page tables.
         let mut inner = lock(&self.inner);
+        tree_thread(nix::unistd::gettid().as_raw());
         let child = cmd.spawn()?;
         let pid = child.id();
         // The reaper collects it; std's handle must not.
         drop(child);
+        children_born();
         inner.leader = Some(pid as i32);
         inner.leader_exited = false;
         inner.watching = false;
@@ -415,9 +456,13 @@ impl Tree {
         inner.watching = false;
         inner.emptied = false;
         inner.killing = false;
-        // It may have exited during the exec: its exit waits to be reaped.
+        // It may have exited during the exec: its exit waits for the
+        // reaper, which may have read it before the leader was known.
         let me = self.me;
-        inner.reap(me);
+        if let Some(exit) = exit_of(pid as i32) {
+            inner.leader_exit(pid as i32, exit);
+            inner.after_exit(me);
+        }
     }
 
     /// Nothing of the tree is left, and `Empty` was reported: after the
@@ -481,10 +526,6 @@ impl Drop for Tree {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
         }
         kill_descendants(self.me);
-        // Whatever has exited since the last reap.
-        while matches!(waitpid(None, Some(WaitPidFlag::WNOHANG)), Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)))
-        {
-        }
     }
 }
 
@@ -494,40 +535,266 @@ fn kill_descendants(me: i32) {
     }
 }
 
-impl Inner {
-    /// Reap what has exited, reporting the leader's exit.
-    ///
-    /// A zombie is reaped as soon as its exit is seen. The reap removes the
-    /// process's `/proc` entries and waits, spinning in the kernel, for
-    /// whoever is dropping one of them at that instant: usually the child's
-    /// own last thread, for up to 1.4 ms. On kernel 6.18 a vLLM process's
-    /// reap was also seen spinning for 15 s to minutes (`shrink_dcache_parent`
-    /// under `release_task`), the loop with it: in 3 of 7 runs of the real
-    /// rolling restart with the zombie left 20 ms for later (to spare the
-    /// restart path that wait), in 1 of 5 with every reap at once.
-    fn reap(&mut self, me: i32) {
-        loop {
-            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => self.reaped(pid, Exit::Code(code)),
-                Ok(WaitStatus::Signaled(pid, sig, _)) => self.reaped(pid, Exit::Signal(sig)),
-                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
-                Ok(_) => continue,
-                Err(Errno::EINTR) => continue,
-                Err(_) => break,
+/// The leader's exit, read without reaping it.
+fn exit_of(pid: i32) -> Option<Exit> {
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    match waitid(Id::Pid(Pid::from_raw(pid)), flags) {
+        Ok(WaitStatus::Exited(_, code)) => Some(Exit::Code(code)),
+        Ok(WaitStatus::Signaled(_, sig, _)) => Some(Exit::Signal(sig)),
+        _ => None,
+    }
+}
+
+/// Children may exist again: a reaper that found none waits for this.
+static BORN: (Mutex<u64>, std::sync::Condvar) = (Mutex::new(0), std::sync::Condvar::new());
+
+/// Wake a reaper waiting for children (a spawn, a helper started).
+fn children_born() {
+    *BORN.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    BORN.1.notify_all();
+}
+
+/// How long a reaper without children waits before it looks again, in case
+/// a child was started without [`children_born`].
+const CHILDLESS_LOOK: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The reaper's thread, of generation `generation`. Each exit is read
+/// without reaping it (`WNOWAIT`); the leader's is reported at once; the
+/// process is reaped at once, and then the tree looked at.
+///
+/// A reap removes the process's `/proc` entries and the kernel spins until
+/// whoever is dropping one of them has done so: usually the child's own
+/// last thread, for up to 1.4 ms; but on kernel 6.18 a vLLM process's reap
+/// was also seen spinning for 15 s to minutes (`shrink_dcache_parent` under
+/// `release_task`; on a machine whose memory was mostly page cache). So
+/// [`watch_reaps`] hands over to a new reaper when a reap lasts beyond
+/// [`REAP_PATIENCE`]: the old one ends when its reap returns, and no later
+/// exit waits for it.
+fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
+    loop {
+        if WATCH.state().generation != generation {
+            return;
+        }
+        let born = *BORN.0.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = waitid(Id::All, WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+        let (pid, exit) = match seen {
+            Ok(WaitStatus::Exited(pid, code)) => (pid, Exit::Code(code)),
+            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, Exit::Signal(sig)),
+            Ok(_) | Err(Errno::EINTR) => continue,
+            Err(Errno::ECHILD) => {
+                let count = BORN.0.lock().unwrap_or_else(|p| p.into_inner());
+                let _ = BORN.1.wait_timeout_while(count, CHILDLESS_LOOK, |n| *n == born);
+                continue;
+            }
+            Err(e) => panic!("waitid: {e}"),
+        };
+        let pid = pid.as_raw();
+        if being_reaped(pid) {
+            // Its reaper was handed over from before it took the zombie
+            // (a thread held off the CPU that long): it takes it next.
+            std::thread::sleep(TAKING);
+            continue;
+        }
+        let _unreaped = Unreaped::new(pid);
+        {
+            let mut i = lock(inner);
+            let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
+            if running && crate::tasks::injected_panic("reaper") {
+                panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
+            }
+            i.leader_exit(pid, exit);
+        }
+        let reap = WATCH.begin(generation, pid);
+        // Another waiter may have taken it first (a helper's own wait).
+        let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        if crate::tasks::injected_panic("reap") {
+            // A test's stand-in for a reap that spins for ever in the
+            // kernel after taking its zombie.
+            loop {
+                std::thread::park();
             }
         }
+        if !WATCH.end(reap) {
+            // Handed over: the new reaper looked at the tree for this exit.
+            return;
+        }
+        lock(inner).after_exit(me);
+    }
+}
+
+/// The exits read whose reap has not returned: see [`being_reaped`].
+static UNREAPED: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+/// A pid in [`UNREAPED`] until its reap has returned, or its reaper has
+/// panicked before the reap (then the next reaper reaps it).
+struct Unreaped(i32);
+
+impl Unreaped {
+    fn new(pid: i32) -> Unreaped {
+        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
+        Unreaped(pid)
+    }
+}
+
+impl Drop for Unreaped {
+    fn drop(&mut self) {
+        UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != self.0);
+    }
+}
+
+/// Whether `pid` is one of the warden's children whose exit the reaper has
+/// read and whose reap has not returned. Nothing of its `/proc` is read
+/// then: it is a zombie with no children, and each of its `/proc` entries
+/// looked up before the reap is one more that the reap must take down. A
+/// number freed during a long reap and reused at once would be missed
+/// meanwhile; pids are handed out in turn over `pid_max`, so that takes a
+/// full cycle.
+pub fn being_reaped(pid: i32) -> bool {
+    UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).contains(&pid)
+}
+
+/// How long a reaper that meets a zombie another reaper is about to take
+/// waits before it looks again.
+const TAKING: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// How long a reap may last before a new reaper takes over the waiting
+/// for exits: far beyond the kernel's usual wait (up to 1.4 ms seen).
+pub const REAP_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The reaps under way, watched by [`watch_reaps`].
+struct Watch {
+    state: Mutex<WatchState>,
+    changed: std::sync::Condvar,
+}
+
+struct WatchState {
+    /// The generation of the reaper that waits for exits.
+    generation: u64,
+    /// Reaps begun so far, and the one under way: its number, reaper's
+    /// generation and pid.
+    begun: u64,
+    reaping: Option<(u64, u64, i32)>,
+    /// What a new reaper needs: the tree, the warden's pid, where a panic
+    /// is told.
+    tree: Option<(Arc<Mutex<Inner>>, i32, Panics)>,
+}
+
+type Panics = tokio::sync::mpsc::UnboundedSender<Box<dyn std::any::Any + Send>>;
+
+static WATCH: Watch = Watch {
+    state: Mutex::new(WatchState { generation: 0, begun: 0, reaping: None, tree: None }),
+    changed: std::sync::Condvar::new(),
+};
+
+impl Watch {
+    fn state(&self) -> MutexGuard<'_, WatchState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A reap by the reaper of `generation` begins: its number.
+    fn begin(&self, generation: u64, pid: i32) -> u64 {
+        let mut s = self.state();
+        s.begun += 1;
+        let n = s.begun;
+        s.reaping = Some((n, generation, pid));
+        self.changed.notify_all();
+        n
+    }
+
+    /// Reap `n` has returned: false if it was handed over meanwhile.
+    fn end(&self, n: u64) -> bool {
+        let mut s = self.state();
+        match s.reaping {
+            Some((m, ..)) if m == n => {
+                s.reaping = None;
+                self.changed.notify_all();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Start a reaper of a new generation; the one before ends at its next
+/// look. The watcher of reaps is started with the first.
+fn start_generation(inner: Arc<Mutex<Inner>>, me: i32, panics: Panics) -> io::Result<()> {
+    let generation = {
+        let mut s = WATCH.state();
+        s.generation += 1;
+        s.tree = Some((inner.clone(), me, panics.clone()));
+        s.generation
+    };
+    spawn_watched("reaper", panics.clone(), move || reap_loop(&inner, me, generation))?;
+    static WATCHING: std::sync::Once = std::sync::Once::new();
+    let mut started = Ok(());
+    WATCHING.call_once(|| started = spawn_watched("reap watch", panics, watch_reaps));
+    started
+}
+
+/// A thread whose panic is told through `panics`.
+fn spawn_watched(name: &str, panics: Panics, f: impl FnOnce() + Send + 'static) -> io::Result<()> {
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            let _ = panics.send(panic);
+        }
+    })?;
+    Ok(())
+}
+
+/// The watcher of reaps: a reap that lasts beyond [`REAP_PATIENCE`] is left
+/// to its thread; this one looks at the tree for that exit, as its reaper
+/// would have after the reap, and starts a new reaper.
+fn watch_reaps() {
+    let mut s = WATCH.state();
+    loop {
+        let Some(reap) = s.reaping else {
+            s = WATCH.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+            continue;
+        };
+        let (later, timeout) = WATCH
+            .changed
+            .wait_timeout_while(s, REAP_PATIENCE, |w| w.reaping == Some(reap))
+            .unwrap_or_else(|p| p.into_inner());
+        s = later;
+        if !timeout.timed_out() || s.reaping != Some(reap) {
+            continue;
+        }
+        s.reaping = None;
+        let Some((inner, me, panics)) = s.tree.clone() else { continue };
+        drop(s);
+        tracing::warn!(
+            EVENT = "reap",
+            "the reap of pid {} has lasted over {} ms (the kernel is still taking down its /proc entries): \
+             a new reaper waits for the other exits",
+            reap.2,
+            REAP_PATIENCE.as_millis()
+        );
+        lock(&inner).after_exit(me);
+        if let Err(e) = start_generation(inner, me, panics) {
+            tracing::error!(EVENT = "reap", "cannot start a new reaper: {e}");
+        }
+        s = WATCH.state();
+    }
+}
+
+impl Inner {
+    /// `pid` has exited (its zombie is not reaped yet): the leader's exit is
+    /// reported.
+    fn leader_exit(&mut self, pid: i32, exit: Exit) {
+        if self.leader == Some(pid) && !self.leader_exited {
+            self.leader_exited = true;
+            self.watching = true;
+            (self.events)(TreeEvent::LeaderExited { pid: pid as u32, exit });
+        }
+    }
+
+    /// After an exit: what is left of a tree being killed is killed;
+    /// `Empty` is reported once nothing is left.
+    fn after_exit(&mut self, me: i32) {
         if self.killing {
             kill_descendants(me);
         }
         self.check_empty(me);
-    }
-
-    fn reaped(&mut self, pid: Pid, exit: Exit) {
-        if self.leader == Some(pid.as_raw()) && !self.leader_exited {
-            self.leader_exited = true;
-            self.watching = true;
-            (self.events)(TreeEvent::LeaderExited { pid: pid.as_raw() as u32, exit });
-        }
     }
 
     fn check_empty(&mut self, me: i32) {

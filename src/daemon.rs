@@ -894,8 +894,8 @@ impl Backend for Real {
         let tx = self.inputs.clone();
         self.tasks.spawn("survivor report", Lifetime::Finite, async move {
             // Off the loop: /proc of a process stuck in the kernel can hang.
-            if let Ok(text) = tokio::task::spawn_blocking(child::describe_survivors).await {
-                let _ = tx.send(Input::Survivors(text));
+            if let Ok((left, description)) = tokio::task::spawn_blocking(child::describe_survivors).await {
+                let _ = tx.send(Input::Survivors { left, description });
             }
         });
     }

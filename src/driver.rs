@@ -89,8 +89,11 @@ pub enum Input {
         start: u32,
         text: String,
     },
-    /// What survived SIGKILL, described.
-    Survivors(String),
+    /// What survived SIGKILL: how many live processes, described.
+    Survivors {
+        left: usize,
+        description: String,
+    },
     /// The kernel reported a fatal GPU fault during run `start`.
     GpuFault {
         start: u32,
@@ -530,7 +533,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Reported { start } => events.push_back(Event::Reported { start }),
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
             Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
-            Input::Survivors(description) => events.push_back(Event::Survivors { description }),
+            Input::Survivors { left, description } => events.push_back(Event::Survivors { left, description }),
             Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
             Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
             Input::Reload(result) => match *result {

@@ -294,9 +294,7 @@ pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
     if ids.is_empty() {
         return out;
     }
-    let Ok(procs) = std::fs::read_dir("/proc") else { return out };
-    for entry in procs.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+    for pid in crate::child::processes() {
         if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
             for fd in fds.flatten() {
                 // The magic link leads to the open file itself, renamed or not.
@@ -574,22 +572,19 @@ pub fn port_holders(port: u16) -> Vec<(i32, String)> {
         return Vec::new();
     }
     let mut out = BTreeMap::new();
-    if let Ok(procs) = std::fs::read_dir("/proc") {
-        for entry in procs.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-            let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
-            for fd in fds.flatten() {
-                let target = std::fs::read_link(fd.path()).ok();
-                let inode = target
-                    .as_ref()
-                    .and_then(|t| t.to_str())
-                    .and_then(|t| t.strip_prefix("socket:["))
-                    .and_then(|t| t.strip_suffix(']'))
-                    .and_then(|t| t.parse::<u64>().ok());
-                if inode.is_some_and(|i| inodes.contains(&i)) {
-                    out.insert(pid, cmdline(pid));
-                    break;
-                }
+    for pid in crate::child::processes() {
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
+        for fd in fds.flatten() {
+            let target = std::fs::read_link(fd.path()).ok();
+            let inode = target
+                .as_ref()
+                .and_then(|t| t.to_str())
+                .and_then(|t| t.strip_prefix("socket:["))
+                .and_then(|t| t.strip_suffix(']'))
+                .and_then(|t| t.parse::<u64>().ok());
+            if inode.is_some_and(|i| inodes.contains(&i)) {
+                out.insert(pid, cmdline(pid));
+                break;
             }
         }
     }

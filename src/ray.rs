@@ -355,9 +355,7 @@ fn used_folders(folders: &[PathBuf]) -> std::collections::HashMap<PathBuf, std::
     let mut out: std::collections::HashMap<PathBuf, std::collections::BTreeSet<i32>> = Default::default();
     let real: Vec<(PathBuf, &PathBuf)> =
         folders.iter().filter_map(|f| std::fs::canonicalize(f).ok().map(|r| (r, f))).collect();
-    let Ok(procs) = std::fs::read_dir("/proc") else { return out };
-    for entry in procs.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+    for pid in crate::child::processes() {
         let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten().map(|e| e.path());
         for link in fds.chain([PathBuf::from(format!("/proc/{pid}/cwd"))]) {
             let Ok(target) = std::fs::read_link(&link) else { continue };

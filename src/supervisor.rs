@@ -290,8 +290,10 @@ pub enum Event {
     Reported {
         start: u32,
     },
-    /// What is left of the tree after SIGKILL and its grace, described.
+    /// What is left of the tree after SIGKILL and its grace: how many live
+    /// processes (zombies not counted), described.
     Survivors {
+        left: usize,
         description: String,
     },
     Tick,
@@ -1197,7 +1199,19 @@ impl Machine {
                 }
                 (S::Stopping(stop), fx)
             }
-            (S::Stopping(Stop { escalation: Escalation::Abandoning { .. }, .. }), E::Survivors { description }) => {
+            (
+                S::Stopping(stop @ Stop { escalation: Escalation::Abandoning { .. }, .. }),
+                E::Survivors { left: 0, .. },
+            ) => {
+                // Every process is dead, but the end of the tree was not
+                // reported: its last exits are still being reaped.
+                let text = "no live process of the tree is left after SIGKILL, though not every exit was seen yet: \
+                            the tree is taken as gone";
+                let (state, mut fx) = self.stopped(stop.purpose, stop.ready_for, now, vec![]);
+                fx.insert(0, record(Severity::Warn, Topic::Kill, text.into()));
+                (state, fx)
+            }
+            (S::Stopping(Stop { escalation: Escalation::Abandoning { .. }, .. }), E::Survivors { description, .. }) => {
                 self.finish(Code::Unkillable, description, vec![])
             }
             (S::Stopping(mut stop), E::StopRequested) => match (&stop.purpose, stop.escalation) {

@@ -92,8 +92,9 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 
 /// A panic injected into the named task, for the tests that prove a dead
 /// task is noticed: `VLLM_WARDEN_TEST_PANIC=reaper` makes the reaper panic
-/// when a SIGCHLD wakes it while a child runs. Read once; unset in normal
-/// use.
+/// at an exit other than the child's while the child runs (`reap` and
+/// `exit` are hooks that block, not panics: see their callers). Read once;
+/// unset in normal use.
 pub fn injected_panic(name: &str) -> bool {
     static WHICH: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     WHICH.get_or_init(|| std::env::var("VLLM_WARDEN_TEST_PANIC").ok()).as_deref() == Some(name)

@@ -166,6 +166,13 @@ fn a_killed_api_server_leaves_no_orphan_behind() {
     let mut w =
         Warden::start(|d, p| config(d, p, &["--shards", "1", "--setsid-engine"], "stop-timeout = \"2s\"", FAST));
     w.wait_ready();
+    kill_the_server_and_see_it_restart(&mut w);
+    assert_eq!(w.stop(), 0);
+}
+
+/// SIGKILL the API server of a ready tree: the restart is for that, and
+/// the engine it left is stopped before the next server is ready.
+fn kill_the_server_and_see_it_restart(w: &mut Warden) {
     let tree = w.descendants();
     let leader = tree.iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGKILL).unwrap();
@@ -173,24 +180,62 @@ fn a_killed_api_server_leaves_no_orphan_behind() {
     assert!(restarting.ends_with("exited while serving (killed by SIGKILL)"), "{restarting}");
     w.wait_ready();
     assert!(tree.iter().all(gone), "the orphaned engine was stopped before the restart: {tree:?}");
-    assert_eq!(w.stop(), 0);
 }
 
 #[test]
 fn a_dead_reaper_stops_the_tree_and_exits_70() {
-    // The hook makes the reaper panic at a SIGCHLD while the child runs; the
-    // test sends one. No GPU query, whose failed spawn would send one too.
+    // The hook makes the reaper panic at an exit other than the child's
+    // while the child runs: the kernel-message follower's, a `cat` of a
+    // FIFO that ends when the test opens and closes the FIFO. No GPU query.
     let opts = Opts { env: vec![("VLLM_WARDEN_TEST_PANIC".into(), "reaper".into())], ..Opts::default() };
-    let extra = format!("{FAST}[prestart]\ngpu-idle-wait = \"0s\"\n");
-    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1", "--setsid-engine"], "", &extra), opts);
+    let mut w = Warden::start_with(
+        |d, p| {
+            let fifo = d.join("go");
+            nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+            let extra = format!(
+                "{FAST}[prestart]\ngpu-idle-wait = \"0s\"\n[health]\nkernel-messages = [\"cat\", \"{}\"]\n",
+                fifo.display()
+            );
+            config(d, p, &["--shards", "1", "--setsid-engine"], "", &extra)
+        },
+        opts,
+    );
     w.wait_ready();
-    let tree = w.descendants();
+    let tree: Vec<_> = w.descendants().into_iter().filter(|p| p.pid != helper_pid(&w)).collect();
     assert!(tree.len() >= 2, "the server and its engine: {tree:?}");
-    w.signal(Signal::SIGCHLD);
+    drop(std::fs::OpenOptions::new().write(true).open(w.path("go")).unwrap());
     assert_eq!(w.wait_exit(), 70);
     assert!(tree.iter().all(gone), "nothing of the tree is left: {tree:?}");
     assert!(w.stderr().contains("the reaper task panicked"), "{}", w.stderr());
     assert!(w.statuses().last().unwrap().starts_with("internal failure: the reaper task panicked"), "{:?}", w.notes);
+}
+
+#[test]
+fn a_reap_that_never_ends_hides_no_later_exit() {
+    // The hook makes every reap's thread stop for ever once it has reaped
+    // its zombie, as a reap spinning in the kernel does: each exit after it
+    // must still be seen, its tree stopped and the child started again.
+    let opts = Opts { env: vec![("VLLM_WARDEN_TEST_PANIC".into(), "reap".into())], ..Opts::default() };
+    let extra = format!("{FAST}[prestart]\ngpu-idle-wait = \"0s\"\n");
+    let mut w = Warden::start_with(
+        |d, p| config(d, p, &["--shards", "1", "--setsid-engine"], "stop-timeout = \"2s\"", &extra),
+        opts,
+    );
+    w.wait_ready();
+    for _ in 0..2 {
+        kill_the_server_and_see_it_restart(&mut w);
+    }
+    assert_eq!(w.stop(), 0);
+    let stderr = w.stderr();
+    assert!(stderr.contains("has lasted over 200 ms") && stderr.contains("EVENT=\"reap\""), "{stderr}");
+}
+
+/// The warden's `cat` (its kernel-message follower in the reaper's test).
+fn helper_pid(w: &Warden) -> i32 {
+    vllm_warden::child::descendants(w.pid as i32)
+        .into_iter()
+        .find(|p| std::fs::read_to_string(format!("/proc/{}/comm", p.pid)).is_ok_and(|c| c.trim() == "cat"))
+        .map_or(-1, |p| p.pid)
 }
 
 #[test]

@@ -756,7 +756,7 @@ fn s8_a_rolling_restart_behind_haproxy_loses_no_request() {
     // What the wardens themselves judged meanwhile (a failed health check
     // takes an instance out of rotation too).
     for (name, w) in [("a", &a), ("b", &b)] {
-        let judged = ["EVENT=\"health\"", "EVENT=\"failed\"", "EVENT=\"drain\""];
+        let judged = ["EVENT=\"health\"", "EVENT=\"failed\"", "EVENT=\"drain\"", "EVENT=\"reap\""];
         for l in w.stderr().lines().filter(|l| judged.iter().any(|j| l.contains(j))) {
             eprintln!("  {name}: {l}");
         }

@@ -118,7 +118,8 @@ impl Backend for Fake {
         self.call(Call::CancelPrepare);
     }
     fn describe_survivors(&mut self) {
-        let _ = self.tx.send(Input::Survivors("1 process(es) survived SIGKILL: pid 101 (state D)".into()));
+        let description = "1 process(es) survived SIGKILL: pid 101 (state D)".into();
+        let _ = self.tx.send(Input::Survivors { left: 1, description });
     }
     fn health(&mut self, _start: u32) {}
     fn watch_load(&mut self, start: u32) {

@@ -315,6 +315,40 @@ fn a_second_stop_request_kills_at_once() {
     assert_eq!(s.ev(Event::StopRequested), vec![Effect::KillTree]);
 }
 
+/// The grace after SIGKILL ended with the tree's end not reported, but no
+/// live process is left (their exits are still being reaped): the tree is
+/// gone, not a survivor; a restart goes on, a stop exits 0.
+#[test]
+fn no_live_process_after_sigkill_is_a_tree_gone_not_a_survivor() {
+    for shutdown in [false, true] {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        let fx = if shutdown {
+            s.ev(Event::StopRequested)
+        } else {
+            s.ev(Event::Reload {
+                policy: Box::new(policy()),
+                summary: "restarting the child: child.env changed".into(),
+            })
+        };
+        assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+        assert!(s.at(100.0).tick().contains(&Effect::KillTree));
+        assert!(s.at(110.0).tick().contains(&Effect::DescribeSurvivors));
+        let description = "no live process of the tree is left after SIGKILL".into();
+        let fx = s.ev(Event::Survivors { left: 0, description });
+        let kill = fx.iter().find_map(|e| match e {
+            Effect::Log(Record { topic: Topic::Kill, message, .. }) => Some(message.clone()),
+            _ => None,
+        });
+        assert!(kill.is_some_and(|t| t.contains("taken as gone")), "{fx:?}");
+        if shutdown {
+            assert_eq!(s.m.done(), Some(Code::Ok));
+        } else {
+            assert!(fx.contains(&Effect::Prepare { start: 2 }), "{fx:?}");
+        }
+    }
+}
+
 #[test]
 fn a_stop_during_backoff_exits_at_once() {
     let mut s = Sim::new(policy());

@@ -17,6 +17,10 @@ use std::time::{Duration, Instant};
 /// Long enough for a loaded CI machine; a passing test never waits for it.
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How much longer a warden's exit is waited for when a reap of its is
+/// held in the kernel (on kernel 6.18, seen for 15 s to minutes).
+pub const REAP_HOLD: Duration = Duration::from_secs(300);
+
 pub fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_vllm-warden")
 }
@@ -288,11 +292,20 @@ impl Warden {
         self.wait_exit_within(TIMEOUT, "the warden's exit")
     }
 
-    /// Wait for the warden to exit for at most `budget`; `what` names the
-    /// wait in a failure message. Returns the exit code.
+    /// Wait for the warden to exit for at most `budget` (and at most
+    /// [`REAP_HOLD`] more if it said a reap of its is held in the kernel);
+    /// `what` names the wait in a failure message. Returns the exit code.
     pub fn wait_exit_within(&mut self, budget: Duration, what: &str) -> i32 {
         self.watch_exit();
-        match self.exit.as_ref().unwrap().recv_timeout(budget) {
+        let mut exit = self.exit.as_ref().unwrap().recv_timeout(budget);
+        if exit.is_err() && self.stderr().contains("EVENT=\"reap\"") {
+            // A reap of the warden's still in the kernel holds its exit (a
+            // process ends only when none of its threads is in a system
+            // call); the warden said so. The kernel's time, not the warden's.
+            eprintln!("{what}: held by a reap still in the kernel; waiting up to {} more", secs(REAP_HOLD));
+            exit = self.exit.as_ref().unwrap().recv_timeout(REAP_HOLD);
+        }
+        match exit {
             Ok(code) => {
                 self.drain_notes();
                 code
@@ -327,10 +340,6 @@ impl Warden {
         self.wait_exit_within(budget, what)
     }
 
-    /// Live descendants of the warden.
-    /// Live descendants of the warden that belong to the child's tree: the
-    /// warden's own helper (its kernel-message follower, `journalctl`) left
-    /// out, as the warden leaves it out.
     /// `EXE upgrade` on this instance, as an operator runs it: exit 0.
     pub fn ask_upgrade(&self, exe: &Path) {
         let out = Command::new(exe)
@@ -342,6 +351,9 @@ impl Warden {
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
+    /// Live descendants of the warden that belong to the child's tree: the
+    /// warden's own helper (its kernel-message follower, `journalctl`) left
+    /// out, as the warden leaves it out.
     pub fn descendants(&self) -> Vec<vllm_warden::child::ProcStat> {
         vllm_warden::child::descendants(self.pid as i32)
             .into_iter()
