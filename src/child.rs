@@ -649,7 +649,7 @@ impl Drop for Unreaped {
 /// number freed during a long reap and reused at once would be missed
 /// meanwhile; pids are handed out in turn over `pid_max`, so that takes a
 /// full cycle.
-pub fn being_reaped(pid: i32) -> bool {
+fn being_reaped(pid: i32) -> bool {
     UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).contains(&pid)
 }
 
@@ -659,7 +659,7 @@ const TAKING: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// How long a reap may last before a new reaper takes over the waiting
 /// for exits: far beyond the kernel's usual wait (up to 1.4 ms seen).
-pub const REAP_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
+const REAP_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The reaps under way, watched by [`watch_reaps`].
 struct Watch {
