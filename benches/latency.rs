@@ -21,7 +21,9 @@
 //! `LATENCY_BENCH_KERNEL_MESSAGES=off`, without the GPU fault watcher (its
 //! command is started once per warden, and reads the kernel's messages
 //! beside the warden); with `LATENCY_BENCH_REPORTS=off`, without the failure
-//! report that every failed run gets before its stop (`reports.keep = 0`).
+//! report that every failed run gets before its stop (`reports.keep = 0`);
+//! `LATENCY_BENCH_STARTS=N` for N starts instead of 100 (more samples, for
+//! comparing two builds on a noisy machine).
 
 use std::io::Write;
 use std::os::unix::net::UnixDatagram;
@@ -29,7 +31,9 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-const STARTS: usize = 100;
+/// How many starts each figure is over: `LATENCY_BENCH_STARTS`, else 100.
+static STARTS: std::sync::LazyLock<usize> =
+    std::sync::LazyLock::new(|| std::env::var("LATENCY_BENCH_STARTS").ok().and_then(|n| n.parse().ok()).unwrap_or(100));
 
 fn now_ns() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
@@ -60,7 +64,7 @@ fn inotify_baseline(dir: &std::path::Path) -> Vec<f64> {
         }
     });
     let mut out = Vec::new();
-    for _ in 0..STARTS {
+    for _ in 0..*STARTS {
         go_tx.send(()).unwrap();
         // Let the reader block in its read first.
         std::thread::sleep(Duration::from_millis(2));
@@ -92,7 +96,7 @@ fn http_baseline(sim: &str, rt: &tokio::runtime::Runtime) -> Vec<f64> {
         assert!(Instant::now() < deadline, "the fake never answered");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let out = (0..STARTS)
+    let out = (0..*STARTS)
         .map(|_| {
             let t = Instant::now();
             assert!(ready_get(rt, &url));
@@ -114,7 +118,7 @@ fn fresh_baseline(sim: &str, dir: &std::path::Path, rt: &tokio::runtime::Runtime
     use std::io::Read;
     let (log, stamp) = (dir.join("fresh.log"), dir.join("fresh.stamps"));
     let mut out = Vec::new();
-    for _ in 0..STARTS {
+    for _ in 0..*STARTS {
         let _ = std::fs::remove_file(&stamp);
         let file = std::fs::File::create(&log).unwrap();
         let inotify = Inotify::init(InitFlags::IN_CLOEXEC).unwrap();
@@ -170,7 +174,7 @@ fn run_sim(sim: &str, args: &[&str], stamp: &std::path::Path) -> Option<i32> {
 fn spawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     let stamp = dir.join("spawn.stamps");
     let mut out = Vec::new();
-    for _ in 0..STARTS {
+    for _ in 0..*STARTS {
         let _ = std::fs::remove_file(&stamp);
         let t = now_ns();
         // --fail exit1 returns at once after its first lines; only the start stamp matters.
@@ -190,7 +194,7 @@ fn respawn_baseline(sim: &str, dir: &std::path::Path) -> Vec<f64> {
     let stamp = dir.join("respawn.stamps");
     let _ = std::fs::remove_file(&stamp);
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    for _ in 0..=STARTS {
+    for _ in 0..=*STARTS {
         assert_eq!(run_sim(sim, &["--port", &port.to_string(), "--exit-after-ready", "0"], &stamp), Some(0));
     }
     let text = std::fs::read_to_string(&stamp).unwrap();
@@ -271,7 +275,7 @@ file = "{run}/status.json"
         .spawn()
         .unwrap();
     let mut ready_at = Vec::new();
-    for _ in 0..STARTS + 1 {
+    for _ in 0..*STARTS + 1 {
         ready_at.push(rx.recv_timeout(Duration::from_secs(60)).expect("READY=1"));
     }
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(warden.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
@@ -280,11 +284,11 @@ file = "{run}/status.json"
     let text = std::fs::read_to_string(&stamps).unwrap();
     let (starts, readies, exits) = (stamps_of(&text, "start "), stamps_of(&text, "ready "), stamps_of(&text, "exit "));
     let ready_ms: Vec<f64> =
-        readies.iter().zip(&ready_at).take(STARTS).map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
+        readies.iter().zip(&ready_at).take(*STARTS).map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
     let respawn_ms: Vec<f64> =
-        exits.iter().zip(starts.iter().skip(1)).take(STARTS).map(|(e, s)| (*s as f64 - *e as f64) / 1e6).collect();
+        exits.iter().zip(starts.iter().skip(1)).take(*STARTS).map(|(e, s)| (*s as f64 - *e as f64) / 1e6).collect();
 
-    println!("vllm-warden latency, {STARTS} starts, release build");
+    println!("vllm-warden latency, {} starts, release build", *STARTS);
     let (rm, rp) = stats("ready line written -> READY=1 received", ready_ms);
     let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
