@@ -18,6 +18,7 @@ use std::io::{self, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nix::errno::Errno;
@@ -354,6 +355,9 @@ struct Inner {
     watching: bool,
     /// `Empty` was reported since the last spawn.
     emptied: bool,
+    /// Set when `Empty` is reported for the run begun by the last spawn;
+    /// see [`Tree::run_ended`].
+    ended: Arc<AtomicBool>,
     /// SIGKILL every descendant found after each reap.
     killing: bool,
     events: Box<dyn Fn(TreeEvent) + Send>,
@@ -384,6 +388,7 @@ impl Tree {
             leader_exited: true,
             watching: false,
             emptied: false,
+            ended: Arc::default(),
             killing: false,
             events: Box::new(events),
         }));
@@ -443,6 +448,7 @@ impl Tree {
         inner.leader_exited = false;
         inner.watching = false;
         inner.emptied = false;
+        inner.ended = Arc::default();
         inner.killing = false;
         Ok(pid)
     }
@@ -455,6 +461,7 @@ impl Tree {
         inner.leader_exited = false;
         inner.watching = false;
         inner.emptied = false;
+        inner.ended = Arc::default();
         inner.killing = false;
         // It may have exited during the exec: its exit waits for the
         // reaper, which may have read it before the leader was known.
@@ -469,6 +476,13 @@ impl Tree {
     /// leader's exit, no process can join it before the next spawn.
     pub fn is_gone(&self) -> bool {
         lock(&self.inner).emptied
+    }
+
+    /// Set once nothing is left of the run begun by the last spawn (or
+    /// adoption), and for good: what works on that run after it (its
+    /// failure report) sees when it no longer holds up anything.
+    pub fn run_ended(&self) -> Arc<AtomicBool> {
+        lock(&self.inner).ended.clone()
     }
 
     /// The leader while it lives.
@@ -805,6 +819,7 @@ impl Inner {
 
     fn gone(&mut self) {
         self.emptied = true;
+        self.ended.store(true, Ordering::SeqCst);
         self.watching = false;
         self.killing = false;
         (self.events)(TreeEvent::Empty);

@@ -616,6 +616,9 @@ impl Real {
     /// Wait, up to `within`, for the failure reports still being written,
     /// and for the file work of those given up.
     async fn finish_reports(&mut self, within: Duration) {
+        // No start is under way any more (one stopped before its spawn
+        // never said so).
+        crate::reports::start_under_way(false);
         let deadline = tokio::time::Instant::now() + within;
         for r in self.reports.drain(..) {
             let _ = tokio::time::timeout_at(deadline, r).await;
@@ -632,6 +635,7 @@ impl Real {
 
 impl Backend for Real {
     fn prepare(&mut self, start: u32) {
+        crate::reports::start_under_way(true);
         self.stop_checks();
         self.follower = None;
         let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.leftovers_done.clone());
@@ -649,12 +653,18 @@ impl Backend for Real {
                 && result.is_ok()
                 && gate.try_recv() == Err(oneshot::error::TryRecvError::Empty)
             {
+                // What the report waits for is never the start's: it
+                // need not yield to it.
+                crate::reports::start_under_way(false);
                 status("waiting for the failure report of the last run".into());
                 let _ = gate.await;
             }
             let result = match result {
                 Ok(()) => Prepared::Done,
-                Err(failure) => Prepared::Failed(failure),
+                Err(failure) => {
+                    crate::reports::start_under_way(false);
+                    Prepared::Failed(failure)
+                }
             };
             let _ = tx.send(Input::Prepared { start, result });
         });
@@ -664,6 +674,7 @@ impl Backend for Real {
     fn cancel_prepare(&mut self) {
         if let Some((start, task)) = self.preparing.take() {
             task.abort();
+            crate::reports::start_under_way(false);
             let _ = self.inputs.send(Input::Prepared { start, result: Prepared::Cancelled });
         }
     }
@@ -686,6 +697,8 @@ impl Backend for Real {
     }
 
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
+        // Spawned or failed, the start is no longer under way.
+        let _over = crate::reports::StartOver;
         self.preparing = None;
         let c = &self.settings.child;
         let log_path = c.log_file.clone();
@@ -959,6 +972,7 @@ impl Backend for Real {
             classifier: self.classifier.clone(),
             warden: std::process::id() as i32,
             tree_gone: self.tree.is_gone(),
+            run_ended: self.tree.run_ended(),
             // The follower read the log to its end after the exit (the
             // driver waited for it): where the run's lines end.
             log_taken: run.log.clone().zip(self.follower.as_ref().and_then(Follower::drained_to)),

@@ -93,6 +93,7 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
     let look = !leftovers_done.load(Ordering::SeqCst);
     let mut seen = off_loop(move || blocking_steps(&settings, &st, look)).await?;
     if let Blocking::Leftovers(left, shown) = &seen {
+        waits();
         let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), shown.join(", "));
         tracing::warn!(INSTANCE = name, EVENT = "leftovers", "{text}");
         status(text);
@@ -106,6 +107,7 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
 
     // 4. The port: wait while it is held.
     if let Blocking::PortHeld(port, holders) = seen {
+        waits();
         status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
         if !wait_until(s.prestart.port_wait, || off_loop(move || prestart::port_free(port))).await {
             return Err(StartFailure::transient(off_loop(move || prestart::describe_holders(port)).await));
@@ -125,6 +127,7 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
             Err(QueryError::Failed(e)) => tracing::warn!(INSTANCE = name, EVENT = "gpus", "GPU check skipped: {e}"),
             Ok(Some(apps)) if apps.is_empty() => {}
             Ok(Some(apps)) => {
+                waits();
                 let wait = s.prestart.gpu_idle_wait;
                 status(format!(
                     "waiting up to {} for GPU compute processes to exit: {}",
@@ -147,9 +150,16 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
 
     // 6. The Ray cluster.
     if let Some(cluster) = s.prestart.ray.as_ref().filter(|c| c.gate) {
+        waits();
         ray_gate(cluster, &s.child.command, &status).await?;
     }
     Ok(())
+}
+
+/// The start waits (for leftovers to stop, the port, the GPUs, the Ray
+/// cluster): the reports of earlier runs need not wait for it any more.
+fn waits() {
+    crate::reports::start_under_way(false);
 }
 
 /// First and longest wait between two looks at the Ray cluster: each look

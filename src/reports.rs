@@ -19,7 +19,7 @@ use std::io::{self, Read, Seek};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use regex::Regex;
@@ -125,6 +125,10 @@ pub struct Job {
     /// Nothing of the tree was left when the report was asked for (the
     /// server had exited): there is nothing to look for.
     pub tree_gone: bool,
+    /// Set once nothing is left of the run (see
+    /// [`crate::child::Tree::run_ended`]): from then on nothing waits for
+    /// the report's file work, which yields to the next start.
+    pub run_ended: Arc<std::sync::atomic::AtomicBool>,
     /// The run's log (the child's own descriptor) and where it ended, when
     /// already known: the log was read to its end after the exit. With
     /// `tree_gone`, nothing of the run is then left to take before a new
@@ -186,6 +190,13 @@ fn create(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
     f.write_all(bytes)
 }
 
+impl Job {
+    /// Nothing of the run is left: its file work goes to [`LATER`].
+    fn yields(&self) -> bool {
+        self.tree_gone || self.run_ended.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 /// `summary.json`, replaced whole (written beside, then renamed).
 fn write_summary(dir: &Path, s: &Summary) -> io::Result<()> {
     let mut text = serde_json::to_string_pretty(s).map_err(io::Error::other)?;
@@ -225,7 +236,7 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     // the commands; the first summary once it is read.
     let (made_tx, made) = tokio::sync::watch::channel(false);
     let (second, d) = (job.clone(), dir.clone());
-    let logged = work(later, move || {
+    let logged = work(job.yields(), move || {
         let look = looked.unwrap_or_else(|| look(&second));
         let parts = make_folder(&second, &d, &look.tree)?;
         let _ = made_tx.send(true);
@@ -312,7 +323,7 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         let note = match mark.since() {
             Some(since) => {
                 let d = dir.clone();
-                work(later, move || write_kernel(&d, &since)).await?
+                work(job.yields(), move || write_kernel(&d, &since)).await?
             }
             // The follower stopped reading meanwhile: the command after all.
             None => {
@@ -328,11 +339,11 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     summary.complete = true;
     summary.timings.report_done = Some(rfc3339(SystemTime::now()));
     let (d, s) = (dir.clone(), summary);
-    work(later, move || write_summary(&d, &s)).await??;
+    work(job.yields(), move || write_summary(&d, &s)).await??;
     let (root, instance, keep, max) =
         (job.state_dir.join(FOLDER), job.instance.clone(), job.settings.keep, job.settings.max_size);
     let name = job.name.clone();
-    work(later, move || retain(&root, &instance, keep, max, &name)).await?;
+    work(job.yields(), move || retain(&root, &instance, keep, max, &name)).await?;
     Ok(dir)
 }
 
@@ -362,7 +373,7 @@ async fn output(
     };
     let program = argv.first().cloned().unwrap_or_default();
     let (dir, py_spy_dir) = (dir.to_path_buf(), dir.join(PY_SPY));
-    work(job.tree_gone, move || write_output(&dir, &py_spy_dir, part, &program, result)).await
+    work(job.yields(), move || write_output(&dir, &py_spy_dir, part, &program, result)).await
 }
 
 fn exit_text(job: &Job) -> String {
@@ -407,12 +418,54 @@ static LATER: LazyLock<Option<std::sync::mpsc::Sender<Work>>> = LazyLock::new(||
             libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, LATER_NICE);
         }
         for job in rx {
+            wait_for_start();
             // A panic is the job's: its result is never sent; the thread goes on.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
         }
     });
     spawned.ok().map(|_| tx)
 });
+
+/// How long at the most [`LATER`] waits for a start under way.
+const START_YIELD: Duration = Duration::from_secs(1);
+
+/// Since when a start is under way: see [`start_under_way`].
+static STARTING: (Mutex<Option<Instant>>, Condvar) = (Mutex::new(None), Condvar::new());
+
+/// A start is under way (`true`: its quick pre-start steps and its spawn),
+/// or no longer (`false`: spawned, failed, cancelled, or waiting for the
+/// port, the GPUs, leftovers or the Ray cluster). Meanwhile, and for
+/// [`START_YIELD`] at the most, the file work of the reports of runs that
+/// are gone waits: it would take the CPU from the start, which nothing of
+/// the report is needed for any more.
+pub fn start_under_way(on: bool) {
+    let (since, changed) = &STARTING;
+    let mut since = since.lock().unwrap_or_else(|p| p.into_inner());
+    match (on, *since) {
+        (true, None) => *since = Some(Instant::now()),
+        (false, Some(_)) => *since = None,
+        _ => return,
+    }
+    changed.notify_all();
+}
+
+/// Says, when dropped, that the start is no longer under way.
+pub struct StartOver;
+
+impl Drop for StartOver {
+    fn drop(&mut self) {
+        start_under_way(false);
+    }
+}
+
+/// Wait while a start is under way, up to [`START_YIELD`] after it began.
+fn wait_for_start() {
+    let (since, changed) = &STARTING;
+    let mut guard = since.lock().unwrap_or_else(|p| p.into_inner());
+    while let Some(left) = guard.and_then(|t| START_YIELD.checked_sub(t.elapsed())) {
+        guard = changed.wait_timeout(guard, left).unwrap_or_else(|p| p.into_inner()).0;
+    }
+}
 
 /// Wait, up to `within`, for the file work handed over so far to be done.
 pub async fn settle(within: Duration) {

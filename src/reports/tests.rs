@@ -169,3 +169,16 @@ fn gpu_kernel_messages_are_told_from_the_rest() {
     assert!(crate::kernel::gpu_related("kernel: NVRM: GPU at PCI:0000:41:00: GPU-3b0b has fallen off the bus."));
     assert!(!crate::kernel::gpu_related("kernel: usb 1-1: new high-speed USB device number 2"));
 }
+
+#[test]
+fn the_file_work_of_a_gone_run_waits_for_a_start_under_way() {
+    start_under_way(true);
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Handed to the reports' thread at once; its result is not awaited.
+    drop(work(true, move || {
+        let _ = tx.send(());
+    }));
+    assert!(rx.recv_timeout(Duration::from_millis(200)).is_err(), "the file work ran beside the start");
+    start_under_way(false);
+    rx.recv_timeout(Duration::from_secs(30)).expect("the file work runs once the start is spawned");
+}
