@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 use tokio_stream::Stream;
 
@@ -480,7 +480,9 @@ pub struct Real {
     reporting: Option<AbortHandle>,
     /// Open once the last report has taken what describes its run (its
     /// tree, its log, the GPUs): the next spawn waits for it.
-    report_gate: Option<oneshot::Receiver<()>>,
+    /// Kept (each start looks at a copy): a start given up while it waited
+    /// leaves it for the next.
+    report_gate: Option<watch::Receiver<bool>>,
     /// Answered as each report ends (or is dropped).
     reports: Vec<oneshot::Receiver<()>>,
     /// Between the failure reports and the log's rotations.
@@ -639,7 +641,7 @@ impl Backend for Real {
         self.stop_checks();
         self.follower = None;
         let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.leftovers_done.clone());
-        let gate = self.report_gate.take();
+        let gate = self.report_gate.clone();
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::prepare::Status = Arc::new(move |text| {
@@ -648,16 +650,17 @@ impl Backend for Real {
             let result = crate::prepare::run(&settings, status.clone(), done).await;
             // The report of the last run goes on beside this start, but
             // what describes that run must be taken before a new child
-            // starts.
+            // starts: wait while it is not, unless the report has ended.
             if let Some(mut gate) = gate
                 && result.is_ok()
-                && gate.try_recv() == Err(oneshot::error::TryRecvError::Empty)
+                && !*gate.borrow()
+                && gate.has_changed().is_ok()
             {
                 // What the report waits for is never the start's: it
                 // need not yield to it.
                 crate::reports::start_under_way(false);
                 status("waiting for the failure report of the last run".into());
-                let _ = gate.await;
+                let _ = gate.wait_for(|taken| *taken).await;
             }
             let result = match result {
                 Ok(()) => Prepared::Done,
@@ -982,11 +985,11 @@ impl Backend for Real {
         };
         let path = job.state_dir.join(crate::reports::FOLDER).join(&job.name);
         let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
-        let (taken, gate) = oneshot::channel();
+        let (taken, gate) = watch::channel(false);
         let (done, ended) = oneshot::channel();
         let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
             match crate::reports::write(job, move || {
-                let _ = taken.send(());
+                let _ = taken.send(true);
             })
             .await
             {

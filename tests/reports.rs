@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use common::{Warden, config};
@@ -358,4 +359,40 @@ fn the_next_start_waits_for_the_gpu_snapshot_of_an_exited_run_only() {
     assert!(next >= failed + std::time::Duration::from_millis(300), "{timings:?}");
     assert!(next < done, "{timings:?}");
     assert_eq!(std::fs::read_to_string(dirs[0].join("gpu.txt")).unwrap(), "gpu\n");
+}
+
+/// A start redone while it waits for the last run's report (a reload that
+/// changes the child's environment) waits for it again: the report's GPU
+/// snapshot is taken before any new child runs.
+#[test]
+fn a_start_redone_while_it_waits_for_the_report_still_waits_for_it() {
+    let fifos = tempfile::tempdir().unwrap();
+    let go = fifos.path().join("go");
+    nix::unistd::mkfifo(&go, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    // The snapshot answers once the test lets it.
+    let gpu = format!(r#"["sh", "-c", "read x < \"$0\"; echo gpu", "{}"]"#, go.display());
+    let mut w = Warden::start(|d, p| {
+        let extra = format!(
+            "[restart]\ninitial-delay = \"0s\"\nmax-attempts = 2\n[health]\nkernel-messages = []\n\
+             [reports]\ngpu-snapshot = {gpu}\nkernel-messages = []\n"
+        );
+        config(d, p, &["--shards", "1", "--fail", "exit1"], "env = { MARKER = \"1\" }", &extra)
+    });
+    const WAITING: &str = "STATUS=waiting for the failure report of the last run";
+    w.wait_note("the start waiting for the report", |n| n == WAITING);
+    let cfg = std::fs::read_to_string(w.path("t.toml")).unwrap();
+    std::fs::write(w.path("t.toml"), cfg.replace("MARKER = \"1\"", "MARKER = \"2\"")).unwrap();
+    w.signal(Signal::SIGHUP);
+    let next = w.wait_note("the redone start", |n| n == WAITING || n.starts_with("STATUS=loading"));
+    assert_eq!(next, WAITING, "a new child ran before the last run's GPU snapshot: {:?}", w.statuses());
+    // Without blocking: the snapshot must be there, reading.
+    let mut fifo = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&go)
+        .expect("the snapshot is still waiting");
+    std::io::Write::write_all(&mut fifo, b"go\n").unwrap();
+    drop(fifo);
+    w.wait_note("the next child", |n| n.starts_with("STATUS=loading"));
+    assert_eq!(w.stop(), 0);
 }
