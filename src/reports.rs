@@ -191,11 +191,9 @@ fn create(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
 }
 
 impl Job {
-    /// The report's file work goes to [`LATER`]: nothing of the run was
-    /// left when the report began, or nothing is left now and the run has
-    /// been `taken` (until then the next start may wait for this work).
-    fn yields(&self, taken: bool) -> bool {
-        self.tree_gone || (taken && self.run_ended.load(std::sync::atomic::Ordering::SeqCst))
+    /// Nothing of the run is left: its file work goes to [`LATER`].
+    fn yields(&self) -> bool {
+        self.tree_gone || self.run_ended.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -238,7 +236,7 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     // the commands; the first summary once it is read.
     let (made_tx, made) = tokio::sync::watch::channel(false);
     let (second, d) = (job.clone(), dir.clone());
-    let logged = work(job.yields(false), move || {
+    let logged = work(job.yields(), move || {
         let look = looked.unwrap_or_else(|| look(&second));
         let parts = make_folder(&second, &d, &look.tree)?;
         let _ = made_tx.send(true);
@@ -292,28 +290,39 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         t();
     }
     let mut dumps = 0;
-    while let Some(done) = set.join_next().await {
-        let Ok((part, result)) = done else { continue };
-        if part != Part::Kernel {
-            waiting -= 1;
-            if waiting == 0
-                && let Some(t) = taken.take()
-            {
-                t();
+    // Outputs are written once the run is taken: taking it (which the next
+    // start may wait for) never waits for the report's file work.
+    let mut known = Vec::new();
+    loop {
+        let joined = set.join_next().await;
+        let last = joined.is_none();
+        if let Some(Ok((part, result))) = joined {
+            if part != Part::Kernel {
+                waiting -= 1;
+            }
+            known.push((part, result));
+        }
+        if (waiting == 0 || last)
+            && let Some(t) = taken.take()
+        {
+            t();
+        }
+        if taken.is_none() {
+            for (part, result) in known.drain(..) {
+                if made.clone().wait_for(|m| *m).await.is_err() {
+                    // No folder: the report fails below.
+                    continue;
+                }
+                let note = output(&job, &dir, part, result).await?;
+                if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
+                    dumps += 1;
+                }
+                notes.insert(note.0, note.1);
             }
         }
-        if made.clone().wait_for(|m| *m).await.is_err() {
-            // No folder: the report fails below.
-            continue;
+        if last {
+            break;
         }
-        let note = output(&job, &dir, part, result, taken.is_none()).await?;
-        if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
-            dumps += 1;
-        }
-        notes.insert(note.0, note.1);
-    }
-    if let Some(t) = taken.take() {
-        t();
     }
     if !pythons.is_empty() && alive && !r.py_spy.is_empty() && !notes.contains_key(PY_SPY) {
         notes.insert(PY_SPY.into(), format!("{dumps} of {} Python process(es) dumped", pythons.len()));
@@ -325,12 +334,12 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         let note = match mark.since() {
             Some(since) => {
                 let d = dir.clone();
-                work(job.yields(true), move || write_kernel(&d, &since)).await?
+                work(job.yields(), move || write_kernel(&d, &since)).await?
             }
             // The follower stopped reading meanwhile: the command after all.
             None => {
                 let (part, result) = kernel_command(&job, budget.saturating_sub(t0.elapsed())).await;
-                output(&job, &dir, part, result, true).await?.1
+                output(&job, &dir, part, result).await?.1
             }
         };
         notes.insert(KERNEL.into(), note);
@@ -341,11 +350,11 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     summary.complete = true;
     summary.timings.report_done = Some(rfc3339(SystemTime::now()));
     let (d, s) = (dir.clone(), summary);
-    work(job.yields(true), move || write_summary(&d, &s)).await??;
+    work(job.yields(), move || write_summary(&d, &s)).await??;
     let (root, instance, keep, max) =
         (job.state_dir.join(FOLDER), job.instance.clone(), job.settings.keep, job.settings.max_size);
     let name = job.name.clone();
-    work(job.yields(true), move || retain(&root, &instance, keep, max, &name)).await?;
+    work(job.yields(), move || retain(&root, &instance, keep, max, &name)).await?;
     Ok(dir)
 }
 
@@ -360,14 +369,12 @@ fn kernel_command(
     async move { (Part::Kernel, crate::prestart::run_command(&argv, left, OUTPUT_MAX, false).await) }
 }
 
-/// A command's output into its file: the summary's key and note; `taken`:
-/// the run has been taken (see [`Job::yields`]).
+/// A command's output into its file: the summary's key and note.
 async fn output(
     job: &Job,
     dir: &Path,
     part: Part,
     result: Result<Option<String>, QueryError>,
-    taken: bool,
 ) -> io::Result<(String, String)> {
     let r = &job.settings;
     let argv = match part {
@@ -377,7 +384,7 @@ async fn output(
     };
     let program = argv.first().cloned().unwrap_or_default();
     let (dir, py_spy_dir) = (dir.to_path_buf(), dir.join(PY_SPY));
-    work(job.yields(taken), move || write_output(&dir, &py_spy_dir, part, &program, result)).await
+    work(job.yields(), move || write_output(&dir, &py_spy_dir, part, &program, result)).await
 }
 
 fn exit_text(job: &Job) -> String {
