@@ -289,10 +289,11 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     {
         t();
     }
-    let mut dumps = 0;
-    // Outputs are written once the run is taken: taking it (which the next
-    // start may wait for) never waits for the report's file work.
-    let mut known = Vec::new();
+    // Each output is written as soon as it is known, once the folder is
+    // made, by a task of its own: taking the run (which the next start may
+    // wait for) never waits for the report's file work, and what was
+    // written stays written if the report is cut short.
+    let mut writing = Vec::new();
     loop {
         let joined = set.join_next().await;
         let last = joined.is_none();
@@ -300,29 +301,30 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
             if part != Part::Kernel {
                 waiting -= 1;
             }
-            known.push((part, result));
+            let (job, dir, mut made) = (job.clone(), dir.clone(), made.clone());
+            writing.push(tokio::spawn(async move {
+                // No folder: the report fails below.
+                made.wait_for(|m| *m).await.ok()?;
+                Some((part, output(&job, &dir, part, result).await))
+            }));
         }
         if (waiting == 0 || last)
             && let Some(t) = taken.take()
         {
             t();
         }
-        if taken.is_none() {
-            for (part, result) in known.drain(..) {
-                if made.clone().wait_for(|m| *m).await.is_err() {
-                    // No folder: the report fails below.
-                    continue;
-                }
-                let note = output(&job, &dir, part, result).await?;
-                if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
-                    dumps += 1;
-                }
-                notes.insert(note.0, note.1);
-            }
-        }
         if last {
             break;
         }
+    }
+    let mut dumps = 0;
+    for written in writing {
+        let Ok(Some((part, note))) = written.await else { continue };
+        let note = note?;
+        if matches!(part, Part::PySpy(_)) && note.1.starts_with("written") {
+            dumps += 1;
+        }
+        notes.insert(note.0, note.1);
     }
     if !pythons.is_empty() && alive && !r.py_spy.is_empty() && !notes.contains_key(PY_SPY) {
         notes.insert(PY_SPY.into(), format!("{dumps} of {} Python process(es) dumped", pythons.len()));

@@ -376,7 +376,10 @@ fn a_start_redone_while_it_waits_for_the_report_still_waits_for_it() {
             "[restart]\ninitial-delay = \"0s\"\nmax-attempts = 2\n[health]\nkernel-messages = []\n\
              [reports]\ngpu-snapshot = {gpu}\nkernel-messages = []\n"
         );
-        config(d, p, &["--shards", "1", "--fail", "exit1"], "env = { MARKER = \"1\" }", &extra)
+        // Only the first run fails: the redone start's child loads.
+        let count = d.join("count");
+        let args = ["--shards", "1", "--fail", "exit1", "--fail-times", "1", "--count-file", count.to_str().unwrap()];
+        config(d, p, &args, "env = { MARKER = \"1\" }", &extra)
     });
     const WAITING: &str = "STATUS=waiting for the failure report of the last run";
     w.wait_note("the start waiting for the report", |n| n == WAITING);
@@ -394,5 +397,6 @@ fn a_start_redone_while_it_waits_for_the_report_still_waits_for_it() {
     std::io::Write::write_all(&mut fifo, b"go\n").unwrap();
     drop(fifo);
     w.wait_note("the next child", |n| n.starts_with("STATUS=loading"));
+    w.wait_ready();
     assert_eq!(w.stop(), 0);
 }
