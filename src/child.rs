@@ -353,8 +353,6 @@ struct Inner {
     leader_exited: bool,
     /// Report `Empty` once the tree is gone.
     watching: bool,
-    /// `Empty` was reported since the last spawn.
-    emptied: bool,
     /// Set when `Empty` is reported for the run begun by the last spawn;
     /// see [`Tree::run_ended`].
     ended: Arc<AtomicBool>,
@@ -387,7 +385,6 @@ impl Tree {
             leader: None,
             leader_exited: true,
             watching: false,
-            emptied: false,
             ended: Arc::default(),
             killing: false,
             events: Box::new(events),
@@ -447,7 +444,6 @@ impl Tree {
         inner.leader = Some(pid as i32);
         inner.leader_exited = false;
         inner.watching = false;
-        inner.emptied = false;
         inner.ended = Arc::default();
         inner.killing = false;
         Ok(pid)
@@ -460,7 +456,6 @@ impl Tree {
         inner.leader = Some(pid as i32);
         inner.leader_exited = false;
         inner.watching = false;
-        inner.emptied = false;
         inner.ended = Arc::default();
         inner.killing = false;
         // It may have exited during the exec: its exit waits for the
@@ -472,15 +467,11 @@ impl Tree {
         }
     }
 
-    /// Nothing of the tree is left, and `Empty` was reported: after the
-    /// leader's exit, no process can join it before the next spawn.
-    pub fn is_gone(&self) -> bool {
-        lock(&self.inner).emptied
-    }
-
     /// Set once nothing is left of the run begun by the last spawn (or
-    /// adoption), and for good: what works on that run after it (its
-    /// failure report) sees when it no longer holds up anything.
+    /// adoption), `Empty` reported, and for good (after the leader's exit,
+    /// no process can join the tree before the next spawn): what works on
+    /// that run after it (its failure report) sees when there is nothing
+    /// left to look at and it no longer holds up anything.
     pub fn run_ended(&self) -> Arc<AtomicBool> {
         lock(&self.inner).ended.clone()
     }
@@ -818,7 +809,6 @@ impl Inner {
     }
 
     fn gone(&mut self) {
-        self.emptied = true;
         self.ended.store(true, Ordering::SeqCst);
         self.watching = false;
         self.killing = false;

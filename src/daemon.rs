@@ -974,7 +974,6 @@ impl Backend for Real {
             config_sha256: crate::reports::sha256_hex(s.text.as_bytes()),
             classifier: self.classifier.clone(),
             warden: std::process::id() as i32,
-            tree_gone: self.tree.is_gone(),
             run_ended: self.tree.run_ended(),
             // The follower read the log to its end after the exit (the
             // driver waited for it): where the run's lines end.

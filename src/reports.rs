@@ -122,17 +122,15 @@ pub struct Job {
     pub classifier: Classifier,
     /// The warden's pid: the tree is its descendants.
     pub warden: i32,
-    /// Nothing of the tree was left when the report was asked for (the
-    /// server had exited): there is nothing to look for.
-    pub tree_gone: bool,
     /// Set once nothing is left of the run (see
-    /// [`crate::child::Tree::run_ended`]): from then on nothing waits for
-    /// the report's file work, which yields to the next start.
+    /// [`crate::child::Tree::run_ended`]): from then on there is no tree
+    /// to look for, and nothing waits for the report's file work, which
+    /// yields to the next start.
     pub run_ended: Arc<std::sync::atomic::AtomicBool>,
     /// The run's log (the child's own descriptor) and where it ended, when
-    /// already known: the log was read to its end after the exit. With
-    /// `tree_gone`, nothing of the run is then left to take before a new
-    /// one starts but its GPU snapshot.
+    /// already known: the log was read to its end after the exit. With the
+    /// run ended too, nothing of it is left to take before a new one starts
+    /// but its GPU snapshot.
     pub log_taken: Option<(Arc<fs::File>, u64)>,
     /// Where the run began among the kernel messages the warden follows,
     /// if it followed them from before its spawn: with the default
@@ -191,9 +189,10 @@ fn create(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
 }
 
 impl Job {
-    /// Nothing of the run is left: its file work goes to [`LATER`].
-    fn yields(&self) -> bool {
-        self.tree_gone || self.run_ended.load(std::sync::atomic::Ordering::SeqCst)
+    /// Nothing of the run is left: no tree to look for, and its file work
+    /// goes to [`LATER`].
+    fn gone(&self) -> bool {
+        self.run_ended.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -223,7 +222,7 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         None => None,
     };
     // What describes the run as it was, unless known already.
-    let later = job.tree_gone;
+    let later = job.gone();
     let looked = if later && job.log_taken.is_some() {
         None
     } else {
@@ -236,7 +235,7 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     // the commands; the first summary once it is read.
     let (made_tx, made) = tokio::sync::watch::channel(false);
     let (second, d) = (job.clone(), dir.clone());
-    let logged = work(job.yields(), move || {
+    let logged = work(job.gone(), move || {
         let look = looked.unwrap_or_else(|| look(&second));
         let parts = make_folder(&second, &d, &look.tree)?;
         let _ = made_tx.send(true);
@@ -336,7 +335,7 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
         let note = match mark.since() {
             Some(since) => {
                 let d = dir.clone();
-                work(job.yields(), move || write_kernel(&d, &since)).await?
+                work(job.gone(), move || write_kernel(&d, &since)).await?
             }
             // The follower stopped reading meanwhile: the command after all.
             None => {
@@ -352,11 +351,11 @@ pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf>
     summary.complete = true;
     summary.timings.report_done = Some(rfc3339(SystemTime::now()));
     let (d, s) = (dir.clone(), summary);
-    work(job.yields(), move || write_summary(&d, &s)).await??;
+    work(job.gone(), move || write_summary(&d, &s)).await??;
     let (root, instance, keep, max) =
         (job.state_dir.join(FOLDER), job.instance.clone(), job.settings.keep, job.settings.max_size);
     let name = job.name.clone();
-    work(job.yields(), move || retain(&root, &instance, keep, max, &name)).await?;
+    work(job.gone(), move || retain(&root, &instance, keep, max, &name)).await?;
     Ok(dir)
 }
 
@@ -386,7 +385,7 @@ async fn output(
     };
     let program = argv.first().cloned().unwrap_or_default();
     let (dir, py_spy_dir) = (dir.to_path_buf(), dir.join(PY_SPY));
-    work(job.yields(), move || write_output(&dir, &py_spy_dir, part, &program, result)).await
+    work(job.gone(), move || write_output(&dir, &py_spy_dir, part, &program, result)).await
 }
 
 fn exit_text(job: &Job) -> String {
@@ -569,7 +568,7 @@ struct Look {
 
 /// The tree, described; the log opened, and where it ends.
 fn look(job: &Job) -> Look {
-    let tree = if job.tree_gone { Vec::new() } else { crate::child::descendants(job.warden) };
+    let tree = if job.gone() { Vec::new() } else { crate::child::descendants(job.warden) };
     let pythons: Vec<i32> = tree.iter().filter(|p| is_python(p.pid)).map(|p| p.pid).collect();
     let text = describe_tree(&tree);
     let log = match &job.log_taken {
