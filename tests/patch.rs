@@ -7,6 +7,9 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+#[path = "support/nobody.rs"]
+mod nobody;
+
 const CONFIG: &str = r#"{
   "architectures": [
     "DeepseekV3ForCausalLM"
@@ -38,7 +41,8 @@ struct Model {
 impl Model {
     /// `models--org--m/{blobs,snapshots/rev}` with both files as symlinks.
     fn new() -> Model {
-        let dir = tempfile::tempdir().unwrap();
+        // Where the unprivileged user of the read-only test can reach it.
+        let dir = nobody::tempdir().unwrap_or_else(|_| tempfile::tempdir().unwrap());
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let repo = dir.path().join("models--org--m");
         let blobs = repo.join("blobs");
@@ -71,7 +75,12 @@ impl Model {
     }
 
     fn command(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_vllm-warden"));
+        self.command_of(Path::new(env!("CARGO_BIN_EXE_vllm-warden")), args)
+    }
+
+    /// `patch` run by the binary `exe`.
+    fn command_of(&self, exe: &Path, args: &[&str]) -> Command {
+        let mut c = Command::new(exe);
         c.arg("patch").arg("-c").arg(&self.cfg).args(args).env("STATE_DIRECTORY", self.state());
         c
     }
@@ -219,19 +228,31 @@ fn a_missing_file_and_a_path_through_a_non_object_are_clear_errors() {
 fn a_read_only_folder_is_a_clear_error_and_nothing_is_written() {
     let m = Model::new();
     std::fs::set_permissions(&m.snapshot, std::fs::Permissions::from_mode(0o555)).unwrap();
-    // Root writes anywhere: run the command as nobody then.
+    // Root writes anywhere: run the command as nobody then, from a copy of
+    // the binary nobody can reach (the checkout may be in a 0700 folder).
     let root = nix::unistd::geteuid().is_root();
+    let mut exe = PathBuf::from(env!("CARGO_BIN_EXE_vllm-warden"));
     if root {
+        if !nobody::reachable_by_all(m.dir.path()) {
+            // Not a pass: the test did not run, and says why.
+            eprintln!(
+                "SKIPPED: no temporary folder uid {} can reach ({}); as root the write cannot be refused",
+                nobody::UID,
+                nobody::tempdir().err().unwrap_or_default()
+            );
+            return;
+        }
+        exe = nobody::copy_binary(env!("CARGO_BIN_EXE_vllm-warden"), m.dir.path());
         std::fs::create_dir_all(m.state()).unwrap();
-        std::os::unix::fs::chown(m.state(), Some(65534), Some(65534)).unwrap();
+        std::os::unix::fs::chown(m.state(), Some(nobody::UID), Some(nobody::UID)).unwrap();
         for d in [m.dir.path().join("models--org--m"), m.dir.path().join("models--org--m/snapshots")] {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
     }
     let before = m.snapshot_of_files();
-    let mut cmd = m.command(&[]);
+    let mut cmd = m.command_of(&exe, &[]);
     if root {
-        cmd.uid(65534).gid(65534);
+        cmd.uid(nobody::UID).gid(nobody::UID);
     }
     let o = cmd.output().unwrap();
     assert!(!o.status.success());
