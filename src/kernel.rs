@@ -75,11 +75,16 @@ pub fn fault(line: &str) -> Option<Fault> {
 
 /// Whether a kernel message concerns an NVIDIA GPU's health: any Xid (not
 /// only the fatal ones), a GPU fallen off the bus, the driver's GSP or ECC
-/// reports. What goes into a failure report's `kernel.txt`.
+/// reports; or a process's illegal instruction (`traps: python3[4242] trap
+/// invalid opcode ip:… in libfoo.so`: the address, and the library it is in,
+/// of an instruction this CPU refused). What goes into a failure report's
+/// `kernel.txt`.
 pub fn gpu_related(line: &str) -> bool {
     static GPU: LazyLock<Regex> = LazyLock::new(|| {
-        Regex::new(r"NVRM: Xid|fallen off the bus|GPU has fallen|NVRM: GPU at PCI|NVRM: .*(?:GSP|ECC|RmInit)")
-            .expect("static regex")
+        Regex::new(
+            r"NVRM: Xid|fallen off the bus|GPU has fallen|NVRM: GPU at PCI|NVRM: .*(?:GSP|ECC|RmInit)|trap invalid opcode",
+        )
+        .expect("static regex")
     });
     GPU.is_match(line)
 }

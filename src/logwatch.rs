@@ -186,6 +186,10 @@ pub struct Line {
     /// Index of the first permanent pattern the line matches, for fatal
     /// lines and exception lines.
     pub permanent: Option<usize>,
+    /// The cause a fatal line names in fewer words than its own, such as
+    /// `engine worker died: illegal instruction (SIGILL)` for vLLM's
+    /// `Worker proc VllmWorker-0 died unexpectedly (exit code: -4)`.
+    pub cause: Option<String>,
 }
 
 impl Line {
@@ -346,6 +350,8 @@ pub struct Classifier {
     /// an ASCII one ([`parse_prefix`] reads every other line).
     prefix: Arc<Regex>,
     shards: Arc<Regex>,
+    /// vLLM's line for a worker process that ended ([`crate::profile::WORKER_DIED`]).
+    worker_died: Arc<Regex>,
     /// Traceback state per process (vLLM prefixes each line with its
     /// process; raw stderr lines share the key "").
     tracebacks: Tracebacks,
@@ -381,6 +387,7 @@ impl Classifier {
                 Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
                     .expect("static regex"),
             ),
+            worker_died: Arc::new(Regex::new(crate::profile::WORKER_DIED).expect("static regex")),
             tracebacks: Tracebacks::default(),
             next_group: 0,
         })
@@ -453,7 +460,19 @@ impl Classifier {
         } else {
             None
         };
-        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent }
+        let cause = if class == Class::Fatal { self.named_cause(message) } else { None };
+        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent, cause }
+    }
+
+    /// A worker of the engine killed by a signal, named by the signal: the
+    /// exit code vLLM prints for it is the signal's number, negated.
+    fn named_cause(&self, message: &str) -> Option<String> {
+        let c = self.worker_died.captures(message)?;
+        let signal = nix::sys::signal::Signal::try_from(c[1].parse::<i32>().ok()?).ok()?;
+        Some(match crate::child::crash_words(signal) {
+            Some(words) => format!("engine worker died: {words} ({})", signal.as_str()),
+            None => format!("engine worker died: killed by {}", signal.as_str()),
+        })
     }
 
     fn progress_text(&self, message: &str) -> String {

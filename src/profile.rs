@@ -158,6 +158,12 @@ impl Profile {
     }
 }
 
+/// vLLM's line when the engine sees one of its worker processes end,
+/// `Worker proc VllmWorker-0 died unexpectedly (exit code: -4), shutting
+/// down executor.`: a negative code is the signal that killed it (here
+/// SIGILL), which the cause then names.
+pub const WORKER_DIED: &str = r"Worker proc \S+ died unexpectedly \(exit code: -(\d+)\)";
+
 fn to_strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
@@ -209,6 +215,9 @@ fn vllm() -> Patterns {
             r"Failed to find a kernel that can implement",
             r"is not a valid JSON file",
             r"validation errors? for (ModelConfig|VllmConfig|CacheConfig|ParallelConfig|SchedulerConfig)",
+            // A worker killed by SIGILL: an instruction this CPU or kernel
+            // refuses, met again at the same point of every run.
+            r"died unexpectedly \(exit code: -4\)",
         ]),
     }
 }

@@ -1301,7 +1301,7 @@ impl Machine {
             }
         }
         if line.class == Class::Fatal {
-            let message = line.message.trim();
+            let message = line.cause.as_deref().unwrap_or(line.message.trim());
             // Keep the first line, but remember a permanent one that follows.
             let replace = match &run.first_fatal {
                 None => true,

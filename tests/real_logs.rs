@@ -162,6 +162,27 @@ fn engine_death_while_serving_with_exit_0_is_a_failure() {
     assert!(!permanent);
 }
 
+/// The worker died of SIGILL (as on a CPU with AMX whose process never asked
+/// the kernel for tile state): named by its signal, not by the
+/// `EngineDeadError` that follows, and permanent (the same instruction is
+/// met again by the next run).
+#[test]
+fn a_worker_killed_by_sigill_is_named_and_permanent() {
+    let m = replay("g_worker-sigill", Exit::Code(0), None);
+    assert!(matches!(m.state(), State::Reporting(_)));
+    assert_eq!(cause(&m), ("engine worker died: illegal instruction (SIGILL)".to_string(), true));
+    let hint = m.cause().and_then(|c| c.hint.clone()).expect("a hint");
+    assert!(hint.contains("ARCH_REQ_XCOMP_PERM") && hint.contains("--dtype float32"), "{hint}");
+}
+
+/// Where the warden sees the signal itself (the API server killed by it).
+#[test]
+fn a_server_killed_by_sigill_names_the_instruction() {
+    let m = replay("sig_kill-main", Exit::Signal(Signal::SIGILL), None);
+    assert_eq!(cause(&m).0, "exited while serving (killed by SIGILL: illegal instruction)");
+    assert!(m.cause().and_then(|c| c.hint.clone()).expect("a hint").contains("lscpu"));
+}
+
 #[test]
 fn a_killed_api_server_is_an_exit_cause() {
     let m = replay("sig_kill-main", Exit::Signal(Signal::SIGKILL), None);

@@ -552,3 +552,28 @@ fn a_long_drain_of_plain_lines_beats_while_it_reads() {
     assert!(reader.read_to_end(&mut buf, &control, false));
     assert!(rx.try_recv().is_err());
 }
+
+/// A worker killed by a signal is named by it; a crash signal that a retry
+/// meets again (SIGILL) is permanent; other exits keep vLLM's words.
+#[test]
+fn a_worker_killed_by_a_signal_is_named_by_it() {
+    let mut c = vllm();
+    let line = |code: &str| {
+        format!(
+            "(EngineCore pid=20138) ERROR 12-02 02:00:37 [multiproc_executor.py:315] Worker proc VllmWorker-0 died \
+             unexpectedly (exit code: {code}), shutting down executor."
+        )
+    };
+    let ill = c.classify(line("-4"));
+    assert_eq!(ill.class, Class::Fatal);
+    assert_eq!(ill.cause.as_deref(), Some("engine worker died: illegal instruction (SIGILL)"));
+    assert!(ill.permanent.is_some());
+    let segv = c.classify(line("-11"));
+    assert_eq!(segv.cause.as_deref(), Some("engine worker died: segmentation fault (SIGSEGV)"));
+    assert_eq!(segv.permanent, None);
+    assert_eq!(c.classify(line("-9")).cause.as_deref(), Some("engine worker died: killed by SIGKILL"));
+    for other in ["None", "1", "-99"] {
+        let l = c.classify(line(other));
+        assert_eq!((l.class, l.cause, l.permanent), (Class::Fatal, None, None), "{other}");
+    }
+}

@@ -168,6 +168,11 @@ fn gpu_kernel_messages_are_told_from_the_rest() {
     ));
     assert!(crate::kernel::gpu_related("kernel: NVRM: GPU at PCI:0000:41:00: GPU-3b0b has fallen off the bus."));
     assert!(!crate::kernel::gpu_related("kernel: usb 1-1: new high-speed USB device number 2"));
+    // An illegal instruction's trap names the library that holds it.
+    assert!(crate::kernel::gpu_related(
+        "kernel: traps: VLLM::Worker[4242] trap invalid opcode ip:7f0e2c1d3a10 sp:7f0d8bffe5e0 error:0 in \
+         _C.abi3.so[7f0e2b800000+1e00000]"
+    ));
 }
 
 /// The tests of the start's flag, one at a time (it is the process's).
