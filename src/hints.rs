@@ -200,6 +200,9 @@ mod tests {
             "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine",
             "ValueError: Free memory on device (10.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
             "RuntimeError: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)",
+            // The cause the classifier names from `Worker proc VllmWorker-0
+            // died unexpectedly (exit code: -4)` (tests/fixtures/g_worker-sigill.log).
+            "engine worker died: illegal instruction (SIGILL)",
             "RuntimeError: Executor failed.",
             "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
