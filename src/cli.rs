@@ -168,14 +168,21 @@ fn load(path: &Path) -> Result<Settings, Code> {
 /// is none.
 fn check(path: &Path) -> Code {
     let (settings, mut problems) = config::load_all(path, &Dirs::from_env());
+    let mut child = None;
     if let Some(s) = &settings {
         problems.extend(crate::environment::check_environment(s));
+        let (said, warnings) = crate::environment::describe_child(s);
+        for w in warnings {
+            eprintln!("warning: {w}");
+        }
+        child = Some(said);
     }
     problems.dedup();
     if problems.is_empty()
         && let Some(s) = &settings
     {
         println!("{}: config of instance {:?} is valid", path.display(), s.name);
+        print!("{}", child.unwrap_or_default());
         print!("{}", config::describe_patterns(s));
         return Code::Ok;
     }

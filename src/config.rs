@@ -222,6 +222,12 @@ pub struct Child {
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub cwd: Option<PathBuf>,
+    /// `cache-dir`: where the child's caches go (see [`crate::caches`]);
+    /// `$CACHE_DIRECTORY` by default, `None` when there is none or it is
+    /// set to `""`.
+    pub cache_dir: Option<PathBuf>,
+    /// `$RUNTIME_DIRECTORY`: vLLM's IPC sockets go into a folder of it.
+    pub runtime_dir: Option<PathBuf>,
     pub log_file: PathBuf,
     /// `log-max-size`, `log-keep`, `log-compress`.
     pub log_rotation: crate::rotate::Rotation,
@@ -378,6 +384,7 @@ pub struct Dirs {
     pub runtime: Option<PathBuf>,
     pub state: Option<PathBuf>,
     pub logs: Option<PathBuf>,
+    pub cache: Option<PathBuf>,
 }
 
 impl Dirs {
@@ -388,7 +395,12 @@ impl Dirs {
                 .and_then(|v| v.to_str().and_then(|s| s.split(':').next()).map(PathBuf::from))
                 .filter(|p| !p.as_os_str().is_empty())
         };
-        Dirs { runtime: first("RUNTIME_DIRECTORY"), state: first("STATE_DIRECTORY"), logs: first("LOGS_DIRECTORY") }
+        Dirs {
+            runtime: first("RUNTIME_DIRECTORY"),
+            state: first("STATE_DIRECTORY"),
+            logs: first("LOGS_DIRECTORY"),
+            cache: first("CACHE_DIRECTORY"),
+        }
     }
 }
 
@@ -541,6 +553,14 @@ fn child(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Child {
         Some(env)
     });
     let cwd = k.read("cwd", None, |r, v| r.string(v, "cwd").map(|s| Some(PathBuf::from(s))));
+    let cache_dir = k.read("cache-dir", dirs.cache.clone(), |r, v| {
+        let s = r.string(v, "cache-dir")?;
+        if !s.is_empty() && !s.starts_with('/') {
+            r.problem(Some(v.span()), "`cache-dir` must be an absolute path, or \"\" for none");
+            return None;
+        }
+        Some((!s.is_empty()).then(|| PathBuf::from(s)))
+    });
     let log_dir = dirs.logs.clone().unwrap_or_else(|| PathBuf::from(defaults::LOG_DIR));
     let log_file = k.path("log-file", log_dir.join(format!("{name}.log")));
     let log_rotation = crate::rotate::Rotation {
@@ -553,7 +573,17 @@ fn child(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Child {
     };
     let stop_signal = k.read("stop-signal", defaults::STOP_SIGNAL, stop_signal);
     let stop_timeout = k.duration("stop-timeout", defaults::STOP_TIMEOUT, limits::WAIT);
-    Child { command, env, cwd, log_file, log_rotation, stop_signal, stop_timeout }
+    Child {
+        command,
+        env,
+        cwd,
+        cache_dir,
+        runtime_dir: dirs.runtime.clone(),
+        log_file,
+        log_rotation,
+        stop_signal,
+        stop_timeout,
+    }
 }
 
 fn command(r: &mut Reader<'_>, v: &Value<'_>) -> Vec<String> {

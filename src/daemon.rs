@@ -87,6 +87,10 @@ pub async fn run(
         tree: TreeRecord::new(settings.state_dir.clone(), settings.name.clone(), token.clone()),
         view: view_tx,
     };
+    observer.status.set_cache_dir(settings.child.cache_dir.as_deref());
+    for w in crate::environment::describe_child(&settings).1 {
+        tracing::warn!(INSTANCE = settings.name.as_str(), EVENT = "caches", "{w}");
+    }
     let shared = crate::server::Shared {
         view: view_rx,
         heartbeat,
@@ -252,6 +256,7 @@ impl driver::Observer for Reports {
     }
     fn reconfigure(&mut self, s: &Settings) {
         self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
+        self.status.set_cache_dir(s.child.cache_dir.as_deref());
     }
 
     fn settled(&mut self) {
@@ -708,7 +713,11 @@ impl Backend for Real {
         let spawned = std::time::SystemTime::now();
         let (file, offset) = child::open_log(&log_path, start, spawned)
             .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
-        let mut env = c.env.clone();
+        // The warden's cache and socket folders, where neither child.env
+        // nor the warden's environment names one.
+        let mut env: std::collections::BTreeMap<String, String> =
+            crate::caches::child_env(&crate::caches::of(&self.settings)).collect();
+        env.extend(c.env.clone());
         env.insert(crate::prestart::RUN_TOKEN.into(), self.token.clone());
         let spec = Spec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
         let kernel = self.kernel.as_ref().and_then(|(_, f)| f.mark());

@@ -16,18 +16,8 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
     let mut out = Vec::new();
     let mut say = |message: String| out.push(Problem { file: s.source.clone(), at: None, message });
     let program = s.child.command.first().map_or("", String::as_str);
-    if !program.is_empty() {
-        match resolve_program(program, s.child.env.get("PATH").map(String::as_str)) {
-            Some(p) => {
-                use std::os::unix::fs::PermissionsExt;
-                match std::fs::metadata(&p) {
-                    Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
-                    Ok(_) => say(format!("`command`: {} is not an executable file", p.display())),
-                    Err(e) => say(format!("`command`: {}: {e}", p.display())),
-                }
-            }
-            None => say(format!("`command`: program {program:?} not found in PATH")),
-        }
+    for problem in child_problems(s) {
+        say(problem);
     }
     if let Some(cluster) = &s.prestart.ray {
         // The Python that asks the cluster: beside the child's program,
@@ -61,6 +51,237 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
         say(format!("[[patch]] {problem}"));
     }
     out
+}
+
+/// What keeps the child from starting, as this process's user (the
+/// child's) sees it: its program (and, for a script, the interpreter of
+/// its `#!` line: a venv's `python3` is a link that may lead where the
+/// service user cannot go), the model folder of `vllm serve`, a model of
+/// the hub that cannot be read, and the folders the child writes. Checked
+/// by `check` and before every start, so that such a start fails in a
+/// second with the path, the uid and the fix, not after a load.
+pub fn child_problems(s: &Settings) -> Vec<String> {
+    let mut out = Vec::new();
+    let uid = nix::unistd::geteuid();
+    let program = s.child.command.first().map_or("", String::as_str);
+    if !program.is_empty() {
+        match resolve_program(program, s.child.env.get("PATH").map(String::as_str)) {
+            Some(p) => {
+                if let Err(e) = executable(&p) {
+                    out.push(format!("`command`: {}: {e} for uid {uid}", p.display()));
+                } else if let Some((interpreter, e)) =
+                    interpreter_problem(&p, s.child.env.get("PATH").map(String::as_str))
+                {
+                    out.push(format!(
+                        "`command`: {} runs {interpreter} (its #! line): {e} for uid {uid}; the service user must \
+                         be able to run it (a venv made from an interpreter under a 0700 home is not)",
+                        p.display()
+                    ));
+                }
+            }
+            None => out.push(format!("`command`: program {program:?} not found in PATH")),
+        }
+    }
+    if s.profile == crate::profile::Profile::Vllm
+        && let Some(model) = model_of(&s.child.command)
+    {
+        match Model::of(&model) {
+            Model::Local(dir) => {
+                out.extend(model_folder(&dir).err().map(|e| format!("model {}: {e} for uid {uid}", dir.display())))
+            }
+            Model::Hub(id) => out.extend(hub(s, &id).1),
+        }
+    }
+    let writes = crate::caches::of(s);
+    out.extend(crate::caches::problems(&writes).0);
+    out
+}
+
+/// What `check` shows of where the child writes and what it reads: each
+/// variable with its value and who set it, the model; and the warnings (a
+/// cache that will not outlive the service).
+pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
+    use std::fmt::Write;
+    let writes = crate::caches::of(s);
+    let mut out = String::new();
+    if !writes.is_empty() {
+        let _ = writeln!(out, "the child's caches and sockets:");
+        for v in &writes {
+            let by = if v.ours {
+                "set by the warden"
+            } else if s.child.env.contains_key(&v.name) {
+                "from child.env"
+            } else {
+                "from the warden's environment"
+            };
+            let _ = writeln!(out, "  {}={} ({by})", v.name, v.value.display());
+        }
+    }
+    if s.profile == crate::profile::Profile::Vllm
+        && let Some(model) = model_of(&s.child.command)
+    {
+        let said = match Model::of(&model) {
+            Model::Local(p) => format!("model {}: a local folder, readable", p.display()),
+            Model::Hub(id) => hub(s, &id).0,
+        };
+        let _ = writeln!(out, "{said}");
+    }
+    (out, crate::caches::problems(&writes).1)
+}
+
+/// `Ok` when this user may run `p` (a file with the right to execute).
+fn executable(p: &Path) -> Result<(), String> {
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_file() => nix::unistd::access(p, nix::unistd::AccessFlags::X_OK)
+            .map_err(|e| format!("not executable ({})", io::Error::from(e))),
+        Ok(_) => Err("is not an executable file".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The interpreter of a script's `#!` line, when this user cannot run it:
+/// its path (for `#!/usr/bin/env NAME`, NAME as found in PATH) and why.
+fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, String)> {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let n = std::fs::File::open(script).and_then(|mut f| f.read(&mut head)).ok()?;
+    let line = head[..n].strip_prefix(b"#!")?;
+    let line = String::from_utf8_lossy(line.split(|b| *b == b'\n').next()?).into_owned();
+    let mut words = line.split_whitespace();
+    let first = words.next()?;
+    let interpreter = if Path::new(first).file_name().is_some_and(|f| f == "env") {
+        let name = words.find(|w| !w.starts_with('-'))?;
+        match resolve_program(name, path) {
+            Some(p) => p,
+            None => return Some((name.to_string(), "not found in PATH".into())),
+        }
+    } else {
+        PathBuf::from(first)
+    };
+    executable(&interpreter).err().map(|e| (interpreter.display().to_string(), e))
+}
+
+/// The model of `vllm serve MODEL` (or `--model MODEL`), as written.
+pub fn model_of(command: &[String]) -> Option<String> {
+    if let Some(i) = command.iter().position(|a| a == "--model") {
+        return command.get(i + 1).cloned();
+    }
+    if let Some(m) = command.iter().find_map(|a| a.strip_prefix("--model=")) {
+        return Some(m.to_string());
+    }
+    let serve = command.iter().position(|a| a == "serve")?;
+    command.get(serve + 1).filter(|a| !a.starts_with('-')).cloned()
+}
+
+/// A model as vLLM reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Model {
+    /// A folder (or file) on this machine.
+    Local(PathBuf),
+    /// A repository id of the Hugging Face hub, `org/name`.
+    Hub(String),
+}
+
+impl Model {
+    /// As vLLM decides: what exists on disk is local, and so is what is
+    /// written as a path; else an id of the hub.
+    pub fn of(model: &str) -> Model {
+        let p = Path::new(model);
+        let pathlike = model.starts_with('/') || model.starts_with("./") || model.starts_with("../");
+        if pathlike || std::fs::symlink_metadata(p).is_ok() || model.split('/').count() > 2 {
+            Model::Local(p.to_path_buf())
+        } else {
+            Model::Hub(model.to_string())
+        }
+    }
+}
+
+/// `Ok` when the model folder can be read, with its `config.json` (or
+/// `params.json`, Mistral's format); a single file (GGUF) must be readable.
+fn model_folder(p: &Path) -> Result<(), String> {
+    use nix::unistd::{AccessFlags, access};
+    let m = std::fs::metadata(p).map_err(|e| e.to_string())?;
+    if m.is_file() {
+        return std::fs::File::open(p).map(drop).map_err(|e| format!("cannot be read ({e})"));
+    }
+    access(p, AccessFlags::R_OK | AccessFlags::X_OK).map_err(|e| format!("cannot be read ({})", io::Error::from(e)))?;
+    let mut last = None;
+    for name in ["config.json", "params.json"] {
+        match std::fs::File::open(p.join(name)) {
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => last = Some(format!("{name} cannot be read ({e})")),
+        }
+    }
+    Err(last.unwrap_or_else(|| "has no config.json".into()))
+}
+
+/// What `check` says of a model of the hub, and the problems: whether it is
+/// read offline (`HF_HUB_OFFLINE`), from which hub cache, and, when a
+/// download may happen, whether the service user can write that cache.
+pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>) {
+    let writes = crate::caches::of(s);
+    let get = |k: &str| {
+        s.child
+            .env
+            .get(k)
+            .cloned()
+            .or_else(|| std::env::var(k).ok())
+            .or_else(|| writes.iter().find(|v| v.name == k).map(|v| v.value.display().to_string()))
+            .filter(|v| !v.is_empty())
+    };
+    let cache = get("HF_HUB_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        let home = get("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
+            let xdg = get("XDG_CACHE_HOME").map(PathBuf::from);
+            xdg.unwrap_or_else(|| Path::new(&get("HOME").unwrap_or_else(|| "/".into())).join(".cache"))
+                .join("huggingface")
+        });
+        home.join("hub")
+    });
+    let offline = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"]
+        .iter()
+        .find(|k| get(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true")));
+    let uid = nix::unistd::geteuid();
+    let folder = cache.join(format!("models--{}", id.replace('/', "--")));
+    match offline {
+        Some(k) => {
+            let said = format!("model {id}: from the Hugging Face hub, offline ({k}=1), read from {}", cache.display());
+            let problems = if folder.is_dir() {
+                vec![]
+            } else {
+                vec![format!(
+                    "model {id}: not in the hub cache ({} is missing) and {k}=1 forbids a download",
+                    folder.display()
+                )]
+            };
+            (said, problems)
+        }
+        None => {
+            let said = format!(
+                "model {id}: from the Hugging Face hub, online: downloaded into {} when missing or changed",
+                cache.display()
+            );
+            let var = crate::caches::Var {
+                name: "HF_HUB_CACHE".into(),
+                value: cache.clone(),
+                kind: crate::caches::Kind::Cache,
+                ours: false,
+            };
+            let problems = crate::caches::problems(&[var])
+                .0
+                .into_iter()
+                .map(|_| {
+                    format!(
+                        "model {id}: the hub cache {} is not writable by uid {uid}, so a download would fail: set \
+                         HF_HUB_OFFLINE = \"1\" in child.env with the model in the cache, or HF_HOME in child.env to a \
+                         folder the service user can write (and ReadWritePaths= for it)",
+                        cache.display()
+                    )
+                })
+                .collect();
+            (said, problems)
+        }
+    }
 }
 
 /// Why the warden could not use `dir` as its state directory (its lock,

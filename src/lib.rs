@@ -13,6 +13,7 @@
 //! | [`lock`] | one warden per instance |
 //! | [`config`] | TOML → validated [`config::Settings`], every problem with file:line:col |
 //! | [`environment`] | what `check` verifies outside the config file |
+//! | [`caches`] | where the child writes: its caches and IPC sockets, and what stands in the way |
 //! | [`profile`] | the built-in patterns: vLLM, a Ray head, a Ray node |
 //! | [`logwatch`] | following the log file; classifying lines |
 //! | [`patch`] | JSON edits of model files, atomic writes, backups, revert |
@@ -38,6 +39,7 @@
 //! | [`assets`] | man pages and completions |
 
 pub mod assets;
+pub mod caches;
 pub mod child;
 pub mod cli;
 pub mod config;

@@ -67,6 +67,14 @@ fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Re
     status("cleaning /dev/shm".into());
     clean_leftover_files(s);
 
+    // The child's program, model and the folders it writes, made, and the
+    // last run's sockets gone: what would kill the start after a load is
+    // a failure now, naming the path, the uid and the fix.
+    crate::caches::prepare(&crate::caches::of(s)).map_err(StartFailure::permanent)?;
+    if let Some(problem) = crate::environment::child_problems(s).into_iter().next() {
+        return Err(StartFailure::permanent(problem));
+    }
+
     // 4. The port, at first sight.
     Ok(match s.prestart.port {
         Some(port) if !prestart::port_free(port) => Blocking::PortHeld(port, prestart::describe_holders(port)),

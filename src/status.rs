@@ -90,6 +90,22 @@ pub struct Doc {
     /// The last failed run and its failure report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<LastFailure>,
+    /// Where the child's caches go, and their size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<Cache>,
+}
+
+/// The cache directory (`child.cache-dir`) and its size, measured at each
+/// start and each ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cache {
+    pub dir: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_at: Option<String>,
 }
 
 /// A human field from data (a log line, a process's command line): one
@@ -133,6 +149,9 @@ pub struct Reporter {
     moved: bool,
     /// Lines of the child dropped from the journal so far.
     journal_dropped: u64,
+    /// The cache directory, and its size as last measured.
+    cache_dir: Option<PathBuf>,
+    meter: crate::caches::Meter,
 }
 
 impl Reporter {
@@ -156,6 +175,21 @@ impl Reporter {
             pending: false,
             moved: false,
             journal_dropped: 0,
+            cache_dir: None,
+            meter: crate::caches::Meter::default(),
+        }
+    }
+
+    /// The cache directory to show and measure (a reloaded config may
+    /// change it).
+    pub fn set_cache_dir(&mut self, dir: Option<&Path>) {
+        if self.cache_dir.as_deref() != dir {
+            self.cache_dir = dir.map(Path::to_path_buf);
+            self.meter = crate::caches::Meter::default();
+            if let Some(d) = dir {
+                self.meter.measure(d);
+            }
+            self.pending = true;
         }
     }
 
@@ -186,6 +220,12 @@ impl Reporter {
             .is_some_and(|last| *last == Snapshot { progress: last.progress.clone(), ..snap.clone() });
         let now = SystemTime::now();
         if self.phase != Some(snap.phase) {
+            // Before a load and after it: what the load added.
+            if let Some(dir) = &self.cache_dir
+                && matches!(snap.phase, Phase::Starting | Phase::Ready)
+            {
+                self.meter.measure(dir);
+            }
             self.phase = Some(snap.phase);
             self.since = now;
             self.ready_since = (snap.phase == Phase::Ready).then_some(now);
@@ -221,13 +261,18 @@ impl Reporter {
         }
     }
 
-    /// When [`Reporter::flush`] should write what waits.
+    /// When [`Reporter::flush`] should write what waits (or look whether
+    /// the cache's size has come).
     pub fn due(&self) -> Option<std::time::Instant> {
-        self.pending.then(|| self.written_at.map_or_else(std::time::Instant::now, |t| t + PROGRESS_EVERY))
+        let waits = self.pending || self.meter.waiting();
+        waits.then(|| self.written_at.map_or_else(std::time::Instant::now, |t| t + PROGRESS_EVERY))
     }
 
     /// Write what waits, if anything does.
     pub fn flush(&mut self) {
+        if self.meter.take().1 {
+            self.pending = true;
+        }
         if self.pending {
             self.write();
         }
@@ -294,6 +339,15 @@ impl Reporter {
             cause: snap.cause.as_deref().map(safe),
             hint: snap.hint.as_deref().map(safe),
             exit_code: snap.exit_code.map(|c| i32::from(c.as_u8())),
+            cache: self.cache_dir.as_ref().map(|dir| {
+                let size = self.meter.take().0;
+                Cache {
+                    dir: safe(&dir.to_string_lossy()),
+                    bytes: size.map(|s| s.bytes),
+                    files: size.map(|s| s.files),
+                    measured_at: size.map(|s| rfc3339(s.at)),
+                }
+            }),
             last_failure: snap.last_failure.as_ref().map(|f| LastFailure {
                 cause: safe(&f.cause),
                 class: f.class,
@@ -495,7 +549,30 @@ pub fn summary(v: &Verdict) -> String {
             let _ = write!(out, "\nreport: {}", safe(r));
         }
     }
+    if let Some(c) = &doc.cache {
+        let _ = write!(out, "\ncache: {}", safe(&c.dir));
+        if let (Some(bytes), Some(files), Some(at)) = (c.bytes, c.files, &c.measured_at) {
+            let _ = write!(out, ", {} in {files} file(s) (measured {})", human_bytes(bytes), safe(at));
+        }
+    }
     out
+}
+
+/// `1.5 GiB`, `12.0 MiB`, `512 B`.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let (mut v, mut unit) = (n as f64 / 1024.0, UNITS[0]);
+    for u in &UNITS[1..] {
+        if v < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    format!("{v:.1} {unit}")
 }
 
 #[cfg(test)]
@@ -604,6 +681,44 @@ mod tests {
         r.flush();
         let text = std::fs::read_to_string(&metrics_path).unwrap();
         assert!(text.contains("vllm_warden_journal_dropped_lines_total{name=\"kimi\"} 12\n"), "{text}");
+    }
+
+    /// The cache directory and its size, measured off the caller's thread
+    /// when the server starts and when it is ready, reach the document
+    /// and `status`.
+    #[test]
+    fn the_document_names_the_cache_directory_and_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let cache = dir.path().join("cache");
+        std::fs::create_dir_all(cache.join("vllm/torch_compile_cache")).unwrap();
+        std::fs::write(cache.join("vllm/torch_compile_cache/a"), vec![7u8; 10_000]).unwrap();
+        let mut r = Reporter::new("kimi", &path, None);
+        r.set_cache_dir(Some(&cache));
+        let read = || serde_json::from_str::<Doc>(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        r.update(&s);
+        r.meter.wait(Duration::from_secs(60));
+        assert!(r.due().is_some(), "a new size waits to be written");
+        r.flush();
+        let c = read().cache.unwrap();
+        assert_eq!((c.dir.as_str(), c.files), (cache.to_str().unwrap(), Some(1)));
+        assert!(c.bytes.unwrap() >= 10_000 && c.measured_at.is_some(), "{c:?}");
+        // The load wrote more: measured again at ready.
+        std::fs::write(cache.join("vllm/torch_compile_cache/b"), vec![7u8; 10_000]).unwrap();
+        r.update(&snap());
+        r.meter.wait(Duration::from_secs(60));
+        r.flush();
+        let doc = read();
+        assert_eq!(doc.cache.as_ref().unwrap().files, Some(2));
+        let shown = summary(&Verdict::Ready(doc));
+        assert!(
+            shown.contains(&format!("\ncache: {}, ", cache.display())) && shown.contains(" in 2 file(s) (measured "),
+            "{shown}"
+        );
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
     }
 
     /// Issue "untrickable", case 1: escape sequences from a port holder's

@@ -313,7 +313,9 @@ fn a_missing_program_is_permanent() {
         )
     });
     assert_eq!(w.wait_exit(), 78);
-    assert!(w.statuses().last().unwrap().contains("cannot start /nonexistent/vllm"));
+    // Named by the step before the spawn, with the uid.
+    let last = w.statuses().last().unwrap().to_string();
+    assert!(last.contains("`command`: /nonexistent/vllm: No such file or directory (os error 2) for uid"), "{last}");
 }
 
 #[test]

@@ -225,7 +225,7 @@ fn value_for(key: &'static str) -> BoxedStrategy<String> {
         "set" => strings(vec!["{ \"b.c\" = 2, a = [true, 1.5] }"]),
         "profile" => strings(vec!["\"vllm\"", "\"none\""]),
         "name" => strings(vec!["\"kimi\"", "\"a.b-c_d\""]),
-        "cwd" | "log-file" | "file" | "metrics-file" => strings(vec!["\"/tmp/x\"", "\"\""]),
+        "cwd" | "log-file" | "file" | "metrics-file" | "cache-dir" => strings(vec!["\"/tmp/x\"", "\"\""]),
         _ => (1u64..30, select(vec!["ms", "s", "m", "h"])).prop_map(|(n, u)| quoted(format!("{n}{u}"))).boxed(),
     };
     prop_oneof![40 => likely, 1 => any_value()].boxed()
@@ -257,7 +257,7 @@ fn section(
 fn structured() -> impl Strategy<Value = String> {
     let sections = (
         section("", &[], &["name", "profile"]),
-        section("[child]\n", &["command"], &["env", "cwd", "log-file", "stop-signal", "stop-timeout"]),
+        section("[child]\n", &["command"], &["env", "cwd", "cache-dir", "log-file", "stop-signal", "stop-timeout"]),
         prop::collection::vec(section("[[patch]]\n", &["file"], &["remove", "set"]), 0..3),
         section("[prestart]\n", &[], &["clean-shm", "port", "port-wait", "gpu-idle-wait", "gpu-query"]),
         section("[ready]\n", &[], &["log", "http", "timeout", "stall", "progress"]),

@@ -26,10 +26,18 @@ fn systemd_directories_give_the_defaults() {
         runtime: Some("/run/vllm-warden/x".into()),
         state: Some("/var/lib/vllm-warden/x".into()),
         logs: Some("/var/log/vllm-warden".into()),
+        cache: Some("/var/cache/vllm-warden/x".into()),
     };
     let s = parse("[child]\ncommand = [\"v\"]\n", Path::new("x.toml"), &dirs).unwrap();
     assert_eq!(s.status.file, PathBuf::from("/run/vllm-warden/x/status.json"));
     assert_eq!(s.child.log_file, PathBuf::from("/var/log/vllm-warden/x.log"));
+    assert_eq!(s.child.cache_dir, Some(PathBuf::from("/var/cache/vllm-warden/x")));
+    assert_eq!(s.child.runtime_dir, Some(PathBuf::from("/run/vllm-warden/x")));
+    // `""`: no cache directory, whatever systemd gives.
+    let s = parse("[child]\ncommand = [\"v\"]\ncache-dir = \"\"\n", Path::new("x.toml"), &dirs).unwrap();
+    assert_eq!(s.child.cache_dir, None);
+    let e = parse("[child]\ncommand = [\"v\"]\ncache-dir = \"rel\"\n", Path::new("x.toml"), &dirs).unwrap_err();
+    assert!(e.to_string().contains("x.toml:3:13: `cache-dir` must be an absolute path"), "{e}");
 }
 
 #[test]
@@ -137,8 +145,12 @@ struct Row {
 
 /// The range is the end of the meaning: `…; from `A` to `B``.
 fn man_page_rows() -> Vec<Row> {
+    // The keys' table, in DESCRIPTION (other sections have tables too).
     include_str!("../../docs/vllm-warden.toml.5.md")
         .lines()
+        .skip_while(|l| *l != "# DESCRIPTION")
+        .skip(1)
+        .take_while(|l| !l.starts_with("# "))
         .filter(|l| l.starts_with("| `"))
         .map(|l| {
             let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
