@@ -38,72 +38,107 @@ pub struct Known {
     /// directory); empty: the folder itself.
     pub sub: &'static str,
     pub kind: Kind,
+    /// The variable whose default this one derives from: when the operator
+    /// sets that one, this one follows it and the warden leaves it alone.
+    pub parent: Option<&'static str>,
     /// Who writes there, shown by `check` and the man page.
     pub who: &'static str,
 }
 
-/// Every variable set under the cache directory, from vLLM 0.32's
-/// `envs.py` and the libraries it loads.
+/// Every variable set under the cache directory: read in vLLM 0.32's
+/// `envs.py` and the libraries it loads (torch 2.13, Triton, Hugging Face,
+/// numba, tvm-ffi), and FlashInfer's public source (not in the CPU build).
+/// Two are left unset on purpose: `TRITON_CACHE_DIR` (when it is unset,
+/// vLLM keeps Triton's kernels per model in its own compile cache; Triton's
+/// own default follows `TRITON_HOME`), and `DG_JIT_CACHE_DIR` (vLLM sets it
+/// to `VLLM_CACHE_ROOT/deep_gemm` when it is unset).
 pub const CACHES: &[Known] = &[
     Known {
         name: "XDG_CACHE_HOME",
         sub: "",
         kind: Kind::Cache,
-        who: "the default cache root of vLLM, torch (hub, kernels, extensions), Triton's fallbacks and others",
+        parent: None,
+        who: "the default cache root of vLLM (assets), torch (hub, kernels, extensions), numba, outlines",
     },
     Known {
         name: "XDG_CONFIG_HOME",
         sub: "config",
         kind: Kind::Cache,
-        who: "configuration files libraries write at run time",
+        parent: None,
+        who: "configuration files written at run time",
     },
     Known {
         name: "VLLM_CONFIG_ROOT",
         sub: "config/vllm",
         kind: Kind::Cache,
-        who: "vLLM's config root (its usage-stats file and tuned kernel configs)",
+        parent: Some("XDG_CONFIG_HOME"),
+        who: "vLLM's config root (usage statistics, `do_not_track`)",
     },
     Known {
         name: "VLLM_CACHE_ROOT",
         sub: "vllm",
         kind: Kind::Cache,
-        who: "vLLM: torch.compile artefacts (torch_compile_cache/), downloaded assets, kernel caches",
+        parent: Some("XDG_CACHE_HOME"),
+        who: "vLLM: torch.compile artefacts (`torch_compile_cache/`, with inductor's and Triton's kernels per model), \
+              model info, DeepGEMM's and FlashInfer's caches",
     },
     Known {
         name: "TORCHINDUCTOR_CACHE_DIR",
         sub: "torchinductor",
         kind: Kind::Cache,
-        who: "torch inductor's compiled kernels (default /tmp/torchinductor_USER)",
+        parent: None,
+        who: "torch inductor's kernels outside vLLM's compile (default `/tmp/torchinductor_USER`)",
     },
-    Known { name: "TRITON_CACHE_DIR", sub: "triton", kind: Kind::Cache, who: "Triton's compiled kernels" },
     Known {
         name: "TRITON_HOME",
         sub: "",
         kind: Kind::Cache,
-        who: "Triton's home (.triton/ with its dump and override folders; default $HOME)",
+        parent: None,
+        who: "Triton's `.triton/` (cache, dump, override; default `$HOME`)",
     },
     Known {
         name: "CUDA_CACHE_PATH",
         sub: "nv/ComputeCache",
         kind: Kind::Cache,
-        who: "CUDA's JIT cache of PTX compiled for this GPU (default ~/.nv/ComputeCache)",
+        parent: None,
+        who: "CUDA's JIT cache of PTX compiled for this GPU (default `~/.nv/ComputeCache`)",
     },
     Known {
         name: "FLASHINFER_WORKSPACE_BASE",
         sub: "",
         kind: Kind::Cache,
-        who: "FlashInfer's JIT kernels and autotune results (.cache/flashinfer/ under it; default $HOME)",
+        parent: None,
+        who: "FlashInfer's JIT kernels and cubins (`.cache/flashinfer/` under it; default `$HOME`)",
     },
-    Known { name: "DG_JIT_CACHE_DIR", sub: "deep_gemm", kind: Kind::Cache, who: "DeepGEMM's JIT kernels" },
+    Known {
+        name: "TVM_FFI_CACHE_DIR",
+        sub: "tvm-ffi",
+        kind: Kind::Cache,
+        parent: None,
+        who: "tvm-ffi's JIT builds, for FlashInfer and CuTe kernels (default `~/.cache/tvm-ffi`)",
+    },
     Known {
         name: "HF_MODULES_CACHE",
         sub: "huggingface/modules",
         kind: Kind::Cache,
-        who: "the code of --trust-remote-code models (default HF_HOME/modules)",
+        parent: Some("HF_HOME"),
+        who: "the code of `--trust-remote-code` models (default `HF_HOME/modules`)",
     },
-    Known { name: "NUMBA_CACHE_DIR", sub: "numba", kind: Kind::Cache, who: "numba's compiled functions" },
-    Known { name: "OUTLINES_CACHE_DIR", sub: "outlines", kind: Kind::Cache, who: "outlines' guided-decoding cache" },
-    Known { name: "MPLCONFIGDIR", sub: "matplotlib", kind: Kind::Cache, who: "matplotlib's font cache" },
+    Known {
+        name: "NUMBA_CACHE_DIR",
+        sub: "numba",
+        kind: Kind::Cache,
+        parent: None,
+        who: "numba's compiled functions (its default is beside the code, in the read-only venv)",
+    },
+    Known {
+        name: "OUTLINES_CACHE_DIR",
+        sub: "outlines",
+        kind: Kind::Cache,
+        parent: None,
+        who: "outlines' guided-decoding cache",
+    },
+    Known { name: "MPLCONFIGDIR", sub: "matplotlib", kind: Kind::Cache, parent: None, who: "matplotlib's font cache" },
 ];
 
 /// vLLM's ZMQ IPC sockets (default: the temporary folder, where every run
@@ -112,8 +147,13 @@ pub const SOCKETS: Known = Known {
     name: "VLLM_RPC_BASE_PATH",
     sub: "vllm-ipc",
     kind: Kind::Sockets,
+    parent: None,
     who: "vLLM's ZMQ IPC sockets between its processes",
 };
+
+/// The longest sockets folder: ZMQ's `ipc://` paths are limited to 107
+/// bytes (`sun_path`), and vLLM adds `/` and a 36-byte UUID.
+pub const SOCKETS_MAX: usize = 70;
 
 /// The Hugging Face hub cache follows `XDG_CACHE_HOME`: when the warden
 /// sets that, `HF_HOME` is set to where the hub cache was before
@@ -146,9 +186,16 @@ pub fn plan(
     let mut out = Vec::new();
     let mut add = |k: &Known, base: Option<&Path>| match given(k.name) {
         Some(v) => out.push(Var { name: k.name.into(), value: PathBuf::from(v), kind: k.kind, ours: false }),
+        // It follows the operator's choice of its parent.
+        None if k.parent.is_some_and(|p| given(p).is_some()) => {}
         None => {
             if let Some(base) = base {
                 let value = if k.sub.is_empty() { base.to_path_buf() } else { base.join(k.sub) };
+                // Too long for a socket path: vLLM's default (the private
+                // temporary folder) rather than a start that fails.
+                if k.kind == Kind::Sockets && value.as_os_str().len() > SOCKETS_MAX {
+                    return;
+                }
                 out.push(Var { name: k.name.into(), value, kind: k.kind, ours: true });
             }
         }
@@ -189,6 +236,13 @@ pub fn problems(vars: &[Var]) -> (Vec<String>, Vec<String>) {
     let uid = nix::unistd::geteuid();
     for v in vars.iter().filter(|v| v.kind != Kind::Hub) {
         let shown = format!("{}={}", v.name, v.value.display());
+        if v.kind == Kind::Sockets && v.value.as_os_str().len() > SOCKETS_MAX {
+            bad.push(format!(
+                "{shown}: longer than {SOCKETS_MAX} bytes: vLLM's socket paths under it would pass the 107 bytes a \
+                 UNIX socket path may have; choose a shorter folder"
+            ));
+            continue;
+        }
         if let Err(why) = writable_or_creatable(&v.value) {
             let fix = if v.ours {
                 "the cache directory is the unit's CacheDirectory= (or child.cache-dir)".to_string()
@@ -387,6 +441,7 @@ mod tests {
         assert_eq!(get("HF_HOME").as_deref(), Some("/var/lib/vllm-warden/.cache/huggingface"));
         assert!(vars.iter().all(|v| v.ours));
         assert_eq!(vars.len(), CACHES.len() + 2);
+        assert!(!vars.iter().any(|v| v.name == "TRITON_CACHE_DIR" || v.name == "DG_JIT_CACHE_DIR"), "left to vLLM");
     }
 
     /// The man page's table says every variable and its value.
@@ -404,19 +459,29 @@ mod tests {
 
     #[test]
     fn an_operators_choice_wins_and_nothing_is_set_without_a_cache_directory() {
-        let env = BTreeMap::from([("TRITON_CACHE_DIR".to_string(), "/srv/triton".to_string())]);
+        let env = BTreeMap::from([("TORCHINDUCTOR_CACHE_DIR".to_string(), "/srv/inductor".to_string())]);
         let outer = |k: &str| (k == "HF_HUB_CACHE").then(|| "/models/hub".to_string());
         let vars = plan(Some(Path::new("/c")), None, &env, &outer);
-        let triton = vars.iter().find(|v| v.name == "TRITON_CACHE_DIR").unwrap();
-        assert_eq!((triton.value.as_path(), triton.ours), (Path::new("/srv/triton"), false));
+        let triton = vars.iter().find(|v| v.name == "TORCHINDUCTOR_CACHE_DIR").unwrap();
+        assert_eq!((triton.value.as_path(), triton.ours), (Path::new("/srv/inductor"), false));
         assert!(!vars.iter().any(|v| v.name == "HF_HOME"), "the hub cache is the operator's");
         assert!(!vars.iter().any(|v| v.name == "VLLM_RPC_BASE_PATH"), "no runtime directory, no sockets folder");
         let ours: Vec<_> = child_env(&vars).map(|(k, _)| k).collect();
-        assert!(!ours.contains(&"TRITON_CACHE_DIR".to_string()));
+        assert!(!ours.contains(&"TORCHINDUCTOR_CACHE_DIR".to_string()));
         assert_eq!(plan(None, None, &BTreeMap::new(), &none), vec![]);
-        // An operator's XDG_CACHE_HOME: the hub follows it, as they chose.
+        // An operator's XDG_CACHE_HOME: the hub and vLLM's cache follow it,
+        // as they chose.
         let env = BTreeMap::from([("XDG_CACHE_HOME".to_string(), "/srv/cache".to_string())]);
-        assert!(!plan(Some(Path::new("/c")), None, &env, &none).iter().any(|v| v.name == "HF_HOME"));
+        let vars = plan(Some(Path::new("/c")), None, &env, &none);
+        assert!(!vars.iter().any(|v| v.name == "HF_HOME" || v.name == "VLLM_CACHE_ROOT"), "{vars:?}");
+        assert!(vars.iter().any(|v| v.name == "TORCHINDUCTOR_CACHE_DIR" && v.ours));
+        // A runtime directory too deep for socket paths: vLLM's default.
+        let deep = format!("/run/vllm-warden/{}", "n".repeat(60));
+        let vars = plan(None, Some(Path::new(&deep)), &BTreeMap::new(), &none);
+        assert!(vars.is_empty(), "{vars:?}");
+        let env = BTreeMap::from([("VLLM_RPC_BASE_PATH".to_string(), deep.clone())]);
+        let (bad, _) = problems(&plan(None, None, &env, &none));
+        assert!(bad[0].contains("longer than 70 bytes"), "{bad:?}");
     }
 
     #[test]
@@ -426,14 +491,14 @@ mod tests {
         std::fs::write(&file, "").unwrap();
         let var =
             |name: &str, value: &Path, ours| Var { name: name.into(), value: value.into(), kind: Kind::Cache, ours };
-        let (bad, _) = problems(&[var("TRITON_CACHE_DIR", &file, false)]);
+        let (bad, _) = problems(&[var("TORCHINDUCTOR_CACHE_DIR", &file, false)]);
         assert_eq!(bad.len(), 1);
         assert!(
             bad[0]
-                .starts_with(&format!("TRITON_CACHE_DIR={}: is a regular file, not a folder for uid", file.display())),
+                .starts_with(&format!("TORCHINDUCTOR_CACHE_DIR={}: is a regular file, not a folder for uid", file.display())),
             "{bad:?}"
         );
-        assert!(bad[0].contains("set TRITON_CACHE_DIR in child.env"), "{bad:?}");
+        assert!(bad[0].contains("set TORCHINDUCTOR_CACHE_DIR in child.env"), "{bad:?}");
         let (bad, _) = problems(&[var("XDG_CACHE_HOME", &file.join("sub"), true)]);
         assert!(bad[0].contains("is not a folder") && bad[0].contains("CacheDirectory="), "{bad:?}");
         let (bad, warn) = problems(&[var("XDG_CACHE_HOME", Path::new("/tmp/vllm-warden-test/never-made"), true)]);
@@ -450,7 +515,7 @@ mod tests {
         let vars = vec![
             Var { name: "VLLM_CACHE_ROOT".into(), value: dir.path().join("c/vllm"), kind: Kind::Cache, ours: true },
             Var { name: "VLLM_RPC_BASE_PATH".into(), value: ipc.clone(), kind: Kind::Sockets, ours: true },
-            Var { name: "TRITON_CACHE_DIR".into(), value: dir.path().join("theirs"), kind: Kind::Cache, ours: false },
+            Var { name: "TORCHINDUCTOR_CACHE_DIR".into(), value: dir.path().join("theirs"), kind: Kind::Cache, ours: false },
         ];
         prepare(&vars).unwrap();
         assert!(dir.path().join("c/vllm").is_dir() && ipc.is_dir());

@@ -197,7 +197,9 @@ impl Model {
 }
 
 /// `Ok` when the model folder can be read, with its `config.json` (or
-/// `params.json`, Mistral's format); a single file (GGUF) must be readable.
+/// `params.json`, Mistral's format), and every file in it (the weights;
+/// links followed, as into a Hugging Face cache's blobs); a single file
+/// (GGUF) must be readable.
 fn model_folder(p: &Path) -> Result<(), String> {
     use nix::unistd::{AccessFlags, access};
     let m = std::fs::metadata(p).map_err(|e| e.to_string())?;
@@ -205,15 +207,30 @@ fn model_folder(p: &Path) -> Result<(), String> {
         return std::fs::File::open(p).map(drop).map_err(|e| format!("cannot be read ({e})"));
     }
     access(p, AccessFlags::R_OK | AccessFlags::X_OK).map_err(|e| format!("cannot be read ({})", io::Error::from(e)))?;
-    let mut last = None;
+    let mut config = Err("has no config.json".to_string());
     for name in ["config.json", "params.json"] {
         match std::fs::File::open(p.join(name)) {
-            Ok(_) => return Ok(()),
+            Ok(_) => {
+                config = Ok(());
+                break;
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => last = Some(format!("{name} cannot be read ({e})")),
+            Err(e) => config = Err(format!("{name} cannot be read ({e})")),
         }
     }
-    Err(last.unwrap_or_else(|| "has no config.json".into()))
+    config?;
+    let entries = std::fs::read_dir(p).map_err(|e| format!("cannot be listed ({e})"))?;
+    let mut names: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+    names.sort();
+    for f in names {
+        if std::fs::metadata(&f).is_ok_and(|m| m.is_file())
+            && let Err(e) = access(&f, AccessFlags::R_OK)
+        {
+            let name = f.file_name().map_or_else(|| f.display().to_string(), |n| n.to_string_lossy().into_owned());
+            return Err(format!("{name} cannot be read ({})", io::Error::from(e)));
+        }
+    }
+    Ok(())
 }
 
 /// What `check` says of a model of the hub, and the problems: whether it is

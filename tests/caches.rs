@@ -27,6 +27,7 @@ const NAMES: &[&str] = &[
     "TRITON_HOME",
     "CUDA_CACHE_PATH",
     "FLASHINFER_WORKSPACE_BASE",
+    "TVM_FFI_CACHE_DIR",
     "DG_JIT_CACHE_DIR",
     "HF_MODULES_CACHE",
     "NUMBA_CACHE_DIR",
@@ -65,7 +66,7 @@ fn the_child_writes_under_the_cache_and_runtime_directories_and_an_operators_cho
     let mut w = Warden::start_with(
         |d, port| {
             let extra = format!(
-                "cache-dir = \"{}/cache\"\nenv = {{ TRITON_CACHE_DIR = \"{}/mine\" }}",
+                "cache-dir = \"{}/cache\"\nenv = {{ TORCHINDUCTOR_CACHE_DIR = \"{}/mine\" }}",
                 d.display(),
                 d.display()
             );
@@ -82,11 +83,12 @@ fn the_child_writes_under_the_cache_and_runtime_directories_and_an_operators_cho
     let cache = d.join("cache");
     assert_eq!(get("XDG_CACHE_HOME"), Some(cache.display().to_string()));
     assert_eq!(get("VLLM_CACHE_ROOT"), Some(cache.join("vllm").display().to_string()));
-    assert_eq!(get("TORCHINDUCTOR_CACHE_DIR"), Some(cache.join("torchinductor").display().to_string()));
-    assert_eq!(get("TRITON_CACHE_DIR"), Some(d.join("mine").display().to_string()), "child.env wins");
+    assert_eq!(get("TORCHINDUCTOR_CACHE_DIR"), Some(d.join("mine").display().to_string()), "child.env wins");
+    assert_eq!(get("TRITON_HOME"), Some(cache.display().to_string()));
+    assert_eq!(get("TRITON_CACHE_DIR"), None, "left to vLLM, which keeps Triton's kernels per model");
     assert_eq!(get("VLLM_RPC_BASE_PATH"), Some(d.join("run/vllm-ipc").display().to_string()));
     assert_eq!(get("HF_HOME").as_deref(), Some("/var/lib/vllm-warden/.cache/huggingface"), "the hub stays put");
-    for sub in ["vllm", "torchinductor", "config/vllm"] {
+    for sub in ["vllm", "tvm-ffi", "config/vllm"] {
         let m = std::fs::metadata(cache.join(sub)).unwrap();
         assert!(m.is_dir() && m.permissions().mode() & 0o077 == 0, "{sub}: made, 0700");
     }
@@ -271,5 +273,58 @@ fn an_interpreter_the_service_user_cannot_reach_is_named_before_any_start() {
         .env("STATE_DIRECTORY", &state)
         .output()
         .unwrap();
+    assert!(o.status.success(), "{}", text(&o).1);
+}
+
+/// Weights the service user cannot read (safetensors writes its files
+/// 0600): named by `check` as that user, not found by vLLM minutes later as
+/// a `FileNotFoundError` in every restart.
+#[test]
+fn a_weights_file_the_service_user_cannot_read_is_named() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root, to run the warden as uid {}", nobody::UID);
+        return;
+    }
+    let dir = match nobody::tempdir() {
+        Ok(d) => d,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+    let d = dir.path();
+    let exe = nobody::copy_binary(common::exe(), d);
+    let model = d.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{}").unwrap();
+    std::fs::write(model.join("model.safetensors"), "weights").unwrap();
+    std::fs::set_permissions(model.join("config.json"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::set_permissions(model.join("model.safetensors"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let state = d.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::os::unix::fs::chown(&state, Some(nobody::UID), Some(nobody::UID)).unwrap();
+    let cfg = d.join("m.toml");
+    std::fs::write(&cfg, format!("[child]\ncommand = [\"/bin/true\", \"serve\", \"{}\"]\n", model.display())).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let check = |as_nobody: bool| {
+        let mut c = Command::new(&exe);
+        c.arg("check").arg("-c").arg(&cfg).env_clear().env("STATE_DIRECTORY", &state);
+        if as_nobody {
+            c.uid(nobody::UID).gid(nobody::UID);
+        }
+        c.output().unwrap()
+    };
+    let o = check(true);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(78), "{err}");
+    assert!(
+        err.contains(&format!(
+            "model {}: model.safetensors cannot be read (Permission denied (os error 13)) for uid 65534",
+            model.display()
+        )),
+        "{err}"
+    );
+    std::fs::set_permissions(model.join("model.safetensors"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let o = check(true);
     assert!(o.status.success(), "{}", text(&o).1);
 }

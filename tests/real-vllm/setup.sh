@@ -98,5 +98,8 @@ if [ ! -f "$models/tiny/model.safetensors" ] || [ ! -f "$models/tiny-fp4/config.
     HF_HUB_OFFLINE=1 "$venv/bin/python" tests/real-vllm/make_model.py "$models/tiny" >&2
     echo "models made in $((SECONDS - start)) s" >&2
 fi
+# Readable by every user, as an operator's model store is for the service
+# user: safetensors writes its files 0600.
+chmod -R a+rX "$models"
 echo "$venv"
 echo "$models"

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Build (once) a minimal Debian 12 root filesystem with systemd, for booting
 # with systemd-nspawn. Cached outside the repository; prints its path.
+# Besides systemd: Debian's python3 (the interpreter of the real-vLLM venv
+# that the container's service user runs), g++ (torch's CPU compiler, for
+# torch.compile) and libnuma1 (vLLM's CPU backend). A cache made with
+# another package list is made again.
 set -euo pipefail
 cache=${VLLM_WARDEN_CACHE:-/var/cache/vllm-warden-ci}
 rootfs=$cache/rootfs-bookworm
-if [ -x "$rootfs/lib/systemd/systemd" ] && [ -f "$rootfs/.complete" ]; then
+packages=systemd,systemd-sysv,dbus,libpam-systemd,procps,python3,g++,libnuma1,curl
+stamp=$rootfs/.complete-$(echo "$packages" | sha256sum | cut -c1-16)
+if [ -x "$rootfs/lib/systemd/systemd" ] && [ -f "$stamp" ]; then
     echo "$rootfs"
     exit 0
 fi
@@ -12,7 +18,6 @@ mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 
 mirror=${mirror:-http://deb.debian.org/debian}
 rm -rf "$rootfs"
 mkdir -p "$cache"
-debootstrap --variant=minbase --include=systemd,systemd-sysv,dbus,libpam-systemd,procps \
-    bookworm "$rootfs" "$mirror" >&2
-touch "$rootfs/.complete"
+debootstrap --variant=minbase --include="$packages" bookworm "$rootfs" "$mirror" >&2
+touch "$stamp"
 echo "$rootfs"

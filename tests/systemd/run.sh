@@ -23,14 +23,18 @@ next=$(cargo deb --no-build --no-strip --deb-version "$version+next" 2>&1 | tail
 echo "next package: $next"
 cp "$next" "$payload/vllm-warden-next.deb"
 rootfs=$(tests/systemd/rootfs.sh)
+# The real vLLM (venv and tiny model) of tests/real-vllm/, made or checked
+# by its setup, shown to the container read-only at the same paths.
+{ read -r venv; read -r models; } < <(tests/real-vllm/setup.sh)
 
-cp tests/systemd/inside.sh "$payload/"
+cp tests/systemd/inside.sh tests/systemd/real-vllm.sh "$payload/"
 cp examples/ray/vllm-warden@kimi.service.d/ray.conf "$payload/ray.conf"
 chmod 644 "$payload"/*
 
 machine=vwtest-$$
 systemd-nspawn --boot --directory="$rootfs" --machine="$machine" --volatile=overlay \
     --register=no --keep-unit --console=read-only --bind-ro="$payload:/opt/payload" \
+    --bind-ro="$venv" --bind-ro="$models" \
     >"$payload/console.log" 2>&1 &
 nspawn=$!
 
@@ -58,4 +62,9 @@ for _ in $(seq 300); do
 done
 [ -n "$leader" ] || { echo "the container did not boot"; exit 1; }
 
-nsenter --target "$leader" --all timeout 600 bash /opt/payload/inside.sh
+rc=0
+nsenter --target "$leader" --all timeout 600 bash /opt/payload/inside.sh || rc=1
+# The operator's quickstart against the real vLLM: four loads, the first
+# compiling (a minute or two each on 2 cores).
+nsenter --target "$leader" --all timeout 1800 bash /opt/payload/real-vllm.sh "$venv" "$models/tiny" || rc=1
+exit $rc

