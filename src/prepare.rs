@@ -68,9 +68,17 @@ fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Re
     clean_leftover_files(s);
 
     // 4. The port, at first sight.
-    Ok(match s.prestart.port {
-        Some(port) if !prestart::port_free(port) => Blocking::PortHeld(port, prestart::describe_holders(port)),
-        _ => Blocking::PortFree,
+    Ok(match s.prestart.port.map(|port| (port, prestart::look_at_port(port))) {
+        None | Some((_, prestart::Port::Free)) => Blocking::PortFree,
+        Some((port, prestart::Port::Held)) => Blocking::PortHeld(port, prestart::describe_holders(port)),
+        // The warden's own shortage may pass: waited for as a held port.
+        Some((port, prestart::Port::Unknown(e))) if crate::server::own_shortage(&e).is_some() => {
+            Blocking::PortHeld(port, prestart::describe_port_error(port, &e))
+        }
+        // Permission denied and the like: waiting changes nothing.
+        Some((port, prestart::Port::Unknown(e))) => {
+            return Err(StartFailure::transient(prestart::describe_port_error(port, &e)));
+        }
     })
 }
 
@@ -110,7 +118,8 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
         waits();
         status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
         if !wait_until(s.prestart.port_wait, || off_loop(move || prestart::port_free(port))).await {
-            return Err(StartFailure::transient(off_loop(move || prestart::describe_holders(port)).await));
+            let why = off_loop(move || prestart::port_blocker(port)).await;
+            return Err(StartFailure::transient(why.unwrap_or_else(|| prestart::describe_holders(port))));
         }
     }
 
