@@ -14,6 +14,12 @@
 //! | `GET /status` | the status document |
 //! | `GET /metrics` | the metrics, Prometheus text format |
 //! | `POST /drain`, `/undrain`, `/restart` | 202 once the loop took it; 409 in a phase it does not apply to; 403 over TCP without the bearer token |
+//!
+//! Each listener is served here, not by `axum::serve`: at most
+//! [`MAX_CONNECTIONS`] at once (fewer under a low descriptor limit), each
+//! closed after [`HEADER_READ_TIMEOUT`] without a request head or
+//! [`IDLE_TIMEOUT`] without a byte moving, with a [`MAX_BUF`] read buffer;
+//! a client cannot take the warden's descriptors or memory.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
