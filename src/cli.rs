@@ -408,23 +408,22 @@ fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf
         Ok(s) => s,
         Err(code) => return code,
     };
-    // An upgrade's state, checked against the live system; the lock the
-    // predecessor kept open for us, whatever else is wrong with it.
-    let handed = upgraded.map(|p| {
-        let state = crate::upgrade::read(&p, &settings.name);
-        let fd = match &state {
-            Ok(s) => Some(s.lock_fd),
-            Err(_) => None,
-        };
-        (state, fd.and_then(|fd| crate::lock::InstanceLock::adopt(&settings.state_dir, fd)))
+    // An upgrade's lock: the descriptor the predecessor left open on the
+    // instance's lock file, found whatever the state file says (a state
+    // file that cannot be used must not make this warden meet its own
+    // lock). Then the state, checked against the live system and the lock.
+    let inherited = upgraded.as_ref().and_then(|_| crate::lock::InstanceLock::inherited(&settings.state_dir));
+    let adopted = upgraded.map(|p| {
+        let state = crate::upgrade::read(&p, &settings.name)?;
+        let held = inherited.as_ref().map(|l| std::os::fd::AsRawFd::as_raw_fd(&l.fd()));
+        if held != Some(state.lock_fd) {
+            return Err(format!("descriptor {} is not the instance's lock", state.lock_fd));
+        }
+        Ok(state)
     });
-    let (adopted, lock) = match handed {
-        Some((state, Some(lock))) => (Some(state), Ok(lock)),
-        Some((state, None)) => (Some(state), crate::lock::InstanceLock::take(&settings.state_dir, &settings.name)),
-        None => (None, crate::lock::InstanceLock::take(&settings.state_dir, &settings.name)),
-    };
     // Before anything else: a second warden of this instance touches nothing.
-    let lock = match lock {
+    let lock = match inherited.map_or_else(|| crate::lock::InstanceLock::take(&settings.state_dir, &settings.name), Ok)
+    {
         Ok(l) => l,
         Err(e) => {
             eprintln!("vllm-warden: {e}");
@@ -435,10 +434,14 @@ fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf
         }
     };
     crate::logging::init(log_format);
+    let from_upgrade = adopted.is_some();
     let adopted = match adopted {
         Some(Ok(state)) => Some(state),
         Some(Err(why)) => {
-            tracing::error!(EVENT = "upgrade", "the upgrade's state is unusable ({why}): starting again");
+            tracing::error!(
+                EVENT = "upgrade",
+                "the upgrade's state is unusable ({why}): stopping what the predecessor left and starting again"
+            );
             None
         }
         None => None,
@@ -447,6 +450,7 @@ fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf
         exe: std::env::current_exe().ok(),
         lock_fd: Some(std::os::fd::AsRawFd::as_raw_fd(&lock.fd())),
         adopted,
+        from_upgrade,
     };
     let rt = match runtime() {
         Ok(rt) => rt,

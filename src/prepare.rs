@@ -38,11 +38,23 @@ pub type Status = std::sync::Arc<dyn Fn(String) + Send + Sync>;
 /// leftovers found (to be stopped, then this is called again), or the
 /// record cleared, the patches applied, the folders cleaned and whether the
 /// port is free.
-fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Result<Blocking, StartFailure> {
+fn blocking_steps(
+    s: &Settings,
+    status: &Status,
+    look_for_leftovers: bool,
+    inherited: bool,
+) -> Result<Blocking, StartFailure> {
     let name = s.name.as_str();
     // 1. Leftovers of an earlier warden of this instance.
     if look_for_leftovers {
-        let left = prestart::leftovers(&s.state_dir, &s.name);
+        let mut left = prestart::leftovers(&s.state_dir, &s.name);
+        if inherited {
+            for p in prestart::inherited_tree() {
+                if !left.iter().any(|l| l.pid == p.pid) {
+                    left.push(p);
+                }
+            }
+        }
         if !left.is_empty() {
             let shown: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
             return Ok(Blocking::Leftovers(left, shown));
@@ -94,12 +106,19 @@ enum Blocking {
 /// once none is left: later starts of this warden follow the end of its own
 /// tree, of which nothing survives (the warden is its subreaper and saw it
 /// gone), and no other warden of the instance can have run meanwhile (the
-/// lock).
-pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) -> Result<(), StartFailure> {
+/// lock). `inherited`: this warden was exec'd by an upgrading predecessor
+/// whose run it did not take over; the processes of its own tree are that
+/// run's, and leftovers too.
+pub async fn run(
+    s: &Settings,
+    status: Status,
+    leftovers_done: Arc<AtomicBool>,
+    inherited: bool,
+) -> Result<(), StartFailure> {
     let name = s.name.as_str();
     let (settings, st) = (s.clone(), status.clone());
     let look = !leftovers_done.load(Ordering::SeqCst);
-    let mut seen = off_loop(move || blocking_steps(&settings, &st, look)).await?;
+    let mut seen = off_loop(move || blocking_steps(&settings, &st, look, inherited)).await?;
     if let Blocking::Leftovers(left, shown) = &seen {
         waits();
         let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), shown.join(", "));
@@ -109,7 +128,7 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
             .await
             .map_err(StartFailure::transient)?;
         let (settings, st) = (s.clone(), status.clone());
-        seen = off_loop(move || blocking_steps(&settings, &st, false)).await?;
+        seen = off_loop(move || blocking_steps(&settings, &st, false, false)).await?;
     }
     leftovers_done.store(true, Ordering::SeqCst);
 

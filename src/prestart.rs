@@ -192,6 +192,15 @@ pub fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
     out
 }
 
+/// The live processes of this warden's own tree before its first spawn:
+/// only a predecessor that exec'd this warden (an upgrade) can have left
+/// them, and they are provably that run's (this process is their parent or
+/// subreaper). The warden's own helpers (a GPU query, the kernel-message
+/// follower) are not running before the first spawn.
+pub fn inherited_tree() -> Vec<ProcStat> {
+    descendants(std::process::id() as i32).into_iter().filter(|p| p.state != 'Z').collect()
+}
+
 /// A process held by a pidfd: signals reach it and only it, and its exit
 /// can be awaited, even though it is not our child.
 struct PidFd {
