@@ -107,14 +107,16 @@ pub enum Cmd {
     /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
     Status(StatusArgs),
     /// Take the serving model out of rotation and hold it there (the
-    /// server keeps running): exit 0 asked, 3 not serving, 4 not running.
+    /// server keeps running): exit 0 asked, 3 not serving, 4 not running,
+    /// 77 permission denied on the control socket.
     Drain(ConfigArg),
     /// Put a drained model back into rotation.
     Undrain(ConfigArg),
     /// Drain, then start the model server again.
     Restart(ConfigArg),
     /// Replace the running warden by the binary now at its path, keeping
-    /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running.
+    /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running, 77
+    /// not allowed to signal it.
     Upgrade(ConfigArg),
     /// The failure reports of failed runs: list, show one, or its folder.
     Reports(ReportsArgs),
@@ -277,6 +279,17 @@ fn control(config: &Path, path: &str) -> Code {
                     Code::Internal
                 }
             }
+        }
+        Err(crate::server::client::Error::Connect { path, source })
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            // Not "not running": a warden may well run behind a socket this
+            // user may not open (mode 0660, the service's user and group).
+            eprintln!(
+                "vllm-warden: {}: permission denied on the control socket {path} ({source}): run this as the service's user or a member of its group",
+                s.name
+            );
+            Code::NoPermission
         }
         Err(e @ crate::server::client::Error::Connect { .. }) => {
             eprintln!("vllm-warden: {}: not running ({e})", s.name);
@@ -508,6 +521,12 @@ fn upgrade(path: &Path) -> Code {
         Ok(()) => {
             println!("asked pid {pid} to upgrade in place; it does so once the model is ready (see the journal)");
             Code::Ok
+        }
+        Err(nix::errno::Errno::EPERM) => {
+            eprintln!(
+                "vllm-warden: cannot signal pid {pid}: permission denied: run this as the service's user or root"
+            );
+            Code::NoPermission
         }
         Err(e) => {
             eprintln!("vllm-warden: cannot signal pid {pid}: {e}");

@@ -357,3 +357,39 @@ fn a_warden_out_of_descriptors_does_not_blame_the_child() {
     assert_eq!(tcp(listen, "GET", "/readyz", None), (200, "ready\n".into()));
     assert_eq!(w.stop(), 0);
 }
+
+/// Issue 34: permission denied on the control socket read as "not running"
+/// (exit 4), so a preStop hook that takes 4 for "nothing to do" skipped the
+/// drain. It is exit 77 with a message of its own; the warden is untouched.
+#[test]
+fn permission_denied_on_the_control_socket_is_not_not_running() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let listen = free_port();
+    let mut w = Warden::start(|d, p| server_config(d, p, listen, ""));
+    w.wait_ready();
+    let root = nix::unistd::geteuid().is_root();
+    if root {
+        // Another user: the folders on the way may be read, the socket
+        // (root's, mode 0660) may not be opened.
+        std::fs::set_permissions(w.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    } else {
+        std::fs::set_permissions(w.path("run/control.sock"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    }
+    for what in ["drain", "undrain", "restart"] {
+        let mut cmd = std::process::Command::new(common::exe());
+        cmd.args([what, "-c"]).arg(w.path("t.toml")).env("RUNTIME_DIRECTORY", w.path("run"));
+        if root {
+            cmd.uid(65534).gid(65534);
+        }
+        let o = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(77), "{what}: {err}");
+        assert!(err.contains("permission denied on the control socket"), "{what}: {err}");
+        assert!(!err.contains("not running"), "{what}: {err}");
+    }
+    assert_eq!(tcp(listen, "GET", "/readyz", None), (200, "ready\n".into()), "nothing changed");
+    assert_eq!(w.stop(), 0);
+    let (code, out) = command(&w, "drain");
+    assert_eq!(code, 4, "no warden: still 4: {out}");
+}
