@@ -255,6 +255,7 @@ mod tests {
                 last_load: None,
                 failure_counts: Default::default(),
                 last_failure: None,
+                drained: false,
             },
         }
     }

@@ -393,3 +393,63 @@ fn permission_denied_on_the_control_socket_is_not_not_running() {
     let (code, out) = command(&w, "drain");
     assert_eq!(code, 4, "no warden: still 4: {out}");
 }
+
+/// A warden run from a copy of the binary (which an upgrade runs again),
+/// with the endpoint on TCP and `extra` config.
+fn upgradable(listen: u16, extra: &'static str) -> (tempfile::TempDir, std::path::PathBuf, Warden) {
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let w = Warden::start_with(move |d, p| server_config(d, p, listen, extra), opts);
+    (bin, path, w)
+}
+
+/// Issue 34: SIGUSR2 while drained came back ready (`/readyz` 200), putting
+/// a node taken out for maintenance back into rotation. The drain is handed
+/// over: the new warden holds the same child drained until `undrain`.
+#[test]
+fn an_upgrade_while_drained_comes_back_drained() {
+    let listen = free_port();
+    let (_bin, path, mut w) = upgradable(listen, "[drain]\ndelay = \"0s\"\n");
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let (code, out) = command(&w, "drain");
+    assert_eq!(code, 0, "{out}");
+    w.wait_note("drained", |n| n.starts_with("STATUS=drained: pid "));
+    w.ask_upgrade(&path);
+    let note = w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    assert!(note.ends_with(&format!("; drained: pid {}, out of rotation", leader.pid)), "{note}");
+    let (code, body) = tcp(listen, "GET", "/readyz", None);
+    assert_eq!((code, body.as_str()), (503, "drained\n"), "still out of rotation");
+    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child");
+    let (code, out) = command(&w, "undrain");
+    assert_eq!((code, out.as_str()), (0, "t: ready\n"));
+    assert_eq!(tcp(listen, "GET", "/readyz", None).0, 200);
+    assert_eq!(w.stop(), 0);
+}
+
+/// Issue 34: SIGUSR2 during a restart's drain cancelled the restart. The
+/// upgrade now waits for the drain to end: the restart happens, then the
+/// upgrade, on the new child.
+#[test]
+fn an_upgrade_during_a_restarts_drain_waits_for_the_restart() {
+    let listen = free_port();
+    let (_bin, path, mut w) = upgradable(listen, "[drain]\ndelay = \"2s\"\n");
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let (code, out) = command(&w, "restart");
+    assert_eq!(code, 0, "{out}");
+    w.wait_note("the drain", |n| n.starts_with("STATUS=draining pid ") && n.ends_with(", then restarting"));
+    w.ask_upgrade(&path);
+    w.wait_note("the restart", |n| n.starts_with("STATUS=restarting: stopping pid "));
+    w.wait_ready();
+    let note = w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    let child = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    assert_ne!(child.pid, leader.pid, "restarted");
+    assert!(note.ends_with(&format!("; ready: pid {}", child.pid)), "{note}");
+    assert!(w.stderr().contains("waits until the drain ends"), "{}", w.stderr());
+    assert_eq!(tcp(listen, "GET", "/readyz", None).0, 200);
+    assert_eq!(w.stop(), 0);
+}
