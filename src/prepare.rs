@@ -1,9 +1,9 @@
 //! The steps before every start, in the order the specification gives:
 //! leftovers of an earlier warden (and, after an upgrade whose state was
-//! refused, the predecessor's run found in the warden's own tree), patches, shared memory (and vLLM's files
-//! in the temporary folders), the port, the GPUs. Each step is shown through
-//! `status` (`STATUS=`); a step that cannot be satisfied fails the start with
-//! a cause naming what is in the way.
+//! refused, the predecessor's run found in the warden's own tree), patches,
+//! shared memory (and vLLM's files in the temporary folders), the port, the
+//! GPUs. Each step is shown through `status` (`STATUS=`); a step that cannot
+//! be satisfied fails the start with a cause naming what is in the way.
 
 use std::path::PathBuf;
 use std::sync::Arc;
