@@ -107,14 +107,16 @@ pub enum Cmd {
     /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
     Status(StatusArgs),
     /// Take the serving model out of rotation and hold it there (the
-    /// server keeps running): exit 0 asked, 3 not serving, 4 not running.
+    /// server keeps running): exit 0 asked, 3 not serving, 4 not running,
+    /// 77 permission denied on the control socket.
     Drain(ConfigArg),
     /// Put a drained model back into rotation.
     Undrain(ConfigArg),
     /// Drain, then start the model server again.
     Restart(ConfigArg),
     /// Replace the running warden by the binary now at its path, keeping
-    /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running.
+    /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running, 77
+    /// not allowed to signal it.
     Upgrade(ConfigArg),
     /// The failure reports of failed runs: list, show one, or its folder.
     Reports(ReportsArgs),
@@ -285,6 +287,17 @@ fn control(config: &Path, path: &str) -> Code {
                 }
             }
         }
+        Err(crate::server::client::Error::Connect { path, source })
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            // Not "not running": a warden may well run behind a socket this
+            // user may not open (mode 0660, the service's user and group).
+            eprintln!(
+                "vllm-warden: {}: permission denied on the control socket {path} ({source}): run this as the service's user or a member of its group",
+                s.name
+            );
+            Code::NoPermission
+        }
         Err(e @ crate::server::client::Error::Connect { .. }) => {
             eprintln!("vllm-warden: {}: not running ({e})", s.name);
             Code::NotRunning
@@ -415,23 +428,22 @@ fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf
         Ok(s) => s,
         Err(code) => return code,
     };
-    // An upgrade's state, checked against the live system; the lock the
-    // predecessor kept open for us, whatever else is wrong with it.
-    let handed = upgraded.map(|p| {
-        let state = crate::upgrade::read(&p, &settings.name);
-        let fd = match &state {
-            Ok(s) => Some(s.lock_fd),
-            Err(_) => None,
-        };
-        (state, fd.and_then(|fd| crate::lock::InstanceLock::adopt(&settings.state_dir, fd)))
+    // An upgrade's lock: the descriptor the predecessor left open on the
+    // instance's lock file, found whatever the state file says (a state
+    // file that cannot be used must not make this warden meet its own
+    // lock). Then the state, checked against the live system and the lock.
+    let inherited = upgraded.as_ref().and_then(|_| crate::lock::InstanceLock::inherited(&settings.state_dir));
+    let adopted = upgraded.map(|p| {
+        let state = crate::upgrade::read(&p, &settings.name)?;
+        let held = inherited.as_ref().map(|l| std::os::fd::AsRawFd::as_raw_fd(&l.fd()));
+        if held != Some(state.lock_fd) {
+            return Err(format!("descriptor {} is not the instance's lock", state.lock_fd));
+        }
+        Ok(state)
     });
-    let (adopted, lock) = match handed {
-        Some((state, Some(lock))) => (Some(state), Ok(lock)),
-        Some((state, None)) => (Some(state), crate::lock::InstanceLock::take(&settings.state_dir, &settings.name)),
-        None => (None, crate::lock::InstanceLock::take(&settings.state_dir, &settings.name)),
-    };
     // Before anything else: a second warden of this instance touches nothing.
-    let lock = match lock {
+    let lock = match inherited.map_or_else(|| crate::lock::InstanceLock::take(&settings.state_dir, &settings.name), Ok)
+    {
         Ok(l) => l,
         Err(e) => {
             eprintln!("vllm-warden: {e}");
@@ -442,10 +454,14 @@ fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf
         }
     };
     crate::logging::init(log_format);
+    let from_upgrade = adopted.is_some();
     let adopted = match adopted {
         Some(Ok(state)) => Some(state),
         Some(Err(why)) => {
-            tracing::error!(EVENT = "upgrade", "the upgrade's state is unusable ({why}): starting again");
+            tracing::error!(
+                EVENT = "upgrade",
+                "the upgrade's state is unusable ({why}): stopping what the predecessor left and starting again"
+            );
             None
         }
         None => None,
@@ -454,6 +470,7 @@ fn run(path: &Path, log_format: crate::logging::Format, upgraded: Option<PathBuf
         exe: std::env::current_exe().ok(),
         lock_fd: Some(std::os::fd::AsRawFd::as_raw_fd(&lock.fd())),
         adopted,
+        from_upgrade,
     };
     let rt = match runtime() {
         Ok(rt) => rt,
@@ -511,6 +528,12 @@ fn upgrade(path: &Path) -> Code {
         Ok(()) => {
             println!("asked pid {pid} to upgrade in place; it does so once the model is ready (see the journal)");
             Code::Ok
+        }
+        Err(nix::errno::Errno::EPERM) => {
+            eprintln!(
+                "vllm-warden: cannot signal pid {pid}: permission denied: run this as the service's user or root"
+            );
+            Code::NoPermission
         }
         Err(e) => {
             eprintln!("vllm-warden: cannot signal pid {pid}: {e}");

@@ -509,6 +509,10 @@ pub struct Handover {
     pub lock_fd: Option<std::os::fd::RawFd>,
     /// The ready run of a predecessor to take over.
     pub adopted: Option<crate::upgrade::State>,
+    /// This process was exec'd by an upgrading predecessor (whether or not
+    /// its state could be used): until its first start, the processes it
+    /// finds in its own tree are the predecessor's.
+    pub from_upgrade: bool,
 }
 
 impl Real {
@@ -646,13 +650,14 @@ impl Backend for Real {
         self.stop_checks();
         self.follower = None;
         let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.leftovers_done.clone());
+        let inherited = self.handover.from_upgrade;
         let gate = self.report_gate.clone();
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
-            let result = crate::prepare::run(&settings, status.clone(), done).await;
+            let result = crate::prepare::run(&settings, status.clone(), done, inherited).await;
             // The report of the last run goes on beside this start, but
             // what describes that run must be taken before a new child
             // starts: wait while it is not, unless the report has ended.

@@ -478,7 +478,17 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             self.step(ev, events, held);
         }
         let Some(saved) = self.machine.save(Instant::now()) else {
-            tracing::warn!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: the run is failing");
+            if self.machine.drain_under_way() {
+                // A drain began with the lines just read: waited for.
+                tracing::info!(
+                    INSTANCE = instance.as_str(),
+                    EVENT = "upgrade",
+                    "upgrade to {version} waits until the drain ends"
+                );
+                self.upgrade = Some(version);
+            } else {
+                tracing::warn!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: the run is failing");
+            }
             self.backend.resume_lines(offset);
             return;
         };
@@ -522,10 +532,11 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             }
             Input::UpgradeChecked(Ok(version)) => {
                 if self.machine.save(Instant::now()).is_none() {
+                    let until = if self.machine.drain_under_way() { "the drain ends" } else { "the model is ready" };
                     tracing::info!(
                         INSTANCE = self.ctx.instance.as_str(),
                         EVENT = "upgrade",
-                        "upgrade to {version} waits until the model is ready"
+                        "upgrade to {version} waits until {until}"
                     );
                 }
                 self.upgrade = Some(version);

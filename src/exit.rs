@@ -18,6 +18,10 @@ pub enum Code {
     NotRunning,
     /// EX_UNAVAILABLE: another warden already supervises this instance.
     AlreadyRunning,
+    /// EX_NOPERM: `drain`, `undrain`, `restart`, `upgrade`: a warden may
+    /// run, but this user may not reach it (the control socket's mode, a
+    /// signal to another user's process).
+    NoPermission,
     /// EX_SOFTWARE: the warden itself failed (a background task ended,
     /// the runtime could not start). The unit restarts it.
     Internal,
@@ -38,6 +42,7 @@ impl Code {
             Code::NotReady => 3,
             Code::NotRunning => 4,
             Code::AlreadyRunning => 69,
+            Code::NoPermission => 77,
             Code::Internal => 70,
             Code::Unkillable => 71,
             Code::GaveUp => 75,

@@ -2,7 +2,9 @@
 //! `canary-interval` is set, a one-token completion, because vLLM's
 //! `/health` answers 200 while a wedged engine serves nothing. The state
 //! machine is not known here: after `failures` failed checks in a row the
-//! watcher reports one cause line and ends.
+//! watcher reports one cause line and ends. A check the warden itself could
+//! not make (out of descriptors or memory) is said as such and counts
+//! neither way: the child is never blamed for the warden's shortage.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,23 +84,65 @@ fn status_text(code: ureq::http::StatusCode) -> String {
     format!("{} {}", code.as_u16(), code.canonical_reason().unwrap_or(""))
 }
 
+/// Why a check did not pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Miss {
+    /// The server failed it: counted against the child.
+    Server(String),
+    /// The warden could not make it (out of descriptors or memory): said,
+    /// never counted against the child.
+    Warden(String),
+}
+
+impl Miss {
+    /// A failed request: the warden's own shortage when the error is one
+    /// (see [`crate::server::own_shortage`]), else the server's failure.
+    fn of(e: &ureq::Error, timeout: Duration, what: &str) -> Miss {
+        if let Some(why) = shortage(e) {
+            return Miss::Warden(format!("{why} ({})", e));
+        }
+        Miss::Server(format!("{what}{}", describe(e, timeout)))
+    }
+
+    pub fn text(&self) -> &str {
+        match self {
+            Miss::Server(t) | Miss::Warden(t) => t,
+        }
+    }
+}
+
+/// The warden's own shortage behind a request's error, if that is what it is.
+fn shortage(e: &ureq::Error) -> Option<&'static str> {
+    if let ureq::Error::Io(io) = e {
+        return crate::server::own_shortage(io);
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(why) = s.downcast_ref::<std::io::Error>().and_then(crate::server::own_shortage) {
+            return Some(why);
+        }
+        source = s.source();
+    }
+    None
+}
+
 /// One `GET`; `Err` names why it failed.
-pub fn check(url: &str, timeout: Duration) -> Result<(), String> {
+pub fn check(url: &str, timeout: Duration) -> Result<(), Miss> {
     match agent(timeout).get(url).call() {
         Ok(r) if r.status().is_success() => Ok(()),
-        Ok(r) => Err(status_text(r.status())),
-        Err(e) => Err(describe(&e, timeout)),
+        Ok(r) => Err(Miss::Server(status_text(r.status()))),
+        Err(e) => Err(Miss::of(&e, timeout, "")),
     }
 }
 
 /// The first model the server lists.
-fn model(base: &str, timeout: Duration) -> Result<String, String> {
-    let mut r = agent(timeout).get(&format!("{base}/v1/models")).call().map_err(|e| describe(&e, timeout))?;
+fn model(base: &str, timeout: Duration) -> Result<String, Miss> {
+    let mut r = agent(timeout).get(&format!("{base}/v1/models")).call().map_err(|e| Miss::of(&e, timeout, ""))?;
     if !r.status().is_success() {
-        return Err(format!("/v1/models: {}", status_text(r.status())));
+        return Err(Miss::Server(format!("/v1/models: {}", status_text(r.status()))));
     }
-    let v: serde_json::Value = r.body_mut().read_json().map_err(|e| format!("/v1/models: {e}"))?;
-    v["data"][0]["id"].as_str().map(String::from).ok_or_else(|| "/v1/models lists no model".into())
+    let v: serde_json::Value = r.body_mut().read_json().map_err(|e| Miss::Server(format!("/v1/models: {e}")))?;
+    v["data"][0]["id"].as_str().map(String::from).ok_or_else(|| Miss::Server("/v1/models lists no model".into()))
 }
 
 /// True when `GET url` answers 200 within `timeout` (readiness).
@@ -156,15 +200,23 @@ async fn status_of(url: &str) -> Option<u16> {
 
 /// A one-token completion; `Err` names why it failed.
 pub fn canary(base: &str, timeout: Duration) -> Result<(), String> {
-    let model = model(base, timeout).map_err(|e| format!("canary: {e}"))?;
+    canary_checked(base, timeout).map_err(|m| m.text().to_string())
+}
+
+/// [`canary`], telling the server's failures from the warden's own.
+fn canary_checked(base: &str, timeout: Duration) -> Result<(), Miss> {
+    let model = model(base, timeout).map_err(|m| match m {
+        Miss::Server(t) => Miss::Server(format!("canary: {t}")),
+        warden => warden,
+    })?;
     let body = serde_json::json!({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0});
     match agent(timeout).post(&format!("{base}/v1/completions")).send_json(&body) {
         Ok(r) if r.status().is_success() => Ok(()),
-        Ok(r) => Err(format!("canary: {}", status_text(r.status()))),
+        Ok(r) => Err(Miss::Server(format!("canary: {}", status_text(r.status())))),
         Err(ureq::Error::Timeout(_)) => {
-            Err(format!("canary: no completion within {}", humantime::format_duration(timeout)))
+            Err(Miss::Server(format!("canary: no completion within {}", humantime::format_duration(timeout))))
         }
-        Err(e) => Err(format!("canary: {}", describe(&e, timeout))),
+        Err(e) => Err(Miss::of(&e, timeout, "canary: ")),
     }
 }
 
@@ -233,7 +285,9 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
         let mut result = Ok(());
         if let Some(url) = h.http.clone() {
             let t = h.timeout;
-            result = tokio::task::spawn_blocking(move || check(&url, t)).await.unwrap_or_else(|e| Err(e.to_string()));
+            result = tokio::task::spawn_blocking(move || check(&url, t))
+                .await
+                .unwrap_or_else(|e| Err(Miss::Server(e.to_string())));
         }
         let now = tokio::time::Instant::now();
         if result.is_ok()
@@ -264,14 +318,26 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
             let busy = progress.as_ref().is_some_and(crate::progress::Watch::busy);
             if !traffic.seen_within(h.canary_interval) && !busy {
                 let (base, t) = (spec.base.clone(), h.canary_timeout);
-                result =
-                    tokio::task::spawn_blocking(move || canary(&base, t)).await.unwrap_or_else(|e| Err(e.to_string()));
+                result = tokio::task::spawn_blocking(move || canary_checked(&base, t))
+                    .await
+                    .unwrap_or_else(|e| Err(Miss::Server(e.to_string())));
             }
         }
-        last.set(result.is_ok());
         match result {
-            Ok(()) => failed = 0,
-            Err(why) => {
+            Ok(()) => {
+                failed = 0;
+                last.set(true);
+            }
+            // Neither a pass nor a failure: the server was not asked. The
+            // count and `/readyz` stay as they were.
+            Err(Miss::Warden(why)) => {
+                tracing::warn!(
+                    EVENT = "warden-resources",
+                    "health check not made: {why}; not counted against the child"
+                );
+            }
+            Err(Miss::Server(why)) => {
+                last.set(false);
                 failed += 1;
                 tracing::warn!(EVENT = "health", "check failed ({failed} of {}): {why}", h.failures);
                 if failed >= h.failures {
@@ -326,6 +392,24 @@ mod tests {
             assert_eq!(http_ok_async(&url, t).await, want, "{url}");
             assert_eq!(tokio::task::spawn_blocking(move || http_ok(&url, t)).await.unwrap(), want);
         }
+    }
+
+    /// A check the warden could not make for want of descriptors or
+    /// memory is the warden's miss, never the server's failure.
+    #[test]
+    fn the_wardens_own_shortage_is_not_the_servers_failure() {
+        let t = Duration::from_secs(1);
+        let io = |n| ureq::Error::Io(std::io::Error::from_raw_os_error(n));
+        assert!(
+            matches!(Miss::of(&io(libc::EMFILE), t, ""), Miss::Warden(w) if w.starts_with("the warden is out of file descriptors ("))
+        );
+        assert!(
+            matches!(Miss::of(&io(libc::ENOMEM), t, ""), Miss::Warden(w) if w.starts_with("the warden is out of memory"))
+        );
+        assert_eq!(Miss::of(&io(libc::ECONNREFUSED), t, "canary: "), Miss::Server("canary: connection refused".into()));
+        // Nothing listens: the server's failure.
+        let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        assert!(matches!(check(&format!("http://{gone}/health"), t), Err(Miss::Server(_))));
     }
 
     #[test]

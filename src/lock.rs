@@ -3,7 +3,8 @@
 //! warden on the same instance finds it held, names the pid that holds it
 //! and touches nothing. The state directory belongs to the service user, so
 //! the lock file is opened without following a symlink and must be a
-//! regular file.
+//! regular file. A warden exec'd by an upgrading predecessor takes over the
+//! lock's descriptor it inherited, found by the file it is open on.
 
 use std::fs::File;
 use std::io::{self, Read, Seek, Write};
@@ -62,23 +63,43 @@ impl InstanceLock {
     }
 
     /// The lock an upgraded warden's predecessor held, open across the
-    /// exec as descriptor `fd`: taken over if it is this instance's lock
-    /// file (same device and inode), else `None`.
-    pub fn adopt(state_dir: &Path, fd: std::os::fd::RawFd) -> Option<InstanceLock> {
-        use std::os::fd::FromRawFd;
+    /// exec: found among this process's descriptors as the one open on this
+    /// instance's lock file (same device and inode; the number the state
+    /// file gives is not needed, so a state file that is missing, garbled or
+    /// wrong cannot make this warden meet its own lock), and taken over if
+    /// its `flock` is this descriptor's (an exclusive lock on the same open
+    /// file is granted again). Any other descriptor on the lock file is
+    /// closed. `None` when there is none, or when another process holds the
+    /// lock.
+    pub fn inherited(state_dir: &Path) -> Option<InstanceLock> {
+        use std::os::fd::{AsRawFd, FromRawFd, RawFd};
         use std::os::unix::fs::MetadataExt;
-        let path = std::fs::symlink_metadata(state_dir.join("lock")).ok()?;
-        // The number comes from a file: looked at through /proc, which
-        // names only descriptors this process has open.
-        let open = std::fs::metadata(format!("/proc/self/fd/{}", u32::try_from(fd).ok()?)).ok()?;
-        if !path.is_file() || (open.dev(), open.ino()) != (path.dev(), path.ino()) {
-            return None;
+        let path = std::fs::symlink_metadata(state_dir.join("lock")).ok().filter(|m| m.is_file())?;
+        let mut open: Vec<RawFd> = std::fs::read_dir("/proc/self/fd")
+            .ok()?
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .filter(|fd| {
+                std::fs::metadata(format!("/proc/self/fd/{fd}"))
+                    .is_ok_and(|m| (m.dev(), m.ino()) == (path.dev(), path.ino()))
+            })
+            .collect();
+        open.sort_unstable();
+        let mut found = None;
+        for fd in open {
+            // SAFETY: an open descriptor of this process on the lock file,
+            // which nothing else of this process uses (the predecessor left
+            // it for its successor): from now on this owns it.
+            let file = unsafe { File::from_raw_fd(fd) };
+            // SAFETY: flock on the descriptor just taken.
+            let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+            if locked && found.is_none() {
+                let _ = rustix::io::fcntl_setfd(&file, rustix::io::FdFlags::CLOEXEC);
+                found = Some(InstanceLock { _file: file });
+            }
+            // Else dropped: closed.
         }
-        // SAFETY: the descriptor was left open by the predecessor for us,
-        // and is the lock file: from now on this owns it.
-        let file = unsafe { File::from_raw_fd(fd) };
-        let _ = rustix::io::fcntl_setfd(&file, rustix::io::FdFlags::CLOEXEC);
-        Some(InstanceLock { _file: file })
+        found
     }
 
     /// The lock file's descriptor (kept open across an upgrade's exec).
@@ -194,6 +215,21 @@ mod tests {
         );
         drop(first);
         assert!(InstanceLock::take(dir.path(), "t").is_ok());
+    }
+
+    /// An upgraded warden finds the lock its predecessor left open by the
+    /// file it is open on, whatever number it has; it holds the instance.
+    #[test]
+    fn an_inherited_lock_is_found_by_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(InstanceLock::inherited(dir.path()).is_none(), "no lock file");
+        let first = InstanceLock::take(dir.path(), "t").unwrap();
+        // Left open across an exec: no longer owned by anything here.
+        std::mem::forget(first);
+        let inherited = InstanceLock::inherited(dir.path()).expect("found");
+        assert!(matches!(InstanceLock::take(dir.path(), "t"), Err(LockError::Held { .. })), "still held");
+        drop(inherited);
+        assert!(InstanceLock::take(dir.path(), "t").is_ok(), "released with it");
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The steps before every start, in the order the specification gives:
-//! leftovers of an earlier warden, patches, shared memory (and vLLM's files
-//! in the temporary folders), the port, the GPUs. Each step is shown through
-//! `status` (`STATUS=`); a step that cannot be satisfied fails the start with
-//! a cause naming what is in the way.
+//! leftovers of an earlier warden (and, after an upgrade whose state was
+//! refused, the predecessor's run found in the warden's own tree), patches,
+//! shared memory (and vLLM's files in the temporary folders), the port, the
+//! GPUs. Each step is shown through `status` (`STATUS=`); a step that cannot
+//! be satisfied fails the start with a cause naming what is in the way.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -38,11 +39,23 @@ pub type Status = std::sync::Arc<dyn Fn(String) + Send + Sync>;
 /// leftovers found (to be stopped, then this is called again), or the
 /// record cleared, the patches applied, the folders cleaned and whether the
 /// port is free.
-fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Result<Blocking, StartFailure> {
+fn blocking_steps(
+    s: &Settings,
+    status: &Status,
+    look_for_leftovers: bool,
+    inherited: bool,
+) -> Result<Blocking, StartFailure> {
     let name = s.name.as_str();
     // 1. Leftovers of an earlier warden of this instance.
     if look_for_leftovers {
-        let left = prestart::leftovers(&s.state_dir, &s.name);
+        let mut left = prestart::leftovers(&s.state_dir, &s.name);
+        if inherited {
+            for p in prestart::inherited_tree() {
+                if !left.iter().any(|l| l.pid == p.pid) {
+                    left.push(p);
+                }
+            }
+        }
         if !left.is_empty() {
             let shown: Vec<String> = left.iter().map(|p| format!("{} {}", p.pid, prestart::cmdline(p.pid))).collect();
             return Ok(Blocking::Leftovers(left, shown));
@@ -76,9 +89,17 @@ fn blocking_steps(s: &Settings, status: &Status, look_for_leftovers: bool) -> Re
     }
 
     // 4. The port, at first sight.
-    Ok(match s.prestart.port {
-        Some(port) if !prestart::port_free(port) => Blocking::PortHeld(port, prestart::describe_holders(port)),
-        _ => Blocking::PortFree,
+    Ok(match s.prestart.port.map(|port| (port, prestart::look_at_port(port))) {
+        None | Some((_, prestart::Port::Free)) => Blocking::PortFree,
+        Some((port, prestart::Port::Held)) => Blocking::PortHeld(port, prestart::describe_holders(port)),
+        // The warden's own shortage may pass: waited for as a held port.
+        Some((port, prestart::Port::Unknown(e))) if crate::server::own_shortage(&e).is_some() => {
+            Blocking::PortHeld(port, prestart::describe_port_error(port, &e))
+        }
+        // Permission denied and the like: waiting changes nothing.
+        Some((port, prestart::Port::Unknown(e))) => {
+            return Err(StartFailure::transient(prestart::describe_port_error(port, &e)));
+        }
     })
 }
 
@@ -94,12 +115,19 @@ enum Blocking {
 /// once none is left: later starts of this warden follow the end of its own
 /// tree, of which nothing survives (the warden is its subreaper and saw it
 /// gone), and no other warden of the instance can have run meanwhile (the
-/// lock).
-pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) -> Result<(), StartFailure> {
+/// lock). `inherited`: this warden was exec'd by an upgrading predecessor
+/// whose run it did not take over; the processes of its own tree are that
+/// run's, and leftovers too.
+pub async fn run(
+    s: &Settings,
+    status: Status,
+    leftovers_done: Arc<AtomicBool>,
+    inherited: bool,
+) -> Result<(), StartFailure> {
     let name = s.name.as_str();
     let (settings, st) = (s.clone(), status.clone());
     let look = !leftovers_done.load(Ordering::SeqCst);
-    let mut seen = off_loop(move || blocking_steps(&settings, &st, look)).await?;
+    let mut seen = off_loop(move || blocking_steps(&settings, &st, look, inherited)).await?;
     if let Blocking::Leftovers(left, shown) = &seen {
         waits();
         let text = format!("stopping {} leftover process(es) of an earlier run: {}", left.len(), shown.join(", "));
@@ -109,7 +137,7 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
             .await
             .map_err(StartFailure::transient)?;
         let (settings, st) = (s.clone(), status.clone());
-        seen = off_loop(move || blocking_steps(&settings, &st, false)).await?;
+        seen = off_loop(move || blocking_steps(&settings, &st, false, false)).await?;
     }
     leftovers_done.store(true, Ordering::SeqCst);
 
@@ -118,7 +146,8 @@ pub async fn run(s: &Settings, status: Status, leftovers_done: Arc<AtomicBool>) 
         waits();
         status(format!("waiting up to {}: {holders}", humantime::format_duration(s.prestart.port_wait)));
         if !wait_until(s.prestart.port_wait, || off_loop(move || prestart::port_free(port))).await {
-            return Err(StartFailure::transient(off_loop(move || prestart::describe_holders(port)).await));
+            let why = off_loop(move || prestart::port_blocker(port)).await;
+            return Err(StartFailure::transient(why.unwrap_or_else(|| prestart::describe_holders(port))));
         }
     }
 

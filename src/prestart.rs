@@ -192,6 +192,15 @@ pub fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
     out
 }
 
+/// The live processes of this warden's own tree before its first spawn:
+/// only a predecessor that exec'd this warden (an upgrade) can have left
+/// them, and they are provably that run's (this process is their parent or
+/// subreaper). The warden's own helpers (a GPU query, the kernel-message
+/// follower) are not running before the first spawn.
+pub fn inherited_tree() -> Vec<ProcStat> {
+    descendants(std::process::id() as i32).into_iter().filter(|p| p.state != 'Z').collect()
+}
+
 /// A process held by a pidfd: signals reach it and only it, and its exit
 /// can be awaited, even though it is not our child.
 struct PidFd {
@@ -591,9 +600,53 @@ pub fn port_holders(port: u16) -> Vec<(i32, String)> {
     out.into_iter().collect()
 }
 
+/// What a look at a port found.
+#[derive(Debug)]
+pub enum Port {
+    /// A server could listen on it now.
+    Free,
+    /// Something listens on it, or the bind says it is in use.
+    Held,
+    /// The bind failed for another reason: no answer about the port.
+    Unknown(io::Error),
+}
+
+/// Look at `port`: a listening socket on it, else a trial bind. Only
+/// `EADDRINUSE` means held; another bind error (permission denied, the
+/// warden out of descriptors) is [`Port::Unknown`] with that error.
+pub fn look_at_port(port: u16) -> Port {
+    if !listening_inodes(port).is_empty() {
+        return Port::Held;
+    }
+    match std::net::TcpListener::bind(("0.0.0.0", port)) {
+        Ok(_) => Port::Free,
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => Port::Held,
+        Err(e) => Port::Unknown(e),
+    }
+}
+
 /// True when a server could listen on `port` now.
 pub fn port_free(port: u16) -> bool {
-    listening_inodes(port).is_empty() && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+    matches!(look_at_port(port), Port::Free)
+}
+
+/// A bind error that says nothing about the port, as a cause: the warden's
+/// own shortage named as such, else the error as it is.
+pub fn describe_port_error(port: u16, e: &io::Error) -> String {
+    match crate::server::own_shortage(e) {
+        Some(why) => format!("cannot check port {port}: {why} ({e})"),
+        None => format!("cannot check port {port}: binding it failed: {e}"),
+    }
+}
+
+/// Why a server could not listen on `port` now (`None`: it could): its
+/// holders, or the bind's own error.
+pub fn port_blocker(port: u16) -> Option<String> {
+    match look_at_port(port) {
+        Port::Free => None,
+        Port::Held => Some(describe_holders(port)),
+        Port::Unknown(e) => Some(describe_port_error(port, &e)),
+    }
 }
 
 /// The holders of `port`, for a cause or a status line.
@@ -862,5 +915,24 @@ mod tests {
         assert_eq!(holders[0].0, std::process::id() as i32);
         drop(l);
         assert!(port_free(port));
+    }
+
+    /// Only "address in use" is a held port; another bind error is named
+    /// as it is, and the warden's own shortage of descriptors as that.
+    #[test]
+    fn bind_errors_are_named_as_they_are() {
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        assert_eq!(
+            describe_port_error(8000, &emfile),
+            format!("cannot check port 8000: the warden is out of file descriptors ({emfile})")
+        );
+        let eacces = io::Error::from_raw_os_error(libc::EACCES);
+        assert_eq!(describe_port_error(80, &eacces), format!("cannot check port 80: binding it failed: {eacces}"));
+        assert!(!describe_port_error(80, &eacces).contains("in use"));
+        // A port below 1024 without the right to bind it: unknown, not held.
+        if !nix::unistd::geteuid().is_root() {
+            let free = (1..1024u16).find(|p| listening_inodes(*p).is_empty()).unwrap();
+            assert!(matches!(look_at_port(free), Port::Unknown(e) if e.kind() == io::ErrorKind::PermissionDenied));
+        }
     }
 }

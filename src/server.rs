@@ -14,6 +14,12 @@
 //! | `GET /status` | the status document |
 //! | `GET /metrics` | the metrics, Prometheus text format |
 //! | `POST /drain`, `/undrain`, `/restart` | 202 once the loop took it; 409 in a phase it does not apply to; 403 over TCP without the bearer token |
+//!
+//! Each listener is served here, not by `axum::serve`: at most
+//! [`MAX_CONNECTIONS`] at once (fewer under a low descriptor limit), each
+//! closed after [`HEADER_READ_TIMEOUT`] without a request head or
+//! [`IDLE_TIMEOUT`] without a byte moving, with a [`MAX_BUF`] read buffer;
+//! a client cannot take the warden's descriptors or memory.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -164,16 +170,295 @@ pub fn bind_tcp(
 /// Serve the unix socket until the task is aborted.
 pub async fn serve_socket(listener: tokio::net::UnixListener, shared: Shared) {
     let app = router(Api { shared, access: Access::Local });
-    if let Err(e) = axum::serve(listener, app).await {
-        tracing::error!(error = %e, "the control socket stopped serving");
-    }
+    serve(listener, app, Limits::for_this_process(), "control socket").await;
 }
 
 /// Serve TCP until the task is aborted; changes need `token`.
 pub async fn serve_tcp(listener: tokio::net::TcpListener, token: Option<String>, shared: Shared) {
     let app = router(Api { shared, access: Access::Token(token.map(Arc::from)) });
-    if let Err(e) = axum::serve(listener, app).await {
-        tracing::error!(error = %e, "the TCP endpoint stopped serving");
+    serve(listener, app, Limits::for_this_process(), "TCP endpoint").await;
+}
+
+/// How long a client has to send a request's head (its first line and
+/// headers), on a new connection and between two requests on a kept-alive
+/// one: a probe or a balancer sends its request at once; a connection that
+/// says nothing (or a header a byte at a time) is closed after this.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A connection on which no byte moved either way for this long is closed:
+/// a body that is never sent, an answer that is never read. Longer than
+/// the longest answer ([`ANSWER_WAIT`]) with room to spare.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most connections one listener serves at once. The endpoint answers
+/// probes, a balancer's health checks, a metrics scraper and the local
+/// commands: a few at a time. Past this, new connections wait in the
+/// kernel's accept queue (they hold none of the warden's descriptors or
+/// memory) until one of the served ends.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// Each listener serves at most this share of the warden's descriptor
+/// limit (`RLIMIT_NOFILE`, soft) when that is lower than
+/// [`MAX_CONNECTIONS`] allows: both listeners together never take more than
+/// a quarter of it, and the rest stays for the child's log, the health
+/// checks, `/proc` and the pre-start steps.
+pub const NOFILE_SHARE: u64 = 8;
+
+/// The read buffer of one connection, which holds a request's head: hyper's
+/// smallest (8 KiB is its floor), ample for a request to this endpoint
+/// (a path and a bearer token). A head larger than this is answered 431.
+pub const MAX_BUF: usize = 16 << 10;
+
+/// The most headers a request may have; more is answered 431.
+pub const MAX_HEADERS: usize = 32;
+
+/// What one listener allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub connections: usize,
+    pub header_read: Duration,
+    pub idle: Duration,
+}
+
+impl Limits {
+    /// [`MAX_CONNECTIONS`], or a share of the descriptor limit `nofile`
+    /// when that is lower; never less than one.
+    pub fn for_nofile(nofile: u64) -> Limits {
+        let share = usize::try_from(nofile / NOFILE_SHARE).unwrap_or(usize::MAX);
+        Limits { connections: MAX_CONNECTIONS.min(share).max(1), header_read: HEADER_READ_TIMEOUT, idle: IDLE_TIMEOUT }
+    }
+
+    /// For this process's descriptor limit as it is now.
+    pub fn for_this_process() -> Limits {
+        Limits::for_nofile(nofile_limit())
+    }
+}
+
+/// The soft `RLIMIT_NOFILE` of this process (unlimited when unknown).
+pub fn nofile_limit() -> u64 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the limit into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
+        return u64::MAX;
+    }
+    lim.rlim_cur
+}
+
+/// A listener of the endpoint: TCP or the unix socket.
+trait Accept: Send + 'static {
+    type Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<Self::Io>> + Send;
+}
+
+impl Accept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn accept(&self) -> std::io::Result<Self::Io> {
+        let (s, _) = tokio::net::TcpListener::accept(self).await?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
+    }
+}
+
+impl Accept for tokio::net::UnixListener {
+    type Io = tokio::net::UnixStream;
+    async fn accept(&self) -> std::io::Result<Self::Io> {
+        Ok(tokio::net::UnixListener::accept(self).await?.0)
+    }
+}
+
+/// The warden's own lack of a resource, named, when `e` is one: the error
+/// is the warden's, never the child's.
+pub fn own_shortage(e: &std::io::Error) -> Option<&'static str> {
+    match e.raw_os_error()? {
+        libc::EMFILE => Some("the warden is out of file descriptors"),
+        libc::ENFILE => Some("the system is out of file descriptors"),
+        libc::ENOMEM | libc::ENOBUFS => Some("the warden is out of memory"),
+        _ => None,
+    }
+}
+
+/// Accept and serve connections until aborted: at most
+/// `limits.connections` at once, each closed after
+/// [`HEADER_READ_TIMEOUT`] without a request head or [`IDLE_TIMEOUT`]
+/// without a byte moving. Dropping this future ends every connection.
+async fn serve<L: Accept>(listener: L, app: Router, limits: Limits, what: &'static str) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let mut conns = tokio::task::JoinSet::new();
+    let mut pause = ACCEPT_PAUSE;
+    let (mut full, mut short) = (Throttle::default(), Throttle::default());
+    tracing::debug!(listener = what, connections = limits.connections, "serving");
+    loop {
+        while conns.try_join_next().is_some() {}
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                if full.due() {
+                    tracing::warn!(
+                        EVENT = "endpoint",
+                        "the {what} serves {} connections, its most: new ones wait",
+                        limits.connections
+                    );
+                }
+                let Ok(p) = permits.clone().acquire_owned().await else { return };
+                p
+            }
+        };
+        match listener.accept().await {
+            Ok(io) => {
+                pause = ACCEPT_PAUSE;
+                let app = app.clone();
+                conns.spawn(async move {
+                    serve_connection(io, app, limits).await;
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                drop(permit);
+                match own_shortage(&e) {
+                    // The connection waits in the kernel's queue: looked
+                    // at again after a pause, not in a busy loop.
+                    Some(why) => {
+                        if short.due() {
+                            tracing::warn!(EVENT = "endpoint", error = %e, "the {what} cannot accept a connection: {why}");
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(MAX_ACCEPT_PAUSE);
+                    }
+                    // One connection's trouble (reset before it was taken).
+                    None => tracing::debug!(error = %e, "the {what} could not accept a connection"),
+                }
+            }
+        }
+    }
+}
+
+/// A warning said at most once per [`WARN_EVERY`].
+#[derive(Default)]
+struct Throttle(Option<tokio::time::Instant>);
+
+/// How often a flood's warnings repeat at most.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+impl Throttle {
+    fn due(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        let due = self.0.is_none_or(|at| now >= at + WARN_EVERY);
+        if due {
+            self.0 = Some(now);
+        }
+        due
+    }
+}
+
+/// The first pause after a failed accept for want of a resource; doubled
+/// up to [`MAX_ACCEPT_PAUSE`].
+const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
+const MAX_ACCEPT_PAUSE: Duration = Duration::from_secs(1);
+
+async fn serve_connection<I>(io: I, app: Router, limits: Limits)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (io, moved) = Watched::new(io);
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_read)
+        .max_buf_size(MAX_BUF)
+        .max_headers(MAX_HEADERS)
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    tokio::pin!(conn);
+    loop {
+        let idle_at = moved.last() + limits.idle;
+        tokio::select! {
+            ended = &mut conn => {
+                if let Err(e) = ended {
+                    tracing::debug!(error = %e, "endpoint connection ended");
+                }
+                return;
+            }
+            () = tokio::time::sleep_until(idle_at) => {
+                if moved.last() + limits.idle <= tokio::time::Instant::now() {
+                    tracing::debug!("endpoint connection closed: idle for {}s", limits.idle.as_secs());
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// When a connection last moved a byte, either way.
+#[derive(Clone)]
+struct Moved {
+    since: tokio::time::Instant,
+    /// Milliseconds after `since`.
+    at: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Moved {
+    fn touch(&self) {
+        let ms = self.since.elapsed().as_millis() as u64;
+        self.at.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn last(&self) -> tokio::time::Instant {
+        self.since + Duration::from_millis(self.at.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// A connection's stream that notes every read or write that moved bytes.
+struct Watched<I> {
+    io: I,
+    moved: Moved,
+}
+
+impl<I> Watched<I> {
+    fn new(io: I) -> (Watched<I>, Moved) {
+        let moved = Moved { since: tokio::time::Instant::now(), at: Arc::default() };
+        (Watched { io, moved: moved.clone() }, moved)
+    }
+}
+
+impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<I> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.moved.touch();
+        }
+        polled
+    }
+}
+
+impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<I> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let polled = std::pin::Pin::new(&mut self.io).poll_write(cx, buf);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            self.moved.touch();
+        }
+        polled
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
@@ -415,6 +700,112 @@ mod tests {
         h.insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
         assert!(allowed(&tcp, &h));
         assert!(!allowed(&Access::Token(None), &h));
+    }
+
+    #[test]
+    fn the_connection_cap_is_a_share_of_a_low_descriptor_limit() {
+        assert_eq!(Limits::for_nofile(u64::MAX).connections, MAX_CONNECTIONS);
+        assert_eq!(Limits::for_nofile(65536).connections, MAX_CONNECTIONS);
+        assert_eq!(Limits::for_nofile(256).connections, 32);
+        assert_eq!(Limits::for_nofile(4).connections, 1, "never none");
+        let l = Limits::for_nofile(1024);
+        assert_eq!((l.header_read, l.idle), (HEADER_READ_TIMEOUT, IDLE_TIMEOUT));
+    }
+
+    #[test]
+    fn the_wardens_own_shortages_are_named() {
+        let e = |n| std::io::Error::from_raw_os_error(n);
+        assert_eq!(own_shortage(&e(libc::EMFILE)), Some("the warden is out of file descriptors"));
+        assert_eq!(own_shortage(&e(libc::ENFILE)), Some("the system is out of file descriptors"));
+        assert_eq!(own_shortage(&e(libc::ENOMEM)), Some("the warden is out of memory"));
+        assert_eq!(own_shortage(&e(libc::ECONNREFUSED)), None);
+        assert_eq!(own_shortage(&e(libc::EADDRINUSE)), None);
+    }
+
+    /// A router with one route that reads its body, for the idle timeout.
+    fn sink() -> Router {
+        Router::new().route("/sink", post(|body: String| async move { body.len().to_string() }))
+    }
+
+    /// Serve one connection of `app` over an in-memory pipe; the client's
+    /// end, and the server's task.
+    fn connect(app: Router) -> (tokio::io::DuplexStream, tokio::task::JoinHandle<()>) {
+        let (client, server) = tokio::io::duplex(64 << 10);
+        let task = tokio::spawn(serve_connection(server, app, Limits::for_nofile(u64::MAX)));
+        (client, task)
+    }
+
+    /// Everything the server sends until it closes the connection (within
+    /// a minute of the paused clock, which only moves when all waits).
+    async fn read_to_close(c: &mut tokio::io::DuplexStream) -> String {
+        use tokio::io::AsyncReadExt;
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(60), c.read_to_end(&mut out)).await;
+        assert!(read.is_ok(), "the connection was never closed");
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_sends_no_request_or_half_a_head_is_closed_after_the_header_timeout() {
+        use tokio::io::AsyncWriteExt;
+        for sent in ["", "GET /livez HTTP/1.1\r\nHost: x\r\n"] {
+            let began = tokio::time::Instant::now();
+            let (mut c, task) = connect(sink());
+            c.write_all(sent.as_bytes()).await.unwrap();
+            read_to_close(&mut c).await;
+            task.await.unwrap();
+            let took = began.elapsed();
+            assert!(
+                took >= HEADER_READ_TIMEOUT && took < HEADER_READ_TIMEOUT + Duration::from_secs(1),
+                "{sent:?}: {took:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_alive_connection_is_closed_once_no_next_request_comes() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut c, task) = connect(sink());
+        c.write_all(b"POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab").await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = c.read(&mut buf).await.unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "answered");
+        let answered = tokio::time::Instant::now();
+        read_to_close(&mut c).await;
+        task.await.unwrap();
+        let took = answered.elapsed();
+        assert!(took >= HEADER_READ_TIMEOUT && took < HEADER_READ_TIMEOUT + Duration::from_secs(1), "{took:?}");
+    }
+
+    /// A body that stops coming is past the header timeout: the idle
+    /// timeout closes the connection, counted from its last byte.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_whose_body_stops_coming_is_closed_when_idle() {
+        use tokio::io::AsyncWriteExt;
+        let (mut c, task) = connect(sink());
+        c.write_all(b"POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab").await.unwrap();
+        tokio::time::sleep(IDLE_TIMEOUT / 2).await;
+        c.write_all(b"cd").await.unwrap();
+        let last_byte = tokio::time::Instant::now();
+        let answer = read_to_close(&mut c).await;
+        task.await.unwrap();
+        let took = last_byte.elapsed();
+        assert!(took >= IDLE_TIMEOUT && took < IDLE_TIMEOUT + Duration::from_secs(1), "{took:?}");
+        assert!(!answer.contains("200"), "{answer}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_beyond_the_budget_is_refused() {
+        use tokio::io::AsyncWriteExt;
+        let many: String = (0..MAX_HEADERS + 1).map(|i| format!("X-{i}: y\r\n")).collect();
+        let large = format!("X-Large: {}\r\n", "y".repeat(MAX_BUF));
+        for extra in [many, large] {
+            let (mut c, task) = connect(sink());
+            c.write_all(format!("GET /livez HTTP/1.1\r\nHost: x\r\n{extra}\r\n").as_bytes()).await.unwrap();
+            let answer = read_to_close(&mut c).await;
+            task.await.unwrap();
+            assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+        }
     }
 
     #[test]

@@ -655,6 +655,11 @@ pub struct Saved {
     /// Absent from a predecessor that did not know it.
     #[serde(default)]
     pub last_failure: Option<crate::status::LastFailure>,
+    /// The run was drained and held out of rotation: the successor holds
+    /// it so (`/readyz` 503) until `undrain`. Absent from a predecessor
+    /// that did not know it.
+    #[serde(default)]
+    pub drained: bool,
 }
 
 fn secs(d: Duration) -> String {
@@ -696,10 +701,11 @@ impl Machine {
 
     /// The ready run and the counts, for a successor that takes over (an
     /// upgrade in place); `None` unless ready with no fatal line waiting
-    /// for its grace.
+    /// for its grace and no drain under way (a drain held is handed over;
+    /// one that ends in a restart, a reload or a stop is waited for).
     pub fn save(&self, now: Instant) -> Option<Saved> {
         let State::Ready(serving) = &self.state else { return None };
-        if serving.run.fatal_at.is_some() {
+        if serving.run.fatal_at.is_some() || self.drain_under_way() {
             return None;
         }
         Some(Saved {
@@ -714,7 +720,15 @@ impl Machine {
             last_load: self.last_load,
             failure_counts: self.failure_counts.clone(),
             last_failure: self.last_failure.clone(),
+            drained: serving.drain.is_some(),
         })
+    }
+
+    /// A drain that has not yet ended in what it is for (held drained, a
+    /// restart, a reload, a stop): an upgrade waits for it.
+    pub fn drain_under_way(&self) -> bool {
+        let State::Ready(serving) = &self.state else { return false };
+        serving.drain.is_some_and(|d| !(d.for_ == DrainFor::Hold && d.stage == DrainStage::Drained))
     }
 
     /// A machine that takes over the ready run `saved` of a predecessor
@@ -732,7 +746,8 @@ impl Machine {
             first_fatal: None,
             exception: None,
         };
-        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain: None });
+        let drain = saved.drained.then_some(Drain { for_: DrainFor::Hold, stage: DrainStage::Drained, began: now });
+        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain });
         m.starts = saved.starts;
         m.failures = saved.failures;
         m.restarts = saved.restarts;
@@ -888,8 +903,11 @@ impl Machine {
             (S::Idle, E::Begin) => self.launch(now),
             (S::Ready(serving), E::Begin) => {
                 let from = self.upgraded_from.take().unwrap_or_default();
-                let text =
-                    format!("upgraded from {from} to {}; ready: pid {}", env!("CARGO_PKG_VERSION"), serving.run.pid);
+                let now_is = match &serving.drain {
+                    Some(d) => self.drain_text(&serving, d),
+                    None => format!("ready: pid {}", serving.run.pid),
+                };
+                let text = format!("upgraded from {from} to {}; {now_is}", env!("CARGO_PKG_VERSION"));
                 let fx = vec![
                     record(Severity::Info, Topic::Upgrade, text.clone()),
                     Effect::Notify(vec![status(text)]),

@@ -12,8 +12,10 @@
 //! What can go wrong before the exec leaves the old warden running and says
 //! why: a new binary that does not answer `--version`, a state file that
 //! cannot be written, an `execve` that fails. A successor that cannot use
-//! the file says why and stops the child it cannot vouch for, then starts
-//! over: the model is loaded again, nothing is left behind.
+//! the file says why, keeps the lock it inherited (found by its file, not
+//! by the number the state gives: `lock::InstanceLock::inherited`), stops
+//! the child it cannot vouch for as a leftover, then starts over: the model
+//! is loaded again, nothing is left behind.
 
 use std::ffi::{CString, OsString};
 use std::io;
@@ -253,6 +255,7 @@ mod tests {
                 last_load: None,
                 failure_counts: Default::default(),
                 last_failure: None,
+                drained: false,
             },
         }
     }

@@ -7,7 +7,7 @@ mod common;
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 
-use common::{Opts, Warden, config, gone};
+use common::{Opts, Warden, config, gone, wait_for_file};
 use nix::sys::signal::Signal;
 
 const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
@@ -238,24 +238,6 @@ fn a_killed_wardens_stubborn_tree_is_stopped_by_the_next_warden() {
     w.wait_ready();
     assert!(tree.iter().all(gone), "the old tree was stopped first: {tree:?}");
     assert_eq!(w.stop(), 0);
-}
-
-/// Wait (on inotify, under one generous deadline) until `done` holds for
-/// the file at `path`.
-fn wait_for_file(path: &std::path::Path, done: impl Fn() -> bool) {
-    use notify::Watcher;
-    let (tx, rx) = std::sync::mpsc::channel();
-    let mut watcher = notify::recommended_watcher(move |_| {
-        let _ = tx.send(());
-    })
-    .unwrap();
-    watcher.watch(path.parent().unwrap(), notify::RecursiveMode::NonRecursive).unwrap();
-    let deadline = std::time::Instant::now() + common::TIMEOUT;
-    while !done() {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        assert!(!left.is_zero(), "timed out after {:?} waiting for {}", common::TIMEOUT, path.display());
-        let _ = rx.recv_timeout(left);
-    }
 }
 
 /// A record as a warden of instance `t` on this boot would write it.

@@ -708,3 +708,89 @@ fn an_upgrade_asked_while_loading_waits_until_ready() {
     w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
     assert_eq!(w.stop(), 0);
 }
+
+/// Issue 34: a successor that refuses the upgrade's state must not meet
+/// its own inherited lock (it used to exit 69, "already supervised by pid
+/// <its own pid>", leaving the child to run on under pid 1). The binary at
+/// the warden's path is a script that answers `--version` as the warden,
+/// then does `tamper` to the state file (`$S`) and runs the warden: for
+/// each way, the warden (same pid) says why it refuses, stops the child it
+/// could not take over, starts the model again and is ready; nothing is
+/// orphaned, and a stop ends in 0.
+fn a_refused_upgrade_starts_again(how: &str, tamper: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    let (bin, path, mut w) = warden_from_a_copy(&["--shards", "1"]);
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let real = bin.path().join("real");
+    std::fs::copy(common::exe(), &real).unwrap();
+    let tamper = tamper.replace("LEADER", &leader.pid.to_string());
+    let script = format!(
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then exec {real} --version; fi\nS=\"$VLLM_WARDEN_UPGRADE_STATE\"\n{tamper}\nexec {real} \"$@\"\n",
+        real = real.display()
+    );
+    let new = bin.path().join("script");
+    std::fs::write(&new, script).unwrap();
+    std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&new, &path).unwrap();
+    w.ask_upgrade(&real);
+
+    w.wait_ready_within(common::TIMEOUT, &format!("READY=1 of the start after a refused upgrade ({how})"));
+    let log = w.stderr();
+    assert!(log.contains("the upgrade's state is unusable ("), "{how}: {log}");
+    assert!(!log.contains("already supervised"), "{how}: {log}");
+    assert!(gone(&leader), "{how}: the old child was stopped, not orphaned");
+    let now = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    assert_ne!(now.pid, leader.pid, "{how}: a new child");
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{}/exe", w.pid)).unwrap(),
+        real,
+        "{how}: the same warden pid runs the new binary"
+    );
+    assert_eq!(w.stop(), 0, "{how}");
+}
+
+#[test]
+fn a_refused_upgrade_state_file_missing_empty_truncated_or_garbage_starts_again() {
+    for (how, tamper) in [
+        ("missing", "rm -f \"$S\""),
+        ("empty", ": > \"$S\""),
+        ("truncated", "head -c 40 \"$S\" > \"$S.cut\" && mv \"$S.cut\" \"$S\""),
+        ("garbage", "printf 'not json\\n' > \"$S\""),
+    ] {
+        a_refused_upgrade_starts_again(how, tamper);
+    }
+}
+
+#[test]
+fn a_refused_upgrade_state_file_fifo_symlink_or_huge_starts_again() {
+    for (how, tamper) in [
+        ("a FIFO", "rm -f \"$S\" && mkfifo \"$S\""),
+        ("a symlink", "rm -f \"$S\" && ln -s /etc/hostname \"$S\""),
+        ("1 GiB", "truncate -s 1G \"$S\""),
+    ] {
+        a_refused_upgrade_starts_again(how, tamper);
+    }
+}
+
+#[test]
+fn a_refused_upgrade_state_with_a_wrong_field_starts_again() {
+    for (how, tamper) in [
+        ("wrong format", "sed -i 's/\"format\": 1,/\"format\": 2,/' \"$S\""),
+        ("wrong instance", "sed -i 's/\"instance\": \"t\"/\"instance\": \"u\"/' \"$S\""),
+        ("wrong pid", "sed -i 's/\"pid\": [0-9]*/\"pid\": 1/' \"$S\""),
+        ("wrong start time", "sed -i 's/\"child_start_time\": [0-9]*/\"child_start_time\": 1/' \"$S\""),
+        ("wrong lock fd", "sed -i 's/\"lock_fd\": [0-9]*/\"lock_fd\": 0/' \"$S\""),
+        // No record of the tree either: the child is found as the warden's own.
+        ("no state and no tree record", "rm -f \"$S\" \"$STATE_DIRECTORY/tree.json\""),
+    ] {
+        a_refused_upgrade_starts_again(how, tamper);
+    }
+}
+
+/// With no tampering: the child dies between the SIGUSR2 and the
+/// successor's look at it.
+#[test]
+fn a_child_that_dies_during_the_upgrade_is_started_again() {
+    a_refused_upgrade_starts_again("the child died", "kill -9 LEADER");
+}

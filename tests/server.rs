@@ -174,3 +174,287 @@ fn a_tcp_listener_that_cannot_be_had_is_exit_78() {
     assert_eq!(w.wait_exit(), 78);
     assert!(w.stderr().contains("cannot listen on 127.0.0.1:"), "{}", w.stderr());
 }
+
+/// The lines of the simulator's `--health-file`: one per `/health` answered.
+fn health_answers(w: &Warden) -> usize {
+    std::fs::read_to_string(w.path("health")).map_or(0, |t| t.lines().count())
+}
+
+/// A config with a TCP listener and health checks every 100 ms, the
+/// simulator noting every `/health` it answers.
+fn checked_config(d: &Path, p: u16, listen: u16) -> String {
+    let health = d.join("health");
+    let server = format!(
+        "{FAST}[server]\nlisten = \"127.0.0.1:{listen}\"\n[health]\ninterval = \"100ms\"\ntimeout = \"2s\"\nfailures = 2\n"
+    );
+    config(d, p, &["--shards", "1", "--health-file", health.to_str().unwrap()], "", &server)
+}
+
+/// This process's own descriptor limit, raised to its hard limit: the
+/// flood's connections are the test's descriptors.
+fn raise_own_nofile() -> u64 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit on a struct we own.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        lim.rlim_cur = lim.rlim_max;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+    }
+    lim.rlim_cur
+}
+
+/// Issue 34: a client with no token flooded the TCP endpoint with idle and
+/// slowloris connections until the warden ran out of descriptors; its own
+/// `/health` probe then failed with "Too many open files" and the healthy
+/// child was killed. With the warden's descriptor limit lowered to 256, a
+/// flood of 2000 connections (half idle, half an unfinished head) holds no
+/// more than the listener's cap of the warden's descriptors, the health
+/// checks go on being answered through it, and the child is untouched.
+#[test]
+fn a_connection_flood_at_a_low_descriptor_limit_leaves_the_child_untouched() {
+    const NOFILE: u64 = 256;
+    const FLOOD: usize = 2000;
+    let have = raise_own_nofile();
+    assert!(have > FLOOD as u64 + 256, "this test needs {} descriptors of its own; has {have}", FLOOD + 256);
+    let listen = free_port();
+    let opts = common::Opts { nofile: Some(NOFILE), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| checked_config(d, p, listen), opts);
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    // An eighth of the limit per listener (the README's number).
+    let cap = (NOFILE / 8) as usize;
+    assert_eq!(vllm_warden::server::Limits::for_nofile(NOFILE).connections, cap);
+    let (fds_before, rss_before) = (common::open_fds(w.pid), common::rss_kib(w.pid));
+
+    // The flood: every connection opened at once and held; those past the
+    // listener's cap wait in the kernel's queue or for their handshake.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let connected = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = connected.clone();
+    let flood = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let mut all = tokio::task::JoinSet::new();
+            for i in 0..FLOOD {
+                let (mut stopped, connected) = (stopped.clone(), counted.clone());
+                all.spawn(async move {
+                    use tokio::io::AsyncWriteExt;
+                    let held = async {
+                        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", listen)).await.ok()?;
+                        connected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i % 2 == 1 {
+                            s.write_all(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.ok()?;
+                        }
+                        Some(s)
+                    };
+                    let s = tokio::select! {
+                        _ = stopped.wait_for(|s| *s) => None,
+                        s = held => s,
+                    };
+                    if s.is_some() {
+                        let _ = stopped.wait_for(|s| *s).await.map(|_| ());
+                    }
+                });
+            }
+            while all.join_next().await.is_some() {}
+        });
+    });
+    // Past two header timeouts, so that the warden has closed connections
+    // and taken others from its queue; counted in health checks answered
+    // meanwhile (one each 100 ms), each sample taken as one is answered.
+    let checks = health_answers(&w);
+    let wanted = checks + 2 * vllm_warden::server::HEADER_READ_TIMEOUT.as_secs() as usize * 10 + 20;
+    let peak = std::sync::Mutex::new((fds_before, rss_before));
+    let began = Instant::now();
+    common::wait_for_file(&w.path("health"), || {
+        let mut p = peak.lock().unwrap();
+        *p = (p.0.max(common::open_fds(w.pid)), p.1.max(common::rss_kib(w.pid)));
+        health_answers(&w) >= wanted
+    });
+    let flood_for = began.elapsed();
+    let (fds_peak, rss_peak) = *peak.lock().unwrap();
+    let opened = connected.load(std::sync::atomic::Ordering::Relaxed);
+    let _ = stop.send(true);
+    flood.join().unwrap();
+
+    let after = vllm_warden::child::read_stat(leader.pid).expect("the child lives");
+    println!(
+        "flood of {FLOOD} connections ({opened} connected) for {flood_for:?}, warden RLIMIT_NOFILE {NOFILE}, cap {cap}: \
+         warden fds {fds_before} before, {fds_peak} at peak; RSS {rss_before} KiB before, {rss_peak} KiB at peak; \
+         child pid {} before, {} after",
+        leader.pid, after.pid
+    );
+    assert_eq!((after.ppid, after.start_time), (w.pid as i32, leader.start_time), "the same child, still ours");
+    assert!(fds_peak <= fds_before + cap + 16, "{fds_peak} descriptors at peak; {fds_before} before; cap {cap}");
+    assert!(rss_peak < rss_before + 32 * 1024, "RSS {rss_peak} KiB at peak; {rss_before} KiB before");
+    assert!(!w.statuses().iter().any(|s| s.starts_with("restarting")), "{:?}", w.statuses());
+    assert_eq!(w.notes.iter().filter(|n| *n == "READY=1").count(), 1, "no new start");
+    // The endpoint serves again once the flood is gone.
+    assert_eq!(tcp(listen, "GET", "/readyz", None), (200, "ready\n".into()));
+    assert_eq!(w.stop(), 0);
+    assert!(!w.stderr().contains("health check failed"), "{}", w.stderr());
+}
+
+/// The warden's own descriptors run out while it runs (connections to its
+/// endpoint fill the free numbers, then its soft limit is lowered to the
+/// lowest number still free): its health checks cannot be made, and say so,
+/// naming the warden's shortage; none counts against the child, which is
+/// neither killed nor restarted, and the checks resume once descriptors
+/// are back.
+#[test]
+fn a_warden_out_of_descriptors_does_not_blame_the_child() {
+    use std::io::{Read, Write};
+    let listen = free_port();
+    let mut w = Warden::start(|d, p| checked_config(d, p, listen));
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    w.wait_for_file("health", |w| health_answers(w) >= 1);
+    // Each connection answered once is held by the warden (until its
+    // header timeout): together they fill the gaps among its numbers.
+    let held: Vec<std::net::TcpStream> = (0..16)
+        .map(|_| {
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", listen)).unwrap();
+            c.set_read_timeout(Some(common::TIMEOUT)).unwrap();
+            c.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut buf = [0u8; 256];
+            assert!(c.read(&mut buf).unwrap() > 0, "answered");
+            c
+        })
+        .collect();
+    let fds: Vec<i32> = std::fs::read_dir(format!("/proc/{}/fd", w.pid))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    // The lowest free number: with the soft limit there, no new one fits.
+    let lowest_free = (0..).find(|n| !fds.contains(n)).unwrap();
+    assert!(lowest_free > 16, "{fds:?}");
+    let pid = w.pid as i32;
+    let set_soft = |soft: u64| {
+        let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: prlimit on the warden, with structs we own.
+        unsafe {
+            assert_eq!(libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old), 0);
+            let new = libc::rlimit { rlim_cur: soft, rlim_max: old.rlim_max };
+            assert_eq!(libc::prlimit(pid, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()), 0);
+        }
+        old.rlim_cur
+    };
+    let was = set_soft(lowest_free as u64);
+    // A number freed after the listing (a check's socket closing) would
+    // let checks through: connections waiting in the listener's queue take
+    // any that frees (the listener tries its accept again within a second).
+    let spare: Vec<std::net::TcpStream> =
+        (0..8).map(|_| std::net::TcpStream::connect(("127.0.0.1", listen)).unwrap()).collect();
+    let said = "health check not made: the warden is out of file descriptors";
+    // Twice as many misses as the failures that would restart the child.
+    w.wait_for_file("warden.stderr", |w| w.stderr().matches(said).count() >= 4);
+    set_soft(was);
+    drop((held, spare));
+    let answered = health_answers(&w);
+    w.wait_for_file("health", |w| health_answers(w) > answered + 2);
+
+    let after = vllm_warden::child::read_stat(leader.pid).expect("the child lives");
+    assert_eq!((after.ppid, after.start_time), (w.pid as i32, leader.start_time), "the same child, still ours");
+    let log = w.stderr();
+    assert!(!log.contains("health check failed"), "{log}");
+    assert!(!w.statuses().iter().any(|s| s.starts_with("restarting")), "{:?}", w.statuses());
+    assert_eq!(tcp(listen, "GET", "/readyz", None), (200, "ready\n".into()));
+    assert_eq!(w.stop(), 0);
+}
+
+/// Issue 34: permission denied on the control socket read as "not running"
+/// (exit 4), so a preStop hook that takes 4 for "nothing to do" skipped the
+/// drain. It is exit 77 with a message of its own; the warden is untouched.
+#[test]
+fn permission_denied_on_the_control_socket_is_not_not_running() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let listen = free_port();
+    let mut w = Warden::start(|d, p| server_config(d, p, listen, ""));
+    w.wait_ready();
+    let root = nix::unistd::geteuid().is_root();
+    if root {
+        // Another user: the folders on the way may be read, the socket
+        // (root's, mode 0660) may not be opened.
+        std::fs::set_permissions(w.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    } else {
+        std::fs::set_permissions(w.path("run/control.sock"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    }
+    for what in ["drain", "undrain", "restart"] {
+        let mut cmd = std::process::Command::new(common::exe());
+        cmd.args([what, "-c"]).arg(w.path("t.toml")).env("RUNTIME_DIRECTORY", w.path("run"));
+        if root {
+            cmd.uid(65534).gid(65534);
+        }
+        let o = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(77), "{what}: {err}");
+        assert!(err.contains("permission denied on the control socket"), "{what}: {err}");
+        assert!(!err.contains("not running"), "{what}: {err}");
+    }
+    assert_eq!(tcp(listen, "GET", "/readyz", None), (200, "ready\n".into()), "nothing changed");
+    assert_eq!(w.stop(), 0);
+    let (code, out) = command(&w, "drain");
+    assert_eq!(code, 4, "no warden: still 4: {out}");
+}
+
+/// A warden run from a copy of the binary (which an upgrade runs again),
+/// with the endpoint on TCP and `extra` config.
+fn upgradable(listen: u16, extra: &'static str) -> (tempfile::TempDir, std::path::PathBuf, Warden) {
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let w = Warden::start_with(move |d, p| server_config(d, p, listen, extra), opts);
+    (bin, path, w)
+}
+
+/// Issue 34: SIGUSR2 while drained came back ready (`/readyz` 200), putting
+/// a node taken out for maintenance back into rotation. The drain is handed
+/// over: the new warden holds the same child drained until `undrain`.
+#[test]
+fn an_upgrade_while_drained_comes_back_drained() {
+    let listen = free_port();
+    let (_bin, path, mut w) = upgradable(listen, "[drain]\ndelay = \"0s\"\n");
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let (code, out) = command(&w, "drain");
+    assert_eq!(code, 0, "{out}");
+    w.wait_note("drained", |n| n.starts_with("STATUS=drained: pid "));
+    w.ask_upgrade(&path);
+    let note = w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    assert!(note.ends_with(&format!("; drained: pid {}, out of rotation", leader.pid)), "{note}");
+    let (code, body) = tcp(listen, "GET", "/readyz", None);
+    assert_eq!((code, body.as_str()), (503, "drained\n"), "still out of rotation");
+    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child");
+    let (code, out) = command(&w, "undrain");
+    assert_eq!((code, out.as_str()), (0, "t: ready\n"));
+    assert_eq!(tcp(listen, "GET", "/readyz", None).0, 200);
+    assert_eq!(w.stop(), 0);
+}
+
+/// Issue 34: SIGUSR2 during a restart's drain cancelled the restart. The
+/// upgrade now waits for the drain to end: the restart happens, then the
+/// upgrade, on the new child.
+#[test]
+fn an_upgrade_during_a_restarts_drain_waits_for_the_restart() {
+    let listen = free_port();
+    let (_bin, path, mut w) = upgradable(listen, "[drain]\ndelay = \"2s\"\n");
+    w.wait_ready();
+    let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    let (code, out) = command(&w, "restart");
+    assert_eq!(code, 0, "{out}");
+    w.wait_note("the drain", |n| n.starts_with("STATUS=draining pid ") && n.ends_with(", then restarting"));
+    w.ask_upgrade(&path);
+    w.wait_note("the restart", |n| n.starts_with("STATUS=restarting: stopping pid "));
+    w.wait_ready();
+    let note = w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    let child = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+    assert_ne!(child.pid, leader.pid, "restarted");
+    assert!(note.ends_with(&format!("; ready: pid {}", child.pid)), "{note}");
+    assert!(w.stderr().contains("waits until the drain ends"), "{}", w.stderr());
+    assert_eq!(tcp(listen, "GET", "/readyz", None).0, 200);
+    assert_eq!(w.stop(), 0);
+}

@@ -86,6 +86,10 @@ struct FakeArgs {
     /// Serve no `/metrics`.
     #[arg(long)]
     no_metrics: bool,
+    /// Append a line to this file for every `/health` answered, for a test
+    /// that waits for the supervisor's checks.
+    #[arg(long)]
+    health_file: Option<PathBuf>,
     /// Create this file in /dev/shm at start and leave it behind, as a
     /// crashed vLLM leaves `psm_*` segments.
     #[arg(long)]
@@ -405,6 +409,7 @@ fn simulate(args: FakeArgs) -> i32 {
             unhealthy_at: args.unhealthy_after.map(|d| std::time::Instant::now() + d),
             hang_completions: args.hang_completions,
             no_metrics: args.no_metrics,
+            health_file: args.health_file.clone(),
         };
         let e = engine.clone();
         std::thread::spawn(move || serve(server, health_tx, behaviour, e));
@@ -540,6 +545,8 @@ struct Serve {
     hang_completions: bool,
     /// Serve no `/metrics` (as a server without the endpoint).
     no_metrics: bool,
+    /// Where each answered `/health` is noted.
+    health_file: Option<PathBuf>,
 }
 
 /// The simulated engine: what `/metrics` shows.
@@ -632,6 +639,11 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
         let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(code));
         if is_health {
             let _ = health.send(());
+            if let Some(f) = &how.health_file {
+                use std::io::Write;
+                let noted = std::fs::OpenOptions::new().create(true).append(true).open(f);
+                let _ = noted.and_then(|mut f| f.write_all(format!("{code}\n").as_bytes()));
+            }
         }
     }
 }

@@ -836,3 +836,35 @@ fn a_restart_in_backoff_starts_at_once_and_during_a_load_stops_it() {
     assert!(s.ev(Event::RestartRequested).contains(&Effect::Prepare { start: 3 }));
     assert_eq!(s.m.failures, 0, "asked for: the failure count starts again");
 }
+
+/// A run held drained is handed to an upgrade's successor drained, which
+/// holds it so; a drain that ends in a restart (or a hold still under way)
+/// is not handed over: the upgrade waits for it.
+#[test]
+fn an_upgrade_hands_a_held_drain_over_and_waits_for_one_under_way() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert!(!s.m.save(s.now).unwrap().drained, "ready, not drained");
+    s.ev(Event::DrainRequested);
+    assert!(s.m.drain_under_way() && s.m.save(s.now).is_none(), "a hold still draining");
+    s.at(5.0);
+    s.tick();
+    s.ev(Event::Quiet { start: 1 });
+    assert_eq!(s.state(), "drained");
+    assert!(!s.m.drain_under_way());
+    let saved = s.m.save(s.now).expect("held drained: handed over");
+    assert!(saved.drained);
+    let mut next = Machine::adopt(policy(), 1, &saved, "0.1.0", s.now);
+    assert_eq!(next.phase(), crate::outcome::Phase::Drained);
+    let fx = next.step(Event::Begin, s.now);
+    assert!(statuses(&fx).iter().any(|t| t.ends_with("; drained: pid 100, out of rotation")), "{fx:?}");
+    // A restart asked while drained stops the child: nothing to hand over.
+    s.ev(Event::RestartRequested);
+    assert!(s.m.save(s.now).is_none(), "{}", s.state());
+
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.ev(Event::RestartRequested);
+    assert_eq!(s.state(), "draining");
+    assert!(s.m.drain_under_way() && s.m.save(s.now).is_none(), "a restart's drain is waited for");
+}

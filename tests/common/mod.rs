@@ -82,6 +82,8 @@ pub struct Opts {
     pub run_args: Vec<String>,
     /// Run this binary instead of the one cargo built.
     pub exe: Option<std::path::PathBuf>,
+    /// The warden's descriptor limit (`RLIMIT_NOFILE`, soft and hard).
+    pub nofile: Option<u64>,
 }
 
 impl Warden {
@@ -174,6 +176,19 @@ impl Warden {
                     set.add(nix::sys::signal::Signal::SIGTERM);
                     set.add(nix::sys::signal::Signal::SIGINT);
                     let _ = set.thread_set_mask();
+                    Ok(())
+                });
+            }
+        }
+        if let Some(n) = opts.nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: only setrlimit between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit { rlim_cur: n, rlim_max: n };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                     Ok(())
                 });
             }
@@ -363,6 +378,16 @@ impl Warden {
             .collect()
     }
 
+    /// Wait (on inotify) until `done` holds for the file `name` of this
+    /// instance's folder; on a timeout, says what the warden said.
+    pub fn wait_for_file(&mut self, name: &str, done: impl Fn(&Warden) -> bool) {
+        let path = self.path(name);
+        let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| wait_for_file(&path, || done(self))));
+        if waited.is_err() {
+            panic!("gave up waiting for {name}{}", self.seen());
+        }
+    }
+
     pub fn statuses(&self) -> Vec<&str> {
         self.notes.iter().filter_map(|n| n.strip_prefix("STATUS=")).collect()
     }
@@ -418,6 +443,45 @@ pub fn secs(d: Duration) -> String {
         Duration::from_millis(d.as_millis() as u64)
     };
     humantime::format_duration(d).to_string()
+}
+
+/// Wait (on inotify, under one generous deadline) until `done` holds for
+/// the file at `path`.
+pub fn wait_for_file(path: &Path, done: impl Fn() -> bool) {
+    wait_for_file_within(TIMEOUT, path, done)
+}
+
+/// [`wait_for_file`] under the deadline `budget`.
+pub fn wait_for_file_within(budget: Duration, path: &Path, done: impl Fn() -> bool) {
+    use notify::Watcher;
+    let (tx, rx) = mpsc::channel();
+    let mut watcher = notify::recommended_watcher(move |_| {
+        let _ = tx.send(());
+    })
+    .unwrap();
+    watcher.watch(path.parent().unwrap(), notify::RecursiveMode::NonRecursive).unwrap();
+    let deadline = Instant::now() + budget;
+    while !done() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "timed out after {} waiting for {}", secs(budget), path.display());
+        let _ = rx.recv_timeout(left);
+    }
+}
+
+/// The number of descriptors `pid` has open.
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+}
+
+/// The resident memory of `pid`, in KiB (`VmRSS`).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 /// True when `pid` with this start time is gone (or only a zombie).
