@@ -494,8 +494,10 @@ mod tests {
         let (bad, _) = problems(&[var("TORCHINDUCTOR_CACHE_DIR", &file, false)]);
         assert_eq!(bad.len(), 1);
         assert!(
-            bad[0]
-                .starts_with(&format!("TORCHINDUCTOR_CACHE_DIR={}: is a regular file, not a folder for uid", file.display())),
+            bad[0].starts_with(&format!(
+                "TORCHINDUCTOR_CACHE_DIR={}: is a regular file, not a folder for uid",
+                file.display()
+            )),
             "{bad:?}"
         );
         assert!(bad[0].contains("set TORCHINDUCTOR_CACHE_DIR in child.env"), "{bad:?}");
@@ -515,7 +517,12 @@ mod tests {
         let vars = vec![
             Var { name: "VLLM_CACHE_ROOT".into(), value: dir.path().join("c/vllm"), kind: Kind::Cache, ours: true },
             Var { name: "VLLM_RPC_BASE_PATH".into(), value: ipc.clone(), kind: Kind::Sockets, ours: true },
-            Var { name: "TORCHINDUCTOR_CACHE_DIR".into(), value: dir.path().join("theirs"), kind: Kind::Cache, ours: false },
+            Var {
+                name: "TORCHINDUCTOR_CACHE_DIR".into(),
+                value: dir.path().join("theirs"),
+                kind: Kind::Cache,
+                ours: false,
+            },
         ];
         prepare(&vars).unwrap();
         assert!(dir.path().join("c/vllm").is_dir() && ipc.is_dir());
