@@ -196,25 +196,34 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
     );
 }
 
+/// For a test that runs the warden as nobody: a folder nobody can reach,
+/// with a copy of the binary in it; `None` (the test says why it did not
+/// run) when not root or no such folder can be made.
+fn as_nobody() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root, to run the warden as uid {}", nobody::UID);
+        return None;
+    }
+    match nobody::tempdir() {
+        Ok(dir) => {
+            let exe = nobody::copy_binary(common::exe(), dir.path());
+            Some((dir, exe))
+        }
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            None
+        }
+    }
+}
+
 /// The venv of a service: its `vllm` script's `#!` names the venv's
 /// `python3`, a link into a folder only root may enter (a pyenv build in
 /// root's home). As the service user, `check` names the interpreter, and
 /// `run` fails the start at once with exit 78, not after a load.
 #[test]
 fn an_interpreter_the_service_user_cannot_reach_is_named_before_any_start() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED: needs root, to run the warden as uid {}", nobody::UID);
-        return;
-    }
-    let dir = match nobody::tempdir() {
-        Ok(d) => d,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
+    let Some((dir, exe)) = as_nobody() else { return };
     let d = dir.path();
-    let exe = nobody::copy_binary(common::exe(), d);
     let private = d.join("root-home");
     std::fs::create_dir_all(&private).unwrap();
     std::fs::copy("/bin/true", private.join("python3.11")).unwrap();
@@ -281,19 +290,8 @@ fn an_interpreter_the_service_user_cannot_reach_is_named_before_any_start() {
 /// a `FileNotFoundError` in every restart.
 #[test]
 fn a_weights_file_the_service_user_cannot_read_is_named() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED: needs root, to run the warden as uid {}", nobody::UID);
-        return;
-    }
-    let dir = match nobody::tempdir() {
-        Ok(d) => d,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
+    let Some((dir, exe)) = as_nobody() else { return };
     let d = dir.path();
-    let exe = nobody::copy_binary(common::exe(), d);
     let model = d.join("model");
     std::fs::create_dir_all(&model).unwrap();
     std::fs::write(model.join("config.json"), "{}").unwrap();

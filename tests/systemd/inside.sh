@@ -2,23 +2,9 @@
 # Runs inside the container, as root, with systemd as PID 1. Every check
 # prints "ok - …" or "not ok - …"; the last line counts them.
 set -uo pipefail
-passed=0
-failed=0
-ok() { echo "ok - $*"; passed=$((passed + 1)); }
-bad() { echo "not ok - $*"; failed=$((failed + 1)); }
-check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
+. "$(dirname "$0")/lib.sh"
 finish() { echo "systemd e2e: $passed passed, $failed failed"; [ "$failed" -eq 0 ]; exit $?; }
 trap finish EXIT
-
-# Wait for an event with one generous deadline: $1 seconds, then the command.
-wait_for() {
-    local limit=$1; shift
-    local end=$((SECONDS + limit))
-    until "$@"; do
-        [ "$SECONDS" -lt "$end" ] || return 1
-        sleep 0.2
-    done
-}
 child_pid() { grep -o '"child_pid": [0-9]*' "/run/vllm-warden/$1/status.json" 2>/dev/null | grep -o '[0-9]*$'; }
 # Ready, with a child other than $2 (read before and after: the same one).
 ready_with_new_child() {

@@ -9,11 +9,7 @@
 set -uo pipefail
 venv=$1
 model=$2
-passed=0
-failed=0
-ok() { echo "ok - $*"; passed=$((passed + 1)); }
-bad() { echo "not ok - $*"; failed=$((failed + 1)); }
-check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
+. "$(dirname "$0")/lib.sh"
 finish() {
     if [ "$failed" -ne 0 ]; then
         echo "--- journal of vllm-warden@tiny (last 80 lines)"
@@ -25,14 +21,6 @@ finish() {
 }
 trap finish EXIT
 
-wait_for() {
-    local limit=$1; shift
-    local end=$((SECONDS + limit))
-    until "$@"; do
-        [ "$SECONDS" -lt "$end" ] || return 1
-        sleep 0.5
-    done
-}
 prop() { systemctl show -p "$1" --value vllm-warden@tiny; }
 child_pid() { grep -o '"child_pid": [0-9]*' /run/vllm-warden/tiny/status.json 2>/dev/null | grep -o '[0-9]*$'; }
 ready_with_new_child() {
