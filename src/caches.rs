@@ -182,7 +182,8 @@ pub fn plan(
     env: &BTreeMap<String, String>,
     outer: &dyn Fn(&str) -> Option<String>,
 ) -> Vec<Var> {
-    let given = |name: &str| env.get(name).cloned().or_else(|| outer(name)).filter(|v| !v.is_empty());
+    // Set, even to "": the operator's (the child gets exactly that).
+    let given = |name: &str| env.get(name).cloned().or_else(|| outer(name));
     let mut out = Vec::new();
     let mut add = |k: &Known, base: Option<&Path>| match given(k.name) {
         Some(v) => out.push(Var { name: k.name.into(), value: PathBuf::from(v), kind: k.kind, ours: false }),
@@ -204,9 +205,14 @@ pub fn plan(
         add(k, cache);
     }
     add(&SOCKETS, runtime);
+    // The hub's home (its cache, unless HF_HUB_CACHE says otherwise, and
+    // the login token) stays where it was.
     let xdg_ours = out.iter().any(|v| v.name == "XDG_CACHE_HOME" && v.ours);
-    if xdg_ours && given(HF_HOME).is_none() && given("HF_HUB_CACHE").is_none() {
-        let home = given("HOME").unwrap_or_else(|| "/".into());
+    let home = given("HOME").filter(|h| h.starts_with('/')).or_else(passwd_home);
+    if xdg_ours
+        && given(HF_HOME).is_none()
+        && let Some(home) = home
+    {
         out.push(Var {
             name: HF_HOME.into(),
             value: Path::new(&home).join(".cache/huggingface"),
@@ -215,6 +221,19 @@ pub fn plan(
         });
     }
     out
+}
+
+/// This user's home in the password database, as Python falls back to
+/// when `HOME` is not set.
+fn passwd_home() -> Option<String> {
+    let user = nix::unistd::User::from_uid(nix::unistd::geteuid()).ok()??;
+    Some(user.dir.to_string_lossy().into_owned()).filter(|d| d.starts_with('/'))
+}
+
+/// A value the warden can look at as the child would use it: an absolute
+/// path with no `~` or variable for the library to expand.
+fn plain_path(p: &Path) -> bool {
+    p.is_absolute() && !p.to_string_lossy().contains(['~', '$'])
 }
 
 /// The variables of one config, with the warden's own environment.
@@ -234,7 +253,7 @@ pub fn child_env(vars: &[Var]) -> impl Iterator<Item = (String, String)> + '_ {
 pub fn problems(vars: &[Var]) -> (Vec<String>, Vec<String>) {
     let (mut bad, mut warn) = (Vec::new(), Vec::new());
     let uid = nix::unistd::geteuid();
-    for v in vars.iter().filter(|v| v.kind != Kind::Hub) {
+    for v in vars.iter().filter(|v| v.kind != Kind::Hub && plain_path(&v.value)) {
         let shown = format!("{}={}", v.name, v.value.display());
         if v.kind == Kind::Sockets && v.value.as_os_str().len() > SOCKETS_MAX {
             bad.push(format!(
@@ -304,9 +323,11 @@ fn short_lived(dir: &Path) -> Option<String> {
 
 /// Before each start: the warden's folders made (mode 0700; an existing
 /// one is left as it is), and the sockets an earlier run left in the
-/// sockets folder removed (only sockets, only this user's: the run that
-/// made them is gone). Returns what could not be done.
-pub fn prepare(vars: &[Var]) -> Result<(), String> {
+/// sockets folder removed (only sockets, only this user's, never `keep`
+/// (the warden's own control socket, should it be configured there); only
+/// when the folder is a real folder of this user, not a link elsewhere:
+/// the run that made them is gone). Returns what could not be done.
+pub fn prepare(vars: &[Var], keep: &Path) -> Result<(), String> {
     let uid = nix::unistd::geteuid().as_raw();
     for v in vars.iter().filter(|v| v.ours && v.kind != Kind::Hub) {
         std::fs::DirBuilder::new()
@@ -315,10 +336,21 @@ pub fn prepare(vars: &[Var]) -> Result<(), String> {
             .create(&v.value)
             .map_err(|e| format!("{}={}: cannot be created: {e}", v.name, v.value.display()))?;
         if v.kind == Kind::Sockets {
+            let ours = std::fs::symlink_metadata(&v.value).is_ok_and(|m| m.is_dir() && m.uid() == uid);
+            if !ours {
+                tracing::warn!(
+                    EVENT = "caches",
+                    "{}={}: not a folder of uid {uid} (a link, or another owner): its sockets are left alone",
+                    v.name,
+                    v.value.display()
+                );
+                continue;
+            }
             let Ok(entries) = std::fs::read_dir(&v.value) else { continue };
             for e in entries.flatten() {
-                if e.metadata().is_ok_and(|m| m.file_type().is_socket() && m.uid() == uid) {
-                    let _ = std::fs::remove_file(e.path());
+                let path = e.path();
+                if path != keep && e.metadata().is_ok_and(|m| m.file_type().is_socket() && m.uid() == uid) {
+                    let _ = std::fs::remove_file(path);
                 }
             }
         }
@@ -329,7 +361,8 @@ pub fn prepare(vars: &[Var]) -> Result<(), String> {
 /// The size in bytes of what is under `dir` (files only, links not
 /// followed, other filesystems not entered), and the number of files.
 pub fn size_of(dir: &Path) -> io::Result<(u64, u64)> {
-    let dev = std::fs::symlink_metadata(dir)?.dev();
+    // The folder itself may be a link (to a bigger disk): followed.
+    let dev = std::fs::metadata(dir)?.dev();
     let (mut bytes, mut files) = (0, 0);
     let mut todo = vec![dir.to_path_buf()];
     while let Some(d) = todo.pop() {
@@ -464,7 +497,10 @@ mod tests {
         let vars = plan(Some(Path::new("/c")), None, &env, &outer);
         let triton = vars.iter().find(|v| v.name == "TORCHINDUCTOR_CACHE_DIR").unwrap();
         assert_eq!((triton.value.as_path(), triton.ours), (Path::new("/srv/inductor"), false));
-        assert!(!vars.iter().any(|v| v.name == "HF_HOME"), "the hub cache is the operator's");
+        // The operator's hub cache is theirs; the hub's home (its login
+        // token) stays where it was, in the user's home when HOME is unset.
+        let hf = vars.iter().find(|v| v.name == "HF_HOME").unwrap();
+        assert!(hf.value.ends_with(".cache/huggingface") && hf.value.is_absolute(), "{hf:?}");
         assert!(!vars.iter().any(|v| v.name == "VLLM_RPC_BASE_PATH"), "no runtime directory, no sockets folder");
         let ours: Vec<_> = child_env(&vars).map(|(k, _)| k).collect();
         assert!(!ours.contains(&"TORCHINDUCTOR_CACHE_DIR".to_string()));
@@ -524,14 +560,27 @@ mod tests {
                 ours: false,
             },
         ];
-        prepare(&vars).unwrap();
+        prepare(&vars, Path::new("/nonexistent")).unwrap();
         assert!(dir.path().join("c/vllm").is_dir() && ipc.is_dir());
         assert!(!dir.path().join("theirs").exists(), "an operator's folder is theirs to make");
         let sock = ipc.join("0b6f8a2e-socket");
         let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         std::fs::write(ipc.join("note.txt"), "kept").unwrap();
-        prepare(&vars).unwrap();
+        let control = ipc.join("control.sock");
+        let _c = std::os::unix::net::UnixListener::bind(&control).unwrap();
+        prepare(&vars, &control).unwrap();
         assert!(!sock.exists() && ipc.join("note.txt").exists());
+        assert!(control.exists(), "the warden's own socket is kept");
+        // A sockets folder that is a link elsewhere: nothing there is touched.
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        let theirs = elsewhere.join("theirs.sock");
+        let _t = std::os::unix::net::UnixListener::bind(&theirs).unwrap();
+        let link = dir.path().join("run/linked");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        let linked = vec![Var { name: "VLLM_RPC_BASE_PATH".into(), value: link, kind: Kind::Sockets, ours: true }];
+        prepare(&linked, Path::new("/nonexistent")).unwrap();
+        assert!(theirs.exists());
         assert_eq!(size_of(dir.path()).unwrap().1, 1);
     }
 }

@@ -264,7 +264,7 @@ impl driver::Observer for Reports {
     }
 
     fn put_off(&self) -> bool {
-        self.status.due().is_some()
+        self.status.write_waits()
     }
 
     fn due(&self) -> Option<std::time::Instant> {

@@ -61,6 +61,15 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
 /// by `check` and before every start, so that such a start fails in a
 /// second with the path, the uid and the fix, not after a load.
 pub fn child_problems(s: &Settings) -> Vec<String> {
+    let mut out = program_problems(s);
+    out.extend(model_problems(s));
+    out.extend(crate::caches::problems(&crate::caches::of(s)).0);
+    out
+}
+
+/// The program of `child.command`, and the interpreter of its `#!` line,
+/// as this user may run them.
+pub fn program_problems(s: &Settings) -> Vec<String> {
     let mut out = Vec::new();
     let uid = nix::unistd::geteuid();
     let program = s.child.command.first().map_or("", String::as_str);
@@ -82,19 +91,34 @@ pub fn child_problems(s: &Settings) -> Vec<String> {
             None => out.push(format!("`command`: program {program:?} not found in PATH")),
         }
     }
-    if s.profile == crate::profile::Profile::Vllm
-        && let Some(model) = model_of(&s.child.command)
-    {
-        match Model::of(&model) {
-            Model::Local(dir) => {
-                out.extend(model_folder(&dir).err().map(|e| format!("model {}: {e} for uid {uid}", dir.display())))
-            }
-            Model::Hub(id) => out.extend(hub(s, &id).1),
-        }
-    }
-    let writes = crate::caches::of(s);
-    out.extend(crate::caches::problems(&writes).0);
     out
+}
+
+/// The model of a vLLM command, as this user may read it: a local folder
+/// (or file), or a model of the hub. What may come right by itself (a
+/// mount not there yet) is worth a retry: the pre-start step counts these
+/// as transient.
+pub fn model_problems(s: &Settings) -> Vec<String> {
+    let uid = nix::unistd::geteuid();
+    if s.profile != crate::profile::Profile::Vllm {
+        return Vec::new();
+    }
+    let Some(model) = model_of(&s.child.command) else { return Vec::new() };
+    let own_config = s.child.command.iter().any(|a| a == "--hf-config-path" || a.starts_with("--hf-config-path="));
+    match Model::of(&model, &child_cwd(s)) {
+        Model::Local(dir) => model_folder(&dir, !own_config)
+            .err()
+            .map(|e| format!("model {}: {e} for uid {uid}", dir.display()))
+            .into_iter()
+            .collect(),
+        Model::Hub(id) => hub(s, &id).1,
+        Model::Elsewhere => Vec::new(),
+    }
+}
+
+/// The folder the child starts in: `child.cwd`, else the warden's.
+fn child_cwd(s: &Settings) -> PathBuf {
+    s.child.cwd.clone().or_else(|| std::env::current_dir().ok()).unwrap_or_else(|| PathBuf::from("/"))
 }
 
 /// What `check` shows of where the child writes and what it reads: each
@@ -103,6 +127,7 @@ pub fn child_problems(s: &Settings) -> Vec<String> {
 pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
     use std::fmt::Write;
     let writes = crate::caches::of(s);
+    let mut warnings = crate::caches::problems(&writes).1;
     let mut out = String::new();
     if !writes.is_empty() {
         let _ = writeln!(out, "the child's caches and sockets:");
@@ -120,13 +145,21 @@ pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
     if s.profile == crate::profile::Profile::Vllm
         && let Some(model) = model_of(&s.child.command)
     {
-        let said = match Model::of(&model) {
-            Model::Local(p) => format!("model {}: a local folder, readable", p.display()),
-            Model::Hub(id) => hub(s, &id).0,
+        let mut hub_warnings = Vec::new();
+        let said = match Model::of(&model, &child_cwd(s)) {
+            Model::Local(p) if p.is_file() => format!("model {}: a local file", p.display()),
+            Model::Local(p) => format!("model {}: a local folder", p.display()),
+            Model::Hub(id) => {
+                let (said, _, w) = hub(s, &id);
+                hub_warnings = w;
+                said
+            }
+            Model::Elsewhere => format!("model {model}: elsewhere (not looked at)"),
         };
         let _ = writeln!(out, "{said}");
+        warnings.extend(hub_warnings);
     }
-    (out, crate::caches::problems(&writes).1)
+    (out, warnings)
 }
 
 /// `Ok` when this user may run `p` (a file with the right to execute).
@@ -143,14 +176,15 @@ fn executable(p: &Path) -> Result<(), String> {
 /// its path (for `#!/usr/bin/env NAME`, NAME as found in PATH) and why.
 fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, String)> {
     use std::io::Read;
-    let mut head = [0u8; 256];
+    let mut head = [0u8; 4096];
     let n = std::fs::File::open(script).and_then(|mut f| f.read(&mut head)).ok()?;
     let line = head[..n].strip_prefix(b"#!")?;
     let line = String::from_utf8_lossy(line.split(|b| *b == b'\n').next()?).into_owned();
     let mut words = line.split_whitespace();
     let first = words.next()?;
     let interpreter = if Path::new(first).file_name().is_some_and(|f| f == "env") {
-        let name = words.find(|w| !w.starts_with('-'))?;
+        // `env -S VAR=1 python3 -u`: options and assignments come first.
+        let name = words.find(|w| !w.starts_with('-') && !w.contains('='))?;
         match resolve_program(name, path) {
             Some(p) => p,
             None => return Some((name.to_string(), "not found in PATH".into())),
@@ -161,16 +195,33 @@ fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, Str
     executable(&interpreter).err().map(|e| (interpreter.display().to_string(), e))
 }
 
-/// The model of `vllm serve MODEL` (or `--model MODEL`), as written.
+/// The model of `vllm serve MODEL` (the last `--model` wins, as in
+/// vLLM's argument parser), or of `python -m vllm.entrypoints… --model
+/// MODEL`, as written. `None` for any other program (a container or a
+/// remote shell that runs vLLM elsewhere: its paths are not this host's).
 pub fn model_of(command: &[String]) -> Option<String> {
-    if let Some(i) = command.iter().position(|a| a == "--model") {
-        return command.get(i + 1).cloned();
+    let name = |a: &String| Path::new(a).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let program = name(command.first()?);
+    let args = &command[1..];
+    let positional = if program == "vllm" && args.first().is_some_and(|a| a == "serve") {
+        args.get(1).filter(|a| !a.starts_with('-')).cloned()
+    } else if program.starts_with("python")
+        && args.windows(2).any(|w| w[0] == "-m" && (w[1] == "vllm" || w[1].starts_with("vllm.")))
+    {
+        None
+    } else {
+        return None;
+    };
+    let mut flag = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--model" {
+            flag = it.next().cloned().or(flag);
+        } else if let Some(m) = a.strip_prefix("--model=") {
+            flag = Some(m.to_string());
+        }
     }
-    if let Some(m) = command.iter().find_map(|a| a.strip_prefix("--model=")) {
-        return Some(m.to_string());
-    }
-    let serve = command.iter().position(|a| a == "serve")?;
-    command.get(serve + 1).filter(|a| !a.starts_with('-')).cloned()
+    flag.or(positional)
 }
 
 /// A model as vLLM reads it.
@@ -178,56 +229,79 @@ pub fn model_of(command: &[String]) -> Option<String> {
 pub enum Model {
     /// A folder (or file) on this machine.
     Local(PathBuf),
-    /// A repository id of the Hugging Face hub, `org/name`.
+    /// A repository id of the Hugging Face hub, `org/name` or `name`.
     Hub(String),
+    /// An object store (`s3://…`), or a path the warden cannot resolve as
+    /// the child would (`~`, a variable): not looked at.
+    Elsewhere,
 }
 
 impl Model {
-    /// As vLLM decides: what exists on disk is local, and so is what is
-    /// written as a path; else an id of the hub.
-    pub fn of(model: &str) -> Model {
-        let p = Path::new(model);
-        let pathlike = model.starts_with('/') || model.starts_with("./") || model.starts_with("../");
-        if pathlike || std::fs::symlink_metadata(p).is_ok() || model.split('/').count() > 2 {
-            Model::Local(p.to_path_buf())
-        } else {
+    /// As vLLM decides, in the child's working folder `cwd`: what exists
+    /// on disk is local, and so is what is written as a path; a name of
+    /// one or two plain parts is an id of the hub.
+    pub fn of(model: &str, cwd: &Path) -> Model {
+        if model.contains("://") || model.starts_with('~') || model.contains('$') {
+            return Model::Elsewhere;
+        }
+        let p = cwd.join(model);
+        if model.starts_with('/') || model.starts_with("./") || model.starts_with("../") {
+            return Model::Local(p);
+        }
+        if std::fs::symlink_metadata(&p).is_ok() {
+            return Model::Local(p);
+        }
+        let plain = |part: &str| {
+            !part.is_empty() && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        };
+        let parts: Vec<&str> = model.split('/').collect();
+        if parts.len() <= 2 && parts.iter().all(|p| plain(p)) {
             Model::Hub(model.to_string())
+        } else {
+            Model::Elsewhere
         }
     }
 }
 
+/// The files of a model folder that vLLM reads: configs, tokenizers,
+/// weights. Others (a README, a `.git` folder) are not its business.
+fn read_by_vllm(name: &str) -> bool {
+    let ext = Path::new(name).extension().map(|e| e.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+    matches!(
+        ext.as_str(),
+        "json" | "safetensors" | "bin" | "pt" | "pth" | "gguf" | "model" | "tiktoken" | "txt" | "jinja"
+    )
+}
+
 /// `Ok` when the model folder can be read, with its `config.json` (or
-/// `params.json`, Mistral's format), and every file in it (the weights;
-/// links followed, as into a Hugging Face cache's blobs); a single file
-/// (GGUF) must be readable.
-fn model_folder(p: &Path) -> Result<(), String> {
+/// `params.json`, Mistral's format; not asked for when `need_config` is
+/// false: `--hf-config-path` names another), and every file in it that
+/// vLLM reads (configs, tokenizer, weights; links followed, as into a
+/// Hugging Face cache's blobs); a single file (GGUF) must be readable.
+fn model_folder(p: &Path, need_config: bool) -> Result<(), String> {
     use nix::unistd::{AccessFlags, access};
+    let readable = |f: &Path| access(f, AccessFlags::R_OK).map_err(io::Error::from);
     let m = std::fs::metadata(p).map_err(|e| e.to_string())?;
     if m.is_file() {
-        return std::fs::File::open(p).map(drop).map_err(|e| format!("cannot be read ({e})"));
+        return readable(p).map_err(|e| format!("cannot be read ({e})"));
     }
     access(p, AccessFlags::R_OK | AccessFlags::X_OK).map_err(|e| format!("cannot be read ({})", io::Error::from(e)))?;
-    let mut config = Err("has no config.json".to_string());
-    for name in ["config.json", "params.json"] {
-        match std::fs::File::open(p.join(name)) {
-            Ok(_) => {
-                config = Ok(());
-                break;
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => config = Err(format!("{name} cannot be read ({e})")),
-        }
+    // Looked at, never opened: a FIFO in its place must not hang a check.
+    let config =
+        ["config.json", "params.json"].iter().find(|n| std::fs::metadata(p.join(n)).is_ok_and(|m| m.is_file()));
+    if need_config && config.is_none() {
+        return Err("has no config.json".into());
     }
-    config?;
     let entries = std::fs::read_dir(p).map_err(|e| format!("cannot be listed ({e})"))?;
     let mut names: Vec<_> = entries.flatten().map(|e| e.path()).collect();
     names.sort();
     for f in names {
-        if std::fs::metadata(&f).is_ok_and(|m| m.is_file())
-            && let Err(e) = access(&f, AccessFlags::R_OK)
+        let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if read_by_vllm(&name)
+            && std::fs::metadata(&f).is_ok_and(|m| m.is_file())
+            && let Err(e) = readable(&f)
         {
-            let name = f.file_name().map_or_else(|| f.display().to_string(), |n| n.to_string_lossy().into_owned());
-            return Err(format!("{name} cannot be read ({})", io::Error::from(e)));
+            return Err(format!("{name} cannot be read ({e})"));
         }
     }
     Ok(())
@@ -236,7 +310,8 @@ fn model_folder(p: &Path) -> Result<(), String> {
 /// What `check` says of a model of the hub, and the problems: whether it is
 /// read offline (`HF_HUB_OFFLINE`), from which hub cache, and, when a
 /// download may happen, whether the service user can write that cache.
-pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>) {
+/// Returns what to say, the problems, and the warnings.
+pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>, Vec<String>) {
     let writes = crate::caches::of(s);
     let get = |k: &str| {
         s.child
@@ -247,7 +322,15 @@ pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>) {
             .or_else(|| writes.iter().find(|v| v.name == k).map(|v| v.value.display().to_string()))
             .filter(|v| !v.is_empty())
     };
-    let cache = get("HF_HUB_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+    let uid = nix::unistd::geteuid();
+    if ["VLLM_USE_MODELSCOPE"]
+        .iter()
+        .any(|k| get(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true")))
+        || get("VLLM_MODEL_REDIRECT_PATH").is_some()
+    {
+        return (format!("model {id}: from ModelScope or a redirect (not looked at)"), vec![], vec![]);
+    }
+    let cache = get("HF_HUB_CACHE").or_else(|| get("HUGGINGFACE_HUB_CACHE")).map(PathBuf::from).unwrap_or_else(|| {
         let home = get("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
             let xdg = get("XDG_CACHE_HOME").map(PathBuf::from);
             xdg.unwrap_or_else(|| Path::new(&get("HOME").unwrap_or_else(|| "/".into())).join(".cache"))
@@ -255,10 +338,16 @@ pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>) {
         });
         home.join("hub")
     });
+    if !cache.is_absolute() || cache.to_string_lossy().contains(['~', '$']) {
+        return (
+            format!("model {id}: from the Hugging Face hub, cache {} (not looked at)", cache.display()),
+            vec![],
+            vec![],
+        );
+    }
     let offline = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"]
         .iter()
         .find(|k| get(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true")));
-    let uid = nix::unistd::geteuid();
     let folder = cache.join(format!("models--{}", id.replace('/', "--")));
     match offline {
         Some(k) => {
@@ -271,7 +360,7 @@ pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>) {
                     folder.display()
                 )]
             };
-            (said, problems)
+            (said, problems, vec![])
         }
         None => {
             let said = format!(
@@ -284,19 +373,22 @@ pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>) {
                 kind: crate::caches::Kind::Cache,
                 ours: false,
             };
-            let problems = crate::caches::problems(&[var])
+            // A warning, not a problem: a complete cache still serves while
+            // the hub says it is current.
+            let warnings = crate::caches::problems(&[var])
                 .0
                 .into_iter()
                 .map(|_| {
                     format!(
-                        "model {id}: the hub cache {} is not writable by uid {uid}, so a download would fail: set \
-                         HF_HUB_OFFLINE = \"1\" in child.env with the model in the cache, or HF_HOME in child.env to a \
-                         folder the service user can write (and ReadWritePaths= for it)",
+                        "model {id}: the hub cache {} is not writable by uid {uid}, so a download (a missing or \
+                         changed file) would fail: set HF_HUB_OFFLINE = \"1\" in child.env with the model in the \
+                         cache, or HF_HOME in child.env to a folder the service user can write (and ReadWritePaths= \
+                         for it)",
                         cache.display()
                     )
                 })
                 .collect();
-            (said, problems)
+            (said, vec![], warnings)
         }
     }
 }
@@ -349,4 +441,69 @@ pub fn resolve_program(program: &str, path_override: Option<&str>) -> Option<Pat
     }
     let path = path_override.map(String::from).or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
     path.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(program)).find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    /// Only vLLM's own command lines name a model of this host; the last
+    /// `--model` wins, as in vLLM's parser.
+    #[test]
+    fn the_model_is_read_from_vllms_command_lines_only() {
+        assert_eq!(model_of(&argv("/opt/v/bin/vllm serve /m --port 8")).as_deref(), Some("/m"));
+        assert_eq!(model_of(&argv("vllm serve /m --model /a --model=/b")).as_deref(), Some("/b"));
+        assert_eq!(model_of(&argv("vllm serve --port 8 --model /a")).as_deref(), Some("/a"));
+        assert_eq!(model_of(&argv("python3 -m vllm.entrypoints.openai.api_server --model /a")).as_deref(), Some("/a"));
+        for elsewhere in [
+            "docker run -v /srv:/models vllm/vllm-openai --model /models/l",
+            "ssh gpu1 vllm serve /models/l",
+            "systemd-cat -t serve vllm serve /m",
+            "vllm-warden-sim --port 8",
+        ] {
+            assert_eq!(model_of(&argv(elsewhere)), None, "{elsewhere}");
+        }
+    }
+
+    #[test]
+    fn a_model_is_local_on_the_hub_or_elsewhere_as_vllm_sees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("llama")).unwrap();
+        let cwd = dir.path();
+        assert_eq!(Model::of("./llama", cwd), Model::Local(cwd.join("./llama")));
+        assert_eq!(Model::of("llama", cwd), Model::Local(cwd.join("llama")), "a folder in the child's cwd");
+        assert_eq!(Model::of("/srv/m", cwd), Model::Local(PathBuf::from("/srv/m")));
+        assert_eq!(Model::of("org/name-1.5", cwd), Model::Hub("org/name-1.5".into()));
+        assert_eq!(Model::of("gpt2", cwd), Model::Hub("gpt2".into()));
+        for elsewhere in ["s3://bucket/models/l", "~/models/l", "$MODELS/l", "a/b/c"] {
+            assert_eq!(Model::of(elsewhere, cwd), Model::Elsewhere, "{elsewhere}");
+        }
+    }
+
+    /// A FIFO where config.json should be is not opened (a check must not
+    /// hang); files vLLM does not read are not its business.
+    #[test]
+    fn a_model_folder_is_looked_at_never_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        nix::unistd::mkfifo(&dir.path().join("config.json"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(model_folder(dir.path(), true), Err("has no config.json".into()));
+        assert_eq!(model_folder(dir.path(), false), Ok(()), "--hf-config-path names another");
+        assert!(read_by_vllm("model-00001-of-00064.safetensors") && read_by_vllm("tokenizer.model"));
+        assert!(!read_by_vllm("README.md") && !read_by_vllm(".gitattributes"));
+    }
+
+    #[test]
+    fn an_env_s_line_names_its_program() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("s");
+        std::fs::write(&script, "#!/usr/bin/env -S PYTHONUNBUFFERED=1 no-such-python-here -u\n").unwrap();
+        let (name, why) = interpreter_problem(&script, Some("/usr/bin:/bin")).unwrap();
+        assert_eq!((name.as_str(), why.as_str()), ("no-such-python-here", "not found in PATH"));
+        std::fs::write(&script, "#!/usr/bin/env -S PYTHONUNBUFFERED=1 sh -e\n").unwrap();
+        assert_eq!(interpreter_problem(&script, Some("/usr/bin:/bin")), None);
+    }
 }

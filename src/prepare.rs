@@ -83,9 +83,17 @@ fn blocking_steps(
     // The child's program, model and the folders it writes, made, and the
     // last run's sockets gone: what would kill the start after a load is
     // a failure now, naming the path, the uid and the fix.
-    crate::caches::prepare(&crate::caches::of(s)).map_err(StartFailure::permanent)?;
-    if let Some(problem) = crate::environment::child_problems(s).into_iter().next() {
+    crate::caches::prepare(&crate::caches::of(s), &s.server.socket).map_err(StartFailure::permanent)?;
+    let fixed_by_config = crate::environment::program_problems(s)
+        .into_iter()
+        .chain(crate::caches::problems(&crate::caches::of(s)).0)
+        .next();
+    if let Some(problem) = fixed_by_config {
         return Err(StartFailure::permanent(problem));
+    }
+    // A model that is not there yet (a mount) may come: worth a retry.
+    if let Some(problem) = crate::environment::model_problems(s).into_iter().next() {
+        return Err(StartFailure::transient(problem));
     }
 
     // 4. The port, at first sight.

@@ -261,11 +261,21 @@ impl Reporter {
         }
     }
 
+    /// A write waits (notifications of the same change wait with it); a
+    /// size being measured holds nothing.
+    pub fn write_waits(&self) -> bool {
+        self.pending
+    }
+
     /// When [`Reporter::flush`] should write what waits (or look whether
     /// the cache's size has come).
     pub fn due(&self) -> Option<std::time::Instant> {
-        let waits = self.pending || self.meter.waiting();
-        waits.then(|| self.written_at.map_or_else(std::time::Instant::now, |t| t + PROGRESS_EVERY))
+        if self.pending {
+            return Some(self.written_at.map_or_else(std::time::Instant::now, |t| t + PROGRESS_EVERY));
+        }
+        // A size being measured: looked for four times a second, never in
+        // a loop that spins (the last write may be long past).
+        self.meter.waiting().then(|| std::time::Instant::now() + PROGRESS_EVERY)
     }
 
     /// Write what waits, if anything does.

@@ -97,6 +97,17 @@ fn the_child_writes_under_the_cache_and_runtime_directories_and_an_operators_cho
     w.stop();
 }
 
+/// A program named `vllm` (it is `/bin/true`): the model of `vllm serve`
+/// is looked at only for vLLM's own command lines.
+fn fake_vllm(d: &Path) -> std::path::PathBuf {
+    let bin = d.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let vllm = bin.join("vllm");
+    std::fs::copy("/bin/true", &vllm).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    vllm
+}
+
 fn check(cfg: &Path, env: &[(&str, &str)]) -> Output {
     Command::new(common::exe()).arg("check").arg("-c").arg(cfg).env_clear().envs(env.iter().copied()).output().unwrap()
 }
@@ -154,21 +165,26 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
     let state = d.join("state");
     let state_env = [("STATE_DIRECTORY", state.to_str().unwrap())];
     std::fs::create_dir_all(d.join("model")).unwrap();
-    std::fs::write(&cfg, format!("[child]\ncommand = [\"/bin/true\", \"serve\", \"{}/model\"]\n", d.display()))
-        .unwrap();
+    let vllm = fake_vllm(d);
+    std::fs::write(
+        &cfg,
+        format!("[child]\ncommand = [\"{}\", \"serve\", \"{}/model\"]\n", vllm.display(), d.display()),
+    )
+    .unwrap();
     let o = check(&cfg, &state_env);
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(78), "{err}");
     assert!(err.contains(&format!("model {}/model: has no config.json for uid", d.display())), "{err}");
     std::fs::write(d.join("model/config.json"), "{}").unwrap();
     let (out, err) = text(&check(&cfg, &state_env));
-    assert!(out.contains(&format!("model {}/model: a local folder, readable", d.display())), "{out}{err}");
+    assert!(out.contains(&format!("model {}/model: a local folder", d.display())), "{out}{err}");
 
     let hub = d.join("hub");
     std::fs::write(
         &cfg,
         format!(
-            "[child]\ncommand = [\"/bin/true\", \"serve\", \"org/m\"]\nenv = {{ HF_HUB_OFFLINE = \"1\", HF_HUB_CACHE = \"{}\" }}\n",
+            "[child]\ncommand = [\"{}\", \"serve\", \"org/m\"]\nenv = {{ HF_HUB_OFFLINE = \"1\", HF_HUB_CACHE = \"{}\" }}\n",
+            vllm.display(),
             hub.display()
         ),
     )
@@ -183,6 +199,34 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
         )),
         "{err}"
     );
+    // Online, a hub cache the user cannot write: said, not refused.
+    std::fs::write(d.join("a-file"), "").unwrap();
+    std::fs::write(
+        &cfg,
+        format!(
+            "[child]\ncommand = [\"{}\", \"serve\", \"org/m\"]\nenv = {{ HF_HUB_CACHE = \"{}/a-file/hub\" }}\n",
+            vllm.display(),
+            d.display()
+        ),
+    )
+    .unwrap();
+    let o = check(&cfg, &state_env);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(
+        err.contains("warning: model org/m: the hub cache")
+            && err.contains("a download (a missing or changed file) would fail"),
+        "{err}"
+    );
+    std::fs::write(
+        &cfg,
+        format!(
+            "[child]\ncommand = [\"{}\", \"serve\", \"org/m\"]\nenv = {{ HF_HUB_OFFLINE = \"1\", HF_HUB_CACHE = \"{}\" }}\n",
+            vllm.display(),
+            hub.display()
+        ),
+    )
+    .unwrap();
     std::fs::create_dir_all(hub.join("models--org--m")).unwrap();
     let o = check(&cfg, &state_env);
     let (out, err) = text(&o);
@@ -302,7 +346,12 @@ fn a_weights_file_the_service_user_cannot_read_is_named() {
     std::fs::create_dir_all(&state).unwrap();
     std::os::unix::fs::chown(&state, Some(nobody::UID), Some(nobody::UID)).unwrap();
     let cfg = d.join("m.toml");
-    std::fs::write(&cfg, format!("[child]\ncommand = [\"/bin/true\", \"serve\", \"{}\"]\n", model.display())).unwrap();
+    // README.md 0600 is not vLLM's business; the weights are.
+    std::fs::write(model.join("README.md"), "private notes").unwrap();
+    std::fs::set_permissions(model.join("README.md"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let vllm = fake_vllm(d);
+    std::fs::write(&cfg, format!("[child]\ncommand = [\"{}\", \"serve\", \"{}\"]\n", vllm.display(), model.display()))
+        .unwrap();
     std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
     let check = |as_nobody: bool| {
         let mut c = Command::new(&exe);
