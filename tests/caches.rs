@@ -166,11 +166,12 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
     let state_env = [("STATE_DIRECTORY", state.to_str().unwrap())];
     std::fs::create_dir_all(d.join("model")).unwrap();
     let vllm = fake_vllm(d);
-    std::fs::write(
-        &cfg,
-        format!("[child]\ncommand = [\"{}\", \"serve\", \"{}/model\"]\n", vllm.display(), d.display()),
-    )
-    .unwrap();
+    // `vllm serve MODEL`, with `env` (TOML) in [child].
+    let write = |model: &str, env: &str| {
+        let text = format!("[child]\ncommand = [\"{}\", \"serve\", \"{model}\"]\nenv = {{ {env} }}\n", vllm.display());
+        std::fs::write(&cfg, text).unwrap();
+    };
+    write(&format!("{}/model", d.display()), "");
     let o = check(&cfg, &state_env);
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(78), "{err}");
@@ -180,15 +181,7 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
     assert!(out.contains(&format!("model {}/model: a local folder", d.display())), "{out}{err}");
 
     let hub = d.join("hub");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[child]\ncommand = [\"{}\", \"serve\", \"org/m\"]\nenv = {{ HF_HUB_OFFLINE = \"1\", HF_HUB_CACHE = \"{}\" }}\n",
-            vllm.display(),
-            hub.display()
-        ),
-    )
-    .unwrap();
+    write("org/m", &format!("HF_HUB_OFFLINE = \"1\", HF_HUB_CACHE = \"{}\"", hub.display()));
     let o = check(&cfg, &state_env);
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(78), "{err}");
@@ -201,15 +194,7 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
     );
     // Online, a hub cache the user cannot write: said, not refused.
     std::fs::write(d.join("a-file"), "").unwrap();
-    std::fs::write(
-        &cfg,
-        format!(
-            "[child]\ncommand = [\"{}\", \"serve\", \"org/m\"]\nenv = {{ HF_HUB_CACHE = \"{}/a-file/hub\" }}\n",
-            vllm.display(),
-            d.display()
-        ),
-    )
-    .unwrap();
+    write("org/m", &format!("HF_HUB_CACHE = \"{}/a-file/hub\"", d.display()));
     let o = check(&cfg, &state_env);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}{err}");
@@ -218,15 +203,7 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
             && err.contains("a download (a missing or changed file) would fail"),
         "{err}"
     );
-    std::fs::write(
-        &cfg,
-        format!(
-            "[child]\ncommand = [\"{}\", \"serve\", \"org/m\"]\nenv = {{ HF_HUB_OFFLINE = \"1\", HF_HUB_CACHE = \"{}\" }}\n",
-            vllm.display(),
-            hub.display()
-        ),
-    )
-    .unwrap();
+    write("org/m", &format!("HF_HUB_OFFLINE = \"1\", HF_HUB_CACHE = \"{}\"", hub.display()));
     std::fs::create_dir_all(hub.join("models--org--m")).unwrap();
     let o = check(&cfg, &state_env);
     let (out, err) = text(&o);
