@@ -157,8 +157,9 @@ pub const SOCKETS_MAX: usize = 70;
 
 /// The Hugging Face hub cache follows `XDG_CACHE_HOME`: when the warden
 /// sets that, `HF_HOME` is set to where the hub cache was before
-/// (`$HOME/.cache/huggingface`), so that the operator's model store does
-/// not move. Not set when `HF_HOME` or `HF_HUB_CACHE` is set already.
+/// (`$HOME/.cache/huggingface`), so that the operator's model store (unless
+/// `HF_HUB_CACHE` names another) and the login token do not move. Not set
+/// when `HF_HOME` is set already.
 pub const HF_HOME: &str = "HF_HOME";
 
 /// A variable the child will see, and where it comes from.
@@ -207,11 +208,12 @@ pub fn plan(
     add(&SOCKETS, runtime);
     // The hub's home (its cache, unless HF_HUB_CACHE says otherwise, and
     // the login token) stays where it was.
+    // The password database is asked only when HOME is not set (under the
+    // unit, systemd sets it): this runs at every spawn, on the loop.
     let xdg_ours = out.iter().any(|v| v.name == "XDG_CACHE_HOME" && v.ours);
-    let home = given("HOME").filter(|h| h.starts_with('/')).or_else(passwd_home);
     if xdg_ours
         && given(HF_HOME).is_none()
-        && let Some(home) = home
+        && let Some(home) = given("HOME").filter(|h| h.starts_with('/')).or_else(passwd_home)
     {
         out.push(Var {
             name: HF_HOME.into(),
@@ -284,26 +286,17 @@ pub fn problems(vars: &[Var]) -> (Vec<String>, Vec<String>) {
 }
 
 /// `Ok` when `dir` is a folder this user can write and enter, or can be
-/// created by it; else why not.
+/// created by it; else why not, in words.
 fn writable_or_creatable(dir: &Path) -> Result<(), String> {
-    use nix::unistd::{AccessFlags, access};
-    let rw = AccessFlags::W_OK | AccessFlags::X_OK;
-    match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => access(dir, rw).map_err(|e| format!("not writable ({})", io::Error::from(e))),
-        Ok(m) => Err(format!("is {}, not a folder", crate::fsutil::kind_of(&m))),
-        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => {
-            let Some(parent) = dir.ancestors().skip(1).find(|a| std::fs::symlink_metadata(a).is_ok()) else {
-                return Err("has no existing parent".into());
-            };
-            if !parent.is_dir() {
-                return Err(format!("cannot be created: {} is not a folder", parent.display()));
-            }
-            access(parent, rw).map_err(|e| {
-                format!("cannot be created: {} is not writable ({})", parent.display(), io::Error::from(e))
-            })
-        }
-        Err(e) => Err(e.to_string()),
-    }
+    use crate::fsutil::Unwritable;
+    crate::fsutil::writable_folder(dir).map_err(|why| match why {
+        Unwritable::Denied(e) => format!("not writable ({e})"),
+        Unwritable::NotAFolder(kind) => format!("is {kind}, not a folder"),
+        Unwritable::ParentNotAFolder(p) => format!("cannot be created: {} is not a folder", p.display()),
+        Unwritable::ParentDenied(p, e) => format!("cannot be created: {} is not writable ({e})", p.display()),
+        Unwritable::NoParent => "has no existing parent".into(),
+        Unwritable::Other(e) => e.to_string(),
+    })
 }
 
 /// Why a folder will not outlive the service, if it will not: on a tmpfs

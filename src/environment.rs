@@ -301,6 +301,8 @@ fn model_folder(p: &Path, need_config: bool) -> Result<(), String> {
             && std::fs::metadata(&f).is_ok_and(|m| m.is_file())
             && let Err(e) = readable(&f)
         {
+            // A name from the model folder: shown as one visible line.
+            let name = crate::escape::one_line(&name, crate::escape::MAX_LINE);
             return Err(format!("{name} cannot be read ({e})"));
         }
     }
@@ -397,40 +399,29 @@ pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>, Vec<String>) {
 /// its record of the tree, the patches), if it could not: it must be a
 /// folder the warden can write, or one it can create.
 fn state_directory(dir: &Path) -> Option<String> {
+    use crate::fsutil::Unwritable;
     let shown = dir.display();
-    let writable = |d: &Path| {
-        nix::unistd::access(d, nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK).map_err(io::Error::from)
-    };
     let uid = nix::unistd::geteuid();
-    match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => match writable(dir) {
-            Ok(()) => match std::fs::symlink_metadata(dir.join("lock")) {
-                Ok(l) if !l.is_file() => Some(format!(
-                    "state directory {shown}: its lock {}/lock is {}, not a regular file",
-                    shown,
-                    crate::fsutil::kind_of(&l)
-                )),
-                _ => None,
-            },
-            Err(e) => Some(format!("state directory {shown}: not writable by uid {uid}: {e}")),
+    match crate::fsutil::writable_folder(dir) {
+        Ok(()) => match std::fs::symlink_metadata(dir.join("lock")) {
+            Ok(l) if !l.is_file() => Some(format!(
+                "state directory {shown}: its lock {}/lock is {}, not a regular file",
+                shown,
+                crate::fsutil::kind_of(&l)
+            )),
+            _ => None,
         },
-        Ok(m) => Some(format!("state directory {shown}: is {}, not a folder", crate::fsutil::kind_of(&m))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            let existing = dir.ancestors().skip(1).find(|a| a.exists())?;
-            if !existing.is_dir() {
-                return Some(format!(
-                    "state directory {shown}: cannot be created: {} is not a folder",
-                    existing.display()
-                ));
-            }
-            writable(existing).err().map(|e| {
-                format!(
-                    "state directory {shown}: cannot be created: {} is not writable by uid {uid}: {e}",
-                    existing.display()
-                )
-            })
+        Err(Unwritable::Denied(e)) => Some(format!("state directory {shown}: not writable by uid {uid}: {e}")),
+        Err(Unwritable::NotAFolder(kind)) => Some(format!("state directory {shown}: is {kind}, not a folder")),
+        Err(Unwritable::ParentNotAFolder(p)) => {
+            Some(format!("state directory {shown}: cannot be created: {} is not a folder", p.display()))
         }
-        Err(e) => Some(format!("state directory {shown}: {e}")),
+        Err(Unwritable::ParentDenied(p, e)) => Some(format!(
+            "state directory {shown}: cannot be created: {} is not writable by uid {uid}: {e}",
+            p.display()
+        )),
+        Err(Unwritable::NoParent) => None,
+        Err(Unwritable::Other(e)) => Some(format!("state directory {shown}: {e}")),
     }
 }
 

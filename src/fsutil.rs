@@ -42,6 +42,43 @@ pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     result
 }
 
+/// Why this user cannot use a folder to write in: it must be a folder it
+/// can write and enter, or one it can create.
+#[derive(Debug)]
+pub enum Unwritable {
+    /// It is there, and is this kind of file (see [`kind_of`]).
+    NotAFolder(&'static str),
+    /// A folder this user may not write or enter.
+    Denied(io::Error),
+    /// Missing, and its nearest existing ancestor is not a folder.
+    ParentNotAFolder(PathBuf),
+    /// Missing, and its nearest existing ancestor may not be written.
+    ParentDenied(PathBuf, io::Error),
+    /// Missing, with no existing ancestor at all (a relative path).
+    NoParent,
+    Other(io::Error),
+}
+
+/// `Ok` when `dir` is a folder this user can write and enter (links
+/// followed), or one it can create.
+pub fn writable_folder(dir: &Path) -> Result<(), Unwritable> {
+    use nix::unistd::{AccessFlags, access};
+    let rw = |d: &Path| access(d, AccessFlags::W_OK | AccessFlags::X_OK).map_err(io::Error::from);
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => rw(dir).map_err(Unwritable::Denied),
+        Ok(m) => Err(Unwritable::NotAFolder(kind_of(&m))),
+        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::NotADirectory) => {
+            let parent =
+                dir.ancestors().skip(1).find(|a| fs::symlink_metadata(a).is_ok()).ok_or(Unwritable::NoParent)?;
+            if !parent.is_dir() {
+                return Err(Unwritable::ParentNotAFolder(parent.to_path_buf()));
+            }
+            rw(parent).map_err(|e| Unwritable::ParentDenied(parent.to_path_buf(), e))
+        }
+        Err(e) => Err(Unwritable::Other(e)),
+    }
+}
+
 /// The kind of a file, in words, for a message: `a FIFO (named pipe)`.
 pub fn kind_of(m: &fs::Metadata) -> &'static str {
     use std::os::unix::fs::FileTypeExt;

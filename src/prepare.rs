@@ -83,11 +83,10 @@ fn blocking_steps(
     // The child's program, model and the folders it writes, made, and the
     // last run's sockets gone: what would kill the start after a load is
     // a failure now, naming the path, the uid and the fix.
-    crate::caches::prepare(&crate::caches::of(s), &s.server.socket).map_err(StartFailure::permanent)?;
-    let fixed_by_config = crate::environment::program_problems(s)
-        .into_iter()
-        .chain(crate::caches::problems(&crate::caches::of(s)).0)
-        .next();
+    let writes = crate::caches::of(s);
+    crate::caches::prepare(&writes, &s.server.socket).map_err(StartFailure::permanent)?;
+    let fixed_by_config =
+        crate::environment::program_problems(s).into_iter().chain(crate::caches::problems(&writes).0).next();
     if let Some(problem) = fixed_by_config {
         return Err(StartFailure::permanent(problem));
     }

@@ -351,4 +351,13 @@ fn a_weights_file_the_service_user_cannot_read_is_named() {
     std::fs::set_permissions(model.join("model.safetensors"), std::fs::Permissions::from_mode(0o644)).unwrap();
     let o = check(true);
     assert!(o.status.success(), "{}", text(&o).1);
+    // A name from the model folder reaches the terminal as one visible line.
+    let hostile = model.join("x\x1b]0;pwned\x07\nREADY=1.json");
+    std::fs::write(&hostile, "{}").unwrap();
+    std::fs::set_permissions(&hostile, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let o = check(true);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(78), "{err}");
+    assert!(err.contains("cannot be read (Permission denied"), "{err}");
+    assert!(!err.contains('\x1b') && !err.contains("\nREADY=1"), "{err:?}");
 }
