@@ -78,7 +78,7 @@ fn inotify_baseline(dir: &std::path::Path) -> Vec<f64> {
 
 /// One readiness check, as the warden's loop makes it.
 fn ready_get(rt: &tokio::runtime::Runtime, url: &str) -> bool {
-    rt.block_on(vllm_warden::health::http_ok_async(url, Duration::from_secs(5)))
+    rt.block_on(vllm_warden::observe::health::http_ok_async(url, Duration::from_secs(5)))
 }
 
 /// A bare readiness check: `GET /health` on the fake, with the warden's client.
@@ -92,7 +92,7 @@ fn http_baseline(sim: &str, rt: &tokio::runtime::Runtime) -> Vec<f64> {
         .unwrap();
     let url = format!("http://127.0.0.1:{port}/health");
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !vllm_warden::health::http_ok(&url, Duration::from_secs(1)) {
+    while !vllm_warden::observe::health::http_ok(&url, Duration::from_secs(1)) {
         assert!(Instant::now() < deadline, "the fake never answered");
         std::thread::sleep(Duration::from_millis(10));
     }

@@ -25,8 +25,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use vllm_warden::logwatch::{Class, Classifier, Delivery, Follower, Splitter};
-use vllm_warden::profile::{List, Profile};
+use vllm_warden::config::profile::{List, Profile};
+use vllm_warden::observe::logwatch::{Class, Classifier, Delivery, Follower, Splitter};
 
 const READY_LINE: &str = "INFO:     Application startup complete.";
 /// The child's side of a run: what it writes, set in its environment.
@@ -302,8 +302,8 @@ impl Warden {
 async fn follow_once(log: &Path) -> f64 {
     let file = std::fs::File::open(log).unwrap();
     let classifier = Classifier::new(&Profile::Vllm.patterns()).unwrap();
-    let (out, mut rx) = tokio::sync::mpsc::channel(vllm_warden::logwatch::QUEUE);
-    let mut tasks = vllm_warden::tasks::Tasks::default();
+    let (out, mut rx) = tokio::sync::mpsc::channel(vllm_warden::observe::logwatch::QUEUE);
+    let mut tasks = vllm_warden::util::tasks::Tasks::default();
     let t = Instant::now();
     let f = Follower::start(&file, 0, 1, classifier, None, None, out, &mut tasks).unwrap();
     f.drain();

@@ -24,12 +24,12 @@ fn pid_namespace() -> Vec<String> {
 
 /// Every zombie whose chain of parents reaches `root` (the warden's own
 /// walk leaves zombies out).
-fn zombies_under(root: i32) -> Vec<vllm_warden::child::ProcStat> {
+fn zombies_under(root: i32) -> Vec<vllm_warden::process::child::ProcStat> {
     let all: Vec<_> = std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter_map(vllm_warden::child::read_stat)
+        .filter_map(vllm_warden::process::child::read_stat)
         .collect();
     let mut under = std::collections::HashSet::from([root]);
     let mut grew = true;
@@ -106,6 +106,6 @@ fn the_container_config_parses() {
         .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds:"))
         .and_then(|v| v.trim().parse().ok())
         .expect("terminationGracePeriodSeconds");
-    let needed = s.drain.delay + s.drain.timeout + s.child.stop_timeout + vllm_warden::supervisor::KILL_GRACE;
+    let needed = s.drain.delay + s.drain.timeout + s.child.stop_timeout + vllm_warden::supervisor::machine::KILL_GRACE;
     assert!(grace >= needed.as_secs(), "terminationGracePeriodSeconds {grace} < {}", needed.as_secs());
 }

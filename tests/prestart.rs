@@ -160,7 +160,7 @@ fn hanging_query(d: &std::path::Path, p: u16, max_attempts: u32) -> String {
 }
 
 fn alive(pid: i32) -> bool {
-    vllm_warden::child::read_stat(pid).is_some_and(|s| s.state != 'Z')
+    vllm_warden::process::child::read_stat(pid).is_some_and(|s| s.state != 'Z')
 }
 
 #[test]
@@ -258,7 +258,7 @@ fn bystander_survives(forge: impl FnOnce(i32, u64) -> String) {
     let bystander = Command::new("sleep").arg("1000").spawn().unwrap();
     let mut bystander = Reap(vec![bystander]);
     let pid = bystander.0[0].id() as i32;
-    let st = vllm_warden::child::read_stat(pid).unwrap();
+    let st = vllm_warden::process::child::read_stat(pid).unwrap();
     let opts = Opts { state_files: vec![("tree.json".into(), forge(pid, st.start_time))], ..Opts::default() };
     let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
     w.wait_ready();
@@ -280,8 +280,8 @@ fn a_recorded_pid_now_used_by_another_process_is_untouched() {
 /// nothing signalled: none carries the warden's run token.
 #[test]
 fn forged_leftovers_an_exact_record_of_an_unrelated_process_signals_nothing() {
-    let init = vllm_warden::child::read_stat(1).unwrap();
-    let me = vllm_warden::child::read_stat(std::process::id() as i32).unwrap();
+    let init = vllm_warden::process::child::read_stat(1).unwrap();
+    let me = vllm_warden::process::child::read_stat(std::process::id() as i32).unwrap();
     bystander_survives(|pid, start| record("anything", &[(pid, start), (1, init.start_time), (me.pid, me.start_time)]));
 }
 

@@ -232,7 +232,7 @@ fn a_reap_that_never_ends_hides_no_later_exit() {
 
 /// The warden's `cat` (its kernel-message follower in the reaper's test).
 fn helper_pid(w: &Warden) -> i32 {
-    vllm_warden::child::descendants(w.pid as i32)
+    vllm_warden::process::child::descendants(w.pid as i32)
         .into_iter()
         .find(|p| std::fs::read_to_string(format!("/proc/{}/comm", p.pid)).is_ok_and(|c| c.trim() == "cat"))
         .map_or(-1, |p| p.pid)
@@ -651,7 +651,7 @@ fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     let v = env!("CARGO_PKG_VERSION");
     assert_eq!(note, format!("STATUS=upgraded from {v} to {v}; ready: pid {}", leader.pid));
     assert_eq!(std::fs::metadata(format!("/proc/{}/exe", w.pid)).unwrap().ino(), new_ino, "the new file runs");
-    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    let now = vllm_warden::process::child::read_stat(leader.pid).unwrap();
     assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child, still ours");
     assert_eq!(w.notes.iter().filter(|n| *n == "READY=1").count(), 1, "no new READY=1");
     assert!(!w.path("upgrade.json").exists(), "the state file is gone");
@@ -691,7 +691,7 @@ fn an_upgrade_to_a_binary_that_is_not_a_warden_is_refused() {
     w.ask_upgrade(&keep);
     let note = w.wait_note("the refusal", |n| n.starts_with("STATUS=upgrade refused"));
     assert!(note.contains("--version did not name a vllm-warden version"), "{note}");
-    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    let now = vllm_warden::process::child::read_stat(leader.pid).unwrap();
     assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time));
     assert!(std::fs::read_link(format!("/proc/{}/exe", w.pid)).unwrap().ends_with("vllm-warden (deleted)"));
     assert_eq!(w.stop(), 0);

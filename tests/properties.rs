@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use vllm_warden::logwatch::{Class, Classifier, Splitter};
-use vllm_warden::profile::Profile;
-use vllm_warden::systemd::{Note, datagram};
+use vllm_warden::config::profile::Profile;
+use vllm_warden::observe::logwatch::{Class, Classifier, Splitter};
+use vllm_warden::observe::notify::{Note, datagram};
 
 const CASES: u32 = 10_000;
 

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tokio::time::Instant;
-use vllm_warden::child::Exit;
 use vllm_warden::config::{self, Dirs};
-use vllm_warden::logwatch::{Class, Classifier, Splitter};
-use vllm_warden::outcome::Phase;
-use vllm_warden::supervisor::{Event, Machine, Policy, State};
+use vllm_warden::observe::logwatch::{Class, Classifier, Splitter};
+use vllm_warden::process::child::Exit;
+use vllm_warden::supervisor::machine::{Event, Machine, Policy, State};
+use vllm_warden::supervisor::outcome::Phase;
 
 fn lines(name: &str) -> Vec<String> {
     let path = format!("{}/tests/fixtures/{name}.log", env!("CARGO_MANIFEST_DIR"));

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use common::real::{GRACE, MARGIN, REPORT, budget, by_title, ceiling, model, vllm};
 use common::{Warden, gone, secs};
 use nix::sys::signal::Signal;
-use vllm_warden::child::ProcStat;
+use vllm_warden::process::child::ProcStat;
 
 fn ray() -> String {
     Path::new(&vllm()).with_file_name("ray").to_string_lossy().into_owned()

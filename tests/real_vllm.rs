@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime};
 use common::real::{COMPLETION, GRACE, MARGIN, REPORT, budget, by_title, ceiling, model, vllm};
 use common::{Warden, gone, secs};
 use nix::sys::signal::Signal;
-use vllm_warden::child::ProcStat;
+use vllm_warden::process::child::ProcStat;
 
 /// The config's `child.stop-timeout`: a ready child's stop.
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -116,7 +116,7 @@ fn starts(n: usize) -> String {
 /// The /dev/shm entries the tree has open or mapped.
 fn shm_of(tree: &[ProcStat]) -> BTreeSet<PathBuf> {
     let pids: BTreeSet<i32> = tree.iter().map(|p| p.pid).collect();
-    vllm_warden::prestart::in_use_under(Path::new("/dev/shm"))
+    vllm_warden::process::prestart::in_use_under(Path::new("/dev/shm"))
         .into_iter()
         .filter(|(_, users)| users.iter().any(|u| pids.contains(u)))
         .map(|(p, _)| p)
@@ -268,7 +268,7 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
         "{last}"
     );
     // Each failed run left its report, with the patch that fixes it as hint.
-    let reports = vllm_warden::reports::list(&w.path("state"), "t").unwrap();
+    let reports = vllm_warden::observe::reports::list(&w.path("state"), "t").unwrap();
     assert_eq!(reports.len(), 2, "{reports:?}");
     for r in &reports {
         let s = r.summary.as_ref().unwrap_or_else(|| panic!("{}: no summary", r.path.display()));
@@ -858,7 +858,7 @@ fn s7_an_upgrade_while_serving_keeps_the_model_and_a_stream() {
     let Streamed { chunks, finish, done } = stream.join().unwrap().expect("the stream across the upgrade");
     // All 200 tokens: it ended by length (`ignore_eos`), with its end marker.
     assert!(done && finish.as_deref() == Some("length"), "{chunks} chunks, finish {finish:?}, done: {done}");
-    let now = vllm_warden::child::read_stat(leader.pid).expect("the server is alive");
+    let now = vllm_warden::process::child::read_stat(leader.pid).expect("the server is alive");
     assert_eq!(
         (now.ppid, now.start_time),
         (w.pid as i32, leader.start_time),
@@ -961,7 +961,7 @@ fn s6_a_wedged_engine_under_traffic_is_caught_reported_and_restarted() {
     // The engine has stood still for the whole window, the tree is not yet
     // stopped (its report comes first): /health still answers 200.
     let health_ok =
-        vllm_warden::health::http_ok(&format!("http://127.0.0.1:{}/health", w.port), Duration::from_secs(5));
+        vllm_warden::observe::health::http_ok(&format!("http://127.0.0.1:{}/health", w.port), Duration::from_secs(5));
     assert!(health_ok, "/health answers 200 with the engine stopped");
     w.wait_note_within(reported, "the stop after the report", |n| {
         n.starts_with("STATUS=failed (attempt 1/10, stopping pid")
@@ -971,7 +971,7 @@ fn s6_a_wedged_engine_under_traffic_is_caught_reported_and_restarted() {
     let back = t_wedge.elapsed();
     let (load, _, n) = load_timings(&w, t0);
 
-    let reports = vllm_warden::reports::list(&w.path("state"), "t").unwrap();
+    let reports = vllm_warden::observe::reports::list(&w.path("state"), "t").unwrap();
     assert_eq!(reports.len(), 1, "{reports:?}");
     let r = &reports[0];
     let summary_text = std::fs::read_to_string(r.path.join("summary.json")).unwrap();

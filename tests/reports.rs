@@ -106,7 +106,7 @@ fn a_wedged_engine_leaves_a_failure_report_with_every_part_and_no_secret() {
     assert_eq!(summary["vllm_version"], "0.32.0");
     assert_eq!(summary["complete"], true);
     let text = std::fs::read_to_string(w.path("t.toml")).unwrap();
-    assert_eq!(summary["config_sha256"], vllm_warden::reports::sha256_hex(text.as_bytes()));
+    assert_eq!(summary["config_sha256"], vllm_warden::observe::reports::sha256_hex(text.as_bytes()));
     let t = &summary["timings"];
     for k in ["spawn", "first_progress", "ready", "failure", "report_begun", "report_done"] {
         assert!(t[k].as_str().is_some_and(|s| s.starts_with("20") && s.ends_with('Z')), "{k}: {summary}");
@@ -201,7 +201,7 @@ fn a_stop_during_the_report_is_answered_at_once_and_leaves_no_command() {
     w.wait_ready();
     w.wait_note("the failure", |n| n.starts_with("STATUS=failed (attempt 1/10, writing the failure report): "));
     let pid: i32 = rx.recv_timeout(common::TIMEOUT).expect("the report's command ran").unwrap().trim().parse().unwrap();
-    let command = vllm_warden::child::read_stat(pid).unwrap();
+    let command = vllm_warden::process::child::read_stat(pid).unwrap();
     let t0 = std::time::Instant::now();
     assert_eq!(w.stop_within(std::time::Duration::from_secs(15), "the exit after a stop during the report"), 0);
     let took = t0.elapsed();
@@ -239,7 +239,7 @@ fn a_command_past_the_report_budget_is_killed_and_the_run_restarted() {
     });
     w.wait_ready();
     let pid: i32 = rx.recv_timeout(common::TIMEOUT).expect("the report's command ran").unwrap().trim().parse().unwrap();
-    let command = vllm_warden::child::read_stat(pid).unwrap();
+    let command = vllm_warden::process::child::read_stat(pid).unwrap();
     w.wait_note("the stop after the report", |n| n.starts_with("STATUS=failed (attempt 1/10, stopping pid"));
     // Left to the stop, it would hold the tree until the SIGKILL 10 s later.
     w.wait_ready_within(std::time::Duration::from_secs(8), "the restart's READY=1");

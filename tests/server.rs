@@ -17,7 +17,7 @@ const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
 /// One request over the warden's unix socket.
 fn local(socket: &Path, method: &str, path: &str) -> (u16, String) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(vllm_warden::server::client::call_within(socket, method, path, TIMEOUT)).unwrap()
+    rt.block_on(vllm_warden::daemon::server::client::call_within(socket, method, path, TIMEOUT)).unwrap()
 }
 
 /// One request over TCP, with a bearer token if given.
@@ -225,7 +225,7 @@ fn a_connection_flood_at_a_low_descriptor_limit_leaves_the_child_untouched() {
     let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
     // An eighth of the limit per listener (the README's number).
     let cap = (NOFILE / 8) as usize;
-    assert_eq!(vllm_warden::server::Limits::for_nofile(NOFILE).connections, cap);
+    assert_eq!(vllm_warden::daemon::server::Limits::for_nofile(NOFILE).connections, cap);
     let (fds_before, rss_before) = (common::open_fds(w.pid), common::rss_kib(w.pid));
 
     // The flood: every connection opened at once and held; those past the
@@ -265,7 +265,7 @@ fn a_connection_flood_at_a_low_descriptor_limit_leaves_the_child_untouched() {
     // and taken others from its queue; counted in health checks answered
     // meanwhile (one each 100 ms), each sample taken as one is answered.
     let checks = health_answers(&w);
-    let wanted = checks + 2 * vllm_warden::server::HEADER_READ_TIMEOUT.as_secs() as usize * 10 + 20;
+    let wanted = checks + 2 * vllm_warden::daemon::server::HEADER_READ_TIMEOUT.as_secs() as usize * 10 + 20;
     let peak = std::sync::Mutex::new((fds_before, rss_before));
     let began = Instant::now();
     common::wait_for_file(&w.path("health"), || {
@@ -279,7 +279,7 @@ fn a_connection_flood_at_a_low_descriptor_limit_leaves_the_child_untouched() {
     let _ = stop.send(true);
     flood.join().unwrap();
 
-    let after = vllm_warden::child::read_stat(leader.pid).expect("the child lives");
+    let after = vllm_warden::process::child::read_stat(leader.pid).expect("the child lives");
     println!(
         "flood of {FLOOD} connections ({opened} connected) for {flood_for:?}, warden RLIMIT_NOFILE {NOFILE}, cap {cap}: \
          warden fds {fds_before} before, {fds_peak} at peak; RSS {rss_before} KiB before, {rss_peak} KiB at peak; \
@@ -356,7 +356,7 @@ fn a_warden_out_of_descriptors_does_not_blame_the_child() {
     let answered = health_answers(&w);
     w.wait_for_file("health", |w| health_answers(w) > answered + 2);
 
-    let after = vllm_warden::child::read_stat(leader.pid).expect("the child lives");
+    let after = vllm_warden::process::child::read_stat(leader.pid).expect("the child lives");
     assert_eq!((after.ppid, after.start_time), (w.pid as i32, leader.start_time), "the same child, still ours");
     let log = w.stderr();
     assert!(!log.contains("health check failed"), "{log}");
@@ -442,7 +442,7 @@ fn an_upgrade_while_drained_comes_back_drained() {
     assert!(note.ends_with(&format!("; drained: pid {}, out of rotation", leader.pid)), "{note}");
     let (code, body) = tcp(listen, "GET", "/readyz", None);
     assert_eq!((code, body.as_str()), (503, "drained\n"), "still out of rotation");
-    let now = vllm_warden::child::read_stat(leader.pid).unwrap();
+    let now = vllm_warden::process::child::read_stat(leader.pid).unwrap();
     assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child");
     let (code, out) = command(&w, "undrain");
     assert_eq!((code, out.as_str()), (0, "t: ready\n"));

@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use proptest::sample::select;
 
 use super::*;
-use crate::logwatch::Classifier;
+use crate::observe::logwatch::Classifier;
 
 const FILE: &str = "/etc/vllm-warden/p.toml";
 

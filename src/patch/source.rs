@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use super::PatchError;
-use crate::fsutil::{BeneathError, Dir, Stamp, read_capped};
+use crate::util::fsutil::{BeneathError, Dir, Stamp, read_capped};
 
 /// Where a model file may lead, and where its name is.
 #[derive(Debug)]

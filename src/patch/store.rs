@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::PatchError;
 use super::source::sha256;
-use crate::fsutil::{BeneathError, Dir, read_capped};
+use crate::util::fsutil::{BeneathError, Dir, read_capped};
 
 const MANIFEST: &str = "manifest.json";
 const LOCK: &str = "lock";
@@ -292,7 +292,9 @@ pub fn check(state_dir: &Path) -> Vec<String> {
     match state.lstat(name) {
         Ok(None) => return Vec::new(),
         Ok(Some(m)) if m.is_dir() => {}
-        Ok(Some(m)) => return vec![format!("{}: is {}, not a folder", path.display(), crate::fsutil::kind_of(&m))],
+        Ok(Some(m)) => {
+            return vec![format!("{}: is {}, not a folder", path.display(), crate::util::fsutil::kind_of(&m))];
+        }
         Err(e) => return vec![format!("{}: {e}", path.display())],
     }
     let store = match state.child_dir(name, None) {
@@ -305,7 +307,11 @@ pub fn check(state_dir: &Path) -> Vec<String> {
     }
     match store.dir.lstat(OsStr::new(LOCK)) {
         Ok(Some(m)) if !m.is_file() => {
-            out.push(format!("{}: is {}, not a regular file", path.join(LOCK).display(), crate::fsutil::kind_of(&m)));
+            out.push(format!(
+                "{}: is {}, not a regular file",
+                path.join(LOCK).display(),
+                crate::util::fsutil::kind_of(&m)
+            ));
         }
         Ok(Some(m)) if m.nlink() != 1 => {
             out.push(format!("{}: has more than one name (a hard link)", path.join(LOCK).display()));

@@ -369,8 +369,8 @@ impl Warden {
     /// Live descendants of the warden that belong to the child's tree: the
     /// warden's own helper (its kernel-message follower, `journalctl`) left
     /// out, as the warden leaves it out.
-    pub fn descendants(&self) -> Vec<vllm_warden::child::ProcStat> {
-        vllm_warden::child::descendants(self.pid as i32)
+    pub fn descendants(&self) -> Vec<vllm_warden::process::child::ProcStat> {
+        vllm_warden::process::child::descendants(self.pid as i32)
             .into_iter()
             .filter(|p| {
                 std::fs::read_to_string(format!("/proc/{}/comm", p.pid)).map_or(true, |c| c.trim() != "journalctl")
@@ -485,8 +485,8 @@ pub fn rss_kib(pid: u32) -> u64 {
 }
 
 /// True when `pid` with this start time is gone (or only a zombie).
-pub fn gone(p: &vllm_warden::child::ProcStat) -> bool {
-    match vllm_warden::child::read_stat(p.pid) {
+pub fn gone(p: &vllm_warden::process::child::ProcStat) -> bool {
+    match vllm_warden::process::child::read_stat(p.pid) {
         None => true,
         Some(now) => now.start_time != p.start_time || now.state == 'Z',
     }

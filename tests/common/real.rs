@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use vllm_warden::child::ProcStat;
+use vllm_warden::process::child::ProcStat;
 
 pub fn vllm() -> String {
     std::env::var("VLLM_WARDEN_VLLM").expect("VLLM_WARDEN_VLLM: run tests/real-vllm/run.sh or tests/real-ray/run.sh")
@@ -61,5 +61,5 @@ pub fn by_title<'a>(tree: &'a [ProcStat], title: &str) -> Vec<&'a ProcStat> {
 
 /// A one-token completion from the server on `port`.
 pub fn completion(port: u16) -> Result<(), String> {
-    vllm_warden::health::canary(&format!("http://127.0.0.1:{port}"), COMPLETION)
+    vllm_warden::observe::health::canary(&format!("http://127.0.0.1:{port}"), COMPLETION)
 }

@@ -1,0 +1,139 @@
+//! `vllm-warden demo`: the whole lifecycle against the simulated vLLM
+//! (`vllm-warden-sim`), narrated: a patch, the load, ready, an engine
+//! death, the backoff, the restart, ready again, and a stop, with every
+//! notification printed as systemd would receive it.
+
+use std::path::{Path, PathBuf};
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::config::{self, Dirs};
+use crate::daemon::driver::Request;
+use crate::observe::notify::{Note, Notifier};
+use crate::supervisor::exit::Code;
+
+/// The simulator's name; the package installs it under [`SIM_DIR`].
+pub const SIM: &str = "vllm-warden-sim";
+pub const SIM_DIR: &str = "/usr/lib/vllm-warden";
+
+/// Where the simulator is: beside this binary (a build tree), else where
+/// the package installs it.
+fn find_sim() -> Option<PathBuf> {
+    let beside = std::env::current_exe().ok().map(|e| e.with_file_name(SIM));
+    [beside, Some(Path::new(SIM_DIR).join(SIM))].into_iter().flatten().find(|p| p.is_file())
+}
+
+/// Prints every notification and asks for a stop after the second READY=1.
+struct Narrator {
+    readies: u32,
+    /// Held for the whole run: the end of the requests would be a stop.
+    stop: mpsc::UnboundedSender<Request>,
+    started: std::time::Instant,
+}
+
+impl Notifier for Narrator {
+    fn notify(&mut self, notes: &[Note]) {
+        let t = self.started.elapsed().as_secs_f64();
+        for n in notes {
+            let line = match n {
+                Note::Ready => "READY=1".to_string(),
+                Note::Status(s) => format!("STATUS={s}"),
+                Note::Stopping => "STOPPING=1".to_string(),
+                Note::ExtendTimeout(d) => format!("EXTEND_TIMEOUT_USEC={}", d.as_micros()),
+                Note::Watchdog => "WATCHDOG=1".to_string(),
+            };
+            println!("[{t:6.2}s] systemd <- {line}");
+            if *n == Note::Ready {
+                self.readies += 1;
+                if self.readies == 2 {
+                    println!(
+                        "[{t:6.2}s] demo: ready again after the crash; stopping the warden as `systemctl stop` would"
+                    );
+                    let _ = self.stop.send(Request::Stop);
+                }
+            }
+        }
+    }
+}
+
+pub fn main() -> Code {
+    let Some(sim) = find_sim() else {
+        eprintln!("demo: {SIM} not found beside this binary or in {SIM_DIR} (cargo build --release builds it)");
+        return Code::Internal;
+    };
+    let dir = std::env::temp_dir().join(format!("vllm-warden-demo-{}", std::process::id()));
+    let code = demo_in(&dir, &sim);
+    let _ = std::fs::remove_dir_all(&dir);
+    code
+}
+
+fn demo_in(dir: &Path, sim: &Path) -> Code {
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("demo: {e}");
+        Code::Internal
+    };
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        return fail(&e);
+    }
+    let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => return fail(&e),
+    };
+    let d = dir.display();
+    // A model whose config.json asks for a 4-bit KV cache: the simulated
+    // vLLM refuses it, as vLLM 0.32 does, unless the patch removes it.
+    let model = dir.join("model");
+    let model_cfg = "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"quantization_config\": {\n    \"quant_method\": \"compressed-tensors\",\n    \"kv_cache_scheme\": {\"num_bits\": 4, \"type\": \"float\"}\n  }\n}\n";
+    if let Err(e) = std::fs::create_dir_all(&model).and_then(|()| std::fs::write(model.join("config.json"), model_cfg))
+    {
+        return fail(&e);
+    }
+    let text = format!(
+        r#"name = "demo"
+[child]
+command = ["{sim}", "--port", "{port}", "--model", "{d}/model", "--shards", "8", "--shard-time", "300ms",
+           "--fail", "engine-death", "--fail-after", "3s", "--fail-times", "1", "--count-file", "{d}/runs"]
+log-file = "{d}/demo.log"
+stop-timeout = "5s"
+[[patch]]
+file = "{d}/model/config.json"
+remove = ["quantization_config.kv_cache_scheme"]
+[restart]
+initial-delay = "2s"
+[status]
+file = "{d}/status.json"
+"#,
+        sim = sim.display()
+    );
+    let cfg = dir.join("demo.toml");
+    if let Err(e) = std::fs::write(&cfg, &text) {
+        return fail(&e);
+    }
+    let dirs = Dirs { state: Some(dir.join("state")), ..Dirs::default() };
+    let settings = match config::parse(&text, &cfg, &dirs) {
+        Ok(s) => s,
+        Err(p) => return fail(&p),
+    };
+    println!("demo: a simulated vLLM on port {port}. Its model's config.json asks for a 4-bit KV cache, which it");
+    println!("demo: refuses; a [[patch]] removes the key before each start. It loads 8 shards, serves, its engine");
+    println!("demo: dies 3 s after the first ready (the API server then exits 0), and the second start stays up.");
+    println!("demo: the child's log: {d}/demo.log");
+    crate::util::logging::init(crate::util::logging::Format::Text);
+    let rt = match crate::cli::runtime() {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
+    let started = std::time::Instant::now();
+    let (stop, requests) = mpsc::unbounded_channel();
+    let narrator = Narrator { readies: 0, stop, started };
+    let code = rt.block_on(crate::daemon::run(
+        settings,
+        narrator,
+        None,
+        UnboundedReceiverStream::new(requests),
+        Default::default(),
+    ));
+    println!("[{:6.2}s] demo: the warden exited with code {code}", started.elapsed().as_secs_f64());
+    code
+}

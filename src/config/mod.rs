@@ -1,0 +1,1062 @@
+//! TOML → validated [`Settings`]: one function per section, each returning
+//! its struct, every default a constant in [`defaults`]. Every problem is
+//! collected, each naming the file and, where the TOML has one, the line and
+//! column.
+//!
+//! The document is parsed with `toml`'s spanned tree and read key by key
+//! (see `reader`), rather than through `#[derive(Deserialize)]`, because
+//! serde stops at the first error and `check` must list every one.
+//!
+//! This must not know processes, tokio or anything outside the one file: the
+//! program, folders and patched files are checked by `environment`, and
+//! what a patch does is `patch`'s.
+
+pub mod profile;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use toml::de::{DeTable, DeValue};
+
+use self::reader::{Keys, Reader, Span, Table, Value, to_json};
+
+use crate::config::profile::{List, Patterns, Profile};
+use crate::patch::Patch;
+
+mod reader;
+
+/// Where the config is read from when `-c` is not given.
+pub const DEFAULT_CONFIG: &str = "/etc/vllm-warden/vllm-warden.toml";
+/// The port vLLM listens on when the command has no `--port`.
+pub const DEFAULT_PORT: u16 = defaults::PORT;
+
+/// The value of every key the config leaves out. The man page's table
+/// shows the same values; a test compares them.
+pub mod defaults {
+    use std::time::Duration;
+
+    use nix::sys::signal::Signal;
+
+    use crate::config::profile::Profile;
+
+    const fn minutes(n: u64) -> Duration {
+        Duration::from_secs(n * 60)
+    }
+
+    pub const PROFILE: Profile = Profile::Vllm;
+
+    /// `child.log-file` is `NAME.log` in `$LOGS_DIRECTORY`, else here.
+    pub const LOG_DIR: &str = "/var/log/vllm-warden";
+    pub const STOP_SIGNAL: Signal = Signal::SIGTERM;
+    pub const STOP_TIMEOUT: Duration = Duration::from_secs(90);
+
+    /// The port vLLM listens on when the command has no `--port`.
+    pub const PORT: u16 = 8000;
+    /// The Ray head's GCS port when `ray start --head` has no `--port`.
+    pub const RAY_PORT: u16 = 6379;
+    /// How long a start waits for the Ray cluster (`prestart.ray-*`).
+    pub const RAY_WAIT: Duration = minutes(10);
+    pub const RAY_MIN_NODES: u32 = 1;
+    /// The Python that asks the cluster (it must have Ray).
+    pub const RAY_PYTHON: &str = "python3";
+    pub const PORT_WAIT: Duration = Duration::from_secs(30);
+    pub const GPU_IDLE_WAIT: Duration = minutes(2);
+    pub const GPU_QUERY: [&str; 3] =
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"];
+
+    pub const READY_TIMEOUT: Duration = minutes(90);
+    pub const READY_STALL: Duration = minutes(15);
+
+    pub const FATAL_GRACE: Duration = Duration::from_secs(30);
+
+    pub const INITIAL_DELAY: Duration = Duration::from_secs(10);
+    pub const MAX_DELAY: Duration = minutes(5);
+    pub const FACTOR: f64 = 2.0;
+    pub const JITTER: f64 = 0.1;
+    pub const RESET_AFTER: Duration = minutes(10);
+    pub const MAX_ATTEMPTS: u32 = 10;
+    pub const PERMANENT_ATTEMPTS: u32 = 2;
+
+    pub const HEALTH_INTERVAL: Duration = Duration::from_secs(15);
+    pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+    pub const HEALTH_FAILURES: u32 = 3;
+    /// Requests running or waiting and no token moving for this long: the
+    /// engine has stalled. Zero: no progress check.
+    pub const PROGRESS_STALL: Duration = minutes(2);
+    /// A one-token completion a minute, when the server is idle (it is
+    /// skipped while requests run or tokens flow): on a big model about
+    /// 50 ms of one prefill a minute. Zero: no canary.
+    pub const CANARY_INTERVAL: Duration = minutes(1);
+    pub const CANARY_TIMEOUT: Duration = minutes(1);
+    /// New kernel messages as they come, followed while a run lives.
+    pub const KERNEL_MESSAGES: [&str; 7] = ["journalctl", "-k", "-f", "-n", "0", "-o", "short-iso"];
+
+    /// `status.file` is `status.json` in `$RUNTIME_DIRECTORY`, else in
+    /// `NAME/` here.
+    pub const RUN_DIR: &str = "/run/vllm-warden";
+    /// `$STATE_DIRECTORY`, else `NAME/` here.
+    pub const STATE_DIR: &str = "/var/lib/vllm-warden";
+
+    /// `[reports]`: how many failure reports are kept, and their total size.
+    pub const REPORTS_KEEP: u32 = 20;
+    pub const REPORTS_MAX_SIZE: u64 = 200 << 20;
+    /// The last lines of a failed run's log in its report.
+    pub const REPORTS_LINES: u32 = 2000;
+    /// What one failure report may take in all: the stop of a failed run
+    /// waits at most this long for it.
+    pub const REPORTS_TIMEOUT: Duration = Duration::from_secs(20);
+    /// A dump of the Python stacks of one process; `{pid}` is its pid.
+    /// Without pausing it: py-spy's pause (a ptrace stop) fails on a
+    /// process that is stopped already (`Failed to suspend process`, seen
+    /// with py-spy 0.4.3 on a SIGSTOPped EngineCore), and a wedged server
+    /// is exactly what a report is for.
+    pub const REPORTS_PY_SPY: [&str; 5] = ["py-spy", "dump", "--nonblocking", "--pid", "{pid}"];
+    pub const REPORTS_GPU_SNAPSHOT: [&str; 2] = ["nvidia-smi", "-q"];
+    /// The kernel's messages since the run's spawn; `{since}` is the spawn
+    /// in seconds since the epoch.
+    pub const REPORTS_KERNEL_MESSAGES: [&str; 6] = ["journalctl", "-k", "-o", "short-iso", "--since", "@{since}"];
+
+    /// `[[patch]] max-size`: the largest model file a patch reads.
+    pub const PATCH_MAX_SIZE: u64 = crate::patch::DEFAULT_MAX_SIZE;
+
+    /// `server.socket` is this file in the runtime directory (the folder of
+    /// the default status file).
+    pub const SOCKET: &str = "control.sock";
+    /// How long a drain waits before it looks at the requests in flight:
+    /// the time a load balancer takes to see `/readyz` fail.
+    pub const DRAIN_DELAY: Duration = Duration::from_secs(5);
+    /// The most a drain waits for the requests in flight to end.
+    pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+    /// `child.log-max-size`: a day or more of request logging on a busy
+    /// server; a restart loop writes about 1 KiB a start.
+    pub const LOG_MAX_SIZE: u64 = 1 << 30;
+    pub const LOG_KEEP: u32 = 3;
+    pub const LOG_COMPRESS: bool = true;
+}
+
+/// The range of every duration key: wide enough for any real setting, and
+/// narrow enough that no deadline the warden computes from one can
+/// overflow (`"500000000000y"` parses, and `Instant + Duration` panics).
+/// The man page's table shows the same ranges; a test tries them.
+pub mod limits {
+    use std::ops::RangeInclusive;
+    use std::time::Duration;
+
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+    /// The longest duration any key accepts.
+    pub const LONGEST: Duration = DAY.saturating_mul(30);
+    /// The shortest duration a key that must be positive accepts.
+    pub const SHORTEST: Duration = Duration::from_millis(1);
+
+    /// A wait, delay or grace; zero means none.
+    pub const WAIT: RangeInclusive<Duration> = Duration::ZERO..=LONGEST;
+    /// A period or timeout that must be positive.
+    pub const PERIOD: RangeInclusive<Duration> = SHORTEST..=LONGEST;
+    /// The deadlines of one start (`ready.timeout`, `ready.stall`): a week
+    /// is far beyond any load.
+    pub const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
+
+    /// `[[patch]] max-size`, in bytes: up to 4 GiB, so that a mistake
+    /// cannot ask the warden to read a disk image.
+    pub const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;
+
+    /// `child.log-max-size`: from 1 MiB (smaller, and the file would be
+    /// copied many times a second by a chatty server) to 1 TiB.
+    pub const LOG_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+    /// `child.log-keep`: copies kept.
+    pub const LOG_KEEP: RangeInclusive<u32> = 0..=1000;
+    /// `reports.timeout`: long enough for a slow `py-spy` on a big tree,
+    /// short enough that a failed run's stop is never held for long.
+    pub const REPORTS_TIMEOUT: RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(600);
+    /// `reports.max-size`, in bytes: 1 MiB to 1 TiB.
+    pub const REPORTS_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+    /// `reports.lines`.
+    pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
+}
+
+impl Settings {
+    /// The cluster that confirms a Ray node's readiness after its ready
+    /// line, unless `ready.http` is set: Ray nodes serve no HTTP.
+    pub fn ready_by_ray(&self) -> Option<&crate::process::ray::Cluster> {
+        if self.ready.http.is_some() || !self.profile.is_ray() {
+            return None;
+        }
+        self.prestart.ray.as_ref()
+    }
+}
+
+/// A config that passed validation.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The file it came from.
+    pub source: PathBuf,
+    /// The text it was read from: kept as `running.toml` in the state
+    /// directory, for `check --diff` against the running instance.
+    pub text: String,
+    /// Instance name: journal identifier `vllm-<name>`, default file names.
+    pub name: String,
+    pub profile: Profile,
+    pub child: Child,
+    pub patches: Vec<Patch>,
+    pub prestart: Prestart,
+    pub ready: Ready,
+    pub fatal: Fatal,
+    pub restart: Restart,
+    pub health: Health,
+    pub status: Status,
+    pub server: Server,
+    pub drain: Drain,
+    pub reports: Reports,
+    /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
+    pub state_dir: PathBuf,
+    /// The effective pattern lists: the profile's plus the config's.
+    pub patterns: Patterns,
+    /// `[[hint]]`: `(match, text)`, tried before the profile's hints.
+    pub hints: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Child {
+    /// argv; never run through a shell.
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<PathBuf>,
+    /// `cache-dir`: where the child's caches go (see [`crate::process::caches`]);
+    /// `$CACHE_DIRECTORY` by default, `None` when there is none or it is
+    /// set to `""`.
+    pub cache_dir: Option<PathBuf>,
+    /// `$RUNTIME_DIRECTORY`: vLLM's IPC sockets go into a folder of it.
+    pub runtime_dir: Option<PathBuf>,
+    pub log_file: PathBuf,
+    /// `log-max-size`, `log-keep`, `log-compress`.
+    pub log_rotation: crate::observe::rotate::Rotation,
+    pub stop_signal: Signal,
+    pub stop_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Prestart {
+    /// Globs in `/dev/shm`, the profile's plus the config's.
+    pub clean_shm: Vec<String>,
+    /// Checked free before each start; `None`: no port is known (a Ray
+    /// node that joins a cluster).
+    pub port: Option<u16>,
+    pub port_wait: Duration,
+    pub gpu_idle_wait: Duration,
+    pub gpu_query: Vec<String>,
+    /// The Ray cluster: waited for before each start (`gate`), and asked
+    /// to confirm a Ray node's readiness.
+    pub ray: Option<crate::process::ray::Cluster>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// `None`: the HTTP check is off (`http = ""`).
+    pub http: Option<String>,
+    pub timeout: Duration,
+    pub stall: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Fatal {
+    pub grace: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Restart {
+    pub initial_delay: Duration,
+    pub max_delay: Duration,
+    pub factor: f64,
+    pub jitter: f64,
+    pub reset_after: Duration,
+    /// 0 = never give up.
+    pub max_attempts: u32,
+    pub permanent_attempts: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Health {
+    pub http: Option<String>,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failures: u32,
+    pub canary_interval: Duration,
+    pub canary_timeout: Duration,
+    /// Zero: no progress check from the server's metrics.
+    pub progress_stall: Duration,
+    /// A command whose output is new kernel messages, followed from each
+    /// spawn for GPU faults; empty: off.
+    pub kernel_messages: Vec<String>,
+}
+
+/// `[reports]`: the failure report written for every failed run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reports {
+    /// How many reports are kept; 0: none is written.
+    pub keep: u32,
+    /// The most all reports may take together, in bytes.
+    pub max_size: u64,
+    /// The last lines of the run's log in `log-tail.txt`.
+    pub lines: u32,
+    /// What one report may take in all.
+    pub timeout: Duration,
+    /// argv of a Python stack dump, `{pid}` in it; empty: none.
+    pub py_spy: Vec<String>,
+    /// argv of a GPU snapshot; empty: none.
+    pub gpu_snapshot: Vec<String>,
+    /// argv whose output is the kernel's messages since `{since}`; empty: none.
+    pub kernel_messages: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Status {
+    pub file: PathBuf,
+    pub metrics_file: Option<PathBuf>,
+}
+
+/// `[server]`: the warden's own HTTP endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Server {
+    /// The unix socket, always served: `control.sock` in the runtime
+    /// directory unless set.
+    pub socket: PathBuf,
+    /// A TCP address to serve too (`127.0.0.1:9400`); none by default.
+    pub listen: Option<std::net::SocketAddr>,
+    /// A file holding the bearer token that allows the mutating endpoints
+    /// over TCP; without it they are refused there.
+    pub token_file: Option<PathBuf>,
+}
+
+/// `[drain]`: taking a serving child out of rotation before it stops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Drain {
+    /// Unready at once, then this long before looking at the requests in
+    /// flight (the balancer's detection time).
+    pub delay: Duration,
+    /// The most the drain waits for no request running or waiting.
+    pub timeout: Duration,
+    /// A stop, and a reload that restarts the child, drain first. Default:
+    /// true when `server.listen` is set.
+    pub on_stop: bool,
+}
+
+/// One problem found in a config file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub file: PathBuf,
+    /// 1-based line and column, when the problem has a place in the TOML.
+    pub at: Option<(usize, usize)>,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.at {
+            Some((line, col)) => {
+                write!(f, "{}:{line}:{col}: {}", self.file.display(), self.message)
+            }
+            None => write!(f, "{}: {}", self.file.display(), self.message),
+        }
+    }
+}
+
+/// Every problem of a config that did not validate.
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct Problems(pub Vec<Problem>);
+
+impl fmt::Display for Problems {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The directories systemd hands a service (`RuntimeDirectory=` …), read
+/// once so that validation stays a pure function of its inputs.
+#[derive(Debug, Clone, Default)]
+pub struct Dirs {
+    pub runtime: Option<PathBuf>,
+    pub state: Option<PathBuf>,
+    pub logs: Option<PathBuf>,
+    pub cache: Option<PathBuf>,
+}
+
+impl Dirs {
+    pub fn from_env() -> Dirs {
+        // systemd joins several directories with ':'; the first is ours.
+        let first = |var: &str| {
+            std::env::var_os(var)
+                .and_then(|v| v.to_str().and_then(|s| s.split(':').next()).map(PathBuf::from))
+                .filter(|p| !p.as_os_str().is_empty())
+        };
+        Dirs {
+            runtime: first("RUNTIME_DIRECTORY"),
+            state: first("STATE_DIRECTORY"),
+            logs: first("LOGS_DIRECTORY"),
+            cache: first("CACHE_DIRECTORY"),
+        }
+    }
+}
+
+/// Read and validate a config file.
+pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Problems(vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
+    })?;
+    parse(&text, path, dirs)
+}
+
+/// Validate config text; `path` names the file in problems and gives the
+/// default instance name (its stem). `Err` exactly when a problem was found.
+pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
+    match parse_all(text, path, dirs) {
+        (Some(settings), problems) if problems.is_empty() => Ok(settings),
+        (_, problems) => Err(Problems(problems)),
+    }
+}
+
+/// Read a config and go on past its problems, for `check`, which lists
+/// the environment's problems beside the file's: the settings as far as
+/// they could be read (each value with a problem left at its default) and
+/// every problem. No settings when the file cannot be read or is not TOML.
+pub fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse_all(&text, path, dirs),
+        Err(e) => {
+            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
+        }
+    }
+}
+
+fn parse_all(text: &str, path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
+    let (doc, syntax) = DeTable::parse_recoverable(text);
+    let mut r = Reader::new(text, path);
+    if !syntax.is_empty() {
+        for e in syntax {
+            r.problem(e.span(), e.message().trim_end());
+        }
+        return (None, r.into_problems());
+    }
+    let mut settings = settings(&mut r, doc.get_ref(), path, dirs);
+    settings.text = text.to_string();
+    (Some(settings), r.into_problems())
+}
+
+/// The whole document, section by section.
+fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Settings {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("vllm").to_string();
+    let mut top = Keys::new(r, Some(doc), None, "", String::new());
+    let name = top.read("name", stem, instance_name);
+    let profile = top.read("profile", defaults::PROFILE, profile);
+    let [
+        child_v,
+        patch_v,
+        prestart_v,
+        ready_v,
+        fatal_v,
+        restart_v,
+        health_v,
+        status_v,
+        server_v,
+        drain_v,
+        hint_v,
+        reports_v,
+    ] = [
+        "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
+        "reports",
+    ]
+    .map(|k| top.take(k));
+    drop(top);
+    let hints = hints(r, hint_v);
+
+    let mut patterns = profile.patterns();
+    let child = child(r.section(child_v, "child"), &name, dirs);
+    let patches = patches(r, patch_v);
+    let prestart = prestart(r.section(prestart_v, "prestart"), profile, &child.command);
+    // A Ray node serves no HTTP: its readiness is confirmed by the cluster.
+    let health_url = prestart.port.filter(|_| !profile.is_ray()).map(|p| format!("http://127.0.0.1:{p}/health"));
+    let ready = ready(r.section(ready_v, "ready"), &mut patterns, &health_url);
+    let fatal = fatal(r.section(fatal_v, "fatal"), &mut patterns);
+    let restart = restart(r.section(restart_v, "restart"));
+    let health = health(r.section(health_v, "health"), &health_url);
+    let status = status(r.section(status_v, "status"), &name, dirs);
+    let server = server(r.section(server_v, "server"), &name, dirs);
+    let drain = drain(r.section(drain_v, "drain"), server.listen.is_some());
+    let reports = reports(r.section(reports_v, "reports"));
+    let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
+    Settings {
+        source: path.to_path_buf(),
+        text: String::new(),
+        name,
+        profile,
+        child,
+        patches,
+        prestart,
+        ready,
+        fatal,
+        restart,
+        health,
+        status,
+        server,
+        drain,
+        reports,
+        hints,
+        state_dir,
+        patterns,
+    }
+}
+
+fn instance_name(r: &mut Reader<'_>, v: &Value<'_>) -> Option<String> {
+    let n = r.string(v, "name")?;
+    let ok = !n.is_empty()
+        && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !n.starts_with('.');
+    if !ok {
+        r.problem(Some(v.span()), format!("`name` {n:?} must be letters, digits, '-', '_' or '.'"));
+    }
+    ok.then_some(n)
+}
+
+fn profile(r: &mut Reader<'_>, v: &Value<'_>) -> Option<Profile> {
+    let p = r.string(v, "profile")?;
+    let parsed = Profile::parse(&p);
+    if parsed.is_none() {
+        r.problem(Some(v.span()), format!("unknown profile {p:?} (known: {})", Profile::NAMES.join(", ")));
+    }
+    parsed
+}
+
+/// `[child]`
+fn child(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Child {
+    let command = match k.take("command") {
+        Some(v) => command(k.reader(), v),
+        None => {
+            let span = k.span();
+            k.problem(span, "`[child] command` is required: the argv of the server to run");
+            Vec::new()
+        }
+    };
+    let env = k.read("env", BTreeMap::new(), |r, v| {
+        let t = r.table(v, "env")?;
+        let mut env = BTreeMap::new();
+        for (key, val) in t.iter() {
+            if let Some(s) = r.string(val, &format!("env.{}", key.get_ref())) {
+                env.insert(key.get_ref().to_string(), s);
+            }
+        }
+        Some(env)
+    });
+    let cwd = k.read("cwd", None, |r, v| r.string(v, "cwd").map(|s| Some(PathBuf::from(s))));
+    let cache_dir = k.read("cache-dir", dirs.cache.clone(), |r, v| {
+        let s = r.string(v, "cache-dir")?;
+        if !s.is_empty() && !s.starts_with('/') {
+            r.problem(Some(v.span()), "`cache-dir` must be an absolute path, or \"\" for none");
+            return None;
+        }
+        Some((!s.is_empty()).then(|| PathBuf::from(s)))
+    });
+    let log_dir = dirs.logs.clone().unwrap_or_else(|| PathBuf::from(defaults::LOG_DIR));
+    let log_file = k.path("log-file", log_dir.join(format!("{name}.log")));
+    let log_rotation = crate::observe::rotate::Rotation {
+        max_size: k
+            .read("log-max-size", defaults::LOG_MAX_SIZE, |r, v| size(r, v, "log-max-size", limits::LOG_MAX_SIZE)),
+        keep: k.read("log-keep", defaults::LOG_KEEP, |r, v| {
+            r.integer(v, "log-keep", (*limits::LOG_KEEP.end()).into()).and_then(|n| u32::try_from(n).ok())
+        }),
+        compress: k.read("log-compress", defaults::LOG_COMPRESS, |r, v| r.boolean(v, "log-compress")),
+    };
+    let stop_signal = k.read("stop-signal", defaults::STOP_SIGNAL, stop_signal);
+    let stop_timeout = k.duration("stop-timeout", defaults::STOP_TIMEOUT, limits::WAIT);
+    Child {
+        command,
+        env,
+        cwd,
+        cache_dir,
+        runtime_dir: dirs.runtime.clone(),
+        log_file,
+        log_rotation,
+        stop_signal,
+        stop_timeout,
+    }
+}
+
+fn command(r: &mut Reader<'_>, v: &Value<'_>) -> Vec<String> {
+    let Some(command) = r.strings(v, "command") else { return Vec::new() };
+    if command.first().is_none_or(String::is_empty) {
+        r.problem(Some(v.span()), "`command` must name a program to run");
+        return Vec::new();
+    }
+    if port_of(&command) == Some(0) {
+        r.problem(Some(v.span()), "`command`: `--port 0` leaves the port to chance, and the warden must know it");
+        return Vec::new();
+    }
+    command
+}
+
+fn stop_signal(r: &mut Reader<'_>, v: &Value<'_>) -> Option<Signal> {
+    let s = r.string(v, "stop-signal")?;
+    let Some(sig) = parse_signal(&s) else {
+        r.problem(Some(v.span()), format!("`stop-signal`: unknown signal {s:?} (e.g. \"SIGTERM\", \"SIGINT\")"));
+        return None;
+    };
+    match not_a_stop_request(sig) {
+        None => Some(sig),
+        Some(why) => {
+            let message = format!(
+                "`stop-signal`: {} cannot ask a process to exit gracefully: {why} (e.g. \"SIGTERM\", \"SIGINT\")",
+                sig.as_str()
+            );
+            r.problem(Some(v.span()), message);
+            None
+        }
+    }
+}
+
+/// Why `sig` cannot be the first signal of a stop, if it cannot. SIGKILL
+/// is refused too: it cannot be caught, so vLLM's API server could not shut
+/// its engine down, and a stop sends it anyway once `stop-timeout` is over.
+fn not_a_stop_request(sig: Signal) -> Option<&'static str> {
+    use Signal::*;
+    match sig {
+        SIGKILL => Some("it cannot be caught, and a stop sends it anyway after `stop-timeout`"),
+        SIGSTOP | SIGTSTP | SIGTTIN | SIGTTOU => Some("it suspends the process"),
+        SIGCONT => Some("it resumes a suspended process"),
+        SIGCHLD | SIGURG | SIGWINCH => Some("it is ignored unless handled"),
+        _ => None,
+    }
+}
+
+/// `[[patch]]`, each entry.
+/// `[[hint]] match = "…", text = "…"`: the config's remedy hints, tried
+/// before the profile's.
+fn hints(r: &mut Reader<'_>, v: Option<&Value<'_>>) -> Vec<(String, String)> {
+    let Some(v) = v else { return Vec::new() };
+    let DeValue::Array(items) = v.get_ref() else {
+        r.problem(Some(v.span()), "`hint` must be written as [[hint]] tables");
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for item in items.iter() {
+        let Some(t) = r.table(item, "hint") else { continue };
+        let mut k = Keys::new(r, Some(t), Some(item.span()), "hint", " in [[hint]]".into());
+        let pattern = k.read("match", None, |r, v| r.regex(v, "hint.match").map(Some));
+        let text = k.read("text", None, |r, v| r.string(v, "text").map(Some));
+        match (pattern, text) {
+            (Some(p), Some(t)) if !t.trim().is_empty() => out.push((p, t)),
+            (Some(_), Some(_)) => k.problem(Some(item.span()), "`[[hint]]` needs a `text` that says something"),
+            _ => k.problem(Some(item.span()), "`[[hint]]` needs `match` (a regular expression) and `text`"),
+        }
+    }
+    out
+}
+
+fn patches(r: &mut Reader<'_>, v: Option<&Value<'_>>) -> Vec<Patch> {
+    let Some(v) = v else { return Vec::new() };
+    let DeValue::Array(items) = v.get_ref() else {
+        r.problem(Some(v.span()), "`patch` must be written as [[patch]] tables");
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for item in items.iter() {
+        if let Some(t) = r.table(item, "patch") {
+            out.push(patch(Keys::new(r, Some(t), Some(item.span()), "patch", " in [[patch]]".into())));
+        }
+    }
+    out
+}
+
+fn patch(mut k: Keys<'_, '_, '_>) -> Patch {
+    let file = match k.take("file") {
+        Some(v) => k.reader().string(v, "file").map(PathBuf::from).unwrap_or_default(),
+        None => {
+            let span = k.span();
+            k.problem(span, "`[[patch]]` needs `file`");
+            PathBuf::new()
+        }
+    };
+    let remove = k.read("remove", Vec::new(), |r, v| {
+        let paths = r.strings(v, "remove")?;
+        if let DeValue::Array(items) = v.get_ref() {
+            for (path, item) in paths.iter().zip(items.iter()) {
+                json_path(r, path, item.span());
+            }
+        }
+        Some(paths)
+    });
+    let mut set = Vec::new();
+    if let Some(t) = k.table("set") {
+        for (key, val) in t.iter() {
+            json_path(k.reader(), key.get_ref(), key.span());
+            match to_json(val.get_ref()) {
+                Ok(j) => set.push((key.get_ref().to_string(), j)),
+                Err(e) => k.problem(Some(val.span()), format!("`set.{}`: {e}", key.get_ref())),
+            }
+        }
+    }
+    let max_size = k.read("max-size", None, |r, v| size(r, v, "max-size", limits::PATCH_MAX_SIZE).map(Some));
+    if k.ok("remove") && remove.is_empty() && set.is_empty() {
+        let span = k.span();
+        k.problem(span, "`[[patch]]` changes nothing: give `remove` or `set`");
+    }
+    Patch { file, remove, set, max_size }
+}
+
+/// A size in bytes: an integer, or a string with a binary unit
+/// (`"300 MiB"`; `B`, `KiB`, `MiB`, `GiB`), within `range`.
+fn size(r: &mut Reader<'_>, v: &Value<'_>, key: &str, range: std::ops::RangeInclusive<u64>) -> Option<u64> {
+    let shown = |n: u64| match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n => format!("{n} bytes"),
+    };
+    let n = match v.get_ref() {
+        DeValue::Integer(i) => reader::parse_int(i.as_str(), i.radix()).and_then(|n| u64::try_from(n).ok()),
+        DeValue::String(s) => {
+            let s = s.trim();
+            let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+            let unit = match s[digits..].trim_start() {
+                "" | "B" => Some(1u64),
+                "KiB" => Some(1 << 10),
+                "MiB" => Some(1 << 20),
+                "GiB" => Some(1 << 30),
+                _ => None,
+            };
+            match (s[..digits].parse::<u64>(), unit) {
+                (Ok(n), Some(unit)) => Some(n.saturating_mul(unit)),
+                _ => {
+                    let message = format!(
+                        "`{key}`: invalid size {s:?} (write a number of bytes, or e.g. \"300 MiB\"; units: B, KiB, \
+                         MiB, GiB)"
+                    );
+                    r.problem(Some(v.span()), message);
+                    return None;
+                }
+            }
+        }
+        other => {
+            let message =
+                format!("`{key}` must be a number of bytes or a size such as \"300 MiB\", not {}", other.type_str());
+            r.problem(Some(v.span()), message);
+            return None;
+        }
+    };
+    match n {
+        Some(n) if range.contains(&n) => Some(n),
+        _ => {
+            let (lo, hi) = (*range.start(), *range.end());
+            r.problem(
+                Some(v.span()),
+                format!("`{key}` must be from {} to {} ({hi} bytes)", shown(lo).trim_end_matches('s'), shown(hi)),
+            );
+            None
+        }
+    }
+}
+
+/// Checks a dotted JSON path as `patch` reads it: keys between unescaped
+/// dots, `\.` for a dot inside a key. An empty key (`a..b`, `.`) or a
+/// trailing backslash (`a\`) is almost surely a typo, and is refused.
+fn json_path(r: &mut Reader<'_>, path: &str, span: Span) {
+    let why = if path.is_empty() {
+        ""
+    } else if path.ends_with('\\') {
+        ": it ends in a lone backslash (`\\.` is a dot inside a key)"
+    } else if path.replace("\\.", "x").split('.').any(str::is_empty) {
+        ": a key between its dots is empty"
+    } else {
+        return;
+    };
+    r.problem(Some(span), format!("`[[patch]]`: {path:?} is not a dotted JSON path{why}"));
+}
+
+/// `[prestart]`
+fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Prestart {
+    let clean_shm = k.read("clean-shm", profile.shm_globs(), |r, v| {
+        let mut globs = profile.shm_globs();
+        for g in r.strings(v, "clean-shm")? {
+            if g.is_empty() || g.contains('/') || g == "*" {
+                r.problem(
+                    Some(v.span()),
+                    format!("`clean-shm`: {g:?} must be a file-name glob in /dev/shm, narrower than \"*\""),
+                );
+            } else {
+                globs.push(g);
+            }
+        }
+        Some(globs)
+    });
+    let port = k.read("port", profile.default_port(command), |r, v| {
+        let n = r.integer(v, "port", u16::MAX.into())?;
+        if n == 0 {
+            r.problem(Some(v.span()), "`port` must be at least 1");
+            return None;
+        }
+        u16::try_from(n).ok().map(Some)
+    });
+    let port_wait = k.duration("port-wait", defaults::PORT_WAIT, limits::WAIT);
+    let gpu_idle_wait = k.duration("gpu-idle-wait", defaults::GPU_IDLE_WAIT, limits::WAIT);
+    let gpu_query = k.read("gpu-query", defaults::GPU_QUERY.map(String::from).to_vec(), |r, v| {
+        let query = r.strings(v, "gpu-query")?;
+        if query.first().is_some_and(String::is_empty) {
+            r.problem(Some(v.span()), "`gpu-query` must name a program to run, or be [] (no GPU check)");
+            return None;
+        }
+        Some(query)
+    });
+    let ray = ray_cluster(&mut k, profile, command);
+    Prestart { clean_shm, port, port_wait, gpu_idle_wait, gpu_query, ray }
+}
+
+/// `prestart.ray-*`: the Ray cluster a start waits for. A node's own
+/// command names its cluster (`ray-address` then defaults to it); a joining
+/// node waits for its head, a head for nothing.
+fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Option<crate::process::ray::Cluster> {
+    let head = profile == Profile::RayHead;
+    let own = profile.is_ray().then(|| crate::process::ray::address_in(command, head)).flatten();
+    let given = k.read("ray-address", None, |r, v| {
+        let a = r.string(v, "ray-address")?;
+        if !crate::process::ray::valid_address(&a) {
+            r.problem(
+                Some(v.span()),
+                format!("`ray-address` {a:?} must be HOST:PORT, as `ray start --address` takes it"),
+            );
+            return None;
+        }
+        Some(Some(a))
+    });
+    let min_nodes = k.count("ray-min-nodes", defaults::RAY_MIN_NODES, 1);
+    let min_cpus = k.number("ray-min-cpus", 0.0, 0.0, 1e9);
+    let min_gpus = k.number("ray-min-gpus", 0.0, 0.0, 1e9);
+    let wait = k.duration("ray-wait", defaults::RAY_WAIT, limits::WAIT);
+    let python = k.read("ray-python", defaults::RAY_PYTHON.to_string(), |r, v| {
+        let p = r.string(v, "ray-python")?;
+        if p.is_empty() {
+            r.problem(Some(v.span()), "`ray-python` must name the Python that has Ray");
+            return None;
+        }
+        Some(p)
+    });
+    let thresholds = ["ray-min-nodes", "ray-min-cpus", "ray-min-gpus", "ray-wait"];
+    let set: Vec<&str> = thresholds.into_iter().filter(|key| k.span_of(key).is_some()).collect();
+    if head && (given.is_some() || !set.is_empty()) {
+        let span = k.span_of("ray-address").or_else(|| set.first().and_then(|key| k.span_of(key)));
+        k.problem(span, "a `ray-head` starts the cluster and waits for none: `ray-address` and `ray-min-*` are for the nodes and servers that need it");
+        return None;
+    }
+    if given.is_none() && own.is_none() {
+        if let Some(key) = set.first() {
+            let span = k.span_of(key);
+            k.problem(span, format!("`{key}` needs `ray-address`: the cluster to wait for"));
+        }
+        return None;
+    }
+    let address = given.or(own)?;
+    Some(crate::process::ray::Cluster { address, python, gate: !head, min_nodes, min_cpus, min_gpus, wait })
+}
+
+/// `[ready]`; adds its patterns to the ready and progress lists.
+fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &Option<String>) -> Ready {
+    k.patterns("log", patterns.list_mut(List::Ready), List::Ready.name());
+    let http = k.url("http", health_url.clone());
+    let timeout = k.duration("timeout", defaults::READY_TIMEOUT, limits::START);
+    let stall = k.duration("stall", defaults::READY_STALL, limits::START);
+    k.patterns("progress", patterns.list_mut(List::Progress), List::Progress.name());
+    if http.is_none() && patterns.ready.is_empty() {
+        k.problem(
+            None,
+            "nothing can tell that the server is ready: `ready.log` has no pattern and `ready.http` is off",
+        );
+    }
+    Ready { http, timeout, stall }
+}
+
+/// `[fatal]`; adds its patterns to the fatal, ignore and permanent lists.
+fn fatal(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns) -> Fatal {
+    for (key, which) in [("match", List::Fatal), ("ignore", List::Ignore), ("permanent", List::Permanent)] {
+        k.patterns(key, patterns.list_mut(which), which.name());
+    }
+    let grace = k.duration("grace", defaults::FATAL_GRACE, limits::WAIT);
+    Fatal { grace }
+}
+
+/// `[restart]`
+fn restart(mut k: Keys<'_, '_, '_>) -> Restart {
+    let initial_delay = k.duration("initial-delay", defaults::INITIAL_DELAY, limits::WAIT);
+    let max_delay = k.duration("max-delay", defaults::MAX_DELAY, limits::WAIT);
+    let factor = k.number("factor", defaults::FACTOR, 1.0, 100.0);
+    let jitter = k.number("jitter", defaults::JITTER, 0.0, 1.0);
+    let reset_after = k.duration("reset-after", defaults::RESET_AFTER, limits::WAIT);
+    let max_attempts = k.count("max-attempts", defaults::MAX_ATTEMPTS, 0);
+    let permanent_attempts = k.count("permanent-attempts", defaults::PERMANENT_ATTEMPTS, 1);
+    if k.ok("initial-delay") && k.ok("max-delay") && initial_delay > max_delay {
+        let span = k.span_of("max-delay");
+        k.problem(span, "`max-delay` is shorter than `initial-delay`");
+    }
+    Restart { initial_delay, max_delay, factor, jitter, reset_after, max_attempts, permanent_attempts }
+}
+
+/// `[health]`
+fn health(mut k: Keys<'_, '_, '_>, health_url: &Option<String>) -> Health {
+    let http = k.url("http", health_url.clone());
+    let interval = k.duration("interval", defaults::HEALTH_INTERVAL, limits::PERIOD);
+    let timeout = k.duration("timeout", defaults::HEALTH_TIMEOUT, limits::PERIOD);
+    let failures = k.count("failures", defaults::HEALTH_FAILURES, 1);
+    // The canary and the progress check ask the server's API: a child that
+    // serves none (a Ray node) has neither unless the config asks.
+    let serves = |d: Duration| if health_url.is_some() { d } else { Duration::ZERO };
+    let canary_interval = k.duration("canary-interval", serves(defaults::CANARY_INTERVAL), limits::WAIT);
+    let canary_timeout = k.duration("canary-timeout", defaults::CANARY_TIMEOUT, limits::PERIOD);
+    let progress_stall = k.duration("progress-stall", serves(defaults::PROGRESS_STALL), limits::WAIT);
+    let default_source = defaults::KERNEL_MESSAGES.map(String::from).to_vec();
+    let kernel_messages = k.read("kernel-messages", default_source, |r, v| r.strings(v, "kernel-messages"));
+    if kernel_messages.first().is_some_and(String::is_empty) {
+        k.problem(None, "`health.kernel-messages` must name a program to run, or be [] (off)");
+    }
+    Health { http, interval, timeout, failures, canary_interval, canary_timeout, progress_stall, kernel_messages }
+}
+
+/// `[status]`
+fn status(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Status {
+    let file = k.path("file", runtime_dir(name, dirs).join("status.json"));
+    let metrics_file =
+        k.read("metrics-file", None, |r, v| r.string(v, "metrics-file").map(|s| (!s.is_empty()).then(|| s.into())));
+    Status { file, metrics_file }
+}
+
+/// `$RUNTIME_DIRECTORY`, else `NAME/` in [`defaults::RUN_DIR`].
+pub fn runtime_dir(name: &str, dirs: &Dirs) -> PathBuf {
+    match &dirs.runtime {
+        Some(d) => d.clone(),
+        None => PathBuf::from(defaults::RUN_DIR).join(name),
+    }
+}
+
+/// `[server]`
+fn server(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Server {
+    let socket = k.path("socket", runtime_dir(name, dirs).join(defaults::SOCKET));
+    let listen = k.read("listen", None, |r, v| {
+        let s = r.string(v, "listen")?;
+        if s.is_empty() {
+            return Some(None);
+        }
+        match s.parse::<std::net::SocketAddr>() {
+            Ok(a) => Some(Some(a)),
+            Err(_) => {
+                r.problem(
+                    Some(v.span()),
+                    format!(
+                        "`server.listen`: {s:?} is not an address and port (e.g. \"127.0.0.1:9400\", \"[::1]:9400\")"
+                    ),
+                );
+                None
+            }
+        }
+    });
+    let token_file =
+        k.read("token-file", None, |r, v| r.string(v, "token-file").map(|s| (!s.is_empty()).then(|| s.into())));
+    if token_file.is_some() && listen.is_none() && k.ok("listen") {
+        let span = k.span_of("token-file");
+        k.problem(span, "`server.token-file` is for the TCP listener, and `server.listen` is not set");
+    }
+    Server { socket, listen, token_file }
+}
+
+/// `[drain]`; `listening`: the server has a TCP listener (a balancer may be
+/// routing to the instance), which makes stops drain by default.
+fn drain(mut k: Keys<'_, '_, '_>, listening: bool) -> Drain {
+    let delay = k.duration("delay", defaults::DRAIN_DELAY, limits::WAIT);
+    let timeout = k.duration("timeout", defaults::DRAIN_TIMEOUT, limits::WAIT);
+    let on_stop = k.read("on-stop", listening, |r, v| r.boolean(v, "on-stop"));
+    Drain { delay, timeout, on_stop }
+}
+
+/// `[reports]`
+fn reports(mut k: Keys<'_, '_, '_>) -> Reports {
+    let keep = k.count("keep", defaults::REPORTS_KEEP, 0);
+    let max_size =
+        k.read("max-size", defaults::REPORTS_MAX_SIZE, |r, v| size(r, v, "max-size", limits::REPORTS_MAX_SIZE));
+    let lines = k.read("lines", defaults::REPORTS_LINES, |r, v| {
+        let n = r.integer(v, "lines", i64::MAX)?;
+        let range = &limits::REPORTS_LINES;
+        match u64::try_from(n) {
+            Ok(n) if range.contains(&n) => u32::try_from(n).ok(),
+            _ => {
+                let message = format!("`lines` must be from {} to {}", range.start(), range.end());
+                r.problem(Some(v.span()), message);
+                None
+            }
+        }
+    });
+    let timeout = k.duration("timeout", defaults::REPORTS_TIMEOUT, limits::REPORTS_TIMEOUT);
+    fn argv(k: &mut Keys<'_, '_, '_>, key: &'static str, default: &[&str], needs: Option<&str>) -> Vec<String> {
+        k.read(key, default.iter().map(|s| s.to_string()).collect(), |r, v| {
+            let argv = r.strings(v, key)?;
+            if argv.first().is_some_and(String::is_empty) {
+                r.problem(Some(v.span()), format!("`reports.{key}` must name a program to run, or be [] (none)"));
+                return None;
+            }
+            if let Some(p) = needs
+                && !argv.is_empty()
+                && !argv.iter().any(|a| a.contains(p))
+            {
+                r.problem(Some(v.span()), format!("`reports.{key}` must hold {p} where the value goes"));
+                return None;
+            }
+            Some(argv)
+        })
+    }
+    let py_spy = argv(&mut k, "py-spy", &defaults::REPORTS_PY_SPY, Some("{pid}"));
+    let gpu_snapshot = argv(&mut k, "gpu-snapshot", &defaults::REPORTS_GPU_SNAPSHOT, None);
+    let kernel_messages = argv(&mut k, "kernel-messages", &defaults::REPORTS_KERNEL_MESSAGES, None);
+    Reports { keep, max_size, lines, timeout, py_spy, gpu_snapshot, kernel_messages }
+}
+
+/// `"SIGTERM"`, `"TERM"` or `"15"` → a signal.
+pub fn parse_signal(s: &str) -> Option<Signal> {
+    if let Ok(n) = s.parse::<i32>() {
+        return Signal::try_from(n).ok();
+    }
+    let upper = s.to_ascii_uppercase();
+    let full = if upper.starts_with("SIG") { upper } else { format!("SIG{upper}") };
+    full.parse().ok()
+}
+
+/// The value of `--port N` or `--port=N` in a command line.
+pub fn port_of(command: &[String]) -> Option<u16> {
+    let mut it = command.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--port" {
+            return it.next().and_then(|p| p.parse().ok());
+        }
+        if let Some(p) = arg.strip_prefix("--port=") {
+            return p.parse().ok();
+        }
+    }
+    None
+}
+
+/// The effective pattern lists, as `check` prints them.
+pub fn describe_patterns(s: &Settings) -> String {
+    let mut out = format!("profile: {}\n", s.profile.name());
+    let lists = List::ALL.map(|l| (if l == List::Ignore { "ignore (benign)" } else { l.name() }, s.patterns.list(l)));
+    for (title, list) in lists.into_iter().chain([("clean-shm", &s.prestart.clean_shm)]) {
+        out.push_str(&format!("{title}:\n"));
+        for pat in list {
+            out.push_str(&format!("  {pat}\n"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod properties;
+#[cfg(test)]
+mod tests;

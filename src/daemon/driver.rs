@@ -1,0 +1,671 @@
+//! Runs the supervisor: one `select!` loop feeds the [`Machine`] what
+//! happened (child events, classified log lines, HTTP readiness, requests
+//! from outside, its own deadlines, a background task that died) and carries out
+//! the effects it returns through a [`Backend`] and a [`Notifier`]. The
+//! backend is a trait so that the loop can be driven under paused time with
+//! a fake child; processes, files and HTTP are not known here (see
+//! `daemon` for the real backend).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::{Stream, StreamExt};
+
+use crate::config::Settings;
+use crate::daemon::reload::Plan;
+use crate::observe::logwatch::{Classifier, Delivery};
+use crate::observe::notify::{Note, Notifier};
+use crate::process::child::TreeEvent;
+use crate::supervisor::exit::Code;
+use crate::supervisor::machine::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
+use crate::supervisor::outcome::{Prepared, StartFailure};
+
+/// What the warden is asked to do from outside (signals, the control
+/// endpoint, the demo, tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    /// SIGTERM, SIGINT: stop the tree and exit.
+    Stop,
+    /// SIGHUP: read the config again and apply it.
+    Reload,
+    /// SIGUSR2: replace the warden by the binary at its path, keeping the
+    /// ready child (see [`crate::daemon::upgrade`]).
+    Upgrade,
+    /// `POST /drain`: out of rotation, and held there.
+    Drain,
+    /// `POST /undrain`: back into rotation.
+    Undrain,
+    /// `POST /restart`: drain, then start the child again.
+    Restart,
+}
+
+/// When the loop last turned, for `/livez`: the loop beats at every turn
+/// and at least every [`HEARTBEAT_EVERY`]; readers see how long ago.
+#[derive(Debug, Clone)]
+pub struct Heartbeat {
+    base: std::time::Instant,
+    /// Milliseconds from `base` to the last beat.
+    last: Arc<AtomicU64>,
+}
+
+/// How often an idle loop beats.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Heartbeat { base: std::time::Instant::now(), last: Arc::default() }
+    }
+}
+
+impl Heartbeat {
+    pub fn beat(&self) {
+        self.last.store(self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// How long ago the loop last turned.
+    pub fn age(&self) -> Duration {
+        let last = Duration::from_millis(self.last.load(Ordering::Relaxed));
+        self.base.elapsed().saturating_sub(last)
+    }
+}
+
+/// What the backend's tasks report to the loop.
+#[derive(Debug)]
+pub enum Input {
+    Tree(TreeEvent),
+    /// The pre-start steps of `start` are over.
+    Prepared {
+        start: u32,
+        result: Prepared,
+    },
+    /// A pre-start step of `start` begins.
+    Step {
+        start: u32,
+        text: String,
+    },
+    /// What survived SIGKILL: how many live processes, described.
+    Survivors {
+        left: usize,
+        description: String,
+    },
+    /// The kernel reported a fatal GPU fault during run `start`.
+    GpuFault {
+        start: u32,
+        cause: String,
+    },
+    /// `health.failures` checks in a row failed for `start`.
+    HealthFailed {
+        start: u32,
+        cause: String,
+    },
+    /// The config read again after a `Request::Reload`, or every problem
+    /// found in it.
+    Reload(Box<Result<Settings, crate::config::Problems>>),
+    HttpReady {
+        start: u32,
+    },
+    /// The server of run `start` has no request running or waiting.
+    Quiet {
+        start: u32,
+    },
+    /// The binary an upgrade would run answered `--version` (its version),
+    /// or why not.
+    UpgradeChecked(Result<String, String>),
+    /// The failure report of `start` is written (or gave up).
+    Reported {
+        start: u32,
+    },
+}
+
+/// Where effects on the child are carried out.
+pub trait Backend {
+    /// Start the pre-start steps of `start`; `Input::Prepared` when done,
+    /// `Input::Status` for each step.
+    fn prepare(&mut self, start: u32);
+    /// Give up the pre-start steps; `Input::Prepared` still follows.
+    fn cancel_prepare(&mut self);
+    /// Check the health of ready start `start` until the run ends;
+    /// `Input::HealthFailed` when it fails.
+    fn health(&mut self, start: u32);
+    /// Read the config file again, off the loop; `Input::Reload` follows.
+    fn read_config(&mut self);
+    /// Use these settings: the warden's own at once (the health checks of a
+    /// ready run start again with them, the running child's lines are
+    /// classified with `classifier`, their patterns compiled), the child's
+    /// from the next start. Returns what changed against the settings in
+    /// use.
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> Plan;
+    /// Spawn start `start`.
+    fn spawn(&mut self, start: u32) -> Result<u32, StartFailure>;
+    fn probe(&mut self, start: u32);
+    fn terminate(&mut self, sig: Signal);
+    fn kill_tree(&mut self);
+    /// Describe what is left of the tree, off the loop: `Input::Survivors`.
+    fn describe_survivors(&mut self);
+    /// Watch the requests in flight of run `start`; `Input::Quiet` once
+    /// none is running or waiting.
+    fn watch_load(&mut self, start: u32);
+    fn unwatch_load(&mut self);
+    /// Write the failure report of the failed run, off the loop, while
+    /// its tree is still there; `Input::Reported` when done. Returns the
+    /// report's folder, or `None` when no report can be written (nothing
+    /// follows then).
+    fn report(&mut self, order: ReportOrder) -> Option<std::path::PathBuf>;
+    /// Give up the report under way at once: its commands are killed,
+    /// what is written stays.
+    fn cancel_report(&mut self);
+    /// Have the current run's lines read to the end of the file, then
+    /// `Delivery::Drained` sent after them; false when no run's lines are
+    /// followed (nothing will follow).
+    fn drain_lines(&mut self) -> bool;
+    /// Ask the binary at the warden's path for its version, off the loop:
+    /// `Input::UpgradeChecked`.
+    fn check_upgrade(&mut self) {}
+    /// Stop following the run's lines; false when nothing is followed.
+    fn pause_lines(&mut self) -> bool {
+        false
+    }
+    /// After [`Backend::pause_lines`], once the follower has ended (waiting
+    /// up to `wait`): the offset of the first line not handed on whole
+    /// (every batch before it is in the line queue).
+    fn lines_paused(&mut self, _wait: Duration) -> Option<u64> {
+        None
+    }
+    /// Follow the run's lines again from `offset` (an upgrade given up).
+    fn resume_lines(&mut self, _offset: u64) {}
+    /// Replace the warden by the binary at its path, handing over `saved`
+    /// and the lines from `offset`; returns only on failure, saying why.
+    fn exec_upgrade(&mut self, _saved: crate::supervisor::machine::Saved, _offset: u64) -> String {
+        "upgrades are not supported here".into()
+    }
+    /// Wait until a background task of the backend ends unexpectedly, and
+    /// name it; pending while none does. Cancel-safe. The backend has
+    /// already done what it can so that the tree can still be stopped (the
+    /// reaper is started again).
+    fn task_failed(&mut self) -> impl Future<Output = String>;
+}
+
+/// Told of every state change (the child's lines are seen by the
+/// follower's `logwatch::Tap`, on its own thread).
+pub trait Observer {
+    /// After every event: the machine as it is now.
+    fn changed(&mut self, machine: &Machine);
+    /// A reloaded config (the status files may have moved).
+    fn reconfigure(&mut self, _settings: &Settings) {}
+    /// When [`Observer::flush`] is due: what `changed` put off (writes
+    /// coalesced to a few a second).
+    fn due(&self) -> Option<std::time::Instant> {
+        None
+    }
+    fn flush(&mut self) {}
+    /// After the effects of an event, its notifications sent: work that
+    /// must not delay them.
+    fn settled(&mut self) {}
+    /// A write that notifications depend on (the status files) was put
+    /// off: the notes of the same change wait for it. Housekeeping that
+    /// [`Observer::due`] also wakes up for (a journal count) holds nothing.
+    fn put_off(&self) -> bool {
+        false
+    }
+}
+
+/// An observer that does nothing, for tests.
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn changed(&mut self, _: &Machine) {}
+}
+
+/// What the loop needs to know besides its inputs.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// The `INSTANCE=` of every warden event.
+    pub instance: String,
+    /// How often to send `WATCHDOG=1`, if systemd asks for it.
+    pub watchdog: Option<Duration>,
+    /// Beaten at every turn of the loop, for `/livez`.
+    pub heartbeat: Option<Heartbeat>,
+}
+
+/// How long the loop waits for the lines of an exited child, counted from
+/// the last batch: a follower that neither reads nor fails cannot hold the
+/// exit back for ever.
+pub const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long an upgrade waits for the log follower to stop.
+const PAUSE_PATIENCE: Duration = Duration::from_secs(5);
+
+/// The loop's parts that outlive one event.
+pub struct Loop<'a, B: Backend, N: Notifier> {
+    pub machine: Machine,
+    pub backend: &'a mut B,
+    pub notifier: &'a mut N,
+    pub inputs: &'a mut mpsc::UnboundedReceiver<Input>,
+    /// The lines that matter, classified by the follower, in the file's
+    /// order; bounded, so that the follower waits when the loop is behind.
+    pub lines: &'a mut mpsc::Receiver<Delivery>,
+    pub ctx: &'a Context,
+    pub observer: &'a mut dyn Observer,
+    /// An upgrade to this version was asked for and checked: it is done
+    /// once the run is ready.
+    pub upgrade: Option<String>,
+}
+
+/// A leader's exit, held back until the lines it wrote are classified.
+struct Exiting {
+    pid: u32,
+    exit: crate::process::child::Exit,
+    start: u32,
+    /// Given up on the follower after this.
+    patience: Instant,
+}
+
+impl<B: Backend, N: Notifier> Loop<'_, B, N> {
+    /// Run the machine until it is done; `requests` ending counts as a stop
+    /// request (nothing could ask for one any more).
+    pub async fn run(mut self, requests: impl Stream<Item = Request>) -> Code {
+        let mut requests = std::pin::pin!(requests.fuse());
+        let mut events: VecDeque<Event> = VecDeque::from([Event::Begin]);
+        let mut exiting: Option<Exiting> = None;
+        // Progress notes held while the observer puts off its write.
+        let mut held: Vec<Vec<Note>> = Vec::new();
+        let mut dog = self.ctx.watchdog.map(tokio::time::interval);
+        let mut beat = self.ctx.heartbeat.as_ref().map(|_| tokio::time::interval(HEARTBEAT_EVERY));
+        let mut requests_open = true;
+        loop {
+            if let Some(h) = &self.ctx.heartbeat {
+                h.beat();
+            }
+            while let Some(ev) = events.pop_front() {
+                self.step(ev, &mut events, &mut held);
+            }
+            if exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some() {
+                self.upgrade_now(&mut events, &mut held);
+            }
+            if let Some(code) = self.machine.done() {
+                self.observer.flush();
+                self.send_held(&mut held);
+                return code;
+            }
+            // While an exit waits for its lines, nothing else may come
+            // between them: requests, inputs and deadlines wait too.
+            let open = exiting.is_none();
+            let deadline = self.machine.next_deadline();
+            let patience = exiting.as_ref().map(|x| x.patience);
+            let retry = self.notifier.retry_at();
+            let due = self.observer.due().map(Instant::from_std);
+            tokio::select! {
+                biased;
+                request = requests.next(), if requests_open && open => match request {
+                    Some(Request::Stop) => events.push_back(Event::StopRequested),
+                    Some(Request::Reload) => self.backend.read_config(),
+                    Some(Request::Drain) => events.push_back(Event::DrainRequested),
+                    Some(Request::Undrain) => events.push_back(Event::UndrainRequested),
+                    Some(Request::Restart) => events.push_back(Event::RestartRequested),
+                    Some(Request::Upgrade) => {
+                        tracing::info!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade asked for: checking the binary");
+                        self.backend.check_upgrade();
+                    }
+                    None => {
+                        requests_open = false;
+                        events.push_back(Event::StopRequested);
+                    }
+                },
+                task = self.backend.task_failed() => {
+                    // A dead follower delivers no more lines: the exit first.
+                    if let Some(x) = exiting.take() {
+                        events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
+                    }
+                    events.push_back(Event::TaskFailed { task });
+                }
+                input = self.inputs.recv(), if open => match input {
+                    Some(i) => self.input(i, &mut events, &mut exiting),
+                    // The backend holds a sender as long as it lives.
+                    None => events.push_back(Event::TaskFailed { task: "the input queue".into() }),
+                },
+                _ = sleep_until(deadline), if open => events.push_back(Event::Tick),
+                _ = sleep_until(patience), if !open => {
+                    if let Some(x) = exiting.take() {
+                        tracing::warn!(
+                            INSTANCE = self.ctx.instance.as_str(),
+                            "the log was not read to its end within {}s of the exit; acting on the exit",
+                            DRAIN_PATIENCE.as_secs()
+                        );
+                        events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
+                    }
+                }
+                _ = tick(&mut dog) => self.notifier.notify(&[Note::Watchdog]),
+                // The beat itself is at the top of the loop.
+                _ = tick(&mut beat) => {}
+                _ = sleep_until(retry) => self.notifier.retry(),
+                _ = sleep_until(due) => {
+                    self.observer.flush();
+                    self.send_held(&mut held);
+                }
+                delivery = self.lines.recv() => match delivery {
+                    Some(Delivery::Lines { start, lines, .. }) => {
+                        if let Some(x) = &mut exiting {
+                            x.patience = Instant::now() + DRAIN_PATIENCE;
+                        }
+                        events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
+                    }
+                    Some(Delivery::Drained { start }) => {
+                        if let Some(x) = exiting.take_if(|x| x.start == start) {
+                            events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
+                        }
+                    }
+                    // The backend holds a sender as long as it lives.
+                    None => events.push_back(Event::TaskFailed { task: "the line queue".into() }),
+                },
+            }
+        }
+    }
+
+    /// One event through the machine, and its effects carried out.
+    fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
+        let mut effects = self.machine.step(ev, Instant::now());
+        // The report begun by this event, for its `failed` journal event;
+        // the machine has its folder at once, so that one write of the
+        // status files says the failure and its report.
+        let mut report: Option<std::path::PathBuf> = None;
+        if let Some(i) = effects.iter().position(|fx| matches!(fx, Effect::Report(_)))
+            && let Effect::Report(order) = effects.remove(i)
+        {
+            let start = order.start;
+            report = self.backend.report(order);
+            match &report {
+                Some(path) => {
+                    let started = Event::ReportStarted { start, path: path.display().to_string() };
+                    effects.extend(self.machine.step(started, Instant::now()));
+                }
+                // None can be written: nothing to wait for.
+                None => events.push_back(Event::Reported { start }),
+            }
+        }
+        // The status files first: whoever hears READY=1 finds them saying ready.
+        self.observer.changed(&self.machine);
+        // A change of the progress line alone may be written later (a flood
+        // of progress lines is a few writes a second); its notes wait with
+        // it, so that no notification runs ahead of the files.
+        let deferring = self.observer.put_off();
+        if !deferring {
+            self.send_held(held);
+        }
+        for fx in effects {
+            match fx {
+                // Carried out above; a machine asks for one report at a time.
+                Effect::Report(_) => {}
+                Effect::CancelReport => self.backend.cancel_report(),
+                Effect::Spawn { start } => {
+                    events.push_back(match self.backend.spawn(start) {
+                        Ok(pid) => Event::Spawned { start, pid },
+                        Err(failure) => Event::SpawnFailed { start, failure },
+                    });
+                }
+                Effect::Prepare { start } => self.backend.prepare(start),
+                Effect::CancelPrepare => self.backend.cancel_prepare(),
+                Effect::Probe { start } => self.backend.probe(start),
+                Effect::Health { start } => self.backend.health(start),
+                Effect::Terminate(sig) => self.backend.terminate(sig),
+                Effect::KillTree => self.backend.kill_tree(),
+                Effect::DescribeSurvivors => self.backend.describe_survivors(),
+                Effect::WatchLoad { start } => self.backend.watch_load(start),
+                Effect::UnwatchLoad => self.backend.unwatch_load(),
+                Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => {
+                    if held.len() >= HELD {
+                        // A flood: the oldest go, the latest stays.
+                        held.remove(0);
+                    }
+                    held.push(notes);
+                }
+                Effect::Notify(notes) => {
+                    if !held.is_empty() {
+                        self.observer.flush();
+                        self.send_held(held);
+                    }
+                    self.notifier.notify(&notes);
+                }
+                Effect::Log(r) => {
+                    let path = report.as_ref().filter(|_| r.topic == Topic::Failed);
+                    log(self.ctx, &self.machine, &r, path.map(|p| p.as_path()))
+                }
+            }
+        }
+        self.observer.settled();
+    }
+
+    /// The machine is ready and an upgrade was asked for: stop following
+    /// the lines, act on those already read, and if the run is still ready,
+    /// hand it over (the exec returns only on failure); else follow on.
+    fn upgrade_now(&mut self, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
+        let Some(version) = self.upgrade.take() else { return };
+        let instance = self.ctx.instance.clone();
+        if !self.backend.pause_lines() {
+            tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: no log is followed");
+            return;
+        }
+        // The follower may wait for room in the line queue: emptied while
+        // it ends.
+        let give_up = Instant::now() + PAUSE_PATIENCE;
+        let offset = loop {
+            self.take_delivered(events);
+            if let Some(offset) = self.backend.lines_paused(Duration::from_millis(10)) {
+                break Some(offset);
+            }
+            if Instant::now() >= give_up {
+                break None;
+            }
+        };
+        let Some(offset) = offset else {
+            // A read that does not return (a dead network filesystem): its
+            // lines cannot be handed over; this warden keeps the run.
+            tracing::error!(
+                INSTANCE = instance.as_str(),
+                EVENT = "upgrade",
+                "upgrade given up: the log follower did not stop within {}s",
+                PAUSE_PATIENCE.as_secs()
+            );
+            return;
+        };
+        self.take_delivered(events);
+        while let Some(ev) = events.pop_front() {
+            self.step(ev, events, held);
+        }
+        let Some(saved) = self.machine.save(Instant::now()) else {
+            if self.machine.drain_under_way() {
+                // A drain began with the lines just read: waited for.
+                tracing::info!(
+                    INSTANCE = instance.as_str(),
+                    EVENT = "upgrade",
+                    "upgrade to {version} waits until the drain ends"
+                );
+                self.upgrade = Some(version);
+            } else {
+                tracing::warn!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: the run is failing");
+            }
+            self.backend.resume_lines(offset);
+            return;
+        };
+        self.observer.flush();
+        self.send_held(held);
+        tracing::info!(
+            INSTANCE = instance.as_str(),
+            EVENT = "upgrade",
+            "upgrading to {version}: handing pid {} over",
+            saved.pid
+        );
+        let why = self.backend.exec_upgrade(saved, offset);
+        tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade failed, this warden goes on: {why}");
+        self.backend.resume_lines(offset);
+    }
+
+    /// The lines already in the line queue, as events.
+    fn take_delivered(&mut self, events: &mut VecDeque<Event>) {
+        while let Ok(delivery) = self.lines.try_recv() {
+            if let Delivery::Lines { start, lines, .. } = delivery {
+                events.extend(lines.into_iter().map(|line| Event::Line { start, line }));
+            }
+        }
+    }
+
+    fn send_held(&mut self, held: &mut Vec<Vec<Note>>) {
+        // One by one: a notifier keeps only the latest status of one call.
+        for notes in held.drain(..) {
+            self.notifier.notify(&notes);
+        }
+    }
+
+    fn input(&mut self, input: Input, events: &mut VecDeque<Event>, exiting: &mut Option<Exiting>) {
+        match input {
+            Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
+            Input::Quiet { start } => events.push_back(Event::Quiet { start }),
+            Input::UpgradeChecked(Err(why)) => {
+                tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");
+                // Shown by `systemctl status` until the next change of state.
+                self.notifier
+                    .notify(&[Note::Status(crate::util::escape::one_line(&format!("upgrade refused: {why}"), 512))]);
+            }
+            Input::UpgradeChecked(Ok(version)) => {
+                if self.machine.save(Instant::now()).is_none() {
+                    let until = if self.machine.drain_under_way() { "the drain ends" } else { "the model is ready" };
+                    tracing::info!(
+                        INSTANCE = self.ctx.instance.as_str(),
+                        EVENT = "upgrade",
+                        "upgrade to {version} waits until {until}"
+                    );
+                }
+                self.upgrade = Some(version);
+            }
+            Input::Reported { start } => events.push_back(Event::Reported { start }),
+            Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
+            Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
+            Input::Survivors { left, description } => events.push_back(Event::Survivors { left, description }),
+            Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
+            Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
+            Input::Reload(result) => match *result {
+                Ok(settings) => match Classifier::new(&settings.patterns) {
+                    Ok(c) => {
+                        let policy = Box::new(Policy::from_settings(&settings));
+                        self.observer.reconfigure(&settings);
+                        let plan = self.backend.reconfigure(settings, c);
+                        events.push_back(match plan {
+                            Plan::Restart { .. } => Event::Reload { policy, summary: plan.to_string() },
+                            Plan::InPlace(_) | Plan::Nothing => {
+                                Event::ReloadInPlace { policy, summary: plan.to_string() }
+                            }
+                        });
+                    }
+                    Err(e) => self.reload_refused(&[e.to_string()]),
+                },
+                Err(problems) => {
+                    let lines: Vec<String> = problems.0.iter().map(|p| p.to_string()).collect();
+                    self.reload_refused(&lines);
+                }
+            },
+            Input::Tree(TreeEvent::Empty) => events.push_back(Event::TreeGone),
+            Input::Tree(TreeEvent::LeaderExited { pid, exit }) => {
+                // The child's last lines (its traceback) are written before it
+                // exits; make sure they are classified before its exit is:
+                // the follower reads to the end of the file and says so
+                // after the lines, in their queue.
+                if self.backend.drain_lines() {
+                    let start = self.machine.starts();
+                    *exiting = Some(Exiting { pid, exit, start, patience: Instant::now() + DRAIN_PATIENCE });
+                } else {
+                    events.push_back(Event::ChildExited { pid, exit });
+                }
+            }
+        }
+    }
+
+    /// An invalid config on SIGHUP: the child keeps running, every problem is
+    /// logged, and `STATUS=` says so.
+    fn reload_refused(&mut self, problems: &[String]) {
+        for p in problems {
+            tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "reload", "{p}");
+        }
+        let first = problems.first().map(String::as_str).unwrap_or_default();
+        self.notifier.notify(&[Note::Status(format!(
+            "reload refused, still running the previous config: {} problem(s) in the new one; first: {first}",
+            problems.len()
+        ))]);
+    }
+}
+
+/// Notifications held at most while a write is put off; older ones are
+/// dropped first (systemd shows the latest status only).
+const HELD: usize = 32;
+
+/// A note that may wait with a put-off write: a status line or a timeout
+/// extension, whose latest value is all that counts.
+fn may_wait(n: &Note) -> bool {
+    matches!(n, Note::Status(_) | Note::ExtendTimeout(_))
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn tick(dog: &mut Option<tokio::time::Interval>) {
+    match dog {
+        Some(i) => {
+            i.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// A warden event into the log; `report`: the failure report's folder,
+/// as the `REPORT=` field of a `failed` event.
+fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>) {
+    let pid = m.child_pid().unwrap_or(0);
+    let attempt = m.attempt();
+    let msg = crate::util::redact::text(&r.message);
+    let (instance, event, msg) = (ctx.instance.as_str(), r.topic.as_str(), msg.as_ref());
+    let report = report.map(|p| crate::util::escape::one_line(&p.display().to_string(), crate::util::escape::MAX_LINE));
+    let report = report.as_deref();
+    match r.severity {
+        Severity::Info => {
+            tracing::info!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
+        }
+        Severity::Warn => {
+            tracing::warn!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
+        }
+        Severity::Error => {
+            tracing::error!(
+                INSTANCE = instance,
+                CHILD_PID = pid,
+                ATTEMPT = attempt,
+                EVENT = event,
+                REPORT = report,
+                "{msg}"
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,718 @@
+//! Driver tests under paused tokio time, with a scripted fake child and a
+//! recording notifier: the loop's timing (backoff, watchdog, stall, the stop
+//! escalation) is checked to the virtual millisecond, with no real process.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::config::profile::Profile;
+use crate::process::child::Exit;
+use crate::supervisor::machine::Policy;
+
+/// What a fake run does after its spawn, in virtual time.
+#[derive(Clone)]
+enum Plan {
+    /// Write these lines (each after `gap`), then exit.
+    Exit { lines: Vec<&'static str>, gap: Duration, exit: Exit },
+    /// Write these lines, then keep running.
+    Run { lines: Vec<&'static str>, gap: Duration },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Call {
+    Prepare(u32),
+    CancelPrepare,
+    Spawn(u32),
+    Probe(u32),
+    Terminate(Signal),
+    Kill,
+    WatchLoad(u32),
+    UnwatchLoad,
+    Report(u32),
+    CancelReport,
+}
+
+#[derive(Clone, Default)]
+struct Log {
+    calls: Arc<Mutex<Vec<(Duration, Call)>>>,
+    notes: Arc<Mutex<Vec<(Duration, Note)>>>,
+}
+
+struct Fake {
+    t0: Instant,
+    tx: mpsc::UnboundedSender<Input>,
+    /// Lines, classified as the real follower does.
+    lines: mpsc::Sender<Delivery>,
+    /// The latest start spawned.
+    current: u32,
+    plans: Vec<Plan>,
+    log: Log,
+    alive: Arc<Mutex<HashSet<u32>>>,
+    /// The child ignores the stop signal.
+    stubborn: bool,
+    /// Lines "in the file" that only a drain finds.
+    unflushed: Vec<String>,
+    /// A background task dies at this time.
+    task_dies_at: Option<Duration>,
+    /// SIGKILL does not end the tree (a process stuck in the kernel).
+    unkillable: bool,
+    /// The pre-start steps never end (a hung GPU query).
+    prepare_hangs: bool,
+    /// A drain is never answered (a follower stuck in a read).
+    deaf: bool,
+    /// A drain reads a long tail: an empty batch every this long, this
+    /// many times, then the answer.
+    long_tail: Option<(Duration, u32)>,
+    /// The server has requests in flight until this time.
+    busy_until: Option<Duration>,
+    /// The watch of the requests in flight.
+    load: Option<tokio::task::AbortHandle>,
+    /// A failure report takes this long; `None`: it never ends (wedged).
+    report_takes: Option<Duration>,
+}
+
+/// What goes wrong besides the plans.
+#[derive(Default)]
+struct Quirks {
+    stubborn: bool,
+    unflushed: Vec<String>,
+    task_dies_at: Option<Duration>,
+    unkillable: bool,
+    prepare_hangs: bool,
+    deaf: bool,
+    long_tail: Option<(Duration, u32)>,
+    busy_until: Option<Duration>,
+    /// Requests sent to the loop at these times.
+    requests: Vec<(Duration, Request)>,
+    report_takes: Option<Duration>,
+}
+
+/// One line as the follower hands it on, when it matters.
+fn deliver(start: u32, c: &mut Classifier, text: &str) -> Option<Delivery> {
+    let line = c.classify_ref(text).line?;
+    Some(Delivery::Lines { start, lines: vec![line], held: crate::observe::logwatch::Gauge::default().hold(0) })
+}
+
+impl Fake {
+    fn call(&self, c: Call) {
+        self.log.calls.lock().unwrap().push((self.t0.elapsed(), c));
+    }
+    fn end(&self, pid: u32, exit: Exit) {
+        if self.alive.lock().unwrap().remove(&pid) {
+            let _ = self.tx.send(Input::Tree(TreeEvent::LeaderExited { pid, exit }));
+        }
+    }
+}
+
+impl Backend for Fake {
+    fn prepare(&mut self, start: u32) {
+        self.call(Call::Prepare(start));
+        if self.prepare_hangs {
+            let _ = self.tx.send(Input::Step { start, text: "waiting for the GPU query".into() });
+        } else {
+            let _ = self.tx.send(Input::Prepared { start, result: Prepared::Done });
+        }
+    }
+    fn cancel_prepare(&mut self) {
+        self.call(Call::CancelPrepare);
+    }
+    fn describe_survivors(&mut self) {
+        let description = "1 process(es) survived SIGKILL: pid 101 (state D)".into();
+        let _ = self.tx.send(Input::Survivors { left: 1, description });
+    }
+    fn health(&mut self, _start: u32) {}
+    fn watch_load(&mut self, start: u32) {
+        self.call(Call::WatchLoad(start));
+        let (tx, quiet_at) = (self.tx.clone(), self.t0 + self.busy_until.unwrap_or_default());
+        self.load = Some(
+            tokio::spawn(async move {
+                tokio::time::sleep_until(quiet_at).await;
+                let _ = tx.send(Input::Quiet { start });
+            })
+            .abort_handle(),
+        );
+    }
+    fn unwatch_load(&mut self) {
+        self.call(Call::UnwatchLoad);
+        if let Some(t) = self.load.take() {
+            t.abort();
+        }
+    }
+    fn report(&mut self, order: crate::supervisor::machine::ReportOrder) -> Option<std::path::PathBuf> {
+        self.call(Call::Report(order.start));
+        if let Some(takes) = self.report_takes {
+            let (tx, start) = (self.tx.clone(), order.start);
+            tokio::spawn(async move {
+                tokio::time::sleep(takes).await;
+                let _ = tx.send(Input::Reported { start });
+            });
+        }
+        Some(format!("/state/reports/x-t-{}", order.attempt).into())
+    }
+    fn cancel_report(&mut self) {
+        self.call(Call::CancelReport);
+    }
+    fn read_config(&mut self) {}
+    fn reconfigure(
+        &mut self,
+        _settings: crate::config::Settings,
+        _classifier: Classifier,
+    ) -> crate::daemon::reload::Plan {
+        crate::daemon::reload::Plan::Nothing
+    }
+    async fn task_failed(&mut self) -> String {
+        // Cancel-safe, as the real one: the wait is dropped whenever another
+        // input comes first.
+        match self.task_dies_at {
+            Some(at) => {
+                tokio::time::sleep_until(self.t0 + at).await;
+                self.task_dies_at = None;
+                "the reaper task panicked: test".into()
+            }
+            None => std::future::pending().await,
+        }
+    }
+    fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
+        self.call(Call::Spawn(start));
+        self.current = start;
+        let pid = 100 + start;
+        self.alive.lock().unwrap().insert(pid);
+        let plan =
+            self.plans.get(start as usize - 1).cloned().unwrap_or(Plan::Run { lines: vec![], gap: Duration::ZERO });
+        let (tx, alive, out) = (self.tx.clone(), self.alive.clone(), self.lines.clone());
+        tokio::spawn(async move {
+            let mut c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
+            let (lines, gap, exit) = match plan {
+                Plan::Exit { lines, gap, exit } => (lines, gap, Some(exit)),
+                Plan::Run { lines, gap } => (lines, gap, None),
+            };
+            for l in lines {
+                tokio::time::sleep(gap).await;
+                if let Some(d) = deliver(start, &mut c, l) {
+                    let _ = out.send(d).await;
+                }
+            }
+            if let Some(exit) = exit
+                && alive.lock().unwrap().remove(&pid)
+            {
+                let _ = tx.send(Input::Tree(TreeEvent::LeaderExited { pid, exit }));
+            }
+        });
+        Ok(pid)
+    }
+    fn probe(&mut self, start: u32) {
+        self.call(Call::Probe(start));
+        let _ = self.tx.send(Input::HttpReady { start });
+    }
+    fn terminate(&mut self, sig: Signal) {
+        self.call(Call::Terminate(sig));
+        let alive: Vec<u32> = self.alive.lock().unwrap().iter().copied().collect();
+        if !self.stubborn {
+            for pid in &alive {
+                self.end(*pid, Exit::Code(0));
+            }
+        }
+        if self.stubborn && !alive.is_empty() {
+            return;
+        }
+        let _ = self.tx.send(Input::Tree(TreeEvent::Empty));
+    }
+    fn kill_tree(&mut self) {
+        self.call(Call::Kill);
+        if self.unkillable {
+            return;
+        }
+        let alive: Vec<u32> = self.alive.lock().unwrap().iter().copied().collect();
+        for pid in alive {
+            self.end(pid, Exit::Signal(Signal::SIGKILL));
+        }
+        let _ = self.tx.send(Input::Tree(TreeEvent::Empty));
+    }
+    fn drain_lines(&mut self) -> bool {
+        let (start, tail, out) = (self.current, std::mem::take(&mut self.unflushed), self.lines.clone());
+        if self.deaf {
+            return true;
+        }
+        let long_tail = self.long_tail;
+        tokio::spawn(async move {
+            if let Some((every, beats)) = long_tail {
+                for _ in 0..beats {
+                    tokio::time::sleep(every).await;
+                    let beat = Delivery::Lines {
+                        start,
+                        lines: vec![],
+                        held: crate::observe::logwatch::Gauge::default().hold(0),
+                    };
+                    let _ = out.send(beat).await;
+                }
+            }
+            let mut c = Classifier::new(&Profile::Vllm.patterns()).unwrap();
+            for text in tail {
+                if let Some(d) = deliver(start, &mut c, &text) {
+                    let _ = out.send(d).await;
+                }
+            }
+            let _ = out.send(Delivery::Drained { start }).await;
+        });
+        true
+    }
+}
+
+struct Rec {
+    t0: Instant,
+    log: Log,
+}
+
+impl Notifier for Rec {
+    fn notify(&mut self, notes: &[Note]) {
+        let t = self.t0.elapsed();
+        self.log.notes.lock().unwrap().extend(notes.iter().map(|n| (t, n.clone())));
+    }
+}
+
+fn policy() -> Policy {
+    Policy {
+        ready_log: true,
+        ready_http: true,
+        ready_timeout: Duration::from_secs(3600),
+        stall: Duration::from_secs(60),
+        grace: Duration::from_secs(5),
+        stop_signal: Signal::SIGTERM,
+        stop_timeout: Duration::from_secs(30),
+        prepare_timeout: Duration::from_secs(300),
+        hints: crate::supervisor::hints::Hints::none(),
+        report: None,
+        restart: crate::config::Restart {
+            initial_delay: Duration::from_secs(10),
+            max_delay: Duration::from_secs(300),
+            factor: 2.0,
+            jitter: 0.0,
+            reset_after: Duration::from_secs(600),
+            max_attempts: 5,
+            permanent_attempts: 2,
+        },
+        drain_delay: Duration::from_secs(5),
+        drain_timeout: Duration::from_secs(60),
+        drain_on_stop: false,
+    }
+}
+
+struct Outcome {
+    code: Code,
+    calls: Vec<(Duration, Call)>,
+    notes: Vec<(Duration, Note)>,
+    phases: Vec<(Duration, crate::supervisor::outcome::Phase)>,
+}
+
+/// Drive a fake with `plans`; `stop_at` sends a stop request at that time.
+async fn run(
+    p: Policy,
+    plans: Vec<Plan>,
+    stubborn: bool,
+    unflushed: Vec<String>,
+    stop_at: Option<Duration>,
+    dog: Option<Duration>,
+) -> Outcome {
+    run_with(p, plans, Quirks { stubborn, unflushed, ..Quirks::default() }, stop_at, dog).await
+}
+
+async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Duration>, dog: Option<Duration>) -> Outcome {
+    let t0 = Instant::now();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (lines_tx, mut lines) = mpsc::channel(crate::observe::logwatch::QUEUE);
+    let log = Log::default();
+    let mut fake = Fake {
+        t0,
+        tx: tx.clone(),
+        lines: lines_tx,
+        current: 0,
+        deaf: q.deaf,
+        long_tail: q.long_tail,
+        report_takes: q.report_takes,
+        plans,
+        log: log.clone(),
+        alive: Arc::default(),
+        stubborn: q.stubborn,
+        unflushed: q.unflushed,
+        task_dies_at: q.task_dies_at,
+        unkillable: q.unkillable,
+        prepare_hangs: q.prepare_hangs,
+        busy_until: q.busy_until,
+        load: None,
+    };
+    let mut rec = Rec { t0, log: log.clone() };
+    let mut phases = Phases { t0, seen: Vec::new() };
+    // Held until the loop ends: the end of the requests would be a stop.
+    let (requests, rq) = mpsc::unbounded_channel();
+    if let Some(at) = stop_at {
+        let requests = requests.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            let _ = requests.send(Request::Stop);
+        });
+    }
+    for (at, r) in q.requests {
+        let requests = requests.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            let _ = requests.send(r);
+        });
+    }
+    let ctx = Context { instance: "t".into(), watchdog: dog, heartbeat: None };
+    let code = Loop {
+        machine: Machine::new(p, 1),
+        backend: &mut fake,
+        notifier: &mut rec,
+        inputs: &mut rx,
+        lines: &mut lines,
+        ctx: &ctx,
+        observer: &mut phases,
+        upgrade: None,
+    }
+    .run(tokio_stream::wrappers::UnboundedReceiverStream::new(rq))
+    .await;
+    drop(requests);
+    let calls = log.calls.lock().unwrap().clone();
+    let notes = log.notes.lock().unwrap().clone();
+    Outcome { code, calls, notes, phases: phases.seen }
+}
+
+/// Records each change of phase.
+struct Phases {
+    t0: Instant,
+    seen: Vec<(Duration, crate::supervisor::outcome::Phase)>,
+}
+
+impl Observer for Phases {
+    fn changed(&mut self, m: &Machine) {
+        if self.seen.last().map(|(_, p)| *p) != Some(m.phase()) {
+            self.seen.push((self.t0.elapsed(), m.phase()));
+        }
+    }
+}
+
+const READY: &str = "INFO:     Application startup complete.";
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn spawn_times(o: &Outcome) -> Vec<Duration> {
+    o.calls.iter().filter(|(_, c)| matches!(c, Call::Spawn(_))).map(|(t, _)| *t).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn backoff_delays_are_kept_to_the_millisecond() {
+    let crash = Plan::Exit { lines: vec![], gap: Duration::ZERO, exit: Exit::Code(1) };
+    let ok = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run(policy(), vec![crash.clone(), crash, ok], false, vec![], Some(S(100)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(spawn_times(&o), vec![S(0), S(10), S(30)]);
+    let ready: Vec<Duration> = o.notes.iter().filter(|(_, n)| *n == Note::Ready).map(|(t, _)| *t).collect();
+    assert_eq!(ready, vec![S(32)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_watchdog_is_fed_at_its_interval() {
+    let o =
+        run(policy(), vec![Plan::Run { lines: vec![READY], gap: S(1) }], false, vec![], Some(S(12)), Some(S(5))).await;
+    let pings: Vec<Duration> = o.notes.iter().filter(|(_, n)| *n == Note::Watchdog).map(|(t, _)| *t).collect();
+    assert_eq!(pings, vec![S(0), S(5), S(10)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stall_fails_the_start_exactly_at_the_deadline() {
+    let stalls =
+        Plan::Run { lines: vec!["(Worker pid=1) INFO 11-29 18:11:02 [x.py:1] Starting to load model /m"], gap: S(7) };
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let o = run(p, vec![stalls], false, vec![], None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert!(o.calls.contains(&(S(67), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+    assert!(o.notes.contains(&(S(7), Note::ExtendTimeout(S(60)))));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stubborn_tree_is_signalled_every_second_then_killed() {
+    let o = run(policy(), vec![Plan::Run { lines: vec![], gap: S(0) }], true, vec![], Some(S(3)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    let terms: Vec<u64> =
+        o.calls.iter().filter(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| t.as_secs()).collect();
+    assert_eq!(terms, (3..13).collect::<Vec<_>>());
+    assert!(o.calls.contains(&(S(13), Call::Kill)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_lines_in_the_file_are_read_before_the_exit() {
+    let exits = Plan::Exit { lines: vec![], gap: Duration::ZERO, exit: Exit::Code(1) };
+    let tail = vec![
+        "Traceback (most recent call last):".to_string(),
+        "  File \"x.py\", line 1".to_string(),
+        "ValueError: No valid attention backend found".to_string(),
+    ];
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let o = run(p, vec![exits], false, tail, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert!(
+        o.notes.iter().any(|(_, n)| *n
+            == Note::Status("gave up after 1 failed starts: ValueError: No valid attention backend found".into())),
+        "{:?}",
+        o.notes
+    );
+}
+
+/// A follower that never answers the drain cannot hold the exit back for
+/// ever: the exit is acted on after `DRAIN_PATIENCE`.
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_drain_delays_the_exit_by_its_patience_only() {
+    let exits = Plan::Exit { lines: vec![], gap: S(1), exit: Exit::Code(1) };
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let o = run_with(p, vec![exits], Quirks { deaf: true, ..Quirks::default() }, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let failed = o.notes.iter().find(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("failed")));
+    assert_eq!(failed.map(|(t, _)| *t), Some(DRAIN_PATIENCE), "{:?}", o.notes);
+}
+
+/// A drain that keeps reading a long tail holds the exit as long as it
+/// says so, and its last lines still come first.
+#[tokio::test(start_paused = true)]
+async fn a_long_tail_holds_the_exit_while_it_is_read() {
+    let exits = Plan::Exit { lines: vec![], gap: S(1), exit: Exit::Code(1) };
+    let tail = vec!["ValueError: No valid attention backend found".to_string()];
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let q = Quirks { unflushed: tail, long_tail: Some((S(6), 5)), ..Quirks::default() };
+    let o = run_with(p, vec![exits], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let failed = o.notes.iter().find(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("failed")));
+    // Five beats six seconds apart: beyond DRAIN_PATIENCE, but never silent for it.
+    assert_eq!(failed.map(|(t, _)| *t), Some(S(30)), "{:?}", o.notes);
+    assert!(
+        o.notes.iter().any(|(_, n)| matches!(n, Note::Status(s) if s.contains("No valid attention backend found"))),
+        "{:?}",
+        o.notes
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dead_task_stops_the_tree_and_exits_70() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(1) };
+    let o =
+        run_with(policy(), vec![serving], Quirks { task_dies_at: Some(S(5)), ..Quirks::default() }, None, None).await;
+    assert_eq!(o.code, Code::Internal);
+    assert!(o.calls.contains(&(S(5), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+    assert!(
+        o.notes.iter().any(|(_, n)| matches!(n, Note::Status(s) if s.starts_with("internal failure"))),
+        "{:?}",
+        o.notes
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn hung_pre_start_steps_fail_the_start_at_their_deadline_naming_the_step() {
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let o = run_with(p, vec![], Quirks { prepare_hangs: true, ..Quirks::default() }, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert!(o.calls.contains(&(S(300), Call::CancelPrepare)), "{:?}", o.calls);
+    let last = o.notes.iter().rev().find_map(|(_, n)| if let Note::Status(s) = n { Some(s.clone()) } else { None });
+    assert_eq!(
+        last.as_deref(),
+        Some(
+            "gave up after 1 failed starts: pre-start steps did not finish within 5m; stuck at: waiting for the GPU query"
+        )
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tree_that_survives_sigkill_is_reported_and_exits_71() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(1) };
+    let q = Quirks { stubborn: true, unkillable: true, ..Quirks::default() };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Unkillable);
+    // Stop at 10 s, SIGKILL after the 30 s stop timeout, then the kill grace.
+    assert!(o.calls.contains(&(S(40), Call::Kill)), "{:?}", o.calls);
+    let last = o.notes.iter().rev().find_map(|(_, n)| if let Note::Status(s) = n { Some(s.clone()) } else { None });
+    assert_eq!(last.as_deref(), Some("1 process(es) survived SIGKILL: pid 101 (state D)"));
+}
+
+fn draining() -> Policy {
+    Policy { drain_on_stop: true, ..policy() }
+}
+
+fn times(o: &Outcome, want: impl Fn(&Call) -> bool) -> Vec<Duration> {
+    o.calls.iter().filter(|(_, c)| want(c)).map(|(t, _)| *t).collect()
+}
+
+fn terminations(o: &Outcome) -> Vec<Duration> {
+    times(o, |c| matches!(c, Call::Terminate(_)))
+}
+
+fn stopping_notes(o: &Outcome) -> Vec<Duration> {
+    o.notes.iter().filter(|(_, n)| *n == Note::Stopping).map(|(t, _)| *t).collect()
+}
+
+/// `systemctl stop` of a serving child with `drain.on-stop`: STOPPING=1 at
+/// once, unready at once, the stop signal only after the delay and the
+/// requests in flight.
+#[tokio::test(start_paused = true)]
+async fn a_stop_while_serving_is_answered_at_once_and_drains_before_the_signal() {
+    use crate::supervisor::outcome::Phase;
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(20)), ..Quirks::default() };
+    let o = run_with(draining(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(stopping_notes(&o).first(), Some(&S(10)), "answered at once: {:?}", o.notes);
+    assert!(o.phases.contains(&(S(10), Phase::Draining)), "{:?}", o.phases);
+    assert_eq!(times(&o, |c| matches!(c, Call::WatchLoad(1))), vec![S(15)], "after drain.delay");
+    assert_eq!(terminations(&o).first(), Some(&S(20)), "once no request is in flight");
+    // systemd's stop timeout is pushed out over the drain and the stop.
+    assert!(o.notes.iter().any(|(t, n)| *t == S(10) && *n == Note::ExtendTimeout(S(5 + 60 + 30 + 5))), "{:?}", o.notes);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_drain_waits_for_the_requests_in_flight_no_longer_than_its_timeout() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(10_000)), ..Quirks::default() };
+    let o = run_with(draining(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(terminations(&o).first(), Some(&S(10 + 5 + 60)));
+}
+
+/// A second stop request (systemctl stop again, or Ctrl-C twice) does not
+/// wait for the drain.
+#[tokio::test(start_paused = true)]
+async fn a_second_stop_cuts_the_drain_short() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(10_000)), requests: vec![(S(12), Request::Stop)], ..Quirks::default() };
+    let o = run_with(draining(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(terminations(&o).first(), Some(&S(12)));
+}
+
+/// Without `drain.on-stop` a stop signals at once, as before.
+#[tokio::test(start_paused = true)]
+async fn without_drain_on_stop_a_stop_signals_at_once() {
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(10_000)), ..Quirks::default() };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(terminations(&o).first(), Some(&S(10)));
+    assert!(times(&o, |c| matches!(c, Call::WatchLoad(_))).is_empty());
+}
+
+/// `POST /restart`: drain, signal, start again; the new run is ready.
+#[tokio::test(start_paused = true)]
+async fn restart_drains_then_starts_the_child_again() {
+    use crate::supervisor::outcome::Phase;
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks { busy_until: Some(S(18)), requests: vec![(S(10), Request::Restart)], ..Quirks::default() };
+    let o = run_with(policy(), vec![serving.clone(), serving], q, Some(S(100)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(terminations(&o)[0], S(18));
+    assert_eq!(spawn_times(&o), vec![S(0), S(18)]);
+    let ready: Vec<Duration> = o.phases.iter().filter(|(_, p)| *p == Phase::Ready).map(|(t, _)| *t).collect();
+    assert_eq!(ready, vec![S(2), S(20)]);
+    assert!(o.phases.contains(&(S(10), Phase::Draining)), "{:?}", o.phases);
+}
+
+/// `POST /drain` holds the child out of rotation (it keeps running);
+/// `POST /undrain` puts it back; nothing is signalled.
+#[tokio::test(start_paused = true)]
+async fn a_plain_drain_holds_the_child_drained_until_undrained() {
+    use crate::supervisor::outcome::Phase;
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let q = Quirks {
+        busy_until: Some(S(12)),
+        requests: vec![(S(10), Request::Drain), (S(30), Request::Undrain)],
+        ..Quirks::default()
+    };
+    let o = run_with(policy(), vec![serving], q, Some(S(50)), None).await;
+    assert_eq!(
+        o.phases.iter().filter(|(t, _)| *t < S(50)).cloned().collect::<Vec<_>>(),
+        vec![
+            (S(0), Phase::Starting),
+            (S(2), Phase::Ready),
+            (S(10), Phase::Draining),
+            (S(15), Phase::Drained),
+            (S(30), Phase::Ready)
+        ]
+    );
+    assert_eq!(terminations(&o).first(), Some(&S(50)), "nothing signalled before the stop");
+    assert!(o.notes.iter().any(|(t, n)| *t == S(15) && *n == Note::Status("drained: pid 101, out of rotation".into())));
+}
+
+/// The child dies while draining for a stop: the stop that was answered
+/// is carried out; it is not restarted.
+#[tokio::test(start_paused = true)]
+async fn a_child_that_dies_during_a_stop_drain_is_not_restarted() {
+    let dies = Plan::Exit { lines: vec![READY], gap: S(6), exit: Exit::Code(1) };
+    let q = Quirks { busy_until: Some(S(10_000)), ..Quirks::default() };
+    let o = run_with(draining(), vec![dies], q, Some(S(8)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(spawn_times(&o), vec![S(0)]);
+}
+
+/// A failed run is reported before it is stopped: the stop signal follows
+/// the report's end, to the virtual millisecond.
+#[tokio::test(start_paused = true)]
+async fn a_failed_run_is_stopped_when_its_report_is_written() {
+    let plain = "(APIServer pid=1) INFO 11-29 18:00:00 [x.py:1] starting";
+    let exits = Plan::Exit { lines: vec![plain], gap: S(1), exit: Exit::Code(1) };
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    p.report = Some(S(25));
+    let q = Quirks { report_takes: Some(Duration::from_millis(3500)), ..Quirks::default() };
+    let o = run_with(p, vec![exits], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert!(o.calls.contains(&(S(1), Call::Report(1))), "{:?}", o.calls);
+    let term = o.calls.iter().find(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| *t);
+    assert_eq!(term, Some(Duration::from_millis(4500)), "{:?}", o.calls);
+    assert!(!o.calls.iter().any(|(_, c)| *c == Call::CancelReport));
+    let failed = o.notes.iter().find_map(|(_, n)| match n {
+        Note::Status(s) if s.starts_with("failed") => Some(s.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        failed.as_deref(),
+        Some("failed (attempt 1/1, writing the failure report): exited before ready (exit code 1)")
+    );
+}
+
+/// A report that never ends holds the stop only for its budget.
+#[tokio::test(start_paused = true)]
+async fn a_wedged_report_is_cut_short_at_its_deadline() {
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    p.report = Some(S(25));
+    let q = Quirks { report_takes: None, ..Quirks::default() };
+    // The run fails by a fatal line and its grace (5 s) after ready.
+    let fatal = "(EngineCore pid=1) ERROR 11-29 18:11:02 [core.py:1] EngineCore failed to start.";
+    let fatal = Plan::Run { lines: vec![READY, fatal], gap: S(1) };
+    let o = run_with(p, vec![fatal], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    // The fatal line at 2 s, its grace over at 7 s: the report; 25 s later, cut.
+    assert!(o.calls.contains(&(S(7), Call::Report(1))), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(32), Call::CancelReport)), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(32), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+}
+
+/// A stop request while the report is written is answered at once: the
+/// report is cut short and the tree stopped in the same instant.
+#[tokio::test(start_paused = true)]
+async fn a_stop_during_the_report_is_answered_at_once() {
+    let exits = Plan::Exit {
+        lines: vec!["(APIServer pid=1) INFO 11-29 18:00:00 [x.py:1] starting"],
+        gap: S(1),
+        exit: Exit::Code(1),
+    };
+    let mut p = policy();
+    p.report = Some(S(25));
+    let q = Quirks { report_takes: None, ..Quirks::default() };
+    let o = run_with(p, vec![exits], q, Some(S(3)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert!(o.calls.contains(&(S(1), Call::Report(1))), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(3), Call::CancelReport)), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(3), Call::Terminate(Signal::SIGTERM))), "{:?}", o.calls);
+    assert!(o.notes.contains(&(S(3), Note::Stopping)), "{:?}", o.notes);
+    assert_eq!(spawn_times(&o), vec![S(0)], "no restart after a stop");
+}

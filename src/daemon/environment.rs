@@ -1,0 +1,500 @@
+//! The world outside the config file, as `check` and a reload see it: the
+//! program to run, the working and log folders, the state directory, the
+//! files the patches edit and the patches folder. It reads the filesystem
+//! and changes nothing. It must not know how the config file is read (that
+//! is `config`) nor how patches are applied (it asks `patch`).
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::config::{Problem, Settings};
+
+/// Problems outside the file: the program, the working folder, the log
+/// folder, the state directory, the patched files. Values the config left
+/// empty because they had a problem of their own are not looked at again.
+pub fn check_environment(s: &Settings) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut say = |message: String| out.push(Problem { file: s.source.clone(), at: None, message });
+    let program = s.child.command.first().map_or("", String::as_str);
+    for problem in child_problems(s) {
+        say(problem);
+    }
+    if let Some(cluster) = &s.prestart.ray {
+        // The Python that asks the cluster: beside the child's program,
+        // else on the warden's PATH, as the warden runs it.
+        let argv = cluster.command(&s.child.command);
+        let python = argv.first().map_or("", String::as_str);
+        if resolve_program(python, None).is_none_or(|p| !p.is_file()) {
+            say(format!("`prestart.ray-python`: {python:?} not found beside {program:?} nor in PATH"));
+        }
+    }
+    if let Some(file) = &s.server.token_file
+        && let Err(e) = crate::daemon::server::read_token(file)
+    {
+        say(format!("`server.token-file`: {e}"));
+    }
+    if let Some(cwd) = &s.child.cwd
+        && !cwd.is_dir()
+    {
+        say(format!("`cwd`: {} is not a folder", cwd.display()));
+    }
+    if let Some(dir) = s.child.log_file.parent()
+        && let Some(existing) = dir.ancestors().find(|a| a.exists())
+        && !existing.is_dir()
+    {
+        say(format!("`log-file`: {} is not a folder", existing.display()));
+    }
+    if let Some(problem) = state_directory(&s.state_dir) {
+        say(problem);
+    }
+    for problem in crate::patch::check(&s.patches, &s.state_dir) {
+        say(format!("[[patch]] {problem}"));
+    }
+    out
+}
+
+/// What keeps the child from starting, as this process's user (the
+/// child's) sees it: its program (and, for a script, the interpreter of
+/// its `#!` line: a venv's `python3` is a link that may lead where the
+/// service user cannot go), the model folder of `vllm serve`, a model of
+/// the hub that cannot be read, and the folders the child writes. Checked
+/// by `check` and before every start, so that such a start fails in a
+/// second with the path, the uid and the fix, not after a load.
+pub fn child_problems(s: &Settings) -> Vec<String> {
+    let mut out = program_problems(s);
+    out.extend(model_problems(s));
+    out.extend(crate::process::caches::problems(&crate::process::caches::of(s)).0);
+    out
+}
+
+/// The program of `child.command`, and the interpreter of its `#!` line,
+/// as this user may run them.
+pub fn program_problems(s: &Settings) -> Vec<String> {
+    let mut out = Vec::new();
+    let uid = nix::unistd::geteuid();
+    let program = s.child.command.first().map_or("", String::as_str);
+    if !program.is_empty() {
+        match resolve_program(program, s.child.env.get("PATH").map(String::as_str)) {
+            Some(p) => {
+                if let Err(e) = executable(&p) {
+                    out.push(format!("`command`: {}: {e} for uid {uid}", p.display()));
+                } else if let Some((interpreter, e)) =
+                    interpreter_problem(&p, s.child.env.get("PATH").map(String::as_str))
+                {
+                    out.push(format!(
+                        "`command`: {} runs {interpreter} (its #! line): {e} for uid {uid}; the service user must \
+                         be able to run it (a venv made from an interpreter under a 0700 home is not)",
+                        p.display()
+                    ));
+                }
+            }
+            None => out.push(format!("`command`: program {program:?} not found in PATH")),
+        }
+    }
+    out
+}
+
+/// The model of a vLLM command, as this user may read it: a local folder
+/// (or file), or a model of the hub. What may come right by itself (a
+/// mount not there yet) is worth a retry: the pre-start step counts these
+/// as transient.
+pub fn model_problems(s: &Settings) -> Vec<String> {
+    let uid = nix::unistd::geteuid();
+    if s.profile != crate::config::profile::Profile::Vllm {
+        return Vec::new();
+    }
+    let Some(model) = model_of(&s.child.command) else { return Vec::new() };
+    let own_config = s.child.command.iter().any(|a| a == "--hf-config-path" || a.starts_with("--hf-config-path="));
+    match Model::of(&model, &child_cwd(s)) {
+        Model::Local(dir) => model_folder(&dir, !own_config)
+            .err()
+            .map(|e| format!("model {}: {e} for uid {uid}", dir.display()))
+            .into_iter()
+            .collect(),
+        Model::Hub(id) => hub(s, &id).1,
+        Model::Elsewhere => Vec::new(),
+    }
+}
+
+/// The folder the child starts in: `child.cwd`, else the warden's.
+fn child_cwd(s: &Settings) -> PathBuf {
+    s.child.cwd.clone().or_else(|| std::env::current_dir().ok()).unwrap_or_else(|| PathBuf::from("/"))
+}
+
+/// What `check` shows of where the child writes and what it reads: each
+/// variable with its value and who set it, the model; and the warnings (a
+/// cache that will not outlive the service).
+pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
+    use std::fmt::Write;
+    let writes = crate::process::caches::of(s);
+    let mut warnings = crate::process::caches::problems(&writes).1;
+    let mut out = String::new();
+    if !writes.is_empty() {
+        let _ = writeln!(out, "the child's caches and sockets:");
+        for v in &writes {
+            let by = if v.ours {
+                "set by the warden"
+            } else if s.child.env.contains_key(&v.name) {
+                "from child.env"
+            } else {
+                "from the warden's environment"
+            };
+            let _ = writeln!(out, "  {}={} ({by})", v.name, v.value.display());
+        }
+    }
+    if s.profile == crate::config::profile::Profile::Vllm
+        && let Some(model) = model_of(&s.child.command)
+    {
+        let mut hub_warnings = Vec::new();
+        let said = match Model::of(&model, &child_cwd(s)) {
+            Model::Local(p) if p.is_file() => format!("model {}: a local file", p.display()),
+            Model::Local(p) => format!("model {}: a local folder", p.display()),
+            Model::Hub(id) => {
+                let (said, _, w) = hub(s, &id);
+                hub_warnings = w;
+                said
+            }
+            Model::Elsewhere => format!("model {model}: elsewhere (not looked at)"),
+        };
+        let _ = writeln!(out, "{said}");
+        warnings.extend(hub_warnings);
+    }
+    (out, warnings)
+}
+
+/// `Ok` when this user may run `p` (a file with the right to execute).
+fn executable(p: &Path) -> Result<(), String> {
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_file() => nix::unistd::access(p, nix::unistd::AccessFlags::X_OK)
+            .map_err(|e| format!("not executable ({})", io::Error::from(e))),
+        Ok(_) => Err("is not an executable file".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The interpreter of a script's `#!` line, when this user cannot run it:
+/// its path (for `#!/usr/bin/env NAME`, NAME as found in PATH) and why.
+fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, String)> {
+    use std::io::Read;
+    let mut head = [0u8; 4096];
+    let n = std::fs::File::open(script).and_then(|mut f| f.read(&mut head)).ok()?;
+    let line = head[..n].strip_prefix(b"#!")?;
+    let line = String::from_utf8_lossy(line.split(|b| *b == b'\n').next()?).into_owned();
+    let mut words = line.split_whitespace();
+    let first = words.next()?;
+    let interpreter = if Path::new(first).file_name().is_some_and(|f| f == "env") {
+        // `env -S VAR=1 python3 -u`: options and assignments come first.
+        let name = words.find(|w| !w.starts_with('-') && !w.contains('='))?;
+        match resolve_program(name, path) {
+            Some(p) => p,
+            None => return Some((name.to_string(), "not found in PATH".into())),
+        }
+    } else {
+        PathBuf::from(first)
+    };
+    executable(&interpreter).err().map(|e| (interpreter.display().to_string(), e))
+}
+
+/// The model of `vllm serve MODEL` (the last `--model` wins, as in
+/// vLLM's argument parser), or of `python -m vllm.entrypoints… --model
+/// MODEL`, as written. `None` for any other program (a container or a
+/// remote shell that runs vLLM elsewhere: its paths are not this host's).
+pub fn model_of(command: &[String]) -> Option<String> {
+    let name = |a: &String| Path::new(a).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let program = name(command.first()?);
+    let args = &command[1..];
+    let positional = if program == "vllm" && args.first().is_some_and(|a| a == "serve") {
+        args.get(1).filter(|a| !a.starts_with('-')).cloned()
+    } else if program.starts_with("python")
+        && args.windows(2).any(|w| w[0] == "-m" && (w[1] == "vllm" || w[1].starts_with("vllm.")))
+    {
+        None
+    } else {
+        return None;
+    };
+    let mut flag = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--model" {
+            flag = it.next().cloned().or(flag);
+        } else if let Some(m) = a.strip_prefix("--model=") {
+            flag = Some(m.to_string());
+        }
+    }
+    flag.or(positional)
+}
+
+/// A model as vLLM reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Model {
+    /// A folder (or file) on this machine.
+    Local(PathBuf),
+    /// A repository id of the Hugging Face hub, `org/name` or `name`.
+    Hub(String),
+    /// An object store (`s3://…`), or a path the warden cannot resolve as
+    /// the child would (`~`, a variable): not looked at.
+    Elsewhere,
+}
+
+impl Model {
+    /// As vLLM decides, in the child's working folder `cwd`: what exists
+    /// on disk is local, and so is what is written as a path; a name of
+    /// one or two plain parts is an id of the hub.
+    pub fn of(model: &str, cwd: &Path) -> Model {
+        if model.contains("://") || model.starts_with('~') || model.contains('$') {
+            return Model::Elsewhere;
+        }
+        let p = cwd.join(model);
+        if model.starts_with('/') || model.starts_with("./") || model.starts_with("../") {
+            return Model::Local(p);
+        }
+        if std::fs::symlink_metadata(&p).is_ok() {
+            return Model::Local(p);
+        }
+        let plain = |part: &str| {
+            !part.is_empty() && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        };
+        let parts: Vec<&str> = model.split('/').collect();
+        if parts.len() <= 2 && parts.iter().all(|p| plain(p)) {
+            Model::Hub(model.to_string())
+        } else {
+            Model::Elsewhere
+        }
+    }
+}
+
+/// The files of a model folder that vLLM reads: configs, tokenizers,
+/// weights. Others (a README, a `.git` folder) are not its business.
+fn read_by_vllm(name: &str) -> bool {
+    let ext = Path::new(name).extension().map(|e| e.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+    matches!(
+        ext.as_str(),
+        "json" | "safetensors" | "bin" | "pt" | "pth" | "gguf" | "model" | "tiktoken" | "txt" | "jinja"
+    )
+}
+
+/// `Ok` when the model folder can be read, with its `config.json` (or
+/// `params.json`, Mistral's format; not asked for when `need_config` is
+/// false: `--hf-config-path` names another), and every file in it that
+/// vLLM reads (configs, tokenizer, weights; links followed, as into a
+/// Hugging Face cache's blobs); a single file (GGUF) must be readable.
+fn model_folder(p: &Path, need_config: bool) -> Result<(), String> {
+    use nix::unistd::{AccessFlags, access};
+    let readable = |f: &Path| access(f, AccessFlags::R_OK).map_err(io::Error::from);
+    let m = std::fs::metadata(p).map_err(|e| e.to_string())?;
+    if m.is_file() {
+        return readable(p).map_err(|e| format!("cannot be read ({e})"));
+    }
+    access(p, AccessFlags::R_OK | AccessFlags::X_OK).map_err(|e| format!("cannot be read ({})", io::Error::from(e)))?;
+    // Looked at, never opened: a FIFO in its place must not hang a check.
+    let config =
+        ["config.json", "params.json"].iter().find(|n| std::fs::metadata(p.join(n)).is_ok_and(|m| m.is_file()));
+    if need_config && config.is_none() {
+        return Err("has no config.json".into());
+    }
+    let entries = std::fs::read_dir(p).map_err(|e| format!("cannot be listed ({e})"))?;
+    let mut names: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+    names.sort();
+    for f in names {
+        let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if read_by_vllm(&name)
+            && std::fs::metadata(&f).is_ok_and(|m| m.is_file())
+            && let Err(e) = readable(&f)
+        {
+            // A name from the model folder: shown as one visible line.
+            let name = crate::util::escape::one_line(&name, crate::util::escape::MAX_LINE);
+            return Err(format!("{name} cannot be read ({e})"));
+        }
+    }
+    Ok(())
+}
+
+/// What `check` says of a model of the hub, and the problems: whether it is
+/// read offline (`HF_HUB_OFFLINE`), from which hub cache, and, when a
+/// download may happen, whether the service user can write that cache.
+/// Returns what to say, the problems, and the warnings.
+pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>, Vec<String>) {
+    let writes = crate::process::caches::of(s);
+    let get = |k: &str| {
+        s.child
+            .env
+            .get(k)
+            .cloned()
+            .or_else(|| std::env::var(k).ok())
+            .or_else(|| writes.iter().find(|v| v.name == k).map(|v| v.value.display().to_string()))
+            .filter(|v| !v.is_empty())
+    };
+    let uid = nix::unistd::geteuid();
+    if ["VLLM_USE_MODELSCOPE"]
+        .iter()
+        .any(|k| get(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true")))
+        || get("VLLM_MODEL_REDIRECT_PATH").is_some()
+    {
+        return (format!("model {id}: from ModelScope or a redirect (not looked at)"), vec![], vec![]);
+    }
+    let cache = get("HF_HUB_CACHE").or_else(|| get("HUGGINGFACE_HUB_CACHE")).map(PathBuf::from).unwrap_or_else(|| {
+        let home = get("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
+            let xdg = get("XDG_CACHE_HOME").map(PathBuf::from);
+            xdg.unwrap_or_else(|| Path::new(&get("HOME").unwrap_or_else(|| "/".into())).join(".cache"))
+                .join("huggingface")
+        });
+        home.join("hub")
+    });
+    if !cache.is_absolute() || cache.to_string_lossy().contains(['~', '$']) {
+        return (
+            format!("model {id}: from the Hugging Face hub, cache {} (not looked at)", cache.display()),
+            vec![],
+            vec![],
+        );
+    }
+    let offline = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"]
+        .iter()
+        .find(|k| get(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true")));
+    let folder = cache.join(format!("models--{}", id.replace('/', "--")));
+    match offline {
+        Some(k) => {
+            let said = format!("model {id}: from the Hugging Face hub, offline ({k}=1), read from {}", cache.display());
+            let problems = if folder.is_dir() {
+                vec![]
+            } else {
+                vec![format!(
+                    "model {id}: not in the hub cache ({} is missing) and {k}=1 forbids a download",
+                    folder.display()
+                )]
+            };
+            (said, problems, vec![])
+        }
+        None => {
+            let said = format!(
+                "model {id}: from the Hugging Face hub, online: downloaded into {} when missing or changed",
+                cache.display()
+            );
+            let var = crate::process::caches::Var {
+                name: "HF_HUB_CACHE".into(),
+                value: cache.clone(),
+                kind: crate::process::caches::Kind::Cache,
+                ours: false,
+            };
+            // A warning, not a problem: a complete cache still serves while
+            // the hub says it is current.
+            let warnings = crate::process::caches::problems(&[var])
+                .0
+                .into_iter()
+                .map(|_| {
+                    format!(
+                        "model {id}: the hub cache {} is not writable by uid {uid}, so a download (a missing or \
+                         changed file) would fail: set HF_HUB_OFFLINE = \"1\" in child.env with the model in the \
+                         cache, or HF_HOME in child.env to a folder the service user can write (and ReadWritePaths= \
+                         for it)",
+                        cache.display()
+                    )
+                })
+                .collect();
+            (said, vec![], warnings)
+        }
+    }
+}
+
+/// Why the warden could not use `dir` as its state directory (its lock,
+/// its record of the tree, the patches), if it could not: it must be a
+/// folder the warden can write, or one it can create.
+fn state_directory(dir: &Path) -> Option<String> {
+    use crate::util::fsutil::Unwritable;
+    let shown = dir.display();
+    let uid = nix::unistd::geteuid();
+    match crate::util::fsutil::writable_folder(dir) {
+        Ok(()) => match std::fs::symlink_metadata(dir.join("lock")) {
+            Ok(l) if !l.is_file() => Some(format!(
+                "state directory {shown}: its lock {}/lock is {}, not a regular file",
+                shown,
+                crate::util::fsutil::kind_of(&l)
+            )),
+            _ => None,
+        },
+        Err(Unwritable::Denied(e)) => Some(format!("state directory {shown}: not writable by uid {uid}: {e}")),
+        Err(Unwritable::NotAFolder(kind)) => Some(format!("state directory {shown}: is {kind}, not a folder")),
+        Err(Unwritable::ParentNotAFolder(p)) => {
+            Some(format!("state directory {shown}: cannot be created: {} is not a folder", p.display()))
+        }
+        Err(Unwritable::ParentDenied(p, e)) => Some(format!(
+            "state directory {shown}: cannot be created: {} is not writable by uid {uid}: {e}",
+            p.display()
+        )),
+        Err(Unwritable::NoParent) => None,
+        Err(Unwritable::Other(e)) => Some(format!("state directory {shown}: {e}")),
+    }
+}
+
+/// A program name as `execvp` would find it.
+pub fn resolve_program(program: &str, path_override: Option<&str>) -> Option<PathBuf> {
+    if program.contains('/') {
+        return Some(PathBuf::from(program));
+    }
+    let path = path_override.map(String::from).or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
+    path.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(program)).find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    /// Only vLLM's own command lines name a model of this host; the last
+    /// `--model` wins, as in vLLM's parser.
+    #[test]
+    fn the_model_is_read_from_vllms_command_lines_only() {
+        assert_eq!(model_of(&argv("/opt/v/bin/vllm serve /m --port 8")).as_deref(), Some("/m"));
+        assert_eq!(model_of(&argv("vllm serve /m --model /a --model=/b")).as_deref(), Some("/b"));
+        assert_eq!(model_of(&argv("vllm serve --port 8 --model /a")).as_deref(), Some("/a"));
+        assert_eq!(model_of(&argv("python3 -m vllm.entrypoints.openai.api_server --model /a")).as_deref(), Some("/a"));
+        for elsewhere in [
+            "docker run -v /srv:/models vllm/vllm-openai --model /models/l",
+            "ssh gpu1 vllm serve /models/l",
+            "systemd-cat -t serve vllm serve /m",
+            "vllm-warden-sim --port 8",
+        ] {
+            assert_eq!(model_of(&argv(elsewhere)), None, "{elsewhere}");
+        }
+    }
+
+    #[test]
+    fn a_model_is_local_on_the_hub_or_elsewhere_as_vllm_sees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("llama")).unwrap();
+        let cwd = dir.path();
+        assert_eq!(Model::of("./llama", cwd), Model::Local(cwd.join("./llama")));
+        assert_eq!(Model::of("llama", cwd), Model::Local(cwd.join("llama")), "a folder in the child's cwd");
+        assert_eq!(Model::of("/srv/m", cwd), Model::Local(PathBuf::from("/srv/m")));
+        assert_eq!(Model::of("org/name-1.5", cwd), Model::Hub("org/name-1.5".into()));
+        assert_eq!(Model::of("gpt2", cwd), Model::Hub("gpt2".into()));
+        for elsewhere in ["s3://bucket/models/l", "~/models/l", "$MODELS/l", "a/b/c"] {
+            assert_eq!(Model::of(elsewhere, cwd), Model::Elsewhere, "{elsewhere}");
+        }
+    }
+
+    /// A FIFO where config.json should be is not opened (a check must not
+    /// hang); files vLLM does not read are not its business.
+    #[test]
+    fn a_model_folder_is_looked_at_never_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        nix::unistd::mkfifo(&dir.path().join("config.json"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(model_folder(dir.path(), true), Err("has no config.json".into()));
+        assert_eq!(model_folder(dir.path(), false), Ok(()), "--hf-config-path names another");
+        assert!(read_by_vllm("model-00001-of-00064.safetensors") && read_by_vllm("tokenizer.model"));
+        assert!(!read_by_vllm("README.md") && !read_by_vllm(".gitattributes"));
+    }
+
+    #[test]
+    fn an_env_s_line_names_its_program() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("s");
+        std::fs::write(&script, "#!/usr/bin/env -S PYTHONUNBUFFERED=1 no-such-python-here -u\n").unwrap();
+        let (name, why) = interpreter_problem(&script, Some("/usr/bin:/bin")).unwrap();
+        assert_eq!((name.as_str(), why.as_str()), ("no-such-python-here", "not found in PATH"));
+        std::fs::write(&script, "#!/usr/bin/env -S PYTHONUNBUFFERED=1 sh -e\n").unwrap();
+        assert_eq!(interpreter_problem(&script, Some("/usr/bin:/bin")), None);
+    }
+}

@@ -1,0 +1,826 @@
+//! The warden's own HTTP endpoint, for load balancers, Kubernetes and the
+//! local commands: always on the unix socket `server.socket` (mode 0660),
+//! and on TCP at `server.listen` when set. It reads what the loop publishes
+//! (a [`View`], the metrics registry, the loop's heartbeat, the last health
+//! check) and hands requests (drain, undrain, restart) to the loop as
+//! [`Request`]s; it never waits on the loop for more than an answer's
+//! bounded wait, and the loop never waits on it. How the state changes is
+//! not known here.
+//!
+//! | endpoint | answer |
+//! |---|---|
+//! | `GET /livez` | 200 while the loop turns, 503 when it has not for [`LIVE_STALE`]; the phase |
+//! | `GET /readyz` | 200 when ready, not draining and the last health check passed; else 503, phase and cause |
+//! | `GET /status` | the status document |
+//! | `GET /metrics` | the metrics, Prometheus text format |
+//! | `POST /drain`, `/undrain`, `/restart` | 202 once the loop took it; 409 in a phase it does not apply to; 403 over TCP without the bearer token |
+//!
+//! Each listener is served here, not by `axum::serve`: at most
+//! [`MAX_CONNECTIONS`] at once (fewer under a low descriptor limit), each
+//! closed after [`HEADER_READ_TIMEOUT`] without a request head or
+//! [`IDLE_TIMEOUT`] without a byte moving, with a [`MAX_BUF`] read buffer;
+//! a client cannot take the warden's descriptors or memory.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use tokio::sync::{mpsc, watch};
+
+use crate::daemon::driver::{Heartbeat, Request};
+use crate::observe::status::Metrics;
+use crate::supervisor::outcome::Phase;
+
+/// The loop has not turned for this long: `/livez` fails.
+pub const LIVE_STALE: Duration = Duration::from_secs(5);
+/// How long a mutating request waits for the loop to show that it took it.
+pub const ANSWER_WAIT: Duration = Duration::from_secs(2);
+/// The largest token file read.
+const MAX_TOKEN: u64 = 4096;
+
+/// What the loop publishes after every change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct View {
+    pub phase: Phase,
+    /// Why the warden is not ready (the cause of the last failure, one
+    /// escaped line), when it has one.
+    pub cause: Option<String>,
+    /// The status document as last made.
+    pub document: Option<Arc<str>>,
+}
+
+impl Default for View {
+    fn default() -> Self {
+        View { phase: Phase::Starting, cause: None, document: None }
+    }
+}
+
+/// What every connection shares.
+#[derive(Debug, Clone)]
+pub struct Shared {
+    pub view: watch::Receiver<View>,
+    pub heartbeat: Heartbeat,
+    pub metrics: Arc<Metrics>,
+    pub last_check: crate::observe::health::LastCheck,
+    pub requests: mpsc::UnboundedSender<Request>,
+}
+
+/// Who may change things through a listener.
+#[derive(Debug, Clone)]
+enum Access {
+    /// The unix socket: whoever can open it (mode 0660).
+    Local,
+    /// TCP: the bearer token, when a token file was given; else nobody.
+    Token(Option<Arc<str>>),
+}
+
+#[derive(Clone)]
+struct Api {
+    shared: Shared,
+    access: Access,
+}
+
+/// Why the token file gives no token.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("{path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: empty")]
+    Empty { path: PathBuf },
+    #[error("{path}: larger than {MAX_TOKEN} bytes")]
+    TooLarge { path: PathBuf },
+    #[error("{path}: readable by every user (chmod o-r)")]
+    WorldReadable { path: PathBuf },
+}
+
+/// The bearer token: the file's text, surrounding whitespace removed.
+pub fn read_token(path: &Path) -> Result<String, TokenError> {
+    use std::io::Read;
+    use std::os::unix::fs::PermissionsExt;
+    let read = |source| TokenError::Read { path: path.to_path_buf(), source };
+    let file = std::fs::File::open(path).map_err(read)?;
+    let meta = file.metadata().map_err(read)?;
+    if meta.permissions().mode() & 0o004 != 0 {
+        return Err(TokenError::WorldReadable { path: path.to_path_buf() });
+    }
+    let mut text = String::new();
+    file.take(MAX_TOKEN + 1).read_to_string(&mut text).map_err(read)?;
+    if text.len() as u64 > MAX_TOKEN {
+        return Err(TokenError::TooLarge { path: path.to_path_buf() });
+    }
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(TokenError::Empty { path: path.to_path_buf() });
+    }
+    Ok(token.to_string())
+}
+
+/// Why a listener could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("cannot listen on {path}: {source}")]
+    Socket { path: PathBuf, source: std::io::Error },
+    #[error("cannot listen on {addr}: {source}")]
+    Tcp { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("server.token-file {0}")]
+    Token(#[from] TokenError),
+}
+
+/// The unix socket at `path`, mode 0660: bound under a temporary name,
+/// given its mode, then renamed into place, so that it is never open to
+/// more than that. A socket left by an earlier warden of this instance
+/// (whose lock this one holds) is replaced.
+pub fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, ListenError> {
+    use std::os::unix::fs::PermissionsExt;
+    let err = |source| ListenError::Socket { path: path.to_path_buf(), source };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = tokio::net::UnixListener::bind(&tmp).map_err(err)?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o660))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err(e));
+    }
+    Ok(listener)
+}
+
+/// The TCP listener, and the token that allows changes through it.
+pub fn bind_tcp(
+    addr: std::net::SocketAddr,
+    token_file: Option<&Path>,
+) -> Result<(tokio::net::TcpListener, Option<String>), ListenError> {
+    let token = token_file.map(read_token).transpose()?;
+    let std = std::net::TcpListener::bind(addr).map_err(|source| ListenError::Tcp { addr, source })?;
+    std.set_nonblocking(true).map_err(|source| ListenError::Tcp { addr, source })?;
+    let listener = tokio::net::TcpListener::from_std(std).map_err(|source| ListenError::Tcp { addr, source })?;
+    Ok((listener, token))
+}
+
+/// Serve the unix socket until the task is aborted.
+pub async fn serve_socket(listener: tokio::net::UnixListener, shared: Shared) {
+    let app = router(Api { shared, access: Access::Local });
+    serve(listener, app, Limits::for_this_process(), "control socket").await;
+}
+
+/// Serve TCP until the task is aborted; changes need `token`.
+pub async fn serve_tcp(listener: tokio::net::TcpListener, token: Option<String>, shared: Shared) {
+    let app = router(Api { shared, access: Access::Token(token.map(Arc::from)) });
+    serve(listener, app, Limits::for_this_process(), "TCP endpoint").await;
+}
+
+/// How long a client has to send a request's head (its first line and
+/// headers), on a new connection and between two requests on a kept-alive
+/// one: a probe or a balancer sends its request at once; a connection that
+/// says nothing (or a header a byte at a time) is closed after this.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A connection on which no byte moved either way for this long is closed:
+/// a body that is never sent, an answer that is never read. Longer than
+/// the longest answer ([`ANSWER_WAIT`]) with room to spare.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most connections one listener serves at once. The endpoint answers
+/// probes, a balancer's health checks, a metrics scraper and the local
+/// commands: a few at a time. Past this, new connections wait in the
+/// kernel's accept queue (they hold none of the warden's descriptors or
+/// memory) until one of the served ends.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// Each listener serves at most this share of the warden's descriptor
+/// limit (`RLIMIT_NOFILE`, soft) when that is lower than
+/// [`MAX_CONNECTIONS`] allows: both listeners together never take more than
+/// a quarter of it, and the rest stays for the child's log, the health
+/// checks, `/proc` and the pre-start steps.
+pub const NOFILE_SHARE: u64 = 8;
+
+/// The read buffer of one connection, which holds a request's head: hyper's
+/// smallest (8 KiB is its floor), ample for a request to this endpoint
+/// (a path and a bearer token). A head larger than this is answered 431.
+pub const MAX_BUF: usize = 16 << 10;
+
+/// The most headers a request may have; more is answered 431.
+pub const MAX_HEADERS: usize = 32;
+
+/// What one listener allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub connections: usize,
+    pub header_read: Duration,
+    pub idle: Duration,
+}
+
+impl Limits {
+    /// [`MAX_CONNECTIONS`], or a share of the descriptor limit `nofile`
+    /// when that is lower; never less than one.
+    pub fn for_nofile(nofile: u64) -> Limits {
+        let share = usize::try_from(nofile / NOFILE_SHARE).unwrap_or(usize::MAX);
+        Limits { connections: MAX_CONNECTIONS.min(share).max(1), header_read: HEADER_READ_TIMEOUT, idle: IDLE_TIMEOUT }
+    }
+
+    /// For this process's descriptor limit as it is now.
+    pub fn for_this_process() -> Limits {
+        Limits::for_nofile(nofile_limit())
+    }
+}
+
+/// The soft `RLIMIT_NOFILE` of this process (unlimited when unknown).
+pub fn nofile_limit() -> u64 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the limit into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
+        return u64::MAX;
+    }
+    lim.rlim_cur
+}
+
+/// A listener of the endpoint: TCP or the unix socket.
+trait Accept: Send + 'static {
+    type Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<Self::Io>> + Send;
+}
+
+impl Accept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn accept(&self) -> std::io::Result<Self::Io> {
+        let (s, _) = tokio::net::TcpListener::accept(self).await?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
+    }
+}
+
+impl Accept for tokio::net::UnixListener {
+    type Io = tokio::net::UnixStream;
+    async fn accept(&self) -> std::io::Result<Self::Io> {
+        Ok(tokio::net::UnixListener::accept(self).await?.0)
+    }
+}
+
+/// The warden's own lack of a resource, named, when `e` is one: the error
+/// is the warden's, never the child's.
+pub fn own_shortage(e: &std::io::Error) -> Option<&'static str> {
+    match e.raw_os_error()? {
+        libc::EMFILE => Some("the warden is out of file descriptors"),
+        libc::ENFILE => Some("the system is out of file descriptors"),
+        libc::ENOMEM | libc::ENOBUFS => Some("the warden is out of memory"),
+        _ => None,
+    }
+}
+
+/// Accept and serve connections until aborted: at most
+/// `limits.connections` at once, each closed after
+/// [`HEADER_READ_TIMEOUT`] without a request head or [`IDLE_TIMEOUT`]
+/// without a byte moving. Dropping this future ends every connection.
+async fn serve<L: Accept>(listener: L, app: Router, limits: Limits, what: &'static str) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let mut conns = tokio::task::JoinSet::new();
+    let mut pause = ACCEPT_PAUSE;
+    let (mut full, mut short) = (Throttle::default(), Throttle::default());
+    tracing::debug!(listener = what, connections = limits.connections, "serving");
+    loop {
+        while conns.try_join_next().is_some() {}
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                if full.due() {
+                    tracing::warn!(
+                        EVENT = "endpoint",
+                        "the {what} serves {} connections, its most: new ones wait",
+                        limits.connections
+                    );
+                }
+                let Ok(p) = permits.clone().acquire_owned().await else { return };
+                p
+            }
+        };
+        match listener.accept().await {
+            Ok(io) => {
+                pause = ACCEPT_PAUSE;
+                let app = app.clone();
+                conns.spawn(async move {
+                    serve_connection(io, app, limits).await;
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                drop(permit);
+                match own_shortage(&e) {
+                    // The connection waits in the kernel's queue: looked
+                    // at again after a pause, not in a busy loop.
+                    Some(why) => {
+                        if short.due() {
+                            tracing::warn!(EVENT = "endpoint", error = %e, "the {what} cannot accept a connection: {why}");
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(MAX_ACCEPT_PAUSE);
+                    }
+                    // One connection's trouble (reset before it was taken).
+                    None => tracing::debug!(error = %e, "the {what} could not accept a connection"),
+                }
+            }
+        }
+    }
+}
+
+/// A warning said at most once per [`WARN_EVERY`].
+#[derive(Default)]
+struct Throttle(Option<tokio::time::Instant>);
+
+/// How often a flood's warnings repeat at most.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+impl Throttle {
+    fn due(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        let due = self.0.is_none_or(|at| now >= at + WARN_EVERY);
+        if due {
+            self.0 = Some(now);
+        }
+        due
+    }
+}
+
+/// The first pause after a failed accept for want of a resource; doubled
+/// up to [`MAX_ACCEPT_PAUSE`].
+const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
+const MAX_ACCEPT_PAUSE: Duration = Duration::from_secs(1);
+
+async fn serve_connection<I>(io: I, app: Router, limits: Limits)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (io, moved) = Watched::new(io);
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_read)
+        .max_buf_size(MAX_BUF)
+        .max_headers(MAX_HEADERS)
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    tokio::pin!(conn);
+    loop {
+        let idle_at = moved.last() + limits.idle;
+        tokio::select! {
+            ended = &mut conn => {
+                if let Err(e) = ended {
+                    tracing::debug!(error = %e, "endpoint connection ended");
+                }
+                return;
+            }
+            () = tokio::time::sleep_until(idle_at) => {
+                if moved.last() + limits.idle <= tokio::time::Instant::now() {
+                    tracing::debug!("endpoint connection closed: idle for {}s", limits.idle.as_secs());
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// When a connection last moved a byte, either way.
+#[derive(Clone)]
+struct Moved {
+    since: tokio::time::Instant,
+    /// Milliseconds after `since`.
+    at: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Moved {
+    fn touch(&self) {
+        let ms = self.since.elapsed().as_millis() as u64;
+        self.at.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn last(&self) -> tokio::time::Instant {
+        self.since + Duration::from_millis(self.at.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// A connection's stream that notes every read or write that moved bytes.
+struct Watched<I> {
+    io: I,
+    moved: Moved,
+}
+
+impl<I> Watched<I> {
+    fn new(io: I) -> (Watched<I>, Moved) {
+        let moved = Moved { since: tokio::time::Instant::now(), at: Arc::default() };
+        (Watched { io, moved: moved.clone() }, moved)
+    }
+}
+
+impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<I> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.moved.touch();
+        }
+        polled
+    }
+}
+
+impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<I> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let polled = std::pin::Pin::new(&mut self.io).poll_write(cx, buf);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            self.moved.touch();
+        }
+        polled
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+fn router(api: Api) -> Router {
+    Router::new()
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
+        .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .route("/drain", post(|s, h| change(s, h, Request::Drain)))
+        .route("/undrain", post(|s, h| change(s, h, Request::Undrain)))
+        .route("/restart", post(|s, h| change(s, h, Request::Restart)))
+        .with_state(api)
+}
+
+fn text(code: StatusCode, body: String) -> Response {
+    (code, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
+}
+
+async fn livez(State(api): State<Api>) -> Response {
+    let (code, body) = live(api.shared.heartbeat.age(), api.shared.view.borrow().phase);
+    text(code, body)
+}
+
+/// `/livez` for a loop that last turned `age` ago.
+fn live(age: Duration, phase: Phase) -> (StatusCode, String) {
+    if age <= LIVE_STALE {
+        (StatusCode::OK, format!("{phase}\n"))
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("{phase}: the loop has not turned for {}s\n", age.as_secs()))
+    }
+}
+
+async fn readyz(State(api): State<Api>) -> Response {
+    let view = api.shared.view.borrow().clone();
+    let checked = api.shared.last_check.passed();
+    match (view.phase, checked) {
+        (Phase::Ready, true) => text(StatusCode::OK, "ready\n".into()),
+        (Phase::Ready, false) => text(StatusCode::SERVICE_UNAVAILABLE, "ready: the last health check failed\n".into()),
+        (phase, _) => {
+            let cause = view.cause.map(|c| format!(": {c}")).unwrap_or_default();
+            text(StatusCode::SERVICE_UNAVAILABLE, format!("{phase}{cause}\n"))
+        }
+    }
+}
+
+async fn status(State(api): State<Api>) -> Response {
+    let doc = api.shared.view.borrow().document.clone();
+    match doc {
+        Some(d) => ([(header::CONTENT_TYPE, "application/json")], d.to_string()).into_response(),
+        None => text(StatusCode::SERVICE_UNAVAILABLE, "no status yet\n".into()),
+    }
+}
+
+async fn metrics(State(api): State<Api>) -> Response {
+    let body = api.shared.metrics.encode();
+    ([(header::CONTENT_TYPE, prometheus_client::encoding::prometheus_text::CONTENT_TYPE)], body).into_response()
+}
+
+/// The phases in which a request applies, and the phases that show the
+/// loop took it.
+fn applies(r: Request, phase: Phase) -> bool {
+    use Phase::*;
+    match r {
+        Request::Drain => matches!(phase, Ready | Draining | Drained),
+        Request::Undrain => matches!(phase, Ready | Draining | Drained),
+        Request::Restart => matches!(phase, Starting | Ready | Draining | Drained | Backoff),
+        Request::Stop | Request::Reload | Request::Upgrade => false,
+    }
+}
+
+fn taken(r: Request, before: Phase, now: Phase) -> bool {
+    use Phase::*;
+    match r {
+        Request::Drain => now != Ready,
+        Request::Undrain => !matches!(now, Draining | Drained),
+        // A restart from a serving child drains it first; one asked while
+        // draining changes only what the drain ends in.
+        Request::Restart => now != before || matches!(before, Starting | Draining),
+        Request::Stop | Request::Reload | Request::Upgrade => true,
+    }
+}
+
+fn allowed(access: &Access, headers: &HeaderMap) -> bool {
+    match access {
+        Access::Local => true,
+        Access::Token(None) => false,
+        Access::Token(Some(token)) => headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| same(given.trim().as_bytes(), token.as_bytes())),
+    }
+}
+
+/// Compares without stopping at the first difference, so that the time
+/// taken does not tell how much of a guess was right.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn change(State(api): State<Api>, headers: HeaderMap, r: Request) -> Response {
+    if !allowed(&api.access, &headers) {
+        let why = match api.access {
+            Access::Token(None) => "changes are refused over TCP: no server.token-file is set\n",
+            _ => "a valid Authorization: Bearer token is needed\n",
+        };
+        return text(StatusCode::FORBIDDEN, why.into());
+    }
+    let mut view = api.shared.view.clone();
+    let before = view.borrow_and_update().phase;
+    if !applies(r, before) {
+        return text(StatusCode::CONFLICT, format!("{before}: nothing to {}\n", verb(r)));
+    }
+    let idle =
+        matches!((r, before), (Request::Drain, Phase::Draining | Phase::Drained) | (Request::Undrain, Phase::Ready));
+    if idle {
+        return text(StatusCode::OK, format!("{before}\n"));
+    }
+    if api.shared.requests.send(r).is_err() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "the warden is exiting\n".into());
+    }
+    // Answered once the loop shows it took the request, so that a
+    // `/readyz` asked right after a drain already says 503.
+    let shown = tokio::time::timeout(ANSWER_WAIT, view.wait_for(|v| taken(r, before, v.phase)))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .map(|v| v.phase);
+    match shown {
+        Some(now) => text(StatusCode::ACCEPTED, format!("{now}\n")),
+        None => text(StatusCode::ACCEPTED, format!("{}: asked; not yet shown\n", api.shared.view.borrow().phase)),
+    }
+}
+
+fn verb(r: Request) -> &'static str {
+    match r {
+        Request::Drain => "drain",
+        Request::Undrain => "undrain",
+        Request::Restart => "restart",
+        Request::Stop => "stop",
+        Request::Reload => "reload",
+        Request::Upgrade => "upgrade",
+    }
+}
+
+/// An HTTP client over the unix socket, for the local commands.
+pub mod client {
+    use std::path::Path;
+
+    use http_body_util::{BodyExt, Empty};
+    use hyper::body::Bytes;
+    use hyper_util::rt::TokioIo;
+
+    /// Why a request got no answer.
+    #[derive(Debug, thiserror::Error)]
+    pub enum Error {
+        /// No socket, or nothing listening on it: no warden runs.
+        #[error("cannot connect to {path}: {source}")]
+        Connect { path: String, source: std::io::Error },
+        #[error("{0}")]
+        Http(#[from] hyper::Error),
+        #[error("{0}")]
+        Request(#[from] hyper::http::Error),
+        #[error("no answer within {0:?}")]
+        Timeout(std::time::Duration),
+    }
+
+    /// The most an answer may hold.
+    const MAX_BODY: usize = 4 << 20;
+
+    /// `method path` over the socket; the status and the body (at most
+    /// 4 MiB, lossily UTF-8).
+    pub async fn call(socket: &Path, method: &str, path: &str) -> Result<(u16, String), Error> {
+        let stream = tokio::net::UnixStream::connect(socket)
+            .await
+            .map_err(|source| Error::Connect { path: socket.display().to_string(), source })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        let conn = tokio::spawn(conn);
+        let req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(hyper::header::HOST, "localhost")
+            .body(Empty::<Bytes>::new())?;
+        let res = sender.send_request(req).await?;
+        let code = res.status().as_u16();
+        let body = http_body_util::Limited::new(res.into_body(), MAX_BODY).collect().await;
+        conn.abort();
+        let bytes = body.map(|b| b.to_bytes()).unwrap_or_default();
+        Ok((code, String::from_utf8_lossy(&bytes).into_owned()))
+    }
+
+    /// [`call`] within `timeout`.
+    pub async fn call_within(
+        socket: &Path,
+        method: &str,
+        path: &str,
+        timeout: std::time::Duration,
+    ) -> Result<(u16, String), Error> {
+        tokio::time::timeout(timeout, call(socket, method, path)).await.map_err(|_| Error::Timeout(timeout))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn livez_fails_once_the_loop_has_not_turned_for_a_few_seconds() {
+        assert_eq!(live(Duration::from_millis(900), Phase::Ready), (StatusCode::OK, "ready\n".into()));
+        assert_eq!(live(LIVE_STALE, Phase::Starting).0, StatusCode::OK);
+        let (code, body) = live(Duration::from_secs(7), Phase::Ready);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body, "ready: the loop has not turned for 7s\n");
+        let beat = Heartbeat::default();
+        beat.beat();
+        assert!(beat.age() < LIVE_STALE);
+    }
+
+    #[test]
+    fn the_token_is_compared_whole() {
+        assert!(same(b"abc", b"abc"));
+        assert!(!same(b"abc", b"abd"));
+        assert!(!same(b"abc", b"abcd"));
+        assert!(!same(b"", b"a"));
+    }
+
+    #[test]
+    fn mutations_need_the_socket_or_the_token() {
+        let mut h = HeaderMap::new();
+        assert!(allowed(&Access::Local, &h));
+        assert!(!allowed(&Access::Token(None), &h));
+        let tcp = Access::Token(Some(Arc::from("s3cret")));
+        assert!(!allowed(&tcp, &h));
+        h.insert(header::AUTHORIZATION, "Bearer wrong".parse().unwrap());
+        assert!(!allowed(&tcp, &h));
+        h.insert(header::AUTHORIZATION, "Basic s3cret".parse().unwrap());
+        assert!(!allowed(&tcp, &h));
+        h.insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+        assert!(allowed(&tcp, &h));
+        assert!(!allowed(&Access::Token(None), &h));
+    }
+
+    #[test]
+    fn the_connection_cap_is_a_share_of_a_low_descriptor_limit() {
+        assert_eq!(Limits::for_nofile(u64::MAX).connections, MAX_CONNECTIONS);
+        assert_eq!(Limits::for_nofile(65536).connections, MAX_CONNECTIONS);
+        assert_eq!(Limits::for_nofile(256).connections, 32);
+        assert_eq!(Limits::for_nofile(4).connections, 1, "never none");
+        let l = Limits::for_nofile(1024);
+        assert_eq!((l.header_read, l.idle), (HEADER_READ_TIMEOUT, IDLE_TIMEOUT));
+    }
+
+    #[test]
+    fn the_wardens_own_shortages_are_named() {
+        let e = |n| std::io::Error::from_raw_os_error(n);
+        assert_eq!(own_shortage(&e(libc::EMFILE)), Some("the warden is out of file descriptors"));
+        assert_eq!(own_shortage(&e(libc::ENFILE)), Some("the system is out of file descriptors"));
+        assert_eq!(own_shortage(&e(libc::ENOMEM)), Some("the warden is out of memory"));
+        assert_eq!(own_shortage(&e(libc::ECONNREFUSED)), None);
+        assert_eq!(own_shortage(&e(libc::EADDRINUSE)), None);
+    }
+
+    /// A router with one route that reads its body, for the idle timeout.
+    fn sink() -> Router {
+        Router::new().route("/sink", post(|body: String| async move { body.len().to_string() }))
+    }
+
+    /// Serve one connection of `app` over an in-memory pipe; the client's
+    /// end, and the server's task.
+    fn connect(app: Router) -> (tokio::io::DuplexStream, tokio::task::JoinHandle<()>) {
+        let (client, server) = tokio::io::duplex(64 << 10);
+        let task = tokio::spawn(serve_connection(server, app, Limits::for_nofile(u64::MAX)));
+        (client, task)
+    }
+
+    /// Everything the server sends until it closes the connection (within
+    /// a minute of the paused clock, which only moves when all waits).
+    async fn read_to_close(c: &mut tokio::io::DuplexStream) -> String {
+        use tokio::io::AsyncReadExt;
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(60), c.read_to_end(&mut out)).await;
+        assert!(read.is_ok(), "the connection was never closed");
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_sends_no_request_or_half_a_head_is_closed_after_the_header_timeout() {
+        use tokio::io::AsyncWriteExt;
+        for sent in ["", "GET /livez HTTP/1.1\r\nHost: x\r\n"] {
+            let began = tokio::time::Instant::now();
+            let (mut c, task) = connect(sink());
+            c.write_all(sent.as_bytes()).await.unwrap();
+            read_to_close(&mut c).await;
+            task.await.unwrap();
+            let took = began.elapsed();
+            assert!(
+                took >= HEADER_READ_TIMEOUT && took < HEADER_READ_TIMEOUT + Duration::from_secs(1),
+                "{sent:?}: {took:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_alive_connection_is_closed_once_no_next_request_comes() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut c, task) = connect(sink());
+        c.write_all(b"POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab").await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = c.read(&mut buf).await.unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "answered");
+        let answered = tokio::time::Instant::now();
+        read_to_close(&mut c).await;
+        task.await.unwrap();
+        let took = answered.elapsed();
+        assert!(took >= HEADER_READ_TIMEOUT && took < HEADER_READ_TIMEOUT + Duration::from_secs(1), "{took:?}");
+    }
+
+    /// A body that stops coming is past the header timeout: the idle
+    /// timeout closes the connection, counted from its last byte.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_whose_body_stops_coming_is_closed_when_idle() {
+        use tokio::io::AsyncWriteExt;
+        let (mut c, task) = connect(sink());
+        c.write_all(b"POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab").await.unwrap();
+        tokio::time::sleep(IDLE_TIMEOUT / 2).await;
+        c.write_all(b"cd").await.unwrap();
+        let last_byte = tokio::time::Instant::now();
+        let answer = read_to_close(&mut c).await;
+        task.await.unwrap();
+        let took = last_byte.elapsed();
+        assert!(took >= IDLE_TIMEOUT && took < IDLE_TIMEOUT + Duration::from_secs(1), "{took:?}");
+        assert!(!answer.contains("200"), "{answer}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_beyond_the_budget_is_refused() {
+        use tokio::io::AsyncWriteExt;
+        let many: String = (0..MAX_HEADERS + 1).map(|i| format!("X-{i}: y\r\n")).collect();
+        let large = format!("X-Large: {}\r\n", "y".repeat(MAX_BUF));
+        for extra in [many, large] {
+            let (mut c, task) = connect(sink());
+            c.write_all(format!("GET /livez HTTP/1.1\r\nHost: x\r\n{extra}\r\n").as_bytes()).await.unwrap();
+            let answer = read_to_close(&mut c).await;
+            task.await.unwrap();
+            assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+        }
+    }
+
+    #[test]
+    fn a_token_file_must_hold_a_token_and_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("token");
+        std::fs::write(&f, "  s3cret\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_token(&f).unwrap(), "s3cret");
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(read_token(&f), Err(TokenError::WorldReadable { .. })));
+        std::fs::write(&f, "\n").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(matches!(read_token(&f), Err(TokenError::Empty { .. })));
+        assert!(matches!(read_token(&dir.path().join("none")), Err(TokenError::Read { .. })));
+    }
+}

@@ -1,0 +1,296 @@
+//! Upgrading the warden while the model keeps serving: on SIGUSR2 (or
+//! `vllm-warden upgrade`), a ready warden saves what its successor needs to
+//! a file in the runtime directory and `execve`s the binary at its own path.
+//! The pid stays, so the child stays its child (nothing is re-parented),
+//! systemd's `MAINPID` stays, and the instance lock's descriptor is kept
+//! across the exec. The successor reads the file, checks every part of it
+//! against the live system (the child is its child with the same start
+//! time, the log descriptor the child writes to is the recorded inode, the
+//! lock descriptor is the instance's lock), follows the log from the saved
+//! offset and supervises the ready run as before.
+//!
+//! What can go wrong before the exec leaves the old warden running and says
+//! why: a new binary that does not answer `--version`, a state file that
+//! cannot be written, an `execve` that fails. A successor that cannot use
+//! the file says why, keeps the lock it inherited (found by its file, not
+//! by the number the state gives: `lock::InstanceLock::inherited`), stops
+//! the child it cannot vouch for as a leftover, then starts over: the model
+//! is loaded again, nothing is left behind.
+
+use std::ffi::{CString, OsString};
+use std::io;
+use std::os::fd::RawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The environment variable that names the state file for the successor.
+pub const STATE_ENV: &str = "VLLM_WARDEN_UPGRADE_STATE";
+
+/// The state file's name in the runtime directory.
+pub const STATE_FILE: &str = "upgrade.json";
+
+/// The format of the state file; a successor refuses another.
+pub const FORMAT: u32 = 1;
+
+/// A state file larger than this is not read.
+const MAX_STATE: u64 = 64 << 10;
+
+/// How long the new binary has to answer `--version`.
+pub const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the successor needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub format: u32,
+    /// The version of the warden that wrote it.
+    pub from: String,
+    pub instance: String,
+    /// The instance lock's descriptor, kept open across the exec.
+    pub lock_fd: RawFd,
+    /// The run token the child carries in its environment.
+    pub token: String,
+    /// The child, with its start time (clock ticks after boot).
+    pub child_start_time: u64,
+    /// The log the child writes to: its inode, and the offset of the first
+    /// line not yet read.
+    pub log_dev: u64,
+    pub log_ino: u64,
+    pub log_offset: u64,
+    pub machine: crate::supervisor::machine::Saved,
+}
+
+/// Where the state file goes: beside the status document (the runtime
+/// directory under systemd).
+pub fn state_path(status_file: &Path) -> PathBuf {
+    status_file.parent().unwrap_or(Path::new(".")).join(STATE_FILE)
+}
+
+/// Write `state` to `path`, mode 0600, whole or not at all.
+pub fn write(path: &Path, state: &State) -> io::Result<()> {
+    let text = serde_json::to_vec_pretty(state).map_err(io::Error::other)?;
+    crate::util::fsutil::replace(path, &text, 0o600)
+}
+
+/// The state file named by [`STATE_ENV`], taken out of the environment so
+/// that no child inherits it. Call first thing in `main`, before any
+/// thread exists.
+pub fn take_from_env() -> Option<PathBuf> {
+    let path = std::env::var_os(STATE_ENV)?;
+    // SAFETY: called from `main` before any other thread is started, so no
+    // other thread reads the environment meanwhile.
+    unsafe { std::env::remove_var(STATE_ENV) };
+    Some(PathBuf::from(path))
+}
+
+/// Read and check the state file for instance `instance`, then remove it.
+/// Every part is checked against the live system; `Err` says which failed.
+pub fn read(path: &Path, instance: &str) -> Result<State, String> {
+    let text =
+        crate::process::prestart::read_state_file(path, MAX_STATE).map_err(|e| format!("{}: {e}", path.display()));
+    let _ = std::fs::remove_file(path);
+    let state: State = serde_json::from_slice(&text?).map_err(|e| format!("{}: {e}", path.display()))?;
+    if state.format != FORMAT {
+        return Err(format!("state format {} (this warden reads {FORMAT})", state.format));
+    }
+    if state.instance != instance {
+        return Err(format!("the state is instance {:?}'s", state.instance));
+    }
+    // Both go on into the child's environment and a status line: only the
+    // shapes this warden writes.
+    if state.token.len() != 32 || !state.token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("the run token is not one a warden makes".into());
+    }
+    if state.from.is_empty() || state.from.len() > 64 || !state.from.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("the predecessor's version is not a version".into());
+    }
+    let me = std::process::id() as i32;
+    let pid = i32::try_from(state.machine.pid).map_err(|_| "a pid out of range".to_string())?;
+    match crate::process::child::read_stat(pid) {
+        Some(st) if st.ppid == me && st.start_time == state.child_start_time && st.state != 'Z' => {}
+        Some(_) => return Err(format!("pid {pid} is not the child that was recorded")),
+        None => return Err(format!("the child, pid {pid}, is gone")),
+    }
+    // The lock's descriptor is checked where it is taken over
+    // (`InstanceLock::adopt`).
+    Ok(state)
+}
+
+/// The child's log, opened through the child's own standard output: the
+/// inode it writes to, checked against the recorded one.
+pub fn open_child_log(pid: u32, dev: u64, ino: u64) -> io::Result<std::fs::File> {
+    let f = std::fs::File::open(format!("/proc/{pid}/fd/1"))?;
+    let m = f.metadata()?;
+    if (m.dev(), m.ino()) != (dev, ino) || !m.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "the child's output is not the recorded log file"));
+    }
+    Ok(f)
+}
+
+/// Ask `exe --version` and return the version it names, or why not.
+/// Blocking (run it off the loop); the command is killed after
+/// [`VERSION_TIMEOUT`].
+pub fn probe_version(exe: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let mut child = std::process::Command::new(exe)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot run {} --version: {e}", exe.display()))?;
+    let pid = child.id();
+    let stdout = child.stdout.take();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = String::new();
+        if let Some(s) = stdout {
+            let _ = s.take(4096).read_to_string(&mut out);
+        }
+        let _ = tx.send(out);
+    });
+    let out = match rx.recv_timeout(VERSION_TIMEOUT) {
+        Ok(out) => out,
+        Err(_) => {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+            let _ = child.wait();
+            return Err(format!("{} --version did not answer within {}s", exe.display(), VERSION_TIMEOUT.as_secs()));
+        }
+    };
+    // The warden reaps every child of its own (it is a subreaper, and its
+    // reaper waits for any pid): the status may be gone already; the
+    // answer is what counts.
+    let success = match child.wait() {
+        Ok(status) => status.success(),
+        Err(e) if e.raw_os_error() == Some(libc::ECHILD) => true,
+        Err(e) => return Err(format!("{} --version: {e}", exe.display())),
+    };
+    // `vllm-warden 0.1.0`
+    match out.trim().strip_prefix("vllm-warden ") {
+        Some(v) if success && !v.is_empty() && v.len() <= 64 && !v.contains(char::is_whitespace) => Ok(v.to_string()),
+        _ => Err(format!("{} --version did not name a vllm-warden version", exe.display())),
+    }
+}
+
+/// Keep descriptor `fd` open across the exec.
+pub fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+    let flags = rustix::io::fcntl_getfd(fd)?;
+    rustix::io::fcntl_setfd(fd, flags - rustix::io::FdFlags::CLOEXEC)?;
+    Ok(())
+}
+
+/// Replace this process with `exe`, same arguments, with [`STATE_ENV`]
+/// naming `state`. The stop, reload and upgrade signals are blocked across
+/// the exec (the mask is kept), so that one arriving before the successor
+/// has its handlers is held for them, not taken by the default action
+/// (which would end the warden). Returns only on failure, with the mask as
+/// it was.
+pub fn exec(exe: &Path, state: &Path) -> io::Error {
+    use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
+    let mut held = SigSet::empty();
+    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGUSR2] {
+        held.add(s);
+    }
+    let mut before = SigSet::empty();
+    let _ = pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&held), Some(&mut before));
+    let e = exec_now(exe, state);
+    let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&before), None);
+    e
+}
+
+fn exec_now(exe: &Path, state: &Path) -> io::Error {
+    let cstr = |b: &[u8]| CString::new(b).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte"));
+    let built = (|| -> io::Result<(CString, Vec<CString>, Vec<CString>)> {
+        let path = cstr(exe.as_os_str().as_bytes())?;
+        let args = std::env::args_os().map(|a| cstr(a.as_bytes())).collect::<io::Result<Vec<_>>>()?;
+        let mut env = Vec::new();
+        for (k, v) in std::env::vars_os() {
+            if k.as_bytes() == STATE_ENV.as_bytes() {
+                continue;
+            }
+            let mut kv = k;
+            kv.push("=");
+            kv.push(v);
+            env.push(cstr(kv.as_bytes())?);
+        }
+        let mut kv = OsString::from(format!("{STATE_ENV}="));
+        kv.push(state.as_os_str());
+        env.push(cstr(kv.as_bytes())?);
+        Ok((path, args, env))
+    })();
+    match built {
+        Ok((path, args, env)) => match nix::unistd::execve(&path, &args, &env) {
+            Err(e) => e.into(),
+        },
+        Err(e) => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(pid: u32, start_time: u64) -> State {
+        State {
+            format: FORMAT,
+            from: "0.1.0".into(),
+            instance: "t".into(),
+            lock_fd: 3,
+            token: "0123456789abcdef0123456789abcdef".into(),
+            child_start_time: start_time,
+            log_dev: 0,
+            log_ino: 0,
+            log_offset: 0,
+            machine: crate::supervisor::machine::Saved {
+                start: 1,
+                pid,
+                ready_for: Duration::from_secs(1),
+                running_for: Duration::from_secs(2),
+                starts: 1,
+                failures: 0,
+                restarts: 0,
+                exits: 0,
+                last_load: None,
+                failure_counts: Default::default(),
+                last_failure: None,
+                drained: false,
+            },
+        }
+    }
+
+    /// A state file is believed only for this process's own child with the
+    /// recorded start time, and with fields of the shapes a warden writes;
+    /// it is gone once read.
+    #[test]
+    fn a_state_is_checked_against_the_live_system() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let st = crate::process::child::read_stat(child.id() as i32).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join(STATE_FILE);
+        let try_read = |s: &State| {
+            write(&path, s).unwrap();
+            let got = read(&path, "t");
+            assert!(!path.exists(), "the state file is removed once read");
+            got
+        };
+        let good = state(child.id(), st.start_time);
+        assert_eq!(try_read(&good).unwrap(), good);
+        let e = try_read(&State { instance: "u".into(), ..good.clone() }).unwrap_err();
+        assert!(e.contains("instance \"u\""), "{e}");
+        let e = try_read(&State { token: "x\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        assert!(e.contains("run token"), "{e}");
+        let e = try_read(&State { from: "1.0\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        assert!(e.contains("version"), "{e}");
+        let e = try_read(&State { child_start_time: st.start_time + 1, ..good.clone() }).unwrap_err();
+        assert!(e.contains("not the child that was recorded"), "{e}");
+        let mut other = good.clone();
+        other.machine.pid = 1;
+        let e = try_read(&other).unwrap_err();
+        assert!(e.contains("pid 1 is not the child"), "{e}");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}

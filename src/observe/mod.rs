@@ -1,0 +1,18 @@
+//! Watching the child and telling the world about it: following its log
+//! file (and rotating it), HTTP readiness and health checks, GPU faults in
+//! the kernel's messages, forwarding its lines to the journal, the status
+//! document and the metrics, the failure report of a failed run, and
+//! sd_notify.
+//!
+//! May use `process`, `supervisor`, `config`, `patch` and `util`. Decides
+//! nothing: what a line or an answer means for the run is the
+//! supervisor's; when to look is the daemon's.
+
+pub mod health;
+pub mod journal;
+pub mod kernel;
+pub mod logwatch;
+pub mod notify;
+pub mod reports;
+pub mod rotate;
+pub mod status;

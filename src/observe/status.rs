@@ -1,0 +1,780 @@
+//! The status document (`status.file`) and the Prometheus textfile
+//! (`status.metrics-file`): what they contain, how they are written (whole
+//! and atomically, only when something changed, a change of the progress
+//! line alone at most every [`PROGRESS_EVERY`]), and how `status` reads
+//! them back. How the state changes is not known here: the supervisor hands
+//! over a [`Snapshot`].
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, SystemTime};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+use serde::{Deserialize, Serialize};
+
+use crate::process::child::Exit;
+use crate::supervisor::outcome::{FailureClass, Phase};
+use crate::util::fsutil::replace;
+
+/// What the supervisor is doing, as plain data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub phase: Phase,
+    pub child_pid: Option<u32>,
+    pub attempt: u32,
+    pub restarts: u32,
+    /// Spawns so far.
+    pub starts: u32,
+    pub progress: Option<String>,
+    pub cause: Option<String>,
+    /// What to do about the cause, when it is a known one.
+    pub hint: Option<String>,
+    /// Children exited so far, and the last exit.
+    pub exits: u32,
+    pub last_exit: Option<Exit>,
+    /// How long the last successful load took.
+    pub last_load: Option<Duration>,
+    /// Failed runs by class.
+    pub failures: BTreeMap<FailureClass, u64>,
+    /// The exit code, once the warden is done.
+    pub exit_code: Option<crate::supervisor::exit::Code>,
+    /// The last failed run, kept after a later ready.
+    pub last_failure: Option<LastFailure>,
+}
+
+/// The last failed run: why, and where its failure report is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastFailure {
+    pub cause: String,
+    pub class: FailureClass,
+    /// The report's folder; none for a start that never spawned, or with
+    /// reports off.
+    pub report: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastExit {
+    pub code: Option<i32>,
+    pub signal: Option<String>,
+    pub at: String,
+}
+
+/// The status document, as written to `status.file`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Doc {
+    pub name: String,
+    pub version: String,
+    pub warden_pid: u32,
+    pub state: Phase,
+    pub child_pid: Option<u32>,
+    pub attempt: u32,
+    pub restarts: u32,
+    /// When the current state began.
+    pub since: String,
+    pub ready_since: Option<String>,
+    pub progress: Option<String>,
+    pub last_exit: Option<LastExit>,
+    pub cause: Option<String>,
+    /// What to do about the cause, when it is a known one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
+    /// Set when the warden has exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The last failed run and its failure report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<LastFailure>,
+    /// Where the child's caches go, and their size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<Cache>,
+}
+
+/// The cache directory (`child.cache-dir`) and its size, measured at each
+/// start and each ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cache {
+    pub dir: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_at: Option<String>,
+}
+
+/// A human field from data (a log line, a process's command line): one
+/// visible line, in the document and on the terminal alike.
+fn safe(text: &str) -> String {
+    crate::util::escape::one_line(&crate::util::redact::text(text), crate::util::escape::MAX_LINE)
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// How often a change of the progress line alone, or of the journal's
+/// dropped lines, is written; every other change is written at once.
+pub const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// Keeps both files up to date.
+pub struct Reporter {
+    name: String,
+    doc_path: PathBuf,
+    metrics_path: Option<PathBuf>,
+    /// Shared with the HTTP endpoint.
+    metrics: Arc<Metrics>,
+    /// The document as last made (written or not), for the HTTP endpoint.
+    document: Option<Arc<str>>,
+    /// The phase the document shows, and since when.
+    phase: Option<Phase>,
+    since: SystemTime,
+    ready_since: Option<SystemTime>,
+    exits: u32,
+    last_exit: Option<LastExit>,
+    written_doc: Option<String>,
+    written_metrics: Option<String>,
+    /// The last snapshot given, written or not.
+    last: Option<Snapshot>,
+    /// When the files were last written.
+    written_at: Option<std::time::Instant>,
+    /// A change waits for `written_at + PROGRESS_EVERY`.
+    pending: bool,
+    /// The paths changed: the next update writes, whatever changed.
+    moved: bool,
+    /// Lines of the child dropped from the journal so far.
+    journal_dropped: u64,
+    /// The cache directory, and its size as last measured.
+    cache_dir: Option<PathBuf>,
+    meter: crate::process::caches::Meter,
+}
+
+impl Reporter {
+    pub fn new(name: &str, doc_path: &Path, metrics_path: Option<&Path>) -> Reporter {
+        let now = SystemTime::now();
+        Reporter {
+            name: name.to_string(),
+            doc_path: doc_path.to_path_buf(),
+            metrics_path: metrics_path.map(Path::to_path_buf),
+            metrics: Arc::new(Metrics::new(name, now)),
+            document: None,
+            phase: None,
+            since: now,
+            ready_since: None,
+            exits: 0,
+            last_exit: None,
+            written_doc: None,
+            written_metrics: None,
+            last: None,
+            written_at: None,
+            pending: false,
+            moved: false,
+            journal_dropped: 0,
+            cache_dir: None,
+            meter: crate::process::caches::Meter::default(),
+        }
+    }
+
+    /// The cache directory to show and measure (a reloaded config may
+    /// change it).
+    pub fn set_cache_dir(&mut self, dir: Option<&Path>) {
+        if self.cache_dir.as_deref() != dir {
+            self.cache_dir = dir.map(Path::to_path_buf);
+            self.meter = crate::process::caches::Meter::default();
+            if let Some(d) = dir {
+                self.meter.measure(d);
+            }
+            self.pending = true;
+        }
+    }
+
+    /// Write to these paths from now on (a reloaded config); the next
+    /// update writes them whole, whatever changed.
+    pub fn set_paths(&mut self, doc_path: &Path, metrics_path: Option<&Path>) {
+        if self.doc_path != doc_path || self.metrics_path.as_deref() != metrics_path {
+            self.doc_path = doc_path.to_path_buf();
+            self.metrics_path = metrics_path.map(Path::to_path_buf);
+            self.written_doc = None;
+            self.written_metrics = None;
+            self.moved = true;
+        }
+    }
+
+    /// Bring both files up to date with `snap`: at once, unless only the
+    /// progress line changed and the files were written less than
+    /// [`PROGRESS_EVERY`] ago (then [`Reporter::due`] says when). Whoever
+    /// hears of a change of state finds the files saying it. A failure to
+    /// write is logged, never fatal.
+    pub fn update(&mut self, snap: &Snapshot) {
+        if self.last.as_ref() == Some(snap) && !self.moved {
+            return;
+        }
+        let progress_only = self
+            .last
+            .as_ref()
+            .is_some_and(|last| *last == Snapshot { progress: last.progress.clone(), ..snap.clone() });
+        let now = SystemTime::now();
+        if self.phase != Some(snap.phase) {
+            // Before a load and after it: what the load added.
+            if let Some(dir) = &self.cache_dir
+                && matches!(snap.phase, Phase::Starting | Phase::Ready)
+            {
+                self.meter.measure(dir);
+            }
+            self.phase = Some(snap.phase);
+            self.since = now;
+            self.ready_since = (snap.phase == Phase::Ready).then_some(now);
+        }
+        if snap.exits != self.exits {
+            self.exits = snap.exits;
+            self.last_exit = snap.last_exit.map(|e| LastExit {
+                code: match e {
+                    Exit::Code(c) => Some(c),
+                    Exit::Signal(_) => None,
+                },
+                signal: match e {
+                    Exit::Signal(s) => Some(s.as_str().to_string()),
+                    Exit::Code(_) => None,
+                },
+                at: rfc3339(now),
+            });
+        }
+        self.last = Some(snap.clone());
+        if progress_only && !self.moved && self.recently_written() {
+            self.pending = true;
+        } else {
+            self.write();
+        }
+    }
+
+    /// The count of the metric `vllm_warden_journal_dropped_lines_total`;
+    /// written with the next change, or at [`Reporter::due`].
+    pub fn set_journal_dropped(&mut self, n: u64) {
+        if n != self.journal_dropped {
+            self.journal_dropped = n;
+            self.pending = true;
+        }
+    }
+
+    /// A write waits (notifications of the same change wait with it); a
+    /// size being measured holds nothing.
+    pub fn write_waits(&self) -> bool {
+        self.pending
+    }
+
+    /// When [`Reporter::flush`] should write what waits (or look whether
+    /// the cache's size has come).
+    pub fn due(&self) -> Option<std::time::Instant> {
+        if self.pending {
+            return Some(self.written_at.map_or_else(std::time::Instant::now, |t| t + PROGRESS_EVERY));
+        }
+        // A size being measured: looked for four times a second, never in
+        // a loop that spins (the last write may be long past).
+        self.meter.waiting().then(|| std::time::Instant::now() + PROGRESS_EVERY)
+    }
+
+    /// Write what waits, if anything does.
+    pub fn flush(&mut self) {
+        if self.meter.take().1 {
+            self.pending = true;
+        }
+        if self.pending {
+            self.write();
+        }
+    }
+
+    /// The registry behind the metrics file, for the HTTP endpoint.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The status document as last made: what the file says (or would, if
+    /// it could not be written).
+    pub fn document(&self) -> Option<Arc<str>> {
+        self.document.clone()
+    }
+
+    fn recently_written(&self) -> bool {
+        self.written_at.is_some_and(|t| t.elapsed() < PROGRESS_EVERY)
+    }
+
+    fn write(&mut self) {
+        self.pending = false;
+        self.moved = false;
+        let Some(snap) = self.last.take() else { return };
+        self.written_at = Some(std::time::Instant::now());
+        let doc = self.doc(&snap);
+        let text = serde_json::to_string_pretty(&doc).expect("the status document serialises") + "\n";
+        self.document = Some(Arc::from(text.as_str()));
+        self.metrics.set(&snap, self.journal_dropped);
+        if self.written_doc.as_deref() != Some(&text) {
+            if let Some(dir) = self.doc_path.parent() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            match replace(&self.doc_path, text.as_bytes(), 0o644) {
+                Ok(()) => self.written_doc = Some(text),
+                Err(e) => tracing::warn!(error = %e, file = %self.doc_path.display(), "cannot write the status file"),
+            }
+        }
+        if let Some(path) = &self.metrics_path {
+            let text = self.metrics.encode();
+            if self.written_metrics.as_deref() != Some(&text) {
+                match replace(path, text.as_bytes(), 0o644) {
+                    Ok(()) => self.written_metrics = Some(text),
+                    Err(e) => tracing::warn!(error = %e, file = %path.display(), "cannot write the metrics file"),
+                }
+            }
+        }
+        self.last = Some(snap);
+    }
+
+    fn doc(&self, snap: &Snapshot) -> Doc {
+        Doc {
+            name: self.name.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            warden_pid: std::process::id(),
+            state: snap.phase,
+            child_pid: snap.child_pid,
+            attempt: snap.attempt,
+            restarts: snap.restarts,
+            since: rfc3339(self.since),
+            ready_since: self.ready_since.map(rfc3339),
+            progress: snap.progress.as_deref().map(safe),
+            last_exit: self.last_exit.clone(),
+            cause: snap.cause.as_deref().map(safe),
+            hint: snap.hint.as_deref().map(safe),
+            exit_code: snap.exit_code.map(|c| i32::from(c.as_u8())),
+            cache: self.cache_dir.as_ref().map(|dir| {
+                let size = self.meter.take().0;
+                Cache {
+                    dir: safe(&dir.to_string_lossy()),
+                    bytes: size.map(|s| s.bytes),
+                    files: size.map(|s| s.files),
+                    measured_at: size.map(|s| rfc3339(s.at)),
+                }
+            }),
+            last_failure: snap.last_failure.as_ref().map(|f| LastFailure {
+                cause: safe(&f.cause),
+                class: f.class,
+                report: f.report.as_deref().map(safe),
+            }),
+        }
+    }
+}
+
+/// The warden's metrics: one registry (`prometheus-client`), served by
+/// `GET /metrics` and written to the textfile-collector file, in the
+/// Prometheus text format (0.0.4), names prefixed `vllm_warden_`, each with
+/// `# HELP` and `# TYPE`, every sample labelled with the instance's `name`.
+pub struct Metrics {
+    registry: Registry,
+    state: Family<Vec<(String, String)>, Gauge>,
+    ready: Gauge,
+    child_starts: Counter,
+    restarts: Counter,
+    failures: Family<Vec<(String, String)>, Counter>,
+    /// One sample once a run was ready; none before.
+    last_load: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
+    journal_dropped: Counter,
+    start_time: Gauge<f64, AtomicU64>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    pub fn new(name: &str, started: SystemTime) -> Metrics {
+        let labels = [(std::borrow::Cow::Borrowed("name"), std::borrow::Cow::Owned(name.to_string()))];
+        let mut registry = Registry::with_prefix_and_labels("vllm_warden", labels.into_iter());
+        let m = Metrics {
+            registry: Registry::default(),
+            state: Family::default(),
+            ready: Gauge::default(),
+            child_starts: Counter::default(),
+            restarts: Counter::default(),
+            failures: Family::default(),
+            last_load: Family::default(),
+            journal_dropped: Counter::default(),
+            start_time: Gauge::default(),
+        };
+        for p in Phase::ALL {
+            let _ = m.state.get_or_create(&vec![("state".into(), p.as_str().into())]);
+        }
+        for c in FailureClass::ALL {
+            let _ = m.failures.get_or_create(&vec![("class".into(), c.as_str().into())]);
+        }
+        registry.register("state", "1 for the state the warden is in, 0 for the others", m.state.clone());
+        registry.register("ready", "1 when the model is serving", m.ready.clone());
+        registry.register("child_starts", "Children spawned", m.child_starts.clone());
+        registry.register("restarts", "Spawns after the first", m.restarts.clone());
+        registry.register("failures", "Failed runs by the class of their cause", m.failures.clone());
+        registry.register_with_unit(
+            "last_load_duration",
+            "Time from spawn to ready of the last ready run",
+            Unit::Seconds,
+            m.last_load.clone(),
+        );
+        registry.register(
+            "journal_dropped_lines",
+            "Lines of the child dropped from the journal forwarding (journald too slow); the log file has them all",
+            m.journal_dropped.clone(),
+        );
+        registry.register(
+            "start_time_seconds",
+            "When the warden started, in seconds since the epoch",
+            m.start_time.clone(),
+        );
+        m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
+        Metrics { registry, ..m }
+    }
+
+    /// Bring every metric to what `snap` says.
+    pub fn set(&self, snap: &Snapshot, journal_dropped: u64) {
+        for p in Phase::ALL {
+            let v = i64::from(p == snap.phase);
+            self.state.get_or_create(&vec![("state".into(), p.as_str().into())]).set(v);
+        }
+        self.ready.set(i64::from(snap.phase == Phase::Ready));
+        raise(&self.child_starts, snap.starts.into());
+        raise(&self.restarts, snap.restarts.into());
+        for c in FailureClass::ALL {
+            let n = snap.failures.get(&c).copied().unwrap_or(0);
+            raise(&self.failures.get_or_create(&vec![("class".into(), c.as_str().into())]), n);
+        }
+        if let Some(d) = snap.last_load {
+            self.last_load.get_or_create(&vec![]).set(d.as_secs_f64());
+        }
+        raise(&self.journal_dropped, journal_dropped);
+    }
+
+    /// The exposition text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// A counter brought up to `total` (the machine keeps the counts; a
+/// counter only goes up).
+fn raise(c: &Counter, total: u64) {
+    let now = c.get();
+    if total > now {
+        c.inc_by(total - now);
+    }
+}
+
+/// The metrics of `snap` as text, from a registry of their own.
+pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped: u64) -> String {
+    let m = Metrics::new(name, started);
+    m.set(snap, journal_dropped);
+    m.encode()
+}
+
+/// What `status` concludes from the document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Ready(Doc),
+    NotReady(Doc),
+    /// No file, a stopped warden, or a warden pid that is gone.
+    NotRunning(Option<Doc>),
+}
+
+/// Read the document and tell whether its warden is still there.
+pub fn read(path: &Path) -> Verdict {
+    let Ok(text) = std::fs::read_to_string(path) else { return Verdict::NotRunning(None) };
+    verdict(&text)
+}
+
+/// What a document says (from the file, or from the warden's socket).
+pub fn verdict(text: &str) -> Verdict {
+    let Ok(doc) = serde_json::from_str::<Doc>(text) else { return Verdict::NotRunning(None) };
+    if doc.state == Phase::Stopped || doc.exit_code.is_some() || !warden_alive(doc.warden_pid) {
+        return Verdict::NotRunning(Some(doc));
+    }
+    if doc.state == Phase::Ready { Verdict::Ready(doc) } else { Verdict::NotReady(doc) }
+}
+
+/// The pid is alive and is a vllm-warden (not a recycled pid).
+fn warden_alive(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            c.split(|b| *b == 0).next().is_some_and(|argv0| String::from_utf8_lossy(argv0).contains("vllm-warden"))
+        })
+        .unwrap_or(false)
+}
+
+/// The short human summary of `status`.
+pub fn summary(v: &Verdict) -> String {
+    let doc = match v {
+        Verdict::Ready(d) | Verdict::NotReady(d) => d,
+        Verdict::NotRunning(None) => return "not running (no status file)".to_string(),
+        Verdict::NotRunning(Some(d)) => {
+            let why = d.cause.as_deref().map(|c| format!(": {}", safe(c))).unwrap_or_default();
+            return match d.exit_code {
+                Some(code) => format!("{}: not running (exited with {code} at {}){why}", d.name, d.since),
+                None => format!("{}: not running (warden {} is gone){why}", d.name, d.warden_pid),
+            };
+        }
+    };
+    let mut out = format!("{}: {}", safe(&doc.name), doc.state);
+    if let Some(pid) = doc.child_pid {
+        let _ = write!(out, ", pid {pid}");
+    }
+    let since = humantime::parse_rfc3339(&doc.since).ok().and_then(|t| SystemTime::now().duration_since(t).ok());
+    if let Some(d) = since {
+        let d = humantime::format_duration(Duration::from_secs(d.as_secs()));
+        let _ = write!(out, ", for {d}");
+    }
+    let _ = write!(out, ", attempt {}, {} restart(s)", doc.attempt, doc.restarts);
+    if let Some(p) = &doc.progress {
+        let _ = write!(out, "\nprogress: {}", safe(p));
+    }
+    if let Some(e) = &doc.last_exit {
+        let how = match (&e.code, &e.signal) {
+            (Some(c), _) => format!("exit code {c}"),
+            (None, Some(s)) => format!("killed by {s}"),
+            _ => "exited".into(),
+        };
+        let _ = write!(out, "\nlast exit: {how} at {}", e.at);
+    }
+    if let Some(c) = &doc.cause {
+        let _ = write!(out, "\ncause: {}", safe(c));
+    }
+    if let Some(h) = &doc.hint {
+        let _ = write!(out, "\nhint: {}", safe(h));
+    }
+    if let Some(f) = &doc.last_failure {
+        let _ = write!(out, "\nlast failure ({}): {}", f.class.as_str(), safe(&f.cause));
+        if let Some(r) = &f.report {
+            let _ = write!(out, "\nreport: {}", safe(r));
+        }
+    }
+    if let Some(c) = &doc.cache {
+        let _ = write!(out, "\ncache: {}", safe(&c.dir));
+        if let (Some(bytes), Some(files), Some(at)) = (c.bytes, c.files, &c.measured_at) {
+            let _ = write!(out, ", {} in {files} file(s) (measured {})", human_bytes(bytes), safe(at));
+        }
+    }
+    out
+}
+
+/// `1.5 GiB`, `12.0 MiB`, `512 B`.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let (mut v, mut unit) = (n as f64 / 1024.0, UNITS[0]);
+    for u in &UNITS[1..] {
+        if v < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    format!("{v:.1} {unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap() -> Snapshot {
+        Snapshot {
+            phase: Phase::Ready,
+            child_pid: Some(42),
+            attempt: 2,
+            restarts: 1,
+            starts: 2,
+            progress: None,
+            cause: None,
+            hint: None,
+            exits: 1,
+            last_exit: Some(Exit::Code(1)),
+            last_load: Some(Duration::from_millis(61_500)),
+            failures: BTreeMap::from([(FailureClass::Exit, 1)]),
+            exit_code: None,
+            last_failure: None,
+        }
+    }
+
+    #[test]
+    fn metrics_follow_the_textfile_format() {
+        let text = metrics("kimi", &snap(), SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000), 7);
+        for want in [
+            "# TYPE vllm_warden_state gauge\n",
+            "vllm_warden_state{name=\"kimi\",state=\"ready\"} 1\n",
+            "vllm_warden_state{name=\"kimi\",state=\"starting\"} 0\n",
+            "vllm_warden_ready{name=\"kimi\"} 1\n",
+            "# TYPE vllm_warden_child_starts_total counter\nvllm_warden_child_starts_total{name=\"kimi\"} 2\n",
+            "vllm_warden_failures_total{name=\"kimi\",class=\"exit\"} 1\n",
+            "vllm_warden_failures_total{name=\"kimi\",class=\"permanent\"} 0\n",
+            "vllm_warden_last_load_duration_seconds{name=\"kimi\"} 61.5\n",
+            "vllm_warden_start_time_seconds{name=\"kimi\"} 1700000000.0\n",
+            "vllm_warden_state{name=\"kimi\",state=\"draining\"} 0\n",
+            "# TYPE vllm_warden_journal_dropped_lines_total counter\nvllm_warden_journal_dropped_lines_total{name=\"kimi\"} 7\n",
+        ] {
+            assert!(text.contains(want), "{want} not in\n{text}");
+        }
+        // Every sample line belongs to a metric announced with HELP and TYPE.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split('{').next().unwrap();
+            assert!(text.contains(&format!("# HELP {name} ")) && text.contains(&format!("# TYPE {name} ")), "{line}");
+        }
+    }
+
+    #[test]
+    fn the_document_is_rewritten_only_on_change_and_is_not_world_writable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let mut r = Reporter::new("kimi", &path, None);
+        r.update(&snap());
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(doc.state, Phase::Ready);
+        assert_eq!(doc.child_pid, Some(42));
+        assert_eq!(doc.last_exit.as_ref().unwrap().code, Some(1));
+        assert!(doc.ready_since.is_some());
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o002, 0);
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        r.update(&snap());
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "unchanged: not rewritten");
+    }
+
+    /// A flood of progress lines is one write per [`PROGRESS_EVERY`]; a
+    /// change of state is written at once, progress included.
+    #[test]
+    fn progress_alone_is_coalesced_and_a_change_of_state_is_written_at_once() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let metrics_path = dir.path().join("metrics.prom");
+        let mut r = Reporter::new("kimi", &path, Some(&metrics_path));
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        r.update(&s);
+        assert_eq!(r.due(), None);
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        for i in 0..1000 {
+            s.progress = Some(format!("shard {i}"));
+            r.update(&s);
+        }
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino, "not rewritten for each progress line");
+        let due = r.due().expect("the latest progress waits");
+        assert!(due <= std::time::Instant::now() + PROGRESS_EVERY);
+        r.flush();
+        assert_eq!(r.due(), None);
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(doc.progress.as_deref(), Some("shard 999"));
+        // Right after a write, a progress line waits again; readiness does not.
+        s.progress = Some("shard 1000".into());
+        r.update(&s);
+        assert!(r.due().is_some());
+        s.phase = Phase::Ready;
+        r.update(&s);
+        assert_eq!(r.due(), None, "written at once");
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!((doc.state, doc.progress.as_deref()), (Phase::Ready, Some("shard 1000")));
+        // The journal's dropped lines reach the metrics at the next flush.
+        r.set_journal_dropped(12);
+        assert!(r.due().is_some());
+        r.flush();
+        let text = std::fs::read_to_string(&metrics_path).unwrap();
+        assert!(text.contains("vllm_warden_journal_dropped_lines_total{name=\"kimi\"} 12\n"), "{text}");
+    }
+
+    /// The cache directory and its size, measured off the caller's thread
+    /// when the server starts and when it is ready, reach the document
+    /// and `status`.
+    #[test]
+    fn the_document_names_the_cache_directory_and_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let cache = dir.path().join("cache");
+        std::fs::create_dir_all(cache.join("vllm/torch_compile_cache")).unwrap();
+        std::fs::write(cache.join("vllm/torch_compile_cache/a"), vec![7u8; 10_000]).unwrap();
+        let mut r = Reporter::new("kimi", &path, None);
+        r.set_cache_dir(Some(&cache));
+        let read = || serde_json::from_str::<Doc>(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        r.update(&s);
+        r.meter.wait(Duration::from_secs(60));
+        assert!(r.due().is_some(), "a new size waits to be written");
+        r.flush();
+        let c = read().cache.unwrap();
+        assert_eq!((c.dir.as_str(), c.files), (cache.to_str().unwrap(), Some(1)));
+        assert!(c.bytes.unwrap() >= 10_000 && c.measured_at.is_some(), "{c:?}");
+        // The load wrote more: measured again at ready.
+        std::fs::write(cache.join("vllm/torch_compile_cache/b"), vec![7u8; 10_000]).unwrap();
+        r.update(&snap());
+        r.meter.wait(Duration::from_secs(60));
+        r.flush();
+        let doc = read();
+        assert_eq!(doc.cache.as_ref().unwrap().files, Some(2));
+        let shown = summary(&Verdict::Ready(doc));
+        assert!(
+            shown.contains(&format!("\ncache: {}, ", cache.display())) && shown.contains(" in 2 file(s) (measured "),
+            "{shown}"
+        );
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
+    }
+
+    /// Issue "untrickable", case 1: escape sequences from a port holder's
+    /// argv never reach the terminal through `status`.
+    #[test]
+    fn notify_injection_no_control_character_reaches_the_document_or_the_terminal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let mut r = Reporter::new("kimi", &path, None);
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        s.cause = Some("port 8000 is held by pid 9 (x\nREADY=1\n\x1b]0;pwned\x07)".into());
+        r.update(&s);
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert!(!doc.cause.as_deref().unwrap().chars().any(crate::util::escape::is_unsafe));
+        let mut forged = doc.clone();
+        forged.cause = Some("\x1b[2J\nfake line".into());
+        let text = summary(&Verdict::NotReady(forged));
+        assert!(!text.lines().any(|l| l.chars().any(crate::util::escape::is_unsafe)), "{text:?}");
+        assert!(text.contains("\\x1b[2J\\nfake line"), "{text}");
+    }
+
+    /// A reload that moves the files: the next update writes them at the
+    /// new place, even when nothing else changed.
+    #[test]
+    fn moved_files_are_written_at_the_next_update_whatever_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (dir.path().join("old.json"), dir.path().join("new.json"));
+        let mut r = Reporter::new("kimi", &old, None);
+        r.update(&snap());
+        r.set_paths(&new, Some(&dir.path().join("new.prom")));
+        r.update(&snap());
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&new).unwrap()).unwrap();
+        assert_eq!(doc.state, Phase::Ready);
+        assert!(dir.path().join("new.prom").exists());
+    }
+
+    #[test]
+    fn a_gone_warden_is_not_running() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        assert_eq!(read(&path), Verdict::NotRunning(None));
+        let mut doc = Reporter::new("kimi", &path, None).doc(&snap());
+        doc.warden_pid = u32::MAX - 1;
+        std::fs::write(&path, serde_json::to_string(&doc).unwrap()).unwrap();
+        assert!(matches!(read(&path), Verdict::NotRunning(Some(_))));
+        assert!(summary(&read(&path)).contains("not running (warden"));
+    }
+}

@@ -1,0 +1,387 @@
+//! Ray: what a start waits for in the cluster (`prestart.ray-*`, the
+//! gate), and how a Ray node's readiness is confirmed. The cluster is asked
+//! by Ray's own client of its GCS (`ray._raylet.GcsClient`, as `ray status`
+//! uses it) in the Python that has Ray, under a timeout: every node with
+//! its state and resources, as the GCS knows them now (`ray status` shows
+//! the autoscaler's last report instead, which lists a dead node as active
+//! long after the GCS marked it dead). The answer is one JSON line, read
+//! here; nothing in it is trusted beyond states, addresses compared for
+//! equality, and resource figures.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How long one look may take: it starts a Python interpreter and imports
+/// Ray, several seconds on a busy machine.
+pub const STATUS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The look, run as `PYTHON -c ASK_GCS HEAD:PORT`: the GCS's nodes, each
+/// with its address, whether it is alive, and its total and free
+/// resources, as one JSON line. It does not join the cluster as a driver.
+const ASK_GCS: &str = r#"import json, sys
+from ray._raylet import GcsClient
+from ray.core.generated.gcs_pb2 import GcsNodeInfo
+gcs = GcsClient(address=sys.argv[1])
+infos = gcs.get_all_node_info(timeout=10)
+usage = gcs.get_all_resource_usage(timeout=10)
+free = {b.node_id: dict(b.resources_available) for b in usage.resource_usage_data.batch}
+nodes = []
+for i in infos.values():
+    total = dict(i.resources_total)
+    mine = free.get(i.node_id, {})
+    nodes.append({"ip": i.node_manager_address, "alive": i.state == GcsNodeInfo.GcsNodeState.Value("ALIVE"),
+                  "total": total, "free": {k: mine.get(k, 0.0) for k in total}})
+print(json.dumps({"nodes": nodes}))
+"#;
+
+/// `[prestart] ray-*`: the cluster a start needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    /// `HOST:PORT` of the head's GCS.
+    pub address: String,
+    /// The Python that has Ray (`prestart.ray-python`).
+    pub python: String,
+    /// Whether a start waits for the cluster (a head waits for none).
+    pub gate: bool,
+    pub min_nodes: u32,
+    pub min_cpus: f64,
+    pub min_gpus: f64,
+    /// How long a start waits for it.
+    pub wait: Duration,
+}
+
+/// What the GCS showed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct View {
+    /// Nodes alive.
+    pub nodes: u32,
+    /// Their addresses.
+    pub alive: Vec<String>,
+    /// Free and total of each resource that the gate knows (`CPU`, `GPU`).
+    pub cpus: (f64, f64),
+    pub gpus: (f64, f64),
+}
+
+impl Cluster {
+    /// What the cluster lacks for a start, in words; `None`: nothing.
+    pub fn missing(&self, v: &View) -> Option<String> {
+        let mut lack = Vec::new();
+        if v.nodes < self.min_nodes {
+            lack.push(format!("{} of {} nodes alive", v.nodes, self.min_nodes));
+        }
+        for (name, need, (free, total)) in [("CPUs", self.min_cpus, v.cpus), ("GPUs", self.min_gpus, v.gpus)] {
+            if need > 0.0 && free < need {
+                lack.push(format!("{} of {} {name} free ({} in the cluster)", num(free), num(need), num(total)));
+            }
+        }
+        (!lack.is_empty()).then(|| lack.join(", "))
+    }
+
+    /// The argv that asks the cluster: the Python, found beside the
+    /// child's program when it names no folder (the venv that runs `vllm`
+    /// or `ray start`), else on `PATH`; the look; the address.
+    pub fn command(&self, child: &[String]) -> Vec<String> {
+        let mut python = self.python.clone();
+        if !python.contains('/')
+            && let Some(found) = beside(child, &python)
+        {
+            python = found.to_string_lossy().into_owned();
+        }
+        vec![python, "-c".into(), ASK_GCS.into(), self.address.clone()]
+    }
+}
+
+/// `program` in the folder of the child's program, if it is there.
+fn beside(child: &[String], program: &str) -> Option<PathBuf> {
+    let dir = Path::new(child.first()?).parent().filter(|d| !d.as_os_str().is_empty())?;
+    let candidate = dir.join(program);
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(&candidate).ok()?;
+    (meta.is_file() && meta.permissions().mode() & 0o111 != 0).then_some(candidate)
+}
+
+/// Ask the cluster at `address` with `argv` (from [`Cluster::command`])
+/// under [`STATUS_TIMEOUT`]; `Err` says why there is no answer, in words
+/// fit for `STATUS=`.
+pub async fn ask(argv: &[String], address: &str) -> Result<View, String> {
+    use crate::process::prestart::QueryError;
+    let program = argv.first().map(String::as_str).unwrap_or_default();
+    // Ray's client takes 40 s to give up on an address where nothing
+    // listens, and a second of CPU to start: a refused connection says
+    // the same at once.
+    reachable(address).await?;
+    match crate::process::prestart::run_command(argv, STATUS_TIMEOUT, 1 << 20, true).await {
+        Ok(Some(out)) => parse_answer(&out).map_err(|e| format!("the Ray cluster answered: {e}")),
+        Ok(None) => Err(format!("{program} not found")),
+        Err(QueryError::TimedOut(_)) => Err(format!(
+            "the look at the Ray cluster took over {} (killed)",
+            humantime::format_duration(STATUS_TIMEOUT)
+        )),
+        Err(QueryError::Failed(e)) => Err(e),
+    }
+}
+
+/// How long a connection to the head's GCS port may take to open.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Whether something accepts connections at `address` (`HOST:PORT`).
+async fn reachable(address: &str) -> Result<(), String> {
+    let host_port = address.replace(['[', ']'], "");
+    let attempt = async {
+        let (host, port) = host_port.rsplit_once(':').ok_or_else(|| format!("{address} is not HOST:PORT"))?;
+        let port: u16 = port.parse().map_err(|_| format!("{address} is not HOST:PORT"))?;
+        let addrs: Vec<std::net::SocketAddr> =
+            tokio::net::lookup_host((host, port)).await.map_err(|e| format!("cannot resolve {host}: {e}"))?.collect();
+        let mut last = format!("{host} has no address");
+        for a in addrs {
+            match tokio::net::TcpStream::connect(a).await {
+                Ok(_) => return Ok(()),
+                Err(e) => last = format!("nothing answers at {address} ({e})"),
+            }
+        }
+        Err(last)
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no answer from {address} within {}", humantime::format_duration(CONNECT_TIMEOUT))),
+    }
+}
+
+/// What shows that a Ray node is in its cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Member {
+    /// A node alive at this address (the node's `--node-ip-address`).
+    At(String),
+    /// At least this many nodes alive (the node's address is Ray's
+    /// choice: a head counts 1, a joining node 2, the head and itself).
+    Count(u32),
+}
+
+impl Member {
+    /// How a node started with `command` is seen in its cluster.
+    pub fn of(command: &[String], head: bool) -> Member {
+        match flag(command, "--node-ip-address") {
+            Some(ip) => Member::At(ip),
+            None => Member::Count(if head { 1 } else { 2 }),
+        }
+    }
+
+    fn seen(&self, v: &View) -> bool {
+        match self {
+            Member::At(ip) => v.alive.iter().any(|a| a == ip),
+            Member::Count(n) => v.nodes >= *n,
+        }
+    }
+}
+
+/// Look at the cluster until it has `member` alive: a Ray node's ready
+/// line says its processes started, this that the cluster has it. The
+/// start's own deadlines (`ready.timeout`) bound the wait.
+pub async fn confirm(argv: &[String], address: &str, member: &Member) {
+    let mut delay = Duration::from_millis(500);
+    loop {
+        match ask(argv, address).await {
+            Ok(view) if member.seen(&view) => return,
+            Ok(view) => tracing::info!(
+                EVENT = "ray",
+                "the Ray cluster does not show this node alive yet ({} node(s) alive: {})",
+                view.nodes,
+                view.alive.join(", ")
+            ),
+            Err(e) => tracing::info!(EVENT = "ray", "the Ray cluster does not answer yet: {e}"),
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// A count without a needless fraction: `2`, `0.5`.
+fn num(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 { format!("{}", x as i64) } else { format!("{x}") }
+}
+
+/// One node as the look prints it.
+#[derive(Debug, serde::Deserialize)]
+struct Node {
+    ip: String,
+    alive: bool,
+    total: std::collections::BTreeMap<String, f64>,
+    free: std::collections::BTreeMap<String, f64>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Answer {
+    nodes: Vec<Node>,
+}
+
+/// Reads the look's output: its last line that is a JSON object is the
+/// answer (Ray's client may log warnings before it); without one, the
+/// last line is the error (a Python exception).
+pub fn parse_answer(text: &str) -> Result<View, String> {
+    let lines = || text.lines().rev().map(str::trim).filter(|l| !l.is_empty());
+    let Some(json) = lines().find(|l| l.starts_with('{')) else {
+        return Err(crate::util::escape::one_line(lines().next().unwrap_or("no output"), 300));
+    };
+    let answer: Answer = serde_json::from_str(json).map_err(|e| format!("not the answer asked for: {e}"))?;
+    let mut view = View::default();
+    let sum = |into: &mut (f64, f64), n: &Node, name: &str| {
+        let (free, total) = (n.free.get(name).copied().unwrap_or(0.0), n.total.get(name).copied().unwrap_or(0.0));
+        if free.is_finite() && total.is_finite() {
+            *into = (into.0 + free.max(0.0), into.1 + total.max(0.0));
+        }
+    };
+    for n in answer.nodes.iter().filter(|n| n.alive) {
+        view.nodes = view.nodes.saturating_add(1);
+        view.alive.push(n.ip.clone());
+        sum(&mut view.cpus, n, "CPU");
+        sum(&mut view.gpus, n, "GPU");
+    }
+    Ok(view)
+}
+
+/// The head's GCS address a node's own command names: `--address` of a
+/// joining node; `--node-ip-address` (else 127.0.0.1) and `--port` (else
+/// 6379) of a head.
+pub fn address_in(command: &[String], head: bool) -> Option<String> {
+    if head {
+        let ip = flag(command, "--node-ip-address").unwrap_or_else(|| "127.0.0.1".into());
+        let port = crate::config::port_of(command).unwrap_or(crate::config::defaults::RAY_PORT);
+        Some(format!("{}:{port}", bracketed(&ip)))
+    } else {
+        flag(command, "--address")
+    }
+}
+
+fn bracketed(ip: &str) -> String {
+    if ip.contains(':') && !ip.starts_with('[') { format!("[{ip}]") } else { ip.to_string() }
+}
+
+/// The value of `--name VALUE` or `--name=VALUE`.
+pub fn flag(command: &[String], name: &str) -> Option<String> {
+    let mut it = command.iter();
+    while let Some(arg) = it.next() {
+        if arg == name {
+            return it.next().cloned();
+        }
+        if let Some(v) = arg.strip_prefix(name).and_then(|r| r.strip_prefix('=')) {
+            return Some(v.to_string());
+        }
+    }
+    None
+}
+
+/// The folder a Ray node keeps its sessions in: `--temp-dir`, else
+/// `RAY_TMPDIR` or `TMPDIR` (the child's environment first, then the
+/// warden's) followed by `/ray`, else `/tmp/ray` — as Ray chooses it.
+pub fn temp_dir(command: &[String], env: &std::collections::BTreeMap<String, String>) -> PathBuf {
+    if let Some(dir) = flag(command, "--temp-dir") {
+        return PathBuf::from(dir);
+    }
+    let var = |name: &str| env.get(name).cloned().or_else(|| std::env::var(name).ok()).filter(|v| !v.is_empty());
+    if let Some(dir) = var("RAY_TMPDIR") {
+        return PathBuf::from(dir);
+    }
+    PathBuf::from(var("TMPDIR").unwrap_or_else(|| "/tmp".into())).join("ray")
+}
+
+/// What a Ray node leaves in its temporary folder: a `session_*` folder
+/// per start (logs, sockets, runtime resources; a few MB each), the
+/// `session_latest` link to the newest, and `ray_current_cluster` (the
+/// address a joining node last used).
+const SESSION_PREFIX: &str = "session_";
+const LATEST: &str = "session_latest";
+const CURRENT_CLUSTER: &str = "ray_current_cluster";
+
+/// Remove from `dir` the session folders of `uid` that no live process
+/// uses (none has a file open or its working folder inside), then the
+/// `session_latest` link when what it names is gone, and
+/// `ray_current_cluster` when no session is left in use. Nothing else is
+/// touched; a folder is removed without following a link inside it.
+pub fn clean_sessions(dir: &Path, uid: u32) -> crate::process::prestart::Cleaned {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = crate::process::prestart::Cleaned::default();
+    let Ok(entries) = std::fs::read_dir(dir) else { return out };
+    let mut sessions = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name == LATEST || !name.starts_with(SESSION_PREFIX) {
+            continue;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(e.path()) else { continue };
+        if !meta.is_dir() {
+            continue;
+        }
+        if meta.uid() != uid {
+            out.kept.push((e.path(), format!("owned by uid {}", meta.uid())));
+            continue;
+        }
+        sessions.push(e.path());
+    }
+    sessions.sort();
+    let used = if sessions.is_empty() { Default::default() } else { used_folders(&sessions) };
+    for path in sessions {
+        if let Some(pids) = used.get(&path) {
+            let who: Vec<String> = pids.iter().map(|p| format!("pid {p}")).collect();
+            out.kept.push((path, format!("in use by {}", who.join(", "))));
+            continue;
+        }
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => out.removed.push(path),
+            Err(e) => out.kept.push((path, format!("cannot remove: {e}"))),
+        }
+    }
+    let latest = dir.join(LATEST);
+    if std::fs::symlink_metadata(&latest).is_ok_and(|m| m.file_type().is_symlink() && m.uid() == uid)
+        && std::fs::metadata(&latest).is_err()
+        && std::fs::remove_file(&latest).is_ok()
+    {
+        out.removed.push(latest);
+    }
+    let current = dir.join(CURRENT_CLUSTER);
+    if used.is_empty()
+        && std::fs::symlink_metadata(&current).is_ok_and(|m| m.is_file() && m.uid() == uid)
+        && std::fs::remove_file(&current).is_ok()
+    {
+        out.removed.push(current);
+    }
+    out
+}
+
+/// Those of `folders` that a live process has a file open in, or works
+/// in, with the pids: one pass over `/proc`, comparing the kernel's names
+/// of open files with each folder's real path.
+fn used_folders(folders: &[PathBuf]) -> std::collections::HashMap<PathBuf, std::collections::BTreeSet<i32>> {
+    let mut out: std::collections::HashMap<PathBuf, std::collections::BTreeSet<i32>> = Default::default();
+    let real: Vec<(PathBuf, &PathBuf)> =
+        folders.iter().filter_map(|f| std::fs::canonicalize(f).ok().map(|r| (r, f))).collect();
+    for pid in crate::process::child::processes() {
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten().map(|e| e.path());
+        for link in fds.chain([PathBuf::from(format!("/proc/{pid}/cwd"))]) {
+            let Ok(target) = std::fs::read_link(&link) else { continue };
+            if let Some((_, f)) = real.iter().find(|(r, _)| target.starts_with(r)) {
+                out.entry((*f).clone()).or_default().insert(pid);
+            }
+        }
+    }
+    out
+}
+
+/// Whether `address` is `HOST:PORT` as Ray takes it: a host name, an IPv4
+/// address or a bracketed IPv6 one, and a port from 1 to 65535.
+pub fn valid_address(address: &str) -> bool {
+    let Some((host, port)) = address.rsplit_once(':') else { return false };
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
+    let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        v6.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty()
+            && host.len() <= 253
+            && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+            && !host.starts_with('-')
+    };
+    port_ok && host_ok
+}
+
+#[cfg(test)]
+mod tests;

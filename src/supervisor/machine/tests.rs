@@ -1,0 +1,870 @@
+//! Table tests of the pure state machine: events in, effects and states out.
+
+use super::*;
+use crate::config::profile::Profile;
+use crate::observe::logwatch::Classifier;
+
+fn policy() -> Policy {
+    Policy {
+        ready_log: true,
+        ready_http: true,
+        ready_timeout: Duration::from_secs(90 * 60),
+        stall: Duration::from_secs(15 * 60),
+        grace: Duration::from_secs(30),
+        stop_signal: Signal::SIGTERM,
+        stop_timeout: Duration::from_secs(90),
+        prepare_timeout: Duration::from_secs(300),
+        hints: crate::supervisor::hints::Hints::none(),
+        report: None,
+        restart: crate::config::Restart {
+            initial_delay: Duration::from_secs(10),
+            max_delay: Duration::from_secs(300),
+            factor: 2.0,
+            jitter: 0.0,
+            reset_after: Duration::from_secs(600),
+            max_attempts: 10,
+            permanent_attempts: 2,
+        },
+        drain_delay: Duration::from_secs(5),
+        drain_timeout: Duration::from_secs(60),
+        drain_on_stop: false,
+    }
+}
+
+/// The test policy with other restart settings.
+fn restart(change: impl FnOnce(&mut crate::config::Restart)) -> Policy {
+    let mut p = policy();
+    change(&mut p.restart);
+    p
+}
+
+/// A machine, a clock and a classifier, for writing scenarios as tables.
+struct Sim {
+    m: Machine,
+    t0: Instant,
+    now: Instant,
+    c: Classifier,
+    fx: Vec<Effect>,
+}
+
+impl Sim {
+    fn new(p: Policy) -> Sim {
+        let now = Instant::now();
+        Sim { m: Machine::new(p, 7), t0: now, now, c: Classifier::new(&Profile::Vllm.patterns()).unwrap(), fx: vec![] }
+    }
+    fn at(&mut self, secs: f64) -> &mut Self {
+        self.now = self.t0 + Duration::from_secs_f64(secs);
+        self
+    }
+    fn ev(&mut self, e: Event) -> Vec<Effect> {
+        let fx = self.m.step(e, self.now);
+        self.fx.extend(fx.clone());
+        fx
+    }
+    fn line(&mut self, text: &str) -> Vec<Effect> {
+        let start = self.m.starts;
+        let line = self.c.classify(text.to_string());
+        self.ev(Event::Line { start, line })
+    }
+    fn tick(&mut self) -> Vec<Effect> {
+        self.ev(Event::Tick)
+    }
+    /// Begin and spawn as pid.
+    fn spawned(&mut self, pid: u32) {
+        if self.m.state == State::Idle {
+            assert!(self.ev(Event::Begin).contains(&Effect::Prepare { start: 1 }));
+        }
+        let start = self.m.starts;
+        assert!(self.ev(Event::Prepared { start, result: Prepared::Done }).contains(&Effect::Spawn { start }));
+        self.ev(Event::Spawned { start, pid });
+        assert!(matches!(self.m.state, State::Starting(_)));
+    }
+    fn ready(&mut self, pid: u32) {
+        if !matches!(self.m.state, State::Starting(_)) {
+            self.spawned(pid);
+        }
+        let fx = self.line("INFO:     Application startup complete.");
+        assert!(fx.contains(&Effect::Probe { start: self.m.starts }));
+        let fx = self.ev(Event::HttpReady { start: self.m.starts });
+        assert!(notes(&fx).contains(&Note::Ready), "{fx:?}");
+    }
+    fn state(&self) -> &'static str {
+        self.m.phase().as_str()
+    }
+}
+
+fn notes(fx: &[Effect]) -> Vec<Note> {
+    fx.iter().filter_map(|e| if let Effect::Notify(n) = e { Some(n.clone()) } else { None }).flatten().collect()
+}
+
+fn statuses(fx: &[Effect]) -> Vec<String> {
+    notes(fx).into_iter().filter_map(|n| if let Note::Status(s) = n { Some(s) } else { None }).collect()
+}
+
+fn backoff_until(m: &Machine) -> Option<Instant> {
+    if let State::Backoff { until, .. } = m.state { Some(until) } else { None }
+}
+
+#[test]
+fn ready_needs_the_line_and_then_http() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    let fx = s.ev(Event::HttpReady { start: 1 });
+    assert!(!notes(&fx).contains(&Note::Ready), "HTTP alone before the line is not ready");
+    s.ready(100);
+    assert_eq!(s.state(), "ready");
+    assert!(statuses(&s.fx).iter().any(|t| t.starts_with("ready: pid 100, loaded in")));
+}
+
+#[test]
+fn without_http_the_line_alone_is_ready() {
+    let mut s = Sim::new(Policy { ready_http: false, ..policy() });
+    s.spawned(100);
+    let fx = s.line("INFO:     Application startup complete.");
+    assert!(notes(&fx).contains(&Note::Ready));
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Probe { .. })));
+}
+
+#[test]
+fn without_a_ready_line_http_alone_is_ready() {
+    let mut s = Sim::new(Policy { ready_log: false, ..policy() });
+    s.ev(Event::Begin);
+    let fx = s.ev(Event::Spawned { start: 1, pid: 5 });
+    assert!(fx.contains(&Effect::Probe { start: 1 }));
+    let fx = s.ev(Event::HttpReady { start: 1 });
+    assert!(notes(&fx).contains(&Note::Ready));
+}
+
+#[test]
+fn progress_updates_status_and_extends_the_start_timeout() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.at(60.0);
+    let fx = s.line("Loading safetensors checkpoint shards:  45% Completed | 29/64 [01:02<01:10,  2.1s/it]");
+    assert_eq!(
+        notes(&fx),
+        vec![
+            Note::Status("loading, pid 100: Loading safetensors checkpoint shards: 29/64 (45%)".into()),
+            Note::ExtendTimeout(Duration::from_secs(900)),
+        ]
+    );
+    // The stall deadline moved with the progress.
+    assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(60 + 900)));
+}
+
+#[test]
+fn a_stalled_load_fails_and_names_the_last_progress() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.at(10.0).line("(Worker pid=9) INFO 11-29 18:11:02 [cpu_model_runner.py:68] Starting to load model /m...");
+    s.at(909.0).tick();
+    assert_eq!(s.state(), "starting", "not yet: 899 s without progress");
+    let fx = s.at(910.0).tick();
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    assert_eq!(
+        s.m.cause.as_ref().unwrap().text,
+        "no progress for 15m (ready.stall); last: Starting to load model /m..."
+    );
+    assert_eq!(s.m.cause.as_ref().unwrap().kind, FailureKind::Stall);
+}
+
+#[test]
+fn the_hard_timeout_fails_a_load_that_keeps_moving() {
+    let mut s = Sim::new(Policy { ready_timeout: Duration::from_secs(100), ..policy() });
+    s.spawned(100);
+    s.at(99.0).line("Loading safetensors checkpoint shards:   1% Completed | 1/64 [..]");
+    let fx = s.at(100.0).tick();
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    assert_eq!(s.m.cause.as_ref().unwrap().kind, FailureKind::Timeout);
+}
+
+#[test]
+fn a_ready_child_that_exits_0_after_a_fatal_error_is_a_failure() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.at(50.0).line("(EngineCore pid=7) ERROR 11-29 18:22:57 [core.py:1063] EngineCore encountered a fatal error.");
+    assert_eq!(s.state(), "ready", "the child gets its grace");
+    s.at(51.0);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert_eq!(s.state(), "failed");
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "EngineCore encountered a fatal error.");
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    assert_eq!(backoff_until(&s.m), Some(s.now + Duration::from_secs(10)));
+    assert!(
+        statuses(&s.fx).iter().any(|t| t == "restarting in 10s (attempt 2/10): EngineCore encountered a fatal error.")
+    );
+}
+
+#[test]
+fn a_ready_child_exiting_0_without_a_line_is_a_failure_too() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "exited while serving (exit code 0)");
+    assert_eq!(s.m.cause.as_ref().unwrap().kind, FailureKind::Exit);
+}
+
+#[test]
+fn a_transient_failure_succeeds_on_retry() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.line("(Worker pid=9) ERROR 11-29 18:16:26 [pynccl.py:120] NCCL error: unhandled system error");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "NCCL error: unhandled system error");
+    assert_eq!(s.m.cause.as_ref().unwrap().permanence, Permanence::Transient);
+    let until = backoff_until(&s.m).unwrap();
+    s.now = until - Duration::from_millis(1);
+    assert!(s.tick().is_empty());
+    s.now = until;
+    assert!(s.tick().contains(&Effect::Prepare { start: 2 }));
+    s.ready(101);
+    assert_eq!(s.m.restarts, 1);
+    assert_eq!(s.m.cause, None, "a ready run clears the cause");
+}
+
+#[test]
+fn the_traceback_exception_line_is_the_cause() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    let w = "(Worker pid=9) ERROR 11-29 18:16:26 [multiproc_executor.py:953]";
+    s.line(&format!("{w} WorkerProc failed to start."));
+    s.line(&format!("{w} Traceback (most recent call last):"));
+    s.line(&format!("{w}   File \"x.py\", line 1, in f"));
+    s.line(&format!("{w} ValueError: Failed to find a kernel that can implement the NVFP4 linear layer."));
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    let cause = s.m.cause.clone().unwrap();
+    assert_eq!(cause.text, "ValueError: Failed to find a kernel that can implement the NVFP4 linear layer.");
+    assert!(cause.permanence.is_permanent());
+}
+
+#[test]
+fn a_permanent_cause_is_tried_permanent_attempts_times_then_exits_78() {
+    let mut s = Sim::new(policy());
+    let fail = |s: &mut Sim, pid| {
+        s.spawned(pid);
+        s.line("(EngineCore pid=7) ERROR 11-29 18:21:33 [core.py:1510] Traceback (most recent call last):");
+        s.line("(EngineCore pid=7) ERROR 11-29 18:21:33 [core.py:1510] ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`");
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
+        s.ev(Event::TreeGone)
+    };
+    fail(&mut s, 100);
+    assert_eq!(s.state(), "backoff");
+    let until = backoff_until(&s.m).unwrap();
+    s.now = until;
+    s.tick();
+    let fx = fail(&mut s, 101);
+    assert_eq!(s.m.state, State::Done(Code::Config), "{fx:?}");
+    assert!(statuses(&fx)[0].starts_with("failed permanently (2 of 2 tries): ValueError: No available memory"));
+}
+
+#[test]
+fn a_fatal_line_with_a_hanging_child_is_stopped_after_the_grace() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.at(5.0).line("(EngineCore pid=7) ERROR 11-29 18:16:28 [core.py:1510] EngineCore failed to start.");
+    s.at(34.9).tick();
+    assert_eq!(s.state(), "starting");
+    let fx = s.at(35.0).tick();
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    // Not ready: the signal is repeated, and SIGKILL follows after 10 s.
+    assert!(s.at(36.0).tick().contains(&Effect::Terminate(Signal::SIGTERM)));
+    assert!(s.at(45.0).tick().contains(&Effect::KillTree));
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Signal(Signal::SIGKILL) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    assert_eq!(s.m.cause.as_ref().unwrap().text, "EngineCore failed to start.");
+}
+
+#[test]
+fn a_stop_during_a_load_is_prompt() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    let fx = s.at(1.0).ev(Event::StopRequested);
+    assert!(notes(&fx).contains(&Note::Stopping));
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(2)));
+    assert!(s.at(2.0).tick().contains(&Effect::Terminate(Signal::SIGTERM)));
+    assert!(s.at(11.0).tick().contains(&Effect::KillTree));
+    // Lines after the stop request never count as fatal.
+    s.line("(APIServer pid=1) ERROR 11-29 18:22:57 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: x");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Signal(Signal::SIGKILL) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
+#[test]
+fn a_stop_while_ready_waits_the_full_stop_timeout() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.at(100.0).ev(Event::StopRequested);
+    assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(190)));
+    // The leader's orphans get the stop signal as soon as it is gone.
+    let fx = s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
+#[test]
+fn a_second_stop_request_kills_at_once() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.ev(Event::StopRequested);
+    assert_eq!(s.ev(Event::StopRequested), vec![Effect::KillTree]);
+}
+
+/// The grace after SIGKILL ended with the tree's end not reported, but no
+/// live process is left (their exits are still being reaped): the tree is
+/// gone, not a survivor; a restart goes on, a stop exits 0.
+#[test]
+fn no_live_process_after_sigkill_is_a_tree_gone_not_a_survivor() {
+    for shutdown in [false, true] {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        let fx = if shutdown {
+            s.ev(Event::StopRequested)
+        } else {
+            s.ev(Event::Reload {
+                policy: Box::new(policy()),
+                summary: "restarting the child: child.env changed".into(),
+            })
+        };
+        assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+        assert!(s.at(100.0).tick().contains(&Effect::KillTree));
+        assert!(s.at(110.0).tick().contains(&Effect::DescribeSurvivors));
+        let description = "no live process of the tree is left after SIGKILL".into();
+        let fx = s.ev(Event::Survivors { left: 0, description });
+        let kill = fx.iter().find_map(|e| match e {
+            Effect::Log(Record { topic: Topic::Kill, message, .. }) => Some(message.clone()),
+            _ => None,
+        });
+        assert!(kill.is_some_and(|t| t.contains("taken as gone")), "{fx:?}");
+        if shutdown {
+            assert_eq!(s.m.done(), Some(Code::Ok));
+        } else {
+            assert!(fx.contains(&Effect::Prepare { start: 2 }), "{fx:?}");
+        }
+    }
+}
+
+#[test]
+fn a_stop_during_backoff_exits_at_once() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    let fx = s.ev(Event::StopRequested);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+    assert!(notes(&fx).contains(&Note::Stopping));
+}
+
+#[test]
+fn max_attempts_failed_starts_exit_75() {
+    let mut s = Sim::new(restart(|r| {
+        r.max_attempts = 3;
+        r.initial_delay = Duration::ZERO;
+    }));
+    s.ev(Event::Begin);
+    let mut last = vec![];
+    for pid in 0..3 {
+        let start = s.m.starts;
+        s.ev(Event::Prepared { start, result: Prepared::Done });
+        s.ev(Event::Spawned { start, pid });
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
+        last = s.ev(Event::TreeGone);
+    }
+    assert_eq!(s.m.done(), Some(Code::GaveUp), "{last:?}");
+    assert!(statuses(&last)[0].starts_with("gave up after 3 failed starts: exited before ready (exit code 1)"));
+}
+
+#[test]
+fn zero_backoff_spawns_at_once() {
+    let mut s = Sim::new(restart(|r| r.initial_delay = Duration::ZERO));
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    let fx = s.ev(Event::TreeGone);
+    assert!(fx.contains(&Effect::Prepare { start: 2 }));
+}
+
+#[test]
+fn backoff_grows_by_factor_and_is_capped() {
+    let p = policy();
+    let got: Vec<u64> = (1..=7).map(|n| p.backoff(n).as_secs()).collect();
+    assert_eq!(got, vec![10, 20, 40, 80, 160, 300, 300]);
+}
+
+#[test]
+fn jitter_stays_within_its_fraction_and_ready_runs_reset_the_count() {
+    let mut s = Sim::new(restart(|r| r.jitter = 0.1));
+    let mut seen = std::collections::BTreeSet::new();
+    for pid in 0..20 {
+        s.ready(pid);
+        // Ready for reset-after: the failure that follows counts as the first.
+        s.now += Duration::from_secs(601);
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
+        s.ev(Event::TreeGone);
+        assert_eq!(s.m.failures, 1);
+        let until = backoff_until(&s.m).unwrap();
+        let d = until - s.now;
+        assert!(d >= Duration::from_secs(9) && d <= Duration::from_secs(11), "{d:?}");
+        seen.insert(d.as_millis());
+        s.now = until;
+        s.tick();
+    }
+    assert!(seen.len() > 1, "jitter varies the delay");
+}
+
+#[test]
+fn events_of_an_old_run_are_ignored() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    let line = s.c.classify("INFO:     Application startup complete.".into());
+    assert!(s.ev(Event::Line { start: 99, line }).is_empty());
+    assert!(s.ev(Event::HttpReady { start: 99 }).is_empty());
+    assert!(s.ev(Event::ChildExited { pid: 42, exit: Exit::Code(1) }).is_empty());
+    assert_eq!(s.state(), "starting");
+}
+
+#[test]
+fn a_command_that_cannot_be_spawned_is_permanent() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+    s.ev(Event::SpawnFailed { start: 1, failure: StartFailure::permanent("cannot start /x: No such file") });
+    assert_eq!(s.state(), "backoff");
+    let until = backoff_until(&s.m).unwrap();
+    s.now = until;
+    s.tick();
+    s.ev(Event::Prepared { start: 2, result: Prepared::Done });
+    let fx = s.ev(Event::SpawnFailed { start: 2, failure: StartFailure::permanent("cannot start /x: No such file") });
+    assert_eq!(s.m.done(), Some(Code::Config), "{fx:?}");
+}
+
+#[test]
+fn a_stop_while_launching_stops_the_child_once_spawned() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+    s.ev(Event::StopRequested);
+    let fx = s.ev(Event::Spawned { start: 1, pid: 3 });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
+#[test]
+fn a_stop_during_the_pre_start_steps_cancels_them_and_exits() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    let fx = s.ev(Event::StopRequested);
+    assert!(fx.contains(&Effect::CancelPrepare));
+    let fx = s.ev(Event::Prepared { start: 1, result: Prepared::Cancelled });
+    assert_eq!(s.m.done(), Some(Code::Ok), "{fx:?}");
+}
+
+#[test]
+fn a_failed_pre_start_step_is_a_failed_start_with_its_cause() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    let held = "port 8000 is held by pid 42 (python3 -m http.server 8000)";
+    s.ev(Event::Prepared { start: 1, result: Prepared::Failed(StartFailure::transient(held)) });
+    assert_eq!(s.state(), "backoff");
+    assert_eq!(s.m.cause.as_ref().unwrap().text, held);
+    assert!(statuses(&s.fx).iter().any(|t| t.ends_with(&format!("(attempt 2/10): {held}"))));
+}
+
+#[test]
+fn a_reload_stops_the_ready_child_and_starts_again_with_the_new_policy() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    s.now = backoff_until(&s.m).unwrap();
+    s.tick();
+    s.ready(101);
+    assert_eq!(s.m.failures, 1);
+    let new = Policy { stall: Duration::from_secs(5), ..policy() };
+    let fx = s
+        .ev(Event::Reload { policy: Box::new(new.clone()), summary: "restarting the child: child.env changed".into() });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    assert_eq!(s.state(), "stopping");
+    // A ready child drains: the full stop-timeout before SIGKILL.
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(90)));
+    s.ev(Event::ChildExited { pid: 101, exit: Exit::Code(0) });
+    let fx = s.ev(Event::TreeGone);
+    assert!(fx.contains(&Effect::Prepare { start: 3 }), "{fx:?}");
+    assert_eq!(s.m.policy, new);
+    assert_eq!(s.m.failures, 0, "a new config starts the count again");
+}
+
+#[test]
+fn a_reload_during_backoff_starts_at_once() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    let fx =
+        s.ev(Event::Reload { policy: Box::new(policy()), summary: "restarting the child: child.env changed".into() });
+    assert!(fx.contains(&Effect::Prepare { start: 2 }));
+}
+
+#[test]
+fn failed_health_checks_fail_a_ready_run() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert!(s.fx.contains(&Effect::Health { start: 1 }), "checks start when ready");
+    let fx =
+        s.ev(Event::HealthFailed { start: 1, cause: "health check failed 3 times: 503 Service Unavailable".into() });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+    let cause = s.m.cause.clone().unwrap();
+    assert_eq!(cause.kind, FailureKind::Health);
+    assert_eq!(cause.text, "health check failed 3 times: 503 Service Unavailable");
+    assert!(s.ev(Event::HealthFailed { start: 1, cause: "again".into() }).is_empty(), "only once");
+}
+
+/// The test policy with failure reports of a 25 s budget.
+fn reporting() -> Policy {
+    Policy { report: Some(Duration::from_secs(25)), ..policy() }
+}
+
+fn reports(fx: &[Effect]) -> Vec<ReportOrder> {
+    fx.iter().filter_map(|e| if let Effect::Report(o) = e { Some(o.clone()) } else { None }).collect()
+}
+
+#[test]
+fn a_failed_run_is_reported_before_its_stop_with_its_timings() {
+    let mut s = Sim::new(reporting());
+    s.spawned(100);
+    s.at(2.0).line("Loading safetensors checkpoint shards:  50% Completed | 1/2");
+    s.at(3.0).line("INFO:     Application startup complete.");
+    s.at(3.5).ev(Event::HttpReady { start: 1 });
+    assert_eq!(s.state(), "ready");
+    let fx = s
+        .at(10.0)
+        .ev(Event::HealthFailed { start: 1, cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into() });
+    let order = reports(&fx).pop().expect("a report is asked for");
+    assert_eq!(
+        order,
+        ReportOrder {
+            start: 1,
+            attempt: 1,
+            cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into(),
+            class: FailureClass::Health,
+            hint: None,
+            first_progress: Some(Duration::from_secs(2)),
+            ready: Some(Duration::from_millis(3500)),
+            failed: Duration::from_secs(10),
+            exit: None,
+        }
+    );
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Terminate(_))), "nothing is stopped while it is written");
+    assert_eq!(s.state(), "failed");
+    assert_eq!(s.m.child_pid(), Some(100));
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(25)));
+    s.ev(Event::ReportStarted { start: 1, path: "/s/reports/r".into() });
+    assert_eq!(s.m.snapshot().last_failure.and_then(|f| f.report).as_deref(), Some("/s/reports/r"));
+    let fx = s.at(14.0).ev(Event::Reported { start: 1 });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert_eq!(s.state(), "failed");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    // The last failure outlives the next ready.
+    s.at(30.0).tick();
+    s.ready(101);
+    assert_eq!(s.m.snapshot().last_failure.map(|f| f.class), Some(FailureClass::Health));
+}
+
+/// The stop after the report names the cause with its hint, as the
+/// failure's first word did.
+#[test]
+fn the_stop_after_a_report_keeps_the_hint() {
+    let hints = crate::supervisor::hints::Hints::new(Profile::Vllm, &[], &[], &[]);
+    let mut s = Sim::new(Policy { hints, ..reporting() });
+    s.ready(100);
+    let fx = s.ev(Event::HealthFailed { start: 1, cause: "RuntimeError: Executor failed.".into() });
+    assert!(statuses(&fx).iter().any(|t| t.contains("(hint: a worker process of the engine died")), "{fx:?}");
+    let fx = s.ev(Event::Reported { start: 1 });
+    let stopping = statuses(&fx);
+    assert!(
+        stopping.iter().any(|t| t.starts_with(
+            "failed (attempt 1/10, stopping pid 100): RuntimeError: Executor failed. (hint: a worker process"
+        )),
+        "{stopping:?}"
+    );
+}
+
+/// A Ray node: a fatal line, then `ray start` exits at once, during the
+/// report. Every status that names the failure has its hint.
+#[test]
+fn every_status_of_a_failure_has_its_hint() {
+    let hints = crate::supervisor::hints::Hints::new(Profile::RayHead, &[], &[], &[]);
+    let mut patterns = Profile::RayHead.patterns();
+    patterns.ready.push("Application startup complete".into());
+    let mut s = Sim::new(Policy { hints, ..reporting() });
+    s.c = Classifier::new(&patterns).unwrap();
+    s.ready(100);
+    let mut said =
+        statuses(&s.line("2026-11-30 17:46:01,465 ERR scripts.py:1304 -- Some Ray subprocesses exited unexpectedly:"));
+    said.extend(statuses(&s.at(1.0).ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) })));
+    said.extend(statuses(&s.at(1.5).ev(Event::Reported { start: 1 })));
+    said.extend(statuses(&s.at(1.6).ev(Event::TreeGone)));
+    let failed: Vec<&String> =
+        said.iter().filter(|t| t.starts_with("failed (") || t.starts_with("restarting")).collect();
+    assert!(!failed.is_empty(), "{said:?}");
+    for t in failed.iter().filter(|t| t.starts_with("failed (")) {
+        assert!(t.contains("(hint: one of Ray's processes on this node died"), "{t}");
+    }
+}
+
+#[test]
+fn a_report_that_does_not_end_is_cut_short_at_its_budget() {
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    assert!(s.at(24.9).tick().is_empty());
+    let fx = s.at(25.0).tick();
+    assert!(fx.contains(&Effect::CancelReport) && fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert!(s.ev(Event::Reported { start: 1 }).is_empty(), "a late answer changes nothing");
+}
+
+#[test]
+fn a_stop_request_during_the_report_cuts_it_and_stops_at_once() {
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    let fx = s.at(1.0).ev(Event::StopRequested);
+    assert!(fx.contains(&Effect::CancelReport) && fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert!(notes(&fx).contains(&Note::Stopping));
+    assert_eq!(s.state(), "stopping");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
+#[test]
+fn an_exit_while_reporting_is_kept_and_its_crash_is_not_dumped() {
+    let mut s = Sim::new(reporting());
+    s.spawned(100);
+    let fx = s.at(5.0).ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    assert_eq!(reports(&fx).pop().map(|o| o.exit), Some(Some(Exit::Code(1))));
+    // The leader is gone: nothing more of it is awaited.
+    assert_eq!(s.m.child_pid(), None);
+    let fx = s.ev(Event::Reported { start: 1 });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+}
+
+/// A server that exited and left nothing behind has nothing to stop: the
+/// next start begins beside its report, whose late answer changes nothing.
+#[test]
+fn a_run_with_nothing_left_starts_again_beside_its_report() {
+    let mut s =
+        Sim::new(Policy { report: Some(Duration::from_secs(25)), ..restart(|r| r.initial_delay = Duration::ZERO) });
+    s.spawned(100);
+    let fx = s.at(5.0).ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    assert_eq!(reports(&fx).len(), 1);
+    assert_eq!(s.state(), "failed");
+    let fx = s.ev(Event::TreeGone);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Terminate(_) | Effect::CancelReport)), "{fx:?}");
+    assert!(fx.contains(&Effect::Prepare { start: 2 }), "{fx:?}");
+    assert!(s.ev(Event::Reported { start: 1 }).is_empty(), "the report of an earlier run");
+    s.ev(Event::Prepared { start: 2, result: Prepared::Done });
+    s.ev(Event::Spawned { start: 2, pid: 101 });
+    assert_eq!(s.m.child_pid(), Some(101));
+    // While the leader lives, its tree is not gone whatever comes.
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    assert!(s.ev(Event::TreeGone).is_empty());
+    assert_eq!(s.state(), "failed");
+}
+
+/// A failure while draining for a stop ends in the stop, even when nothing
+/// of the run is left to stop.
+#[test]
+fn a_failure_while_draining_to_stop_stops_even_with_nothing_left() {
+    let p = Policy { drain_on_stop: true, report: Some(Duration::from_secs(25)), ..policy() };
+    let mut s = Sim::new(p);
+    s.ready(100);
+    s.ev(Event::StopRequested);
+    assert_eq!(s.state(), "draining");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert_eq!(s.state(), "failed");
+    s.ev(Event::TreeGone);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
+#[test]
+fn without_reports_a_failure_stops_at_once() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    let fx = s.ev(Event::HealthFailed { start: 1, cause: "x".into() });
+    assert!(reports(&fx).is_empty());
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)));
+}
+
+/// One machine in each state the loop can wait in, reached by real events.
+fn every_waiting_state() -> Vec<(&'static str, Machine)> {
+    let mut out = Vec::new();
+    let fresh = || Sim::new(policy());
+    out.push(("idle", fresh().m));
+    let mut s = fresh();
+    s.ev(Event::Begin);
+    out.push(("launching", s.m));
+    let mut s = fresh();
+    s.ev(Event::Begin);
+    s.ev(Event::StopRequested);
+    out.push(("launching, stop pending", s.m));
+    let mut s = fresh();
+    s.ev(Event::Begin);
+    s.ev(Event::Reload { policy: Box::new(policy()), summary: "restarting the child: child.env changed".into() });
+    out.push(("launching, relaunch pending", s.m));
+    let mut s = fresh();
+    s.spawned(100);
+    out.push(("starting", s.m));
+    let mut s = fresh();
+    s.ready(100);
+    out.push(("ready", s.m));
+    let mut s = fresh();
+    s.ready(100);
+    s.ev(Event::StopRequested);
+    out.push(("stopping, signalled", s.m));
+    let mut s = fresh();
+    s.ready(100);
+    s.ev(Event::StopRequested);
+    s.ev(Event::StopRequested);
+    out.push(("stopping, killed", s.m));
+    let mut s = fresh();
+    s.ready(100);
+    s.ev(Event::StopRequested);
+    s.ev(Event::StopRequested);
+    s.at(20.0).tick();
+    assert!(matches!(s.m.state(), State::Stopping(Stop { escalation: Escalation::Abandoning { .. }, .. })));
+    out.push(("stopping, abandoning", s.m));
+    let mut s = fresh();
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    out.push(("backoff", s.m));
+    let mut s = Sim::new(reporting());
+    s.ready(100);
+    s.ev(Event::HealthFailed { start: 1, cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into() });
+    assert!(matches!(s.m.state(), State::Reporting(_)));
+    out.push(("reporting", s.m));
+    out
+}
+
+/// Where the loop may wait without a deadline, and the event that cannot be
+/// lost that it waits for.
+fn waits_on_a_sure_event(m: &Machine) -> Option<&'static str> {
+    match m.state() {
+        State::Idle => Some("Begin: queued by the driver before it first waits"),
+        State::Launching { then: AfterPrepare::Stop(_) | AfterPrepare::Relaunch, .. } => {
+            Some("Prepared: sent by the backend as it cancels the steps")
+        }
+        State::Ready(_) => Some("ChildExited, HealthFailed: from watched tasks"),
+        _ => None,
+    }
+}
+
+#[test]
+fn every_state_has_a_way_out() {
+    for (name, m) in every_waiting_state() {
+        assert!(m.next_deadline().is_some() || waits_on_a_sure_event(&m).is_some(), "{name}: no way out");
+    }
+}
+
+/// With `drain.on-stop`, a reload that restarts the child drains it first,
+/// then stops it for the new config.
+#[test]
+fn a_restarting_reload_drains_first_with_drain_on_stop() {
+    let p = Policy { drain_on_stop: true, ..policy() };
+    let mut s = Sim::new(p.clone());
+    s.ready(100);
+    let fx = s.ev(Event::Reload { policy: Box::new(p), summary: "restarting the child: child.env changed".into() });
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Terminate(_))), "{fx:?}");
+    assert_eq!(s.state(), "draining");
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(5)));
+    s.at(5.0);
+    assert!(s.tick().contains(&Effect::WatchLoad { start: 1 }));
+    assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(60)));
+    let fx = s.ev(Event::Quiet { start: 1 });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert!(s.ev(Event::TreeGone).contains(&Effect::Prepare { start: 2 }));
+}
+
+/// A stop while held drained stops at once; a quiet report of an earlier
+/// drain, or outside the wait, changes nothing.
+#[test]
+fn a_stop_while_drained_signals_at_once_and_stray_quiet_reports_are_ignored() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert!(s.ev(Event::Quiet { start: 1 }).is_empty(), "not draining");
+    s.ev(Event::DrainRequested);
+    assert_eq!(s.state(), "draining");
+    assert!(s.ev(Event::Quiet { start: 1 }).is_empty(), "still in the delay");
+    s.at(5.0);
+    s.tick();
+    s.ev(Event::Quiet { start: 1 });
+    assert_eq!(s.state(), "drained");
+    assert_eq!(s.m.next_deadline(), None, "held until undrained or stopped");
+    let fx = s.ev(Event::StopRequested);
+    assert!(notes(&fx).contains(&Note::Stopping));
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+}
+
+/// A restart asked for while not serving starts again without a drain.
+#[test]
+fn a_restart_in_backoff_starts_at_once_and_during_a_load_stops_it() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    let fx = s.ev(Event::RestartRequested);
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    assert!(s.ev(Event::TreeGone).contains(&Effect::Prepare { start: 2 }));
+    s.ev(Event::Prepared { start: 2, result: Prepared::Done });
+    s.ev(Event::Spawned { start: 2, pid: 101 });
+    s.ev(Event::ChildExited { pid: 101, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    assert!(s.ev(Event::RestartRequested).contains(&Effect::Prepare { start: 3 }));
+    assert_eq!(s.m.failures, 0, "asked for: the failure count starts again");
+}
+
+/// A run held drained is handed to an upgrade's successor drained, which
+/// holds it so; a drain that ends in a restart (or a hold still under way)
+/// is not handed over: the upgrade waits for it.
+#[test]
+fn an_upgrade_hands_a_held_drain_over_and_waits_for_one_under_way() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert!(!s.m.save(s.now).unwrap().drained, "ready, not drained");
+    s.ev(Event::DrainRequested);
+    assert!(s.m.drain_under_way() && s.m.save(s.now).is_none(), "a hold still draining");
+    s.at(5.0);
+    s.tick();
+    s.ev(Event::Quiet { start: 1 });
+    assert_eq!(s.state(), "drained");
+    assert!(!s.m.drain_under_way());
+    let saved = s.m.save(s.now).expect("held drained: handed over");
+    assert!(saved.drained);
+    let mut next = Machine::adopt(policy(), 1, &saved, "0.1.0", s.now);
+    assert_eq!(next.phase(), crate::supervisor::outcome::Phase::Drained);
+    let fx = next.step(Event::Begin, s.now);
+    assert!(statuses(&fx).iter().any(|t| t.ends_with("; drained: pid 100, out of rotation")), "{fx:?}");
+    // A restart asked while drained stops the child: nothing to hand over.
+    s.ev(Event::RestartRequested);
+    assert!(s.m.save(s.now).is_none(), "{}", s.state());
+
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.ev(Event::RestartRequested);
+    assert_eq!(s.state(), "draining");
+    assert!(s.m.drain_under_way() && s.m.save(s.now).is_none(), "a restart's drain is waited for");
+}

@@ -1,0 +1,15 @@
+//! The pure supervisor: the state machine `step(event, now) -> effects` and
+//! its vocabulary — the policy it acts on, run outcomes and failure
+//! classes, the warden's exit codes, how a child ended, the notes it gives
+//! systemd, the status snapshot, what a log line says, remedy hints and
+//! forward progress from vLLM's metrics.
+//!
+//! No I/O: no processes, files, sockets, clocks or tokio. May use `config`
+//! (the settings' types), `patch` (a patch's description) and `util`;
+//! never `process`, `observe`, `daemon` or `cli`.
+
+pub mod exit;
+pub mod hints;
+pub mod machine;
+pub mod outcome;
+pub mod progress;

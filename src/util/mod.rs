@@ -1,0 +1,11 @@
+//! Small tools every layer may use: atomic whole-file writes and folder
+//! checks, escaping untrusted text into one line, masking secrets, the
+//! watched background tasks, and where the warden's own log goes.
+//!
+//! Uses nothing of the crate; knows nothing of vLLM, the child or systemd.
+
+pub mod escape;
+pub mod fsutil;
+pub mod logging;
+pub mod redact;
+pub mod tasks;
