@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use crate::cli::Cli;
+use crate::cli::args::Cli;
 
 /// Write `man/` and `completions/` into `dir`.
 pub fn write(dir: &Path) -> std::io::Result<()> {

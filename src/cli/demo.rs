@@ -120,7 +120,7 @@ file = "{d}/status.json"
     println!("demo: dies 3 s after the first ready (the API server then exits 0), and the second start stays up.");
     println!("demo: the child's log: {d}/demo.log");
     crate::util::logging::init(crate::util::logging::Format::Text);
-    let rt = match crate::cli::runtime() {
+    let rt = match crate::daemon::runtime() {
         Ok(rt) => rt,
         Err(code) => return code,
     };

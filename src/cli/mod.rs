@@ -3,132 +3,20 @@
 //! stream of requests, the runtime, then `daemon::run`. What the daemon
 //! does is not known here.
 
+pub mod args;
 pub mod assets;
 pub mod demo;
 
 use std::path::{Path, PathBuf};
 
-use clap::{Parser, Subcommand};
+use clap::Parser;
 use tokio_stream::{Stream, StreamExt};
 
-use crate::config::{self, DEFAULT_CONFIG, Dirs, Settings};
+use self::args::{Cli, Cmd, PatchArgs, ReportsArgs, ReportsCmd, StatusArgs};
+use crate::config::{self, Dirs, Settings};
 use crate::daemon::driver::Request;
 use crate::observe::notify::{self, SdNotifier};
 use crate::supervisor::exit::Code;
-
-#[derive(Debug, Parser)]
-#[command(name = "vllm-warden", version, about = "Supervise one vLLM server under systemd")]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Cmd,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct ConfigArg {
-    /// Config file.
-    #[arg(short, long, env = "VLLM_WARDEN_CONFIG", default_value = DEFAULT_CONFIG)]
-    pub config: PathBuf,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub config: ConfigArg,
-    /// The warden's own events on stderr as `text` lines (the journal under
-    /// systemd), or as `json` lines for a container's log collector.
-    #[arg(long, value_enum, default_value_t = crate::util::logging::Format::Text)]
-    pub log_format: crate::util::logging::Format,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct PatchArgs {
-    #[command(flatten)]
-    pub config: ConfigArg,
-    /// Print a unified diff per file of what would change; write nothing.
-    #[arg(long, conflicts_with = "revert")]
-    pub dry_run: bool,
-    /// Restore the original files (symlinks back to symlinks).
-    #[arg(long)]
-    pub revert: bool,
-    /// With --revert: restore even files changed by someone else since.
-    #[arg(long, requires = "revert")]
-    pub force: bool,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct CheckArgs {
-    #[command(flatten)]
-    pub config: ConfigArg,
-    /// Also print what `systemctl reload` would do with this file against
-    /// the running instance: nothing, reload in place, or restart the child.
-    #[arg(long)]
-    pub diff: bool,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct StatusArgs {
-    #[command(flatten)]
-    pub config: ConfigArg,
-    /// Print the status document instead of a summary.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct ReportsArgs {
-    #[command(flatten)]
-    pub config: ConfigArg,
-    #[command(subcommand)]
-    pub what: Option<ReportsCmd>,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum ReportsCmd {
-    /// Every report, oldest first: time, attempt, class, size, cause (the default).
-    List,
-    /// One report as a readable summary (the latest by default).
-    Show {
-        /// A report's folder name, or the start of it (its time).
-        id: Option<String>,
-    },
-    /// The folder of one report (the latest by default).
-    Path {
-        /// A report's folder name, or the start of it (its time).
-        id: Option<String>,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Cmd {
-    /// Run the daemon in the foreground (systemd's ExecStart=, or a
-    /// container's PID 1).
-    Run(RunArgs),
-    /// Validate the config and the environment; list every problem.
-    Check(CheckArgs),
-    /// Apply the config's [[patch]] entries to the model files now.
-    Patch(PatchArgs),
-    /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
-    Status(StatusArgs),
-    /// Take the serving model out of rotation and hold it there (the
-    /// server keeps running): exit 0 asked, 3 not serving, 4 not running,
-    /// 77 permission denied on the control socket.
-    Drain(ConfigArg),
-    /// Put a drained model back into rotation.
-    Undrain(ConfigArg),
-    /// Drain, then start the model server again.
-    Restart(ConfigArg),
-    /// Replace the running warden by the binary now at its path, keeping
-    /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running, 77
-    /// not allowed to signal it.
-    Upgrade(ConfigArg),
-    /// The failure reports of failed runs: list, show one, or its folder.
-    Reports(ReportsArgs),
-    /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
-    Demo,
-    /// Write the man pages and shell completions into a folder (packaging).
-    #[command(hide = true)]
-    Assets { dir: PathBuf },
-}
 
 /// Parse the arguments, run the command, return its exit code.
 pub fn main() -> Code {
@@ -416,15 +304,6 @@ fn patch(a: &PatchArgs) -> Code {
     }
 }
 
-/// A current-thread runtime: the loop is one thread, and blocking work
-/// goes to tokio's blocking pool.
-pub fn runtime() -> Result<tokio::runtime::Runtime, Code> {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
-        eprintln!("vllm-warden: cannot start the runtime: {e}");
-        Code::Internal
-    })
-}
-
 fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<PathBuf>) -> Code {
     let settings = match load(path) {
         Ok(s) => s,
@@ -475,7 +354,7 @@ fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<P
         adopted,
         from_upgrade,
     };
-    let rt = match runtime() {
+    let rt = match crate::daemon::runtime() {
         Ok(rt) => rt,
         Err(code) => return code,
     };

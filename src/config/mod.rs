@@ -11,6 +11,7 @@
 //! program, folders and patched files are checked by `environment`, and
 //! what a patch does is `patch`'s.
 
+pub mod command;
 pub mod profile;
 
 use std::collections::BTreeMap;
@@ -21,6 +22,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use toml::de::{DeTable, DeValue};
 
+use self::command::port_of;
 use self::reader::{Keys, Reader, Span, Table, Value, to_json};
 
 use crate::config::profile::{List, Patterns, Profile};
@@ -53,10 +55,9 @@ pub mod defaults {
     pub const STOP_SIGNAL: Signal = Signal::SIGTERM;
     pub const STOP_TIMEOUT: Duration = Duration::from_secs(90);
 
-    /// The port vLLM listens on when the command has no `--port`.
-    pub const PORT: u16 = 8000;
-    /// The Ray head's GCS port when `ray start --head` has no `--port`.
-    pub const RAY_PORT: u16 = 6379;
+    /// The port vLLM listens on when the command has no `--port`, and the
+    /// Ray head's GCS port when `ray start --head` has none.
+    pub use crate::config::command::{PORT, RAY_PORT};
     /// How long a start waits for the Ray cluster (`prestart.ray-*`).
     pub const RAY_WAIT: Duration = minutes(10);
     pub const RAY_MIN_NODES: u32 = 1;
@@ -180,7 +181,7 @@ pub mod limits {
 impl Settings {
     /// The cluster that confirms a Ray node's readiness after its ready
     /// line, unless `ready.http` is set: Ray nodes serve no HTTP.
-    pub fn ready_by_ray(&self) -> Option<&crate::process::ray::Cluster> {
+    pub fn ready_by_ray(&self) -> Option<&Cluster> {
         if self.ready.http.is_some() || !self.profile.is_ray() {
             return None;
         }
@@ -224,7 +225,7 @@ pub struct Child {
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub cwd: Option<PathBuf>,
-    /// `cache-dir`: where the child's caches go (see [`crate::process::caches`]);
+    /// `cache-dir`: where the child's caches go (see `process::caches`);
     /// `$CACHE_DIRECTORY` by default, `None` when there is none or it is
     /// set to `""`.
     pub cache_dir: Option<PathBuf>,
@@ -232,7 +233,7 @@ pub struct Child {
     pub runtime_dir: Option<PathBuf>,
     pub log_file: PathBuf,
     /// `log-max-size`, `log-keep`, `log-compress`.
-    pub log_rotation: crate::observe::rotate::Rotation,
+    pub log_rotation: Rotation,
     pub stop_signal: Signal,
     pub stop_timeout: Duration,
 }
@@ -249,7 +250,7 @@ pub struct Prestart {
     pub gpu_query: Vec<String>,
     /// The Ray cluster: waited for before each start (`gate`), and asked
     /// to confirm a Ray node's readiness.
-    pub ray: Option<crate::process::ray::Cluster>,
+    pub ray: Option<Cluster>,
 }
 
 #[derive(Debug, Clone)]
@@ -275,6 +276,35 @@ pub struct Restart {
     /// 0 = never give up.
     pub max_attempts: u32,
     pub permanent_attempts: u32,
+}
+
+/// `[prestart] ray-*`: the cluster a start needs (what it asks and how:
+/// `process::ray`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    /// `HOST:PORT` of the head's GCS.
+    pub address: String,
+    /// The Python that has Ray (`prestart.ray-python`).
+    pub python: String,
+    /// Whether a start waits for the cluster (a head waits for none).
+    pub gate: bool,
+    pub min_nodes: u32,
+    pub min_cpus: f64,
+    pub min_gpus: f64,
+    /// How long a start waits for it.
+    pub wait: Duration,
+}
+
+/// `child.log-max-size`, `child.log-keep`, `child.log-compress` (carried
+/// out by `observe::rotate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rotation {
+    /// Rotate once the file holds this many bytes.
+    pub max_size: u64,
+    /// Copies kept: `NAME.1` to `NAME.KEEP`; 0 truncates without a copy.
+    pub keep: u32,
+    /// Copies beyond the first are gzip-compressed (`NAME.2.gz`, …).
+    pub compress: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -565,7 +595,7 @@ fn child(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Child {
     });
     let log_dir = dirs.logs.clone().unwrap_or_else(|| PathBuf::from(defaults::LOG_DIR));
     let log_file = k.path("log-file", log_dir.join(format!("{name}.log")));
-    let log_rotation = crate::observe::rotate::Rotation {
+    let log_rotation = Rotation {
         max_size: k
             .read("log-max-size", defaults::LOG_MAX_SIZE, |r, v| size(r, v, "log-max-size", limits::LOG_MAX_SIZE)),
         keep: k.read("log-keep", defaults::LOG_KEEP, |r, v| {
@@ -818,12 +848,12 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
 /// `prestart.ray-*`: the Ray cluster a start waits for. A node's own
 /// command names its cluster (`ray-address` then defaults to it); a joining
 /// node waits for its head, a head for nothing.
-fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Option<crate::process::ray::Cluster> {
+fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Option<Cluster> {
     let head = profile == Profile::RayHead;
-    let own = profile.is_ray().then(|| crate::process::ray::address_in(command, head)).flatten();
+    let own = profile.is_ray().then(|| command::address_in(command, head)).flatten();
     let given = k.read("ray-address", None, |r, v| {
         let a = r.string(v, "ray-address")?;
-        if !crate::process::ray::valid_address(&a) {
+        if !command::valid_address(&a) {
             r.problem(
                 Some(v.span()),
                 format!("`ray-address` {a:?} must be HOST:PORT, as `ray start --address` takes it"),
@@ -859,7 +889,7 @@ fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -
         return None;
     }
     let address = given.or(own)?;
-    Some(crate::process::ray::Cluster { address, python, gate: !head, min_nodes, min_cpus, min_gpus, wait })
+    Some(Cluster { address, python, gate: !head, min_nodes, min_cpus, min_gpus, wait })
 }
 
 /// `[ready]`; adds its patterns to the ready and progress lists.
@@ -1027,20 +1057,6 @@ pub fn parse_signal(s: &str) -> Option<Signal> {
     let upper = s.to_ascii_uppercase();
     let full = if upper.starts_with("SIG") { upper } else { format!("SIG{upper}") };
     full.parse().ok()
-}
-
-/// The value of `--port N` or `--port=N` in a command line.
-pub fn port_of(command: &[String]) -> Option<u16> {
-    let mut it = command.iter();
-    while let Some(arg) = it.next() {
-        if arg == "--port" {
-            return it.next().and_then(|p| p.parse().ok());
-        }
-        if let Some(p) = arg.strip_prefix("--port=") {
-            return p.parse().ok();
-        }
-    }
-    None
 }
 
 /// The effective pattern lists, as `check` prints them.

@@ -1,6 +1,7 @@
 //! The built-in profiles: which log lines mean ready, progress, fatal,
 //! benign and permanent, for vLLM and for the two roles of a Ray node. Only
-//! the lists live here; how they are matched belongs to `logwatch`.
+//! the lists live here; how they are matched belongs to the supervisor's
+//! classifier.
 //!
 //! Every pattern is a regular expression searched anywhere in a line whose
 //! ANSI codes have been stripped. The lists come from real vLLM logs (see
@@ -123,8 +124,8 @@ impl Profile {
     /// the Ray head's GCS on 6379); a node joining a Ray cluster listens on
     /// none that is known beforehand.
     pub fn default_port(self, command: &[String]) -> Option<u16> {
-        use crate::config::defaults::{PORT, RAY_PORT};
-        let given = crate::config::port_of(command);
+        use crate::config::command::{PORT, RAY_PORT, port_of};
+        let given = port_of(command);
         match self {
             Profile::Vllm | Profile::None => Some(given.unwrap_or(PORT)),
             Profile::RayHead => Some(given.unwrap_or(RAY_PORT)),

@@ -1,4 +1,5 @@
 use super::*;
+use crate::config::command::port_of;
 
 fn parse_str(text: &str) -> Result<Settings, Problems> {
     parse(text, Path::new("/etc/vllm-warden/kimi.toml"), &Dirs::default())

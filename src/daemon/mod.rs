@@ -31,6 +31,15 @@ use crate::supervisor::outcome::{Prepared, StartFailure};
 use crate::util::redact;
 use crate::util::tasks::{Lifetime, Tasks};
 
+/// A current-thread runtime: the loop is one thread, and blocking work
+/// goes to tokio's blocking pool.
+pub fn runtime() -> Result<tokio::runtime::Runtime, Code> {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
+        eprintln!("vllm-warden: cannot start the runtime: {e}");
+        Code::Internal
+    })
+}
+
 /// Supervise `settings` until the machine is done, taking requests (stop,
 /// reload) from `requests`; returns the exit code.
 pub async fn run(

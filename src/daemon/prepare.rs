@@ -102,7 +102,7 @@ fn blocking_steps(
         None | Some((_, prestart::Port::Free)) => Blocking::PortFree,
         Some((port, prestart::Port::Held)) => Blocking::PortHeld(port, prestart::describe_holders(port)),
         // The warden's own shortage may pass: waited for as a held port.
-        Some((port, prestart::Port::Unknown(e))) if crate::daemon::server::own_shortage(&e).is_some() => {
+        Some((port, prestart::Port::Unknown(e))) if crate::util::errno::own_shortage(&e).is_some() => {
             Blocking::PortHeld(port, prestart::describe_port_error(port, &e))
         }
         // Permission denied and the like: waiting changes nothing.
@@ -216,11 +216,7 @@ const RAY_MAX_RETRY: Duration = Duration::from_secs(10);
 /// Wait until the cluster has what `cluster` asks for, looking with a
 /// growing delay and showing what is missing; fail the start naming it
 /// once `cluster.wait` has passed.
-async fn ray_gate(
-    cluster: &crate::process::ray::Cluster,
-    child: &[String],
-    status: &Status,
-) -> Result<(), StartFailure> {
+async fn ray_gate(cluster: &crate::config::Cluster, child: &[String], status: &Status) -> Result<(), StartFailure> {
     let argv = cluster.command(child);
     let address = &cluster.address;
     let wait = humantime::format_duration(cluster.wait);

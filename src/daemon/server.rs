@@ -266,17 +266,6 @@ impl Accept for tokio::net::UnixListener {
     }
 }
 
-/// The warden's own lack of a resource, named, when `e` is one: the error
-/// is the warden's, never the child's.
-pub fn own_shortage(e: &std::io::Error) -> Option<&'static str> {
-    match e.raw_os_error()? {
-        libc::EMFILE => Some("the warden is out of file descriptors"),
-        libc::ENFILE => Some("the system is out of file descriptors"),
-        libc::ENOMEM | libc::ENOBUFS => Some("the warden is out of memory"),
-        _ => None,
-    }
-}
-
 /// Accept and serve connections until aborted: at most
 /// `limits.connections` at once, each closed after
 /// [`HEADER_READ_TIMEOUT`] without a request head or [`IDLE_TIMEOUT`]
@@ -314,7 +303,7 @@ async fn serve<L: Accept>(listener: L, app: Router, limits: Limits, what: &'stat
             }
             Err(e) => {
                 drop(permit);
-                match own_shortage(&e) {
+                match crate::util::errno::own_shortage(&e) {
                     // The connection waits in the kernel's queue: looked
                     // at again after a pause, not in a busy loop.
                     Some(why) => {
@@ -710,16 +699,6 @@ mod tests {
         assert_eq!(Limits::for_nofile(4).connections, 1, "never none");
         let l = Limits::for_nofile(1024);
         assert_eq!((l.header_read, l.idle), (HEADER_READ_TIMEOUT, IDLE_TIMEOUT));
-    }
-
-    #[test]
-    fn the_wardens_own_shortages_are_named() {
-        let e = |n| std::io::Error::from_raw_os_error(n);
-        assert_eq!(own_shortage(&e(libc::EMFILE)), Some("the warden is out of file descriptors"));
-        assert_eq!(own_shortage(&e(libc::ENFILE)), Some("the system is out of file descriptors"));
-        assert_eq!(own_shortage(&e(libc::ENOMEM)), Some("the warden is out of memory"));
-        assert_eq!(own_shortage(&e(libc::ECONNREFUSED)), None);
-        assert_eq!(own_shortage(&e(libc::EADDRINUSE)), None);
     }
 
     /// A router with one route that reads its body, for the idle timeout.

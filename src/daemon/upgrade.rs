@@ -28,7 +28,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// The environment variable that names the state file for the successor.
-pub const STATE_ENV: &str = "VLLM_WARDEN_UPGRADE_STATE";
+pub use crate::process::child::UPGRADE_STATE_ENV as STATE_ENV;
 
 /// The state file's name in the runtime directory.
 pub const STATE_FILE: &str = "upgrade.json";

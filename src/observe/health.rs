@@ -96,7 +96,7 @@ pub enum Miss {
 
 impl Miss {
     /// A failed request: the warden's own shortage when the error is one
-    /// (see [`crate::daemon::server::own_shortage`]), else the server's failure.
+    /// (see [`crate::util::errno::own_shortage`]), else the server's failure.
     fn of(e: &ureq::Error, timeout: Duration, what: &str) -> Miss {
         if let Some(why) = shortage(e) {
             return Miss::Warden(format!("{why} ({})", e));
@@ -114,11 +114,11 @@ impl Miss {
 /// The warden's own shortage behind a request's error, if that is what it is.
 fn shortage(e: &ureq::Error) -> Option<&'static str> {
     if let ureq::Error::Io(io) = e {
-        return crate::daemon::server::own_shortage(io);
+        return crate::util::errno::own_shortage(io);
     }
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
-        if let Some(why) = s.downcast_ref::<std::io::Error>().and_then(crate::daemon::server::own_shortage) {
+        if let Some(why) = s.downcast_ref::<std::io::Error>().and_then(crate::util::errno::own_shortage) {
             return Some(why);
         }
         source = s.source();

@@ -27,8 +27,9 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use regex::{Regex, RegexSet};
 use tokio::sync::mpsc;
 
+use crate::config::Rotation;
 use crate::config::profile::Patterns;
-use crate::observe::rotate::{Rotation, Rotator};
+use crate::observe::rotate::Rotator;
 use crate::util::tasks::{Lifetime, Tasks};
 
 /// Longest line kept; the rest of a longer line is dropped.

@@ -17,6 +17,7 @@
 //! [`Rotator::truncate`]. The follower's thread drives this; the
 //! compression runs on a thread of its own.
 
+use crate::config::Rotation;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -27,17 +28,6 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use crate::util::fsutil::Dir;
-
-/// `child.log-max-size`, `child.log-keep`, `child.log-compress`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rotation {
-    /// Rotate once the file holds this many bytes.
-    pub max_size: u64,
-    /// Copies kept: `NAME.1` to `NAME.KEEP`; 0 truncates without a copy.
-    pub keep: u32,
-    /// Copies beyond the first are gzip-compressed (`NAME.2.gz`, …).
-    pub compress: bool,
-}
 
 /// Rotates one log file: the follower's thread holds it.
 pub struct Rotator {

@@ -63,10 +63,13 @@ pub fn crash_words(s: Signal) -> Option<&'static str> {
     }
 }
 
+/// The environment variable that names an upgrade's state file for the
+/// successor (`daemon::upgrade`).
+pub const UPGRADE_STATE_ENV: &str = "VLLM_WARDEN_UPGRADE_STATE";
+
 /// The environment variables a child must never inherit: they would let it
 /// talk to systemd in the warden's name.
-pub const SCRUBBED_ENV: [&str; 4] =
-    ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", crate::daemon::upgrade::STATE_ENV];
+pub const SCRUBBED_ENV: [&str; 4] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", UPGRADE_STATE_ENV];
 
 /// What the tree reports to the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]

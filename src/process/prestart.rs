@@ -633,7 +633,7 @@ pub fn port_free(port: u16) -> bool {
 /// A bind error that says nothing about the port, as a cause: the warden's
 /// own shortage named as such, else the error as it is.
 pub fn describe_port_error(port: u16, e: &io::Error) -> String {
-    match crate::daemon::server::own_shortage(e) {
+    match crate::util::errno::own_shortage(e) {
         Some(why) => format!("cannot check port {port}: {why} ({e})"),
         None => format!("cannot check port {port}: binding it failed: {e}"),
     }

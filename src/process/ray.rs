@@ -8,6 +8,8 @@
 //! here; nothing in it is trusted beyond states, addresses compared for
 //! equality, and resource figures.
 
+use crate::config::Cluster;
+use crate::config::command::flag;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -33,22 +35,6 @@ for i in infos.values():
                   "total": total, "free": {k: mine.get(k, 0.0) for k in total}})
 print(json.dumps({"nodes": nodes}))
 "#;
-
-/// `[prestart] ray-*`: the cluster a start needs.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Cluster {
-    /// `HOST:PORT` of the head's GCS.
-    pub address: String,
-    /// The Python that has Ray (`prestart.ray-python`).
-    pub python: String,
-    /// Whether a start waits for the cluster (a head waits for none).
-    pub gate: bool,
-    pub min_nodes: u32,
-    pub min_cpus: f64,
-    pub min_gpus: f64,
-    /// How long a start waits for it.
-    pub wait: Duration,
-}
 
 /// What the GCS showed.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -239,37 +225,6 @@ pub fn parse_answer(text: &str) -> Result<View, String> {
     Ok(view)
 }
 
-/// The head's GCS address a node's own command names: `--address` of a
-/// joining node; `--node-ip-address` (else 127.0.0.1) and `--port` (else
-/// 6379) of a head.
-pub fn address_in(command: &[String], head: bool) -> Option<String> {
-    if head {
-        let ip = flag(command, "--node-ip-address").unwrap_or_else(|| "127.0.0.1".into());
-        let port = crate::config::port_of(command).unwrap_or(crate::config::defaults::RAY_PORT);
-        Some(format!("{}:{port}", bracketed(&ip)))
-    } else {
-        flag(command, "--address")
-    }
-}
-
-fn bracketed(ip: &str) -> String {
-    if ip.contains(':') && !ip.starts_with('[') { format!("[{ip}]") } else { ip.to_string() }
-}
-
-/// The value of `--name VALUE` or `--name=VALUE`.
-pub fn flag(command: &[String], name: &str) -> Option<String> {
-    let mut it = command.iter();
-    while let Some(arg) = it.next() {
-        if arg == name {
-            return it.next().cloned();
-        }
-        if let Some(v) = arg.strip_prefix(name).and_then(|r| r.strip_prefix('=')) {
-            return Some(v.to_string());
-        }
-    }
-    None
-}
-
 /// The folder a Ray node keeps its sessions in: `--temp-dir`, else
 /// `RAY_TMPDIR` or `TMPDIR` (the child's environment first, then the
 /// warden's) followed by `/ray`, else `/tmp/ray` — as Ray chooses it.
@@ -365,22 +320,6 @@ fn used_folders(folders: &[PathBuf]) -> std::collections::HashMap<PathBuf, std::
         }
     }
     out
-}
-
-/// Whether `address` is `HOST:PORT` as Ray takes it: a host name, an IPv4
-/// address or a bracketed IPv6 one, and a port from 1 to 65535.
-pub fn valid_address(address: &str) -> bool {
-    let Some((host, port)) = address.rsplit_once(':') else { return false };
-    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
-    let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-        v6.parse::<std::net::Ipv6Addr>().is_ok()
-    } else {
-        !host.is_empty()
-            && host.len() <= 253
-            && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
-            && !host.starts_with('-')
-    };
-    port_ok && host_ok
 }
 
 #[cfg(test)]

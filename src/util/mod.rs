@@ -4,6 +4,7 @@
 //!
 //! Uses nothing of the crate; knows nothing of vLLM, the child or systemd.
 
+pub mod errno;
 pub mod escape;
 pub mod fsutil;
 pub mod logging;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::config::command::{address_in, valid_address};
 
 fn cluster() -> Cluster {
     Cluster {

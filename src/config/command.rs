@@ -1,0 +1,70 @@
+//! What the warden reads in the child's command line: the port it serves
+//! on, a flag's value, the Ray head's address a node names. The servers'
+//! own default ports live here, below the profiles and the defaults that
+//! both use them.
+
+/// vLLM's port when its command names none.
+pub const PORT: u16 = 8000;
+/// A Ray head's GCS port when its command names none.
+pub const RAY_PORT: u16 = 6379;
+
+/// The value of `--port N` or `--port=N` in a command line.
+pub fn port_of(command: &[String]) -> Option<u16> {
+    let mut it = command.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--port" {
+            return it.next().and_then(|p| p.parse().ok());
+        }
+        if let Some(p) = arg.strip_prefix("--port=") {
+            return p.parse().ok();
+        }
+    }
+    None
+}
+
+/// The value of `--name VALUE` or `--name=VALUE`.
+pub fn flag(command: &[String], name: &str) -> Option<String> {
+    let mut it = command.iter();
+    while let Some(arg) = it.next() {
+        if arg == name {
+            return it.next().cloned();
+        }
+        if let Some(v) = arg.strip_prefix(name).and_then(|r| r.strip_prefix('=')) {
+            return Some(v.to_string());
+        }
+    }
+    None
+}
+
+/// The head's GCS address a node's own command names: `--address` of a
+/// joining node; `--node-ip-address` (else 127.0.0.1) and `--port` (else
+/// 6379) of a head.
+pub fn address_in(command: &[String], head: bool) -> Option<String> {
+    if head {
+        let ip = flag(command, "--node-ip-address").unwrap_or_else(|| "127.0.0.1".into());
+        let port = port_of(command).unwrap_or(RAY_PORT);
+        Some(format!("{}:{port}", bracketed(&ip)))
+    } else {
+        flag(command, "--address")
+    }
+}
+
+fn bracketed(ip: &str) -> String {
+    if ip.contains(':') && !ip.starts_with('[') { format!("[{ip}]") } else { ip.to_string() }
+}
+
+/// Whether `address` is `HOST:PORT` as Ray takes it: a host name, an IPv4
+/// address or a bracketed IPv6 one, and a port from 1 to 65535.
+pub fn valid_address(address: &str) -> bool {
+    let Some((host, port)) = address.rsplit_once(':') else { return false };
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
+    let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        v6.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty()
+            && host.len() <= 253
+            && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+            && !host.starts_with('-')
+    };
+    port_ok && host_ok
+}
