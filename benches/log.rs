@@ -26,7 +26,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use vllm_warden::config::profile::{List, Profile};
-use vllm_warden::observe::logwatch::{Class, Classifier, Delivery, Follower, Splitter};
+use vllm_warden::observe::logwatch::{Delivery, Follower};
+use vllm_warden::supervisor::classify::{Class, Classifier, Splitter};
 
 const READY_LINE: &str = "INFO:     Application startup complete.";
 /// The child's side of a run: what it writes, set in its environment.

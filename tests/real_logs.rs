@@ -7,8 +7,8 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use tokio::time::Instant;
 use vllm_warden::config::{self, Dirs};
-use vllm_warden::observe::logwatch::{Class, Classifier, Splitter};
 use vllm_warden::process::child::Exit;
+use vllm_warden::supervisor::classify::{Class, Classifier, Splitter};
 use vllm_warden::supervisor::machine::{Event, Machine, Policy, State};
 use vllm_warden::supervisor::outcome::Phase;
 

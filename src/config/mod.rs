@@ -60,6 +60,9 @@ pub mod defaults {
     pub use crate::config::command::{PORT, RAY_PORT};
     /// How long a start waits for the Ray cluster (`prestart.ray-*`).
     pub const RAY_WAIT: Duration = minutes(10);
+    /// How long one look at the Ray cluster may take: it starts a Python
+    /// interpreter and imports Ray, several seconds on a busy machine.
+    pub const RAY_STATUS_TIMEOUT: Duration = Duration::from_secs(30);
     pub const RAY_MIN_NODES: u32 = 1;
     /// The Python that asks the cluster (it must have Ray).
     pub const RAY_PYTHON: &str = "python3";
@@ -1072,7 +1075,5 @@ pub fn describe_patterns(s: &Settings) -> String {
     out
 }
 
-#[cfg(test)]
-mod properties;
 #[cfg(test)]
 mod tests;

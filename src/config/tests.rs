@@ -462,7 +462,9 @@ fn patterns_too_big_together_are_refused() {
     let p = parse_str(&text).unwrap_err();
     let mut patterns = Profile::Vllm.patterns();
     patterns.fatal.extend([r"\w{150}".to_string(), r"\w{150}x".to_string()]);
-    let Err(run) = crate::observe::logwatch::Classifier::new(&patterns) else { panic!("`run` accepts these patterns") };
+    let Err(run) = crate::supervisor::classify::Classifier::new(&patterns) else {
+        panic!("`run` accepts these patterns")
+    };
     assert_eq!(
         p.to_string(),
         format!("/etc/vllm-warden/kimi.toml:4:9: `fatal.match`: the effective fatal list cannot be compiled: {run}")

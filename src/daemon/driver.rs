@@ -19,9 +19,10 @@ use tokio_stream::{Stream, StreamExt};
 
 use crate::config::Settings;
 use crate::daemon::reload::Plan;
-use crate::observe::logwatch::{Classifier, Delivery};
+use crate::observe::logwatch::Delivery;
 use crate::observe::notify::{Note, Notifier};
 use crate::process::child::TreeEvent;
+use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
 use crate::supervisor::machine::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
 use crate::supervisor::outcome::{Prepared, StartFailure};

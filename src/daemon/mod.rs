@@ -22,9 +22,10 @@ use tokio_stream::Stream;
 
 use self::driver::{Backend, Context, Input, Request};
 use crate::config::{self, Dirs, Settings};
-use crate::observe::logwatch::{Classifier, Delivery, Follower, Level, Tap};
+use crate::observe::logwatch::{Delivery, Follower, Tap};
 use crate::observe::notify::Notifier;
 use crate::process::child::{self, Spec, Tree};
+use crate::supervisor::classify::{Classifier, Level};
 use crate::supervisor::exit::Code;
 use crate::supervisor::machine::{Machine, Policy, State};
 use crate::supervisor::outcome::{Prepared, StartFailure};

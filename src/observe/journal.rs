@@ -7,7 +7,7 @@
 use tracing::Level as T;
 use tracing_subscriber::prelude::*;
 
-use crate::observe::logwatch::Level;
+use crate::supervisor::classify::Level;
 
 /// The tracing level whose journal PRIORITY is the syslog priority of a
 /// vLLM level word: tracing-journald writes ERROR as 3 (err), WARN as 4

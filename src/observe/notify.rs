@@ -12,15 +12,7 @@ use std::path::Path;
 
 use sd_notify::NotifyState;
 
-/// One message to the service manager.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Note {
-    Ready,
-    Status(String),
-    Stopping,
-    ExtendTimeout(Duration),
-    Watchdog,
-}
+pub use crate::supervisor::machine::Note;
 
 /// Where notifications go.
 pub trait Notifier: Send {

@@ -25,9 +25,9 @@ use std::time::{Duration, Instant, SystemTime};
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 
-use crate::observe::logwatch::Classifier;
 use crate::process::child::ProcStat;
 use crate::process::prestart::QueryError;
+use crate::supervisor::classify::Classifier;
 use crate::supervisor::machine::ReportOrder;
 use crate::supervisor::outcome::FailureClass;
 
@@ -804,10 +804,14 @@ fn log_tail(
     if from != offset && from != 0 {
         // A cut read begins inside a line: skip to the next one.
         let mut piece = Vec::new();
-        io::BufRead::read_until(&mut (&mut reader).take(crate::observe::logwatch::MAX_LINE as u64), b'\n', &mut piece)?;
+        io::BufRead::read_until(
+            &mut (&mut reader).take(crate::supervisor::classify::MAX_LINE as u64),
+            b'\n',
+            &mut piece,
+        )?;
     }
     classifier.reset();
-    let mut splitter = crate::observe::logwatch::Splitter::default();
+    let mut splitter = crate::supervisor::classify::Splitter::default();
     let mut tail: VecDeque<String> = VecDeque::with_capacity(keep.min(1 << 16));
     let mut tb = Tracebacks::default();
     let mut total = 0usize;
@@ -879,10 +883,10 @@ struct Tracebacks {
 
 impl Tracebacks {
     fn line(&mut self, line: &str, c: &mut Classifier) {
-        let (process, message) = crate::observe::logwatch::process_and_message(line);
+        let (process, message) = crate::supervisor::classify::process_and_message(line);
         let exception = c.classify_ref(line).line.and_then(|l| l.exception);
         if message.starts_with("Traceback (most recent call last)") {
-            if self.open.len() >= crate::observe::logwatch::TRACEBACK_PROCESSES {
+            if self.open.len() >= crate::supervisor::classify::TRACEBACK_PROCESSES {
                 self.open.clear();
             }
             self.open.insert(process.to_string(), Vec::new());
@@ -904,7 +908,7 @@ impl Tracebacks {
             let group = self.groups.entry(exc.group).or_default();
             let room = GROUP_LINES.saturating_sub(group.len());
             group.extend(lines.into_iter().take(room));
-            if self.last.len() >= crate::observe::logwatch::TRACEBACK_PROCESSES {
+            if self.last.len() >= crate::supervisor::classify::TRACEBACK_PROCESSES {
                 self.last.clear();
             }
             self.last.insert(process.to_string(), exc.group);

@@ -5,7 +5,6 @@
 //! them back. How the state changes is not known here: the supervisor hands
 //! over a [`Snapshot`].
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,45 +17,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 
-use crate::process::child::Exit;
+use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Phase};
+pub use crate::supervisor::snapshot::{LastFailure, Snapshot};
 use crate::util::fsutil::replace;
-
-/// What the supervisor is doing, as plain data.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Snapshot {
-    pub phase: Phase,
-    pub child_pid: Option<u32>,
-    pub attempt: u32,
-    pub restarts: u32,
-    /// Spawns so far.
-    pub starts: u32,
-    pub progress: Option<String>,
-    pub cause: Option<String>,
-    /// What to do about the cause, when it is a known one.
-    pub hint: Option<String>,
-    /// Children exited so far, and the last exit.
-    pub exits: u32,
-    pub last_exit: Option<Exit>,
-    /// How long the last successful load took.
-    pub last_load: Option<Duration>,
-    /// Failed runs by class.
-    pub failures: BTreeMap<FailureClass, u64>,
-    /// The exit code, once the warden is done.
-    pub exit_code: Option<crate::supervisor::exit::Code>,
-    /// The last failed run, kept after a later ready.
-    pub last_failure: Option<LastFailure>,
-}
-
-/// The last failed run: why, and where its failure report is.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LastFailure {
-    pub cause: String,
-    pub class: FailureClass,
-    /// The report's folder; none for a start that never spawned, or with
-    /// reports off.
-    pub report: Option<String>,
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LastExit {
@@ -588,6 +552,7 @@ fn human_bytes(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     fn snap() -> Snapshot {
         Snapshot {

@@ -12,7 +12,6 @@
 //! to its thread and a new reaper takes over (see [`reap_loop`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::process::CommandExt;
@@ -27,41 +26,8 @@ use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::Pid;
 use tokio::task::AbortHandle;
 
+pub use crate::supervisor::outcome::Exit;
 use crate::util::tasks::{Lifetime, Tasks};
-
-/// How a process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Exit {
-    Code(i32),
-    Signal(Signal),
-}
-
-impl fmt::Display for Exit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Exit::Code(c) => write!(f, "exit code {c}"),
-            Exit::Signal(s) => match crash_words(*s) {
-                Some(words) => write!(f, "killed by {}: {words}", s.as_str()),
-                None => write!(f, "killed by {}", s.as_str()),
-            },
-        }
-    }
-}
-
-/// What a signal a process gets from its own fault says about it: these
-/// are raised by the CPU or the C library, not sent by a supervisor.
-/// SIGILL is an instruction this CPU or kernel refuses (a build for
-/// another CPU, or AMX tiles used without the kernel's permission).
-pub fn crash_words(s: Signal) -> Option<&'static str> {
-    match s {
-        Signal::SIGILL => Some("illegal instruction"),
-        Signal::SIGSEGV => Some("segmentation fault"),
-        Signal::SIGBUS => Some("bus error"),
-        Signal::SIGFPE => Some("arithmetic exception"),
-        Signal::SIGABRT => Some("aborted"),
-        _ => None,
-    }
-}
 
 /// The environment variable that names an upgrade's state file for the
 /// successor (`daemon::upgrade`).

@@ -13,9 +13,9 @@ use crate::config::command::flag;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// How long one look may take: it starts a Python interpreter and imports
-/// Ray, several seconds on a busy machine.
-pub const STATUS_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one look may take (it starts a Python interpreter and imports
+/// Ray, several seconds on a busy machine); the pre-start budget counts it.
+pub use crate::config::defaults::RAY_STATUS_TIMEOUT as STATUS_TIMEOUT;
 
 /// The look, run as `PYTHON -c ASK_GCS HEAD:PORT`: the GCS's nodes, each
 /// with its address, whether it is alive, and its total and free

@@ -45,10 +45,9 @@ use nix::sys::signal::Signal;
 use tokio::time::Instant;
 
 use crate::config::Settings;
-use crate::observe::logwatch::{Class, Exception, Line};
-use crate::observe::notify::Note;
-use crate::process::child::Exit;
+use crate::supervisor::classify::{Class, Exception, Line};
 use crate::supervisor::exit::Code;
+use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
 
 /// Before ready there is nothing to drain, and vLLM can lose a SIGTERM sent
@@ -72,6 +71,16 @@ pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(20);
 /// What a failure report may take beyond `reports.timeout` (which bounds
 /// its commands) before the machine stops waiting for it: its file writes.
 pub const REPORT_MARGIN: Duration = Duration::from_secs(5);
+
+/// One message to the service manager.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Note {
+    Ready,
+    Status(String),
+    Stopping,
+    ExtendTimeout(Duration),
+    Watchdog,
+}
 
 /// The parts of the settings the machine acts on.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,7 +123,7 @@ pub fn prepare_timeout(s: &Settings) -> Duration {
         .ray
         .as_ref()
         .filter(|c| c.gate)
-        .map_or(Duration::ZERO, |c| c.wait.saturating_add(crate::process::ray::STATUS_TIMEOUT));
+        .map_or(Duration::ZERO, |c| c.wait.saturating_add(crate::config::defaults::RAY_STATUS_TIMEOUT));
     [
         s.child.stop_timeout,
         KILL_GRACE,
@@ -633,7 +642,7 @@ pub struct Machine {
     /// Failed runs by class.
     failure_counts: BTreeMap<FailureClass, u64>,
     /// The last failed run: its cause and report; kept after ready.
-    last_failure: Option<crate::observe::status::LastFailure>,
+    last_failure: Option<crate::supervisor::snapshot::LastFailure>,
     /// The version of the warden this one took the ready run over from.
     upgraded_from: Option<String>,
 }
@@ -654,7 +663,7 @@ pub struct Saved {
     pub failure_counts: BTreeMap<FailureClass, u64>,
     /// Absent from a predecessor that did not know it.
     #[serde(default)]
-    pub last_failure: Option<crate::observe::status::LastFailure>,
+    pub last_failure: Option<crate::supervisor::snapshot::LastFailure>,
     /// The run was drained and held out of rotation: the successor holds
     /// it so (`/readyz` 503) until `undrain`. Absent from a predecessor
     /// that did not know it.
@@ -802,8 +811,8 @@ impl Machine {
     }
 
     /// What the status document and the metrics show.
-    pub fn snapshot(&self) -> crate::observe::status::Snapshot {
-        crate::observe::status::Snapshot {
+    pub fn snapshot(&self) -> crate::supervisor::snapshot::Snapshot {
+        crate::supervisor::snapshot::Snapshot {
             phase: self.phase(),
             child_pid: self.child_pid(),
             attempt: self.attempt(),
@@ -1298,8 +1307,11 @@ impl Machine {
         let permanence = if failure.permanent { Permanence::Unrunnable } else { Permanence::Transient };
         let mut cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence, hint: None };
         cause.hint = self.policy.hints.find(&cause.text);
-        self.last_failure =
-            Some(crate::observe::status::LastFailure { cause: cause.text.clone(), class: cause.class(), report: None });
+        self.last_failure = Some(crate::supervisor::snapshot::LastFailure {
+            cause: cause.text.clone(),
+            class: cause.class(),
+            report: None,
+        });
         let fx = vec![record(Severity::Error, Topic::Failed, format!("start failed: {}", cause.shown()))];
         self.after_failure(cause, None, now, fx)
     }
@@ -1423,7 +1435,7 @@ impl Machine {
     fn announce(&mut self, c: &Cause, then: &str, fx: &mut Vec<Effect>) {
         self.cause = Some(c.clone());
         self.last_failure =
-            Some(crate::observe::status::LastFailure { cause: c.text.clone(), class: c.class(), report: None });
+            Some(crate::supervisor::snapshot::LastFailure { cause: c.text.clone(), class: c.class(), report: None });
         fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown())));
         fx.push(Effect::Notify(vec![status(format!("failed ({}{then}): {}", self.attempts_text(), c.shown()))]));
     }

@@ -8,8 +8,10 @@
 //! (the settings' types), `patch` (a patch's description) and `util`;
 //! never `process`, `observe`, `daemon` or `cli`.
 
+pub mod classify;
 pub mod exit;
 pub mod hints;
 pub mod machine;
 pub mod outcome;
 pub mod progress;
+pub mod snapshot;

@@ -3,6 +3,9 @@
 //! fix it, and how the pre-start steps ended. Plain data; nothing here
 //! knows how the state changes or how a step is carried out.
 
+use std::fmt;
+
+use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
 
 /// What the warden is doing, as the status document, the metrics and
@@ -153,4 +156,38 @@ pub enum Prepared {
     Failed(StartFailure),
     /// Given up on request (a stop or a reload came meanwhile).
     Cancelled,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(Signal),
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exit::Code(c) => write!(f, "exit code {c}"),
+            Exit::Signal(s) => match crash_words(*s) {
+                Some(words) => write!(f, "killed by {}: {words}", s.as_str()),
+                None => write!(f, "killed by {}", s.as_str()),
+            },
+        }
+    }
+}
+
+/// What a signal a process gets from its own fault says about it: these
+/// are raised by the CPU or the C library, not sent by a supervisor.
+/// SIGILL is an instruction this CPU or kernel refuses (a build for
+/// another CPU, or AMX tiles used without the kernel's permission).
+pub fn crash_words(s: Signal) -> Option<&'static str> {
+    match s {
+        Signal::SIGILL => Some("illegal instruction"),
+        Signal::SIGSEGV => Some("segmentation fault"),
+        Signal::SIGBUS => Some("bus error"),
+        Signal::SIGFPE => Some("arithmetic exception"),
+        Signal::SIGABRT => Some("aborted"),
+        _ => None,
+    }
 }

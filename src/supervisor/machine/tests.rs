@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::config::profile::Profile;
-use crate::observe::logwatch::Classifier;
+use crate::supervisor::classify::Classifier;
 
 fn policy() -> Policy {
     Policy {

@@ -10,8 +10,8 @@ use std::time::Instant;
 use proptest::prelude::*;
 use proptest::sample::select;
 
-use super::*;
-use crate::observe::logwatch::Classifier;
+use vllm_warden::config::*;
+use vllm_warden::supervisor::classify::Classifier;
 
 const FILE: &str = "/etc/vllm-warden/p.toml";
 
@@ -135,7 +135,7 @@ fn tomlish() -> impl Strategy<Value = String> {
 /// are left out: compiling them in every case would make the test slow, and
 /// the random configs below cover them.
 fn mutated_example() -> impl Strategy<Value = String> {
-    let example: String = include_str!("../../examples/kimi-k2.5-nvfp4.toml")
+    let example: String = include_str!("../examples/kimi-k2.5-nvfp4.toml")
         .lines()
         .filter(|l| !l.starts_with("match") && !l.starts_with("ignore"))
         .map(|l| format!("{l}\n"))

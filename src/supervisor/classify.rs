@@ -1,0 +1,512 @@
+//! What a line of the child's log says. [`Splitter`] cuts bytes into lines
+//! at `\n` or `\r`, removes ANSI codes (only from the rare line that has a
+//! control byte) and caps a line at [`MAX_LINE`]; [`Classifier`] maps each
+//! line to a [`Class`] in the order ignore → fatal/permanent → ready →
+//! progress and follows Python tracebacks to their final exception line.
+//! Pure: the file and its follower are `observe::logwatch`'s.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use regex::{Regex, RegexSet};
+
+use crate::config::profile::Patterns;
+
+/// Longest line kept; the rest of a longer line is dropped.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// Processes whose traceback state is kept; the least recently seen half
+/// is forgotten when a new one would pass this.
+pub const TRACEBACK_PROCESSES: usize = 1024;
+
+/// Cuts a byte stream into clean text lines.
+#[derive(Debug, Default)]
+pub struct Splitter {
+    buf: Vec<u8>,
+    /// The current line passed [`MAX_LINE`] and was emitted already.
+    overflow: bool,
+    /// A line's text after [`strip`], when it had anything to remove.
+    scratch: String,
+}
+
+impl Splitter {
+    /// Bytes of a line not yet ended, read but not handed on (none while
+    /// the rest of an over-long line is being dropped).
+    pub fn pending(&self) -> u64 {
+        if self.overflow { 0 } else { self.buf.len() as u64 }
+    }
+
+    /// Cut `bytes` into lines, collecting the non-blank ones.
+    pub fn push(&mut self, bytes: &[u8], out: &mut Vec<String>) {
+        self.feed(bytes, |line| out.push(line.to_string()));
+    }
+
+    /// Cut `bytes` into lines and call `f` with each non-blank one; a line
+    /// that is whole in `bytes` and needs no cleaning is not copied.
+    pub fn feed(&mut self, mut bytes: &[u8], mut f: impl FnMut(&str)) {
+        while !bytes.is_empty() {
+            let end = memchr::memchr2(b'\n', b'\r', bytes);
+            let chunk = &bytes[..end.unwrap_or(bytes.len())];
+            if !self.overflow {
+                if end.is_some() && self.buf.is_empty() {
+                    emit(&chunk[..chunk.len().min(MAX_LINE)], &mut self.scratch, &mut f);
+                } else {
+                    let room = MAX_LINE - self.buf.len();
+                    self.buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    let full = chunk.len() >= room && (end.is_none() || chunk.len() > room);
+                    if full || end.is_some() {
+                        emit(&self.buf, &mut self.scratch, &mut f);
+                        self.buf.clear();
+                        self.overflow = full;
+                    }
+                }
+            }
+            match end {
+                Some(i) => {
+                    self.overflow = false;
+                    bytes = &bytes[i + 1..];
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+fn emit(raw: &[u8], scratch: &mut String, f: &mut impl FnMut(&str)) {
+    let text = clean(raw, scratch);
+    if !text.trim().is_empty() {
+        f(text);
+    }
+}
+
+/// The text of a raw line: `raw` itself when it has no control byte and is
+/// valid UTF-8 without C1 controls (nearly every line), else [`strip`]ped
+/// into `scratch`.
+fn clean<'a>(raw: &'a [u8], scratch: &'a mut String) -> &'a str {
+    // Without an early exit, so that it vectorises.
+    let control = raw.chunks(64).any(|c| c.iter().fold(false, |acc, &b| acc | (b < 0x20)));
+    if !control && let Ok(text) = std::str::from_utf8(raw) {
+        let c1 = !raw.is_ascii() && memchr::memchr_iter(0xc2, raw).any(|i| matches!(raw.get(i + 1), Some(0x80..=0x9f)));
+        if !c1 {
+            return text;
+        }
+    }
+    scratch.clear();
+    strip(raw, scratch);
+    scratch
+}
+
+/// What a terminal would print of `raw`: escape sequences (CSI, OSC, DCS,
+/// …) and control characters removed, invalid UTF-8 shown as `�`, by the
+/// `strip-ansi-escapes` crate (a `vte` terminal parser); a tab is the space
+/// a terminal shows, not a control to drop (Ray's and Python logging's
+/// `TIME\tLEVEL …`). Only lines that hold a control byte or a C1
+/// character come here (see [`clean`]).
+pub fn strip(raw: &[u8], out: &mut String) {
+    let spaced: Vec<u8>;
+    let raw = if memchr::memchr(b'\t', raw).is_some() {
+        spaced = raw.iter().map(|&b| if b == b'\t' { b' ' } else { b }).collect();
+        &spaced[..]
+    } else {
+        raw
+    };
+    out.push_str(&String::from_utf8_lossy(&strip_ansi_escapes::strip(raw)));
+}
+
+/// What a line means to the supervisor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Class {
+    /// Matched an ignore (benign) pattern.
+    Ignored,
+    Fatal,
+    Ready,
+    /// Shown in `STATUS=` as is.
+    Progress(String),
+    Plain,
+}
+
+/// vLLM's level word, for the journal priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Debug,
+    Info,
+    Warning,
+    Error,
+    Critical,
+}
+
+/// The final exception line of a Python traceback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exception {
+    /// Chained tracebacks ("During handling of the above exception …")
+    /// share a group; a later line of the same group replaces an earlier.
+    pub group: u64,
+    pub text: String,
+}
+
+/// A classified line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Line {
+    /// The whole line, ANSI codes stripped.
+    pub text: String,
+    /// The line without vLLM's `(Proc pid=N) LEVEL date [file:line]` prefix.
+    pub message: String,
+    pub level: Option<Level>,
+    pub class: Class,
+    /// Set when this line ends a traceback.
+    pub exception: Option<Exception>,
+    /// Index of the first permanent pattern the line matches, for fatal
+    /// lines and exception lines.
+    pub permanent: Option<usize>,
+    /// The cause a fatal line names in fewer words than its own, such as
+    /// `engine worker died: illegal instruction (SIGILL)` for vLLM's
+    /// `Worker proc VllmWorker-0 died unexpectedly (exit code: -4)`.
+    pub cause: Option<String>,
+}
+
+impl Line {
+    /// Whether the state machine acts on this line: a fatal, ready or
+    /// progress line, or the end of a traceback. Every other line changes
+    /// nothing but the journal.
+    pub fn matters(&self) -> bool {
+        matches!(self.class, Class::Fatal | Class::Ready | Class::Progress(_)) || self.exception.is_some()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tb {
+    /// Inside a traceback's frames.
+    Frames(u64),
+    /// After an exception line: a chain marker may follow.
+    After(u64),
+    /// After "During handling …": the next traceback joins the group.
+    Chained(u64),
+}
+
+/// Traceback state per process, bounded: at most [`TRACEBACK_PROCESSES`]
+/// processes, each kept under a keyed hash of its prefix, so that a long
+/// prefix costs no more than a short one and none can be chosen to collide.
+#[derive(Debug, Clone, Default)]
+struct Tracebacks {
+    states: HashMap<u64, (Tb, u64)>,
+    keys: std::collections::hash_map::RandomState,
+    /// Counts uses, for the least recently seen.
+    clock: u64,
+    /// The most processes held at once.
+    high_water: usize,
+}
+
+impl Tracebacks {
+    fn key(&self, prefix: &str) -> u64 {
+        self.keys.hash_one(prefix)
+    }
+
+    fn get(&mut self, key: u64) -> Option<Tb> {
+        self.clock += 1;
+        let clock = self.clock;
+        self.states.get_mut(&key).map(|(tb, used)| {
+            *used = clock;
+            *tb
+        })
+    }
+
+    fn insert(&mut self, key: u64, tb: Tb) {
+        self.clock += 1;
+        if self.states.len() >= TRACEBACK_PROCESSES && !self.states.contains_key(&key) {
+            // Forget the least recently seen half: amortised O(1) a line.
+            let mut used: Vec<u64> = self.states.values().map(|(_, u)| *u).collect();
+            let mid = used.len() / 2;
+            let (_, median, _) = used.select_nth_unstable(mid);
+            let median = *median;
+            self.states.retain(|_, (_, u)| *u > median);
+        }
+        self.states.insert(key, (tb, self.clock));
+        self.high_water = self.high_water.max(self.states.len());
+    }
+}
+
+/// vLLM's prefix: the process (`""` for lines without one), the level word
+/// and where the message begins.
+struct Prefix<'a> {
+    process: &'a str,
+    level: Option<Level>,
+    end: usize,
+}
+
+const LEVELS: [(&str, Level); 5] = [
+    ("DEBUG", Level::Debug),
+    ("INFO", Level::Info),
+    ("WARNING", Level::Warning),
+    ("ERROR", Level::Error),
+    ("CRITICAL", Level::Critical),
+];
+
+fn level_word(s: &str) -> Option<(Level, usize)> {
+    LEVELS.iter().find(|(w, _)| s.starts_with(w)).map(|(w, l)| (*l, w.len()))
+}
+
+/// `(Proc pid=N) LEVEL MM-DD hh:mm:ss [file:line] ` or uvicorn's
+/// `LEVEL:   `, read by hand: `Err(())` when a digit's place holds a
+/// non-ASCII character (a Unicode digit), for the regex to decide.
+fn parse_prefix(text: &str) -> Result<Option<Prefix<'_>>, ()> {
+    let b = text.as_bytes();
+    if b.first() == Some(&b'(') {
+        let Some(close) = memchr::memchr(b')', b) else { return Ok(None) };
+        let process = &text[1..close];
+        let rest = &text[close + 1..];
+        let Some(rest) = rest.strip_prefix(' ') else { return Ok(None) };
+        let Some((level, n)) = level_word(rest) else { return Ok(None) };
+        let at = text.len() - rest.len() + n;
+        // " dd-dd dd:dd:dd ["
+        const SHAPE: &[u8] = b" 00-00 00:00:00 [";
+        // Too short in bytes is too short in characters too.
+        let Some(got) = b.get(at..at + SHAPE.len()) else { return Ok(None) };
+        for (want, &c) in SHAPE.iter().zip(got) {
+            let ok = if *want == b'0' { c.is_ascii_digit() } else { c == *want };
+            if !ok {
+                return if *want == b'0' && !c.is_ascii() { Err(()) } else { Ok(None) };
+            }
+        }
+        let from = at + SHAPE.len();
+        let Some(close) = memchr::memchr(b']', &b[from..]) else { return Ok(None) };
+        let mut end = from + close + 1;
+        if b.get(end) == Some(&b' ') {
+            end += 1;
+        }
+        return Ok(Some(Prefix { process, level: Some(level), end }));
+    }
+    let Some((level, n)) = level_word(text) else { return Ok(None) };
+    let Some(rest) = text[n..].strip_prefix(':') else { return Ok(None) };
+    let spaces = rest.len() - rest.trim_start().len();
+    if spaces == 0 {
+        return Ok(None);
+    }
+    Ok(Some(Prefix { process: "", level: Some(level), end: text.len() - rest.len() + spaces }))
+}
+
+/// The process a line comes from, as vLLM's prefix names it (`""` for a
+/// line without one), and the line's message after the prefix.
+pub fn process_and_message(text: &str) -> (&str, &str) {
+    match parse_prefix(text) {
+        Ok(Some(p)) => (p.process, &text[p.end..]),
+        _ => ("", text),
+    }
+}
+
+/// The verdict on a line borrowed from the follower's buffer.
+#[derive(Debug)]
+pub struct Verdict {
+    pub level: Option<Level>,
+    /// The line, owned, when it [`matters`](Line::matters).
+    pub line: Option<Line>,
+}
+
+/// Classifies lines with the effective patterns.
+///
+/// Its copies share the compiled patterns and their search caches (a
+/// regex's clone starts with caches of its own, which are built again from
+/// the first lines it reads): each run's follower, and each failure report,
+/// goes on where the last left off.
+#[derive(Debug, Clone)]
+pub struct Classifier {
+    /// Every pattern of every list as one set: a line that matches none of
+    /// them (nearly every line) is plain after one search. `None` when the
+    /// lists together pass the size limit (each list alone is checked).
+    any: Option<Arc<RegexSet>>,
+    ignore: Arc<RegexSet>,
+    fatal: Arc<RegexSet>,
+    permanent: Arc<RegexSet>,
+    ready: Arc<RegexSet>,
+    progress: Arc<RegexSet>,
+    /// The prefix, for lines where a Unicode digit stands where vLLM writes
+    /// an ASCII one ([`parse_prefix`] reads every other line).
+    prefix: Arc<Regex>,
+    shards: Arc<Regex>,
+    /// vLLM's line for a worker process that ended ([`crate::config::profile::WORKER_DIED`]).
+    worker_died: Arc<Regex>,
+    /// Traceback state per process (vLLM prefixes each line with its
+    /// process; raw stderr lines share the key "").
+    tracebacks: Tracebacks,
+    next_group: u64,
+}
+
+enum Kind {
+    Ignored,
+    Fatal,
+    Ready,
+    Progress,
+    Plain,
+}
+
+impl Classifier {
+    /// Patterns must have been validated (see `config`).
+    pub fn new(p: &Patterns) -> Result<Classifier, regex::Error> {
+        let lists = [&p.ignore, &p.fatal, &p.permanent, &p.ready, &p.progress];
+        let [ignore, fatal, permanent, ready, progress] = lists.map(|l| RegexSet::new(l).map(Arc::new));
+        let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).collect();
+        Ok(Classifier {
+            ignore: ignore?,
+            fatal: fatal?,
+            permanent: permanent?,
+            ready: ready?,
+            progress: progress?,
+            any: RegexSet::new(all).ok().map(Arc::new),
+            prefix: Arc::new(Regex::new(
+                r"^(?:\((?<proc>[^)]*)\) (?<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?|(?<ulevel>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+)",
+            )
+            .expect("static regex")),
+            shards: Arc::new(
+                Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
+                    .expect("static regex"),
+            ),
+            worker_died: Arc::new(Regex::new(crate::config::profile::WORKER_DIED).expect("static regex")),
+            tracebacks: Tracebacks::default(),
+            next_group: 0,
+        })
+    }
+
+    /// Forget traceback state between runs.
+    pub fn reset(&mut self) {
+        self.tracebacks.states.clear();
+    }
+
+    /// The most processes whose traceback state was held at once.
+    pub fn traceback_high_water(&self) -> usize {
+        self.tracebacks.high_water
+    }
+
+    pub fn classify(&mut self, text: String) -> Line {
+        let (prefix, kind, exception) = self.judge(&text);
+        let end = prefix.as_ref().map_or(0, |p| p.end);
+        let level = prefix.and_then(|p| p.level);
+        self.line(&text, end, level, kind, exception)
+    }
+
+    /// Classify a borrowed line; it is copied only if it matters.
+    pub fn classify_ref(&mut self, text: &str) -> Verdict {
+        let (prefix, kind, exception) = self.judge(text);
+        let end = prefix.as_ref().map_or(0, |p| p.end);
+        let level = prefix.and_then(|p| p.level);
+        let matters = !matches!(kind, Kind::Plain | Kind::Ignored) || exception.is_some();
+        Verdict { level, line: matters.then(|| self.line(text, end, level, kind, exception)) }
+    }
+
+    fn judge<'t>(&mut self, text: &'t str) -> (Option<Prefix<'t>>, Kind, Option<Exception>) {
+        let prefix = match parse_prefix(text) {
+            Ok(p) => p,
+            Err(()) => self.prefix.captures(text).map(|c| Prefix {
+                process: c.name("proc").map_or("", |m| m.as_str()),
+                level: c.name("level").or(c.name("ulevel")).and_then(|m| level_word(m.as_str())).map(|(l, _)| l),
+                end: c.get(0).map_or(0, |m| m.end()),
+            }),
+        };
+        let kind = match &self.any {
+            Some(any) if !any.is_match(text) => Kind::Plain,
+            _ if self.ignore.is_match(text) => Kind::Ignored,
+            _ if self.fatal.is_match(text) || self.permanent.is_match(text) => Kind::Fatal,
+            _ if self.ready.is_match(text) => Kind::Ready,
+            _ if self.progress.is_match(text) => Kind::Progress,
+            _ => Kind::Plain,
+        };
+        let exception = match kind {
+            Kind::Ignored => None,
+            _ => {
+                let (process, end) = prefix.as_ref().map_or(("", 0), |p| (p.process, p.end));
+                self.traceback(process, &text[end..])
+            }
+        };
+        (prefix, kind, exception)
+    }
+
+    fn line(&self, text: &str, end: usize, level: Option<Level>, kind: Kind, exception: Option<Exception>) -> Line {
+        let message = &text[end..];
+        let class = match kind {
+            Kind::Ignored => Class::Ignored,
+            Kind::Fatal => Class::Fatal,
+            Kind::Ready => Class::Ready,
+            Kind::Progress => Class::Progress(self.progress_text(message)),
+            Kind::Plain => Class::Plain,
+        };
+        let permanent = if class == Class::Fatal || exception.is_some() {
+            self.permanent.matches(text).iter().next()
+        } else {
+            None
+        };
+        let cause = if class == Class::Fatal { self.named_cause(message) } else { None };
+        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent, cause }
+    }
+
+    /// A worker of the engine killed by a signal, named by the signal: the
+    /// exit code vLLM prints for it is the signal's number, negated.
+    fn named_cause(&self, message: &str) -> Option<String> {
+        let c = self.worker_died.captures(message)?;
+        let signal = nix::sys::signal::Signal::try_from(c[1].parse::<i32>().ok()?).ok()?;
+        Some(match crate::supervisor::outcome::crash_words(signal) {
+            Some(words) => format!("engine worker died: {words} ({})", signal.as_str()),
+            None => format!("engine worker died: killed by {}", signal.as_str()),
+        })
+    }
+
+    fn progress_text(&self, message: &str) -> String {
+        if let Some(c) = self.shards.captures(message) {
+            return format!("Loading safetensors checkpoint shards: {}/{} ({}%)", &c[2], &c[3], &c[1]);
+        }
+        let m = message.trim();
+        match m.char_indices().nth(160) {
+            Some((i, _)) => format!("{}…", &m[..i]),
+            None => m.to_string(),
+        }
+    }
+
+    fn traceback(&mut self, process: &str, message: &str) -> Option<Exception> {
+        let is_header = message.starts_with("Traceback (most recent call last)");
+        if !is_header && self.tracebacks.states.is_empty() {
+            return None;
+        }
+        let key = self.tracebacks.key(process);
+        let state = self.tracebacks.get(key);
+        let is_chain = || {
+            message.starts_with("During handling of the above exception")
+                || message.starts_with("The above exception was the direct cause")
+        };
+        // Frames, their code lines, and the markers Python 3.11+ puts under
+        // them (`^^^^`, `~~~^^~~`), which a prefix may have cut loose from
+        // their indentation: never the exception.
+        let marker = |m: &str| m.trim().chars().all(|c| matches!(c, '^' | '~' | ' '));
+        let indented =
+            message.starts_with(' ') || message.starts_with('\t') || message.trim().is_empty() || marker(message);
+        match state {
+            _ if is_header => {
+                let group = match state {
+                    Some(Tb::Chained(g)) => g,
+                    _ => {
+                        self.next_group += 1;
+                        self.next_group
+                    }
+                };
+                self.tracebacks.insert(key, Tb::Frames(group));
+                None
+            }
+            Some(Tb::Frames(_)) if indented => None,
+            Some(Tb::Frames(g)) => {
+                self.tracebacks.insert(key, Tb::After(g));
+                Some(Exception { group: g, text: message.trim_end().to_string() })
+            }
+            Some(Tb::After(g)) | Some(Tb::Chained(g)) if is_chain() || message.trim().is_empty() => {
+                if is_chain() {
+                    self.tracebacks.insert(key, Tb::Chained(g));
+                }
+                None
+            }
+            Some(_) => {
+                self.tracebacks.states.remove(&key);
+                None
+            }
+            None => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
