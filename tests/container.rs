@@ -106,6 +106,6 @@ fn the_container_config_parses() {
         .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds:"))
         .and_then(|v| v.trim().parse().ok())
         .expect("terminationGracePeriodSeconds");
-    let needed = s.drain.delay + s.drain.timeout + s.child.stop_timeout + vllm_warden::supervisor::machine::KILL_GRACE;
+    let needed = s.drain.delay + s.drain.timeout + s.child.stop_timeout + vllm_warden::supervisor::policy::KILL_GRACE;
     assert!(grace >= needed.as_secs(), "terminationGracePeriodSeconds {grace} < {}", needed.as_secs());
 }

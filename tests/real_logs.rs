@@ -9,8 +9,8 @@ use tokio::time::Instant;
 use vllm_warden::config::{self, Dirs};
 use vllm_warden::process::child::Exit;
 use vllm_warden::supervisor::classify::{Class, Classifier, Splitter};
-use vllm_warden::supervisor::machine::{Event, Machine, Policy, State};
 use vllm_warden::supervisor::outcome::Phase;
+use vllm_warden::supervisor::{Event, Machine, Policy, State};
 
 fn lines(name: &str) -> Vec<String> {
     let path = format!("{}/tests/fixtures/{name}.log", env!("CARGO_MANIFEST_DIR"));

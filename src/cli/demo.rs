@@ -10,7 +10,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::config::{self, Dirs};
 use crate::daemon::driver::Request;
-use crate::observe::notify::{Note, Notifier};
+use crate::observe::notify::Notifier;
+use crate::supervisor::Note;
 use crate::supervisor::exit::Code;
 
 /// The simulator's name; the package installs it under [`SIM_DIR`].

@@ -20,12 +20,13 @@ use tokio_stream::{Stream, StreamExt};
 use crate::config::Settings;
 use crate::daemon::reload::Plan;
 use crate::observe::logwatch::Delivery;
-use crate::observe::notify::{Note, Notifier};
+use crate::observe::notify::Notifier;
 use crate::process::child::TreeEvent;
+use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
-use crate::supervisor::machine::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
 use crate::supervisor::outcome::{Prepared, StartFailure};
+use crate::supervisor::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
 
 /// What the warden is asked to do from outside (signals, the control
 /// endpoint, the demo, tests).
@@ -182,7 +183,7 @@ pub trait Backend {
     fn resume_lines(&mut self, _offset: u64) {}
     /// Replace the warden by the binary at its path, handing over `saved`
     /// and the lines from `offset`; returns only on failure, saying why.
-    fn exec_upgrade(&mut self, _saved: crate::supervisor::machine::Saved, _offset: u64) -> String {
+    fn exec_upgrade(&mut self, _saved: crate::supervisor::Saved, _offset: u64) -> String {
         "upgrades are not supported here".into()
     }
     /// Wait until a background task of the backend ends unexpectedly, and

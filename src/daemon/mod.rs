@@ -27,8 +27,8 @@ use crate::observe::notify::Notifier;
 use crate::process::child::{self, Spec, Tree};
 use crate::supervisor::classify::{Classifier, Level};
 use crate::supervisor::exit::Code;
-use crate::supervisor::machine::{Machine, Policy, State};
 use crate::supervisor::outcome::{Prepared, StartFailure};
+use crate::supervisor::{Machine, Policy, State};
 use crate::util::redact;
 use crate::util::tasks::{Lifetime, Tasks};
 
@@ -166,7 +166,7 @@ pub async fn run(
     let exit = ExitDeadline::start(&cleanup.name, code, EXIT_DEADLINE);
     // Reports of runs that ended beside a new one may still be written.
     exit.at("waiting for the failure reports being written");
-    backend.finish_reports(crate::supervisor::machine::REPORT_MARGIN).await;
+    backend.finish_reports(crate::supervisor::policy::REPORT_MARGIN).await;
     // The tree is gone: no record of it, and what it left in /dev/shm goes
     // now, not at the next start. (The loop is over: blocking is fine.)
     exit.at("clearing the tree record");
@@ -186,7 +186,7 @@ pub async fn run(
 
 /// How long the warden may take to end once its loop is done: the wait
 /// for failure reports still being written, plus a margin for the rest.
-pub const EXIT_DEADLINE: Duration = crate::supervisor::machine::REPORT_MARGIN.saturating_add(Duration::from_secs(10));
+pub const EXIT_DEADLINE: Duration = crate::supervisor::policy::REPORT_MARGIN.saturating_add(Duration::from_secs(10));
 
 /// The warden's exit has a deadline too. What follows the loop (reports
 /// still being written, the tree record, the files the tree left, the
@@ -887,7 +887,7 @@ impl Backend for Real {
         }
     }
 
-    fn exec_upgrade(&mut self, saved: crate::supervisor::machine::Saved, offset: u64) -> String {
+    fn exec_upgrade(&mut self, saved: crate::supervisor::Saved, offset: u64) -> String {
         use std::os::unix::fs::MetadataExt;
         let (Some(exe), Some(lock_fd)) = (self.handover.exe.clone(), self.handover.lock_fd) else {
             return "the warden's own path or lock is not known".into();
@@ -989,7 +989,7 @@ impl Backend for Real {
         }
     }
 
-    fn report(&mut self, order: crate::supervisor::machine::ReportOrder) -> Option<std::path::PathBuf> {
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
         self.run.as_ref().filter(|r| r.start == order.start)?;
         // The run has failed: its checks have nothing more to say.
         self.stop_checks();

@@ -14,8 +14,8 @@ use tokio::time::Instant;
 
 use crate::config::Settings;
 use crate::process::prestart::{self, QueryError};
-use crate::supervisor::machine::{COMMAND_TIMEOUT, KILL_GRACE};
 use crate::supervisor::outcome::StartFailure;
+use crate::supervisor::policy::{COMMAND_TIMEOUT, KILL_GRACE};
 
 /// First wait between two looks at the port or the GPUs; doubled up to
 /// [`MAX_RETRY`].

@@ -60,7 +60,7 @@ pub struct State {
     pub log_dev: u64,
     pub log_ino: u64,
     pub log_offset: u64,
-    pub machine: crate::supervisor::machine::Saved,
+    pub machine: crate::supervisor::Saved,
 }
 
 /// Where the state file goes: beside the status document (the runtime
@@ -244,7 +244,7 @@ mod tests {
             log_dev: 0,
             log_ino: 0,
             log_offset: 0,
-            machine: crate::supervisor::machine::Saved {
+            machine: crate::supervisor::Saved {
                 start: 1,
                 pid,
                 ready_for: Duration::from_secs(1),

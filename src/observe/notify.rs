@@ -12,7 +12,7 @@ use std::path::Path;
 
 use sd_notify::NotifyState;
 
-pub use crate::supervisor::machine::Note;
+pub use crate::supervisor::Note;
 
 /// Where notifications go.
 pub trait Notifier: Send {

@@ -27,8 +27,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::process::child::ProcStat;
 use crate::process::prestart::QueryError;
+use crate::supervisor::ReportOrder;
 use crate::supervisor::classify::Classifier;
-use crate::supervisor::machine::ReportOrder;
 use crate::supervisor::outcome::FailureClass;
 
 /// The folder of every report, in the state directory.

@@ -9,9 +9,15 @@
 //! never `process`, `observe`, `daemon` or `cli`.
 
 pub mod classify;
+pub mod events;
 pub mod exit;
 pub mod hints;
 pub mod machine;
 pub mod outcome;
+pub mod policy;
 pub mod progress;
 pub mod snapshot;
+
+pub use self::events::{Cause, Effect, Event, FailureKind, Note, Record, ReportOrder, Severity, Topic};
+pub use self::machine::{Machine, Saved, State};
+pub use self::policy::{Policy, prepare_timeout};

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use super::*;
 use crate::config::profile::Profile;
 use crate::process::child::Exit;
-use crate::supervisor::machine::Policy;
+use crate::supervisor::Policy;
 
 /// What a fake run does after its spawn, in virtual time.
 #[derive(Clone)]
@@ -139,7 +139,7 @@ impl Backend for Fake {
             t.abort();
         }
     }
-    fn report(&mut self, order: crate::supervisor::machine::ReportOrder) -> Option<std::path::PathBuf> {
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
         self.call(Call::Report(order.start));
         if let Some(takes) = self.report_takes {
             let (tx, start) = (self.tx.clone(), order.start);

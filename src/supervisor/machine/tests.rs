@@ -3,6 +3,7 @@
 use super::*;
 use crate::config::profile::Profile;
 use crate::supervisor::classify::Classifier;
+use nix::sys::signal::Signal;
 
 fn policy() -> Policy {
     Policy {

@@ -1,0 +1,306 @@
+//! The machine's words: the [`Event`]s it is fed, the [`Effect`]s it asks
+//! for, the [`Note`]s for systemd, the [`Record`]s for the journal, a
+//! run's [`Cause`] of failure and the [`ReportOrder`] of its report.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::supervisor::classify::Line;
+use crate::supervisor::outcome::{Exit, FailureClass, Permanence, Prepared, StartFailure};
+use crate::supervisor::policy::Policy;
+
+/// One message to the service manager.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Note {
+    Ready,
+    Status(String),
+    Stopping,
+    ExtendTimeout(Duration),
+    Watchdog,
+}
+
+/// What kind of thing ended a run, before permanence is considered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    FatalLine,
+    Exit,
+    Stall,
+    Timeout,
+    Health,
+    Spawn,
+}
+
+/// The one line that says why a run failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cause {
+    pub text: String,
+    pub kind: FailureKind,
+    pub permanence: Permanence,
+    /// What to do about it, when the cause is a known one.
+    pub hint: Option<String>,
+}
+
+impl Cause {
+    pub(super) fn new(text: String, kind: FailureKind) -> Cause {
+        Cause { text, kind, permanence: Permanence::Transient, hint: None }
+    }
+
+    /// The cause, and its hint when it has one.
+    pub(super) fn shown(&self) -> String {
+        match &self.hint {
+            Some(h) => format!("{} (hint: {h})", self.text),
+            None => self.text.clone(),
+        }
+    }
+
+    /// The class counted in the metrics: a permanent cause is counted as
+    /// permanent whatever ended the run.
+    pub fn class(&self) -> FailureClass {
+        if self.permanence.is_permanent() {
+            return FailureClass::Permanent;
+        }
+        match self.kind {
+            FailureKind::FatalLine => FailureClass::FatalLine,
+            FailureKind::Exit => FailureClass::Exit,
+            FailureKind::Stall => FailureClass::Stall,
+            FailureKind::Timeout => FailureClass::Timeout,
+            FailureKind::Health => FailureClass::Health,
+            FailureKind::Spawn => FailureClass::Spawn,
+        }
+    }
+}
+
+/// What happened.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Begin,
+    /// The pre-start steps of `start` are over.
+    Prepared {
+        start: u32,
+        result: Prepared,
+    },
+    /// A pre-start step of `start` begins (shown in `STATUS=`).
+    PrepareStep {
+        start: u32,
+        text: String,
+    },
+    Spawned {
+        start: u32,
+        pid: u32,
+    },
+    SpawnFailed {
+        start: u32,
+        failure: StartFailure,
+    },
+    Line {
+        start: u32,
+        line: Line,
+    },
+    HttpReady {
+        start: u32,
+    },
+    /// `health.failures` consecutive health or canary checks failed.
+    HealthFailed {
+        start: u32,
+        cause: String,
+    },
+    /// A valid new config the child sees (SIGHUP): stop the child and start
+    /// again with it; `summary` says which keys forced it.
+    Reload {
+        policy: Box<Policy>,
+        summary: String,
+    },
+    /// A valid new config with only the warden's own settings changed:
+    /// applied to the running child; `summary` says what changed.
+    ReloadInPlace {
+        policy: Box<Policy>,
+        summary: String,
+    },
+    ChildExited {
+        pid: u32,
+        exit: Exit,
+    },
+    TreeGone,
+    StopRequested,
+    /// Take the serving child out of rotation and hold it there.
+    DrainRequested,
+    /// Put a drained (or draining) child back into rotation.
+    UndrainRequested,
+    /// Start the child again, draining it first if it serves.
+    RestartRequested,
+    /// The server of run `start` has no request running or waiting.
+    Quiet {
+        start: u32,
+    },
+    /// A part of the warden itself ended unexpectedly (`task` says which,
+    /// and how): the tree is stopped and the warden exits 70, so that its
+    /// service manager restarts it.
+    TaskFailed {
+        task: String,
+    },
+    /// The kernel reported a fatal GPU fault during run `start`.
+    GpuFault {
+        start: u32,
+        cause: String,
+    },
+    /// The failure report of run `start` is being written into `path`.
+    ReportStarted {
+        start: u32,
+        path: String,
+    },
+    /// The failure report of run `start` is written (or gave up).
+    Reported {
+        start: u32,
+    },
+    /// What is left of the tree after SIGKILL and its grace: how many live
+    /// processes (zombies not counted), described.
+    Survivors {
+        left: usize,
+        description: String,
+    },
+    Tick,
+}
+
+impl Event {
+    /// The start an event belongs to, for those that belong to one.
+    pub(super) fn start(&self) -> Option<u32> {
+        match self {
+            Event::Prepared { start, .. }
+            | Event::PrepareStep { start, .. }
+            | Event::Spawned { start, .. }
+            | Event::SpawnFailed { start, .. }
+            | Event::Line { start, .. }
+            | Event::HttpReady { start }
+            | Event::HealthFailed { start, .. }
+            | Event::Quiet { start }
+            | Event::GpuFault { start, .. }
+            | Event::ReportStarted { start, .. }
+            | Event::Reported { start } => Some(*start),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    Info,
+    Warn,
+    Error,
+}
+
+/// The `EVENT=` field of a warden event in the journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topic {
+    Spawned,
+    ReadyLine,
+    Ready,
+    Fatal,
+    Failed,
+    Backoff,
+    Stop,
+    Kill,
+    Exited,
+    Stopped,
+    GaveUp,
+    Reload,
+    Drain,
+    Internal,
+    Unkillable,
+    Upgrade,
+}
+
+impl Topic {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Topic::Spawned => "spawned",
+            Topic::ReadyLine => "ready-line",
+            Topic::Ready => "ready",
+            Topic::Fatal => "fatal",
+            Topic::Failed => "failed",
+            Topic::Backoff => "backoff",
+            Topic::Stop => "stop",
+            Topic::Kill => "kill",
+            Topic::Exited => "exited",
+            Topic::Stopped => "stopped",
+            Topic::GaveUp => "gave-up",
+            Topic::Upgrade => "upgrade",
+            Topic::Reload => "reload",
+            Topic::Drain => "drain",
+            Topic::Internal => "internal",
+            Topic::Unkillable => "unkillable",
+        }
+    }
+}
+
+/// A warden event for the journal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub severity: Severity,
+    pub topic: Topic,
+    pub message: String,
+}
+
+/// What to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Run the pre-start steps (leftovers, patches, shared memory, port,
+    /// GPUs) in the background; `Prepared` when done.
+    Prepare {
+        start: u32,
+    },
+    /// Give up the pre-start steps at their next wait; `Prepared` follows.
+    CancelPrepare,
+    /// Create the log, spawn, follow.
+    Spawn {
+        start: u32,
+    },
+    /// GET `ready.http` until it answers 200, then `HttpReady`.
+    Probe {
+        start: u32,
+    },
+    /// Check the ready child's health (and the canary) until the run ends;
+    /// `HealthFailed` after `health.failures` failed checks in a row.
+    Health {
+        start: u32,
+    },
+    /// The signal to the leader, or to every descendant left without it;
+    /// `TreeGone` once none is left.
+    Terminate(Signal),
+    /// SIGKILL to the group and every descendant; `TreeGone` once none is left.
+    KillTree,
+    /// Describe what is left of the tree after SIGKILL (pid, state, wchan);
+    /// `Survivors` follows.
+    DescribeSurvivors,
+    /// Watch the server's requests in flight; `Quiet` once none is running
+    /// or waiting.
+    WatchLoad {
+        start: u32,
+    },
+    /// Stop watching them (the drain was undone).
+    UnwatchLoad,
+    /// Write the failure report of a failed run, off the loop, while its
+    /// tree is still there; `ReportStarted` at once, `Reported` when done.
+    Report(ReportOrder),
+    /// Give up the report under way (what is written stays).
+    CancelReport,
+    Notify(Vec<Note>),
+    Log(Record),
+}
+
+/// What the failure report of a run is to say, as the machine knows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportOrder {
+    pub start: u32,
+    pub attempt: u32,
+    pub cause: String,
+    pub class: FailureClass,
+    pub hint: Option<String>,
+    /// When the first progress line came, the run became ready, and it
+    /// failed, each counted from the spawn.
+    pub first_progress: Option<Duration>,
+    pub ready: Option<Duration>,
+    pub failed: Duration,
+    /// How the leader ended, when it has.
+    pub exit: Option<Exit>,
+}

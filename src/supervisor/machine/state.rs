@@ -1,0 +1,201 @@
+//! The machine's states, each carrying exactly the data valid in it.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::supervisor::classify::Exception;
+use crate::supervisor::events::{Cause, FailureKind};
+use std::collections::BTreeMap;
+
+use crate::supervisor::exit::Code;
+use crate::supervisor::outcome::{FailureClass, Permanence};
+
+/// What is known of one run of the child, from its spawn on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    pub(super) start: u32,
+    pub(super) pid: u32,
+    pub(super) spawned_at: Instant,
+    /// The first progress line came at this instant.
+    pub(super) first_progress: Option<Instant>,
+    /// A fatal line was seen at this instant: the child has `grace` to exit.
+    pub(super) fatal_at: Option<Instant>,
+    /// The first fatal line (or a later permanent one), with its permanence.
+    pub(super) first_fatal: Option<(String, Permanence)>,
+    /// The first traceback's final exception line, and its permanence.
+    pub(super) exception: Option<(Exception, Permanence)>,
+}
+
+impl Run {
+    /// The cause to report if this run fails now, when its log tells one.
+    pub(super) fn logged_cause(&self) -> Option<Cause> {
+        let exc = self.exception.as_ref().map(|(e, p)| (e.text.clone(), *p));
+        let fatal = self.first_fatal.clone();
+        // A permanent match wins, then the exception line, then the fatal line.
+        let (text, permanence) =
+            [exc.clone(), fatal.clone()].into_iter().flatten().find(|(_, p)| p.is_permanent()).or(exc).or(fatal)?;
+        Some(Cause { text, kind: FailureKind::FatalLine, permanence, hint: None })
+    }
+
+    /// The cause of this run's end when its fatal line's grace has passed.
+    pub(super) fn fatal_grace_over(&self, grace: Duration, now: Instant) -> Option<Cause> {
+        self.fatal_at.filter(|t| now >= *t + grace).and_then(|_| self.logged_cause())
+    }
+}
+
+/// A run that is loading.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loading {
+    pub(super) run: Run,
+    /// The last progress line, and when it came (the stall deadline counts
+    /// from it).
+    pub(super) progress_at: Instant,
+    pub(super) progress: Option<String>,
+    /// The ready line was seen (or none is expected); waiting for HTTP 200.
+    pub(super) awaiting_http: bool,
+}
+
+/// A run that is serving.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Serving {
+    pub(super) run: Run,
+    pub(super) ready_at: Instant,
+    /// Being taken out of rotation, or held out of it.
+    pub(super) drain: Option<Drain>,
+}
+
+/// What a drain ends in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainFor {
+    /// The child keeps running, out of rotation, until undrained.
+    Hold,
+    /// The child is started again (`restart`).
+    Restart,
+    /// The child is started again with a new config.
+    Reload,
+    /// The warden stops.
+    Stop,
+}
+
+/// How far a drain has gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainStage {
+    /// Unready; the balancer is given until then to notice.
+    Delay { until: Instant },
+    /// Waiting for no request running or waiting, at most until then.
+    Quiesce { deadline: Instant },
+    /// Out of rotation and quiet (a hold).
+    Drained,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drain {
+    pub for_: DrainFor,
+    pub stage: DrainStage,
+    pub began: Instant,
+}
+
+/// Why the tree is being stopped.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Purpose {
+    Shutdown,
+    Failure(Cause),
+    /// A new config: start again with it once the tree is gone.
+    Reload,
+    /// Asked for (`restart`): start again once the tree is gone.
+    Restart,
+    /// A part of the warden failed: exit 70 once the tree is gone.
+    Internal(String),
+}
+
+/// How far a stop has escalated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Escalation {
+    /// The stop signal was sent; it is sent again at `resend_at` (before
+    /// ready, while the leader lives), and SIGKILL follows at `kill_at`.
+    Signalled { kill_at: Instant, resend_at: Option<Instant> },
+    /// SIGKILL was sent to the whole tree at this instant.
+    Killed { at: Instant },
+    /// Processes survived SIGKILL; waiting for their description until then.
+    Abandoning { until: Instant },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stop {
+    pub(super) purpose: Purpose,
+    /// The leader's pid, until it is reaped.
+    pub(super) leader: Option<u32>,
+    /// How long the run had been ready, if it was.
+    pub(super) ready_for: Option<Duration>,
+    pub(super) escalation: Escalation,
+}
+
+/// A failed run whose report is being written before its tree is stopped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reporting {
+    /// The run as it was when it failed: `Starting` or `Ready`.
+    pub(super) run: Box<State>,
+    /// What the stop that follows is for: the failure, or what came since
+    /// (a reload, a failure of the warden).
+    pub(super) purpose: Purpose,
+    /// The report's budget: the stop begins then, written or not.
+    pub(super) until: Instant,
+    /// The leader has not exited.
+    pub(super) leader: bool,
+}
+
+/// What to do once the pre-start steps are over.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AfterPrepare {
+    /// Spawn, if the steps are over by `deadline`; `step` is the one now
+    /// under way.
+    Spawn { deadline: Instant, step: Option<String> },
+    /// A reload came meanwhile: start again with the new config.
+    Relaunch,
+    /// A stop (or a failure of the warden) came meanwhile.
+    Stop(Purpose),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum State {
+    Idle,
+    /// Pre-start steps and spawn of `start`.
+    Launching {
+        start: u32,
+        then: AfterPrepare,
+    },
+    Starting(Loading),
+    Ready(Serving),
+    Reporting(Reporting),
+    Stopping(Stop),
+    Backoff {
+        until: Instant,
+        cause: Cause,
+    },
+    Done(Code),
+}
+
+/// A ready run handed to a successor warden (see [`Machine::save`]): the
+/// instants as time elapsed, since the successor's clock is its own.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Saved {
+    pub start: u32,
+    pub pid: u32,
+    pub ready_for: Duration,
+    pub running_for: Duration,
+    pub starts: u32,
+    pub failures: u32,
+    pub restarts: u32,
+    pub exits: u32,
+    pub last_load: Option<Duration>,
+    pub failure_counts: BTreeMap<FailureClass, u64>,
+    /// Absent from a predecessor that did not know it.
+    #[serde(default)]
+    pub last_failure: Option<crate::supervisor::snapshot::LastFailure>,
+    /// The run was drained and held out of rotation: the successor holds
+    /// it so (`/readyz` 503) until `undrain`. Absent from a predecessor
+    /// that did not know it.
+    #[serde(default)]
+    pub drained: bool,
+}

@@ -1,0 +1,443 @@
+//! How the machine stops a tree, drains a serving child, fails a run,
+//! reloads and finishes: the transitions out of a run.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::*;
+
+impl Machine {
+    /// Stop a running child (`Starting` or `Ready`) for `purpose`; any other
+    /// state is returned as it is.
+    pub(super) fn begin_stop(
+        &mut self,
+        state: State,
+        purpose: Purpose,
+        now: Instant,
+        fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        self.begin_stop_as(state, purpose, now, fx, true)
+    }
+
+    /// A run has failed: write its report first, when reports are on, then
+    /// stop it. `exit`: the leader has exited so.
+    pub(super) fn fail(
+        &mut self,
+        state: State,
+        mut cause: Cause,
+        exit: Option<Exit>,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
+        let Some(budget) = self.policy.report else {
+            return self.begin_stop(state, Purpose::Failure(cause), now, vec![]);
+        };
+        let Some((run, ready_at)) = into_run(&state) else { return (state, vec![]) };
+        let since = |t: Instant| t.saturating_duration_since(run.spawned_at);
+        cause.hint = self.policy.hints.find(&cause.text);
+        let order = ReportOrder {
+            start: run.start,
+            attempt: self.attempt(),
+            cause: cause.text.clone(),
+            class: cause.class(),
+            hint: cause.hint.clone(),
+            first_progress: run.first_progress.map(since),
+            ready: ready_at.map(since),
+            failed: since(now),
+            exit,
+        };
+        let mut fx = vec![Effect::Report(order)];
+        self.announce(&cause, ", writing the failure report", &mut fx);
+        let reporting = Reporting {
+            run: Box::new(state),
+            purpose: Purpose::Failure(cause),
+            until: now + budget,
+            leader: exit.is_none(),
+        };
+        (State::Reporting(reporting), fx)
+    }
+
+    /// The failure's journal event and status line; it is the last failure.
+    pub(super) fn announce(&mut self, c: &Cause, then: &str, fx: &mut Vec<Effect>) {
+        self.cause = Some(c.clone());
+        self.last_failure =
+            Some(crate::supervisor::snapshot::LastFailure { cause: c.text.clone(), class: c.class(), report: None });
+        fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown())));
+        fx.push(Effect::Notify(vec![status(format!("failed ({}{then}): {}", self.attempts_text(), c.shown()))]));
+    }
+
+    /// The report is over (written, cut short, or out of time): stop the
+    /// run for what is now the purpose.
+    pub(super) fn report_done(&mut self, r: Reporting, now: Instant, fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        let (next, fx) = self.begin_stop_as(*r.run, r.purpose, now, fx, false);
+        if r.leader { (next, fx) } else { (leader_gone(next), fx) }
+    }
+
+    /// `announce`: a failure is said here (not when its report said it).
+    pub(super) fn begin_stop_as(
+        &mut self,
+        state: State,
+        purpose: Purpose,
+        now: Instant,
+        mut fx: Vec<Effect>,
+        announce: bool,
+    ) -> (State, Vec<Effect>) {
+        let Some((run, ready_at)) = into_run(&state) else { return (state, fx) };
+        let pid = run.pid;
+        let ready_for = ready_at.map(|t| now - t);
+        let mut purpose = self.purpose_of_stop(&state, purpose, &mut fx);
+        // Only a serving child being stopped on purpose has something to
+        // drain; everything else gets the short grace, the signal repeated.
+        let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload | Purpose::Restart);
+        let grace = if drain { self.policy.stop_timeout } else { self.policy.stop_timeout.min(LOAD_STOP_GRACE) };
+        match &mut purpose {
+            Purpose::Shutdown => fx.push(Effect::Notify(vec![
+                Note::Stopping,
+                status(format!("stopping pid {pid}")),
+                Note::ExtendTimeout(grace + Duration::from_secs(5)),
+            ])),
+            Purpose::Failure(c) if announce => {
+                c.hint = self.policy.hints.find(&c.text);
+                let c = c.clone();
+                self.announce(&c, "", &mut fx);
+            }
+            Purpose::Failure(c) => {
+                c.hint = self.policy.hints.find(&c.text);
+                fx.push(Effect::Notify(vec![status(format!(
+                    "failed ({}, stopping pid {pid}): {}",
+                    self.attempts_text(),
+                    c.shown()
+                ))]))
+            }
+            Purpose::Reload => fx.push(Effect::Notify(vec![
+                status(format!("reloading: stopping pid {pid} to start it with the new config")),
+                Note::ExtendTimeout(grace + Duration::from_secs(5)),
+            ])),
+            Purpose::Restart => fx.push(Effect::Notify(vec![
+                status(format!("restarting: stopping pid {pid}")),
+                Note::ExtendTimeout(grace + Duration::from_secs(5)),
+            ])),
+            Purpose::Internal(why) => fx.push(Effect::Notify(vec![
+                Note::Stopping,
+                status(format!("internal failure, stopping pid {pid}: {why}")),
+            ])),
+        }
+        fx.push(Effect::Terminate(self.policy.stop_signal));
+        let escalation = if grace.is_zero() {
+            fx.push(Effect::KillTree);
+            Escalation::Killed { at: now }
+        } else {
+            Escalation::Signalled { kill_at: now + grace, resend_at: (!drain).then_some(now + LOAD_STOP_RESEND) }
+        };
+        (State::Stopping(Stop { purpose, leader: Some(pid), ready_for, escalation }), fx)
+    }
+
+    /// What stopping the run in `state` for `purpose` is for: a stop was
+    /// asked for and answered, so a failure during its drain ends in the
+    /// stop, not in a restart.
+    pub(super) fn purpose_of_stop(&mut self, state: &State, purpose: Purpose, fx: &mut Vec<Effect>) -> Purpose {
+        match (state, purpose) {
+            (State::Ready(Serving { drain: Some(Drain { for_: DrainFor::Stop, .. }), .. }), Purpose::Failure(c)) => {
+                fx.push(record(Severity::Warn, Topic::Drain, format!("failed while draining to stop: {}", c.text)));
+                self.cause = Some(c);
+                Purpose::Shutdown
+            }
+            (_, purpose) => purpose,
+        }
+    }
+
+    /// How long a stop that drains first may take, for systemd's stop
+    /// timeout: the drain, the stop, and a margin.
+    pub(super) fn drain_budget(&self) -> Duration {
+        let p = &self.policy;
+        [p.drain_delay, p.drain_timeout, p.stop_timeout, Duration::from_secs(5)]
+            .into_iter()
+            .fold(Duration::ZERO, Duration::saturating_add)
+    }
+
+    /// `STATUS=` while draining.
+    pub(super) fn drain_text(&self, serving: &Serving, d: &Drain) -> String {
+        let then = match d.for_ {
+            DrainFor::Hold => "",
+            DrainFor::Restart => ", then restarting",
+            DrainFor::Reload => ", then restarting with the new config",
+            DrainFor::Stop => ", then stopping",
+        };
+        let pid = serving.run.pid;
+        match d.stage {
+            DrainStage::Delay { .. } => {
+                format!("draining pid {pid}: unready, {} for the balancer{then}", secs(self.policy.drain_delay))
+            }
+            DrainStage::Quiesce { .. } => format!(
+                "draining pid {pid}: waiting up to {} for the requests in flight{then}",
+                secs(self.policy.drain_timeout)
+            ),
+            DrainStage::Drained => format!("drained: pid {pid}, out of rotation"),
+        }
+    }
+
+    /// Take a serving child out of rotation: unready now, the requests in
+    /// flight waited for after the delay, then `for_`.
+    pub(super) fn begin_drain(
+        &mut self,
+        mut serving: Serving,
+        for_: DrainFor,
+        now: Instant,
+        mut fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        let d = Drain { for_, stage: DrainStage::Delay { until: now + self.policy.drain_delay }, began: now };
+        let text = self.drain_text(&serving, &d);
+        fx.push(record(Severity::Info, Topic::Drain, text.clone()));
+        fx.push(Effect::Notify(vec![status(text)]));
+        serving.drain = Some(d);
+        (State::Ready(serving), fx)
+    }
+
+    /// A drain's deadlines: the delay over (look at the requests in flight),
+    /// the timeout over (go on with requests still running).
+    pub(super) fn drain_tick(&mut self, mut serving: Serving, now: Instant) -> (State, Vec<Effect>) {
+        let Some(mut d) = serving.drain else { return (State::Ready(serving), vec![]) };
+        match d.stage {
+            DrainStage::Delay { until } if now >= until => {
+                d.stage = DrainStage::Quiesce { deadline: now + self.policy.drain_timeout };
+                serving.drain = Some(d);
+                let fx = vec![
+                    Effect::WatchLoad { start: serving.run.start },
+                    Effect::Notify(vec![status(self.drain_text(&serving, &d))]),
+                ];
+                (State::Ready(serving), fx)
+            }
+            DrainStage::Quiesce { deadline } if now >= deadline => {
+                let text = format!(
+                    "requests still in flight after {} (drain.timeout): going on",
+                    secs(self.policy.drain_timeout)
+                );
+                let fx = vec![record(Severity::Warn, Topic::Drain, text)];
+                self.drained(serving, d, now, fx)
+            }
+            _ => (State::Ready(serving), vec![]),
+        }
+    }
+
+    /// The drain is over: what it was for.
+    pub(super) fn drained(
+        &mut self,
+        mut serving: Serving,
+        d: Drain,
+        now: Instant,
+        mut fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        match d.for_ {
+            DrainFor::Hold => {
+                let d = Drain { stage: DrainStage::Drained, ..d };
+                serving.drain = Some(d);
+                let text = self.drain_text(&serving, &d);
+                fx.push(Effect::UnwatchLoad);
+                fx.push(record(Severity::Info, Topic::Drain, text.clone()));
+                fx.push(Effect::Notify(vec![status(text)]));
+                (State::Ready(serving), fx)
+            }
+            DrainFor::Restart => {
+                fx.push(record(Severity::Info, Topic::Stop, "drained: restarting".into()));
+                self.begin_stop(State::Ready(serving), Purpose::Restart, now, fx)
+            }
+            DrainFor::Reload => self.begin_stop(State::Ready(serving), Purpose::Reload, now, fx),
+            DrainFor::Stop => self.begin_stop(State::Ready(serving), Purpose::Shutdown, now, fx),
+        }
+    }
+
+    /// A valid new config: its policy applies from now on, the failure count
+    /// starts again, and the child is started again with it.
+    pub(super) fn reload(
+        &mut self,
+        state: State,
+        policy: Policy,
+        summary: String,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
+        if matches!(state, State::Done(_)) {
+            return (state, vec![]);
+        }
+        self.policy = policy;
+        self.failures = 0;
+        self.permanent_streak = None;
+        let fx = vec![record(Severity::Info, Topic::Reload, format!("config reloaded: {summary}"))];
+        match state {
+            State::Ready(mut serving) if serving.drain.is_some() || self.policy.drain_on_stop => match serving.drain {
+                None => self.begin_drain(serving, DrainFor::Reload, now, fx),
+                Some(mut d) if d.for_ != DrainFor::Stop => {
+                    d.for_ = DrainFor::Reload;
+                    if d.stage == DrainStage::Drained {
+                        return self.drained(serving, d, now, fx);
+                    }
+                    serving.drain = Some(d);
+                    (State::Ready(serving), fx)
+                }
+                // A stop is under way: the new config is not started.
+                Some(_) => (State::Ready(serving), fx),
+            },
+            s @ (State::Starting(_) | State::Ready(_)) => self.begin_stop(s, Purpose::Reload, now, fx),
+            State::Stopping(mut stop) if matches!(stop.purpose, Purpose::Failure(_)) => {
+                stop.purpose = Purpose::Reload;
+                (State::Stopping(stop), fx)
+            }
+            State::Reporting(mut r) if matches!(r.purpose, Purpose::Failure(_)) => {
+                r.purpose = Purpose::Reload;
+                (State::Reporting(r), fx)
+            }
+            State::Backoff { .. } => {
+                let (next, more) = self.launch(now);
+                (next, fx.into_iter().chain(more).collect())
+            }
+            State::Launching { start, then: AfterPrepare::Spawn { .. } } => {
+                let mut fx = fx;
+                fx.push(Effect::CancelPrepare);
+                (State::Launching { start, then: AfterPrepare::Relaunch }, fx)
+            }
+            // A stop is under way, or the start is already being redone.
+            other => (other, vec![]),
+        }
+    }
+
+    /// A part of the warden died: stop the tree the short way and exit 70.
+    pub(super) fn task_failed(&mut self, state: State, why: String, now: Instant) -> (State, Vec<Effect>) {
+        let fx = vec![record(Severity::Error, Topic::Internal, why.clone())];
+        match state {
+            s @ (State::Starting(_) | State::Ready(_)) => self.begin_stop(s, Purpose::Internal(why), now, fx),
+            State::Stopping(mut stop) => {
+                stop.purpose = Purpose::Internal(why);
+                (State::Stopping(stop), fx)
+            }
+            State::Reporting(mut r) => {
+                r.purpose = Purpose::Internal(why);
+                let mut fx = fx;
+                fx.push(Effect::CancelReport);
+                self.report_done(r, now, fx)
+            }
+            State::Launching { start, .. } => self.cancel_launch(start, Purpose::Internal(why), fx),
+            State::Idle | State::Backoff { .. } => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
+            done @ State::Done(_) => (done, vec![]),
+        }
+    }
+
+    /// The tree is gone (or was never spawned): carry out what the stop was for.
+    pub(super) fn stopped(
+        &mut self,
+        purpose: Purpose,
+        ready_for: Option<Duration>,
+        now: Instant,
+        fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        match purpose {
+            Purpose::Shutdown => self.finish(Code::Ok, "stopped on request".into(), fx),
+            Purpose::Failure(cause) => self.after_failure(cause, ready_for, now, fx),
+            Purpose::Reload | Purpose::Restart => self.launch(now),
+            Purpose::Internal(why) => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
+        }
+    }
+
+    pub(super) fn after_failure(
+        &mut self,
+        cause: Cause,
+        ready_for: Option<Duration>,
+        now: Instant,
+        mut fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        if ready_for.is_some_and(|d| d >= self.policy.restart.reset_after) {
+            self.failures = 0;
+            self.permanent_streak = None;
+        }
+        self.failures = self.failures.saturating_add(1);
+        self.cause = Some(cause.clone());
+        *self.failure_counts.entry(cause.class()).or_default() += 1;
+        if cause.permanence == Permanence::Hardware {
+            return self.finish(Code::Config, format!("failed permanently: {}", cause.text), fx);
+        }
+        if cause.permanence.is_permanent() {
+            let n = match self.permanent_streak {
+                Some((p, n)) if p == cause.permanence => n + 1,
+                _ => 1,
+            };
+            self.permanent_streak = Some((cause.permanence, n));
+            if n >= self.policy.restart.permanent_attempts {
+                let text = format!("failed permanently ({n} of {n} tries): {}", cause.text);
+                return self.finish(Code::Config, text, fx);
+            }
+        } else {
+            self.permanent_streak = None;
+        }
+        let max = self.policy.restart.max_attempts;
+        if max > 0 && self.failures >= max {
+            let text = format!("gave up after {max} failed starts: {}", cause.text);
+            return self.finish(Code::GaveUp, text, fx);
+        }
+        let base = self.policy.backoff(self.failures);
+        let j = self.policy.restart.jitter * (self.rng.f64() * 2.0 - 1.0);
+        let delay = Duration::from_secs_f64((base.as_secs_f64() * (1.0 + j)).max(0.0));
+        let text = format!("restarting in {} ({}): {}", secs(delay), self.attempts_text(), cause.text);
+        fx.push(record(Severity::Warn, Topic::Backoff, text.clone()));
+        fx.push(Effect::Notify(vec![status(text), Note::ExtendTimeout(delay + self.policy.stall)]));
+        if delay.is_zero() {
+            let (state, more) = self.launch(now);
+            fx.extend(more);
+            return (state, fx);
+        }
+        (State::Backoff { until: now + delay, cause }, fx)
+    }
+
+    /// The one way the machine ends: `code`, and why in `text`.
+    pub(super) fn finish(&mut self, code: Code, text: String, mut fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        let (severity, topic) = match code {
+            Code::Ok => (Severity::Info, Topic::Stopped),
+            Code::Internal => (Severity::Error, Topic::Internal),
+            Code::Unkillable => (Severity::Error, Topic::Unkillable),
+            _ => (Severity::Error, Topic::GaveUp),
+        };
+        fx.push(record(severity, topic, text.clone()));
+        fx.push(Effect::Notify(vec![status(text.clone())]));
+        let permanence = self.cause.as_ref().map_or(Permanence::Transient, |c| c.permanence);
+        let hint = self.cause.as_ref().and_then(|c| c.hint.clone());
+        self.cause = Some(Cause { text, kind: FailureKind::Exit, permanence, hint });
+        (State::Done(code), fx)
+    }
+}
+
+/// The run of a `Starting` or `Ready` state, and when it became ready.
+pub(super) fn into_run(state: &State) -> Option<(&Run, Option<Instant>)> {
+    match state {
+        State::Starting(l) => Some((&l.run, None)),
+        State::Ready(s) => Some((&s.run, Some(s.ready_at))),
+        _ => None,
+    }
+}
+
+/// The leader has already exited: no signal to repeat.
+pub(super) fn leader_gone(state: State) -> State {
+    match state {
+        State::Stopping(mut s) => {
+            s.leader = None;
+            if let Escalation::Signalled { kill_at, .. } = s.escalation {
+                s.escalation = Escalation::Signalled { kill_at, resend_at: None };
+            }
+            State::Stopping(s)
+        }
+        other => other,
+    }
+}
+
+pub(super) fn phase_of(state: &State) -> Phase {
+    match state {
+        State::Idle | State::Launching { .. } | State::Starting(_) => Phase::Starting,
+        State::Ready(Serving { drain: None, .. }) => Phase::Ready,
+        State::Ready(Serving { drain: Some(Drain { stage: DrainStage::Drained, .. }), .. }) => Phase::Drained,
+        State::Ready(Serving { drain: Some(_), .. }) => Phase::Draining,
+        State::Stopping(st) => match st.purpose {
+            Purpose::Failure(_) => Phase::Failed,
+            Purpose::Shutdown | Purpose::Reload | Purpose::Restart | Purpose::Internal(_) => Phase::Stopping,
+        },
+        State::Reporting(_) => Phase::Failed,
+        State::Backoff { .. } => Phase::Backoff,
+        // Left saying why in `cause`: a stop request, or the give-up.
+        State::Done(_) => Phase::Stopped,
+    }
+}

@@ -1,0 +1,114 @@
+//! What the machine acts on: the parts of the settings it needs, as a
+//! [`Policy`], and the fixed graces and margins of its deadlines.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::config::Settings;
+
+/// Before ready there is nothing to drain, and vLLM can lose a SIGTERM sent
+/// during its load: the stop signal is repeated this often …
+pub const LOAD_STOP_RESEND: Duration = Duration::from_secs(1);
+/// … and SIGKILL follows after at most this long (or `stop-timeout`, if
+/// shorter). The same short grace applies to what is left of a failed run.
+pub const LOAD_STOP_GRACE: Duration = Duration::from_secs(10);
+/// After SIGKILL, how long the tree gets to be gone. A process still there
+/// is stuck in the kernel (state `D`; for a GPU server, usually the driver):
+/// it is reported and the warden gives up on it.
+pub const KILL_GRACE: Duration = Duration::from_secs(10);
+/// How long the report of such survivors may take (reading `/proc` of a
+/// process stuck in the kernel can hang too).
+pub const DESCRIBE_GRACE: Duration = Duration::from_secs(5);
+/// What the pre-start steps may take beyond their own waits (leftovers,
+/// port, GPUs): patches, `/proc` scans, the GPU query's own time limit.
+pub const PREPARE_MARGIN: Duration = Duration::from_secs(60);
+/// How long one run of an external command (the GPU query) may take.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(20);
+/// What a failure report may take beyond `reports.timeout` (which bounds
+/// its commands) before the machine stops waiting for it: its file writes.
+pub const REPORT_MARGIN: Duration = Duration::from_secs(5);
+
+/// The parts of the settings the machine acts on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    /// Readiness waits for a `ready.log` line (else the HTTP check alone).
+    pub ready_log: bool,
+    /// Readiness waits for a 200 from `ready.http` after the line.
+    pub ready_http: bool,
+    pub ready_timeout: Duration,
+    pub stall: Duration,
+    /// After a fatal line, how long the child gets to exit on its own.
+    pub grace: Duration,
+    pub stop_signal: Signal,
+    pub stop_timeout: Duration,
+    /// How long the pre-start steps may take in all.
+    pub prepare_timeout: Duration,
+    pub restart: crate::config::Restart,
+    /// A remedy line for known causes.
+    pub hints: crate::supervisor::hints::Hints,
+    /// A drain is unready at once, then waits this long before it looks
+    /// at the requests in flight …
+    pub drain_delay: Duration,
+    /// … and at most this long for none to be running or waiting.
+    pub drain_timeout: Duration,
+    /// A stop, and a reload that restarts the child, drain a serving child
+    /// first.
+    pub drain_on_stop: bool,
+    /// How long a failed run waits for its failure report before it is
+    /// stopped; `None`: no reports.
+    pub report: Option<Duration>,
+}
+
+/// The pre-start steps' whole budget: stopping leftovers (stop timeout and
+/// the kill grace), the port wait, the GPU wait and one more query, the
+/// Ray cluster's wait and one more look, plus a margin for the rest.
+pub fn prepare_timeout(s: &Settings) -> Duration {
+    // The Ray gate's last look may start just before its wait ends.
+    let ray = s
+        .prestart
+        .ray
+        .as_ref()
+        .filter(|c| c.gate)
+        .map_or(Duration::ZERO, |c| c.wait.saturating_add(crate::config::defaults::RAY_STATUS_TIMEOUT));
+    [
+        s.child.stop_timeout,
+        KILL_GRACE,
+        s.prestart.port_wait,
+        s.prestart.gpu_idle_wait,
+        COMMAND_TIMEOUT,
+        ray,
+        PREPARE_MARGIN,
+    ]
+    .into_iter()
+    .fold(Duration::ZERO, Duration::saturating_add)
+}
+
+impl Policy {
+    pub fn from_settings(s: &Settings) -> Policy {
+        Policy {
+            ready_log: !s.patterns.ready.is_empty(),
+            ready_http: s.ready.http.is_some() || s.ready_by_ray().is_some(),
+            ready_timeout: s.ready.timeout,
+            stall: s.ready.stall,
+            grace: s.fatal.grace,
+            stop_signal: s.child.stop_signal,
+            stop_timeout: s.child.stop_timeout,
+            prepare_timeout: prepare_timeout(s),
+            restart: s.restart.clone(),
+            hints: crate::supervisor::hints::Hints::new(s.profile, &s.hints, &s.patches, &s.child.command),
+            drain_delay: s.drain.delay,
+            drain_timeout: s.drain.timeout,
+            drain_on_stop: s.drain.on_stop,
+            report: (s.reports.keep > 0).then(|| s.reports.timeout.saturating_add(REPORT_MARGIN)),
+        }
+    }
+
+    /// The delay before attempt `n + 1`, after `n` consecutive failures,
+    /// before jitter: `initial × factor^(n-1)`, capped.
+    pub fn backoff(&self, n: u32) -> Duration {
+        let exp = self.restart.factor.powi(n.saturating_sub(1).min(1000) as i32);
+        let secs = (self.restart.initial_delay.as_secs_f64() * exp).min(self.restart.max_delay.as_secs_f64());
+        Duration::from_secs_f64(secs.max(0.0))
+    }
+}
