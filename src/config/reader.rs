@@ -23,7 +23,7 @@ use regex::{Regex, RegexSet};
 use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
-use super::Problem;
+use super::problem::Problem;
 
 pub(super) type Span = std::ops::Range<usize>;
 pub(super) type Table<'t> = DeTable<'t>;

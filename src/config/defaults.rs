@@ -1,0 +1,104 @@
+//! The value of every key the config leaves out. The man page's table
+//! shows the same values; a test compares them.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::config::profile::Profile;
+
+const fn minutes(n: u64) -> Duration {
+    Duration::from_secs(n * 60)
+}
+
+pub const PROFILE: Profile = Profile::Vllm;
+
+/// `child.log-file` is `NAME.log` in `$LOGS_DIRECTORY`, else here.
+pub const LOG_DIR: &str = "/var/log/vllm-warden";
+pub const STOP_SIGNAL: Signal = Signal::SIGTERM;
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The port vLLM listens on when the command has no `--port`, and the
+/// Ray head's GCS port when `ray start --head` has none.
+pub use crate::config::command::{PORT, RAY_PORT};
+/// How long a start waits for the Ray cluster (`prestart.ray-*`).
+pub const RAY_WAIT: Duration = minutes(10);
+/// How long one look at the Ray cluster may take: it starts a Python
+/// interpreter and imports Ray, several seconds on a busy machine.
+pub const RAY_STATUS_TIMEOUT: Duration = Duration::from_secs(30);
+pub const RAY_MIN_NODES: u32 = 1;
+/// The Python that asks the cluster (it must have Ray).
+pub const RAY_PYTHON: &str = "python3";
+pub const PORT_WAIT: Duration = Duration::from_secs(30);
+pub const GPU_IDLE_WAIT: Duration = minutes(2);
+pub const GPU_QUERY: [&str; 3] =
+    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"];
+
+pub const READY_TIMEOUT: Duration = minutes(90);
+pub const READY_STALL: Duration = minutes(15);
+
+pub const FATAL_GRACE: Duration = Duration::from_secs(30);
+
+pub const INITIAL_DELAY: Duration = Duration::from_secs(10);
+pub const MAX_DELAY: Duration = minutes(5);
+pub const FACTOR: f64 = 2.0;
+pub const JITTER: f64 = 0.1;
+pub const RESET_AFTER: Duration = minutes(10);
+pub const MAX_ATTEMPTS: u32 = 10;
+pub const PERMANENT_ATTEMPTS: u32 = 2;
+
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(15);
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+pub const HEALTH_FAILURES: u32 = 3;
+/// Requests running or waiting and no token moving for this long: the
+/// engine has stalled. Zero: no progress check.
+pub const PROGRESS_STALL: Duration = minutes(2);
+/// A one-token completion a minute, when the server is idle (it is
+/// skipped while requests run or tokens flow): on a big model about
+/// 50 ms of one prefill a minute. Zero: no canary.
+pub const CANARY_INTERVAL: Duration = minutes(1);
+pub const CANARY_TIMEOUT: Duration = minutes(1);
+/// New kernel messages as they come, followed while a run lives.
+pub const KERNEL_MESSAGES: [&str; 7] = ["journalctl", "-k", "-f", "-n", "0", "-o", "short-iso"];
+
+/// `status.file` is `status.json` in `$RUNTIME_DIRECTORY`, else in
+/// `NAME/` here.
+pub const RUN_DIR: &str = "/run/vllm-warden";
+/// `$STATE_DIRECTORY`, else `NAME/` here.
+pub const STATE_DIR: &str = "/var/lib/vllm-warden";
+
+/// `[reports]`: how many failure reports are kept, and their total size.
+pub const REPORTS_KEEP: u32 = 20;
+pub const REPORTS_MAX_SIZE: u64 = 200 << 20;
+/// The last lines of a failed run's log in its report.
+pub const REPORTS_LINES: u32 = 2000;
+/// What one failure report may take in all: the stop of a failed run
+/// waits at most this long for it.
+pub const REPORTS_TIMEOUT: Duration = Duration::from_secs(20);
+/// A dump of the Python stacks of one process; `{pid}` is its pid.
+/// Without pausing it: py-spy's pause (a ptrace stop) fails on a
+/// process that is stopped already (`Failed to suspend process`, seen
+/// with py-spy 0.4.3 on a SIGSTOPped EngineCore), and a wedged server
+/// is exactly what a report is for.
+pub const REPORTS_PY_SPY: [&str; 5] = ["py-spy", "dump", "--nonblocking", "--pid", "{pid}"];
+pub const REPORTS_GPU_SNAPSHOT: [&str; 2] = ["nvidia-smi", "-q"];
+/// The kernel's messages since the run's spawn; `{since}` is the spawn
+/// in seconds since the epoch.
+pub const REPORTS_KERNEL_MESSAGES: [&str; 6] = ["journalctl", "-k", "-o", "short-iso", "--since", "@{since}"];
+
+/// `[[patch]] max-size`: the largest model file a patch reads.
+pub const PATCH_MAX_SIZE: u64 = crate::patch::DEFAULT_MAX_SIZE;
+
+/// `server.socket` is this file in the runtime directory (the folder of
+/// the default status file).
+pub const SOCKET: &str = "control.sock";
+/// How long a drain waits before it looks at the requests in flight:
+/// the time a load balancer takes to see `/readyz` fail.
+pub const DRAIN_DELAY: Duration = Duration::from_secs(5);
+/// The most a drain waits for the requests in flight to end.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// `child.log-max-size`: a day or more of request logging on a busy
+/// server; a restart loop writes about 1 KiB a start.
+pub const LOG_MAX_SIZE: u64 = 1 << 30;
+pub const LOG_KEEP: u32 = 3;
+pub const LOG_COMPRESS: bool = true;

@@ -1,0 +1,38 @@
+//! The range of every duration key: wide enough for any real setting, and
+//! narrow enough that no deadline the warden computes from one can
+//! overflow (`"500000000000y"` parses, and `Instant + Duration` panics).
+//! The man page's table shows the same ranges; a test tries them.
+
+use std::ops::RangeInclusive;
+use std::time::Duration;
+
+const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+/// The longest duration any key accepts.
+pub const LONGEST: Duration = DAY.saturating_mul(30);
+/// The shortest duration a key that must be positive accepts.
+pub const SHORTEST: Duration = Duration::from_millis(1);
+
+/// A wait, delay or grace; zero means none.
+pub const WAIT: RangeInclusive<Duration> = Duration::ZERO..=LONGEST;
+/// A period or timeout that must be positive.
+pub const PERIOD: RangeInclusive<Duration> = SHORTEST..=LONGEST;
+/// The deadlines of one start (`ready.timeout`, `ready.stall`): a week
+/// is far beyond any load.
+pub const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
+
+/// `[[patch]] max-size`, in bytes: up to 4 GiB, so that a mistake
+/// cannot ask the warden to read a disk image.
+pub const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;
+
+/// `child.log-max-size`: from 1 MiB (smaller, and the file would be
+/// copied many times a second by a chatty server) to 1 TiB.
+pub const LOG_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+/// `child.log-keep`: copies kept.
+pub const LOG_KEEP: RangeInclusive<u32> = 0..=1000;
+/// `reports.timeout`: long enough for a slow `py-spy` on a big tree,
+/// short enough that a failed run's stop is never held for long.
+pub const REPORTS_TIMEOUT: RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(600);
+/// `reports.max-size`, in bytes: 1 MiB to 1 TiB.
+pub const REPORTS_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+/// `reports.lines`.
+pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;

@@ -1,0 +1,206 @@
+//! A config that passed validation: [`Settings`] and its sections, plain
+//! data for every layer above.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::config::profile::{Patterns, Profile};
+use crate::patch::Patch;
+
+impl Settings {
+    /// The cluster that confirms a Ray node's readiness after its ready
+    /// line, unless `ready.http` is set: Ray nodes serve no HTTP.
+    pub fn ready_by_ray(&self) -> Option<&Cluster> {
+        if self.ready.http.is_some() || !self.profile.is_ray() {
+            return None;
+        }
+        self.prestart.ray.as_ref()
+    }
+}
+
+/// A config that passed validation.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The file it came from.
+    pub source: PathBuf,
+    /// The text it was read from: kept as `running.toml` in the state
+    /// directory, for `check --diff` against the running instance.
+    pub text: String,
+    /// Instance name: journal identifier `vllm-<name>`, default file names.
+    pub name: String,
+    pub profile: Profile,
+    pub child: Child,
+    pub patches: Vec<Patch>,
+    pub prestart: Prestart,
+    pub ready: Ready,
+    pub fatal: Fatal,
+    pub restart: Restart,
+    pub health: Health,
+    pub status: Status,
+    pub server: Server,
+    pub drain: Drain,
+    pub reports: Reports,
+    /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
+    pub state_dir: PathBuf,
+    /// The effective pattern lists: the profile's plus the config's.
+    pub patterns: Patterns,
+    /// `[[hint]]`: `(match, text)`, tried before the profile's hints.
+    pub hints: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Child {
+    /// argv; never run through a shell.
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<PathBuf>,
+    /// `cache-dir`: where the child's caches go (see `process::caches`);
+    /// `$CACHE_DIRECTORY` by default, `None` when there is none or it is
+    /// set to `""`.
+    pub cache_dir: Option<PathBuf>,
+    /// `$RUNTIME_DIRECTORY`: vLLM's IPC sockets go into a folder of it.
+    pub runtime_dir: Option<PathBuf>,
+    pub log_file: PathBuf,
+    /// `log-max-size`, `log-keep`, `log-compress`.
+    pub log_rotation: Rotation,
+    pub stop_signal: Signal,
+    pub stop_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Prestart {
+    /// Globs in `/dev/shm`, the profile's plus the config's.
+    pub clean_shm: Vec<String>,
+    /// Checked free before each start; `None`: no port is known (a Ray
+    /// node that joins a cluster).
+    pub port: Option<u16>,
+    pub port_wait: Duration,
+    pub gpu_idle_wait: Duration,
+    pub gpu_query: Vec<String>,
+    /// The Ray cluster: waited for before each start (`gate`), and asked
+    /// to confirm a Ray node's readiness.
+    pub ray: Option<Cluster>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// `None`: the HTTP check is off (`http = ""`).
+    pub http: Option<String>,
+    pub timeout: Duration,
+    pub stall: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Fatal {
+    pub grace: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Restart {
+    pub initial_delay: Duration,
+    pub max_delay: Duration,
+    pub factor: f64,
+    pub jitter: f64,
+    pub reset_after: Duration,
+    /// 0 = never give up.
+    pub max_attempts: u32,
+    pub permanent_attempts: u32,
+}
+
+/// `[prestart] ray-*`: the cluster a start needs (what it asks and how:
+/// `process::ray`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    /// `HOST:PORT` of the head's GCS.
+    pub address: String,
+    /// The Python that has Ray (`prestart.ray-python`).
+    pub python: String,
+    /// Whether a start waits for the cluster (a head waits for none).
+    pub gate: bool,
+    pub min_nodes: u32,
+    pub min_cpus: f64,
+    pub min_gpus: f64,
+    /// How long a start waits for it.
+    pub wait: Duration,
+}
+
+/// `child.log-max-size`, `child.log-keep`, `child.log-compress` (carried
+/// out by `observe::rotate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rotation {
+    /// Rotate once the file holds this many bytes.
+    pub max_size: u64,
+    /// Copies kept: `NAME.1` to `NAME.KEEP`; 0 truncates without a copy.
+    pub keep: u32,
+    /// Copies beyond the first are gzip-compressed (`NAME.2.gz`, …).
+    pub compress: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Health {
+    pub http: Option<String>,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failures: u32,
+    pub canary_interval: Duration,
+    pub canary_timeout: Duration,
+    /// Zero: no progress check from the server's metrics.
+    pub progress_stall: Duration,
+    /// A command whose output is new kernel messages, followed from each
+    /// spawn for GPU faults; empty: off.
+    pub kernel_messages: Vec<String>,
+}
+
+/// `[reports]`: the failure report written for every failed run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reports {
+    /// How many reports are kept; 0: none is written.
+    pub keep: u32,
+    /// The most all reports may take together, in bytes.
+    pub max_size: u64,
+    /// The last lines of the run's log in `log-tail.txt`.
+    pub lines: u32,
+    /// What one report may take in all.
+    pub timeout: Duration,
+    /// argv of a Python stack dump, `{pid}` in it; empty: none.
+    pub py_spy: Vec<String>,
+    /// argv of a GPU snapshot; empty: none.
+    pub gpu_snapshot: Vec<String>,
+    /// argv whose output is the kernel's messages since `{since}`; empty: none.
+    pub kernel_messages: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Status {
+    pub file: PathBuf,
+    pub metrics_file: Option<PathBuf>,
+}
+
+/// `[server]`: the warden's own HTTP endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Server {
+    /// The unix socket, always served: `control.sock` in the runtime
+    /// directory unless set.
+    pub socket: PathBuf,
+    /// A TCP address to serve too (`127.0.0.1:9400`); none by default.
+    pub listen: Option<std::net::SocketAddr>,
+    /// A file holding the bearer token that allows the mutating endpoints
+    /// over TCP; without it they are refused there.
+    pub token_file: Option<PathBuf>,
+}
+
+/// `[drain]`: taking a serving child out of rotation before it stops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Drain {
+    /// Unready at once, then this long before looking at the requests in
+    /// flight (the balancer's detection time).
+    pub delay: Duration,
+    /// The most the drain waits for no request running or waiting.
+    pub timeout: Duration,
+    /// A stop, and a reload that restarts the child, drain first. Default:
+    /// true when `server.listen` is set.
+    pub on_stop: bool,
+}
