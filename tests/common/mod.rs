@@ -6,6 +6,7 @@
 //! wait it was, how long it was, and what the warden had said and written.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod real;
 #[path = "../support/sim.rs"]
 mod sim_path;
