@@ -17,13 +17,17 @@
 //! which includes the kernel's reap → the same command spawned → its first
 //! instruction).
 //!
-//! Run: `cargo bench --bench latency`; with
+//! Run: `cargo build --release && cargo bench --bench latency` (the build
+//! makes the simulated vLLM, a package of its own, beside the warden); with
 //! `LATENCY_BENCH_KERNEL_MESSAGES=off`, without the GPU fault watcher (its
 //! command is started once per warden, and reads the kernel's messages
 //! beside the warden); with `LATENCY_BENCH_REPORTS=off`, without the failure
 //! report that every failed run gets before its stop (`reports.keep = 0`);
 //! `LATENCY_BENCH_STARTS=N` for N starts instead of 100 (more samples, for
 //! comparing two builds on a noisy machine).
+
+#[path = "../tests/support/sim.rs"]
+mod sim;
 
 use std::io::Write;
 use std::os::unix::net::UnixDatagram;
@@ -222,7 +226,7 @@ fn reports() -> &'static str {
 
 fn main() {
     let exe = env!("CARGO_BIN_EXE_vllm-warden");
-    let sim = env!("CARGO_BIN_EXE_vllm-warden-sim");
+    let sim = &sim::beside(exe).display().to_string();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

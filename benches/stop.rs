@@ -11,7 +11,11 @@
 //! thread, no supervision): what a stop answer cannot do without. The goal
 //! is an answer within 100 ms in every phase.
 //!
-//! Run: `cargo bench --bench stop`.
+//! Run: `cargo build --release && cargo bench --bench stop` (the build makes
+//! the simulated vLLM, a package of its own, beside the warden).
+
+#[path = "../tests/support/sim.rs"]
+mod sim;
 
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
@@ -86,7 +90,7 @@ fn config(dir: &Path, sim: &str, sim_args: &str, more: &str) -> String {
 
 fn main() {
     let exe = env!("CARGO_BIN_EXE_vllm-warden");
-    let sim = env!("CARGO_BIN_EXE_vllm-warden-sim");
+    let sim = &sim::beside(exe).display().to_string();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
 

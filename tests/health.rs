@@ -83,7 +83,7 @@ fn a_wedged_engine_under_traffic_is_caught_from_its_metrics_and_restarted() {
     // either way it is counted as running and no token moves).
     std::thread::spawn(move || {
         let body = serde_json::json!({"model": "tiny-llama", "prompt": "Hi", "max_tokens": 100000});
-        let _ = ureq::post(&url).send_json(&body);
+        let _ = common::http::post_json(&url, &body, common::http::FOREVER);
     });
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGUSR2).unwrap();
     let failed = w.wait_note("the stall", |n| n.starts_with("STATUS=failed"));

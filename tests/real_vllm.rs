@@ -562,11 +562,6 @@ impl Traffic {
             .map(|i| {
                 let (stop, url, model) = (stop.clone(), format!("{base}/v1/completions"), model.to_string());
                 std::thread::spawn(move || {
-                    let agent: ureq::Agent = ureq::Agent::config_builder()
-                        .http_status_as_error(false)
-                        .timeout_global(Some(COMPLETION))
-                        .build()
-                        .into();
                     let body = serde_json::json!({"model": model, "prompt": format!("Hello {i}"), "max_tokens": 8, "temperature": 0});
                     let began = Instant::now();
                     let mut sent = Vec::new();
@@ -575,17 +570,11 @@ impl Traffic {
                         && began.elapsed() < TRAFFIC_TIME
                     {
                         let t = Instant::now();
-                        let failure = match agent.post(&url).send_json(&body) {
-                            Ok(mut r) if r.status() == 200 => {
-                                // The whole answer, as a client reads it.
-                                r.body_mut().read_to_string().err().map(|e| format!("reading the answer: {e}"))
-                            }
-                            Ok(mut r) => Some(format!(
-                                "{} {}",
-                                r.status().as_u16(),
-                                r.body_mut().read_to_string().unwrap_or_default().trim()
-                            )),
-                            Err(e) => Some(e.to_string()),
+                        // The whole answer, as a client reads it.
+                        let failure = match common::http::post_json(&url, &body, COMPLETION) {
+                            Ok(r) if r.status == 200 => None,
+                            Ok(r) => Some(format!("{} {}", r.status, r.body.trim())),
+                            Err(e) => Some(e),
                         };
                         sent.push(Sent { latency: t.elapsed(), failure });
                     }
@@ -712,8 +701,7 @@ fn s8_a_rolling_restart_behind_haproxy_loses_no_request() {
     let front = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let base = format!("http://{}", front.local_addr().unwrap());
     let mut h = Haproxy::start(dir.path(), front, &[("a", a.port, listen_a), ("b", b.port, listen_b)]);
-    let models: serde_json::Value =
-        ureq::get(&format!("{base}/v1/models")).call().unwrap().body_mut().read_json().unwrap();
+    let models = common::http::get(&format!("{base}/v1/models"), common::http::FOREVER).unwrap().json();
     let model_id = models["data"][0]["id"].as_str().unwrap().to_string();
 
     // With the drain: `vllm-warden restart`, A then B, each waited for
@@ -796,20 +784,13 @@ fn stream_completion(
 ) -> std::thread::JoinHandle<Result<Streamed, String>> {
     let model = model.display().to_string();
     std::thread::spawn(move || {
-        use std::io::BufRead;
         let body = serde_json::json!({
             "model": model, "prompt": "Hello", "max_tokens": tokens, "temperature": 0,
             "ignore_eos": true, "stream": true,
         });
-        let agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(600))).build().new_agent();
-        let response = agent
-            .post(&format!("http://127.0.0.1:{port}/v1/completions"))
-            .send_json(&body)
-            .map_err(|e| e.to_string())?;
-        let reader = std::io::BufReader::new(response.into_body().into_reader());
-        let (mut chunks, mut finish, mut done) = (0, None, false);
-        for line in reader.lines() {
-            let line = line.map_err(|e| format!("the stream broke after {chunks} chunks: {e}"))?;
+        let url = format!("http://127.0.0.1:{port}/v1/completions");
+        let (mut chunks, mut finish, mut done, mut bad) = (0, None, false, None);
+        let streamed = common::http::post_json_lines(&url, &body, Duration::from_secs(600), |line| {
             if line == "data: [DONE]" {
                 done = true;
             } else if let Some(data) = line.strip_prefix("data: ") {
@@ -817,11 +798,23 @@ fn stream_completion(
                 if chunks == 1 {
                     let _ = first.send(());
                 }
-                let v: serde_json::Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
-                if let Some(r) = v["choices"][0]["finish_reason"].as_str() {
-                    finish = Some(r.to_string());
+                match serde_json::from_str::<serde_json::Value>(data) {
+                    Ok(v) => {
+                        if let Some(r) = v["choices"][0]["finish_reason"].as_str() {
+                            finish = Some(r.to_string());
+                        }
+                    }
+                    Err(e) => bad = bad.take().or(Some(format!("{e}: {data}"))),
                 }
             }
+        });
+        match streamed {
+            Ok(status) if !(200..300).contains(&status) => return Err(format!("http status: {status}")),
+            Ok(_) => {}
+            Err(e) => return Err(format!("the stream broke after {chunks} chunks: {e}")),
+        }
+        if let Some(e) = bad {
+            return Err(e);
         }
         Ok(Streamed { chunks, finish, done })
     })
@@ -932,20 +925,17 @@ fn s6_a_wedged_engine_under_traffic_is_caught_reported_and_restarted() {
     let (first_tx, first_rx) = std::sync::mpsc::channel();
     let url = format!("http://127.0.0.1:{}/v1/completions", w.port);
     std::thread::spawn(move || {
-        use std::io::BufRead;
         let body = serde_json::json!({
             "model": model("tiny").display().to_string(), "prompt": "Hi", "max_tokens": 200,
             "ignore_eos": true, "stream": true
         });
-        let Ok(mut resp) = ureq::post(&url).send_json(&body) else { return };
-        let mut lines = std::io::BufReader::new(resp.body_mut().as_reader()).lines();
         let mut sent = false;
-        while let Some(Ok(line)) = lines.next() {
+        let _ = common::http::post_json_lines(&url, &body, common::http::FOREVER, |line| {
             if !sent && line.starts_with("data: {") {
-                let _ = first_tx.send(line);
+                let _ = first_tx.send(line.to_string());
                 sent = true;
             }
-        }
+        });
     });
     first_rx.recv_timeout(COMPLETION).expect("the first streamed token");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(engine), Signal::SIGSTOP).unwrap();

@@ -58,7 +58,7 @@ fn wedge(w: &Warden) {
     let url = format!("http://127.0.0.1:{}/v1/completions", w.port);
     std::thread::spawn(move || {
         let body = serde_json::json!({"model": "tiny-llama", "prompt": "Hi", "max_tokens": 100000});
-        let _ = ureq::post(&url).send_json(&body);
+        let _ = common::http::post_json(&url, &body, common::http::FOREVER);
     });
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGUSR2).unwrap();
 }

@@ -22,21 +22,13 @@ fn local(socket: &Path, method: &str, path: &str) -> (u16, String) {
 
 /// One request over TCP, with a bearer token if given.
 fn tcp(port: u16, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(TIMEOUT)).build().into();
     let url = format!("http://127.0.0.1:{port}{path}");
-    let mut r = match method {
-        "GET" => agent.get(&url).call(),
-        _ => {
-            let mut req = agent.post(&url);
-            if let Some(t) = token {
-                req = req.header("Authorization", &format!("Bearer {t}"));
-            }
-            req.send_empty()
-        }
+    let r = match method {
+        "GET" => common::http::get(&url, TIMEOUT),
+        _ => common::http::post(&url, token, TIMEOUT),
     }
     .unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    (r.status, r.body)
 }
 
 fn command(w: &Warden, what: &str) -> (i32, String) {
@@ -137,15 +129,16 @@ fn a_stop_drains_and_waits_for_the_request_in_flight() {
     // 100 tokens, one every 20 ms: about 2 s in flight.
     let client = std::thread::spawn(move || {
         let body = serde_json::json!({"model": "tiny-llama", "prompt": "x", "max_tokens": 100});
-        let r = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions")).send_json(&body);
-        (r.map(|r| r.status().as_u16()).unwrap_or(0), Instant::now())
+        let r =
+            common::http::post_json(&format!("http://127.0.0.1:{port}/v1/completions"), &body, common::http::FOREVER);
+        (r.map(|r| r.status).unwrap_or(0), Instant::now())
     });
     // The request is in flight once the server counts it (each scrape is
     // an answer from the server; no sleep).
     let deadline = Instant::now() + TIMEOUT;
     loop {
-        let m = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call().unwrap().body_mut().read_to_string();
-        if m.unwrap().contains("vllm:num_requests_running{engine=\"0\",model_name=\"tiny-llama\"} 1.0") {
+        let m = common::http::get(&format!("http://127.0.0.1:{port}/metrics"), common::http::FOREVER).unwrap().body;
+        if m.contains("vllm:num_requests_running{engine=\"0\",model_name=\"tiny-llama\"} 1.0") {
             break;
         }
         assert!(Instant::now() < deadline, "the completion never started");

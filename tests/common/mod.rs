@@ -6,7 +6,10 @@
 //! wait it was, how long it was, and what the warden had said and written.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod real;
+#[path = "../support/sim.rs"]
+mod sim_path;
 
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
@@ -25,9 +28,10 @@ pub fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_vllm-warden")
 }
 
-/// The simulated vLLM.
+/// The simulated vLLM, beside the warden (its own package of the workspace).
 pub fn sim() -> &'static str {
-    env!("CARGO_BIN_EXE_vllm-warden-sim")
+    static SIM: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SIM.get_or_init(|| sim_path::beside(exe()).display().to_string())
 }
 
 pub fn free_port() -> u16 {

@@ -1,5 +1,5 @@
 //! `vllm-warden-sim`: a simulated vLLM for `vllm-warden demo` and the
-//! tests, built as its own binary so that none of it ships inside the
+//! tests, a package of its own so that none of it ships inside the
 //! warden. It writes vLLM 0.32's real line formats (see
 //! `tests/fixtures/`), serves `/health`, `/v1/models` and `/v1/completions`,
 //! and has knobs for the failures the warden must handle. It knows nothing
