@@ -216,7 +216,7 @@ fn a_connection_flood_at_a_low_descriptor_limit_leaves_the_child_untouched() {
     let mut w = Warden::start_with(|d, p| checked_config(d, p, listen), opts);
     w.wait_ready();
     let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
-    // An eighth of the limit per listener (the README's number).
+    // An eighth of the limit per listener (the number in docs/operator-guide.md, "Limits of the endpoint").
     let cap = (NOFILE / 8) as usize;
     assert_eq!(vllm_warden::daemon::server::Limits::for_nofile(NOFILE).connections, cap);
     let (fds_before, rss_before) = (common::open_fds(w.pid), common::rss_kib(w.pid));

@@ -581,7 +581,7 @@ fn patch_integrity_concurrent_runs_are_serialised() {
 }
 
 /// `1e400` became `1e+400`, `1E5` `1e+5`, `"caf\u00e9 \/"` `"café /"`, and
-/// compact arrays were spread over lines, though the README promised the
+/// compact arrays were spread over lines, though the docs promised the
 /// rest of the file kept its spelling. Every byte outside the edit is kept.
 #[test]
 fn patch_integrity_edits_keep_every_byte_outside_the_edited_span() {
