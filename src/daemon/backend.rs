@@ -1,0 +1,696 @@
+//! The backend with real processes, a real log file and real HTTP: what
+//! the driver's effects become.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::AbortHandle;
+
+use crate::config::{self, Dirs, Settings};
+use crate::daemon::driver::{Backend, Input};
+use crate::observe::logwatch::{Delivery, Follower, Tap};
+use crate::process::child::{self, Spec, Tree};
+use crate::supervisor::classify::{Classifier, Level};
+use crate::supervisor::outcome::{Prepared, StartFailure};
+use crate::util::redact;
+use crate::util::tasks::{Lifetime, Tasks};
+
+/// What each follower gives every line it reads besides its class.
+#[derive(Clone)]
+struct Taps {
+    journal: Option<crate::observe::journal::Gatherer>,
+    /// Set when the log shows tokens being generated; read by the canary.
+    traffic: crate::observe::health::Traffic,
+}
+
+struct LineTap {
+    journal: Option<crate::observe::journal::Gatherer>,
+    /// The throughput line's literal, searched before its regex.
+    literal: memchr::memmem::Finder<'static>,
+    generation: crate::observe::health::GenerationLine,
+    traffic: crate::observe::health::Traffic,
+}
+
+impl Tap for LineTap {
+    fn line(&mut self, text: &str, level: Option<Level>) {
+        if let Some(j) = &mut self.journal {
+            j.line(text, level);
+        }
+        // The literal first: nearly every line lacks it, and the regex
+        // allocates its captures.
+        if self.literal.find(text.as_bytes()).is_some() && self.generation.matches(text) {
+            self.traffic.saw_generation();
+        }
+    }
+
+    fn end_of_read(&mut self) {
+        if let Some(j) = &mut self.journal {
+            j.flush();
+        }
+    }
+}
+
+/// How often a drain counts the requests in flight.
+const LOAD_EVERY: Duration = Duration::from_millis(100);
+/// What the backend keeps of the latest run for its failure report.
+struct RunRecord {
+    start: u32,
+    spawned: std::time::SystemTime,
+    log_file: std::path::PathBuf,
+    /// Where the run's lines begin in the log.
+    offset: u64,
+    /// Where the run began among the kernel messages followed.
+    kernel: Option<crate::observe::kernel::Mark>,
+    /// The child's log file, as it was given it.
+    log: Option<Arc<std::fs::File>>,
+}
+
+/// How often a ready child's log is read at most.
+const SERVING_PACE: Duration = Duration::from_millis(10);
+
+/// The backend with real processes, a real log file and real HTTP; its
+/// parts grouped by job.
+pub struct RealBackend {
+    settings: Settings,
+    /// Every background task, watched by the loop through `task_failed`.
+    pub tasks: Tasks,
+    tree: Tree,
+    inputs: mpsc::UnboundedSender<Input>,
+    /// Before a spawn: the pre-start steps, the run token, the handover.
+    launch: Launch,
+    /// The child's log: its follower and what each line goes to.
+    log: LogWatch,
+    /// The kernel's messages, for GPU faults.
+    kernel: KernelWatch,
+    /// HTTP: readiness, health checks, the drain's count of requests.
+    checks: Checks,
+    /// The failure reports of failed runs.
+    reports: Reports,
+}
+
+/// What a start needs before its spawn.
+struct Launch {
+    /// The pre-start steps running for a start.
+    preparing: Option<(u32, AbortHandle)>,
+    /// Set once the pre-start steps found no leftover of an earlier warden.
+    leftovers_done: Arc<std::sync::atomic::AtomicBool>,
+    /// Put in every child's environment (`prestart::RUN_TOKEN`).
+    token: String,
+    /// What an upgrade in place needs of the process around the daemon.
+    handover: Handover,
+}
+
+/// Following the child's log.
+struct LogWatch {
+    /// The effective patterns, compiled; each follower gets a copy.
+    classifier: Classifier,
+    follower: Option<Follower>,
+    /// Where followers hand on the lines that matter.
+    lines: mpsc::Sender<Delivery>,
+    taps: Taps,
+    /// Between the failure reports and the log's rotations.
+    hold: crate::observe::rotate::Hold,
+}
+
+/// The kernel messages, for GPU faults: one follower for the warden's life
+/// (started at the first spawn, again if its source changes), not one per
+/// start, which would put a process spawn on the restart path.
+#[derive(Default)]
+struct KernelWatch {
+    follower: Option<(Vec<String>, crate::observe::kernel::Follower)>,
+    /// The start a GPU fault belongs to: the latest spawn.
+    start: Arc<std::sync::atomic::AtomicU32>,
+}
+
+/// The HTTP checks of a run.
+struct Checks {
+    /// The readiness probe of a start.
+    probe: Option<AbortHandle>,
+    /// The health checks of the ready run `start`.
+    health: Option<(u32, AbortHandle)>,
+    /// The last health check's verdict, for `/readyz`.
+    last_check: crate::observe::health::LastCheck,
+    /// A drain's watch of the requests in flight.
+    load: Option<AbortHandle>,
+    /// Seen in the log: the canary waits while real traffic flows.
+    traffic: crate::observe::health::Traffic,
+}
+
+/// The failure reports.
+#[derive(Default)]
+struct Reports {
+    /// The latest run: what its failure report needs.
+    run: Option<RunRecord>,
+    /// The failure report being written.
+    writing: Option<AbortHandle>,
+    /// Open once the last report has taken what describes its run (its
+    /// tree, its log, the GPUs): the next spawn waits for it.
+    /// Kept (each start looks at a copy): a start given up while it waited
+    /// leaves it for the next.
+    gate: Option<watch::Receiver<bool>>,
+    /// Answered as each report ends (or is dropped).
+    pending: Vec<oneshot::Receiver<()>>,
+}
+
+/// What an upgrade in place needs of the process around the daemon.
+#[derive(Debug, Clone, Default)]
+pub struct Handover {
+    /// The binary at the warden's own path (as it was started).
+    pub exe: Option<std::path::PathBuf>,
+    /// The instance lock's descriptor, kept open across the exec.
+    pub lock_fd: Option<std::os::fd::RawFd>,
+    /// The ready run of a predecessor to take over.
+    pub adopted: Option<crate::daemon::upgrade::State>,
+    /// This process was exec'd by an upgrading predecessor (whether or not
+    /// its state could be used): until its first start, the processes it
+    /// finds in its own tree are the predecessor's.
+    pub from_upgrade: bool,
+}
+
+impl RealBackend {
+    /// Needs a tokio runtime; makes this process a subreaper.
+    pub fn new(
+        settings: Settings,
+        classifier: Classifier,
+        inputs: mpsc::UnboundedSender<Input>,
+        lines: mpsc::Sender<Delivery>,
+        journal: Option<crate::observe::journal::Gatherer>,
+        token: String,
+        handover: Handover,
+        last_check: crate::observe::health::LastCheck,
+    ) -> std::io::Result<RealBackend> {
+        let traffic = crate::observe::health::Traffic::default();
+        let taps = Taps { journal, traffic: traffic.clone() };
+        let tx = inputs.clone();
+        let mut tasks = Tasks::default();
+        let tree = Tree::new(
+            move |ev| {
+                let _ = tx.send(Input::Tree(ev));
+            },
+            &mut tasks,
+        )?;
+        Ok(RealBackend {
+            settings,
+            tasks,
+            tree,
+            inputs,
+            launch: Launch { preparing: None, leftovers_done: Arc::default(), token, handover },
+            log: LogWatch { classifier, follower: None, lines, taps, hold: Default::default() },
+            kernel: KernelWatch::default(),
+            checks: Checks { probe: None, health: None, last_check, load: None, traffic },
+            reports: Reports::default(),
+        })
+    }
+
+    /// Follow the log file `file` of start `start` from `offset`.
+    fn follow_log(&mut self, file: &std::fs::File, offset: u64, start: u32) -> std::io::Result<Follower> {
+        let tap = LineTap {
+            journal: self.log.taps.journal.clone(),
+            literal: memchr::memmem::Finder::new(b"generation throughput"),
+            generation: Default::default(),
+            traffic: self.log.taps.traffic.clone(),
+        };
+        let c = &self.settings.child;
+        let rotator = crate::observe::rotate::Rotator::new(&c.log_file, file, c.log_rotation)
+            .map_err(|e| tracing::warn!(error = %e, "the log file will not be rotated"))
+            .ok()
+            .map(|r| r.with_hold(self.log.hold.clone()));
+        Follower::start(
+            file,
+            offset,
+            start,
+            self.log.classifier.clone(),
+            Some(Box::new(tap)),
+            rotator,
+            self.log.lines.clone(),
+            &mut self.tasks,
+        )
+    }
+
+    /// Take over the ready run of the predecessor that handed `state`
+    /// over: the child as the tree's leader, its log from the saved offset,
+    /// the kernel's messages.
+    pub(super) fn adopt(&mut self, state: &crate::daemon::upgrade::State) -> std::io::Result<()> {
+        let pid = state.machine.pid;
+        let file = crate::daemon::upgrade::open_child_log(pid, state.log_dev, state.log_ino)?;
+        let follower = self.follow_log(&file, state.log_offset, state.machine.start)?;
+        self.tree.adopt(pid);
+        self.log.follower = Some(follower);
+        self.launch.leftovers_done.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.kernel.start.store(state.machine.start, std::sync::atomic::Ordering::SeqCst);
+        self.follow_kernel();
+        Ok(())
+    }
+
+    /// Follow the kernel's messages unless already following this source.
+    fn follow_kernel(&mut self) {
+        let source = &self.settings.health.kernel_messages;
+        if source.is_empty() {
+            self.kernel.follower = None;
+            return;
+        }
+        if self.kernel.follower.as_ref().is_some_and(|(s, _)| s == source) {
+            return;
+        }
+        self.kernel.follower = None;
+        let (tx, current) = (self.inputs.clone(), self.kernel.start.clone());
+        match crate::observe::kernel::follow(source, move |fault| {
+            let start = current.load(std::sync::atomic::Ordering::SeqCst);
+            let _ = tx.send(Input::GpuFault { start, cause: fault.cause() });
+        }) {
+            Ok(Some(f)) => self.kernel.follower = Some((source.clone(), f)),
+            Ok(None) => tracing::info!(EVENT = "gpus", "{} not found: GPU faults are not watched", source[0]),
+            Err(e) => tracing::warn!(error = %e, "cannot follow kernel messages: GPU faults are not watched"),
+        }
+    }
+
+    /// Wait, up to `within`, for the failure reports still being written,
+    /// and for the file work of those given up.
+    pub(super) async fn finish_reports(&mut self, within: Duration) {
+        // No start is under way any more (one stopped before its spawn
+        // never said so).
+        crate::observe::reports::start_under_way(false);
+        let deadline = tokio::time::Instant::now() + within;
+        for r in self.reports.pending.drain(..) {
+            let _ = tokio::time::timeout_at(deadline, r).await;
+        }
+        crate::observe::reports::settle(deadline.saturating_duration_since(tokio::time::Instant::now())).await;
+    }
+
+    fn stop_checks(&mut self) {
+        for task in [self.checks.probe.take(), self.checks.health.take().map(|(_, t)| t), self.checks.load.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
+        }
+    }
+}
+
+impl Backend for RealBackend {
+    fn prepare(&mut self, start: u32) {
+        crate::observe::reports::start_under_way(true);
+        self.stop_checks();
+        self.log.follower = None;
+        let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.launch.leftovers_done.clone());
+        let inherited = self.launch.handover.from_upgrade;
+        let gate = self.reports.gate.clone();
+        let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
+            let steps = tx.clone();
+            let status: crate::daemon::prepare::Status = Arc::new(move |text| {
+                let _ = steps.send(Input::Step { start, text });
+            });
+            let result = crate::daemon::prepare::run(&settings, status.clone(), done, inherited).await;
+            // The report of the last run goes on beside this start, but
+            // what describes that run must be taken before a new child
+            // starts: wait while it is not, unless the report has ended.
+            if let Some(mut gate) = gate
+                && result.is_ok()
+                && !*gate.borrow()
+                && gate.has_changed().is_ok()
+            {
+                // What the report waits for is never the start's: it
+                // need not yield to it.
+                crate::observe::reports::start_under_way(false);
+                status("waiting for the failure report of the last run".into());
+                let _ = gate.wait_for(|taken| *taken).await;
+            }
+            let result = match result {
+                Ok(()) => Prepared::Done,
+                Err(failure) => {
+                    crate::observe::reports::start_under_way(false);
+                    Prepared::Failed(failure)
+                }
+            };
+            let _ = tx.send(Input::Prepared { start, result });
+        });
+        self.launch.preparing = Some((start, task));
+    }
+
+    fn cancel_prepare(&mut self) {
+        if let Some((start, task)) = self.launch.preparing.take() {
+            task.abort();
+            crate::observe::reports::start_under_way(false);
+            let _ = self.inputs.send(Input::Prepared { start, result: Prepared::Cancelled });
+        }
+    }
+
+    fn read_config(&mut self) {
+        let (path, tx) = (self.settings.source.clone(), self.inputs.clone());
+        tracing::info!(EVENT = "reload", "reading {} again", path.display());
+        self.tasks.spawn("config reader", Lifetime::Finite, async move {
+            let loaded = tokio::task::spawn_blocking(move || {
+                config::load(&path, &Dirs::from_env()).and_then(|s| {
+                    let env = crate::daemon::environment::check_environment(&s);
+                    if env.is_empty() { Ok(s) } else { Err(config::Problems(env)) }
+                })
+            })
+            .await;
+            // A panic while reading is this task's panic.
+            let loaded = loaded.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+            let _ = tx.send(Input::Reload(Box::new(loaded)));
+        });
+    }
+
+    fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
+        // Spawned or failed, the start is no longer under way.
+        let _over = crate::observe::reports::StartOver;
+        self.launch.preparing = None;
+        let c = &self.settings.child;
+        let log_path = c.log_file.clone();
+        let spawned = std::time::SystemTime::now();
+        let (file, offset) = child::open_log(&log_path, start, spawned)
+            .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
+        // The warden's cache and socket folders, where neither child.env
+        // nor the warden's environment names one.
+        let mut env: std::collections::BTreeMap<String, String> =
+            crate::process::caches::child_env(&crate::process::caches::of(&self.settings)).collect();
+        env.extend(c.env.clone());
+        env.insert(crate::process::prestart::RUN_TOKEN.into(), self.launch.token.clone());
+        let spec = Spec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
+        let kernel = self.kernel.follower.as_ref().and_then(|(_, f)| f.mark());
+        let pid = self.tree.spawn(&spec, &file).map_err(|e| {
+            let cause = format!("cannot start {}: {e}", spec.argv[0]);
+            match e.kind() {
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => StartFailure::permanent(cause),
+                _ => StartFailure::transient(cause),
+            }
+        })?;
+        // Followed from `offset`, where the child's first line goes: begun
+        // after the spawn, the follower still reads every line.
+        match self.follow_log(&file, offset, start) {
+            Ok(f) => self.log.follower = Some(f),
+            Err(e) => {
+                // A child whose lines cannot be read cannot be supervised.
+                self.tree.kill_all();
+                return Err(StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())));
+            }
+        }
+        tracing::info!(
+            INSTANCE = self.settings.name.as_str(),
+            EVENT = "spawn",
+            "running {} (env: {})",
+            redact::command(&spec.argv),
+            redact::env(&spec.env)
+        );
+        let log = file.try_clone().ok().map(Arc::new);
+        self.reports.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
+        self.kernel.start.store(start, std::sync::atomic::Ordering::SeqCst);
+        self.follow_kernel();
+        Ok(pid)
+    }
+
+    fn probe(&mut self, start: u32) {
+        let tx = self.inputs.clone();
+        if let Some(p) = self.checks.probe.take() {
+            p.abort();
+        }
+        if let Some(cluster) = self.settings.ready_by_ray() {
+            let (argv, address) = (cluster.command(&self.settings.child.command), cluster.address.clone());
+            let head = self.settings.profile == crate::config::profile::Profile::RayHead;
+            let member = crate::process::ray::Member::of(&self.settings.child.command, head);
+            self.checks.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
+                crate::process::ray::confirm(&argv, &address, &member).await;
+                let _ = tx.send(Input::HttpReady { start });
+            }));
+            return;
+        }
+        let Some(url) = self.settings.ready.http.clone() else {
+            return;
+        };
+        self.checks.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
+            let mut delay = Duration::from_millis(20);
+            loop {
+                if crate::observe::health::http_ok_async(&url, Duration::from_secs(5)).await {
+                    let _ = tx.send(Input::HttpReady { start });
+                    return;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }));
+    }
+
+    fn health(&mut self, start: u32) {
+        // Ready: the follower may gather a serving child's lines a while
+        // (a fatal line is seen within that, the exit at once).
+        if let Some(f) = &self.log.follower {
+            f.pace(SERVING_PACE);
+        }
+        let spec = crate::observe::health::Spec::from_settings(&self.settings);
+        self.checks.last_check.set(true);
+        if !spec.enabled() {
+            return;
+        }
+        let (tx, traffic, last) = (self.inputs.clone(), self.checks.traffic.clone(), self.checks.last_check.clone());
+        let task = self.tasks.spawn("health checks", Lifetime::Finite, async move {
+            let cause = crate::observe::health::watch(spec, traffic, last).await;
+            let _ = tx.send(Input::HealthFailed { start, cause });
+        });
+        self.checks.health = Some((start, task));
+    }
+
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::daemon::reload::Plan {
+        let plan = crate::daemon::reload::plan(&self.settings, &settings);
+        for c in crate::daemon::reload::identity_left(&self.settings, &settings) {
+            tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
+        }
+        let running = settings.clone();
+        tokio::task::spawn_blocking(move || crate::daemon::reload::save_running(&running));
+        self.settings = settings;
+        // The running child's lines are classified with the new patterns
+        // from its follower's next read on.
+        if let Some(f) = &self.log.follower {
+            f.reclassify(classifier.clone());
+            f.rotation(self.settings.child.log_rotation);
+        }
+        self.log.classifier = classifier;
+        // The health checks of a ready run go on with the new settings.
+        if let Some((start, task)) = self.checks.health.take() {
+            task.abort();
+            self.health(start);
+        }
+        plan
+    }
+
+    fn check_upgrade(&mut self) {
+        let tx = self.inputs.clone();
+        let Some(exe) = self.launch.handover.exe.clone() else {
+            let _ = tx.send(Input::UpgradeChecked(Err("the warden's own path is not known".into())));
+            return;
+        };
+        self.tasks.spawn("upgrade check", Lifetime::Finite, async move {
+            let checked = tokio::task::spawn_blocking(move || crate::daemon::upgrade::probe_version(&exe))
+                .await
+                .unwrap_or_else(|e| Err(format!("the check failed: {e}")));
+            let _ = tx.send(Input::UpgradeChecked(checked));
+        });
+    }
+
+    fn pause_lines(&mut self) -> bool {
+        self.log.follower.as_ref().map(Follower::stop_reading).is_some()
+    }
+
+    fn lines_paused(&mut self, wait: Duration) -> Option<u64> {
+        let offset = self.log.follower.as_ref()?.ended(wait)?;
+        self.log.follower = None;
+        Some(offset)
+    }
+
+    fn resume_lines(&mut self, offset: u64) {
+        let (pid, start) = match self.tree.leader() {
+            Some(pid) => (pid, self.kernel.start.load(std::sync::atomic::Ordering::SeqCst)),
+            None => return,
+        };
+        let followed =
+            std::fs::File::open(format!("/proc/{pid}/fd/1")).and_then(|f| self.follow_log(&f, offset, start));
+        match followed {
+            Ok(f) => self.log.follower = Some(f),
+            Err(e) => tracing::error!(error = %e, "cannot follow the child's log again"),
+        }
+    }
+
+    fn exec_upgrade(&mut self, saved: crate::supervisor::Saved, offset: u64) -> String {
+        use std::os::unix::fs::MetadataExt;
+        let (Some(exe), Some(lock_fd)) = (self.launch.handover.exe.clone(), self.launch.handover.lock_fd) else {
+            return "the warden's own path or lock is not known".into();
+        };
+        let pid = saved.pid;
+        let Some(stat) = child::read_stat(pid as i32) else { return format!("the child, pid {pid}, is gone") };
+        let log = match std::fs::metadata(format!("/proc/{pid}/fd/1")) {
+            Ok(m) => m,
+            Err(e) => return format!("cannot see the child's log: {e}"),
+        };
+        // SAFETY: the lock's descriptor lives as long as the warden.
+        let lock_fd_b = unsafe { std::os::fd::BorrowedFd::borrow_raw(lock_fd) };
+        let state = crate::daemon::upgrade::State {
+            format: crate::daemon::upgrade::FORMAT,
+            from: env!("CARGO_PKG_VERSION").into(),
+            instance: self.settings.name.clone(),
+            lock_fd,
+            token: self.launch.token.clone(),
+            child_start_time: stat.start_time,
+            log_dev: log.dev(),
+            log_ino: log.ino(),
+            log_offset: offset,
+            machine: saved,
+        };
+        let path = crate::daemon::upgrade::state_path(&self.settings.status.file);
+        if let Err(e) = crate::daemon::upgrade::write(&path, &state) {
+            return format!("cannot write {}: {e}", path.display());
+        }
+        if let Err(e) = crate::daemon::upgrade::keep_across_exec(lock_fd_b) {
+            let _ = std::fs::remove_file(&path);
+            return format!("cannot keep the lock across the exec: {e}");
+        }
+        // The kernel-message follower is a process of ours the successor
+        // would not know: stopped (it starts its own).
+        self.kernel.follower = None;
+        let e = crate::daemon::upgrade::exec(&exe, &path);
+        let _ = std::fs::remove_file(&path);
+        let _ = rustix::io::fcntl_setfd(lock_fd_b, rustix::io::FdFlags::CLOEXEC);
+        self.follow_kernel();
+        format!("cannot run {}: {e}", exe.display())
+    }
+
+    fn terminate(&mut self, sig: Signal) {
+        self.stop_checks();
+        self.tree.terminate(sig);
+    }
+
+    fn kill_tree(&mut self) {
+        self.stop_checks();
+        self.tree.kill_all();
+    }
+
+    fn describe_survivors(&mut self) {
+        let tx = self.inputs.clone();
+        self.tasks.spawn("survivor report", Lifetime::Finite, async move {
+            // Off the loop: /proc of a process stuck in the kernel can hang.
+            if let Ok((left, description)) = tokio::task::spawn_blocking(child::describe_survivors).await {
+                let _ = tx.send(Input::Survivors { left, description });
+            }
+        });
+    }
+
+    fn watch_load(&mut self, start: u32) {
+        self.unwatch_load();
+        let (base, tx) = (crate::observe::health::Spec::from_settings(&self.settings).base, self.inputs.clone());
+        let timeout = self.settings.health.timeout;
+        self.checks.load = Some(self.tasks.spawn("drain watch", Lifetime::Finite, async move {
+            let mut said = None;
+            loop {
+                let b = base.clone();
+                let n = tokio::task::spawn_blocking(move || crate::observe::health::in_flight(&b, timeout)).await;
+                match n.unwrap_or_else(|e| Err(e.to_string())) {
+                    Ok(n) if n <= 0.0 => {
+                        let _ = tx.send(Input::Quiet { start });
+                        return;
+                    }
+                    Ok(n) => {
+                        if said != Some(n) {
+                            tracing::info!(EVENT = "drain", "{n} request(s) running or waiting");
+                            said = Some(n);
+                        }
+                    }
+                    Err(why) if said.is_none() => {
+                        // Waited for until drain.timeout: without a count,
+                        // nothing says the server is quiet.
+                        tracing::warn!(EVENT = "drain", "cannot count the requests in flight: {why}");
+                        said = Some(f64::NAN);
+                    }
+                    Err(_) => {}
+                }
+                tokio::time::sleep(LOAD_EVERY).await;
+            }
+        }));
+    }
+
+    fn unwatch_load(&mut self) {
+        if let Some(t) = self.checks.load.take() {
+            t.abort();
+        }
+    }
+
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
+        self.reports.run.as_ref().filter(|r| r.start == order.start)?;
+        // The run has failed: its checks have nothing more to say.
+        self.stop_checks();
+        let run = self.reports.run.as_ref()?;
+        let now = std::time::SystemTime::now();
+        let s = &self.settings;
+        let job = crate::observe::reports::Job {
+            state_dir: s.state_dir.clone(),
+            name: crate::observe::reports::folder_name(now, &s.name, order.attempt),
+            instance: s.name.clone(),
+            spawned: run.spawned,
+            begun: now,
+            log_file: run.log_file.clone(),
+            log_offset: run.offset,
+            settings: s.reports.clone(),
+            config_sha256: crate::observe::reports::sha256_hex(s.text.as_bytes()),
+            classifier: self.log.classifier.clone(),
+            warden: std::process::id() as i32,
+            run_ended: self.tree.run_ended(),
+            // The follower read the log to its end after the exit (the
+            // driver waited for it): where the run's lines end.
+            log_taken: run.log.clone().zip(self.log.follower.as_ref().and_then(Follower::drained_to)),
+            kernel: run.kernel.clone(),
+            log_hold: Some(self.log.hold.clone()),
+            order,
+        };
+        let path = job.state_dir.join(crate::observe::reports::FOLDER).join(&job.name);
+        let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
+        let (taken, gate) = watch::channel(false);
+        let (done, ended) = oneshot::channel();
+        let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
+            match crate::observe::reports::write(job, move || {
+                let _ = taken.send(true);
+            })
+            .await
+            {
+                Ok(p) => tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display()),
+                Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
+            }
+            let _ = tx.send(Input::Reported { start });
+            let _ = done.send(());
+        });
+        // An earlier report still being written goes on.
+        self.reports.pending.retain_mut(|r| r.try_recv() == Err(oneshot::error::TryRecvError::Empty));
+        self.reports.pending.push(ended);
+        self.reports.gate = Some(gate);
+        self.reports.writing = Some(task);
+        Some(path)
+    }
+
+    fn cancel_report(&mut self) {
+        if let Some(task) = self.reports.writing.take() {
+            task.abort();
+        }
+    }
+
+    fn drain_lines(&mut self) -> bool {
+        self.log.follower.as_ref().inspect(|f| f.drain()).is_some()
+    }
+
+    async fn task_failed(&mut self) -> String {
+        let failed = self.tasks.failed().await;
+        tracing::error!(INSTANCE = self.settings.name.as_str(), EVENT = "internal", "{failed}");
+        if failed.name == "reaper" {
+            // Without a reaper the tree could never be seen gone: start one
+            // again so that the stop that follows can finish.
+            if let Err(e) = self.tree.start_reaper(&mut self.tasks) {
+                tracing::error!(error = %e, "cannot start the reaper again");
+            }
+        }
+        failed.to_string()
+    }
+}
+
+impl Drop for RealBackend {
+    fn drop(&mut self) {
+        self.stop_checks();
+    }
+}

@@ -1,0 +1,216 @@
+//! The observer of the machine's state: after every change, the status
+//! document and metrics, the journal's count of dropped lines, the tree
+//! record in the state directory and the endpoint's view.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crate::config::Settings;
+use crate::supervisor::{Machine, State};
+use crate::util::redact;
+
+/// The status files and the tree record, kept up to date by the loop.
+pub struct StateObserver {
+    pub status: crate::observe::status::Reporter,
+    /// Its count of dropped lines goes into the metrics.
+    journal: Option<crate::observe::journal::Forwarder>,
+    /// When that count is read next.
+    next_journal_count: std::time::Instant,
+    pub tree: TreeRecord,
+    /// What the HTTP endpoint shows.
+    view: tokio::sync::watch::Sender<crate::daemon::server::View>,
+}
+
+impl StateObserver {
+    pub fn new(
+        settings: &Settings,
+        journal: Option<crate::observe::journal::Forwarder>,
+        token: &str,
+        view: tokio::sync::watch::Sender<crate::daemon::server::View>,
+    ) -> StateObserver {
+        let s = settings;
+        let mut status =
+            crate::observe::status::Reporter::new(&s.name, &s.status.file, s.status.metrics_file.as_deref());
+        status.set_cache_dir(s.child.cache_dir.as_deref());
+        StateObserver {
+            status,
+            journal,
+            next_journal_count: std::time::Instant::now(),
+            tree: TreeRecord::new(s.state_dir.clone(), s.name.clone(), token.to_string()),
+            view,
+        }
+    }
+
+    fn publish(&self, m: Option<&Machine>) {
+        let document = self.status.document();
+        self.view.send_if_modified(|v| {
+            let mut next = v.clone();
+            if let Some(m) = m {
+                next.phase = m.phase();
+                next.cause = m
+                    .cause()
+                    .map(|c| crate::util::escape::one_line(&redact::text(&c.text), crate::util::escape::MAX_LINE));
+            }
+            next.document = document;
+            let changed = next != *v;
+            *v = next;
+            changed
+        });
+    }
+}
+
+/// How often the journal's count of dropped lines is brought into the
+/// metrics while nothing else changes.
+const JOURNAL_COUNT_EVERY: Duration = Duration::from_secs(5);
+
+impl crate::daemon::driver::Observer for StateObserver {
+    fn changed(&mut self, m: &Machine) {
+        if let Some(j) = &self.journal {
+            self.status.set_journal_dropped(j.dropped());
+        }
+        self.status.update(&m.snapshot());
+        self.tree.update(m);
+        self.publish(Some(m));
+    }
+    fn reconfigure(&mut self, s: &Settings) {
+        self.status.set_paths(&s.status.file, s.status.metrics_file.as_deref());
+        self.status.set_cache_dir(s.child.cache_dir.as_deref());
+    }
+
+    fn settled(&mut self) {
+        self.tree.settle();
+    }
+
+    fn put_off(&self) -> bool {
+        self.status.write_waits()
+    }
+
+    fn due(&self) -> Option<std::time::Instant> {
+        let journal = self.journal.as_ref().map(|_| self.next_journal_count);
+        [self.status.due(), journal].into_iter().flatten().min()
+    }
+
+    fn flush(&mut self) {
+        let now = std::time::Instant::now();
+        if let Some(j) = &self.journal
+            && now >= self.next_journal_count
+        {
+            self.status.set_journal_dropped(j.dropped());
+            self.next_journal_count = now + JOURNAL_COUNT_EVERY;
+        }
+        if self.status.due().is_some_and(|d| d <= now) {
+            self.status.flush();
+            self.publish(None);
+        }
+    }
+}
+
+/// Keeps the child's tree recorded in the state directory while it runs,
+/// for a warden started after this one was killed (see `prestart`). The
+/// `/proc` walk and the file write are done by a thread of their own; the
+/// loop only leaves the latest job in its mailbox.
+pub struct TreeRecord {
+    state_dir: std::path::PathBuf,
+    mailbox: Arc<(Mutex<Option<RecordJob>>, Condvar)>,
+    worker: Option<std::thread::JoinHandle<()>>,
+    /// The phase, progress and instant of the last record, while there is one.
+    last: Option<(crate::supervisor::outcome::Phase, Option<String>, std::time::Instant)>,
+    /// A job due, posted once the change's notifications are sent (the
+    /// recorder's thread must not hold them back).
+    due: Option<RecordJob>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecordJob {
+    Record,
+    Clear,
+    /// The warden is exiting: stop after the job under way.
+    Stop,
+}
+
+impl TreeRecord {
+    fn new(state_dir: std::path::PathBuf, instance: String, token: String) -> TreeRecord {
+        let mailbox: Arc<(Mutex<Option<RecordJob>>, Condvar)> = Arc::default();
+        let (m, dir) = (mailbox.clone(), state_dir.clone());
+        let spawned = std::thread::Builder::new().name("tree record".into()).spawn(move || {
+            loop {
+                let job = {
+                    let (slot, ready) = &*m;
+                    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+                    loop {
+                        if let Some(job) = slot.take() {
+                            break job;
+                        }
+                        slot = ready.wait(slot).unwrap_or_else(|p| p.into_inner());
+                    }
+                };
+                match job {
+                    RecordJob::Record => {
+                        if let Err(e) = crate::process::prestart::record_tree(&dir, &instance, &token) {
+                            tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
+                        }
+                    }
+                    RecordJob::Clear => crate::process::prestart::clear_record(&dir),
+                    RecordJob::Stop => return,
+                }
+            }
+        });
+        let worker = spawned
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "cannot start the tree recorder: a killed warden's leftovers will not be found")
+            })
+            .ok();
+        TreeRecord { state_dir, mailbox, worker, last: None, due: None }
+    }
+
+    /// The warden is done and its tree gone: wait for the recorder, then
+    /// leave no record behind.
+    pub fn finish(&mut self) {
+        self.settle();
+        self.post(RecordJob::Stop);
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+        crate::process::prestart::clear_record(&self.state_dir);
+    }
+
+    /// Post the job due, if any.
+    fn settle(&mut self) {
+        if let Some(job) = self.due.take() {
+            self.post(job);
+        }
+    }
+
+    fn post(&self, job: RecordJob) {
+        let (slot, ready) = &*self.mailbox;
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(job);
+        ready.notify_one();
+    }
+
+    /// Recorded again at every change of phase and, while loading, of the
+    /// progress line (vLLM starts its engine and workers after the spawn;
+    /// at most once a second); cleared when the tree is gone.
+    fn update(&mut self, m: &Machine) {
+        let phase = m.phase();
+        let progress = m.progress().map(String::from);
+        match m.state() {
+            State::Starting(_) | State::Ready(_) => {
+                let due = match &self.last {
+                    Some((p, text, t)) => *p != phase || (*text != progress && t.elapsed() >= Duration::from_secs(1)),
+                    None => true,
+                };
+                if due {
+                    self.due = Some(RecordJob::Record);
+                    self.last = Some((phase, progress, std::time::Instant::now()));
+                }
+            }
+            // The tree is gone (a start without a backoff clears it here,
+            // beside its pre-start steps).
+            State::Backoff { .. } | State::Launching { .. } | State::Done(_) if self.last.is_some() => {
+                self.due = Some(RecordJob::Clear);
+                self.last = None;
+            }
+            _ => {}
+        }
+    }
+}
