@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::config::profile::Profile;
+use std::sync::Mutex;
 
 fn classifier() -> Classifier {
     Classifier::new(&Profile::Vllm.patterns()).unwrap()
