@@ -5,17 +5,15 @@
 
 use std::path::{Path, PathBuf};
 
-
-
-mod leftovers;
-mod files;
-mod port;
 mod commands;
+mod files;
+mod leftovers;
+mod port;
 
-pub use self::leftovers::*;
-pub use self::files::*;
-pub use self::port::*;
 pub use self::commands::*;
+pub use self::files::*;
+pub use self::leftovers::*;
+pub use self::port::*;
 
 /// Where vLLM leaves `vllm_dist_*` files: the temporary folders.
 pub fn temp_dirs() -> Vec<PathBuf> {

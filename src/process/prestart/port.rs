@@ -3,7 +3,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 
-
 /// A process's command line, for messages.
 pub fn cmdline(pid: i32) -> String {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
