@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::PatchError;
+use super::error::PatchError;
 use crate::util::fsutil::{BeneathError, Dir, Stamp, read_capped};
 
 /// Where a model file may lead, and where its name is.

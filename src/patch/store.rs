@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FlockOperation, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
-use super::PatchError;
+use super::error::PatchError;
 use super::source::sha256;
 use crate::util::fsutil::{BeneathError, Dir, read_capped};
 
