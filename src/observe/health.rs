@@ -68,23 +68,26 @@ impl GenerationLine {
     }
 }
 
-/// The HTTP client of the checks, on the server's stack (hyper): one
-/// request on a new connection, under one overall timeout that covers the
-/// connection, every redirect and the body read. As curl does, it follows
-/// up to 10 redirects and an `http://` proxy named in the environment
-/// (`ALL_PROXY`, `HTTPS_PROXY`, `HTTP_PROXY`, lower case too, `NO_PROXY`
-/// honoured), through which it tunnels with `CONNECT`. Every status is an
-/// answer, never an error.
+/// The HTTP client of the checks: reqwest, on the server's own stack
+/// (hyper, hyper-util). One request under one overall timeout that covers
+/// the connection, every redirect and the body read, on a connection of its
+/// own: none is kept for the next request, as the runtimes the requests run
+/// on come and go. Redirects are reqwest's: up to 10 followed. Every status
+/// is an answer, never an error.
+///
+/// Proxies are reqwest's reading of the environment, made once, when the
+/// client is first built: for these `http://` URLs, `HTTP_PROXY` (or
+/// `http_proxy`), else `ALL_PROXY` (or `all_proxy`), to which the request
+/// is forwarded; none for a host that `NO_PROXY` (or `no_proxy`) lists (a
+/// name and its subdomains, an address, a network, or `*`); none at all
+/// when `REQUEST_METHOD` is set, as under CGI. `HTTPS_PROXY` is only for
+/// `https://`, which this client, built without TLS, does not speak.
 pub mod client {
+    use std::sync::OnceLock;
     use std::time::Duration;
 
-    use http_body_util::{BodyExt, Full, Limited};
     use hyper::body::Bytes;
-    use hyper::{Method, StatusCode, Uri, header};
-    use hyper_util::rt::TokioIo;
-
-    /// The most redirects followed.
-    const MAX_REDIRECTS: u32 = 10;
+    use hyper::{Method, StatusCode, header};
 
     /// Why a request got no answer.
     #[derive(Debug, thiserror::Error)]
@@ -93,30 +96,33 @@ pub mod client {
         Timeout,
         #[error("io: {0}")]
         Io(#[source] std::io::Error),
-        #[error("protocol: {0}")]
-        Http(#[source] hyper::Error),
-        #[error("http: {0}")]
-        Request(#[from] hyper::http::Error),
-        #[error("bad uri: {0}")]
-        BadUri(String),
-        #[error("too many redirects")]
-        TooManyRedirects,
-        #[error("redirect failed")]
-        RedirectFailed,
+        #[error("{}", causes(.0))]
+        Http(#[source] reqwest::Error),
         #[error("the response body is larger than request limit: {0}")]
         BodyExceedsLimit(usize),
-        #[error("CONNECT proxy failed: {0}")]
-        ConnectProxyFailed(String),
-        #[error("{0}")]
-        Unsupported(String),
         #[error("json: {0}")]
         Json(#[from] serde_json::Error),
     }
 
-    impl From<hyper::Error> for Error {
-        fn from(e: hyper::Error) -> Error {
-            Error::Http(e)
+    impl From<reqwest::Error> for Error {
+        fn from(e: reqwest::Error) -> Error {
+            if e.is_timeout() { Error::Timeout } else { Error::Http(e) }
         }
+    }
+
+    /// `e` and what it came of, as one line: reqwest names the request, the
+    /// errors below it say what went wrong.
+    fn causes(e: &reqwest::Error) -> String {
+        let mut line = e.to_string();
+        let mut source = std::error::Error::source(e);
+        while let Some(s) = source {
+            let text = s.to_string();
+            if !line.contains(&text) {
+                line = format!("{line}: {text}");
+            }
+            source = s.source();
+        }
+        line
     }
 
     /// A request: `GET` without a body, or `POST` of a JSON document.
@@ -163,9 +169,41 @@ pub mod client {
         }
     }
 
+    /// The one client, built on first use; a failed build is tried again
+    /// by the next request.
+    fn shared() -> Result<&'static reqwest::Client, Error> {
+        static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
+        if let Some(c) = CLIENT.get() {
+            return Ok(c);
+        }
+        let built = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
+        Ok(CLIENT.get_or_init(|| built))
+    }
+
     /// `req` within `timeout`, on the runtime of the caller.
     pub async fn send(req: Request, timeout: Duration) -> Result<Answer, Error> {
-        tokio::time::timeout(timeout, follow(req)).await.map_err(|_| Error::Timeout)?
+        let mut r = shared()?.request(req.method, &req.url).timeout(timeout);
+        if let Some(token) = &req.bearer {
+            r = r.bearer_auth(token);
+        }
+        if let Some(json) = req.json {
+            r = r.header(header::CONTENT_TYPE, "application/json; charset=utf-8").body(json);
+        }
+        let mut res = r.send().await?;
+        let status = res.status();
+        let Some(limit) = req.read else { return Ok(Answer { status, body: Bytes::new() }) };
+        if res.content_length().is_some_and(|n| n > limit as u64) {
+            return Err(Error::BodyExceedsLimit(limit));
+        }
+        // Chunk by chunk, under the same timeout, stopping past the limit.
+        let mut body = Vec::new();
+        while let Some(chunk) = res.chunk().await? {
+            if body.len() + chunk.len() > limit {
+                return Err(Error::BodyExceedsLimit(limit));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(Answer { status, body: Bytes::from(body) })
     }
 
     /// [`send`] from a thread outside any runtime: on a runtime of its own,
@@ -177,280 +215,18 @@ pub mod client {
         rt.shutdown_background();
         answer
     }
+}
 
-    /// `req`, and the redirects it meets.
-    async fn follow(mut req: Request) -> Result<Answer, Error> {
-        let mut uri: Uri = req.url.parse().map_err(|_| Error::BadUri(req.url.clone()))?;
-        for _ in 0..=MAX_REDIRECTS {
-            let answer = once(&req, &uri).await?;
-            let location = answer.location.filter(|_| answer.answer.status.is_redirection());
-            let Some(location) = location else { return Ok(answer.answer) };
-            match answer.answer.status {
-                StatusCode::TEMPORARY_REDIRECT | StatusCode::PERMANENT_REDIRECT if req.json.is_some() => {
-                    return Err(Error::RedirectFailed);
-                }
-                StatusCode::TEMPORARY_REDIRECT | StatusCode::PERMANENT_REDIRECT => {}
-                _ if req.method != Method::GET => {
-                    req.method = Method::GET;
-                    req.json = None;
-                }
-                _ => {}
-            }
-            uri = resolve(&uri, &location)?;
-        }
-        Err(Error::TooManyRedirects)
-    }
-
-    /// `location` read against the URI that answered with it.
-    fn resolve(base: &Uri, location: &str) -> Result<Uri, Error> {
-        let bad = || Error::BadUri(location.to_string());
-        if location.contains("://") {
-            return location.parse().map_err(|_| bad());
-        }
-        let (scheme, authority) = (base.scheme_str().unwrap_or("http"), base.authority().ok_or_else(bad)?);
-        let path = match location {
-            l if l.starts_with("//") => return format!("{scheme}:{l}").parse().map_err(|_| bad()),
-            l if l.starts_with('/') => l.to_string(),
-            l => {
-                let dir = base.path().rsplit_once('/').map_or("", |(d, _)| d);
-                format!("{dir}/{l}")
-            }
-        };
-        format!("{scheme}://{authority}{path}").parse().map_err(|_| bad())
-    }
-
-    struct Once {
-        answer: Answer,
-        location: Option<String>,
-    }
-
-    /// One exchange on a new connection, direct or through the proxy.
-    async fn once(req: &Request, uri: &Uri) -> Result<Once, Error> {
-        if uri.scheme_str() != Some("http") {
-            return Err(Error::Unsupported(format!("TLS required, but transport is unsecured: {uri}")));
-        }
-        let host = uri.host().ok_or_else(|| Error::BadUri(uri.to_string()))?;
-        let port = uri.port_u16().unwrap_or(80);
-        let authority = uri.authority().map_or_else(|| host.to_string(), |a| a.as_str().to_string());
-        let path = uri.path_and_query().map_or("/", |p| p.as_str());
-        let mut r = hyper::Request::builder()
-            .method(req.method.clone())
-            .uri(path)
-            .header(header::HOST, &authority)
-            .header(header::ACCEPT, "*/*");
-        if let Some(token) = &req.bearer {
-            r = r.header(header::AUTHORIZATION, format!("Bearer {token}"));
-        }
-        if req.json.is_some() {
-            r = r.header(header::CONTENT_TYPE, "application/json; charset=utf-8");
-        }
-        let r = r.body(Full::new(req.json.clone().unwrap_or_default()))?;
-        match proxy_for(host) {
-            Some(proxy) => {
-                let tunnel = proxy.tunnel(host, port).await?;
-                exchange(tunnel, r, req.read).await
-            }
-            None => {
-                let stream = connect(host.trim_start_matches('[').trim_end_matches(']'), port).await?;
-                exchange(TokioIo::new(stream), r, req.read).await
-            }
-        }
-    }
-
-    async fn connect(host: &str, port: u16) -> Result<tokio::net::TcpStream, Error> {
-        let stream = tokio::net::TcpStream::connect((host, port)).await.map_err(Error::Io)?;
-        let _ = stream.set_nodelay(true);
-        Ok(stream)
-    }
-
-    /// `req` on `io`; the connection is driven here, beside the request: no
-    /// task of its own. Once it ends (the server closed it), the answer is
-    /// in, or never.
-    async fn exchange<I>(io: I, req: hyper::Request<Full<Bytes>>, read: Option<usize>) -> Result<Once, Error>
-    where
-        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    {
-        let (mut sender, mut conn) = hyper::client::conn::http1::handshake(io).await?;
-        let work = async move {
-            let res = sender.send_request(req).await?;
-            let (parts, body) = res.into_parts();
-            let location = parts.headers.get(header::LOCATION).and_then(|l| l.to_str().ok()).map(String::from);
-            let body = match read {
-                None => Bytes::new(),
-                Some(limit) => match Limited::new(body, limit).collect().await {
-                    Ok(b) => b.to_bytes(),
-                    Err(e) => match e.downcast::<hyper::Error>() {
-                        Ok(e) => return Err(Error::Http(*e)),
-                        Err(_) => return Err(Error::BodyExceedsLimit(limit)),
-                    },
-                },
-            };
-            Ok(Once { answer: Answer { status: parts.status, body }, location })
-        };
-        tokio::pin!(work);
-        tokio::select! {
-            biased;
-            r = &mut work => r,
-            _ = &mut conn => work.await,
-        }
-    }
-
-    /// A proxy named in the environment, as curl and most clients read it.
-    struct Proxy {
-        host: String,
-        port: u16,
-        /// `user:password`, for `Proxy-Authorization: Basic`.
-        user: Option<String>,
-        scheme: String,
-    }
-
-    /// The proxy for `host`: the first of the variables that names one,
-    /// unless `NO_PROXY` lists the host.
-    fn proxy_for(host: &str) -> Option<Proxy> {
-        const VARS: [&str; 6] = ["ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"];
-        let proxy = VARS.iter().filter_map(|v| std::env::var(v).ok()).find_map(|v| Proxy::parse(&v))?;
-        let no_proxy = ["NO_PROXY", "no_proxy"].iter().find_map(|v| std::env::var(v).ok());
-        match no_proxy {
-            Some(list) if list.split(',').any(|e| bypasses(e, host)) => None,
-            _ => Some(proxy),
-        }
-    }
-
-    /// Whether one `NO_PROXY` entry covers `host`: `*`, `*suffix`, `.suffix`,
-    /// `prefix*`, `prefix.` or the host itself, case aside.
-    fn bypasses(entry: &str, host: &str) -> bool {
-        let host = host.to_ascii_lowercase();
-        match entry {
-            "*" => true,
-            e if e.starts_with('*') => host.ends_with(&e[1..].to_ascii_lowercase()),
-            e if e.starts_with('.') => host.ends_with(&e.to_ascii_lowercase()),
-            e if e.ends_with('*') => host.starts_with(&e[..e.len() - 1].to_ascii_lowercase()),
-            e if e.ends_with('.') => host.starts_with(&e.to_ascii_lowercase()),
-            e => host == e.to_ascii_lowercase(),
-        }
-    }
-
-    impl Proxy {
-        fn parse(text: &str) -> Option<Proxy> {
-            let with_scheme = if text.contains("://") { text.to_string() } else { format!("http://{text}") };
-            let uri: Uri = with_scheme.parse().ok()?;
-            let scheme = uri.scheme_str()?.to_ascii_lowercase();
-            let port = match scheme.as_str() {
-                "http" => 80,
-                "https" => 443,
-                "socks4" | "socks4a" | "socks5" | "socks5h" => 1080,
-                _ => return None,
-            };
-            let authority = uri.authority()?.as_str();
-            let user = authority.rsplit_once('@').map(|(u, _)| percent_decoded(u));
-            Some(Proxy { host: uri.host()?.to_string(), port: uri.port_u16().unwrap_or(port), user, scheme })
-        }
-
-        /// A connection to `host:port` through the proxy (`CONNECT`).
-        async fn tunnel(&self, host: &str, port: u16) -> Result<hyper::upgrade::Upgraded, Error> {
-            if self.scheme != "http" {
-                return Err(Error::Unsupported(format!("{} proxy not supported", self.scheme)));
-            }
-            let stream = connect(self.host.trim_start_matches('[').trim_end_matches(']'), self.port).await?;
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-            let target = format!("{host}:{port}");
-            let mut r = hyper::Request::builder().method(Method::CONNECT).uri(&target).header(header::HOST, &target);
-            if let Some(user) = &self.user {
-                r = r.header(header::PROXY_AUTHORIZATION, format!("Basic {}", base64(user.as_bytes())));
-            }
-            let req = r.body(Full::new(Bytes::new()))?;
-            let mut conn = conn.with_upgrades();
-            let res = tokio::select! {
-                biased;
-                r = sender.send_request(req) => r?,
-                r = &mut conn => return Err(Error::ConnectProxyFailed(match r {
-                    Ok(()) => "the proxy closed the connection".into(),
-                    Err(e) => e.to_string(),
-                })),
-            };
-            if res.status() != StatusCode::OK {
-                return Err(Error::ConnectProxyFailed(res.status().to_string()));
-            }
-            let (done, upgraded) = tokio::join!(conn, hyper::upgrade::on(res));
-            done?;
-            Ok(upgraded?)
-        }
-    }
-
-    fn percent_decoded(s: &str) -> String {
-        let b = s.as_bytes();
-        let (mut out, mut i) = (Vec::with_capacity(b.len()), 0);
-        while i < b.len() {
-            let hex = b
-                .get(i + 1..i + 3)
-                .and_then(|h| std::str::from_utf8(h).ok())
-                .and_then(|h| u8::from_str_radix(h, 16).ok());
-            match (b[i], hex) {
-                (b'%', Some(v)) => {
-                    out.push(v);
-                    i += 3;
-                }
-                (c, _) => {
-                    out.push(c);
-                    i += 1;
-                }
-            }
-        }
-        String::from_utf8_lossy(&out).into_owned()
-    }
-
-    fn base64(input: &[u8]) -> String {
-        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-        let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
-        for c in input.chunks(3) {
-            let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
-            for i in 0..4 {
-                out.push(if i <= c.len() { A[(n >> (18 - 6 * i)) as usize & 63] as char } else { '=' });
-            }
-        }
-        out
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn no_proxy_entries_read_as_curl_reads_them() {
-            assert!(bypasses("*", "127.0.0.1"));
-            assert!(bypasses("127.0.0.1", "127.0.0.1"));
-            assert!(bypasses(".example.com", "api.EXAMPLE.com"));
-            assert!(bypasses("*example.com", "example.com"));
-            assert!(bypasses("127.", "127.0.0.1"));
-            assert!(bypasses("10.*", "10.1.2.3"));
-            assert!(!bypasses("localhost", "127.0.0.1"));
-        }
-
-        #[test]
-        fn redirects_are_read_against_the_uri_that_answered() {
-            let base: Uri = "http://127.0.0.1:8000/v1/health?x=1".parse().unwrap();
-            assert_eq!(resolve(&base, "/ready").unwrap(), "http://127.0.0.1:8000/ready");
-            assert_eq!(resolve(&base, "ready").unwrap(), "http://127.0.0.1:8000/v1/ready");
-            assert_eq!(resolve(&base, "http://h:1/a").unwrap(), "http://h:1/a");
-            assert_eq!(resolve(&base, "//h:2/b").unwrap(), "http://h:2/b");
-        }
-
-        #[test]
-        fn proxy_credentials_are_sent_as_basic() {
-            assert_eq!(base64(b"user:pa%ss"), "dXNlcjpwYSVzcw==");
-            assert_eq!(base64(b"ab"), "YWI=");
-            let p = Proxy::parse("http://us%40er:pw@proxy:3128").unwrap();
-            assert_eq!((p.host.as_str(), p.port, p.user.as_deref()), ("proxy", 3128, Some("us@er:pw")));
-            assert_eq!(Proxy::parse("proxy.local").unwrap().port, 80);
-            assert!(Proxy::parse("ftp://x").is_none());
-        }
-    }
+/// The operating system's errors behind `e`: in it and the errors it came of.
+fn io_errors(e: &client::Error) -> impl Iterator<Item = &std::io::Error> {
+    std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |s| s.source())
+        .filter_map(|s| s.downcast_ref::<std::io::Error>())
 }
 
 fn describe(e: &client::Error, timeout: Duration) -> String {
     match e {
         client::Error::Timeout => format!("no answer within {}", humantime::format_duration(timeout)),
-        client::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => "connection refused".into(),
+        e if io_errors(e).any(|io| io.kind() == std::io::ErrorKind::ConnectionRefused) => "connection refused".into(),
         other => other.to_string(),
     }
 }
@@ -488,17 +264,7 @@ impl Miss {
 
 /// The warden's own shortage behind a request's error, if that is what it is.
 fn shortage(e: &client::Error) -> Option<&'static str> {
-    if let client::Error::Io(io) = e {
-        return crate::util::errno::own_shortage(io);
-    }
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        if let Some(why) = s.downcast_ref::<std::io::Error>().and_then(crate::util::errno::own_shortage) {
-            return Some(why);
-        }
-        source = s.source();
-    }
-    None
+    io_errors(e).find_map(crate::util::errno::own_shortage)
 }
 
 /// One `GET`; `Err` names why it failed.
@@ -737,26 +503,78 @@ mod tests {
         }
     }
 
+    /// A server that sends `head` on every connection and then holds it,
+    /// saying no more; its address.
+    fn stalling(head: String) -> std::net::SocketAddr {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for mut c in l.incoming().flatten() {
+                let mut buf = [0u8; 4096];
+                let _ = c.read(&mut buf);
+                let _ = c.write_all(head.as_bytes());
+                held.push(c);
+            }
+        });
+        addr
+    }
+
     /// A check the warden could not make for want of descriptors or
-    /// memory is the warden's miss, never the server's failure.
-    #[tokio::test]
-    async fn the_wardens_own_shortage_is_not_the_servers_failure() {
+    /// memory is the warden's miss, never the server's failure; a server
+    /// that is not there is the server's. The descriptors run out in a
+    /// process of its own: this test's binary, running this test alone.
+    #[test]
+    fn the_wardens_own_shortage_is_not_the_servers_failure() {
+        use std::os::fd::AsRawFd;
+        const OUT_OF_DESCRIPTORS: &str = "VLLM_WARDEN_TEST_OUT_OF_DESCRIPTORS";
         let t = Duration::from_secs(1);
-        let io = |n| client::Error::Io(std::io::Error::from_raw_os_error(n));
-        assert!(
-            matches!(Miss::of(&io(libc::EMFILE), t, ""), Miss::Warden(w) if w.starts_with("the warden is out of file descriptors ("))
-        );
-        assert!(
-            matches!(Miss::of(&io(libc::ENOMEM), t, ""), Miss::Warden(w) if w.starts_with("the warden is out of memory"))
-        );
-        assert_eq!(Miss::of(&io(libc::ECONNREFUSED), t, "canary: "), Miss::Server("canary: connection refused".into()));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         // Nothing listens: the server's failure.
         let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        assert_eq!(check(&format!("http://{gone}/health"), t).await, Err(Miss::Server("connection refused".into())));
+        let url = format!("http://{gone}/health");
+        assert_eq!(rt.block_on(check(&url, t)), Err(Miss::Server("connection refused".into())));
+        let canary = rt.block_on(canary_checked(&format!("http://{gone}"), t));
+        assert_eq!(canary, Err(Miss::Server("canary: connection refused".into())));
+        if std::env::var_os(OUT_OF_DESCRIPTORS).is_some() {
+            // The soft limit at the lowest free number: no new one fits.
+            let lowest_free = std::fs::File::open("/dev/null").unwrap().as_raw_fd() as libc::rlim_t;
+            let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            // SAFETY: this process's own limit, with a struct we own.
+            unsafe {
+                assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+                lim.rlim_cur = lowest_free;
+                assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+            }
+            let miss = rt.block_on(check(&url, t));
+            println!("{OUT_OF_DESCRIPTORS} {miss:?}");
+            return;
+        }
+        let module = module_path!().split_once("::").map_or(module_path!(), |(_, m)| m);
+        let this = format!("{module}::the_wardens_own_shortage_is_not_the_servers_failure");
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([this.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+            .env(OUT_OF_DESCRIPTORS, "1")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        let miss = said.lines().find_map(|l| l.split_once(OUT_OF_DESCRIPTORS).map(|(_, m)| m));
+        assert!(
+            miss.is_some_and(|m| m.starts_with(" Err(Warden(\"the warden is out of file descriptors (")),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The runtime of a blocking check could not be made.
+        let io = |n| client::Error::Io(std::io::Error::from_raw_os_error(n));
+        assert!(
+            matches!(Miss::of(&io(libc::ENOMEM), t, ""), Miss::Warden(w) if w.starts_with("the warden is out of memory ("))
+        );
     }
 
     /// The timeout holds for a server that takes the connection and never
-    /// answers; the body limits hold for an answer too long.
+    /// answers, and for one that stops halfway through the body; the body
+    /// limits hold for an answer too long, its length said or not.
     #[tokio::test]
     async fn the_timeouts_and_limits_hold() {
         let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -766,14 +584,18 @@ mod tests {
             check(&format!("http://{addr}/health"), t).await,
             Err(Miss::Server("no answer within 200ms".into()))
         );
+        let halfway = stalling("HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"data\": [".into());
+        assert_eq!(model(&format!("http://{halfway}"), t).await, Err(Miss::Server("no answer within 200ms".into())));
         let body = " ".repeat(MAX_MODELS + 1);
-        let big = answering(format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}", body.len()));
-        let said = model(&format!("http://{big}"), Duration::from_secs(10)).await;
-        assert_eq!(
-            said,
-            Err(Miss::Server("/v1/models: the response body is larger than request limit: 10485760".into()))
-        );
-        assert!(matches!(scrape(&format!("http://{big}"), Duration::from_secs(10)).await, Scrape::Nothing));
+        let said = answering(format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}", body.len()));
+        let unsaid = answering(format!("HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{body}"));
+        for big in [said, unsaid] {
+            assert_eq!(
+                model(&format!("http://{big}"), Duration::from_secs(10)).await,
+                Err(Miss::Server("/v1/models: the response body is larger than request limit: 10485760".into()))
+            );
+            assert!(matches!(scrape(&format!("http://{big}"), Duration::from_secs(10)).await, Scrape::Nothing));
+        }
     }
 
     #[test]

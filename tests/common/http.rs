@@ -1,9 +1,9 @@
 //! The tests' HTTP client: the warden's own ([`vllm_warden::observe::health::client`],
-//! hyper), called from a test's thread, and a reader of streamed answers.
+//! reqwest), called from a test's thread, and a reader of streamed answers
+//! (reqwest, its body chunk by chunk).
 
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use vllm_warden::observe::health::client::{self, Request};
 
@@ -59,24 +59,16 @@ pub fn post_json_lines(
 ) -> Result<u16, String> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     let streamed = async {
-        let uri: hyper::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
-        let (host, port) = (uri.host().unwrap_or("127.0.0.1").to_string(), uri.port_u16().unwrap_or(80));
-        let stream = tokio::net::TcpStream::connect((host.as_str(), port)).await.map_err(|e| format!("io: {e}"))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        let mut res = reqwest::Client::new()
+            .post(url)
+            .timeout(timeout)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string())
+            .send()
             .await
             .map_err(|e| e.to_string())?;
-        tokio::spawn(conn);
-        let req = hyper::Request::post(uri.path_and_query().map_or("/", |p| p.as_str()))
-            .header(hyper::header::HOST, format!("{host}:{port}"))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| e.to_string())?;
-        let res = sender.send_request(req).await.map_err(|e| e.to_string())?;
-        let status = res.status().as_u16();
-        let (mut body, mut pending) = (res.into_body(), Vec::new());
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| format!("the stream broke: {e}"))?;
-            let Ok(data) = frame.into_data() else { continue };
+        let (status, mut pending) = (res.status().as_u16(), Vec::new());
+        while let Some(data) = res.chunk().await.map_err(|e| format!("the stream broke: {e}"))? {
             pending.extend_from_slice(&data);
             while let Some(n) = pending.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=n).collect();
@@ -86,9 +78,9 @@ pub fn post_json_lines(
         if !pending.is_empty() {
             on_line(&String::from_utf8_lossy(&pending));
         }
-        Ok(status)
+        Ok::<u16, String>(status)
     };
-    let out = rt.block_on(async { tokio::time::timeout(timeout, streamed).await.map_err(|_| "timeout".to_string())? });
+    let out = rt.block_on(streamed);
     rt.shutdown_background();
     out
 }
