@@ -10,13 +10,16 @@ const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
 
 #[test]
 fn ready_after_the_line_and_http_then_a_clean_stop() {
-    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "4", "--shard-time", "20ms"], "", FAST));
+    // A load long enough for its progress to be shown: a status held with
+    // a put-off write goes out when the write does, at most 250 ms later.
+    let mut w = Warden::start(|d, p| config(d, p, &["--shards", "4", "--shard-time", "400ms"], "", FAST));
     w.wait_ready();
     let ready_status = w.wait_note("ready status", |n| n.starts_with("STATUS=ready: pid "));
-    // Progress came first, with the start timeout extended.
+    // Progress came first, with the start timeout extended (statuses held
+    // with a put-off write are coalesced: which shard shows may vary).
     let pos = |pred: &dyn Fn(&str) -> bool| w.notes.iter().position(|n| pred(n)).unwrap();
     let shards = pos(&|n: &str| {
-        n.starts_with("STATUS=loading, pid ") && n.ends_with(": Loading safetensors checkpoint shards: 2/4 (50%)")
+        n.starts_with("STATUS=loading, pid ") && n.contains(": Loading safetensors checkpoint shards: ")
     });
     let ready = pos(&|n: &str| n == "READY=1");
     assert!(shards < ready);
@@ -144,7 +147,9 @@ fn a_stop_during_a_load_kills_a_stubborn_tree_with_a_setsid_grandchild() {
             "",
         )
     });
-    w.wait_note("loading", |n| n.contains("Loading safetensors checkpoint shards: 1/1000"));
+    // Statuses held with a put-off write are coalesced: the first shown
+    // may be a later shard than the first.
+    w.wait_note("loading", |n| n.contains("Loading safetensors checkpoint shards: ") && n.contains("/1000"));
     let tree = w.descendants();
     assert!(tree.len() >= 2, "the fake and its engine: {tree:?}");
     let engine = tree.iter().find(|p| p.ppid != w.pid as i32).expect("a grandchild");
@@ -460,7 +465,9 @@ fn status_cmd(w: &Warden, json: bool) -> (i32, String) {
 #[test]
 fn the_status_document_command_and_metrics_follow_the_run() {
     let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1000", "--shard-time", "50ms"], "", FAST));
-    w.wait_note("loading", |n| n.contains("Loading safetensors checkpoint shards: 1/1000"));
+    // Statuses held with a put-off write are coalesced: the first shown
+    // may be a later shard than the first.
+    w.wait_note("loading", |n| n.contains("Loading safetensors checkpoint shards: ") && n.contains("/1000"));
     let (code, out) = status_cmd(&w, false);
     assert_eq!(code, 3, "running, not ready: {out}");
     assert!(out.starts_with("t: starting, pid "), "{out}");

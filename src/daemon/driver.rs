@@ -276,7 +276,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         let mut events: VecDeque<Event> = VecDeque::from([Event::Begin]);
         let mut exiting: Option<Exiting> = None;
         // Progress notes held while the observer puts off its write.
-        let mut held: Vec<Vec<Note>> = Vec::new();
+        let mut held = Held::default();
         let mut dog = self.ctx.watchdog.map(tokio::time::interval);
         let mut beat = self.ctx.heartbeat.as_ref().map(|_| tokio::time::interval(HEARTBEAT_EVERY));
         let mut requests_open = true;
@@ -370,7 +370,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     }
 
     /// One event through the machine, and its effects carried out.
-    fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
+    fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Held) {
         let mut effects = self.machine.step(ev, Instant::now());
         // The report begun by this event, for its `failed` journal event;
         // the machine has its folder at once, so that one write of the
@@ -419,19 +419,14 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::DescribeSurvivors => self.backend.describe_survivors(),
                 Effect::WatchLoad { start } => self.backend.watch_load(start),
                 Effect::UnwatchLoad => self.backend.unwatch_load(),
-                Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => {
-                    if held.len() >= HELD {
-                        // A flood: the oldest go, the latest stays.
-                        held.remove(0);
-                    }
-                    held.push(notes);
-                }
+                Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => held.hold(notes),
                 Effect::Notify(notes) => {
+                    // What was held goes in the same datagram, after these
+                    // notes, and only where they do not say newer.
                     if !held.is_empty() {
                         self.observer.flush();
-                        self.send_held(held);
                     }
-                    self.notifier.notify(&notes);
+                    self.notifier.notify(&held.behind(notes));
                 }
                 Effect::Log(r) => {
                     let path = report.as_ref().filter(|_| r.topic == Topic::Failed);
@@ -445,7 +440,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     /// The machine is ready and an upgrade was asked for: stop following
     /// the lines, act on those already read, and if the run is still ready,
     /// hand it over (the exec returns only on failure); else follow on.
-    fn upgrade_now(&mut self, events: &mut VecDeque<Event>, held: &mut Vec<Vec<Note>>) {
+    fn upgrade_now(&mut self, events: &mut VecDeque<Event>, held: &mut Held) {
         let Some(version) = self.upgrade.take() else { return };
         let instance = self.ctx.instance.clone();
         if !self.backend.pause_lines() {
@@ -516,10 +511,9 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         }
     }
 
-    fn send_held(&mut self, held: &mut Vec<Vec<Note>>) {
-        // One by one: a notifier keeps only the latest status of one call.
-        for notes in held.drain(..) {
-            self.notifier.notify(&notes);
+    fn send_held(&mut self, held: &mut Held) {
+        if !held.is_empty() {
+            self.notifier.notify(&held.behind(Vec::new()));
         }
     }
 
@@ -600,9 +594,45 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     }
 }
 
-/// Notifications held at most while a write is put off; older ones are
-/// dropped first (systemd shows the latest status only).
-const HELD: usize = 32;
+/// Notifications held while a write is put off: the newest of each kind
+/// only (systemd shows the latest status; a timeout extension counts from
+/// when it arrives), never a backlog of stale ones.
+#[derive(Debug, Default)]
+pub struct Held {
+    status: Option<Note>,
+    extend: Option<Note>,
+}
+
+impl Held {
+    fn hold(&mut self, notes: Vec<Note>) {
+        for n in notes {
+            match n {
+                Note::Status(_) => self.status = Some(n),
+                Note::ExtendTimeout(_) => self.extend = Some(n),
+                _ => {}
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.status.is_none() && self.extend.is_none()
+    }
+
+    /// `notes`, then what was held of a kind they do not carry: one
+    /// datagram, the notes that must not wait (`READY=1`, `STOPPING=1` …)
+    /// first, no stale status after a newer one. Empties the hold.
+    fn behind(&mut self, mut notes: Vec<Note>) -> Vec<Note> {
+        let has = |notes: &[Note], kind: &Note| {
+            notes.iter().any(|n| std::mem::discriminant(n) == std::mem::discriminant(kind))
+        };
+        for held in [self.status.take(), self.extend.take()].into_iter().flatten() {
+            if !has(&notes, &held) {
+                notes.push(held);
+            }
+        }
+        notes
+    }
+}
 
 /// A note that may wait with a put-off write: a status line or a timeout
 /// extension, whose latest value is all that counts.

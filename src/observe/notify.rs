@@ -53,9 +53,18 @@ pub fn datagram(notes: &[Note]) -> String {
     msg
 }
 
-/// How often an undelivered notification is tried again, and for how long.
-const RETRY_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
+/// An undelivered notification is tried again after 1 ms, then twice as
+/// long each time up to [`RETRY_MOST`]: a receiver's full queue is drained
+/// in a moment when it is alive, and a dead one costs a few wake-ups a
+/// second. Given up after [`RETRY_FOR`].
+const RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(1);
+const RETRY_MOST: std::time::Duration = std::time::Duration::from_millis(250);
 const RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The wait before retry number `n` (from 0).
+fn retry_after(n: u32) -> std::time::Duration {
+    RETRY_FIRST.saturating_mul(1u32 << n.min(16)).min(RETRY_MOST)
+}
 
 /// The real one, through `$NOTIFY_SOCKET` (a path or an abstract `@name`).
 ///
@@ -75,16 +84,26 @@ pub struct SdNotifier {
     pending: Vec<Note>,
     pending_since: Option<tokio::time::Instant>,
     next_try: Option<tokio::time::Instant>,
+    /// Retries since the last delivery.
+    retries: u32,
 }
 
-/// Add `note` to undelivered `pending`: one of each kind, the latest wins.
+/// Add `note` to undelivered `pending`: one of each kind, the latest wins;
+/// `READY=1`, `STOPPING=1` and the like ahead of a status or a timeout
+/// extension, which never hold them back.
 fn coalesce(pending: &mut Vec<Note>, note: &Note) {
     let same = |a: &Note| std::mem::discriminant(a) == std::mem::discriminant(note);
+    let news = |n: &Note| matches!(n, Note::Status(_) | Note::ExtendTimeout(_));
     match note {
         Note::Watchdog => {}
-        _ => {
+        n if news(n) => {
             pending.retain(|p| !same(p));
             pending.push(note.clone());
+        }
+        _ => {
+            pending.retain(|p| !same(p));
+            let at = pending.iter().position(news).unwrap_or(pending.len());
+            pending.insert(at, note.clone());
         }
     }
 }
@@ -136,12 +155,14 @@ impl SdNotifier {
                 self.pending.clear();
                 self.pending_since = None;
                 self.next_try = None;
+                self.retries = 0;
             }
             Err(e) => {
                 self.pending.retain(|n| *n != Note::Watchdog);
                 let now = tokio::time::Instant::now();
                 let since = *self.pending_since.get_or_insert(now);
-                self.next_try = Some(now + RETRY_EVERY);
+                self.next_try = Some(now + retry_after(self.retries));
+                self.retries = self.retries.saturating_add(1);
                 if since == now {
                     tracing::warn!(error = %e, "cannot notify systemd; trying again");
                 } else if now - since >= RETRY_FOR {
@@ -149,6 +170,7 @@ impl SdNotifier {
                     self.pending.clear();
                     self.pending_since = None;
                     self.next_try = None;
+                    self.retries = 0;
                 }
             }
         }
@@ -200,6 +222,52 @@ pub fn watchdog_interval() -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A receiver whose queue is full: the notes wait, coalesced (`READY=1`
+    /// ahead, only the newest status), the first retry comes within a few
+    /// milliseconds, and once the receiver reads, one datagram delivers
+    /// them.
+    #[test]
+    fn a_full_receiver_gets_ready_first_and_the_newest_status_only_soon() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let receiver = UnixDatagram::bind(&path).unwrap();
+        receiver.set_nonblocking(true).unwrap();
+        // Fill its queue (`net.unix.max_dgram_qlen`, whatever it is here).
+        let filler = UnixDatagram::unbound().unwrap();
+        filler.connect(&path).unwrap();
+        filler.set_nonblocking(true).unwrap();
+        let mut queued = 0;
+        while filler.send(b"X=1\n").is_ok() {
+            queued += 1;
+            assert!(queued < 1_000_000, "the queue never filled");
+        }
+        let mut n = SdNotifier { target: Some(path.clone().into_os_string()), ..SdNotifier::default() };
+        n.notify(&[Note::Status("loading 0".into())]);
+        let wait = n.retry_at().expect("a retry is due") - tokio::time::Instant::now();
+        assert!(wait <= RETRY_FIRST, "the first retry waits {wait:?}");
+        for i in 1..12 {
+            n.notify(&[Note::Status(format!("loading {i}"))]);
+        }
+        n.notify(&[Note::Ready]);
+        assert_eq!(n.pending, vec![Note::Ready, Note::Status("loading 11".into())]);
+        // The receiver reads what was queued; the retry delivers.
+        let mut buf = [0u8; 4096];
+        for _ in 0..queued {
+            receiver.recv(&mut buf).unwrap();
+        }
+        n.retry();
+        let got = receiver.recv(&mut buf).unwrap();
+        assert_eq!(std::str::from_utf8(&buf[..got]).unwrap(), "READY=1\nSTATUS=loading 11\n");
+        assert!(receiver.recv(&mut buf).is_err(), "one datagram, no backlog");
+        assert_eq!(n.retry_at(), None);
+    }
+
+    #[test]
+    fn retries_start_at_a_millisecond_and_double_to_a_bound() {
+        let waits: Vec<u64> = (0..12).map(|k| retry_after(k).as_millis() as u64).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 64, 128, 250, 250, 250, 250]);
+    }
 
     #[test]
     fn no_text_from_data_adds_a_line_and_long_timeouts_are_whole() {

@@ -716,3 +716,24 @@ async fn a_stop_during_the_report_is_answered_at_once() {
     assert!(o.notes.contains(&(S(3), Note::Stopping)), "{:?}", o.notes);
     assert_eq!(spawn_times(&o), vec![S(0)], "no restart after a stop");
 }
+
+/// Notes held while a write is put off never become a backlog: the newest
+/// status and timeout extension only, behind the notes that must not wait,
+/// and a held status older than one those notes carry is dropped.
+#[test]
+fn held_notes_keep_the_newest_of_each_kind_behind_ready() {
+    let mut held = Held::default();
+    for i in 0..20 {
+        held.hold(vec![Note::Status(format!("loading {i}")), Note::ExtendTimeout(Duration::from_secs(i))]);
+    }
+    assert_eq!(
+        held.behind(vec![Note::Ready]),
+        vec![Note::Ready, Note::Status("loading 19".into()), Note::ExtendTimeout(Duration::from_secs(19))]
+    );
+    assert!(held.is_empty());
+    held.hold(vec![Note::Status("stale".into())]);
+    assert_eq!(
+        held.behind(vec![Note::Ready, Note::Status("ready".into())]),
+        vec![Note::Ready, Note::Status("ready".into())]
+    );
+}
