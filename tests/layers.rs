@@ -80,10 +80,8 @@ fn layer_of(module: &str) -> Option<usize> {
 fn uses(f: &File, modules: &BTreeSet<String>) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for (i, _) in f.code.match_indices("crate::") {
-        let path: String = f.code[i + 7..]
-            .chars()
-            .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
-            .collect();
+        let path: String =
+            f.code[i + 7..].chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':').collect();
         let words: Vec<&str> = path.split("::").filter(|w| !w.is_empty()).collect();
         let target = (1..=words.len()).rev().map(|n| words[..n].join("::")).find(|m| modules.contains(m));
         if let Some(t) = target.filter(|t| *t != f.module) {

@@ -42,9 +42,9 @@ const MAX_STATE: u64 = 64 << 10;
 /// How long the new binary has to answer `--version`.
 pub const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What the successor needs.
+/// What the successor needs: the upgrade handed over.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct State {
+pub struct Handoff {
     pub format: u32,
     /// The version of the warden that wrote it.
     pub from: String,
@@ -70,7 +70,7 @@ pub fn state_path(status_file: &Path) -> PathBuf {
 }
 
 /// Write `state` to `path`, mode 0600, whole or not at all.
-pub fn write(path: &Path, state: &State) -> io::Result<()> {
+pub fn write(path: &Path, state: &Handoff) -> io::Result<()> {
     let text = serde_json::to_vec_pretty(state).map_err(io::Error::other)?;
     crate::util::fsutil::replace(path, &text, 0o600)
 }
@@ -88,11 +88,11 @@ pub fn take_from_env() -> Option<PathBuf> {
 
 /// Read and check the state file for instance `instance`, then remove it.
 /// Every part is checked against the live system; `Err` says which failed.
-pub fn read(path: &Path, instance: &str) -> Result<State, String> {
+pub fn read(path: &Path, instance: &str) -> Result<Handoff, String> {
     let text =
         crate::process::prestart::read_state_file(path, MAX_STATE).map_err(|e| format!("{}: {e}", path.display()));
     let _ = std::fs::remove_file(path);
-    let state: State = serde_json::from_slice(&text?).map_err(|e| format!("{}: {e}", path.display()))?;
+    let state: Handoff = serde_json::from_slice(&text?).map_err(|e| format!("{}: {e}", path.display()))?;
     if state.format != FORMAT {
         return Err(format!("state format {} (this warden reads {FORMAT})", state.format));
     }
@@ -233,8 +233,8 @@ fn exec_now(exe: &Path, state: &Path) -> io::Error {
 mod tests {
     use super::*;
 
-    fn state(pid: u32, start_time: u64) -> State {
-        State {
+    fn state(pid: u32, start_time: u64) -> Handoff {
+        Handoff {
             format: FORMAT,
             from: "0.1.0".into(),
             instance: "t".into(),
@@ -270,7 +270,7 @@ mod tests {
         let st = crate::process::child::read_stat(child.id() as i32).unwrap();
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join(STATE_FILE);
-        let try_read = |s: &State| {
+        let try_read = |s: &Handoff| {
             write(&path, s).unwrap();
             let got = read(&path, "t");
             assert!(!path.exists(), "the state file is removed once read");
@@ -278,13 +278,13 @@ mod tests {
         };
         let good = state(child.id(), st.start_time);
         assert_eq!(try_read(&good).unwrap(), good);
-        let e = try_read(&State { instance: "u".into(), ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { instance: "u".into(), ..good.clone() }).unwrap_err();
         assert!(e.contains("instance \"u\""), "{e}");
-        let e = try_read(&State { token: "x\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { token: "x\nREADY=1".into(), ..good.clone() }).unwrap_err();
         assert!(e.contains("run token"), "{e}");
-        let e = try_read(&State { from: "1.0\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { from: "1.0\nREADY=1".into(), ..good.clone() }).unwrap_err();
         assert!(e.contains("version"), "{e}");
-        let e = try_read(&State { child_start_time: st.start_time + 1, ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { child_start_time: st.start_time + 1, ..good.clone() }).unwrap_err();
         assert!(e.contains("not the child that was recorded"), "{e}");
         let mut other = good.clone();
         other.machine.pid = 1;

@@ -38,7 +38,7 @@ print(json.dumps({"nodes": nodes}))
 
 /// What the GCS showed.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct View {
+pub struct ClusterView {
     /// Nodes alive.
     pub nodes: u32,
     /// Their addresses.
@@ -50,7 +50,7 @@ pub struct View {
 
 impl Cluster {
     /// What the cluster lacks for a start, in words; `None`: nothing.
-    pub fn missing(&self, v: &View) -> Option<String> {
+    pub fn missing(&self, v: &ClusterView) -> Option<String> {
         let mut lack = Vec::new();
         if v.nodes < self.min_nodes {
             lack.push(format!("{} of {} nodes alive", v.nodes, self.min_nodes));
@@ -89,7 +89,7 @@ fn beside(child: &[String], program: &str) -> Option<PathBuf> {
 /// Ask the cluster at `address` with `argv` (from [`Cluster::command`])
 /// under [`STATUS_TIMEOUT`]; `Err` says why there is no answer, in words
 /// fit for `STATUS=`.
-pub async fn ask(argv: &[String], address: &str) -> Result<View, String> {
+pub async fn ask(argv: &[String], address: &str) -> Result<ClusterView, String> {
     use crate::process::prestart::QueryError;
     let program = argv.first().map(String::as_str).unwrap_or_default();
     // Ray's client takes 40 s to give up on an address where nothing
@@ -152,7 +152,7 @@ impl Member {
         }
     }
 
-    fn seen(&self, v: &View) -> bool {
+    fn seen(&self, v: &ClusterView) -> bool {
         match self {
             Member::At(ip) => v.alive.iter().any(|a| a == ip),
             Member::Count(n) => v.nodes >= *n,
@@ -203,13 +203,13 @@ struct Answer {
 /// Reads the look's output: its last line that is a JSON object is the
 /// answer (Ray's client may log warnings before it); without one, the
 /// last line is the error (a Python exception).
-pub fn parse_answer(text: &str) -> Result<View, String> {
+pub fn parse_answer(text: &str) -> Result<ClusterView, String> {
     let lines = || text.lines().rev().map(str::trim).filter(|l| !l.is_empty());
     let Some(json) = lines().find(|l| l.starts_with('{')) else {
         return Err(crate::util::escape::one_line(lines().next().unwrap_or("no output"), 300));
     };
     let answer: Answer = serde_json::from_str(json).map_err(|e| format!("not the answer asked for: {e}"))?;
-    let mut view = View::default();
+    let mut view = ClusterView::default();
     let sum = |into: &mut (f64, f64), n: &Node, name: &str| {
         let (free, total) = (n.free.get(name).copied().unwrap_or(0.0), n.total.get(name).copied().unwrap_or(0.0));
         if free.is_finite() && total.is_finite() {

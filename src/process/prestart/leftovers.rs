@@ -22,7 +22,7 @@ pub struct Recorded {
 
 /// The record: whose tree it is, on which boot, and the processes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Record {
+pub struct RecordedTree {
     /// `/proc/sys/kernel/random/boot_id`: start times mean nothing across boots.
     pub boot_id: String,
     /// The instance name: a record is never taken for another instance's.
@@ -73,7 +73,7 @@ pub fn record_tree(state_dir: &Path, instance: &str, token: &str) -> io::Result<
         .map(|p| Recorded { pid: p.pid, start_time: p.start_time })
         .collect();
     std::fs::create_dir_all(state_dir)?;
-    let record = Record { boot_id: boot_id(), instance: instance.to_string(), token: token.to_string(), tree };
+    let record = RecordedTree { boot_id: boot_id(), instance: instance.to_string(), token: token.to_string(), tree };
     let text = serde_json::to_string(&record).map_err(io::Error::other)?;
     replace(&record_path(state_dir), text.as_bytes(), 0o600)
 }
@@ -149,7 +149,7 @@ pub fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
             return Vec::new();
         }
     };
-    let record: Record = match serde_json::from_slice(&text) {
+    let record: RecordedTree = match serde_json::from_slice(&text) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(file = %path.display(), error = %e, "tree record ignored: not a record");

@@ -23,12 +23,12 @@ fn an_answer_without_json_is_the_error_on_its_last_line() {
 #[test]
 fn what_is_missing_is_named() {
     let c = cluster();
-    let v = View { nodes: 1, cpus: (1.0, 1.0), ..View::default() };
+    let v = ClusterView { nodes: 1, cpus: (1.0, 1.0), ..ClusterView::default() };
     assert_eq!(c.missing(&v).unwrap(), "1 of 2 nodes alive, 1 of 2 CPUs free (1 in the cluster)");
-    let v = View { nodes: 2, cpus: (2.0, 2.0), ..View::default() };
+    let v = ClusterView { nodes: 2, cpus: (2.0, 2.0), ..ClusterView::default() };
     assert_eq!(c.missing(&v), None);
     let gpus = Cluster { min_gpus: 8.0, ..cluster() };
-    let v = View { nodes: 2, cpus: (2.0, 2.0), gpus: (0.5, 8.0), ..View::default() };
+    let v = ClusterView { nodes: 2, cpus: (2.0, 2.0), gpus: (0.5, 8.0), ..ClusterView::default() };
     assert_eq!(gpus.missing(&v).unwrap(), "0.5 of 8 GPUs free (8 in the cluster)");
 }
 
@@ -130,10 +130,10 @@ fn the_temp_dir_is_where_ray_puts_it() {
 fn real_answers_are_read() {
     let two = include_str!("../../../tests/fixtures/ray/gcs-two-nodes.json");
     let both = vec!["127.0.0.3".to_string(), "127.0.0.2".to_string()];
-    assert_eq!(parse_answer(two).unwrap(), View { nodes: 2, alive: both, cpus: (2.0, 2.0), gpus: (0.0, 0.0) });
+    assert_eq!(parse_answer(two).unwrap(), ClusterView { nodes: 2, alive: both, cpus: (2.0, 2.0), gpus: (0.0, 0.0) });
     let dead = include_str!("../../../tests/fixtures/ray/gcs-one-dead.json");
     let head = vec!["127.0.0.3".to_string()];
-    assert_eq!(parse_answer(dead).unwrap(), View { nodes: 1, alive: head, cpus: (1.0, 1.0), gpus: (0.0, 0.0) });
+    assert_eq!(parse_answer(dead).unwrap(), ClusterView { nodes: 1, alive: head, cpus: (1.0, 1.0), gpus: (0.0, 0.0) });
     let none = include_str!("../../../tests/fixtures/ray/status_no_head.txt");
     assert_eq!(
         parse_answer(none).unwrap_err(),
