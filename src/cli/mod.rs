@@ -318,7 +318,7 @@ fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<P
         let state = crate::daemon::upgrade::read(&p, &settings.name)?;
         let held = inherited.as_ref().map(|l| std::os::fd::AsRawFd::as_raw_fd(&l.fd()));
         if held != Some(state.lock_fd) {
-            return Err(format!("descriptor {} is not the instance's lock", state.lock_fd));
+            return Err(crate::daemon::upgrade::UpgradeError::NotTheLock(state.lock_fd));
         }
         Ok(state)
     });

@@ -478,13 +478,13 @@ impl Backend for RealBackend {
     fn check_upgrade(&mut self) {
         let tx = self.inputs.clone();
         let Some(exe) = self.launch.handover.exe.clone() else {
-            let _ = tx.send(Input::UpgradeChecked(Err("the warden's own path is not known".into())));
+            let _ = tx.send(Input::UpgradeChecked(Err(crate::daemon::upgrade::UpgradeError::NoOwnPath)));
             return;
         };
         self.tasks.spawn("upgrade check", Lifetime::Finite, async move {
             let checked = tokio::task::spawn_blocking(move || crate::daemon::upgrade::probe_version(&exe))
                 .await
-                .unwrap_or_else(|e| Err(format!("the check failed: {e}")));
+                .unwrap_or_else(|e| Err(crate::daemon::upgrade::UpgradeError::CheckFailed(e)));
             let _ = tx.send(Input::UpgradeChecked(checked));
         });
     }

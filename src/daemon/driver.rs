@@ -118,7 +118,7 @@ pub enum Input {
     },
     /// The binary an upgrade would run answered `--version` (its version),
     /// or why not.
-    UpgradeChecked(Result<String, String>),
+    UpgradeChecked(Result<String, crate::daemon::upgrade::UpgradeError>),
     /// The failure report of `start` is written (or gave up).
     Reported {
         start: u32,
