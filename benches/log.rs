@@ -26,7 +26,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use vllm_warden::config::profile::{List, Profile};
-use vllm_warden::observe::logwatch::{Delivery, Follower};
+use vllm_warden::observe::logwatch::{Delivery, LogFollower};
 use vllm_warden::supervisor::classify::{Class, Classifier, Splitter};
 
 const READY_LINE: &str = "INFO:     Application startup complete.";
@@ -306,7 +306,7 @@ async fn follow_once(log: &Path) -> f64 {
     let (out, mut rx) = tokio::sync::mpsc::channel(vllm_warden::observe::logwatch::QUEUE);
     let mut tasks = vllm_warden::util::tasks::Tasks::default();
     let t = Instant::now();
-    let f = Follower::start(&file, 0, 1, classifier, None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&file, 0, 1, classifier, None, None, out, &mut tasks).unwrap();
     f.drain();
     let mut matter = 0;
     while let Some(Delivery::Lines { lines, .. }) = rx.recv().await {

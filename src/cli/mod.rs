@@ -118,7 +118,7 @@ fn status(a: &StatusArgs) -> Code {
         Ok(s) => s,
         Err(code) => return code,
     };
-    use crate::observe::status::Verdict;
+    use crate::observe::status::StatusVerdict;
     // Through the socket when a warden answers there; else the file.
     let verdict = match ask(&s.server.socket, "GET", "/status") {
         Ok((200, body)) => crate::observe::status::verdict(&body),
@@ -126,19 +126,19 @@ fn status(a: &StatusArgs) -> Code {
     };
     if a.json {
         match &verdict {
-            Verdict::Ready(d) | Verdict::NotReady(d) | Verdict::NotRunning(Some(d)) => {
+            StatusVerdict::Ready(d) | StatusVerdict::NotReady(d) | StatusVerdict::NotRunning(Some(d)) => {
                 // A document read back from JSON serialises again.
                 println!("{}", serde_json::to_string_pretty(d).unwrap_or_default())
             }
-            Verdict::NotRunning(None) => eprintln!("{}: no status file", s.status.file.display()),
+            StatusVerdict::NotRunning(None) => eprintln!("{}: no status file", s.status.file.display()),
         }
     } else {
         println!("{}", crate::observe::status::summary(&verdict));
     }
     match verdict {
-        Verdict::Ready(_) => Code::Ok,
-        Verdict::NotReady(_) => Code::NotReady,
-        Verdict::NotRunning(_) => Code::NotRunning,
+        StatusVerdict::Ready(_) => Code::Ok,
+        StatusVerdict::NotReady(_) => Code::NotReady,
+        StatusVerdict::NotRunning(_) => Code::NotRunning,
     }
 }
 
@@ -146,9 +146,9 @@ fn status(a: &StatusArgs) -> Code {
 const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// One request over the control socket.
-fn ask(socket: &Path, method: &str, path: &str) -> Result<(u16, String), crate::daemon::server::client::Error> {
+fn ask(socket: &Path, method: &str, path: &str) -> Result<(u16, String), crate::daemon::server::client::ClientError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|source| {
-        crate::daemon::server::client::Error::Connect { path: socket.display().to_string(), source }
+        crate::daemon::server::client::ClientError::Connect { path: socket.display().to_string(), source }
     })?;
     rt.block_on(crate::daemon::server::client::call_within(socket, method, path, ANSWER_TIMEOUT))
 }
@@ -177,7 +177,7 @@ fn control(config: &Path, path: &str) -> Code {
                 }
             }
         }
-        Err(crate::daemon::server::client::Error::Connect { path, source })
+        Err(crate::daemon::server::client::ClientError::Connect { path, source })
             if source.kind() == std::io::ErrorKind::PermissionDenied =>
         {
             // Not "not running": a warden may well run behind a socket this
@@ -188,7 +188,7 @@ fn control(config: &Path, path: &str) -> Code {
             );
             Code::NoPermission
         }
-        Err(e @ crate::daemon::server::client::Error::Connect { .. }) => {
+        Err(e @ crate::daemon::server::client::ClientError::Connect { .. }) => {
             eprintln!("vllm-warden: {}: not running ({e})", s.name);
             Code::NotRunning
         }
@@ -318,7 +318,7 @@ fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<P
         let state = crate::daemon::upgrade::read(&p, &settings.name)?;
         let held = inherited.as_ref().map(|l| std::os::fd::AsRawFd::as_raw_fd(&l.fd()));
         if held != Some(state.lock_fd) {
-            return Err(format!("descriptor {} is not the instance's lock", state.lock_fd));
+            return Err(crate::daemon::upgrade::UpgradeError::NotTheLock(state.lock_fd));
         }
         Ok(state)
     });

@@ -403,15 +403,26 @@ pub(super) fn parse_int(s: &str, radix: u32) -> Option<i64> {
     i64::from_str_radix(digits, radix).ok()
 }
 
+/// Why a TOML value has no JSON value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum NotJson {
+    #[error("integer out of range")]
+    IntegerRange,
+    #[error("invalid float")]
+    Float,
+    #[error("JSON has no inf or nan")]
+    NotFinite,
+}
+
 /// TOML value → JSON value, for `set`.
-pub(super) fn to_json(v: &DeValue<'_>) -> Result<serde_json::Value, String> {
+pub(super) fn to_json(v: &DeValue<'_>) -> Result<serde_json::Value, NotJson> {
     use serde_json::Value as J;
     Ok(match v {
         DeValue::String(s) => J::String(s.to_string()),
-        DeValue::Integer(i) => J::from(parse_int(i.as_str(), i.radix()).ok_or("integer out of range")?),
+        DeValue::Integer(i) => J::from(parse_int(i.as_str(), i.radix()).ok_or(NotJson::IntegerRange)?),
         DeValue::Float(f) => {
-            let x: f64 = f.as_str().replace('_', "").parse().map_err(|_| "invalid float")?;
-            J::from(serde_json::Number::from_f64(x).ok_or("JSON has no inf or nan")?)
+            let x: f64 = f.as_str().replace('_', "").parse().map_err(|_| NotJson::Float)?;
+            J::from(serde_json::Number::from_f64(x).ok_or(NotJson::NotFinite)?)
         }
         DeValue::Boolean(b) => J::Bool(*b),
         DeValue::Datetime(d) => J::String(d.to_string()),

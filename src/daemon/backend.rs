@@ -10,8 +10,8 @@ use tokio::task::AbortHandle;
 
 use crate::config::{self, Dirs, Settings};
 use crate::daemon::driver::{Backend, Input};
-use crate::observe::logwatch::{Delivery, Follower, Tap};
-use crate::process::child::{self, Spec, Tree};
+use crate::observe::logwatch::{Delivery, LogFollower, Tap};
+use crate::process::child::{self, ChildSpec, Tree};
 use crate::supervisor::classify::{Classifier, Level};
 use crate::supervisor::outcome::{Prepared, StartFailure};
 use crate::util::redact;
@@ -106,7 +106,7 @@ struct Launch {
 struct LogWatch {
     /// The effective patterns, compiled; each follower gets a copy.
     classifier: Classifier,
-    follower: Option<Follower>,
+    follower: Option<LogFollower>,
     /// Where followers hand on the lines that matter.
     lines: mpsc::Sender<Delivery>,
     taps: Taps,
@@ -119,7 +119,7 @@ struct LogWatch {
 /// start, which would put a process spawn on the restart path.
 #[derive(Default)]
 struct KernelWatch {
-    follower: Option<(Vec<String>, crate::observe::kernel::Follower)>,
+    follower: Option<(Vec<String>, crate::observe::kernel::KernelFollower)>,
     /// The start a GPU fault belongs to: the latest spawn.
     start: Arc<std::sync::atomic::AtomicU32>,
 }
@@ -162,7 +162,7 @@ pub struct Handover {
     /// The instance lock's descriptor, kept open across the exec.
     pub lock_fd: Option<std::os::fd::RawFd>,
     /// The ready run of a predecessor to take over.
-    pub adopted: Option<crate::daemon::upgrade::State>,
+    pub adopted: Option<crate::daemon::upgrade::Handoff>,
     /// This process was exec'd by an upgrading predecessor (whether or not
     /// its state could be used): until its first start, the processes it
     /// finds in its own tree are the predecessor's.
@@ -205,7 +205,7 @@ impl RealBackend {
     }
 
     /// Follow the log file `file` of start `start` from `offset`.
-    fn follow_log(&mut self, file: &std::fs::File, offset: u64, start: u32) -> std::io::Result<Follower> {
+    fn follow_log(&mut self, file: &std::fs::File, offset: u64, start: u32) -> std::io::Result<LogFollower> {
         let tap = LineTap {
             journal: self.log.taps.journal.clone(),
             literal: memchr::memmem::Finder::new(b"generation throughput"),
@@ -217,7 +217,7 @@ impl RealBackend {
             .map_err(|e| tracing::warn!(error = %e, "the log file will not be rotated"))
             .ok()
             .map(|r| r.with_hold(self.log.hold.clone()));
-        Follower::start(
+        LogFollower::start(
             file,
             offset,
             start,
@@ -232,7 +232,7 @@ impl RealBackend {
     /// Take over the ready run of the predecessor that handed `state`
     /// over: the child as the tree's leader, its log from the saved offset,
     /// the kernel's messages.
-    pub(super) fn adopt(&mut self, state: &crate::daemon::upgrade::State) -> std::io::Result<()> {
+    pub(super) fn adopt(&mut self, state: &crate::daemon::upgrade::Handoff) -> std::io::Result<()> {
         let pid = state.machine.pid;
         let file = crate::daemon::upgrade::open_child_log(pid, state.log_dev, state.log_ino)?;
         let follower = self.follow_log(&file, state.log_offset, state.machine.start)?;
@@ -369,7 +369,7 @@ impl Backend for RealBackend {
             crate::process::caches::child_env(&crate::process::caches::of(&self.settings)).collect();
         env.extend(c.env.clone());
         env.insert(crate::process::prestart::RUN_TOKEN.into(), self.launch.token.clone());
-        let spec = Spec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
+        let spec = ChildSpec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
         let kernel = self.kernel.follower.as_ref().and_then(|(_, f)| f.mark());
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
@@ -452,7 +452,7 @@ impl Backend for RealBackend {
         self.checks.health = Some((start, task));
     }
 
-    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::daemon::reload::Plan {
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::daemon::reload::ReloadPlan {
         let plan = crate::daemon::reload::plan(&self.settings, &settings);
         for c in crate::daemon::reload::identity_left(&self.settings, &settings) {
             tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
@@ -478,19 +478,19 @@ impl Backend for RealBackend {
     fn check_upgrade(&mut self) {
         let tx = self.inputs.clone();
         let Some(exe) = self.launch.handover.exe.clone() else {
-            let _ = tx.send(Input::UpgradeChecked(Err("the warden's own path is not known".into())));
+            let _ = tx.send(Input::UpgradeChecked(Err(crate::daemon::upgrade::UpgradeError::NoOwnPath)));
             return;
         };
         self.tasks.spawn("upgrade check", Lifetime::Finite, async move {
             let checked = tokio::task::spawn_blocking(move || crate::daemon::upgrade::probe_version(&exe))
                 .await
-                .unwrap_or_else(|e| Err(format!("the check failed: {e}")));
+                .unwrap_or_else(|e| Err(crate::daemon::upgrade::UpgradeError::CheckFailed(e)));
             let _ = tx.send(Input::UpgradeChecked(checked));
         });
     }
 
     fn pause_lines(&mut self) -> bool {
-        self.log.follower.as_ref().map(Follower::stop_reading).is_some()
+        self.log.follower.as_ref().map(LogFollower::stop_reading).is_some()
     }
 
     fn lines_paused(&mut self, wait: Duration) -> Option<u64> {
@@ -525,7 +525,7 @@ impl Backend for RealBackend {
         };
         // SAFETY: the lock's descriptor lives as long as the warden.
         let lock_fd_b = unsafe { std::os::fd::BorrowedFd::borrow_raw(lock_fd) };
-        let state = crate::daemon::upgrade::State {
+        let state = crate::daemon::upgrade::Handoff {
             format: crate::daemon::upgrade::FORMAT,
             from: env!("CARGO_PKG_VERSION").into(),
             instance: self.settings.name.clone(),
@@ -636,7 +636,7 @@ impl Backend for RealBackend {
             run_ended: self.tree.run_ended(),
             // The follower read the log to its end after the exit (the
             // driver waited for it): where the run's lines end.
-            log_taken: run.log.clone().zip(self.log.follower.as_ref().and_then(Follower::drained_to)),
+            log_taken: run.log.clone().zip(self.log.follower.as_ref().and_then(LogFollower::drained_to)),
             kernel: run.kernel.clone(),
             log_hold: Some(self.log.hold.clone()),
             order,

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt};
 
 use crate::config::Settings;
-use crate::daemon::reload::Plan;
+use crate::daemon::reload::ReloadPlan;
 use crate::observe::logwatch::Delivery;
 use crate::observe::notify::Notifier;
 use crate::process::child::TreeEvent;
@@ -118,7 +118,7 @@ pub enum Input {
     },
     /// The binary an upgrade would run answered `--version` (its version),
     /// or why not.
-    UpgradeChecked(Result<String, String>),
+    UpgradeChecked(Result<String, crate::daemon::upgrade::UpgradeError>),
     /// The failure report of `start` is written (or gave up).
     Reported {
         start: u32,
@@ -142,7 +142,7 @@ pub trait Backend {
     /// classified with `classifier`, their patterns compiled), the child's
     /// from the next start. Returns what changed against the settings in
     /// use.
-    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> Plan;
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> ReloadPlan;
     /// Spawn start `start`.
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure>;
     fn probe(&mut self, start: u32);
@@ -218,9 +218,9 @@ pub trait Observer {
 }
 
 /// An observer that does nothing, for tests.
-pub struct Quiet;
+pub struct NullObserver;
 
-impl Observer for Quiet {
+impl Observer for NullObserver {
     fn changed(&mut self, _: &Machine) {}
 }
 
@@ -551,8 +551,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                         self.observer.reconfigure(&settings);
                         let plan = self.backend.reconfigure(settings, c);
                         events.push_back(match plan {
-                            Plan::Restart { .. } => Event::Reload { policy, summary: plan.to_string() },
-                            Plan::InPlace(_) | Plan::Nothing => {
+                            ReloadPlan::Restart { .. } => Event::Reload { policy, summary: plan.to_string() },
+                            ReloadPlan::InPlace(_) | ReloadPlan::Nothing => {
                                 Event::ReloadInPlace { policy, summary: plan.to_string() }
                             }
                         });

@@ -162,13 +162,35 @@ pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
     (out, warnings)
 }
 
+/// Why this user cannot use a file the child needs: run its program, or
+/// read its model.
+#[derive(Debug, thiserror::Error)]
+enum AccessError {
+    /// It could not be looked at (missing, or a folder on the way denied).
+    #[error("{0}")]
+    Metadata(io::Error),
+    #[error("not executable ({0})")]
+    NotExecutable(io::Error),
+    #[error("is not an executable file")]
+    NotAFile,
+    #[error("cannot be read ({0})")]
+    Unreadable(io::Error),
+    #[error("has no config.json")]
+    NoConfig,
+    #[error("cannot be listed ({0})")]
+    Unlisted(io::Error),
+    /// A file of the model folder (its name one visible line).
+    #[error("{name} cannot be read ({source})")]
+    FileUnreadable { name: String, source: io::Error },
+}
+
 /// `Ok` when this user may run `p` (a file with the right to execute).
-fn executable(p: &Path) -> Result<(), String> {
+fn executable(p: &Path) -> Result<(), AccessError> {
     match std::fs::metadata(p) {
         Ok(m) if m.is_file() => nix::unistd::access(p, nix::unistd::AccessFlags::X_OK)
-            .map_err(|e| format!("not executable ({})", io::Error::from(e))),
-        Ok(_) => Err("is not an executable file".into()),
-        Err(e) => Err(e.to_string()),
+            .map_err(|e| AccessError::NotExecutable(io::Error::from(e))),
+        Ok(_) => Err(AccessError::NotAFile),
+        Err(e) => Err(AccessError::Metadata(e)),
     }
 }
 
@@ -192,7 +214,7 @@ fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, Str
     } else {
         PathBuf::from(first)
     };
-    executable(&interpreter).err().map(|e| (interpreter.display().to_string(), e))
+    executable(&interpreter).err().map(|e| (interpreter.display().to_string(), e.to_string()))
 }
 
 /// The model of `vllm serve MODEL` (the last `--model` wins, as in
@@ -278,32 +300,32 @@ fn read_by_vllm(name: &str) -> bool {
 /// false: `--hf-config-path` names another), and every file in it that
 /// vLLM reads (configs, tokenizer, weights; links followed, as into a
 /// Hugging Face cache's blobs); a single file (GGUF) must be readable.
-fn model_folder(p: &Path, need_config: bool) -> Result<(), String> {
+fn model_folder(p: &Path, need_config: bool) -> Result<(), AccessError> {
     use nix::unistd::{AccessFlags, access};
     let readable = |f: &Path| access(f, AccessFlags::R_OK).map_err(io::Error::from);
-    let m = std::fs::metadata(p).map_err(|e| e.to_string())?;
+    let m = std::fs::metadata(p).map_err(AccessError::Metadata)?;
     if m.is_file() {
-        return readable(p).map_err(|e| format!("cannot be read ({e})"));
+        return readable(p).map_err(AccessError::Unreadable);
     }
-    access(p, AccessFlags::R_OK | AccessFlags::X_OK).map_err(|e| format!("cannot be read ({})", io::Error::from(e)))?;
+    access(p, AccessFlags::R_OK | AccessFlags::X_OK).map_err(|e| AccessError::Unreadable(io::Error::from(e)))?;
     // Looked at, never opened: a FIFO in its place must not hang a check.
     let config =
         ["config.json", "params.json"].iter().find(|n| std::fs::metadata(p.join(n)).is_ok_and(|m| m.is_file()));
     if need_config && config.is_none() {
-        return Err("has no config.json".into());
+        return Err(AccessError::NoConfig);
     }
-    let entries = std::fs::read_dir(p).map_err(|e| format!("cannot be listed ({e})"))?;
+    let entries = std::fs::read_dir(p).map_err(AccessError::Unlisted)?;
     let mut names: Vec<_> = entries.flatten().map(|e| e.path()).collect();
     names.sort();
     for f in names {
         let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         if read_by_vllm(&name)
             && std::fs::metadata(&f).is_ok_and(|m| m.is_file())
-            && let Err(e) = readable(&f)
+            && let Err(source) = readable(&f)
         {
             // A name from the model folder: shown as one visible line.
             let name = crate::util::escape::one_line(&name, crate::util::escape::MAX_LINE);
-            return Err(format!("{name} cannot be read ({e})"));
+            return Err(AccessError::FileUnreadable { name, source });
         }
     }
     Ok(())
@@ -481,8 +503,8 @@ mod tests {
     fn a_model_folder_is_looked_at_never_opened() {
         let dir = tempfile::tempdir().unwrap();
         nix::unistd::mkfifo(&dir.path().join("config.json"), nix::sys::stat::Mode::S_IRWXU).unwrap();
-        assert_eq!(model_folder(dir.path(), true), Err("has no config.json".into()));
-        assert_eq!(model_folder(dir.path(), false), Ok(()), "--hf-config-path names another");
+        assert_eq!(model_folder(dir.path(), true).unwrap_err().to_string(), "has no config.json");
+        assert!(model_folder(dir.path(), false).is_ok(), "--hf-config-path names another");
         assert!(read_by_vllm("model-00001-of-00064.safetensors") && read_by_vllm("tokenizer.model"));
         assert!(!read_by_vllm("README.md") && !read_by_vllm(".gitattributes"));
     }

@@ -127,7 +127,7 @@ pub async fn run(
 
 /// A new machine, or one that takes over the ready run of an upgrading
 /// predecessor.
-fn machine(backend: &mut RealBackend, policy: Policy, adopted: Option<upgrade::State>) -> Machine {
+fn machine(backend: &mut RealBackend, policy: Policy, adopted: Option<upgrade::Handoff>) -> Machine {
     match adopted.map(|state| backend.adopt(&state).map(|()| state)) {
         Some(Ok(state)) => {
             Machine::adopt(policy, fastrand::u64(..), &state.machine, &state.from, tokio::time::Instant::now())

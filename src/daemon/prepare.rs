@@ -84,7 +84,7 @@ fn blocking_steps(
     // last run's sockets gone: what would kill the start after a load is
     // a failure now, naming the path, the uid and the fix.
     let writes = crate::process::caches::of(s);
-    crate::process::caches::prepare(&writes, &s.server.socket).map_err(StartFailure::permanent)?;
+    crate::process::caches::prepare(&writes, &s.server.socket).map_err(|e| StartFailure::permanent(e.to_string()))?;
     let fixed_by_config = crate::daemon::environment::program_problems(s)
         .into_iter()
         .chain(crate::process::caches::problems(&writes).0)
@@ -144,7 +144,7 @@ pub async fn run(
         status(text);
         prestart::stop_leftovers(left, s.child.stop_signal, s.child.stop_timeout, KILL_GRACE)
             .await
-            .map_err(StartFailure::transient)?;
+            .map_err(|e| StartFailure::transient(e.to_string()))?;
         let (settings, st) = (s.clone(), status.clone());
         seen = off_loop(move || blocking_steps(&settings, &st, false, false)).await?;
     }
@@ -228,7 +228,7 @@ async fn ray_gate(cluster: &crate::config::Cluster, child: &[String], status: &S
                 None => return Ok(()),
                 Some(m) => m,
             },
-            Err(e) => e,
+            Err(e) => e.to_string(),
         };
         let now = Instant::now();
         if now >= deadline {

@@ -146,7 +146,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
 
 /// What a reload does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Plan {
+pub enum ReloadPlan {
     Nothing,
     /// Only the warden's own settings changed: applied to the running child.
     InPlace(Vec<Change>),
@@ -160,13 +160,13 @@ pub enum Plan {
 
 /// What reloading `new` over `old` does. Identity changes are left out:
 /// they wait for a new warden (and are said so by [`identity_left`]).
-pub fn plan(old: &Settings, new: &Settings) -> Plan {
+pub fn plan(old: &Settings, new: &Settings) -> ReloadPlan {
     let all: Vec<Change> = changes(old, new).into_iter().filter(|c| c.affects != Affects::Identity).collect();
     let because: Vec<Change> = all.iter().filter(|c| c.affects == Affects::Child).cloned().collect();
     match (all.is_empty(), because.is_empty()) {
-        (true, _) => Plan::Nothing,
-        (false, true) => Plan::InPlace(all),
-        (false, false) => Plan::Restart { because, all },
+        (true, _) => ReloadPlan::Nothing,
+        (false, true) => ReloadPlan::InPlace(all),
+        (false, false) => ReloadPlan::Restart { because, all },
     }
 }
 
@@ -191,13 +191,13 @@ pub fn identity_left(old: &Settings, new: &Settings) -> Vec<Change> {
     changes(old, new).into_iter().filter(|c| c.affects == Affects::Identity).collect()
 }
 
-impl fmt::Display for Plan {
+impl fmt::Display for ReloadPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let list = |v: &[Change]| v.iter().map(Change::to_string).collect::<Vec<_>>().join(", ");
         match self {
-            Plan::Nothing => write!(f, "nothing changed"),
-            Plan::InPlace(all) => write!(f, "reloaded in place: {}", list(all)),
-            Plan::Restart { because, all } => {
+            ReloadPlan::Nothing => write!(f, "nothing changed"),
+            ReloadPlan::InPlace(all) => write!(f, "reloaded in place: {}", list(all)),
+            ReloadPlan::Restart { because, all } => {
                 let keys: Vec<&str> = because.iter().map(|c| c.key).collect();
                 write!(f, "restarting the child: {} changed ({})", keys.join(", "), list(all))
             }
@@ -221,7 +221,7 @@ mod tests {
     fn a_warden_side_change_is_applied_in_place_and_said_in_a_line() {
         let p = plan(&parse("[health]\ninterval = \"15s\"\n"), &parse("[health]\ninterval = \"30s\"\n"));
         assert_eq!(p.to_string(), "reloaded in place: health.interval 15s → 30s");
-        assert!(matches!(p, Plan::InPlace(_)));
+        assert!(matches!(p, ReloadPlan::InPlace(_)));
     }
 
     #[test]
@@ -234,7 +234,7 @@ mod tests {
         )
         .unwrap();
         let p = plan(&old, &new);
-        let Plan::Restart { because, .. } = &p else { panic!("{p:?}") };
+        let ReloadPlan::Restart { because, .. } = &p else { panic!("{p:?}") };
         assert_eq!(because.iter().map(|c| c.key).collect::<Vec<_>>(), ["child.env"]);
         let shown = p.to_string();
         assert!(
@@ -246,14 +246,14 @@ mod tests {
 
     #[test]
     fn nothing_changed_is_nothing_and_identity_waits_for_a_new_warden() {
-        assert_eq!(plan(&parse(""), &parse("")), Plan::Nothing);
+        assert_eq!(plan(&parse(""), &parse("")), ReloadPlan::Nothing);
         let text = "name = \"other\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\nenv = { A = \"1\", HF_TOKEN = \"x\" }\n";
         let renamed = crate::config::parse(text, Path::new("/etc/vllm-warden/t.toml"), &Default::default()).unwrap();
         let left: Vec<&str> = identity_left(&parse(""), &renamed).iter().map(|c| c.key).collect();
         // The default socket is in the name's runtime folder.
         assert_eq!(left, ["name", "state directory", "server.socket"]);
         // The name also names the default log file: that, the child sees.
-        let Plan::Restart { because, .. } = plan(&parse(""), &renamed) else { panic!() };
+        let ReloadPlan::Restart { because, .. } = plan(&parse(""), &renamed) else { panic!() };
         assert_eq!(because.iter().map(|c| c.key).collect::<Vec<_>>(), ["child.log-file"]);
     }
 }

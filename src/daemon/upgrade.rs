@@ -42,9 +42,9 @@ const MAX_STATE: u64 = 64 << 10;
 /// How long the new binary has to answer `--version`.
 pub const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What the successor needs.
+/// What the successor needs: the upgrade handed over.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct State {
+pub struct Handoff {
     pub format: u32,
     /// The version of the warden that wrote it.
     pub from: String,
@@ -63,6 +63,46 @@ pub struct State {
     pub machine: crate::supervisor::Saved,
 }
 
+/// Why an upgrade does not go on: the state file the successor cannot
+/// use, or a new binary that does not answer as a warden.
+#[derive(Debug, thiserror::Error)]
+pub enum UpgradeError {
+    #[error("{}: {source}", path.display())]
+    Unreadable { path: PathBuf, source: io::Error },
+    #[error("{}: {source}", path.display())]
+    NotJson { path: PathBuf, source: serde_json::Error },
+    #[error("state format {0} (this warden reads {FORMAT})")]
+    Format(u32),
+    #[error("the state is instance {0:?}'s")]
+    OtherInstance(String),
+    #[error("the run token is not one a warden makes")]
+    Token,
+    #[error("the predecessor's version is not a version")]
+    PredecessorVersion,
+    #[error("a pid out of range")]
+    PidRange,
+    #[error("pid {0} is not the child that was recorded")]
+    NotTheChild(i32),
+    #[error("the child, pid {0}, is gone")]
+    ChildGone(i32),
+    /// The descriptor the state names is not the inherited instance lock.
+    #[error("descriptor {0} is not the instance's lock")]
+    NotTheLock(RawFd),
+    #[error("cannot run {} --version: {source}", exe.display())]
+    Spawn { exe: PathBuf, source: io::Error },
+    #[error("{} --version did not answer within {}s", .0.display(), VERSION_TIMEOUT.as_secs())]
+    NoAnswer(PathBuf),
+    #[error("{} --version: {source}", exe.display())]
+    Wait { exe: PathBuf, source: io::Error },
+    #[error("{} --version did not name a vllm-warden version", .0.display())]
+    NotAWarden(PathBuf),
+    #[error("the warden's own path is not known")]
+    NoOwnPath,
+    /// The task that asked the new binary ended without an answer.
+    #[error("the check failed: {0}")]
+    CheckFailed(tokio::task::JoinError),
+}
+
 /// Where the state file goes: beside the status document (the runtime
 /// directory under systemd).
 pub fn state_path(status_file: &Path) -> PathBuf {
@@ -70,7 +110,7 @@ pub fn state_path(status_file: &Path) -> PathBuf {
 }
 
 /// Write `state` to `path`, mode 0600, whole or not at all.
-pub fn write(path: &Path, state: &State) -> io::Result<()> {
+pub fn write(path: &Path, state: &Handoff) -> io::Result<()> {
     let text = serde_json::to_vec_pretty(state).map_err(io::Error::other)?;
     crate::util::fsutil::replace(path, &text, 0o600)
 }
@@ -88,31 +128,32 @@ pub fn take_from_env() -> Option<PathBuf> {
 
 /// Read and check the state file for instance `instance`, then remove it.
 /// Every part is checked against the live system; `Err` says which failed.
-pub fn read(path: &Path, instance: &str) -> Result<State, String> {
-    let text =
-        crate::process::prestart::read_state_file(path, MAX_STATE).map_err(|e| format!("{}: {e}", path.display()));
+pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
+    let text = crate::process::prestart::read_state_file(path, MAX_STATE)
+        .map_err(|source| UpgradeError::Unreadable { path: path.to_path_buf(), source });
     let _ = std::fs::remove_file(path);
-    let state: State = serde_json::from_slice(&text?).map_err(|e| format!("{}: {e}", path.display()))?;
+    let state: Handoff =
+        serde_json::from_slice(&text?).map_err(|source| UpgradeError::NotJson { path: path.to_path_buf(), source })?;
     if state.format != FORMAT {
-        return Err(format!("state format {} (this warden reads {FORMAT})", state.format));
+        return Err(UpgradeError::Format(state.format));
     }
     if state.instance != instance {
-        return Err(format!("the state is instance {:?}'s", state.instance));
+        return Err(UpgradeError::OtherInstance(state.instance));
     }
     // Both go on into the child's environment and a status line: only the
     // shapes this warden writes.
     if state.token.len() != 32 || !state.token.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err("the run token is not one a warden makes".into());
+        return Err(UpgradeError::Token);
     }
     if state.from.is_empty() || state.from.len() > 64 || !state.from.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err("the predecessor's version is not a version".into());
+        return Err(UpgradeError::PredecessorVersion);
     }
     let me = std::process::id() as i32;
-    let pid = i32::try_from(state.machine.pid).map_err(|_| "a pid out of range".to_string())?;
+    let pid = i32::try_from(state.machine.pid).map_err(|_| UpgradeError::PidRange)?;
     match crate::process::child::read_stat(pid) {
         Some(st) if st.ppid == me && st.start_time == state.child_start_time && st.state != 'Z' => {}
-        Some(_) => return Err(format!("pid {pid} is not the child that was recorded")),
-        None => return Err(format!("the child, pid {pid}, is gone")),
+        Some(_) => return Err(UpgradeError::NotTheChild(pid)),
+        None => return Err(UpgradeError::ChildGone(pid)),
     }
     // The lock's descriptor is checked where it is taken over
     // (`InstanceLock::adopt`).
@@ -133,7 +174,7 @@ pub fn open_child_log(pid: u32, dev: u64, ino: u64) -> io::Result<std::fs::File>
 /// Ask `exe --version` and return the version it names, or why not.
 /// Blocking (run it off the loop); the command is killed after
 /// [`VERSION_TIMEOUT`].
-pub fn probe_version(exe: &Path) -> Result<String, String> {
+pub fn probe_version(exe: &Path) -> Result<String, UpgradeError> {
     use std::io::Read;
     let mut child = std::process::Command::new(exe)
         .arg("--version")
@@ -141,7 +182,7 @@ pub fn probe_version(exe: &Path) -> Result<String, String> {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
-        .map_err(|e| format!("cannot run {} --version: {e}", exe.display()))?;
+        .map_err(|source| UpgradeError::Spawn { exe: exe.to_path_buf(), source })?;
     let pid = child.id();
     let stdout = child.stdout.take();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -157,7 +198,7 @@ pub fn probe_version(exe: &Path) -> Result<String, String> {
         Err(_) => {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
             let _ = child.wait();
-            return Err(format!("{} --version did not answer within {}s", exe.display(), VERSION_TIMEOUT.as_secs()));
+            return Err(UpgradeError::NoAnswer(exe.to_path_buf()));
         }
     };
     // The warden reaps every child of its own (it is a subreaper, and its
@@ -166,12 +207,12 @@ pub fn probe_version(exe: &Path) -> Result<String, String> {
     let success = match child.wait() {
         Ok(status) => status.success(),
         Err(e) if e.raw_os_error() == Some(libc::ECHILD) => true,
-        Err(e) => return Err(format!("{} --version: {e}", exe.display())),
+        Err(source) => return Err(UpgradeError::Wait { exe: exe.to_path_buf(), source }),
     };
     // `vllm-warden 0.1.0`
     match out.trim().strip_prefix("vllm-warden ") {
         Some(v) if success && !v.is_empty() && v.len() <= 64 && !v.contains(char::is_whitespace) => Ok(v.to_string()),
-        _ => Err(format!("{} --version did not name a vllm-warden version", exe.display())),
+        _ => Err(UpgradeError::NotAWarden(exe.to_path_buf())),
     }
 }
 
@@ -233,8 +274,8 @@ fn exec_now(exe: &Path, state: &Path) -> io::Error {
 mod tests {
     use super::*;
 
-    fn state(pid: u32, start_time: u64) -> State {
-        State {
+    fn state(pid: u32, start_time: u64) -> Handoff {
+        Handoff {
             format: FORMAT,
             from: "0.1.0".into(),
             instance: "t".into(),
@@ -270,7 +311,7 @@ mod tests {
         let st = crate::process::child::read_stat(child.id() as i32).unwrap();
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join(STATE_FILE);
-        let try_read = |s: &State| {
+        let try_read = |s: &Handoff| {
             write(&path, s).unwrap();
             let got = read(&path, "t");
             assert!(!path.exists(), "the state file is removed once read");
@@ -278,17 +319,17 @@ mod tests {
         };
         let good = state(child.id(), st.start_time);
         assert_eq!(try_read(&good).unwrap(), good);
-        let e = try_read(&State { instance: "u".into(), ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { instance: "u".into(), ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("instance \"u\""), "{e}");
-        let e = try_read(&State { token: "x\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { token: "x\nREADY=1".into(), ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("run token"), "{e}");
-        let e = try_read(&State { from: "1.0\nREADY=1".into(), ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { from: "1.0\nREADY=1".into(), ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("version"), "{e}");
-        let e = try_read(&State { child_start_time: st.start_time + 1, ..good.clone() }).unwrap_err();
+        let e = try_read(&Handoff { child_start_time: st.start_time + 1, ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("not the child that was recorded"), "{e}");
         let mut other = good.clone();
         other.machine.pid = 1;
-        let e = try_read(&other).unwrap_err();
+        let e = try_read(&other).unwrap_err().to_string();
         assert!(e.contains("pid 1 is not the child"), "{e}");
         let _ = child.kill();
         let _ = child.wait();

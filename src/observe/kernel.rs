@@ -91,7 +91,7 @@ pub fn gpu_related(line: &str) -> bool {
 
 /// The follower of one run; killed (with its group) when dropped.
 #[derive(Debug)]
-pub struct Follower {
+pub struct KernelFollower {
     pid: nix::unistd::Pid,
     seen: Arc<Mutex<Seen>>,
 }
@@ -163,7 +163,7 @@ impl Mark {
     }
 }
 
-impl Follower {
+impl KernelFollower {
     /// Here, among what the follower reads; `None` when it no longer reads.
     pub fn mark(&self) -> Option<Mark> {
         let at = {
@@ -174,7 +174,7 @@ impl Follower {
     }
 }
 
-impl Drop for Follower {
+impl Drop for KernelFollower {
     fn drop(&mut self) {
         let _ = nix::sys::signal::killpg(self.pid, nix::sys::signal::Signal::SIGKILL);
         crate::process::child::unregister_helper(self.pid.as_raw());
@@ -185,7 +185,10 @@ impl Drop for Follower {
 /// per line); `on_fault` is called from a thread of its own for the first
 /// fatal fault, and the follower reads on. `Ok(None)`: the command is not
 /// installed.
-pub fn follow(source: &[String], on_fault: impl FnOnce(Fault) + Send + 'static) -> std::io::Result<Option<Follower>> {
+pub fn follow(
+    source: &[String],
+    on_fault: impl FnOnce(Fault) + Send + 'static,
+) -> std::io::Result<Option<KernelFollower>> {
     use std::os::unix::process::CommandExt;
     let Some(program) = source.first() else { return Ok(None) };
     let mut cmd = Command::new(program);
@@ -248,7 +251,7 @@ pub fn follow(source: &[String], on_fault: impl FnOnce(Fault) + Send + 'static) 
         crate::process::child::unregister_helper(pid.as_raw());
         return Err(e);
     }
-    Ok(Some(Follower { pid, seen }))
+    Ok(Some(KernelFollower { pid, seen }))
 }
 
 #[cfg(test)]

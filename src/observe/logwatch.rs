@@ -1,6 +1,6 @@
 //! Following the child's log file.
 //!
-//! [`Follower`] reads the file from a thread of its own, woken by inotify
+//! [`LogFollower`] reads the file from a thread of its own, woken by inotify
 //! (no polling loop), and survives truncation, rename and re-creation. On
 //! that thread the supervisor's [`Splitter`] cuts the bytes into lines and
 //! its [`Classifier`] tells what each means (`supervisor::classify`); a
@@ -55,7 +55,7 @@ pub trait Tap: Send {
 pub enum Delivery {
     /// Lines of start `start` that [matter](Line::matters) to the machine.
     Lines { start: u32, lines: Vec<Line>, held: Held },
-    /// Everything that was in the file when [`Follower::drain`] was called
+    /// Everything that was in the file when [`LogFollower::drain`] was called
     /// has been delivered.
     Drained { start: u32 },
 }
@@ -118,7 +118,7 @@ struct Control {
     /// hand on whole.
     ended: Mutex<Option<u64>>,
     ended_now: std::sync::Condvar,
-    /// Where the last read asked for by [`Follower::drain`] ended (the end
+    /// Where the last read asked for by [`LogFollower::drain`] ended (the end
     /// of the file then), before its [`Delivery::Drained`] was sent;
     /// `u64::MAX` before one.
     drained: std::sync::atomic::AtomicU64,
@@ -412,13 +412,13 @@ impl Reader {
 /// whatever happens to the path (renamed any number of times, deleted,
 /// re-created by someone else), the lines read are the child's, and a file
 /// that others create at the path is not read.
-pub struct Follower {
+pub struct LogFollower {
     control: Arc<Control>,
     task: tokio::task::AbortHandle,
     gauge: Gauge,
 }
 
-impl Follower {
+impl LogFollower {
     /// Start following the file `log` (the child's stdout and stderr) of
     /// start `start` from byte `offset`: every line goes to `tap`, the lines
     /// that matter to `out`, in batches; the file is rotated by `rotator`. The thread is watched as the task
@@ -433,7 +433,7 @@ impl Follower {
         rotator: Option<Rotator>,
         out: mpsc::Sender<Delivery>,
         tasks: &mut Tasks,
-    ) -> io::Result<Follower> {
+    ) -> io::Result<LogFollower> {
         // A read-only open file of the same inode, whatever its name becomes.
         let file = File::open(format!("/proc/self/fd/{}", log.as_raw_fd()))?;
         let inotify = Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)?;
@@ -479,7 +479,7 @@ impl Follower {
                 std::panic::resume_unwind(e.into_panic());
             }
         });
-        Ok(Follower { control, task, gauge })
+        Ok(LogFollower { control, task, gauge })
     }
 
     /// Read the file to its end now, without waiting for inotify, then
@@ -495,7 +495,7 @@ impl Follower {
     }
 
     /// Where the file ended when the follower last read it to its end for
-    /// [`Follower::drain`]: known once its [`Delivery::Drained`] is received.
+    /// [`LogFollower::drain`]: known once its [`Delivery::Drained`] is received.
     pub fn drained_to(&self) -> Option<u64> {
         Some(self.control.drained.load(Ordering::SeqCst)).filter(|at| *at != u64::MAX)
     }
@@ -518,9 +518,9 @@ impl Follower {
     }
 }
 
-impl Follower {
+impl LogFollower {
     /// Stop reading: the thread ends after the read under way; see
-    /// [`Follower::ended`].
+    /// [`LogFollower::ended`].
     pub fn stop_reading(&self) {
         self.control.ask(|a| a.stop = true);
     }
@@ -540,7 +540,7 @@ impl Follower {
     }
 }
 
-impl Drop for Follower {
+impl Drop for LogFollower {
     fn drop(&mut self) {
         self.task.abort();
         self.control.ask(|a| a.stop = true);

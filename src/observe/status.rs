@@ -446,7 +446,7 @@ pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped
 
 /// What `status` concludes from the document.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub enum StatusVerdict {
     Ready(Doc),
     NotReady(Doc),
     /// No file, a stopped warden, or a warden pid that is gone.
@@ -454,18 +454,18 @@ pub enum Verdict {
 }
 
 /// Read the document and tell whether its warden is still there.
-pub fn read(path: &Path) -> Verdict {
-    let Ok(text) = std::fs::read_to_string(path) else { return Verdict::NotRunning(None) };
+pub fn read(path: &Path) -> StatusVerdict {
+    let Ok(text) = std::fs::read_to_string(path) else { return StatusVerdict::NotRunning(None) };
     verdict(&text)
 }
 
 /// What a document says (from the file, or from the warden's socket).
-pub fn verdict(text: &str) -> Verdict {
-    let Ok(doc) = serde_json::from_str::<Doc>(text) else { return Verdict::NotRunning(None) };
+pub fn verdict(text: &str) -> StatusVerdict {
+    let Ok(doc) = serde_json::from_str::<Doc>(text) else { return StatusVerdict::NotRunning(None) };
     if doc.state == Phase::Stopped || doc.exit_code.is_some() || !warden_alive(doc.warden_pid) {
-        return Verdict::NotRunning(Some(doc));
+        return StatusVerdict::NotRunning(Some(doc));
     }
-    if doc.state == Phase::Ready { Verdict::Ready(doc) } else { Verdict::NotReady(doc) }
+    if doc.state == Phase::Ready { StatusVerdict::Ready(doc) } else { StatusVerdict::NotReady(doc) }
 }
 
 /// The pid is alive and is a vllm-warden (not a recycled pid).
@@ -478,11 +478,11 @@ fn warden_alive(pid: u32) -> bool {
 }
 
 /// The short human summary of `status`.
-pub fn summary(v: &Verdict) -> String {
+pub fn summary(v: &StatusVerdict) -> String {
     let doc = match v {
-        Verdict::Ready(d) | Verdict::NotReady(d) => d,
-        Verdict::NotRunning(None) => return "not running (no status file)".to_string(),
-        Verdict::NotRunning(Some(d)) => {
+        StatusVerdict::Ready(d) | StatusVerdict::NotReady(d) => d,
+        StatusVerdict::NotRunning(None) => return "not running (no status file)".to_string(),
+        StatusVerdict::NotRunning(Some(d)) => {
             let why = d.cause.as_deref().map(|c| format!(": {}", safe(c))).unwrap_or_default();
             return match d.exit_code {
                 Some(code) => format!("{}: not running (exited with {code} at {}){why}", d.name, d.since),
@@ -687,7 +687,7 @@ mod tests {
         r.flush();
         let doc = read();
         assert_eq!(doc.cache.as_ref().unwrap().files, Some(2));
-        let shown = summary(&Verdict::Ready(doc));
+        let shown = summary(&StatusVerdict::Ready(doc));
         assert!(
             shown.contains(&format!("\ncache: {}, ", cache.display())) && shown.contains(" in 2 file(s) (measured "),
             "{shown}"
@@ -711,7 +711,7 @@ mod tests {
         assert!(!doc.cause.as_deref().unwrap().chars().any(crate::util::escape::is_unsafe));
         let mut forged = doc.clone();
         forged.cause = Some("\x1b[2J\nfake line".into());
-        let text = summary(&Verdict::NotReady(forged));
+        let text = summary(&StatusVerdict::NotReady(forged));
         assert!(!text.lines().any(|l| l.chars().any(crate::util::escape::is_unsafe)), "{text:?}");
         assert!(text.contains("\\x1b[2J\\nfake line"), "{text}");
     }
@@ -735,11 +735,11 @@ mod tests {
     fn a_gone_warden_is_not_running() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("status.json");
-        assert_eq!(read(&path), Verdict::NotRunning(None));
+        assert_eq!(read(&path), StatusVerdict::NotRunning(None));
         let mut doc = Reporter::new("kimi", &path, None).doc(&snap());
         doc.warden_pid = u32::MAX - 1;
         std::fs::write(&path, serde_json::to_string(&doc).unwrap()).unwrap();
-        assert!(matches!(read(&path), Verdict::NotRunning(Some(_))));
+        assert!(matches!(read(&path), StatusVerdict::NotRunning(Some(_))));
         assert!(summary(&read(&path)).contains("not running (warden"));
     }
 }

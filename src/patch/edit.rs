@@ -76,7 +76,7 @@ pub fn edit(text: &str, ops: &[Op<'_>]) -> Result<String, EditError> {
             Op::Remove(p) => remove(&mut model, p),
             Op::Set(p, v) => set(&mut model, p, v),
         }
-        .map_err(|reason| EditError::Path { op: op.name(), path: op.path().to_string(), reason })?;
+        .map_err(|e| EditError::Path { op: op.name(), path: op.path().to_string(), reason: e.to_string() })?;
         changes.push(changed);
     }
     if !changes.contains(&true) || serde_json::from_str::<Value>(text).map_err(json)? == model {
@@ -457,11 +457,31 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
+/// Why a path cannot be followed in a document; `at` is the path up to
+/// the step that fails.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    #[error("empty path")]
+    Empty,
+    #[error("`{at}` goes through {kind}")]
+    Through { at: String, kind: &'static str },
+    #[error("`{at}` is {kind}, not an object")]
+    NotAnObject { at: String, kind: &'static str },
+    /// The next element would take its place, and go at the next start.
+    #[error(
+        "`{at}` is an array: removing its element {index} would remove another one at every start (remove a key \
+         inside the element, or `set` the array)"
+    )]
+    ArrayElement { at: String, index: usize },
+    #[error("`{at}`: index {index} is past the end ({len} elements)")]
+    PastTheEnd { at: String, index: usize, len: usize },
+}
+
 /// The model of `Op::Remove`: remove `path`; a missing key is not an
 /// error. Returns whether it changed.
-pub fn remove(doc: &mut Value, path: &str) -> Result<bool, String> {
+pub fn remove(doc: &mut Value, path: &str) -> Result<bool, PathError> {
     let steps = steps(path);
-    let (last, parents) = steps.split_last().ok_or("empty path")?;
+    let (last, parents) = steps.split_last().ok_or(PathError::Empty)?;
     let mut node = doc;
     for (i, step) in parents.iter().enumerate() {
         node = match (node, step) {
@@ -473,26 +493,21 @@ pub fn remove(doc: &mut Value, path: &str) -> Result<bool, String> {
                 Some(v) => v,
                 None => return Ok(false),
             },
-            (other, _) => return Err(format!("`{}` goes through {}", path_prefix(&steps[..i]), kind(other))),
+            (other, _) => return Err(PathError::Through { at: path_prefix(&steps[..i]), kind: kind(other) }),
         };
     }
     match (node, last) {
         (Value::Object(m), Step::Key(k) | Step::Index(_, k)) => Ok(m.shift_remove(k).is_some()),
-        // The next element would take its place, and go at the next start.
-        (Value::Array(_), Step::Index(n, _)) => Err(format!(
-            "`{}` is an array: removing its element {n} would remove another one at every start (remove a key \
-             inside the element, or `set` the array)",
-            path_prefix(parents)
-        )),
-        (other, _) => Err(format!("`{}` is {}, not an object", path_prefix(parents), kind(other))),
+        (Value::Array(_), Step::Index(n, _)) => Err(PathError::ArrayElement { at: path_prefix(parents), index: *n }),
+        (other, _) => Err(PathError::NotAnObject { at: path_prefix(parents), kind: kind(other) }),
     }
 }
 
 /// The model of `Op::Set`: set `path` to `value`, creating missing objects
 /// on the way. Returns whether it changed.
-pub fn set(doc: &mut Value, path: &str, value: &Value) -> Result<bool, String> {
+pub fn set(doc: &mut Value, path: &str, value: &Value) -> Result<bool, PathError> {
     let steps = steps(path);
-    let (last, parents) = steps.split_last().ok_or("empty path")?;
+    let (last, parents) = steps.split_last().ok_or(PathError::Empty)?;
     let mut node = doc;
     for (i, step) in parents.iter().enumerate() {
         let shown = path_prefix(&steps[..=i]);
@@ -502,18 +517,18 @@ pub fn set(doc: &mut Value, path: &str, value: &Value) -> Result<bool, String> {
             }
             (Value::Array(a), Step::Index(n, _)) => {
                 let len = a.len();
-                a.get_mut(*n).ok_or_else(|| format!("`{shown}`: index {n} is past the end ({len} elements)"))?
+                a.get_mut(*n).ok_or(PathError::PastTheEnd { at: shown, index: *n, len })?
             }
-            (other, _) => return Err(format!("`{}` goes through {}", path_prefix(&steps[..i]), kind(other))),
+            (other, _) => return Err(PathError::Through { at: path_prefix(&steps[..i]), kind: kind(other) }),
         };
     }
     let slot = match (node, last) {
         (Value::Object(m), Step::Key(k) | Step::Index(_, k)) => m.entry(k.clone()).or_insert(Value::Null),
         (Value::Array(a), Step::Index(n, _)) => {
             let len = a.len();
-            a.get_mut(*n).ok_or_else(|| format!("`{path}`: index {n} is past the end ({len} elements)"))?
+            a.get_mut(*n).ok_or_else(|| PathError::PastTheEnd { at: path.to_string(), index: *n, len })?
         }
-        (other, _) => return Err(format!("`{}` is {}, not an object", path_prefix(parents), kind(other))),
+        (other, _) => return Err(PathError::NotAnObject { at: path_prefix(parents), kind: kind(other) }),
     };
     if slot == value {
         return Ok(false);
@@ -559,8 +574,8 @@ mod tests {
     #[test]
     fn a_path_through_a_non_object_is_an_error() {
         let mut d = json!({"a": "text", "n": 5});
-        assert_eq!(remove(&mut d, "a.b.c"), Err("`a` goes through a string".to_string()));
-        assert!(set(&mut d, "n.m", &json!(1)).unwrap_err().contains("is a number, not an object"));
+        assert_eq!(remove(&mut d, "a.b.c").unwrap_err().to_string(), "`a` goes through a string");
+        assert!(set(&mut d, "n.m", &json!(1)).unwrap_err().to_string().contains("is a number, not an object"));
     }
 
     #[test]

@@ -3,6 +3,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::util::fsutil::BeneathError;
+
 /// A patch that cannot be applied or reverted; names the file and why.
 #[derive(Debug, thiserror::Error)]
 pub enum PatchError {
@@ -36,7 +38,7 @@ pub enum PatchError {
     #[error("{file}: changed by someone else meanwhile; left as it is")]
     ChangedMeanwhile { file: PathBuf },
     #[error("{file}: not restored: its original {backup} {reason}")]
-    Backup { file: PathBuf, backup: PathBuf, reason: String },
+    Backup { file: PathBuf, backup: PathBuf, reason: OriginalError },
     #[error("{file}: not restored: the link it was, -> {target}, {reason}")]
     Link { file: PathBuf, target: PathBuf, reason: String },
     #[error("{path}: {reason}")]
@@ -47,6 +49,26 @@ pub enum PatchError {
     State { dir: PathBuf, source: io::Error },
     #[error("{error}{}", undone_note(.undone))]
     Undone { error: Box<PatchError>, undone: Vec<PathBuf> },
+}
+
+/// Why a kept original cannot be used to restore its file.
+#[derive(Debug, thiserror::Error)]
+pub enum OriginalError {
+    /// The recorded sha256 is not one (so names no file).
+    #[error("{0}")]
+    Name(io::Error),
+    #[error("is missing")]
+    Missing,
+    #[error("is {kind}, not {wanted}")]
+    Kind { kind: &'static str, wanted: &'static str },
+    #[error("{0}")]
+    Open(BeneathError),
+    #[error("is {0} bytes, more than the file's `max-size`")]
+    TooBig(u64),
+    #[error("cannot be read: {0}")]
+    Read(io::Error),
+    #[error("does not match its recorded sha256")]
+    Mismatch,
 }
 
 impl PatchError {

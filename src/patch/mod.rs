@@ -25,9 +25,9 @@ mod error;
 mod source;
 mod store;
 
-pub use self::error::PatchError;
+pub use self::error::{OriginalError, PatchError};
 
-pub use edit::{remove, set};
+pub use edit::{PathError, remove, set};
 pub use store::{Manifest, Wait};
 
 use edit::{EditError, Op};
@@ -89,13 +89,13 @@ pub fn by_file(patches: &[Patch]) -> Vec<FilePatch<'_>> {
 
 /// What a file is now and what the patches would make of it.
 #[derive(Debug, Clone)]
-pub struct Plan {
+pub struct PatchPlan {
     pub file: PathBuf,
     pub old: String,
     pub new: String,
 }
 
-impl Plan {
+impl PatchPlan {
     pub fn changes(&self) -> bool {
         self.old != self.new
     }
@@ -115,13 +115,13 @@ impl Plan {
 }
 
 /// Compute what the patches of one file would do, writing nothing.
-pub fn plan(fp: &FilePatch<'_>) -> Result<Plan, PatchError> {
+pub fn plan(fp: &FilePatch<'_>) -> Result<PatchPlan, PatchError> {
     let place = Place::open(&fp.file)?;
     let source = place.read(fp.max_size())?;
     plan_of(fp, &source)
 }
 
-fn plan_of(fp: &FilePatch<'_>, source: &Source) -> Result<Plan, PatchError> {
+fn plan_of(fp: &FilePatch<'_>, source: &Source) -> Result<PatchPlan, PatchError> {
     let file = fp.file.clone();
     let json_error = |e: serde_json::Error| PatchError::Json {
         file: file.clone(),
@@ -160,7 +160,7 @@ fn plan_of(fp: &FilePatch<'_>, source: &Source) -> Result<Plan, PatchError> {
             Err(e) => return Err(contradiction(&file, patch_error(e).to_string())),
         }
     }
-    Ok(Plan { file, old, new })
+    Ok(PatchPlan { file, old, new })
 }
 
 fn contradiction(file: &Path, why: String) -> PatchError {
@@ -196,7 +196,7 @@ pub fn apply(patches: &[Patch], state_dir: &Path, wait: Wait<'_>) -> Result<Vec<
 struct Planned {
     place: Place,
     source: Source,
-    plan: Plan,
+    plan: PatchPlan,
 }
 
 fn read_all(fps: &[FilePatch<'_>]) -> Result<Vec<Planned>, PatchError> {
@@ -212,10 +212,10 @@ fn read_all(fps: &[FilePatch<'_>]) -> Result<Vec<Planned>, PatchError> {
 
 /// The first half of [`apply`]: everything but the replacement of the
 /// targets, under the lock.
-pub fn prepare(patches: &[Patch], state_dir: &Path, wait: Wait<'_>) -> Result<Prepared, PatchError> {
+pub fn prepare(patches: &[Patch], state_dir: &Path, wait: Wait<'_>) -> Result<StagedPatches, PatchError> {
     let fps = by_file(patches);
     let mut planned = read_all(&fps)?;
-    let mut prepared = Prepared::default();
+    let mut prepared = StagedPatches::default();
     if planned.iter().any(|p| p.plan.changes()) {
         let store = Store::open(state_dir, true)?.ok_or_else(|| PatchError::State {
             dir: state_dir.to_path_buf(),
@@ -301,10 +301,10 @@ struct Staged {
 }
 
 /// Every file planned, its new content staged, originals kept and the
-/// manifest saved, under the lock: [`Prepared::commit`] puts them in place.
+/// manifest saved, under the lock: [`StagedPatches::commit`] puts them in place.
 /// Dropped without a commit, it removes what it staged.
 #[derive(Default)]
-pub struct Prepared {
+pub struct StagedPatches {
     store: Option<Store>,
     lock: Option<Lock>,
     /// The manifest as it was.
@@ -315,7 +315,7 @@ pub struct Prepared {
     results: Vec<Applied>,
 }
 
-impl Prepared {
+impl StagedPatches {
     /// Replace each target in order, each checked unchanged just before;
     /// on a failure, put back those already replaced.
     pub fn commit(mut self) -> Result<Vec<Applied>, PatchError> {
@@ -375,7 +375,7 @@ impl Prepared {
     }
 }
 
-impl Drop for Prepared {
+impl Drop for StagedPatches {
     fn drop(&mut self) {
         if self.files.iter().any(|f| f.state != State::Renamed) {
             self.undo();

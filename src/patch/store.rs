@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FlockOperation, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 
-use super::error::PatchError;
+use super::error::{OriginalError, PatchError};
 use super::source::sha256;
 use crate::util::fsutil::{BeneathError, Dir, read_capped};
 
@@ -229,23 +229,23 @@ impl Store {
     }
 
     /// The original whose sha256 is `sha`, checked against it.
-    pub fn original(&self, sha: &str, max: u64) -> Result<Vec<u8>, String> {
-        let name = name_of(sha).map_err(|e| e.to_string())?;
+    pub fn original(&self, sha: &str, max: u64) -> Result<Vec<u8>, OriginalError> {
+        let name = name_of(sha).map_err(OriginalError::Name)?;
         let (file, _) = match self.dir.open_regular(&name, true) {
             Ok(f) => f,
             Err(BeneathError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
-                return Err("is missing".into());
+                return Err(OriginalError::Missing);
             }
-            Err(BeneathError::Kind { kind, wanted, .. }) => return Err(format!("is {kind}, not {wanted}")),
-            Err(e) => return Err(e.to_string()),
+            Err(BeneathError::Kind { kind, wanted, .. }) => return Err(OriginalError::Kind { kind, wanted }),
+            Err(e) => return Err(OriginalError::Open(e)),
         };
         let bytes = match read_capped(&file, max) {
             Ok(Ok(b)) => b,
-            Ok(Err(size)) => return Err(format!("is {size} bytes, more than the file's `max-size`")),
-            Err(e) => return Err(format!("cannot be read: {e}")),
+            Ok(Err(size)) => return Err(OriginalError::TooBig(size)),
+            Err(e) => return Err(OriginalError::Read(e)),
         };
         if sha256(&bytes) != sha {
-            return Err("does not match its recorded sha256".into());
+            return Err(OriginalError::Mismatch);
         }
         Ok(bytes)
     }

@@ -285,17 +285,37 @@ pub fn problems(vars: &[Var]) -> (Vec<String>, Vec<String>) {
     (bad, warn)
 }
 
+/// Why a cache folder cannot be used, or was not made.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("not writable ({0})")]
+    NotWritable(io::Error),
+    #[error("is {0}, not a folder")]
+    NotAFolder(&'static str),
+    #[error("cannot be created: {} is not a folder", .0.display())]
+    ParentNotAFolder(PathBuf),
+    #[error("cannot be created: {} is not writable ({})", .0.display(), .1)]
+    ParentNotWritable(PathBuf, io::Error),
+    #[error("has no existing parent")]
+    NoParent,
+    #[error("{0}")]
+    Other(io::Error),
+    /// One of the warden's folders (`name=path`) could not be made.
+    #[error("{name}={}: cannot be created: {source}", path.display())]
+    Create { name: String, path: PathBuf, source: io::Error },
+}
+
 /// `Ok` when `dir` is a folder this user can write and enter, or can be
-/// created by it; else why not, in words.
-fn writable_or_creatable(dir: &Path) -> Result<(), String> {
+/// created by it; else why not.
+fn writable_or_creatable(dir: &Path) -> Result<(), CacheError> {
     use crate::util::fsutil::Unwritable;
     crate::util::fsutil::writable_folder(dir).map_err(|why| match why {
-        Unwritable::Denied(e) => format!("not writable ({e})"),
-        Unwritable::NotAFolder(kind) => format!("is {kind}, not a folder"),
-        Unwritable::ParentNotAFolder(p) => format!("cannot be created: {} is not a folder", p.display()),
-        Unwritable::ParentDenied(p, e) => format!("cannot be created: {} is not writable ({e})", p.display()),
-        Unwritable::NoParent => "has no existing parent".into(),
-        Unwritable::Other(e) => e.to_string(),
+        Unwritable::Denied(e) => CacheError::NotWritable(e),
+        Unwritable::NotAFolder(kind) => CacheError::NotAFolder(kind),
+        Unwritable::ParentNotAFolder(p) => CacheError::ParentNotAFolder(p),
+        Unwritable::ParentDenied(p, e) => CacheError::ParentNotWritable(p, e),
+        Unwritable::NoParent => CacheError::NoParent,
+        Unwritable::Other(e) => CacheError::Other(e),
     })
 }
 
@@ -320,14 +340,14 @@ fn short_lived(dir: &Path) -> Option<String> {
 /// (the warden's own control socket, should it be configured there); only
 /// when the folder is a real folder of this user, not a link elsewhere:
 /// the run that made them is gone). Returns what could not be done.
-pub fn prepare(vars: &[Var], keep: &Path) -> Result<(), String> {
+pub fn prepare(vars: &[Var], keep: &Path) -> Result<(), CacheError> {
     let uid = nix::unistd::geteuid().as_raw();
     for v in vars.iter().filter(|v| v.ours && v.kind != Kind::Hub) {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(&v.value)
-            .map_err(|e| format!("{}={}: cannot be created: {e}", v.name, v.value.display()))?;
+            .map_err(|source| CacheError::Create { name: v.name.clone(), path: v.value.clone(), source })?;
         if v.kind == Kind::Sockets {
             let ours = std::fs::symlink_metadata(&v.value).is_ok_and(|m| m.is_dir() && m.uid() == uid);
             if !ours {

@@ -87,7 +87,7 @@ pub fn open_log(path: &Path, start: u32, now: std::time::SystemTime) -> io::Resu
 
 /// What to run.
 #[derive(Debug, Clone)]
-pub struct Spec {
+pub struct ChildSpec {
     pub argv: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub cwd: Option<PathBuf>,
@@ -161,7 +161,7 @@ impl Tree {
 
     /// Spawn `spec` in its own process group, stdin from /dev/null, stdout and
     /// stderr to `log`, with a scrubbed environment.
-    pub fn spawn(&self, spec: &Spec, log: &File) -> io::Result<u32> {
+    pub fn spawn(&self, spec: &ChildSpec, log: &File) -> io::Result<u32> {
         let mut cmd = Command::new(&spec.argv[0]);
         cmd.args(&spec.argv[1..])
             .stdin(Stdio::null())

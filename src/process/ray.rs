@@ -38,7 +38,7 @@ print(json.dumps({"nodes": nodes}))
 
 /// What the GCS showed.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct View {
+pub struct ClusterView {
     /// Nodes alive.
     pub nodes: u32,
     /// Their addresses.
@@ -50,7 +50,7 @@ pub struct View {
 
 impl Cluster {
     /// What the cluster lacks for a start, in words; `None`: nothing.
-    pub fn missing(&self, v: &View) -> Option<String> {
+    pub fn missing(&self, v: &ClusterView) -> Option<String> {
         let mut lack = Vec::new();
         if v.nodes < self.min_nodes {
             lack.push(format!("{} of {} nodes alive", v.nodes, self.min_nodes));
@@ -86,10 +86,46 @@ fn beside(child: &[String], program: &str) -> Option<PathBuf> {
     (meta.is_file() && meta.permissions().mode() & 0o111 != 0).then_some(candidate)
 }
 
-/// Ask the cluster at `address` with `argv` (from [`Cluster::command`])
-/// under [`STATUS_TIMEOUT`]; `Err` says why there is no answer, in words
+/// Why the look at the cluster gave no view of it; each says so in words
 /// fit for `STATUS=`.
-pub async fn ask(argv: &[String], address: &str) -> Result<View, String> {
+#[derive(Debug, thiserror::Error)]
+pub enum RayError {
+    #[error("{0} is not HOST:PORT")]
+    NotHostPort(String),
+    #[error("cannot resolve {host}: {source}")]
+    Resolve { host: String, source: std::io::Error },
+    #[error("{0} has no address")]
+    NoAddress(String),
+    #[error("nothing answers at {address} ({source})")]
+    Refused { address: String, source: std::io::Error },
+    #[error("no answer from {} within {}", .0, humantime::format_duration(CONNECT_TIMEOUT))]
+    ConnectTimeout(String),
+    /// The program of the look is not installed.
+    #[error("{0} not found")]
+    NotFound(String),
+    #[error("the look at the Ray cluster took over {} (killed)", humantime::format_duration(STATUS_TIMEOUT))]
+    TimedOut,
+    /// The look could not be run.
+    #[error("{0}")]
+    Failed(String),
+    #[error("the Ray cluster answered: {0}")]
+    Answer(#[source] AnswerError),
+}
+
+/// Why the look's output is not a view of the cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum AnswerError {
+    /// No JSON line: the last line (one line, escaped), or that there was
+    /// no output.
+    #[error("{0}")]
+    NoJson(String),
+    #[error("not the answer asked for: {0}")]
+    NotTheAnswer(serde_json::Error),
+}
+
+/// Ask the cluster at `address` with `argv` (from [`Cluster::command`])
+/// under [`STATUS_TIMEOUT`]; `Err` says why there is no answer.
+pub async fn ask(argv: &[String], address: &str) -> Result<ClusterView, RayError> {
     use crate::process::prestart::QueryError;
     let program = argv.first().map(String::as_str).unwrap_or_default();
     // Ray's client takes 40 s to give up on an address where nothing
@@ -97,13 +133,10 @@ pub async fn ask(argv: &[String], address: &str) -> Result<View, String> {
     // the same at once.
     reachable(address).await?;
     match crate::process::prestart::run_command(argv, STATUS_TIMEOUT, 1 << 20, true).await {
-        Ok(Some(out)) => parse_answer(&out).map_err(|e| format!("the Ray cluster answered: {e}")),
-        Ok(None) => Err(format!("{program} not found")),
-        Err(QueryError::TimedOut(_)) => Err(format!(
-            "the look at the Ray cluster took over {} (killed)",
-            humantime::format_duration(STATUS_TIMEOUT)
-        )),
-        Err(QueryError::Failed(e)) => Err(e),
+        Ok(Some(out)) => parse_answer(&out).map_err(RayError::Answer),
+        Ok(None) => Err(RayError::NotFound(program.to_string())),
+        Err(QueryError::TimedOut(_)) => Err(RayError::TimedOut),
+        Err(QueryError::Failed(e)) => Err(RayError::Failed(e)),
     }
 }
 
@@ -111,25 +144,27 @@ pub async fn ask(argv: &[String], address: &str) -> Result<View, String> {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Whether something accepts connections at `address` (`HOST:PORT`).
-async fn reachable(address: &str) -> Result<(), String> {
+async fn reachable(address: &str) -> Result<(), RayError> {
     let host_port = address.replace(['[', ']'], "");
     let attempt = async {
-        let (host, port) = host_port.rsplit_once(':').ok_or_else(|| format!("{address} is not HOST:PORT"))?;
-        let port: u16 = port.parse().map_err(|_| format!("{address} is not HOST:PORT"))?;
-        let addrs: Vec<std::net::SocketAddr> =
-            tokio::net::lookup_host((host, port)).await.map_err(|e| format!("cannot resolve {host}: {e}"))?.collect();
-        let mut last = format!("{host} has no address");
+        let (host, port) = host_port.rsplit_once(':').ok_or_else(|| RayError::NotHostPort(address.to_string()))?;
+        let port: u16 = port.parse().map_err(|_| RayError::NotHostPort(address.to_string()))?;
+        let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host, port))
+            .await
+            .map_err(|source| RayError::Resolve { host: host.to_string(), source })?
+            .collect();
+        let mut last = RayError::NoAddress(host.to_string());
         for a in addrs {
             match tokio::net::TcpStream::connect(a).await {
                 Ok(_) => return Ok(()),
-                Err(e) => last = format!("nothing answers at {address} ({e})"),
+                Err(source) => last = RayError::Refused { address: address.to_string(), source },
             }
         }
         Err(last)
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
         Ok(r) => r,
-        Err(_) => Err(format!("no answer from {address} within {}", humantime::format_duration(CONNECT_TIMEOUT))),
+        Err(_) => Err(RayError::ConnectTimeout(address.to_string())),
     }
 }
 
@@ -152,7 +187,7 @@ impl Member {
         }
     }
 
-    fn seen(&self, v: &View) -> bool {
+    fn seen(&self, v: &ClusterView) -> bool {
         match self {
             Member::At(ip) => v.alive.iter().any(|a| a == ip),
             Member::Count(n) => v.nodes >= *n,
@@ -203,13 +238,13 @@ struct Answer {
 /// Reads the look's output: its last line that is a JSON object is the
 /// answer (Ray's client may log warnings before it); without one, the
 /// last line is the error (a Python exception).
-pub fn parse_answer(text: &str) -> Result<View, String> {
+pub fn parse_answer(text: &str) -> Result<ClusterView, AnswerError> {
     let lines = || text.lines().rev().map(str::trim).filter(|l| !l.is_empty());
     let Some(json) = lines().find(|l| l.starts_with('{')) else {
-        return Err(crate::util::escape::one_line(lines().next().unwrap_or("no output"), 300));
+        return Err(AnswerError::NoJson(crate::util::escape::one_line(lines().next().unwrap_or("no output"), 300)));
     };
-    let answer: Answer = serde_json::from_str(json).map_err(|e| format!("not the answer asked for: {e}"))?;
-    let mut view = View::default();
+    let answer: Answer = serde_json::from_str(json).map_err(AnswerError::NotTheAnswer)?;
+    let mut view = ClusterView::default();
     let sum = |into: &mut (f64, f64), n: &Node, name: &str| {
         let (free, total) = (n.free.get(name).copied().unwrap_or(0.0), n.total.get(name).copied().unwrap_or(0.0));
         if free.is_finite() && total.is_finite() {

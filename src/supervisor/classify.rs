@@ -296,7 +296,7 @@ pub fn process_and_message(text: &str) -> (&str, &str) {
 
 /// The verdict on a line borrowed from the follower's buffer.
 #[derive(Debug)]
-pub struct Verdict {
+pub struct LineVerdict {
     pub level: Option<Level>,
     /// The line, owned, when it [`matters`](Line::matters).
     pub line: Option<Line>,
@@ -384,12 +384,12 @@ impl Classifier {
     }
 
     /// Classify a borrowed line; it is copied only if it matters.
-    pub fn classify_ref(&mut self, text: &str) -> Verdict {
+    pub fn classify_ref(&mut self, text: &str) -> LineVerdict {
         let (prefix, kind, exception) = self.judge(text);
         let end = prefix.as_ref().map_or(0, |p| p.end);
         let level = prefix.and_then(|p| p.level);
         let matters = !matches!(kind, Kind::Plain | Kind::Ignored) || exception.is_some();
-        Verdict { level, line: matters.then(|| self.line(text, end, level, kind, exception)) }
+        LineVerdict { level, line: matters.then(|| self.line(text, end, level, kind, exception)) }
     }
 
     fn judge<'t>(&mut self, text: &'t str) -> (Option<Prefix<'t>>, Kind, Option<Exception>) {

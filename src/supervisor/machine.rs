@@ -171,7 +171,8 @@ impl Machine {
             first_fatal: None,
             exception: None,
         };
-        let drain = saved.drained.then_some(Drain { for_: DrainFor::Hold, stage: DrainStage::Drained, began: now });
+        let drain =
+            saved.drained.then_some(ActiveDrain { for_: DrainFor::Hold, stage: DrainStage::Drained, began: now });
         m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain });
         m.starts = saved.starts;
         m.failures = saved.failures;
@@ -462,7 +463,7 @@ impl Machine {
                 None => self.drain_tick(serving, now),
             },
             (S::Ready(serving), E::Quiet { .. }) => match serving.drain {
-                Some(d @ Drain { stage: DrainStage::Quiesce { .. }, .. }) => {
+                Some(d @ ActiveDrain { stage: DrainStage::Quiesce { .. }, .. }) => {
                     let fx = vec![record(
                         Severity::Info,
                         Topic::Drain,

@@ -101,19 +101,19 @@ pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
 
 /// What the series of readings says.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
+pub enum ProgressVerdict {
     /// Tokens moved, or nothing was asked of the engine.
     Fine,
     /// Requests running or waiting, and no token for `stall` or longer.
     Stalled { running: f64, waiting: f64, for_: Duration },
 }
 
-impl Verdict {
+impl ProgressVerdict {
     /// The cause line of a stalled engine.
     pub fn cause(&self) -> Option<String> {
         match self {
-            Verdict::Fine => None,
-            Verdict::Stalled { running, waiting, for_ } => Some(format!(
+            ProgressVerdict::Fine => None,
+            ProgressVerdict::Stalled { running, waiting, for_ } => Some(format!(
                 "engine stalled: {running} running, {waiting} waiting, no token for {}",
                 humantime::format_duration(Duration::from_secs(for_.as_secs()))
             )),
@@ -136,20 +136,20 @@ impl Watch {
         Watch { stall, last: None, moved_at: None }
     }
 
-    pub fn observe(&mut self, r: Reading, now: Instant) -> Verdict {
+    pub fn observe(&mut self, r: Reading, now: Instant) -> ProgressVerdict {
         let idle = r.running + r.waiting <= 0.0;
         let moved = self.last.is_none_or(|l| r.tokens != l.tokens);
         self.last = Some(r);
         if idle || moved {
             self.moved_at = Some(now);
-            return Verdict::Fine;
+            return ProgressVerdict::Fine;
         }
         let since = *self.moved_at.get_or_insert(now);
         let for_ = now - since;
         if for_ >= self.stall {
-            Verdict::Stalled { running: r.running, waiting: r.waiting, for_ }
+            ProgressVerdict::Stalled { running: r.running, waiting: r.waiting, for_ }
         } else {
-            Verdict::Fine
+            ProgressVerdict::Fine
         }
     }
 
@@ -252,9 +252,9 @@ mod tests {
         let s = Duration::from_secs;
         let mut w = Watch::new(s(120));
         let r = |running, tokens| Reading { running, waiting: 1.0, tokens };
-        assert_eq!(w.observe(r(2.0, 10.0), t0), Verdict::Fine);
-        assert_eq!(w.observe(r(2.0, 11.0), t0 + s(15)), Verdict::Fine, "moved");
-        assert_eq!(w.observe(r(2.0, 11.0), t0 + s(120)), Verdict::Fine, "105 s still");
+        assert_eq!(w.observe(r(2.0, 10.0), t0), ProgressVerdict::Fine);
+        assert_eq!(w.observe(r(2.0, 11.0), t0 + s(15)), ProgressVerdict::Fine, "moved");
+        assert_eq!(w.observe(r(2.0, 11.0), t0 + s(120)), ProgressVerdict::Fine, "105 s still");
         let v = w.observe(r(2.0, 11.0), t0 + s(135));
         assert_eq!(v.cause().as_deref(), Some("engine stalled: 2 running, 1 waiting, no token for 2m"));
     }
@@ -265,7 +265,7 @@ mod tests {
         let mut w = Watch::new(Duration::from_secs(1));
         let idle = Reading { running: 0.0, waiting: 0.0, tokens: 5.0 };
         for i in 0..10 {
-            assert_eq!(w.observe(idle, t0 + Duration::from_secs(i * 60)), Verdict::Fine);
+            assert_eq!(w.observe(idle, t0 + Duration::from_secs(i * 60)), ProgressVerdict::Fine);
         }
         assert!(!w.busy());
     }

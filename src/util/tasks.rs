@@ -94,10 +94,19 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 /// task is noticed: `VLLM_WARDEN_TEST_PANIC=reaper` makes the reaper panic
 /// at an exit other than the child's while the child runs (`reap` and
 /// `exit` are hooks that block, not panics: see their callers). Read once;
-/// unset in normal use.
+/// unset in normal use. Only with the `fault-injection` feature, which the
+/// tests turn on and a release build does not.
+#[cfg(feature = "fault-injection")]
 pub fn injected_panic(name: &str) -> bool {
     static WHICH: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     WHICH.get_or_init(|| std::env::var("VLLM_WARDEN_TEST_PANIC").ok()).as_deref() == Some(name)
+}
+
+/// Without the `fault-injection` feature nothing is injected: the hooks
+/// are compiled out.
+#[cfg(not(feature = "fault-injection"))]
+pub const fn injected_panic(_: &str) -> bool {
+    false
 }
 
 #[cfg(test)]

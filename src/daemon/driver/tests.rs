@@ -158,8 +158,8 @@ impl Backend for Fake {
         &mut self,
         _settings: crate::config::Settings,
         _classifier: Classifier,
-    ) -> crate::daemon::reload::Plan {
-        crate::daemon::reload::Plan::Nothing
+    ) -> crate::daemon::reload::ReloadPlan {
+        crate::daemon::reload::ReloadPlan::Nothing
     }
     async fn task_failed(&mut self) -> String {
         // Cancel-safe, as the real one: the wait is dropped whenever another

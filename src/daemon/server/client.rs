@@ -8,7 +8,7 @@ use hyper_util::rt::TokioIo;
 
 /// Why a request got no answer.
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub enum ClientError {
     /// No socket, or nothing listening on it: no warden runs.
     #[error("cannot connect to {path}: {source}")]
     Connect { path: String, source: std::io::Error },
@@ -25,10 +25,10 @@ const MAX_BODY: usize = 4 << 20;
 
 /// `method path` over the socket; the status and the body (at most
 /// 4 MiB, lossily UTF-8).
-pub async fn call(socket: &Path, method: &str, path: &str) -> Result<(u16, String), Error> {
+pub async fn call(socket: &Path, method: &str, path: &str) -> Result<(u16, String), ClientError> {
     let stream = tokio::net::UnixStream::connect(socket)
         .await
-        .map_err(|source| Error::Connect { path: socket.display().to_string(), source })?;
+        .map_err(|source| ClientError::Connect { path: socket.display().to_string(), source })?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     let conn = tokio::spawn(conn);
     let req = hyper::Request::builder()
@@ -50,6 +50,6 @@ pub async fn call_within(
     method: &str,
     path: &str,
     timeout: std::time::Duration,
-) -> Result<(u16, String), Error> {
-    tokio::time::timeout(timeout, call(socket, method, path)).await.map_err(|_| Error::Timeout(timeout))?
+) -> Result<(u16, String), ClientError> {
+    tokio::time::timeout(timeout, call(socket, method, path)).await.map_err(|_| ClientError::Timeout(timeout))?
 }

@@ -41,7 +41,7 @@ async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recr
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (out, mut lines) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, offset, 1, vllm(), Some(Box::new(Seen(tx))), None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, offset, 1, vllm(), Some(Box::new(Seen(tx))), None, out, &mut tasks).unwrap();
     child.write_all(b"first line, long enough to be longer than what follows a truncation\n").unwrap();
     assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
     // Truncated in place, as logrotate's copytruncate does.
@@ -95,7 +95,7 @@ async fn a_burst_is_held_in_the_file_not_in_memory() {
     let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, 0, 3, vllm(), None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 3, vllm(), None, None, out, &mut tasks).unwrap();
     const N: usize = 100_000;
     let mut text = String::new();
     for i in 0..N {
@@ -136,7 +136,7 @@ async fn a_stopped_follower_is_not_a_failed_task() {
     let child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, _rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, 0, 1, vllm(), None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 1, vllm(), None, None, out, &mut tasks).unwrap();
     drop(f);
     let r = tokio::time::timeout(Duration::from_millis(200), tasks.failed()).await;
     assert!(r.is_err(), "{r:?}");
@@ -151,7 +151,7 @@ async fn a_running_follower_takes_reloaded_patterns() {
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
     let none = Classifier::new(&Patterns::default()).unwrap();
-    let f = Follower::start(&child, 0, 5, none, None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 5, none, None, None, out, &mut tasks).unwrap();
     child.write_all(b"INFO:     Application startup complete.\n").unwrap();
     f.drain();
     assert!(matches!(delivery(&mut rx).await, Delivery::Drained { .. }), "no pattern, nothing matters");
@@ -173,7 +173,7 @@ async fn a_paced_follower_still_answers_a_drain_at_once() {
     let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = Follower::start(&child, 0, 2, vllm(), None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 2, vllm(), None, None, out, &mut tasks).unwrap();
     f.pace(Duration::from_secs(3600));
     child.write_all(b"INFO:     Application startup complete.\n").unwrap();
     f.drain();

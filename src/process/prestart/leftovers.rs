@@ -22,7 +22,7 @@ pub struct Recorded {
 
 /// The record: whose tree it is, on which boot, and the processes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Record {
+pub struct RecordedTree {
     /// `/proc/sys/kernel/random/boot_id`: start times mean nothing across boots.
     pub boot_id: String,
     /// The instance name: a record is never taken for another instance's.
@@ -73,7 +73,7 @@ pub fn record_tree(state_dir: &Path, instance: &str, token: &str) -> io::Result<
         .map(|p| Recorded { pid: p.pid, start_time: p.start_time })
         .collect();
     std::fs::create_dir_all(state_dir)?;
-    let record = Record { boot_id: boot_id(), instance: instance.to_string(), token: token.to_string(), tree };
+    let record = RecordedTree { boot_id: boot_id(), instance: instance.to_string(), token: token.to_string(), tree };
     let text = serde_json::to_string(&record).map_err(io::Error::other)?;
     replace(&record_path(state_dir), text.as_bytes(), 0o600)
 }
@@ -149,7 +149,7 @@ pub fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
             return Vec::new();
         }
     };
-    let record: Record = match serde_json::from_slice(&text) {
+    let record: RecordedTree = match serde_json::from_slice(&text) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(file = %path.display(), error = %e, "tree record ignored: not a record");
@@ -235,15 +235,24 @@ impl PidFd {
     }
 }
 
+/// Leftover processes still there after SIGKILL (stuck in the kernel):
+/// each pid with its state (`?` when it could not be read again).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "leftover process(es) survived SIGKILL: {}",
+    .0.iter().map(|(pid, state)| format!("pid {pid} (state {state})")).collect::<Vec<_>>().join(", ")
+)]
+pub struct SurvivedKill(pub Vec<(i32, char)>);
+
 /// Stop leftover processes as a stop does: `sig`, then SIGKILL after
 /// `timeout`, then at most `kill_grace` more. `Err` lists the processes
-/// still there (stuck in the kernel).
+/// still there.
 pub async fn stop_leftovers(
     procs: &[ProcStat],
     sig: Signal,
     timeout: Duration,
     kill_grace: Duration,
-) -> Result<(), String> {
+) -> Result<(), SurvivedKill> {
     let fds: Vec<PidFd> = procs.iter().filter_map(PidFd::open).collect();
     for f in &fds {
         f.signal(sig);
@@ -257,12 +266,12 @@ pub async fn stop_leftovers(
     if tokio::time::timeout(kill_grace, all_exited(&fds)).await.is_ok() {
         return Ok(());
     }
-    let left: Vec<String> = procs
+    let left = procs
         .iter()
         .filter(|p| read_stat(p.pid).is_some_and(|s| s.start_time == p.start_time && s.state != 'Z'))
-        .map(|p| format!("pid {} (state {})", p.pid, read_stat(p.pid).map_or('?', |s| s.state)))
+        .map(|p| (p.pid, read_stat(p.pid).map_or('?', |s| s.state)))
         .collect();
-    Err(format!("leftover process(es) survived SIGKILL: {}", left.join(", ")))
+    Err(SurvivedKill(left))
 }
 
 pub(super) async fn all_exited(fds: &[PidFd]) {

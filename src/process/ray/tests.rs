@@ -15,20 +15,22 @@ fn cluster() -> Cluster {
 
 #[test]
 fn an_answer_without_json_is_the_error_on_its_last_line() {
-    let e = parse_answer("Traceback ...\nConnectionError: Could not find any running Ray instance.\n\n").unwrap_err();
+    let e = parse_answer("Traceback ...\nConnectionError: Could not find any running Ray instance.\n\n")
+        .unwrap_err()
+        .to_string();
     assert_eq!(e, "ConnectionError: Could not find any running Ray instance.");
-    assert_eq!(parse_answer("").unwrap_err(), "no output");
+    assert_eq!(parse_answer("").unwrap_err().to_string(), "no output");
 }
 
 #[test]
 fn what_is_missing_is_named() {
     let c = cluster();
-    let v = View { nodes: 1, cpus: (1.0, 1.0), ..View::default() };
+    let v = ClusterView { nodes: 1, cpus: (1.0, 1.0), ..ClusterView::default() };
     assert_eq!(c.missing(&v).unwrap(), "1 of 2 nodes alive, 1 of 2 CPUs free (1 in the cluster)");
-    let v = View { nodes: 2, cpus: (2.0, 2.0), ..View::default() };
+    let v = ClusterView { nodes: 2, cpus: (2.0, 2.0), ..ClusterView::default() };
     assert_eq!(c.missing(&v), None);
     let gpus = Cluster { min_gpus: 8.0, ..cluster() };
-    let v = View { nodes: 2, cpus: (2.0, 2.0), gpus: (0.5, 8.0), ..View::default() };
+    let v = ClusterView { nodes: 2, cpus: (2.0, 2.0), gpus: (0.5, 8.0), ..ClusterView::default() };
     assert_eq!(gpus.missing(&v).unwrap(), "0.5 of 8 GPUs free (8 in the cluster)");
 }
 
@@ -130,20 +132,20 @@ fn the_temp_dir_is_where_ray_puts_it() {
 fn real_answers_are_read() {
     let two = include_str!("../../../tests/fixtures/ray/gcs-two-nodes.json");
     let both = vec!["127.0.0.3".to_string(), "127.0.0.2".to_string()];
-    assert_eq!(parse_answer(two).unwrap(), View { nodes: 2, alive: both, cpus: (2.0, 2.0), gpus: (0.0, 0.0) });
+    assert_eq!(parse_answer(two).unwrap(), ClusterView { nodes: 2, alive: both, cpus: (2.0, 2.0), gpus: (0.0, 0.0) });
     let dead = include_str!("../../../tests/fixtures/ray/gcs-one-dead.json");
     let head = vec!["127.0.0.3".to_string()];
-    assert_eq!(parse_answer(dead).unwrap(), View { nodes: 1, alive: head, cpus: (1.0, 1.0), gpus: (0.0, 0.0) });
+    assert_eq!(parse_answer(dead).unwrap(), ClusterView { nodes: 1, alive: head, cpus: (1.0, 1.0), gpus: (0.0, 0.0) });
     let none = include_str!("../../../tests/fixtures/ray/status_no_head.txt");
     assert_eq!(
-        parse_answer(none).unwrap_err(),
+        parse_answer(none).unwrap_err().to_string(),
         "ray.exceptions.RpcError: Timed out while waiting for GCS to become available."
     );
     // Warnings of Ray's client before the answer are passed over; a line
     // that is not the answer is said so.
     let warned = format!("[2026-11-30 17:16:18,596 W 1 1] rpc_client.h:153: slow\n{two}");
     assert_eq!(parse_answer(&warned).unwrap().nodes, 2);
-    assert!(parse_answer("{\"nodes\": 3}").unwrap_err().starts_with("not the answer asked for: "));
+    assert!(parse_answer("{\"nodes\": 3}").unwrap_err().to_string().starts_with("not the answer asked for: "));
 }
 
 /// A node is in its cluster at its own address, or by count when Ray
@@ -170,10 +172,10 @@ async fn an_address_where_nothing_listens_is_named_without_asking_ray() {
     // The look would not be run: the program does not exist.
     let address = format!("127.0.0.1:{port}");
     let argv = ["/nonexistent/python3".to_string(), "-c".into(), "pass".into(), address.clone()];
-    let e = ask(&argv, &address).await.unwrap_err();
+    let e = ask(&argv, &address).await.unwrap_err().to_string();
     assert!(e.starts_with(&format!("nothing answers at 127.0.0.1:{port} (Connection refused")), "{e}");
     let l = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
-    let e = ask(&argv, &address).await.unwrap_err();
+    let e = ask(&argv, &address).await.unwrap_err().to_string();
     assert_eq!(e, "/nonexistent/python3 not found");
     drop(l);
 }

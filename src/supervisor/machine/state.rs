@@ -62,7 +62,7 @@ pub struct Serving {
     pub(super) run: Run,
     pub(super) ready_at: Instant,
     /// Being taken out of rotation, or held out of it.
-    pub(super) drain: Option<Drain>,
+    pub(super) drain: Option<ActiveDrain>,
 }
 
 /// What a drain ends in.
@@ -89,8 +89,9 @@ pub enum DrainStage {
     Drained,
 }
 
+/// A drain under way: what it is for, how far it has gone, since when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Drain {
+pub struct ActiveDrain {
     pub for_: DrainFor,
     pub stage: DrainStage,
     pub began: Instant,

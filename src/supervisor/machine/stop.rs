@@ -137,7 +137,10 @@ impl Machine {
     /// stop, not in a restart.
     pub(super) fn purpose_of_stop(&mut self, state: &State, purpose: Purpose, fx: &mut Vec<Effect>) -> Purpose {
         match (state, purpose) {
-            (State::Ready(Serving { drain: Some(Drain { for_: DrainFor::Stop, .. }), .. }), Purpose::Failure(c)) => {
+            (
+                State::Ready(Serving { drain: Some(ActiveDrain { for_: DrainFor::Stop, .. }), .. }),
+                Purpose::Failure(c),
+            ) => {
                 fx.push(record(Severity::Warn, Topic::Drain, format!("failed while draining to stop: {}", c.text)));
                 self.cause = Some(c);
                 Purpose::Shutdown
@@ -156,7 +159,7 @@ impl Machine {
     }
 
     /// `STATUS=` while draining.
-    pub(super) fn drain_text(&self, serving: &Serving, d: &Drain) -> String {
+    pub(super) fn drain_text(&self, serving: &Serving, d: &ActiveDrain) -> String {
         let then = match d.for_ {
             DrainFor::Hold => "",
             DrainFor::Restart => ", then restarting",
@@ -185,7 +188,7 @@ impl Machine {
         now: Instant,
         mut fx: Vec<Effect>,
     ) -> (State, Vec<Effect>) {
-        let d = Drain { for_, stage: DrainStage::Delay { until: now + self.policy.drain_delay }, began: now };
+        let d = ActiveDrain { for_, stage: DrainStage::Delay { until: now + self.policy.drain_delay }, began: now };
         let text = self.drain_text(&serving, &d);
         fx.push(record(Severity::Info, Topic::Drain, text.clone()));
         fx.push(Effect::Notify(vec![status(text)]));
@@ -223,13 +226,13 @@ impl Machine {
     pub(super) fn drained(
         &mut self,
         mut serving: Serving,
-        d: Drain,
+        d: ActiveDrain,
         now: Instant,
         mut fx: Vec<Effect>,
     ) -> (State, Vec<Effect>) {
         match d.for_ {
             DrainFor::Hold => {
-                let d = Drain { stage: DrainStage::Drained, ..d };
+                let d = ActiveDrain { stage: DrainStage::Drained, ..d };
                 serving.drain = Some(d);
                 let text = self.drain_text(&serving, &d);
                 fx.push(Effect::UnwatchLoad);
@@ -429,7 +432,7 @@ pub(super) fn phase_of(state: &State) -> Phase {
     match state {
         State::Idle | State::Launching { .. } | State::Starting(_) => Phase::Starting,
         State::Ready(Serving { drain: None, .. }) => Phase::Ready,
-        State::Ready(Serving { drain: Some(Drain { stage: DrainStage::Drained, .. }), .. }) => Phase::Drained,
+        State::Ready(Serving { drain: Some(ActiveDrain { stage: DrainStage::Drained, .. }), .. }) => Phase::Drained,
         State::Ready(Serving { drain: Some(_), .. }) => Phase::Draining,
         State::Stopping(st) => match st.purpose {
             Purpose::Failure(_) => Phase::Failed,
