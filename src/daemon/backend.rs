@@ -584,7 +584,7 @@ impl Backend for RealBackend {
             loop {
                 let b = base.clone();
                 let n = tokio::task::spawn_blocking(move || crate::observe::health::in_flight(&b, timeout)).await;
-                match n.unwrap_or_else(|e| Err(e.to_string())) {
+                match n.map_err(crate::observe::health::CheckError::from).and_then(|r| r) {
                     Ok(n) if n <= 0.0 => {
                         let _ = tx.send(Input::Quiet { start });
                         return;

@@ -306,11 +306,33 @@ pub async fn http_ok_async(url: &str, timeout: Duration) -> bool {
     matches!(client::send(client::Request::get(url), timeout).await, Ok(r) if r.status == 200)
 }
 
+/// Why a check made from a thread outside the runtime has no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// The check's own runtime could not be made.
+    #[error("{0}")]
+    Runtime(#[from] std::io::Error),
+    /// The canary failed; the text says why, the server's failure or the
+    /// warden's own.
+    #[error("{0}")]
+    Canary(String),
+    /// The server has no metrics endpoint.
+    #[error("{0}")]
+    NoMetrics(String),
+    #[error("{base}/metrics did not answer")]
+    Silent { base: String },
+    #[error("{0}")]
+    Unreadable(#[from] crate::supervisor::progress::Unreadable),
+    /// The check's thread ended without an answer.
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
 /// A one-token completion, from a thread outside the runtime; `Err` names
 /// why it failed.
-pub fn canary(base: &str, timeout: Duration) -> Result<(), String> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
-    let done = rt.block_on(canary_checked(base, timeout)).map_err(|m| m.text().to_string());
+pub fn canary(base: &str, timeout: Duration) -> Result<(), CheckError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let done = rt.block_on(canary_checked(base, timeout)).map_err(|m| CheckError::Canary(m.text().to_string()));
     rt.shutdown_background();
     done
 }
@@ -358,14 +380,14 @@ async fn scrape(base: &str, timeout: Duration) -> Scrape {
 
 /// The requests running or waiting on the server at `base`, from its
 /// `/metrics`; `Err` says why there is no count.
-pub fn in_flight(base: &str, timeout: Duration) -> Result<f64, String> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+pub fn in_flight(base: &str, timeout: Duration) -> Result<f64, CheckError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let scraped = rt.block_on(scrape(base, timeout));
     rt.shutdown_background();
     match scraped {
-        Scrape::Text(text) => crate::supervisor::progress::in_flight(&text).map_err(|e| e.to_string()),
-        Scrape::NoEndpoint(why) => Err(why),
-        Scrape::Nothing => Err(format!("{base}/metrics did not answer")),
+        Scrape::Text(text) => Ok(crate::supervisor::progress::in_flight(&text)?),
+        Scrape::NoEndpoint(why) => Err(CheckError::NoMetrics(why)),
+        Scrape::Nothing => Err(CheckError::Silent { base: base.to_string() }),
     }
 }
 

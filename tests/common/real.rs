@@ -61,5 +61,5 @@ pub fn by_title<'a>(tree: &'a [ProcStat], title: &str) -> Vec<&'a ProcStat> {
 
 /// A one-token completion from the server on `port`.
 pub fn completion(port: u16) -> Result<(), String> {
-    vllm_warden::observe::health::canary(&format!("http://127.0.0.1:{port}"), COMPLETION)
+    vllm_warden::observe::health::canary(&format!("http://127.0.0.1:{port}"), COMPLETION).map_err(|e| e.to_string())
 }
