@@ -480,6 +480,8 @@ fn the_status_document_command_and_metrics_follow_the_run() {
     assert!(doc["child_pid"].as_u64().unwrap() > 0);
     let metrics = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
     assert!(metrics.contains("vllm_warden_state{name=\"t\",state=\"starting\"} 1"), "{metrics}");
+    // Every turn of the loop, timed.
+    assert!(metrics.contains("vllm_warden_loop_turn_duration_seconds_count{name=\"t\"} "), "{metrics}");
     assert!(metrics.contains("vllm_warden_child_starts_total{name=\"t\"} 1"), "{metrics}");
     assert_eq!(w.stop(), 0);
     let (code, out) = status_cmd(&w, false);

@@ -215,7 +215,13 @@ pub trait Observer {
     fn put_off(&self) -> bool {
         false
     }
+    /// How long one turn of the loop took, from its wake to its next wait.
+    fn loop_turn(&mut self, _took: Duration) {}
 }
+
+/// A turn of the loop longer than this is logged as a warning: the loop
+/// carries the watchdog, the stop and `STATUS=`.
+pub const SLOW_TURN: Duration = Duration::from_millis(100);
 
 /// An observer that does nothing, for tests.
 pub struct NullObserver;
@@ -280,12 +286,17 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         let mut dog = self.ctx.watchdog.map(tokio::time::interval);
         let mut beat = self.ctx.heartbeat.as_ref().map(|_| tokio::time::interval(HEARTBEAT_EVERY));
         let mut requests_open = true;
+        // When the loop last woke, and for what: each turn is measured.
+        let mut turn: Option<(std::time::Instant, &'static str)> = None;
         loop {
             if let Some(h) = &self.ctx.heartbeat {
                 h.beat();
             }
             while let Some(ev) = events.pop_front() {
                 self.step(ev, &mut events, &mut held);
+            }
+            if let Some((woke, what)) = turn.take() {
+                self.turn_took(woke.elapsed(), what);
             }
             if exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some() {
                 self.upgrade_now(&mut events, &mut held);
@@ -302,9 +313,9 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             let patience = exiting.as_ref().map(|x| x.patience);
             let retry = self.notifier.retry_at();
             let due = self.observer.due().map(Instant::from_std);
-            tokio::select! {
+            let woke: &'static str = tokio::select! {
                 biased;
-                request = requests.next(), if requests_open && open => match request {
+                request = requests.next(), if requests_open && open => { match request {
                     Some(Request::Stop) => events.push_back(Event::StopRequested),
                     Some(Request::Reload) => self.backend.read_config(),
                     Some(Request::Drain) => events.push_back(Event::DrainRequested),
@@ -318,20 +329,21 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                         requests_open = false;
                         events.push_back(Event::StopRequested);
                     }
-                },
+                }; "a request" },
                 task = self.backend.task_failed() => {
                     // A dead follower delivers no more lines: the exit first.
                     if let Some(x) = exiting.take() {
                         events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
                     }
                     events.push_back(Event::TaskFailed { task });
+                    "a failed task"
                 }
-                input = self.inputs.recv(), if open => match input {
+                input = self.inputs.recv(), if open => { match input {
                     Some(i) => self.input(i, &mut events, &mut exiting),
                     // The backend holds a sender as long as it lives.
                     None => events.push_back(Event::TaskFailed { task: "the input queue".into() }),
-                },
-                _ = sleep_until(deadline), if open => events.push_back(Event::Tick),
+                }; "an input from the backend" },
+                _ = sleep_until(deadline), if open => { events.push_back(Event::Tick); "a deadline" }
                 _ = sleep_until(patience), if !open => {
                     if let Some(x) = exiting.take() {
                         tracing::warn!(
@@ -341,16 +353,18 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                         );
                         events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
                     }
+                    "an exit whose log was not read to its end"
                 }
-                _ = tick(&mut dog) => self.notifier.notify(&[Note::Watchdog]),
+                _ = tick(&mut dog) => { self.notifier.notify(&[Note::Watchdog]); "the watchdog" }
                 // The beat itself is at the top of the loop.
-                _ = tick(&mut beat) => {}
-                _ = sleep_until(retry) => self.notifier.retry(),
+                _ = tick(&mut beat) => "the heartbeat",
+                _ = sleep_until(retry) => { self.notifier.retry(); "a notification's retry" }
                 _ = sleep_until(due) => {
                     self.observer.flush();
                     self.send_held(&mut held);
+                    "the status files' write"
                 }
-                delivery = self.lines.recv() => match delivery {
+                delivery = self.lines.recv() => { match delivery {
                     Some(Delivery::Lines { start, lines, .. }) => {
                         if let Some(x) = &mut exiting {
                             x.patience = Instant::now() + DRAIN_PATIENCE;
@@ -364,8 +378,25 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     }
                     // The backend holds a sender as long as it lives.
                     None => events.push_back(Event::TaskFailed { task: "the line queue".into() }),
-                },
-            }
+                }; "the log's lines" },
+            };
+            turn = Some((std::time::Instant::now(), woke));
+        }
+    }
+
+    /// One turn of the loop, from its wake to its next wait: into the
+    /// observer's histogram, and a warning past [`SLOW_TURN`], naming what
+    /// woke it and the state it left.
+    fn turn_took(&mut self, took: Duration, what: &str) {
+        self.observer.loop_turn(took);
+        if took > SLOW_TURN {
+            tracing::warn!(
+                INSTANCE = self.ctx.instance.as_str(),
+                EVENT = "slow-turn",
+                "the loop was held for {} ms handling {what} (now {})",
+                took.as_millis(),
+                self.machine.phase().as_str()
+            );
         }
     }
 

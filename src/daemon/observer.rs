@@ -85,6 +85,10 @@ impl crate::daemon::driver::Observer for StateObserver {
         self.status.write_waits()
     }
 
+    fn loop_turn(&mut self, took: Duration) {
+        self.status.loop_turn(took);
+    }
+
     fn due(&self) -> Option<std::time::Instant> {
         let journal = self.journal.as_ref().map(|_| self.next_journal_count);
         [self.status.due(), journal].into_iter().flatten().min()

@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 
@@ -257,6 +258,12 @@ impl Reporter {
         self.metrics.clone()
     }
 
+    /// One turn of the loop, into its histogram (served by `/metrics`; the
+    /// metrics file has it as of its last write).
+    pub fn loop_turn(&self, took: Duration) {
+        self.metrics.loop_turn.observe(took.as_secs_f64());
+    }
+
     /// The status document as last made: what the file says (or would, if
     /// it could not be written).
     pub fn document(&self) -> Option<Arc<str>> {
@@ -346,6 +353,8 @@ pub struct Metrics {
     last_load: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
     journal_dropped: Counter,
     start_time: Gauge<f64, AtomicU64>,
+    /// How long each turn of the warden's loop took.
+    loop_turn: Histogram,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -368,6 +377,8 @@ impl Metrics {
             last_load: Family::default(),
             journal_dropped: Counter::default(),
             start_time: Gauge::default(),
+            // 50 µs to about 26 s.
+            loop_turn: Histogram::new(exponential_buckets(0.00005, 4.0, 10)),
         };
         for p in Phase::ALL {
             let _ = m.state.get_or_create(&vec![("state".into(), p.as_str().into())]);
@@ -395,6 +406,12 @@ impl Metrics {
             "start_time_seconds",
             "When the warden started, in seconds since the epoch",
             m.start_time.clone(),
+        );
+        registry.register_with_unit(
+            "loop_turn_duration",
+            "Time of each turn of the warden's event loop, from its wake to its next wait",
+            Unit::Seconds,
+            m.loop_turn.clone(),
         );
         m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
         Metrics { registry, ..m }

@@ -86,6 +86,9 @@ struct Quirks {
     /// Requests sent to the loop at these times.
     requests: Vec<(Duration, Request)>,
     report_takes: Option<Duration>,
+    /// The observer's change to ready takes this long, in real time (a
+    /// slow status write).
+    slow_observer: Option<std::time::Duration>,
 }
 
 /// One line as the follower hands it on, when it matters.
@@ -303,6 +306,8 @@ struct Outcome {
     calls: Vec<(Duration, Call)>,
     notes: Vec<(Duration, Note)>,
     phases: Vec<(Duration, crate::supervisor::outcome::Phase)>,
+    /// Each turn of the loop, as the observer was told.
+    turns: Vec<std::time::Duration>,
 }
 
 /// Drive a fake with `plans`; `stop_at` sends a stop request at that time.
@@ -342,7 +347,7 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         load: None,
     };
     let mut rec = Rec { t0, log: log.clone() };
-    let mut phases = Phases { t0, seen: Vec::new() };
+    let mut phases = Phases { t0, seen: Vec::new(), turns: Vec::new(), slow: q.slow_observer };
     // Held until the loop ends: the end of the requests would be a stop.
     let (requests, rq) = mpsc::unbounded_channel();
     if let Some(at) = stop_at {
@@ -375,13 +380,15 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
     drop(requests);
     let calls = log.calls.lock().unwrap().clone();
     let notes = log.notes.lock().unwrap().clone();
-    Outcome { code, calls, notes, phases: phases.seen }
+    Outcome { code, calls, notes, phases: phases.seen, turns: phases.turns }
 }
 
 /// Records each change of phase.
 struct Phases {
     t0: Instant,
     seen: Vec<(Duration, crate::supervisor::outcome::Phase)>,
+    turns: Vec<std::time::Duration>,
+    slow: Option<std::time::Duration>,
 }
 
 impl Observer for Phases {
@@ -389,6 +396,16 @@ impl Observer for Phases {
         if self.seen.last().map(|(_, p)| *p) != Some(m.phase()) {
             self.seen.push((self.t0.elapsed(), m.phase()));
         }
+        if m.phase() == crate::supervisor::outcome::Phase::Ready
+            && let Some(d) = self.slow.take()
+        {
+            // Real time, not the paused clock: a write that holds the loop.
+            std::thread::sleep(d);
+        }
+    }
+
+    fn loop_turn(&mut self, took: std::time::Duration) {
+        self.turns.push(took);
     }
 }
 
@@ -736,4 +753,20 @@ fn held_notes_keep_the_newest_of_each_kind_behind_ready() {
         held.behind(vec![Note::Ready, Note::Status("ready".into())]),
         vec![Note::Ready, Note::Status("ready".into())]
     );
+}
+
+/// Every turn of the loop is measured, from its wake to its next wait: a
+/// turn held by a slow write is seen at its length (and logged past
+/// `SLOW_TURN`), the others are short.
+#[tokio::test(start_paused = true)]
+async fn each_turn_of_the_loop_is_measured() {
+    let held = std::time::Duration::from_millis(150);
+    let q = Quirks { slow_observer: Some(held), ..Quirks::default() };
+    let ok = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(policy(), vec![ok], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert!(o.turns.len() > 3, "{:?}", o.turns);
+    let slow: Vec<_> = o.turns.iter().filter(|t| **t >= SLOW_TURN).collect();
+    assert_eq!(slow.len(), 1, "{:?}", o.turns);
+    assert!(*slow[0] >= held);
 }
