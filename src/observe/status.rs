@@ -605,12 +605,19 @@ mod tests {
             "vllm_warden_start_time_seconds{name=\"kimi\"} 1700000000.0\n",
             "vllm_warden_state{name=\"kimi\",state=\"draining\"} 0\n",
             "# TYPE vllm_warden_journal_dropped_lines_total counter\nvllm_warden_journal_dropped_lines_total{name=\"kimi\"} 7\n",
+            "# TYPE vllm_warden_loop_turn_duration_seconds histogram\n",
         ] {
             assert!(text.contains(want), "{want} not in\n{text}");
         }
-        // Every sample line belongs to a metric announced with HELP and TYPE.
+        // Every sample line belongs to a metric announced with HELP and TYPE
+        // (a histogram's samples by its name and a suffix).
         for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let name = line.split('{').next().unwrap();
+            let sample = line.split('{').next().unwrap();
+            let histogram = ["_bucket", "_sum", "_count"]
+                .iter()
+                .filter_map(|s| sample.strip_suffix(s))
+                .find(|base| text.contains(&format!("# TYPE {base} histogram\n")));
+            let name = histogram.unwrap_or(sample);
             assert!(text.contains(&format!("# HELP {name} ")) && text.contains(&format!("# TYPE {name} ")), "{line}");
         }
     }

@@ -1,10 +1,6 @@
 //! The parts of a report: the tree, the log's tail and its tracebacks, the
 //! commands' output, the kernel's messages, the patched files.
 
-use crate::process::child::ProcStat;
-use crate::process::prestart::QueryError;
-use crate::supervisor::classify::Classifier;
-use regex::Regex;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::fs;
@@ -15,7 +11,12 @@ use std::path::Path;
 use std::sync::LazyLock;
 use std::time::{Duration, SystemTime};
 
+use regex::Regex;
+
 use super::*;
+use crate::process::child::ProcStat;
+use crate::process::prestart::QueryError;
+use crate::supervisor::classify::Classifier;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Part {

@@ -2,12 +2,13 @@
 //! without reaping it, reports it and reaps it; a reap that lasts too long
 //! is left to its thread and a new reaper takes over.
 
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use nix::errno::Errno;
 use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid, waitpid};
 use nix::unistd::Pid;
-use std::io::{self};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::*;
 

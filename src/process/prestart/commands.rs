@@ -1,11 +1,12 @@
 //! External commands under a deadline: the GPU query and the commands of
 //! a failure report, their processes known as the warden's helpers.
 
-use nix::sys::signal::Signal;
 use std::io;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use nix::sys::signal::Signal;
 
 /// GPU compute processes as `gpu-query` lists them: `pid, used_memory`.
 #[derive(Debug, Clone, PartialEq, Eq)]

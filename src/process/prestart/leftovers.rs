@@ -1,16 +1,18 @@
 //! A killed warden's leftovers: the tree recorded with its run token, and
 //! finding and stopping what is left of it.
 
-use crate::process::child::{ProcStat, descendants, read_stat};
-use crate::util::fsutil::replace;
-use nix::sys::signal::Signal;
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
+
+use crate::process::child::{ProcStat, descendants, read_stat};
+use crate::util::fsutil::replace;
 
 /// One process of the child's tree, as recorded in the state directory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
