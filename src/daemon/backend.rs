@@ -582,9 +582,7 @@ impl Backend for RealBackend {
         self.checks.load = Some(self.tasks.spawn("drain watch", Lifetime::Finite, async move {
             let mut said = None;
             loop {
-                let b = base.clone();
-                let n = tokio::task::spawn_blocking(move || crate::observe::health::in_flight(&b, timeout)).await;
-                match n.map_err(crate::observe::health::CheckError::from).and_then(|r| r) {
+                match crate::observe::health::in_flight(&base, timeout).await {
                     Ok(n) if n <= 0.0 => {
                         let _ = tx.send(Input::Quiet { start });
                         return;

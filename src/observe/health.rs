@@ -306,7 +306,7 @@ pub async fn http_ok_async(url: &str, timeout: Duration) -> bool {
     matches!(client::send(client::Request::get(url), timeout).await, Ok(r) if r.status == 200)
 }
 
-/// Why a check made from a thread outside the runtime has no answer.
+/// Why the canary or the count of requests in flight has no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
     /// The check's own runtime could not be made.
@@ -323,9 +323,6 @@ pub enum CheckError {
     Silent { base: String },
     #[error("{0}")]
     Unreadable(#[from] crate::supervisor::progress::Unreadable),
-    /// The check's thread ended without an answer.
-    #[error("{0}")]
-    Join(#[from] tokio::task::JoinError),
 }
 
 /// A one-token completion, from a thread outside the runtime; `Err` names
@@ -380,11 +377,8 @@ async fn scrape(base: &str, timeout: Duration) -> Scrape {
 
 /// The requests running or waiting on the server at `base`, from its
 /// `/metrics`; `Err` says why there is no count.
-pub fn in_flight(base: &str, timeout: Duration) -> Result<f64, CheckError> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let scraped = rt.block_on(scrape(base, timeout));
-    rt.shutdown_background();
-    match scraped {
+pub async fn in_flight(base: &str, timeout: Duration) -> Result<f64, CheckError> {
+    match scrape(base, timeout).await {
         Scrape::Text(text) => Ok(crate::supervisor::progress::in_flight(&text)?),
         Scrape::NoEndpoint(why) => Err(CheckError::NoMetrics(why)),
         Scrape::Nothing => Err(CheckError::Silent { base: base.to_string() }),
