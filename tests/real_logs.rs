@@ -212,3 +212,88 @@ fn real_failures_carry_their_hints() {
     assert!(json.starts_with("/srv/models/d-config-json-malformed/config.json is not valid JSON"), "{json}");
     assert_eq!(hint("e_max_model_len_too_large"), None, "no hint is made up");
 }
+
+/// The load's phases and compile cache as a real load of vLLM 0.32 on a
+/// CPU tells them (the full compile: no `--enforce-eager`; its AOT cache
+/// there but not loadable on this build, so vLLM compiles again).
+#[test]
+fn a_real_load_tells_its_phases_and_its_compile_cache() {
+    use vllm_warden::supervisor::load::{CacheOutcome, LoadMark, LoadPhase, LoadStart, LoadTrack};
+    let s = settings();
+    let mut c = Classifier::new(&s.patterns).unwrap();
+    let t0 = Instant::now();
+    let mut track = LoadTrack::new(LoadStart::default(), t0);
+    let mut marks = Vec::new();
+    for (i, text) in lines("a_success_sigterm_main").into_iter().enumerate() {
+        let line = c.classify(text);
+        let now = t0 + Duration::from_secs(i as u64);
+        for m in &line.load {
+            track.mark(m, now);
+            marks.push(m.clone());
+        }
+        if line.class == Class::Ready {
+            track.end(LoadPhase::Api, now);
+            break;
+        }
+    }
+    let ends: Vec<LoadPhase> =
+        marks.iter().filter_map(|m| if let LoadMark::Ends(p) = m { Some(*p) } else { None }).collect();
+    assert_eq!(
+        ends,
+        [LoadPhase::Start, LoadPhase::Weights, LoadPhase::Compile, LoadPhase::KvCache, LoadPhase::Engine],
+        "{marks:?}"
+    );
+    assert!(marks.contains(&LoadMark::WeightsTook { took: Duration::ZERO, bytes: None }), "{marks:?}");
+    assert!(marks.contains(&LoadMark::Cache(CacheOutcome::LoadFailure {
+        reason: "'function' object has no attribute 'finalize_loading'".into()
+    })));
+    let r = track.finish(vllm_warden::supervisor::load::LoadOutcome::Ready, 1, t0 + Duration::from_secs(200), 1.5);
+    let phases: Vec<LoadPhase> = r.phases.iter().map(|t| t.phase).collect();
+    assert_eq!(
+        phases,
+        [LoadPhase::Start, LoadPhase::Weights, LoadPhase::Compile, LoadPhase::KvCache, LoadPhase::Engine, LoadPhase::Api]
+    );
+    assert!(r.phases.iter().all(|t| t.secs > 0.0), "{r:?}");
+    assert_eq!(r.cache.as_ref().map(CacheOutcome::name), Some("load-failure"));
+}
+
+/// The GPU's lines, as vLLM 0.32's source writes them (this machine has no
+/// GPU to print them): a compile cache hit, per range and whole (AOT), a
+/// compile per range, the model's load and the CUDA graphs.
+#[test]
+fn the_gpu_lines_of_a_load_are_read_as_vllm_writes_them() {
+    use vllm_warden::supervisor::load::{CacheOutcome, LoadMark, LoadPhase};
+    let s = settings();
+    let mut c = Classifier::new(&s.patterns).unwrap();
+    let p = "(EngineCore_DP0 pid=2841) INFO 11-29 18:09:41 [backends.py:296] ";
+    let cases: [(&str, Vec<LoadMark>); 6] = [
+        (
+            "[backbone] Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 4.312 s",
+            vec![LoadMark::Ends(LoadPhase::Compile), LoadMark::Cache(CacheOutcome::Hit)],
+        ),
+        (
+            "[backbone] Directly load AOT compilation from path /c/torch_aot_compile/ab/rank_0_0/model",
+            vec![LoadMark::Ends(LoadPhase::Compile), LoadMark::Cache(CacheOutcome::Hit)],
+        ),
+        (
+            "[backbone] Compiling a graph for compile range (1, 8192) takes 61.06 s",
+            vec![LoadMark::Ends(LoadPhase::Compile), LoadMark::Cache(CacheOutcome::Miss)],
+        ),
+        (
+            "Model loading took 555.3 GiB memory and 412.118340 seconds",
+            vec![
+                LoadMark::Ends(LoadPhase::Weights),
+                LoadMark::WeightsTook { took: Duration::from_secs_f64(412.11834), bytes: Some(596_248_834_867) },
+            ],
+        ),
+        ("Graph capturing finished in 38 secs, took 1.52 GiB", vec![LoadMark::Ends(LoadPhase::CudaGraphs)]),
+        ("torch.compile took 95.35 s in total", vec![LoadMark::Ends(LoadPhase::Compile)]),
+    ];
+    for (text, want) in cases {
+        let mut got = c.classify(format!("{p}{text}")).load;
+        got.sort_by_key(|m| format!("{m:?}"));
+        let mut want = want;
+        want.sort_by_key(|m| format!("{m:?}"));
+        assert_eq!(got, want, "{text}");
+    }
+}

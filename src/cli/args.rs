@@ -90,6 +90,29 @@ pub enum ReportsCmd {
     },
 }
 
+#[derive(Debug, clap::Args)]
+pub struct LoadsArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    #[command(subcommand)]
+    pub what: Option<LoadsCmd>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LoadsCmd {
+    /// Every load in the ledger, oldest first: time, outcome, total, each
+    /// phase, compile cache, GB/s (the default).
+    List,
+    /// One load: its setup, cache and weights, its phases as bars (the
+    /// latest by default).
+    Show {
+        /// A load's number (the ID column of `list`).
+        id: Option<u64>,
+    },
+    /// Two loads side by side, and what differed in their setups.
+    Compare { a: u64, b: u64 },
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Run the daemon in the foreground (systemd's ExecStart=, or a
@@ -115,6 +138,9 @@ pub enum Cmd {
     Upgrade(ConfigArg),
     /// The failure reports of failed runs: list, show one, or its folder.
     Reports(ReportsArgs),
+    /// The load ledger: every load's phases, compile cache and speed;
+    /// one load's phases; two loads compared.
+    Loads(LoadsArgs),
     /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
     Demo,
     /// Write the man pages and shell completions into a folder (packaging).

@@ -6,6 +6,7 @@
 pub mod args;
 pub mod assets;
 pub mod demo;
+pub mod loads;
 
 use std::path::{Path, PathBuf};
 
@@ -36,6 +37,7 @@ pub fn main() -> Code {
         Cmd::Undrain(c) => control(&c.config, "/undrain"),
         Cmd::Restart(c) => control(&c.config, "/restart"),
         Cmd::Reports(a) => reports(&a),
+        Cmd::Loads(a) => loads_cmd(&a),
         Cmd::Demo => crate::cli::demo::main(),
         Cmd::Assets { dir } => match crate::cli::assets::write(&dir) {
             Ok(()) => Code::Ok,
@@ -255,6 +257,57 @@ fn reports(a: &ReportsArgs) -> Code {
                 Code::Ok
             }
             Err(code) => code,
+        },
+    }
+}
+
+fn loads_cmd(a: &args::LoadsArgs) -> Code {
+    use args::LoadsCmd;
+    let s = match load(&a.config.config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let path = s.state_dir.join(crate::observe::ledger::FILE);
+    let all = match crate::observe::ledger::read(&path) {
+        Ok((all, _)) => all,
+        Err(e) => {
+            eprintln!("vllm-warden: {}: {e}", path.display());
+            return Code::NoReport;
+        }
+    };
+    let pick = |id: Option<u64>| -> Result<&crate::supervisor::load::LoadRecord, Code> {
+        let found = match id {
+            None => all.last(),
+            Some(id) => all.iter().find(|r| r.id == id),
+        };
+        found.ok_or_else(|| {
+            let what = id.map_or("any load".to_string(), |i| format!("load {i}"));
+            eprintln!("vllm-warden: no {what} in {}", path.display());
+            Code::NoReport
+        })
+    };
+    match &a.what {
+        None | Some(LoadsCmd::List) => {
+            if all.is_empty() {
+                println!("no loads in {}", path.display());
+            } else {
+                print!("{}", loads::table(&all));
+            }
+            Code::Ok
+        }
+        Some(LoadsCmd::Show { id }) => match pick(*id) {
+            Ok(r) => {
+                print!("{}", loads::show(r));
+                Code::Ok
+            }
+            Err(code) => code,
+        },
+        Some(LoadsCmd::Compare { a, b }) => match (pick(Some(*a)), pick(Some(*b))) {
+            (Ok(x), Ok(y)) => {
+                print!("{}", loads::compare(x, y));
+                Code::Ok
+            }
+            (Err(code), _) | (_, Err(code)) => code,
         },
     }
 }

@@ -67,6 +67,12 @@ pub const RUN_DIR: &str = "/run/vllm-warden";
 /// `$STATE_DIRECTORY`, else `NAME/` here.
 pub const STATE_DIR: &str = "/var/lib/vllm-warden";
 
+/// `[ledger]`: how many loads are kept, when a load is slow, and how much
+/// longer than its longest recorded time a phase may go without progress.
+pub const LEDGER_KEEP: u32 = 500;
+pub const LEDGER_SLOW_FACTOR: f64 = 1.5;
+pub const LEDGER_DEADLINE_FACTOR: f64 = 3.0;
+
 /// `[reports]`: how many failure reports are kept, and their total size.
 pub const REPORTS_KEEP: u32 = 20;
 pub const REPORTS_MAX_SIZE: u64 = 200 << 20;

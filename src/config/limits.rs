@@ -36,3 +36,6 @@ pub const REPORTS_TIMEOUT: RangeInclusive<Duration> = Duration::from_secs(1)..=D
 pub const REPORTS_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
 /// `reports.lines`.
 pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
+
+/// `ledger.slow-factor` and `ledger.deadline-factor`.
+pub const LEDGER_FACTOR: (f64, f64) = (1.0, 100.0);

@@ -34,7 +34,7 @@ use crate::patch::Patch;
 
 pub use self::problem::{Problem, Problems};
 pub use self::settings::{
-    Child, Cluster, Drain, Fatal, Health, Prestart, Ready, Reports, Restart, Rotation, Server, Settings, Status,
+    Child, Cluster, Drain, Fatal, Health, Ledger, Prestart, Ready, Reports, Restart, Rotation, Server, Settings, Status,
 };
 
 /// Where the config is read from when `-c` is not given.
@@ -132,9 +132,10 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         drain_v,
         hint_v,
         reports_v,
+        ledger_v,
     ] = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports",
+        "reports", "ledger",
     ]
     .map(|k| top.take(k));
     drop(top);
@@ -154,6 +155,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let server = server(r.section(server_v, "server"), &name, dirs);
     let drain = drain(r.section(drain_v, "drain"), server.listen.is_some());
     let reports = reports(r.section(reports_v, "reports"));
+    let ledger = ledger(r.section(ledger_v, "ledger"));
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
@@ -171,6 +173,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         server,
         drain,
         reports,
+        ledger,
         hints,
         state_dir,
         patterns,
@@ -639,6 +642,15 @@ fn drain(mut k: Keys<'_, '_, '_>, listening: bool) -> Drain {
     let timeout = k.duration("timeout", defaults::DRAIN_TIMEOUT, limits::WAIT);
     let on_stop = k.read("on-stop", listening, |r, v| r.boolean(v, "on-stop"));
     Drain { delay, timeout, on_stop }
+}
+
+/// `[ledger]`
+fn ledger(mut k: Keys<'_, '_, '_>) -> Ledger {
+    let keep = k.count("keep", defaults::LEDGER_KEEP, 0);
+    let (lo, hi) = limits::LEDGER_FACTOR;
+    let slow_factor = k.number("slow-factor", defaults::LEDGER_SLOW_FACTOR, lo, hi);
+    let deadline_factor = k.number("deadline-factor", defaults::LEDGER_DEADLINE_FACTOR, lo, hi);
+    Ledger { keep, slow_factor, deadline_factor }
 }
 
 /// `[reports]`

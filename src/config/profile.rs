@@ -23,6 +23,94 @@ pub struct Patterns {
     pub ignore: Vec<String>,
     /// Causes that a retry cannot fix; a line matching one is fatal too.
     pub permanent: Vec<String>,
+    /// What lines tell of a load's phases and its compile cache (the load
+    /// ledger); not changed by a config.
+    pub load: Vec<(LoadSignal, String)>,
+}
+
+/// The phases of a model's load, in their order: the process starts (and
+/// its engine and workers), the weights are read, the model is compiled,
+/// memory is profiled and the KV cache made, CUDA graphs are captured, the
+/// engine warms up, the API server comes up, and the HTTP check passes.
+/// A phase ends at its last line (see [`LoadSignal::Ends`]); a load on a
+/// CPU, or with `--enforce-eager`, skips some.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LoadPhase {
+    Start,
+    Weights,
+    Compile,
+    KvCache,
+    CudaGraphs,
+    Engine,
+    Api,
+    Http,
+}
+
+impl LoadPhase {
+    pub const ALL: [LoadPhase; 8] = [
+        LoadPhase::Start,
+        LoadPhase::Weights,
+        LoadPhase::Compile,
+        LoadPhase::KvCache,
+        LoadPhase::CudaGraphs,
+        LoadPhase::Engine,
+        LoadPhase::Api,
+        LoadPhase::Http,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LoadPhase::Start => "start",
+            LoadPhase::Weights => "weights",
+            LoadPhase::Compile => "compile",
+            LoadPhase::KvCache => "kv-cache",
+            LoadPhase::CudaGraphs => "cuda-graphs",
+            LoadPhase::Engine => "engine",
+            LoadPhase::Api => "api",
+            LoadPhase::Http => "http",
+        }
+    }
+
+    /// What the phase is, in a few words, for `loads show`.
+    pub fn words(self) -> &'static str {
+        match self {
+            LoadPhase::Start => "process start, engine and workers up",
+            LoadPhase::Weights => "weights read",
+            LoadPhase::Compile => "torch.compile (or its cache)",
+            LoadPhase::KvCache => "memory profiling, KV cache",
+            LoadPhase::CudaGraphs => "CUDA graph capture",
+            LoadPhase::Engine => "engine warm-up",
+            LoadPhase::Api => "API server up",
+            LoadPhase::Http => "HTTP check",
+        }
+    }
+}
+
+impl std::fmt::Display for LoadPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a line tells of a load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadSignal {
+    /// The phase's work is done (a later line of the same phase, before a
+    /// later phase ended, moves its end).
+    Ends(LoadPhase),
+    /// The compiled model came from the cache.
+    CacheHit,
+    /// The model was compiled (and saved): nothing in the cache.
+    CacheMiss,
+    /// A cached compile was found and could not be loaded; the capture
+    /// `reason` says why.
+    CacheLoadFailure,
+    /// vLLM's compile cache is off.
+    CacheDisabled,
+    /// vLLM's own time for reading the weights: captures `secs`, and `gib`
+    /// where it gives the size.
+    WeightsTook,
 }
 
 /// One of the five lists of [`Patterns`], by name.
@@ -220,7 +308,45 @@ fn vllm() -> Patterns {
             // refuses, met again at the same point of every run.
             r"died unexpectedly \(exit code: -4\)",
         ]),
+        load: vllm_load(),
     }
+}
+
+/// vLLM's lines for the phases of a load and its compile cache, from its
+/// source (0.32: `model_loader/`, `compilation/`, `v1/worker/`,
+/// `v1/engine/core.py`) and the real logs of `tests/fixtures/`. The API
+/// phase ends at the ready line and the HTTP phase at the HTTP check: the
+/// supervisor ends those two itself.
+fn vllm_load() -> Vec<(LoadSignal, String)> {
+    use LoadPhase as P;
+    use LoadSignal as S;
+    let list: &[(LoadSignal, &str)] = &[
+        (S::Ends(P::Start), r"Starting to load model"),
+        (S::Ends(P::Start), r"Loading model from scratch"),
+        (S::Ends(P::Weights), r"Loading weights took"),
+        (S::Ends(P::Weights), r"Model loading took"),
+        (S::WeightsTook, r"Loading weights took (?<secs>[0-9.]+) seconds"),
+        (S::WeightsTook, r"Model loading took (?<gib>[0-9.]+) GiB memory and (?<secs>[0-9.]+) seconds"),
+        // The compile: AOT (the whole model) or per compile range.
+        (S::Ends(P::Compile), r"saved AOT compiled function to"),
+        (S::Ends(P::Compile), r"Directly load AOT compilation from path"),
+        (S::Ends(P::Compile), r"torch\.compile took [0-9.]+ s in total"),
+        (S::Ends(P::Compile), r"torch\.compile and initial profiling/warmup run together took"),
+        (S::Ends(P::Compile), r"Compiling a graph for compile range .* takes"),
+        (S::Ends(P::Compile), r"Directly load the compiled graph\(s\) for compile range"),
+        (S::CacheHit, r"Directly load AOT compilation from path"),
+        (S::CacheHit, r"Directly load the compiled graph\(s\) for compile range"),
+        (S::CacheMiss, r"saved AOT compiled function to"),
+        (S::CacheMiss, r"Compiling a graph for compile range .* takes"),
+        (S::CacheLoadFailure, r"Compiling model again due to a load failure from .*, reason: (?<reason>.*)"),
+        (S::CacheDisabled, r"vLLM's torch\.compile cache is disabled"),
+        (S::Ends(P::KvCache), r"Memory profiling takes"),
+        (S::Ends(P::KvCache), r"Available KV cache memory"),
+        (S::Ends(P::KvCache), r"KV cache size:"),
+        (S::Ends(P::CudaGraphs), r"Graph capturing finished"),
+        (S::Ends(P::Engine), r"init engine .* took"),
+    ];
+    list.iter().map(|(s, p)| (*s, p.to_string())).collect()
 }
 
 /// `ray start --block`, head or joining node: what it prints on its
@@ -242,6 +368,7 @@ fn ray(role: Profile) -> Patterns {
         progress: to_strings(&[r"Local node IP:", r"Usage stats collection"]),
         fatal,
         ignore: Vec::new(),
+        load: Vec::new(),
         permanent: to_strings(&[
             // click's usage errors: the command line itself is wrong.
             r"^Error: (No such option|Invalid value|Missing option|Got unexpected extra argument)",

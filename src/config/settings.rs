@@ -43,6 +43,7 @@ pub struct Settings {
     pub server: Server,
     pub drain: Drain,
     pub reports: Reports,
+    pub ledger: Ledger,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.
@@ -152,6 +153,19 @@ pub struct Health {
     /// A command whose output is new kernel messages, followed from each
     /// spawn for GPU faults; empty: off.
     pub kernel_messages: Vec<String>,
+}
+
+/// `[ledger]`: the record of every load (see `observe::ledger`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ledger {
+    /// How many loads the ledger keeps; 0: none is recorded.
+    pub keep: u32,
+    /// A load of a known setup slower than its median by this factor,
+    /// overall or in one phase, is a warning.
+    pub slow_factor: f64,
+    /// A phase without progress for this factor × its longest recorded
+    /// time is a stall (when that is longer than `ready.stall-timeout`).
+    pub deadline_factor: f64,
 }
 
 /// `[reports]`: the failure report written for every failed run.

@@ -204,6 +204,9 @@ fn the_man_page_shows_the_default_constants() {
         ("reports.py-spy", format!("`{}`", defaults::REPORTS_PY_SPY.join(" "))),
         ("reports.gpu-snapshot", format!("`{}`", defaults::REPORTS_GPU_SNAPSHOT.join(" "))),
         ("reports.kernel-messages", format!("`{}`", defaults::REPORTS_KERNEL_MESSAGES.join(" "))),
+        ("ledger.keep", defaults::LEDGER_KEEP.to_string()),
+        ("ledger.slow-factor", format!("{:?}", defaults::LEDGER_SLOW_FACTOR)),
+        ("ledger.deadline-factor", format!("{:?}", defaults::LEDGER_DEADLINE_FACTOR)),
     ];
     let rows = man_page_rows();
     let row = |key: &str| {
@@ -231,7 +234,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n";
+                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n[ledger]\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -247,10 +250,10 @@ fn the_man_page_documents_every_known_key() {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 13, "{problems:?}");
+    assert_eq!(problems.len(), 14, "{problems:?}");
     let sections = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports",
+        "reports", "ledger",
     ];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
@@ -336,7 +339,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 33, "every duration and number has a range");
+    assert_eq!(tried, 36, "every duration and number has a range");
 }
 
 #[test]

@@ -88,6 +88,19 @@ pub struct RealBackend {
     checks: Checks,
     /// The failure reports of failed runs.
     reports: Reports,
+    /// The load ledger.
+    loads: Loads,
+}
+
+/// The load ledger: its records, its writer, and what the pre-start steps
+/// found of the setup about to start.
+struct Loads {
+    ledger: crate::observe::ledger::Ledger,
+    writer: Option<crate::observe::ledger::Writer>,
+    /// Found by the pre-start steps of a start: its setup and weights.
+    found: Arc<std::sync::Mutex<Option<(u32, crate::observe::ledger::Facts)>>>,
+    /// The setup of the run spawned last.
+    running: Option<crate::observe::ledger::Facts>,
 }
 
 /// What a start needs before its spawn.
@@ -183,6 +196,7 @@ impl RealBackend {
     ) -> std::io::Result<RealBackend> {
         let traffic = crate::observe::health::Traffic::default();
         let taps = Taps { journal, traffic: traffic.clone() };
+        let (settings_state_dir, settings_keep) = (settings.state_dir.clone(), settings.ledger.keep);
         let tx = inputs.clone();
         let mut tasks = Tasks::default();
         let tree = Tree::new(
@@ -200,6 +214,14 @@ impl RealBackend {
             log: LogWatch { classifier, follower: None, lines, taps, hold: Default::default() },
             kernel: KernelWatch::default(),
             checks: Checks { probe: None, health: None, last_check, load: None, traffic },
+            loads: Loads {
+                ledger: crate::observe::ledger::Ledger::open(&settings_state_dir, settings_keep),
+                writer: crate::observe::ledger::Writer::start()
+                    .map_err(|e| tracing::warn!(error = %e, "no thread for the load ledger: loads are not recorded"))
+                    .ok(),
+                found: Arc::default(),
+                running: None,
+            },
             reports: Reports::default(),
         })
     }
@@ -297,12 +319,20 @@ impl Backend for RealBackend {
         let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.launch.leftovers_done.clone());
         let inherited = self.launch.handover.from_upgrade;
         let gate = self.reports.gate.clone();
+        let found = self.loads.found.clone();
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::daemon::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
             let result = crate::daemon::prepare::run(&settings, status.clone(), done, inherited).await;
+            if result.is_ok() {
+                // The setup as it starts (after the patches): its ledger.
+                let facts = tokio::task::spawn_blocking(move || crate::daemon::environment::load_facts(&settings))
+                    .await
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+                *found.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, facts));
+            }
             // The report of the last run goes on beside this start, but
             // what describes that run must be taken before a new child
             // starts: wait while it is not, unless the report has ended.
@@ -459,6 +489,7 @@ impl Backend for RealBackend {
         }
         let running = settings.clone();
         tokio::task::spawn_blocking(move || crate::daemon::reload::save_running(&running));
+        self.loads.ledger.keep(settings.ledger.keep);
         self.settings = settings;
         // The running child's lines are classified with the new patterns
         // from its follower's next read on.
@@ -473,6 +504,23 @@ impl Backend for RealBackend {
             self.health(start);
         }
         plan
+    }
+
+    fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
+        let start = self.reports.run.as_ref()?.start;
+        let found = self.loads.found.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let facts = found.filter(|(s, _)| *s == start).map(|(_, f)| f)?;
+        let load = self.loads.ledger.start(&facts);
+        self.loads.running = Some(facts);
+        Some(load)
+    }
+
+    fn load_ended(&mut self, record: crate::supervisor::load::LoadRecord) {
+        let at = self.reports.run.as_ref().map_or_else(std::time::SystemTime::now, |r| r.spawned);
+        let write = self.loads.ledger.push(record, self.loads.running.as_ref(), at);
+        if let Some(w) = &self.loads.writer {
+            w.send(write);
+        }
     }
 
     fn check_upgrade(&mut self) {

@@ -191,6 +191,12 @@ pub trait Backend {
     /// already done what it can so that the tree can still be stopped (the
     /// reaper is started again).
     fn task_failed(&mut self) -> impl Future<Output = String>;
+    /// What the ledger knows of the setup just spawned.
+    fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
+        None
+    }
+    /// A load ended: into the ledger, off the loop.
+    fn load_ended(&mut self, _record: crate::supervisor::load::LoadRecord) {}
 }
 
 /// Told of every state change (the child's lines are seen by the
@@ -435,11 +441,18 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 // Carried out above; a machine asks for one report at a time.
                 Effect::Report(_) => {}
                 Effect::CancelReport => self.backend.cancel_report(),
-                Effect::Spawn { start } => {
-                    events.push_back(match self.backend.spawn(start) {
-                        Ok(pid) => Event::Spawned { start, pid },
-                        Err(failure) => Event::SpawnFailed { start, failure },
-                    });
+                Effect::Spawn { start } => match self.backend.spawn(start) {
+                    Ok(pid) => {
+                        if let Some(load) = self.backend.load_start() {
+                            events.push_back(Event::LoadKnown { start, load: Box::new(load) });
+                        }
+                        events.push_back(Event::Spawned { start, pid });
+                    }
+                    Err(failure) => events.push_back(Event::SpawnFailed { start, failure }),
+                },
+                Effect::LoadEnded(record) => {
+                    log(self.ctx, &self.machine, &load_record(&record), None);
+                    self.backend.load_ended(*record);
                 }
                 Effect::Prepare { start } => self.backend.prepare(start),
                 Effect::CancelPrepare => self.backend.cancel_prepare(),
@@ -689,6 +702,20 @@ async fn tick(dog: &mut Option<tokio::time::Interval>) {
 
 /// A warden event into the log; `report`: the failure report's folder,
 /// as the `REPORT=` field of a `failed` event.
+/// The journal's line for a load that ended: its total, phases and cache.
+fn load_record(r: &crate::supervisor::load::LoadRecord) -> Record {
+    let phases: Vec<String> = r.phases.iter().map(|t| format!("{} {:.1}s", t.phase, t.secs)).collect();
+    let cache = r.cache.as_ref().map(|c| format!("; compile cache: {}", c.describe())).unwrap_or_default();
+    let gbps = r.gbps.map(|g| format!("; weights {g:.2} GB/s")).unwrap_or_default();
+    let message = format!(
+        "load {} after {:.1}s: {}{cache}{gbps}",
+        r.outcome.word(),
+        r.total_secs,
+        if phases.is_empty() { "no phase seen".to_string() } else { phases.join(", ") }
+    );
+    Record { severity: Severity::Info, topic: Topic::Load, message }
+}
+
 fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>) {
     let pid = m.child_pid().unwrap_or(0);
     let attempt = m.attempt();
@@ -696,6 +723,7 @@ fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>)
     let (instance, event, msg) = (ctx.instance.as_str(), r.topic.as_str(), msg.as_ref());
     let report = report.map(|p| crate::util::escape::one_line(&p.display().to_string(), crate::util::escape::MAX_LINE));
     let report = report.as_deref();
+    let id = r.topic.message_id();
     match r.severity {
         Severity::Info => {
             tracing::info!(
@@ -714,6 +742,7 @@ fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>)
                 ATTEMPT = attempt,
                 EVENT = event,
                 REPORT = report,
+                MESSAGE_ID = id,
                 "{msg}"
             )
         }

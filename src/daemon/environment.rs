@@ -116,6 +116,17 @@ pub fn model_problems(s: &Settings) -> Vec<String> {
     }
 }
 
+/// The setup a start of `s` runs, and its model's weights (a local folder
+/// of a vLLM command): the load ledger's facts. Blocking.
+pub fn load_facts(s: &Settings) -> crate::observe::ledger::Facts {
+    let model = match model_of(&s.child.command).map(|m| Model::of(&m, &child_cwd(s))) {
+        Some(Model::Local(dir)) if dir.is_dir() => Some(dir),
+        _ => None,
+    };
+    let files: Vec<PathBuf> = s.patches.iter().map(|p| p.file.clone()).collect();
+    crate::observe::ledger::Facts::gather(&s.child.command, &s.child.env, &files, model.as_deref())
+}
+
 /// The folder the child starts in: `child.cwd`, else the warden's.
 fn child_cwd(s: &Settings) -> PathBuf {
     s.child.cwd.clone().or_else(|| std::env::current_dir().ok()).unwrap_or_else(|| PathBuf::from("/"))

@@ -66,6 +66,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         server,
         drain,
         reports,
+        ledger,
         state_dir,
         patterns,
         hints,
@@ -131,6 +132,10 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("drain.delay", Warden, d(old.drain.delay), d(drain.delay));
     cmp("drain.timeout", Warden, d(old.drain.timeout), d(drain.timeout));
     cmp("drain.on-stop", Warden, old.drain.on_stop.to_string(), drain.on_stop.to_string());
+    let lg = (&old.ledger, ledger);
+    cmp("ledger.keep", Warden, lg.0.keep.to_string(), lg.1.keep.to_string());
+    cmp("ledger.slow-factor", Warden, lg.0.slow_factor.to_string(), lg.1.slow_factor.to_string());
+    cmp("ledger.deadline-factor", Warden, lg.0.deadline_factor.to_string(), lg.1.deadline_factor.to_string());
     let rp = (&old.reports, reports);
     cmp("reports.keep", Warden, rp.0.keep.to_string(), rp.1.keep.to_string());
     cmp("reports.max-size", Warden, rp.0.max_size.to_string(), rp.1.max_size.to_string());

@@ -11,6 +11,7 @@
 //! |---|---|
 //! | `GET /livez` | 200 while the loop turns, 503 when it has not for [`LIVE_STALE`]; the phase |
 //! | `GET /readyz` | 200 when ready, not draining and the last health check passed; else 503, phase and cause |
+//! | `GET /startupz` | 200 once the model has loaded (ready, or drained since); else 503 with the load's phase, as JSON |
 //! | `GET /status` | the status document |
 //! | `GET /metrics` | the metrics, Prometheus text format |
 //! | `POST /drain`, `/undrain`, `/restart` | 202 once the loop took it; 409 in a phase it does not apply to; 403 over TCP without the bearer token |
@@ -455,6 +456,7 @@ fn router(api: Api) -> Router {
     Router::new()
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
+        .route("/startupz", get(startupz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .route("/drain", post(|s, h| change(s, h, Request::Drain)))
@@ -490,6 +492,26 @@ async fn readyz(State(api): State<Api>) -> Response {
         (phase, _) => {
             let cause = view.cause.map(|c| format!(": {c}")).unwrap_or_default();
             text(StatusCode::SERVICE_UNAVAILABLE, format!("{phase}{cause}\n"))
+        }
+    }
+}
+
+/// For a Kubernetes startup probe: has the model loaded? 503 with the
+/// state and the status document's `load` (its phase, elapsed and
+/// estimate) while it has not.
+async fn startupz(State(api): State<Api>) -> Response {
+    let view = api.shared.view.borrow().clone();
+    match view.phase {
+        Phase::Ready | Phase::Draining | Phase::Drained => text(StatusCode::OK, format!("{}\n", view.phase)),
+        phase => {
+            let load = view
+                .document
+                .and_then(|d| serde_json::from_str::<serde_json::Value>(&d).ok())
+                .and_then(|mut v| v.get_mut("load").map(serde_json::Value::take))
+                .unwrap_or(serde_json::Value::Null);
+            let body = serde_json::json!({ "state": phase.as_str(), "load": load });
+            (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], format!("{body}\n"))
+                .into_response()
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Watching the child and telling the world about it: following its log
 //! file (and rotating it), HTTP readiness and health checks, GPU faults in
 //! the kernel's messages, forwarding its lines to the journal, the status
-//! document and the metrics, the failure report of a failed run, and
+//! document and the metrics, the load ledger, the failure report of a
+//! failed run, and
 //! sd_notify.
 //!
 //! May use `process`, `supervisor`, `config`, `patch` and `util`. Decides
@@ -11,6 +12,7 @@
 pub mod health;
 pub mod journal;
 pub mod kernel;
+pub mod ledger;
 pub mod logwatch;
 pub mod notify;
 pub mod reports;

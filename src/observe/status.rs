@@ -31,7 +31,7 @@ pub struct LastExit {
 }
 
 /// The status document, as written to `status.file`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Doc {
     pub name: String,
     pub version: String,
@@ -58,6 +58,51 @@ pub struct Doc {
     /// Where the child's caches go, and their size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<Cache>,
+    /// The load under way: its phase and the estimate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<LoadDoc>,
+    /// The last load that ended, as the ledger has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_load: Option<LastLoad>,
+}
+
+/// The load under way.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadDoc {
+    pub phase: String,
+    /// The phase's place among those expected (1-based), and how many.
+    pub index: usize,
+    pub of: usize,
+    pub elapsed_secs: f64,
+    /// The median of the setup's good loads, and its last; absent without
+    /// history.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_secs: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_secs: Option<f64>,
+    pub fingerprint: String,
+    /// As in `STATUS=`.
+    pub text: String,
+}
+
+/// The last load that ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LastLoad {
+    pub outcome: String,
+    pub total_secs: f64,
+    /// Each phase that ended, in order, and its seconds.
+    pub phases: Vec<(String, f64)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gbps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold: Option<bool>,
+    /// Its warnings: slower than its setup's median, or the compile cache
+    /// did less than before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alarms: Vec<String>,
+    pub fingerprint: String,
 }
 
 /// The cache directory (`child.cache-dir`) and its size, measured at each
@@ -77,6 +122,11 @@ pub struct Cache {
 /// visible line, in the document and on the terminal alike.
 fn safe(text: &str) -> String {
     crate::util::escape::one_line(&crate::util::redact::text(text), crate::util::escape::MAX_LINE)
+}
+
+/// Seconds to the millisecond, for the document.
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -182,7 +232,7 @@ impl Reporter {
         let progress_only = self
             .last
             .as_ref()
-            .is_some_and(|last| *last == Snapshot { progress: last.progress.clone(), ..snap.clone() });
+            .is_some_and(|last| *last == Snapshot { progress: last.progress.clone(), load: last.load.clone(), ..snap.clone() });
         let now = SystemTime::now();
         if self.phase != Some(snap.phase) {
             // Before a load and after it: what the load added.
@@ -334,6 +384,30 @@ impl Reporter {
                 class: f.class,
                 report: f.report.as_deref().map(safe),
             }),
+            load: snap.load.as_ref().map(|l| LoadDoc {
+                phase: l.phase.name().into(),
+                index: l.index,
+                of: l.of,
+                elapsed_secs: round(l.elapsed.as_secs_f64()),
+                expected_secs: l.expected.map(|d| round(d.as_secs_f64())),
+                last_secs: l.last.map(|d| round(d.as_secs_f64())),
+                fingerprint: safe(&l.fingerprint),
+                text: safe(&l.text()),
+            }),
+            last_load: snap.last_load_record.as_ref().map(|r| LastLoad {
+                outcome: match &r.outcome {
+                    crate::supervisor::load::LoadOutcome::Failed { class, .. } => format!("failed ({class})"),
+                    crate::supervisor::load::LoadOutcome::Stopped { why } => format!("stopped ({})", safe(why)),
+                    o => o.word().into(),
+                },
+                total_secs: round(r.total_secs),
+                phases: r.phases.iter().map(|t| (t.phase.name().to_string(), round(t.secs))).collect(),
+                cache: r.cache.as_ref().map(|c| safe(&c.describe())),
+                gbps: r.gbps.map(round),
+                cold: r.cold,
+                alarms: r.alarms.iter().map(|a| safe(a)).collect(),
+                fingerprint: safe(&r.fingerprint),
+            }),
         }
     }
 }
@@ -355,6 +429,14 @@ pub struct Metrics {
     start_time: Gauge<f64, AtomicU64>,
     /// How long each turn of the warden's loop took.
     loop_turn: Histogram,
+    /// Each phase of each load that ended.
+    load_phase: Family<Vec<(String, String)>, Histogram>,
+    load_cache: Family<Vec<(String, String)>, Counter>,
+    load_alarms: Family<Vec<(String, String)>, Counter>,
+    /// One sample once a load read its weights at a known rate.
+    last_gbps: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
+    /// Loads already counted.
+    loads_seen: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -379,7 +461,19 @@ impl Metrics {
             start_time: Gauge::default(),
             // 50 µs to about 26 s.
             loop_turn: Histogram::new(exponential_buckets(0.00005, 4.0, 10)),
+            // 0.1 s to about 7 hours.
+            load_phase: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.1, 3.0, 11))),
+            load_cache: Family::default(),
+            load_alarms: Family::default(),
+            last_gbps: Family::default(),
+            loads_seen: Default::default(),
         };
+        for c in crate::supervisor::load::CacheOutcome::NAMES {
+            let _ = m.load_cache.get_or_create(&vec![("outcome".into(), c.into())]);
+        }
+        for k in ALARM_KINDS {
+            let _ = m.load_alarms.get_or_create(&vec![("kind".into(), k.into())]);
+        }
         for p in Phase::ALL {
             let _ = m.state.get_or_create(&vec![("state".into(), p.as_str().into())]);
         }
@@ -413,6 +507,23 @@ impl Metrics {
             Unit::Seconds,
             m.loop_turn.clone(),
         );
+        registry.register_with_unit(
+            "load_phase_duration",
+            "Time of each phase of each load that ended (see `vllm-warden loads`)",
+            Unit::Seconds,
+            m.load_phase.clone(),
+        );
+        registry.register("load_cache_outcomes", "Loads by what their compile cache did", m.load_cache.clone());
+        registry.register(
+            "load_alarms",
+            "Loads slower than their setup's median, or whose compile cache did less than before",
+            m.load_alarms.clone(),
+        );
+        registry.register(
+            "last_load_weights_gigabytes_per_second",
+            "Weight bytes over the weights phase of the last load that read them at a known rate",
+            m.last_gbps.clone(),
+        );
         m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
         Metrics { registry, ..m }
     }
@@ -434,6 +545,23 @@ impl Metrics {
             self.last_load.get_or_create(&vec![]).set(d.as_secs_f64());
         }
         raise(&self.journal_dropped, journal_dropped);
+        let seen = self.loads_seen.swap(snap.loads_ended, std::sync::atomic::Ordering::Relaxed);
+        if snap.loads_ended > seen
+            && let Some(r) = &snap.last_load_record
+        {
+            for t in &r.phases {
+                self.load_phase.get_or_create(&vec![("phase".into(), t.phase.name().into())]).observe(t.secs);
+            }
+            if let Some(c) = &r.cache {
+                self.load_cache.get_or_create(&vec![("outcome".into(), c.name().into())]).inc();
+            }
+            for a in &r.alarms {
+                self.load_alarms.get_or_create(&vec![("kind".into(), alarm_kind(a).into())]).inc();
+            }
+            if let Some(g) = r.gbps {
+                self.last_gbps.get_or_create(&vec![]).set(g);
+            }
+        }
     }
 
     /// The exposition text.
@@ -442,6 +570,19 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The kinds of load alarm, for the metric's label.
+const ALARM_KINDS: [&str; 3] = ["cache", "slow-load", "slow-phase"];
+
+fn alarm_kind(text: &str) -> &'static str {
+    if text.starts_with("compile cache") {
+        "cache"
+    } else if text.starts_with("slow phase") {
+        "slow-phase"
+    } else {
+        "slow-load"
     }
 }
 
@@ -462,7 +603,7 @@ pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped
 }
 
 /// What `status` concludes from the document.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum StatusVerdict {
     Ready(Doc),
     NotReady(Doc),
@@ -517,8 +658,27 @@ pub fn summary(v: &StatusVerdict) -> String {
         let _ = write!(out, ", for {d}");
     }
     let _ = write!(out, ", attempt {}, {} restart(s)", doc.attempt, doc.restarts);
+    if let Some(l) = &doc.load {
+        let _ = write!(out, "\nload: {}", safe(&l.text));
+    }
     if let Some(p) = &doc.progress {
         let _ = write!(out, "\nprogress: {}", safe(p));
+    }
+    if let Some(l) = &doc.last_load {
+        let phases: Vec<String> = l.phases.iter().map(|(p, s)| format!("{} {s:.1}s", safe(p))).collect();
+        let _ = write!(out, "\nlast load: {} after {:.1}s", safe(&l.outcome), l.total_secs);
+        if !phases.is_empty() {
+            let _ = write!(out, " ({})", phases.join(", "));
+        }
+        if let Some(c) = &l.cache {
+            let _ = write!(out, "; compile cache: {}", safe(c));
+        }
+        if let Some(g) = l.gbps {
+            let _ = write!(out, "; weights {g:.2} GB/s");
+        }
+        for a in &l.alarms {
+            let _ = write!(out, "\nload alarm: {}", safe(a));
+        }
     }
     if let Some(e) = &doc.last_exit {
         let how = match (&e.code, &e.signal) {
@@ -587,6 +747,9 @@ mod tests {
             failures: BTreeMap::from([(FailureClass::Exit, 1)]),
             exit_code: None,
             last_failure: None,
+            load: None,
+            last_load_record: None,
+            loads_ended: 0,
         }
     }
 

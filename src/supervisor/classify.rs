@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use regex::{Regex, RegexSet};
 
-use crate::config::profile::Patterns;
+use crate::config::profile::{LoadSignal, Patterns};
+use crate::supervisor::load::{CacheOutcome, LoadMark};
 
 /// Longest line kept; the rest of a longer line is dropped.
 pub const MAX_LINE: usize = 64 * 1024;
@@ -163,6 +164,8 @@ pub struct Line {
     /// `engine worker died: illegal instruction (SIGILL)` for vLLM's
     /// `Worker proc VllmWorker-0 died unexpectedly (exit code: -4)`.
     pub cause: Option<String>,
+    /// What the line tells of the load's phases and compile cache.
+    pub load: Vec<LoadMark>,
 }
 
 impl Line {
@@ -170,7 +173,9 @@ impl Line {
     /// progress line, or the end of a traceback. Every other line changes
     /// nothing but the journal.
     pub fn matters(&self) -> bool {
-        matches!(self.class, Class::Fatal | Class::Ready | Class::Progress(_)) || self.exception.is_some()
+        matches!(self.class, Class::Fatal | Class::Ready | Class::Progress(_))
+            || self.exception.is_some()
+            || !self.load.is_empty()
     }
 }
 
@@ -319,6 +324,9 @@ pub struct Classifier {
     permanent: Arc<RegexSet>,
     ready: Arc<RegexSet>,
     progress: Arc<RegexSet>,
+    /// The load's signals, as one set and each with its captures.
+    load: Arc<RegexSet>,
+    load_signals: Arc<Vec<(LoadSignal, Regex)>>,
     /// The prefix, for lines where a Unicode digit stands where vLLM writes
     /// an ASCII one ([`parse_prefix`] reads every other line).
     prefix: Arc<Regex>,
@@ -344,8 +352,13 @@ impl Classifier {
     pub fn new(p: &Patterns) -> Result<Classifier, regex::Error> {
         let lists = [&p.ignore, &p.fatal, &p.permanent, &p.ready, &p.progress];
         let [ignore, fatal, permanent, ready, progress] = lists.map(|l| RegexSet::new(l).map(Arc::new));
-        let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).collect();
+        let load: Vec<&String> = p.load.iter().map(|(_, pat)| pat).collect();
+        let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).chain(load.iter().copied()).collect();
+        let load_signals =
+            p.load.iter().map(|(sig, pat)| Regex::new(pat).map(|re| (*sig, re))).collect::<Result<Vec<_>, _>>()?;
         Ok(Classifier {
+            load: Arc::new(RegexSet::new(load)?),
+            load_signals: Arc::new(load_signals),
             ignore: ignore?,
             fatal: fatal?,
             permanent: permanent?,
@@ -377,22 +390,54 @@ impl Classifier {
     }
 
     pub fn classify(&mut self, text: String) -> Line {
-        let (prefix, kind, exception) = self.judge(&text);
+        let (prefix, kind, exception, load) = self.judge(&text);
         let end = prefix.as_ref().map_or(0, |p| p.end);
         let level = prefix.and_then(|p| p.level);
-        self.line(&text, end, level, kind, exception)
+        self.line(&text, end, level, kind, exception, load)
     }
 
     /// Classify a borrowed line; it is copied only if it matters.
     pub fn classify_ref(&mut self, text: &str) -> LineVerdict {
-        let (prefix, kind, exception) = self.judge(text);
+        let (prefix, kind, exception, load) = self.judge(text);
         let end = prefix.as_ref().map_or(0, |p| p.end);
         let level = prefix.and_then(|p| p.level);
-        let matters = !matches!(kind, Kind::Plain | Kind::Ignored) || exception.is_some();
-        LineVerdict { level, line: matters.then(|| self.line(text, end, level, kind, exception)) }
+        let matters = !matches!(kind, Kind::Plain | Kind::Ignored) || exception.is_some() || !load.is_empty();
+        LineVerdict { level, line: matters.then(|| self.line(text, end, level, kind, exception, load)) }
     }
 
-    fn judge<'t>(&mut self, text: &'t str) -> (Option<Prefix<'t>>, Kind, Option<Exception>) {
+    /// What `text` tells of the load: one mark per signal pattern it matches.
+    fn load_marks(&self, text: &str) -> Vec<LoadMark> {
+        let hits = self.load.matches(text);
+        if !hits.matched_any() {
+            return Vec::new();
+        }
+        let mut marks = Vec::new();
+        for i in hits.iter() {
+            let (signal, re) = &self.load_signals[i];
+            let mark = match signal {
+                LoadSignal::Ends(p) => Some(LoadMark::Ends(*p)),
+                LoadSignal::CacheHit => Some(LoadMark::Cache(CacheOutcome::Hit)),
+                LoadSignal::CacheMiss => Some(LoadMark::Cache(CacheOutcome::Miss)),
+                LoadSignal::CacheDisabled => Some(LoadMark::Cache(CacheOutcome::Disabled)),
+                LoadSignal::CacheLoadFailure => {
+                    let reason = re.captures(text).and_then(|c| c.name("reason")).map_or("", |m| m.as_str());
+                    let reason = reason.trim().chars().take(200).collect();
+                    Some(LoadMark::Cache(CacheOutcome::LoadFailure { reason }))
+                }
+                LoadSignal::WeightsTook => re.captures(text).and_then(|c| {
+                    let took = std::time::Duration::try_from_secs_f64(c.name("secs")?.as_str().parse().ok()?).ok()?;
+                    let gib = c.name("gib").and_then(|g| g.as_str().parse::<f64>().ok());
+                    let bytes = gib.filter(|g| g.is_finite() && *g >= 0.0).map(|g| (g * 1024f64.powi(3)) as u64);
+                    Some(LoadMark::WeightsTook { took, bytes })
+                }),
+            };
+            marks.extend(mark);
+        }
+        marks
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn judge<'t>(&mut self, text: &'t str) -> (Option<Prefix<'t>>, Kind, Option<Exception>, Vec<LoadMark>) {
         let prefix = match parse_prefix(text) {
             Ok(p) => p,
             Err(()) => self.prefix.captures(text).map(|c| Prefix {
@@ -401,8 +446,10 @@ impl Classifier {
                 end: c.get(0).map_or(0, |m| m.end()),
             }),
         };
+        let plain = self.any.as_ref().is_some_and(|any| !any.is_match(text));
+        let load = if plain { Vec::new() } else { self.load_marks(text) };
         let kind = match &self.any {
-            Some(any) if !any.is_match(text) => Kind::Plain,
+            _ if plain => Kind::Plain,
             _ if self.ignore.is_match(text) => Kind::Ignored,
             _ if self.fatal.is_match(text) || self.permanent.is_match(text) => Kind::Fatal,
             _ if self.ready.is_match(text) => Kind::Ready,
@@ -416,10 +463,18 @@ impl Classifier {
                 self.traceback(process, &text[end..])
             }
         };
-        (prefix, kind, exception)
+        (prefix, kind, exception, load)
     }
 
-    fn line(&self, text: &str, end: usize, level: Option<Level>, kind: Kind, exception: Option<Exception>) -> Line {
+    fn line(
+        &self,
+        text: &str,
+        end: usize,
+        level: Option<Level>,
+        kind: Kind,
+        exception: Option<Exception>,
+        load: Vec<LoadMark>,
+    ) -> Line {
         let message = &text[end..];
         let class = match kind {
             Kind::Ignored => Class::Ignored,
@@ -434,7 +489,7 @@ impl Classifier {
             None
         };
         let cause = if class == Class::Fatal { self.named_cause(message) } else { None };
-        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent, cause }
+        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent, cause, load }
     }
 
     /// A worker of the engine killed by a signal, named by the signal: the

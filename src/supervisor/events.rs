@@ -85,6 +85,12 @@ pub enum Event {
         start: u32,
         text: String,
     },
+    /// What the ledger knows of the setup start `start` runs, given just
+    /// before its `Spawned`.
+    LoadKnown {
+        start: u32,
+        load: Box<crate::supervisor::load::LoadStart>,
+    },
     Spawned {
         start: u32,
         pid: u32,
@@ -169,6 +175,7 @@ impl Event {
             Event::Prepared { start, .. }
             | Event::PrepareStep { start, .. }
             | Event::Spawned { start, .. }
+            | Event::LoadKnown { start, .. }
             | Event::SpawnFailed { start, .. }
             | Event::Line { start, .. }
             | Event::HttpReady { start }
@@ -208,6 +215,11 @@ pub enum Topic {
     Internal,
     Unkillable,
     Upgrade,
+    /// A load slower than its setup's history, or one whose compile cache
+    /// did less than before.
+    LoadAlarm,
+    /// A load ended (ready, failed or stopped) and went into the ledger.
+    Load,
 }
 
 impl Topic {
@@ -229,9 +241,22 @@ impl Topic {
             Topic::Drain => "drain",
             Topic::Internal => "internal",
             Topic::Unkillable => "unkillable",
+            Topic::LoadAlarm => "load-alarm",
+            Topic::Load => "load",
+        }
+    }
+
+    /// The journal's `MESSAGE_ID` of the events worth a query of their own.
+    pub fn message_id(self) -> Option<&'static str> {
+        match self {
+            Topic::LoadAlarm => Some(LOAD_ALARM_MESSAGE_ID),
+            _ => None,
         }
     }
 }
+
+/// `MESSAGE_ID` of a load alarm: `journalctl MESSAGE_ID=…` lists them.
+pub const LOAD_ALARM_MESSAGE_ID: &str = "5d8f0c3ae6a44d1f9c4b7a21e0d3b6c8";
 
 /// A warden event for the journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -286,6 +311,8 @@ pub enum Effect {
     CancelReport,
     Notify(Vec<Note>),
     Log(Record),
+    /// A load ended: into the ledger.
+    LoadEnded(Box<crate::supervisor::load::LoadRecord>),
 }
 
 /// What the failure report of a run is to say, as the machine knows it.

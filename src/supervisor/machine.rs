@@ -47,6 +47,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::supervisor::classify::{Class, Line};
+use crate::supervisor::load::{LoadOutcome, LoadPhase, LoadRecord, LoadStart, LoadTrack};
 use crate::supervisor::exit::Code;
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
@@ -85,6 +86,15 @@ pub struct Machine {
     last_failure: Option<crate::supervisor::snapshot::LastFailure>,
     /// The version of the warden this one took the ready run over from.
     upgraded_from: Option<String>,
+    /// What the ledger said of the next start's setup.
+    next_load: Option<LoadStart>,
+    /// The load under way (while `Starting`).
+    load: Option<LoadTrack>,
+    /// The last load that ended, and how many have.
+    last_load_record: Option<std::sync::Arc<LoadRecord>>,
+    loads_ended: u32,
+    /// The instant of the last step.
+    clock: Option<Instant>,
 }
 
 fn secs(d: Duration) -> String {
@@ -117,6 +127,11 @@ impl Machine {
             failure_counts: BTreeMap::new(),
             upgraded_from: None,
             last_failure: None,
+            next_load: None,
+            load: None,
+            last_load_record: None,
+            loads_ended: 0,
+            clock: None,
         }
     }
 
@@ -244,6 +259,9 @@ impl Machine {
             failures: self.failure_counts.clone(),
             exit_code: self.done(),
             last_failure: self.last_failure.clone(),
+            load: self.load_now(),
+            last_load_record: self.last_load_record.clone(),
+            loads_ended: self.loads_ended,
         }
     }
 
@@ -275,8 +293,8 @@ impl Machine {
         let p = &self.policy;
         match &self.state {
             State::Starting(l) => [
-                Some(l.run.spawned_at + p.ready_timeout),
-                Some(l.progress_at + p.stall),
+                Some(l.run.spawned_at + self.timeout_now()),
+                Some(l.progress_at + self.stall_now()),
                 l.run.fatal_at.map(|t| t + p.grace),
             ]
             .into_iter()
@@ -316,11 +334,81 @@ impl Machine {
             tracing::debug!(?event, "stale event dropped");
             return Vec::new();
         }
+        self.clock = Some(now);
+        if let Event::LoadKnown { load, .. } = event {
+            self.next_load = Some(*load);
+            return Vec::new();
+        }
         let state = std::mem::replace(&mut self.state, State::Idle);
-        let (next, effects) = self.transition(state, event, now);
+        let was_loading = matches!(state, State::Starting(_));
+        let (next, mut effects) = self.transition(state, event, now);
+        if was_loading && !matches!(next, State::Starting(_)) {
+            self.load_ended(&next, now, &mut effects);
+        }
         self.state = next;
         effects
     }
+
+    /// The load left `Starting` for `next`: its record into the ledger,
+    /// its alarms into the journal.
+    fn load_ended(&mut self, next: &State, now: Instant, fx: &mut Vec<Effect>) {
+        let Some(track) = self.load.take() else { return };
+        let from_purpose = |p: &Purpose| match p {
+            Purpose::Failure(c) => LoadOutcome::Failed { class: c.class().as_str().into(), cause: c.text.clone() },
+            Purpose::Shutdown => LoadOutcome::Stopped { why: "stop".into() },
+            Purpose::Reload => LoadOutcome::Stopped { why: "reload".into() },
+            Purpose::Restart => LoadOutcome::Stopped { why: "restart".into() },
+            Purpose::Internal(t) => LoadOutcome::Stopped { why: format!("the warden failed: {t}") },
+        };
+        let outcome = match next {
+            State::Ready(_) => LoadOutcome::Ready,
+            State::Reporting(r) => from_purpose(&r.purpose),
+            State::Stopping(s) => from_purpose(&s.purpose),
+            _ => match &self.cause {
+                Some(c) => LoadOutcome::Failed { class: c.class().as_str().into(), cause: c.text.clone() },
+                None => LoadOutcome::Stopped { why: "stop".into() },
+            },
+        };
+        let ended = track.finish(outcome, self.starts, now, self.policy.slow_factor);
+        for alarm in &ended.alarms {
+            fx.push(record(Severity::Warn, Topic::LoadAlarm, alarm.clone()));
+        }
+        self.loads_ended += 1;
+        self.last_load_record = Some(std::sync::Arc::new(ended.clone()));
+        fx.push(Effect::LoadEnded(Box::new(ended)));
+    }
+
+    /// How long the load may go without progress now: `ready.stall`, or
+    /// longer where the ledger says the phase under way takes longer.
+    fn stall_now(&self) -> Duration {
+        self.load.as_ref().map_or(self.policy.stall, |l| l.stall(self.policy.stall, self.policy.deadline_factor))
+    }
+
+    /// How long the whole load may take: `ready.timeout`, or longer where
+    /// the ledger says the setup's loads take longer.
+    fn timeout_now(&self) -> Duration {
+        let p = &self.policy;
+        self.load.as_ref().map_or(p.ready_timeout, |l| l.timeout(p.ready_timeout, p.deadline_factor))
+    }
+
+    /// `STATUS=` of a load: its phase and estimate first, where the
+    /// profile tells phases.
+    fn loading_text(&self, pid: u32, rest: &str) -> String {
+        match (&self.load, self.clock) {
+            (Some(l), Some(now)) if self.policy.phases => format!("{}, pid {pid}{rest}", l.now(now).text()),
+            _ => format!("loading, pid {pid}{rest}"),
+        }
+    }
+
+    /// Where the load under way is, for the status document.
+    pub fn load_now(&self) -> Option<crate::supervisor::load::LoadNow> {
+        match (&self.state, &self.load, self.clock) {
+            (State::Starting(_), Some(l), Some(now)) => Some(l.now(now)),
+            _ => None,
+        }
+    }
+
+
 
     fn transition(&mut self, state: State, event: Event, now: Instant) -> (State, Vec<Effect>) {
         use Event as E;
@@ -369,11 +457,12 @@ impl Machine {
                     progress: None,
                     awaiting_http: false,
                 };
+                self.load = Some(LoadTrack::new(self.next_load.take().unwrap_or_default(), now));
                 let mut fx = vec![
                     record(Severity::Info, Topic::Spawned, format!("child spawned, pid {pid}, start {start}")),
                     Effect::Notify(vec![
-                        status(format!("loading, pid {pid} ({})", self.attempts_text())),
-                        Note::ExtendTimeout(self.policy.stall),
+                        status(self.loading_text(pid, &format!(" ({})", self.attempts_text()))),
+                        Note::ExtendTimeout(self.stall_now()),
                     ]),
                 ];
                 if !self.policy.ready_log {
@@ -437,19 +526,19 @@ impl Machine {
             (S::Starting(loading), E::Tick) => {
                 let p = &self.policy;
                 let run = &loading.run;
+                let (timeout, stall) = (self.timeout_now(), self.stall_now());
                 let cause = if let Some(c) = run.fatal_grace_over(p.grace, now) {
                     Some(c)
-                } else if now >= run.spawned_at + p.ready_timeout {
-                    Some(Cause::new(
-                        format!("not ready after {} (ready.timeout)", secs(p.ready_timeout)),
-                        FailureKind::Timeout,
-                    ))
-                } else if now >= loading.progress_at + p.stall {
+                } else if now >= run.spawned_at + timeout {
+                    let why = if timeout > p.ready_timeout { "from the ledger" } else { "ready.timeout" };
+                    Some(Cause::new(format!("not ready after {} ({why})", secs(timeout)), FailureKind::Timeout))
+                } else if now >= loading.progress_at + stall {
                     let last = loading.progress.as_deref().map(|l| format!("; last: {l}")).unwrap_or_default();
-                    Some(Cause::new(
-                        format!("no progress for {} (ready.stall){last}", secs(p.stall)),
-                        FailureKind::Stall,
-                    ))
+                    let why = match &self.load {
+                        Some(l) if stall > p.stall => format!("{} phase, from the ledger", l.current()),
+                        _ => "ready.stall".into(),
+                    };
+                    Some(Cause::new(format!("no progress for {} ({why}){last}", secs(stall)), FailureKind::Stall))
                 } else {
                     None
                 };
@@ -771,8 +860,20 @@ impl Machine {
 
     fn starting_line(&mut self, mut loading: Loading, line: Line, now: Instant) -> (State, Vec<Effect>) {
         let mut fx = self.note_fatal(&mut loading.run, &line, now);
+        if let Some(track) = &mut self.load {
+            for mark in &line.load {
+                track.mark(mark, now);
+            }
+            if line.class == Class::Ready {
+                track.end(LoadPhase::Api, now);
+            }
+        }
         if loading.run.fatal_at.is_some() {
             return (State::Starting(loading), fx);
+        }
+        if !line.load.is_empty() {
+            // The load moved: the stall deadline counts from here.
+            loading.progress_at = now;
         }
         match &line.class {
             Class::Ready if !loading.awaiting_http => {
@@ -788,8 +889,8 @@ impl Machine {
                 loading.run.first_progress.get_or_insert(now);
                 loading.progress = Some(text.clone());
                 fx.push(Effect::Notify(vec![
-                    status(format!("loading, pid {}: {text}", loading.run.pid)),
-                    Note::ExtendTimeout(self.policy.stall),
+                    status(self.loading_text(loading.run.pid, &format!(": {text}"))),
+                    Note::ExtendTimeout(self.stall_now()),
                 ]));
             }
             _ => {}
@@ -798,6 +899,11 @@ impl Machine {
     }
 
     fn become_ready(&mut self, loading: Loading, now: Instant) -> (State, Vec<Effect>) {
+        if let Some(track) = &mut self.load
+            && loading.awaiting_http
+        {
+            track.end(LoadPhase::Http, now);
+        }
         let run = loading.run;
         let took = now - run.spawned_at;
         self.last_load = Some(took);

@@ -12,6 +12,7 @@ pub mod classify;
 pub mod events;
 pub mod exit;
 pub mod hints;
+pub mod load;
 pub mod machine;
 pub mod outcome;
 pub mod policy;

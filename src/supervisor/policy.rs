@@ -58,6 +58,12 @@ pub struct Policy {
     /// How long a failed run waits for its failure report before it is
     /// stopped; `None`: no reports.
     pub report: Option<Duration>,
+    /// The profile tells a load's phases: `STATUS=` shows the phase and
+    /// the estimate.
+    pub phases: bool,
+    /// `ledger.slow-factor` and `ledger.deadline-factor`.
+    pub slow_factor: f64,
+    pub deadline_factor: f64,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
@@ -101,6 +107,9 @@ impl Policy {
             drain_timeout: s.drain.timeout,
             drain_on_stop: s.drain.on_stop,
             report: (s.reports.keep > 0).then(|| s.reports.timeout.saturating_add(REPORT_MARGIN)),
+            phases: !s.patterns.load.is_empty(),
+            slow_factor: s.ledger.slow_factor,
+            deadline_factor: s.ledger.deadline_factor,
         }
     }
 

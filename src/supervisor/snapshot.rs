@@ -32,6 +32,11 @@ pub struct Snapshot {
     pub exit_code: Option<crate::supervisor::exit::Code>,
     /// The last failed run, kept after a later ready.
     pub last_failure: Option<LastFailure>,
+    /// Where the load under way is.
+    pub load: Option<crate::supervisor::load::LoadNow>,
+    /// The last load that ended, and how many have.
+    pub last_load_record: Option<std::sync::Arc<crate::supervisor::load::LoadRecord>>,
+    pub loads_ended: u32,
 }
 
 /// The last failed run: why, and where its failure report is.

@@ -17,6 +17,9 @@ fn policy() -> Policy {
         prepare_timeout: Duration::from_secs(300),
         hints: crate::supervisor::hints::Hints::none(),
         report: None,
+        phases: false,
+        slow_factor: 1.5,
+        deadline_factor: 3.0,
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),

