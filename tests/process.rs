@@ -18,8 +18,11 @@ fn ready_after_the_line_and_http_then_a_clean_stop() {
     // Progress came first, with the start timeout extended (statuses held
     // with a put-off write are coalesced: which shard shows may vary).
     let pos = |pred: &dyn Fn(&str) -> bool| w.notes.iter().position(|n| pred(n)).unwrap();
+    // The phase and its place first: this setup has no earlier load.
     let shards = pos(&|n: &str| {
-        n.starts_with("STATUS=loading, pid ") && n.contains(": Loading safetensors checkpoint shards: ")
+        n.starts_with("STATUS=loading 2/8 weights · ")
+            && n.contains(" (no earlier load of this setup), pid ")
+            && n.contains(": Loading safetensors checkpoint shards: ")
     });
     let ready = pos(&|n: &str| n == "READY=1");
     assert!(shards < ready);

@@ -251,7 +251,14 @@ fn a_real_load_tells_its_phases_and_its_compile_cache() {
     let phases: Vec<LoadPhase> = r.phases.iter().map(|t| t.phase).collect();
     assert_eq!(
         phases,
-        [LoadPhase::Start, LoadPhase::Weights, LoadPhase::Compile, LoadPhase::KvCache, LoadPhase::Engine, LoadPhase::Api]
+        [
+            LoadPhase::Start,
+            LoadPhase::Weights,
+            LoadPhase::Compile,
+            LoadPhase::KvCache,
+            LoadPhase::Engine,
+            LoadPhase::Api
+        ]
     );
     assert!(r.phases.iter().all(|t| t.secs > 0.0), "{r:?}");
     assert_eq!(r.cache.as_ref().map(CacheOutcome::name), Some("load-failure"));

@@ -45,6 +45,14 @@ struct FakeArgs {
     /// Time per shard.
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     shard_time: Duration,
+    /// torch.compile's cache: a hit when this file exists (vLLM's
+    /// `Directly load AOT compilation from path`), else a compile that
+    /// saves it (`saved AOT compiled function to`); none: no compile lines.
+    #[arg(long)]
+    compile_cache: Option<PathBuf>,
+    /// How long the compile takes on a miss (a hit takes a tenth).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    compile_time: Duration,
     /// What goes wrong.
     #[arg(long, value_enum)]
     fail: Option<Failure>,
@@ -392,6 +400,15 @@ fn simulate(args: FakeArgs) -> i32 {
             _ => {}
         }
     }
+    if let Some(aot) = &args.compile_cache {
+        compile(&out, aot, args.compile_time);
+    }
+    out.log(
+        "EngineCore",
+        "INFO",
+        "kv_cache_utils.py:2327",
+        "CPU KV cache size: 2,097,152 tokens, Maximum concurrency for 256 tokens per request: 8192.00x",
+    );
     out.log("EngineCore", "INFO", "core.py:402", "init engine (profile, create kv cache, warmup model) took 1.06 s");
     out.log("APIServer", "INFO", "entry.py:140", &format!("Starting vLLM server on http://0.0.0.0:{}", args.port));
     // The first answered /health: after-ready failures wait for it, so that
@@ -522,6 +539,25 @@ fn kv_cache_failure(out: &Out, bits: u64) -> i32 {
 }
 
 /// Read the model's config.json as vLLM does; Some(exit code) on failure.
+/// vLLM's compile, as on a GPU with its AOT cache: loaded when the
+/// artefact is there, else compiled and saved.
+fn compile(out: &Out, aot: &std::path::Path, took: Duration) {
+    if aot.exists() {
+        std::thread::sleep(took / 10);
+        let line = format!("[backbone] Directly load AOT compilation from path {}", aot.display());
+        out.log("Worker", "INFO", "decorators.py:320", &line);
+    } else {
+        out.log("Worker", "INFO", "backends.py:1167", "[backbone] Dynamo bytecode transform time: 0.52 s");
+        std::thread::sleep(took);
+        if let Some(dir) = aot.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let _ = std::fs::write(aot, b"aot");
+        let line = format!("[backbone] saved AOT compiled function to {}", aot.display());
+        out.log("Worker", "INFO", "decorators.py:743", &line);
+    }
+}
+
 fn check_model(out: &Out, dir: &std::path::Path) -> Option<i32> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).unwrap_or_default();

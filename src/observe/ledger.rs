@@ -65,7 +65,8 @@ impl Facts {
         let patched: BTreeMap<String, String> = files
             .iter()
             .map(|f| {
-                let sum = read_bounded(f, 64 << 20).map(|b| hex(&Sha256::digest(&b))).unwrap_or_else(|e| format!("({e})"));
+                let sum =
+                    read_bounded(f, 64 << 20).map(|b| hex(&Sha256::digest(&b))).unwrap_or_else(|e| format!("({e})"));
                 (f.display().to_string(), sum)
             })
             .collect();
@@ -245,9 +246,10 @@ impl Ledger {
     /// What the ledger knows of a start with `facts`.
     pub fn start(&self, facts: &Facts) -> LoadStart {
         let cold = facts.weights.as_ref().map(|(_, id)| {
-            !self.records.iter().any(|r| {
-                r.weights_id.as_deref() == Some(id.as_str()) && r.boot.is_some() && r.boot == facts.boot
-            })
+            !self
+                .records
+                .iter()
+                .any(|r| r.weights_id.as_deref() == Some(id.as_str()) && r.boot.is_some() && r.boot == facts.boot)
         });
         LoadStart {
             fingerprint: facts.fingerprint.clone(),
@@ -298,9 +300,15 @@ pub enum Write_ {
     Nothing,
     /// One line at the end, in one write (after a newline if the file's
     /// last line is torn).
-    Append { path: PathBuf, line: String },
+    Append {
+        path: PathBuf,
+        line: String,
+    },
     /// The whole file anew, renamed over the old.
-    Rewrite { path: PathBuf, text: String },
+    Rewrite {
+        path: PathBuf,
+        text: String,
+    },
 }
 
 /// Carry out `w`; blocking.

@@ -229,10 +229,9 @@ impl Reporter {
         if self.last.as_ref() == Some(snap) && !self.moved {
             return;
         }
-        let progress_only = self
-            .last
-            .as_ref()
-            .is_some_and(|last| *last == Snapshot { progress: last.progress.clone(), load: last.load.clone(), ..snap.clone() });
+        let progress_only = self.last.as_ref().is_some_and(|last| {
+            *last == Snapshot { progress: last.progress.clone(), load: last.load.clone(), ..snap.clone() }
+        });
         let now = SystemTime::now();
         if self.phase != Some(snap.phase) {
             // Before a load and after it: what the load added.

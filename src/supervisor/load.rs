@@ -18,7 +18,10 @@ pub enum LoadMark {
     Ends(LoadPhase),
     Cache(CacheOutcome),
     /// vLLM's own seconds for reading the weights, and the GiB where given.
-    WeightsTook { took: Duration, bytes: Option<u64> },
+    WeightsTook {
+        took: Duration,
+        bytes: Option<u64>,
+    },
 }
 
 /// What the compile cache did for a load.
@@ -91,9 +94,14 @@ impl CacheOutcome {
 pub enum LoadOutcome {
     Ready,
     /// The run failed before ready: the class and cause of the failure.
-    Failed { class: String, cause: String },
+    Failed {
+        class: String,
+        cause: String,
+    },
     /// Stopped before ready (a stop, a reload, a restart).
-    Stopped { why: String },
+    Stopped {
+        why: String,
+    },
 }
 
 impl LoadOutcome {
@@ -238,11 +246,8 @@ impl History {
                 }
             })
             .collect();
-        let best_cache = good
-            .iter()
-            .filter_map(|r| r.cache.clone())
-            .filter(|c| c.rank().is_some())
-            .max_by_key(|c| c.rank());
+        let best_cache =
+            good.iter().filter_map(|r| r.cache.clone()).filter(|c| c.rank().is_some()).max_by_key(|c| c.rank());
         Some(History {
             loads: good.len(),
             median: median(recent.iter().map(|r| secs(r.total_secs)).collect()),
@@ -351,10 +356,10 @@ impl LoadTrack {
     pub fn now(&self, now: Instant) -> LoadNow {
         let phase = self.current();
         let expected = self.expected();
-        let index = expected.iter().position(|p| *p == phase).map_or_else(
-            || expected.iter().filter(|p| **p < phase).count() + 1,
-            |i| i + 1,
-        );
+        let index = expected
+            .iter()
+            .position(|p| *p == phase)
+            .map_or_else(|| expected.iter().filter(|p| **p < phase).count() + 1, |i| i + 1);
         LoadNow {
             phase,
             index,
@@ -391,9 +396,11 @@ impl LoadTrack {
         let total = now - self.spawned;
         let weights_secs = self.weights.map(|w| w.0.as_secs_f64());
         let weights_phase = phases.iter().find(|t| t.phase == LoadPhase::Weights).map(|t| t.secs);
-        let gbps = self.start.weights_bytes.zip(weights_secs.filter(|s| *s > 0.0).or(weights_phase)).and_then(
-            |(bytes, s)| (s > 0.0).then(|| bytes as f64 / 1e9 / s),
-        );
+        let gbps = self
+            .start
+            .weights_bytes
+            .zip(weights_secs.filter(|s| *s > 0.0).or(weights_phase))
+            .and_then(|(bytes, s)| (s > 0.0).then(|| bytes as f64 / 1e9 / s));
         let mut record = LoadRecord {
             id: 0,
             at: String::new(),

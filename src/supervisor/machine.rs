@@ -47,8 +47,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::supervisor::classify::{Class, Line};
-use crate::supervisor::load::{LoadOutcome, LoadPhase, LoadRecord, LoadStart, LoadTrack};
 use crate::supervisor::exit::Code;
+use crate::supervisor::load::{LoadOutcome, LoadPhase, LoadRecord, LoadStart, LoadTrack};
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
 
@@ -407,8 +407,6 @@ impl Machine {
             _ => None,
         }
     }
-
-
 
     fn transition(&mut self, state: State, event: Event, now: Instant) -> (State, Vec<Effect>) {
         use Event as E;

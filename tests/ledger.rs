@@ -1,0 +1,107 @@
+//! The load ledger with the real binary and the simulated vLLM: every load
+//! recorded with its phases and compile cache, the estimate in `STATUS=`
+//! from the second load of a setup on, an alarm when the cache is lost,
+//! `vllm-warden loads`, and `/startupz`.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n";
+
+fn kill_child(ready: &str) {
+    let pid: i32 = ready["STATUS=ready: pid ".len()..].split(',').next().unwrap().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+}
+
+fn loads(w: &Warden, args: &[&str]) -> String {
+    let out = std::process::Command::new(exe())
+        .arg("loads")
+        .arg("-c")
+        .arg(w.path("t.toml"))
+        .args(args)
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn loads_are_recorded_estimated_and_a_lost_compile_cache_is_an_alarm() {
+    let listen = free_port();
+    let mut w = Warden::start(|d, p| {
+        let aot = d.join("cache/aot");
+        let args = ["--shards", "2", "--compile-cache", aot.to_str().unwrap(), "--compile-time", "200ms"];
+        config(d, p, &args, "", &format!("{FAST}[server]\nlisten = \"127.0.0.1:{listen}\"\n"))
+    });
+    // 1: a miss, and no estimate yet.
+    w.wait_ready();
+    let startupz = http::get(&format!("http://127.0.0.1:{listen}/startupz"), Duration::from_secs(10)).unwrap();
+    assert_eq!((startupz.status, startupz.body.as_str()), (200, "ready\n"));
+    let ready = w.wait_note("ready", |n| n.starts_with("STATUS=ready: pid "));
+    assert!(w.notes.iter().any(|n| n.contains("(no earlier load of this setup), pid ")), "{:?}", w.notes);
+    // 2: the same setup, from its cache: the estimate comes from load 1.
+    w.drain_notes();
+    kill_child(&ready);
+    w.wait_note("an estimate", |n| n.starts_with("STATUS=loading ") && n.contains(" of ~") && n.contains(" (last "));
+    w.wait_ready();
+    let ready = w.wait_note("ready", |n| n.starts_with("STATUS=ready: pid "));
+    // 3: the cache is gone.
+    std::fs::remove_file(w.path("cache/aot")).unwrap();
+    kill_child(&ready);
+    w.wait_ready();
+    w.wait_for_file("status.json", |w| {
+        std::fs::read_to_string(w.path("status.json")).is_ok_and(|t| t.contains("\"alarms\""))
+    });
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap();
+    let alarms = &doc["last_load"]["alarms"];
+    assert_eq!(alarms[0], "compile cache: miss where earlier loads of this setup had hit (2 load(s))", "{doc}");
+    assert_eq!(doc["last_load"]["cache"], "miss");
+    let phases: Vec<&str> =
+        doc["last_load"]["phases"].as_array().unwrap().iter().map(|p| p[0].as_str().unwrap()).collect();
+    assert_eq!(phases, ["start", "weights", "compile", "kv-cache", "engine", "api", "http"], "{doc}");
+    assert_eq!(w.stop(), 0);
+    let stderr = w.stderr();
+    assert!(stderr.contains("compile cache: miss where earlier loads of this setup had hit"), "{stderr}");
+    let prom = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
+    assert!(prom.contains("vllm_warden_load_alarms_total{name=\"t\",kind=\"cache\"} 1"), "{prom}");
+    assert!(prom.contains("vllm_warden_load_cache_outcomes_total{name=\"t\",outcome=\"hit\"} 1"), "{prom}");
+
+    // The ledger: three ready loads (the killed runs failed after ready,
+    // their loads had ended at ready), the same setup.
+    let table = loads(&w, &["list"]);
+    let rows: Vec<&str> = table.lines().skip(1).collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    for (row, cache) in rows.iter().zip(["miss", "hit", "miss"]) {
+        assert!(row.contains(" ready ") && row.contains(cache), "{table}");
+    }
+    let compare = loads(&w, &["compare", "2", "3"]);
+    assert!(compare.contains("compile cache  hit") && compare.contains("miss"), "{compare}");
+    assert!(compare.contains("same setup ("), "{compare}");
+    assert!(compare.contains("B: alarm: compile cache: miss"), "{compare}");
+    let show = loads(&w, &["show"]);
+    assert!(show.starts_with("load 3 at "), "{show}");
+    assert!(show.lines().any(|l| l.starts_with("compile      █")), "{show}");
+}
+
+#[test]
+fn startupz_answers_503_with_the_phase_until_the_model_has_loaded() {
+    let listen = free_port();
+    let mut w = Warden::start(|d, p| {
+        // Stuck half way through its weights, for ever.
+        let extra = format!("{FAST}[server]\nlisten = \"127.0.0.1:{listen}\"\n");
+        config(d, p, &["--shards", "4", "--fail", "stall"], "", &extra)
+    });
+    w.wait_note("the weights", |n| n.contains("Loading safetensors checkpoint shards: 2/4"));
+    let url = format!("http://127.0.0.1:{listen}/startupz");
+    let answer = http::get(&url, Duration::from_secs(10)).unwrap();
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    let body = answer.json();
+    assert_eq!(body["state"], "starting", "{body}");
+    assert_eq!(body["load"]["phase"], "weights", "{body}");
+    assert_eq!(body["load"]["index"], 2, "{body}");
+    assert_eq!(w.stop(), 0);
+}
