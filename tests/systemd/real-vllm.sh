@@ -37,11 +37,13 @@ complete() {
 # Every StatusText while the unit starts, one a line, until it is active:
 # what `systemctl status` showed during the load.
 watch_status() {
-    local last="" now
+    # With "restart": the unit is active already; wait for a load first.
+    local last="" now waiting=${1:-}
     while :; do
         now=$(systemctl show -p StatusText --value vllm-warden@tiny)
         [ "$now" != "$last" ] && echo "$now" && last=$now
-        [ "$(systemctl is-active vllm-warden@tiny)" = active ] && return 0
+        case $now in loading*) waiting= ;; esac
+        [ -z "$waiting" ] && [ "$(systemctl is-active vllm-warden@tiny)" = active ] && return 0
         sleep 0.2
     done
 }
@@ -77,6 +79,8 @@ check "a completion" complete
 check "systemctl status showed the load's phase while it loaded" \
     grep -q -E 'Starting to load model|Loading|Initializing a V1 LLM engine|init engine|Starting vLLM server' /var/tmp/status-during-load.txt
 sed 's/^/#   status: /' /var/tmp/status-during-load.txt | head -n 20
+check "STATUS= gave the phase and its place, with no earlier load to estimate from" \
+    grep -q -E 'loading [0-9]/[0-9] [a-z-]+ · .*\(no earlier load of this setup\)' /var/tmp/status-during-load.txt
 check "systemctl status shows ready" bash -c "systemctl status --no-pager vllm-warden@tiny | grep -q 'Status: \"ready: pid '"
 check "journalctl -u carries vLLM's lines" \
     bash -c "journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --no-pager -o cat | grep -q 'Application startup complete'"
@@ -125,9 +129,26 @@ check "the new child has the new argument" bash -c "tr '\0' ' ' </proc/$(child_p
 kernels() { find "$cache" -name '*.so' | wc -l; }
 before=$(kernels)
 since=$(date '+%Y-%m-%d %H:%M:%S')
+ledger=/var/lib/vllm-warden/tiny/loads.jsonl
+loads_before=$(wc -l <"$ledger")
+first_load=$(head -n 1 "$ledger" | sha256sum)
+watch_status restart >/var/tmp/status-during-restart.txt &
+watcher=$!
 t=$SECONDS
 check "systemctl restart returns once the model serves" timeout $budget systemctl restart vllm-warden@tiny
+kill "$watcher" 2>/dev/null
+wait "$watcher" 2>/dev/null
 echo "# after systemctl restart: ready in $((SECONDS - t)) s; the warden: $(loaded_in)"
+check "the load ledger survived the service restart, one load more ($loads_before before)" \
+    bash -c "test \"\$(wc -l <$ledger)\" -eq $((loads_before + 1)) && test \"\$(head -n 1 $ledger | sha256sum)\" = '$first_load'"
+check "the ledger is the service user's, not readable by others" \
+    test "$(stat -c '%U %a' "$ledger")" = "vllm 640"
+check "STATUS= gave an estimate from the earlier loads while it loaded" \
+    grep -q -E 'loading [0-9]/[0-9] [a-z-]+ · .* of ~.* \(last ' /var/tmp/status-during-restart.txt
+grep -E ' of ~' /var/tmp/status-during-restart.txt | tail -n 3 | sed 's/^/#   status: /'
+vllm-warden loads -c /etc/vllm-warden/tiny.toml | sed 's/^/#   loads: /'
+check "vllm-warden loads lists every load of the ledger" \
+    bash -c "test \"\$(vllm-warden loads -c /etc/vllm-warden/tiny.toml | tail -n +2 | wc -l)\" -eq \"\$(wc -l <$ledger)\""
 check "a completion after the service restart" complete
 journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --since "$since" --no-pager -o cat \
     | grep -E 'Directly load|Compiling model again|saved AOT|Compiling a graph|torch.compile takes|Using cache directory' \
