@@ -99,7 +99,9 @@ pub fn show(r: &LoadRecord) -> String {
             Some(false) => ", page cache warm",
             None => "",
         };
-        let _ = writeln!(out, "weights: {:.2} GB{rate}{cold}", b as f64 / 1e9);
+        let size =
+            if b >= 1_000_000_000 { format!("{:.2} GB", b as f64 / 1e9) } else { format!("{:.1} MB", b as f64 / 1e6) };
+        let _ = writeln!(out, "weights: {size}{rate}{cold}");
     }
     for a in &r.alarms {
         let _ = writeln!(out, "alarm: {}", safe(a));

@@ -902,6 +902,72 @@ mod tests {
         assert!(text.contains("\\x1b[2J\\nfake line"), "{text}");
     }
 
+    /// The load under way and the last load, in the document and in
+    /// `status`; the cache's reason (from the child's log) made one line.
+    #[test]
+    fn the_document_and_status_show_the_load_and_the_last_load() {
+        use crate::supervisor::load::{CacheOutcome, LoadNow, LoadOutcome, LoadPhase, LoadRecord, PhaseTime};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("status.json");
+        let mut r = Reporter::new("kimi", &path, None);
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        s.load = Some(LoadNow {
+            phase: LoadPhase::Compile,
+            index: 3,
+            of: 7,
+            elapsed: Duration::from_secs(130),
+            expected: Some(Duration::from_secs(290)),
+            last: Some(Duration::from_secs(282)),
+            fingerprint: "abc".into(),
+        });
+        s.loads_ended = 1;
+        s.last_load_record = Some(Arc::new(LoadRecord {
+            id: 4,
+            at: String::new(),
+            start: 1,
+            outcome: LoadOutcome::Ready,
+            total_secs: 61.25,
+            phases: vec![PhaseTime { phase: LoadPhase::Start, secs: 20.5 }],
+            cache: Some(CacheOutcome::LoadFailure { reason: "bad\nREADY=1".into() }),
+            weights_bytes: None,
+            weights_secs: None,
+            gbps: Some(1.5),
+            cold: Some(true),
+            alarms: vec!["slow load: 1m01s against a median of 30s over 2 load(s) (2.0×)".into()],
+            fingerprint: "abc".into(),
+            setup: serde_json::Value::Null,
+            boot: None,
+            weights_id: None,
+        }));
+        r.update(&s);
+        let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let load = doc.load.as_ref().unwrap();
+        assert_eq!((load.phase.as_str(), load.index, load.of, load.expected_secs), ("compile", 3, 7, Some(290.0)));
+        assert_eq!(load.text, "loading 3/7 compile · 2m10s of ~4m50s (last 4m42s)");
+        let last = doc.last_load.as_ref().unwrap();
+        assert_eq!(last.phases, [("start".to_string(), 20.5)]);
+        let text = summary(&StatusVerdict::NotReady(doc.clone()));
+        assert!(text.contains("\nload: loading 3/7 compile · 2m10s of ~4m50s (last 4m42s)"), "{text}");
+        assert!(text.contains("\nlast load: ready after 61.2s (start 20.5s); compile cache: load-failure (bad\\nREADY=1); weights 1.50 GB/s"), "{text}");
+        assert!(text.contains("\nload alarm: slow load: 1m01s"), "{text}");
+        // The metrics count the load once.
+        let m = Metrics::new("kimi", SystemTime::UNIX_EPOCH);
+        m.set(&s, 0);
+        m.set(&s, 0);
+        let text = m.encode();
+        assert!(text.contains("vllm_warden_load_alarms_total{name=\"kimi\",kind=\"slow-load\"} 1"), "{text}");
+        assert!(
+            text.contains("vllm_warden_load_cache_outcomes_total{name=\"kimi\",outcome=\"load-failure\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("vllm_warden_last_load_weights_gigabytes_per_second{name=\"kimi\"} 1.5"), "{text}");
+        assert!(
+            text.contains("vllm_warden_load_phase_duration_seconds_count{name=\"kimi\",phase=\"start\"} 1"),
+            "{text}"
+        );
+    }
+
     /// A reload that moves the files: the next update writes them at the
     /// new place, even when nothing else changed.
     #[test]

@@ -872,3 +872,149 @@ fn an_upgrade_hands_a_held_drain_over_and_waits_for_one_under_way() {
     assert_eq!(s.state(), "draining");
     assert!(s.m.drain_under_way() && s.m.save(s.now).is_none(), "a restart's drain is waited for");
 }
+
+/// A load's record, its phases timed by the machine's clock, and an alarm
+/// from the setup's history.
+mod loads {
+    use super::*;
+    use crate::supervisor::load::{CacheOutcome, History, LoadOutcome, LoadPhase, LoadRecord, LoadStart, PhaseTime};
+
+    fn phased() -> Policy {
+        Policy { phases: true, ..policy() }
+    }
+
+    fn past(total: f64, compile: f64) -> LoadRecord {
+        LoadRecord {
+            id: 1,
+            at: String::new(),
+            start: 1,
+            outcome: LoadOutcome::Ready,
+            total_secs: total,
+            phases: vec![
+                PhaseTime { phase: LoadPhase::Start, secs: 10.0 },
+                PhaseTime { phase: LoadPhase::Weights, secs: 10.0 },
+                PhaseTime { phase: LoadPhase::Compile, secs: compile },
+                PhaseTime { phase: LoadPhase::Engine, secs: total - 20.0 - compile },
+            ],
+            cache: Some(CacheOutcome::Hit),
+            weights_bytes: None,
+            weights_secs: None,
+            gbps: None,
+            cold: None,
+            alarms: vec![],
+            fingerprint: "f".into(),
+            setup: serde_json::Value::Null,
+            boot: None,
+            weights_id: None,
+        }
+    }
+
+    fn ended(fx: &[Effect]) -> Option<LoadRecord> {
+        fx.iter().find_map(|e| if let Effect::LoadEnded(r) = e { Some((**r).clone()) } else { None })
+    }
+
+    fn start_with(s: &mut Sim, history: Option<History>) {
+        s.ev(Event::Begin);
+        s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+        let load = LoadStart { fingerprint: "f".into(), history, weights_bytes: None, cold: None };
+        s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
+        s.ev(Event::Spawned { start: 1, pid: 100 });
+    }
+
+    #[test]
+    fn a_ready_load_is_recorded_with_its_phases_and_a_lost_cache_is_an_alarm() {
+        let mut s = Sim::new(phased());
+        start_with(&mut s, History::of(&[past(100.0, 40.0), past(120.0, 60.0)], "f"));
+        assert_eq!(
+            statuses(&s.fx).last().unwrap(),
+            "loading 1/4 start · 0s of ~1m50s (last 2m00s), pid 100 (attempt 1/10)"
+        );
+        s.at(10.0).line("(Worker pid=1) INFO 11-29 18:09:34 [cpu_model_runner.py:68] Starting to load model /m...");
+        s.at(25.0)
+            .line("(Worker pid=1) INFO 11-29 18:09:34 [default_loader.py:501] Loading weights took 14.90 seconds");
+        let fx = s.at(30.0).line("Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00]");
+        assert_eq!(
+            statuses(&fx),
+            [
+                "loading 3/4 compile · 30s of ~1m50s (last 2m00s), pid 100: Loading safetensors checkpoint shards: 1/1 (100%)"
+            ]
+        );
+        s.at(200.0).line(
+            "(Worker pid=1) INFO 11-29 18:09:41 [decorators.py:743] [backbone] saved AOT compiled function to /c/model",
+        );
+        s.at(210.0).line("(EngineCore pid=1) INFO 11-29 18:09:44 [core.py:402] init engine (profile, create kv cache, warmup model) took 8.52 s");
+        s.at(212.0).line("INFO:     Application startup complete.");
+        let fx = s.at(212.5).ev(Event::HttpReady { start: 1 });
+        let r = ended(&fx).expect("the load's record");
+        assert_eq!(r.outcome, LoadOutcome::Ready);
+        let phases: Vec<(LoadPhase, f64)> = r.phases.iter().map(|t| (t.phase, t.secs)).collect();
+        assert_eq!(
+            phases,
+            [
+                (LoadPhase::Start, 10.0),
+                (LoadPhase::Weights, 15.0),
+                (LoadPhase::Compile, 175.0),
+                (LoadPhase::Engine, 10.0),
+                (LoadPhase::Api, 2.0),
+                (LoadPhase::Http, 0.5)
+            ]
+        );
+        assert_eq!(r.cache, Some(CacheOutcome::Miss));
+        let alarms: Vec<&Record> = fx
+            .iter()
+            .filter_map(|e| if let Effect::Log(r) = e { Some(r) } else { None })
+            .filter(|r| r.topic == Topic::LoadAlarm)
+            .collect();
+        let texts: Vec<&str> = alarms.iter().map(|a| a.message.as_str()).collect();
+        assert_eq!(texts.len(), 3, "{texts:?}");
+        assert!(texts[0].starts_with("compile cache: miss where earlier loads of this setup had hit"), "{texts:?}");
+        assert!(texts[1].starts_with("slow load: 3m32s against a median of 1m50s"), "{texts:?}");
+        assert!(texts[2].starts_with("slow phase compile: 2m55s against a median of 50s"), "{texts:?}");
+        assert!(alarms.iter().all(|a| a.severity == Severity::Warn));
+        assert_eq!(Topic::LoadAlarm.message_id(), Some(LOAD_ALARM_MESSAGE_ID));
+        assert_eq!(s.m.snapshot().loads_ended, 1);
+        assert!(s.m.snapshot().load.is_none(), "no load under way once ready");
+    }
+
+    #[test]
+    fn a_failed_or_stopped_load_is_recorded_too() {
+        let mut s = Sim::new(phased());
+        start_with(&mut s, None);
+        s.at(5.0).line("(Worker pid=1) INFO 11-29 18:09:34 [cpu_model_runner.py:68] Starting to load model /m...");
+        let fx = s.at(6.0).ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+        let r = ended(&fx).expect("the load's record");
+        assert_eq!(
+            r.outcome,
+            LoadOutcome::Failed { class: "exit".into(), cause: "exited before ready (exit code 1)".into() }
+        );
+        assert_eq!(r.total_secs, 6.0);
+
+        let mut s = Sim::new(phased());
+        start_with(&mut s, None);
+        let fx = s.at(3.0).ev(Event::StopRequested);
+        assert_eq!(ended(&fx).unwrap().outcome, LoadOutcome::Stopped { why: "stop".into() });
+    }
+
+    #[test]
+    fn history_lengthens_the_stall_window_of_a_long_phase_and_never_shortens_it() {
+        // ready.stall is 15 min; this setup's compile took up to 60 min.
+        let mut s = Sim::new(phased());
+        start_with(&mut s, History::of(&[past(4000.0, 3600.0)], "f"));
+        s.at(10.0).line("(Worker pid=1) INFO 11-29 18:09:34 [cpu_model_runner.py:68] Starting to load model /m...");
+        s.at(20.0).line("(Worker pid=1) INFO 11-29 18:09:34 [default_loader.py:501] Loading weights took 9.90 seconds");
+        // Compile under way: 3 × 60 min of silence allowed, not 15 min.
+        s.at(20.0 + 16.0 * 60.0);
+        assert!(ended(&s.tick()).is_none(), "not a stall at 16 min: the ledger's compile took 60");
+        let fx = s.at(20.0 + 3.0 * 3600.0).tick();
+        let r = ended(&fx).expect("a stall at 3 × 60 min");
+        let LoadOutcome::Failed { cause, .. } = r.outcome else { panic!("{r:?}") };
+        assert!(cause.starts_with("no progress for 3h (compile phase, from the ledger)"), "{cause}");
+
+        // Without history, ready.stall as configured.
+        let mut s = Sim::new(phased());
+        start_with(&mut s, None);
+        let fx = s.at(15.0 * 60.0).tick();
+        let LoadOutcome::Failed { cause, .. } = ended(&fx).unwrap().outcome else { panic!() };
+        assert!(cause.starts_with("no progress for 15m (ready.stall)"), "{cause}");
+    }
+}
