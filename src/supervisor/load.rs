@@ -213,17 +213,28 @@ fn median(mut xs: Vec<Duration>) -> Duration {
     match xs.len() {
         0 => Duration::ZERO,
         n if n % 2 == 1 => xs[n / 2],
-        n => (xs[n / 2 - 1] + xs[n / 2]) / 2,
+        n => xs[n / 2 - 1].saturating_add(xs[n / 2]) / 2,
     }
 }
 
+/// A record's seconds as a duration: the ledger is a file anyone with the
+/// service user's rights may have written, so a negative, absurd or
+/// missing figure is none, and none is longer than the longest deadline a
+/// config may set.
 fn secs(x: f64) -> Duration {
-    Duration::try_from_secs_f64(x).unwrap_or_default()
+    let longest = crate::config::limits::LONGEST;
+    if x.is_nan() || x <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::try_from_secs_f64(x).map_or(longest, |d| d.min(longest))
+    }
 }
 
-/// `d` × `f`, when that is a duration.
+/// `d` × `f`, when that is a duration, at most the longest deadline a
+/// config may set.
 fn times(d: Duration, f: f64) -> Option<Duration> {
-    Duration::try_from_secs_f64(d.as_secs_f64() * f).ok()
+    let x = d.as_secs_f64() * f;
+    (!x.is_nan() && x >= 0.0).then(|| secs(x))
 }
 
 impl History {
@@ -385,7 +396,7 @@ impl LoadTrack {
     /// How long the whole load may take: `timeout`, or `factor` × the
     /// setup's longest recorded load when that is longer.
     pub fn timeout(&self, timeout: Duration, factor: f64) -> Duration {
-        let longest = self.history().map(|h| h.phases.iter().map(|p| p.longest).sum::<Duration>());
+        let longest = self.history().map(|h| h.phases.iter().fold(Duration::ZERO, |a, p| a.saturating_add(p.longest)));
         longest.and_then(|d| times(d, factor)).map_or(timeout, |d| d.max(timeout))
     }
 
@@ -636,6 +647,21 @@ mod tests {
         assert_eq!(now.text(), "loading 2/2 compile · 2m10s of ~4m46s (last 4m42s)");
         let fresh = LoadTrack::new(start(None), t0);
         assert_eq!(fresh.now(at(t0, 12)).text(), "loading 1/8 start · 12s (no earlier load of this setup)");
+    }
+
+    /// The ledger is data: absurd figures in it never overflow a deadline.
+    #[test]
+    fn absurd_figures_in_the_ledger_are_bounded() {
+        let t0 = Instant::now();
+        let mut r = record("f1", 1e300, 9e18, CacheOutcome::Hit);
+        r.phases.push(PhaseTime { phase: LoadPhase::Engine, secs: -5.0 });
+        r.phases.push(PhaseTime { phase: LoadPhase::Api, secs: f64::MAX });
+        let l = LoadTrack::new(start(History::of(&[r.clone(), r], "f1")), t0);
+        let longest = crate::config::limits::LONGEST;
+        assert_eq!(l.stall(Duration::from_secs(1), 100.0), longest);
+        assert_eq!(l.timeout(Duration::from_secs(1), 100.0), longest);
+        let _ = t0 + l.timeout(Duration::from_secs(1), 100.0);
+        assert!(l.now(t0).text().contains(" of ~"));
     }
 
     #[test]
