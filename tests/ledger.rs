@@ -62,7 +62,7 @@ fn loads_are_recorded_estimated_and_a_lost_compile_cache_is_an_alarm() {
     assert_eq!(doc["last_load"]["cache"], "miss");
     let phases: Vec<&str> =
         doc["last_load"]["phases"].as_array().unwrap().iter().map(|p| p[0].as_str().unwrap()).collect();
-    assert_eq!(phases, ["start", "weights", "compile", "kv-cache", "engine", "api", "http"], "{doc}");
+    assert_eq!(phases, ["start", "weights", "compile", "kv-cache", "engine", "api", "http", "golden"], "{doc}");
     assert_eq!(w.stop(), 0);
     let stderr = w.stderr();
     assert!(stderr.contains("compile cache: miss where earlier loads of this setup had hit"), "{stderr}");
@@ -103,5 +103,6 @@ fn startupz_answers_503_with_the_phase_until_the_model_has_loaded() {
     assert_eq!(body["state"], "starting", "{body}");
     assert_eq!(body["load"]["phase"], "weights", "{body}");
     assert_eq!(body["load"]["index"], 2, "{body}");
+    assert_eq!(body["load"]["of"], 9, "{body}");
     assert_eq!(w.stop(), 0);
 }

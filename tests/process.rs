@@ -20,7 +20,7 @@ fn ready_after_the_line_and_http_then_a_clean_stop() {
     let pos = |pred: &dyn Fn(&str) -> bool| w.notes.iter().position(|n| pred(n)).unwrap();
     // The phase and its place first: this setup has no earlier load.
     let shards = pos(&|n: &str| {
-        n.starts_with("STATUS=loading 2/8 weights · ")
+        n.starts_with("STATUS=loading 2/9 weights · ")
             && n.contains(" (no earlier load of this setup), pid ")
             && n.contains(": Loading safetensors checkpoint shards: ")
     });

@@ -45,6 +45,9 @@ fn replay(name: &str, exit: Exit, stop_at: Option<&str>) -> Machine {
         if line.class == Class::Ready {
             m.step(Event::Line { start: 1, line }, now);
             m.step(Event::HttpReady { start: 1 }, now);
+            // The golden check (on by default) passes.
+            let verdict = vllm_warden::supervisor::golden::Verdict::Same { prompts: 1, ms: 5 };
+            m.step(Event::GoldenChecked { start: 1, verdict }, now);
             continue;
         }
         m.step(Event::Line { start: 1, line }, now);

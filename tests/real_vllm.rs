@@ -1084,7 +1084,7 @@ fn s9_the_load_ledger_times_each_phase_estimates_and_alarms_on_a_lost_cache() {
     assert_eq!(ready_loads.iter().map(|r| r.cold).collect::<Vec<_>>(), [Some(true), Some(false), Some(false)]);
     for r in &ready_loads {
         let phases: Vec<_> = r.phases.iter().map(|t| t.phase.name()).collect();
-        assert_eq!(phases, ["start", "weights", "compile", "kv-cache", "engine", "api", "http"], "{r:?}");
+        assert_eq!(phases, ["start", "weights", "compile", "kv-cache", "engine", "api", "http", "golden"], "{r:?}");
     }
     let stderr = w.stderr();
     assert!(stderr.contains("load-alarm") || stderr.contains("compile cache: miss where"), "no alarm logged");

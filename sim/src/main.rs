@@ -87,6 +87,11 @@ struct FakeArgs {
     /// `/v1/completions` never answers (a wedged engine).
     #[arg(long)]
     hang_completions: bool,
+    /// The model's "weights" for its answers: the completions (tokens and
+    /// logprobs, as vLLM gives them) are a hash of this file's content and
+    /// the prompt, so that a change of the file (a patch) changes them.
+    #[arg(long)]
+    answers_from: Option<PathBuf>,
     /// On SIGUSR2 the engine wedges: requests in flight stay running, no
     /// token moves, `/health` still answers 200.
     #[arg(long)]
@@ -425,6 +430,7 @@ fn simulate(args: FakeArgs) -> i32 {
         let behaviour = Serve {
             unhealthy_at: args.unhealthy_after.map(|d| std::time::Instant::now() + d),
             hang_completions: args.hang_completions,
+            answers_from: args.answers_from.clone(),
             no_metrics: args.no_metrics,
             health_file: args.health_file.clone(),
         };
@@ -579,6 +585,7 @@ fn check_model(out: &Out, dir: &std::path::Path) -> Option<i32> {
 struct Serve {
     unhealthy_at: Option<std::time::Instant>,
     hang_completions: bool,
+    answers_from: Option<PathBuf>,
     /// Serve no `/metrics` (as a server without the endpoint).
     no_metrics: bool,
     /// Where each answered `/health` is noted.
@@ -636,6 +643,33 @@ impl Engine {
     }
 }
 
+/// A completion as vLLM answers one: greedy and so the same for the same
+/// prompt and weights; with `logprobs`, each token (as `token_id:N` when
+/// asked) and its logprob.
+fn completion(asked: &serde_json::Value, max_tokens: u64, weights: &[u8]) -> String {
+    use std::hash::{Hash, Hasher};
+    let prompt = asked["prompt"].as_str().unwrap_or_default();
+    let mut ids = Vec::new();
+    for i in 0..max_tokens.min(4096) {
+        // A fixed hash (SipHash with zero keys): the same in every process.
+        #[allow(deprecated)]
+        let mut h = std::hash::SipHasher::new();
+        (weights, prompt, i).hash(&mut h);
+        ids.push(h.finish() % 32000);
+    }
+    let text: String = ids.iter().map(|n| format!(" w{n}")).collect();
+    let mut choice = serde_json::json!({"index": 0, "text": text, "finish_reason": "length"});
+    if asked["logprobs"].as_u64().is_some() {
+        let as_ids = asked["return_tokens_as_token_ids"].as_bool().unwrap_or(false);
+        let tokens: Vec<String> =
+            ids.iter().map(|n| if as_ids { format!("token_id:{n}") } else { format!(" w{n}") }).collect();
+        let logprobs: Vec<f64> = ids.iter().map(|n| -((n % 1000) as f64) / 500.0).collect();
+        choice["logprobs"] = serde_json::json!({"tokens": tokens, "token_logprobs": logprobs});
+    }
+    serde_json::json!({"id": "cmpl-1", "object": "text_completion", "model": "tiny-llama", "choices": [choice]})
+        .to_string()
+}
+
 fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Serve, engine: Arc<Engine>) {
     for mut req in server.incoming_requests() {
         let is_health = req.url() == "/health";
@@ -655,17 +689,15 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
             "/v1/completions" => {
                 let mut body = String::new();
                 let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
-                let max_tokens = serde_json::from_str::<serde_json::Value>(&body)
-                    .ok()
-                    .and_then(|v| v["max_tokens"].as_u64())
-                    .unwrap_or(1)
-                    .min(100_000);
+                let asked = serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default();
+                let max_tokens = asked["max_tokens"].as_u64().unwrap_or(1).min(100_000);
                 let engine = engine.clone();
+                let weights = how.answers_from.as_ref().and_then(|f| std::fs::read(f).ok()).unwrap_or_default();
                 // Answered from its own thread once generated, so that
                 // requests run side by side, as in a real engine.
                 std::thread::spawn(move || {
                     engine.complete(max_tokens);
-                    let text = r#"{"id":"cmpl-1","object":"text_completion","model":"tiny-llama","choices":[{"index":0,"text":" a","finish_reason":"length"}]}"#;
+                    let text = completion(&asked, max_tokens, &weights);
                     let _ = req.respond(tiny_http::Response::from_string(text));
                 });
                 continue;

@@ -113,6 +113,25 @@ pub enum LoadsCmd {
     Compare { a: u64, b: u64 },
 }
 
+#[derive(Debug, clap::Args)]
+pub struct GoldenArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    #[command(subcommand)]
+    pub what: Option<GoldenCmd>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GoldenCmd {
+    /// The last check and the reference answers of every setup (the default).
+    Show,
+    /// The last answers beside the reference they were compared with, token by token.
+    Diff,
+    /// The last answers become the reference of their setup: the next
+    /// start compares against them.
+    Accept,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Run the daemon in the foreground (systemd's ExecStart=, or a
@@ -141,6 +160,9 @@ pub enum Cmd {
     /// The load ledger: every load's phases, compile cache and speed;
     /// one load's phases; two loads compared.
     Loads(LoadsArgs),
+    /// The golden answers: the reference of each setup and the last
+    /// check; their difference; accept the last answers.
+    Golden(GoldenArgs),
     /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
     Demo,
     /// Write the man pages and shell completions into a folder (packaging).

@@ -144,7 +144,7 @@ pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
         let _ = writeln!(out, "same setup ({})", safe(&a.fingerprint));
     } else {
         let _ = writeln!(out, "setups differ: {} → {}", safe(&a.fingerprint), safe(&b.fingerprint));
-        for line in setup_diff(&a.setup, &b.setup) {
+        for line in crate::observe::ledger::setup_changes(&a.setup, &b.setup) {
             let _ = writeln!(out, "  {line}");
         }
     }
@@ -157,40 +157,6 @@ pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
         for al in &r.alarms {
             let _ = writeln!(out, "{name}: alarm: {}", safe(al));
         }
-    }
-    out
-}
-
-/// What differs between two setups, key by key.
-fn setup_diff(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
-    use serde_json::Value;
-    let mut out = Vec::new();
-    let str_of = |v: Option<&Value>| match v {
-        None | Some(Value::Null) => "(none)".to_string(),
-        Some(Value::String(s)) => safe(s),
-        Some(v) => safe(&v.to_string()),
-    };
-    for key in ["vllm", "command"] {
-        let (x, y) = (a.get(key), b.get(key));
-        if x != y {
-            out.push(format!("{key}: {} → {}", str_of(x), str_of(y)));
-        }
-    }
-    for key in ["env", "patched"] {
-        let empty = serde_json::Map::new();
-        let x = a.get(key).and_then(Value::as_object).unwrap_or(&empty);
-        let y = b.get(key).and_then(Value::as_object).unwrap_or(&empty);
-        let mut names: Vec<&String> = x.keys().chain(y.keys()).collect();
-        names.sort();
-        names.dedup();
-        for n in names {
-            if x.get(n) != y.get(n) {
-                out.push(format!("{key} {}: {} → {}", safe(n), str_of(x.get(n)), str_of(y.get(n))));
-            }
-        }
-    }
-    if out.is_empty() {
-        out.push("(the records hold no more of the setups)".into());
     }
     out
 }

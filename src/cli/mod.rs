@@ -38,6 +38,7 @@ pub fn main() -> Code {
         Cmd::Restart(c) => control(&c.config, "/restart"),
         Cmd::Reports(a) => reports(&a),
         Cmd::Loads(a) => loads_cmd(&a),
+        Cmd::Golden(a) => golden_cmd(&a),
         Cmd::Demo => crate::cli::demo::main(),
         Cmd::Assets { dir } => match crate::cli::assets::write(&dir) {
             Ok(()) => Code::Ok,
@@ -308,6 +309,69 @@ fn loads_cmd(a: &args::LoadsArgs) -> Code {
                 Code::Ok
             }
             (Err(code), _) | (_, Err(code)) => code,
+        },
+    }
+}
+
+fn golden_cmd(a: &args::GoldenArgs) -> Code {
+    use crate::observe::golden;
+    use crate::util::escape::one_line;
+    use args::GoldenCmd;
+    let s = match load(&a.config.config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let fail = |e: String| {
+        eprintln!("vllm-warden: {e}");
+        Code::NoReport
+    };
+    match a.what.as_ref().unwrap_or(&GoldenCmd::Show) {
+        GoldenCmd::Show => {
+            let (refs, last) = match (golden::references(&s.state_dir), golden::last(&s.state_dir)) {
+                (Ok(r), Ok(l)) => (r, l),
+                (Err(e), _) | (_, Err(e)) => return fail(e),
+            };
+            match &last {
+                Some(l) => println!(
+                    "last check: {} at {}, setup {}: {}",
+                    one_line(&l.verdict, 40),
+                    one_line(&l.at, 40),
+                    one_line(&l.fingerprint, 40),
+                    one_line(&l.text, 400)
+                ),
+                None => println!("no golden check yet"),
+            }
+            for r in &refs {
+                println!("reference of setup {} (recorded {}):", one_line(&r.fingerprint, 40), one_line(&r.at, 40));
+                for a in &r.answers.answers {
+                    println!(
+                        "  {:?} → {:?} ({} tokens)",
+                        one_line(&a.prompt, 200),
+                        one_line(&a.text, 400),
+                        a.tokens.len()
+                    );
+                }
+            }
+            Code::Ok
+        }
+        GoldenCmd::Diff => match golden::diff(&s.state_dir) {
+            Some(text) => {
+                for line in text.lines() {
+                    println!("{}", one_line(line, 2000));
+                }
+                Code::Ok
+            }
+            None => fail("no golden answers to compare yet (a check with a reference before it)".into()),
+        },
+        GoldenCmd::Accept => match golden::accept(&s.state_dir) {
+            Ok(fp) => {
+                println!(
+                    "the last answers are the reference of setup {}: the next start compares against them",
+                    one_line(&fp, 40)
+                );
+                Code::Ok
+            }
+            Err(e) => fail(e),
         },
     }
 }

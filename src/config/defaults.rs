@@ -73,6 +73,14 @@ pub const LEDGER_KEEP: u32 = 500;
 pub const LEDGER_SLOW_FACTOR: f64 = 1.5;
 pub const LEDGER_DEADLINE_FACTOR: f64 = 3.0;
 
+/// `[golden]`: the built-in prompt, how many tokens each answer has, how
+/// far a logprob may move (vLLM's snapshot oracle's rule) and how long the
+/// whole check may take.
+pub const GOLDEN_PROMPT: &str = "The capital of France is";
+pub const GOLDEN_MAX_TOKENS: u32 = 8;
+pub const GOLDEN_TOLERANCE: f64 = 1e-3;
+pub const GOLDEN_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// `[reports]`: how many failure reports are kept, and their total size.
 pub const REPORTS_KEEP: u32 = 20;
 pub const REPORTS_MAX_SIZE: u64 = 200 << 20;

@@ -39,3 +39,6 @@ pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
 
 /// `ledger.slow-factor` and `ledger.deadline-factor`.
 pub const LEDGER_FACTOR: (f64, f64) = (1.0, 100.0);
+
+/// `golden.prompts`: at most this many (a file adds as many more).
+pub const GOLDEN_PROMPTS: usize = 32;

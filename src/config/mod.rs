@@ -34,7 +34,8 @@ use crate::patch::Patch;
 
 pub use self::problem::{Problem, Problems};
 pub use self::settings::{
-    Child, Cluster, Drain, Fatal, Health, Ledger, Prestart, Ready, Reports, Restart, Rotation, Server, Settings, Status,
+    Child, Cluster, Drain, Fatal, Golden, GoldenPolicy, Health, Ledger, Prestart, Ready, Reports, Restart, Rotation,
+    Server, Settings, Status,
 };
 
 /// Where the config is read from when `-c` is not given.
@@ -133,9 +134,10 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         hint_v,
         reports_v,
         ledger_v,
+        golden_v,
     ] = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger",
+        "reports", "ledger", "golden",
     ]
     .map(|k| top.take(k));
     drop(top);
@@ -156,6 +158,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let drain = drain(r.section(drain_v, "drain"), server.listen.is_some());
     let reports = reports(r.section(reports_v, "reports"));
     let ledger = ledger(r.section(ledger_v, "ledger"));
+    let golden = golden(r.section(golden_v, "golden"), profile == Profile::Vllm && ready.http.is_some());
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
@@ -174,6 +177,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         drain,
         reports,
         ledger,
+        golden,
         hints,
         state_dir,
         patterns,
@@ -651,6 +655,34 @@ fn ledger(mut k: Keys<'_, '_, '_>) -> Ledger {
     let slow_factor = k.number("slow-factor", defaults::LEDGER_SLOW_FACTOR, lo, hi);
     let deadline_factor = k.number("deadline-factor", defaults::LEDGER_DEADLINE_FACTOR, lo, hi);
     Ledger { keep, slow_factor, deadline_factor }
+}
+
+/// `[golden]`
+fn golden(mut k: Keys<'_, '_, '_>, served: bool) -> Golden {
+    let enabled = k.read("enabled", served, |r, v| r.boolean(v, "enabled"));
+    let prompts = k.read("prompts", vec![defaults::GOLDEN_PROMPT.to_string()], |r, v| {
+        let list = r.strings(v, "prompts")?;
+        if list.is_empty() || list.len() > limits::GOLDEN_PROMPTS || list.iter().any(String::is_empty) {
+            let n = limits::GOLDEN_PROMPTS;
+            r.problem(Some(v.span()), format!("`golden.prompts` must hold 1 to {n} prompts, none empty"));
+            return None;
+        }
+        Some(list)
+    });
+    let prompts_file = k.read("prompts-file", None, |r, v| r.string(v, "prompts-file").map(|s| Some(PathBuf::from(s))));
+    let max_tokens = k.count("max-tokens", defaults::GOLDEN_MAX_TOKENS, 1);
+    let tolerance = k.number("tolerance", defaults::GOLDEN_TOLERANCE, 0.0, 100.0);
+    let on_mismatch = k.read("on-mismatch", GoldenPolicy::Warn, |r, v| match r.string(v, "on-mismatch")?.as_str() {
+        "warn" => Some(GoldenPolicy::Warn),
+        "fail" => Some(GoldenPolicy::Fail),
+        other => {
+            r.problem(Some(v.span()), format!("`golden.on-mismatch` must be \"warn\" or \"fail\", not {other:?}"));
+            None
+        }
+    });
+    let accept_changes = k.read("accept-changes", false, |r, v| r.boolean(v, "accept-changes"));
+    let timeout = k.duration("timeout", defaults::GOLDEN_TIMEOUT, limits::START);
+    Golden { enabled, prompts, prompts_file, max_tokens, tolerance, on_mismatch, accept_changes, timeout }
 }
 
 /// `[reports]`

@@ -31,7 +31,8 @@ pub struct Patterns {
 /// The phases of a model's load, in their order: the process starts (and
 /// its engine and workers), the weights are read, the model is compiled,
 /// memory is profiled and the KV cache made, CUDA graphs are captured, the
-/// engine warms up, the API server comes up, and the HTTP check passes.
+/// engine warms up, the API server comes up, the HTTP check passes, and
+/// the golden answers are checked.
 /// A phase ends at its last line (see [`LoadSignal::Ends`]); a load on a
 /// CPU, or with `--enforce-eager`, skips some.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
@@ -45,10 +46,11 @@ pub enum LoadPhase {
     Engine,
     Api,
     Http,
+    Golden,
 }
 
 impl LoadPhase {
-    pub const ALL: [LoadPhase; 8] = [
+    pub const ALL: [LoadPhase; 9] = [
         LoadPhase::Start,
         LoadPhase::Weights,
         LoadPhase::Compile,
@@ -57,6 +59,7 @@ impl LoadPhase {
         LoadPhase::Engine,
         LoadPhase::Api,
         LoadPhase::Http,
+        LoadPhase::Golden,
     ];
 
     pub fn name(self) -> &'static str {
@@ -69,6 +72,7 @@ impl LoadPhase {
             LoadPhase::Engine => "engine",
             LoadPhase::Api => "api",
             LoadPhase::Http => "http",
+            LoadPhase::Golden => "golden",
         }
     }
 
@@ -83,6 +87,7 @@ impl LoadPhase {
             LoadPhase::Engine => "engine warm-up",
             LoadPhase::Api => "API server up",
             LoadPhase::Http => "HTTP check",
+            LoadPhase::Golden => "golden answers",
         }
     }
 }

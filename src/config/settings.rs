@@ -44,6 +44,7 @@ pub struct Settings {
     pub drain: Drain,
     pub reports: Reports,
     pub ledger: Ledger,
+    pub golden: Golden,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.
@@ -166,6 +167,34 @@ pub struct Ledger {
     /// A phase without progress for this factor × its longest recorded
     /// time is a stall (when that is longer than `ready.stall-timeout`).
     pub deadline_factor: f64,
+}
+
+/// `[golden]`: the answers checked at every ready.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Golden {
+    /// On by default for a vLLM server with an HTTP readiness check.
+    pub enabled: bool,
+    pub prompts: Vec<String>,
+    /// More prompts, one a line, read at each check.
+    pub prompts_file: Option<PathBuf>,
+    pub max_tokens: u32,
+    /// The largest difference of one token's logprob that is still the
+    /// same answer.
+    pub tolerance: f64,
+    pub on_mismatch: GoldenPolicy,
+    /// Changed answers after a changed setup become its reference.
+    pub accept_changes: bool,
+    /// What the whole check may take.
+    pub timeout: Duration,
+}
+
+/// What a mismatch does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GoldenPolicy {
+    /// `READY=1` with a warning.
+    Warn,
+    /// A failed run, class `wrong_answers`; no `READY=1`.
+    Fail,
 }
 
 /// `[reports]`: the failure report written for every failed run.

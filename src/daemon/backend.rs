@@ -147,6 +147,8 @@ struct Checks {
     last_check: crate::observe::health::LastCheck,
     /// A drain's watch of the requests in flight.
     load: Option<AbortHandle>,
+    /// The golden check of a start.
+    golden: Option<AbortHandle>,
     /// Seen in the log: the canary waits while real traffic flows.
     traffic: crate::observe::health::Traffic,
 }
@@ -213,7 +215,7 @@ impl RealBackend {
             launch: Launch { preparing: None, leftovers_done: Arc::default(), token, handover },
             log: LogWatch { classifier, follower: None, lines, taps, hold: Default::default() },
             kernel: KernelWatch::default(),
-            checks: Checks { probe: None, health: None, last_check, load: None, traffic },
+            checks: Checks { probe: None, health: None, last_check, load: None, golden: None, traffic },
             loads: Loads {
                 ledger: crate::observe::ledger::Ledger::open(&settings_state_dir, settings_keep),
                 writer: crate::observe::ledger::Writer::start()
@@ -302,9 +304,14 @@ impl RealBackend {
     }
 
     fn stop_checks(&mut self) {
-        for task in [self.checks.probe.take(), self.checks.health.take().map(|(_, t)| t), self.checks.load.take()]
-            .into_iter()
-            .flatten()
+        for task in [
+            self.checks.probe.take(),
+            self.checks.health.take().map(|(_, t)| t),
+            self.checks.load.take(),
+            self.checks.golden.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
             task.abort();
         }
@@ -506,6 +513,41 @@ impl Backend for RealBackend {
         plan
     }
 
+    fn golden(&mut self, start: u32) {
+        use crate::observe::golden;
+        let tx = self.inputs.clone();
+        let g = self.settings.golden.clone();
+        let base = crate::observe::health::Spec::from_settings(&self.settings).base;
+        let state = self.settings.state_dir.clone();
+        let subject = match &self.loads.running {
+            Some(f) => golden::Subject {
+                fingerprint: f.fingerprint.clone(),
+                setup: serde_json::to_value(&f.setup).unwrap_or_default(),
+            },
+            None => golden::Subject { fingerprint: "unknown".into(), setup: serde_json::Value::Null },
+        };
+        if let Some(t) = self.checks.golden.take() {
+            t.abort();
+        }
+        self.checks.golden = Some(self.tasks.spawn("golden check", Lifetime::Finite, async move {
+            let gp = g.clone();
+            let prompts = tokio::task::spawn_blocking(move || golden::prompts(&gp))
+                .await
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+            let asked = match prompts {
+                Ok(p) => golden::ask(&base, &p, g.max_tokens, g.timeout).await,
+                Err(e) => Err(e),
+            };
+            let verdict = tokio::task::spawn_blocking(move || match asked {
+                Ok(answers) => golden::judge(&state, &subject, answers, g.tolerance, g.accept_changes),
+                Err(e) => golden::failed(&state, &subject, &e, g.tolerance),
+            })
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+            let _ = tx.send(Input::Golden { start, verdict });
+        }));
+    }
+
     fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
         let start = self.reports.run.as_ref()?.start;
         let found = self.loads.found.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -689,6 +731,8 @@ impl Backend for RealBackend {
         };
         let path = job.state_dir.join(crate::observe::reports::FOLDER).join(&job.name);
         let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
+        let wrong =
+            (job.order.class == crate::supervisor::outcome::FailureClass::WrongAnswers).then(|| job.state_dir.clone());
         let (taken, gate) = watch::channel(false);
         let (done, ended) = oneshot::channel();
         let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
@@ -697,7 +741,19 @@ impl Backend for RealBackend {
             })
             .await
             {
-                Ok(p) => tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display()),
+                Ok(p) => {
+                    // The answers side by side, beside the rest.
+                    if let Some(state) = wrong {
+                        let to = p.clone();
+                        let _ = tokio::task::spawn_blocking(move || {
+                            if let Some(text) = crate::observe::golden::diff(&state) {
+                                let _ = std::fs::write(to.join(crate::observe::golden::REPORT_FILE), text);
+                            }
+                        })
+                        .await;
+                    }
+                    tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display())
+                }
                 Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
             }
             let _ = tx.send(Input::Reported { start });

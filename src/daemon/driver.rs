@@ -112,6 +112,11 @@ pub enum Input {
     HttpReady {
         start: u32,
     },
+    /// The golden check of `start` is over.
+    Golden {
+        start: u32,
+        verdict: crate::supervisor::golden::Verdict,
+    },
     /// The server of run `start` has no request running or waiting.
     Quiet {
         start: u32,
@@ -197,6 +202,9 @@ pub trait Backend {
     }
     /// A load ended: into the ledger, off the loop.
     fn load_ended(&mut self, _record: crate::supervisor::load::LoadRecord) {}
+    /// Ask the golden prompts of start `start`, off the loop:
+    /// `Input::Golden`. Asked only with `golden` in the policy.
+    fn golden(&mut self, _start: u32) {}
 }
 
 /// Told of every state change (the child's lines are seen by the
@@ -457,6 +465,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::Prepare { start } => self.backend.prepare(start),
                 Effect::CancelPrepare => self.backend.cancel_prepare(),
                 Effect::Probe { start } => self.backend.probe(start),
+                Effect::Golden { start } => self.backend.golden(start),
                 Effect::Health { start } => self.backend.health(start),
                 Effect::Terminate(sig) => self.backend.terminate(sig),
                 Effect::KillTree => self.backend.kill_tree(),
@@ -564,6 +573,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     fn input(&mut self, input: Input, events: &mut VecDeque<Event>, exiting: &mut Option<Exiting>) {
         match input {
             Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
+            Input::Golden { start, verdict } => events.push_back(Event::GoldenChecked { start, verdict }),
             Input::Quiet { start } => events.push_back(Event::Quiet { start }),
             Input::UpgradeChecked(Err(why)) => {
                 tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");

@@ -67,6 +67,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         drain,
         reports,
         ledger,
+        golden,
         state_dir,
         patterns,
         hints,
@@ -136,6 +137,15 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("ledger.keep", Warden, lg.0.keep.to_string(), lg.1.keep.to_string());
     cmp("ledger.slow-factor", Warden, lg.0.slow_factor.to_string(), lg.1.slow_factor.to_string());
     cmp("ledger.deadline-factor", Warden, lg.0.deadline_factor.to_string(), lg.1.deadline_factor.to_string());
+    let g = (&old.golden, golden);
+    cmp("golden.enabled", Warden, g.0.enabled.to_string(), g.1.enabled.to_string());
+    cmp("golden.prompts", Warden, dbg(&g.0.prompts), dbg(&g.1.prompts));
+    cmp("golden.prompts-file", Warden, dbg(&g.0.prompts_file), dbg(&g.1.prompts_file));
+    cmp("golden.max-tokens", Warden, g.0.max_tokens.to_string(), g.1.max_tokens.to_string());
+    cmp("golden.tolerance", Warden, g.0.tolerance.to_string(), g.1.tolerance.to_string());
+    cmp("golden.on-mismatch", Warden, dbg(&g.0.on_mismatch), dbg(&g.1.on_mismatch));
+    cmp("golden.accept-changes", Warden, g.0.accept_changes.to_string(), g.1.accept_changes.to_string());
+    cmp("golden.timeout", Warden, d(g.0.timeout), d(g.1.timeout));
     let rp = (&old.reports, reports);
     cmp("reports.keep", Warden, rp.0.keep.to_string(), rp.1.keep.to_string());
     cmp("reports.max-size", Warden, rp.0.max_size.to_string(), rp.1.max_size.to_string());

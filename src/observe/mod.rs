@@ -9,6 +9,7 @@
 //! nothing: what a line or an answer means for the run is the
 //! supervisor's; when to look is the daemon's.
 
+pub mod golden;
 pub mod health;
 pub mod journal;
 pub mod kernel;

@@ -64,6 +64,16 @@ pub struct Doc {
     /// The last load that ended, as the ledger has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_load: Option<LastLoad>,
+    /// The last golden check: `same`, `recorded`, `changed` or `failed`,
+    /// and what it found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub golden: Option<GoldenDoc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GoldenDoc {
+    pub verdict: String,
+    pub text: String,
 }
 
 /// The load under way.
@@ -393,6 +403,7 @@ impl Reporter {
                 fingerprint: safe(&l.fingerprint),
                 text: safe(&l.text()),
             }),
+            golden: snap.golden.as_ref().map(|v| GoldenDoc { verdict: v.name().into(), text: safe(&v.text()) }),
             last_load: snap.last_load_record.as_ref().map(|r| LastLoad {
                 outcome: match &r.outcome {
                     crate::supervisor::load::LoadOutcome::Failed { class, .. } => format!("failed ({class})"),
@@ -436,6 +447,8 @@ pub struct Metrics {
     last_gbps: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
     /// Loads already counted.
     loads_seen: std::sync::atomic::AtomicU32,
+    golden: Family<Vec<(String, String)>, Counter>,
+    golden_seen: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -466,7 +479,12 @@ impl Metrics {
             load_alarms: Family::default(),
             last_gbps: Family::default(),
             loads_seen: Default::default(),
+            golden: Family::default(),
+            golden_seen: Default::default(),
         };
+        for v in crate::supervisor::golden::Verdict::NAMES {
+            let _ = m.golden.get_or_create(&vec![("verdict".into(), v.into())]);
+        }
         for c in crate::supervisor::load::CacheOutcome::NAMES {
             let _ = m.load_cache.get_or_create(&vec![("outcome".into(), c.into())]);
         }
@@ -523,6 +541,11 @@ impl Metrics {
             "Weight bytes over the weights phase of the last load that read them at a known rate",
             m.last_gbps.clone(),
         );
+        registry.register(
+            "golden_checks",
+            "Golden checks by verdict: same, recorded, changed (an alarm), failed (no answer)",
+            m.golden.clone(),
+        );
         m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
         Metrics { registry, ..m }
     }
@@ -544,6 +567,12 @@ impl Metrics {
             self.last_load.get_or_create(&vec![]).set(d.as_secs_f64());
         }
         raise(&self.journal_dropped, journal_dropped);
+        let seen = self.golden_seen.swap(snap.golden_checks, std::sync::atomic::Ordering::Relaxed);
+        if snap.golden_checks > seen
+            && let Some(v) = &snap.golden
+        {
+            self.golden.get_or_create(&vec![("verdict".into(), v.name().into())]).inc();
+        }
         let seen = self.loads_seen.swap(snap.loads_ended, std::sync::atomic::Ordering::Relaxed);
         if snap.loads_ended > seen
             && let Some(r) = &snap.last_load_record
@@ -699,6 +728,9 @@ pub fn summary(v: &StatusVerdict) -> String {
             let _ = write!(out, "\nreport: {}", safe(r));
         }
     }
+    if let Some(g) = &doc.golden {
+        let _ = write!(out, "\ngolden: {}", safe(&g.text));
+    }
     if let Some(c) = &doc.cache {
         let _ = write!(out, "\ncache: {}", safe(&c.dir));
         if let (Some(bytes), Some(files), Some(at)) = (c.bytes, c.files, &c.measured_at) {
@@ -749,6 +781,8 @@ mod tests {
             load: None,
             last_load_record: None,
             loads_ended: 0,
+            golden: None,
+            golden_checks: 0,
         }
     }
 

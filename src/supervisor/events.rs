@@ -29,6 +29,8 @@ pub enum FailureKind {
     Timeout,
     Health,
     Spawn,
+    /// The golden check's answers differ from the reference.
+    WrongAnswers,
 }
 
 /// The one line that says why a run failed.
@@ -57,6 +59,9 @@ impl Cause {
     /// The class counted in the metrics: a permanent cause is counted as
     /// permanent whatever ended the run.
     pub fn class(&self) -> FailureClass {
+        if self.kind == FailureKind::WrongAnswers {
+            return FailureClass::WrongAnswers;
+        }
         if self.permanence.is_permanent() {
             return FailureClass::Permanent;
         }
@@ -67,6 +72,7 @@ impl Cause {
             FailureKind::Timeout => FailureClass::Timeout,
             FailureKind::Health => FailureClass::Health,
             FailureKind::Spawn => FailureClass::Spawn,
+            FailureKind::WrongAnswers => FailureClass::WrongAnswers,
         }
     }
 }
@@ -105,6 +111,11 @@ pub enum Event {
     },
     HttpReady {
         start: u32,
+    },
+    /// The golden check of start `start` is over.
+    GoldenChecked {
+        start: u32,
+        verdict: crate::supervisor::golden::Verdict,
     },
     /// `health.failures` consecutive health or canary checks failed.
     HealthFailed {
@@ -179,6 +190,7 @@ impl Event {
             | Event::SpawnFailed { start, .. }
             | Event::Line { start, .. }
             | Event::HttpReady { start }
+            | Event::GoldenChecked { start, .. }
             | Event::HealthFailed { start, .. }
             | Event::Quiet { start }
             | Event::GpuFault { start, .. }
@@ -218,6 +230,10 @@ pub enum Topic {
     /// A load slower than its setup's history, or one whose compile cache
     /// did less than before.
     LoadAlarm,
+    /// The golden check: its answers as before, or recorded.
+    Golden,
+    /// The golden check's answers differ, or it could not be made.
+    GoldenMismatch,
     /// A load ended (ready, failed or stopped) and went into the ledger.
     Load,
 }
@@ -242,6 +258,8 @@ impl Topic {
             Topic::Internal => "internal",
             Topic::Unkillable => "unkillable",
             Topic::LoadAlarm => "load-alarm",
+            Topic::Golden => "golden",
+            Topic::GoldenMismatch => "golden-mismatch",
             Topic::Load => "load",
         }
     }
@@ -250,6 +268,7 @@ impl Topic {
     pub fn message_id(self) -> Option<&'static str> {
         match self {
             Topic::LoadAlarm => Some(LOAD_ALARM_MESSAGE_ID),
+            Topic::GoldenMismatch => Some(GOLDEN_MISMATCH_MESSAGE_ID),
             _ => None,
         }
     }
@@ -257,6 +276,9 @@ impl Topic {
 
 /// `MESSAGE_ID` of a load alarm: `journalctl MESSAGE_ID=…` lists them.
 pub const LOAD_ALARM_MESSAGE_ID: &str = "5d8f0c3ae6a44d1f9c4b7a21e0d3b6c8";
+
+/// `MESSAGE_ID` of a golden check whose answers changed, or that failed.
+pub const GOLDEN_MISMATCH_MESSAGE_ID: &str = "a3b7e2c95f0d4e6b8c1a9d7f3e5b2c40";
 
 /// A warden event for the journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -313,6 +335,10 @@ pub enum Effect {
     Log(Record),
     /// A load ended: into the ledger.
     LoadEnded(Box<crate::supervisor::load::LoadRecord>),
+    /// Ask the golden prompts of start `start`; `GoldenChecked` follows.
+    Golden {
+        start: u32,
+    },
 }
 
 /// What the failure report of a run is to say, as the machine knows it.

@@ -278,7 +278,7 @@ impl History {
 pub struct LoadTrack {
     spawned: Instant,
     /// Each phase's end, as far as seen.
-    ends: [Option<Instant>; 8],
+    ends: [Option<Instant>; 9],
     cache: Option<CacheOutcome>,
     weights: Option<(Duration, Option<u64>)>,
     start: LoadStart,
@@ -299,7 +299,7 @@ fn short(d: Duration) -> String {
 
 impl LoadTrack {
     pub fn new(start: LoadStart, now: Instant) -> LoadTrack {
-        LoadTrack { spawned: now, ends: [None; 8], cache: None, weights: None, start }
+        LoadTrack { spawned: now, ends: [None; 9], cache: None, weights: None, start }
     }
 
     pub fn fingerprint(&self) -> &str {
@@ -646,7 +646,7 @@ mod tests {
         // The history's phases: start, compile; under way: compile, 2 of 2.
         assert_eq!(now.text(), "loading 2/2 compile · 2m10s of ~4m46s (last 4m42s)");
         let fresh = LoadTrack::new(start(None), t0);
-        assert_eq!(fresh.now(at(t0, 12)).text(), "loading 1/8 start · 12s (no earlier load of this setup)");
+        assert_eq!(fresh.now(at(t0, 12)).text(), "loading 1/9 start · 12s (no earlier load of this setup)");
     }
 
     /// The ledger is data: absurd figures in it never overflow a deadline.

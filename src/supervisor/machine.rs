@@ -95,6 +95,9 @@ pub struct Machine {
     loads_ended: u32,
     /// The instant of the last step.
     clock: Option<Instant>,
+    /// The last golden check's verdict, and how many checks there were.
+    last_golden: Option<crate::supervisor::golden::Verdict>,
+    golden_checks: u32,
 }
 
 fn secs(d: Duration) -> String {
@@ -132,6 +135,8 @@ impl Machine {
             last_load_record: None,
             loads_ended: 0,
             clock: None,
+            last_golden: None,
+            golden_checks: 0,
         }
     }
 
@@ -262,6 +267,8 @@ impl Machine {
             load: self.load_now(),
             last_load_record: self.last_load_record.clone(),
             loads_ended: self.loads_ended,
+            golden: self.last_golden.clone(),
+            golden_checks: self.golden_checks,
         }
     }
 
@@ -454,6 +461,7 @@ impl Machine {
                     progress_at: now,
                     progress: None,
                     awaiting_http: false,
+                    golden: false,
                 };
                 self.load = Some(LoadTrack::new(self.next_load.take().unwrap_or_default(), now));
                 let mut fx = vec![
@@ -504,8 +512,13 @@ impl Machine {
                 let fx = self.note_fatal(&mut serving.run, &line, now);
                 (S::Ready(serving), fx)
             }
-            (S::Starting(loading), E::HttpReady { .. }) if loading.awaiting_http && loading.run.fatal_at.is_none() => {
-                self.become_ready(loading, now)
+            (S::Starting(loading), E::HttpReady { .. })
+                if loading.awaiting_http && !loading.golden && loading.run.fatal_at.is_none() =>
+            {
+                self.http_passed(loading, now)
+            }
+            (S::Starting(loading), E::GoldenChecked { verdict, .. }) if loading.golden => {
+                self.golden_checked(loading, verdict, now)
             }
             (state @ (S::Starting(_) | S::Ready(_)), E::ChildExited { exit, .. }) => {
                 self.last_exit = Some(exit);
@@ -876,7 +889,7 @@ impl Machine {
         match &line.class {
             Class::Ready if !loading.awaiting_http => {
                 if !self.policy.ready_http {
-                    return self.become_ready(loading, now);
+                    return self.http_passed(loading, now);
                 }
                 loading.awaiting_http = true;
                 fx.push(record(Severity::Info, Topic::ReadyLine, "ready line seen; checking HTTP".into()));
@@ -896,20 +909,84 @@ impl Machine {
         (State::Starting(loading), fx)
     }
 
-    fn become_ready(&mut self, loading: Loading, now: Instant) -> (State, Vec<Effect>) {
+    /// The server answered (or none is asked): the golden check, if on,
+    /// else ready.
+    fn http_passed(&mut self, mut loading: Loading, now: Instant) -> (State, Vec<Effect>) {
         if let Some(track) = &mut self.load
             && loading.awaiting_http
         {
             track.end(LoadPhase::Http, now);
         }
+        if self.policy.golden.is_none() {
+            return self.become_ready(loading, now, None);
+        }
+        loading.golden = true;
+        loading.progress_at = now;
+        let text = self.loading_text(loading.run.pid, ": checking the golden answers");
+        let fx = vec![Effect::Golden { start: loading.run.start }, Effect::Notify(vec![status(text)])];
+        (State::Starting(loading), fx)
+    }
+
+    /// The golden check is over: ready, ready with a warning, or a failed
+    /// run (`golden.on-mismatch = "fail"`).
+    fn golden_checked(
+        &mut self,
+        loading: Loading,
+        verdict: crate::supervisor::golden::Verdict,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
+        use crate::supervisor::golden::Verdict;
+        if let Some(track) = &mut self.load {
+            track.end(LoadPhase::Golden, now);
+        }
+        let text = verdict.text();
+        self.last_golden = Some(verdict.clone());
+        self.golden_checks += 1;
+        let fail = self.policy.golden == Some(crate::config::GoldenPolicy::Fail);
+        match verdict {
+            Verdict::Same { .. } | Verdict::Recorded { .. } => {
+                let mut fx = vec![record(Severity::Info, Topic::Golden, text)];
+                let (next, more) = self.become_ready(loading, now, None);
+                fx.extend(more);
+                (next, fx)
+            }
+            Verdict::Changed { .. } | Verdict::Failed { .. } if !fail => {
+                let mut fx = vec![record(Severity::Warn, Topic::GoldenMismatch, text.clone())];
+                let (next, more) = self.become_ready(loading, now, Some(format!("WARNING: {text}")));
+                fx.extend(more);
+                (next, fx)
+            }
+            Verdict::Changed { .. } => {
+                let cause =
+                    Cause { text, kind: FailureKind::WrongAnswers, permanence: Permanence::Answers, hint: None };
+                let mut fx = vec![record(Severity::Error, Topic::GoldenMismatch, cause.text.clone())];
+                let (next, more) = self.fail(State::Starting(loading), cause, None, now);
+                fx.extend(more);
+                (next, fx)
+            }
+            Verdict::Failed { .. } => {
+                let mut fx = vec![record(Severity::Error, Topic::GoldenMismatch, text.clone())];
+                let (next, more) =
+                    self.fail(State::Starting(loading), Cause::new(text, FailureKind::Health), None, now);
+                fx.extend(more);
+                (next, fx)
+            }
+        }
+    }
+
+    fn become_ready(&mut self, loading: Loading, now: Instant, warning: Option<String>) -> (State, Vec<Effect>) {
         let run = loading.run;
         let took = now - run.spawned_at;
         self.last_load = Some(took);
         self.cause = None;
         let text = format!("ready: pid {}, loaded in {}", run.pid, secs(took));
+        let shown = match warning {
+            Some(w) => format!("{text}; {w}"),
+            None => text.clone(),
+        };
         let fx = vec![
-            record(Severity::Info, Topic::Ready, text.clone()),
-            Effect::Notify(vec![Note::Ready, status(text)]),
+            record(Severity::Info, Topic::Ready, text),
+            Effect::Notify(vec![Note::Ready, status(shown)]),
             Effect::Health { start: run.start },
         ];
         (State::Ready(Serving { run, ready_at: now, drain: None }), fx)

@@ -81,10 +81,13 @@ pub enum FailureClass {
     Stall,
     /// Not ready within `ready.timeout`.
     Timeout,
+    /// The golden check's answers differ from the reference
+    /// (`golden.on-mismatch = "fail"`).
+    WrongAnswers,
 }
 
 impl FailureClass {
-    pub const ALL: [FailureClass; 7] = [
+    pub const ALL: [FailureClass; 8] = [
         FailureClass::Exit,
         FailureClass::FatalLine,
         FailureClass::Health,
@@ -92,6 +95,7 @@ impl FailureClass {
         FailureClass::Spawn,
         FailureClass::Stall,
         FailureClass::Timeout,
+        FailureClass::WrongAnswers,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -103,6 +107,7 @@ impl FailureClass {
             FailureClass::Spawn => "spawn",
             FailureClass::Stall => "stall",
             FailureClass::Timeout => "timeout",
+            FailureClass::WrongAnswers => "wrong_answers",
         }
     }
 }
@@ -118,6 +123,9 @@ pub enum Permanence {
     Unrunnable,
     /// The hardware failed (a fatal GPU fault): no retry at all.
     Hardware,
+    /// The served model answered otherwise than its reference: the same
+    /// answers come again, `permanent-attempts` times in a row gives up.
+    Answers,
 }
 
 impl Permanence {

@@ -64,6 +64,9 @@ pub struct Policy {
     /// `ledger.slow-factor` and `ledger.deadline-factor`.
     pub slow_factor: f64,
     pub deadline_factor: f64,
+    /// The golden check before `READY=1`, and what a mismatch does; none:
+    /// no check.
+    pub golden: Option<crate::config::GoldenPolicy>,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
@@ -110,6 +113,7 @@ impl Policy {
             phases: !s.patterns.load.is_empty(),
             slow_factor: s.ledger.slow_factor,
             deadline_factor: s.ledger.deadline_factor,
+            golden: s.golden.enabled.then_some(s.golden.on_mismatch),
         }
     }
 

@@ -37,6 +37,9 @@ pub struct Snapshot {
     /// The last load that ended, and how many have.
     pub last_load_record: Option<std::sync::Arc<crate::supervisor::load::LoadRecord>>,
     pub loads_ended: u32,
+    /// The last golden check's verdict.
+    pub golden: Option<crate::supervisor::golden::Verdict>,
+    pub golden_checks: u32,
 }
 
 /// The last failed run: why, and where its failure report is.

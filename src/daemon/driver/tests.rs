@@ -289,6 +289,7 @@ fn policy() -> Policy {
         phases: false,
         slow_factor: 1.5,
         deadline_factor: 3.0,
+        golden: None,
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),

@@ -54,6 +54,8 @@ pub struct Loading {
     pub(super) progress: Option<String>,
     /// The ready line was seen (or none is expected); waiting for HTTP 200.
     pub(super) awaiting_http: bool,
+    /// HTTP answered; the golden check is under way.
+    pub(super) golden: bool,
 }
 
 /// A run that is serving.

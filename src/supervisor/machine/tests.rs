@@ -20,6 +20,7 @@ fn policy() -> Policy {
         phases: false,
         slow_factor: 1.5,
         deadline_factor: 3.0,
+        golden: None,
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),
@@ -1016,5 +1017,60 @@ mod loads {
         let fx = s.at(15.0 * 60.0).tick();
         let LoadOutcome::Failed { cause, .. } = ended(&fx).unwrap().outcome else { panic!() };
         assert!(cause.starts_with("no progress for 15m (ready.stall)"), "{cause}");
+    }
+}
+
+/// The golden check between the HTTP check and `READY=1`.
+mod golden {
+    use super::*;
+    use crate::config::GoldenPolicy;
+    use crate::supervisor::golden::Verdict;
+
+    fn checked(on: GoldenPolicy, verdict: Verdict) -> (Sim, Vec<Effect>) {
+        let mut s = Sim::new(Policy { golden: Some(on), ..policy() });
+        s.spawned(100);
+        s.line("INFO:     Application startup complete.");
+        let fx = s.ev(Event::HttpReady { start: 1 });
+        assert!(fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
+        assert!(!notes(&fx).contains(&Note::Ready), "no READY=1 before the answers");
+        assert_eq!(s.state(), "starting");
+        let fx = s.ev(Event::GoldenChecked { start: 1, verdict });
+        (s, fx)
+    }
+
+    #[test]
+    fn the_same_answers_are_ready() {
+        let (s, fx) = checked(GoldenPolicy::Fail, Verdict::Same { prompts: 1, ms: 40 });
+        assert!(notes(&fx).contains(&Note::Ready));
+        assert_eq!(s.m.snapshot().golden, Some(Verdict::Same { prompts: 1, ms: 40 }));
+    }
+
+    #[test]
+    fn changed_answers_warn_or_fail_as_the_config_says() {
+        let changed = || Verdict::Changed { text: "answers changed after x: y".into(), ms: 40 };
+        let (_, fx) = checked(GoldenPolicy::Warn, changed());
+        assert!(notes(&fx).contains(&Note::Ready));
+        assert!(statuses(&fx).iter().any(|t| t.ends_with("; WARNING: answers changed after x: y")), "{fx:?}");
+        assert!(
+            fx.iter().any(
+                |e| matches!(e, Effect::Log(r) if r.topic == Topic::GoldenMismatch && r.severity == Severity::Warn)
+            )
+        );
+
+        let (s, fx) = checked(GoldenPolicy::Fail, changed());
+        assert!(!notes(&fx).contains(&Note::Ready));
+        let snap = s.m.snapshot();
+        assert_eq!(snap.last_failure.as_ref().map(|f| f.class), Some(FailureClass::WrongAnswers));
+        assert_eq!(snap.cause.as_deref(), Some("answers changed after x: y"));
+    }
+
+    #[test]
+    fn a_check_that_cannot_be_made_is_one_clear_failure() {
+        let failed = || Verdict::Failed { text: "no answer within 1m".into() };
+        let (_, fx) = checked(GoldenPolicy::Warn, failed());
+        assert!(statuses(&fx).iter().any(|t| t.ends_with("; WARNING: golden check failed: no answer within 1m")));
+        let (s, fx) = checked(GoldenPolicy::Fail, failed());
+        assert!(!notes(&fx).contains(&Note::Ready));
+        assert_eq!(s.m.snapshot().cause.as_deref(), Some("golden check failed: no answer within 1m"));
     }
 }
