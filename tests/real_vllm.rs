@@ -1108,3 +1108,103 @@ fn s9_the_load_ledger_times_each_phase_estimates_and_alarms_on_a_lost_cache() {
         ready_loads[2].phase(vllm_warden::supervisor::load::LoadPhase::Compile).unwrap_or(0.0),
     );
 }
+
+/// `vllm-warden golden …` on the warden's config and state.
+fn golden_cmd(w: &Warden, what: &str) -> String {
+    let out = std::process::Command::new(common::exe())
+        .args(["golden", "-c"])
+        .arg(w.path("t.toml"))
+        .arg(what)
+        .env("STATE_DIRECTORY", w.path("state"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "golden {what}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+#[ignore]
+fn s10_a_patch_that_changes_the_answers_is_caught_before_ready() {
+    let ready = budget(1, Duration::ZERO);
+    budgets("scenario 10", &[("READY=1 (each of four loads)", ready), ("stop", stop_budget())]);
+    // A copy of the model: the patch is the test's own.
+    let golden = |d: &Path, p: u16, patch: &str| {
+        let model = d.join("model");
+        if !model.exists() {
+            copy_dir(&model_path_tiny(), &model);
+        }
+        let extra = format!(
+            "[restart]\ninitial-delay = \"1s\"\npermanent-attempts = 1\n[golden]\non-mismatch = \"fail\"\nprompts = [\"The capital of France is\", \"1, 2, 3,\"]\n{patch}"
+        );
+        config(d, p, &model, &extra)
+    };
+    let mut w = Warden::start(move |d, p| golden(d, p, ""));
+    let status = |w: &Warden| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap()
+    };
+    let check_ms = |w: &Warden| -> u64 {
+        let last: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(w.path("state/golden/last.json")).unwrap()).unwrap();
+        last["answers"]["ms"].as_f64().unwrap().round() as u64
+    };
+    let mut ms = Vec::new();
+    w.wait_ready_within(ready, "READY=1 (load 1: the answers recorded)");
+    assert_eq!(status(&w)["golden"]["verdict"], "recorded", "{}", status(&w));
+    ms.push(check_ms(&w));
+    assert_eq!(w.stop_within(stop_budget(), "stop"), 0);
+    w.spawn();
+    w.wait_ready_within(ready, "READY=1 (load 2: the same answers)");
+    assert_eq!(status(&w)["golden"]["verdict"], "same", "{}", status(&w));
+    ms.push(check_ms(&w));
+    assert_eq!(w.stop_within(stop_budget(), "stop"), 0);
+
+    // rms_norm_eps patched: the model's arithmetic changed.
+    let patch =
+        format!("[[patch]]\nfile = \"{}\"\nset = {{ rms_norm_eps = 0.5 }}\n", w.path("model/config.json").display());
+    std::fs::write(w.path("t.toml"), golden(&w.path(""), w.port, &patch)).unwrap();
+    w.drain_notes();
+    let from = w.notes.len();
+    w.spawn();
+    assert_eq!(w.wait_exit_within(ready + REPORT + SHORT_STOP, "the warden's exit (78)"), 78);
+    w.drain_notes();
+    assert!(!w.notes[from..].iter().any(|n| n == "READY=1"), "{:?}", &w.notes[from..]);
+    let cause = status(&w)["cause"].as_str().unwrap().to_string();
+    assert!(cause.starts_with("failed permanently (1 of 1 tries): answers changed after patched "), "{cause}");
+    ms.push(check_ms(&w));
+    let report = PathBuf::from(status(&w)["last_failure"]["report"].as_str().unwrap());
+    let side = std::fs::read_to_string(report.join("golden.txt")).unwrap();
+    let diff = golden_cmd(&w, "diff");
+    assert!(diff.contains("≠"), "{diff}");
+    assert_eq!(side.lines().skip(3).collect::<Vec<_>>(), diff.lines().skip(3).collect::<Vec<_>>());
+
+    // Accepted: the next start serves.
+    let accepted = golden_cmd(&w, "accept");
+    w.drain_notes();
+    w.spawn();
+    w.wait_ready_within(ready, "READY=1 (load 4: the accepted answers)");
+    assert_eq!(status(&w)["golden"]["verdict"], "same", "{}", status(&w));
+    ms.push(check_ms(&w));
+    assert_eq!(w.stop_within(stop_budget(), "stop"), 0);
+    let mut sorted = ms.clone();
+    sorted.sort();
+    eprintln!("scenario 10 cause: {cause}");
+    eprintln!("scenario 10 vllm-warden golden diff:\n{diff}");
+    eprintln!("scenario 10 vllm-warden golden accept: {accepted}");
+    eprintln!(
+        "scenario 10 golden answers: PASS  the check took {ms:?} ms (2 prompts of 8 tokens), median {} ms",
+        sorted[sorted.len() / 2]
+    );
+}
+
+fn model_path_tiny() -> PathBuf {
+    model("tiny")
+}

@@ -302,6 +302,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         let mut requests_open = true;
         // When the loop last woke, and for what: each turn is measured.
         let mut turn: Option<(std::time::Instant, &'static str)> = None;
+        // The longest turn, and what woke it: said when the loop ends.
+        let mut longest: (Duration, &'static str) = (Duration::ZERO, "nothing");
         loop {
             if let Some(h) = &self.ctx.heartbeat {
                 h.beat();
@@ -310,7 +312,11 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 self.step(ev, &mut events, &mut held);
             }
             if let Some((woke, what)) = turn.take() {
-                self.turn_took(woke.elapsed(), what);
+                let took = woke.elapsed();
+                self.turn_took(took, what);
+                if took > longest.0 {
+                    longest = (took, what);
+                }
             }
             if exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some() {
                 self.upgrade_now(&mut events, &mut held);
@@ -318,6 +324,13 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             if let Some(code) = self.machine.done() {
                 self.observer.flush();
                 self.send_held(&mut held);
+                tracing::info!(
+                    INSTANCE = self.ctx.instance.as_str(),
+                    EVENT = "loop",
+                    "the loop's longest turn: {:.2} ms, handling {}",
+                    longest.0.as_secs_f64() * 1e3,
+                    longest.1
+                );
                 return code;
             }
             // While an exit waits for its lines, nothing else may come

@@ -327,6 +327,11 @@ impl Warden {
         match exit {
             Ok(code) => {
                 self.drain_notes();
+                // What the warden says of its loop at its exit, for the
+                // tests that print their figures.
+                if let Some(l) = self.stderr().lines().rev().find(|l| l.contains("the loop's longest turn")) {
+                    eprintln!("warden exit {code}: {}", l.trim());
+                }
                 code
             }
             Err(_) => panic!(
