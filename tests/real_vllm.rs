@@ -1143,7 +1143,10 @@ fn s10_a_patch_that_changes_the_answers_is_caught_before_ready() {
             copy_dir(&model_path_tiny(), &model);
         }
         let extra = format!(
-            "[restart]\ninitial-delay = \"1s\"\npermanent-attempts = 1\n[golden]\non-mismatch = \"fail\"\nprompts = [\"The capital of France is\", \"1, 2, 3,\"]\n{patch}"
+            "[restart]\ninitial-delay = \"1s\"\npermanent-attempts = 1\n[golden]\non-mismatch = \"fail\"\ntimeout = \"{}s\"\nprompts = [\"The capital of France is\", \"1, 2, 3,\"]\n{patch}",
+            // A first check on a CPU took 33 s once: a wrong verdict must
+            // not come from a slow machine.
+            ceiling().0.as_secs()
         );
         config(d, p, &model, &extra)
     };
