@@ -28,14 +28,7 @@ fn doc(w: &Warden) -> serde_json::Value {
 }
 
 fn golden(w: &Warden, what: &str) -> (bool, String) {
-    let out = std::process::Command::new(exe())
-        .args(["golden", "-c"])
-        .arg(w.path("t.toml"))
-        .arg(what)
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    w.cli(&["golden", what])
 }
 
 #[test]

@@ -15,17 +15,11 @@ fn kill_child(ready: &str) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
 }
 
+/// `vllm-warden loads WHAT…`, which must succeed.
 fn loads(w: &Warden, args: &[&str]) -> String {
-    let out = std::process::Command::new(exe())
-        .arg("loads")
-        .arg("-c")
-        .arg(w.path("t.toml"))
-        .args(args)
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
+    let (ok, out) = w.cli(&[&["loads"], args].concat());
+    assert!(ok, "loads {args:?}");
+    out
 }
 
 #[test]

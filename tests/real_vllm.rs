@@ -1017,16 +1017,9 @@ fn s6_a_wedged_engine_under_traffic_is_caught_reported_and_restarted() {
 
 /// `vllm-warden loads …` on the warden's config and state.
 fn loads(w: &Warden, args: &[&str]) -> String {
-    let out = std::process::Command::new(common::exe())
-        .arg("loads")
-        .arg("-c")
-        .arg(w.path("t.toml"))
-        .args(args)
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
+    let (ok, out) = w.cli(&[&["loads"], args].concat());
+    assert!(ok, "loads {args:?}");
+    out
 }
 
 /// Kill the ready child (the API server) and wait for the next ready.
@@ -1111,15 +1104,9 @@ fn s9_the_load_ledger_times_each_phase_estimates_and_alarms_on_a_lost_cache() {
 
 /// `vllm-warden golden …` on the warden's config and state.
 fn golden_cmd(w: &Warden, what: &str) -> String {
-    let out = std::process::Command::new(common::exe())
-        .args(["golden", "-c"])
-        .arg(w.path("t.toml"))
-        .arg(what)
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "golden {what}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
+    let (ok, out) = w.cli(&["golden", what]);
+    assert!(ok, "golden {what}");
+    out
 }
 
 fn copy_dir(from: &Path, to: &Path) {

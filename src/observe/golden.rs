@@ -227,19 +227,7 @@ pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f
     if new_ref && let Err(e) = set_reference(state_dir, reference(&answers)) {
         recorded = Some(e);
     }
-    let last = Last {
-        fingerprint: subject.fingerprint.clone(),
-        setup: subject.setup.clone(),
-        at: now(),
-        verdict: verdict.name().into(),
-        text: verdict.text(),
-        answers: Some(answers),
-        against: against.map(|r| r.fingerprint.clone()),
-        tolerance,
-    };
-    if let Err(e) = save(state_dir, LAST, &last) {
-        tracing::warn!(error = %e, "cannot save the last golden answers");
-    }
+    save_last(state_dir, subject, &verdict, Some(answers), against.map(|r| r.fingerprint.clone()), tolerance);
     match recorded {
         Some(e) => Verdict::Failed { text: e },
         None => verdict,
@@ -249,20 +237,32 @@ pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f
 /// Record that the check could not be made.
 pub fn failed(state_dir: &Path, subject: &Subject, text: &str, tolerance: f64) -> Verdict {
     let verdict = Verdict::Failed { text: text.to_string() };
+    save_last(state_dir, subject, &verdict, None, None, tolerance);
+    verdict
+}
+
+/// `last.json`: this check, for `golden show`, `diff` and `accept`.
+fn save_last(
+    state_dir: &Path,
+    subject: &Subject,
+    verdict: &Verdict,
+    answers: Option<Answers>,
+    against: Option<String>,
+    tolerance: f64,
+) {
     let last = Last {
         fingerprint: subject.fingerprint.clone(),
         setup: subject.setup.clone(),
         at: now(),
         verdict: verdict.name().into(),
         text: verdict.text(),
-        answers: None,
-        against: None,
+        answers,
+        against,
         tolerance,
     };
     if let Err(e) = save(state_dir, LAST, &last) {
         tracing::warn!(error = %e, "cannot save the last golden answers");
     }
-    verdict
 }
 
 fn short(s: &str) -> String {

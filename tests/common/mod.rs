@@ -364,6 +364,24 @@ impl Warden {
         self.wait_exit_within(budget, what)
     }
 
+    /// `vllm-warden COMMAND -c CONFIG ARGS…` on this instance's config and
+    /// state, as an operator runs it: whether it exited 0, and its stdout.
+    pub fn cli(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(exe())
+            .args(&args[..1])
+            .arg("-c")
+            .arg(self.path("t.toml"))
+            .args(&args[1..])
+            .env("STATE_DIRECTORY", self.path("state"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            eprintln!("vllm-warden {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        (out.status.success(), text)
+    }
+
     /// `EXE upgrade` on this instance, as an operator runs it: exit 0.
     pub fn ask_upgrade(&self, exe: &Path) {
         let out = Command::new(exe)
