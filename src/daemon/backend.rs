@@ -519,12 +519,9 @@ impl Backend for RealBackend {
         let g = self.settings.golden.clone();
         let base = crate::observe::health::Spec::from_settings(&self.settings).base;
         let state = self.settings.state_dir.clone();
-        let subject = match &self.loads.running {
-            Some(f) => golden::Subject {
-                fingerprint: f.fingerprint.clone(),
-                setup: serde_json::to_value(&f.setup).unwrap_or_default(),
-            },
-            None => golden::Subject { fingerprint: "unknown".into(), setup: serde_json::Value::Null },
+        let (fingerprint, setup) = match &self.loads.running {
+            Some(f) => (f.fingerprint.clone(), serde_json::to_value(&f.setup).unwrap_or_default()),
+            None => ("unknown".to_string(), serde_json::Value::Null),
         };
         if let Some(t) = self.checks.golden.take() {
             t.abort();
@@ -534,10 +531,11 @@ impl Backend for RealBackend {
             let prompts = tokio::task::spawn_blocking(move || golden::prompts(&gp))
                 .await
                 .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
-            let asked = match prompts {
-                Ok(p) => golden::ask(&base, &p, g.max_tokens, g.timeout).await,
-                Err(e) => Err(e),
+            let (asked, questions) = match prompts {
+                Ok(p) => (golden::ask(&base, &p, g.max_tokens, g.timeout).await, golden::questions(&p, g.max_tokens)),
+                Err(e) => (Err(e), String::new()),
             };
+            let subject = golden::Subject { fingerprint, setup, questions };
             let verdict = tokio::task::spawn_blocking(move || match asked {
                 Ok(answers) => golden::judge(&state, &subject, answers, g.tolerance, g.accept_changes),
                 Err(e) => golden::failed(&state, &subject, &e, g.tolerance),

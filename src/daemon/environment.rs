@@ -33,6 +33,11 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
     {
         say(format!("`server.token-file`: {e}"));
     }
+    if s.golden.enabled
+        && let Err(e) = crate::observe::golden::prompts(&s.golden)
+    {
+        say(e);
+    }
     if let Some(cwd) = &s.child.cwd
         && !cwd.is_dir()
     {

@@ -26,6 +26,10 @@ const MAX_FILE: u64 = 64 << 10;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Reference {
     pub fingerprint: String,
+    /// The questions asked: the prompts and `max-tokens` (see
+    /// [`questions`]); answers to other questions are not compared.
+    #[serde(default)]
+    pub questions: String,
     #[serde(default)]
     pub setup: serde_json::Value,
     pub at: String,
@@ -37,6 +41,8 @@ pub struct Reference {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Last {
     pub fingerprint: String,
+    #[serde(default)]
+    pub questions: String,
     #[serde(default)]
     pub setup: serde_json::Value,
     pub at: String,
@@ -99,7 +105,7 @@ pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Durat
             Err(e) => return Err(format!("/v1/completions: {e}")),
         };
         if !r.status.is_success() {
-            let said: String = String::from_utf8_lossy(&r.body).chars().take(200).collect();
+            let said = crate::util::escape::one_line(&String::from_utf8_lossy(&r.body), 200);
             return Err(format!("/v1/completions: HTTP {}: {said}", r.status.as_u16()));
         }
         let v = r.json().map_err(|e| format!("/v1/completions: {e}"))?;
@@ -129,7 +135,7 @@ fn folder(state_dir: &Path) -> PathBuf {
 /// is not references is an error: it is not overwritten blindly).
 pub fn references(state_dir: &Path) -> Result<Vec<Reference>, String> {
     let path = folder(state_dir).join(REFERENCES);
-    match read_bounded(&path, 64 << 20) {
+    match read_in(state_dir, REFERENCES, MAX_STORE) {
         Ok(text) => serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
         Err(e) => Err(format!("{}: {e}", path.display())),
@@ -138,36 +144,50 @@ pub fn references(state_dir: &Path) -> Result<Vec<Reference>, String> {
 
 pub fn last(state_dir: &Path) -> Result<Option<Last>, String> {
     let path = folder(state_dir).join(LAST);
-    match read_bounded(&path, 64 << 20) {
+    match read_in(state_dir, LAST, MAX_STORE) {
         Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| format!("{}: {e}", path.display())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(format!("{}: {e}", path.display())),
     }
 }
 
-/// Write `name` whole (a new file renamed over the old). Root writing for
-/// `golden accept` leaves the folder and the file to the state
-/// directory's owner, the service user, who reads and writes them next.
+/// The most `references.json` or `last.json` may hold.
+const MAX_STORE: u64 = 4 << 20;
+
+/// `name` in the golden folder, read through the state directory's and the
+/// folder's descriptors without following a link (the service user owns
+/// both; `golden` may be run by root).
+fn read_in(state_dir: &Path, name: &str, max: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let dir = crate::util::fsutil::Dir::open(state_dir)?.child_dir(FOLDER.as_ref(), None)?;
+    let (f, _) = dir.open_regular(name.as_ref(), false).map_err(std::io::Error::other)?;
+    let mut s = String::new();
+    f.take(max).read_to_string(&mut s)?;
+    Ok(s)
+}
+
+/// Write `name` whole (a new file renamed over the old), through the state
+/// directory's and the folder's descriptors, never through a link. Root
+/// writing for `golden accept` leaves the folder and the file to the
+/// state directory's owner, the service user, who reads and writes them
+/// next.
 fn save<T: Serialize>(state_dir: &Path, name: &str, value: &T) -> std::io::Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let dir = folder(state_dir);
-    std::fs::create_dir_all(&dir)?;
+    let state = crate::util::fsutil::Dir::open(state_dir)?;
+    let dir = state.child_dir(FOLDER.as_ref(), Some(0o750))?;
     let text = serde_json::to_string_pretty(value).map_err(std::io::Error::other)?;
-    let path = dir.join(name);
-    crate::util::fsutil::replace(&path, text.as_bytes(), 0o640)?;
-    let owner = std::fs::metadata(state_dir)?;
-    if nix::unistd::geteuid().is_root() && owner.uid() != 0 {
-        for p in [&dir, &path] {
-            std::os::unix::fs::lchown(p, Some(owner.uid()), Some(owner.gid()))?;
-        }
+    let owner = state.metadata()?;
+    let owner = (nix::unistd::geteuid().is_root() && owner.uid() != 0).then_some((owner.uid(), owner.gid()));
+    if let Some((uid, gid)) = owner {
+        nix::unistd::fchown(dir.fd(), Some(uid.into()), Some(gid.into()))?;
     }
-    Ok(())
+    dir.write_atomic(name.as_ref(), text.as_bytes(), 0o640, owner)
 }
 
 /// `answers` become the reference of `fingerprint` (replacing its old one).
 pub fn set_reference(state_dir: &Path, r: Reference) -> Result<(), String> {
     let mut all = references(state_dir)?;
-    all.retain(|x| x.fingerprint != r.fingerprint);
+    all.retain(|x| x.fingerprint != r.fingerprint || x.questions != r.questions);
     all.push(r);
     let drop = all.len().saturating_sub(KEEP);
     all.drain(..drop);
@@ -178,11 +198,27 @@ fn now() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 
-/// What a setup is, for the check: its fingerprint and description.
+/// What a setup is, for the check: its fingerprint and description, and
+/// the questions asked of it.
 #[derive(Debug, Clone)]
 pub struct Subject {
     pub fingerprint: String,
     pub setup: serde_json::Value,
+    pub questions: String,
+}
+
+/// The questions: a hash of the prompts and `max-tokens`. Other prompts,
+/// or longer answers, are other questions with references of their own,
+/// never "changed answers".
+pub fn questions(prompts: &[String], max_tokens: u32) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(max_tokens.to_le_bytes());
+    for p in prompts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p.as_bytes());
+    }
+    h.finalize()[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Judge `answers` for `subject` against the references, record what is
@@ -194,11 +230,13 @@ pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f
         Ok(r) => r,
         Err(e) => return Verdict::Failed { text: e },
     };
-    let own = refs.iter().find(|r| r.fingerprint == subject.fingerprint);
+    let refs: Vec<&Reference> = refs.iter().filter(|r| r.questions == subject.questions).collect();
+    let own = refs.iter().copied().find(|r| r.fingerprint == subject.fingerprint);
     // A new setup is compared with the latest reference of another.
-    let against = own.or_else(|| refs.last());
+    let against = own.or_else(|| refs.last().copied());
     let reference = |answers: &Answers| Reference {
         fingerprint: subject.fingerprint.clone(),
+        questions: subject.questions.clone(),
         setup: subject.setup.clone(),
         at: now(),
         answers: answers.clone(),
@@ -252,6 +290,7 @@ fn save_last(
 ) {
     let last = Last {
         fingerprint: subject.fingerprint.clone(),
+        questions: subject.questions.clone(),
         setup: subject.setup.clone(),
         at: now(),
         verdict: verdict.name().into(),
@@ -280,7 +319,7 @@ pub fn diff(state_dir: &Path) -> Option<String> {
     let answers = last.answers.as_ref()?;
     let against = last.against.as_deref()?;
     let refs = references(state_dir).ok()?;
-    let r = refs.iter().find(|r| r.fingerprint == against)?;
+    let r = refs.iter().find(|r| r.fingerprint == against && r.questions == last.questions)?;
     let head = format!(
         "{}\nthen: setup {} (reference of {})\nnow:  setup {} ({})\n\n",
         last.text, r.fingerprint, r.at, last.fingerprint, last.at
@@ -294,7 +333,13 @@ pub fn accept(state_dir: &Path) -> Result<String, String> {
     let answers = last.answers.ok_or("the last golden check has no answers (it failed)")?;
     set_reference(
         state_dir,
-        Reference { fingerprint: last.fingerprint.clone(), setup: last.setup, at: now(), answers },
+        Reference {
+            fingerprint: last.fingerprint.clone(),
+            questions: last.questions,
+            setup: last.setup,
+            at: now(),
+            answers,
+        },
     )?;
     Ok(last.fingerprint)
 }
@@ -316,7 +361,20 @@ mod tests {
     }
 
     fn subject(fp: &str, cmd: &str) -> Subject {
-        Subject { fingerprint: fp.into(), setup: serde_json::json!({"command": cmd}) }
+        Subject { fingerprint: fp.into(), setup: serde_json::json!({"command": cmd}), questions: "q".into() }
+    }
+
+    #[test]
+    fn other_questions_are_never_changed_answers() {
+        let d = tempfile::tempdir().unwrap();
+        let s = d.path();
+        assert_eq!(judge(s, &subject("a", "x"), answers(&["1", "2"]), 1e-3, false).name(), "recorded");
+        let other = Subject { questions: "q2".into(), ..subject("a", "x") };
+        assert_eq!(judge(s, &other, answers(&["1", "2", "3"]), 1e-3, false).name(), "recorded");
+        assert_eq!(judge(s, &other, answers(&["1", "2", "3"]), 1e-3, false).name(), "same");
+        assert_eq!(judge(s, &subject("a", "x"), answers(&["1", "2"]), 1e-3, false).name(), "same");
+        assert_ne!(questions(&["p".into()], 8), questions(&["p".into()], 16));
+        assert_ne!(questions(&["p".into()], 8), questions(&["p".into(), "q".into()], 8));
     }
 
     #[test]
@@ -357,6 +415,23 @@ mod tests {
             "{v:?}"
         );
         assert_eq!(judge(s, &subject("d", "w"), answers(&["7"]), 1e-3, false).name(), "same");
+    }
+
+    /// `golden accept` may run as root on the service user's folder: a
+    /// link in place of `golden` is neither written nor read through.
+    #[test]
+    fn a_link_in_place_of_the_golden_folder_is_not_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let elsewhere = d.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        let state = d.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, state.join(FOLDER)).unwrap();
+        let v = judge(&state, &subject("a", "x"), answers(&["1"]), 1e-3, false);
+        assert!(matches!(v, Verdict::Failed { .. }), "{v:?}");
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        std::fs::write(elsewhere.join(LAST), "{}").unwrap();
+        assert!(last(&state).is_err());
     }
 
     #[test]

@@ -23,6 +23,9 @@ pub const FILE: &str = "loads.jsonl";
 /// 1 MB; a larger file is read from its end.
 pub const MAX_READ: u64 = 32 << 20;
 
+/// The longest line of the ledger that is read as a record.
+const MAX_LINE: usize = 64 << 10;
+
 /// Extensions of the files vLLM reads weights from.
 const WEIGHT_FILES: [&str; 6] = [".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz"];
 
@@ -166,7 +169,7 @@ pub fn weights(model: &Path) -> Option<(u64, String)> {
     for (name, len, mtime) in &files {
         h.update(format!("{name}\0{len}\0{mtime}\n"));
     }
-    Some((files.iter().map(|f| f.1).sum(), hex(&h.finalize()[..8])))
+    Some((files.iter().fold(0u64, |a, f| a.saturating_add(f.1)), hex(&h.finalize()[..8])))
 }
 
 /// The ledger: its file, and its records as last read or written.
@@ -207,6 +210,11 @@ pub fn read(path: &Path) -> std::io::Result<(Vec<LoadRecord>, usize)> {
     }
     let (mut records, mut skipped) = (Vec::new(), 0);
     for line in lines.iter().filter(|l| !l.trim().is_empty()) {
+        // No record of ours is near this long: a line that is is not one.
+        if line.len() > MAX_LINE {
+            skipped += 1;
+            continue;
+        }
         match serde_json::from_str::<LoadRecord>(line) {
             Ok(r) => records.push(r),
             Err(_) => skipped += 1,
@@ -227,6 +235,9 @@ impl Ledger {
         if skipped > 0 {
             tracing::warn!(file = %path.display(), "{skipped} line(s) of the load ledger are not records: skipped");
         }
+        let mut records = records;
+        let drop = records.len().saturating_sub((keep as usize).max(1));
+        records.drain(..drop);
         Ledger { path, keep: keep as usize, records, skipped }
     }
 
@@ -262,7 +273,7 @@ impl Ledger {
     /// Add `record` (numbered and completed with `facts` here): what to
     /// write, which [`write`] does off the loop.
     pub fn push(&mut self, mut record: LoadRecord, facts: Option<&Facts>, at: std::time::SystemTime) -> Write_ {
-        record.id = self.records.last().map_or(1, |r| r.id + 1);
+        record.id = self.records.last().map_or(1, |r| r.id.saturating_add(1));
         record.at = humantime::format_rfc3339_seconds(at).to_string();
         if let Some(f) = facts {
             record.setup = serde_json::to_value(&f.setup).unwrap_or_default();

@@ -48,7 +48,7 @@ pub fn compare(reference: &Answers, now: &Answers, tolerance: f64) -> Result<(),
         let differs = |at: usize, what: String| Err(Difference { prompt: r.prompt.clone(), at, what });
         for (j, (a, b)) in r.tokens.iter().zip(&n.tokens).enumerate() {
             if a != b {
-                return differs(j, format!("token {}: {a:?} then, {b:?} now", j + 1));
+                return differs(j, format!("token {}: {:?} then, {:?} now", j + 1, clip(a), clip(b)));
             }
         }
         if r.tokens.len() != n.tokens.len() {
@@ -67,6 +67,12 @@ pub fn compare(reference: &Answers, now: &Answers, tolerance: f64) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// A token as shown in a cause: at most 40 characters (an answer is the
+/// server's data, of any size).
+fn clip(t: &str) -> String {
+    t.chars().take(40).collect()
 }
 
 /// What the check found, as the machine acts on it.

@@ -156,6 +156,11 @@ pub struct PhaseHistory {
     pub longest: Duration,
 }
 
+/// The longest deadline history may set (the config's may be longer): one
+/// outlier in the ledger, or a line written there by someone else, never
+/// turns off the detection of a hung load for longer than a day.
+pub const HISTORY_CAP: Duration = Duration::from_secs(24 * 3600);
+
 /// How many of a setup's latest good loads the medians are over.
 pub const HISTORY_LOADS: usize = 20;
 
@@ -390,14 +395,14 @@ impl LoadTrack {
         self.history()
             .and_then(|h| h.phase(phase))
             .and_then(|p| times(p.longest, factor))
-            .map_or(stall, |d| d.max(stall))
+            .map_or(stall, |d| d.min(HISTORY_CAP).max(stall))
     }
 
     /// How long the whole load may take: `timeout`, or `factor` × the
     /// setup's longest recorded load when that is longer.
     pub fn timeout(&self, timeout: Duration, factor: f64) -> Duration {
         let longest = self.history().map(|h| h.phases.iter().fold(Duration::ZERO, |a, p| a.saturating_add(p.longest)));
-        longest.and_then(|d| times(d, factor)).map_or(timeout, |d| d.max(timeout))
+        longest.and_then(|d| times(d, factor)).map_or(timeout, |d| d.min(HISTORY_CAP).max(timeout))
     }
 
     /// The load is over at `now`: its record (without the setup's details,
@@ -657,9 +662,11 @@ mod tests {
         r.phases.push(PhaseTime { phase: LoadPhase::Engine, secs: -5.0 });
         r.phases.push(PhaseTime { phase: LoadPhase::Api, secs: f64::MAX });
         let l = LoadTrack::new(start(History::of(&[r.clone(), r], "f1")), t0);
-        let longest = crate::config::limits::LONGEST;
-        assert_eq!(l.stall(Duration::from_secs(1), 100.0), longest);
-        assert_eq!(l.timeout(Duration::from_secs(1), 100.0), longest);
+        assert_eq!(l.stall(Duration::from_secs(1), 100.0), HISTORY_CAP);
+        assert_eq!(l.timeout(Duration::from_secs(1), 100.0), HISTORY_CAP);
+        // The config's own may be longer.
+        let week = Duration::from_secs(7 * 24 * 3600);
+        assert_eq!(l.stall(week, 100.0), week);
         let _ = t0 + l.timeout(Duration::from_secs(1), 100.0);
         assert!(l.now(t0).text().contains(" of ~"));
     }

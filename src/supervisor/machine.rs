@@ -100,6 +100,10 @@ pub struct Machine {
     golden_checks: u32,
 }
 
+/// Beyond `golden.timeout`, before the stall deadline of a golden check
+/// (the check ends by its own timeout first).
+const GOLDEN_MARGIN: Duration = Duration::from_secs(5);
+
 fn secs(d: Duration) -> String {
     humantime::format_duration(Duration::from_secs(d.as_secs_f64().round() as u64)).to_string()
 }
@@ -301,7 +305,7 @@ impl Machine {
         match &self.state {
             State::Starting(l) => [
                 Some(l.run.spawned_at + self.timeout_now()),
-                Some(l.progress_at + self.stall_now()),
+                Some(l.progress_at + self.stall_of(l)),
                 l.run.fatal_at.map(|t| t + p.grace),
             ]
             .into_iter()
@@ -389,6 +393,14 @@ impl Machine {
     /// longer where the ledger says the phase under way takes longer.
     fn stall_now(&self) -> Duration {
         self.load.as_ref().map_or(self.policy.stall, |l| l.stall(self.policy.stall, self.policy.deadline_factor))
+    }
+
+    /// How long `l` may go without progress: [`Machine::stall_now`], and
+    /// during the golden check at least its timeout and a margin (the
+    /// check's own deadline comes first).
+    fn stall_of(&self, l: &Loading) -> Duration {
+        let stall = self.stall_now();
+        if l.golden { stall.max(self.policy.golden_timeout.saturating_add(GOLDEN_MARGIN)) } else { stall }
     }
 
     /// How long the whole load may take: `ready.timeout`, or longer where
@@ -537,7 +549,7 @@ impl Machine {
             (S::Starting(loading), E::Tick) => {
                 let p = &self.policy;
                 let run = &loading.run;
-                let (timeout, stall) = (self.timeout_now(), self.stall_now());
+                let (timeout, stall) = (self.timeout_now(), self.stall_of(&loading));
                 let cause = if let Some(c) = run.fatal_grace_over(p.grace, now) {
                     Some(c)
                 } else if now >= run.spawned_at + timeout {
@@ -882,12 +894,16 @@ impl Machine {
         if loading.run.fatal_at.is_some() {
             return (State::Starting(loading), fx);
         }
-        if !line.load.is_empty() {
-            // The load moved: the stall deadline counts from here.
+        if !line.load.is_empty() && !loading.golden {
+            // The load moved: the stall deadline counts from here, and
+            // systemd's start timeout with it (a progress line says so too).
             loading.progress_at = now;
+            if !matches!(line.class, Class::Progress(_)) {
+                fx.push(Effect::Notify(vec![Note::ExtendTimeout(self.stall_now())]));
+            }
         }
         match &line.class {
-            Class::Ready if !loading.awaiting_http => {
+            Class::Ready if !loading.awaiting_http && !loading.golden => {
                 if !self.policy.ready_http {
                     return self.http_passed(loading, now);
                 }
@@ -923,7 +939,8 @@ impl Machine {
         loading.golden = true;
         loading.progress_at = now;
         let text = self.loading_text(loading.run.pid, ": checking the golden answers");
-        let fx = vec![Effect::Golden { start: loading.run.start }, Effect::Notify(vec![status(text)])];
+        let extend = Note::ExtendTimeout(self.stall_of(&loading));
+        let fx = vec![Effect::Golden { start: loading.run.start }, Effect::Notify(vec![status(text), extend])];
         (State::Starting(loading), fx)
     }
 

@@ -67,6 +67,8 @@ pub struct Policy {
     /// The golden check before `READY=1`, and what a mismatch does; none:
     /// no check.
     pub golden: Option<crate::config::GoldenPolicy>,
+    /// What the golden check may take (`golden.timeout`).
+    pub golden_timeout: Duration,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
@@ -114,6 +116,7 @@ impl Policy {
             slow_factor: s.ledger.slow_factor,
             deadline_factor: s.ledger.deadline_factor,
             golden: s.golden.enabled.then_some(s.golden.on_mismatch),
+            golden_timeout: s.golden.timeout,
         }
     }
 

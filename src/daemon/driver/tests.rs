@@ -290,6 +290,7 @@ fn policy() -> Policy {
         slow_factor: 1.5,
         deadline_factor: 3.0,
         golden: None,
+        golden_timeout: Duration::from_secs(60),
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),

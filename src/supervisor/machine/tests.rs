@@ -21,6 +21,7 @@ fn policy() -> Policy {
         slow_factor: 1.5,
         deadline_factor: 3.0,
         golden: None,
+        golden_timeout: Duration::from_secs(60),
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),
@@ -978,6 +979,17 @@ mod loads {
     }
 
     #[test]
+    fn a_line_that_ends_a_phase_extends_the_start_timeout_as_a_progress_line_does() {
+        let mut s = Sim::new(phased());
+        start_with(&mut s, None);
+        let fx = s.at(600.0).line(
+            "(Worker pid=1) INFO 11-29 18:09:41 [decorators.py:743] [backbone] saved AOT compiled function to /c/model",
+        );
+        assert_eq!(notes(&fx), [Note::ExtendTimeout(Duration::from_secs(900))]);
+        assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(600 + 900)));
+    }
+
+    #[test]
     fn a_failed_or_stopped_load_is_recorded_too() {
         let mut s = Sim::new(phased());
         start_with(&mut s, None);
@@ -1036,6 +1048,29 @@ mod golden {
         assert_eq!(s.state(), "starting");
         let fx = s.ev(Event::GoldenChecked { start: 1, verdict });
         (s, fx)
+    }
+
+    #[test]
+    fn the_check_extends_the_start_timeout_and_a_second_ready_line_does_not_start_it_again() {
+        let mut s = Sim::new(Policy { golden: Some(GoldenPolicy::Warn), ready_http: false, ..policy() });
+        s.spawned(100);
+        let fx = s.line("INFO:     Application startup complete.");
+        assert!(fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
+        // ready.stall (15 min) is longer than golden.timeout (60 s) + 5 s.
+        assert!(notes(&fx).contains(&Note::ExtendTimeout(Duration::from_secs(900))), "{fx:?}");
+        let fx = s.line("INFO:     Application startup complete.");
+        assert!(!fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
+        // A golden timeout longer than the stall window sets the deadline.
+        let mut s = Sim::new(Policy {
+            golden: Some(GoldenPolicy::Warn),
+            golden_timeout: Duration::from_secs(3600),
+            ..policy()
+        });
+        s.spawned(100);
+        s.line("INFO:     Application startup complete.");
+        let fx = s.ev(Event::HttpReady { start: 1 });
+        assert!(notes(&fx).contains(&Note::ExtendTimeout(Duration::from_secs(3605))), "{fx:?}");
+        assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(3605)));
     }
 
     #[test]
