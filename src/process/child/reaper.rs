@@ -66,20 +66,22 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
             Err(e) => panic!("waitid: {e}"),
         };
         let pid = pid.as_raw();
-        if being_reaped(pid) {
-            // Its reaper was handed over from before it took the zombie
-            // (a thread held off the CPU that long): it takes it next.
-            std::thread::sleep(TAKING);
-            continue;
-        }
-        let _unreaped = Unreaped::new(pid);
+        // A zombie whose reaper was handed over before it took it (a thread
+        // held off the CPU that long) is taken here: while it is there, the
+        // kernel shows it first to every wait and the exits behind it would
+        // never be seen. Its exit was reported; its old reaper's wait finds
+        // nothing.
+        let taken_over = being_reaped(pid);
+        let _unreaped = (!taken_over).then(|| Unreaped::new(pid));
         {
             let mut i = lock(inner);
-            let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
-            if running && crate::util::tasks::injected_panic("reaper") {
-                panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
+            if !taken_over {
+                let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
+                if running && crate::util::tasks::injected_panic("reaper") {
+                    panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
+                }
+                i.leader_exit(pid, exit);
             }
-            i.leader_exit(pid, exit);
         }
         let reap = WATCH.begin(generation, pid);
         // Another waiter may have taken it first (a helper's own wait).
@@ -129,10 +131,6 @@ impl Drop for Unreaped {
 pub(super) fn being_reaped(pid: i32) -> bool {
     UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).contains(&pid)
 }
-
-/// How long a reaper that meets a zombie another reaper is about to take
-/// waits before it looks again.
-pub(super) const TAKING: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// How long a reap may last before a new reaper takes over the waiting
 /// for exits: far beyond the kernel's usual wait (up to 1.4 ms seen).
