@@ -109,6 +109,27 @@ pub const fn injected_panic(_: &str) -> bool {
     false
 }
 
+/// How long the reap of the server's leader is held, for the tests that
+/// prove a slow reap freezes nothing: `VLLM_WARDEN_TEST_SLOW_REAP=MS` makes
+/// the reaper wait that many milliseconds between reading the leader's exit
+/// and reaping it, its zombie still there, as a reap that the kernel holds
+/// does. Read once; unset in normal use. Only with the `fault-injection`
+/// feature.
+#[cfg(feature = "fault-injection")]
+pub fn injected_slow_reap() -> Option<std::time::Duration> {
+    static HOLD: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *HOLD.get_or_init(|| {
+        let ms = std::env::var("VLLM_WARDEN_TEST_SLOW_REAP").ok()?.parse().ok()?;
+        Some(std::time::Duration::from_millis(ms))
+    })
+}
+
+/// Without the `fault-injection` feature no reap is held.
+#[cfg(not(feature = "fault-injection"))]
+pub const fn injected_slow_reap() -> Option<std::time::Duration> {
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -73,7 +73,7 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
         // nothing.
         let taken_over = being_reaped(pid);
         let _unreaped = (!taken_over).then(|| Unreaped::new(pid));
-        {
+        let leader = {
             let mut i = lock(inner);
             if !taken_over {
                 let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
@@ -82,8 +82,17 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
                 }
                 i.leader_exit(pid, exit);
             }
-        }
+            i.leader == Some(pid)
+        };
         let reap = WATCH.begin(generation, pid);
+        if leader
+            && !taken_over
+            && let Some(hold) = crate::util::tasks::injected_slow_reap()
+        {
+            // A test's stand-in for a reaper held between reading the exit
+            // and the reap: the zombie stays until the next reaper takes it.
+            std::thread::sleep(hold);
+        }
         // Another waiter may have taken it first (a helper's own wait).
         let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
         if crate::util::tasks::injected_panic("reap") {
