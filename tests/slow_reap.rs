@@ -1,5 +1,6 @@
 //! A slow reap never freezes the warden: while the reap of the server's
-//! leader is held, the warden restarts the server, answers its status
+//! leader is held (by the test hook, or by the kernel taking down a great
+//! many `/proc` entries), the warden restarts the server, answers its status
 //! endpoint and `vllm-warden status`, feeds the watchdog and honours a stop.
 //!
 //! No wait sleeps for a condition: each is on an event (a datagram, a file
@@ -127,5 +128,74 @@ fn a_held_reap_of_the_server_freezes_neither_the_restart_nor_status_watchdog_and
 
     // (c) A stop is honoured within its bounds (the new server's reap is
     // held too: its tree is seen gone without it).
+    stop_within_bounds(&mut w);
+}
+
+/// The entries of `pid`'s `/proc` folder that a reap takes down, each
+/// looked up (`lstat`) so that the kernel holds it: the descriptors (in
+/// `fd/` and `fdinfo/`, and again under `task/PID/`) and the mappings
+/// (`map_files/`). How many.
+fn look_up_proc_entries(pid: i32) -> usize {
+    let mut n = 0;
+    for dir in ["fd", "fdinfo", &format!("task/{pid}/fd"), &format!("task/{pid}/fdinfo"), "map_files"] {
+        let dir = format!("/proc/{pid}/{dir}");
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            n += usize::from(std::fs::symlink_metadata(e.path()).is_ok());
+        }
+    }
+    n
+}
+
+/// The milliseconds in `… took N ms` after `prefix` in `text`.
+fn ms_after(text: &str, prefix: &str) -> Option<u64> {
+    let at = text.find(prefix)? + prefix.len();
+    text[at..].split(' ').next()?.parse().ok()
+}
+
+#[test]
+fn a_real_slow_reap_holds_no_turn_of_the_loop() {
+    // The kernel's own slow reap: a server holding 100 000 descriptors (as
+    // many as its limit allows) and 60 000 mappings, each looked up in its
+    // /proc folder, whose entries the reap takes down one by one (about
+    // 0.2 s on the 2-core machine measured; a vLLM reap was seen taking
+    // 15 s to minutes).
+    let env = vec![("WATCHDOG_USEC".into(), WATCHDOG_USEC.into())];
+    let mut w = Warden::start_with(
+        |d, p| {
+            let stop_timeout = format!("stop-timeout = \"{}s\"", STOP_TIMEOUT.as_secs());
+            config(d, p, &["--shards", "1", "--descriptors", "100000", "--mappings", "60000"], &stop_timeout, FAST)
+        },
+        Opts { env, ..Opts::default() },
+    );
+    w.wait_ready();
+    let old = ready_pid(&mut w);
+    let entries = look_up_proc_entries(old);
+    let before = w.stderr().len();
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(old), Signal::SIGKILL).unwrap();
+    w.wait_note("the restart", |n| n.starts_with("STATUS=restarting in"));
+    w.wait_ready();
+    let new = ready_pid(&mut w);
+    watchdog_fed(&mut w, 3);
+    let took = format!("the reap of pid {old} took ");
+    w.wait_for_file("warden.stderr", |w| w.stderr().contains(&took));
+    let stderr = w.stderr();
+    let reap = ms_after(&stderr, &took).unwrap();
+    eprintln!("{entries} entries of /proc/{old} looked up: its reap took {reap} ms");
+    // The premise: a reap far beyond the kernel's usual (up to 1.4 ms), and
+    // longer than a turn of the loop that is logged.
+    assert!(
+        reap > vllm_warden::daemon::driver::SLOW_TURN.as_millis() as u64,
+        "the reap of {entries} /proc entries took only {reap} ms on this machine: the test proves nothing"
+    );
+    // No turn of the loop was held for half the reap (a loop that waited
+    // for it would have been held for nearly all of it: its exit reaches
+    // the loop as the reap begins).
+    let held = "the loop was held for ";
+    for line in stderr[before..].lines().filter(|l| l.contains(held)) {
+        let ms = ms_after(line, held).unwrap();
+        assert!(ms < reap / 2, "a turn of the loop took {ms} ms during a reap of {reap} ms: {line}");
+    }
+    assert_eq!(status_endpoint(&w, Duration::from_secs(5))["child_pid"].as_i64(), Some(new.into()));
     stop_within_bounds(&mut w);
 }

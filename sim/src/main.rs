@@ -114,6 +114,16 @@ struct FakeArgs {
     /// vLLM's EngineCore is a Python process of the tree.
     #[arg(long)]
     python_engine: Option<PathBuf>,
+    /// Before the ready line, open this many more descriptors (as many as
+    /// the descriptor limit allows, less a few for the server) and keep them: each is an entry of the
+    /// process's `/proc` folder (`fd/`, `fdinfo/`), which a reap takes down.
+    #[arg(long)]
+    descriptors: Option<u64>,
+    /// Before the ready line, map the first page of this binary this many
+    /// times (as many as the kernel allows) and keep the mappings: each is an
+    /// entry of the process's `/proc/PID/map_files/`.
+    #[arg(long)]
+    mappings: Option<u64>,
     /// Helper for tests: keep this file open, print "holding", wait forever.
     #[arg(long, hide = true)]
     hold_file: Option<PathBuf>,
@@ -418,6 +428,7 @@ fn simulate(args: FakeArgs) -> i32 {
     if let Some(bytes) = args.flood_before_ready.filter(|_| failing) {
         flood(out.pid, bytes);
     }
+    let _held = hold_entries(&args);
     // Stamped before the line is written, so that a reader can never see
     // the line before the stamp exists.
     stamp(&args, "ready");
@@ -459,6 +470,53 @@ fn simulate(args: FakeArgs) -> i32 {
         return 0;
     }
     forever();
+}
+
+/// How many descriptors `--descriptors` leaves free under the limit.
+const SPARE_DESCRIPTORS: usize = 256;
+
+/// The descriptors and mappings of `--descriptors` and `--mappings`, kept
+/// until the process ends: as many as the limits allow.
+fn hold_entries(args: &FakeArgs) -> Vec<std::fs::File> {
+    let mut files = Vec::new();
+    if let Some(n) = args.descriptors
+        && let Ok(first) = std::fs::File::open("/dev/null")
+    {
+        while (files.len() as u64) < n {
+            match first.try_clone() {
+                Ok(f) => files.push(f),
+                Err(_) => {
+                    // At the limit: room is left for the server's own.
+                    files.truncate(files.len().saturating_sub(SPARE_DESCRIPTORS));
+                    break;
+                }
+            }
+        }
+        files.push(first);
+    }
+    if let Some(n) = args.mappings
+        && let Ok(exe) = std::env::current_exe().and_then(std::fs::File::open)
+    {
+        let len = std::num::NonZeroUsize::new(4096).expect("non-zero");
+        for _ in 0..n {
+            // SAFETY: a private read-only mapping of a file we opened, never
+            // read and never unmapped (the process's end takes it down).
+            let mapped = unsafe {
+                nix::sys::mman::mmap(
+                    None,
+                    len,
+                    nix::sys::mman::ProtFlags::PROT_READ,
+                    nix::sys::mman::MapFlags::MAP_PRIVATE,
+                    &exe,
+                    0,
+                )
+            };
+            if mapped.is_err() {
+                break;
+            }
+        }
+    }
+    files
 }
 
 /// Keep a file open, or mapped with its descriptor closed, as a live

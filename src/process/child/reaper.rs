@@ -85,6 +85,7 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
             i.leader == Some(pid)
         };
         let reap = WATCH.begin(generation, pid);
+        let began = std::time::Instant::now();
         if leader
             && !taken_over
             && let Some(hold) = crate::util::tasks::injected_slow_reap()
@@ -95,6 +96,10 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
         }
         // Another waiter may have taken it first (a helper's own wait).
         let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        let took = began.elapsed();
+        if took >= SLOW_REAP {
+            tracing::debug!(EVENT = "reap", "the reap of pid {pid} took {} ms", took.as_millis());
+        }
         if crate::util::tasks::injected_panic("reap") {
             // A test's stand-in for a reap that spins for ever in the
             // kernel after taking its zombie.
@@ -140,6 +145,10 @@ impl Drop for Unreaped {
 pub(super) fn being_reaped(pid: i32) -> bool {
     UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).contains(&pid)
 }
+
+/// A reap that lasts this long is logged (at debug level) with how long it
+/// took: far beyond the kernel's usual wait, short of [`REAP_PATIENCE`].
+pub(super) const SLOW_REAP: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// How long a reap may last before a new reaper takes over the waiting
 /// for exits: far beyond the kernel's usual wait (up to 1.4 ms seen).
