@@ -427,9 +427,10 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         self.observer.changed(&self.machine);
         // A change of the progress line alone may be written later (a flood
         // of progress lines is a few writes a second); its notes wait with
-        // it, so that no notification runs ahead of the files.
+        // it, so that no notification runs ahead of the files. Once written,
+        // what was held goes with this change's own notes, in one datagram.
         let deferring = self.observer.put_off();
-        if !deferring {
+        if !deferring && !effects.iter().any(|fx| matches!(fx, Effect::Notify(_))) {
             self.send_held(held);
         }
         for fx in effects {
