@@ -231,6 +231,8 @@ pub fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 /// it was.
 pub fn exec(exe: &Path, state: &Path) -> io::Error {
     use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
+    // What the status writer holds would be lost with this process.
+    crate::observe::outbox::settle(Duration::from_secs(1));
     let mut held = SigSet::empty();
     for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGUSR2] {
         held.add(s);

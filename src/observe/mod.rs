@@ -2,7 +2,8 @@
 //! file (and rotating it), HTTP readiness and health checks, GPU faults in
 //! the kernel's messages, forwarding its lines to the journal, the status
 //! document and the metrics, the failure report of a failed run, and
-//! sd_notify.
+//! sd_notify (the status files and the notes behind them written and sent
+//! off the loop, by the outbox).
 //!
 //! May use `process`, `supervisor`, `config`, `patch` and `util`. Decides
 //! nothing: what a line or an answer means for the run is the
@@ -13,6 +14,7 @@ pub mod journal;
 pub mod kernel;
 pub mod logwatch;
 pub mod notify;
+pub mod outbox;
 pub mod reports;
 pub mod rotate;
 pub mod status;

@@ -18,10 +18,10 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 
+use crate::observe::outbox::replace;
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Phase};
 pub use crate::supervisor::snapshot::{LastFailure, Snapshot};
-use crate::util::fsutil::replace;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LastExit {
@@ -284,9 +284,6 @@ impl Reporter {
         self.document = Some(Arc::from(text.as_str()));
         self.metrics.set(&snap, self.journal_dropped);
         if self.written_doc.as_deref() != Some(&text) {
-            if let Some(dir) = self.doc_path.parent() {
-                let _ = std::fs::create_dir_all(dir);
-            }
             match replace(&self.doc_path, text.as_bytes(), 0o644) {
                 Ok(()) => self.written_doc = Some(text),
                 Err(e) => tracing::warn!(error = %e, file = %self.doc_path.display(), "cannot write the status file"),

@@ -92,8 +92,8 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 
 /// A panic injected into the named task, for the tests that prove a dead
 /// task is noticed: `VLLM_WARDEN_TEST_PANIC=reaper` makes the reaper panic
-/// at an exit other than the child's while the child runs (`reap` and
-/// `exit` are hooks that block, not panics: see their callers). Read once;
+/// at an exit other than the child's while the child runs (`reap`, `exit`
+/// and `status-write` are hooks that block, not panics: see their callers). Read once;
 /// unset in normal use. Only with the `fault-injection` feature, which the
 /// tests turn on and a release build does not.
 #[cfg(feature = "fault-injection")]
