@@ -108,25 +108,35 @@ fn write_file(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
 }
 
 impl Outbox {
+    /// Post the newest content of a file; the thread is woken by the notes
+    /// that follow, or by [`kick`] (one wake-up for a change and its notes).
     fn post_file(&self, path: &Path, bytes: &[u8], mode: u32) {
         let mut w = self.shared.lock();
         match w.files.iter_mut().find(|(p, ..)| p == path) {
             Some(waiting) => *waiting = (path.to_path_buf(), bytes.to_vec(), mode),
             None => w.files.push((path.to_path_buf(), bytes.to_vec(), mode)),
         }
-        self.shared.posted.notify_one();
     }
 
     fn post_notes(&self, notes: &[Note]) {
-        let mut w = self.shared.lock();
-        w.notes.push(notes.to_vec());
+        self.shared.lock().notes.push(notes.to_vec());
+        // Woken with the lock let go: it does not wake only to wait for it.
         self.shared.posted.notify_one();
+    }
+
+    /// Wake the thread for the files posted.
+    fn kick(&self) {
+        let waiting = !self.shared.lock().files.is_empty();
+        if waiting {
+            self.shared.posted.notify_one();
+        }
     }
 
     /// Wait until all that was posted is written and sent (a note that
     /// could not be delivered is not waited for), at most `limit`; false if
     /// that did not come.
     pub fn settle(&self, limit: Duration) -> bool {
+        self.kick();
         let w = self.shared.lock();
         let (_w, waited) = self
             .shared
@@ -134,6 +144,15 @@ impl Outbox {
             .wait_timeout_while(w, limit, |w| w.busy || !w.files.is_empty() || !w.notes.is_empty())
             .unwrap_or_else(|p| p.into_inner());
         !waited.timed_out()
+    }
+}
+
+/// Have the files posted written, with no note after them (a change that
+/// notifies nothing): the observer of the state calls it once each change
+/// is carried out.
+pub fn kick() {
+    if let Some(o) = OUTBOX.get() {
+        o.kick();
     }
 }
 
@@ -248,6 +267,7 @@ mod tests {
         for state in ["launching", "starting", "ready"] {
             outbox.post_file(&file, state.as_bytes(), 0o644);
         }
+        outbox.kick();
         let mut loop_side = Behind::new(outbox, None);
         loop_side.notify(&[Note::Ready]);
         assert!(outbox.settle(Duration::from_secs(60)));
