@@ -114,6 +114,13 @@ struct FakeArgs {
     /// vLLM's EngineCore is a Python process of the tree.
     #[arg(long)]
     python_engine: Option<PathBuf>,
+    /// After the ready line, while this file exists, write a request line
+    /// every `--log-every` (a server logging steadily for as long as a test
+    /// or bench keeps the file), then go on.
+    #[arg(long)]
+    log_while: Option<PathBuf>,
+    #[arg(long, default_value = "1ms", value_parser = humantime::parse_duration)]
+    log_every: Duration,
     /// Before the ready line, open this many more descriptors (as many as
     /// the descriptor limit allows, less a few for the server) and keep them: each is an entry of the
     /// process's `/proc` folder (`fd/`, `fdinfo/`), which a reap takes down.
@@ -216,6 +223,24 @@ fn flood(pid: u32, bytes: u64) -> u64 {
     }
     let _ = o.flush();
     n
+}
+
+/// A request line every `every`, on time whatever the writes cost, while
+/// `path` exists.
+fn log_steadily(out: &Out, path: &std::path::Path, every: Duration) {
+    let mut next = std::time::Instant::now();
+    let mut n = 0u64;
+    while path.exists() {
+        out.log(
+            "APIServer",
+            "INFO",
+            "logger.py:71",
+            &format!("Received request cmpl-{n:016x}-0: params: SamplingParams(n=1, temperature=0.0, max_tokens=16)"),
+        );
+        n += 1;
+        next += every;
+        std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
+    }
 }
 
 fn forever() -> ! {
@@ -433,6 +458,9 @@ fn simulate(args: FakeArgs) -> i32 {
     // the line before the stamp exists.
     stamp(&args, "ready");
     out.raw("INFO:     Application startup complete.\n");
+    if let Some(path) = &args.log_while {
+        log_steadily(&out, path, args.log_every);
+    }
     if let Some(bytes) = args.flood_after_ready {
         let lines = flood(out.pid, bytes);
         out.log("APIServer", "INFO", "loggers.py:248", &format!("flood done {lines} lines"));
