@@ -1,6 +1,8 @@
-//! A status file that cannot be written (a filesystem that never answers)
-//! holds nothing but itself: the files and the notifications behind them
-//! wait on their own thread, while the loop feeds the watchdog, serves the
+//! What the warden writes out can get stuck without holding it: a status
+//! file that cannot be written (a filesystem that never answers) holds the
+//! files and the notifications behind them, on their own thread; a log
+//! nobody reads (a collector that stopped reading) holds the log's writer,
+//! on its own thread. Meanwhile the loop feeds the watchdog, serves the
 //! endpoint, runs the child and honours a stop.
 
 mod common;
@@ -40,4 +42,36 @@ fn a_status_write_that_never_returns_holds_neither_the_loop_nor_the_stop() {
     w.signal(Signal::SIGTERM);
     assert_eq!(w.wait_exit_strictly_within(Duration::from_secs(15), "the exit after SIGTERM"), 0);
     assert!(w.stderr().contains("stopped on request"), "{}", w.stderr());
+}
+
+#[test]
+fn a_log_that_nobody_reads_holds_neither_the_loop_nor_the_stop() {
+    // The warden's stderr is a pipe of one page that is never read: the
+    // events of five failed starts (NCCL errors, each with its report,
+    // backoff and spawn) fill it before the sixth start is ready.
+    let env = vec![("WATCHDOG_USEC".into(), "200000".into())];
+    let fast = "[restart]\ninitial-delay = \"0s\"\n[prestart]\ngpu-idle-wait = \"0s\"\n";
+    let mut w = Warden::start_with(
+        |d, p| {
+            let count = d.join("runs");
+            let args =
+                ["--shards", "2", "--fail", "nccl", "--fail-times", "5", "--count-file", count.to_str().unwrap()];
+            config(d, p, &args, "", fast)
+        },
+        Opts { env, stderr_unread: true, ..Opts::default() },
+    );
+    w.wait_ready();
+    assert_eq!(w.notes.iter().filter(|n| n.starts_with("STATUS=restarting in")).count(), 5, "{:?}", w.notes);
+    for i in 0..5 {
+        w.wait_note_within(Duration::from_secs(5), &format!("WATCHDOG=1 number {}", i + 1), |n| n == "WATCHDOG=1");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let socket = w.path("run/control.sock");
+    let livez = vllm_warden::daemon::server::client::call_within(&socket, "GET", "/livez", Duration::from_secs(5));
+    let answer = rt.block_on(livez).unwrap_or_else(|e| panic!("the endpoint did not answer within 5 s: {e}"));
+    assert_eq!(answer, (200, "ready\n".to_string()));
+    w.signal(Signal::SIGTERM);
+    w.wait_note_within(Duration::from_secs(5), "STOPPING=1", |n| n == "STOPPING=1");
+    // The exit waits 2 s for the stuck log, then ends.
+    assert_eq!(w.wait_exit_strictly_within(Duration::from_secs(15), "the exit after SIGTERM"), 0);
 }
