@@ -1,7 +1,10 @@
 //! Latency of the two paths that matter most, over 100 real starts of the
 //! fake vLLM under the release binary:
 //!
-//! - readiness line written → `READY=1` received on the notify socket;
+//! - readiness line written → `READY=1` received on the notify socket, on a
+//!   fresh warden and on one that has been running for minutes, its server
+//!   logging steadily (1000 request lines a second for 3 minutes) before
+//!   the measured starts;
 //! - the child's exit → the next child's first instruction, with zero backoff.
 //!
 //! Each is reported with a baseline measured in the same run on the same
@@ -24,7 +27,11 @@
 //! beside the warden); with `LATENCY_BENCH_REPORTS=off`, without the failure
 //! report that every failed run gets before its stop (`reports.keep = 0`);
 //! `LATENCY_BENCH_STARTS=N` for N starts instead of 100 (more samples, for
-//! comparing two builds on a noisy machine).
+//! comparing two builds on a noisy machine); `LATENCY_BENCH_AGE=S` for a
+//! long-running warden that logged for S seconds instead of 180 (0: that
+//! case is left out), `LATENCY_BENCH_LOG_RATE=N` for N lines a second while
+//! it did. The fresh-server baseline is measured again after the
+//! long-running case, and that case compared with it.
 
 #[path = "../tests/support/sim.rs"]
 mod sim;
@@ -224,13 +231,44 @@ fn reports() -> &'static str {
     }
 }
 
-fn main() {
-    let exe = env!("CARGO_BIN_EXE_vllm-warden");
-    let sim = &sim::beside(exe).display().to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
+/// How long the long-running warden's server logs before the measured
+/// starts: `LATENCY_BENCH_AGE` seconds, else 180; 0 leaves that case out.
+static AGE: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
+    Duration::from_secs(std::env::var("LATENCY_BENCH_AGE").ok().and_then(|n| n.parse().ok()).unwrap_or(180))
+});
+
+/// How many lines a second the long-running warden's server writes while
+/// it ages: `LATENCY_BENCH_LOG_RATE`, else 1000.
+static LOG_RATE: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+    std::env::var("LATENCY_BENCH_LOG_RATE").ok().and_then(|n| n.parse().ok()).unwrap_or(1000).max(1)
+});
+
+/// What one warden's run measured: each start's ready line → `READY=1`,
+/// and each exit → the next child's first instruction, in ms.
+struct Measured {
+    ready: Vec<f64>,
+    respawn: Vec<f64>,
+}
+
+/// Run the release warden on the simulated vLLM for [`STARTS`] measured
+/// starts (each server ready, then its engine dies 20 ms after the first
+/// `GET /health`, then a restart with no backoff), in the folder `d`.
+/// With `age`, the first server logs a request line every `1/LOG_RATE`
+/// for that long before its engine dies, and the starts after it are
+/// measured: a warden that has been running and logging for minutes.
+fn run_warden(exe: &str, sim: &str, d: &std::path::Path, age: Option<Duration>) -> Measured {
+    std::fs::create_dir_all(d).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let stamps = d.join("stamps");
+    let aging = d.join("aging");
+    let steady = match age {
+        Some(_) => {
+            std::fs::write(&aging, "").unwrap();
+            let every = Duration::from_nanos(1_000_000_000 / *LOG_RATE);
+            format!(r#", "--log-while", "{}", "--log-every", "{}""#, aging.display(), humantime::format_duration(every))
+        }
+        None => String::new(),
+    };
     // The status file lives in /run, a tmpfs, under systemd: the same here.
     let run = tempfile::tempdir_in("/dev/shm").unwrap();
     let cfg = d.join("bench.toml");
@@ -240,7 +278,7 @@ fn main() {
             r#"name = "bench"
 [child]
 command = ["{sim}", "--port", "{port}", "--shards", "1", "--shard-time", "0s",
-           "--fail", "engine-death", "--fail-after", "20ms", "--stamp-file", "{stamps}"]
+           "--fail", "engine-death", "--fail-after", "20ms", "--stamp-file", "{stamps}"{steady}]
 log-file = "{d}/bench.log"
 [restart]
 initial-delay = "0s"
@@ -268,6 +306,7 @@ file = "{run}/status.json"
             }
         }
     });
+    let began = Instant::now();
     let mut warden = Command::new(exe)
         .args(["run", "-c"])
         .arg(&cfg)
@@ -279,30 +318,82 @@ file = "{run}/status.json"
         .spawn()
         .unwrap();
     let mut ready_at = Vec::new();
+    // The aging server's readiness is not measured.
+    let skip = usize::from(age.is_some());
+    if let Some(age) = age {
+        ready_at.push(rx.recv_timeout(Duration::from_secs(60)).expect("READY=1"));
+        eprintln!(
+            "the long-running warden's server logs {} lines/s for {}",
+            *LOG_RATE,
+            humantime::format_duration(age)
+        );
+        // The warden runs and follows the log meanwhile: there is no
+        // condition to wait for, only the time to let pass.
+        std::thread::sleep(age);
+        std::fs::remove_file(&aging).unwrap();
+    }
     for _ in 0..*STARTS + 1 {
         ready_at.push(rx.recv_timeout(Duration::from_secs(60)).expect("READY=1"));
+    }
+    if age.is_some() {
+        let log = std::fs::metadata(d.join("bench.log")).map(|m| m.len()).unwrap_or(0);
+        eprintln!(
+            "the long-running warden was measured after {} of running; its log: {} MB",
+            humantime::format_duration(Duration::from_secs(began.elapsed().as_secs())),
+            log >> 20
+        );
     }
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(warden.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     assert_eq!(warden.wait().unwrap().code(), Some(0));
 
     let text = std::fs::read_to_string(&stamps).unwrap();
     let (starts, readies, exits) = (stamps_of(&text, "start "), stamps_of(&text, "ready "), stamps_of(&text, "exit "));
-    let ready_ms: Vec<f64> =
-        readies.iter().zip(&ready_at).take(*STARTS).map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
-    let respawn_ms: Vec<f64> =
-        exits.iter().zip(starts.iter().skip(1)).take(*STARTS).map(|(e, s)| (*s as f64 - *e as f64) / 1e6).collect();
+    let ready =
+        readies.iter().zip(&ready_at).skip(skip).take(*STARTS).map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
+    let respawn = exits
+        .iter()
+        .zip(starts.iter().skip(1))
+        .skip(skip)
+        .take(*STARTS)
+        .map(|(e, s)| (*s as f64 - *e as f64) / 1e6)
+        .collect();
+    Measured { ready, respawn }
+}
 
-    println!("vllm-warden latency, {} starts, release build", *STARTS);
-    let (rm, rp) = stats("ready line written -> READY=1 received", ready_ms);
-    let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
+fn main() {
+    let exe = env!("CARGO_BIN_EXE_vllm-warden");
+    let sim = &sim::beside(exe).display().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+
+    let fresh = run_warden(exe, sim, &d.join("fresh"), None);
+    println!("vllm-warden latency, {} starts, release build", *STARTS);
+    let (rm, rp) = stats("ready line written -> READY=1 received", fresh.ready);
+    let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
     let (hm, hp) = stats("baseline: GET /health round trip", http_baseline(sim, &rt));
     let (fm, fp) = stats("baseline: inotify + GET, fresh server", fresh_baseline(sim, d, &rt));
-    let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn_ms);
+    let (cm, cp) = stats("child exit -> next child running (0 backoff)", fresh.respawn);
     let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(sim, d));
     let (lm, lp) = stats("baseline: exit -> wait + spawn -> running", respawn_baseline(sim, d));
+    let long = (!AGE.is_zero()).then(|| {
+        let measured = run_warden(exe, sim, &d.join("long"), Some(*AGE));
+        let name = format!("long-running ({} s, {}/s): ready -> READY=1", AGE.as_secs(), *LOG_RATE);
+        let ready = stats(&name, measured.ready);
+        let baseline = stats("baseline again: inotify + GET, fresh server", fresh_baseline(sim, d, &rt));
+        let respawn = stats("long-running: child exit -> next child running", measured.respawn);
+        (ready, baseline, respawn)
+    });
     println!("ratio ready/(inotify + GET): median {:.1}x  p99 {:.1}x", rm / (bm + hm), rp / (bp + hp));
     println!("ratio ready/(inotify + GET, fresh server): median {:.1}x  p99 {:.1}x", rm / fm, rp / fp);
+    if let Some(((lrm, lrp), (lfm, lfp), _)) = long {
+        println!(
+            "ratio long-running ready/(inotify + GET, fresh server, measured after it): median {:.1}x  p99 {:.1}x",
+            lrm / lfm,
+            lrp / lfp
+        );
+        println!("ratio long-running ready/fresh ready: median {:.1}x  p99 {:.1}x", lrm / rm, lrp / rp);
+    }
     println!("ratio respawn/baseline: median {:.1}x  p99 {:.1}x", cm / sm, cp / sp);
     println!("ratio respawn/(bare wait + spawn loop): median {:.1}x  p99 {:.1}x", cm / lm, cp / lp);
 }

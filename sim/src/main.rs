@@ -127,6 +127,23 @@ struct FakeArgs {
     /// vLLM's EngineCore is a Python process of the tree.
     #[arg(long)]
     python_engine: Option<PathBuf>,
+    /// After the ready line, while this file exists, write a request line
+    /// every `--log-every` (a server logging steadily for as long as a test
+    /// or bench keeps the file), then go on.
+    #[arg(long)]
+    log_while: Option<PathBuf>,
+    #[arg(long, default_value = "1ms", value_parser = humantime::parse_duration)]
+    log_every: Duration,
+    /// Before the ready line, open this many more descriptors (as many as
+    /// the descriptor limit allows, less a few for the server) and keep them: each is an entry of the
+    /// process's `/proc` folder (`fd/`, `fdinfo/`), which a reap takes down.
+    #[arg(long)]
+    descriptors: Option<u64>,
+    /// Before the ready line, map the first page of this binary this many
+    /// times (as many as the kernel allows) and keep the mappings: each is an
+    /// entry of the process's `/proc/PID/map_files/`.
+    #[arg(long)]
+    mappings: Option<u64>,
     /// Helper for tests: keep this file open, print "holding", wait forever.
     #[arg(long, hide = true)]
     hold_file: Option<PathBuf>,
@@ -219,6 +236,24 @@ fn flood(pid: u32, bytes: u64) -> u64 {
     }
     let _ = o.flush();
     n
+}
+
+/// A request line every `every`, on time whatever the writes cost, while
+/// `path` exists.
+fn log_steadily(out: &Out, path: &std::path::Path, every: Duration) {
+    let mut next = std::time::Instant::now();
+    let mut n = 0u64;
+    while path.exists() {
+        out.log(
+            "APIServer",
+            "INFO",
+            "logger.py:71",
+            &format!("Received request cmpl-{n:016x}-0: params: SamplingParams(n=1, temperature=0.0, max_tokens=16)"),
+        );
+        n += 1;
+        next += every;
+        std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
+    }
 }
 
 fn forever() -> ! {
@@ -441,10 +476,14 @@ fn simulate(args: FakeArgs) -> i32 {
     if let Some(bytes) = args.flood_before_ready.filter(|_| failing) {
         flood(out.pid, bytes);
     }
+    let _held = hold_entries(&args);
     // Stamped before the line is written, so that a reader can never see
     // the line before the stamp exists.
     stamp(&args, "ready");
     out.raw("INFO:     Application startup complete.\n");
+    if let Some(path) = &args.log_while {
+        log_steadily(&out, path, args.log_every);
+    }
     if let Some(bytes) = args.flood_after_ready {
         let lines = flood(out.pid, bytes);
         out.log("APIServer", "INFO", "loggers.py:248", &format!("flood done {lines} lines"));
@@ -482,6 +521,53 @@ fn simulate(args: FakeArgs) -> i32 {
         return 0;
     }
     forever();
+}
+
+/// How many descriptors `--descriptors` leaves free under the limit.
+const SPARE_DESCRIPTORS: usize = 256;
+
+/// The descriptors and mappings of `--descriptors` and `--mappings`, kept
+/// until the process ends: as many as the limits allow.
+fn hold_entries(args: &FakeArgs) -> Vec<std::fs::File> {
+    let mut files = Vec::new();
+    if let Some(n) = args.descriptors
+        && let Ok(first) = std::fs::File::open("/dev/null")
+    {
+        while (files.len() as u64) < n {
+            match first.try_clone() {
+                Ok(f) => files.push(f),
+                Err(_) => {
+                    // At the limit: room is left for the server's own.
+                    files.truncate(files.len().saturating_sub(SPARE_DESCRIPTORS));
+                    break;
+                }
+            }
+        }
+        files.push(first);
+    }
+    if let Some(n) = args.mappings
+        && let Ok(exe) = std::env::current_exe().and_then(std::fs::File::open)
+    {
+        let len = std::num::NonZeroUsize::new(4096).expect("non-zero");
+        for _ in 0..n {
+            // SAFETY: a private read-only mapping of a file we opened, never
+            // read and never unmapped (the process's end takes it down).
+            let mapped = unsafe {
+                nix::sys::mman::mmap(
+                    None,
+                    len,
+                    nix::sys::mman::ProtFlags::PROT_READ,
+                    nix::sys::mman::MapFlags::MAP_PRIVATE,
+                    &exe,
+                    0,
+                )
+            };
+            if mapped.is_err() {
+                break;
+            }
+        }
+    }
+    files
 }
 
 /// Keep a file open, or mapped with its descriptor closed, as a live

@@ -9,6 +9,10 @@ use crate::supervisor::exit::Code;
 /// for failure reports still being written, plus a margin for the rest.
 pub const EXIT_DEADLINE: Duration = crate::supervisor::policy::REPORT_MARGIN.saturating_add(Duration::from_secs(10));
 
+/// How long the deadline's end waits for the log to be written (a stuck
+/// reader of the log is not waited for beyond it).
+const LOG_PATIENCE: Duration = Duration::from_secs(1);
+
 /// The warden's exit has a deadline too. What follows the loop (reports
 /// still being written, the tree record, the files the tree left, the
 /// runtime's end) reads files and `/proc`, and a read can block, for
@@ -34,6 +38,7 @@ impl ExitDeadline {
                 "the exit was held up for {} at: {at}; ending now with code {code}",
                 humantime::format_duration(within)
             );
+            crate::util::logging::flush(LOG_PATIENCE);
             // SAFETY: _exit ends the process at once; nothing of ours runs
             // after it (the held-up step may hold locks: no destructor may
             // wait for them).

@@ -300,10 +300,12 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         let mut dog = self.ctx.watchdog.map(tokio::time::interval);
         let mut beat = self.ctx.heartbeat.as_ref().map(|_| tokio::time::interval(HEARTBEAT_EVERY));
         let mut requests_open = true;
-        // When the loop last woke, and for what: each turn is measured.
+        // When the loop last woke, and for what: each turn is measured,
+        // from the instant its wait ended (before its branch's work).
         let mut turn: Option<(std::time::Instant, &'static str)> = None;
         // The longest turn, and what woke it: said when the loop ends.
         let mut longest: (Duration, &'static str) = (Duration::ZERO, "nothing");
+        let woke_at = std::cell::Cell::new(std::time::Instant::now());
         loop {
             if let Some(h) = &self.ctx.heartbeat {
                 h.beat();
@@ -342,7 +344,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             let due = self.observer.due().map(Instant::from_std);
             let woke: &'static str = tokio::select! {
                 biased;
-                request = requests.next(), if requests_open && open => { match request {
+                request = stamped(&woke_at, requests.next()), if requests_open && open => { match request {
                     Some(Request::Stop) => events.push_back(Event::StopRequested),
                     Some(Request::Reload) => self.backend.read_config(),
                     Some(Request::Drain) => events.push_back(Event::DrainRequested),
@@ -357,7 +359,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                         events.push_back(Event::StopRequested);
                     }
                 }; "a request" },
-                task = self.backend.task_failed() => {
+                task = stamped(&woke_at, self.backend.task_failed()) => {
                     // A dead follower delivers no more lines: the exit first.
                     if let Some(x) = exiting.take() {
                         events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
@@ -365,13 +367,13 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     events.push_back(Event::TaskFailed { task });
                     "a failed task"
                 }
-                input = self.inputs.recv(), if open => { match input {
+                input = stamped(&woke_at, self.inputs.recv()), if open => { match input {
                     Some(i) => self.input(i, &mut events, &mut exiting),
                     // The backend holds a sender as long as it lives.
                     None => events.push_back(Event::TaskFailed { task: "the input queue".into() }),
                 }; "an input from the backend" },
-                _ = sleep_until(deadline), if open => { events.push_back(Event::Tick); "a deadline" }
-                _ = sleep_until(patience), if !open => {
+                _ = stamped(&woke_at, sleep_until(deadline)), if open => { events.push_back(Event::Tick); "a deadline" }
+                _ = stamped(&woke_at, sleep_until(patience)), if !open => {
                     if let Some(x) = exiting.take() {
                         tracing::warn!(
                             INSTANCE = self.ctx.instance.as_str(),
@@ -382,16 +384,16 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     }
                     "an exit whose log was not read to its end"
                 }
-                _ = tick(&mut dog) => { self.notifier.notify(&[Note::Watchdog]); "the watchdog" }
+                _ = stamped(&woke_at, tick(&mut dog)) => { self.notifier.notify(&[Note::Watchdog]); "the watchdog" }
                 // The beat itself is at the top of the loop.
-                _ = tick(&mut beat) => "the heartbeat",
-                _ = sleep_until(retry) => { self.notifier.retry(); "a notification's retry" }
-                _ = sleep_until(due) => {
+                _ = stamped(&woke_at, tick(&mut beat)) => "the heartbeat",
+                _ = stamped(&woke_at, sleep_until(retry)) => { self.notifier.retry(); "a notification's retry" }
+                _ = stamped(&woke_at, sleep_until(due)) => {
                     self.observer.flush();
                     self.send_held(&mut held);
                     "the status files' write"
                 }
-                delivery = self.lines.recv() => { match delivery {
+                delivery = stamped(&woke_at, self.lines.recv()) => { match delivery {
                     Some(Delivery::Lines { start, lines, .. }) => {
                         if let Some(x) = &mut exiting {
                             x.patience = Instant::now() + DRAIN_PATIENCE;
@@ -407,7 +409,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     None => events.push_back(Event::TaskFailed { task: "the line queue".into() }),
                 }; "the log's lines" },
             };
-            turn = Some((std::time::Instant::now(), woke));
+            turn = Some((woke_at.get(), woke));
         }
     }
 
@@ -452,9 +454,10 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         self.observer.changed(&self.machine);
         // A change of the progress line alone may be written later (a flood
         // of progress lines is a few writes a second); its notes wait with
-        // it, so that no notification runs ahead of the files.
+        // it, so that no notification runs ahead of the files. Once written,
+        // what was held goes with this change's own notes, in one datagram.
         let deferring = self.observer.put_off();
-        if !deferring {
+        if !deferring && !effects.iter().any(|fx| matches!(fx, Effect::Notify(_))) {
             self.send_held(held);
         }
         for fx in effects {
@@ -705,6 +708,14 @@ impl Held {
 /// extension, whose latest value is all that counts.
 fn may_wait(n: &Note) -> bool {
     matches!(n, Note::Status(_) | Note::ExtendTimeout(_))
+}
+
+/// `f`, the instant it is ready put in `woke`: where the turn it wakes
+/// begins.
+async fn stamped<F: Future>(woke: &std::cell::Cell<std::time::Instant>, f: F) -> F::Output {
+    let out = f.await;
+    woke.set(std::time::Instant::now());
+    out
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

@@ -50,7 +50,7 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, Code> {
 /// reload) from `requests`; returns the exit code.
 pub async fn run(
     settings: Settings,
-    mut notifier: impl Notifier,
+    notifier: impl Notifier + 'static,
     watchdog: Option<Duration>,
     requests: impl Stream<Item = Request>,
     handover: Handover,
@@ -110,6 +110,12 @@ pub async fn run(
     };
     let machine = machine(&mut backend, policy, adopted);
     endpoint.serve(&mut backend.tasks, shared);
+    // The status files and the notes behind them, off the loop.
+    let dog = notifier.watchdog();
+    let mut notifier: Box<dyn Notifier> = match crate::observe::outbox::start(notifier) {
+        Ok(outbox) => Box::new(crate::observe::outbox::Behind::new(outbox, dog)),
+        Err(notifier) => Box::new(notifier),
+    };
     let code = driver::Loop {
         machine,
         backend: &mut backend,
@@ -181,9 +187,15 @@ impl Endpoint {
     }
 }
 
+/// How long the exit waits for the status files and the notifications
+/// still to go (a stuck filesystem is not waited for beyond it).
+const OUTBOX_PATIENCE: Duration = Duration::from_secs(5);
+
 /// After the loop: what is left to do, under the exit's deadline.
 async fn finish(code: Code, mut backend: RealBackend, mut observer: StateObserver, settings: &Settings) -> Code {
     let exit = ExitDeadline::start(&settings.name, code, EXIT_DEADLINE);
+    exit.at("writing the status files and sending the last notifications");
+    crate::observe::outbox::settle(OUTBOX_PATIENCE);
     // Reports of runs that ended beside a new one may still be written.
     exit.at("waiting for the failure reports being written");
     backend.finish_reports(crate::supervisor::policy::REPORT_MARGIN).await;

@@ -78,6 +78,8 @@ impl crate::daemon::driver::Observer for StateObserver {
     }
 
     fn settled(&mut self) {
+        // The status files of a change that notified nothing.
+        crate::observe::outbox::kick();
         self.tree.settle();
     }
 
@@ -105,6 +107,7 @@ impl crate::daemon::driver::Observer for StateObserver {
         if self.status.due().is_some_and(|d| d <= now) {
             self.status.flush();
             self.publish(None);
+            crate::observe::outbox::kick();
         }
     }
 }

@@ -231,6 +231,10 @@ pub fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 /// it was.
 pub fn exec(exe: &Path, state: &Path) -> io::Error {
     use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
+    // What the status writer and the log's writer hold would be lost with
+    // this process.
+    crate::observe::outbox::settle(Duration::from_secs(1));
+    crate::util::logging::flush(Duration::from_secs(1));
     let mut held = SigSet::empty();
     for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGUSR2] {
         held.add(s);

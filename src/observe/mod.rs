@@ -1,9 +1,9 @@
 //! Watching the child and telling the world about it: following its log
 //! file (and rotating it), HTTP readiness and health checks, GPU faults in
 //! the kernel's messages, forwarding its lines to the journal, the status
-//! document and the metrics, the load ledger, the failure report of a
-//! failed run, and
-//! sd_notify.
+//! document and the metrics, the load ledger, the golden answers, the
+//! failure report of a failed run, and sd_notify (the status files and the
+//! notes behind them written and sent off the loop, by the outbox).
 //!
 //! May use `process`, `supervisor`, `config`, `patch` and `util`. Decides
 //! nothing: what a line or an answer means for the run is the
@@ -16,6 +16,7 @@ pub mod kernel;
 pub mod ledger;
 pub mod logwatch;
 pub mod notify;
+pub mod outbox;
 pub mod reports;
 pub mod rotate;
 pub mod status;

@@ -24,6 +24,27 @@ pub trait Notifier: Send {
     }
     /// Try the undelivered notes again.
     fn retry(&mut self) {}
+    /// A notifier of its own for `WATCHDOG=1` alone, to send it apart from
+    /// the other notes (see [`crate::observe::outbox`]); `None`: it goes
+    /// with them.
+    fn watchdog(&self) -> Option<Box<dyn Notifier>> {
+        None
+    }
+}
+
+impl<T: Notifier + ?Sized> Notifier for Box<T> {
+    fn notify(&mut self, notes: &[Note]) {
+        (**self).notify(notes)
+    }
+    fn retry_at(&self) -> Option<tokio::time::Instant> {
+        (**self).retry_at()
+    }
+    fn retry(&mut self) {
+        (**self).retry()
+    }
+    fn watchdog(&self) -> Option<Box<dyn Notifier>> {
+        (**self).watchdog()
+    }
 }
 
 /// The datagram for `notes`, one `FIELD=value` line each. The only place a
@@ -203,6 +224,11 @@ impl Notifier for SdNotifier {
 
     fn retry(&mut self) {
         self.flush();
+    }
+
+    fn watchdog(&self) -> Option<Box<dyn Notifier>> {
+        let target = self.target.clone()?;
+        Some(Box::new(SdNotifier { target: Some(target), ..SdNotifier::default() }))
     }
 }
 

@@ -395,7 +395,9 @@ pub fn size_of(dir: &Path) -> io::Result<(u64, u64)> {
 
 /// The size of the cache directory, measured on a thread of its own (a
 /// big cache holds many thousands of files) when asked, the last result
-/// kept.
+/// kept. The thread is started at the first measure and kept for the next
+/// (a change into loading or ready asks for one: no thread is started on
+/// the way to `READY=1`); it ends once no meter is left.
 #[derive(Debug, Clone, Default)]
 pub struct Meter {
     inner: std::sync::Arc<(std::sync::Mutex<Measured>, std::sync::Condvar)>,
@@ -407,6 +409,10 @@ struct Measured {
     /// A result came that nobody took yet.
     fresh: bool,
     last: Option<Size>,
+    /// The folder to measure next, for the thread.
+    wanted: Option<PathBuf>,
+    /// The thread is started.
+    started: bool,
 }
 
 /// What a measure found.
@@ -417,29 +423,30 @@ pub struct Size {
     pub at: std::time::SystemTime,
 }
 
+/// How often an idle measuring thread looks whether its meter is gone.
+const METER_IDLE_LOOK: std::time::Duration = std::time::Duration::from_secs(60);
+
 impl Meter {
     /// Measure `dir` now, unless a measure is under way.
     pub fn measure(&self, dir: &Path) {
-        {
-            let mut m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
-            if m.measuring {
-                return;
-            }
-            m.measuring = true;
+        let mut m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
+        if m.measuring {
+            return;
         }
-        let (inner, dir) = (self.inner.clone(), dir.to_path_buf());
-        let spawned = std::thread::Builder::new().name("cache size".into()).spawn(move || {
-            let found = size_of(&dir).ok();
-            let mut m = inner.0.lock().unwrap_or_else(|e| e.into_inner());
-            m.measuring = false;
-            m.fresh = true;
-            if let Some((bytes, files)) = found {
-                m.last = Some(Size { bytes, files, at: std::time::SystemTime::now() });
+        m.measuring = true;
+        m.wanted = Some(dir.to_path_buf());
+        if m.started {
+            self.inner.1.notify_all();
+            return;
+        }
+        let inner = self.inner.clone();
+        let spawned = std::thread::Builder::new().name("cache size".into()).spawn(move || measure_when_asked(inner));
+        match spawned {
+            Ok(_) => m.started = true,
+            Err(_) => {
+                m.measuring = false;
+                m.wanted = None;
             }
-            inner.1.notify_all();
-        });
-        if spawned.is_err() {
-            self.inner.0.lock().unwrap_or_else(|e| e.into_inner()).measuring = false;
         }
     }
 
@@ -459,6 +466,33 @@ impl Meter {
     pub fn take(&self) -> (Option<Size>, bool) {
         let mut m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
         (m.last, std::mem::take(&mut m.fresh))
+    }
+}
+
+/// The measuring thread: each folder asked for, until no meter is left.
+fn measure_when_asked(inner: std::sync::Arc<(std::sync::Mutex<Measured>, std::sync::Condvar)>) {
+    let (lock, cond) = &*inner;
+    let mut m = lock.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let Some(dir) = m.wanted.take() else {
+            let (next, waited) = cond.wait_timeout(m, METER_IDLE_LOOK).unwrap_or_else(|e| e.into_inner());
+            m = next;
+            // Only this thread holds the meter: nobody will ask again.
+            if waited.timed_out() && m.wanted.is_none() && std::sync::Arc::strong_count(&inner) == 1 {
+                m.started = false;
+                return;
+            }
+            continue;
+        };
+        drop(m);
+        let found = size_of(&dir).ok();
+        m = lock.lock().unwrap_or_else(|e| e.into_inner());
+        m.measuring = false;
+        m.fresh = true;
+        if let Some((bytes, files)) = found {
+            m.last = Some(Size { bytes, files, at: std::time::SystemTime::now() });
+        }
+        cond.notify_all();
     }
 }
 

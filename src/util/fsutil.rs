@@ -28,9 +28,16 @@ use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = path.with_file_name(format!(".{name}.vllm-warden.tmp"));
-    let _ = fs::remove_file(&tmp);
+    let create = || OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp);
     let result = (|| {
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
+        let mut f = match create() {
+            // Left by a write that was cut short.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let _ = fs::remove_file(&tmp);
+                create()?
+            }
+            opened => opened?,
+        };
         f.write_all(bytes)?;
         // The umask may have narrowed the mode given at creation.
         f.set_permissions(fs::Permissions::from_mode(mode))?;

@@ -92,8 +92,8 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 
 /// A panic injected into the named task, for the tests that prove a dead
 /// task is noticed: `VLLM_WARDEN_TEST_PANIC=reaper` makes the reaper panic
-/// at an exit other than the child's while the child runs (`reap` and
-/// `exit` are hooks that block, not panics: see their callers). Read once;
+/// at an exit other than the child's while the child runs (`reap`, `exit`
+/// and `status-write` are hooks that block, not panics: see their callers). Read once;
 /// unset in normal use. Only with the `fault-injection` feature, which the
 /// tests turn on and a release build does not.
 #[cfg(feature = "fault-injection")]
@@ -107,6 +107,27 @@ pub fn injected_panic(name: &str) -> bool {
 #[cfg(not(feature = "fault-injection"))]
 pub const fn injected_panic(_: &str) -> bool {
     false
+}
+
+/// How long the reap of the server's leader is held, for the tests that
+/// prove a slow reap freezes nothing: `VLLM_WARDEN_TEST_SLOW_REAP=MS` makes
+/// the reaper wait that many milliseconds between reading the leader's exit
+/// and reaping it, its zombie still there, as a reap that the kernel holds
+/// does. Read once; unset in normal use. Only with the `fault-injection`
+/// feature.
+#[cfg(feature = "fault-injection")]
+pub fn injected_slow_reap() -> Option<std::time::Duration> {
+    static HOLD: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *HOLD.get_or_init(|| {
+        let ms = std::env::var("VLLM_WARDEN_TEST_SLOW_REAP").ok()?.parse().ok()?;
+        Some(std::time::Duration::from_millis(ms))
+    })
+}
+
+/// Without the `fault-injection` feature no reap is held.
+#[cfg(not(feature = "fault-injection"))]
+pub const fn injected_slow_reap() -> Option<std::time::Duration> {
+    None
 }
 
 #[cfg(test)]

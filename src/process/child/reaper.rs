@@ -66,24 +66,40 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
             Err(e) => panic!("waitid: {e}"),
         };
         let pid = pid.as_raw();
-        if being_reaped(pid) {
-            // Its reaper was handed over from before it took the zombie
-            // (a thread held off the CPU that long): it takes it next.
-            std::thread::sleep(TAKING);
-            continue;
-        }
-        let _unreaped = Unreaped::new(pid);
-        {
+        // A zombie whose reaper was handed over before it took it (a thread
+        // held off the CPU that long) is taken here: while it is there, the
+        // kernel shows it first to every wait and the exits behind it would
+        // never be seen. Its exit was reported; its old reaper's wait finds
+        // nothing.
+        let taken_over = being_reaped(pid);
+        let _unreaped = (!taken_over).then(|| Unreaped::new(pid));
+        let leader = {
             let mut i = lock(inner);
-            let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
-            if running && crate::util::tasks::injected_panic("reaper") {
-                panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
+            if !taken_over {
+                let running = i.leader.is_some_and(|l| l != pid) && !i.leader_exited;
+                if running && crate::util::tasks::injected_panic("reaper") {
+                    panic!("injected for a test (VLLM_WARDEN_TEST_PANIC)");
+                }
+                i.leader_exit(pid, exit);
             }
-            i.leader_exit(pid, exit);
-        }
+            i.leader == Some(pid)
+        };
         let reap = WATCH.begin(generation, pid);
+        let began = std::time::Instant::now();
+        if leader
+            && !taken_over
+            && let Some(hold) = crate::util::tasks::injected_slow_reap()
+        {
+            // A test's stand-in for a reaper held between reading the exit
+            // and the reap: the zombie stays until the next reaper takes it.
+            std::thread::sleep(hold);
+        }
         // Another waiter may have taken it first (a helper's own wait).
         let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        let took = began.elapsed();
+        if took >= SLOW_REAP {
+            tracing::debug!(EVENT = "reap", "the reap of pid {pid} took {} ms", took.as_millis());
+        }
         if crate::util::tasks::injected_panic("reap") {
             // A test's stand-in for a reap that spins for ever in the
             // kernel after taking its zombie.
@@ -130,9 +146,9 @@ pub(super) fn being_reaped(pid: i32) -> bool {
     UNREAPED.lock().unwrap_or_else(|p| p.into_inner()).contains(&pid)
 }
 
-/// How long a reaper that meets a zombie another reaper is about to take
-/// waits before it looks again.
-pub(super) const TAKING: std::time::Duration = std::time::Duration::from_millis(1);
+/// A reap that lasts this long is logged (at debug level) with how long it
+/// took: far beyond the kernel's usual wait, short of [`REAP_PATIENCE`].
+pub(super) const SLOW_REAP: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// How long a reap may last before a new reaper takes over the waiting
 /// for exits: far beyond the kernel's usual wait (up to 1.4 ms seen).
