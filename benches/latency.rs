@@ -1,10 +1,10 @@
 //! Latency of the two paths that matter most, over 100 real starts of the
 //! fake vLLM under the release binary:
 //!
-//! - readiness line written → `READY=1` received on the notify socket, on a
-//!   fresh warden and on one that has been running for minutes, its server
-//!   logging steadily (1000 request lines a second for 3 minutes) before
-//!   the measured starts;
+//! - readiness line written → `READY=1` arriving on the notify socket (the
+//!   kernel's stamp of the datagram), on a fresh warden and on one that has
+//!   been running for minutes, its server logging steadily (1000 request
+//!   lines a second for 3 minutes) before the measured starts;
 //! - the child's exit → the next child's first instruction, with zero backoff.
 //!
 //! Each is reported with a baseline measured in the same run on the same
@@ -30,8 +30,10 @@
 //! comparing two builds on a noisy machine); `LATENCY_BENCH_AGE=S` for a
 //! long-running warden that logged for S seconds instead of 180 (0: that
 //! case is left out), `LATENCY_BENCH_LOG_RATE=N` for N lines a second while
-//! it did. The fresh-server baseline is measured again after the
-//! long-running case, and that case compared with it.
+//! it did; `LATENCY_BENCH_LOAD=D` for a simulated load of D instead of none
+//! (the last run's report is then written before the next ready line, and
+//! the machine idles meanwhile). The fresh-server baseline is measured again
+//! after the long-running case, and that case compared with it.
 
 #[path = "../tests/support/sim.rs"]
 mod sim;
