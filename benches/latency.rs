@@ -1,10 +1,10 @@
 //! Latency of the two paths that matter most, over 100 real starts of the
 //! fake vLLM under the release binary:
 //!
-//! - readiness line written → `READY=1` received on the notify socket, on a
-//!   fresh warden and on one that has been running for minutes, its server
-//!   logging steadily (1000 request lines a second for 3 minutes) before
-//!   the measured starts;
+//! - readiness line written → `READY=1` arriving on the notify socket (the
+//!   kernel's stamp of the datagram), on a fresh warden and on one that has
+//!   been running for minutes, its server logging steadily (1000 request
+//!   lines a second for 3 minutes) before the measured starts;
 //! - the child's exit → the next child's first instruction, with zero backoff.
 //!
 //! Each is reported with a baseline measured in the same run on the same
@@ -30,8 +30,10 @@
 //! comparing two builds on a noisy machine); `LATENCY_BENCH_AGE=S` for a
 //! long-running warden that logged for S seconds instead of 180 (0: that
 //! case is left out), `LATENCY_BENCH_LOG_RATE=N` for N lines a second while
-//! it did. The fresh-server baseline is measured again after the
-//! long-running case, and that case compared with it.
+//! it did; `LATENCY_BENCH_LOAD=D` for a simulated load of D instead of none
+//! (the last run's report is then written before the next ready line, and
+//! the machine idles meanwhile). The fresh-server baseline is measured again
+//! after the long-running case, and that case compared with it.
 
 #[path = "../tests/support/sim.rs"]
 mod sim;
@@ -231,6 +233,44 @@ fn reports() -> &'static str {
     }
 }
 
+/// The next datagram on `sock` into `buf`: its length, and when it arrived
+/// on the socket (the kernel's stamp, `SO_TIMESTAMPNS`, on the sim's
+/// clock), not when this thread got round to reading it: the warden's
+/// latency, without the receiver's own wake-up.
+fn recv_stamped(sock: &UnixDatagram, buf: &mut [u8]) -> Option<(usize, u128)> {
+    use std::os::fd::AsRawFd;
+    let fd = sock.as_raw_fd();
+    let on: libc::c_int = 1;
+    let size = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: setsockopt reads one int; recvmsg writes into the buffers
+    // described by `msg`, which outlive the call; the control messages are
+    // walked with the kernel's own macros within `control`.
+    unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_TIMESTAMPNS, (&on as *const libc::c_int).cast(), size);
+        let mut control = [0u64; 16];
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control);
+        let n = libc::recvmsg(fd, &mut msg, 0);
+        if n < 0 {
+            return None;
+        }
+        let mut stamp = now_ns();
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
+                let ts = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::timespec>());
+                stamp = ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128;
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+        Some((n as usize, stamp))
+    }
+}
+
 /// How long the long-running warden's server logs before the measured
 /// starts: `LATENCY_BENCH_AGE` seconds, else 180; 0 leaves that case out.
 static AGE: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
@@ -277,7 +317,7 @@ fn run_warden(exe: &str, sim: &str, d: &std::path::Path, age: Option<Duration>) 
         format!(
             r#"name = "bench"
 [child]
-command = ["{sim}", "--port", "{port}", "--shards", "1", "--shard-time", "0s",
+command = ["{sim}", "--port", "{port}", "--shards", "1", "--shard-time", "{load}",
            "--fail", "engine-death", "--fail-after", "20ms", "--stamp-file", "{stamps}"{steady}]
 log-file = "{d}/bench.log"
 [restart]
@@ -288,6 +328,7 @@ file = "{run}/status.json"
 {kernel}{reports}"#,
             kernel = kernel_messages(),
             reports = reports(),
+            load = std::env::var("LATENCY_BENCH_LOAD").unwrap_or_else(|_| "0s".into()),
             stamps = stamps.display(),
             d = d.display(),
             run = run.path().display()
@@ -299,8 +340,7 @@ file = "{run}/status.json"
     let (tx, rx) = mpsc::channel::<u128>();
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 65536];
-        while let Ok(n) = sock.recv(&mut buf) {
-            let t = now_ns();
+        while let Some((n, t)) = recv_stamped(&sock, &mut buf) {
             if String::from_utf8_lossy(&buf[..n]).lines().any(|l| l == "READY=1") && tx.send(t).is_err() {
                 return;
             }

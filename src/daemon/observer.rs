@@ -127,6 +127,10 @@ pub struct TreeRecord {
     due: Option<RecordJob>,
 }
 
+/// How long the tree record waits for the status writer (a stuck one is
+/// not waited for beyond it).
+const NEWS_FIRST: Duration = Duration::from_millis(50);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RecordJob {
     Record,
@@ -151,6 +155,11 @@ impl TreeRecord {
                         slot = ready.wait(slot).unwrap_or_else(|p| p.into_inner());
                     }
                 };
+                if job != RecordJob::Stop {
+                    // The status files and notifications of the change go
+                    // first: this is housekeeping, they are news.
+                    crate::observe::outbox::settle(NEWS_FIRST);
+                }
                 match job {
                     RecordJob::Record => {
                         if let Err(e) = crate::process::prestart::record_tree(&dir, &instance, &token) {

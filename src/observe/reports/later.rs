@@ -31,19 +31,27 @@ pub(super) fn work<T: Send + 'static>(
 
 pub(super) type Work = Box<dyn FnOnce() + Send>;
 
-/// The nice value of [`LATER`]'s thread.
+/// The nice value of [`LATER`]'s thread where it cannot be `SCHED_IDLE`.
 pub(super) const LATER_NICE: i32 = 10;
 
 /// The file work of the reports of runs with nothing left (the log read,
-/// the files, retention): one thread, at a lower CPU priority, one job at a
-/// time, in order. It yields to the start that goes on beside it; a report
-/// the machine waits for (a run still there) uses the blocking pool.
+/// the files, retention): one thread, at the lowest CPU priority
+/// (`SCHED_IDLE`: any other thread of the machine that wakes takes its CPU
+/// at once; at nice 10 a woken thread of the warden was seen waiting 3 ms
+/// behind it, on a kernel that lets the running thread finish its slice),
+/// one job at a time, in order. It yields to the start that goes on beside
+/// it; a report the machine waits for (a run still there) uses the
+/// blocking pool.
 pub(super) static LATER: LazyLock<Option<std::sync::mpsc::Sender<Work>>> = LazyLock::new(|| {
     let (tx, rx) = std::sync::mpsc::channel::<Work>();
     let spawned = std::thread::Builder::new().name("failure reports".into()).spawn(move || {
-        // SAFETY: setpriority on this thread (who = its tid) takes no pointer.
+        let idle = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sched_setscheduler on this thread (pid 0) reads `idle`;
+        // setpriority on this thread (who = its tid) takes no pointer.
         unsafe {
-            libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, LATER_NICE);
+            if libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) != 0 {
+                libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, LATER_NICE);
+            }
         }
         for job in rx {
             wait_for_start();
