@@ -228,7 +228,7 @@ impl Warden {
             format!(
                 "name = \"logbench\"\nprofile = \"{profile}\"\n[child]\ncommand = [\"{me}\"]\nlog-file = \"{d}/bench.log\"\n\
                  env = {{ {CHILD} = \"{child_spec}\" }}\n[ready]\nhttp = \"\"\n{ready_log}[health]\nhttp = \"\"\n\
-                 [prestart]\nport = {port}\ngpu-idle-wait = \"0s\"\n[restart]\nmax-attempts = 1\n[status]\nfile = \"{r}/status.json\"\n",
+                 [prestart]\nport = {port}\ngpu-idle-wait = \"0s\"\n[restart]\nmax-attempts = 1\n[status]\nfile = \"{r}/status.json\"\n[golden]\nenabled = false\n",
                 me = me.display(),
                 d = dir.display(),
                 r = run.display(),

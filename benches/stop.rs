@@ -83,7 +83,7 @@ fn config(dir: &Path, sim: &str, sim_args: &str, more: &str) -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     format!(
         "name = \"bench\"\n[child]\ncommand = [\"{sim}\", \"--port\", \"{port}\"{sim_args}]\nlog-file = \"{d}/bench.log\"\n\
-         [status]\nfile = \"{d}/status.json\"\n{more}",
+         [status]\nfile = \"{d}/status.json\"\n[golden]\nenabled = false\n{more}",
         d = dir.display()
     )
 }
