@@ -168,6 +168,8 @@ mod tests {
 
     fn rec(id: u64, compile: f64, cache: CacheOutcome, cmd: &str) -> LoadRecord {
         LoadRecord {
+            fit: Default::default(),
+            rollback: false,
             id,
             at: format!("2026-12-02T10:0{id}:00Z"),
             start: 1,

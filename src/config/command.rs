@@ -36,6 +36,30 @@ pub fn flag(command: &[String], name: &str) -> Option<String> {
     None
 }
 
+/// `command` with `--name VALUE` as its one setting of `name`: every
+/// earlier `--name V`, `--name=V` (and vLLM's underscore spelling of
+/// them) is taken out, and the new one goes at the end.
+pub fn with_flag(command: &[String], name: &str, value: &str) -> Vec<String> {
+    let under = name.replacen("--", "__", 1).replace('-', "_").replacen("__", "--", 1);
+    let mut out = Vec::with_capacity(command.len() + 2);
+    let mut it = command.iter().enumerate();
+    while let Some((i, arg)) = it.next() {
+        // The program itself is never a flag.
+        if i > 0 && (arg == name || *arg == under) {
+            it.next();
+            continue;
+        }
+        let eq = |n: &str| arg.strip_prefix(n).is_some_and(|r| r.starts_with('='));
+        if i > 0 && (eq(name) || eq(&under)) {
+            continue;
+        }
+        out.push(arg.clone());
+    }
+    out.push(name.to_string());
+    out.push(value.to_string());
+    out
+}
+
 /// The head's GCS address a node's own command names: `--address` of a
 /// joining node; `--node-ip-address` (else 127.0.0.1) and `--port` (else
 /// 6379) of a head.
@@ -67,4 +91,24 @@ pub fn valid_address(address: &str) -> bool {
             && !host.starts_with('-')
     };
     port_ok && host_ok
+}
+
+#[cfg(test)]
+mod flag_tests {
+    use super::*;
+
+    fn v(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn with_flag_replaces_every_spelling_and_keeps_the_rest() {
+        let c = v(&["vllm", "serve", "m", "--max-model-len", "9", "--port", "1", "--max_model_len=8", "--max-model-len=7"]);
+        let got = with_flag(&c, "--max-model-len", "4096");
+        assert_eq!(got, v(&["vllm", "serve", "m", "--port", "1", "--max-model-len", "4096"]));
+        assert_eq!(flag(&got, "--max-model-len").as_deref(), Some("4096"));
+        // A flag whose name only begins the same is another flag.
+        let c = v(&["vllm", "--max-model-len-x", "3"]);
+        assert_eq!(with_flag(&c, "--max-model-len", "5"), v(&["vllm", "--max-model-len-x", "3", "--max-model-len", "5"]));
+    }
 }

@@ -81,6 +81,20 @@ pub const GOLDEN_MAX_TOKENS: u32 = 8;
 pub const GOLDEN_TOLERANCE: f64 = 1e-3;
 pub const GOLDEN_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// `[fit]`: how far `--gpu-memory-utilization` moves at a time and
+/// between which bounds (vLLM's own default is 0.9), the shortest
+/// `--max-model-len` set and the multiple it is rounded down to, and how
+/// many adjustments in a row.
+pub const FIT_STEP: f64 = 0.02;
+pub const FIT_MIN_UTILIZATION: f64 = 0.5;
+pub const FIT_MAX_UTILIZATION: f64 = 0.95;
+pub const FIT_MIN_MODEL_LEN: u32 = 4096;
+pub const FIT_MODEL_LEN_MULTIPLE: u32 = 1024;
+pub const FIT_ATTEMPTS: u32 = 3;
+
+/// `[rollback]`: how many setups that reached ready are kept.
+pub const ROLLBACK_KEEP: u32 = 10;
+
 /// `[reports]`: how many failure reports are kept, and their total size.
 pub const REPORTS_KEEP: u32 = 20;
 pub const REPORTS_MAX_SIZE: u64 = 200 << 20;

@@ -34,7 +34,7 @@ use crate::patch::Patch;
 
 pub use self::problem::{Problem, Problems};
 pub use self::settings::{
-    Child, Cluster, Drain, Fatal, Golden, GoldenPolicy, Health, Ledger, Prestart, Ready, Reports, Restart, Rotation,
+    Child, Cluster, Drain, Fatal, Fit, FitArg, Golden, GoldenPolicy, Health, Ledger, Prestart, Ready, Reports, Restart, Rollback, Rotation,
     Server, Settings, Status,
 };
 
@@ -135,9 +135,11 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         reports_v,
         ledger_v,
         golden_v,
+        fit_v,
+        rollback_v,
     ] = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden",
+        "reports", "ledger", "golden", "fit", "rollback",
     ]
     .map(|k| top.take(k));
     drop(top);
@@ -159,6 +161,8 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let reports = reports(r.section(reports_v, "reports"));
     let ledger = ledger(r.section(ledger_v, "ledger"));
     let golden = golden(r.section(golden_v, "golden"), profile == Profile::Vllm && ready.http.is_some());
+    let fit = fit(r.section(fit_v, "fit"));
+    let rollback = rollback(r.section(rollback_v, "rollback"));
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
@@ -178,6 +182,8 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         reports,
         ledger,
         golden,
+        fit,
+        rollback,
         hints,
         state_dir,
         patterns,
@@ -683,6 +689,43 @@ fn golden(mut k: Keys<'_, '_, '_>, served: bool) -> Golden {
     let accept_changes = k.read("accept-changes", false, |r, v| r.boolean(v, "accept-changes"));
     let timeout = k.duration("timeout", defaults::GOLDEN_TIMEOUT, limits::START);
     Golden { enabled, prompts, prompts_file, max_tokens, tolerance, on_mismatch, accept_changes, timeout }
+}
+
+/// `[fit]`
+fn fit(mut k: Keys<'_, '_, '_>) -> Fit {
+    let enabled = k.read("enabled", false, |r, v| r.boolean(v, "enabled"));
+    let adjust = k.read("adjust", FitArg::ALL.to_vec(), |r, v| {
+        let mut out = Vec::new();
+        for name in r.strings(v, "adjust")? {
+            match FitArg::ALL.iter().find(|a| a.name() == name) {
+                Some(a) if !out.contains(a) => out.push(*a),
+                Some(_) => {}
+                None => {
+                    let known: Vec<&str> = FitArg::ALL.iter().map(|a| a.name()).collect();
+                    r.problem(
+                        Some(v.span()),
+                        format!("`fit.adjust`: {name:?} is not one of {}", known.join(", ")),
+                    );
+                    return None;
+                }
+            }
+        }
+        Some(out)
+    });
+    let step = k.number("step", defaults::FIT_STEP, 0.001, 0.5);
+    let min_utilization = k.number("min-utilization", defaults::FIT_MIN_UTILIZATION, 0.01, 1.0);
+    let max_utilization = k.number("max-utilization", defaults::FIT_MAX_UTILIZATION, 0.01, 1.0);
+    let min_model_len = u64::from(k.count("min-model-len", defaults::FIT_MIN_MODEL_LEN, 1));
+    let model_len_multiple = u64::from(k.count("model-len-multiple", defaults::FIT_MODEL_LEN_MULTIPLE, 1));
+    let attempts = k.count("attempts", defaults::FIT_ATTEMPTS, 1);
+    Fit { enabled, adjust, step, min_utilization, max_utilization, min_model_len, model_len_multiple, attempts }
+}
+
+/// `[rollback]`
+fn rollback(mut k: Keys<'_, '_, '_>) -> Rollback {
+    let enabled = k.read("enabled", false, |r, v| r.boolean(v, "enabled"));
+    let keep = k.count("keep", defaults::ROLLBACK_KEEP, 1);
+    Rollback { enabled, keep }
 }
 
 /// `[reports]`

@@ -45,6 +45,8 @@ pub struct Settings {
     pub reports: Reports,
     pub ledger: Ledger,
     pub golden: Golden,
+    pub fit: Fit,
+    pub rollback: Rollback,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.
@@ -186,6 +188,67 @@ pub struct Golden {
     pub accept_changes: bool,
     /// What the whole check may take.
     pub timeout: Duration,
+}
+
+/// `[fit]`: memory-fit recovery. A start that fails with one of vLLM's
+/// memory-fit errors is started again with the argument moved the way
+/// the error asks, within bounds; a value that reaches ready is pinned
+/// for the setup.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    pub enabled: bool,
+    /// The arguments it may set.
+    pub adjust: Vec<FitArg>,
+    /// How far `--gpu-memory-utilization` moves at a time.
+    pub step: f64,
+    pub min_utilization: f64,
+    pub max_utilization: f64,
+    /// The shortest `--max-model-len` it sets.
+    pub min_model_len: u64,
+    /// `--max-model-len` is rounded down to a multiple of this.
+    pub model_len_multiple: u64,
+    /// Adjustments in a row, at most.
+    pub attempts: u32,
+}
+
+/// An argument of vLLM's that memory fit may set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FitArg {
+    MaxModelLen,
+    GpuMemoryUtilization,
+}
+
+impl FitArg {
+    pub const ALL: [FitArg; 2] = [FitArg::MaxModelLen, FitArg::GpuMemoryUtilization];
+
+    /// As `fit.adjust` and the status document name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FitArg::MaxModelLen => "max-model-len",
+            FitArg::GpuMemoryUtilization => "gpu-memory-utilization",
+        }
+    }
+
+    /// As vLLM's command line spells it.
+    pub fn flag(self) -> &'static str {
+        match self {
+            FitArg::MaxModelLen => "--max-model-len",
+            FitArg::GpuMemoryUtilization => "--gpu-memory-utilization",
+        }
+    }
+
+    pub fn of_name(name: &str) -> Option<FitArg> {
+        FitArg::ALL.into_iter().find(|a| a.name() == name)
+    }
+}
+
+/// `[rollback]`: a changed setup that fails permanently is replaced by
+/// the last setup that reached ready.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rollback {
+    pub enabled: bool,
+    /// How many setups that reached ready are kept.
+    pub keep: u32,
 }
 
 /// What a mismatch does.

@@ -97,8 +97,11 @@ pub struct RealBackend {
 struct Loads {
     ledger: crate::observe::ledger::Ledger,
     writer: Option<crate::observe::ledger::Writer>,
-    /// Found by the pre-start steps of a start: its setup and weights.
-    found: Arc<std::sync::Mutex<Option<(u32, crate::observe::ledger::Facts)>>>,
+    /// Found by the pre-start steps of a start: its setup, weights,
+    /// memory fit's values and command line.
+    found: Arc<std::sync::Mutex<Option<(u32, crate::daemon::recover::Found)>>>,
+    /// What memory fit and a rollback ask of the next starts.
+    recovery: crate::daemon::recover::Recovery,
     /// The setup of the run spawned last.
     running: Option<crate::observe::ledger::Facts>,
 }
@@ -222,6 +225,7 @@ impl RealBackend {
                     .map_err(|e| tracing::warn!(error = %e, "no thread for the load ledger: loads are not recorded"))
                     .ok(),
                 found: Arc::default(),
+                recovery: Default::default(),
                 running: None,
             },
             reports: Reports::default(),
@@ -327,18 +331,48 @@ impl Backend for RealBackend {
         let inherited = self.launch.handover.from_upgrade;
         let gate = self.reports.gate.clone();
         let found = self.loads.found.clone();
+        let fit = self.loads.recovery.fit.clone();
+        let expect = self.loads.recovery.expect.clone();
+        let revert = self.loads.recovery.revert.take();
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::daemon::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
-            let result = crate::daemon::prepare::run(&settings, status.clone(), done, inherited).await;
+            let mut result = Ok(());
+            if let Some(patches) = revert {
+                // A rollback: the failed setup's patches are undone first,
+                // so that the good one's apply to the originals.
+                status("undoing the failed setup's patches".into());
+                let state = settings.state_dir.clone();
+                let undone = tokio::task::spawn_blocking(move || {
+                    crate::patch::revert(&patches, &state, false, crate::patch::Wait::No)
+                })
+                .await
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+                if let Err(e) = undone {
+                    result = Err(StartFailure::permanent(format!("cannot undo the failed setup's patches: {e}")));
+                }
+            }
             if result.is_ok() {
-                // The setup as it starts (after the patches): its ledger.
-                let facts = tokio::task::spawn_blocking(move || crate::daemon::environment::load_facts(&settings))
-                    .await
-                    .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
-                *found.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, facts));
+                result = crate::daemon::prepare::run(&settings, status.clone(), done, inherited).await;
+            }
+            if result.is_ok() {
+                result = crate::daemon::recover::gpus_free(&settings, &fit).await;
+            }
+            if result.is_ok() {
+                // The setup as it starts (after the patches): its ledger,
+                // memory fit's values, the last-known-good setup.
+                let s = settings.clone();
+                let found_now = tokio::task::spawn_blocking(move || {
+                    crate::daemon::recover::find(&s, &fit, expect.as_deref())
+                })
+                .await
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+                match found_now {
+                    Ok(f) => *found.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, f)),
+                    Err(failure) => result = Err(failure),
+                }
             }
             // The report of the last run goes on beside this start, but
             // what describes that run must be taken before a new child
@@ -375,6 +409,9 @@ impl Backend for RealBackend {
     }
 
     fn read_config(&mut self) {
+        // The operator's config again: a rollback is over.
+        self.loads.recovery.expect = None;
+        self.loads.recovery.revert = None;
         let (path, tx) = (self.settings.source.clone(), self.inputs.clone());
         tracing::info!(EVENT = "reload", "reading {} again", path.display());
         self.tasks.spawn("config reader", Lifetime::Finite, async move {
@@ -406,7 +443,13 @@ impl Backend for RealBackend {
             crate::process::caches::child_env(&crate::process::caches::of(&self.settings)).collect();
         env.extend(c.env.clone());
         env.insert(crate::process::prestart::RUN_TOKEN.into(), self.launch.token.clone());
-        let spec = ChildSpec { argv: c.command.clone(), env, cwd: c.cwd.clone() };
+        // The command line with memory fit's values, as the pre-start
+        // steps found it.
+        let argv = match &*self.loads.found.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((s, f)) if *s == start => f.argv.clone(),
+            _ => c.command.clone(),
+        };
+        let spec = ChildSpec { argv, env, cwd: c.cwd.clone() };
         let kernel = self.kernel.follower.as_ref().and_then(|(_, f)| f.mark());
         let pid = self.tree.spawn(&spec, &file).map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
@@ -549,9 +592,16 @@ impl Backend for RealBackend {
     fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
         let start = self.reports.run.as_ref()?.start;
         let found = self.loads.found.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let facts = found.filter(|(s, _)| *s == start).map(|(_, f)| f)?;
-        let load = self.loads.ledger.start(&facts);
-        self.loads.running = Some(facts);
+        let found = found.filter(|(s, _)| *s == start).map(|(_, f)| f)?;
+        let mut load = self.loads.ledger.start(&found.facts);
+        load.used = found.used;
+        load.last_good = found
+            .last_good
+            .as_ref()
+            .filter(|g| g.fingerprint != found.facts.fingerprint)
+            .map(|g| (g.fingerprint.clone(), g.at.clone()));
+        self.loads.recovery.last_good = found.last_good;
+        self.loads.running = Some(found.facts);
         Some(load)
     }
 
@@ -561,6 +611,40 @@ impl Backend for RealBackend {
         if let Some(w) = &self.loads.writer {
             w.send(write);
         }
+    }
+
+    fn fit(&mut self, set: std::collections::BTreeMap<crate::config::FitArg, String>) {
+        self.loads.recovery.fit = set;
+    }
+
+    fn pin(&mut self, values: std::collections::BTreeMap<crate::config::FitArg, String>) {
+        let Some(facts) = &self.loads.running else { return };
+        let (state, fp) = (self.settings.state_dir.clone(), facts.fingerprint.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = crate::observe::setups::pin(&state, &fp, &values) {
+                tracing::warn!(EVENT = "fit", "cannot pin memory fit's values for setup {fp}: {e}");
+            }
+        });
+    }
+
+    fn setup_good(&mut self) {
+        let Some(facts) = &self.loads.running else { return };
+        let record = crate::observe::setups::good_now(&self.settings, facts);
+        let (state, keep) = (self.settings.state_dir.clone(), self.settings.rollback.keep);
+        self.loads.recovery.last_good = Some(record.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = crate::observe::setups::record_good(&state, &record, keep) {
+                tracing::warn!(EVENT = "rollback", "cannot record the good setup {}: {e}", record.fingerprint);
+            }
+        });
+    }
+
+    fn rollback(&mut self) -> Result<Settings, String> {
+        let good = self.loads.recovery.last_good.clone().ok_or("no setup has been recorded as good")?;
+        let settings = crate::daemon::recover::rollback_settings(&self.settings, &good)?;
+        self.loads.recovery.revert = Some(self.settings.patches.clone());
+        self.loads.recovery.expect = Some(good.fingerprint);
+        Ok(settings)
     }
 
     fn check_upgrade(&mut self) {

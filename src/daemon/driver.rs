@@ -196,6 +196,17 @@ pub trait Backend {
     /// already done what it can so that the tree can still be stopped (the
     /// reaper is started again).
     fn task_failed(&mut self) -> impl Future<Output = String>;
+    /// Memory fit's values for the next starts (empty: none).
+    fn fit(&mut self, _set: std::collections::BTreeMap<crate::config::FitArg, String>) {}
+    /// Pin memory fit's values for the setup just ready, off the loop.
+    fn pin(&mut self, _values: std::collections::BTreeMap<crate::config::FitArg, String>) {}
+    /// Record the setup just ready as the last-known-good, off the loop.
+    fn setup_good(&mut self) {}
+    /// The last-known-good setup's settings, to be used from the next
+    /// start as a reload's are (`reconfigure` follows); why not, else.
+    fn rollback(&mut self) -> Result<Settings, String> {
+        Err("rollback is not supported here".into())
+    }
     /// What the ledger knows of the setup just spawned.
     fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
         None
@@ -479,6 +490,19 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     self.backend.load_ended(*record);
                 }
                 Effect::Prepare { start } => self.backend.prepare(start),
+                Effect::Fit(set) => self.backend.fit(set),
+                Effect::Pin(values) => self.backend.pin(values),
+                Effect::SetupGood => self.backend.setup_good(),
+                Effect::Rollback => {
+                    let policy = self.backend.rollback().and_then(|settings| {
+                        let c = Classifier::new(&settings.patterns).map_err(|e| e.to_string())?;
+                        let policy = Box::new(Policy::from_settings(&settings));
+                        self.observer.reconfigure(&settings);
+                        self.backend.reconfigure(settings, c);
+                        Ok(policy)
+                    });
+                    events.push_back(Event::RolledBack { policy });
+                }
                 Effect::CancelPrepare => self.backend.cancel_prepare(),
                 Effect::Probe { start } => self.backend.probe(start),
                 Effect::Golden { start } => self.backend.golden(start),

@@ -16,6 +16,7 @@ pub mod driver;
 pub mod environment;
 mod observer;
 pub mod prepare;
+pub mod recover;
 pub mod reload;
 pub mod server;
 pub mod upgrade;

@@ -68,6 +68,8 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         reports,
         ledger,
         golden,
+        fit,
+        rollback,
         state_dir,
         patterns,
         hints,
@@ -146,6 +148,17 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("golden.on-mismatch", Warden, dbg(&g.0.on_mismatch), dbg(&g.1.on_mismatch));
     cmp("golden.accept-changes", Warden, g.0.accept_changes.to_string(), g.1.accept_changes.to_string());
     cmp("golden.timeout", Warden, d(g.0.timeout), d(g.1.timeout));
+    let f = (&old.fit, fit);
+    cmp("fit.enabled", Warden, f.0.enabled.to_string(), f.1.enabled.to_string());
+    cmp("fit.adjust", Warden, dbg(&f.0.adjust), dbg(&f.1.adjust));
+    cmp("fit.step", Warden, f.0.step.to_string(), f.1.step.to_string());
+    cmp("fit.min-utilization", Warden, f.0.min_utilization.to_string(), f.1.min_utilization.to_string());
+    cmp("fit.max-utilization", Warden, f.0.max_utilization.to_string(), f.1.max_utilization.to_string());
+    cmp("fit.min-model-len", Warden, f.0.min_model_len.to_string(), f.1.min_model_len.to_string());
+    cmp("fit.model-len-multiple", Warden, f.0.model_len_multiple.to_string(), f.1.model_len_multiple.to_string());
+    cmp("fit.attempts", Warden, f.0.attempts.to_string(), f.1.attempts.to_string());
+    cmp("rollback.enabled", Warden, old.rollback.enabled.to_string(), rollback.enabled.to_string());
+    cmp("rollback.keep", Warden, old.rollback.keep.to_string(), rollback.keep.to_string());
     let rp = (&old.reports, reports);
     cmp("reports.keep", Warden, rp.0.keep.to_string(), rp.1.keep.to_string());
     cmp("reports.max-size", Warden, rp.0.max_size.to_string(), rp.1.max_size.to_string());

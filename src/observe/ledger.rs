@@ -267,6 +267,8 @@ impl Ledger {
             history: History::of(&self.records, &facts.fingerprint),
             weights_bytes: facts.weights.as_ref().map(|w| w.0),
             cold,
+            used: Default::default(),
+            last_good: None,
         }
     }
 
@@ -433,6 +435,8 @@ mod tests {
 
     fn rec(fp: &str, total: f64) -> LoadRecord {
         LoadRecord {
+            fit: BTreeMap::new(),
+            rollback: false,
             id: 0,
             at: String::new(),
             start: 1,

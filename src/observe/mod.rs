@@ -19,4 +19,5 @@ pub mod notify;
 pub mod outbox;
 pub mod reports;
 pub mod rotate;
+pub mod setups;
 pub mod status;

@@ -18,6 +18,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 use serde::{Deserialize, Serialize};
 
+use std::collections::BTreeMap;
+
 use crate::observe::outbox::replace;
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Phase};
@@ -68,6 +70,33 @@ pub struct Doc {
     /// and what it found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub golden: Option<GoldenDoc>,
+    /// Memory fit: each fit argument the current (or last) start used,
+    /// its value and where it came from (`config`, `default`, `pinned`,
+    /// `fitted`), and the adjustments since the last ready.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fit: BTreeMap<String, FitValue>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub fit_adjustments: u32,
+    /// `configured`, or `last-known-good` while a rollback is in force.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup: Option<String>,
+    /// The fingerprint of the setup in use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
+    /// While a rollback is in force: both setups, and why the new one
+    /// failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback: Option<crate::supervisor::snapshot::RolledBack>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FitValue {
+    pub value: String,
+    pub source: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -401,6 +430,22 @@ impl Reporter {
                 text: safe(&l.text()),
             }),
             golden: snap.golden.as_ref().map(|v| GoldenDoc { verdict: v.name().into(), text: safe(&v.text()) }),
+            fit: snap
+                .fit
+                .iter()
+                .map(|(a, (v, src))| (a.name().to_string(), FitValue { value: safe(v), source: src.as_str().into() }))
+                .collect(),
+            fit_adjustments: snap.fit_moves,
+            setup: snap.setup.as_ref().map(|_| {
+                if snap.rolled_back.is_some() { "last-known-good" } else { "configured" }.to_string()
+            }),
+            fingerprint: snap.setup.as_deref().map(safe),
+            rollback: snap.rolled_back.as_ref().map(|r| crate::supervisor::snapshot::RolledBack {
+                failed: safe(&r.failed),
+                cause: safe(&r.cause),
+                good: safe(&r.good),
+                good_at: safe(&r.good_at),
+            }),
             last_load: snap.last_load_record.as_ref().map(|r| LastLoad {
                 outcome: match &r.outcome {
                     crate::supervisor::load::LoadOutcome::Failed { class, .. } => format!("failed ({class})"),
@@ -705,6 +750,25 @@ pub fn summary(v: &StatusVerdict) -> String {
             let _ = write!(out, "\nload alarm: {}", safe(a));
         }
     }
+    let fitted: Vec<String> = doc
+        .fit
+        .iter()
+        .filter(|(_, v)| v.source == "pinned" || v.source == "fitted")
+        .map(|(a, v)| format!("--{} {} ({})", safe(a), safe(&v.value), safe(&v.source)))
+        .collect();
+    if !fitted.is_empty() {
+        let _ = write!(out, "\nmemory fit: {}", fitted.join(", "));
+    }
+    if let Some(r) = &doc.rollback {
+        let _ = write!(
+            out,
+            "\nsetup: last-known-good {} from {}; the new setup {} failed: {}",
+            safe(&r.good),
+            safe(&r.good_at),
+            safe(&r.failed),
+            safe(&r.cause)
+        );
+    }
     if let Some(e) = &doc.last_exit {
         let how = match (&e.code, &e.signal) {
             (Some(c), _) => format!("exit code {c}"),
@@ -761,6 +825,10 @@ mod tests {
 
     fn snap() -> Snapshot {
         Snapshot {
+            fit: Default::default(),
+            fit_moves: 0,
+            setup: None,
+            rolled_back: None,
             phase: Phase::Ready,
             child_pid: Some(42),
             attempt: 2,
@@ -958,6 +1026,8 @@ mod tests {
         });
         s.loads_ended = 1;
         s.last_load_record = Some(Arc::new(LoadRecord {
+            fit: Default::default(),
+            rollback: false,
             id: 4,
             at: String::new(),
             start: 1,

@@ -166,6 +166,9 @@ pub struct Line {
     pub cause: Option<String>,
     /// What the line tells of the load's phases and compile cache.
     pub load: Vec<LoadMark>,
+    /// One of vLLM's memory-fit errors, on a fatal line or an exception
+    /// line.
+    pub fit: Option<crate::supervisor::fit::Problem>,
 }
 
 impl Line {
@@ -489,7 +492,18 @@ impl Classifier {
             None
         };
         let cause = if class == Class::Fatal { self.named_cause(message) } else { None };
-        Line { text: text.to_string(), message: message.to_string(), level, class, exception, permanent, cause, load }
+        let fit = if class == Class::Fatal || exception.is_some() { fit_problem(message) } else { None };
+        Line {
+            text: text.to_string(),
+            message: message.to_string(),
+            level,
+            class,
+            exception,
+            permanent,
+            cause,
+            load,
+            fit,
+        }
     }
 
     /// A worker of the engine killed by a signal, named by the signal: the
@@ -561,6 +575,27 @@ impl Classifier {
             None => None,
         }
     }
+}
+
+/// One of vLLM's memory-fit errors in `message`
+/// (`vllm/v1/core/kv_cache_utils.py`, torch's out-of-memory errors).
+pub fn fit_problem(message: &str) -> Option<crate::supervisor::fit::Problem> {
+    use crate::supervisor::fit::Problem;
+    static KV: std::sync::LazyLock<Regex> = std::sync::LazyLock::new(|| {
+        Regex::new(r"max seq len \((\d{1,12})\).*larger than the available KV cache memory").expect("a valid pattern")
+    });
+    static ESTIMATE: std::sync::LazyLock<Regex> = std::sync::LazyLock::new(|| {
+        Regex::new(r"estimated maximum model length is (\d{1,12})").expect("a valid pattern")
+    });
+    if message.contains("No available memory for the cache blocks") {
+        return Some(Problem::NoCacheMemory);
+    }
+    if let Some(c) = KV.captures(message) {
+        let max_model_len = c[1].parse().ok()?;
+        let estimate = ESTIMATE.captures(message).and_then(|c| c[1].parse().ok());
+        return Some(Problem::KvCacheTooSmall { max_model_len, estimate });
+    }
+    (message.contains("CUDA out of memory") || message.contains("OutOfMemoryError")).then_some(Problem::OutOfMemory)
 }
 
 #[cfg(test)]

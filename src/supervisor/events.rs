@@ -122,6 +122,11 @@ pub enum Event {
         start: u32,
         cause: String,
     },
+    /// The last-known-good setup's settings are in use (the backend was
+    /// asked by [`Effect::Rollback`]); an error: they could not be, and why.
+    RolledBack {
+        policy: Result<Box<Policy>, String>,
+    },
     /// A valid new config the child sees (SIGHUP): stop the child and start
     /// again with it; `summary` says which keys forced it.
     Reload {
@@ -236,6 +241,10 @@ pub enum Topic {
     GoldenMismatch,
     /// A load ended (ready, failed or stopped) and went into the ledger.
     Load,
+    /// Memory fit moved an argument, pinned one, or could not help.
+    Fit,
+    /// The last-known-good setup replaces a changed setup that failed.
+    Rollback,
 }
 
 impl Topic {
@@ -261,6 +270,8 @@ impl Topic {
             Topic::Golden => "golden",
             Topic::GoldenMismatch => "golden-mismatch",
             Topic::Load => "load",
+            Topic::Fit => "fit",
+            Topic::Rollback => "rollback",
         }
     }
 
@@ -269,6 +280,8 @@ impl Topic {
         match self {
             Topic::LoadAlarm => Some(LOAD_ALARM_MESSAGE_ID),
             Topic::GoldenMismatch => Some(GOLDEN_MISMATCH_MESSAGE_ID),
+            Topic::Fit => Some(FIT_MESSAGE_ID),
+            Topic::Rollback => Some(ROLLBACK_MESSAGE_ID),
             _ => None,
         }
     }
@@ -279,6 +292,13 @@ pub const LOAD_ALARM_MESSAGE_ID: &str = "5d8f0c3ae6a44d1f9c4b7a21e0d3b6c8";
 
 /// `MESSAGE_ID` of a golden check whose answers changed, or that failed.
 pub const GOLDEN_MISMATCH_MESSAGE_ID: &str = "a3b7e2c95f0d4e6b8c1a9d7f3e5b2c40";
+
+/// `MESSAGE_ID` of memory fit's events: an argument moved, pinned, or
+/// no move within the bounds.
+pub const FIT_MESSAGE_ID: &str = "7c2e9a4f1b6d4c3e8a5f0d2b9e7c1a64";
+
+/// `MESSAGE_ID` of a rollback to the last-known-good setup.
+pub const ROLLBACK_MESSAGE_ID: &str = "e41f6b8d2c9a4e7f9b3d5a1c8e6f2d07";
 
 /// A warden event for the journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -339,6 +359,17 @@ pub enum Effect {
     Golden {
         start: u32,
     },
+    /// Memory fit: the next starts set these arguments over the command
+    /// line's and over the setup's pinned values (empty: none).
+    Fit(std::collections::BTreeMap<crate::config::FitArg, String>),
+    /// A start with fitted values reached ready: pin them for its setup.
+    Pin(std::collections::BTreeMap<crate::config::FitArg, String>),
+    /// The setup of the run just ready is good: keep it as the
+    /// last-known-good.
+    SetupGood,
+    /// Use the last-known-good setup's settings from the next start;
+    /// `RolledBack` follows.
+    Rollback,
 }
 
 /// What the failure report of a run is to say, as the machine knows it.

@@ -4,6 +4,7 @@
 //! alarm. Pure: the lines' signals come from the classifier, the clock from
 //! the machine, the history from the ledger (`observe::ledger`).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -132,6 +133,11 @@ pub struct LoadStart {
     pub weights_bytes: Option<u64>,
     /// The first load since boot or since the weights changed.
     pub cold: Option<bool>,
+    /// The memory-fit arguments the start used, and where each came from.
+    pub used: crate::supervisor::fit::Used,
+    /// The last setup that reached ready, when it is not this one: its
+    /// fingerprint and when it was recorded.
+    pub last_good: Option<(String, String)>,
 }
 
 /// What earlier good loads of one setup took.
@@ -196,6 +202,13 @@ pub struct LoadRecord {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub alarms: Vec<String>,
     pub fingerprint: String,
+    /// The arguments memory fit set for this load (pinned or fitted).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fit: BTreeMap<String, String>,
+    /// The setup was the last-known-good one, started after a changed
+    /// setup failed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rollback: bool,
     /// What the fingerprint is made of (`observe::ledger::Setup`), as JSON.
     #[serde(default)]
     pub setup: serde_json::Value,
@@ -418,6 +431,16 @@ impl LoadTrack {
             .zip(weights_secs.filter(|s| *s > 0.0).or(weights_phase))
             .and_then(|(bytes, s)| (s > 0.0).then(|| bytes as f64 / 1e9 / s));
         let mut record = LoadRecord {
+            fit: self
+                .start
+                .used
+                .iter()
+                .filter(|(_, (_, s))| {
+                    matches!(s, crate::supervisor::fit::Source::Pinned | crate::supervisor::fit::Source::Fitted)
+                })
+                .map(|(a, (v, _))| (a.name().to_string(), v.clone()))
+                .collect(),
+            rollback: false,
             id: 0,
             at: String::new(),
             start,
@@ -524,7 +547,7 @@ mod tests {
     }
 
     fn start(history: Option<History>) -> LoadStart {
-        LoadStart { fingerprint: "f1".into(), history, weights_bytes: Some(2_000_000_000), cold: Some(true) }
+        LoadStart { fingerprint: "f1".into(), history, weights_bytes: Some(2_000_000_000), cold: Some(true), ..Default::default() }
     }
 
     #[test]
@@ -577,6 +600,8 @@ mod tests {
 
     fn record(fp: &str, total: f64, compile: f64, cache: CacheOutcome) -> LoadRecord {
         LoadRecord {
+            fit: BTreeMap::new(),
+            rollback: false,
             id: 0,
             at: String::new(),
             start: 1,

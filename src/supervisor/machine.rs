@@ -98,6 +98,26 @@ pub struct Machine {
     /// The last golden check's verdict, and how many checks there were.
     last_golden: Option<crate::supervisor::golden::Verdict>,
     golden_checks: u32,
+    /// Memory fit.
+    fit: crate::supervisor::fit::FitState,
+    /// Last-known-good rollback.
+    rollback: Rollback,
+}
+
+/// What the machine knows of setups: the current one and the last that
+/// was good, a give-up waiting for the rollback, the rollback serving.
+#[derive(Debug, Default)]
+struct Rollback {
+    /// The current setup's fingerprint (from the last `LoadKnown`).
+    setup: Option<String>,
+    /// The last-known-good setup when the current one is another: its
+    /// fingerprint and when it was recorded.
+    last_good: Option<(String, String)>,
+    /// The give-up held while the backend turns to the last-known-good.
+    pending: Option<(Code, String)>,
+    /// The rollback in force: the failed setup's fingerprint and cause,
+    /// and the good one's fingerprint and time.
+    active: Option<crate::supervisor::snapshot::RolledBack>,
 }
 
 /// Beyond `golden.timeout`, before the stall deadline of a golden check
@@ -141,6 +161,8 @@ impl Machine {
             clock: None,
             last_golden: None,
             golden_checks: 0,
+            fit: Default::default(),
+            rollback: Rollback::default(),
         }
     }
 
@@ -273,6 +295,10 @@ impl Machine {
             loads_ended: self.loads_ended,
             golden: self.last_golden.clone(),
             golden_checks: self.golden_checks,
+            fit: self.fit.used.clone(),
+            fit_moves: self.fit.moves,
+            setup: self.rollback.setup.clone(),
+            rolled_back: self.rollback.active.clone(),
         }
     }
 
@@ -347,6 +373,9 @@ impl Machine {
         }
         self.clock = Some(now);
         if let Event::LoadKnown { load, .. } = event {
+            self.fit.used = load.used.clone();
+            self.rollback.setup = Some(load.fingerprint.clone());
+            self.rollback.last_good = load.last_good.clone();
             self.next_load = Some(*load);
             return Vec::new();
         }
@@ -380,7 +409,8 @@ impl Machine {
                 None => LoadOutcome::Stopped { why: "stop".into() },
             },
         };
-        let ended = track.finish(outcome, self.starts, now, self.policy.slow_factor);
+        let mut ended = track.finish(outcome, self.starts, now, self.policy.slow_factor);
+        ended.rollback = self.rollback.active.is_some();
         for alarm in &ended.alarms {
             fx.push(record(Severity::Warn, Topic::LoadAlarm, alarm.clone()));
         }
@@ -793,6 +823,7 @@ impl Machine {
             }
             (S::Idle, E::StopRequested) => self.finish(Code::Ok, "stopped on request".into(), vec![]),
 
+            (S::Idle, E::RolledBack { policy }) => self.rolled_back(policy, now),
             (state, E::TaskFailed { task }) => self.task_failed(state, task, now),
             (state, E::Reload { policy, summary }) => self.reload(state, *policy, summary, now),
             (state @ S::Done(_), E::ReloadInPlace { .. }) => (state, vec![]),
@@ -812,6 +843,7 @@ impl Machine {
     }
 
     fn launch(&mut self, now: Instant) -> (State, Vec<Effect>) {
+        self.fit.problem = None;
         self.starts += 1;
         if self.starts > 1 {
             self.restarts += 1;
@@ -883,6 +915,15 @@ impl Machine {
 
     fn starting_line(&mut self, mut loading: Loading, line: Line, now: Instant) -> (State, Vec<Effect>) {
         let mut fx = self.note_fatal(&mut loading.run, &line, now);
+        if let Some(p) = &line.fit
+            && self.fit.problem.is_none()
+        {
+            // Out of memory counts while the weights load, not after.
+            let weights = self.load.as_ref().is_none_or(|l| matches!(l.current(), LoadPhase::Start | LoadPhase::Weights));
+            if *p != crate::supervisor::fit::Problem::OutOfMemory || weights {
+                self.fit.problem = Some(p.clone());
+            }
+        }
         if let Some(track) = &mut self.load {
             for mark in &line.load {
                 track.mark(mark, now);
@@ -992,21 +1033,72 @@ impl Machine {
     }
 
     fn become_ready(&mut self, loading: Loading, now: Instant, warning: Option<String>) -> (State, Vec<Effect>) {
+        use crate::supervisor::fit::{Source, shown as fit_shown};
         let run = loading.run;
         let took = now - run.spawned_at;
         self.last_load = Some(took);
         self.cause = None;
-        let text = format!("ready: pid {}, loaded in {}", run.pid, secs(took));
-        let shown = match warning {
-            Some(w) => format!("{text}; {w}"),
-            None => text.clone(),
+        let mut fx = Vec::new();
+        let mut text = format!("ready: pid {}, loaded in {}", run.pid, secs(took));
+        if let Some(args) = fit_shown(&self.fit.used) {
+            text.push_str(&format!("; {args}"));
+            let fitted: BTreeMap<_, _> = self
+                .fit
+                .used
+                .iter()
+                .filter(|(_, (_, s))| *s == Source::Fitted)
+                .map(|(a, (v, _))| (*a, v.clone()))
+                .collect();
+            if !fitted.is_empty() {
+                let words: Vec<String> = fitted.iter().map(|(a, v)| format!("{} {v}", a.flag())).collect();
+                let setup = self.rollback.setup.as_deref().unwrap_or("unknown");
+                let pinned = format!("memory fit: {} reached ready; pinned for setup {setup}", words.join(", "));
+                fx.push(record(Severity::Info, Topic::Fit, pinned));
+                fx.push(Effect::Pin(fitted));
+            }
+        }
+        self.fit.moves = 0;
+        // Ready, and the golden answers (when asked) as before.
+        let good = warning.is_none();
+        let shown = match (&self.rollback.active, warning) {
+            (_, Some(w)) => format!("{text}; {w}"),
+            (Some(r), None) => {
+                format!("serving last-known-good from {}; the new setup failed: {}; {text}", r.good_at, r.cause)
+            }
+            (None, None) => text.clone(),
         };
-        let fx = vec![
-            record(Severity::Info, Topic::Ready, text),
-            Effect::Notify(vec![Note::Ready, status(shown)]),
-            Effect::Health { start: run.start },
-        ];
+        if good {
+            fx.push(Effect::SetupGood);
+        }
+        fx.splice(
+            0..0,
+            [
+                record(Severity::Info, Topic::Ready, text),
+                Effect::Notify(vec![Note::Ready, status(shown)]),
+                Effect::Health { start: run.start },
+            ],
+        );
         (State::Ready(Serving { run, ready_at: now, drain: None }), fx)
+    }
+
+    /// The backend has turned to the last-known-good setup (or could not).
+    fn rolled_back(&mut self, policy: Result<Box<Policy>, String>, now: Instant) -> (State, Vec<Effect>) {
+        let Some((code, text)) = self.rollback.pending.take() else { return (State::Idle, vec![]) };
+        let policy = match policy {
+            Ok(p) => p,
+            Err(why) => {
+                let text = format!("{text}; the last-known-good setup cannot be started: {why}");
+                return self.finish(code, text, vec![]);
+            }
+        };
+        self.policy = *policy;
+        self.failures = 0;
+        self.permanent_streak = None;
+        self.fit = Default::default();
+        let mut fx = vec![Effect::Fit(BTreeMap::new())];
+        let (next, more) = self.launch(now);
+        fx.extend(more);
+        (next, fx)
     }
 }
 

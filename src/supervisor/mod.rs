@@ -11,6 +11,7 @@
 pub mod classify;
 pub mod events;
 pub mod exit;
+pub mod fit;
 pub mod golden;
 pub mod hints;
 pub mod load;

@@ -69,6 +69,10 @@ pub struct Policy {
     pub golden: Option<crate::config::GoldenPolicy>,
     /// What the golden check may take (`golden.timeout`).
     pub golden_timeout: Duration,
+    /// Memory-fit recovery (`[fit]`), when on.
+    pub fit: Option<crate::config::Fit>,
+    /// Last-known-good rollback (`[rollback]`) is on.
+    pub rollback: bool,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
@@ -117,6 +121,8 @@ impl Policy {
             deadline_factor: s.ledger.deadline_factor,
             golden: s.golden.enabled.then_some(s.golden.on_mismatch),
             golden_timeout: s.golden.timeout,
+            fit: s.fit.enabled.then(|| s.fit.clone()),
+            rollback: s.rollback.enabled,
         }
     }
 

@@ -40,6 +40,24 @@ pub struct Snapshot {
     /// The last golden check's verdict.
     pub golden: Option<crate::supervisor::golden::Verdict>,
     pub golden_checks: u32,
+    /// The memory-fit arguments the current (or last) start used, and
+    /// memory fit's adjustments since the last ready.
+    pub fit: crate::supervisor::fit::Used,
+    pub fit_moves: u32,
+    /// The setup the current (or last) start used; the rollback in force.
+    pub setup: Option<String>,
+    pub rolled_back: Option<RolledBack>,
+}
+
+/// The last-known-good setup serves in place of a changed one that failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolledBack {
+    /// The failed setup's fingerprint, and why it failed.
+    pub failed: String,
+    pub cause: String,
+    /// The last-known-good setup's fingerprint, and when it was recorded.
+    pub good: String,
+    pub good_at: String,
 }
 
 /// The last failed run: why, and where its failure report is.

@@ -276,6 +276,8 @@ impl Notifier for Rec {
 
 fn policy() -> Policy {
     Policy {
+        fit: None,
+        rollback: false,
         ready_log: true,
         ready_http: true,
         ready_timeout: Duration::from_secs(3600),

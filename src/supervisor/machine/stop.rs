@@ -264,7 +264,14 @@ impl Machine {
         self.policy = policy;
         self.failures = 0;
         self.permanent_streak = None;
-        let fx = vec![record(Severity::Info, Topic::Reload, format!("config reloaded: {summary}"))];
+        // The operator's config again: what memory fit set and the
+        // rollback end here.
+        self.fit = Default::default();
+        self.rollback.active = None;
+        let fx = vec![
+            record(Severity::Info, Topic::Reload, format!("config reloaded: {summary}")),
+            Effect::Fit(std::collections::BTreeMap::new()),
+        ];
         match state {
             State::Ready(mut serving) if serving.drain.is_some() || self.policy.drain_on_stop => match serving.drain {
                 None => self.begin_drain(serving, DrainFor::Reload, now, fx),
@@ -356,6 +363,11 @@ impl Machine {
         if cause.permanence == Permanence::Hardware {
             return self.finish(Code::Config, format!("failed permanently: {}", cause.text), fx);
         }
+        if let Some(fit) = self.policy.fit.clone()
+            && let Some(problem) = self.fit.problem.take()
+        {
+            return self.fit_after(&fit, &problem, &cause, now, fx);
+        }
         if cause.permanence.is_permanent() {
             let n = match self.permanent_streak {
                 Some((p, n)) if p == cause.permanence => n + 1,
@@ -364,7 +376,7 @@ impl Machine {
             self.permanent_streak = Some((cause.permanence, n));
             if n >= self.policy.restart.permanent_attempts {
                 let text = format!("failed permanently ({n} of {n} tries): {}", cause.text);
-                return self.finish(Code::Config, text, fx);
+                return self.give_up(Code::Config, text, &cause, fx);
             }
         } else {
             self.permanent_streak = None;
@@ -372,7 +384,7 @@ impl Machine {
         let max = self.policy.restart.max_attempts;
         if max > 0 && self.failures >= max {
             let text = format!("gave up after {max} failed starts: {}", cause.text);
-            return self.finish(Code::GaveUp, text, fx);
+            return self.give_up(Code::GaveUp, text, &cause, fx);
         }
         let base = self.policy.backoff(self.failures);
         let j = self.policy.restart.jitter * (self.rng.f64() * 2.0 - 1.0);
@@ -386,6 +398,75 @@ impl Machine {
             return (state, fx);
         }
         (State::Backoff { until: now + delay, cause }, fx)
+    }
+
+    /// A memory-fit error ended the run: start again with the argument
+    /// moved, or give up saying why no move fits.
+    fn fit_after(
+        &mut self,
+        fit: &crate::config::Fit,
+        problem: &crate::supervisor::fit::Problem,
+        cause: &Cause,
+        now: Instant,
+        mut fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
+        use crate::supervisor::fit::{Move, decide};
+        let refuse = |why: String| format!("failed permanently: {}; memory fit cannot help: {why}", cause.text);
+        if self.fit.moves >= fit.attempts {
+            let why = format!("{} adjustments in a row did not fit (`fit.attempts`)", self.fit.moves);
+            fx.push(record(Severity::Error, Topic::Fit, format!("memory fit: {}; {why}", problem.text())));
+            return self.give_up(Code::Config, refuse(why), cause, fx);
+        }
+        match decide(problem, &self.fit.used, fit) {
+            Move::Refuse(why) => {
+                fx.push(record(Severity::Error, Topic::Fit, format!("memory fit: {}; {why}", problem.text())));
+                self.give_up(Code::Config, refuse(why), cause, fx)
+            }
+            Move::Set { arg, from, to, why } => {
+                self.fit.moves += 1;
+                self.permanent_streak = None;
+                self.fit.set.insert(arg, to.clone());
+                let text = format!(
+                    "memory fit {}/{}: {}; restarting with {} {to} (was {from}: {why})",
+                    self.fit.moves,
+                    fit.attempts,
+                    problem.text(),
+                    arg.flag()
+                );
+                fx.push(record(Severity::Warn, Topic::Fit, text.clone()));
+                fx.push(Effect::Notify(vec![status(text)]));
+                fx.push(Effect::Fit(self.fit.set.clone()));
+                let (state, more) = self.launch(now);
+                fx.extend(more);
+                (state, fx)
+            }
+        }
+    }
+
+    /// The end of retries (`code`, `text`): the last-known-good setup
+    /// instead, when `[rollback]` is on and the setup that failed is a
+    /// changed one; else the end.
+    pub(super) fn give_up(&mut self, code: Code, text: String, cause: &Cause, mut fx: Vec<Effect>) -> (State, Vec<Effect>) {
+        let good = self.rollback.last_good.clone();
+        let (Some((good, good_at)), true, None) = (good, self.policy.rollback, &self.rollback.active) else {
+            return self.finish(code, text, fx);
+        };
+        let failed = self.rollback.setup.clone().unwrap_or_else(|| "unknown".into());
+        let said = format!(
+            "the new setup {failed} failed: {}; starting the last-known-good setup {good} from {good_at}",
+            cause.text
+        );
+        fx.push(record(Severity::Warn, Topic::Rollback, said.clone()));
+        fx.push(Effect::Notify(vec![status(said)]));
+        fx.push(Effect::Rollback);
+        self.rollback.active = Some(crate::supervisor::snapshot::RolledBack {
+            failed,
+            cause: cause.text.clone(),
+            good,
+            good_at,
+        });
+        self.rollback.pending = Some((code, text));
+        (State::Idle, fx)
     }
 
     /// The one way the machine ends: `code`, and why in `text`.

@@ -7,6 +7,8 @@ use nix::sys::signal::Signal;
 
 fn policy() -> Policy {
     Policy {
+        fit: None,
+        rollback: false,
         ready_log: true,
         ready_http: true,
         ready_timeout: Duration::from_secs(90 * 60),
@@ -887,6 +889,8 @@ mod loads {
 
     fn past(total: f64, compile: f64) -> LoadRecord {
         LoadRecord {
+            fit: BTreeMap::new(),
+            rollback: false,
             id: 1,
             at: String::new(),
             start: 1,
@@ -918,7 +922,7 @@ mod loads {
     fn start_with(s: &mut Sim, history: Option<History>) {
         s.ev(Event::Begin);
         s.ev(Event::Prepared { start: 1, result: Prepared::Done });
-        let load = LoadStart { fingerprint: "f".into(), history, weights_bytes: None, cold: None };
+        let load = LoadStart { fingerprint: "f".into(), history, weights_bytes: None, cold: None, ..Default::default() };
         s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
         s.ev(Event::Spawned { start: 1, pid: 100 });
     }
