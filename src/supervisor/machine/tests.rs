@@ -1113,3 +1113,202 @@ mod golden {
         assert_eq!(s.m.snapshot().cause.as_deref(), Some("golden check failed: no answer within 1m"));
     }
 }
+
+/// Memory fit: each of vLLM's memory-fit errors moves its argument, within
+/// the bounds and the number of adjustments; a fitted value that reaches
+/// ready is pinned; a reload drops what was fitted.
+mod fit {
+    use super::*;
+    use crate::config::{Fit, FitArg};
+    use crate::supervisor::fit::Source;
+    use crate::supervisor::load::LoadStart;
+
+    const KV: &str = "(EngineCore pid=7) ERROR 12-02 12:26:28 [core.py:1510] ValueError: To serve at least one request with the model's max seq len (1500000), (1.43 GiB KV cache is needed, which is larger than the available KV cache memory (1.0 GiB). Based on the available memory, the estimated maximum model length is 1048448. Try increasing `gpu_memory_utilization`";
+    const NO_CACHE: &str = "(EngineCore pid=7) ERROR 11-29 18:21:33 [core.py:1510] ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`";
+
+    fn fitting() -> Policy {
+        Policy {
+            fit: Some(Fit {
+                enabled: true,
+                adjust: FitArg::ALL.to_vec(),
+                step: 0.02,
+                min_utilization: 0.5,
+                max_utilization: 0.95,
+                min_model_len: 4096,
+                model_len_multiple: 1024,
+                attempts: 2,
+            }),
+            ..policy()
+        }
+    }
+
+    /// Spawn with the values the backend found (`used`), then fail with `line`.
+    fn fail_with(s: &mut Sim, pid: u32, used: &[(FitArg, &str, Source)], line: &str) -> Vec<Effect> {
+        if s.m.state == State::Idle {
+            s.ev(Event::Begin);
+        }
+        let start = s.m.starts;
+        s.ev(Event::Prepared { start, result: Prepared::Done });
+        let used = used.iter().map(|(a, v, src)| (*a, (v.to_string(), *src))).collect();
+        let load = LoadStart { fingerprint: "00000000000000aa".into(), used, ..Default::default() };
+        s.ev(Event::LoadKnown { start, load: Box::new(load) });
+        s.ev(Event::Spawned { start, pid });
+        s.line(line);
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
+        s.ev(Event::TreeGone)
+    }
+
+    fn fit_set(fx: &[Effect]) -> Option<BTreeMap<FitArg, String>> {
+        fx.iter().find_map(|e| if let Effect::Fit(m) = e { Some(m.clone()) } else { None })
+    }
+
+    #[test]
+    fn a_kv_cache_too_small_restarts_at_once_with_the_estimate_and_pins_it_at_ready() {
+        let mut s = Sim::new(fitting());
+        let fx = fail_with(&mut s, 100, &[(FitArg::MaxModelLen, "1500000", Source::Config)], KV);
+        assert_eq!(fit_set(&fx), Some(BTreeMap::from([(FitArg::MaxModelLen, "1047552".to_string())])));
+        assert!(fx.contains(&Effect::Prepare { start: 2 }), "no backoff: {fx:?}");
+        let said: Vec<&Record> =
+            fx.iter().filter_map(|e| if let Effect::Log(r) = e { Some(r) } else { None }).collect();
+        let fit = said.iter().find(|r| r.topic == Topic::Fit).unwrap();
+        assert_eq!(fit.message, "memory fit 1/2: the KV cache cannot hold one request of 1500000 tokens (vLLM estimates 1048448 fit); restarting with --max-model-len 1047552 (was 1500000: vLLM estimates 1048448 tokens fit, rounded down to a multiple of 1024)");
+        assert_eq!(Topic::Fit.message_id(), Some(crate::supervisor::events::FIT_MESSAGE_ID));
+        // The backend sets it; the start reports it as fitted.
+        let used = BTreeMap::from([(FitArg::MaxModelLen, ("1047552".to_string(), Source::Fitted))]);
+        let load = LoadStart { fingerprint: "00000000000000aa".into(), used, ..Default::default() };
+        s.ev(Event::Prepared { start: 2, result: Prepared::Done });
+        s.ev(Event::LoadKnown { start: 2, load: Box::new(load) });
+        s.ev(Event::Spawned { start: 2, pid: 101 });
+        assert_eq!(s.m.snapshot().fit_moves, 1);
+        s.line("INFO:     Application startup complete.");
+        let fx = s.ev(Event::HttpReady { start: 2 });
+        assert!(fx.contains(&Effect::Pin(BTreeMap::from([(FitArg::MaxModelLen, "1047552".to_string())]))), "{fx:?}");
+        assert!(statuses(&fx).iter().any(|t| t.ends_with("; --max-model-len 1047552 (fitted)")), "{fx:?}");
+        assert_eq!(s.m.snapshot().fit_moves, 0);
+    }
+
+    #[test]
+    fn no_cache_memory_raises_the_utilization_and_the_attempts_are_bounded() {
+        let mut s = Sim::new(fitting());
+        let fx = fail_with(&mut s, 100, &[(FitArg::GpuMemoryUtilization, "0.9", Source::Config)], NO_CACHE);
+        assert_eq!(fit_set(&fx).unwrap()[&FitArg::GpuMemoryUtilization], "0.92");
+        let fx = fail_with(&mut s, 101, &[(FitArg::GpuMemoryUtilization, "0.92", Source::Fitted)], NO_CACHE);
+        assert_eq!(fit_set(&fx).unwrap()[&FitArg::GpuMemoryUtilization], "0.94");
+        // fit.attempts = 2: the third failure ends the warden, saying so.
+        let fx = fail_with(&mut s, 102, &[(FitArg::GpuMemoryUtilization, "0.94", Source::Fitted)], NO_CACHE);
+        assert_eq!(s.m.state, State::Done(Code::Config), "{fx:?}");
+        assert!(statuses(&fx)[0].contains("memory fit cannot help: 2 adjustments in a row did not fit"), "{fx:?}");
+    }
+
+    #[test]
+    fn a_move_past_a_bound_ends_at_once_and_without_fit_nothing_moves() {
+        let mut s = Sim::new(fitting());
+        let fx = fail_with(&mut s, 100, &[(FitArg::GpuMemoryUtilization, "0.95", Source::Config)], NO_CACHE);
+        assert_eq!(s.m.state, State::Done(Code::Config));
+        assert!(statuses(&fx)[0].contains("is at `fit.max-utilization` 0.95"), "{fx:?}");
+        assert_eq!(fit_set(&fx), None);
+        // Off: the permanent cause is retried as before.
+        let mut s = Sim::new(policy());
+        let fx = fail_with(&mut s, 100, &[(FitArg::MaxModelLen, "1500000", Source::Config)], KV);
+        assert_eq!(s.state(), "backoff");
+        assert_eq!(fit_set(&fx), None);
+    }
+
+    #[test]
+    fn a_reload_drops_what_was_fitted() {
+        let mut s = Sim::new(fitting());
+        fail_with(&mut s, 100, &[(FitArg::MaxModelLen, "1500000", Source::Config)], KV);
+        let fx = s.ev(Event::Reload { policy: Box::new(fitting()), summary: "child.command".into() });
+        assert_eq!(fit_set(&fx), Some(BTreeMap::new()), "{fx:?}");
+    }
+}
+
+/// Last-known-good rollback: a changed setup that fails permanently is
+/// replaced by the last good one, once, and said everywhere.
+mod rollback {
+    use super::*;
+    use crate::supervisor::load::LoadStart;
+
+    const BAD: &str = "(APIServer pid=7) ERROR 12-02 12:00:00 [x.py:1] ValueError: Failed to find a kernel that can implement the NVFP4 linear layer.";
+
+    fn fail_as(s: &mut Sim, pid: u32, fp: &str, last_good: Option<(&str, &str)>) -> Vec<Effect> {
+        if s.m.state == State::Idle {
+            s.ev(Event::Begin);
+        }
+        let start = s.m.starts;
+        s.ev(Event::Prepared { start, result: Prepared::Done });
+        let last_good = last_good.map(|(a, b)| (a.to_string(), b.to_string()));
+        let load = LoadStart { fingerprint: fp.into(), last_good, ..Default::default() };
+        s.ev(Event::LoadKnown { start, load: Box::new(load) });
+        s.ev(Event::Spawned { start, pid });
+        s.line(BAD);
+        s.ev(Event::ChildExited { pid, exit: Exit::Code(1) });
+        s.ev(Event::TreeGone)
+    }
+
+    fn one_try(rollback: bool) -> Policy {
+        Policy { rollback, ..restart(|r| r.permanent_attempts = 1) }
+    }
+
+    #[test]
+    fn a_changed_setup_that_fails_permanently_starts_the_last_known_good_and_says_so() {
+        let mut s = Sim::new(one_try(true));
+        let good = ("00000000000000bb", "2026-12-02T10:00:00Z");
+        let fx = fail_as(&mut s, 100, "00000000000000aa", Some(good));
+        assert!(fx.contains(&Effect::Rollback), "{fx:?}");
+        assert!(statuses(&fx).iter().any(|t| t.starts_with(
+            "the new setup 00000000000000aa failed: ValueError: Failed to find a kernel that can implement the NVFP4 linear layer.; starting the last-known-good setup 00000000000000bb from 2026-12-02T10:00:00Z"
+        )), "{fx:?}");
+        assert_eq!(s.m.done(), None);
+        let fx = s.ev(Event::RolledBack { policy: Ok(Box::new(one_try(true))) });
+        assert!(fx.contains(&Effect::Prepare { start: 2 }), "{fx:?}");
+        // The good setup's own start.
+        s.ev(Event::Prepared { start: 2, result: Prepared::Done });
+        let load = LoadStart { fingerprint: good.0.into(), ..Default::default() };
+        s.ev(Event::LoadKnown { start: 2, load: Box::new(load) });
+        s.ev(Event::Spawned { start: 2, pid: 101 });
+        s.line("INFO:     Application startup complete.");
+        let fx = s.ev(Event::HttpReady { start: 2 });
+        assert!(notes(&fx).contains(&Note::Ready));
+        assert!(statuses(&fx).iter().any(|t| t.starts_with("serving last-known-good from 2026-12-02T10:00:00Z; the new setup failed: ValueError")), "{fx:?}");
+        let snap = s.m.snapshot();
+        let r = snap.rolled_back.unwrap();
+        assert_eq!((r.failed.as_str(), r.good.as_str()), ("00000000000000aa", good.0));
+        // The operator's config again: the rollback is over.
+        s.ev(Event::Reload { policy: Box::new(one_try(true)), summary: "child.command".into() });
+        assert_eq!(s.m.snapshot().rolled_back, None);
+    }
+
+    #[test]
+    fn the_last_known_good_failing_too_ends_the_warden_and_off_nothing_rolls_back() {
+        let mut s = Sim::new(one_try(true));
+        let good = ("00000000000000bb", "2026-12-02T10:00:00Z");
+        fail_as(&mut s, 100, "00000000000000aa", Some(good));
+        s.ev(Event::RolledBack { policy: Ok(Box::new(one_try(true))) });
+        let fx = fail_as(&mut s, 101, good.0, None);
+        assert_eq!(s.m.done(), Some(Code::Config), "{fx:?}");
+        assert!(!fx.contains(&Effect::Rollback));
+        // A rollback that cannot be made ends the warden as without it.
+        let mut s = Sim::new(one_try(true));
+        fail_as(&mut s, 100, "00000000000000aa", Some(good));
+        let fx = s.ev(Event::RolledBack { policy: Err("its record is gone".into()) });
+        assert_eq!(s.m.done(), Some(Code::Config));
+        assert!(statuses(&fx)[0].ends_with("the last-known-good setup cannot be started: its record is gone"), "{fx:?}");
+        // Off: exit 78 as before.
+        let mut s = Sim::new(one_try(false));
+        let fx = fail_as(&mut s, 100, "00000000000000aa", Some(good));
+        assert_eq!(s.m.done(), Some(Code::Config));
+        assert!(!fx.contains(&Effect::Rollback));
+        // The good setup itself failing has nothing to roll back to.
+        let mut s = Sim::new(one_try(true));
+        fail_as(&mut s, 100, good.0, None);
+        assert_eq!(s.m.done(), Some(Code::Config));
+    }
+
+    #[test]
+    fn a_good_ready_records_the_setup() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        assert!(s.fx.contains(&Effect::SetupGood));
+    }
+}
