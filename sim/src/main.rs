@@ -150,6 +150,20 @@ struct FakeArgs {
     /// Helper for tests: map this file, close it, print "holding", wait forever.
     #[arg(long, hide = true)]
     map_file: Option<PathBuf>,
+    /// Accepted like vLLM's: the longest request, in tokens.
+    #[arg(long, default_value_t = 256)]
+    max_model_len: u64,
+    /// Accepted like vLLM's: the fraction of memory the engine may use.
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_utilization: f64,
+    /// The KV cache holds this many tokens: a longer `--max-model-len`
+    /// fails as vLLM's does, naming this as its estimate.
+    #[arg(long)]
+    kv_cache_tokens: Option<u64>,
+    /// Below this `--gpu-memory-utilization` nothing is left for the KV
+    /// cache (vLLM's `No available memory for the cache blocks`).
+    #[arg(long)]
+    kv_cache_needs: Option<f64>,
     /// Internal: run as the EngineCore child.
     #[arg(long, hide = true)]
     engine_core: bool,
@@ -440,6 +454,9 @@ fn simulate(args: FakeArgs) -> i32 {
             _ => {}
         }
     }
+    if let Some(code) = memory_fit(&out, &args) {
+        return code;
+    }
     if let Some(aot) = &args.compile_cache {
         compile(&out, aot, args.compile_time);
     }
@@ -628,6 +645,32 @@ fn kv_cache_failure(out: &Out, bits: u64) -> i32 {
     out.log("EngineCore", "ERROR", "core.py:1510", "EngineCore failed to start.");
     out.raw("Traceback (most recent call last):\n  File \"/opt/vllm/bin/vllm\", line 10, in <module>\nRuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}\n");
     1
+}
+
+/// vLLM's two KV-cache errors (`vllm/v1/core/kv_cache_utils.py`, 0.32), as
+/// the EngineCore logs them: Some(exit code) when the memory does not fit.
+fn memory_fit(out: &Out, args: &FakeArgs) -> Option<i32> {
+    let core = "core.py:1510";
+    let message = if args.kv_cache_needs.is_some_and(|need| args.gpu_memory_utilization < need) {
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory reservation on the CPU backend, despite its name). See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.".to_string()
+    } else if let Some(tokens) = args.kv_cache_tokens.filter(|t| args.max_model_len > *t) {
+        let gib = |t: u64| format!("{:.2}", t as f64 * 1024.0 / f64::from(1u32 << 30));
+        format!(
+            "ValueError: To serve at least one request with the model's max seq len ({}), ({} GiB KV cache is needed, which is larger than the available KV cache memory ({} GiB). Based on the available memory, the estimated maximum model length is {tokens}. Try increasing `gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.",
+            args.max_model_len,
+            gib(args.max_model_len),
+            gib(tokens)
+        )
+    } else {
+        return None;
+    };
+    out.log("EngineCore", "ERROR", core, "EngineCore failed to start.");
+    out.log("EngineCore", "ERROR", core, "Traceback (most recent call last):");
+    out.log("EngineCore", "ERROR", core, "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/v1/core/kv_cache_utils.py\", line 1031, in _check_enough_kv_cache_memory");
+    out.log("EngineCore", "ERROR", core, "    raise ValueError(");
+    out.log("EngineCore", "ERROR", core, &message);
+    out.raw("Traceback (most recent call last):\n  File \"/opt/vllm/bin/vllm\", line 10, in <module>\nRuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}\n");
+    Some(1)
 }
 
 /// Read the model's config.json as vLLM does; Some(exit code) on failure.
