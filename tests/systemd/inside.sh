@@ -148,6 +148,51 @@ check "the failed events carry REPORT= with a report folder" bash -c "journalctl
 check "two failure reports, each with its summary" bash -c "test \$(ls /var/lib/vllm-warden/perm/reports/*/summary.json | wc -l) = 2"
 check "vllm-warden reports lists them" bash -c "vllm-warden reports -c /etc/vllm-warden/perm.toml | grep -c ' permanent ' | grep -qx 2"
 
+# Memory fit, as installed: the simulated vLLM fails with vLLM's own
+# KV-cache error; the warden (user vllm, the shipped unit, no drop-in)
+# starts it again with the estimate, pins the value in its state
+# directory, and the next start uses it at once.
+fake fit 8006 --shards 1 --max-model-len 100000 --kv-cache-tokens 70000 <<'TOML'
+[restart]
+initial-delay = "0s"
+[golden]
+enabled = false
+[fit]
+enabled = true
+min-model-len = 1024
+TOML
+check "memory fit: systemctl start returns ready" systemctl start vllm-warden@fit
+check "… after a fit move in the journal, with its MESSAGE_ID" bash -c "journalctl -u vllm-warden@fit MESSAGE_ID=7c2e9a4f1b6d4c3e8a5f0d2b9e7c1a64 --no-pager -o cat | grep -q 'restarting with --max-model-len 69632'"
+check "… the value pinned by user vllm in the state directory" bash -c "test \"\$(stat -c %U /var/lib/vllm-warden/fit/fit-pins.json)\" = vllm && grep -q 69632 /var/lib/vllm-warden/fit/fit-pins.json"
+check "… the unit's status shows the fitted value" bash -c "systemctl status --no-pager vllm-warden@fit | grep -q -- '--max-model-len 69632 (fitted)'"
+check "memory fit: the next start is pinned, at the first try" bash -c "systemctl restart vllm-warden@fit \
+    && vllm-warden status -c /etc/vllm-warden/fit.toml | grep -q 'memory fit: --max-model-len 69632 (pinned)' \
+    && vllm-warden status -c /etc/vllm-warden/fit.toml --json | grep -q '\"restarts\": *0'"
+systemctl stop vllm-warden@fit
+
+# Rollback, as installed: a good setup, then a reload to one that fails
+# for good; the last-known-good serves again, the unit stays active.
+fake lkg 8007 --shards 1 <<'TOML'
+[restart]
+initial-delay = "0s"
+permanent-attempts = 1
+[golden]
+enabled = false
+[rollback]
+enabled = true
+TOML
+check "rollback: the good setup starts" systemctl start vllm-warden@lkg
+main=$(prop lkg MainPID)
+sed -i 's|"--shards", "1"|"--shards", "1", "--fail", "kv-cache"|' /etc/vllm-warden/lkg.toml
+check "rollback: systemctl reload to a failing setup" systemctl reload vllm-warden@lkg
+check "… the last-known-good serves again" wait_for 60 unit_status_has lkg "serving last-known-good from "
+check "… the unit stayed active, not restarted" test "$(prop lkg ActiveState)/$(prop lkg MainPID)/$(prop lkg NRestarts)" = "active/$main/0"
+check "… the journal says so, with its MESSAGE_ID" bash -c "journalctl -u vllm-warden@lkg MESSAGE_ID=e41f6b8d2c9a4e7f9b3d5a1c8e6f2d07 --no-pager -o cat | grep -q 'starting the last-known-good setup'"
+check "… the status document has both setups" bash -c "vllm-warden status -c /etc/vllm-warden/lkg.toml --json | grep -q '\"setup\": *\"last-known-good\"'"
+check "… the setups are the service user's, mode 600" bash -c "test \"\$(stat -c %U:%a /var/lib/vllm-warden/lkg/setups/*.json)\" = vllm:600"
+check "vllm-warden setups diff names the change" bash -c "vllm-warden setups -c /etc/vllm-warden/lkg.toml diff | grep -q -- '--fail kv-cache'"
+systemctl stop vllm-warden@lkg
+
 # A child that floods its log: its lines go to journald through the
 # warden's bounded queue; what journald cannot take in time is dropped from
 # the forwarding only, and counted (vllm_warden_journal_dropped_lines_total);
