@@ -641,7 +641,7 @@ impl Backend for RealBackend {
 
     fn rollback(&mut self) -> Result<Settings, String> {
         let good = self.loads.recovery.last_good.clone().ok_or("no setup has been recorded as good")?;
-        let settings = crate::daemon::recover::rollback_settings(&self.settings, &good)?;
+        let settings = crate::daemon::recover::rollback_settings(&self.settings, &good, &Dirs::from_env())?;
         self.loads.recovery.revert = Some(self.settings.patches.clone());
         self.loads.recovery.expect = Some(good.fingerprint);
         Ok(settings)

@@ -127,9 +127,8 @@ fn was_vllm(s: &Settings, fp: &str) -> Option<String> {
 /// running `current`: its recorded config text, read again. The record
 /// lives in the state directory; a record that names another instance is
 /// refused.
-pub fn rollback_settings(current: &Settings, good: &SetupRecord) -> Result<Settings, String> {
-    let dirs = crate::config::Dirs::from_env();
-    let s = crate::config::parse(&good.config, &current.source, &dirs).map_err(|p| {
+pub fn rollback_settings(current: &Settings, good: &SetupRecord, dirs: &crate::config::Dirs) -> Result<Settings, String> {
+    let s = crate::config::parse(&good.config, &current.source, dirs).map_err(|p| {
         let first = p.0.first().map(ToString::to_string).unwrap_or_default();
         format!("its recorded config no longer reads: {first}")
     })?;
@@ -165,5 +164,40 @@ mod tests {
             argv(&cmd, &u),
             v(&["vllm", "serve", "m", "--max-model-len", "1047552", "--gpu-memory-utilization", "0.92"])
         );
+    }
+
+    #[test]
+    fn a_last_known_good_whose_vllm_changed_in_place_is_refused_saying_so() {
+        let d = tempfile::tempdir().unwrap();
+        let venv = d.path().join("venv");
+        std::fs::create_dir_all(venv.join("bin")).unwrap();
+        std::fs::write(venv.join("bin/vllm"), "#!/bin/sh\n").unwrap();
+        let site = venv.join("lib/python3.11/site-packages");
+        std::fs::create_dir_all(site.join("vllm-0.31.0.dist-info")).unwrap();
+        let text = format!("name = \"m\"\n[child]\ncommand = [\"{}\", \"serve\", \"m\"]\n", venv.join("bin/vllm").display());
+        let dirs = crate::config::Dirs { state: Some(d.path().join("state")), ..Default::default() };
+        let s = crate::config::parse(&text, &d.path().join("m.toml"), &dirs).unwrap();
+        let before = find(&s, &BTreeMap::new(), None).unwrap();
+        setups::record_good(&s.state_dir, &setups::good_now(&s, &before.facts), 5).unwrap();
+        assert!(find(&s, &BTreeMap::new(), Some(&before.facts.fingerprint)).is_ok(), "as it was: it starts");
+        // The venv upgraded where it stands.
+        std::fs::rename(site.join("vllm-0.31.0.dist-info"), site.join("vllm-0.32.0.dist-info")).unwrap();
+        let err = find(&s, &BTreeMap::new(), Some(&before.facts.fingerprint)).unwrap_err();
+        assert!(err.permanent);
+        assert!(err.cause.contains("vllm: vllm 0.31.0 → vllm 0.32.0"), "{}", err.cause);
+        assert!(err.cause.ends_with("side-by-side venvs make vLLM upgrades roll back)"), "{}", err.cause);
+    }
+
+    #[test]
+    fn a_record_of_another_instance_is_not_rolled_back_to() {
+        let d = tempfile::tempdir().unwrap();
+        let dirs = crate::config::Dirs { state: Some(d.path().join("state")), ..Default::default() };
+        let s = crate::config::parse("name = \"m\"\n[child]\ncommand = [\"vllm\"]\n", &d.path().join("m.toml"), &dirs).unwrap();
+        let mut good = setups::good_now(&s, &crate::observe::ledger::Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], None));
+        assert!(rollback_settings(&s, &good, &dirs).is_ok());
+        good.config = "name = \"other\"\n[child]\ncommand = [\"vllm\"]\n".into();
+        assert!(rollback_settings(&s, &good, &dirs).unwrap_err().contains("instance \"other\""));
+        good.config = "[child\n".into();
+        assert!(rollback_settings(&s, &good, &dirs).unwrap_err().starts_with("its recorded config no longer reads"));
     }
 }
