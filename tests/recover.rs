@@ -34,7 +34,9 @@ fn a_kv_cache_too_small_is_fitted_pinned_and_used_at_once_next_time() {
     assert_eq!(d["fit"]["max-model-len"], serde_json::json!({"value": "69632", "source": "fitted"}), "{d}");
     // The child ran with the value, as its one setting of the flag (the
     // log is written off the loop: it may come after the notification).
-    w.wait_for_file("warden.stderr", |w| w.stderr().contains("memory fit: --max-model-len 69632 reached ready; pinned for setup "));
+    w.wait_for_file("warden.stderr", |w| {
+        w.stderr().contains("memory fit: --max-model-len 69632 reached ready; pinned for setup ")
+    });
     let stderr = w.stderr();
     assert!(stderr.contains("--kv-cache-tokens 70000 --max-model-len 69632 (env:"), "{stderr}");
     assert_eq!(w.stop(), 0);
@@ -66,7 +68,10 @@ fn a_move_past_its_bound_ends_the_warden_saying_why() {
     w.wait_note("the raise", |n| n.contains("restarting with --gpu-memory-utilization 0.92 (was 0.9"));
     assert_eq!(w.wait_exit(), 78);
     let cause = doc(&w)["cause"].as_str().unwrap().to_string();
-    assert!(cause.ends_with("memory fit cannot help: --gpu-memory-utilization 0.92 is at `fit.max-utilization` 0.92"), "{cause}");
+    assert!(
+        cause.ends_with("memory fit cannot help: --gpu-memory-utilization 0.92 is at `fit.max-utilization` 0.92"),
+        "{cause}"
+    );
 }
 
 /// A good setup, then a reload to one whose start fails for good.
@@ -130,7 +135,8 @@ fn a_patch_that_breaks_the_model_is_undone_and_the_good_setup_patched_again() {
         let model = d.join("model");
         if !model.exists() {
             std::fs::create_dir_all(&model).unwrap();
-            std::fs::write(model.join("config.json"), "{\n  \"rope_theta\": 10000.0,\n  \"vocab_size\": 2048\n}\n").unwrap();
+            std::fs::write(model.join("config.json"), "{\n  \"rope_theta\": 10000.0,\n  \"vocab_size\": 2048\n}\n")
+                .unwrap();
         }
         let file = model.join("config.json");
         let set = if bad {
@@ -138,10 +144,8 @@ fn a_patch_that_breaks_the_model_is_undone_and_the_good_setup_patched_again() {
         } else {
             "{ rope_theta = 500000.0 }"
         };
-        let extra = format!(
-            "{FAST}[rollback]\nenabled = true\n[[patch]]\nfile = \"{}\"\nset = {set}\n",
-            file.display()
-        );
+        let extra =
+            format!("{FAST}[rollback]\nenabled = true\n[[patch]]\nfile = \"{}\"\nset = {set}\n", file.display());
         config(d, p, &["--shards", "1", "--model", model.to_str().unwrap()], "", &extra)
     };
     let mut w = Warden::start(move |d, p| make(d, p, false));
@@ -158,7 +162,8 @@ fn a_patch_that_breaks_the_model_is_undone_and_the_good_setup_patched_again() {
     // good one made again from the original.
     assert_eq!(std::fs::read(w.path("model/config.json")).unwrap(), good);
     let d = doc(&w);
-    let (ok, diff) = w.cli(&["setups", "diff", d["rollback"]["good"].as_str().unwrap(), d["rollback"]["failed"].as_str().unwrap()]);
+    let (ok, diff) =
+        w.cli(&["setups", "diff", d["rollback"]["good"].as_str().unwrap(), d["rollback"]["failed"].as_str().unwrap()]);
     assert!(ok && diff.contains("patched ") && diff.contains("config.json"), "{diff}");
     assert_eq!(w.stop(), 0);
 }

@@ -354,7 +354,9 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
                 let loads = crate::observe::ledger::read(&path).map(|(l, _)| l).unwrap_or_default();
                 loads.last().map(|r| r.fingerprint.clone()).ok_or_else(|| format!("no loads in {}", path.display()))
             };
-            let good = || all.first().map(|r| r.fingerprint.clone()).ok_or_else(|| "no setup has reached ready yet".to_string());
+            let good = || {
+                all.first().map(|r| r.fingerprint.clone()).ok_or_else(|| "no setup has reached ready yet".to_string())
+            };
             let ids = match (x, y) {
                 (Some(x), Some(y)) => Ok((x.clone(), y.clone())),
                 (Some(x), None) => good().map(|g| (g, x.clone())),

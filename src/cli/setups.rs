@@ -20,7 +20,14 @@ pub fn table(all: &[SetupRecord]) -> String {
     for (i, r) in all.iter().enumerate() {
         let mark = if i == 0 { "last-known-good" } else { "" };
         let vllm = r.setup.vllm.as_deref().map_or_else(|| "-".into(), safe);
-        let _ = writeln!(out, "{}  {}  vllm {}  {}  {mark}", safe(&r.fingerprint), safe(&r.at), vllm, safe(&r.setup.command));
+        let _ = writeln!(
+            out,
+            "{}  {}  vllm {}  {}  {mark}",
+            safe(&r.fingerprint),
+            safe(&r.at),
+            vllm,
+            safe(&r.setup.command)
+        );
     }
     out
 }
@@ -29,7 +36,12 @@ pub fn table(all: &[SetupRecord]) -> String {
 pub fn show(r: &SetupRecord) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "setup {}, ready at {}", safe(&r.fingerprint), safe(&r.at));
-    let _ = writeln!(out, "config file: {} ({} lines kept)", safe(&r.config_file.display().to_string()), r.config.lines().count());
+    let _ = writeln!(
+        out,
+        "config file: {} ({} lines kept)",
+        safe(&r.config_file.display().to_string()),
+        r.config.lines().count()
+    );
     let _ = writeln!(out, "vllm: {}", r.setup.vllm.as_deref().map_or_else(|| "(not found)".into(), safe));
     let _ = writeln!(out, "command: {}", safe(&r.setup.command));
     for (k, v) in &r.setup.env {

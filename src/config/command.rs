@@ -103,12 +103,16 @@ mod flag_tests {
 
     #[test]
     fn with_flag_replaces_every_spelling_and_keeps_the_rest() {
-        let c = v(&["vllm", "serve", "m", "--max-model-len", "9", "--port", "1", "--max_model_len=8", "--max-model-len=7"]);
+        let c =
+            v(&["vllm", "serve", "m", "--max-model-len", "9", "--port", "1", "--max_model_len=8", "--max-model-len=7"]);
         let got = with_flag(&c, "--max-model-len", "4096");
         assert_eq!(got, v(&["vllm", "serve", "m", "--port", "1", "--max-model-len", "4096"]));
         assert_eq!(flag(&got, "--max-model-len").as_deref(), Some("4096"));
         // A flag whose name only begins the same is another flag.
         let c = v(&["vllm", "--max-model-len-x", "3"]);
-        assert_eq!(with_flag(&c, "--max-model-len", "5"), v(&["vllm", "--max-model-len-x", "3", "--max-model-len", "5"]));
+        assert_eq!(
+            with_flag(&c, "--max-model-len", "5"),
+            v(&["vllm", "--max-model-len-x", "3", "--max-model-len", "5"])
+        );
     }
 }

@@ -34,8 +34,8 @@ use crate::patch::Patch;
 
 pub use self::problem::{Problem, Problems};
 pub use self::settings::{
-    Child, Cluster, Drain, Fatal, Fit, FitArg, Golden, GoldenPolicy, Health, Ledger, Prestart, Ready, Reports, Restart, Rollback, Rotation,
-    Server, Settings, Status,
+    Child, Cluster, Drain, Fatal, Fit, FitArg, Golden, GoldenPolicy, Health, Ledger, Prestart, Ready, Reports, Restart,
+    Rollback, Rotation, Server, Settings, Status,
 };
 
 /// Where the config is read from when `-c` is not given.
@@ -702,10 +702,7 @@ fn fit(mut k: Keys<'_, '_, '_>) -> Fit {
                 Some(_) => {}
                 None => {
                     let known: Vec<&str> = FitArg::ALL.iter().map(|a| a.name()).collect();
-                    r.problem(
-                        Some(v.span()),
-                        format!("`fit.adjust`: {name:?} is not one of {}", known.join(", ")),
-                    );
+                    r.problem(Some(v.span()), format!("`fit.adjust`: {name:?} is not one of {}", known.join(", ")));
                     return None;
                 }
             }

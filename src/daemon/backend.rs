@@ -364,11 +364,10 @@ impl Backend for RealBackend {
                 // The setup as it starts (after the patches): its ledger,
                 // memory fit's values, the last-known-good setup.
                 let s = settings.clone();
-                let found_now = tokio::task::spawn_blocking(move || {
-                    crate::daemon::recover::find(&s, &fit, expect.as_deref())
-                })
-                .await
-                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+                let found_now =
+                    tokio::task::spawn_blocking(move || crate::daemon::recover::find(&s, &fit, expect.as_deref()))
+                        .await
+                        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
                 match found_now {
                     Ok(f) => *found.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, f)),
                     Err(failure) => result = Err(failure),

@@ -78,9 +78,10 @@ pub fn find(s: &Settings, fit: &BTreeMap<FitArg, String>, expect: Option<&str>) 
     {
         let was = setups::find(&s.state_dir, fp).ok().map(|r| serde_json::to_value(&r.setup).unwrap_or_default());
         let now = serde_json::to_value(&facts.setup).unwrap_or_default();
-        let what = was.map_or_else(|| "its record is gone".to_string(), |w| {
-            crate::observe::ledger::setup_changes(&w, &now).join("; ")
-        });
+        let what = was.map_or_else(
+            || "its record is gone".to_string(),
+            |w| crate::observe::ledger::setup_changes(&w, &now).join("; "),
+        );
         let venv = if facts.setup.vllm != was_vllm(s, fp) {
             " (the command's vLLM changed in place: side-by-side venvs make vLLM upgrades roll back)"
         } else {
@@ -127,7 +128,11 @@ fn was_vllm(s: &Settings, fp: &str) -> Option<String> {
 /// running `current`: its recorded config text, read again. The record
 /// lives in the state directory; a record that names another instance is
 /// refused.
-pub fn rollback_settings(current: &Settings, good: &SetupRecord, dirs: &crate::config::Dirs) -> Result<Settings, String> {
+pub fn rollback_settings(
+    current: &Settings,
+    good: &SetupRecord,
+    dirs: &crate::config::Dirs,
+) -> Result<Settings, String> {
     let s = crate::config::parse(&good.config, &current.source, dirs).map_err(|p| {
         let first = p.0.first().map(ToString::to_string).unwrap_or_default();
         format!("its recorded config no longer reads: {first}")
@@ -174,7 +179,8 @@ mod tests {
         std::fs::write(venv.join("bin/vllm"), "#!/bin/sh\n").unwrap();
         let site = venv.join("lib/python3.11/site-packages");
         std::fs::create_dir_all(site.join("vllm-0.31.0.dist-info")).unwrap();
-        let text = format!("name = \"m\"\n[child]\ncommand = [\"{}\", \"serve\", \"m\"]\n", venv.join("bin/vllm").display());
+        let text =
+            format!("name = \"m\"\n[child]\ncommand = [\"{}\", \"serve\", \"m\"]\n", venv.join("bin/vllm").display());
         let dirs = crate::config::Dirs { state: Some(d.path().join("state")), ..Default::default() };
         let s = crate::config::parse(&text, &d.path().join("m.toml"), &dirs).unwrap();
         let before = find(&s, &BTreeMap::new(), None).unwrap();
@@ -192,8 +198,10 @@ mod tests {
     fn a_record_of_another_instance_is_not_rolled_back_to() {
         let d = tempfile::tempdir().unwrap();
         let dirs = crate::config::Dirs { state: Some(d.path().join("state")), ..Default::default() };
-        let s = crate::config::parse("name = \"m\"\n[child]\ncommand = [\"vllm\"]\n", &d.path().join("m.toml"), &dirs).unwrap();
-        let mut good = setups::good_now(&s, &crate::observe::ledger::Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], None));
+        let s = crate::config::parse("name = \"m\"\n[child]\ncommand = [\"vllm\"]\n", &d.path().join("m.toml"), &dirs)
+            .unwrap();
+        let mut good =
+            setups::good_now(&s, &crate::observe::ledger::Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], None));
         assert!(rollback_settings(&s, &good, &dirs).is_ok());
         good.config = "name = \"other\"\n[child]\ncommand = [\"vllm\"]\n".into();
         assert!(rollback_settings(&s, &good, &dirs).unwrap_err().contains("instance \"other\""));

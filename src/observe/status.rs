@@ -436,9 +436,10 @@ impl Reporter {
                 .map(|(a, (v, src))| (a.name().to_string(), FitValue { value: safe(v), source: src.as_str().into() }))
                 .collect(),
             fit_adjustments: snap.fit_moves,
-            setup: snap.setup.as_ref().map(|_| {
-                if snap.rolled_back.is_some() { "last-known-good" } else { "configured" }.to_string()
-            }),
+            setup: snap
+                .setup
+                .as_ref()
+                .map(|_| if snap.rolled_back.is_some() { "last-known-good" } else { "configured" }.to_string()),
             fingerprint: snap.setup.as_deref().map(safe),
             rollback: snap.rolled_back.as_ref().map(|r| crate::supervisor::snapshot::RolledBack {
                 failed: safe(&r.failed),

@@ -137,7 +137,10 @@ pub fn decide(problem: &Problem, used: &Used, fit: &Fit) -> Move {
                 return Move::Refuse(format!("vLLM's estimate {estimate} is no shorter than {max_model_len}"));
             }
             let from = value(arg).unwrap_or_else(|| max_model_len.to_string());
-            let why = format!("vLLM estimates {estimate} tokens fit, rounded down to a multiple of {}", fit.model_len_multiple);
+            let why = format!(
+                "vLLM estimates {estimate} tokens fit, rounded down to a multiple of {}",
+                fit.model_len_multiple
+            );
             Move::Set { arg, from, to: to.to_string(), why }
         }
         Problem::NoCacheMemory | Problem::OutOfMemory => {
@@ -225,11 +228,15 @@ mod tests {
         // vLLM's default when the command sets none.
         assert_eq!(set(decide(&Problem::NoCacheMemory, &Used::new(), &fit())).1, "0.9");
         let top = used(&[(FitArg::GpuMemoryUtilization, "0.94")]);
-        assert!(matches!(decide(&Problem::NoCacheMemory, &top, &fit()), Move::Refuse(w) if w.contains("max-utilization")));
+        assert!(
+            matches!(decide(&Problem::NoCacheMemory, &top, &fit()), Move::Refuse(w) if w.contains("max-utilization"))
+        );
         let at = used(&[(FitArg::GpuMemoryUtilization, "0.93")]);
         assert_eq!(set(decide(&Problem::NoCacheMemory, &at, &fit())).2, "0.95");
         let low = used(&[(FitArg::GpuMemoryUtilization, "0.51")]);
-        assert!(matches!(decide(&Problem::OutOfMemory, &low, &fit()), Move::Refuse(w) if w.contains("min-utilization")));
+        assert!(
+            matches!(decide(&Problem::OutOfMemory, &low, &fit()), Move::Refuse(w) if w.contains("min-utilization"))
+        );
     }
 
     #[test]
@@ -238,7 +245,9 @@ mod tests {
         let p = Problem::KvCacheTooSmall { max_model_len: 1_500_000, estimate: Some(1_048_448) };
         assert!(matches!(decide(&p, &Used::new(), &f), Move::Refuse(w) if w.contains("fit.adjust")));
         let f = Fit { adjust: vec![FitArg::MaxModelLen], ..fit() };
-        assert!(matches!(decide(&Problem::NoCacheMemory, &Used::new(), &f), Move::Refuse(w) if w.contains("fit.adjust")));
+        assert!(
+            matches!(decide(&Problem::NoCacheMemory, &Used::new(), &f), Move::Refuse(w) if w.contains("fit.adjust"))
+        );
     }
 
     #[test]

@@ -547,7 +547,13 @@ mod tests {
     }
 
     fn start(history: Option<History>) -> LoadStart {
-        LoadStart { fingerprint: "f1".into(), history, weights_bytes: Some(2_000_000_000), cold: Some(true), ..Default::default() }
+        LoadStart {
+            fingerprint: "f1".into(),
+            history,
+            weights_bytes: Some(2_000_000_000),
+            cold: Some(true),
+            ..Default::default()
+        }
     }
 
     #[test]

@@ -919,7 +919,8 @@ impl Machine {
             && self.fit.problem.is_none()
         {
             // Out of memory counts while the weights load, not after.
-            let weights = self.load.as_ref().is_none_or(|l| matches!(l.current(), LoadPhase::Start | LoadPhase::Weights));
+            let weights =
+                self.load.as_ref().is_none_or(|l| matches!(l.current(), LoadPhase::Start | LoadPhase::Weights));
             if *p != crate::supervisor::fit::Problem::OutOfMemory || weights {
                 self.fit.problem = Some(p.clone());
             }

@@ -359,12 +359,17 @@ fn the_memory_fit_errors_of_real_logs_are_read_with_their_numbers() {
     };
     let kv = problems(include_str!("../../../tests/fixtures/e_kv_cache_estimate.log"));
     assert!(!kv.is_empty());
-    assert!(kv.iter().all(|p| *p == Problem::KvCacheTooSmall { max_model_len: 1_500_000, estimate: Some(1_048_448) }), "{kv:?}");
+    assert!(
+        kv.iter().all(|p| *p == Problem::KvCacheTooSmall { max_model_len: 1_500_000, estimate: Some(1_048_448) }),
+        "{kv:?}"
+    );
     let none = problems(include_str!("../../../tests/fixtures/e_kv_cache_zero.log"));
     assert!(!none.is_empty() && none.iter().all(|p| *p == Problem::NoCacheMemory), "{none:?}");
     assert!(problems(include_str!("../../../tests/fixtures/e_max_model_len_too_large.log")).is_empty());
     assert_eq!(
-        crate::supervisor::classify::fit_problem("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        crate::supervisor::classify::fit_problem(
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+        ),
         Some(Problem::OutOfMemory)
     );
 }

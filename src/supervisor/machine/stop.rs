@@ -446,7 +446,13 @@ impl Machine {
     /// The end of retries (`code`, `text`): the last-known-good setup
     /// instead, when `[rollback]` is on and the setup that failed is a
     /// changed one; else the end.
-    pub(super) fn give_up(&mut self, code: Code, text: String, cause: &Cause, mut fx: Vec<Effect>) -> (State, Vec<Effect>) {
+    pub(super) fn give_up(
+        &mut self,
+        code: Code,
+        text: String,
+        cause: &Cause,
+        mut fx: Vec<Effect>,
+    ) -> (State, Vec<Effect>) {
         let good = self.rollback.last_good.clone();
         let (Some((good, good_at)), true, None) = (good, self.policy.rollback, &self.rollback.active) else {
             return self.finish(code, text, fx);
@@ -459,12 +465,8 @@ impl Machine {
         fx.push(record(Severity::Warn, Topic::Rollback, said.clone()));
         fx.push(Effect::Notify(vec![status(said)]));
         fx.push(Effect::Rollback);
-        self.rollback.active = Some(crate::supervisor::snapshot::RolledBack {
-            failed,
-            cause: cause.text.clone(),
-            good,
-            good_at,
-        });
+        self.rollback.active =
+            Some(crate::supervisor::snapshot::RolledBack { failed, cause: cause.text.clone(), good, good_at });
         self.rollback.pending = Some((code, text));
         (State::Idle, fx)
     }

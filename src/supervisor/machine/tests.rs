@@ -922,7 +922,8 @@ mod loads {
     fn start_with(s: &mut Sim, history: Option<History>) {
         s.ev(Event::Begin);
         s.ev(Event::Prepared { start: 1, result: Prepared::Done });
-        let load = LoadStart { fingerprint: "f".into(), history, weights_bytes: None, cold: None, ..Default::default() };
+        let load =
+            LoadStart { fingerprint: "f".into(), history, weights_bytes: None, cold: None, ..Default::default() };
         s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
         s.ev(Event::Spawned { start: 1, pid: 100 });
     }
@@ -1171,7 +1172,10 @@ mod fit {
         let said: Vec<&Record> =
             fx.iter().filter_map(|e| if let Effect::Log(r) = e { Some(r) } else { None }).collect();
         let fit = said.iter().find(|r| r.topic == Topic::Fit).unwrap();
-        assert_eq!(fit.message, "memory fit 1/2: the KV cache cannot hold one request of 1500000 tokens (vLLM estimates 1048448 fit); restarting with --max-model-len 1047552 (was 1500000: vLLM estimates 1048448 tokens fit, rounded down to a multiple of 1024)");
+        assert_eq!(
+            fit.message,
+            "memory fit 1/2: the KV cache cannot hold one request of 1500000 tokens (vLLM estimates 1048448 fit); restarting with --max-model-len 1047552 (was 1500000: vLLM estimates 1048448 tokens fit, rounded down to a multiple of 1024)"
+        );
         assert_eq!(Topic::Fit.message_id(), Some(crate::supervisor::events::FIT_MESSAGE_ID));
         // The backend sets it; the start reports it as fitted.
         let used = BTreeMap::from([(FitArg::MaxModelLen, ("1047552".to_string(), Source::Fitted))]);
@@ -1270,7 +1274,11 @@ mod rollback {
         s.line("INFO:     Application startup complete.");
         let fx = s.ev(Event::HttpReady { start: 2 });
         assert!(notes(&fx).contains(&Note::Ready));
-        assert!(statuses(&fx).iter().any(|t| t.starts_with("serving last-known-good from 2026-12-02T10:00:00Z; the new setup failed: ValueError")), "{fx:?}");
+        assert!(
+            statuses(&fx).iter().any(|t| t
+                .starts_with("serving last-known-good from 2026-12-02T10:00:00Z; the new setup failed: ValueError")),
+            "{fx:?}"
+        );
         let snap = s.m.snapshot();
         let r = snap.rolled_back.unwrap();
         assert_eq!((r.failed.as_str(), r.good.as_str()), ("00000000000000aa", good.0));
@@ -1293,7 +1301,10 @@ mod rollback {
         fail_as(&mut s, 100, "00000000000000aa", Some(good));
         let fx = s.ev(Event::RolledBack { policy: Err("its record is gone".into()) });
         assert_eq!(s.m.done(), Some(Code::Config));
-        assert!(statuses(&fx)[0].ends_with("the last-known-good setup cannot be started: its record is gone"), "{fx:?}");
+        assert!(
+            statuses(&fx)[0].ends_with("the last-known-good setup cannot be started: its record is gone"),
+            "{fx:?}"
+        );
         // Off: exit 78 as before.
         let mut s = Sim::new(one_try(false));
         let fx = fail_as(&mut s, 100, "00000000000000aa", Some(good));
