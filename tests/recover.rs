@@ -39,6 +39,11 @@ fn a_kv_cache_too_small_is_fitted_pinned_and_used_at_once_next_time() {
     });
     let stderr = w.stderr();
     assert!(stderr.contains("--kv-cache-tokens 70000 --max-model-len 69632 (env:"), "{stderr}");
+    // Every event of memory fit carries its MESSAGE_ID, the pin too.
+    let fit_id = format!("MESSAGE_ID=\"{}\"", vllm_warden::supervisor::events::FIT_MESSAGE_ID);
+    let fits: Vec<&str> = stderr.lines().filter(|l| l.contains("EVENT=\"fit\"")).collect();
+    assert_eq!(fits.len(), 2, "{stderr}");
+    assert!(fits.iter().all(|l| l.contains(&fit_id)), "{fits:?}");
     assert_eq!(w.stop(), 0);
     let ledger = std::fs::read_to_string(w.path("state/loads.jsonl")).unwrap();
     let last: serde_json::Value = serde_json::from_str(ledger.lines().last().unwrap()).unwrap();

@@ -36,11 +36,37 @@ pub fn flag(command: &[String], name: &str) -> Option<String> {
     None
 }
 
+/// The value vLLM takes for `--name`: its last setting, `--name V` or
+/// `--name=V`, in either of vLLM's spellings (`--max-model-len`,
+/// `--max_model_len`).
+pub fn vllm_flag(command: &[String], name: &str) -> Option<String> {
+    let under = underscored(name);
+    let mut last = None;
+    let mut it = command.iter().skip(1);
+    while let Some(arg) = it.next() {
+        if arg == name || *arg == under {
+            last = it.next().cloned().or(last);
+            continue;
+        }
+        for n in [name, under.as_str()] {
+            if let Some(v) = arg.strip_prefix(n).and_then(|r| r.strip_prefix('=')) {
+                last = Some(v.to_string());
+            }
+        }
+    }
+    last
+}
+
+/// vLLM's underscore spelling of a flag: `--max_model_len`.
+fn underscored(name: &str) -> String {
+    format!("--{}", name.trim_start_matches("--").replace('-', "_"))
+}
+
 /// `command` with `--name VALUE` as its one setting of `name`: every
 /// earlier `--name V`, `--name=V` (and vLLM's underscore spelling of
 /// them) is taken out, and the new one goes at the end.
 pub fn with_flag(command: &[String], name: &str, value: &str) -> Vec<String> {
-    let under = name.replacen("--", "__", 1).replace('-', "_").replacen("__", "--", 1);
+    let under = underscored(name);
     let mut out = Vec::with_capacity(command.len() + 2);
     let mut it = command.iter().enumerate();
     while let Some((i, arg)) = it.next() {
@@ -108,6 +134,11 @@ mod flag_tests {
         let got = with_flag(&c, "--max-model-len", "4096");
         assert_eq!(got, v(&["vllm", "serve", "m", "--port", "1", "--max-model-len", "4096"]));
         assert_eq!(flag(&got, "--max-model-len").as_deref(), Some("4096"));
+        // What vLLM takes: the last setting, in either spelling.
+        assert_eq!(vllm_flag(&c, "--max-model-len").as_deref(), Some("7"));
+        let c = v(&["vllm", "--gpu-memory-utilization", "0.5", "--gpu_memory_utilization", "0.8"]);
+        assert_eq!(vllm_flag(&c, "--gpu-memory-utilization").as_deref(), Some("0.8"));
+        assert_eq!(vllm_flag(&v(&["vllm", "--max-model-len-x", "3"]), "--max-model-len"), None);
         // A flag whose name only begins the same is another flag.
         let c = v(&["vllm", "--max-model-len-x", "3"]);
         assert_eq!(

@@ -790,6 +790,7 @@ fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>)
                 ATTEMPT = attempt,
                 EVENT = event,
                 REPORT = report,
+                MESSAGE_ID = id,
                 "{msg}"
             )
         }
@@ -811,6 +812,7 @@ fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>)
                 ATTEMPT = attempt,
                 EVENT = event,
                 REPORT = report,
+                MESSAGE_ID = id,
                 "{msg}"
             )
         }

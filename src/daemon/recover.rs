@@ -48,7 +48,7 @@ pub fn used(command: &[String], fit: &BTreeMap<FitArg, String>, pinned: &BTreeMa
             Some((v.clone(), Source::Fitted))
         } else if let Some(v) = pinned.get(&arg) {
             Some((v.clone(), Source::Pinned))
-        } else if let Some(v) = crate::config::command::flag(command, arg.flag()) {
+        } else if let Some(v) = crate::config::command::vllm_flag(command, arg.flag()) {
             Some((v, Source::Config))
         } else {
             (arg == FitArg::GpuMemoryUtilization).then(|| (VLLM_UTILIZATION.to_string(), Source::Default))
