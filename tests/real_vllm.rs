@@ -1325,3 +1325,181 @@ fn s11_memory_fit_shortens_the_model_length_to_what_the_kv_cache_holds_and_pins_
         records.len()
     );
 }
+
+/// What one rollback gave: the failure's and the rollback's `STATUS=`,
+/// the `STATUS=` once serving again, failure → READY=1, and the status
+/// document then.
+struct RolledBackRun {
+    failure: String,
+    said: String,
+    serving: String,
+    back: Duration,
+    load: Duration,
+    doc: serde_json::Value,
+}
+
+/// A changed setup that fails permanently, with `[rollback]` on: the
+/// warden starts the last-known-good setup instead (the one that reached
+/// ready first) and says so, with both fingerprints in the status
+/// document; the setup's patches are undone. With `[rollback]` off, the
+/// same failure ends the warden (exit 78), as without the feature.
+#[test]
+#[ignore]
+fn s12_a_changed_setup_that_fails_rolls_back_to_the_last_known_good() {
+    let ready = budget(1, Duration::ZERO);
+    // The reload's stop of the serving child, then the new setup's start
+    // until it fails (at its configuration, short of a whole load).
+    let failed = budget(1, STOP_TIMEOUT);
+    // The failed start's grace, its report and its short stop.
+    let turned = GRACE + REPORT + SHORT_STOP + MARGIN;
+    let gave_up = budget(1, GRACE + REPORT + SHORT_STOP);
+    budgets(
+        "scenario 12",
+        &[
+            ("READY=1", ready),
+            ("each failure", failed),
+            ("the rollback", turned),
+            ("READY=1 of the last-known-good", ready),
+            ("stop", stop_budget()),
+            ("exit 78 without rollback", gave_up),
+        ],
+    );
+    // `change`: "" the good setup; "argument": a value vLLM rejects;
+    // "patch": a patch that makes the model's config.json unreadable to it.
+    let make = |d: &Path, p: u16, rollback: bool, change: &str| {
+        let model = d.join("model");
+        if !model.exists() {
+            copy_dir(&model_path_tiny(), &model);
+        }
+        let patch = match change {
+            "patch" => format!(
+                "[[patch]]\nfile = \"{}\"\nset = {{ architectures = [\"NoSuchModelForCausalLM\"] }}\n",
+                model.join("config.json").display()
+            ),
+            _ => String::new(),
+        };
+        let extra = format!(
+            "[restart]\ninitial-delay = \"1s\"\npermanent-attempts = 1\n[rollback]\nenabled = {rollback}\n{patch}"
+        );
+        let c = config(d, p, &model, &extra);
+        match change {
+            "argument" => c.replace(r#""--gpu-memory-utilization", "0.5""#, r#""--gpu-memory-utilization", "2""#),
+            _ => c,
+        }
+    };
+    let mut w = Warden::start(|d, p| make(d, p, true, ""));
+    w.wait_ready_within(ready, "READY=1 of the good setup (one load)");
+    let good = status_doc(&w)["fingerprint"].as_str().unwrap().to_string();
+    let model_config = std::fs::read(w.path("model/config.json")).unwrap();
+    let sha = |b: &[u8]| -> String {
+        use sha2::Digest;
+        sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+    };
+    // Recorded as good (off the loop, soon after ready).
+    w.wait_for_file(&format!("state/setups/{good}.json"), |w| w.path(&format!("state/setups/{good}.json")).exists());
+
+    let rollback = |w: &mut Warden, change: &str| -> RolledBackRun {
+        std::fs::write(w.path("t.toml"), make(w.dir.path(), w.port, true, change)).unwrap();
+        w.signal(Signal::SIGHUP);
+        let failure = w.wait_note_within(failed, &format!("STATUS=failed (the setup with the {change})"), |n| {
+            n.starts_with("STATUS=failed (")
+        });
+        let t = Instant::now();
+        let t0 = SystemTime::now();
+        let said =
+            w.wait_note_within(turned, "STATUS=the new setup … failed", |n| n.starts_with("STATUS=the new setup "));
+        w.wait_ready_within(ready, &format!("READY=1 of the last-known-good after the {change} (one load)"));
+        let back = t.elapsed();
+        let (load, _, _) = load_timings(w, t0);
+        let serving = w.wait_note_within(MARGIN, "STATUS=serving last-known-good", |n| {
+            n.starts_with("STATUS=serving last-known-good from ")
+        });
+        let doc = status_doc(w);
+        RolledBackRun { failure, said, serving, back, load, doc }
+    };
+    let check = |r: &RolledBackRun, cause: &str| {
+        assert!(r.failure.contains(cause), "{}", r.failure);
+        let doc = &r.doc;
+        assert_eq!(doc["setup"], "last-known-good", "{doc}");
+        assert_eq!(doc["fingerprint"], good.as_str(), "{doc}");
+        let (failed_fp, good_fp) =
+            (doc["rollback"]["failed"].as_str().unwrap(), doc["rollback"]["good"].as_str().unwrap());
+        assert_eq!(good_fp, good, "{doc}");
+        assert!(vllm_warden::observe::setups::valid_fingerprint(failed_fp) && failed_fp != good_fp, "{doc}");
+        assert!(doc["rollback"]["cause"].as_str().unwrap().contains(cause), "{doc}");
+        assert!(r.said.starts_with(&format!("STATUS=the new setup {failed_fp} failed: ")), "{}", r.said);
+        assert!(r.said.contains(&format!("; starting the last-known-good setup {good} from ")), "{}", r.said);
+        assert!(r.serving.contains("; the new setup failed: ") && r.serving.contains(cause), "{}", r.serving);
+    };
+
+    // An argument vLLM rejects.
+    let argument = rollback(&mut w, "argument");
+    check(&argument, "validation error for CacheConfig");
+    completion(&w).expect("a completion from the last-known-good");
+
+    // A patch that breaks the model's config.json; the rollback undoes it.
+    let patch = rollback(&mut w, "patch");
+    check(&patch, "validation error for ModelConfig");
+    assert_ne!(patch.doc["rollback"]["failed"], argument.doc["rollback"]["failed"]);
+    let now = std::fs::read(w.path("model/config.json")).unwrap();
+    assert_eq!(sha(&now), sha(&model_config), "config.json as the good setup had it");
+    completion(&w).expect("a completion from the last-known-good");
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
+
+    // The ledger: the good load, then each failure and its rollback.
+    let records = ledger(&w);
+    let seen: Vec<(&str, bool, bool)> =
+        records.iter().map(|r| (r.outcome.word(), r.fingerprint == good, r.rollback)).collect();
+    assert_eq!(
+        seen,
+        [
+            ("ready", true, false),
+            ("failed", false, false),
+            ("ready", true, true),
+            ("failed", false, false),
+            ("ready", true, true)
+        ],
+        "{records:?}"
+    );
+    let reports = vllm_warden::observe::reports::list(&w.path("state"), "t").unwrap();
+    assert_eq!(reports.len(), 2, "a failure report for each failed setup: {reports:?}");
+
+    // Without rollback: a new warden on the failing setup ends as before.
+    let lines = w.stderr().lines().count();
+    std::fs::write(w.path("t.toml"), make(w.dir.path(), w.port, false, "argument")).unwrap();
+    w.drain_notes();
+    let from = w.notes.len();
+    let t = Instant::now();
+    w.spawn();
+    assert_eq!(w.wait_exit_within(gave_up, "exit 78 of the failing setup without rollback"), 78);
+    let off = t.elapsed();
+    let last = w.notes[from..].iter().rev().find_map(|n| n.strip_prefix("STATUS=")).unwrap_or_default().to_string();
+    assert!(
+        last.starts_with("failed permanently (1 of 1 tries): ") && last.contains("validation error for CacheConfig"),
+        "{last}"
+    );
+    assert!(!w.notes[from..].iter().any(|n| n == "READY=1"), "{:?}", &w.notes[from..]);
+    assert!(event_lines(&w, "rollback", lines).is_empty(), "{:?}", event_lines(&w, "rollback", lines));
+
+    eprintln!("scenario 12 EVENT=rollback lines:");
+    for l in event_lines(&w, "rollback", 0) {
+        eprintln!("  {l}");
+    }
+    for (what, r) in [("argument", &argument), ("patch", &patch)] {
+        eprintln!("scenario 12 {what}: {}", r.failure);
+        eprintln!("scenario 12 {what}: {}", r.said);
+        eprintln!("scenario 12 {what}: {}", r.serving);
+        eprintln!("scenario 12 {what}: status document rollback {}", r.doc["rollback"]);
+    }
+    eprintln!("scenario 12 without rollback: STATUS={last}");
+    eprintln!(
+        "scenario 12 rollback: PASS  an argument vLLM rejects: failure -> serving the last-known-good again {:.1} s (load {:.1} s); \
+         a patch breaking config.json: {:.1} s (load {:.1} s), config.json restored (sha256 {}); without rollback: exit 78 in {:.1} s",
+        argument.back.as_secs_f64(),
+        argument.load.as_secs_f64(),
+        patch.back.as_secs_f64(),
+        patch.load.as_secs_f64(),
+        &sha(&model_config)[..16],
+        off.as_secs_f64()
+    );
+}
