@@ -211,6 +211,23 @@ pub struct Fit {
     pub attempts: u32,
 }
 
+impl Default for Fit {
+    /// Off, with the documented bounds.
+    fn default() -> Fit {
+        use crate::config::defaults as d;
+        Fit {
+            enabled: false,
+            adjust: FitArg::ALL.to_vec(),
+            step: d::FIT_STEP,
+            min_utilization: d::FIT_MIN_UTILIZATION,
+            max_utilization: d::FIT_MAX_UTILIZATION,
+            min_model_len: u64::from(d::FIT_MIN_MODEL_LEN),
+            model_len_multiple: u64::from(d::FIT_MODEL_LEN_MULTIPLE),
+            attempts: d::FIT_ATTEMPTS,
+        }
+    }
+}
+
 /// An argument of vLLM's that memory fit may set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FitArg {

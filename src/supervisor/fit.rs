@@ -174,17 +174,9 @@ pub fn decide(problem: &Problem, used: &Used, fit: &Fit) -> Move {
 mod tests {
     use super::*;
 
+    /// On, with the documented defaults (the tests rely on their values).
     fn fit() -> Fit {
-        Fit {
-            enabled: true,
-            adjust: FitArg::ALL.to_vec(),
-            step: 0.02,
-            min_utilization: 0.5,
-            max_utilization: 0.95,
-            min_model_len: 4096,
-            model_len_multiple: 1024,
-            attempts: 3,
-        }
+        Fit { enabled: true, ..Fit::default() }
     }
 
     fn used(pairs: &[(FitArg, &str)]) -> Used {

@@ -1128,19 +1128,7 @@ mod fit {
     const NO_CACHE: &str = "(EngineCore pid=7) ERROR 11-29 18:21:33 [core.py:1510] ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`";
 
     fn fitting() -> Policy {
-        Policy {
-            fit: Some(Fit {
-                enabled: true,
-                adjust: FitArg::ALL.to_vec(),
-                step: 0.02,
-                min_utilization: 0.5,
-                max_utilization: 0.95,
-                min_model_len: 4096,
-                model_len_multiple: 1024,
-                attempts: 2,
-            }),
-            ..policy()
-        }
+        Policy { fit: Some(Fit { enabled: true, attempts: 2, ..Fit::default() }), ..policy() }
     }
 
     /// Spawn with the values the backend found (`used`), then fail with `line`.
