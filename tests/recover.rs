@@ -111,6 +111,9 @@ fn a_changed_setup_that_fails_for_good_is_replaced_by_the_last_known_good() {
     // The failed setup against the good one.
     let (ok, diff) = w.cli(&["setups", "diff", good, failed]);
     assert!(ok && diff.contains("command: ") && diff.contains("--fail kv-cache"), "{diff}");
+    // Without arguments: the last-known-good against the setup that failed.
+    let (ok, plain) = w.cli(&["setups", "diff"]);
+    assert!(ok && plain == diff, "{plain}");
     let (ok, list) = w.cli(&["setups"]);
     assert!(ok && list.starts_with(good) && list.lines().next().unwrap().ends_with("last-known-good"), "{list}");
     w.wait_for_file("warden.stderr", |w| w.stderr().contains("starting the last-known-good setup"));

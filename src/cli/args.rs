@@ -134,7 +134,7 @@ pub enum SetupsCmd {
     },
     /// What differs between two setups: arguments, environment, patches.
     /// Without arguments: the last-known-good against the setup of the
-    /// latest load.
+    /// latest load of another (after a rollback, the one that failed).
     Diff { a: Option<String>, b: Option<String> },
 }
 

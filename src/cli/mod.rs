@@ -349,10 +349,17 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
             }
         }
         Some(SetupsCmd::Diff { a: x, b: y }) => {
-            let latest = || {
+            // The newest load of another setup than `good`: after a
+            // rollback, the setup that failed.
+            let latest = |good: &str| {
                 let path = s.state_dir.join(crate::observe::ledger::FILE);
                 let loads = crate::observe::ledger::read(&path).map(|(l, _)| l).unwrap_or_default();
-                loads.last().map(|r| r.fingerprint.clone()).ok_or_else(|| format!("no loads in {}", path.display()))
+                loads
+                    .iter()
+                    .rev()
+                    .find(|r| r.fingerprint != good)
+                    .map(|r| r.fingerprint.clone())
+                    .ok_or_else(|| format!("no load of another setup than {good} in {}", path.display()))
             };
             let good = || {
                 all.first().map(|r| r.fingerprint.clone()).ok_or_else(|| "no setup has reached ready yet".to_string())
@@ -360,7 +367,7 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
             let ids = match (x, y) {
                 (Some(x), Some(y)) => Ok((x.clone(), y.clone())),
                 (Some(x), None) => good().map(|g| (g, x.clone())),
-                (None, _) => good().and_then(|g| latest().map(|l| (g, l))),
+                (None, _) => good().and_then(|g| latest(&g).map(|l| (g, l))),
             };
             let pair = ids.and_then(|(x, y)| Ok((setups::find(&s.state_dir, &x)?, setups::find(&s.state_dir, &y)?)));
             match pair {
