@@ -14,6 +14,7 @@
 pub mod command;
 pub mod defaults;
 pub mod limits;
+pub mod preload;
 mod problem;
 pub mod profile;
 mod reader;
@@ -135,16 +136,17 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         reports_v,
         ledger_v,
         golden_v,
+        preload_v,
     ] = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden",
+        "reports", "ledger", "golden", "preload",
     ]
     .map(|k| top.take(k));
     drop(top);
     let hints = hints(r, hint_v);
 
     let mut patterns = profile.patterns();
-    let child = child(r.section(child_v, "child"), &name, dirs);
+    let mut child = child(r.section(child_v, "child"), &name, dirs);
     let patches = patches(r, patch_v);
     let prestart = prestart(r.section(prestart_v, "prestart"), profile, &child.command);
     // A Ray node serves no HTTP: its readiness is confirmed by the cluster.
@@ -159,6 +161,9 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let reports = reports(r.section(reports_v, "reports"));
     let ledger = ledger(r.section(ledger_v, "ledger"));
     let golden = golden(r.section(golden_v, "golden"), profile == Profile::Vllm && ready.http.is_some());
+    // After every section that reads the serve command as the operator wrote it.
+    let preload =
+        preload::preload(r.section(preload_v, "preload"), &mut child.command, prestart.port, runtime_dir(&name, dirs));
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
@@ -178,6 +183,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         reports,
         ledger,
         golden,
+        preload,
         hints,
         state_dir,
         patterns,

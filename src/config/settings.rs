@@ -45,6 +45,8 @@ pub struct Settings {
     pub reports: Reports,
     pub ledger: Ledger,
     pub golden: Golden,
+    /// `[preload]`: the weight-cache daemon beside the engine.
+    pub preload: crate::config::preload::Preload,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.

@@ -68,6 +68,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         reports,
         ledger,
         golden,
+        preload,
         state_dir,
         patterns,
         hints,
@@ -154,6 +155,9 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("reports.py-spy", Warden, dbg(&rp.0.py_spy), dbg(&rp.1.py_spy));
     cmp("reports.gpu-snapshot", Warden, dbg(&rp.0.gpu_snapshot), dbg(&rp.1.gpu_snapshot));
     cmp("reports.kernel-messages", Warden, dbg(&rp.0.kernel_messages), dbg(&rp.1.kernel_messages));
+    // The daemon's command and folder: `daemon::preload` decides whether
+    // the daemon itself starts again.
+    cmp("preload", Child, dbg(&old.preload), dbg(preload));
     cmp("patterns", Warden, dbg(&old.patterns), dbg(patterns));
     cmp("hint", Warden, dbg(&old.hints), dbg(hints));
     out
