@@ -15,6 +15,16 @@ use crate::patch::Patch;
 /// hint (`MODEL` is replaced by the model folder from the command).
 pub const VLLM: &[(&str, &str)] = &[
     (
+        r"UnsupportedPlatformForIPCError",
+        "vllm preload needs GPUs that share memory over CUDA IPC (CUDA or ROCm): this machine has none, so the \
+         weights cannot stay loaded between engine starts; set [preload] enabled = false",
+    ),
+    (
+        r"UnsupportedQuantForIPCError",
+        "this checkpoint's quantization cannot hand its processed weights to an engine over CUDA IPC in this vLLM: \
+         set [preload] enabled = false",
+    ),
+    (
         r"Currently supported kv cache quantization is",
         "the checkpoint asks for a KV-cache quantization this backend refuses: remove it before each start with \
          [[patch]] file = \"MODEL/config.json\" remove = [\"quantization_config.kv_cache_scheme\"] and, for a \

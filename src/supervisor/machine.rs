@@ -833,7 +833,12 @@ impl Machine {
     }
 
     fn start_failed(&mut self, failure: StartFailure, now: Instant) -> (State, Vec<Effect>) {
-        let permanence = if failure.permanent { Permanence::Unrunnable } else { Permanence::Transient };
+        let permanence = match (failure.unsupported, failure.permanent) {
+            // Refused by what the machine is (the weight-cache daemon's platform check).
+            (true, _) => Permanence::Hardware,
+            (false, true) => Permanence::Unrunnable,
+            (false, false) => Permanence::Transient,
+        };
         let mut cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence, hint: None };
         cause.hint = self.policy.hints.find(&cause.text);
         self.last_failure = Some(crate::supervisor::snapshot::LastFailure {
