@@ -90,6 +90,10 @@ pub struct RealBackend {
     reports: Reports,
     /// The load ledger.
     loads: Loads,
+    /// The weight-cache daemon (`[preload]`), started before the engine.
+    pub preload: crate::daemon::preload::Preloader,
+    /// Which kind of start the pre-start steps of a start made ready.
+    start_kind: Arc<std::sync::Mutex<Option<(u32, crate::supervisor::preload::PreloadStart)>>>,
 }
 
 /// The load ledger: its records, its writer, and what the pre-start steps
@@ -200,6 +204,7 @@ impl RealBackend {
         let taps = Taps { journal, traffic: traffic.clone() };
         let (settings_state_dir, settings_keep) = (settings.state_dir.clone(), settings.ledger.keep);
         let tx = inputs.clone();
+        let preload = crate::daemon::preload::Preloader::new(inputs.clone(), token.clone());
         let mut tasks = Tasks::default();
         let tree = Tree::new(
             move |ev| {
@@ -225,6 +230,8 @@ impl RealBackend {
                 running: None,
             },
             reports: Reports::default(),
+            preload,
+            start_kind: Arc::default(),
         })
     }
 
@@ -327,12 +334,21 @@ impl Backend for RealBackend {
         let inherited = self.launch.handover.from_upgrade;
         let gate = self.reports.gate.clone();
         let found = self.loads.found.clone();
+        let (preload, kind) = (self.preload.clone(), self.start_kind.clone());
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::daemon::prepare::Status = Arc::new(move |text| {
                 let _ = steps.send(Input::Step { start, text });
             });
             let result = crate::daemon::prepare::run(&settings, status.clone(), done, inherited).await;
+            // The weight-cache daemon, last: it holds the GPUs the steps
+            // above wait for.
+            let result = match result {
+                Ok(()) => preload.ensure(&settings, status.clone()).await.map(|k| {
+                    *kind.lock().unwrap_or_else(|p| p.into_inner()) = k.map(|k| (start, k));
+                }),
+                Err(e) => Err(e),
+            };
             if result.is_ok() {
                 // The setup as it starts (after the patches): its ledger.
                 let facts = tokio::task::spawn_blocking(move || crate::daemon::environment::load_facts(&settings))
@@ -491,6 +507,12 @@ impl Backend for RealBackend {
 
     fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::daemon::reload::ReloadPlan {
         let plan = crate::daemon::reload::plan(&self.settings, &settings);
+        if self.preload.restarts_on(&self.settings, &settings) {
+            tracing::info!(
+                EVENT = "reload",
+                "the weight-cache daemon starts again with the engine: its command changed"
+            );
+        }
         for c in crate::daemon::reload::identity_left(&self.settings, &settings) {
             tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
         }
@@ -557,7 +579,13 @@ impl Backend for RealBackend {
 
     fn load_ended(&mut self, record: crate::supervisor::load::LoadRecord) {
         let at = self.reports.run.as_ref().map_or_else(std::time::SystemTime::now, |r| r.spawned);
-        let write = self.loads.ledger.push(record, self.loads.running.as_ref(), at);
+        // Which kind of start it was, with `[preload]`.
+        let kind = self.start_kind.lock().unwrap_or_else(|p| p.into_inner()).filter(|(s, _)| *s == record.start);
+        let mut facts = self.loads.running.clone();
+        if let (Some(f), Some((_, k))) = (facts.as_mut(), kind) {
+            f.setup.preload = Some(k);
+        }
+        let write = self.loads.ledger.push(record, facts.as_ref(), at);
         if let Some(w) = &self.loads.writer {
             w.send(write);
         }

@@ -157,7 +157,8 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("reports.kernel-messages", Warden, dbg(&rp.0.kernel_messages), dbg(&rp.1.kernel_messages));
     // The daemon's command and folder: `daemon::preload` decides whether
     // the daemon itself starts again.
-    cmp("preload", Child, dbg(&old.preload), dbg(preload));
+    let shown = |p: &crate::config::preload::Preload| if p.enabled { dbg(p) } else { "off".into() };
+    cmp("preload", Child, shown(&old.preload), shown(preload));
     cmp("patterns", Warden, dbg(&old.patterns), dbg(patterns));
     cmp("hint", Warden, dbg(&old.hints), dbg(hints));
     out

@@ -68,6 +68,9 @@ pub struct Doc {
     /// and what it found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub golden: Option<GoldenDoc>,
+    /// The weight-cache daemon (`[preload]`), while one runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preload: Option<crate::supervisor::preload::DaemonView>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -177,6 +180,8 @@ pub struct Reporter {
     /// The cache directory, and its size as last measured.
     cache_dir: Option<PathBuf>,
     meter: crate::process::caches::Meter,
+    /// The weight-cache daemon, as last told.
+    preload: Option<crate::supervisor::preload::DaemonView>,
 }
 
 impl Reporter {
@@ -201,6 +206,7 @@ impl Reporter {
             moved: false,
             journal_dropped: 0,
             cache_dir: None,
+            preload: None,
             meter: crate::process::caches::Meter::default(),
         }
     }
@@ -278,6 +284,14 @@ impl Reporter {
 
     /// The count of the metric `vllm_warden_journal_dropped_lines_total`;
     /// written with the next change, or at [`Reporter::due`].
+    /// The weight-cache daemon as it is now (`[preload]`).
+    pub fn set_preload(&mut self, view: Option<crate::supervisor::preload::DaemonView>) {
+        if self.preload != view {
+            self.preload = view;
+            self.pending = true;
+        }
+    }
+
     pub fn set_journal_dropped(&mut self, n: u64) {
         if n != self.journal_dropped {
             self.journal_dropped = n;
@@ -401,6 +415,11 @@ impl Reporter {
                 text: safe(&l.text()),
             }),
             golden: snap.golden.as_ref().map(|v| GoldenDoc { verdict: v.name().into(), text: safe(&v.text()) }),
+            preload: self.preload.as_ref().map(|v| crate::supervisor::preload::DaemonView {
+                state: v.state.clone(),
+                progress: v.progress.as_deref().map(safe),
+                ..v.clone()
+            }),
             last_load: snap.last_load_record.as_ref().map(|r| LastLoad {
                 outcome: match &r.outcome {
                     crate::supervisor::load::LoadOutcome::Failed { class, .. } => format!("failed ({class})"),

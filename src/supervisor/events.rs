@@ -122,6 +122,12 @@ pub enum Event {
         start: u32,
         cause: String,
     },
+    /// The weight-cache daemon (`[preload]`) ended or stopped answering:
+    /// the engine's run, starting or serving, fails; the next start
+    /// begins with a new daemon.
+    DaemonLost {
+        cause: String,
+    },
     /// A valid new config the child sees (SIGHUP): stop the child and start
     /// again with it; `summary` says which keys forced it.
     Reload {

@@ -667,6 +667,9 @@ impl Machine {
                     Cause { text: cause, kind: FailureKind::FatalLine, permanence: Permanence::Hardware, hint: None };
                 self.fail(state, cause, None, now)
             }
+            (state @ (S::Starting(_) | S::Ready(_)), E::DaemonLost { cause }) => {
+                self.fail(state, Cause::new(cause, FailureKind::Health), None, now)
+            }
             (S::Ready(serving), E::HealthFailed { cause, .. }) => {
                 let cause = Cause::new(cause, FailureKind::Health);
                 self.fail(S::Ready(serving), cause, None, now)
@@ -712,7 +715,7 @@ impl Machine {
                 (S::Reporting(r), vec![])
             }
             // The run has failed already: what else it does waits for the stop.
-            (S::Reporting(r), E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. }) => {
+            (S::Reporting(r), E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. } | E::DaemonLost { .. }) => {
                 (S::Reporting(r), vec![])
             }
 

@@ -144,10 +144,48 @@ pub enum StartKind {
 impl fmt::Display for StartKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            StartKind::Full => "full start",
+            StartKind::Full => "full start, weights loaded by a new weight-cache daemon",
             StartKind::EngineOnly => "engine-only start, weights from the weight-cache daemon",
         })
     }
+}
+
+/// What the load ledger keeps of a start with `[preload]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PreloadStart {
+    pub kind: StartKind,
+    /// A full start: the daemon's own load of the weights, before the
+    /// engine's spawn (the engine's load is the record's `total_secs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemon_ms: Option<u64>,
+    pub daemon_pid: u32,
+}
+
+impl fmt::Display for PreloadStart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.daemon_ms {
+            Some(ms) => {
+                let secs = ms as f64 / 1000.0;
+                write!(f, "{} (the daemon, pid {}, loaded the weights in {secs:.1} s)", self.kind, self.daemon_pid)
+            }
+            None => write!(f, "{} (pid {})", self.kind, self.daemon_pid),
+        }
+    }
+}
+
+/// What the status document shows of the daemon.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DaemonView {
+    pub pid: u32,
+    /// `starting`, `ready` or `stopping`.
+    pub state: String,
+    /// What its last progress line said (ranks loaded, GiB allocated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
+    /// GPU memory its processes hold, as `prestart.gpu-query` lists it,
+    /// when that could be asked (measured once it is ready).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_mib: Option<u64>,
 }
 
 /// A reload: whether the daemon starts again.
