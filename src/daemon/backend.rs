@@ -351,9 +351,12 @@ impl Backend for RealBackend {
             };
             if result.is_ok() {
                 // The setup as it starts (after the patches): its ledger.
-                let facts = tokio::task::spawn_blocking(move || crate::daemon::environment::load_facts(&settings))
+                let mut facts = tokio::task::spawn_blocking(move || crate::daemon::environment::load_facts(&settings))
                     .await
                     .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+                // Which kind of start it is: not part of the fingerprint.
+                facts.setup.preload =
+                    kind.lock().unwrap_or_else(|p| p.into_inner()).filter(|(s, _)| *s == start).map(|(_, k)| k);
                 *found.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, facts));
             }
             // The report of the last run goes on beside this start, but
@@ -579,13 +582,7 @@ impl Backend for RealBackend {
 
     fn load_ended(&mut self, record: crate::supervisor::load::LoadRecord) {
         let at = self.reports.run.as_ref().map_or_else(std::time::SystemTime::now, |r| r.spawned);
-        // Which kind of start it was, with `[preload]`.
-        let kind = self.start_kind.lock().unwrap_or_else(|p| p.into_inner()).filter(|(s, _)| *s == record.start);
-        let mut facts = self.loads.running.clone();
-        if let (Some(f), Some((_, k))) = (facts.as_mut(), kind) {
-            f.setup.preload = Some(k);
-        }
-        let write = self.loads.ledger.push(record, facts.as_ref(), at);
+        let write = self.loads.ledger.push(record, self.loads.running.as_ref(), at);
         if let Some(w) = &self.loads.writer {
             w.send(write);
         }

@@ -271,6 +271,7 @@ impl Ledger {
             history: History::of(&self.records, &facts.fingerprint),
             weights_bytes: facts.weights.as_ref().map(|w| w.0),
             cold,
+            preload: facts.setup.preload,
         }
     }
 

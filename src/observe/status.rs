@@ -974,6 +974,7 @@ mod tests {
             expected: Some(Duration::from_secs(290)),
             last: Some(Duration::from_secs(282)),
             fingerprint: "abc".into(),
+            preload: None,
         });
         s.loads_ended = 1;
         s.last_load_record = Some(Arc::new(LoadRecord {

@@ -132,6 +132,8 @@ pub struct LoadStart {
     pub weights_bytes: Option<u64>,
     /// The first load since boot or since the weights changed.
     pub cold: Option<bool>,
+    /// With `[preload]`: which kind of start this is.
+    pub preload: Option<crate::supervisor::preload::PreloadStart>,
 }
 
 /// What earlier good loads of one setup took.
@@ -384,6 +386,7 @@ impl LoadTrack {
             expected: self.history().map(|h| h.median),
             last: self.history().map(|h| h.last),
             fingerprint: self.start.fingerprint.clone(),
+            preload: self.start.preload.map(|p| p.kind),
         }
     }
 
@@ -501,6 +504,8 @@ pub struct LoadNow {
     pub expected: Option<Duration>,
     pub last: Option<Duration>,
     pub fingerprint: String,
+    /// With `[preload]`: which kind of start this is.
+    pub preload: Option<crate::supervisor::preload::StartKind>,
 }
 
 impl LoadNow {
@@ -508,9 +513,13 @@ impl LoadNow {
     /// (no earlier load of this setup)`.
     pub fn text(&self) -> String {
         let head = format!("loading {}/{} {} · {}", self.index, self.of, self.phase, short(self.elapsed));
-        match (self.expected, self.last) {
+        let text = match (self.expected, self.last) {
             (Some(e), Some(l)) => format!("{head} of ~{} (last {})", short(e), short(l)),
             _ => format!("{head} (no earlier load of this setup)"),
+        };
+        match self.preload {
+            Some(kind) => format!("{text} · {}", kind.short()),
+            None => text,
         }
     }
 }
@@ -524,7 +533,13 @@ mod tests {
     }
 
     fn start(history: Option<History>) -> LoadStart {
-        LoadStart { fingerprint: "f1".into(), history, weights_bytes: Some(2_000_000_000), cold: Some(true) }
+        LoadStart {
+            fingerprint: "f1".into(),
+            history,
+            weights_bytes: Some(2_000_000_000),
+            cold: Some(true),
+            preload: None,
+        }
     }
 
     #[test]

@@ -150,6 +150,16 @@ impl fmt::Display for StartKind {
     }
 }
 
+impl StartKind {
+    /// As the load's progress in `STATUS=` ends.
+    pub fn short(self) -> &'static str {
+        match self {
+            StartKind::Full => "full start (a new weight-cache daemon loaded the weights)",
+            StartKind::EngineOnly => "engine only (weights mapped from the weight-cache daemon)",
+        }
+    }
+}
+
 /// What the load ledger keeps of a start with `[preload]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PreloadStart {

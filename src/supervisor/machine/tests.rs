@@ -918,7 +918,7 @@ mod loads {
     fn start_with(s: &mut Sim, history: Option<History>) {
         s.ev(Event::Begin);
         s.ev(Event::Prepared { start: 1, result: Prepared::Done });
-        let load = LoadStart { fingerprint: "f".into(), history, weights_bytes: None, cold: None };
+        let load = LoadStart { fingerprint: "f".into(), history, weights_bytes: None, cold: None, preload: None };
         s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
         s.ev(Event::Spawned { start: 1, pid: 100 });
     }
