@@ -43,6 +43,7 @@ struct Seen {
 /// One daemon that was spawned.
 struct Daemon {
     pid: u32,
+    start_time: u64,
     command: Vec<String>,
     ready: Arc<AtomicBool>,
     /// Set when the warden stops it: its end is then no failure.
@@ -142,8 +143,7 @@ impl Preloader {
             proc::socket_dir(&dir).map_err(|e| {
                 StartFailure::permanent(format!("cannot make the weight-cache socket folder {}: {e}", dir.display()))
             })?;
-            crate::process::child::open_log(&log_at, 0, now)
-                .map(|(f, _)| f)
+            proc::open_log(&log_at, now)
                 .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_at.display())))
         })
         .await
@@ -164,7 +164,7 @@ impl Preloader {
                 _ => StartFailure::transient(cause),
             }
         })?;
-        let pid = spawned.pid;
+        let (pid, start_time) = (spawned.pid, spawned.start_time);
         tracing::info!(
             INSTANCE = s.name.as_str(),
             EVENT = "spawn",
@@ -179,6 +179,7 @@ impl Preloader {
         read_output(spawned.output, opened, seen.clone(), self.progress.clone(), gone_tx);
         let daemon = Daemon {
             pid,
+            start_time,
             command: p.command.clone(),
             ready: Arc::default(),
             stopping: Arc::default(),
@@ -208,7 +209,7 @@ impl Preloader {
                         let _ = g.wait_for(|g| *g).await;
                     };
                     let _ = tokio::time::timeout(LAST_LINES, closed).await;
-                    proc::kill_all(pid);
+                    proc::kill_all(pid, start_time);
                     let last = lock(&seen).last_error.clone();
                     break Err(decide::failed_before_ready(e, last.as_ref()));
                 }
@@ -329,7 +330,7 @@ impl Preloader {
             proc::signal_group(d.pid, Signal::SIGTERM);
             let _ = tokio::time::timeout(timeout, ended(&mut exit)).await;
         }
-        proc::kill_all(d.pid);
+        proc::kill_all(d.pid, d.start_time);
         let closed = async move {
             let _ = gone.wait_for(|g| *g).await;
         };
@@ -355,7 +356,7 @@ impl Drop for Preloader {
         if Arc::strong_count(&self.slot) == 1
             && let Some(d) = lock(&self.slot).take()
         {
-            proc::kill_all(d.pid);
+            proc::kill_all(d.pid, d.start_time);
         }
     }
 }

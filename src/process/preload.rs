@@ -46,6 +46,8 @@ pub(crate) fn exited(pid: i32, exit: Exit) {
 /// A spawned daemon.
 pub struct Spawned {
     pub pid: u32,
+    /// Its start time (`/proc/PID/stat`): with the pid, its identity.
+    pub start_time: u64,
     /// Its stdout and stderr: end of file once every process holding them
     /// is gone.
     pub output: OwnedFd,
@@ -82,6 +84,7 @@ pub fn spawn(
     // Dropping `cmd` closes the warden's copies of the write end.
     drop(cmd);
     register_helper(pid as i32);
+    let start_time = read_stat(pid as i32).map_or(0, |s| s.start_time);
     let ours = pid as i32;
     watched.push((
         ours,
@@ -95,7 +98,7 @@ pub fn spawn(
         }),
     ));
     *RUNNING.lock().unwrap_or_else(|p| p.into_inner()) = Some(ours);
-    Ok(Spawned { pid, output: read })
+    Ok(Spawned { pid, start_time, output: read })
 }
 
 /// Send `sig` to the daemon's group.
@@ -103,13 +106,20 @@ pub fn signal_group(pid: u32, sig: Signal) {
     let _ = killpg(Pid::from_raw(pid as i32), sig);
 }
 
-/// SIGKILL the daemon's group and every descendant of its leader.
-pub fn kill_all(pid: u32) {
-    for d in descendants(pid as i32) {
-        let _ = kill(Pid::from_raw(d.pid), Signal::SIGKILL);
+/// SIGKILL the daemon's group, and its leader and the leader's
+/// descendants while the leader is still the process spawned at
+/// `start_time` (a pid, once reaped, may be another's). Once the leader is
+/// gone its orphans are the warden's, and its group id cannot be taken by
+/// another process while any of them lives.
+pub fn kill_all(pid: u32, start_time: u64) {
+    let still_ours = read_stat(pid as i32).is_some_and(|s| s.start_time == start_time && s.state != 'Z');
+    if still_ours {
+        for d in descendants(pid as i32) {
+            let _ = kill(Pid::from_raw(d.pid), Signal::SIGKILL);
+        }
+        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
     }
     let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
-    let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
 }
 
 /// The processes of the running daemon: its leader and descendants.
@@ -129,6 +139,26 @@ pub fn without_daemon(apps: Vec<crate::process::prestart::GpuApp>) -> Vec<crate:
         return apps;
     }
     apps.into_iter().filter(|a| !ours.contains(&a.pid)).collect()
+}
+
+/// Whether this host can run the daemon, as far as its device nodes tell:
+/// `Err` says why not (vLLM shares weights over CUDA IPC, on CUDA and ROCm
+/// only); `Ok` names what was found (vLLM checks the rest as it starts).
+pub fn host_qualifies(dev: &Path) -> Result<String, String> {
+    let found: Vec<String> = ["nvidiactl", "kfd"]
+        .iter()
+        .filter(|n| dev.join(n).exists())
+        .map(|n| dev.join(n).display().to_string())
+        .collect();
+    if found.is_empty() {
+        return Err(format!(
+            "this host has no CUDA or ROCm GPU ({}/nvidiactl and {}/kfd are missing): vllm preload refuses a platform \
+             without CUDA IPC, and the warden would end with exit 78; set [preload] enabled = false",
+            dev.display(),
+            dev.display()
+        ));
+    }
+    Ok(format!("GPU devices found ({}); vLLM checks the platform as the daemon starts", found.join(", ")))
 }
 
 /// Make the socket folder: mode 0700, the warden's user (vLLM refuses a
@@ -156,6 +186,18 @@ pub fn socket_dir(dir: &Path) -> io::Result<()> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 
+/// Open the daemon's log file for appending (its folder made), after a
+/// marker line `--- vllm-warden: weight-cache daemon at <RFC 3339> ---`.
+pub fn open_log(path: &Path, now: std::time::SystemTime) -> io::Result<std::fs::File> {
+    use std::io::Write;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    writeln!(f, "--- vllm-warden: weight-cache daemon at {} ---", humantime::format_rfc3339_seconds(now))?;
+    Ok(f)
+}
+
 /// The daemon's own log file, beside the engine's: `NAME.log` →
 /// `NAME.preload.log`.
 pub fn log_file(engine_log: &Path) -> PathBuf {
@@ -173,6 +215,15 @@ mod tests {
             log_file(Path::new("/var/log/vllm-warden/kimi.log")),
             Path::new("/var/log/vllm-warden/kimi.preload.log")
         );
+    }
+
+    #[test]
+    fn a_host_without_gpu_devices_does_not_qualify() {
+        let d = tempfile::tempdir().unwrap();
+        let no = host_qualifies(d.path()).unwrap_err();
+        assert!(no.contains("no CUDA or ROCm GPU") && no.contains("[preload] enabled = false"), "{no}");
+        std::fs::write(d.path().join("nvidiactl"), "").unwrap();
+        assert!(host_qualifies(d.path()).unwrap().contains("nvidiactl"));
     }
 
     #[test]
