@@ -590,6 +590,10 @@ impl Backend for RealBackend {
 
     fn check_upgrade(&mut self) {
         let tx = self.inputs.clone();
+        if self.settings.preload.enabled {
+            let _ = tx.send(Input::UpgradeChecked(Err(crate::daemon::upgrade::UpgradeError::Preload)));
+            return;
+        }
         let Some(exe) = self.launch.handover.exe.clone() else {
             let _ = tx.send(Input::UpgradeChecked(Err(crate::daemon::upgrade::UpgradeError::NoOwnPath)));
             return;
