@@ -198,3 +198,29 @@ fn a_platform_the_daemon_refuses_ends_the_warden_before_any_engine() {
     assert_eq!(count(&w, "preload-start"), 1, "no retry: {:?}", stamps(&w));
     assert_eq!(count(&w, "start"), 0, "no engine was started: {:?}", stamps(&w));
 }
+
+#[test]
+fn a_daemon_left_by_a_killed_warden_is_stopped_before_a_new_one() {
+    let mut w = Warden::start(|d, p| engine(d, p, &[], &daemon_command(d, &[])));
+    w.wait_ready();
+    let (engine_pid, daemon) = pids_when_ready(&mut w);
+    w.wait_for_file("state/weight-cache.json", |w| {
+        std::fs::read_to_string(w.path("state/weight-cache.json"))
+            .is_ok_and(|t| t.contains(&format!("\"pid\":{daemon},")))
+    });
+    w.signal(Signal::SIGKILL);
+    assert_eq!(w.wait_exit(), -1);
+    assert!(alive(daemon), "the daemon outlives its warden");
+
+    w.spawn();
+    let stopping = w.wait_note("the daemon's leftovers", |n| {
+        n.starts_with("STATUS=stopping 1 leftover process(es) of an earlier weight-cache daemon: ")
+    });
+    assert!(stopping.contains(&format!("{daemon} ")), "{stopping}");
+    w.wait_ready();
+    let (engine_after, daemon_after) = pids_when_ready(&mut w);
+    assert!(!alive(daemon) && !alive(engine_pid), "the old children were stopped first");
+    assert_ne!((engine_after, daemon_after), (engine_pid, daemon));
+    assert_eq!(w.stop(), 0);
+    assert!(!w.path("state/weight-cache.json").exists(), "the record goes with the daemon");
+}

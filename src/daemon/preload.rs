@@ -44,6 +44,8 @@ struct Seen {
 struct Daemon {
     pid: u32,
     start_time: u64,
+    /// Where it is recorded.
+    state_dir: std::path::PathBuf,
     command: Vec<String>,
     ready: Arc<AtomicBool>,
     /// Set when the warden stops it: its end is then no failure.
@@ -129,9 +131,35 @@ impl Preloader {
             Plan::Start => {
                 // One that ended is only a record now.
                 self.stop(Duration::ZERO).await;
+                self.stop_leftover(s, &status).await?;
             }
         }
         self.start(s, status).await.map(Some)
+    }
+
+    /// A daemon an earlier warden of this instance recorded and left (it
+    /// was killed): stopped before a new one starts, as the engine's tree
+    /// is by the pre-start steps.
+    async fn stop_leftover(&self, s: &Settings, status: &Status) -> Result<(), StartFailure> {
+        let (state, name) = (s.state_dir.clone(), s.name.clone());
+        let left = tokio::task::spawn_blocking(move || crate::process::prestart::daemon_leftovers(&state, &name))
+            .await
+            .unwrap_or_default();
+        if left.is_empty() {
+            return Ok(());
+        }
+        let shown: Vec<String> =
+            left.iter().map(|p| format!("{} {}", p.pid, crate::process::prestart::cmdline(p.pid))).collect();
+        let text = format!(
+            "stopping {} leftover process(es) of an earlier weight-cache daemon: {}",
+            left.len(),
+            shown.join(", ")
+        );
+        tracing::warn!(INSTANCE = s.name.as_str(), EVENT = "leftovers", "{text}");
+        status(text);
+        crate::process::prestart::stop_leftovers(&left, Signal::SIGTERM, s.child.stop_timeout, KILL_GRACE)
+            .await
+            .map_err(|e| StartFailure::transient(e.to_string()))
     }
 
     async fn start(&self, s: &Settings, status: Status) -> Result<PreloadStart, StartFailure> {
@@ -180,6 +208,7 @@ impl Preloader {
         let daemon = Daemon {
             pid,
             start_time,
+            state_dir: s.state_dir.clone(),
             command: p.command.clone(),
             ready: Arc::default(),
             stopping: Arc::default(),
@@ -190,6 +219,14 @@ impl Preloader {
         };
         let (ready, stopping) = (daemon.ready.clone(), daemon.stopping.clone());
         *lock(&self.slot) = Some(daemon);
+        let (state, name, token) = (s.state_dir.clone(), s.name.clone(), self.token.clone());
+        let recorded = tokio::task::spawn_blocking(move || {
+            crate::process::prestart::record_daemon(&state, &name, &token, pid as i32, start_time)
+        })
+        .await;
+        if let Ok(Err(e)) = recorded {
+            tracing::warn!(error = %e, "cannot record the weight-cache daemon: a warden killed now would leave it");
+        }
         status(format!("starting the weight-cache daemon (pid {pid}): loading the weights"));
 
         let url = p.health_url().unwrap_or_default();
@@ -341,6 +378,8 @@ impl Preloader {
                 d.pid
             );
         }
+        let state = d.state_dir.clone();
+        let _ = tokio::task::spawn_blocking(move || crate::process::prestart::clear_daemon_record(&state)).await;
     }
 
     /// A reload: the daemon of another command is stopped at the next
