@@ -499,7 +499,10 @@ impl Machine {
                 AfterPrepare::Spawn { .. } => self.start_failed(failure, now),
             },
             (S::Launching { start, then: AfterPrepare::Spawn { deadline, .. } }, E::PrepareStep { text, .. }) => {
-                let fx = vec![Effect::Notify(vec![status(text.clone())])];
+                // A step is a sign of life, as a progress line is: the
+                // weight-cache daemon's load (`[preload]`) happens here and
+                // may outlast the unit's start timeout.
+                let fx = vec![Effect::Notify(vec![status(text.clone()), Note::ExtendTimeout(self.policy.stall)])];
                 (S::Launching { start, then: AfterPrepare::Spawn { deadline, step: Some(text) } }, fx)
             }
             (S::Launching { then: AfterPrepare::Spawn { deadline, step }, .. }, E::Tick) if now >= deadline => {

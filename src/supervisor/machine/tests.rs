@@ -1147,3 +1147,14 @@ fn an_unsupported_platform_ends_at_once() {
         "{fx:?}"
     );
 }
+
+/// A pre-start step (the weight-cache daemon's progress among them)
+/// extends the start timeout by the stall window, as a progress line does.
+#[test]
+fn a_pre_start_step_extends_the_start_timeout() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    let text = "weight-cache daemon (pid 90): Weight cache target daemon rank 0 loaded model".to_string();
+    let fx = s.ev(Event::PrepareStep { start: 1, text: text.clone() });
+    assert_eq!(notes(&fx), vec![Note::Status(text), Note::ExtendTimeout(Duration::from_secs(15 * 60))]);
+}
