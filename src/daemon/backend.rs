@@ -201,10 +201,10 @@ impl RealBackend {
         last_check: crate::observe::health::LastCheck,
     ) -> std::io::Result<RealBackend> {
         let traffic = crate::observe::health::Traffic::default();
+        let preload = crate::daemon::preload::Preloader::new(inputs.clone(), token.clone(), journal.clone());
         let taps = Taps { journal, traffic: traffic.clone() };
         let (settings_state_dir, settings_keep) = (settings.state_dir.clone(), settings.ledger.keep);
         let tx = inputs.clone();
-        let preload = crate::daemon::preload::Preloader::new(inputs.clone(), token.clone());
         let mut tasks = Tasks::default();
         let tree = Tree::new(
             move |ev| {

@@ -76,6 +76,8 @@ pub struct Preloader {
     token: String,
     /// Sent each progress line of a starting daemon.
     progress: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>>,
+    /// The daemon's lines go to the journal too, with the engine's.
+    journal: Option<crate::observe::journal::Gatherer>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -83,8 +85,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Preloader {
-    pub fn new(inputs: mpsc::UnboundedSender<Input>, token: String) -> Preloader {
-        Preloader { slot: Arc::default(), inputs, token, progress: Arc::default() }
+    pub fn new(
+        inputs: mpsc::UnboundedSender<Input>,
+        token: String,
+        journal: Option<crate::observe::journal::Gatherer>,
+    ) -> Preloader {
+        Preloader { slot: Arc::default(), inputs, token, progress: Arc::default(), journal }
     }
 
     /// What the status document shows: none when no daemon runs.
@@ -204,7 +210,7 @@ impl Preloader {
         let (gone_tx, gone) = watch::channel(false);
         let (progress_tx, mut progress) = mpsc::unbounded_channel();
         *lock(&self.progress) = Some(progress_tx);
-        read_output(spawned.output, opened, seen.clone(), self.progress.clone(), gone_tx);
+        read_output(spawned.output, opened, seen.clone(), self.progress.clone(), self.journal.clone(), gone_tx);
         let daemon = Daemon {
             pid,
             start_time,
@@ -413,6 +419,7 @@ fn read_output(
     mut log: std::fs::File,
     seen: Arc<Mutex<Seen>>,
     progress: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>>,
+    mut journal: Option<crate::observe::journal::Gatherer>,
     gone: watch::Sender<bool>,
 ) {
     let run = move || {
@@ -432,6 +439,9 @@ fn read_output(
                 let line: Vec<u8> = pending.drain(..=i).collect();
                 let mut text = String::new();
                 crate::supervisor::classify::strip(&line[..line.len() - 1], &mut text);
+                if let Some(j) = journal.as_mut().filter(|_| !text.trim().is_empty()) {
+                    j.line(&text, decide::level(&text));
+                }
                 match decide::classify(&text) {
                     DaemonLine::Progress(p) => {
                         lock(&seen).progress = Some(p.clone());
@@ -442,6 +452,9 @@ fn read_output(
                     e @ DaemonLine::Error { .. } => lock(&seen).last_error = Some(e),
                     DaemonLine::Ready | DaemonLine::Other => {}
                 }
+            }
+            if let Some(j) = journal.as_mut() {
+                j.flush();
             }
             // A line without an end is cut, as the log follower cuts one.
             if pending.len() > 64 << 10 {
