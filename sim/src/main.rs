@@ -444,13 +444,13 @@ fn simulate(args: FakeArgs) -> i32 {
         return code;
     }
 
-    if args.load_format.as_deref() == Some("ipc_cache") {
-        if let Err(why) = map_from_daemon(&out, &args) {
-            out.raw(&format!(
-                "Traceback (most recent call last):\n  File \"vllm/model_executor/model_loader/weight_cache/ipc_loader.py\", line 161, in load_weights\nvllm.model_executor.model_loader.weight_cache.protocol.WeightCacheUnavailableError: {why}\n"
-            ));
-            return 1;
-        }
+    if args.load_format.as_deref() == Some("ipc_cache")
+        && let Err(why) = map_from_daemon(&out, &args)
+    {
+        out.raw(&format!(
+            "Traceback (most recent call last):\n  File \"vllm/model_executor/model_loader/weight_cache/ipc_loader.py\", line 161, in load_weights\nvllm.model_executor.model_loader.weight_cache.protocol.WeightCacheUnavailableError: {why}\n"
+        ));
+        return 1;
     }
     // Weights mapped from the daemon are not read again.
     let n = if args.load_format.as_deref() == Some("ipc_cache") { 1 } else { args.shards.max(1) };
@@ -697,16 +697,14 @@ fn preload(out: &Out, args: &FakeArgs) -> i32 {
             dir.display()
         ),
     );
-    for conn in listener.incoming() {
-        if let Ok(mut c) = conn {
-            let _ = c.write_all(b"ok\n");
-            out.log(
-                "vllm-weight-cache-target-0",
-                "INFO",
-                "daemon.py:457",
-                "Weight cache target daemon rank 0 sent 291 tensors (+0 aliases) to engine",
-            );
-        }
+    for mut c in listener.incoming().flatten() {
+        let _ = c.write_all(b"ok\n");
+        out.log(
+            "vllm-weight-cache-target-0",
+            "INFO",
+            "daemon.py:457",
+            "Weight cache target daemon rank 0 sent 291 tensors (+0 aliases) to engine",
+        );
     }
     0
 }
