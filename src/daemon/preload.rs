@@ -406,6 +406,25 @@ impl Drop for Preloader {
     }
 }
 
+/// vLLM's level word in a line (`(Proc pid=N) LEVEL MM-DD …`, or
+/// uvicorn's `LEVEL:`), for the journal's priority.
+pub fn level(line: &str) -> Option<crate::supervisor::classify::Level> {
+    use crate::supervisor::classify::Level;
+    let rest = match line.strip_prefix('(') {
+        Some(r) => r.split_once(") ")?.1,
+        None => line,
+    };
+    let word = rest.split([' ', ':']).next()?;
+    Some(match word {
+        "DEBUG" => Level::Debug,
+        "INFO" => Level::Info,
+        "WARNING" => Level::Warning,
+        "ERROR" => Level::Error,
+        "CRITICAL" => Level::Critical,
+        _ => return None,
+    })
+}
+
 /// Until the daemon's exit is known (the guard `wait_for` returns is not
 /// held across the await of a `select!`).
 async fn ended(exit: &mut watch::Receiver<Option<Exit>>) {
@@ -440,7 +459,7 @@ fn read_output(
                 let mut text = String::new();
                 crate::supervisor::classify::strip(&line[..line.len() - 1], &mut text);
                 if let Some(j) = journal.as_mut().filter(|_| !text.trim().is_empty()) {
-                    j.line(&text, decide::level(&text));
+                    j.line(&text, level(&text));
                 }
                 match decide::classify(&text) {
                     DaemonLine::Progress(p) => {
@@ -465,5 +484,19 @@ fn read_output(
     };
     if let Err(e) = std::thread::Builder::new().name("preload output".into()).spawn(run) {
         tracing::error!(error = %e, "no thread for the weight-cache daemon's output");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_level_word_gives_the_journal_priority() {
+        use crate::supervisor::classify::Level;
+        assert_eq!(level("(MainProcess pid=7) WARNING 12-02 12:32:32 [cpu.py:224] Triton"), Some(Level::Warning));
+        assert_eq!(level("(vllm-weight-cache-target-0 pid=9) ERROR 12-02 [daemon.py:1] x"), Some(Level::Error));
+        assert_eq!(level("INFO:     Started server process"), Some(Level::Info));
+        assert_eq!(level("Traceback (most recent call last):"), None);
     }
 }

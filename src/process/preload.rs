@@ -3,7 +3,8 @@
 //! the engine's stop, its leftovers and its GPU check leave it alone), its
 //! output through a pipe (so its lines are read as they come and its end
 //! is seen when the last process holding the pipe is gone), its exit read
-//! by the tree's reaper and handed on here, and the stop of its group.
+//! by the tree's reaper and handed on (`child::spawn_watched`), and the
+//! stop of its group.
 //!
 //! What a line means and when the daemon starts or stops are not known
 //! here.
@@ -21,27 +22,9 @@ use nix::unistd::Pid;
 
 use crate::process::child::{Exit, SCRUBBED_ENV, descendants, read_stat, register_helper, unregister_helper};
 
-/// Called with the exit of a watched pid, once.
-type OnExit = Box<dyn FnOnce(Exit) + Send>;
-
-/// The pids whose exit someone waits for. Held across a spawn and its
-/// registration: the reaper, reading the exit of a process that died at
-/// once, waits here until it is known whose it is.
-static WATCHED: Mutex<Vec<(i32, OnExit)>> = Mutex::new(Vec::new());
-
 /// The daemon that runs, if one does: for the GPU check, which must not
 /// wait for the processes that hold the weights on purpose.
 static RUNNING: Mutex<Option<i32>> = Mutex::new(None);
-
-/// The reaper read the exit of `pid`: hand it to whoever watches it.
-pub(crate) fn exited(pid: i32, exit: Exit) {
-    let mut watched = WATCHED.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(i) = watched.iter().position(|(p, _)| *p == pid) {
-        let (_, on_exit) = watched.swap_remove(i);
-        drop(watched);
-        on_exit(exit);
-    }
-}
 
 /// A spawned daemon.
 pub struct Spawned {
@@ -76,28 +59,27 @@ pub fn spawn(
     if let Some(cwd) = cwd {
         cmd.current_dir(cwd);
     }
-    let mut watched = WATCHED.lock().unwrap_or_else(|p| p.into_inner());
-    let child = cmd.spawn()?;
-    let pid = child.id();
-    // The reaper collects it; std's handle must not.
-    drop(child);
-    // Dropping `cmd` closes the warden's copies of the write end.
-    drop(cmd);
-    register_helper(pid as i32);
-    let start_time = read_stat(pid as i32).map_or(0, |s| s.start_time);
-    let ours = pid as i32;
-    watched.push((
-        ours,
+    let mut start_time = 0;
+    // Under the registry's lock, before the reaper can hand its exit on:
+    // even a daemon that died at once is still there to be read.
+    let registered = |pid: i32| {
+        register_helper(pid);
+        start_time = read_stat(pid).map_or(0, |s| s.start_time);
+        *RUNNING.lock().unwrap_or_else(|p| p.into_inner()) = Some(pid);
+    };
+    let pid = crate::process::child::spawn_watched(&mut cmd, registered, |ours| {
         Box::new(move |exit| {
             unregister_helper(ours);
             let mut running = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
             if *running == Some(ours) {
                 *running = None;
             }
+            drop(running);
             on_exit(exit)
-        }),
-    ));
-    *RUNNING.lock().unwrap_or_else(|p| p.into_inner()) = Some(ours);
+        })
+    })?;
+    // Dropping `cmd` closes the warden's copies of the write end.
+    drop(cmd);
     Ok(Spawned { pid, start_time, output: read })
 }
 

@@ -78,25 +78,6 @@ pub fn classify(line: &str) -> DaemonLine {
     DaemonLine::Other
 }
 
-/// vLLM's level word in a line (`(Proc pid=N) LEVEL MM-DD …`, or
-/// uvicorn's `LEVEL:`), for the journal's priority.
-pub fn level(line: &str) -> Option<crate::supervisor::classify::Level> {
-    use crate::supervisor::classify::Level;
-    let rest = match line.strip_prefix('(') {
-        Some(r) => r.split_once(") ")?.1,
-        None => line,
-    };
-    let word = rest.split([' ', ':']).next()?;
-    Some(match word {
-        "DEBUG" => Level::Debug,
-        "INFO" => Level::Info,
-        "WARNING" => Level::Warning,
-        "ERROR" => Level::Error,
-        "CRITICAL" => Level::Critical,
-        _ => return None,
-    })
-}
-
 /// What a start finds of the daemon.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Found {
@@ -254,15 +235,6 @@ mod tests {
         assert!(matches!(classify(value), DaemonLine::Error { refused: false, .. }));
         assert_eq!(classify("INFO 12-02 [model.py:733] Resolved architecture: LlamaForCausalLM"), DaemonLine::Other);
         assert_eq!(classify("  File \"x.py\", line 8, in <module>"), DaemonLine::Other);
-    }
-
-    #[test]
-    fn the_level_word_gives_the_journal_priority() {
-        use crate::supervisor::classify::Level;
-        assert_eq!(level("(MainProcess pid=7) WARNING 12-02 12:32:32 [cpu.py:224] Triton"), Some(Level::Warning));
-        assert_eq!(level("(vllm-weight-cache-target-0 pid=9) ERROR 12-02 [daemon.py:1] x"), Some(Level::Error));
-        assert_eq!(level("INFO:     Started server process"), Some(Level::Info));
-        assert_eq!(level("Traceback (most recent call last):"), None);
     }
 
     #[test]

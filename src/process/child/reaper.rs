@@ -67,7 +67,7 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
         };
         let pid = pid.as_raw();
         // The weight-cache daemon's exit, to whoever waits for it.
-        crate::process::preload::exited(pid, exit);
+        super::watched::exited(pid, exit);
         // A zombie whose reaper was handed over before it took it (a thread
         // held off the CPU that long) is taken here: while it is there, the
         // kernel shows it first to every wait and the exits behind it would
