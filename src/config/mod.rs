@@ -14,6 +14,7 @@
 pub mod command;
 pub mod defaults;
 pub mod limits;
+pub mod preload;
 mod problem;
 pub mod profile;
 mod reader;
@@ -137,16 +138,17 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         golden_v,
         fit_v,
         rollback_v,
+        preload_v,
     ] = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden", "fit", "rollback",
+        "reports", "ledger", "golden", "fit", "rollback", "preload",
     ]
     .map(|k| top.take(k));
     drop(top);
     let hints = hints(r, hint_v);
 
     let mut patterns = profile.patterns();
-    let child = child(r.section(child_v, "child"), &name, dirs);
+    let mut child = child(r.section(child_v, "child"), &name, dirs);
     let patches = patches(r, patch_v);
     let prestart = prestart(r.section(prestart_v, "prestart"), profile, &child.command);
     // A Ray node serves no HTTP: its readiness is confirmed by the cluster.
@@ -163,6 +165,9 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let golden = golden(r.section(golden_v, "golden"), profile == Profile::Vllm && ready.http.is_some());
     let fit = fit(r.section(fit_v, "fit"));
     let rollback = rollback(r.section(rollback_v, "rollback"));
+    // After every section that reads the serve command as the operator wrote it.
+    let preload =
+        preload::preload(r.section(preload_v, "preload"), &mut child.command, prestart.port, runtime_dir(&name, dirs));
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
@@ -184,6 +189,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         golden,
         fit,
         rollback,
+        preload,
         hints,
         state_dir,
         patterns,

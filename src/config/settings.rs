@@ -47,6 +47,8 @@ pub struct Settings {
     pub golden: Golden,
     pub fit: Fit,
     pub rollback: Rollback,
+    /// `[preload]`: the weight-cache daemon beside the engine.
+    pub preload: crate::config::preload::Preload,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.

@@ -238,7 +238,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n[ledger]\nzz = 1\n[golden]\nzz = 1\n[fit]\nzz = 1\n[rollback]\nzz = 1\n";
+                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n[ledger]\nzz = 1\n[golden]\nzz = 1\n[fit]\nzz = 1\n[rollback]\nzz = 1\n[preload]\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -254,10 +254,10 @@ fn the_man_page_documents_every_known_key() {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 17, "{problems:?}");
+    assert_eq!(problems.len(), 18, "{problems:?}");
     let sections = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden", "fit", "rollback",
+        "reports", "ledger", "golden", "fit", "rollback", "preload",
     ];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
@@ -343,7 +343,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 46, "every duration and number has a range");
+    assert_eq!(tried, 47, "every duration and number has a range");
 }
 
 #[test]

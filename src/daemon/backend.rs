@@ -90,6 +90,10 @@ pub struct RealBackend {
     reports: Reports,
     /// The load ledger.
     loads: Loads,
+    /// The weight-cache daemon (`[preload]`), started before the engine.
+    pub preload: crate::daemon::preload::Preloader,
+    /// Which kind of start the pre-start steps of a start made ready.
+    start_kind: Arc<std::sync::Mutex<Option<(u32, crate::supervisor::preload::PreloadStart)>>>,
 }
 
 /// The load ledger: its records, its writer, and what the pre-start steps
@@ -200,6 +204,7 @@ impl RealBackend {
         last_check: crate::observe::health::LastCheck,
     ) -> std::io::Result<RealBackend> {
         let traffic = crate::observe::health::Traffic::default();
+        let preload = crate::daemon::preload::Preloader::new(inputs.clone(), token.clone(), journal.clone());
         let taps = Taps { journal, traffic: traffic.clone() };
         let (settings_state_dir, settings_keep) = (settings.state_dir.clone(), settings.ledger.keep);
         let tx = inputs.clone();
@@ -229,6 +234,8 @@ impl RealBackend {
                 running: None,
             },
             reports: Reports::default(),
+            preload,
+            start_kind: Arc::default(),
         })
     }
 
@@ -334,6 +341,7 @@ impl Backend for RealBackend {
         let fit = self.loads.recovery.fit.clone();
         let expect = self.loads.recovery.expect.clone();
         let revert = self.loads.recovery.revert.take();
+        let (preload, kind) = (self.preload.clone(), self.start_kind.clone());
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::daemon::prepare::Status = Arc::new(move |text| {
@@ -361,15 +369,27 @@ impl Backend for RealBackend {
                 result = crate::daemon::recover::gpus_free(&settings, &fit).await;
             }
             if result.is_ok() {
+                // The weight-cache daemon, last: it holds the GPUs the
+                // steps above wait for.
+                result = preload.ensure(&settings, status.clone()).await.map(|k| {
+                    *kind.lock().unwrap_or_else(|p| p.into_inner()) = k.map(|k| (start, k));
+                });
+            }
+            if result.is_ok() {
                 // The setup as it starts (after the patches): its ledger,
-                // memory fit's values, the last-known-good setup.
+                // memory fit's values, the last-known-good setup, and which
+                // kind of start it is (not part of the fingerprint).
                 let s = settings.clone();
                 let found_now =
                     tokio::task::spawn_blocking(move || crate::daemon::recover::find(&s, &fit, expect.as_deref()))
                         .await
                         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
                 match found_now {
-                    Ok(f) => *found.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, f)),
+                    Ok(mut f) => {
+                        f.facts.setup.preload =
+                            kind.lock().unwrap_or_else(|p| p.into_inner()).filter(|(s, _)| *s == start).map(|(_, k)| k);
+                        *found.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, f));
+                    }
                     Err(failure) => result = Err(failure),
                 }
             }
@@ -533,6 +553,12 @@ impl Backend for RealBackend {
 
     fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::daemon::reload::ReloadPlan {
         let plan = crate::daemon::reload::plan(&self.settings, &settings);
+        if self.preload.restarts_on(&self.settings, &settings) {
+            tracing::info!(
+                EVENT = "reload",
+                "the weight-cache daemon starts again with the engine: its command changed"
+            );
+        }
         for c in crate::daemon::reload::identity_left(&self.settings, &settings) {
             tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
         }
@@ -648,6 +674,10 @@ impl Backend for RealBackend {
 
     fn check_upgrade(&mut self) {
         let tx = self.inputs.clone();
+        if self.settings.preload.enabled {
+            let _ = tx.send(Input::UpgradeChecked(Err(crate::daemon::upgrade::UpgradeError::Preload)));
+            return;
+        }
         let Some(exe) = self.launch.handover.exe.clone() else {
             let _ = tx.send(Input::UpgradeChecked(Err(crate::daemon::upgrade::UpgradeError::NoOwnPath)));
             return;

@@ -128,6 +128,11 @@ pub enum Input {
     Reported {
         start: u32,
     },
+    /// The weight-cache daemon ended, or stopped answering, while the
+    /// engine started or served.
+    DaemonLost {
+        cause: String,
+    },
 }
 
 /// Where effects on the child are carried out.
@@ -638,6 +643,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Survivors { left, description } => events.push_back(Event::Survivors { left, description }),
             Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
             Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
+            Input::DaemonLost { cause } => events.push_back(Event::DaemonLost { cause }),
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {
                     Ok(c) => {

@@ -175,6 +175,15 @@ pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
         let _ = writeln!(out, "{said}");
         warnings.extend(hub_warnings);
     }
+    if s.preload.enabled {
+        let _ = writeln!(out, "weight-cache daemon: {}", crate::util::redact::command(&s.preload.command));
+        match crate::process::preload::host_qualifies(Path::new("/dev")) {
+            Ok(found) => {
+                let _ = writeln!(out, "  {found}");
+            }
+            Err(why) => warnings.push(format!("[preload]: {why}")),
+        }
+    }
     (out, warnings)
 }
 

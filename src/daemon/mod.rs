@@ -15,6 +15,7 @@ mod deadline;
 pub mod driver;
 pub mod environment;
 mod observer;
+pub mod preload;
 pub mod prepare;
 pub mod recover;
 pub mod reload;
@@ -109,6 +110,7 @@ pub async fn run(
             return Code::Internal;
         }
     };
+    observer.preload = Some(backend.preload.clone());
     let machine = machine(&mut backend, policy, adopted);
     endpoint.serve(&mut backend.tasks, shared);
     // The status files and the notes behind them, off the loop.
@@ -194,6 +196,9 @@ const OUTBOX_PATIENCE: Duration = Duration::from_secs(5);
 
 /// After the loop: what is left to do, under the exit's deadline.
 async fn finish(code: Code, mut backend: RealBackend, mut observer: StateObserver, settings: &Settings) -> Code {
+    // The engine is gone: now the weight-cache daemon, under its own stop
+    // timeout (before the exit's deadline, which it would overrun).
+    backend.preload.stop(settings.child.stop_timeout).await;
     let exit = ExitDeadline::start(&settings.name, code, EXIT_DEADLINE);
     exit.at("writing the status files and sending the last notifications");
     crate::observe::outbox::settle(OUTBOX_PATIENCE);

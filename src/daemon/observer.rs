@@ -19,6 +19,8 @@ pub struct StateObserver {
     pub tree: TreeRecord,
     /// What the HTTP endpoint shows.
     view: tokio::sync::watch::Sender<crate::daemon::server::View>,
+    /// The weight-cache daemon, for the status document.
+    pub preload: Option<crate::daemon::preload::Preloader>,
 }
 
 impl StateObserver {
@@ -38,6 +40,7 @@ impl StateObserver {
             next_journal_count: std::time::Instant::now(),
             tree: TreeRecord::new(s.state_dir.clone(), s.name.clone(), token.to_string()),
             view,
+            preload: None,
         }
     }
 
@@ -68,6 +71,7 @@ impl crate::daemon::driver::Observer for StateObserver {
         if let Some(j) = &self.journal {
             self.status.set_journal_dropped(j.dropped());
         }
+        self.status.set_preload(self.preload.as_ref().and_then(|p| p.view()));
         self.status.update(&m.snapshot());
         self.tree.update(m);
         self.publish(Some(m));

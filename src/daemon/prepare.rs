@@ -163,7 +163,10 @@ pub async fn run(
     // 5. The GPUs.
     if !s.prestart.gpu_idle_wait.is_zero() && !s.prestart.gpu_query.is_empty() {
         let query = &s.prestart.gpu_query;
-        let ask = || prestart::query_gpus(query, COMMAND_TIMEOUT);
+        // The weight-cache daemon holds the GPUs on purpose.
+        let ask = || async {
+            Ok(prestart::query_gpus(query, COMMAND_TIMEOUT).await?.map(crate::process::preload::without_daemon))
+        };
         status(format!("checking the GPUs ({})", crate::util::redact::command(query)));
         match ask().await {
             Ok(None) => {

@@ -70,6 +70,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         golden,
         fit,
         rollback,
+        preload,
         state_dir,
         patterns,
         hints,
@@ -167,6 +168,10 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("reports.py-spy", Warden, dbg(&rp.0.py_spy), dbg(&rp.1.py_spy));
     cmp("reports.gpu-snapshot", Warden, dbg(&rp.0.gpu_snapshot), dbg(&rp.1.gpu_snapshot));
     cmp("reports.kernel-messages", Warden, dbg(&rp.0.kernel_messages), dbg(&rp.1.kernel_messages));
+    // The daemon's command and folder: `daemon::preload` decides whether
+    // the daemon itself starts again.
+    let shown = |p: &crate::config::preload::Preload| if p.enabled { dbg(p) } else { "off".into() };
+    cmp("preload", Child, shown(&old.preload), shown(preload));
     cmp("patterns", Warden, dbg(&old.patterns), dbg(patterns));
     cmp("hint", Warden, dbg(&old.hints), dbg(hints));
     out

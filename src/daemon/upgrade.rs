@@ -98,6 +98,10 @@ pub enum UpgradeError {
     NotAWarden(PathBuf),
     #[error("the warden's own path is not known")]
     NoOwnPath,
+    /// The weight-cache daemon is not handed over: the successor would not
+    /// know it (and its output pipe does not survive the exec).
+    #[error("not with [preload]: the weight-cache daemon is not handed over; restart the unit instead")]
+    Preload,
     /// The task that asked the new binary ended without an answer.
     #[error("the check failed: {0}")]
     CheckFailed(tokio::task::JoinError),

@@ -43,6 +43,10 @@ pub struct Setup {
     pub env: BTreeMap<String, String>,
     /// Each patched file's sha256 after the patches.
     pub patched: BTreeMap<String, String>,
+    /// With `[preload]`: which kind of start the load was (not part of
+    /// the fingerprint: the engine's load is the same either way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preload: Option<crate::supervisor::preload::PreloadStart>,
 }
 
 /// A setup, its fingerprint, and the weights as found before a start.
@@ -100,7 +104,7 @@ impl Facts {
                 (k.clone(), shown.split_once('=').map_or(String::new(), |(_, v)| v.to_string()))
             })
             .collect();
-        let setup = Setup { vllm, command: crate::util::redact::command(argv), env: masked, patched };
+        let setup = Setup { vllm, command: crate::util::redact::command(argv), env: masked, patched, preload: None };
         Facts {
             setup,
             fingerprint,
@@ -269,6 +273,7 @@ impl Ledger {
             cold,
             used: Default::default(),
             last_good: None,
+            preload: facts.setup.preload,
         }
     }
 

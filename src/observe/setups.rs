@@ -187,6 +187,7 @@ mod tests {
                 command: "vllm serve m".into(),
                 env: BTreeMap::new(),
                 patched: BTreeMap::new(),
+                preload: None,
             },
         }
     }

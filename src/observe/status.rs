@@ -70,6 +70,9 @@ pub struct Doc {
     /// and what it found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub golden: Option<GoldenDoc>,
+    /// The weight-cache daemon (`[preload]`), while one runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preload: Option<crate::supervisor::preload::DaemonView>,
     /// Memory fit: each fit argument the current (or last) start used,
     /// its value and where it came from (`config`, `default`, `pinned`,
     /// `fitted`), and the adjustments since the last ready.
@@ -206,6 +209,8 @@ pub struct Reporter {
     /// The cache directory, and its size as last measured.
     cache_dir: Option<PathBuf>,
     meter: crate::process::caches::Meter,
+    /// The weight-cache daemon, as last told.
+    preload: Option<crate::supervisor::preload::DaemonView>,
 }
 
 impl Reporter {
@@ -230,6 +235,7 @@ impl Reporter {
             moved: false,
             journal_dropped: 0,
             cache_dir: None,
+            preload: None,
             meter: crate::process::caches::Meter::default(),
         }
     }
@@ -307,6 +313,14 @@ impl Reporter {
 
     /// The count of the metric `vllm_warden_journal_dropped_lines_total`;
     /// written with the next change, or at [`Reporter::due`].
+    /// The weight-cache daemon as it is now (`[preload]`).
+    pub fn set_preload(&mut self, view: Option<crate::supervisor::preload::DaemonView>) {
+        if self.preload != view {
+            self.preload = view;
+            self.pending = true;
+        }
+    }
+
     pub fn set_journal_dropped(&mut self, n: u64) {
         if n != self.journal_dropped {
             self.journal_dropped = n;
@@ -446,6 +460,11 @@ impl Reporter {
                 cause: safe(&r.cause),
                 good: safe(&r.good),
                 good_at: safe(&r.good_at),
+            }),
+            preload: self.preload.as_ref().map(|v| crate::supervisor::preload::DaemonView {
+                state: v.state.clone(),
+                progress: v.progress.as_deref().map(safe),
+                ..v.clone()
             }),
             last_load: snap.last_load_record.as_ref().map(|r| LastLoad {
                 outcome: match &r.outcome {
@@ -1024,6 +1043,7 @@ mod tests {
             expected: Some(Duration::from_secs(290)),
             last: Some(Duration::from_secs(282)),
             fingerprint: "abc".into(),
+            preload: None,
         });
         s.loads_ended = 1;
         s.last_load_record = Some(Arc::new(LoadRecord {

@@ -29,9 +29,11 @@ use crate::util::tasks::{Lifetime, Tasks};
 
 mod procfs;
 mod reaper;
+mod watched;
 
 pub use self::procfs::*;
 use self::reaper::*;
+pub use self::watched::{OnExit, spawn_watched};
 
 /// The environment variable that names an upgrade's state file for the
 /// successor (`daemon::upgrade`).

@@ -10,5 +10,6 @@
 pub mod caches;
 pub mod child;
 pub mod lock;
+pub mod preload;
 pub mod prestart;
 pub mod ray;

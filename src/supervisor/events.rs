@@ -127,6 +127,12 @@ pub enum Event {
     RolledBack {
         policy: Result<Box<Policy>, String>,
     },
+    /// The weight-cache daemon (`[preload]`) ended or stopped answering:
+    /// the engine's run, starting or serving, fails; the next start
+    /// begins with a new daemon.
+    DaemonLost {
+        cause: String,
+    },
     /// A valid new config the child sees (SIGHUP): stop the child and start
     /// again with it; `summary` says which keys forced it.
     Reload {

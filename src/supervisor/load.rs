@@ -138,6 +138,8 @@ pub struct LoadStart {
     /// The last setup that reached ready, when it is not this one: its
     /// fingerprint and when it was recorded.
     pub last_good: Option<(String, String)>,
+    /// With `[preload]`: which kind of start this is.
+    pub preload: Option<crate::supervisor::preload::PreloadStart>,
 }
 
 /// What earlier good loads of one setup took.
@@ -397,6 +399,7 @@ impl LoadTrack {
             expected: self.history().map(|h| h.median),
             last: self.history().map(|h| h.last),
             fingerprint: self.start.fingerprint.clone(),
+            preload: self.start.preload.map(|p| p.kind),
         }
     }
 
@@ -524,6 +527,8 @@ pub struct LoadNow {
     pub expected: Option<Duration>,
     pub last: Option<Duration>,
     pub fingerprint: String,
+    /// With `[preload]`: which kind of start this is.
+    pub preload: Option<crate::supervisor::preload::StartKind>,
 }
 
 impl LoadNow {
@@ -531,9 +536,13 @@ impl LoadNow {
     /// (no earlier load of this setup)`.
     pub fn text(&self) -> String {
         let head = format!("loading {}/{} {} · {}", self.index, self.of, self.phase, short(self.elapsed));
-        match (self.expected, self.last) {
+        let text = match (self.expected, self.last) {
             (Some(e), Some(l)) => format!("{head} of ~{} (last {})", short(e), short(l)),
             _ => format!("{head} (no earlier load of this setup)"),
+        };
+        match self.preload {
+            Some(kind) => format!("{text} · {}", kind.short()),
+            None => text,
         }
     }
 }

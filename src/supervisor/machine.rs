@@ -529,7 +529,10 @@ impl Machine {
                 AfterPrepare::Spawn { .. } => self.start_failed(failure, now),
             },
             (S::Launching { start, then: AfterPrepare::Spawn { deadline, .. } }, E::PrepareStep { text, .. }) => {
-                let fx = vec![Effect::Notify(vec![status(text.clone())])];
+                // A step is a sign of life, as a progress line is: the
+                // weight-cache daemon's load (`[preload]`) happens here and
+                // may outlast the unit's start timeout.
+                let fx = vec![Effect::Notify(vec![status(text.clone()), Note::ExtendTimeout(self.policy.stall)])];
                 (S::Launching { start, then: AfterPrepare::Spawn { deadline, step: Some(text) } }, fx)
             }
             (S::Launching { then: AfterPrepare::Spawn { deadline, step }, .. }, E::Tick) if now >= deadline => {
@@ -697,6 +700,9 @@ impl Machine {
                     Cause { text: cause, kind: FailureKind::FatalLine, permanence: Permanence::Hardware, hint: None };
                 self.fail(state, cause, None, now)
             }
+            (state @ (S::Starting(_) | S::Ready(_)), E::DaemonLost { cause }) => {
+                self.fail(state, Cause::new(cause, FailureKind::Health), None, now)
+            }
             (S::Ready(serving), E::HealthFailed { cause, .. }) => {
                 let cause = Cause::new(cause, FailureKind::Health);
                 self.fail(S::Ready(serving), cause, None, now)
@@ -742,7 +748,7 @@ impl Machine {
                 (S::Reporting(r), vec![])
             }
             // The run has failed already: what else it does waits for the stop.
-            (S::Reporting(r), E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. }) => {
+            (S::Reporting(r), E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. } | E::DaemonLost { .. }) => {
                 (S::Reporting(r), vec![])
             }
 
@@ -865,7 +871,12 @@ impl Machine {
     }
 
     fn start_failed(&mut self, failure: StartFailure, now: Instant) -> (State, Vec<Effect>) {
-        let permanence = if failure.permanent { Permanence::Unrunnable } else { Permanence::Transient };
+        let permanence = match (failure.unsupported, failure.permanent) {
+            // Refused by what the machine is (the weight-cache daemon's platform check).
+            (true, _) => Permanence::Hardware,
+            (false, true) => Permanence::Unrunnable,
+            (false, false) => Permanence::Transient,
+        };
         let mut cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence, hint: None };
         cause.hint = self.policy.hints.find(&cause.text);
         self.last_failure = Some(crate::supervisor::snapshot::LastFailure {

@@ -18,6 +18,7 @@ pub mod load;
 pub mod machine;
 pub mod outcome;
 pub mod policy;
+pub mod preload;
 pub mod progress;
 pub mod snapshot;
 

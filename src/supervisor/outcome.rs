@@ -145,15 +145,22 @@ pub struct StartFailure {
     pub cause: String,
     /// A retry would fail the same way (a missing program, a bad patch).
     pub permanent: bool,
+    /// This machine cannot run it at all (vLLM refuses the platform): no
+    /// retry, whatever `restart.permanent-attempts` says.
+    pub unsupported: bool,
 }
 
 impl StartFailure {
     pub fn transient(cause: impl Into<String>) -> StartFailure {
-        StartFailure { cause: cause.into(), permanent: false }
+        StartFailure { cause: cause.into(), permanent: false, unsupported: false }
     }
 
     pub fn permanent(cause: impl Into<String>) -> StartFailure {
-        StartFailure { cause: cause.into(), permanent: true }
+        StartFailure { cause: cause.into(), permanent: true, unsupported: false }
+    }
+
+    pub fn unsupported(cause: impl Into<String>) -> StartFailure {
+        StartFailure { cause: cause.into(), permanent: true, unsupported: true }
     }
 }
 

@@ -93,6 +93,8 @@ pub fn prepare_timeout(s: &Settings) -> Duration {
         s.prestart.gpu_idle_wait,
         COMMAND_TIMEOUT,
         ray,
+        // The weight-cache daemon's stop and load, each under its own limits.
+        if s.preload.enabled { s.child.stop_timeout.saturating_add(s.ready.timeout) } else { Duration::ZERO },
         PREPARE_MARGIN,
     ]
     .into_iter()

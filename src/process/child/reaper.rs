@@ -66,6 +66,8 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
             Err(e) => panic!("waitid: {e}"),
         };
         let pid = pid.as_raw();
+        // The weight-cache daemon's exit, to whoever waits for it.
+        super::watched::exited(pid, exit);
         // A zombie whose reaper was handed over before it took it (a thread
         // held off the CPU that long) is taken here: while it is there, the
         // kernel shows it first to every wait and the exits behind it would

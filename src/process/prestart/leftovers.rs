@@ -142,7 +142,42 @@ pub(super) fn cgroup_of(pid: i32) -> Option<String> {
 /// unit's cgroup (under systemd), pid 1, the warden and its ancestors are
 /// left out.
 pub fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
-    let path = record_path(state_dir);
+    leftovers_at(&record_path(state_dir), instance)
+}
+
+/// Where the weight-cache daemon (`[preload]`) is recorded: beside the
+/// engine's tree, which never holds it.
+fn daemon_record_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("weight-cache.json")
+}
+
+/// Record the weight-cache daemon `pid` (started at `start_time`, carrying
+/// `token`), so that a warden started after this one was killed stops it.
+pub fn record_daemon(state_dir: &Path, instance: &str, token: &str, pid: i32, start_time: u64) -> io::Result<()> {
+    std::fs::create_dir_all(state_dir)?;
+    let record = RecordedTree {
+        boot_id: boot_id(),
+        instance: instance.to_string(),
+        token: token.to_string(),
+        tree: vec![Recorded { pid, start_time }],
+    };
+    let text = serde_json::to_string(&record).map_err(io::Error::other)?;
+    replace(&daemon_record_path(state_dir), text.as_bytes(), 0o600)
+}
+
+/// The weight-cache daemon is gone: forget it.
+pub fn clear_daemon_record(state_dir: &Path) {
+    let _ = std::fs::remove_file(daemon_record_path(state_dir));
+}
+
+/// What is left of a weight-cache daemon an earlier warden recorded, by
+/// the same rules as [`leftovers`].
+pub fn daemon_leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
+    leftovers_at(&daemon_record_path(state_dir), instance)
+}
+
+fn leftovers_at(path: &Path, instance: &str) -> Vec<ProcStat> {
+    let path = path.to_path_buf();
     let text = match read_state_file(&path, MAX_RECORD) {
         Ok(t) => t,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),

@@ -1311,3 +1311,52 @@ mod rollback {
         assert!(s.fx.contains(&Effect::SetupGood));
     }
 }
+
+/// `[preload]`: the weight-cache daemon's end fails the engine's run,
+/// starting or serving, as a failed check does; between runs it changes
+/// nothing (the next start begins with a new daemon).
+#[test]
+fn the_weight_cache_daemons_end_fails_the_engines_run() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    let lost = "the weight-cache daemon (pid 90) ended (killed by SIGKILL)";
+    let fx = s.ev(Event::DaemonLost { cause: lost.into() });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert_eq!(s.m.cause.clone().unwrap().text, lost);
+
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    let fx = s.ev(Event::DaemonLost { cause: lost.into() });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "while starting too: {fx:?}");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Signal(Signal::SIGTERM) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    assert!(s.ev(Event::DaemonLost { cause: lost.into() }).is_empty(), "nothing to fail in backoff");
+}
+
+/// A platform vLLM refuses (the weight-cache daemon's CUDA IPC check)
+/// ends the warden at once, whatever `permanent-attempts` says.
+#[test]
+fn an_unsupported_platform_ends_at_once() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    let failure = StartFailure::unsupported("UnsupportedPlatformForIPCError: platform 'cpu'");
+    let fx = s.ev(Event::Prepared { start: 1, result: Prepared::Failed(failure) });
+    assert_eq!(s.m.done(), Some(Code::Config), "{fx:?}");
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Spawn { .. })));
+    assert!(
+        statuses(&fx).iter().any(|t| t.starts_with("failed permanently: UnsupportedPlatformForIPCError")),
+        "{fx:?}"
+    );
+}
+
+/// A pre-start step (the weight-cache daemon's progress among them)
+/// extends the start timeout by the stall window, as a progress line does.
+#[test]
+fn a_pre_start_step_extends_the_start_timeout() {
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    let text = "weight-cache daemon (pid 90): Weight cache target daemon rank 0 loaded model".to_string();
+    let fx = s.ev(Event::PrepareStep { start: 1, text: text.clone() });
+    assert_eq!(notes(&fx), vec![Note::Status(text), Note::ExtendTimeout(Duration::from_secs(15 * 60))]);
+}
