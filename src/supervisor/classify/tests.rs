@@ -347,3 +347,19 @@ fn a_worker_killed_by_a_signal_is_named_by_it() {
         assert_eq!((l.class, l.cause, l.permanent), (Class::Fatal, None, None), "{other}");
     }
 }
+
+/// A copy's search cache goes back to the set when the copy is dropped,
+/// for the next copy (the next run's follower, on whatever thread) to go
+/// on with.
+#[test]
+fn a_dropped_copy_hands_its_search_cache_on() {
+    let c = vllm();
+    let mut copy = c.clone();
+    copy.classify_ref("INFO:     Application startup complete.");
+    assert!(c.ignore.set.spare.lock().unwrap().is_none());
+    drop(copy);
+    assert!(c.ignore.set.spare.lock().unwrap().is_some());
+    let mut next = c.clone();
+    next.classify_ref("INFO:     Application startup complete.");
+    assert!(c.ignore.set.spare.lock().unwrap().is_none(), "the next copy took it");
+}
