@@ -1,4 +1,4 @@
-//! Latency of the two paths that matter most, over 100 real starts of the
+//! Latency of the two paths that matter most, over 1000 real starts of the
 //! fake vLLM under the release binary:
 //!
 //! - readiness line written → `READY=1` arriving on the notify socket (the
@@ -26,8 +26,15 @@
 //! command is started once per warden, and reads the kernel's messages
 //! beside the warden); with `LATENCY_BENCH_REPORTS=off`, without the failure
 //! report that every failed run gets before its stop (`reports.keep = 0`);
-//! `LATENCY_BENCH_STARTS=N` for N starts instead of 100 (more samples, for
-//! comparing two builds on a noisy machine); `LATENCY_BENCH_AGE=S` for a
+//! `LATENCY_BENCH_STARTS=N` for N starts instead of 1000 (a p99 over a
+//! hundred is the second slowest, which on a shared machine is whatever
+//! else ran then); `LATENCY_BENCH_ROUNDS=R` for the fresh case in R rounds
+//! instead of 5, each a fresh warden's N/R starts followed by N/R samples
+//! of the fresh-server baseline, so that both meet the same load of the
+//! machine; `LATENCY_BENCH_WARDEN=PATH` measures the warden at PATH (and
+//! the simulator beside it) instead of this build's;
+//! `LATENCY_BENCH_SAMPLES=FILE` appends each measured start's two
+//! stamps to FILE, for a trace of the same run; `LATENCY_BENCH_AGE=S` for a
 //! long-running warden that logged for S seconds instead of 180 (0: that
 //! case is left out), `LATENCY_BENCH_LOG_RATE=N` for N lines a second while
 //! it did; `LATENCY_BENCH_LOAD=D` for a simulated load of D instead of none
@@ -44,9 +51,16 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// How many starts each figure is over: `LATENCY_BENCH_STARTS`, else 100.
-static STARTS: std::sync::LazyLock<usize> =
-    std::sync::LazyLock::new(|| std::env::var("LATENCY_BENCH_STARTS").ok().and_then(|n| n.parse().ok()).unwrap_or(100));
+/// How many starts each figure is over: `LATENCY_BENCH_STARTS`, else 1000.
+static STARTS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+    std::env::var("LATENCY_BENCH_STARTS").ok().and_then(|n| n.parse().ok()).unwrap_or(1000)
+});
+
+/// In how many rounds the fresh warden and its baseline take turns:
+/// `LATENCY_BENCH_ROUNDS`, else 5.
+static ROUNDS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+    std::env::var("LATENCY_BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(5).clamp(1, *STARTS)
+});
 
 fn now_ns() -> u128 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos()
@@ -126,12 +140,12 @@ fn http_baseline(sim: &str, rt: &tokio::runtime::Runtime) -> Vec<f64> {
 /// blocked on an inotify watch wakes, reads the file, finds the ready line
 /// and sends one `GET /health` to that fake with the warden's client:
 /// ready line written (the fake's stamp) → the answer.
-fn fresh_baseline(sim: &str, dir: &std::path::Path, rt: &tokio::runtime::Runtime) -> Vec<f64> {
+fn fresh_baseline(sim: &str, dir: &std::path::Path, rt: &tokio::runtime::Runtime, n: usize) -> Vec<f64> {
     use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
     use std::io::Read;
     let (log, stamp) = (dir.join("fresh.log"), dir.join("fresh.stamps"));
     let mut out = Vec::new();
-    for _ in 0..*STARTS {
+    for _ in 0..n {
         let _ = std::fs::remove_file(&stamp);
         let file = std::fs::File::create(&log).unwrap();
         let inotify = Inotify::init(InitFlags::IN_CLOEXEC).unwrap();
@@ -290,13 +304,13 @@ struct Measured {
     respawn: Vec<f64>,
 }
 
-/// Run the release warden on the simulated vLLM for [`STARTS`] measured
+/// Run the release warden on the simulated vLLM for `n` measured
 /// starts (each server ready, then its engine dies 20 ms after the first
 /// `GET /health`, then a restart with no backoff), in the folder `d`.
 /// With `age`, the first server logs a request line every `1/LOG_RATE`
 /// for that long before its engine dies, and the starts after it are
 /// measured: a warden that has been running and logging for minutes.
-fn run_warden(exe: &str, sim: &str, d: &std::path::Path, age: Option<Duration>) -> Measured {
+fn run_warden(exe: &str, sim: &str, d: &std::path::Path, age: Option<Duration>, n: usize) -> Measured {
     std::fs::create_dir_all(d).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let stamps = d.join("stamps");
@@ -376,7 +390,7 @@ enabled = false
         std::thread::sleep(age);
         std::fs::remove_file(&aging).unwrap();
     }
-    for _ in 0..*STARTS + 1 {
+    for _ in 0..n + 1 {
         ready_at.push(rx.recv_timeout(Duration::from_secs(60)).expect("READY=1"));
     }
     if age.is_some() {
@@ -392,39 +406,58 @@ enabled = false
 
     let text = std::fs::read_to_string(&stamps).unwrap();
     let (starts, readies, exits) = (stamps_of(&text, "start "), stamps_of(&text, "ready "), stamps_of(&text, "exit "));
-    let ready =
-        readies.iter().zip(&ready_at).skip(skip).take(*STARTS).map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
+    let pairs: Vec<(u128, u128)> = readies.iter().zip(&ready_at).skip(skip).take(n).map(|(w, r)| (*w, *r)).collect();
+    if let Ok(file) = std::env::var("LATENCY_BENCH_SAMPLES") {
+        // Each start's two stamps (ns, the realtime clock), for lining them
+        // up with a trace of the same run.
+        let mut out = std::fs::OpenOptions::new().create(true).append(true).open(file).unwrap();
+        for (w, r) in &pairs {
+            writeln!(out, "{} {w} {r}", d.display()).unwrap();
+        }
+    }
+    let ready = pairs.iter().map(|(w, r)| (*r as f64 - *w as f64) / 1e6).collect();
     let respawn = exits
         .iter()
         .zip(starts.iter().skip(1))
         .skip(skip)
-        .take(*STARTS)
+        .take(n)
         .map(|(e, s)| (*s as f64 - *e as f64) / 1e6)
         .collect();
     Measured { ready, respawn }
 }
 
 fn main() {
-    let exe = env!("CARGO_BIN_EXE_vllm-warden");
+    // `LATENCY_BENCH_WARDEN=PATH` measures another build of the warden
+    // (its simulator beside it), for comparing two builds in turns.
+    let exe = &std::env::var("LATENCY_BENCH_WARDEN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_vllm-warden").into());
     let sim = &sim::beside(exe).display().to_string();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
 
-    let fresh = run_warden(exe, sim, &d.join("fresh"), None);
-    println!("vllm-warden latency, {} starts, release build", *STARTS);
-    let (rm, rp) = stats("ready line written -> READY=1 received", fresh.ready);
+    // The fresh warden and the fresh-server baseline take turns, a fresh
+    // warden each round.
+    let (mut ready, mut respawn, mut fresh_server) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..*ROUNDS {
+        let n = *STARTS / *ROUNDS + usize::from(round < *STARTS % *ROUNDS);
+        let fresh = run_warden(exe, sim, &d.join(format!("fresh{round}")), None, n);
+        ready.extend(fresh.ready);
+        respawn.extend(fresh.respawn);
+        fresh_server.extend(fresh_baseline(sim, d, &rt, n));
+    }
+    println!("vllm-warden latency, {} starts ({} fresh wardens), release build", *STARTS, *ROUNDS);
+    let (rm, rp) = stats("ready line written -> READY=1 received", ready);
     let (bm, bp) = stats("baseline: line appended -> inotify event", inotify_baseline(d));
     let (hm, hp) = stats("baseline: GET /health round trip", http_baseline(sim, &rt));
-    let (fm, fp) = stats("baseline: inotify + GET, fresh server", fresh_baseline(sim, d, &rt));
-    let (cm, cp) = stats("child exit -> next child running (0 backoff)", fresh.respawn);
+    let (fm, fp) = stats("baseline: inotify + GET, fresh server", fresh_server);
+    let (cm, cp) = stats("child exit -> next child running (0 backoff)", respawn);
     let (sm, sp) = stats("baseline: spawn -> child running", spawn_baseline(sim, d));
     let (lm, lp) = stats("baseline: exit -> wait + spawn -> running", respawn_baseline(sim, d));
     let long = (!AGE.is_zero()).then(|| {
-        let measured = run_warden(exe, sim, &d.join("long"), Some(*AGE));
+        let measured = run_warden(exe, sim, &d.join("long"), Some(*AGE), *STARTS);
         let name = format!("long-running ({} s, {}/s): ready -> READY=1", AGE.as_secs(), *LOG_RATE);
         let ready = stats(&name, measured.ready);
-        let baseline = stats("baseline again: inotify + GET, fresh server", fresh_baseline(sim, d, &rt));
+        let baseline = stats("baseline again: inotify + GET, fresh server", fresh_baseline(sim, d, &rt, *STARTS));
         let respawn = stats("long-running: child exit -> next child running", measured.respawn);
         (ready, baseline, respawn)
     });

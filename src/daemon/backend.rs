@@ -100,7 +100,8 @@ pub struct RealBackend {
 /// found of the setup about to start.
 struct Loads {
     ledger: crate::observe::ledger::Ledger,
-    writer: Option<crate::observe::ledger::Writer>,
+    /// Handed each record once the change that ended the load is out.
+    writer: Option<Arc<crate::observe::ledger::Writer>>,
     /// Found by the pre-start steps of a start: its setup, weights,
     /// memory fit's values and command line.
     found: Arc<std::sync::Mutex<Option<(u32, crate::daemon::recover::Found)>>>,
@@ -228,7 +229,8 @@ impl RealBackend {
                 ledger: crate::observe::ledger::Ledger::open(&settings_state_dir, settings_keep),
                 writer: crate::observe::ledger::Writer::start()
                     .map_err(|e| tracing::warn!(error = %e, "no thread for the load ledger: loads are not recorded"))
-                    .ok(),
+                    .ok()
+                    .map(Arc::new),
                 found: Arc::default(),
                 recovery: Default::default(),
                 running: None,
@@ -326,6 +328,59 @@ impl RealBackend {
         {
             task.abort();
         }
+    }
+
+    /// The child of start `start`, spawned, and its log followed.
+    fn spawn_child(&mut self, start: u32) -> Result<u32, StartFailure> {
+        self.launch.preparing = None;
+        let c = &self.settings.child;
+        let log_path = c.log_file.clone();
+        let spawned = std::time::SystemTime::now();
+        let (file, offset) = child::open_log(&log_path, start, spawned)
+            .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
+        // The warden's cache and socket folders, where neither child.env
+        // nor the warden's environment names one.
+        let mut env: std::collections::BTreeMap<String, String> =
+            crate::process::caches::child_env(&crate::process::caches::of(&self.settings)).collect();
+        env.extend(c.env.clone());
+        env.insert(crate::process::prestart::RUN_TOKEN.into(), self.launch.token.clone());
+        // The command line with memory fit's values, as the pre-start
+        // steps found it.
+        let argv = match &*self.loads.found.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((s, f)) if *s == start => f.argv.clone(),
+            _ => c.command.clone(),
+        };
+        let spec = ChildSpec { argv, env, cwd: c.cwd.clone() };
+        let kernel = self.kernel.follower.as_ref().and_then(|(_, f)| f.mark());
+        let pid = self.tree.spawn(&spec, &file).map_err(|e| {
+            let cause = format!("cannot start {}: {e}", spec.argv[0]);
+            match e.kind() {
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => StartFailure::permanent(cause),
+                _ => StartFailure::transient(cause),
+            }
+        })?;
+        // Followed from `offset`, where the child's first line goes: begun
+        // after the spawn, the follower still reads every line.
+        match self.follow_log(&file, offset, start) {
+            Ok(f) => self.log.follower = Some(f),
+            Err(e) => {
+                // A child whose lines cannot be read cannot be supervised.
+                self.tree.kill_all();
+                return Err(StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())));
+            }
+        }
+        tracing::info!(
+            INSTANCE = self.settings.name.as_str(),
+            EVENT = "spawn",
+            "running {} (env: {})",
+            redact::command(&spec.argv),
+            redact::env(&spec.env)
+        );
+        let log = file.try_clone().ok().map(Arc::new);
+        self.reports.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
+        self.kernel.start.store(start, std::sync::atomic::Ordering::SeqCst);
+        self.follow_kernel();
+        Ok(pid)
     }
 }
 
@@ -448,57 +503,13 @@ impl Backend for RealBackend {
     }
 
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
-        // Spawned or failed, the start is no longer under way.
-        let _over = crate::observe::reports::StartOver;
-        self.launch.preparing = None;
-        let c = &self.settings.child;
-        let log_path = c.log_file.clone();
-        let spawned = std::time::SystemTime::now();
-        let (file, offset) = child::open_log(&log_path, start, spawned)
-            .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
-        // The warden's cache and socket folders, where neither child.env
-        // nor the warden's environment names one.
-        let mut env: std::collections::BTreeMap<String, String> =
-            crate::process::caches::child_env(&crate::process::caches::of(&self.settings)).collect();
-        env.extend(c.env.clone());
-        env.insert(crate::process::prestart::RUN_TOKEN.into(), self.launch.token.clone());
-        // The command line with memory fit's values, as the pre-start
-        // steps found it.
-        let argv = match &*self.loads.found.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some((s, f)) if *s == start => f.argv.clone(),
-            _ => c.command.clone(),
-        };
-        let spec = ChildSpec { argv, env, cwd: c.cwd.clone() };
-        let kernel = self.kernel.follower.as_ref().and_then(|(_, f)| f.mark());
-        let pid = self.tree.spawn(&spec, &file).map_err(|e| {
-            let cause = format!("cannot start {}: {e}", spec.argv[0]);
-            match e.kind() {
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => StartFailure::permanent(cause),
-                _ => StartFailure::transient(cause),
-            }
-        })?;
-        // Followed from `offset`, where the child's first line goes: begun
-        // after the spawn, the follower still reads every line.
-        match self.follow_log(&file, offset, start) {
-            Ok(f) => self.log.follower = Some(f),
-            Err(e) => {
-                // A child whose lines cannot be read cannot be supervised.
-                self.tree.kill_all();
-                return Err(StartFailure::transient(format!("cannot follow log file {}: {e}", log_path.display())));
-            }
+        let spawned = self.spawn_child(start);
+        // A failed start is no longer under way; a spawned one is until
+        // its run is ready (see `health`).
+        if spawned.is_err() {
+            crate::observe::reports::start_under_way(false);
         }
-        tracing::info!(
-            INSTANCE = self.settings.name.as_str(),
-            EVENT = "spawn",
-            "running {} (env: {})",
-            redact::command(&spec.argv),
-            redact::env(&spec.env)
-        );
-        let log = file.try_clone().ok().map(Arc::new);
-        self.reports.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
-        self.kernel.start.store(start, std::sync::atomic::Ordering::SeqCst);
-        self.follow_kernel();
-        Ok(pid)
+        spawned
     }
 
     fn probe(&mut self, start: u32) {
@@ -538,6 +549,9 @@ impl Backend for RealBackend {
         if let Some(f) = &self.log.follower {
             f.pace(SERVING_PACE);
         }
+        // The start is over once READY=1 is out: the reports' file work
+        // waited for it.
+        crate::observe::outbox::after_sent(|| crate::observe::reports::start_under_way(false));
         let spec = crate::observe::health::Spec::from_settings(&self.settings);
         self.checks.last_check.set(true);
         if !spec.enabled() {
@@ -633,8 +647,9 @@ impl Backend for RealBackend {
     fn load_ended(&mut self, record: crate::supervisor::load::LoadRecord) {
         let at = self.reports.run.as_ref().map_or_else(std::time::SystemTime::now, |r| r.spawned);
         let write = self.loads.ledger.push(record, self.loads.running.as_ref(), at);
-        if let Some(w) = &self.loads.writer {
-            w.send(write);
+        if let Some(w) = self.loads.writer.clone() {
+            // A load ends as the run becomes ready: READY=1 first.
+            crate::observe::outbox::after_sent(move || w.send(write));
         }
     }
 

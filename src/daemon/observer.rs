@@ -119,10 +119,10 @@ impl crate::daemon::driver::Observer for StateObserver {
 /// Keeps the child's tree recorded in the state directory while it runs,
 /// for a warden started after this one was killed (see `prestart`). The
 /// `/proc` walk and the file write are done by a thread of their own; the
-/// loop only leaves the latest job in its mailbox.
+/// latest job is left in its mailbox once the change's news is out.
 pub struct TreeRecord {
     state_dir: std::path::PathBuf,
-    mailbox: Arc<(Mutex<Option<RecordJob>>, Condvar)>,
+    mailbox: Mailbox,
     worker: Option<std::thread::JoinHandle<()>>,
     /// The phase, progress and instant of the last record, while there is one.
     last: Option<(crate::supervisor::outcome::Phase, Option<String>, std::time::Instant)>,
@@ -131,9 +131,8 @@ pub struct TreeRecord {
     due: Option<RecordJob>,
 }
 
-/// How long the tree record waits for the status writer (a stuck one is
-/// not waited for beyond it).
-const NEWS_FIRST: Duration = Duration::from_millis(50);
+/// The recorder's next job, and its wake-up.
+type Mailbox = Arc<(Mutex<Option<RecordJob>>, Condvar)>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RecordJob {
@@ -145,7 +144,7 @@ enum RecordJob {
 
 impl TreeRecord {
     fn new(state_dir: std::path::PathBuf, instance: String, token: String) -> TreeRecord {
-        let mailbox: Arc<(Mutex<Option<RecordJob>>, Condvar)> = Arc::default();
+        let mailbox: Mailbox = Arc::default();
         let (m, dir) = (mailbox.clone(), state_dir.clone());
         let spawned = std::thread::Builder::new().name("tree record".into()).spawn(move || {
             loop {
@@ -159,11 +158,6 @@ impl TreeRecord {
                         slot = ready.wait(slot).unwrap_or_else(|p| p.into_inner());
                     }
                 };
-                if job != RecordJob::Stop {
-                    // The status files and notifications of the change go
-                    // first: this is housekeeping, they are news.
-                    crate::observe::outbox::settle(NEWS_FIRST);
-                }
                 match job {
                     RecordJob::Record => {
                         if let Err(e) = crate::process::prestart::record_tree(&dir, &instance, &token) {
@@ -186,7 +180,9 @@ impl TreeRecord {
     /// The warden is done and its tree gone: wait for the recorder, then
     /// leave no record behind.
     pub fn finish(&mut self) {
-        self.settle();
+        if let Some(job) = self.due.take() {
+            self.post(job);
+        }
         self.post(RecordJob::Stop);
         if let Some(w) = self.worker.take() {
             let _ = w.join();
@@ -194,17 +190,18 @@ impl TreeRecord {
         crate::process::prestart::clear_record(&self.state_dir);
     }
 
-    /// Post the job due, if any.
+    /// Post the job due, if any, once the change's status files and
+    /// notifications are out: this is housekeeping, they are news (woken
+    /// beside them, the recorder's `/proc` walk takes a CPU they wait for).
     fn settle(&mut self) {
         if let Some(job) = self.due.take() {
-            self.post(job);
+            let mailbox = self.mailbox.clone();
+            crate::observe::outbox::after_sent(move || post(&mailbox, job));
         }
     }
 
     fn post(&self, job: RecordJob) {
-        let (slot, ready) = &*self.mailbox;
-        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(job);
-        ready.notify_one();
+        post(&self.mailbox, job);
     }
 
     /// Recorded again at every change of phase and, while loading, of the
@@ -233,4 +230,16 @@ impl TreeRecord {
             _ => {}
         }
     }
+}
+
+/// Leave `job` in the recorder's mailbox, in place of a job not yet taken;
+/// but a stop stays: a record handed on late must not keep the recorder
+/// (and the warden's exit, which joins it) waiting.
+fn post(mailbox: &Mailbox, job: RecordJob) {
+    let (slot, ready) = &**mailbox;
+    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if *slot != Some(RecordJob::Stop) {
+        *slot = Some(job);
+    }
+    ready.notify_one();
 }

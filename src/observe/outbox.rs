@@ -5,7 +5,9 @@
 //! `READY=1` finds the files saying ready. Of each file only the newest
 //! content waits; the notes wait coalesced (see [`crate::observe::notify`]).
 //! `WATCHDOG=1` does not wait behind them: it says that the loop turns, and
-//! is sent from the loop.
+//! is sent from the loop. Housekeeping that would take a CPU from the
+//! news (the tree record, the ledger, a report's file work) is handed on
+//! by the same thread once the news is out ([`after_sent`]).
 //!
 //! Started once by the daemon ([`start`]); until then (the commands, the
 //! tests of the status files) [`replace`] writes at once.
@@ -37,8 +39,19 @@ struct Waiting {
     files: Vec<(PathBuf, Vec<u8>, u32)>,
     /// The notes posted after them, one datagram each, in order.
     notes: Vec<Vec<Note>>,
+    /// What to do once the files and notes posted before it are out.
+    after: Vec<Job>,
     /// The thread is writing or sending what it took.
     busy: bool,
+}
+
+/// Work handed on after the news: quick, and never waiting for the outbox.
+type Job = Box<dyn FnOnce() + Send>;
+
+impl Waiting {
+    fn is_empty(&self) -> bool {
+        self.files.is_empty() && self.notes.is_empty() && self.after.is_empty()
+    }
 }
 
 impl Shared {
@@ -124,6 +137,11 @@ impl Outbox {
         self.shared.posted.notify_one();
     }
 
+    fn post_after(&self, job: Job) {
+        self.shared.lock().after.push(job);
+        self.shared.posted.notify_one();
+    }
+
     /// Wake the thread for the files posted.
     fn kick(&self) {
         let waiting = !self.shared.lock().files.is_empty();
@@ -141,7 +159,7 @@ impl Outbox {
         let (_w, waited) = self
             .shared
             .done
-            .wait_timeout_while(w, limit, |w| w.busy || !w.files.is_empty() || !w.notes.is_empty())
+            .wait_timeout_while(w, limit, |w| w.busy || !w.is_empty())
             .unwrap_or_else(|p| p.into_inner());
         !waited.timed_out()
     }
@@ -153,6 +171,19 @@ impl Outbox {
 pub fn kick() {
     if let Some(o) = OUTBOX.get() {
         o.kick();
+    }
+}
+
+/// Run `job` once the files and notes posted so far are written and sent
+/// (at once without the outbox): the housekeeping that goes with a change
+/// wakes its thread only after the change's news is out, so that on a
+/// busy machine that thread does not take the CPU the news waits for.
+/// `job` runs on the writer's thread: it must be quick and must not wait
+/// for the outbox (it hands work on to a thread of its own).
+pub fn after_sent(job: impl FnOnce() + Send + 'static) {
+    match OUTBOX.get() {
+        Some(o) => o.post_after(Box::new(job)),
+        None => job(),
     }
 }
 
@@ -170,11 +201,11 @@ fn write_and_send(shared: &Shared, mut notifier: impl Notifier) {
     let mut failing: Vec<PathBuf> = Vec::new();
     loop {
         let retry = notifier.retry_at().map(tokio::time::Instant::into_std);
-        let (files, notes) = {
+        let (files, notes, after) = {
             let mut w = shared.lock();
             w.busy = false;
             loop {
-                if !w.files.is_empty() || !w.notes.is_empty() {
+                if !w.is_empty() {
                     break;
                 }
                 shared.done.notify_all();
@@ -190,7 +221,7 @@ fn write_and_send(shared: &Shared, mut notifier: impl Notifier) {
                 }
             }
             w.busy = true;
-            (std::mem::take(&mut w.files), std::mem::take(&mut w.notes))
+            (std::mem::take(&mut w.files), std::mem::take(&mut w.notes), std::mem::take(&mut w.after))
         };
         for (path, bytes, mode) in files {
             match write_file(&path, &bytes, mode) {
@@ -207,6 +238,10 @@ fn write_and_send(shared: &Shared, mut notifier: impl Notifier) {
         }
         for n in notes {
             notifier.notify(&n);
+        }
+        for job in after {
+            // A job's panic is its own: the files and notes go on.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
         }
     }
 }
@@ -276,6 +311,25 @@ mod tests {
         assert!(rx.try_recv().is_err());
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o644);
+    }
+
+    /// Work handed on after the news runs once the notes posted before it
+    /// are sent, and `settle` waits for it too.
+    #[test]
+    fn work_after_the_news_runs_once_it_is_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("status.json");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        let outbox: &'static Outbox = Box::leak(Box::new(Outbox { shared: shared.clone() }));
+        let recorder = Recorder { file: file.clone(), sent: tx.clone() };
+        std::thread::spawn(move || write_and_send(&shared, recorder));
+        outbox.post_file(&file, b"ready", 0o644);
+        Behind::new(outbox, None).notify(&[Note::Ready]);
+        outbox.post_after(Box::new(move || tx.send((Vec::new(), "after".into())).unwrap()));
+        assert!(outbox.settle(Duration::from_secs(60)));
+        assert_eq!(rx.try_recv().unwrap(), (vec![Note::Ready], "ready".to_string()));
+        assert_eq!(rx.try_recv().unwrap(), (Vec::new(), "after".to_string()));
     }
 
     /// `WATCHDOG=1` goes at once through its own notifier, whatever waits.

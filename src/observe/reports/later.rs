@@ -68,12 +68,14 @@ pub(super) const START_YIELD: Duration = Duration::from_secs(1);
 /// Since when a start is under way: see [`start_under_way`].
 pub(super) static STARTING: (Mutex<Option<Instant>>, Condvar) = (Mutex::new(None), Condvar::new());
 
-/// A start is under way (`true`: its quick pre-start steps and its spawn),
-/// or no longer (`false`: spawned, failed, cancelled, or waiting for the
-/// port, the GPUs, leftovers or the Ray cluster). Meanwhile, and for
-/// [`START_YIELD`] at the most, the file work of the reports of runs that
-/// are gone waits: it would take the CPU from the start, which nothing of
-/// the report is needed for any more.
+/// A start is under way (`true`: its quick pre-start steps, its spawn and
+/// its run until ready), or no longer (`false`: ready, failed, cancelled,
+/// or waiting for the port, the GPUs, leftovers or the Ray cluster).
+/// Meanwhile, and for [`START_YIELD`] at the most, the file work of the
+/// reports of runs that are gone waits: it would take the CPU from the
+/// start, which nothing of the report is needed for any more (even at
+/// `SCHED_IDLE`, a thread in the kernel's file code keeps its CPU until
+/// the call returns, on a kernel built without preemption).
 pub fn start_under_way(on: bool) {
     let (since, changed) = &STARTING;
     let mut since = since.lock().unwrap_or_else(|p| p.into_inner());

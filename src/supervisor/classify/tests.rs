@@ -373,3 +373,19 @@ fn the_memory_fit_errors_of_real_logs_are_read_with_their_numbers() {
         Some(Problem::OutOfMemory)
     );
 }
+
+/// A copy's search cache goes back to the set when the copy is dropped,
+/// for the next copy (the next run's follower, on whatever thread) to go
+/// on with.
+#[test]
+fn a_dropped_copy_hands_its_search_cache_on() {
+    let c = vllm();
+    let mut copy = c.clone();
+    copy.classify_ref("INFO:     Application startup complete.");
+    assert!(c.ignore.set.spare.lock().unwrap().is_none());
+    drop(copy);
+    assert!(c.ignore.set.spare.lock().unwrap().is_some());
+    let mut next = c.clone();
+    next.classify_ref("INFO:     Application startup complete.");
+    assert!(c.ignore.set.spare.lock().unwrap().is_none(), "the next copy took it");
+}
