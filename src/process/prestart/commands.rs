@@ -98,14 +98,18 @@ pub async fn run_command(
 ) -> Result<Option<String>, QueryError> {
     let shown = crate::util::redact::command(cmd);
     let Some(first) = cmd.first() else { return Ok(None) };
-    // Looked up before starting anything: on a machine without GPUs the
-    // query is missing, and a start attempt that fails costs a process.
-    let Ok(program) = which::which(first) else { return Ok(None) };
     let helper = Arc::new(Mutex::new(Helper::default()));
     // Killed however this ends: in time, late, or dropped by a cancel.
     let hold = Hold(helper.clone());
-    let (args, what) = (cmd[1..].to_vec(), shown.clone());
-    let run = tokio::task::spawn_blocking(move || run_helper(program, &args, &what, max, stderr, &helper));
+    let (first, args, what) = (first.clone(), cmd[1..].to_vec(), shown.clone());
+    let run = tokio::task::spawn_blocking(move || {
+        // Looked up before starting anything (on a machine without GPUs
+        // the query is missing, and a start attempt that fails costs a
+        // process), off the loop: a lookup stats a file in every folder
+        // of PATH, any of which may hang.
+        let Ok(program) = which::which(&first) else { return Ok(None) };
+        run_helper(program, &args, &what, max, stderr, &helper)
+    });
     match tokio::time::timeout(timeout, run).await {
         Ok(run) => {
             drop(hold);
