@@ -505,7 +505,23 @@ pub fn wait_for_file(path: &Path, done: impl Fn() -> bool) {
 
 /// [`wait_for_file`] under the deadline `budget`.
 pub fn wait_for_file_within(budget: Duration, path: &Path, done: impl Fn() -> bool) {
+    wait_for(budget, path, &done)
+}
+
+fn wait_for(budget: Duration, path: &Path, done: &dyn Fn() -> bool) {
     use notify::Watcher;
+    let start = Instant::now();
+    // A folder that is not there yet (made by the warden later): wait for
+    // it first, in its own parent. `done` is checked once the watch is on,
+    // before any wait: nothing made in between is missed.
+    let parent = path.parent().unwrap();
+    if !parent.exists() && !done() {
+        wait_for(budget, parent, &|| parent.exists() || done());
+    }
+    if done() {
+        return;
+    }
+    let budget = budget.saturating_sub(start.elapsed());
     let (tx, rx) = mpsc::channel();
     let mut watcher = notify::recommended_watcher(move |_| {
         let _ = tx.send(());
