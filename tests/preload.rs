@@ -84,7 +84,10 @@ fn the_daemon_starts_first_and_the_engine_loads_from_its_socket() {
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(std::fs::metadata(w.path("wc")).unwrap().permissions().mode() & 0o777, 0o700);
     // The ledger says which kind of start it was.
-    w.wait_for_file("state/loads.jsonl", |w| std::fs::read_to_string(w.path("state/loads.jsonl")).is_ok());
+    // The record is written off the loop, after READY=1: wait for its line.
+    w.wait_for_file("state/loads.jsonl", |w| {
+        std::fs::read_to_string(w.path("state/loads.jsonl")).is_ok_and(|l| l.ends_with('\n'))
+    });
     let ledger = std::fs::read_to_string(w.path("state/loads.jsonl")).unwrap();
     assert!(ledger.contains("\"preload\":{\"kind\":\"full\""), "{ledger}");
     assert_eq!(w.stop(), 0);
@@ -107,7 +110,7 @@ fn an_engine_crash_restarts_the_engine_alone() {
     let kind = " · engine only (weights mapped from the weight-cache daemon)";
     assert!(w.statuses().iter().any(|s| s.contains(kind)), "{:?}", w.statuses());
     w.wait_for_file("state/loads.jsonl", |w| {
-        std::fs::read_to_string(w.path("state/loads.jsonl")).is_ok_and(|l| l.lines().count() == 2)
+        std::fs::read_to_string(w.path("state/loads.jsonl")).is_ok_and(|l| l.ends_with('\n') && l.lines().count() == 2)
     });
     let ledger = std::fs::read_to_string(w.path("state/loads.jsonl")).unwrap();
     let second = ledger.lines().nth(1).unwrap();
