@@ -76,13 +76,14 @@ pub fn find(s: &Settings, fit: &BTreeMap<FitArg, String>, expect: Option<&str>) 
     if let Some(fp) = expect
         && fp != facts.fingerprint
     {
-        let was = setups::find(&s.state_dir, fp).ok().map(|r| serde_json::to_value(&r.setup).unwrap_or_default());
+        // The record, read once: what differs, and whether vLLM itself did.
+        let was = setups::find(&s.state_dir, fp).ok().map(|r| r.setup);
         let now = serde_json::to_value(&facts.setup).unwrap_or_default();
-        let what = was.map_or_else(
+        let what = was.as_ref().map_or_else(
             || "its record is gone".to_string(),
-            |w| crate::observe::ledger::setup_changes(&w, &now).join("; "),
+            |w| crate::observe::ledger::setup_changes(&serde_json::to_value(w).unwrap_or_default(), &now).join("; "),
         );
-        let venv = if facts.setup.vllm != was_vllm(s, fp) {
+        let venv = if was.is_some_and(|w| w.vllm != facts.setup.vllm) {
             " (the command's vLLM changed in place: side-by-side venvs make vLLM upgrades roll back)"
         } else {
             ""
@@ -118,10 +119,6 @@ pub async fn gpus_free(s: &Settings, fit: &BTreeMap<FitArg, String>) -> Result<(
             Ok(())
         }
     }
-}
-
-fn was_vllm(s: &Settings, fp: &str) -> Option<String> {
-    setups::find(&s.state_dir, fp).ok().and_then(|r| r.setup.vllm)
 }
 
 /// The settings of the last-known-good setup `good`, for the warden now
