@@ -16,10 +16,9 @@ chmod 755 "$payload"
 deb=$(packaging/build-deb.sh | tail -n 1)
 echo "package: $deb"
 cp "$deb" "$payload/vllm-warden.deb"
-# The same build as a later package version, to upgrade to (cargo-deb
-# removes the first from its folder).
+# The same build as a later package version, to upgrade to.
 version=$(cargo metadata --no-deps --format-version 1 | sed 's/.*"name":"vllm-warden","version":"\([^"]*\)".*/\1/')
-next=$(cargo deb --no-build --no-strip --deb-version "$version+next" 2>&1 | tail -n 1)
+next=$(packaging/build-deb.sh --no-build --deb-version "$version+next" | tail -n 1)
 echo "next package: $next"
 cp "$next" "$payload/vllm-warden-next.deb"
 rootfs=$(tests/systemd/rootfs.sh)
