@@ -86,6 +86,36 @@ fn a_foreign_listener_is_named_and_waited_for() {
     assert_eq!(w.stop(), 0);
 }
 
+/// Run in the foreground, the warden prints its status where the operator
+/// looks: the port wait while it lasts, the load, ready; each text once.
+#[test]
+fn the_foreground_shows_the_port_wait_and_the_load_as_they_happen() {
+    let port = common::free_port();
+    let listener = std::net::TcpListener::bind(("0.0.0.0", port)).unwrap();
+    let mut w = Warden::start(|d, _| {
+        config(d, port, &["--shards", "1"], "", &format!("{FAST}[prestart]\nport-wait = \"60s\"\n"))
+    });
+    let progress = |w: &Warden| -> Vec<String> {
+        w.stderr().lines().filter(|l| l.contains("EVENT=\"progress\"")).map(str::to_string).collect()
+    };
+    let stderr = w.path("warden.stderr");
+    wait_for_file(&stderr, || {
+        progress(&w).iter().any(|l| l.contains(&format!("waiting up to 1m: port {port} is held")))
+    });
+    drop(listener);
+    w.wait_ready();
+    let ready = w.statuses().last().unwrap().to_string();
+    wait_for_file(&stderr, || progress(&w).iter().any(|l| l.contains(&ready)));
+    let lines = progress(&w);
+    assert!(lines.iter().any(|l| l.contains(" loading ") || l.contains("starting")), "{lines:#?}");
+    let mut seen = std::collections::HashSet::new();
+    for l in &lines {
+        let text = l.split(" INFO ").nth(1).unwrap_or(l);
+        assert!(seen.insert(text.to_string()), "printed twice: {text}");
+    }
+    assert_eq!(w.stop(), 0);
+}
+
 #[test]
 fn a_port_held_too_long_fails_the_start_naming_the_holder() {
     let port = common::free_port();

@@ -558,7 +558,14 @@ fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<P
             tracing::error!(error = %e, "cannot unblock signals");
             return Code::Internal;
         }
-        crate::daemon::run(settings, SdNotifier::from_env(), notify::watchdog_interval(), requests, handover).await
+        // In the foreground the status is printed too: nobody reads
+        // `STATUS=` there (under systemd, `systemctl status` shows it).
+        let notifier: Box<dyn notify::Notifier> = if crate::util::logging::to_journal() {
+            Box::new(SdNotifier::from_env())
+        } else {
+            Box::new(notify::Foreground::new(SdNotifier::from_env()))
+        };
+        crate::daemon::run(settings, notifier, notify::watchdog_interval(), requests, handover).await
     });
     // A blocking read of a stuck file or command must not hold the exit.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));

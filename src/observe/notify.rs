@@ -232,6 +232,68 @@ impl Notifier for SdNotifier {
     }
 }
 
+/// How often a status of the same kind is printed again in the foreground.
+pub const FOREGROUND_EVERY: Duration = Duration::from_secs(10);
+
+/// The warden run in the foreground (a terminal, a container's log): every
+/// status also goes to the warden's own log, where the operator is looking,
+/// since nobody reads `STATUS=` there. Throttled: a status of another kind
+/// (a new phase, a wait for the port or the GPUs, ready) at once, the same
+/// kind with new figures at most every [`FOREGROUND_EVERY`]; the same text
+/// never twice. Everything else goes to `inner` unchanged.
+#[derive(Debug)]
+pub struct Foreground<N> {
+    inner: N,
+    /// The text last printed, and when.
+    shown: Option<(String, std::time::Instant)>,
+}
+
+impl<N: Notifier> Foreground<N> {
+    pub fn new(inner: N) -> Foreground<N> {
+        Foreground { inner, shown: None }
+    }
+}
+
+/// A status's kind: its words without the figures (`loading 3/7 compile ·
+/// 2m10s of ~4m50s` → `loading compile · of`).
+fn kind(text: &str) -> impl Iterator<Item = &str> {
+    text.split_whitespace().filter(|w| !w.bytes().any(|b| b.is_ascii_digit()))
+}
+
+/// Whether `text` is printed at `now`, after `shown`.
+pub fn foreground_due(shown: Option<&(String, std::time::Instant)>, text: &str, now: std::time::Instant) -> bool {
+    match shown {
+        None => true,
+        Some((last, _)) if last == text => false,
+        Some((last, at)) => !kind(last).eq(kind(text)) || now.saturating_duration_since(*at) >= FOREGROUND_EVERY,
+    }
+}
+
+impl<N: Notifier> Notifier for Foreground<N> {
+    fn notify(&mut self, notes: &[Note]) {
+        for n in notes {
+            if let Note::Status(s) = n {
+                let shown = crate::util::escape::one_line(&crate::util::redact::text(s), crate::util::escape::MAX_LINE);
+                let now = std::time::Instant::now();
+                if foreground_due(self.shown.as_ref(), &shown, now) {
+                    tracing::info!(EVENT = "progress", "{shown}");
+                    self.shown = Some((shown, now));
+                }
+            }
+        }
+        self.inner.notify(notes);
+    }
+    fn retry_at(&self) -> Option<tokio::time::Instant> {
+        self.inner.retry_at()
+    }
+    fn retry(&mut self) {
+        self.inner.retry()
+    }
+    fn watchdog(&self) -> Option<Box<dyn Notifier>> {
+        self.inner.watchdog()
+    }
+}
+
 /// The watchdog period asked for by systemd (`WATCHDOG_USEC`, for this pid
 /// when `WATCHDOG_PID` is set), halved as systemd recommends.
 pub fn watchdog_interval() -> Option<Duration> {
@@ -287,6 +349,25 @@ mod tests {
         assert_eq!(std::str::from_utf8(&buf[..got]).unwrap(), "READY=1\nSTATUS=loading 11\n");
         assert!(receiver.recv(&mut buf).is_err(), "one datagram, no backlog");
         assert_eq!(n.retry_at(), None);
+    }
+
+    /// A phase change or a wait is printed at once; new figures of the same
+    /// kind at most every ten seconds; the same text never twice.
+    #[test]
+    fn the_foreground_sees_each_kind_of_status_at_once_and_figures_every_ten_seconds() {
+        let t0 = std::time::Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let shown = |text: &str, s: u64| Some((text.to_string(), at(s)));
+        assert!(foreground_due(None, "starting: pid 7", at(0)));
+        let load = "loading 2/7 weights · 40s of ~4m50s";
+        assert!(!foreground_due(shown(load, 0).as_ref(), load, at(60)), "the same text again");
+        let later = "loading 2/7 weights · 45s of ~4m50s";
+        assert!(!foreground_due(shown(load, 0).as_ref(), later, at(5)), "new figures within ten seconds");
+        assert!(foreground_due(shown(load, 0).as_ref(), later, at(10)), "new figures after ten seconds");
+        let next = "loading 3/7 compile · 46s of ~4m50s";
+        assert!(foreground_due(shown(load, 0).as_ref(), next, at(1)), "a new phase at once");
+        let port = "waiting for port 8000, held by pid 4242 (python3)";
+        assert!(foreground_due(shown(load, 0).as_ref(), port, at(1)), "a wait at once");
     }
 
     #[test]

@@ -60,7 +60,9 @@ fn install(format: Format) {
     if std::env::var_os("JOURNAL_STREAM").is_some() {
         match Journal::connect(JOURNALD_SOCKET, "vllm-warden") {
             Ok(layer) => {
-                let _ = tracing_subscriber::registry().with(filter).with(layer).try_init();
+                if tracing_subscriber::registry().with(filter).with(layer).try_init().is_ok() {
+                    TO_JOURNAL.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 return;
             }
             Err(e) => eprintln!("vllm-warden: journal unavailable ({e}); logging to stderr"),
@@ -71,6 +73,14 @@ fn install(format: Format) {
         tracing_subscriber::fmt::layer().with_writer(Queued::start(Sink::Stderr)).with_target(false).with_ansi(ansi);
     let _ = tracing_subscriber::registry().with(filter).with(fmt).try_init();
 }
+
+/// Whether the warden's own events go to the journal (else to stderr,
+/// where whoever started it reads them).
+pub fn to_journal() -> bool {
+    TO_JOURNAL.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static TO_JOURNAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Wait until every event logged so far is written, at most `limit`:
 /// before the process ends or execs.
