@@ -57,7 +57,10 @@ fn reload_with_a_broken_config_keeps_the_child_and_a_valid_one_restarts_it() {
     std::fs::write(w.path("t.toml"), good.replace("[child]", "[child]\nstop-timeout = \"soon\"")).unwrap();
     w.signal(Signal::SIGHUP);
     let refused = w.wait_note("refused", |n| n.starts_with("STATUS=reload refused"));
-    assert!(refused.contains("1 problem(s)") && refused.contains("`stop-timeout`: invalid duration"), "{refused}");
+    assert!(
+        refused.contains("1 problem in the new one") && refused.contains("`stop-timeout`: invalid duration"),
+        "{refused}"
+    );
     assert_eq!(child_pid(&w), first, "the child is untouched");
     assert!(std::path::Path::new(&format!("/proc/{first}")).exists());
     // Every problem is logged (the log is written off the loop: it may

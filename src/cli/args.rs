@@ -176,6 +176,12 @@ pub enum Cmd {
     Undrain(ConfigArg),
     /// Drain, then start the model server again.
     Restart(ConfigArg),
+    /// Read the config again and apply it, and say what became of it:
+    /// exit 0 applied (in place, restarting the model server, or nothing
+    /// changed), 78 refused (every problem is printed; the previous config
+    /// keeps running), 4 not running, 77 permission denied. The unit's
+    /// `ExecReload=`, so that `systemctl reload` fails on a bad config.
+    Reload(ConfigArg),
     /// Replace the running warden by the binary now at its path, keeping
     /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running, 77
     /// not allowed to signal it.

@@ -36,6 +36,7 @@ pub fn main() -> Code {
         Cmd::Status(a) => status(&a),
         Cmd::Drain(c) => control(&c.config, "/drain"),
         Cmd::Undrain(c) => control(&c.config, "/undrain"),
+        Cmd::Reload(c) => control(&c.config, "/reload"),
         Cmd::Restart(c) => control(&c.config, "/restart"),
         Cmd::Reports(a) => reports(&a),
         Cmd::Loads(a) => loads_cmd(&a),
@@ -150,15 +151,33 @@ fn status(a: &StatusArgs) -> Code {
 /// How long a local command waits for the warden's answer.
 const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// One request over the control socket.
+/// One request over the control socket. A reload is answered once the
+/// config was read and checked: it may take longer.
 fn ask(socket: &Path, method: &str, path: &str) -> Result<(u16, String), crate::daemon::server::client::ClientError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|source| {
         crate::daemon::server::client::ClientError::Connect { path: socket.display().to_string(), source }
     })?;
-    rt.block_on(crate::daemon::server::client::call_within(socket, method, path, ANSWER_TIMEOUT))
+    let within = if path == "/reload" { crate::daemon::server::RELOAD_WAIT + ANSWER_TIMEOUT } else { ANSWER_TIMEOUT };
+    rt.block_on(crate::daemon::server::client::call_within(socket, method, path, within))
 }
 
-/// `drain`, `undrain`, `restart`: a POST over the control socket.
+/// The verdict of `POST /reload` as the operator reads it: one line, and
+/// each problem of a refused config on a line of its own.
+fn reload_verdict(body: &str) -> String {
+    match serde_json::from_str::<crate::observe::status::LastReload>(body) {
+        Ok(r) => {
+            let mut out = format!("reload {}: {}", r.outcome.as_str(), r.summary);
+            for p in &r.problems {
+                out.push_str("\n  ");
+                out.push_str(p);
+            }
+            out
+        }
+        Err(_) => crate::util::escape::one_line(body.trim_end(), crate::util::escape::MAX_LINE),
+    }
+}
+
+/// `drain`, `undrain`, `restart`, `reload`: a POST over the control socket.
 fn control(config: &Path, path: &str) -> Code {
     let s = match load(config) {
         Ok(s) => s,
@@ -166,7 +185,11 @@ fn control(config: &Path, path: &str) -> Code {
     };
     match ask(&s.server.socket, "POST", path) {
         Ok((code, body)) => {
-            let body = crate::util::escape::one_line(body.trim_end(), crate::util::escape::MAX_LINE);
+            let body = if path == "/reload" {
+                reload_verdict(&body)
+            } else {
+                crate::util::escape::one_line(body.trim_end(), crate::util::escape::MAX_LINE)
+            };
             match code {
                 200..=299 => {
                     println!("{}: {body}", s.name);
@@ -175,6 +198,10 @@ fn control(config: &Path, path: &str) -> Code {
                 409 => {
                     eprintln!("{}: {body}", s.name);
                     Code::NotReady
+                }
+                422 => {
+                    eprintln!("{}: {body}", s.name);
+                    Code::Config
                 }
                 _ => {
                     eprintln!("vllm-warden: {}: unexpected answer {code}: {body}", s.server.socket.display());

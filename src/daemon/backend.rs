@@ -194,6 +194,7 @@ pub struct Handover {
 
 impl RealBackend {
     /// Needs a tokio runtime; makes this process a subreaper.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         settings: Settings,
         classifier: Classifier,

@@ -21,6 +21,7 @@ use crate::config::Settings;
 use crate::daemon::reload::ReloadPlan;
 use crate::observe::logwatch::Delivery;
 use crate::observe::notify::Notifier;
+use crate::observe::status::{LastReload, ReloadOutcome};
 use crate::process::child::TreeEvent;
 use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
@@ -230,6 +231,8 @@ pub trait Observer {
     fn changed(&mut self, machine: &Machine);
     /// A reloaded config (the status files may have moved).
     fn reconfigure(&mut self, _settings: &Settings) {}
+    /// A reload ended: applied, restarting the child, unchanged or refused.
+    fn reloaded(&mut self, _reload: crate::observe::status::LastReload) {}
     /// When [`Observer::flush`] is due: what `changed` put off (writes
     /// coalesced to a few a second).
     fn due(&self) -> Option<std::time::Instant> {
@@ -650,6 +653,12 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                         let policy = Box::new(Policy::from_settings(&settings));
                         self.observer.reconfigure(&settings);
                         let plan = self.backend.reconfigure(settings, c);
+                        let outcome = match plan {
+                            ReloadPlan::Restart { .. } => ReloadOutcome::Restarting,
+                            ReloadPlan::InPlace(_) => ReloadOutcome::Applied,
+                            ReloadPlan::Nothing => ReloadOutcome::Unchanged,
+                        };
+                        self.observer.reloaded(LastReload::now(outcome, &plan.to_string(), &[]));
                         events.push_back(match plan {
                             ReloadPlan::Restart { .. } => Event::Reload { policy, summary: plan.to_string() },
                             ReloadPlan::InPlace(_) | ReloadPlan::Nothing => {
@@ -687,10 +696,13 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "reload", "{p}");
         }
         let first = problems.first().map(String::as_str).unwrap_or_default();
-        self.notifier.notify(&[Note::Status(format!(
-            "reload refused, still running the previous config: {} problem(s) in the new one; first: {first}",
-            problems.len()
-        ))]);
+        let n = problems.len();
+        let summary = format!(
+            "still running the previous config: {n} problem{} in the new one; first: {first}",
+            if n == 1 { "" } else { "s" }
+        );
+        self.observer.reloaded(LastReload::now(ReloadOutcome::Refused, &summary, problems));
+        self.notifier.notify(&[Note::Status(format!("reload refused, {summary}"))]);
     }
 }
 

@@ -81,6 +81,17 @@ impl crate::daemon::driver::Observer for StateObserver {
         self.status.set_cache_dir(s.child.cache_dir.as_deref());
     }
 
+    fn reloaded(&mut self, reload: crate::observe::status::LastReload) {
+        let shown = Arc::new(reload.clone());
+        self.status.set_last_reload(reload);
+        self.status.flush();
+        self.view.send_modify(|v| {
+            v.reloads += 1;
+            v.last_reload = Some(shown);
+        });
+        self.publish(None);
+    }
+
     fn settled(&mut self) {
         // The status files of a change that notified nothing.
         crate::observe::outbox::kick();

@@ -2,7 +2,7 @@
 //! local commands: always on the unix socket `server.socket` (mode 0660),
 //! and on TCP at `server.listen` when set. It reads what the loop publishes
 //! (a [`View`], the metrics registry, the loop's heartbeat, the last health
-//! check) and hands requests (drain, undrain, restart) to the loop as
+//! check) and hands requests (drain, undrain, restart, reload) to the loop as
 //! [`Request`]s; it never waits on the loop for more than an answer's
 //! bounded wait, and the loop never waits on it. How the state changes is
 //! not known here.
@@ -15,6 +15,7 @@
 //! | `GET /status` | the status document |
 //! | `GET /metrics` | the metrics, Prometheus text format |
 //! | `POST /drain`, `/undrain`, `/restart` | 202 once the loop took it; 409 in a phase it does not apply to; 403 over TCP without the bearer token |
+//! | `POST /reload` | the config read again: 200 applied (in place, restarting the child, or unchanged), 422 refused with every problem, as JSON; 403 as above |
 //!
 //! Each listener is served here, not by `axum::serve`: at most
 //! [`MAX_CONNECTIONS`] at once (fewer under a low descriptor limit), each
@@ -53,11 +54,15 @@ pub struct View {
     pub cause: Option<String>,
     /// The status document as last made.
     pub document: Option<Arc<str>>,
+    /// The reloads that ended, and the last one: `POST /reload` answers
+    /// once the count passes what it was when asked.
+    pub reloads: u64,
+    pub last_reload: Option<Arc<crate::observe::status::LastReload>>,
 }
 
 impl Default for View {
     fn default() -> Self {
-        View { phase: Phase::Starting, cause: None, document: None }
+        View { phase: Phase::Starting, cause: None, document: None, reloads: 0, last_reload: None }
     }
 }
 
@@ -462,6 +467,7 @@ fn router(api: Api) -> Router {
         .route("/drain", post(|s, h| change(s, h, Request::Drain)))
         .route("/undrain", post(|s, h| change(s, h, Request::Undrain)))
         .route("/restart", post(|s, h| change(s, h, Request::Restart)))
+        .route("/reload", post(reload))
         .with_state(api)
 }
 
@@ -571,13 +577,21 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The answer to a change this listener does not allow, if it does not.
+fn forbidden(access: &Access, headers: &HeaderMap) -> Option<Response> {
+    if allowed(access, headers) {
+        return None;
+    }
+    let why = match access {
+        Access::Token(None) => "changes are refused over TCP: no server.token-file is set\n",
+        _ => "a valid Authorization: Bearer token is needed\n",
+    };
+    Some(text(StatusCode::FORBIDDEN, why.into()))
+}
+
 async fn change(State(api): State<Api>, headers: HeaderMap, r: Request) -> Response {
-    if !allowed(&api.access, &headers) {
-        let why = match api.access {
-            Access::Token(None) => "changes are refused over TCP: no server.token-file is set\n",
-            _ => "a valid Authorization: Bearer token is needed\n",
-        };
-        return text(StatusCode::FORBIDDEN, why.into());
+    if let Some(refused) = forbidden(&api.access, &headers) {
+        return refused;
     }
     let mut view = api.shared.view.clone();
     let before = view.borrow_and_update().phase;
@@ -602,6 +616,45 @@ async fn change(State(api): State<Api>, headers: HeaderMap, r: Request) -> Respo
     match shown {
         Some(now) => text(StatusCode::ACCEPTED, format!("{now}\n")),
         None => text(StatusCode::ACCEPTED, format!("{}: asked; not yet shown\n", api.shared.view.borrow().phase)),
+    }
+}
+
+/// How long `POST /reload` waits for the verdict: the config is read and
+/// checked off the loop (paths, the program, the model folder).
+pub const RELOAD_WAIT: Duration = Duration::from_secs(30);
+
+/// `POST /reload`: read the config again and answer what became of it, as
+/// JSON (the status document's `last_reload`): 200 when it applied (in
+/// place, restarting the child, or nothing changed), 422 when it was
+/// refused, with every problem.
+async fn reload(State(api): State<Api>, headers: HeaderMap) -> Response {
+    if let Some(refused) = forbidden(&api.access, &headers) {
+        return refused;
+    }
+    let mut view = api.shared.view.clone();
+    let before = view.borrow_and_update().reloads;
+    if api.shared.requests.send(Request::Reload).is_err() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "the warden is exiting\n".into());
+    }
+    let done = tokio::time::timeout(RELOAD_WAIT, view.wait_for(|v| v.reloads > before))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .and_then(|v| v.last_reload.clone());
+    match done {
+        Some(r) => {
+            let code = if r.outcome == crate::observe::status::ReloadOutcome::Refused {
+                StatusCode::UNPROCESSABLE_ENTITY
+            } else {
+                StatusCode::OK
+            };
+            let body = serde_json::to_string(&*r).unwrap_or_default();
+            (code, [(header::CONTENT_TYPE, "application/json")], format!("{body}\n")).into_response()
+        }
+        None => text(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!("asked; no verdict within {}s (see the journal)\n", RELOAD_WAIT.as_secs()),
+        ),
     }
 }
 

@@ -90,6 +90,60 @@ pub struct Doc {
     /// failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollback: Option<crate::supervisor::snapshot::RolledBack>,
+    /// The last reload asked of this warden (`systemctl reload`,
+    /// `vllm-warden reload`, SIGHUP): when, what became of it, and every
+    /// problem of a refused config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reload: Option<LastReload>,
+}
+
+/// What became of a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReloadOutcome {
+    /// Only the warden's own settings changed: applied to the running child.
+    Applied,
+    /// The child sees a change: it is started again.
+    Restarting,
+    /// Nothing the warden runs with changed.
+    Unchanged,
+    /// The new config is invalid: the warden keeps running the previous one.
+    Refused,
+}
+
+impl ReloadOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadOutcome::Applied => "applied",
+            ReloadOutcome::Restarting => "restarting",
+            ReloadOutcome::Unchanged => "unchanged",
+            ReloadOutcome::Refused => "refused",
+        }
+    }
+}
+
+/// The last reload, as the status document and `POST /reload` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastReload {
+    pub at: String,
+    pub outcome: ReloadOutcome,
+    /// What changed (or "nothing changed"), or why the config was refused.
+    pub summary: String,
+    /// Every problem of a refused config, each with its file:line:col.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
+}
+
+impl LastReload {
+    /// A reload that ended now, its texts made safe to show.
+    pub fn now(outcome: ReloadOutcome, summary: &str, problems: &[String]) -> LastReload {
+        LastReload {
+            at: rfc3339(SystemTime::now()),
+            outcome,
+            summary: safe(summary),
+            problems: problems.iter().map(|p| safe(p)).collect(),
+        }
+    }
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -211,6 +265,8 @@ pub struct Reporter {
     meter: crate::process::caches::Meter,
     /// The weight-cache daemon, as last told.
     preload: Option<crate::supervisor::preload::DaemonView>,
+    /// The last reload, as last told.
+    last_reload: Option<LastReload>,
 }
 
 impl Reporter {
@@ -236,6 +292,7 @@ impl Reporter {
             journal_dropped: 0,
             cache_dir: None,
             preload: None,
+            last_reload: None,
             meter: crate::process::caches::Meter::default(),
         }
     }
@@ -319,6 +376,15 @@ impl Reporter {
             self.preload = view;
             self.pending = true;
         }
+    }
+
+    /// A reload ended: in the document and the metrics with the next write,
+    /// which is due at once.
+    pub fn set_last_reload(&mut self, r: LastReload) {
+        self.metrics.reloaded(r.outcome != ReloadOutcome::Refused, SystemTime::now());
+        self.last_reload = Some(r);
+        self.pending = true;
+        self.written_at = None;
     }
 
     pub fn set_journal_dropped(&mut self, n: u64) {
@@ -461,6 +527,7 @@ impl Reporter {
                 good: safe(&r.good),
                 good_at: safe(&r.good_at),
             }),
+            last_reload: self.last_reload.clone(),
             preload: self.preload.as_ref().map(|v| crate::supervisor::preload::DaemonView {
                 state: v.state.clone(),
                 progress: v.progress.as_deref().map(safe),
@@ -511,6 +578,10 @@ pub struct Metrics {
     loads_seen: std::sync::atomic::AtomicU32,
     golden: Family<Vec<(String, String)>, Counter>,
     golden_seen: std::sync::atomic::AtomicU32,
+    /// 0 after a refused reload; 1 at start and after one that applied.
+    reload_ok: Gauge,
+    /// When the config in force was last read successfully.
+    reload_ok_at: Gauge<f64, AtomicU64>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -543,6 +614,8 @@ impl Metrics {
             loads_seen: Default::default(),
             golden: Family::default(),
             golden_seen: Default::default(),
+            reload_ok: Gauge::default(),
+            reload_ok_at: Gauge::default(),
         };
         for v in crate::supervisor::golden::Verdict::NAMES {
             let _ = m.golden.get_or_create(&vec![("verdict".into(), v.into())]);
@@ -608,7 +681,18 @@ impl Metrics {
             "Golden checks by verdict: same, recorded, changed (an alarm), failed (no answer)",
             m.golden.clone(),
         );
+        registry.register(
+            "config_last_reload_successful",
+            "0 when the last reload was refused (the previous config still runs); 1 at start and after a reload that applied",
+            m.reload_ok.clone(),
+        );
+        registry.register(
+            "config_last_reload_success_timestamp_seconds",
+            "When the config in force was read successfully (the start, or the last reload that applied), in seconds since the epoch",
+            m.reload_ok_at.clone(),
+        );
         m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
+        m.reloaded(true, started);
         Metrics { registry, ..m }
     }
 
@@ -651,6 +735,14 @@ impl Metrics {
             if let Some(g) = r.gbps {
                 self.last_gbps.get_or_create(&vec![]).set(g);
             }
+        }
+    }
+
+    /// A reload ended at `at`: applied (`ok`) or refused.
+    pub fn reloaded(&self, ok: bool, at: SystemTime) {
+        self.reload_ok.set(i64::from(ok));
+        if ok {
+            self.reload_ok_at.set(at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
         }
     }
 
@@ -778,6 +870,12 @@ pub fn summary(v: &StatusVerdict) -> String {
         .collect();
     if !fitted.is_empty() {
         let _ = write!(out, "\nmemory fit: {}", fitted.join(", "));
+    }
+    if let Some(r) = &doc.last_reload {
+        let _ = write!(out, "\nlast reload: {} at {}: {}", r.outcome.as_str(), safe(&r.at), safe(&r.summary));
+        for p in &r.problems {
+            let _ = write!(out, "\n  {}", safe(p));
+        }
     }
     if let Some(r) = &doc.rollback {
         let _ = write!(

@@ -79,8 +79,22 @@ systemctl is-active --quiet vllm-warden@slow || journalctl -u vllm-warden@slow -
 check "… and took longer than the timeout" test $((SECONDS - start)) -ge 4
 systemctl stop vllm-warden@slow
 
-# Reload applies a changed config.
+# A broken config fails `systemctl reload` (ExecReload= waits for the
+# warden's verdict); the model keeps serving; the journal holds why.
 old=$(child_pid demo)
+cp /etc/vllm-warden/demo.toml /tmp/demo.toml.good
+sed -i 's/^\[child\]$/[child]\nstop-timeout = "soon"/' /etc/vllm-warden/demo.toml
+reload_fails() { ! systemctl reload vllm-warden@demo 2>/dev/null; }
+same_child_serving() { systemctl is-active --quiet vllm-warden@demo && test "$(child_pid demo)" = "$1"; }
+journal_names_line() { journalctl -u vllm-warden@demo --no-pager | grep -q 'demo.toml:[0-9]*:[0-9]*: .*stop-timeout'; }
+reload_refused_in_status() { grep -q '"outcome": "refused"' /run/vllm-warden/demo/status.json; }
+check "systemctl reload fails on a broken config" reload_fails
+check "… the unit is still active, the same child serving" same_child_serving "$old"
+check "… the journal says which line" journal_names_line
+check "… and the status document says refused" reload_refused_in_status
+cp /tmp/demo.toml.good /etc/vllm-warden/demo.toml
+
+# Reload applies a changed config.
 sed -i 's/MARKER = "1"/MARKER = "2"/' /etc/vllm-warden/demo.toml
 check "systemctl reload is accepted" systemctl reload vllm-warden@demo
 check "the child is started again after the reload" wait_for 60 ready_with_new_child demo "$old"
