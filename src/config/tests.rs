@@ -578,3 +578,15 @@ fn a_server_on_ray_waits_for_the_cluster_it_names() {
     let p = parse_str(&format!("{base}ray-address = \"head\"\n")).unwrap_err();
     assert!(p.to_string().contains("must be HOST:PORT"), "{p}");
 }
+
+#[test]
+fn a_near_miss_of_a_known_key_is_named() {
+    let p = parse_str("[child]\ncommand = [\"a\"]\nstop-timout = \"3s\"\n[health]\nfoo = 1\n").unwrap_err().0;
+    assert_eq!(p.len(), 2, "{p:#?}");
+    assert!(
+        p[0].message.starts_with("unknown key `stop-timout` in [child]: did you mean `stop-timeout`? (known: command,"),
+        "{}",
+        p[0].message
+    );
+    assert!(p[1].message.starts_with("unknown key `foo` in [health] (known: "), "nothing near: {}", p[1].message);
+}
