@@ -8,7 +8,6 @@ use crate::cli::args::Cli;
 
 /// Write `man/` and `completions/` into `dir`.
 pub fn write(dir: &Path) -> std::io::Result<()> {
-    use clap::CommandFactory;
     let man = dir.join("man");
     let comp = dir.join("completions");
     std::fs::create_dir_all(&man)?;
@@ -24,12 +23,37 @@ pub fn write(dir: &Path) -> std::io::Result<()> {
         (clap_complete::Shell::Zsh, "_vllm-warden"),
         (clap_complete::Shell::Fish, "vllm-warden.fish"),
     ] {
-        let mut out = Vec::new();
-        clap_complete::generate(shell, &mut Cli::command(), "vllm-warden", &mut out);
-        std::fs::write(comp.join(file), out)?;
+        std::fs::write(comp.join(file), completion(shell))?;
     }
     Ok(())
 }
+
+/// The completion script of `shell`.
+pub fn completion(shell: clap_complete::Shell) -> Vec<u8> {
+    use clap::CommandFactory;
+    let mut out = Vec::new();
+    if shell != clap_complete::Shell::Bash {
+        clap_complete::generate(shell, &mut Cli::command(), "vllm-warden", &mut out);
+        return out;
+    }
+    // clap_complete's bash script spells the states of a hyphenated name
+    // two ways, so nothing past the first word completes (clap#6421): it
+    // is made for a name without a hyphen, then bound to the real one.
+    clap_complete::generate(shell, &mut Cli::command(), BASH_NAME, &mut out);
+    let text = String::from_utf8_lossy(&out);
+    let mut fixed = String::with_capacity(text.len());
+    for line in text.lines() {
+        match line.strip_suffix(&format!(" {BASH_NAME}")).filter(|l| l.trim_start().starts_with("complete ")) {
+            Some(head) => fixed.push_str(&format!("{head} vllm-warden")),
+            None => fixed.push_str(line),
+        }
+        fixed.push('\n');
+    }
+    fixed.into_bytes()
+}
+
+/// The name the bash script is made for: its function is `_vllm_warden`.
+const BASH_NAME: &str = "vllm_warden";
 
 /// Markdown as the man page converter renders well: table rows become
 /// list items (the header row a sentence), code spans plain text.

@@ -590,3 +590,26 @@ fn a_near_miss_of_a_known_key_is_named() {
     );
     assert!(p[1].message.starts_with("unknown key `foo` in [health] (known: "), "nothing near: {}", p[1].message);
 }
+
+#[test]
+fn a_broken_config_still_gives_its_name_and_folders() {
+    let dir = tempfile::tempdir().unwrap();
+    let dirs = Dirs { runtime: Some("/run/x".into()), ..Dirs::default() };
+    // Not there: the stem, every default.
+    let (s, p) = load_lenient(&dir.path().join("kimi.toml"), &Dirs::default());
+    assert_eq!((s.name.as_str(), p.len()), ("kimi", 1), "{p:?}");
+    assert!(p[0].message.starts_with("cannot read config: "), "{p:?}");
+    assert_eq!(s.state_dir, PathBuf::from(defaults::STATE_DIR).join("kimi"));
+    // Not TOML: its name, as far as it reads; the systemd folders.
+    let cfg = dir.path().join("k.toml");
+    std::fs::write(&cfg, "name = \"k2\"\n[child\ncommand = [\"a\"]\n").unwrap();
+    let (s, p) = load_lenient(&cfg, &dirs);
+    assert_eq!(s.name, "k2");
+    assert_eq!(s.server.socket, PathBuf::from("/run/x/control.sock"));
+    assert!(!p.is_empty());
+    // An invalid value: what reads is kept.
+    std::fs::write(&cfg, "[child]\ncommand = [\"a\"]\nstop-timeout = \"soon\"\n[server]\nsocket = \"/s.sock\"\n")
+        .unwrap();
+    let (s, p) = load_lenient(&cfg, &dirs);
+    assert_eq!((s.name.as_str(), s.server.socket.to_str().unwrap(), p.len()), ("k", "/s.sock", 1), "{p:?}");
+}
