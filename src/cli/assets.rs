@@ -56,10 +56,12 @@ pub fn completion(shell: clap_complete::Shell) -> Vec<u8> {
 const BASH_NAME: &str = "vllm_warden";
 
 /// Markdown as the man page converter renders well: table rows become
-/// list items (the header row a sentence), code spans plain text.
+/// list items (the header row a sentence), code spans plain text. A row
+/// of a `key | default | meaning` table reads `key (default: …): meaning`;
+/// of another table of three, `first: second (third)`.
 fn for_man(md: &str) -> String {
     let mut out = String::new();
-    let mut header = true;
+    let mut header: Option<Vec<String>> = None;
     for line in md.lines() {
         let t = line.trim();
         if t.starts_with('|') {
@@ -67,20 +69,35 @@ fn for_man(md: &str) -> String {
             if cells.iter().all(|c| c.chars().all(|ch| ch == '-' || ch == ':')) {
                 continue;
             }
-            if header {
-                header = false;
+            let Some(head) = &header else {
+                header = Some(cells.iter().map(|c| c.to_string()).collect());
                 continue;
-            }
+            };
+            let defaults = head.get(1).is_some_and(|h| h == "default");
             match cells.as_slice() {
-                [key, default, meaning] => out.push_str(&format!("- **{key}** (default: {default}): {meaning}\n")),
+                [key, default, meaning] if defaults => {
+                    out.push_str(&format!("- **{key}** (default: {default}): {meaning}\n"))
+                }
+                [a, b, c] => out.push_str(&format!("- **{a}**: {b} ({c})\n")),
                 [a, rest @ ..] => out.push_str(&format!("- **{a}**: {}\n", rest.join("; "))),
                 [] => {}
             }
         } else {
-            header = true;
+            header = None;
             out.push_str(line);
             out.push('\n');
         }
     }
     out.replace('`', "")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tables_become_lists_that_read_well() {
+        let md = "| key | default | meaning |\n|---|---|---|\n| `a` | 1 | the a |\n\n| code | meaning | commands |\n|---|---|---|\n| 77 | denied | `status`, `drain` |\n";
+        let man = super::for_man(md);
+        assert!(man.contains("- **a** (default: 1): the a\n"), "{man}");
+        assert!(man.contains("- **77**: denied (status, drain)\n"), "{man}");
+    }
 }
