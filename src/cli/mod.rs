@@ -834,3 +834,28 @@ fn signal_requests() -> std::io::Result<impl Stream<Item = Request>> {
     let stop = on(SignalKind::terminate(), Request::Stop)?.merge(on(SignalKind::interrupt(), Request::Stop)?);
     Ok(stop.merge(on(SignalKind::hangup(), Request::Reload)?).merge(on(SignalKind::user_defined2(), Request::Upgrade)?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asked(args: &[&str]) -> Colour {
+        colour_asked(args.iter().map(std::ffi::OsString::from))
+    }
+
+    #[test]
+    fn the_colour_is_read_ahead_of_clap_wherever_it_is() {
+        assert_eq!(asked(&["status"]), Colour::Auto);
+        assert_eq!(asked(&["status", "--color", "never"]), Colour::Never);
+        assert_eq!(asked(&["--color=always", "loads", "show", "3"]), Colour::Always);
+        assert_eq!(asked(&["--color=never", "status", "--color=always"]), Colour::Always, "the last one");
+        assert_eq!(asked(&["status", "--", "--color=never"]), Colour::Auto, "not after --");
+        assert_eq!(asked(&["status", "--color=blue"]), Colour::Auto, "clap says what is wrong with it");
+    }
+
+    #[test]
+    fn counts_read_as_words() {
+        assert_eq!(count(1, "problem"), "1 problem");
+        assert_eq!(count(3, "problem"), "3 problems");
+    }
+}
