@@ -1,6 +1,15 @@
-//! The commands as an operator types them: `check` and `demo`.
+//! The commands as an operator types them: `check`, `demo`, instances by
+//! name and the host's list, control with a broken config, a closed pipe,
+//! the shell completion, permissions.
 
+mod common;
+#[path = "support/nobody.rs"]
+mod nobody;
+
+use std::path::Path;
 use std::process::Command;
+
+use common::{Warden, config};
 
 fn warden(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_vllm-warden")).args(args).env_remove("JOURNAL_STREAM").output().unwrap();
@@ -12,13 +21,20 @@ fn warden(args: &[&str]) -> (i32, String, String) {
 }
 
 #[test]
-fn check_accepts_a_valid_config_and_prints_the_effective_patterns() {
+fn check_says_its_verdict_first_then_where_things_live_and_the_patterns_when_asked() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("kimi.toml");
     std::fs::write(&cfg, "[child]\ncommand = [\"/bin/true\"]\n[fatal]\nmatch = [\"illegal memory access\"]\n").unwrap();
     let (code, out, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("config of instance \"kimi\" is valid"), "{out}");
+    let mut lines = out.lines();
+    assert_eq!(lines.next().unwrap(), format!("{}: config of instance \"kimi\" is valid", cfg.display()), "{out}");
+    assert_eq!(lines.next().unwrap(), "state: /var/lib/vllm-warden/kimi", "{out}");
+    assert!(out.contains("\nlog: /var/log/vllm-warden/kimi.log\n"), "{out}");
+    assert!(out.contains("\ncontrol socket: /run/vllm-warden/kimi/control.sock\n"), "{out}");
+    assert!(!out.contains("Traceback"), "the pattern lists only when asked: {out}");
+    let (code, out, err) = warden(&["check", "--print-patterns", "-c", cfg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
     assert!(out.contains("fatal:\n  Traceback"), "{out}");
     assert!(out.contains("  illegal memory access\n"), "{out}");
     assert!(out.contains("permanent:\n  No available memory for the cache blocks"), "{out}");
@@ -37,10 +53,13 @@ fn check_lists_every_problem_and_exits_78() {
     assert_eq!(code, 78);
     let f = cfg.display().to_string();
     assert!(err.contains(&format!("{f}:3:16: `stop-timeout`: invalid duration \"soon\"")), "{err}");
-    assert!(err.contains(&format!("{f}:5:1: unknown key `max-attemps` in [restart]")), "{err}");
+    assert!(
+        err.contains(&format!("{f}:5:1: unknown key `max-attemps` in [restart]: did you mean `max-attempts`?")),
+        "{err}"
+    );
     // The environment's problems beside the file's.
     assert!(err.contains(&format!("{f}: `command`: /nonexistent/vllm: No such file")), "{err}");
-    assert!(err.contains("3 problem(s) found"), "{err}");
+    assert!(err.ends_with("\n3 problems found\n"), "{err}");
 }
 
 /// The Python that asks a Ray cluster is looked for where the warden will
@@ -57,7 +76,7 @@ fn check_reports_a_ray_python_that_is_not_there() {
         err.contains("`prestart.ray-python`: \"no-such-python\" not found beside \"/bin/true\" nor in PATH"),
         "{err}"
     );
-    assert!(err.contains("1 problem(s) found"), "{err}");
+    assert!(err.ends_with("\n1 problem found\n"), "{err}");
     // Beside the child's program: found.
     let bin = dir.path().join("bin");
     std::fs::create_dir(&bin).unwrap();
@@ -135,4 +154,258 @@ fn check_refuses_a_token_file_every_user_can_read() {
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     let (code, _, err) = warden(&["check", "-c", cfg.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
+}
+
+/// A command on a config file, with the instance's environment as the
+/// unit gives it (its state and runtime folders): its exit code, stdout
+/// and stderr.
+fn on(exe: &Path, w: &Warden, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(exe)
+        .args(args)
+        .arg("-c")
+        .arg(w.path("t.toml"))
+        .env("STATE_DIRECTORY", w.path("state"))
+        .env("RUNTIME_DIRECTORY", w.path("run"))
+        .env_remove("JOURNAL_STREAM")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const FAST: &str = "[restart]\ninitial-delay = \"0s\"\n[drain]\ndelay = \"0s\"\n";
+
+/// Issue 44: a typo in the config, before any reload, made `status`,
+/// `drain` and `upgrade` exit 78 while the model served. They need only
+/// the instance's name and folders: they warn and work, and the upgraded
+/// warden goes on with the config the model was started with.
+#[test]
+fn a_broken_config_does_not_take_the_control_of_a_serving_model() {
+    // The warden runs from a copy of the binary, which the upgrade runs again.
+    let bin = tempfile::tempdir().unwrap();
+    let exe = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &exe).unwrap();
+    let opts = common::Opts { exe: Some(exe.clone()), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", FAST), opts);
+    w.wait_ready();
+    // Not TOML any more: the name is still read.
+    let good = std::fs::read_to_string(w.path("t.toml")).unwrap();
+    std::fs::write(w.path("t.toml"), good.replace("[child]", "[child")).unwrap();
+    let warned = |err: &str| err.contains("warning: ") && err.contains("going on as instance \"t\"");
+
+    let (code, out, err) = on(&exe, &w, &["status"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("t: ready"), "{out}");
+    assert!(warned(&err) && err.lines().count() == 1, "one warning line: {err}");
+
+    let (code, out, err) = on(&exe, &w, &["drain"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(warned(&err), "{err}");
+    w.wait_note("drained", |n| n.starts_with("STATUS=drained: pid "));
+    let (code, out, err) = on(&exe, &w, &["undrain"]);
+    assert_eq!(code, 0, "{out}{err}");
+
+    let (code, out, err) = on(&exe, &w, &["upgrade"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(warned(&err), "{err}");
+    w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    let (code, out, _) = on(&exe, &w, &["status"]);
+    assert_eq!(code, 0, "the model still serves, under the upgraded warden: {out}");
+
+    // `run` and `check` still refuse the file.
+    let (code, _, err) = on(&exe, &w, &["check"]);
+    assert_eq!(code, 78, "{err}");
+    std::fs::write(w.path("t.toml"), good).unwrap();
+    assert_eq!(w.stop(), 0);
+}
+
+/// A config for the folder of configs: the warden's own, with its control
+/// socket named (the list asks every warden there).
+fn named_config(d: &Path, p: u16, name: &str) -> String {
+    let server = format!("{FAST}[server]\nsocket = \"{}\"\n", d.join("run/control.sock").display());
+    config(d, p, &["--shards", "1"], "", &server).replacen("name = \"t\"", &format!("name = \"{name}\""), 1)
+}
+
+/// Instances by name (`NAME.toml` in `$VLLM_WARDEN_CONFIG_DIR`) and the
+/// host's list: one running, one stopped, one never started; `-c` after
+/// the subcommand; output into a closed pipe.
+#[test]
+fn instances_have_names_and_the_host_lists_them() {
+    let configs = tempfile::tempdir().unwrap();
+    let mut one = Warden::start(|d, p| named_config(d, p, "one"));
+    let mut two = Warden::start(|d, p| named_config(d, p, "two"));
+    one.wait_ready();
+    two.wait_ready();
+    assert_eq!(two.stop(), 0);
+    std::fs::copy(one.path("t.toml"), configs.path().join("one.toml")).unwrap();
+    std::fs::copy(two.path("t.toml"), configs.path().join("two.toml")).unwrap();
+    std::fs::write(configs.path().join("three.toml"), "[child]\ncommand = [\"/bin/true\"]\n").unwrap();
+    let cli = |args: &[&str]| {
+        let o = Command::new(common::exe())
+            .args(args)
+            .env("VLLM_WARDEN_CONFIG_DIR", configs.path())
+            .env_remove("VLLM_WARDEN_CONFIG")
+            .output()
+            .unwrap();
+        (
+            o.status.code().unwrap(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+
+    let (code, out, err) = cli(&["status", "one"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("one: ready, pid "), "{out}");
+    assert_eq!(cli(&["status", "two"]).0, 4);
+    let (code, out, _) = cli(&["status", "three"]);
+    assert_eq!((code, out.starts_with("three: not running (no status file /")), (4, true), "{out}");
+    let (code, _, err) = cli(&["status"]);
+    assert_eq!(code, 2, "no name and three instances: {err}");
+    assert!(
+        err.contains("instances on this host (") && ["one", "two", "three"].iter().all(|n| err.contains(n)),
+        "{err}"
+    );
+    let (code, _, err) = cli(&["status", "../one"]);
+    assert_eq!(code, 2, "{err}");
+
+    let (code, out, err) = cli(&["list"]);
+    assert_eq!(code, 0, "{err}");
+    let line = |name: &str| {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("{name}: {out}"))
+            .to_string()
+    };
+    assert!(out.starts_with("NAME "), "{out}");
+    let child = one.descendants().into_iter().find(|p| p.ppid == one.pid as i32).unwrap().pid;
+    let l = line("one");
+    assert!(
+        l.contains(" ready ") && l.contains(&format!(" {child} ")) && l.contains(&format!(":{} ", one.port)),
+        "{l}"
+    );
+    assert!(l.matches(" ready").count() == 2, "the state and the last load: {l}");
+    assert!(line("two").contains(" stopped "), "{out}");
+    assert!(line("three").contains(" not running "), "{out}");
+    let (code, json, _) = cli(&["status", "--all", "--json"]);
+    assert_eq!(code, 0);
+    let rows: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let row = |name: &str| rows.as_array().unwrap().iter().find(|r| r["name"] == name).unwrap().clone();
+    assert_eq!(row("one")["state"], "ready", "{json}");
+    assert_eq!(row("one")["pid"], child, "{json}");
+    assert_eq!(row("one")["warden_pid"], one.pid, "{json}");
+    assert_eq!(row("one")["last_load"], "ready", "{json}");
+    assert_eq!(row("two")["state"], "stopped", "{json}");
+    assert_eq!(row("three")["state"], "not running", "{json}");
+
+    // `-c` anywhere: after the subcommand's own subcommand too.
+    let cfg = one.path("t.toml");
+    let o = Command::new(common::exe())
+        .args(["reports", "list", "-c"])
+        .arg(&cfg)
+        .env("STATE_DIRECTORY", one.path("state"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // Into a pipe whose reader is gone (`… | head -1` once it has its
+    // line): a quiet exit with success, no panic.
+    for args in [&["loads"][..], &["status", "--json"], &["list"], &["--help"]] {
+        let (read, write) = nix::unistd::pipe().unwrap();
+        drop(read);
+        let o = Command::new(common::exe())
+            .args(args)
+            .arg("-c")
+            .arg(&cfg)
+            .env("STATE_DIRECTORY", one.path("state"))
+            .env("VLLM_WARDEN_CONFIG_DIR", configs.path())
+            .stdout(std::process::Stdio::from(write))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    assert_eq!(one.stop(), 0);
+}
+
+/// The bash completion completes past the first word (clap#6421: a
+/// hyphenated name made every state of the script spelt two ways).
+#[test]
+fn the_bash_completion_completes_every_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = warden(&["assets", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let script = dir.path().join("completions/vllm-warden.bash");
+    let ask = |words: &[&str]| {
+        let cword = words.len() - 1;
+        let quoted: Vec<String> = words.iter().map(|w| format!("'{w}'")).collect();
+        let body = format!(
+            "source '{}'\nCOMP_WORDS=({})\nCOMP_CWORD={cword}\nf=$(complete -p vllm-warden | sed -E 's/.*-F ([^ ]+) .*/\\1/')\n\"$f\" vllm-warden '{}' '{}'\necho \"${{COMPREPLY[*]}}\"\n",
+            script.display(),
+            quoted.join(" "),
+            words[cword],
+            words[cword - 1]
+        );
+        let o = Command::new("bash").arg("-c").arg(body).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).split_whitespace().map(String::from).collect::<Vec<_>>()
+    };
+    let loads = ask(&["vllm-warden", "loads", ""]);
+    for w in ["list", "show", "compare"] {
+        assert!(loads.contains(&w.to_string()), "vllm-warden loads <Tab>: {loads:?}");
+    }
+    let status = ask(&["vllm-warden", "status", "-"]);
+    for w in ["--json", "--all", "--config"] {
+        assert!(status.contains(&w.to_string()), "vllm-warden status -<Tab>: {status:?}");
+    }
+    let show = ask(&["vllm-warden", "setups", "diff", "-"]);
+    assert!(show.contains(&"--config".to_string()), "vllm-warden setups diff -<Tab>: {show:?}");
+}
+
+/// A user who may not read the state folder is told so, with 77: not "no
+/// setup has reached ready yet" and 0, not "none", not 70.
+#[test]
+fn records_this_user_may_not_read_are_said_so() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root, to run the commands as uid {}", nobody::UID);
+        return;
+    }
+    let dir = match nobody::tempdir() {
+        Ok(d) => d,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+    let exe = nobody::copy_binary(common::exe(), dir.path());
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(state.join("setups")).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let cfg = dir.path().join("kimi.toml");
+    let text =
+        format!("[child]\ncommand = [\"/bin/true\"]\n[status]\nfile = \"{}\"\n", state.join("status.json").display());
+    std::fs::write(&cfg, text).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
+    for what in [&["setups"][..], &["loads"], &["reports"], &["golden"], &["upgrade"], &["status"]] {
+        let o = Command::new(&exe)
+            .args(what)
+            .arg("-c")
+            .arg(&cfg)
+            .env("STATE_DIRECTORY", &state)
+            .env_remove("RUNTIME_DIRECTORY")
+            .uid(nobody::UID)
+            .gid(nobody::UID)
+            .output()
+            .unwrap();
+        let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert_eq!(o.status.code(), Some(77), "{what:?}: {out}{err}");
+        assert!(err.contains("permission denied"), "{what:?}: {err}");
+        assert!(!out.contains("no setup") && !out.contains("not running"), "{what:?}: {out}");
+    }
 }

@@ -535,7 +535,10 @@ fn status_without_a_running_instance_is_4() {
     .unwrap();
     let o = std::process::Command::new(common::exe()).args(["status", "-c"]).arg(&cfg).output().unwrap();
     assert_eq!(o.status.code(), Some(4));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("not running (no status file)"));
+    assert!(
+        String::from_utf8_lossy(&o.stdout)
+            .starts_with(&format!("x: not running (no status file {}/none.json)", dir.path().display()))
+    );
 }
 
 /// A child that writes 50 MB at full speed before its ready line, into a

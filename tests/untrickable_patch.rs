@@ -665,7 +665,7 @@ fn check_equals_run_environment_problems_are_listed_beside_the_files() {
     )
     .unwrap();
     let o = f.run(&["check"]);
-    let err = failed(&o, 78, "3 problem(s) found");
+    let err = failed(&o, 78, "3 problems found");
     assert!(err.contains(&format!("{}:3:1: unknown key `bogus` in [child]", f.cfg.display())), "{err}");
     assert!(err.contains("`command`: program \"no-such-vllm\" not found in PATH"), "{err}");
     assert!(err.contains(&format!("[[patch]] {}: malformed JSON at line 1, column 6", model.display())), "{err}");
@@ -679,7 +679,7 @@ fn check_equals_run_never_valid_with_a_problem() {
     let f = Fixture::new();
     std::fs::write(&f.cfg, "[child]\ncommand = [\"no-such-vllm\"]\n").unwrap();
     let o = f.run(&["check"]);
-    failed(&o, 78, "1 problem(s) found");
+    failed(&o, 78, "1 problem found");
     assert_eq!(stdout(&o), "", "nothing said valid, no patterns printed");
 }
 

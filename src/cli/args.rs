@@ -6,26 +6,37 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::DEFAULT_CONFIG;
-
 #[derive(Debug, Parser)]
 #[command(name = "vllm-warden", version, about = "Supervise one vLLM server under systemd")]
 pub struct Cli {
+    /// The instance's config file, anywhere on the command line. Without
+    /// it: NAME's (`$VLLM_WARDEN_CONFIG_DIR/NAME.toml`, else
+    /// `/etc/vllm-warden/NAME.toml`), else `$VLLM_WARDEN_CONFIG`, else the
+    /// host's only instance.
+    #[arg(short, long, global = true, value_name = "FILE", value_hint = clap::ValueHint::FilePath)]
+    pub config: Option<PathBuf>,
+    /// Colours in help, errors and the warden's own log on a terminal:
+    /// `auto` (not when NO_COLOR is set), `always`, `never`.
+    #[arg(long, global = true, value_enum, default_value_t = crate::util::logging::Colour::Auto, value_name = "WHEN")]
+    pub color: crate::util::logging::Colour,
     #[command(subcommand)]
     pub command: Cmd,
 }
 
-#[derive(Debug, clap::Args)]
-pub struct ConfigArg {
-    /// Config file.
-    #[arg(short, long, env = "VLLM_WARDEN_CONFIG", default_value = DEFAULT_CONFIG)]
-    pub config: PathBuf,
+/// The instance a command is about: a name (`-c FILE` is global).
+#[derive(Debug, Clone, clap::Args)]
+pub struct InstanceArg {
+    /// The instance: its config is `NAME.toml` in the config folder
+    /// (`$VLLM_WARDEN_CONFIG_DIR`, else `/etc/vllm-warden`), as the unit
+    /// `vllm-warden@NAME` reads it.
+    #[arg(value_name = "NAME")]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub instance: InstanceArg,
     /// The warden's own events on stderr as `text` lines (the journal under
     /// systemd), or as `json` lines for a container's log collector.
     #[arg(long, value_enum, default_value_t = crate::util::logging::Format::Text)]
@@ -35,7 +46,7 @@ pub struct RunArgs {
 #[derive(Debug, clap::Args)]
 pub struct PatchArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub instance: InstanceArg,
     /// Print a unified diff per file of what would change; write nothing.
     #[arg(long, conflicts_with = "revert")]
     pub dry_run: bool,
@@ -50,18 +61,33 @@ pub struct PatchArgs {
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub instance: InstanceArg,
     /// Also print what `systemctl reload` would do with this file against
     /// the running instance: nothing, reload in place, or restart the child.
     #[arg(long)]
     pub diff: bool,
+    /// Also print the effective pattern lists: the profile's and the
+    /// config's, for readiness, fatal and permanent errors, and the rest.
+    #[arg(long)]
+    pub print_patterns: bool,
 }
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
-    /// Print the status document instead of a summary.
+    pub instance: InstanceArg,
+    /// Print the status document instead of a summary (with --all: the
+    /// list as JSON).
+    #[arg(long)]
+    pub json: bool,
+    /// Every instance of the host, one line each, as `list` shows them.
+    #[arg(long, conflicts_with = "name")]
+    pub all: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    /// One JSON object per instance, in an array.
     #[arg(long)]
     pub json: bool,
 }
@@ -69,7 +95,7 @@ pub struct StatusArgs {
 #[derive(Debug, clap::Args)]
 pub struct ReportsArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub instance: InstanceArg,
     #[command(subcommand)]
     pub what: Option<ReportsCmd>,
 }
@@ -93,7 +119,7 @@ pub enum ReportsCmd {
 #[derive(Debug, clap::Args)]
 pub struct LoadsArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub instance: InstanceArg,
     #[command(subcommand)]
     pub what: Option<LoadsCmd>,
 }
@@ -116,7 +142,7 @@ pub enum LoadsCmd {
 #[derive(Debug, clap::Args)]
 pub struct SetupsArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub instance: InstanceArg,
     #[command(subcommand)]
     pub what: Option<SetupsCmd>,
 }
@@ -141,7 +167,7 @@ pub enum SetupsCmd {
 #[derive(Debug, clap::Args)]
 pub struct GoldenArgs {
     #[command(flatten)]
-    pub config: ConfigArg,
+    pub instance: InstanceArg,
     #[command(subcommand)]
     pub what: Option<GoldenCmd>,
 }
@@ -168,24 +194,28 @@ pub enum Cmd {
     Patch(PatchArgs),
     /// What a running instance is doing: exit 0 ready, 3 not ready, 4 not running.
     Status(StatusArgs),
+    /// Every instance on the host, configured or running: its state,
+    /// since when, pid, model, address, last load and estimate, last
+    /// failure.
+    List(ListArgs),
     /// Take the serving model out of rotation and hold it there (the
     /// server keeps running): exit 0 asked, 3 not serving, 4 not running,
     /// 77 permission denied on the control socket.
-    Drain(ConfigArg),
+    Drain(InstanceArg),
     /// Put a drained model back into rotation.
-    Undrain(ConfigArg),
+    Undrain(InstanceArg),
     /// Drain, then start the model server again.
-    Restart(ConfigArg),
+    Restart(InstanceArg),
     /// Read the config again and apply it, and say what became of it:
     /// exit 0 applied (in place, restarting the model server, or nothing
     /// changed), 78 refused (every problem is printed; the previous config
     /// keeps running), 4 not running, 77 permission denied. The unit's
     /// `ExecReload=`, so that `systemctl reload` fails on a bad config.
-    Reload(ConfigArg),
+    Reload(InstanceArg),
     /// Replace the running warden by the binary now at its path, keeping
     /// the model serving (sends SIGUSR2): exit 0 asked, 4 not running, 77
     /// not allowed to signal it.
-    Upgrade(ConfigArg),
+    Upgrade(InstanceArg),
     /// The failure reports of failed runs: list, show one, or its folder.
     Reports(ReportsArgs),
     /// The load ledger: every load's phases, compile cache and speed;

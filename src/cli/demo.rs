@@ -14,6 +14,15 @@ use crate::observe::notify::Notifier;
 use crate::supervisor::Note;
 use crate::supervisor::exit::Code;
 
+/// `println!` that goes on when nobody reads any more (`demo | head`):
+/// the demo's warden must still end its run and stop its child.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
 /// The simulator's name; the package installs it under [`SIM_DIR`].
 pub const SIM: &str = "vllm-warden-sim";
 pub const SIM_DIR: &str = "/usr/lib/vllm-warden";
@@ -44,13 +53,11 @@ impl Notifier for Narrator {
                 Note::ExtendTimeout(d) => format!("EXTEND_TIMEOUT_USEC={}", d.as_micros()),
                 Note::Watchdog => "WATCHDOG=1".to_string(),
             };
-            println!("[{t:6.2}s] systemd <- {line}");
+            say!("[{t:6.2}s] systemd <- {line}");
             if *n == Note::Ready {
                 self.readies += 1;
                 if self.readies == 2 {
-                    println!(
-                        "[{t:6.2}s] demo: ready again after the crash; stopping the warden as `systemctl stop` would"
-                    );
+                    say!("[{t:6.2}s] demo: ready again after the crash; stopping the warden as `systemctl stop` would");
                     let _ = self.stop.send(Request::Stop);
                 }
             }
@@ -58,18 +65,18 @@ impl Notifier for Narrator {
     }
 }
 
-pub fn main() -> Code {
+pub fn main(colour: crate::util::logging::Colour) -> Code {
     let Some(sim) = find_sim() else {
         eprintln!("demo: {SIM} not found beside this binary or in {SIM_DIR} (cargo build --release builds it)");
         return Code::Internal;
     };
     let dir = std::env::temp_dir().join(format!("vllm-warden-demo-{}", std::process::id()));
-    let code = demo_in(&dir, &sim);
+    let code = demo_in(&dir, &sim, colour);
     let _ = std::fs::remove_dir_all(&dir);
     code
 }
 
-fn demo_in(dir: &Path, sim: &Path) -> Code {
+fn demo_in(dir: &Path, sim: &Path, colour: crate::util::logging::Colour) -> Code {
     let fail = |e: &dyn std::fmt::Display| {
         eprintln!("demo: {e}");
         Code::Internal
@@ -116,11 +123,11 @@ file = "{d}/status.json"
         Ok(s) => s,
         Err(p) => return fail(&p),
     };
-    println!("demo: a simulated vLLM on port {port}. Its model's config.json asks for a 4-bit KV cache, which it");
-    println!("demo: refuses; a [[patch]] removes the key before each start. It loads 8 shards, serves, its engine");
-    println!("demo: dies 3 s after the first ready (the API server then exits 0), and the second start stays up.");
-    println!("demo: the child's log: {d}/demo.log");
-    crate::util::logging::init(crate::util::logging::Format::Text);
+    say!("demo: a simulated vLLM on port {port}. Its model's config.json asks for a 4-bit KV cache, which it");
+    say!("demo: refuses; a [[patch]] removes the key before each start. It loads 8 shards, serves, its engine");
+    say!("demo: dies 3 s after the first ready (the API server then exits 0), and the second start stays up.");
+    say!("demo: the child's log: {d}/demo.log");
+    crate::util::logging::init(crate::util::logging::Format::Text, colour);
     let rt = match crate::daemon::runtime() {
         Ok(rt) => rt,
         Err(code) => return code,
@@ -135,6 +142,6 @@ file = "{d}/status.json"
         UnboundedReceiverStream::new(requests),
         Default::default(),
     ));
-    println!("[{:6.2}s] demo: the warden exited with code {code}", started.elapsed().as_secs_f64());
+    say!("[{:6.2}s] demo: the warden exited with code {code}", started.elapsed().as_secs_f64());
     code
 }

@@ -63,7 +63,8 @@ pub fn table(rs: &[LoadRecord]) -> String {
     columns(&rows)
 }
 
-fn columns(rows: &[Vec<String>]) -> String {
+/// Rows of cells in columns as wide as their widest cell.
+pub(crate) fn columns(rows: &[Vec<String>]) -> String {
     let n = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> =
         (0..n).map(|i| rows.iter().filter_map(|r| r.get(i)).map(|c| c.chars().count()).max().unwrap_or(0)).collect();

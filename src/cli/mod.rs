@@ -1,48 +1,97 @@
 //! The command line: parsing, the short commands (`check`, `patch`,
-//! `status`), and the wiring of `run`: config, logging, signals as a
-//! stream of requests, the runtime, then `daemon::run`. What the daemon
-//! does is not known here.
+//! `status`, `list` …), and the wiring of `run`: config, logging, signals
+//! as a stream of requests, the runtime, then `daemon::run`. What the
+//! daemon does is not known here.
+//!
+//! Only `run`, `check` and `patch` need a valid config. The commands that
+//! control or read a running instance (`status`, `drain`, `undrain`,
+//! `restart`, `upgrade`, `reports`, `loads`, `setups`, `golden`) need only
+//! its name and folders: with a config that does not validate (a typo
+//! before any reload) they go on with what it gives and the defaults, and
+//! say so in one line, so that a broken file never takes the control of a
+//! serving model away.
+//!
+//! Output goes through [`out!`] and [`outln!`]: a reader that went away
+//! (`vllm-warden loads | head -1`) ends the command quietly, with success.
+
+/// `print!` whose broken pipe ends the command quietly ([`write_out`]).
+macro_rules! out {
+    ($($t:tt)*) => { $crate::cli::write_out(format_args!($($t)*)) };
+}
+
+/// `println!` whose broken pipe ends the command quietly ([`write_out`]).
+macro_rules! outln {
+    ($($t:tt)*) => { $crate::cli::write_out(format_args!("{}\n", format_args!($($t)*))) };
+}
 
 pub mod args;
 pub mod assets;
 pub mod demo;
+pub mod instance;
+pub mod list;
 pub mod loads;
 pub mod setups;
 
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
 use tokio_stream::{Stream, StreamExt};
 
-use self::args::{Cli, Cmd, PatchArgs, ReportsArgs, ReportsCmd, StatusArgs};
+use self::args::{Cli, Cmd, InstanceArg, PatchArgs, ReportsArgs, ReportsCmd, StatusArgs};
+use self::instance::Seen;
 use crate::config::{self, Dirs, Settings};
 use crate::daemon::driver::Request;
 use crate::observe::notify::{self, SdNotifier};
 use crate::supervisor::exit::Code;
+use crate::util::logging::Colour;
+
+/// Write to stdout. A reader that went away (`… | head -1`) ends the
+/// process here, quietly and with success, as `head` asked for no more:
+/// no panic, no message. Any other failure to write is said on stderr and
+/// ends it with 70.
+pub(crate) fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    match std::io::stdout().lock().write_fmt(args) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("vllm-warden: cannot write to stdout: {e}");
+            std::process::exit(Code::Internal.as_u8().into());
+        }
+    }
+}
 
 /// Parse the arguments, run the command, return its exit code.
 pub fn main() -> Code {
     // First, before any thread: an upgrading predecessor's state file.
     let upgraded = crate::daemon::upgrade::take_from_env();
-    let cli = Cli::parse();
+    let cli = parse();
+    let file = cli.config.as_deref();
+    let colour = cli.color;
+    // The config a command reads, or the reason none could be chosen.
+    let chosen = |i: &InstanceArg, cmd: &str| choose(file, i, cmd);
     match cli.command {
-        Cmd::Run(a) => run(&a.config.config, a.log_format, upgraded),
-        Cmd::Upgrade(c) => upgrade(&c.config),
-        Cmd::Check(c) => match check(&c.config.config) {
-            Code::Ok if c.diff => diff(&c.config.config),
-            code => code,
+        Cmd::Run(a) => match chosen(&a.instance, "run") {
+            Ok(path) => run(&path, a.log_format, colour, upgraded),
+            Err(code) => code,
         },
-        Cmd::Patch(a) => patch(&a),
-        Cmd::Status(a) => status(&a),
-        Cmd::Drain(c) => control(&c.config, "/drain"),
-        Cmd::Undrain(c) => control(&c.config, "/undrain"),
-        Cmd::Reload(c) => control(&c.config, "/reload"),
-        Cmd::Restart(c) => control(&c.config, "/restart"),
-        Cmd::Reports(a) => reports(&a),
-        Cmd::Loads(a) => loads_cmd(&a),
-        Cmd::Setups(a) => setups_cmd(&a),
-        Cmd::Golden(a) => golden_cmd(&a),
-        Cmd::Demo => crate::cli::demo::main(),
+        Cmd::Upgrade(i) => chosen(&i, "upgrade").map_or_else(|c| c, |p| upgrade(&p)),
+        Cmd::Check(c) => match chosen(&c.instance, "check") {
+            Ok(path) => check(&path, c.diff, c.print_patterns),
+            Err(code) => code,
+        },
+        Cmd::Patch(a) => chosen(&a.instance, "patch").map_or_else(|c| c, |p| patch(&p, &a)),
+        Cmd::Status(a) if a.all => list(a.json),
+        Cmd::Status(a) => chosen(&a.instance, "status").map_or_else(|c| c, |p| status(&p, &a)),
+        Cmd::List(a) => list(a.json),
+        Cmd::Drain(i) => chosen(&i, "drain").map_or_else(|c| c, |p| control(&p, "/drain")),
+        Cmd::Undrain(i) => chosen(&i, "undrain").map_or_else(|c| c, |p| control(&p, "/undrain")),
+        Cmd::Restart(i) => chosen(&i, "restart").map_or_else(|c| c, |p| control(&p, "/restart")),
+        Cmd::Reload(i) => chosen(&i, "reload").map_or_else(|c| c, |p| control(&p, "/reload")),
+        Cmd::Reports(a) => chosen(&a.instance, "reports").map_or_else(|c| c, |p| reports(&p, &a)),
+        Cmd::Loads(a) => chosen(&a.instance, "loads").map_or_else(|c| c, |p| loads_cmd(&p, &a)),
+        Cmd::Setups(a) => chosen(&a.instance, "setups").map_or_else(|c| c, |p| setups_cmd(&p, &a)),
+        Cmd::Golden(a) => chosen(&a.instance, "golden").map_or_else(|c| c, |p| golden_cmd(&p, &a)),
+        Cmd::Demo => crate::cli::demo::main(colour),
         Cmd::Assets { dir } => match crate::cli::assets::write(&dir) {
             Ok(()) => Code::Ok,
             Err(e) => {
@@ -53,6 +102,54 @@ pub fn main() -> Code {
     }
 }
 
+/// The arguments, with clap's own help and errors coloured as `--color`
+/// says (clap's `auto` already honours `NO_COLOR`); clap's usage errors
+/// exit 2.
+fn parse() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let choice = match colour_asked(std::env::args_os().skip(1)) {
+        Colour::Auto => clap::ColorChoice::Auto,
+        Colour::Always => clap::ColorChoice::Always,
+        Colour::Never => clap::ColorChoice::Never,
+    };
+    let matches = Cli::command().color(choice).get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// The last `--color WHEN` or `--color=WHEN` before `--`, read ahead of
+/// clap, whose own messages it colours.
+fn colour_asked(args: impl Iterator<Item = std::ffi::OsString>) -> Colour {
+    use clap::ValueEnum;
+    let mut colour = Colour::Auto;
+    let mut args = args.map(|a| a.to_string_lossy().into_owned());
+    while let Some(a) = args.next() {
+        let value = match a.as_str() {
+            "--" => break,
+            "--color" => args.next(),
+            _ => a.strip_prefix("--color=").map(str::to_string),
+        };
+        if let Some(c) = value.and_then(|v| Colour::from_str(&v, false).ok()) {
+            colour = c;
+        }
+    }
+    colour
+}
+
+/// The config file of a command ([`instance::choose`]); when none can be
+/// chosen, the reason on stderr and its code.
+fn choose(file: Option<&Path>, i: &InstanceArg, cmd: &str) -> Result<PathBuf, Code> {
+    instance::choose(file, i.name.as_deref(), cmd).map_err(|e| {
+        eprintln!("vllm-warden: {e}");
+        match e {
+            instance::Choice::Unlisted { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
+                Code::NoPermission
+            }
+            _ => Code::Usage,
+        }
+    })
+}
+
+/// A valid config, or every problem on stderr and 78.
 fn load(path: &Path) -> Result<Settings, Code> {
     config::load(path, &Dirs::from_env()).map_err(|problems| {
         for p in &problems.0 {
@@ -62,10 +159,74 @@ fn load(path: &Path) -> Result<Settings, Code> {
     })
 }
 
+/// The instance of a command that needs only its name and folders: the
+/// config as far as it reads (`config::load_lenient`); when it has
+/// problems, one warning line saying what is used instead.
+fn lenient(path: &Path) -> Settings {
+    let (s, problems) = config::load_lenient(path, &Dirs::from_env());
+    if let Some(first) = problems.first() {
+        let more = match problems.len() - 1 {
+            0 => String::new(),
+            n => format!(" (and {}; `vllm-warden check` lists them)", count(n, "more problem")),
+        };
+        eprintln!(
+            "vllm-warden: warning: {first}{more}; going on as instance {:?}: state {}, control socket {}",
+            s.name,
+            s.state_dir.display(),
+            s.server.socket.display()
+        );
+    }
+    s
+}
+
+/// `1 problem`, `2 problems`.
+fn count(n: usize, what: &str) -> String {
+    if n == 1 { format!("1 {what}") } else { format!("{n} {what}s") }
+}
+
+/// The state folder (and `sub` in it) may be read by this user, or the
+/// reason on stderr and 77: records that cannot be read are not records
+/// that are not there. A folder that is not there is no such problem (no
+/// record yet).
+fn readable(s: &Settings, sub: &[&str]) -> Result<(), Code> {
+    use nix::unistd::{AccessFlags, access};
+    let dirs = std::iter::once(s.state_dir.clone()).chain(sub.iter().map(|d| s.state_dir.join(d)));
+    for dir in dirs {
+        if let Err(e @ (nix::errno::Errno::EACCES | nix::errno::Errno::EPERM)) =
+            access(&dir, AccessFlags::R_OK | AccessFlags::X_OK)
+        {
+            eprintln!(
+                "vllm-warden: {}: permission denied: cannot read {} ({}): run this as the service's user or root",
+                s.name,
+                dir.display(),
+                std::io::Error::from(e)
+            );
+            return Err(Code::NoPermission);
+        }
+    }
+    Ok(())
+}
+
+/// A record's file could not be read: 77 when this user may not, 1 else.
+fn unreadable(path: &Path, e: &std::io::Error) -> Code {
+    if e.kind() == std::io::ErrorKind::PermissionDenied {
+        eprintln!(
+            "vllm-warden: permission denied: cannot read {} ({e}): run this as the service's user or root",
+            path.display()
+        );
+        Code::NoPermission
+    } else {
+        eprintln!("vllm-warden: {}: {e}", path.display());
+        Code::NoReport
+    }
+}
+
 /// Every problem `run` would meet at start, the config's and the
 /// environment's together, whatever else is wrong; "valid" only when there
-/// is none.
-fn check(path: &Path) -> Code {
+/// is none. The verdict first; then (with `diff`) what a reload would do,
+/// where the instance's files go, the child's caches and model, and (when
+/// asked) the effective pattern lists.
+fn check(path: &Path, diff: bool, print_patterns: bool) -> Code {
     let (settings, mut problems) = config::load_all(path, &Dirs::from_env());
     let mut child = None;
     if let Some(s) = &settings {
@@ -80,66 +241,108 @@ fn check(path: &Path) -> Code {
     if problems.is_empty()
         && let Some(s) = &settings
     {
-        println!("{}: config of instance {:?} is valid", path.display(), s.name);
-        print!("{}", child.unwrap_or_default());
-        print!("{}", config::describe_patterns(s));
-        return Code::Ok;
+        outln!("{}: config of instance {:?} is valid", path.display(), s.name);
+        let code = if diff { reload_plan(path, s) } else { Code::Ok };
+        outln!("state: {}", s.state_dir.display());
+        outln!("log: {}", s.child.log_file.display());
+        outln!("control socket: {}", s.server.socket.display());
+        outln!("status file: {}", s.status.file.display());
+        match &s.child.cache_dir {
+            Some(d) => outln!("caches: {}", d.display()),
+            None => outln!("caches: where the child's environment puts them"),
+        }
+        out!("{}", child.unwrap_or_default());
+        if print_patterns {
+            out!("{}", config::describe_patterns(s));
+        }
+        return code;
     }
     for p in &problems {
         eprintln!("{p}");
     }
-    eprintln!("{} problem(s) found", problems.len());
+    eprintln!("{} found", count(problems.len(), "problem"));
     Code::Config
 }
 
-/// What a reload of `path` would do against the running instance's config
-/// (`STATE_DIRECTORY/running.toml`, kept by the running warden).
-fn diff(path: &Path) -> Code {
-    let dirs = Dirs::from_env();
-    let Ok(new) = config::load(path, &dirs) else { return Code::Config };
+/// What a reload of `path` (valid: `new`) would do against the running
+/// instance's config (`STATE_DIRECTORY/running.toml`, kept by the running
+/// warden).
+fn reload_plan(path: &Path, new: &Settings) -> Code {
     let running = crate::daemon::reload::running_path(&new.state_dir);
     let text = match crate::process::prestart::read_state_file(&running, 1 << 20) {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
         Err(e) => {
-            println!("no running instance to compare with ({}: {e})", running.display());
+            outln!("reload: no running instance to compare with ({}: {e})", running.display());
             return Code::NotRunning;
         }
     };
-    let old = match config::parse(&text, path, &dirs) {
+    let old = match config::parse(&text, path, &Dirs::from_env()) {
         Ok(s) => s,
         Err(p) => {
             eprintln!("{}: the running config no longer reads: {p}", running.display());
             return Code::Config;
         }
     };
-    println!("{}", crate::daemon::reload::plan(&old, &new));
-    for c in crate::daemon::reload::identity_left(&old, &new) {
-        println!("{c}: takes effect when the warden itself restarts");
+    outln!("reload: {}", crate::daemon::reload::plan(&old, new));
+    for c in crate::daemon::reload::identity_left(&old, new) {
+        outln!("reload: {c}: takes effect when the warden itself restarts");
     }
     Code::Ok
 }
 
-fn status(a: &StatusArgs) -> Code {
-    let s = match load(&a.config.config) {
-        Ok(s) => s,
-        Err(code) => return code,
+/// `list`, `status --all`: every instance of the host.
+fn list(json: bool) -> Code {
+    let found = match instance::all() {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("vllm-warden: {e}");
+            return match e {
+                instance::Choice::Unlisted { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
+                    Code::NoPermission
+                }
+                _ => Code::Internal,
+            };
+        }
     };
+    let rows = list::rows(&found);
+    if json {
+        // Rows of strings and numbers always serialise.
+        outln!("{}", serde_json::to_string_pretty(&rows).unwrap_or_default());
+    } else if rows.is_empty() {
+        outln!(
+            "no instance on this host (no NAME.toml in {}, none running in {})",
+            instance::config_dir().display(),
+            config::defaults::RUN_DIR
+        );
+    } else {
+        out!("{}", list::table(&rows));
+    }
+    Code::Ok
+}
+
+fn status(path: &Path, a: &StatusArgs) -> Code {
+    let s = lenient(path);
     use crate::observe::status::StatusVerdict;
     // Through the socket when a warden answers there; else the file.
-    let verdict = match ask(&s.server.socket, "GET", "/status") {
-        Ok((200, body)) => crate::observe::status::verdict(&body),
-        _ => crate::observe::status::read(&s.status.file),
+    let verdict = match instance::look(&s, ANSWER_TIMEOUT) {
+        Seen::Verdict(v) => *v,
+        Seen::Denied(why) => {
+            eprintln!("vllm-warden: {}: {why}: run this as the service's user or a member of its group", s.name);
+            return Code::NoPermission;
+        }
     };
     if a.json {
         match &verdict {
             StatusVerdict::Ready(d) | StatusVerdict::NotReady(d) | StatusVerdict::NotRunning(Some(d)) => {
                 // A document read back from JSON serialises again.
-                println!("{}", serde_json::to_string_pretty(d).unwrap_or_default())
+                outln!("{}", serde_json::to_string_pretty(d).unwrap_or_default())
             }
             StatusVerdict::NotRunning(None) => eprintln!("{}: no status file", s.status.file.display()),
         }
+    } else if let StatusVerdict::NotRunning(None) = &verdict {
+        outln!("{}: not running (no status file {})", s.name, s.status.file.display());
     } else {
-        println!("{}", crate::observe::status::summary(&verdict));
+        outln!("{}", crate::observe::status::summary(&verdict));
     }
     match verdict {
         StatusVerdict::Ready(_) => Code::Ok,
@@ -150,16 +353,6 @@ fn status(a: &StatusArgs) -> Code {
 
 /// How long a local command waits for the warden's answer.
 const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// One request over the control socket. A reload is answered once the
-/// config was read and checked: it may take longer.
-fn ask(socket: &Path, method: &str, path: &str) -> Result<(u16, String), crate::daemon::server::client::ClientError> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|source| {
-        crate::daemon::server::client::ClientError::Connect { path: socket.display().to_string(), source }
-    })?;
-    let within = if path == "/reload" { crate::daemon::server::RELOAD_WAIT + ANSWER_TIMEOUT } else { ANSWER_TIMEOUT };
-    rt.block_on(crate::daemon::server::client::call_within(socket, method, path, within))
-}
 
 /// The verdict of `POST /reload` as the operator reads it: one line, and
 /// each problem of a refused config on a line of its own.
@@ -179,11 +372,12 @@ fn reload_verdict(body: &str) -> String {
 
 /// `drain`, `undrain`, `restart`, `reload`: a POST over the control socket.
 fn control(config: &Path, path: &str) -> Code {
-    let s = match load(config) {
-        Ok(s) => s,
-        Err(code) => return code,
-    };
-    match ask(&s.server.socket, "POST", path) {
+    let s = lenient(config);
+    // A reload is answered once the config was read and checked: it may
+    // take longer.
+    let within =
+        if path == "/reload" { crate::daemon::server::RELOAD_WAIT + ANSWER_TIMEOUT } else { ANSWER_TIMEOUT };
+    match instance::ask(&s.server.socket, "POST", path, within) {
         Ok((code, body)) => {
             let body = if path == "/reload" {
                 reload_verdict(&body)
@@ -192,7 +386,7 @@ fn control(config: &Path, path: &str) -> Code {
             };
             match code {
                 200..=299 => {
-                    println!("{}: {body}", s.name);
+                    outln!("{}: {body}", s.name);
                     Code::Ok
                 }
                 409 => {
@@ -231,17 +425,14 @@ fn control(config: &Path, path: &str) -> Code {
     }
 }
 
-fn reports(a: &ReportsArgs) -> Code {
-    let s = match load(&a.config.config) {
-        Ok(s) => s,
-        Err(code) => return code,
-    };
+fn reports(path: &Path, a: &ReportsArgs) -> Code {
+    let s = lenient(path);
+    if let Err(code) = readable(&s, &[crate::observe::reports::FOLDER]) {
+        return code;
+    }
     let all = match crate::observe::reports::list(&s.state_dir, &s.name) {
         Ok(all) => all,
-        Err(e) => {
-            eprintln!("vllm-warden: {}: {e}", s.state_dir.join(crate::observe::reports::FOLDER).display());
-            return Code::NoReport;
-        }
+        Err(e) => return unreadable(&s.state_dir.join(crate::observe::reports::FOLDER), &e),
     };
     let pick = |id: &Option<String>| -> Result<crate::observe::reports::Listed, Code> {
         let found: Vec<&crate::observe::reports::Listed> = match id {
@@ -252,9 +443,9 @@ fn reports(a: &ReportsArgs) -> Code {
             [one] => Ok((*one).clone()),
             [] => {
                 let what =
-                    id.as_deref().map_or("any".to_string(), |i| format!("{:?}", crate::util::escape::one_line(i, 200)));
+                    id.as_deref().map_or(String::new(), |i| format!(" {:?}", crate::util::escape::one_line(i, 200)));
                 eprintln!(
-                    "vllm-warden: no failure report {what} in {}",
+                    "vllm-warden: no failure report{what} in {}",
                     s.state_dir.join(crate::observe::reports::FOLDER).display()
                 );
                 Err(Code::NoReport)
@@ -268,22 +459,22 @@ fn reports(a: &ReportsArgs) -> Code {
     match &a.what {
         None | Some(ReportsCmd::List) => {
             if all.is_empty() {
-                println!("no failure reports in {}", s.state_dir.join(crate::observe::reports::FOLDER).display());
+                outln!("no failure reports in {}", s.state_dir.join(crate::observe::reports::FOLDER).display());
             } else {
-                print!("{}", crate::observe::reports::table(&all));
+                out!("{}", crate::observe::reports::table(&all));
             }
             Code::Ok
         }
         Some(ReportsCmd::Show { id }) => match pick(id) {
             Ok(r) => {
-                print!("{}", crate::observe::reports::show(&r));
+                out!("{}", crate::observe::reports::show(&r));
                 Code::Ok
             }
             Err(code) => code,
         },
         Some(ReportsCmd::Path { id }) => match pick(id) {
             Ok(r) => {
-                println!("{}", r.path.display());
+                outln!("{}", r.path.display());
                 Code::Ok
             }
             Err(code) => code,
@@ -291,19 +482,16 @@ fn reports(a: &ReportsArgs) -> Code {
     }
 }
 
-fn loads_cmd(a: &args::LoadsArgs) -> Code {
+fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
     use args::LoadsCmd;
-    let s = match load(&a.config.config) {
-        Ok(s) => s,
-        Err(code) => return code,
-    };
+    let s = lenient(config);
+    if let Err(code) = readable(&s, &[]) {
+        return code;
+    }
     let path = s.state_dir.join(crate::observe::ledger::FILE);
     let all = match crate::observe::ledger::read(&path) {
         Ok((all, _)) => all,
-        Err(e) => {
-            eprintln!("vllm-warden: {}: {e}", path.display());
-            return Code::NoReport;
-        }
+        Err(e) => return unreadable(&path, &e),
     };
     let pick = |id: Option<u64>| -> Result<&crate::supervisor::load::LoadRecord, Code> {
         let found = match id {
@@ -319,22 +507,22 @@ fn loads_cmd(a: &args::LoadsArgs) -> Code {
     match &a.what {
         None | Some(LoadsCmd::List) => {
             if all.is_empty() {
-                println!("no loads in {}", path.display());
+                outln!("no loads in {}", path.display());
             } else {
-                print!("{}", loads::table(&all));
+                out!("{}", loads::table(&all));
             }
             Code::Ok
         }
         Some(LoadsCmd::Show { id }) => match pick(*id) {
             Ok(r) => {
-                print!("{}", loads::show(r));
+                out!("{}", loads::show(r));
                 Code::Ok
             }
             Err(code) => code,
         },
         Some(LoadsCmd::Compare { a, b }) => match (pick(Some(*a)), pick(Some(*b))) {
             (Ok(x), Ok(y)) => {
-                print!("{}", loads::compare(x, y));
+                out!("{}", loads::compare(x, y));
                 Code::Ok
             }
             (Err(code), _) | (_, Err(code)) => code,
@@ -342,12 +530,12 @@ fn loads_cmd(a: &args::LoadsArgs) -> Code {
     }
 }
 
-fn setups_cmd(a: &args::SetupsArgs) -> Code {
+fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
     use args::SetupsCmd;
-    let s = match load(&a.config.config) {
-        Ok(s) => s,
-        Err(code) => return code,
-    };
+    let s = lenient(config);
+    if let Err(code) = readable(&s, &["setups"]) {
+        return code;
+    }
     let all = crate::observe::setups::list(&s.state_dir);
     let fail = |why: String| {
         eprintln!("vllm-warden: {why}");
@@ -356,9 +544,9 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
     match &a.what {
         None | Some(SetupsCmd::List) => {
             if all.is_empty() {
-                println!("no setup has reached ready yet ({})", s.state_dir.join("setups").display());
+                outln!("no setup has reached ready yet ({})", s.state_dir.join("setups").display());
             } else {
-                print!("{}", setups::table(&all));
+                out!("{}", setups::table(&all));
             }
             Code::Ok
         }
@@ -369,7 +557,7 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
             };
             match found {
                 Ok(r) => {
-                    print!("{}", setups::show(&r));
+                    out!("{}", setups::show(&r));
                     Code::Ok
                 }
                 Err(why) => fail(why),
@@ -399,7 +587,7 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
             let pair = ids.and_then(|(x, y)| Ok((setups::find(&s.state_dir, &x)?, setups::find(&s.state_dir, &y)?)));
             match pair {
                 Ok((x, y)) => {
-                    print!("{}", setups::diff(&x, &y));
+                    out!("{}", setups::diff(&x, &y));
                     Code::Ok
                 }
                 Err(why) => fail(why),
@@ -408,14 +596,14 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
     }
 }
 
-fn golden_cmd(a: &args::GoldenArgs) -> Code {
+fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
     use crate::observe::golden;
     use crate::util::escape::one_line;
     use args::GoldenCmd;
-    let s = match load(&a.config.config) {
-        Ok(s) => s,
-        Err(code) => return code,
-    };
+    let s = lenient(config);
+    if let Err(code) = readable(&s, &[golden::FOLDER]) {
+        return code;
+    }
     let fail = |e: String| {
         eprintln!("vllm-warden: {e}");
         Code::NoReport
@@ -427,19 +615,19 @@ fn golden_cmd(a: &args::GoldenArgs) -> Code {
                 (Err(e), _) | (_, Err(e)) => return fail(e),
             };
             match &last {
-                Some(l) => println!(
+                Some(l) => outln!(
                     "last check: {} at {}, setup {}: {}",
                     one_line(&l.verdict, 40),
                     one_line(&l.at, 40),
                     one_line(&l.fingerprint, 40),
                     one_line(&l.text, 400)
                 ),
-                None => println!("no golden check yet"),
+                None => outln!("no golden check yet"),
             }
             for r in &refs {
-                println!("reference of setup {} (recorded {}):", one_line(&r.fingerprint, 40), one_line(&r.at, 40));
+                outln!("reference of setup {} (recorded {}):", one_line(&r.fingerprint, 40), one_line(&r.at, 40));
                 for a in &r.answers.answers {
-                    println!(
+                    outln!(
                         "  {:?} → {:?} ({} tokens)",
                         one_line(&a.prompt, 200),
                         one_line(&a.text, 400),
@@ -452,7 +640,7 @@ fn golden_cmd(a: &args::GoldenArgs) -> Code {
         GoldenCmd::Diff => match golden::diff(&s.state_dir) {
             Some(text) => {
                 for line in text.lines() {
-                    println!("{}", one_line(line, 2000));
+                    outln!("{}", one_line(line, 2000));
                 }
                 Code::Ok
             }
@@ -460,7 +648,7 @@ fn golden_cmd(a: &args::GoldenArgs) -> Code {
         },
         GoldenCmd::Accept => match golden::accept(&s.state_dir) {
             Ok(fp) => {
-                println!(
+                outln!(
                     "the last answers are the reference of setup {}: the next start compares against them",
                     one_line(&fp, 40)
                 );
@@ -471,8 +659,8 @@ fn golden_cmd(a: &args::GoldenArgs) -> Code {
     }
 }
 
-fn patch(a: &PatchArgs) -> Code {
-    let s = match load(&a.config.config) {
+fn patch(config: &Path, a: &PatchArgs) -> Code {
+    let s = match load(config) {
         Ok(s) => s,
         Err(code) => return code,
     };
@@ -484,26 +672,26 @@ fn patch(a: &PatchArgs) -> Code {
                 eprintln!("vllm-warden: {}: in the manifest, but no [[patch]] names it: left as it is", f.display());
             }
             if done.restored.is_empty() {
-                println!("nothing to restore");
+                outln!("nothing to restore");
             }
             for f in done.restored {
-                println!("{}: restored", f.display());
+                outln!("{}: restored", f.display());
             }
         })
     } else if a.dry_run {
         crate::patch::by_file(&s.patches).iter().try_for_each(|fp| {
             let plan = crate::patch::plan(fp)?;
             if plan.changes() {
-                print!("{}", plan.diff());
+                out!("{}", plan.diff());
             } else {
-                println!("{}: unchanged", plan.file.display());
+                outln!("{}: unchanged", plan.file.display());
             }
             Ok(())
         })
     } else {
         crate::patch::apply(&s.patches, &s.state_dir, wait).map(|applied| {
             for a in applied {
-                println!("{a}");
+                outln!("{a}");
             }
         })
     };
@@ -516,10 +704,13 @@ fn patch(a: &PatchArgs) -> Code {
     }
 }
 
-fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<PathBuf>) -> Code {
+fn run(path: &Path, log_format: crate::util::logging::Format, colour: Colour, upgraded: Option<PathBuf>) -> Code {
     let settings = match load(path) {
         Ok(s) => s,
-        Err(code) => return code,
+        Err(code) => match upgraded.as_ref().and_then(|_| running_config(path)) {
+            Some(s) => s,
+            None => return code,
+        },
     };
     // An upgrade's lock: the descriptor the predecessor left open on the
     // instance's lock file, found whatever the state file says (a state
@@ -547,7 +738,7 @@ fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<P
             };
         }
     };
-    crate::util::logging::init(log_format);
+    crate::util::logging::init(log_format, colour);
     let from_upgrade = adopted.is_some();
     let adopted = match adopted {
         Some(Ok(state)) => Some(state),
@@ -599,21 +790,46 @@ fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<P
     code
 }
 
+/// The config an upgraded warden's predecessor ran (`running.toml` in the
+/// state folder), when the file no longer validates: an upgrade changes
+/// the binary, not the config, and must not stop a serving model over a
+/// typo made since (a reload would have refused it the same way).
+fn running_config(path: &Path) -> Option<Settings> {
+    let dirs = Dirs::from_env();
+    let (s, _) = config::load_lenient(path, &dirs);
+    let running = crate::daemon::reload::running_path(&s.state_dir);
+    let bytes = crate::process::prestart::read_state_file(&running, 1 << 20).ok()?;
+    let settings = config::parse(&String::from_utf8_lossy(&bytes), path, &dirs).ok()?;
+    eprintln!(
+        "vllm-warden: {}: the config does not validate: going on with the one the model was started with ({}); fix the file, then reload",
+        settings.name,
+        running.display()
+    );
+    Some(settings)
+}
+
 /// Ask the running warden of the instance to upgrade in place: SIGUSR2 to
 /// the lock's holder, once it is seen to be a `vllm-warden run` process.
 fn upgrade(path: &Path) -> Code {
-    let settings = match load(path) {
-        Ok(s) => s,
-        Err(code) => return code,
-    };
+    let settings = lenient(path);
     let pid = match crate::process::lock::InstanceLock::holder(&settings.state_dir) {
         Ok(Some(pid)) => pid,
         Ok(None) => {
             eprintln!("vllm-warden: instance {:?} is not running", settings.name);
             return Code::NotRunning;
         }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            // Not "not running": the lock is the service's, and a warden
+            // may well hold it.
+            eprintln!(
+                "vllm-warden: {}: permission denied: cannot read the instance's lock in {} ({e}): run this as the service's user or root",
+                settings.name,
+                settings.state_dir.display()
+            );
+            return Code::NoPermission;
+        }
         Err(e) => {
-            eprintln!("vllm-warden: cannot read the instance's lock: {e}");
+            eprintln!("vllm-warden: {}: cannot read the instance's lock: {e}", settings.name);
             return Code::Internal;
         }
     };
@@ -627,7 +843,7 @@ fn upgrade(path: &Path) -> Code {
     }
     match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGUSR2) {
         Ok(()) => {
-            println!("asked pid {pid} to upgrade in place; it does so once the model is ready (see the journal)");
+            outln!("asked pid {pid} to upgrade in place; it does so once the model is ready (see the journal)");
             Code::Ok
         }
         Err(nix::errno::Errno::EPERM) => {
@@ -653,4 +869,29 @@ fn signal_requests() -> std::io::Result<impl Stream<Item = Request>> {
     };
     let stop = on(SignalKind::terminate(), Request::Stop)?.merge(on(SignalKind::interrupt(), Request::Stop)?);
     Ok(stop.merge(on(SignalKind::hangup(), Request::Reload)?).merge(on(SignalKind::user_defined2(), Request::Upgrade)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asked(args: &[&str]) -> Colour {
+        colour_asked(args.iter().map(std::ffi::OsString::from))
+    }
+
+    #[test]
+    fn the_colour_is_read_ahead_of_clap_wherever_it_is() {
+        assert_eq!(asked(&["status"]), Colour::Auto);
+        assert_eq!(asked(&["status", "--color", "never"]), Colour::Never);
+        assert_eq!(asked(&["--color=always", "loads", "show", "3"]), Colour::Always);
+        assert_eq!(asked(&["--color=never", "status", "--color=always"]), Colour::Always, "the last one");
+        assert_eq!(asked(&["status", "--", "--color=never"]), Colour::Auto, "not after --");
+        assert_eq!(asked(&["status", "--color=blue"]), Colour::Auto, "clap says what is wrong with it");
+    }
+
+    #[test]
+    fn counts_read_as_words() {
+        assert_eq!(count(1, "problem"), "1 problem");
+        assert_eq!(count(3, "problem"), "3 problems");
+    }
 }

@@ -39,8 +39,9 @@ pub use self::settings::{
     Rollback, Rotation, Server, Settings, Status,
 };
 
-/// Where the config is read from when `-c` is not given.
-pub const DEFAULT_CONFIG: &str = "/etc/vllm-warden/vllm-warden.toml";
+/// The folder of the instances' configs: `NAME.toml` is instance NAME's,
+/// as the unit `vllm-warden@NAME` reads it.
+pub const CONFIG_DIR: &str = "/etc/vllm-warden";
 /// The port vLLM listens on when the command has no `--port`.
 pub const DEFAULT_PORT: u16 = defaults::PORT;
 
@@ -98,6 +99,42 @@ pub fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
         Err(e) => {
             (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
         }
+    }
+}
+
+/// A config read as far as it goes, for the commands that need only the
+/// instance's name and folders (`status`, `drain`, `loads` …): a broken
+/// config must not take the control of a running model away. What the
+/// file says where it reads (each value with a problem at its default);
+/// when it cannot be read or is not TOML, its `name` if that much reads,
+/// else the file's stem, and every default. With every problem found.
+pub fn load_lenient(path: &Path, dirs: &Dirs) -> (Settings, Vec<Problem>) {
+    let text = std::fs::read_to_string(path);
+    let (settings, problems) = match &text {
+        Ok(text) => parse_all(text, path, dirs),
+        Err(e) => {
+            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
+        }
+    };
+    if let Some(s) = settings {
+        return (s, problems);
+    }
+    // The settings of a config holding its name alone (checked as any
+    // name is), whose problems (no command) are not this file's.
+    let name = text.ok().and_then(|t| top_level_name(&t));
+    let alone = name.map(|n| format!("name = {}\n", toml::Value::String(n))).unwrap_or_default();
+    let (settings, _) = parse_all(&alone, path, dirs);
+    let mut settings = settings.expect("a name alone is TOML");
+    settings.text = String::new();
+    (settings, problems)
+}
+
+/// The top-level `name` of a document that may not parse as a whole.
+fn top_level_name(text: &str) -> Option<String> {
+    let (doc, _) = DeTable::parse_recoverable(text);
+    match doc.get_ref().get("name").map(|v| v.get_ref()) {
+        Some(DeValue::String(s)) => Some(s.to_string()),
+        _ => None,
     }
 }
 
@@ -196,11 +233,15 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     }
 }
 
+/// An instance's name: letters, digits, '-', '_' or '.', not first. It
+/// names folders and files (`NAME.toml`, `/run/vllm-warden/NAME`).
+pub fn valid_name(n: &str) -> bool {
+    !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) && !n.starts_with('.')
+}
+
 fn instance_name(r: &mut Reader<'_>, v: &Value<'_>) -> Option<String> {
     let n = r.string(v, "name")?;
-    let ok = !n.is_empty()
-        && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        && !n.starts_with('.');
+    let ok = valid_name(&n);
     if !ok {
         r.problem(Some(v.span()), format!("`name` {n:?} must be letters, digits, '-', '_' or '.'"));
     }

@@ -371,13 +371,30 @@ impl Drop for Keys<'_, '_, '_> {
             .left
             .iter()
             .map(|(k, _)| {
-                let message = format!("unknown key `{}`{} (known: {known})", k.get_ref(), self.place);
+                let key = k.get_ref();
+                let message = match near_miss(key, self.taken.iter().map(|t| t.key)) {
+                    Some(near) => format!("unknown key `{key}`{}: did you mean `{near}`? (known: {known})", self.place),
+                    None => format!("unknown key `{key}`{} (known: {known})", self.place),
+                };
                 self.r.at(Some(k.span()), message)
             })
             .collect();
         let start = self.start.min(self.r.problems.len());
         self.r.problems.splice(start..start, unknown);
     }
+}
+
+/// The known key an unknown one most likely misspells: the closest by
+/// Jaro-Winkler similarity (kind to the transposed and dropped letters of
+/// typing), when it is close enough to be worth saying.
+fn near_miss<'k>(unknown: &str, known: impl Iterator<Item = &'k str>) -> Option<&'k str> {
+    /// Below this, a suggestion is more often wrong than right.
+    const CLOSE: f64 = 0.85;
+    known
+        .map(|k| (strsim::jaro_winkler(unknown, k), k))
+        .filter(|(score, _)| *score >= CLOSE)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k)
 }
 
 /// 1-based line and column (in characters) of a byte offset.

@@ -578,3 +578,38 @@ fn a_server_on_ray_waits_for_the_cluster_it_names() {
     let p = parse_str(&format!("{base}ray-address = \"head\"\n")).unwrap_err();
     assert!(p.to_string().contains("must be HOST:PORT"), "{p}");
 }
+
+#[test]
+fn a_near_miss_of_a_known_key_is_named() {
+    let p = parse_str("[child]\ncommand = [\"a\"]\nstop-timout = \"3s\"\n[health]\nfoo = 1\n").unwrap_err().0;
+    assert_eq!(p.len(), 2, "{p:#?}");
+    assert!(
+        p[0].message.starts_with("unknown key `stop-timout` in [child]: did you mean `stop-timeout`? (known: command,"),
+        "{}",
+        p[0].message
+    );
+    assert!(p[1].message.starts_with("unknown key `foo` in [health] (known: "), "nothing near: {}", p[1].message);
+}
+
+#[test]
+fn a_broken_config_still_gives_its_name_and_folders() {
+    let dir = tempfile::tempdir().unwrap();
+    let dirs = Dirs { runtime: Some("/run/x".into()), ..Dirs::default() };
+    // Not there: the stem, every default.
+    let (s, p) = load_lenient(&dir.path().join("kimi.toml"), &Dirs::default());
+    assert_eq!((s.name.as_str(), p.len()), ("kimi", 1), "{p:?}");
+    assert!(p[0].message.starts_with("cannot read config: "), "{p:?}");
+    assert_eq!(s.state_dir, PathBuf::from(defaults::STATE_DIR).join("kimi"));
+    // Not TOML: its name, as far as it reads; the systemd folders.
+    let cfg = dir.path().join("k.toml");
+    std::fs::write(&cfg, "name = \"k2\"\n[child\ncommand = [\"a\"]\n").unwrap();
+    let (s, p) = load_lenient(&cfg, &dirs);
+    assert_eq!(s.name, "k2");
+    assert_eq!(s.server.socket, PathBuf::from("/run/x/control.sock"));
+    assert!(!p.is_empty());
+    // An invalid value: what reads is kept.
+    std::fs::write(&cfg, "[child]\ncommand = [\"a\"]\nstop-timeout = \"soon\"\n[server]\nsocket = \"/s.sock\"\n")
+        .unwrap();
+    let (s, p) = load_lenient(&cfg, &dirs);
+    assert_eq!((s.name.as_str(), s.server.socket.to_str().unwrap(), p.len()), ("k", "/s.sock", 1), "{p:?}");
+}

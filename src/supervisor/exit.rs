@@ -10,17 +10,23 @@ pub enum Code {
     Ok,
     /// `patch`: a file could not be patched or restored.
     PatchFailed,
-    /// `reports`: no such report, or the reports folder cannot be read.
+    /// `reports`, `loads`, `setups`, `golden`: no such record (report,
+    /// load, setup, answers), or its file cannot be read.
     NoReport,
+    /// The command line names no instance and the host has none or more
+    /// than one, or names one wrongly (clap's own usage errors are 2 too).
+    Usage,
     /// `status`: the warden runs, the model is not ready.
     NotReady,
     /// `status`: no warden runs for this config.
     NotRunning,
     /// EX_UNAVAILABLE: another warden already supervises this instance.
     AlreadyRunning,
-    /// EX_NOPERM: `drain`, `undrain`, `restart`, `upgrade`: a warden may
-    /// run, but this user may not reach it (the control socket's mode, a
-    /// signal to another user's process).
+    /// EX_NOPERM: a warden may run, or records exist, but this user may
+    /// not reach them: the control socket's mode (`drain`, `undrain`,
+    /// `restart`, `status`), a signal to another user's process or its
+    /// lock (`upgrade`), the state folder (`reports`, `loads`, `setups`,
+    /// `golden`).
     NoPermission,
     /// EX_SOFTWARE: the warden itself failed (a background task ended,
     /// the runtime could not start). The unit restarts it.
@@ -39,6 +45,7 @@ impl Code {
         match self {
             Code::Ok => 0,
             Code::PatchFailed | Code::NoReport => 1,
+            Code::Usage => 2,
             Code::NotReady => 3,
             Code::NotRunning => 4,
             Code::AlreadyRunning => 69,

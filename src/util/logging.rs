@@ -31,9 +31,34 @@ pub enum Format {
     Json,
 }
 
+/// Whether colours are used: `--color`, and the `NO_COLOR` convention
+/// (<https://no-color.org>: set and not empty, no colour unless asked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Colour {
+    /// On a terminal, unless `NO_COLOR` is set.
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+impl Colour {
+    /// Whether text written to stderr is coloured.
+    pub fn on_stderr(self) -> bool {
+        match self {
+            Colour::Always => true,
+            Colour::Never => false,
+            Colour::Auto => {
+                std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+                    && std::io::IsTerminal::is_terminal(&std::io::stderr())
+            }
+        }
+    }
+}
+
 /// Install the global subscriber once; later calls do nothing.
-pub fn init(format: Format) {
-    install(format);
+pub fn init(format: Format, colour: Colour) {
+    install(format, colour);
     // A panic may end the process: what was logged before it goes out first.
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| {
@@ -45,7 +70,7 @@ pub fn init(format: Format) {
     });
 }
 
-fn install(format: Format) {
+fn install(format: Format, colour: Colour) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     if format == Format::Json {
         let json = tracing_subscriber::fmt::layer()
@@ -68,7 +93,7 @@ fn install(format: Format) {
             Err(e) => eprintln!("vllm-warden: journal unavailable ({e}); logging to stderr"),
         }
     }
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let ansi = colour.on_stderr();
     let fmt =
         tracing_subscriber::fmt::layer().with_writer(Queued::start(Sink::Stderr)).with_target(false).with_ansi(ansi);
     let _ = tracing_subscriber::registry().with(filter).with(fmt).try_init();

@@ -52,6 +52,7 @@ start=$SECONDS
 check "systemctl start returns when the model is ready" systemctl start vllm-warden@demo
 check "the unit is active" systemctl is-active --quiet vllm-warden@demo
 check "vllm-warden status says ready" vllm-warden status -c /etc/vllm-warden/demo.toml
+check "vllm-warden status NAME and list name it" bash -c "vllm-warden status demo >/dev/null && vllm-warden list | grep -q '^demo  *ready '"
 check "systemctl status shows the warden's STATUS=" bash -c "systemctl status --no-pager vllm-warden@demo | grep -q 'Status: \"ready: pid '"
 check "the journal has the warden's events" bash -c "journalctl -u vllm-warden@demo EVENT=ready --no-pager -o cat | grep -q 'ready: pid'"
 check "the journal has the child's lines as vllm-demo" bash -c "journalctl -u vllm-warden@demo SYSLOG_IDENTIFIER=vllm-demo --no-pager -o cat | grep -q 'Application startup complete'"

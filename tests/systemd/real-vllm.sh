@@ -63,8 +63,8 @@ env = { HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1" }
 EOF
 # As root here; the unit runs it again as user vllm (ExecStartPre=), once
 # systemd has made the instance's folders.
-check "vllm-warden check" vllm-warden check -c /etc/vllm-warden/tiny.toml
-vllm-warden check -c /etc/vllm-warden/tiny.toml 2>&1 | head -n 20 | sed 's/^/#   /'
+check "vllm-warden check" vllm-warden check tiny
+vllm-warden check tiny 2>&1 | head -n 20 | sed 's/^/#   /'
 check "no drop-in for the instance" test ! -e /etc/systemd/system/vllm-warden@tiny.service.d
 
 watch_status >/var/tmp/status-during-load.txt &

@@ -460,7 +460,8 @@ impl Machine {
         let failed = self.rollback.setup.clone().unwrap_or_else(|| "unknown".into());
         let said = format!(
             "the new setup {failed} failed: {}; starting the last-known-good setup {good} from {good_at}",
-            cause.text
+            // A cause that ends a sentence, before the `;` that goes on.
+            cause.text.trim_end_matches('.')
         );
         fx.push(record(Severity::Warn, Topic::Rollback, said.clone()));
         fx.push(Effect::Notify(vec![status(said)]));

@@ -1249,7 +1249,7 @@ mod rollback {
         let fx = fail_as(&mut s, 100, "00000000000000aa", Some(good));
         assert!(fx.contains(&Effect::Rollback), "{fx:?}");
         assert!(statuses(&fx).iter().any(|t| t.starts_with(
-            "the new setup 00000000000000aa failed: ValueError: Failed to find a kernel that can implement the NVFP4 linear layer.; starting the last-known-good setup 00000000000000bb from 2026-12-02T10:00:00Z"
+            "the new setup 00000000000000aa failed: ValueError: Failed to find a kernel that can implement the NVFP4 linear layer; starting the last-known-good setup 00000000000000bb from 2026-12-02T10:00:00Z"
         )), "{fx:?}");
         assert_eq!(s.m.done(), None);
         let fx = s.ev(Event::RolledBack { policy: Ok(Box::new(one_try(true))) });

@@ -1,0 +1,170 @@
+//! Which instance a command is about, and every instance of the host.
+//!
+//! An instance is named as the unit names it: `vllm-warden@kimi` reads
+//! `/etc/vllm-warden/kimi.toml`, so `vllm-warden status kimi` reads the
+//! same file (the folder moved by `VLLM_WARDEN_CONFIG_DIR`). A command
+//! given neither a name nor `-c FILE` takes `$VLLM_WARDEN_CONFIG` (the
+//! unit sets it), else the host's only instance: there is no default file
+//! that nobody installs. The host's instances are the configs in the
+//! config folder and the runtime folders (`/run/vllm-warden/NAME`) that
+//! hold a control socket or a status file: a warden started by hand, or
+//! one whose config was removed since, is an instance too.
+//!
+//! Everything read here (folder names) is someone else's: a name that is
+//! not a valid instance name is left out, never used as a path.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::{self, defaults};
+
+/// The variable that moves the folder of the instances' configs.
+pub const CONFIG_DIR_ENV: &str = "VLLM_WARDEN_CONFIG_DIR";
+/// The variable that names the config file (the unit sets it).
+pub const CONFIG_ENV: &str = "VLLM_WARDEN_CONFIG";
+
+/// Why no config could be chosen; each says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum Choice {
+    #[error("give the instance's NAME or -c FILE, not both")]
+    Both,
+    #[error("{0:?} is not an instance name (letters, digits, '-', '_' or '.'); a config file is given with -c FILE")]
+    BadName(String),
+    #[error("no instance on this host (no NAME.toml in {dir}, none running in {run}): name its config with -c FILE")]
+    None { dir: String, run: String },
+    #[error("{} instances on this host ({}): name one, e.g. `vllm-warden {cmd} {}`", .names.len(), .names.join(", "), .names[0])]
+    Many { names: Vec<String>, cmd: String },
+    #[error("{dir}: cannot list the instances: {source}")]
+    Unlisted {
+        dir: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The folder of the instances' configs.
+pub fn config_dir() -> PathBuf {
+    std::env::var_os(CONFIG_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from(config::CONFIG_DIR), PathBuf::from)
+}
+
+/// Instance `name`'s config file.
+pub fn config_of(name: &str) -> PathBuf {
+    config_dir().join(format!("{name}.toml"))
+}
+
+/// The config a command reads: `-c FILE`, else NAME's, else
+/// `$VLLM_WARDEN_CONFIG`, else the host's only instance's. `cmd` names
+/// the command in the message that asks for a name.
+pub fn choose(file: Option<&Path>, name: Option<&str>, cmd: &str) -> Result<PathBuf, Choice> {
+    match (file, name) {
+        (Some(_), Some(_)) => Err(Choice::Both),
+        (Some(f), None) => Ok(f.to_path_buf()),
+        (None, Some(n)) if config::valid_name(n) => Ok(config_of(n)),
+        (None, Some(n)) => Err(Choice::BadName(n.to_string())),
+        (None, None) => {
+            if let Some(f) = std::env::var_os(CONFIG_ENV).filter(|v| !v.is_empty()) {
+                return Ok(PathBuf::from(f));
+            }
+            let all = all()?;
+            match all.as_slice() {
+                [one] => Ok(one.config.clone()),
+                [] => Err(Choice::None { dir: config_dir().display().to_string(), run: defaults::RUN_DIR.to_string() }),
+                many => {
+                    Err(Choice::Many { names: many.iter().map(|f| f.name.clone()).collect(), cmd: cmd.to_string() })
+                }
+            }
+        }
+    }
+}
+
+/// An instance of the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    pub name: String,
+    /// Its config file (`NAME.toml` in the config folder), there or not.
+    pub config: PathBuf,
+    /// Whether the config file is there.
+    pub configured: bool,
+}
+
+/// Every instance of the host, by name: a `NAME.toml` in the config
+/// folder, or a folder of [`defaults::RUN_DIR`] holding a control socket
+/// or a status file. A config folder that is not there has no instances;
+/// one that cannot be read is an error (the list would be wrong).
+pub fn all() -> Result<Vec<Found>, Choice> {
+    let dir = config_dir();
+    let mut names = std::collections::BTreeMap::new();
+    match std::fs::read_dir(&dir) {
+        Ok(entries) => {
+            for e in entries.flatten() {
+                let path = e.path();
+                let Some(name) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".toml")) else {
+                    continue;
+                };
+                // A file, or a link to one (a config kept elsewhere).
+                if config::valid_name(name) && path.is_file() {
+                    names.insert(name.to_string(), true);
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(Choice::Unlisted { dir: dir.display().to_string(), source }),
+    }
+    if let Ok(entries) = std::fs::read_dir(defaults::RUN_DIR) {
+        for e in entries.flatten() {
+            let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
+            let run = e.path();
+            let live = run.join(defaults::SOCKET).exists() || run.join("status.json").exists();
+            if config::valid_name(&name) && live {
+                names.entry(name).or_insert(false);
+            }
+        }
+    }
+    Ok(names
+        .into_iter()
+        .map(|(name, configured)| Found { config: dir.join(format!("{name}.toml")), name, configured })
+        .collect())
+}
+
+/// One request over the control socket, answered within `timeout`.
+pub fn ask(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    timeout: std::time::Duration,
+) -> Result<(u16, String), crate::daemon::server::client::ClientError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|source| {
+        crate::daemon::server::client::ClientError::Connect { path: socket.display().to_string(), source }
+    })?;
+    rt.block_on(crate::daemon::server::client::call_within(socket, method, path, timeout))
+}
+
+/// What can be seen of an instance's state.
+#[derive(Debug, Clone)]
+pub enum Seen {
+    Verdict(Box<crate::observe::status::StatusVerdict>),
+    /// Neither the control socket nor the status file may be read by this
+    /// user: a warden may well run. Why, in a sentence.
+    Denied(String),
+}
+
+/// The instance's status: from its warden (the control socket) when one
+/// answers, else from the status file. "Not running" only when that is
+/// what was seen, never when this user was refused.
+pub fn look(s: &crate::config::Settings, timeout: std::time::Duration) -> Seen {
+    use crate::daemon::server::client::ClientError;
+    let denied = |e: &std::io::Error| e.kind() == std::io::ErrorKind::PermissionDenied;
+    let socket = match ask(&s.server.socket, "GET", "/status", timeout) {
+        Ok((200, body)) => return Seen::Verdict(Box::new(crate::observe::status::verdict(&body))),
+        Err(ClientError::Connect { source, .. }) if denied(&source) => Some(source),
+        _ => None,
+    };
+    match std::fs::File::open(&s.status.file) {
+        Err(e) if denied(&e) => {
+            let socket = socket.map_or_else(String::new, |e| format!(", nor open {} ({e})", s.server.socket.display()));
+            Seen::Denied(format!("permission denied: cannot read {} ({e}){socket}", s.status.file.display()))
+        }
+        _ => Seen::Verdict(Box::new(crate::observe::status::read(&s.status.file))),
+    }
+}
