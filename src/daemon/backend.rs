@@ -632,7 +632,7 @@ impl Backend for RealBackend {
         let start = self.reports.run.as_ref()?.start;
         let found = self.loads.found.lock().unwrap_or_else(|p| p.into_inner()).take();
         let found = found.filter(|(s, _)| *s == start).map(|(_, f)| f)?;
-        let mut load = self.loads.ledger.start(&found.facts);
+        let mut load = self.loads.ledger.start(&found.facts, self.settings.ready.timeout);
         load.used = found.used;
         load.last_good = found
             .last_good
