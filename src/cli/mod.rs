@@ -321,7 +321,7 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
         Ok(s) => s,
         Err(code) => return code,
     };
-    let all = crate::observe::setups::list(&s.state_dir);
+    let all = crate::observe::setups::list(&s.state_dir, &s.name);
     let fail = |why: String| {
         eprintln!("vllm-warden: {why}");
         Code::NoReport
@@ -337,7 +337,7 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
         }
         Some(SetupsCmd::Show { id }) => {
             let found = match id {
-                Some(id) => crate::observe::setups::find(&s.state_dir, id),
+                Some(id) => crate::observe::setups::find(&s.state_dir, &s.name, id),
                 None => all.first().cloned().ok_or_else(|| "no setup has reached ready yet".to_string()),
             };
             match found {
@@ -369,7 +369,9 @@ fn setups_cmd(a: &args::SetupsArgs) -> Code {
                 (Some(x), None) => good().map(|g| (g, x.clone())),
                 (None, _) => good().and_then(|g| latest(&g).map(|l| (g, l))),
             };
-            let pair = ids.and_then(|(x, y)| Ok((setups::find(&s.state_dir, &x)?, setups::find(&s.state_dir, &y)?)));
+            let pair = ids.and_then(|(x, y)| {
+                Ok((setups::find(&s.state_dir, &s.name, &x)?, setups::find(&s.state_dir, &s.name, &y)?))
+            });
             match pair {
                 Ok((x, y)) => {
                     print!("{}", setups::diff(&x, &y));

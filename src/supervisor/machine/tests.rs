@@ -1019,7 +1019,10 @@ mod loads {
         // times (within ready.timeout, 90 min).
         let mut s = Sim::new(phased());
         let timeout = s.m.policy().ready_timeout;
-        start_with(&mut s, History::of(&[past(4000.0, 3600.0), past(4000.0, 3600.0), past(4000.0, 3600.0)], "f", timeout));
+        start_with(
+            &mut s,
+            History::of(&[past(4000.0, 3600.0), past(4000.0, 3600.0), past(4000.0, 3600.0)], "f", timeout),
+        );
         s.at(10.0).line("(Worker pid=1) INFO 11-29 18:09:34 [cpu_model_runner.py:68] Starting to load model /m...");
         s.at(20.0).line("(Worker pid=1) INFO 11-29 18:09:34 [default_loader.py:501] Loading weights took 9.90 seconds");
         // Compile under way: 3 × 60 min of silence asked, bounded to 4 ×
@@ -1218,6 +1221,45 @@ mod fit {
         let fx = fail_with(&mut s, 100, &[(FitArg::MaxModelLen, "1500000", Source::Config)], KV);
         assert_eq!(s.state(), "backoff");
         assert_eq!(fit_set(&fx), None);
+    }
+
+    #[test]
+    fn a_start_with_pinned_values_that_fails_drops_its_pins_and_says_so() {
+        let mut s = Sim::new(fitting());
+        s.ev(Event::Begin);
+        s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+        let used = BTreeMap::from([
+            (FitArg::MaxModelLen, ("69632".to_string(), Source::Pinned)),
+            (FitArg::GpuMemoryUtilization, ("0.9".to_string(), Source::Default)),
+        ]);
+        let load = LoadStart { fingerprint: "00000000000000aa".into(), used, ..Default::default() };
+        s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
+        s.ev(Event::Spawned { start: 1, pid: 100 });
+        let fx = s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+        let pinned = BTreeMap::from([(FitArg::MaxModelLen, "69632".to_string())]);
+        assert!(fx.contains(&Effect::Unpin(pinned)), "{fx:?}");
+        let said = fx
+            .iter()
+            .find_map(|e| match e {
+                Effect::Log(r) if r.topic == Topic::Fit => Some(r.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(said.severity, Severity::Warn);
+        assert_eq!(
+            said.message,
+            "memory fit: the start with the pinned --max-model-len 69632 failed; the pin is dropped for setup 00000000000000aa"
+        );
+        // A start stopped before ready proves nothing either way: kept.
+        let mut s = Sim::new(fitting());
+        s.ev(Event::Begin);
+        s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+        let used = BTreeMap::from([(FitArg::MaxModelLen, ("69632".to_string(), Source::Pinned))]);
+        let load = LoadStart { fingerprint: "00000000000000aa".into(), used, ..Default::default() };
+        s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
+        s.ev(Event::Spawned { start: 1, pid: 100 });
+        let fx = s.ev(Event::StopRequested);
+        assert!(!fx.iter().any(|e| matches!(e, Effect::Unpin(_))), "{fx:?}");
     }
 
     #[test]
