@@ -100,3 +100,51 @@ fn startupz_answers_503_with_the_phase_until_the_model_has_loaded() {
     assert_eq!(body["load"]["of"], 9, "{body}");
     assert_eq!(w.stop(), 0);
 }
+
+/// The ledger is the service user's file: lines written there (or one real
+/// outlier) lengthen a load's deadlines only within a bound of the config's.
+#[test]
+fn forged_ledger_lines_never_turn_off_the_stall_check() {
+    let make = |d: &std::path::Path, p: u16| {
+        let extra = format!("{FAST}max-attempts = 1\n[ready]\nstall = \"1s\"\ntimeout = \"60s\"\n");
+        config(d, p, &["--shards", "4", "--fail", "stall"], "stop-timeout = \"2s\"", &extra)
+    };
+    let mut w = Warden::start(make);
+    assert_eq!(w.wait_exit(), 75);
+    let ledger = w.path("state/loads.jsonl");
+    let first: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&ledger).unwrap().lines().last().unwrap()).unwrap();
+    let forge = |total: f64| -> String {
+        (1..=30)
+            .map(|id| {
+                let line = serde_json::json!({
+                    "id": id, "at": "2026-01-01T00:00:00Z", "start": 1, "outcome": {"kind": "ready"},
+                    "total_secs": total,
+                    "phases": [{"phase": "start", "secs": 1.0}, {"phase": "weights", "secs": total - 1.0}],
+                    "fingerprint": first["fingerprint"], "setup": first["setup"],
+                });
+                format!("{line}\n")
+            })
+            .collect()
+    };
+    let gave_up = |w: &Warden| w.statuses().last().unwrap().to_string();
+
+    // Thirty loads of a day each: none a load of a config whose loads take
+    // at most a minute; the stall is the config's.
+    std::fs::write(&ledger, forge(86_400.0)).unwrap();
+    w.spawn();
+    assert_eq!(w.wait_exit(), 75);
+    let last = gave_up(&w);
+    assert!(last.starts_with("gave up after 1 failed starts: no progress for 1s (ready.stall)"), "{last}");
+
+    // Thirty within the timeout, silent for most of it: history lengthens
+    // the stall, but to 4 × the config's at most.
+    std::fs::write(&ledger, forge(50.0)).unwrap();
+    w.spawn();
+    assert_eq!(w.wait_exit(), 75);
+    let last = gave_up(&w);
+    assert!(
+        last.starts_with("gave up after 1 failed starts: no progress for 4s (weights phase, from the ledger)"),
+        "{last}"
+    );
+}

@@ -115,7 +115,7 @@ fn a_changed_setup_that_fails_for_good_is_replaced_by_the_last_known_good() {
     let (ok, plain) = w.cli(&["setups", "diff"]);
     assert!(ok && plain == diff, "{plain}");
     let (ok, list) = w.cli(&["setups"]);
-    assert!(ok && list.starts_with(good) && list.lines().next().unwrap().ends_with("last-known-good"), "{list}");
+    assert!(ok && list.starts_with(good) && list.lines().next().unwrap().ends_with("newest"), "{list}");
     w.wait_for_file("warden.stderr", |w| w.stderr().contains("starting the last-known-good setup"));
 
     // The operator's config again, fixed: the rollback is over.
@@ -174,4 +174,232 @@ fn a_patch_that_breaks_the_model_is_undone_and_the_good_setup_patched_again() {
         w.cli(&["setups", "diff", d["rollback"]["good"].as_str().unwrap(), d["rollback"]["failed"].as_str().unwrap()]);
     assert!(ok && diff.contains("patched ") && diff.contains("config.json"), "{diff}");
     assert_eq!(w.stop(), 0);
+}
+
+/// The state directory is data, never a command.
+mod state_is_data {
+    use super::*;
+    use nix::sys::signal::Signal;
+
+    /// A record of setup `config` (its command `argv`) as the warden writes
+    /// them, with the fingerprint anyone can compute, `at` the given time.
+    fn forged_record(w: &Warden, argv: &[String], config: &str, at: &str) -> (String, String) {
+        let facts = vllm_warden::observe::ledger::Facts::gather(argv, &Default::default(), &[], None);
+        let record = serde_json::json!({
+            "fingerprint": facts.fingerprint,
+            "at": at,
+            "config_file": w.path("t.toml"),
+            "config": config,
+            "setup": facts.setup,
+        });
+        (facts.fingerprint.clone(), serde_json::to_string_pretty(&record).unwrap())
+    }
+
+    /// The good setup ready and recorded; its fingerprint and config text.
+    fn good_recorded(w: &mut Warden) -> (String, String) {
+        w.wait_ready();
+        let good = doc(w)["fingerprint"].as_str().unwrap().to_string();
+        let record = format!("state/setups/{good}.json");
+        w.wait_for_file(&record, |w| w.path(&record).exists());
+        (good, std::fs::read_to_string(w.path("t.toml")).unwrap())
+    }
+
+    /// The config `text` with its command replaced by `argv`.
+    fn with_command(text: &str, argv: &[String]) -> String {
+        let quoted: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
+        text.lines()
+            .map(|l| if l.starts_with("command = ") { format!("command = [{}]", quoted.join(", ")) } else { l.into() })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The reload to the setup that fails for good (`rollback(true)`'s).
+    fn reload_to_the_bad_setup(w: &mut Warden) {
+        let dir = w.path("");
+        let extra = format!("{FAST}[rollback]\nenabled = true\n");
+        std::fs::write(w.path("t.toml"), config(&dir, w.port, &["--shards", "1", "--fail", "kv-cache"], "", &extra))
+            .unwrap();
+        w.signal(Signal::SIGHUP);
+    }
+
+    fn good_config(d: &std::path::Path, p: u16) -> String {
+        config(d, p, &["--shards", "1"], "", &format!("{FAST}[rollback]\nenabled = true\n"))
+    }
+
+    #[test]
+    fn a_forged_setup_record_beside_the_real_one_never_runs_and_the_real_one_is_taken() {
+        let mut w = Warden::start(good_config);
+        let (good, text) = good_recorded(&mut w);
+        // A newer record, its fingerprint computed as the warden does, whose
+        // command would leave a mark and then serve as the model.
+        let mark = w.path("pwned");
+        let script = format!("echo PWNED >> {}; exec {} --port {} --shards 1", mark.display(), sim(), w.port);
+        let argv: Vec<String> = vec!["/bin/sh".into(), "-c".into(), script];
+        let (forged, json) = forged_record(&w, &argv, &with_command(&text, &argv), "2099-01-01T00:00:00Z");
+        std::fs::write(w.path(&format!("state/setups/{forged}.json")), json).unwrap();
+
+        reload_to_the_bad_setup(&mut w);
+        let said = w.wait_note("the rollback", |n| n.starts_with("STATUS=the new setup "));
+        assert!(said.contains(&format!("starting the last-known-good setup {good} from ")), "{said}");
+        w.wait_ready();
+        let d = doc(&w);
+        assert_eq!((d["setup"].as_str(), d["fingerprint"].as_str()), (Some("last-known-good"), Some(good.as_str())));
+        assert!(!w.stderr().contains("PWNED") && !w.stderr().contains("/bin/sh"), "the forged command ran");
+        assert_eq!(w.stop(), 0);
+        assert!(!mark.exists(), "the forged command ran");
+    }
+
+    #[test]
+    fn a_record_naming_another_instance_is_skipped_and_the_real_last_known_good_taken() {
+        let mut w = Warden::start(good_config);
+        let (good, text) = good_recorded(&mut w);
+        let argv: Vec<String> = vec![sim().into(), "--port".into(), w.port.to_string(), "--shards".into(), "2".into()];
+        let other = with_command(&text, &argv).replace("name = \"t\"", "name = \"other\"");
+        let (forged, json) = forged_record(&w, &argv, &other, "2099-01-01T00:00:00Z");
+        std::fs::write(w.path(&format!("state/setups/{forged}.json")), json).unwrap();
+
+        reload_to_the_bad_setup(&mut w);
+        let said = w.wait_note("the rollback", |n| n.starts_with("STATUS=the new setup "));
+        assert!(said.contains(&format!("starting the last-known-good setup {good} from ")), "{said}");
+        w.wait_ready();
+        assert_eq!(doc(&w)["fingerprint"], good.as_str());
+        // What `setups` shows is this instance's.
+        let (ok, list) = w.cli(&["setups"]);
+        assert!(ok && !list.contains(&forged) && list.starts_with(&good), "{list}");
+        assert_eq!(w.stop(), 0);
+    }
+
+    #[test]
+    fn a_warden_started_again_rolls_back_to_nothing_it_did_not_see_ready() {
+        let mut w = Warden::start(good_config);
+        good_recorded(&mut w);
+        assert_eq!(w.stop(), 0);
+        // The next warden's config fails for good: the record of the last
+        // warden's good setup is no command to it.
+        let dir = w.path("");
+        let extra = format!("{FAST}[rollback]\nenabled = true\n");
+        std::fs::write(w.path("t.toml"), config(&dir, w.port, &["--shards", "1", "--fail", "kv-cache"], "", &extra))
+            .unwrap();
+        w.spawn();
+        assert_eq!(w.wait_exit(), 78);
+        assert!(!w.statuses().iter().any(|s| s.contains("last-known-good")), "{:?}", w.statuses());
+    }
+
+    /// The command lines of the spawns so far (the warden's `running …`).
+    fn spawned(w: &Warden) -> Vec<String> {
+        w.stderr()
+            .lines()
+            .filter(|l| l.contains("EVENT=\"spawn\""))
+            .filter_map(|l| l.split_once("running ").map(|(_, c)| c.split(" (env:").next().unwrap().to_string()))
+            .collect()
+    }
+
+    /// Start again with `fit` as `[fit]` and `pins` as the setup's pins;
+    /// ready; the command line the simulator got.
+    fn start_with_pins(w: &mut Warden, fp: &str, fit: &str, pins: &str) -> String {
+        let dir = w.path("");
+        let c = config(&dir, w.port, &["--shards", "1", "--max-model-len", "8192"], "", &format!("{FAST}{fit}"));
+        std::fs::write(w.path("t.toml"), c).unwrap();
+        std::fs::write(w.path("state/fit-pins.json"), format!("{{\"{fp}\": {pins}}}")).unwrap();
+        let before = spawned(w).len();
+        w.spawn();
+        w.wait_ready();
+        w.wait_for_file("warden.stderr", |w| spawned(w).len() > before);
+        let cmd = spawned(w).pop().unwrap();
+        assert_eq!(w.stop(), 0);
+        cmd
+    }
+
+    /// A warden of the setup whose pins the tests plant, stopped once it
+    /// served: its fingerprint.
+    fn pinned_setup() -> (Warden, String) {
+        let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1", "--max-model-len", "8192"], "", FAST));
+        w.wait_ready();
+        let fp = doc(&w)["fingerprint"].as_str().unwrap().to_string();
+        assert_eq!(w.stop(), 0);
+        (w, fp)
+    }
+
+    const ON: &str = "[fit]\nenabled = true\nmin-model-len = 1024\n";
+
+    #[test]
+    fn pins_within_fit_and_its_bounds_are_used() {
+        let (mut w, fp) = pinned_setup();
+        let cmd = start_with_pins(&mut w, &fp, ON, r#"{"max-model-len": "4096", "gpu-memory-utilization": "0.6"}"#);
+        assert!(cmd.contains("--max-model-len 4096 --gpu-memory-utilization 0.6"), "{cmd}");
+        assert!(!w.stderr().contains("is not used"), "{}", w.stderr());
+    }
+
+    #[test]
+    fn a_pin_is_not_used_with_fit_off() {
+        let (mut w, fp) = pinned_setup();
+        let cmd = start_with_pins(&mut w, &fp, "", r#"{"max-model-len": "2048"}"#);
+        assert!(cmd.ends_with("--max-model-len 8192"), "{cmd}");
+        let said = format!("the pin --max-model-len \"2048\" of setup {fp} is not used: `fit.enabled` is off");
+        assert!(w.stderr().contains(&said), "{}", w.stderr());
+    }
+
+    #[test]
+    fn a_pin_of_an_argument_outside_fit_adjust_is_not_used() {
+        let (mut w, fp) = pinned_setup();
+        let only = format!("{ON}adjust = [\"gpu-memory-utilization\"]\n");
+        let cmd = start_with_pins(&mut w, &fp, &only, r#"{"max-model-len": "4096"}"#);
+        assert!(cmd.ends_with("--max-model-len 8192"), "{cmd}");
+        assert!(w.stderr().contains("`fit.adjust` does not allow --max-model-len"), "{}", w.stderr());
+    }
+
+    #[test]
+    fn pins_out_of_bounds_are_not_used() {
+        let (mut w, fp) = pinned_setup();
+        // Under `fit.min-utilization`; longer than the command's own length.
+        let cmd = start_with_pins(&mut w, &fp, ON, r#"{"max-model-len": "16384", "gpu-memory-utilization": "0.01"}"#);
+        assert!(cmd.ends_with("--max-model-len 8192") && !cmd.contains("--gpu-memory-utilization"), "{cmd}");
+        let stderr = w.stderr();
+        assert!(stderr.contains("the pin --gpu-memory-utilization \"0.01\" of setup"), "{stderr}");
+        assert!(stderr.contains("outside `fit.min-utilization` 0.5 .. `fit.max-utilization` 0.95"), "{stderr}");
+        assert!(stderr.contains("longer than the command's own --max-model-len 8192"), "{stderr}");
+    }
+
+    #[test]
+    fn an_unparsable_pin_is_not_used_and_named() {
+        let (mut w, fp) = pinned_setup();
+        // vLLM (and the simulator) would refuse its arguments at every start.
+        let cmd = start_with_pins(&mut w, &fp, ON, r#"{"gpu-memory-utilization": "1.2.3"}"#);
+        assert!(!cmd.contains("--gpu-memory-utilization"), "{cmd}");
+        let stderr = w.stderr();
+        assert!(stderr.contains("the pin --gpu-memory-utilization \"1.2.3\" of setup"), "{stderr}");
+        assert!(stderr.contains("is not used: not a fraction"), "{stderr}");
+    }
+
+    #[test]
+    fn a_pinned_start_that_fails_drops_its_pin_and_says_so() {
+        // The first two starts fail, the third serves.
+        let make = |d: &std::path::Path, p: u16| {
+            let count = d.join("count");
+            let args = ["--shards", "1", "--max-model-len", "8192", "--fail", "exit1", "--fail-times", "2"];
+            let args = [&args[..], &["--count-file", count.to_str().unwrap()]].concat();
+            config(d, p, &args, "", &format!("{FAST}[fit]\nenabled = true\nmin-model-len = 1024\n"))
+        };
+        let mut w = Warden::start(make);
+        w.wait_ready();
+        let fp = doc(&w)["fingerprint"].as_str().unwrap().to_string();
+        assert_eq!(w.stop(), 0);
+        std::fs::remove_file(w.path("count")).unwrap();
+        std::fs::write(w.path("state/fit-pins.json"), format!("{{\"{fp}\": {{\"max-model-len\": \"4096\"}}}}"))
+            .unwrap();
+        let before = spawned(&w).len();
+        w.spawn();
+        w.wait_ready();
+        w.wait_for_file("warden.stderr", |w| spawned(w).len() >= before + 3);
+        let cmds = spawned(&w)[before..].to_vec();
+        assert!(cmds[0].contains("--max-model-len 4096"), "{cmds:?}");
+        assert!(cmds[1..].iter().all(|c| c.contains("--max-model-len 8192")), "{cmds:?}");
+        let said = format!(
+            "memory fit: the start with the pinned --max-model-len 4096 failed; the pin is dropped for setup {fp}"
+        );
+        assert!(w.stderr().contains(&said), "{}", w.stderr());
+        assert_eq!(w.stop(), 0);
+        let pins = std::fs::read_to_string(w.path("state/fit-pins.json")).unwrap();
+        assert!(!pins.contains("4096"), "{pins}");
+    }
 }

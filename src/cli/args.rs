@@ -149,17 +149,16 @@ pub struct SetupsArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum SetupsCmd {
-    /// The setups that reached ready, newest (the last-known-good) first
-    /// (the default).
+    /// The setups recorded as reaching ready, newest first (the default).
     List,
     /// One setup: its config file, vLLM, command, environment (masked),
-    /// patched files (the last-known-good by default).
+    /// patched files (the newest by default).
     Show {
         /// A setup's fingerprint, or the start of it.
         id: Option<String>,
     },
     /// What differs between two setups: arguments, environment, patches.
-    /// Without arguments: the last-known-good against the setup of the
+    /// Without arguments: the newest recorded against the setup of the
     /// latest load of another (after a rollback, the one that failed).
     Diff { a: Option<String>, b: Option<String> },
 }
@@ -221,8 +220,8 @@ pub enum Cmd {
     /// The load ledger: every load's phases, compile cache and speed;
     /// one load's phases; two loads compared.
     Loads(LoadsArgs),
-    /// The setups that reached ready (the newest is the last-known-good),
-    /// one of them, and what differs between two.
+    /// The setups recorded as reaching ready, one of them, and what
+    /// differs between two (records to read: never run).
     Setups(SetupsArgs),
     /// The golden answers: the reference of each setup and the last
     /// check; their difference; accept the last answers.

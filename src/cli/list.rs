@@ -106,7 +106,7 @@ fn row(f: &Found) -> Row {
         fill(&mut r, d);
     }
     if r.estimate_secs.is_none() {
-        r.estimate_secs = estimate(&s.state_dir, doc.and_then(|d| d.fingerprint.as_deref()));
+        r.estimate_secs = estimate(&s.state_dir, doc.and_then(|d| d.fingerprint.as_deref()), s.ready.timeout);
     }
     r
 }
@@ -123,11 +123,12 @@ fn fill(r: &mut Row, d: &Doc) {
 }
 
 /// The median of the good loads of `fingerprint` (else of the last
-/// load's setup) in the ledger, when this user may read it.
-fn estimate(state_dir: &std::path::Path, fingerprint: Option<&str>) -> Option<f64> {
+/// load's setup) in the ledger, when this user may read it; loads longer
+/// than `timeout` (`ready.timeout`) are not counted.
+fn estimate(state_dir: &std::path::Path, fingerprint: Option<&str>, timeout: std::time::Duration) -> Option<f64> {
     let (records, _) = crate::observe::ledger::read(&state_dir.join(crate::observe::ledger::FILE)).ok()?;
     let fp = fingerprint.map(str::to_string).or_else(|| records.last().map(|r| r.fingerprint.clone()))?;
-    let h = crate::supervisor::load::History::of(&records, &fp)?;
+    let h = crate::supervisor::load::History::of(&records, &fp, timeout)?;
     Some(h.median.as_secs_f64())
 }
 

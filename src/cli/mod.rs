@@ -536,7 +536,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
     if let Err(code) = readable(&s, &["setups"]) {
         return code;
     }
-    let all = crate::observe::setups::list(&s.state_dir);
+    let all = crate::observe::setups::list(&s.state_dir, &s.name);
     let fail = |why: String| {
         eprintln!("vllm-warden: {why}");
         Code::NoReport
@@ -552,7 +552,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
         }
         Some(SetupsCmd::Show { id }) => {
             let found = match id {
-                Some(id) => crate::observe::setups::find(&s.state_dir, id),
+                Some(id) => crate::observe::setups::find(&s.state_dir, &s.name, id),
                 None => all.first().cloned().ok_or_else(|| "no setup has reached ready yet".to_string()),
             };
             match found {
@@ -584,7 +584,9 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
                 (Some(x), None) => good().map(|g| (g, x.clone())),
                 (None, _) => good().and_then(|g| latest(&g).map(|l| (g, l))),
             };
-            let pair = ids.and_then(|(x, y)| Ok((setups::find(&s.state_dir, &x)?, setups::find(&s.state_dir, &y)?)));
+            let pair = ids.and_then(|(x, y)| {
+                Ok((setups::find(&s.state_dir, &s.name, &x)?, setups::find(&s.state_dir, &s.name, &y)?))
+            });
             match pair {
                 Ok((x, y)) => {
                     out!("{}", setups::diff(&x, &y));

@@ -1,8 +1,9 @@
-//! `vllm-warden setups`: the setups that reached ready (the newest is the
-//! last-known-good), one of them, and what differs between two (a setup
-//! that never reached ready is found in the load ledger). Everything shown
-//! comes from files of the state directory: each field is made one visible
-//! line, and the environment is masked as it was recorded.
+//! `vllm-warden setups`: the setups recorded as reaching ready (newest
+//! first), one of them, and what differs between two (a setup that never
+//! reached ready is found in the load ledger). Everything shown comes from
+//! files of the state directory, which the warden never runs (a rollback
+//! starts only what the running warden saw ready): each field is made one
+//! visible line, and the environment is masked as it was recorded.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -18,7 +19,7 @@ fn safe(s: &str) -> String {
 pub fn table(all: &[SetupRecord]) -> String {
     let mut out = String::new();
     for (i, r) in all.iter().enumerate() {
-        let mark = if i == 0 { "last-known-good" } else { "" };
+        let mark = if i == 0 { "newest" } else { "" };
         let vllm = r.setup.vllm.as_deref().map_or_else(|| "-".into(), safe);
         let _ = writeln!(
             out,
@@ -56,8 +57,8 @@ pub fn show(r: &SetupRecord) -> String {
 /// A setup by its fingerprint (or a unique beginning of it): a recorded
 /// one, else the newest load of it in the ledger. Its fingerprint and
 /// setup, as JSON.
-pub fn find(state_dir: &Path, id: &str) -> Result<(String, serde_json::Value), String> {
-    match crate::observe::setups::find(state_dir, id) {
+pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<(String, serde_json::Value), String> {
+    match crate::observe::setups::find(state_dir, instance, id) {
         Ok(r) => Ok((r.fingerprint, serde_json::to_value(&r.setup).unwrap_or_default())),
         Err(not_kept) => {
             let ledger = state_dir.join(crate::observe::ledger::FILE);

@@ -239,6 +239,17 @@ pub fn valid_name(n: &str) -> bool {
     !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) && !n.starts_with('.')
 }
 
+/// The instance a config file's `text` at `path` names, as [`load`] reads
+/// it (`name`, else the file's stem); none when the text is not TOML or
+/// its `name` is not a string.
+pub fn instance_in(text: &str, path: &Path) -> Option<String> {
+    let doc: toml::Table = toml::from_str(text).ok()?;
+    match doc.get("name") {
+        Some(v) => v.as_str().map(str::to_string),
+        None => Some(path.file_stem().and_then(|s| s.to_str()).unwrap_or("vllm").to_string()),
+    }
+}
+
 fn instance_name(r: &mut Reader<'_>, v: &Value<'_>) -> Option<String> {
     let n = r.string(v, "name")?;
     let ok = valid_name(&n);

@@ -396,6 +396,7 @@ impl Backend for RealBackend {
         let found = self.loads.found.clone();
         let fit = self.loads.recovery.fit.clone();
         let expect = self.loads.recovery.expect.clone();
+        let dropped = self.loads.recovery.dropped.clone();
         let revert = self.loads.recovery.revert.take();
         let (preload, kind) = (self.preload.clone(), self.start_kind.clone());
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
@@ -433,13 +434,14 @@ impl Backend for RealBackend {
             }
             if result.is_ok() {
                 // The setup as it starts (after the patches): its ledger,
-                // memory fit's values, the last-known-good setup, and which
-                // kind of start it is (not part of the fingerprint).
+                // memory fit's values, and which kind of start it is (not
+                // part of the fingerprint).
                 let s = settings.clone();
-                let found_now =
-                    tokio::task::spawn_blocking(move || crate::daemon::recover::find(&s, &fit, expect.as_deref()))
-                        .await
-                        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+                let found_now = tokio::task::spawn_blocking(move || {
+                    crate::daemon::recover::find(&s, &fit, expect.as_ref(), &dropped)
+                })
+                .await
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
                 match found_now {
                     Ok(mut f) => {
                         f.facts.setup.preload =
@@ -633,14 +635,16 @@ impl Backend for RealBackend {
         let start = self.reports.run.as_ref()?.start;
         let found = self.loads.found.lock().unwrap_or_else(|p| p.into_inner()).take();
         let found = found.filter(|(s, _)| *s == start).map(|(_, f)| f)?;
-        let mut load = self.loads.ledger.start(&found.facts);
+        let mut load = self.loads.ledger.start(&found.facts, self.settings.ready.timeout);
         load.used = found.used;
-        load.last_good = found
-            .last_good
+        // The last-known-good of this warden's life, when it is another.
+        load.last_good = self
+            .loads
+            .recovery
+            .good
             .as_ref()
             .filter(|g| g.fingerprint != found.facts.fingerprint)
             .map(|g| (g.fingerprint.clone(), g.at.clone()));
-        self.loads.recovery.last_good = found.last_good;
         self.loads.running = Some(found.facts);
         Some(load)
     }
@@ -661,9 +665,24 @@ impl Backend for RealBackend {
     fn pin(&mut self, values: std::collections::BTreeMap<crate::config::FitArg, String>) {
         let Some(facts) = &self.loads.running else { return };
         let (state, fp) = (self.settings.state_dir.clone(), facts.fingerprint.clone());
+        if let Some(d) = self.loads.recovery.dropped.get_mut(&fp) {
+            d.retain(|a, _| !values.contains_key(a));
+        }
         tokio::task::spawn_blocking(move || {
             if let Err(e) = crate::observe::setups::pin(&state, &fp, &values) {
                 tracing::warn!(EVENT = "fit", "cannot pin memory fit's values for setup {fp}: {e}");
+            }
+        });
+    }
+
+    fn unpin(&mut self, values: std::collections::BTreeMap<crate::config::FitArg, String>) {
+        let Some(facts) = &self.loads.running else { return };
+        let (state, fp) = (self.settings.state_dir.clone(), facts.fingerprint.clone());
+        // Not used again by this warden, whenever the file is written.
+        self.loads.recovery.dropped.entry(fp.clone()).or_default().extend(values.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = crate::observe::setups::unpin(&state, &fp, &values) {
+                tracing::warn!(EVENT = "fit", "cannot drop memory fit's pins of setup {fp}: {e}");
             }
         });
     }
@@ -672,7 +691,14 @@ impl Backend for RealBackend {
         let Some(facts) = &self.loads.running else { return };
         let record = crate::observe::setups::good_now(&self.settings, facts);
         let (state, keep) = (self.settings.state_dir.clone(), self.settings.rollback.keep);
-        self.loads.recovery.last_good = Some(record.clone());
+        // The last-known-good is what this warden read and saw ready, kept
+        // here; the record on disk is to show and compare.
+        self.loads.recovery.good = Some(crate::daemon::recover::Good {
+            fingerprint: record.fingerprint.clone(),
+            at: record.at.clone(),
+            settings: self.settings.clone(),
+            setup: facts.setup.clone(),
+        });
         tokio::task::spawn_blocking(move || {
             if let Err(e) = crate::observe::setups::record_good(&state, &record, keep) {
                 tracing::warn!(EVENT = "rollback", "cannot record the good setup {}: {e}", record.fingerprint);
@@ -681,10 +707,12 @@ impl Backend for RealBackend {
     }
 
     fn rollback(&mut self) -> Result<Settings, String> {
-        let good = self.loads.recovery.last_good.clone().ok_or("no setup has been recorded as good")?;
-        let settings = crate::daemon::recover::rollback_settings(&self.settings, &good, &Dirs::from_env())?;
+        let good = self.loads.recovery.good.as_ref().ok_or("no setup has reached ready in this warden's life")?;
+        let settings = crate::daemon::recover::rollback_settings(&self.settings, good)?;
+        let expect =
+            crate::daemon::recover::Expect { fingerprint: good.fingerprint.clone(), setup: good.setup.clone() };
         self.loads.recovery.revert = Some(self.settings.patches.clone());
-        self.loads.recovery.expect = Some(good.fingerprint);
+        self.loads.recovery.expect = Some(expect);
         Ok(settings)
     }
 

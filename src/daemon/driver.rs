@@ -206,7 +206,11 @@ pub trait Backend {
     fn fit(&mut self, _set: std::collections::BTreeMap<crate::config::FitArg, String>) {}
     /// Pin memory fit's values for the setup just ready, off the loop.
     fn pin(&mut self, _values: std::collections::BTreeMap<crate::config::FitArg, String>) {}
-    /// Record the setup just ready as the last-known-good, off the loop.
+    /// Drop memory fit's pins of the setup whose start with them failed
+    /// (the file off the loop).
+    fn unpin(&mut self, _values: std::collections::BTreeMap<crate::config::FitArg, String>) {}
+    /// Keep the setup just ready as the last-known-good (its record written
+    /// off the loop).
     fn setup_good(&mut self) {}
     /// The last-known-good setup's settings, to be used from the next
     /// start as a reload's are (`reconfigure` follows); why not, else.
@@ -500,6 +504,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::Prepare { start } => self.backend.prepare(start),
                 Effect::Fit(set) => self.backend.fit(set),
                 Effect::Pin(values) => self.backend.pin(values),
+                Effect::Unpin(values) => self.backend.unpin(values),
                 Effect::SetupGood => self.backend.setup_good(),
                 Effect::Rollback => {
                     let policy = self.backend.rollback().and_then(|settings| {

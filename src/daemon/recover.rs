@@ -1,17 +1,46 @@
 //! The backend's side of recovering by itself: what a start is made of
 //! once its pre-start steps are done (the setup's fingerprint, memory fit's
-//! values over the command line, the last-known-good setup), and the
+//! values over the command line), the last-known-good setup and the
 //! settings of a rollback. What to do when is the machine's
-//! (`supervisor::fit`, `supervisor::machine`); the records are
+//! (`supervisor::fit`, `supervisor::machine`); the records on disk are
 //! `observe::setups`.
+//!
+//! The last-known-good is kept in memory, never read back from the state
+//! directory: that folder is the service user's, and the service user is
+//! also who vLLM runs a model's remote code as, so a config read from it
+//! could be anyone's command (and its `[[patch]]` anyone's file write). A
+//! rollback starts only settings this warden parsed itself from the
+//! operator's file and saw reach ready with good golden answers; a warden
+//! just started (a boot, a restart, an upgrade in place) has none until a
+//! setup does. Pins are read from the state directory, but as numbers that
+//! `[fit]` bounds (`supervisor::fit::check_pin`).
 
 use std::collections::BTreeMap;
 
 use crate::config::{FitArg, Settings};
-use crate::observe::ledger::Facts;
-use crate::observe::setups::{self, SetupRecord};
+use crate::observe::ledger::{Facts, Setup};
 use crate::supervisor::fit::{Source, Used, VLLM_UTILIZATION};
 use crate::supervisor::outcome::StartFailure;
+
+/// A setup that reached ready (with good golden answers, when asked) in
+/// this warden's life: the settings it was started with, as this warden
+/// read them from the operator's file.
+#[derive(Debug, Clone)]
+pub struct Good {
+    pub fingerprint: String,
+    /// When it reached ready (RFC 3339, UTC).
+    pub at: String,
+    pub settings: Settings,
+    /// What the fingerprint is made of, to say what changed since.
+    pub setup: Setup,
+}
+
+/// The setup a rollback start must be.
+#[derive(Debug, Clone)]
+pub struct Expect {
+    pub fingerprint: String,
+    pub setup: Setup,
+}
 
 /// What memory fit and a rollback ask of the next starts.
 #[derive(Debug, Default)]
@@ -21,10 +50,14 @@ pub struct Recovery {
     /// A rollback: the failed setup's patches, undone before the next
     /// start (once).
     pub revert: Option<Vec<crate::patch::Patch>>,
-    /// A rollback: the fingerprint the start must have.
-    pub expect: Option<String>,
-    /// The last-known-good setup as the last start found it.
-    pub last_good: Option<SetupRecord>,
+    /// A rollback: the setup the start must be.
+    pub expect: Option<Expect>,
+    /// The last-known-good setup: the newest that reached ready in this
+    /// warden's life.
+    pub good: Option<Good>,
+    /// Pins whose start failed, per setup: not used again (their removal
+    /// from the file goes on off the loop).
+    pub dropped: BTreeMap<String, BTreeMap<FitArg, String>>,
 }
 
 /// A start, as its pre-start steps found it.
@@ -35,8 +68,6 @@ pub struct Found {
     pub used: Used,
     /// The command line with memory fit's values.
     pub argv: Vec<String>,
-    /// The last-known-good setup.
-    pub last_good: Option<SetupRecord>,
 }
 
 /// The values of the fit arguments for `command`: `fit` first, then the
@@ -67,35 +98,77 @@ pub fn argv(command: &[String], used: &Used) -> Vec<String> {
         .fold(command.to_vec(), |c, (a, (v, _))| crate::config::command::with_flag(&c, a.flag(), v))
 }
 
-/// What the start of `s` is, off the loop: its facts, pins and the
-/// last-known-good setup. A rollback start whose setup is not the one
-/// recorded (`expect`) fails here, saying what differs.
-pub fn find(s: &Settings, fit: &BTreeMap<FitArg, String>, expect: Option<&str>) -> Result<Found, StartFailure> {
+/// The pins of setup `fingerprint` (`raw`, as the file has them) that a
+/// start of `s` may use: each other one is named in a warning, with why.
+/// `dropped`: the values whose start failed in this warden's life.
+pub fn usable_pins(
+    s: &Settings,
+    fingerprint: &str,
+    raw: &BTreeMap<String, String>,
+    dropped: Option<&BTreeMap<FitArg, String>>,
+) -> BTreeMap<FitArg, String> {
+    let mut out = BTreeMap::new();
+    for (name, value) in raw {
+        let Some(arg) = FitArg::of_name(name) else {
+            tracing::warn!(
+                INSTANCE = s.name.as_str(),
+                EVENT = "fit",
+                MESSAGE_ID = crate::supervisor::events::FIT_MESSAGE_ID,
+                "memory fit: the pin {name:?} of setup {fingerprint} is not used: not an argument memory fit sets"
+            );
+            continue;
+        };
+        if dropped.and_then(|d| d.get(&arg)) == Some(value) {
+            continue;
+        }
+        let own = crate::config::command::vllm_flag(&s.child.command, arg.flag());
+        match crate::supervisor::fit::check_pin(arg, value, own.as_deref(), &s.fit) {
+            Ok(()) => {
+                out.insert(arg, value.clone());
+            }
+            Err(why) => tracing::warn!(
+                INSTANCE = s.name.as_str(),
+                EVENT = "fit",
+                MESSAGE_ID = crate::supervisor::events::FIT_MESSAGE_ID,
+                "memory fit: the pin {} {value:?} of setup {fingerprint} is not used: {why}",
+                arg.flag()
+            ),
+        }
+    }
+    out
+}
+
+/// What the start of `s` is, off the loop: its facts and memory fit's
+/// values (`fit`, then the usable pins). A rollback start whose setup is
+/// not the one expected (`expect`) fails here, saying what differs.
+pub fn find(
+    s: &Settings,
+    fit: &BTreeMap<FitArg, String>,
+    expect: Option<&Expect>,
+    dropped: &BTreeMap<String, BTreeMap<FitArg, String>>,
+) -> Result<Found, StartFailure> {
     let facts = crate::daemon::environment::load_facts(s);
-    let last_good = setups::last_good(&s.state_dir);
-    if let Some(fp) = expect
-        && fp != facts.fingerprint
+    if let Some(want) = expect
+        && want.fingerprint != facts.fingerprint
     {
-        // The record, read once: what differs, and whether vLLM itself did.
-        let was = setups::find(&s.state_dir, fp).ok().map(|r| r.setup);
         let now = serde_json::to_value(&facts.setup).unwrap_or_default();
-        let what = was.as_ref().map_or_else(
-            || "its record is gone".to_string(),
-            |w| crate::observe::ledger::setup_changes(&serde_json::to_value(w).unwrap_or_default(), &now).join("; "),
-        );
-        let venv = if was.is_some_and(|w| w.vllm != facts.setup.vllm) {
+        let was = serde_json::to_value(&want.setup).unwrap_or_default();
+        let what = crate::observe::ledger::setup_changes(&was, &now).join("; ");
+        let venv = if want.setup.vllm != facts.setup.vllm {
             " (the command's vLLM changed in place: side-by-side venvs make vLLM upgrades roll back)"
         } else {
             ""
         };
         return Err(StartFailure::permanent(format!(
-            "the last-known-good setup {fp} cannot be started as it was: {what}{venv}"
+            "the last-known-good setup {} cannot be started as it was: {what}{venv}",
+            want.fingerprint
         )));
     }
-    let pinned = setups::pins(&s.state_dir, &facts.fingerprint);
+    let raw = crate::observe::setups::pins(&s.state_dir, &facts.fingerprint);
+    let pinned = usable_pins(s, &facts.fingerprint, &raw, dropped.get(&facts.fingerprint));
     let used = used(&s.child.command, fit, &pinned);
     let argv = argv(&s.child.command, &used);
-    Ok(Found { facts, used, argv, last_good })
+    Ok(Found { facts, used, argv })
 }
 
 /// Memory fit moves an argument only while no other process holds GPU
@@ -121,23 +194,15 @@ pub async fn gpus_free(s: &Settings, fit: &BTreeMap<FitArg, String>) -> Result<(
     }
 }
 
-/// The settings of the last-known-good setup `good`, for the warden now
-/// running `current`: its recorded config text, read again. The record
-/// lives in the state directory; a record that names another instance is
-/// refused.
-pub fn rollback_settings(
-    current: &Settings,
-    good: &SetupRecord,
-    dirs: &crate::config::Dirs,
-) -> Result<Settings, String> {
-    let s = crate::config::parse(&good.config, &current.source, dirs).map_err(|p| {
-        let first = p.0.first().map(ToString::to_string).unwrap_or_default();
-        format!("its recorded config no longer reads: {first}")
-    })?;
+/// The settings of a rollback to `good`, for the warden now running
+/// `current`: the good setup's own, as this warden read them. Held to the
+/// instance all the same (a reload cannot change it).
+pub fn rollback_settings(current: &Settings, good: &Good) -> Result<Settings, String> {
+    let s = &good.settings;
     if s.name != current.name || s.state_dir != current.state_dir {
-        return Err(format!("its record names instance {:?}, not {:?}", s.name, current.name));
+        return Err(format!("it was instance {:?}'s, not {:?}", s.name, current.name));
     }
-    Ok(s)
+    Ok(s.clone())
 }
 
 #[cfg(test)]
@@ -168,6 +233,30 @@ mod tests {
         );
     }
 
+    fn settings(d: &std::path::Path, text: &str) -> Settings {
+        let dirs = crate::config::Dirs { state: Some(d.join("state")), ..Default::default() };
+        crate::config::parse(text, &d.join("m.toml"), &dirs).unwrap()
+    }
+
+    #[test]
+    fn pins_are_used_only_as_fit_allows_and_not_after_their_start_failed() {
+        let d = tempfile::tempdir().unwrap();
+        let on =
+            "name = \"m\"\n[child]\ncommand = [\"vllm\", \"--max-model-len\", \"100000\"]\n[fit]\nenabled = true\n";
+        let s = settings(d.path(), on);
+        let raw = BTreeMap::from([
+            ("max-model-len".to_string(), "69632".to_string()),
+            ("gpu-memory-utilization".to_string(), "0.01".to_string()),
+            ("trust-remote-code".to_string(), "1".to_string()),
+        ]);
+        let got = usable_pins(&s, "00000000000000aa", &raw, None);
+        assert_eq!(got, BTreeMap::from([(FitArg::MaxModelLen, "69632".to_string())]));
+        let dropped = BTreeMap::from([(FitArg::MaxModelLen, "69632".to_string())]);
+        assert!(usable_pins(&s, "00000000000000aa", &raw, Some(&dropped)).is_empty());
+        let off = settings(d.path(), &on.replace("enabled = true", "enabled = false"));
+        assert!(usable_pins(&off, "00000000000000aa", &raw, None).is_empty());
+    }
+
     #[test]
     fn a_last_known_good_whose_vllm_changed_in_place_is_refused_saying_so() {
         let d = tempfile::tempdir().unwrap();
@@ -178,31 +267,28 @@ mod tests {
         std::fs::create_dir_all(site.join("vllm-0.31.0.dist-info")).unwrap();
         let text =
             format!("name = \"m\"\n[child]\ncommand = [\"{}\", \"serve\", \"m\"]\n", venv.join("bin/vllm").display());
-        let dirs = crate::config::Dirs { state: Some(d.path().join("state")), ..Default::default() };
-        let s = crate::config::parse(&text, &d.path().join("m.toml"), &dirs).unwrap();
-        let before = find(&s, &BTreeMap::new(), None).unwrap();
-        setups::record_good(&s.state_dir, &setups::good_now(&s, &before.facts), 5).unwrap();
-        assert!(find(&s, &BTreeMap::new(), Some(&before.facts.fingerprint)).is_ok(), "as it was: it starts");
+        let s = settings(d.path(), &text);
+        let (none, no_drops) = (BTreeMap::new(), BTreeMap::new());
+        let before = find(&s, &none, None, &no_drops).unwrap();
+        let expect = Expect { fingerprint: before.facts.fingerprint.clone(), setup: before.facts.setup.clone() };
+        assert!(find(&s, &none, Some(&expect), &no_drops).is_ok(), "as it was: it starts");
         // The venv upgraded where it stands.
         std::fs::rename(site.join("vllm-0.31.0.dist-info"), site.join("vllm-0.32.0.dist-info")).unwrap();
-        let err = find(&s, &BTreeMap::new(), Some(&before.facts.fingerprint)).unwrap_err();
+        let err = find(&s, &none, Some(&expect), &no_drops).unwrap_err();
         assert!(err.permanent);
         assert!(err.cause.contains("vllm: vllm 0.31.0 → vllm 0.32.0"), "{}", err.cause);
         assert!(err.cause.ends_with("side-by-side venvs make vLLM upgrades roll back)"), "{}", err.cause);
     }
 
     #[test]
-    fn a_record_of_another_instance_is_not_rolled_back_to() {
+    fn a_good_setup_of_another_instance_is_not_rolled_back_to() {
         let d = tempfile::tempdir().unwrap();
-        let dirs = crate::config::Dirs { state: Some(d.path().join("state")), ..Default::default() };
-        let s = crate::config::parse("name = \"m\"\n[child]\ncommand = [\"vllm\"]\n", &d.path().join("m.toml"), &dirs)
-            .unwrap();
+        let s = settings(d.path(), "name = \"m\"\n[child]\ncommand = [\"vllm\"]\n");
+        let facts = crate::observe::ledger::Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], None);
         let mut good =
-            setups::good_now(&s, &crate::observe::ledger::Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], None));
-        assert!(rollback_settings(&s, &good, &dirs).is_ok());
-        good.config = "name = \"other\"\n[child]\ncommand = [\"vllm\"]\n".into();
-        assert!(rollback_settings(&s, &good, &dirs).unwrap_err().contains("instance \"other\""));
-        good.config = "[child\n".into();
-        assert!(rollback_settings(&s, &good, &dirs).unwrap_err().starts_with("its recorded config no longer reads"));
+            Good { fingerprint: facts.fingerprint.clone(), at: "2026".into(), settings: s.clone(), setup: facts.setup };
+        assert!(rollback_settings(&s, &good).is_ok());
+        good.settings = settings(d.path(), "name = \"other\"\n[child]\ncommand = [\"vllm\"]\n");
+        assert!(rollback_settings(&s, &good).unwrap_err().contains("instance \"other\"'s"));
     }
 }

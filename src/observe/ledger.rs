@@ -258,8 +258,10 @@ impl Ledger {
         &self.records
     }
 
-    /// What the ledger knows of a start with `facts`.
-    pub fn start(&self, facts: &Facts) -> LoadStart {
+    /// What the ledger knows of a start with `facts`, under a config whose
+    /// loads may take `timeout` (`ready.timeout`: a longer record is none
+    /// of its loads).
+    pub fn start(&self, facts: &Facts, timeout: std::time::Duration) -> LoadStart {
         let cold = facts.weights.as_ref().map(|(_, id)| {
             !self
                 .records
@@ -268,7 +270,7 @@ impl Ledger {
         });
         LoadStart {
             fingerprint: facts.fingerprint.clone(),
-            history: History::of(&self.records, &facts.fingerprint),
+            history: History::of(&self.records, &facts.fingerprint, timeout),
             weights_bytes: facts.weights.as_ref().map(|w| w.0),
             cold,
             used: Default::default(),
@@ -538,10 +540,10 @@ mod tests {
         let mut facts = Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], Some(dir.path()));
         facts.boot = Some("boot-1".into());
         assert_eq!(facts.weights, Some((1000, id)));
-        assert_eq!(l.start(&facts).cold, Some(true));
+        assert_eq!(l.start(&facts, std::time::Duration::from_secs(3600)).cold, Some(true));
         l.push(rec(&facts.fingerprint, 1.0), Some(&facts), std::time::SystemTime::UNIX_EPOCH);
-        assert_eq!(l.start(&facts).cold, Some(false));
+        assert_eq!(l.start(&facts, std::time::Duration::from_secs(3600)).cold, Some(false));
         facts.boot = Some("boot-2".into());
-        assert_eq!(l.start(&facts).cold, Some(true), "a new boot");
+        assert_eq!(l.start(&facts, std::time::Duration::from_secs(3600)).cold, Some(true), "a new boot");
     }
 }

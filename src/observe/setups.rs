@@ -1,13 +1,18 @@
 //! What the state directory keeps of setups: each setup that reached ready
 //! (`setups/<fingerprint>.json`: the config file's text, the command line
-//! and environment masked, the patched files' sha256, when), the newest of
-//! them the last-known-good; and memory fit's pinned values
+//! and environment masked, the patched files' sha256, when), to show and
+//! compare (`vllm-warden setups`); and memory fit's pinned values
 //! (`fit-pins.json`: per setup fingerprint, the arguments that fitted).
 //!
-//! The state directory is the service user's, and a file in it may have
-//! been written by someone else: every name used here is derived (a
-//! fingerprint of 16 hex digits), what is read has a size cap, and a
-//! record whose fingerprint is not its name is not read.
+//! The state directory is the service user's — the user vLLM runs a
+//! model's remote code as — and a file in it may have been written by
+//! someone else. So a record here is never a command: a rollback starts
+//! only a config this warden read itself from the operator's file
+//! (`daemon::recover::Good`, kept in memory), and a pin is a number that
+//! `supervisor::fit::check_pin` holds to `[fit]` before it is used. Every
+//! name used here is derived (a fingerprint of 16 hex digits), what is read
+//! has a size cap, a record whose fingerprint is not its name, or whose
+//! config names another instance, is not read.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -94,6 +99,11 @@ pub fn good_now(s: &crate::config::Settings, facts: &crate::observe::ledger::Fac
     }
 }
 
+/// The instance `r`'s config names; none when its text does not read.
+fn instance_of(r: &SetupRecord) -> Option<String> {
+    crate::config::instance_in(&r.config, &r.config_file)
+}
+
 fn list_in(dir: &Dir) -> Vec<SetupRecord> {
     let Ok(entries) = std::fs::read_dir(dir.path()) else { return Vec::new() };
     let mut out: Vec<SetupRecord> = entries
@@ -112,20 +122,18 @@ fn list_in(dir: &Dir) -> Vec<SetupRecord> {
     out
 }
 
-/// Every setup that reached ready, newest first (the first is the
-/// last-known-good).
-pub fn list(state_dir: &Path) -> Vec<SetupRecord> {
-    setups_dir(state_dir, false).map(|d| list_in(&d)).unwrap_or_default()
+/// Every setup of instance `instance` that reached ready, newest first: a
+/// record whose config names another instance (or does not read) is
+/// skipped.
+pub fn list(state_dir: &Path, instance: &str) -> Vec<SetupRecord> {
+    let all = setups_dir(state_dir, false).map(|d| list_in(&d)).unwrap_or_default();
+    all.into_iter().filter(|r| instance_of(r).as_deref() == Some(instance)).collect()
 }
 
-/// The last-known-good setup.
-pub fn last_good(state_dir: &Path) -> Option<SetupRecord> {
-    list(state_dir).into_iter().next()
-}
-
-/// The setup `id` (a fingerprint, or a unique beginning of one).
-pub fn find(state_dir: &Path, id: &str) -> Result<SetupRecord, String> {
-    let all = list(state_dir);
+/// The setup `id` of instance `instance` (a fingerprint, or a unique
+/// beginning of one).
+pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<SetupRecord, String> {
+    let all = list(state_dir, instance);
     let hits: Vec<&SetupRecord> = all.iter().filter(|r| r.fingerprint.starts_with(id) && !id.is_empty()).collect();
     match hits.as_slice() {
         [one] => Ok((*one).clone()),
@@ -136,20 +144,57 @@ pub fn find(state_dir: &Path, id: &str) -> Result<SetupRecord, String> {
 
 type Pins = BTreeMap<String, BTreeMap<String, String>>;
 
-/// The values pinned for setup `fingerprint`.
-pub fn pins(state_dir: &Path, fingerprint: &str) -> BTreeMap<FitArg, String> {
+/// A pin's name or value longer than this is not one the warden wrote.
+const PIN_TEXT_MAX: usize = 64;
+
+/// The values pinned for setup `fingerprint`, as the file has them
+/// (argument name → value): data, for `supervisor::fit::check_pin` to
+/// judge before a start uses any. A pins file that is not the pins' JSON is
+/// none, said once per read.
+pub fn pins(state_dir: &Path, fingerprint: &str) -> BTreeMap<String, String> {
     let Ok(dir) = state(state_dir, false) else { return BTreeMap::new() };
-    let all: Pins = read_json(&dir, PINS, PINS_MAX).unwrap_or_default();
+    let all: Pins = match read_pins(&dir) {
+        Ok(all) => all,
+        Err(why) => {
+            tracing::warn!(EVENT = "fit", "{}: {why}: no pinned value is used", state_dir.join(PINS).display());
+            return BTreeMap::new();
+        }
+    };
     all.get(fingerprint)
         .into_iter()
         .flatten()
-        .filter_map(|(k, v)| {
-            let arg = FitArg::of_name(k)?;
-            // Only a value vLLM reads as a number becomes an argument.
-            let ok = !v.is_empty() && v.len() <= 20 && v.bytes().all(|b| b.is_ascii_digit() || b == b'.');
-            ok.then(|| (arg, v.clone()))
-        })
+        .map(|(k, v)| (crate::util::escape::one_line(k, PIN_TEXT_MAX), crate::util::escape::one_line(v, PIN_TEXT_MAX)))
         .collect()
+}
+
+/// The pins file: none when there is none.
+fn read_pins(dir: &Dir) -> Result<Pins, String> {
+    let file = match dir.open_regular(std::ffi::OsStr::new(PINS), true) {
+        Ok((file, _)) => file,
+        Err(e) if e.io_error().is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) => return Ok(Pins::new()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let bytes = read_capped(&file, PINS_MAX).map_err(|e| e.to_string())?.map_err(|_| "too large".to_string())?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("not memory fit's pins ({e})"))
+}
+
+/// Drop the pins of setup `fingerprint` that still have the values of
+/// `values` (a start with them failed).
+pub fn unpin(state_dir: &Path, fingerprint: &str, values: &BTreeMap<FitArg, String>) -> std::io::Result<()> {
+    let dir = state(state_dir, false)?;
+    let mut all: Pins = read_pins(&dir).unwrap_or_default();
+    let Some(entry) = all.get_mut(fingerprint) else { return Ok(()) };
+    let before = entry.len();
+    entry.retain(|k, v| FitArg::of_name(k).and_then(|a| values.get(&a)) != Some(v));
+    if entry.len() == before {
+        return Ok(());
+    }
+    if entry.is_empty() {
+        all.remove(fingerprint);
+    }
+    all.retain(|k, _| valid_fingerprint(k));
+    let bytes = serde_json::to_vec_pretty(&all).map_err(std::io::Error::other)?;
+    dir.write_atomic(std::ffi::OsStr::new(PINS), &bytes, 0o600, None)
 }
 
 /// Pin `values` for setup `fingerprint` (over what it had).
@@ -158,7 +203,7 @@ pub fn pin(state_dir: &Path, fingerprint: &str, values: &BTreeMap<FitArg, String
         return Err(std::io::Error::other(format!("{fingerprint:?} is not a setup fingerprint")));
     }
     let dir = state(state_dir, true)?;
-    let mut all: Pins = read_json(&dir, PINS, PINS_MAX).unwrap_or_default();
+    let mut all: Pins = read_pins(&dir).unwrap_or_default();
     all.retain(|k, _| valid_fingerprint(k));
     let entry = all.entry(fingerprint.to_string()).or_default();
     for (a, v) in values {
@@ -193,44 +238,69 @@ mod tests {
     }
 
     #[test]
-    fn the_newest_good_setup_is_the_last_known_good_and_only_keep_are_kept() {
+    fn the_newest_good_setup_is_first_and_only_keep_are_kept() {
         let d = tempfile::tempdir().unwrap();
+        let newest = |d: &Path| list(d, "m").into_iter().next().unwrap().fingerprint;
         record_good(d.path(), &rec("00000000000000aa", "2026-01-01T00:00:00Z"), 2).unwrap();
         record_good(d.path(), &rec("00000000000000bb", "2026-01-02T00:00:00Z"), 2).unwrap();
-        assert_eq!(last_good(d.path()).unwrap().fingerprint, "00000000000000bb");
+        assert_eq!(newest(d.path()), "00000000000000bb");
         record_good(d.path(), &rec("00000000000000aa", "2026-01-03T00:00:00Z"), 2).unwrap();
-        assert_eq!(last_good(d.path()).unwrap().fingerprint, "00000000000000aa");
+        assert_eq!(newest(d.path()), "00000000000000aa");
         record_good(d.path(), &rec("00000000000000cc", "2026-01-04T00:00:00Z"), 2).unwrap();
-        let fps: Vec<String> = list(d.path()).into_iter().map(|r| r.fingerprint).collect();
+        let fps: Vec<String> = list(d.path(), "m").into_iter().map(|r| r.fingerprint).collect();
         assert_eq!(fps, ["00000000000000cc", "00000000000000aa"]);
-        assert_eq!(find(d.path(), "00000000000000c").unwrap().fingerprint, "00000000000000cc");
-        assert!(find(d.path(), "0000").is_err(), "two setups begin so");
+        assert_eq!(find(d.path(), "m", "00000000000000c").unwrap().fingerprint, "00000000000000cc");
+        assert!(find(d.path(), "m", "0000").is_err(), "two setups begin so");
         // Not a fingerprint: never a file name.
         assert!(record_good(d.path(), &rec("../../x", "2026"), 5).is_err());
     }
 
     #[test]
-    fn a_record_whose_name_is_not_its_fingerprint_is_not_read() {
+    fn a_record_whose_name_is_not_its_fingerprint_or_of_another_instance_is_not_read() {
         let d = tempfile::tempdir().unwrap();
         record_good(d.path(), &rec("00000000000000aa", "2026-01-01T00:00:00Z"), 5).unwrap();
         let forged = serde_json::to_vec(&rec("00000000000000ff", "2099-01-01T00:00:00Z")).unwrap();
         std::fs::write(d.path().join("setups/00000000000000ee.json"), forged).unwrap();
-        assert_eq!(last_good(d.path()).unwrap().fingerprint, "00000000000000aa");
+        // Newer, and named as it should be, but of another instance; and
+        // one whose config does not read.
+        let mut other = rec("00000000000000dd", "2099-01-01T00:00:00Z");
+        other.config = "name = \"other\"\n".into();
+        std::fs::write(d.path().join("setups/00000000000000dd.json"), serde_json::to_vec(&other).unwrap()).unwrap();
+        let mut broken = rec("00000000000000cc", "2099-01-01T00:00:00Z");
+        broken.config = "[child\n".into();
+        std::fs::write(d.path().join("setups/00000000000000cc.json"), serde_json::to_vec(&broken).unwrap()).unwrap();
+        let fps: Vec<String> = list(d.path(), "m").into_iter().map(|r| r.fingerprint).collect();
+        assert_eq!(fps, ["00000000000000aa"]);
+        assert_eq!(list(d.path(), "other")[0].fingerprint, "00000000000000dd");
+        // Without `name`, the config file's stem names the instance.
+        let mut unnamed = rec("00000000000000bb", "2026-01-02T00:00:00Z");
+        unnamed.config = "[child]\n".into();
+        record_good(d.path(), &unnamed, 5).unwrap();
+        assert_eq!(list(d.path(), "m")[0].fingerprint, "00000000000000bb");
     }
 
     #[test]
-    fn pins_are_per_setup_and_only_numbers_are_read() {
+    fn pins_are_per_setup_read_as_written_and_dropped_by_value() {
         let d = tempfile::tempdir().unwrap();
         let v = BTreeMap::from([(FitArg::MaxModelLen, "1047552".to_string())]);
         pin(d.path(), "00000000000000aa", &v).unwrap();
-        assert_eq!(pins(d.path(), "00000000000000aa"), v);
+        assert_eq!(pins(d.path(), "00000000000000aa"), BTreeMap::from([("max-model-len".into(), "1047552".into())]));
         assert!(pins(d.path(), "00000000000000bb").is_empty());
+        // Another value than the one that failed stays.
+        unpin(d.path(), "00000000000000aa", &BTreeMap::from([(FitArg::MaxModelLen, "1".to_string())])).unwrap();
+        assert_eq!(pins(d.path(), "00000000000000aa").len(), 1);
+        unpin(d.path(), "00000000000000aa", &v).unwrap();
+        assert!(pins(d.path(), "00000000000000aa").is_empty());
+        // What the file says, one visible line each: judged by the caller.
         std::fs::write(
             d.path().join(PINS),
-            r#"{"00000000000000aa": {"max-model-len": "1 --trust-remote-code", "gpu-memory-utilization": "0.92"}}"#,
+            r#"{"00000000000000aa": {"max-model-len": "1\n--trust-remote-code", "gpu-memory-utilization": "0.92"}}"#,
         )
         .unwrap();
         let got = pins(d.path(), "00000000000000aa");
-        assert_eq!(got, BTreeMap::from([(FitArg::GpuMemoryUtilization, "0.92".to_string())]));
+        assert_eq!(got["max-model-len"], "1\\n--trust-remote-code");
+        assert_eq!(got["gpu-memory-utilization"], "0.92");
+        std::fs::write(d.path().join(PINS), "not json").unwrap();
+        assert!(pins(d.path(), "00000000000000aa").is_empty());
     }
 }

@@ -370,6 +370,8 @@ pub enum Effect {
     Fit(std::collections::BTreeMap<crate::config::FitArg, String>),
     /// A start with fitted values reached ready: pin them for its setup.
     Pin(std::collections::BTreeMap<crate::config::FitArg, String>),
+    /// A start with pinned values failed: drop those pins of its setup.
+    Unpin(std::collections::BTreeMap<crate::config::FitArg, String>),
     /// The setup of the run just ready is good: keep it as the
     /// last-known-good.
     SetupGood,

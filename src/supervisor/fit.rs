@@ -107,6 +107,67 @@ pub enum Move {
     Refuse(String),
 }
 
+/// Whether a pinned `value` of `arg` may be used under `fit`, for a command
+/// whose own value of the flag is `own`: why not, else nothing. A pin is
+/// data from the state directory, which someone else may have written: it
+/// moves only what `[fit]` lets memory fit move, as far as memory fit
+/// could have moved it — with `fit.enabled`, an argument of `fit.adjust`,
+/// a `--max-model-len` within `fit.min-model-len`, its multiple and the
+/// command's own length (memory fit only shortens it), a
+/// `--gpu-memory-utilization` within `fit.min-utilization` and
+/// `fit.max-utilization` (memory fit moves it both ways between them).
+pub fn check_pin(arg: FitArg, value: &str, own: Option<&str>, fit: &Fit) -> Result<(), String> {
+    if !fit.enabled {
+        return Err("`fit.enabled` is off".into());
+    }
+    if !fit.adjust.contains(&arg) {
+        return Err(format!("`fit.adjust` does not allow {}", arg.flag()));
+    }
+    match arg {
+        FitArg::MaxModelLen => {
+            let whole = |v: &str| {
+                (!v.is_empty() && v.len() <= 19 && v.bytes().all(|b| b.is_ascii_digit()))
+                    .then(|| v.parse::<u64>().ok())
+                    .flatten()
+            };
+            let Some(n) = whole(value) else { return Err("not a whole number".into()) };
+            if n < fit.min_model_len {
+                return Err(format!("below `fit.min-model-len` {}", fit.min_model_len));
+            }
+            if n % fit.model_len_multiple.max(1) != 0 {
+                return Err(format!("not a multiple of `fit.model-len-multiple` {}", fit.model_len_multiple));
+            }
+            match own {
+                None => Ok(()),
+                Some(o) => match whole(o) {
+                    Some(o) if n <= o => Ok(()),
+                    Some(o) => Err(format!("longer than the command's own {} {o}", arg.flag())),
+                    None => Err(format!("the command's own {} {o:?} is not a number to compare it with", arg.flag())),
+                },
+            }
+        }
+        FitArg::GpuMemoryUtilization => {
+            // Digits and one point: no exponent, no `inf`, no sign.
+            let plain = !value.is_empty()
+                && value.len() <= 20
+                && value.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+                && value.bytes().filter(|b| *b == b'.').count() <= 1
+                && value.bytes().any(|b| b.is_ascii_digit());
+            let Some(x) = plain.then(|| value.parse::<f64>().ok()).flatten() else {
+                return Err("not a fraction".into());
+            };
+            // A hair of rounding is not past the bound.
+            if x < fit.min_utilization - 1e-9 || x > fit.max_utilization + 1e-9 {
+                return Err(format!(
+                    "outside `fit.min-utilization` {} .. `fit.max-utilization` {}",
+                    fit.min_utilization, fit.max_utilization
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
 /// A utilization as vLLM reads it: at most three decimals, no trailing zeros.
 fn fraction(x: f64) -> String {
     let s = format!("{:.3}", (x * 1000.0).round() / 1000.0);
@@ -240,6 +301,36 @@ mod tests {
         assert!(
             matches!(decide(&Problem::NoCacheMemory, &Used::new(), &f), Move::Refuse(w) if w.contains("fit.adjust"))
         );
+    }
+
+    #[test]
+    fn a_pin_moves_only_what_fit_may_move_and_only_as_far() {
+        let len = FitArg::MaxModelLen;
+        let util = FitArg::GpuMemoryUtilization;
+        assert_eq!(check_pin(len, "69632", Some("100000"), &fit()), Ok(()));
+        assert_eq!(check_pin(len, "69632", None, &fit()), Ok(()));
+        assert_eq!(check_pin(util, "0.92", None, &fit()), Ok(()));
+        // Off, or not an argument of `fit.adjust`.
+        let off = Fit { enabled: false, ..fit() };
+        assert!(check_pin(len, "69632", None, &off).unwrap_err().contains("`fit.enabled` is off"));
+        let only_util = Fit { adjust: vec![util], ..fit() };
+        assert!(check_pin(len, "69632", None, &only_util).unwrap_err().contains("`fit.adjust`"));
+        // Out of bounds.
+        let f = Fit { min_model_len: 4096, min_utilization: 0.5, ..fit() };
+        assert!(check_pin(len, "2048", None, &f).unwrap_err().contains("below `fit.min-model-len` 4096"));
+        assert!(check_pin(len, "5000", None, &f).unwrap_err().contains("multiple"));
+        assert!(check_pin(len, "200704", Some("100000"), &f).unwrap_err().contains("longer than the command's own"));
+        assert!(check_pin(len, "8192", Some("32k"), &f).is_err());
+        assert!(check_pin(util, "0.01", None, &f).unwrap_err().contains("outside `fit.min-utilization` 0.5"));
+        assert!(check_pin(util, "0.99", None, &f).unwrap_err().contains("`fit.max-utilization` 0.95"));
+        assert_eq!(check_pin(util, "0.5", None, &f), Ok(()));
+        // Not numbers vLLM would take.
+        for bad in ["", ".", "1.2.3", "0.9e0", "inf", "-0.9", "0.9 --trust-remote-code"] {
+            assert!(check_pin(util, bad, None, &f).is_err(), "{bad:?}");
+        }
+        for bad in ["", "8192.0", "+8192", "99999999999999999999"] {
+            assert!(check_pin(len, bad, None, &f).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

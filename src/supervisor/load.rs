@@ -142,16 +142,17 @@ pub struct LoadStart {
     pub preload: Option<crate::supervisor::preload::PreloadStart>,
 }
 
-/// What earlier good loads of one setup took.
+/// What earlier good loads of one setup took: the ledger's ready loads of
+/// it that are usable (see [`History::of`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct History {
-    /// Ready loads of the setup in the ledger (the medians are over the
-    /// last [`HISTORY_LOADS`] of them).
+    /// Usable ready loads of the setup in the ledger (the medians are over
+    /// the last [`HISTORY_LOADS`] of them).
     pub loads: usize,
     pub median: Duration,
     pub last: Duration,
     /// The phases of the last good load, in order, each with its median
-    /// and longest time over the loads that had it.
+    /// over the loads that had it.
     pub phases: Vec<PhaseHistory>,
     /// The most of the cache any of them used.
     pub best_cache: Option<CacheOutcome>,
@@ -161,13 +162,20 @@ pub struct History {
 pub struct PhaseHistory {
     pub phase: LoadPhase,
     pub median: Duration,
-    pub longest: Duration,
+    /// How many of the recent loads had the phase.
+    pub loads: usize,
 }
 
-/// The longest deadline history may set (the config's may be longer): one
-/// outlier in the ledger, or a line written there by someone else, never
-/// turns off the detection of a hung load for longer than a day.
-pub const HISTORY_CAP: Duration = Duration::from_secs(24 * 3600);
+/// History lengthens a deadline to at most this many times the config's:
+/// the ledger is a file the service user may write (and one outlier may be
+/// in it), so what it says never turns off the detection of a hung load
+/// for longer than a bounded multiple of what the operator configured.
+pub const HISTORY_BOUND: u32 = 4;
+
+/// History lengthens a deadline only from the median of at least this many
+/// usable loads: one load, an outlier or a line written by someone else,
+/// decides nothing.
+pub const HISTORY_MIN: usize = 3;
 
 /// How many of a setup's latest good loads the medians are over.
 pub const HISTORY_LOADS: usize = 20;
@@ -257,12 +265,29 @@ fn times(d: Duration, f: f64) -> Option<Duration> {
     (!x.is_nan() && x >= 0.0).then(|| secs(x))
 }
 
+/// Whether `r` can be a load of a config whose loads may take `timeout`:
+/// a total within it, phases that are times and add up to no more than
+/// the total. Anything else is an outlier the config would have failed, or
+/// a record not written by a load at all.
+fn usable(r: &LoadRecord, timeout: Duration) -> bool {
+    let time = |x: f64| x.is_finite() && x >= 0.0;
+    let sum: f64 = r.phases.iter().map(|t| t.secs).sum();
+    time(r.total_secs)
+        && r.total_secs > 0.0
+        && r.total_secs <= timeout.as_secs_f64()
+        && r.phases.iter().all(|t| time(t.secs))
+        && sum <= r.total_secs * (1.0 + 1e-9) + 1e-3
+}
+
 impl History {
     /// The history of `fingerprint` in `records` (oldest first): its good
-    /// loads; none without one.
-    pub fn of(records: &[LoadRecord], fingerprint: &str) -> Option<History> {
-        let good: Vec<&LoadRecord> =
-            records.iter().filter(|r| r.fingerprint == fingerprint && r.outcome == LoadOutcome::Ready).collect();
+    /// loads that could be loads under a `ready.timeout` of `timeout`
+    /// (others are skipped); none without one.
+    pub fn of(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Option<History> {
+        let good: Vec<&LoadRecord> = records
+            .iter()
+            .filter(|r| r.fingerprint == fingerprint && r.outcome == LoadOutcome::Ready && usable(r, timeout))
+            .collect();
         let last = *good.last()?;
         let recent = &good[good.len().saturating_sub(HISTORY_LOADS)..];
         let phases = last
@@ -270,11 +295,7 @@ impl History {
             .iter()
             .map(|t| {
                 let times: Vec<Duration> = recent.iter().filter_map(|r| r.phase(t.phase)).map(secs).collect();
-                PhaseHistory {
-                    phase: t.phase,
-                    median: median(times.clone()),
-                    longest: times.into_iter().max().unwrap_or_default(),
-                }
+                PhaseHistory { phase: t.phase, loads: times.len(), median: median(times) }
             })
             .collect();
         let best_cache =
@@ -404,21 +425,27 @@ impl LoadTrack {
     }
 
     /// How long the current phase may go without a progress line: the
-    /// config's `stall`, or `factor` × the phase's longest recorded time
-    /// when that is longer (history only lengthens a deadline).
+    /// config's `stall`, or `factor` × the phase's median over at least
+    /// [`HISTORY_MIN`] recorded loads when that is longer, at most
+    /// [`HISTORY_BOUND`] × `stall` (history only lengthens a deadline, and
+    /// only so far).
     pub fn stall(&self, stall: Duration, factor: f64) -> Duration {
         let phase = self.current();
         self.history()
             .and_then(|h| h.phase(phase))
-            .and_then(|p| times(p.longest, factor))
-            .map_or(stall, |d| d.min(HISTORY_CAP).max(stall))
+            .filter(|p| p.loads >= HISTORY_MIN)
+            .and_then(|p| times(p.median, factor))
+            .map_or(stall, |d| d.min(stall.saturating_mul(HISTORY_BOUND)).max(stall))
     }
 
     /// How long the whole load may take: `timeout`, or `factor` × the
-    /// setup's longest recorded load when that is longer.
+    /// setup's median load over at least [`HISTORY_MIN`] recorded loads
+    /// when that is longer, at most [`HISTORY_BOUND`] × `timeout`.
     pub fn timeout(&self, timeout: Duration, factor: f64) -> Duration {
-        let longest = self.history().map(|h| h.phases.iter().fold(Duration::ZERO, |a, p| a.saturating_add(p.longest)));
-        longest.and_then(|d| times(d, factor)).map_or(timeout, |d| d.min(HISTORY_CAP).max(timeout))
+        let recent = self.history().filter(|h| h.loads.min(HISTORY_LOADS) >= HISTORY_MIN);
+        recent
+            .and_then(|h| times(h.median, factor))
+            .map_or(timeout, |d| d.min(timeout.saturating_mul(HISTORY_BOUND)).max(timeout))
     }
 
     /// The load is over at `now`: its record (without the setup's details,
@@ -551,6 +578,8 @@ impl LoadNow {
 mod tests {
     use super::*;
 
+    const HOUR: Duration = Duration::from_secs(3600);
+
     fn at(base: Instant, s: u64) -> Instant {
         base + Duration::from_secs(s)
     }
@@ -650,14 +679,35 @@ mod tests {
             failed,
             record("a", 50.0, 20.0, CacheOutcome::LoadFailure { reason: "r".into() }),
         ];
-        let h = History::of(&rs, "a").unwrap();
+        let h = History::of(&rs, "a", HOUR).unwrap();
         assert_eq!(h.loads, 3);
         assert_eq!(h.median, Duration::from_secs(50));
         assert_eq!(h.last, Duration::from_secs(50));
-        assert_eq!(h.phase(LoadPhase::Compile).unwrap().longest, Duration::from_secs(60));
         assert_eq!(h.phase(LoadPhase::Compile).unwrap().median, Duration::from_secs(20));
+        assert_eq!(h.phase(LoadPhase::Compile).unwrap().loads, 3);
         assert_eq!(h.best_cache.as_ref().map(CacheOutcome::name), Some("load-failure"));
-        assert!(History::of(&rs, "c").is_none());
+        assert!(History::of(&rs, "c", HOUR).is_none());
+    }
+
+    /// The ledger is data: a record no load under the config could have
+    /// written is skipped.
+    #[test]
+    fn records_longer_than_the_timeout_or_not_adding_up_are_skipped() {
+        let mut negative = record("a", 50.0, 20.0, CacheOutcome::Hit);
+        negative.phases[0].secs = -5.0;
+        let mut more_than_all = record("a", 50.0, 20.0, CacheOutcome::Hit);
+        more_than_all.phases[1].secs = 86_400.0;
+        let rs = vec![
+            record("a", 40.0, 10.0, CacheOutcome::Hit),
+            record("a", 86_400.0, 86_000.0, CacheOutcome::Hit),
+            negative,
+            more_than_all,
+            record("a", 0.0, 0.0, CacheOutcome::Hit),
+        ];
+        let h = History::of(&rs, "a", Duration::from_secs(60)).unwrap();
+        assert_eq!((h.loads, h.last), (1, Duration::from_secs(40)));
+        // Under a longer timeout, the long load is one of its loads.
+        assert_eq!(History::of(&rs, "a", Duration::from_secs(100_000)).unwrap().loads, 2);
     }
 
     #[test]
@@ -666,7 +716,7 @@ mod tests {
             record("a", 40.0, 10.0, CacheOutcome::LoadFailure { reason: "r".into() }),
             record("a", 42.0, 12.0, CacheOutcome::LoadFailure { reason: "r".into() }),
         ];
-        let h = History::of(&rs, "a").unwrap();
+        let h = History::of(&rs, "a", HOUR).unwrap();
         let cold = record("a", 90.0, 60.0, CacheOutcome::Miss);
         let a = alarms(&cold, &h, 1.5);
         assert_eq!(a.len(), 3, "{a:?}");
@@ -677,7 +727,7 @@ mod tests {
         assert!(alarms(&record("a", 41.0, 11.0, CacheOutcome::LoadFailure { reason: "r".into() }), &h, 1.5).is_empty());
         // Slower by the factor but by less than the floor: noise.
         let rs = vec![record("a", 0.4, 0.1, CacheOutcome::Hit)];
-        let h = History::of(&rs, "a").unwrap();
+        let h = History::of(&rs, "a", HOUR).unwrap();
         assert!(alarms(&record("a", 1.2, 0.5, CacheOutcome::Hit), &h, 1.5).is_empty());
     }
 
@@ -685,7 +735,7 @@ mod tests {
     fn the_status_text_gives_the_phase_its_place_and_the_estimate() {
         let t0 = Instant::now();
         let rs = vec![record("f1", 290.0, 200.0, CacheOutcome::Hit), record("f1", 282.0, 190.0, CacheOutcome::Hit)];
-        let mut l = LoadTrack::new(start(History::of(&rs, "f1")), t0);
+        let mut l = LoadTrack::new(start(History::of(&rs, "f1", HOUR)), t0);
         l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 20));
         let now = l.now(at(t0, 130));
         // The history's phases: start, compile; under way: compile, 2 of 2.
@@ -694,30 +744,39 @@ mod tests {
         assert_eq!(fresh.now(at(t0, 12)).text(), "loading 1/9 start · 12s (no earlier load of this setup)");
     }
 
-    /// The ledger is data: absurd figures in it never overflow a deadline.
+    /// The ledger is data: whatever it holds, a deadline from history is at
+    /// most `HISTORY_BOUND` × the config's.
     #[test]
-    fn absurd_figures_in_the_ledger_are_bounded() {
+    fn forged_or_outlying_records_never_stretch_a_deadline_past_its_bound() {
         let t0 = Instant::now();
-        let mut r = record("f1", 1e300, 9e18, CacheOutcome::Hit);
-        r.phases.push(PhaseTime { phase: LoadPhase::Engine, secs: -5.0 });
-        r.phases.push(PhaseTime { phase: LoadPhase::Api, secs: f64::MAX });
-        let l = LoadTrack::new(start(History::of(&[r.clone(), r], "f1")), t0);
-        assert_eq!(l.stall(Duration::from_secs(1), 100.0), HISTORY_CAP);
-        assert_eq!(l.timeout(Duration::from_secs(1), 100.0), HISTORY_CAP);
-        // The config's own may be longer.
+        let (stall, timeout) = (Duration::from_secs(3), Duration::from_secs(600));
+        // Thirty loads of a day each: none could be a load of this config.
+        let day: Vec<LoadRecord> = (0..30).map(|_| record("f1", 86_400.0, 86_000.0, CacheOutcome::Hit)).collect();
+        assert!(History::of(&day, "f1", timeout).is_none());
+        // Thirty within the timeout, each silent for most of it: bounded.
+        let long: Vec<LoadRecord> = (0..30).map(|_| record("f1", 590.0, 580.0, CacheOutcome::Hit)).collect();
+        let mut l = LoadTrack::new(start(History::of(&long, "f1", timeout)), t0);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 1));
+        assert_eq!(l.stall(stall, 100.0), stall * HISTORY_BOUND);
+        assert_eq!(l.timeout(timeout, 100.0), timeout * HISTORY_BOUND);
+        // The config's own may be longer than anything history says.
         let week = Duration::from_secs(7 * 24 * 3600);
         assert_eq!(l.stall(week, 100.0), week);
-        let _ = t0 + l.timeout(Duration::from_secs(1), 100.0);
-        assert!(l.now(t0).text().contains(" of ~"));
+        // One outlier among usual loads moves no median.
+        let mut rs: Vec<LoadRecord> = (0..4).map(|_| record("f1", 100.0, 50.0, CacheOutcome::Hit)).collect();
+        rs.push(record("f1", 590.0, 580.0, CacheOutcome::Hit));
+        let mut l = LoadTrack::new(start(History::of(&rs, "f1", timeout)), t0);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 1));
+        assert_eq!(l.stall(Duration::from_secs(60), 3.0), Duration::from_secs(150));
     }
 
     #[test]
-    fn deadlines_from_history_only_lengthen_the_configs() {
+    fn deadlines_from_history_only_lengthen_the_configs_and_only_from_several_loads() {
         let t0 = Instant::now();
-        let rs = vec![record("f1", 290.0, 200.0, CacheOutcome::Hit)];
-        let mut l = LoadTrack::new(start(History::of(&rs, "f1")), t0);
+        let rs: Vec<LoadRecord> = (0..3).map(|_| record("f1", 290.0, 200.0, CacheOutcome::Hit)).collect();
+        let mut l = LoadTrack::new(start(History::of(&rs, "f1", HOUR)), t0);
         let stall = Duration::from_secs(300);
-        // Phase start: 90 s longest, × 3 = 270 s < 300 s.
+        // Phase start: a median of 90 s, × 3 = 270 s < 300 s.
         assert_eq!(l.stall(stall, 3.0), stall);
         l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 20));
         assert_eq!(l.stall(stall, 3.0), Duration::from_secs(600));
@@ -725,5 +784,10 @@ mod tests {
         assert_eq!(l.timeout(Duration::from_secs(3600), 3.0), Duration::from_secs(3600));
         // Without history, the config's.
         assert_eq!(LoadTrack::new(start(None), t0).stall(stall, 3.0), stall);
+        // Two loads are not several: the config's.
+        let mut l = LoadTrack::new(start(History::of(&rs[..2], "f1", HOUR)), t0);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 20));
+        assert_eq!(l.stall(stall, 3.0), stall);
+        assert_eq!(l.timeout(Duration::from_secs(600), 3.0), Duration::from_secs(600));
     }
 }

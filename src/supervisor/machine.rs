@@ -411,12 +411,39 @@ impl Machine {
         };
         let mut ended = track.finish(outcome, self.starts, now, self.policy.slow_factor);
         ended.rollback = self.rollback.active.is_some();
+        if matches!(ended.outcome, LoadOutcome::Failed { .. }) {
+            self.unpin(fx);
+        }
         for alarm in &ended.alarms {
             fx.push(record(Severity::Warn, Topic::LoadAlarm, alarm.clone()));
         }
         self.loads_ended += 1;
         self.last_load_record = Some(std::sync::Arc::new(ended.clone()));
         fx.push(Effect::LoadEnded(Box::new(ended)));
+    }
+
+    /// The start that failed used pinned values: they are dropped (a pin
+    /// is what fitted once; a start it fails is no longer proof of it).
+    fn unpin(&mut self, fx: &mut Vec<Effect>) {
+        use crate::supervisor::fit::Source;
+        let pinned: BTreeMap<_, _> = self
+            .fit
+            .used
+            .iter()
+            .filter(|(_, (_, s))| *s == Source::Pinned)
+            .map(|(a, (v, _))| (*a, v.clone()))
+            .collect();
+        if pinned.is_empty() {
+            return;
+        }
+        let words: Vec<String> = pinned.iter().map(|(a, v)| format!("{} {v}", a.flag())).collect();
+        let setup = self.rollback.setup.as_deref().unwrap_or("unknown");
+        let said = format!(
+            "memory fit: the start with the pinned {} failed; the pin is dropped for setup {setup}",
+            words.join(", ")
+        );
+        fx.push(record(Severity::Warn, Topic::Fit, said));
+        fx.push(Effect::Unpin(pinned));
     }
 
     /// How long the load may go without progress now: `ready.stall`, or

@@ -931,7 +931,7 @@ mod loads {
     #[test]
     fn a_ready_load_is_recorded_with_its_phases_and_a_lost_cache_is_an_alarm() {
         let mut s = Sim::new(phased());
-        start_with(&mut s, History::of(&[past(100.0, 40.0), past(120.0, 60.0)], "f"));
+        start_with(&mut s, History::of(&[past(100.0, 40.0), past(120.0, 60.0)], "f", Duration::from_secs(3600)));
         assert_eq!(
             statuses(&s.fx).last().unwrap(),
             "loading 1/4 start · 0s of ~1m50s (last 2m00s), pid 100 (attempt 1/10)"
@@ -1015,18 +1015,35 @@ mod loads {
 
     #[test]
     fn history_lengthens_the_stall_window_of_a_long_phase_and_never_shortens_it() {
-        // ready.stall is 15 min; this setup's compile took up to 60 min.
+        // ready.stall is 15 min; this setup's compile took 60 min, three
+        // times (within ready.timeout, 90 min).
         let mut s = Sim::new(phased());
-        start_with(&mut s, History::of(&[past(4000.0, 3600.0)], "f"));
+        let timeout = s.m.policy().ready_timeout;
+        start_with(
+            &mut s,
+            History::of(&[past(4000.0, 3600.0), past(4000.0, 3600.0), past(4000.0, 3600.0)], "f", timeout),
+        );
         s.at(10.0).line("(Worker pid=1) INFO 11-29 18:09:34 [cpu_model_runner.py:68] Starting to load model /m...");
         s.at(20.0).line("(Worker pid=1) INFO 11-29 18:09:34 [default_loader.py:501] Loading weights took 9.90 seconds");
-        // Compile under way: 3 × 60 min of silence allowed, not 15 min.
+        // Compile under way: 3 × 60 min of silence asked, bounded to 4 ×
+        // 15 min; not 15 min.
         s.at(20.0 + 16.0 * 60.0);
         assert!(ended(&s.tick()).is_none(), "not a stall at 16 min: the ledger's compile took 60");
-        let fx = s.at(20.0 + 3.0 * 3600.0).tick();
-        let r = ended(&fx).expect("a stall at 3 × 60 min");
+        s.at(20.0 + 59.0 * 60.0);
+        assert!(ended(&s.tick()).is_none(), "not a stall at 59 min");
+        let fx = s.at(20.0 + 3600.0).tick();
+        let r = ended(&fx).expect("a stall at 4 × 15 min");
         let LoadOutcome::Failed { cause, .. } = r.outcome else { panic!("{r:?}") };
-        assert!(cause.starts_with("no progress for 3h (compile phase, from the ledger)"), "{cause}");
+        assert!(cause.starts_with("no progress for 1h (compile phase, from the ledger)"), "{cause}");
+
+        // One such load is not history enough: ready.stall.
+        let mut s = Sim::new(phased());
+        start_with(&mut s, History::of(&[past(4000.0, 3600.0)], "f", timeout));
+        s.at(10.0).line("(Worker pid=1) INFO 11-29 18:09:34 [cpu_model_runner.py:68] Starting to load model /m...");
+        s.at(20.0).line("(Worker pid=1) INFO 11-29 18:09:34 [default_loader.py:501] Loading weights took 9.90 seconds");
+        let fx = s.at(20.0 + 15.0 * 60.0).tick();
+        let LoadOutcome::Failed { cause, .. } = ended(&fx).unwrap().outcome else { panic!() };
+        assert!(cause.starts_with("no progress for 15m (ready.stall)"), "{cause}");
 
         // Without history, ready.stall as configured.
         let mut s = Sim::new(phased());
@@ -1204,6 +1221,45 @@ mod fit {
         let fx = fail_with(&mut s, 100, &[(FitArg::MaxModelLen, "1500000", Source::Config)], KV);
         assert_eq!(s.state(), "backoff");
         assert_eq!(fit_set(&fx), None);
+    }
+
+    #[test]
+    fn a_start_with_pinned_values_that_fails_drops_its_pins_and_says_so() {
+        let mut s = Sim::new(fitting());
+        s.ev(Event::Begin);
+        s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+        let used = BTreeMap::from([
+            (FitArg::MaxModelLen, ("69632".to_string(), Source::Pinned)),
+            (FitArg::GpuMemoryUtilization, ("0.9".to_string(), Source::Default)),
+        ]);
+        let load = LoadStart { fingerprint: "00000000000000aa".into(), used, ..Default::default() };
+        s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
+        s.ev(Event::Spawned { start: 1, pid: 100 });
+        let fx = s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+        let pinned = BTreeMap::from([(FitArg::MaxModelLen, "69632".to_string())]);
+        assert!(fx.contains(&Effect::Unpin(pinned)), "{fx:?}");
+        let said = fx
+            .iter()
+            .find_map(|e| match e {
+                Effect::Log(r) if r.topic == Topic::Fit => Some(r.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(said.severity, Severity::Warn);
+        assert_eq!(
+            said.message,
+            "memory fit: the start with the pinned --max-model-len 69632 failed; the pin is dropped for setup 00000000000000aa"
+        );
+        // A start stopped before ready proves nothing either way: kept.
+        let mut s = Sim::new(fitting());
+        s.ev(Event::Begin);
+        s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+        let used = BTreeMap::from([(FitArg::MaxModelLen, ("69632".to_string(), Source::Pinned))]);
+        let load = LoadStart { fingerprint: "00000000000000aa".into(), used, ..Default::default() };
+        s.ev(Event::LoadKnown { start: 1, load: Box::new(load) });
+        s.ev(Event::Spawned { start: 1, pid: 100 });
+        let fx = s.ev(Event::StopRequested);
+        assert!(!fx.iter().any(|e| matches!(e, Effect::Unpin(_))), "{fx:?}");
     }
 
     #[test]
