@@ -53,11 +53,15 @@ pub struct View {
     pub cause: Option<String>,
     /// The status document as last made.
     pub document: Option<Arc<str>>,
+    /// The load under way, as of the loop's last step: `/startupz` takes
+    /// its elapsed time again when it answers, since a phase that logs
+    /// nothing makes no step.
+    pub load: Option<crate::supervisor::load::LoadNow>,
 }
 
 impl Default for View {
     fn default() -> Self {
-        View { phase: Phase::Starting, cause: None, document: None }
+        View { phase: Phase::Starting, cause: None, document: None, load: None }
     }
 }
 
@@ -497,18 +501,18 @@ async fn readyz(State(api): State<Api>) -> Response {
 }
 
 /// For a Kubernetes startup probe: has the model loaded? 503 with the
-/// state and the status document's `load` (its phase, elapsed and
-/// estimate) while it has not.
+/// state and the load (as the status document's `load`: its phase, elapsed
+/// and estimate) while it has not; its elapsed time is taken now, not at the
+/// loop's last step.
 async fn startupz(State(api): State<Api>) -> Response {
-    let view = api.shared.view.borrow().clone();
-    match view.phase {
-        Phase::Ready | Phase::Draining | Phase::Drained => text(StatusCode::OK, format!("{}\n", view.phase)),
+    let (phase, load) = {
+        let view = api.shared.view.borrow();
+        (view.phase, view.load.clone())
+    };
+    match phase {
+        Phase::Ready | Phase::Draining | Phase::Drained => text(StatusCode::OK, format!("{phase}\n")),
         phase => {
-            let load = view
-                .document
-                .and_then(|d| serde_json::from_str::<serde_json::Value>(&d).ok())
-                .and_then(|mut v| v.get_mut("load").map(serde_json::Value::take))
-                .unwrap_or(serde_json::Value::Null);
+            let load = load.map(|l| crate::observe::status::LoadDoc::of(&l.as_of(tokio::time::Instant::now())));
             let body = serde_json::json!({ "state": phase.as_str(), "load": load });
             (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], format!("{body}\n"))
                 .into_response()
