@@ -148,3 +148,46 @@ fn forged_ledger_lines_never_turn_off_the_stall_check() {
         "{last}"
     );
 }
+
+/// Issue 43: `/startupz`'s `elapsed_secs` stood still through a phase that
+/// logs nothing (it was the status document's, made at the last line). It
+/// is computed when the request is answered: two reads in the same silent
+/// phase differ, and its text agrees.
+#[test]
+fn startupz_elapsed_moves_in_a_phase_that_logs_nothing() {
+    let listen = free_port();
+    let mut w = Warden::start(|d, p| {
+        // Stuck half way through its weights, silent for ever.
+        let extra = format!("{FAST}[server]\nlisten = \"127.0.0.1:{listen}\"\n");
+        config(d, p, &["--shards", "4", "--fail", "stall"], "", &extra)
+    });
+    w.wait_note("the weights", |n| n.contains("Loading safetensors checkpoint shards: 2/4"));
+    let url = format!("http://127.0.0.1:{listen}/startupz");
+    let load = || {
+        let answer = http::get(&url, Duration::from_secs(10)).unwrap();
+        assert_eq!(answer.status, 503, "{}", answer.body);
+        let body = answer.json();
+        assert_eq!((body["state"].as_str(), body["load"]["phase"].as_str()), (Some("starting"), Some("weights")));
+        body["load"].clone()
+    };
+    let first = load();
+    let elapsed = |l: &serde_json::Value| l["elapsed_secs"].as_f64().unwrap_or_else(|| panic!("{l}"));
+    // Asked again until the answer moves (the clock moves by the
+    // millisecond it is shown in); before, it never did.
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let later = loop {
+        let l = load();
+        if elapsed(&l) != elapsed(&first) {
+            break l;
+        }
+        assert!(std::time::Instant::now() < deadline, "elapsed_secs stood still at {first}");
+    };
+    assert!(elapsed(&later) > elapsed(&first), "{first} then {later}");
+    // The text says the same seconds as the number.
+    // (the number is rounded to the millisecond, the text cut to the second).
+    let text = later["text"].as_str().unwrap();
+    assert!(text.starts_with("loading 2/9 weights · "), "{later}");
+    let secs = elapsed(&later) as u64;
+    assert!([secs, secs.saturating_sub(1)].iter().any(|s| text.contains(&format!(" · {s}s "))), "{later}");
+    assert_eq!(w.stop(), 0);
+}

@@ -305,10 +305,12 @@ fn a_warden_out_of_descriptors_does_not_blame_the_child() {
     let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
     w.wait_for_file("health", |w| health_answers(w) >= 1);
     // Each connection answered once is held by the warden (until its
-    // header timeout): together they fill the gaps among its numbers.
+    // header timeout): together they fill the gaps among its numbers. From
+    // four addresses, four each: under the cap per peer, so that none of
+    // them makes room for another.
     let held: Vec<std::net::TcpStream> = (0..16)
-        .map(|_| {
-            let mut c = std::net::TcpStream::connect(("127.0.0.1", listen)).unwrap();
+        .map(|n| {
+            let mut c = connect_std_from(loopback(2 + n % 4), listen);
             c.set_read_timeout(Some(common::TIMEOUT)).unwrap();
             c.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
             let mut buf = [0u8; 256];
@@ -339,8 +341,7 @@ fn a_warden_out_of_descriptors_does_not_blame_the_child() {
     // A number freed after the listing (a check's socket closing) would
     // let checks through: connections waiting in the listener's queue take
     // any that frees (the listener tries its accept again within a second).
-    let spare: Vec<std::net::TcpStream> =
-        (0..8).map(|_| std::net::TcpStream::connect(("127.0.0.1", listen)).unwrap()).collect();
+    let spare: Vec<std::net::TcpStream> = (0..8).map(|n| connect_std_from(loopback(6 + n % 2), listen)).collect();
     let said = "health check not made: the warden is out of file descriptors";
     // Twice as many misses as the failures that would restart the child.
     w.wait_for_file("warden.stderr", |w| w.stderr().matches(said).count() >= 4);
@@ -464,5 +465,201 @@ fn an_upgrade_during_a_restarts_drain_waits_for_the_restart() {
     assert!(note.ends_with(&format!("; ready: pid {}", child.pid)), "{note}");
     assert!(w.stderr().contains("waits until the drain ends"), "{}", w.stderr());
     assert_eq!(tcp(listen, "GET", "/readyz", None).0, 200);
+    assert_eq!(w.stop(), 0);
+}
+
+/// The loopback address `127.0.0.n`: every one of them is this machine, and
+/// the warden sees each as a peer of its own.
+fn loopback(n: u8) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(127, 0, 0, n)
+}
+
+/// A TCP connection to the warden's `port` from the address `from`.
+async fn connect_from(from: std::net::Ipv4Addr, port: u16) -> std::io::Result<tokio::net::TcpStream> {
+    let s = tokio::net::TcpSocket::new_v4()?;
+    s.bind((from, 0).into())?;
+    s.connect((std::net::Ipv4Addr::LOCALHOST, port).into()).await
+}
+
+/// [`connect_from`], as a blocking stream.
+fn connect_std_from(from: std::net::Ipv4Addr, port: u16) -> std::net::TcpStream {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let s = rt.block_on(connect_from(from, port)).unwrap().into_std().unwrap();
+    s.set_nonblocking(false).unwrap();
+    s
+}
+
+/// One `GET path` on a kept-alive connection: the status, and whether the
+/// warden said it closes the connection after it (`Connection: close`);
+/// none when the connection ended first.
+async fn ask_on(s: &mut tokio::net::TcpStream, path: &str) -> Option<(u16, bool)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
+    let mut got = Vec::new();
+    loop {
+        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let len: usize =
+                head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse().ok())?;
+            if got.len() >= end + 4 + len {
+                let status = head.get(9..12)?.parse().ok()?;
+                let close = head.lines().any(|l| l.starts_with("connection:") && l.contains("close"));
+                return Some((status, close));
+            }
+        }
+        let mut chunk = [0u8; 1024];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// A client that keeps one connection to the warden and asks `/livez` on
+/// it every `every` (a balancer's health check, a scraper) until `stop`;
+/// when the warden closes it, the next question goes on a new one. Sends
+/// its number on `answered` for every 200.
+async fn keep_asking(
+    n: usize,
+    from: std::net::Ipv4Addr,
+    port: u16,
+    every: Duration,
+    answered: std::sync::mpsc::Sender<usize>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut conn = None;
+    loop {
+        let fresh = conn.is_none();
+        if fresh {
+            conn = connect_from(from, port).await.ok();
+        }
+        if let Some(s) = conn.as_mut() {
+            match ask_on(s, "/livez").await {
+                Some((200, close)) => {
+                    let _ = answered.send(n);
+                    if close {
+                        conn = None;
+                    }
+                }
+                // Closed between two questions: asked again at once, on a
+                // new connection (a new one closed unanswered waits).
+                None if !fresh => {
+                    conn = None;
+                    continue;
+                }
+                _ => conn = None,
+            }
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            () = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+/// Issue 43: a client asking every 2 s on each of the listener's 64
+/// connections is never idle, so a new connection waited in the kernel's
+/// queue for as long as it stayed: 5 of 5 `/livez` probes timed out, and a
+/// kubelet probing `/livez` over TCP would restart a healthy model. With
+/// the listener full, a new connection takes the place of a kept-alive one
+/// (closed after its current request, here at once: it was between two):
+/// every probe is answered within the probe's usual 1 s, and every client
+/// is still answered after.
+#[test]
+fn kept_alive_clients_on_every_connection_do_not_lock_out_a_probe() {
+    // The clients come from 8 addresses, 8 from each: under the cap per
+    // peer, so that the listener's own cap is what fills.
+    const CLIENTS: usize = vllm_warden::daemon::server::MAX_CONNECTIONS;
+    const PEERS: usize = 8;
+    assert!(CLIENTS / PEERS < vllm_warden::daemon::server::Limits::for_nofile(1024).per_peer);
+    let listen = free_port();
+    let opts = common::Opts { nofile: Some(1024), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| server_config(d, p, listen, ""), opts);
+    w.wait_ready();
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let (answered, answers) = std::sync::mpsc::channel();
+    let clients = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let mut all = tokio::task::JoinSet::new();
+            for n in 0..CLIENTS {
+                let from = loopback(2 + (n % PEERS) as u8);
+                all.spawn(keep_asking(n, from, listen, Duration::from_secs(2), answered.clone(), stopped.clone()));
+            }
+            while all.join_next().await.is_some() {}
+        });
+    });
+    // Every client answered once: the listener serves all 64, its most.
+    let mut seen = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + TIMEOUT;
+    while seen.len() < CLIENTS {
+        let left = deadline.saturating_duration_since(Instant::now());
+        seen.insert(answers.recv_timeout(left).expect("every client answered once"));
+    }
+
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let asked = Instant::now();
+        let probe = common::http::get(&format!("http://127.0.0.1:{listen}/livez"), Duration::from_secs(1));
+        took.push(asked.elapsed());
+        let probe = probe.unwrap_or_else(|e| panic!("a /livez probe beside {CLIENTS} kept-alive clients: {e}"));
+        assert_eq!((probe.status, probe.body.as_str()), (200, "ready\n"));
+    }
+    eprintln!("/livez beside {CLIENTS} kept-alive clients: answered in {took:?}");
+
+    // The clients whose connection made room are served on a new one.
+    while answers.try_recv().is_ok() {}
+    let mut again = std::collections::BTreeSet::new();
+    while again.len() < CLIENTS {
+        let left = deadline.saturating_duration_since(Instant::now());
+        again.insert(answers.recv_timeout(left).expect("every client answered again"));
+    }
+    let _ = stop.send(true);
+    clients.join().unwrap();
+    assert_eq!(w.stop(), 0);
+}
+
+/// Issue 43: one peer could take every connection of the listener. A peer
+/// holds at most a quarter of them (16 of 64): past that, a new connection
+/// of its takes the place of one of its own (one that has had a request,
+/// else, as here where none sends anything, the one quiet the longest,
+/// closed at once). Another peer's probe is answered within 1 s, and the
+/// warden holds no more of the peer's connections than its share.
+#[test]
+fn one_peer_cannot_take_every_connection() {
+    let listen = free_port();
+    let opts = common::Opts { nofile: Some(1024), ..Default::default() };
+    let mut w = Warden::start_with(|d, p| server_config(d, p, listen, ""), opts);
+    w.wait_ready();
+    let limits = vllm_warden::daemon::server::Limits::for_nofile(1024);
+    let (cap, per_peer) = (limits.connections, limits.per_peer);
+    assert_eq!((cap, per_peer), (64, 16), "the numbers in docs/operator-guide.md, \"Limits of the endpoint\"");
+    let fds_before = common::open_fds(w.pid);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // As many connections as the listener serves, from one address, each
+    // sending nothing (never served, so none can be closed for another).
+    let held: Vec<tokio::net::TcpStream> = rt.block_on(async {
+        let mut held = Vec::new();
+        for _ in 0..cap {
+            held.push(connect_from(loopback(2), listen).await.unwrap());
+        }
+        held
+    });
+    // The probe's connection is queued behind all of them: answered once
+    // the warden has taken each.
+    let asked = Instant::now();
+    let probe = common::http::get(&format!("http://127.0.0.1:{listen}/livez"), Duration::from_secs(1));
+    let took = asked.elapsed();
+    let probe = probe.unwrap_or_else(|e| panic!("a /livez probe beside one peer's {cap} connections: {e}"));
+    assert_eq!((probe.status, probe.body.as_str()), (200, "ready\n"));
+    let fds = common::open_fds(w.pid);
+    eprintln!(
+        "/livez beside one peer's {cap} silent connections: answered in {took:?}; warden fds {fds_before} → {fds}"
+    );
+    assert!(fds < fds_before + per_peer + 8, "{fds} descriptors; {fds_before} before; {per_peer} per peer");
+    let said = "serves 16 connections from 127.0.0.2, the most one peer may: one of them is closed for each new one";
+    w.wait_for_file("warden.stderr", |w| w.stderr().contains(said));
+    drop(held);
     assert_eq!(w.stop(), 0);
 }

@@ -53,6 +53,7 @@ impl StateObserver {
                 next.cause = m
                     .cause()
                     .map(|c| crate::util::escape::one_line(&redact::text(&c.text), crate::util::escape::MAX_LINE));
+                next.load = m.load_now();
             }
             next.document = document;
             let changed = next != *v;

@@ -21,7 +21,12 @@
 //! [`MAX_CONNECTIONS`] at once (fewer under a low descriptor limit), each
 //! closed after [`HEADER_READ_TIMEOUT`] without a request head or
 //! [`IDLE_TIMEOUT`] without a byte moving, with a [`MAX_BUF`] read buffer;
-//! a client cannot take the warden's descriptors or memory.
+//! a client cannot take the warden's descriptors or memory. Nor can
+//! clients hold every connection: when the listener is full, a new
+//! connection takes the place of one that has had a request (closed
+//! between two requests, or after its answer), and one peer (an address,
+//! a user on the unix socket) holds at most a [`PEER_SHARE`]th of them
+//! (see `server/conns.rs`), so that a probe is answered at once.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -54,6 +59,10 @@ pub struct View {
     pub cause: Option<String>,
     /// The status document as last made.
     pub document: Option<Arc<str>>,
+    /// The load under way, as of the loop's last step: `/startupz` takes
+    /// its elapsed time again when it answers, since a phase that logs
+    /// nothing makes no step.
+    pub load: Option<crate::supervisor::load::LoadNow>,
     /// The reloads that ended, and the last one: `POST /reload` answers
     /// once the count passes what it was when asked.
     pub reloads: u64,
@@ -62,7 +71,7 @@ pub struct View {
 
 impl Default for View {
     fn default() -> Self {
-        View { phase: Phase::Starting, cause: None, document: None, reloads: 0, last_reload: None }
+        View { phase: Phase::Starting, cause: None, document: None, load: None, reloads: 0, last_reload: None }
     }
 }
 
@@ -173,6 +182,8 @@ pub fn bind_tcp(
     Ok((listener, token))
 }
 
+mod conns;
+
 /// Serve the unix socket until the task is aborted.
 pub async fn serve_socket(listener: tokio::net::UnixListener, shared: Shared) {
     let app = router(Api { shared, access: Access::Local });
@@ -198,10 +209,21 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The most connections one listener serves at once. The endpoint answers
 /// probes, a balancer's health checks, a metrics scraper and the local
-/// commands: a few at a time. Past this, new connections wait in the
-/// kernel's accept queue (they hold none of the warden's descriptors or
-/// memory) until one of the served ends.
+/// commands: a few at a time. Past this, a new connection takes the place
+/// of one that has had a request (kept alive for more): that one is
+/// closed between two requests, or after its answer. While none can make
+/// room (all are new, their requests still to come), new connections wait
+/// in the kernel's accept queue (they hold none of the warden's
+/// descriptors or memory) until one of the served ends.
 pub const MAX_CONNECTIONS: usize = 64;
+
+/// One peer (a TCP client's address; on the unix socket, a user) holds at
+/// most this share of a listener's connections (16 of 64): past it, a new
+/// connection of its takes the place of one of its own (one that has had a
+/// request, after its answer; else the one quiet the longest, at once). A
+/// balancer, a scraper and the kubelet are each a few connections; a peer
+/// that opens many and sends nothing cannot keep the others out.
+pub const PEER_SHARE: usize = 4;
 
 /// Each listener serves at most this share of the warden's descriptor
 /// limit (`RLIMIT_NOFILE`, soft) when that is lower than
@@ -222,16 +244,25 @@ pub const MAX_HEADERS: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     pub connections: usize,
+    /// The most one peer holds.
+    pub per_peer: usize,
     pub header_read: Duration,
     pub idle: Duration,
 }
 
 impl Limits {
     /// [`MAX_CONNECTIONS`], or a share of the descriptor limit `nofile`
-    /// when that is lower; never less than one.
+    /// when that is lower; never less than one; a [`PEER_SHARE`]th of that
+    /// per peer, never less than one.
     pub fn for_nofile(nofile: u64) -> Limits {
         let share = usize::try_from(nofile / NOFILE_SHARE).unwrap_or(usize::MAX);
-        Limits { connections: MAX_CONNECTIONS.min(share).max(1), header_read: HEADER_READ_TIMEOUT, idle: IDLE_TIMEOUT }
+        let connections = MAX_CONNECTIONS.min(share).max(1);
+        Limits {
+            connections,
+            per_peer: (connections / PEER_SHARE).max(1),
+            header_read: HEADER_READ_TIMEOUT,
+            idle: IDLE_TIMEOUT,
+        }
     }
 
     /// For this process's descriptor limit as it is now.
@@ -253,62 +284,53 @@ pub fn nofile_limit() -> u64 {
 /// A listener of the endpoint: TCP or the unix socket.
 trait Accept: Send + 'static {
     type Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
-    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<Self::Io>> + Send;
+    /// A connection, and who opened it.
+    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<(Self::Io, conns::Peer)>> + Send;
 }
 
 impl Accept for tokio::net::TcpListener {
     type Io = tokio::net::TcpStream;
-    async fn accept(&self) -> std::io::Result<Self::Io> {
-        let (s, _) = tokio::net::TcpListener::accept(self).await?;
+    async fn accept(&self) -> std::io::Result<(Self::Io, conns::Peer)> {
+        let (s, addr) = tokio::net::TcpListener::accept(self).await?;
         let _ = s.set_nodelay(true);
-        Ok(s)
+        Ok((s, conns::Peer::Ip(addr.ip().to_canonical())))
     }
 }
 
 impl Accept for tokio::net::UnixListener {
     type Io = tokio::net::UnixStream;
-    async fn accept(&self) -> std::io::Result<Self::Io> {
-        Ok(tokio::net::UnixListener::accept(self).await?.0)
+    async fn accept(&self) -> std::io::Result<(Self::Io, conns::Peer)> {
+        let s = tokio::net::UnixListener::accept(self).await?.0;
+        // The socket is the owner's and its group's (mode 0660): a peer is
+        // a user of those.
+        let peer = s.peer_cred().map_or(conns::Peer::Unknown, |c| conns::Peer::Uid(c.uid()));
+        Ok((s, peer))
     }
 }
 
 /// Accept and serve connections until aborted: at most
-/// `limits.connections` at once, each closed after
-/// [`HEADER_READ_TIMEOUT`] without a request head or [`IDLE_TIMEOUT`]
-/// without a byte moving. Dropping this future ends every connection.
+/// `limits.connections` at once and `limits.per_peer` of one peer, each
+/// closed after [`HEADER_READ_TIMEOUT`] without a request head or
+/// [`IDLE_TIMEOUT`] without a byte moving, or to make room for a new one
+/// (see `server/conns.rs`). Dropping this future ends every connection.
 async fn serve<L: Accept>(listener: L, app: Router, limits: Limits, what: &'static str) {
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let table = Arc::new(conns::Table::default());
     let mut conns = tokio::task::JoinSet::new();
     let mut pause = ACCEPT_PAUSE;
-    let (mut full, mut short) = (Throttle::default(), Throttle::default());
-    tracing::debug!(listener = what, connections = limits.connections, "serving");
+    let (mut full, mut short, mut crowded) = (Throttle::default(), Throttle::default(), Throttle::default());
+    tracing::debug!(listener = what, connections = limits.connections, per_peer = limits.per_peer, "serving");
     loop {
         while conns.try_join_next().is_some() {}
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                if full.due() {
-                    tracing::warn!(
-                        EVENT = "endpoint",
-                        "the {what} serves {} connections, its most: new ones wait",
-                        limits.connections
-                    );
-                }
-                let Ok(p) = permits.clone().acquire_owned().await else { return };
-                p
-            }
-        };
-        match listener.accept().await {
-            Ok(io) => {
+        // Full or not, the next connection is taken from the kernel's
+        // queue: when full, it is one descriptor past the cap until a
+        // served connection has made room for it.
+        let (io, peer) = match listener.accept().await {
+            Ok(accepted) => {
                 pause = ACCEPT_PAUSE;
-                let app = app.clone();
-                conns.spawn(async move {
-                    serve_connection(io, app, limits).await;
-                    drop(permit);
-                });
+                accepted
             }
             Err(e) => {
-                drop(permit);
                 match crate::util::errno::own_shortage(&e) {
                     // The connection waits in the kernel's queue: looked
                     // at again after a pause, not in a busy loop.
@@ -322,8 +344,47 @@ async fn serve<L: Accept>(listener: L, app: Router, limits: Limits, what: &'stat
                     // One connection's trouble (reset before it was taken).
                     None => tracing::debug!(error = %e, "the {what} could not accept a connection"),
                 }
+                continue;
             }
+        };
+        let (io, moved) = Watched::new(io);
+        let conns::Admitted { slot, made_room } = table.admit(peer, limits.per_peer, moved);
+        if made_room && crowded.due() {
+            tracing::warn!(
+                EVENT = "endpoint",
+                "the {what} serves {} connections from {peer}, the most one peer may: \
+                 one of them is closed for each new one",
+                limits.per_peer
+            );
         }
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // A peer at its cap made room of its own; else the
+                // connection quiet the longest makes it. With none that
+                // can (all new, their requests to come), the first to end.
+                let told = made_room || table.make_room();
+                if full.due() {
+                    let how = if told {
+                        "a kept-alive one is closed to make room for a new one"
+                    } else {
+                        "none has had a request yet: new ones wait for the first to end"
+                    };
+                    tracing::warn!(
+                        EVENT = "endpoint",
+                        "the {what} serves {} connections, its most: {how}",
+                        limits.connections
+                    );
+                }
+                let Ok(p) = permits.clone().acquire_owned().await else { return };
+                p
+            }
+        };
+        let app = app.clone();
+        conns.spawn(async move {
+            serve_connection(io, app, limits, slot).await;
+            drop(permit);
+        });
     }
 }
 
@@ -350,12 +411,25 @@ impl Throttle {
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
 const MAX_ACCEPT_PAUSE: Duration = Duration::from_secs(1);
 
-async fn serve_connection<I>(io: I, app: Router, limits: Limits)
+/// Serve one connection in its `slot` until it ends, is idle for too
+/// long, or is told to close (then after the answer under way, if any,
+/// which says `Connection: close`).
+async fn serve_connection<I>(io: Watched<I>, app: Router, limits: Limits, mut slot: conns::Slot)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (io, moved) = Watched::new(io);
+    let moved = io.moved.clone();
     let service = hyper_util::service::TowerToHyperService::new(app);
+    let counted = slot.conn.clone();
+    let service = hyper::service::service_fn(move |req| {
+        let asking = counted.begin();
+        let answer = hyper::service::Service::call(&service, req);
+        async move {
+            let answer = answer.await;
+            drop(asking);
+            answer
+        }
+    });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(limits.header_read)
@@ -363,6 +437,7 @@ where
         .max_headers(MAX_HEADERS)
         .serve_connection(hyper_util::rt::TokioIo::new(io), service);
     tokio::pin!(conn);
+    let mut told = false;
     loop {
         let idle_at = moved.last() + limits.idle;
         tokio::select! {
@@ -371,6 +446,16 @@ where
                     tracing::debug!(error = %e, "endpoint connection ended");
                 }
                 return;
+            }
+            Ok(how) = &mut slot.close, if !told => {
+                told = true;
+                match how {
+                    // Between two requests it closes at once; with one
+                    // under way, after its answer.
+                    conns::Close::AfterAnswer => conn.as_mut().graceful_shutdown(),
+                    // Owed no answer: whatever it was sending.
+                    conns::Close::Now => return,
+                }
             }
             () = tokio::time::sleep_until(idle_at) => {
                 if moved.last() + limits.idle <= tokio::time::Instant::now() {
@@ -391,6 +476,22 @@ struct Moved {
 }
 
 impl Moved {
+    fn new() -> Moved {
+        Moved { since: tokio::time::Instant::now(), at: Arc::default() }
+    }
+
+    /// One whose clock began at `since`, for a test to set.
+    #[cfg(test)]
+    fn since(since: tokio::time::Instant) -> Moved {
+        Moved { since, at: Arc::default() }
+    }
+
+    #[cfg(test)]
+    fn set(&self, at: tokio::time::Instant) {
+        let ms = at.saturating_duration_since(self.since).as_millis() as u64;
+        self.at.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn touch(&self) {
         let ms = self.since.elapsed().as_millis() as u64;
         self.at.store(ms, std::sync::atomic::Ordering::Relaxed);
@@ -409,7 +510,7 @@ struct Watched<I> {
 
 impl<I> Watched<I> {
     fn new(io: I) -> (Watched<I>, Moved) {
-        let moved = Moved { since: tokio::time::Instant::now(), at: Arc::default() };
+        let moved = Moved::new();
         (Watched { io, moved: moved.clone() }, moved)
     }
 }
@@ -503,18 +604,18 @@ async fn readyz(State(api): State<Api>) -> Response {
 }
 
 /// For a Kubernetes startup probe: has the model loaded? 503 with the
-/// state and the status document's `load` (its phase, elapsed and
-/// estimate) while it has not.
+/// state and the load (as the status document's `load`: its phase, elapsed
+/// and estimate) while it has not; its elapsed time is taken now, not at the
+/// loop's last step.
 async fn startupz(State(api): State<Api>) -> Response {
-    let view = api.shared.view.borrow().clone();
-    match view.phase {
-        Phase::Ready | Phase::Draining | Phase::Drained => text(StatusCode::OK, format!("{}\n", view.phase)),
+    let (phase, load) = {
+        let view = api.shared.view.borrow();
+        (view.phase, view.load.clone())
+    };
+    match phase {
+        Phase::Ready | Phase::Draining | Phase::Drained => text(StatusCode::OK, format!("{phase}\n")),
         phase => {
-            let load = view
-                .document
-                .and_then(|d| serde_json::from_str::<serde_json::Value>(&d).ok())
-                .and_then(|mut v| v.get_mut("load").map(serde_json::Value::take))
-                .unwrap_or(serde_json::Value::Null);
+            let load = load.map(|l| crate::observe::status::LoadDoc::of(&l.as_of(tokio::time::Instant::now())));
             let body = serde_json::json!({ "state": phase.as_str(), "load": load });
             (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], format!("{body}\n"))
                 .into_response()
@@ -717,6 +818,8 @@ mod tests {
         assert_eq!(Limits::for_nofile(65536).connections, MAX_CONNECTIONS);
         assert_eq!(Limits::for_nofile(256).connections, 32);
         assert_eq!(Limits::for_nofile(4).connections, 1, "never none");
+        let per_peer = |nofile| Limits::for_nofile(nofile).per_peer;
+        assert_eq!((per_peer(u64::MAX), per_peer(256), per_peer(4)), (16, 8, 1), "a quarter per peer, never none");
         let l = Limits::for_nofile(1024);
         assert_eq!((l.header_read, l.idle), (HEADER_READ_TIMEOUT, IDLE_TIMEOUT));
     }
@@ -729,8 +832,16 @@ mod tests {
     /// Serve one connection of `app` over an in-memory pipe; the client's
     /// end, and the server's task.
     fn connect(app: Router) -> (tokio::io::DuplexStream, tokio::task::JoinHandle<()>) {
+        connect_in(&Arc::new(conns::Table::default()), app)
+    }
+
+    /// [`connect`], its place in `table`.
+    fn connect_in(table: &Arc<conns::Table>, app: Router) -> (tokio::io::DuplexStream, tokio::task::JoinHandle<()>) {
         let (client, server) = tokio::io::duplex(64 << 10);
-        let task = tokio::spawn(serve_connection(server, app, Limits::for_nofile(u64::MAX)));
+        let (server, moved) = Watched::new(server);
+        let limits = Limits::for_nofile(u64::MAX);
+        let slot = table.admit(conns::Peer::Unknown, limits.per_peer, moved).slot;
+        let task = tokio::spawn(serve_connection(server, app, limits, slot));
         (client, task)
     }
 
@@ -805,6 +916,72 @@ mod tests {
             task.await.unwrap();
             assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
         }
+    }
+
+    /// One answer on a kept-alive connection: its head and body.
+    async fn answer(c: &mut tokio::io::DuplexStream) -> String {
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; 4096];
+        let n = c.read(&mut buf).await.unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    /// Told to make room between two requests, a kept-alive connection is
+    /// closed at once, long before its header timeout.
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_alive_connection_between_two_requests_makes_room_at_once() {
+        use tokio::io::AsyncWriteExt;
+        let table = Arc::new(conns::Table::default());
+        let (mut c, task) = connect_in(&table, sink());
+        assert!(!table.make_room(), "no request yet: it keeps its place");
+        c.write_all(b"POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab").await.unwrap();
+        let first = answer(&mut c).await;
+        assert!(first.starts_with("HTTP/1.1 200") && !first.contains("connection: close"), "{first}");
+        let told = tokio::time::Instant::now();
+        assert!(table.make_room());
+        assert_eq!(read_to_close(&mut c).await, "", "closed with nothing more said");
+        task.await.unwrap();
+        assert_eq!(told.elapsed(), Duration::ZERO, "at once");
+    }
+
+    /// Told while a request is under way, the connection answers it, saying
+    /// `Connection: close`, then closes.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_told_during_its_request_answers_it_then_closes() {
+        use tokio::io::AsyncWriteExt;
+        let table = Arc::new(conns::Table::default());
+        let (mut c, task) = connect_in(&table, sink());
+        // The head, and half the body: the request is under way once the
+        // paused clock moves (the connection's task has read all it can).
+        c.write_all(b"POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(table.make_room(), "a request under way: it may make room");
+        // The connection's task takes it before the rest of the body comes
+        // (the paused clock moves only once every task waits).
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        c.write_all(b"cd").await.unwrap();
+        let answer = read_to_close(&mut c).await;
+        task.await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains("connection: close\r\n"), "{answer}");
+        assert!(answer.ends_with("\r\n\r\n4"), "{answer}");
+    }
+
+    /// A peer at its cap whose connections have had no request: the one
+    /// quiet the longest is closed at once for its new one, half a head
+    /// sent or not.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_owed_no_answer_makes_room_at_once() {
+        use tokio::io::AsyncWriteExt;
+        let table = Arc::new(conns::Table::default());
+        let (mut c, task) = connect_in(&table, sink());
+        c.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let told = tokio::time::Instant::now();
+        assert!(table.admit(conns::Peer::Unknown, 1, Moved::new()).made_room);
+        assert_eq!(read_to_close(&mut c).await, "");
+        task.await.unwrap();
+        assert_eq!(told.elapsed(), Duration::ZERO, "at once");
     }
 
     #[test]

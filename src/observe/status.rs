@@ -181,6 +181,22 @@ pub struct LoadDoc {
     pub text: String,
 }
 
+impl LoadDoc {
+    /// `load` of the status document (and of the endpoint's `/startupz`).
+    pub fn of(l: &crate::supervisor::load::LoadNow) -> LoadDoc {
+        LoadDoc {
+            phase: l.phase.name().into(),
+            index: l.index,
+            of: l.of,
+            elapsed_secs: round(l.elapsed.as_secs_f64()),
+            expected_secs: l.expected.map(|d| round(d.as_secs_f64())),
+            last_secs: l.last.map(|d| round(d.as_secs_f64())),
+            fingerprint: safe(&l.fingerprint),
+            text: safe(&l.text()),
+        }
+    }
+}
+
 /// The last load that ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LastLoad {
@@ -499,16 +515,7 @@ impl Reporter {
                 class: f.class,
                 report: f.report.as_deref().map(safe),
             }),
-            load: snap.load.as_ref().map(|l| LoadDoc {
-                phase: l.phase.name().into(),
-                index: l.index,
-                of: l.of,
-                elapsed_secs: round(l.elapsed.as_secs_f64()),
-                expected_secs: l.expected.map(|d| round(d.as_secs_f64())),
-                last_secs: l.last.map(|d| round(d.as_secs_f64())),
-                fingerprint: safe(&l.fingerprint),
-                text: safe(&l.text()),
-            }),
+            load: snap.load.as_ref().map(LoadDoc::of),
             golden: snap.golden.as_ref().map(|v| GoldenDoc { verdict: v.name().into(), text: safe(&v.text()) }),
             fit: snap
                 .fit
@@ -1138,6 +1145,7 @@ mod tests {
             index: 3,
             of: 7,
             elapsed: Duration::from_secs(130),
+            began: tokio::time::Instant::now(),
             expected: Some(Duration::from_secs(290)),
             last: Some(Duration::from_secs(282)),
             fingerprint: "abc".into(),

@@ -417,6 +417,7 @@ impl LoadTrack {
             index,
             of: expected.len().max(index),
             elapsed: now - self.spawned,
+            began: self.spawned,
             expected: self.history().map(|h| h.median),
             last: self.history().map(|h| h.last),
             fingerprint: self.start.fingerprint.clone(),
@@ -550,6 +551,9 @@ pub struct LoadNow {
     pub index: usize,
     pub of: usize,
     pub elapsed: Duration,
+    /// When the load began (the spawn): its elapsed time taken later is
+    /// [`LoadNow::as_of`].
+    pub began: Instant,
     /// The setup's median load, and its last; none without history.
     pub expected: Option<Duration>,
     pub last: Option<Duration>,
@@ -559,6 +563,13 @@ pub struct LoadNow {
 }
 
 impl LoadNow {
+    /// The same load with its elapsed time at `now` (a phase that logs
+    /// nothing changes nothing else of it): what an answer given later
+    /// than the last step shows.
+    pub fn as_of(&self, now: Instant) -> LoadNow {
+        LoadNow { elapsed: now.saturating_duration_since(self.began), ..self.clone() }
+    }
+
     /// `loading 3/7 compile · 2m10s of ~4m50s (last 4m42s)`, or `… · 12s
     /// (no earlier load of this setup)`.
     pub fn text(&self) -> String {
