@@ -806,3 +806,34 @@ fn a_refused_upgrade_state_with_a_wrong_field_starts_again() {
 fn a_child_that_dies_during_the_upgrade_is_started_again() {
     a_refused_upgrade_starts_again("the child died", "kill -9 LEADER");
 }
+
+/// The `failed` events of runs killed while serving, in the JSON log: each
+/// carries the pid that ran and the attempt that failed (not the next
+/// attempt's number, nor `CHILD_PID=0` for a leader already gone), with
+/// failure reports and without.
+#[test]
+fn a_run_killed_while_serving_logs_its_failure_with_its_pid_and_attempt() {
+    for reports in ["", "[reports]\nkeep = 0\n"] {
+        let opts = Opts { run_args: vec!["--log-format".into(), "json".into()], ..Opts::default() };
+        let extra = format!("{FAST}{reports}");
+        let mut w = Warden::start_with(move |d, p| config(d, p, &["--shards", "1"], "", &extra), opts);
+        let mut killed = Vec::new();
+        for attempt in 1..=2 {
+            w.wait_ready();
+            let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader.pid), Signal::SIGKILL).unwrap();
+            w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+            killed.push((leader.pid as u64, attempt));
+        }
+        w.wait_ready();
+        assert_eq!(w.stop(), 0);
+        let failed: Vec<(u64, u64)> = w
+            .stderr()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["fields"]["EVENT"] == "failed")
+            .map(|v| (v["fields"]["CHILD_PID"].as_u64().unwrap(), v["fields"]["ATTEMPT"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(failed, killed, "reports {reports:?}: {}", w.stderr());
+    }
+}

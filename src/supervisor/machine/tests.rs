@@ -559,6 +559,7 @@ fn a_failed_run_is_reported_before_its_stop_with_its_timings() {
         ReportOrder {
             start: 1,
             attempt: 1,
+            pid: 100,
             cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into(),
             class: FailureClass::Health,
             hint: None,
@@ -1359,4 +1360,46 @@ fn a_pre_start_step_extends_the_start_timeout() {
     let text = "weight-cache daemon (pid 90): Weight cache target daemon rank 0 loaded model".to_string();
     let fx = s.ev(Event::PrepareStep { start: 1, text: text.clone() });
     assert_eq!(notes(&fx), vec![Note::Status(text), Note::ExtendTimeout(Duration::from_secs(15 * 60))]);
+}
+
+/// The `failed` journal events: each names the run that failed, its pid
+/// and its attempt, though the leader is gone by the time it is logged
+/// (a run that exited while serving) or the failure already counted (a
+/// start that failed); with and without a report.
+#[test]
+fn a_failure_event_names_the_pid_and_attempt_that_failed() {
+    fn failed(fx: &[Effect]) -> Vec<Option<RunOf>> {
+        fx.iter()
+            .filter_map(|e| if let Effect::Log(r) = e { Some(r) } else { None })
+            .filter(|r| r.topic == Topic::Failed)
+            .map(|r| r.about)
+            .collect()
+    }
+    let run = |pid, attempt| Some(RunOf { pid: Some(pid), attempt });
+    for p in [policy(), reporting()] {
+        let reports = p.report.is_some();
+        let mut s = Sim::new(p);
+        s.ready(100);
+        let fx = s.at(1.0).ev(Event::ChildExited { pid: 100, exit: Exit::Signal(Signal::SIGKILL) });
+        assert_eq!(failed(&fx), [run(100, 1)], "reports {reports}");
+        assert_eq!(s.m.child_pid(), None, "the machine's own view has no child left");
+        if reports {
+            s.ev(Event::Reported { start: 1 });
+        }
+        s.ev(Event::TreeGone);
+        assert_eq!(s.state(), "backoff");
+        assert_eq!(s.m.attempt(), 2);
+        s.at(100.0).tick();
+        s.ready(101);
+        let fx = s.at(101.0).ev(Event::ChildExited { pid: 101, exit: Exit::Code(1) });
+        assert_eq!(failed(&fx), [run(101, 2)], "reports {reports}");
+    }
+    // A start that never spawned: no pid, and the attempt that failed,
+    // though the failure has counted by the time the event is logged.
+    let mut s = Sim::new(policy());
+    s.ev(Event::Begin);
+    s.ev(Event::Prepared { start: 1, result: Prepared::Done });
+    let fx = s.ev(Event::SpawnFailed { start: 1, failure: StartFailure::transient("cannot start /x: busy") });
+    assert_eq!(failed(&fx), [Some(RunOf { pid: None, attempt: 1 })]);
+    assert_eq!(s.m.attempt(), 2);
 }
