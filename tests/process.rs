@@ -729,7 +729,7 @@ fn an_upgrade_asked_while_loading_waits_until_ready() {
 /// each way, the warden (same pid) says why it refuses, stops the child it
 /// could not take over, starts the model again and is ready; nothing is
 /// orphaned, and a stop ends in 0.
-fn a_refused_upgrade_starts_again(how: &str, tamper: &str) {
+fn a_refused_upgrade_starts_again(how: &str, tamper: &str) -> String {
     use std::os::unix::fs::PermissionsExt;
     let (bin, path, mut w) = warden_from_a_copy(&["--shards", "1"]);
     w.wait_ready();
@@ -760,6 +760,7 @@ fn a_refused_upgrade_starts_again(how: &str, tamper: &str) {
         "{how}: the same warden pid runs the new binary"
     );
     assert_eq!(w.stop(), 0, "{how}");
+    log
 }
 
 #[test]
@@ -798,6 +799,17 @@ fn a_refused_upgrade_state_with_a_wrong_field_starts_again() {
     ] {
         a_refused_upgrade_starts_again(how, tamper);
     }
+}
+
+/// A run token of the right shape that the child does not carry: taken
+/// over, it would be written into the tree's record, and after a crash
+/// the next warden would not know the child (which keeps the port) as a
+/// leftover. Refused, saying so.
+#[test]
+fn a_refused_upgrade_state_with_a_forged_run_token_starts_again() {
+    let forge = "sed -i 's/\"token\": \"[0-9a-f]*\"/\"token\": \"0123456789abcdef0123456789abcdef\"/' \"$S\"";
+    let log = a_refused_upgrade_starts_again("forged token", forge);
+    assert!(log.contains("does not carry the state's run token in its environment"), "{log}");
 }
 
 /// With no tampering: the child dies between the SIGUSR2 and the
