@@ -1029,6 +1029,13 @@ impl Machine {
                 fx.extend(more);
                 (next, fx)
             }
+            // The golden store's trouble, not the model's: never a failed run.
+            Verdict::Unrecorded { .. } => {
+                let mut fx = vec![record(Severity::Warn, Topic::Golden, text.clone())];
+                let (next, more) = self.become_ready(loading, now, Some(format!("WARNING: {text}")));
+                fx.extend(more);
+                (next, fx)
+            }
             Verdict::Changed { .. } | Verdict::Failed { .. } if !fail => {
                 let mut fx = vec![record(Severity::Warn, Topic::GoldenMismatch, text.clone())];
                 let (next, more) = self.become_ready(loading, now, Some(format!("WARNING: {text}")));

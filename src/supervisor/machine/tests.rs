@@ -1114,6 +1114,21 @@ mod golden {
         assert!(!notes(&fx).contains(&Note::Ready));
         assert_eq!(s.m.snapshot().cause.as_deref(), Some("golden check failed: no answer within 1m"));
     }
+
+    /// A golden store that cannot be read or written is the warden's
+    /// trouble, not the model's: ready with a warning, even with "fail".
+    #[test]
+    fn a_store_problem_is_ready_with_a_warning_even_with_fail() {
+        let text = "answers not compared: the golden references are unreadable (x: EOF while parsing)";
+        let (s, fx) = checked(GoldenPolicy::Fail, Verdict::Unrecorded { text: text.into(), ms: 40 });
+        assert!(notes(&fx).contains(&Note::Ready), "{fx:?}");
+        assert!(statuses(&fx).iter().any(|t| t.ends_with(&format!("; WARNING: {text}"))), "{fx:?}");
+        assert!(
+            fx.iter().any(|e| matches!(e, Effect::Log(r) if r.topic == Topic::Golden && r.severity == Severity::Warn))
+        );
+        assert_eq!(s.m.snapshot().last_failure, None);
+        assert_eq!(s.state(), "ready");
+    }
 }
 
 /// Memory fit: each of vLLM's memory-fit errors moves its argument, within
