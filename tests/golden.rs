@@ -95,3 +95,90 @@ fn with_warn_changed_answers_are_ready_with_a_warning() {
     assert!(w.stderr().contains("golden-mismatch"), "the journal's event");
     assert_eq!(w.stop(), 0);
 }
+
+/// 32 prompts of 2 000 tokens each (the simulated engine at once), the
+/// setup changed by `child.env` only (the same answers).
+fn long_config(d: &std::path::Path, p: u16, setup: u32) -> String {
+    let prompts: Vec<String> = (0..32).map(|i| format!("\"prompt {i}\"")).collect();
+    let extra =
+        format!("{FAST}[golden]\non-mismatch = \"fail\"\nmax-tokens = 2000\nprompts = [{}]\n", prompts.join(", "));
+    let setup = format!("env = {{ SETUP = \"{setup}\" }}");
+    config(d, p, &["--shards", "1", "--token-time", "0s"], &setup, &extra)
+}
+
+/// The store at 32 answers of 2 000 tokens over five setups: each setup's
+/// answers recorded, the store within what is read (it used to outgrow
+/// its read cap at the third setup: "EOF while parsing" on every start,
+/// exit 75 with "fail"), and `golden show` and `accept` work.
+#[test]
+fn the_store_keeps_working_with_32_answers_of_2000_tokens_over_five_setups() {
+    let mut w = Warden::start(|d, p| long_config(d, p, 1));
+    for setup in 1..=6 {
+        if setup > 1 {
+            // The sixth is the first again: compared with its own reference.
+            let again = if setup == 6 { 1 } else { setup };
+            std::fs::write(w.path("t.toml"), long_config(&w.path(""), w.port, again)).unwrap();
+            w.spawn();
+        }
+        w.wait_ready();
+        let d = doc(&w);
+        let want = if setup == 1 { "recorded" } else { "same" };
+        assert_eq!(d["golden"]["verdict"], want, "setup {setup}: {d}");
+        assert!(d["golden"]["text"].as_str().unwrap().contains("(32 prompt(s), "), "{d}");
+        assert_eq!(w.stop(), 0);
+    }
+    let store = w.path("state").join("golden").join("references.json");
+    let size = std::fs::metadata(&store).unwrap().len();
+    assert!(size <= vllm_warden::observe::golden::MAX_STORE, "{size}");
+    let refs: serde_json::Value = serde_json::from_slice(&std::fs::read(&store).unwrap()).unwrap();
+    let refs = refs.as_array().unwrap();
+    assert_eq!(refs.len(), 5, "one reference per setup");
+    assert!(refs.iter().all(|r| r["answers"]["answers"][31]["tokens"].as_array().unwrap().len() == 2000));
+    let (ok, show) = golden(&w, "show");
+    assert!(ok && show.starts_with("last check: same at "), "{show}");
+    assert_eq!(show.matches("reference of setup ").count(), 5, "{show}");
+    let (ok, said) = golden(&w, "accept");
+    assert!(ok, "{said}");
+}
+
+/// A store that cannot be read is a warning, the run ready even with
+/// "fail", the file left as it is; `golden accept` sets it aside and
+/// begins a new store with the last answers, which the next start finds.
+#[test]
+fn a_corrupt_store_is_a_warning_and_golden_accept_replaces_it() {
+    let mut w = Warden::start(|d, p| golden_config(d, p, 1, "fail"));
+    w.wait_ready();
+    assert_eq!(doc(&w)["golden"]["verdict"], "recorded", "{}", doc(&w));
+    assert_eq!(w.stop(), 0);
+    let golden_dir = w.path("state").join("golden");
+    std::fs::write(golden_dir.join("references.json"), "[{\"fingerprint\": \"cut sh").unwrap();
+
+    w.drain_notes();
+    w.spawn();
+    w.wait_ready();
+    let ready = w.wait_note("ready", |n| n.starts_with("STATUS=ready: pid "));
+    assert!(ready.contains("; WARNING: answers not compared: the golden references are unreadable ("), "{ready}");
+    assert!(ready.contains("EOF while parsing"), "{ready}");
+    assert_eq!(doc(&w)["golden"]["verdict"], "unrecorded", "{}", doc(&w));
+    assert_eq!(doc(&w)["last_failure"], serde_json::Value::Null, "{}", doc(&w));
+    assert_eq!(w.stop(), 0);
+    let kept = std::fs::read_to_string(golden_dir.join("references.json")).unwrap();
+    assert_eq!(kept, "[{\"fingerprint\": \"cut sh", "left as it is");
+
+    // `show` shows the last check and says the store is unreadable.
+    let (ok, show) = golden(&w, "show");
+    assert!(!ok && show.starts_with("last check: unrecorded at "), "{show}");
+    let (ok, said) = golden(&w, "accept");
+    assert!(ok, "{said}");
+    assert!(said.starts_with("the golden references were unreadable ("), "{said}");
+    assert!(said.contains("set aside as golden/references.json.unreadable"), "{said}");
+    assert_eq!(std::fs::read_to_string(golden_dir.join("references.json.unreadable")).unwrap(), kept);
+
+    w.drain_notes();
+    w.spawn();
+    w.wait_ready();
+    assert_eq!(doc(&w)["golden"]["verdict"], "same", "{}", doc(&w));
+    assert_eq!(w.stop(), 0);
+    let (ok, show) = golden(&w, "show");
+    assert!(ok && show.starts_with("last check: same at "), "{show}");
+}

@@ -732,7 +732,7 @@ fn an_upgrade_asked_while_loading_waits_until_ready() {
 /// each way, the warden (same pid) says why it refuses, stops the child it
 /// could not take over, starts the model again and is ready; nothing is
 /// orphaned, and a stop ends in 0.
-fn a_refused_upgrade_starts_again(how: &str, tamper: &str) {
+fn a_refused_upgrade_starts_again(how: &str, tamper: &str) -> String {
     use std::os::unix::fs::PermissionsExt;
     let (bin, path, mut w) = warden_from_a_copy(&["--shards", "1"]);
     w.wait_ready();
@@ -763,6 +763,7 @@ fn a_refused_upgrade_starts_again(how: &str, tamper: &str) {
         "{how}: the same warden pid runs the new binary"
     );
     assert_eq!(w.stop(), 0, "{how}");
+    log
 }
 
 #[test]
@@ -803,9 +804,51 @@ fn a_refused_upgrade_state_with_a_wrong_field_starts_again() {
     }
 }
 
+/// A run token of the right shape that the child does not carry: taken
+/// over, it would be written into the tree's record, and after a crash
+/// the next warden would not know the child (which keeps the port) as a
+/// leftover. Refused, saying so.
+#[test]
+fn a_refused_upgrade_state_with_a_forged_run_token_starts_again() {
+    let forge = "sed -i 's/\"token\": \"[0-9a-f]*\"/\"token\": \"0123456789abcdef0123456789abcdef\"/' \"$S\"";
+    let log = a_refused_upgrade_starts_again("forged token", forge);
+    assert!(log.contains("does not carry the state's run token in its environment"), "{log}");
+}
+
 /// With no tampering: the child dies between the SIGUSR2 and the
 /// successor's look at it.
 #[test]
 fn a_child_that_dies_during_the_upgrade_is_started_again() {
     a_refused_upgrade_starts_again("the child died", "kill -9 LEADER");
+}
+
+/// The `failed` events of runs killed while serving, in the JSON log: each
+/// carries the pid that ran and the attempt that failed (not the next
+/// attempt's number, nor `CHILD_PID=0` for a leader already gone), with
+/// failure reports and without.
+#[test]
+fn a_run_killed_while_serving_logs_its_failure_with_its_pid_and_attempt() {
+    for reports in ["", "[reports]\nkeep = 0\n"] {
+        let opts = Opts { run_args: vec!["--log-format".into(), "json".into()], ..Opts::default() };
+        let extra = format!("{FAST}{reports}");
+        let mut w = Warden::start_with(move |d, p| config(d, p, &["--shards", "1"], "", &extra), opts);
+        let mut killed = Vec::new();
+        for attempt in 1..=2 {
+            w.wait_ready();
+            let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader.pid), Signal::SIGKILL).unwrap();
+            w.wait_note("restart", |n| n.starts_with("STATUS=restarting in"));
+            killed.push((leader.pid as u64, attempt));
+        }
+        w.wait_ready();
+        assert_eq!(w.stop(), 0);
+        let failed: Vec<(u64, u64)> = w
+            .stderr()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["fields"]["EVENT"] == "failed")
+            .map(|v| (v["fields"]["CHILD_PID"].as_u64().unwrap(), v["fields"]["ATTEMPT"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(failed, killed, "reports {reports:?}: {}", w.stderr());
+    }
 }

@@ -102,6 +102,7 @@ fn a_wedged_engine_leaves_a_failure_report_with_every_part_and_no_secret() {
     assert_eq!(summary["cause"], "engine stalled: 1 running, 0 waiting, no token for 1s");
     assert_eq!(summary["class"], "health");
     assert_eq!(summary["attempt"], 1);
+    assert_eq!(summary["pid"], leader, "the pid that ran");
     assert_eq!(summary["exit"], serde_json::Value::Null, "it was running when it failed");
     assert_eq!(summary["vllm_version"], "0.32.0");
     assert_eq!(summary["complete"], true);

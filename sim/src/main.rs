@@ -92,6 +92,10 @@ struct FakeArgs {
     /// the prompt, so that a change of the file (a patch) changes them.
     #[arg(long)]
     answers_from: Option<PathBuf>,
+    /// How long the engine takes for each token it generates (`0s`: long
+    /// answers at once, for a test of their size).
+    #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
+    token_time: Duration,
     /// On SIGUSR2 the engine wedges: requests in flight stay running, no
     /// token moves, `/health` still answers 200.
     #[arg(long)]
@@ -361,7 +365,7 @@ fn simulate(args: FakeArgs) -> i32 {
             );
         });
     }
-    let engine = Arc::new(Engine::default());
+    let engine = Arc::new(Engine { token_time: args.token_time, ..Engine::default() });
     if args.wedge_on_usr2 {
         let e = engine.clone();
         on_signal(Signal::SIGUSR2, move || e.wedged.store(true, Ordering::SeqCst));
@@ -916,6 +920,8 @@ struct Engine {
     /// SIGUSR2 wedges it: requests in flight stay, no token moves, and
     /// `/health` still answers 200, as a wedged vLLM engine.
     wedged: AtomicBool,
+    /// The time of one token.
+    token_time: Duration,
 }
 
 impl Engine {
@@ -942,8 +948,8 @@ impl Engine {
         )
     }
 
-    /// Generate `max_tokens` tokens, one every 20 ms, unless wedged (then
-    /// never return).
+    /// Generate `max_tokens` tokens, one every `token_time`, unless wedged
+    /// (then never return).
     fn complete(&self, max_tokens: u64) {
         self.running.fetch_add(1, Ordering::SeqCst);
         self.prompt_tokens.fetch_add(2, Ordering::SeqCst);
@@ -951,7 +957,7 @@ impl Engine {
             while self.wedged.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_secs(3600));
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(self.token_time);
             self.generation_tokens.fetch_add(1, Ordering::SeqCst);
         }
         self.running.fetch_sub(1, Ordering::SeqCst);

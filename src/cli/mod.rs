@@ -612,20 +612,30 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
     };
     match a.what.as_ref().unwrap_or(&GoldenCmd::Show) {
         GoldenCmd::Show => {
-            let (refs, last) = match (golden::references(&s.state_dir), golden::last(&s.state_dir)) {
-                (Ok(r), Ok(l)) => (r, l),
-                (Err(e), _) | (_, Err(e)) => return fail(e),
+            // What can be read is shown; what cannot is said (and `accept`
+            // replaces an unreadable store).
+            let mut code = Code::Ok;
+            let mut unreadable = |e: String, then: &str| {
+                eprintln!("vllm-warden: {}{then}", one_line(&e, 1000));
+                code = Code::NoReport;
             };
-            match &last {
-                Some(l) => outln!(
+            match golden::last(&s.state_dir) {
+                Ok(Some(l)) => outln!(
                     "last check: {} at {}, setup {}: {}",
                     one_line(&l.verdict, 40),
                     one_line(&l.at, 40),
                     one_line(&l.fingerprint, 40),
                     one_line(&l.text, 400)
                 ),
-                None => outln!("no golden check yet"),
+                Ok(None) => outln!("no golden check yet"),
+                Err(e) => unreadable(e, ""),
             }
+            let refs = golden::references(&s.state_dir).unwrap_or_else(|e| {
+                let then = "; the next check is a warning, and `vllm-warden golden accept` makes the last answers \
+                            the reference in a new file";
+                unreadable(e, then);
+                Vec::new()
+            });
             for r in &refs {
                 outln!("reference of setup {} (recorded {}):", one_line(&r.fingerprint, 40), one_line(&r.at, 40));
                 for a in &r.answers.answers {
@@ -637,7 +647,7 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
                     );
                 }
             }
-            Code::Ok
+            code
         }
         GoldenCmd::Diff => match golden::diff(&s.state_dir) {
             Some(text) => {
@@ -649,10 +659,18 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
             None => fail("no golden answers to compare yet (a check with a reference before it)".into()),
         },
         GoldenCmd::Accept => match golden::accept(&s.state_dir) {
-            Ok(fp) => {
+            Ok(done) => {
+                if let Some(e) = &done.replaced {
+                    outln!(
+                        "the golden references were unreadable ({}): set aside as {}/{}, a new store begun",
+                        one_line(e, 1000),
+                        golden::FOLDER,
+                        golden::UNREADABLE
+                    );
+                }
                 outln!(
                     "the last answers are the reference of setup {}: the next start compares against them",
-                    one_line(&fp, 40)
+                    one_line(&done.fingerprint, 40)
                 );
                 Code::Ok
             }

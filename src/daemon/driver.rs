@@ -794,12 +794,16 @@ fn load_record(r: &crate::supervisor::load::LoadRecord) -> Record {
         r.total_secs,
         if phases.is_empty() { "no phase seen".to_string() } else { phases.join(", ") }
     );
-    Record { severity: Severity::Info, topic: Topic::Load, message }
+    Record { severity: Severity::Info, topic: Topic::Load, message, about: None }
 }
 
 fn log(ctx: &Context, m: &Machine, r: &Record, report: Option<&std::path::Path>) {
-    let pid = m.child_pid().unwrap_or(0);
-    let attempt = m.attempt();
+    // The run the record names, else the machine's of the moment.
+    let (pid, attempt) = match r.about {
+        Some(run) => (run.pid, run.attempt),
+        None => (m.child_pid(), m.attempt()),
+    };
+    let pid = pid.unwrap_or(0);
     let msg = crate::util::redact::text(&r.message);
     let (instance, event, msg) = (ctx.instance.as_str(), r.topic.as_str(), msg.as_ref());
     let report = report.map(|p| crate::util::escape::one_line(&p.display().to_string(), crate::util::escape::MAX_LINE));

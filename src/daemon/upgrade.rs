@@ -5,8 +5,9 @@
 //! systemd's `MAINPID` stays, and the instance lock's descriptor is kept
 //! across the exec. The successor reads the file, checks every part of it
 //! against the live system (the child is its child with the same start
-//! time, the log descriptor the child writes to is the recorded inode, the
-//! lock descriptor is the instance's lock), follows the log from the saved
+//! time and carries the run token in its own environment, the log
+//! descriptor the child writes to is the recorded inode, the lock
+//! descriptor is the instance's lock), follows the log from the saved
 //! offset and supervises the ready run as before.
 //!
 //! What can go wrong before the exec leaves the old warden running and says
@@ -85,6 +86,12 @@ pub enum UpgradeError {
     NotTheChild(i32),
     #[error("the child, pid {0}, is gone")]
     ChildGone(i32),
+    /// The child's own environment does not hold the state's run token: a
+    /// warden that took it over would record the tree with a token the
+    /// child does not carry, and its successor after a crash would not
+    /// know the child as a leftover (which would keep the port).
+    #[error("the child, pid {0}, does not carry the state's run token in its environment")]
+    TokenNotCarried(i32),
     /// The descriptor the state names is not the inherited instance lock.
     #[error("descriptor {0} is not the instance's lock")]
     NotTheLock(RawFd),
@@ -158,6 +165,12 @@ pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
         Some(st) if st.ppid == me && st.start_time == state.child_start_time && st.state != 'Z' => {}
         Some(_) => return Err(UpgradeError::NotTheChild(pid)),
         None => return Err(UpgradeError::ChildGone(pid)),
+    }
+    // The token is what finds the child again after a crash (the tree's
+    // record names it, and a leftover must carry it): only the token the
+    // child was started with is taken over.
+    if !crate::process::prestart::carries_token(pid, &state.token) {
+        return Err(UpgradeError::TokenNotCarried(pid));
     }
     // The lock's descriptor is checked where it is taken over
     // (`InstanceLock::adopt`).
@@ -315,7 +328,12 @@ mod tests {
     /// it is gone once read.
     #[test]
     fn a_state_is_checked_against_the_live_system() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let token = "0123456789abcdef0123456789abcdef";
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env(crate::process::prestart::RUN_TOKEN, token)
+            .spawn()
+            .unwrap();
         let st = crate::process::child::read_stat(child.id() as i32).unwrap();
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join(STATE_FILE);
@@ -331,6 +349,13 @@ mod tests {
         assert!(e.contains("instance \"u\""), "{e}");
         let e = try_read(&Handoff { token: "x\nREADY=1".into(), ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("run token"), "{e}");
+        // A token of the right shape that the child does not carry: forged.
+        let forged = Handoff { token: "fedcba9876543210fedcba9876543210".into(), ..good.clone() };
+        let e = try_read(&forged).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!("the child, pid {}, does not carry the state's run token in its environment", child.id())
+        );
         let e = try_read(&Handoff { from: "1.0\nREADY=1".into(), ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("version"), "{e}");
         let e = try_read(&Handoff { child_start_time: st.start_time + 1, ..good.clone() }).unwrap_err().to_string();

@@ -3,6 +3,13 @@
 //! references kept per setup in `golden/references.json` of the state
 //! directory and the last answers in `golden/last.json`, and the verdict
 //! (`supervisor::golden` compares).
+//!
+//! The store is read through a cap ([`MAX_STORE`]), so it is written
+//! within it: a reference larger than [`MAX_REFERENCE`] is not kept, and
+//! the oldest references are dropped to make room. A store that cannot
+//! be read (another program's file, a disk's damage, an older warden's
+//! larger file) is left as it is and the check is a warning; `golden
+//! accept` sets it aside and starts a new one.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -18,6 +25,17 @@ const REFERENCES: &str = "references.json";
 const LAST: &str = "last.json";
 /// References kept: one per setup, the oldest dropped.
 pub const KEEP: usize = 50;
+/// The most `references.json` or `last.json` may hold: what is read, and
+/// so what is written.
+pub const MAX_STORE: u64 = 16 << 20;
+/// The most one reference may take in `references.json` (its answers
+/// with their tokens and logprobs; 32 answers of 2 000 tokens take about
+/// 3 MiB): a quarter of the store, so that four setups at least are
+/// always kept.
+pub const MAX_REFERENCE: usize = (MAX_STORE / 4) as usize;
+/// Where `golden accept` puts an unreadable `references.json` before it
+/// writes a new one (the last one set aside only).
+pub const UNREADABLE: &str = "references.json.unreadable";
 /// The most one answer, or a prompts file, may hold.
 const MAX_BODY: usize = 1 << 20;
 const MAX_FILE: u64 = 64 << 10;
@@ -132,7 +150,8 @@ fn folder(state_dir: &Path) -> PathBuf {
 }
 
 /// The references, oldest first; none when there is no file (a file that
-/// is not references is an error: it is not overwritten blindly).
+/// is not references, or larger than [`MAX_STORE`], is an error: it is
+/// not overwritten blindly).
 pub fn references(state_dir: &Path) -> Result<Vec<Reference>, String> {
     let path = folder(state_dir).join(REFERENCES);
     match read_in(state_dir, REFERENCES, MAX_STORE) {
@@ -151,19 +170,17 @@ pub fn last(state_dir: &Path) -> Result<Option<Last>, String> {
     }
 }
 
-/// The most `references.json` or `last.json` may hold.
-const MAX_STORE: u64 = 4 << 20;
-
 /// `name` in the golden folder, read through the state directory's and the
 /// folder's descriptors without following a link (the service user owns
-/// both; `golden` may be run by root).
+/// both; `golden` may be run by root); a file larger than `max` is not
+/// read (a cut JSON text would only say "EOF while parsing").
 fn read_in(state_dir: &Path, name: &str, max: u64) -> std::io::Result<String> {
-    use std::io::Read;
     let dir = crate::util::fsutil::Dir::open(state_dir)?.child_dir(FOLDER.as_ref(), None)?;
     let (f, _) = dir.open_regular(name.as_ref(), false).map_err(std::io::Error::other)?;
-    let mut s = String::new();
-    f.take(max).read_to_string(&mut s)?;
-    Ok(s)
+    match crate::util::fsutil::read_capped(&f, max)? {
+        Ok(bytes) => String::from_utf8(bytes).map_err(|_| std::io::Error::other("not UTF-8 text")),
+        Err(size) => Err(std::io::Error::other(format!("{}, more than the {} the warden reads", mib(size), mib(max)))),
+    }
 }
 
 /// Write `name` whole (a new file renamed over the old), through the state
@@ -171,27 +188,78 @@ fn read_in(state_dir: &Path, name: &str, max: u64) -> std::io::Result<String> {
 /// writing for `golden accept` leaves the folder and the file to the
 /// state directory's owner, the service user, who reads and writes them
 /// next.
-fn save<T: Serialize>(state_dir: &Path, name: &str, value: &T) -> std::io::Result<()> {
+///
+/// `aside`: first rename the file there (`golden accept` replacing an
+/// unreadable store keeps the old one).
+fn save(state_dir: &Path, name: &str, text: &str, aside: Option<&str>) -> std::io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     let state = crate::util::fsutil::Dir::open(state_dir)?;
     let dir = state.child_dir(FOLDER.as_ref(), Some(0o750))?;
-    let text = serde_json::to_string_pretty(value).map_err(std::io::Error::other)?;
     let owner = state.metadata()?;
     let owner = (nix::unistd::geteuid().is_root() && owner.uid() != 0).then_some((owner.uid(), owner.gid()));
     if let Some((uid, gid)) = owner {
         nix::unistd::fchown(dir.fd(), Some(uid.into()), Some(gid.into()))?;
     }
+    if let Some(aside) = aside {
+        match dir.rename(name.as_ref(), aside.as_ref()) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
     dir.write_atomic(name.as_ref(), text.as_bytes(), 0o640, owner)
 }
 
-/// `answers` become the reference of `fingerprint` (replacing its old one).
-pub fn set_reference(state_dir: &Path, r: Reference) -> Result<(), String> {
-    let mut all = references(state_dir)?;
+/// A size in MiB, for a message.
+fn mib(n: u64) -> String {
+    format!("{:.1} MiB", n as f64 / f64::from(1u32 << 20))
+}
+
+/// One reference as `references.json` holds it, or why it is not kept.
+fn reference_text(r: &Reference) -> Result<String, String> {
+    let text = serde_json::to_string(r).map_err(|e| e.to_string())?;
+    if text.len() > MAX_REFERENCE {
+        return Err(format!(
+            "the answers take {} as a reference, more than the {} one may (fewer golden.prompts, or a smaller \
+             golden.max-tokens)",
+            mib(text.len() as u64),
+            mib(MAX_REFERENCE as u64)
+        ));
+    }
+    Ok(text)
+}
+
+/// `r` becomes the reference of its setup and questions among `all` (the
+/// store as read; its old one replaced), and the store is written, within
+/// what is read back: at most [`KEEP`] references in at most
+/// [`MAX_STORE`], the oldest dropped; a reference larger than
+/// [`MAX_REFERENCE`] is not kept. `aside`: see [`save`].
+fn keep(state_dir: &Path, mut all: Vec<Reference>, r: Reference, aside: Option<&str>) -> Result<(), String> {
+    let new = reference_text(&r)?;
     all.retain(|x| x.fingerprint != r.fingerprint || x.questions != r.questions);
-    all.push(r);
-    let drop = all.len().saturating_sub(KEEP);
-    all.drain(..drop);
-    save(state_dir, REFERENCES, &all).map_err(|e| format!("cannot save the golden references: {e}"))
+    let mut texts = all.iter().map(serde_json::to_string).collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+    texts.push(new);
+    // `[a,b,c]`: the brackets and a comma between two.
+    let mut size = texts.iter().map(|t| t.len() + 1).sum::<usize>() + 1;
+    let mut drop = 0;
+    while texts.len() - drop > KEEP || (size > MAX_STORE as usize && texts.len() - drop > 1) {
+        size -= texts[drop].len() + 1;
+        drop += 1;
+    }
+    if drop > 0 && texts.len() - drop < KEEP {
+        tracing::info!(
+            EVENT = "golden",
+            "golden references: the {drop} oldest dropped to keep the store within {}",
+            mib(MAX_STORE)
+        );
+    }
+    let text = format!("[{}]", texts[drop..].join(","));
+    save(state_dir, REFERENCES, &text, aside).map_err(|e| format!("cannot save the golden references: {e}"))
+}
+
+/// `r` becomes the reference of its setup (replacing its old one), in
+/// the store as it is now.
+pub fn set_reference(state_dir: &Path, r: Reference) -> Result<(), String> {
+    keep(state_dir, references(state_dir)?, r, None)
 }
 
 fn now() -> String {
@@ -222,54 +290,81 @@ pub fn questions(prompts: &[String], max_tokens: u32) -> String {
 }
 
 /// Judge `answers` for `subject` against the references, record what is
-/// to be recorded, and say the verdict. Blocking (files).
+/// to be recorded, and say the verdict. Blocking (files). A store that
+/// cannot be read or written is a warning ([`Verdict::Unrecorded`]), never
+/// a failed check: the model answered.
 pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f64, accept_changes: bool) -> Verdict {
     let ms = answers.ms.round() as u64;
     let prompts = answers.answers.len();
-    let refs = match references(state_dir) {
+    let all = match references(state_dir) {
         Ok(r) => r,
-        Err(e) => return Verdict::Failed { text: e },
+        Err(e) => {
+            // Left as it is: what it holds is not ours to throw away. The
+            // answers are kept in `last.json` for `golden accept`.
+            let text = format!(
+                "answers not compared: the golden references are unreadable ({e}); `vllm-warden golden accept` \
+                 makes these answers the reference (the file set aside as {UNREADABLE})"
+            );
+            let verdict = Verdict::Unrecorded { text, ms };
+            save_last(state_dir, subject, &verdict, Some(answers), None, tolerance);
+            return verdict;
+        }
     };
-    let refs: Vec<&Reference> = refs.iter().filter(|r| r.questions == subject.questions).collect();
-    let own = refs.iter().copied().find(|r| r.fingerprint == subject.fingerprint);
-    // A new setup is compared with the latest reference of another.
-    let against = own.or_else(|| refs.last().copied());
-    let reference = |answers: &Answers| Reference {
-        fingerprint: subject.fingerprint.clone(),
-        questions: subject.questions.clone(),
-        setup: subject.setup.clone(),
-        at: now(),
-        answers: answers.clone(),
-    };
-    let (verdict, new_ref) = match against {
-        None => (Verdict::Recorded { prompts, ms }, true),
-        Some(r) => match compare(&r.answers, &answers, tolerance) {
-            Ok(()) => (Verdict::Same { prompts, ms }, own.is_none()),
-            Err(d) => {
-                let after = if own.is_some() {
-                    "with the same setup".to_string()
-                } else {
-                    let changes = crate::observe::ledger::setup_changes(&r.setup, &subject.setup);
-                    format!("after {}", changes.join("; "))
-                };
-                let text = format!("answers changed {after}: prompt {:?}, {}", short(&d.prompt), d.what);
-                if accept_changes && own.is_none() {
-                    (Verdict::Changed { text: format!("{text} (accepted: golden.accept-changes)"), ms }, true)
-                } else {
-                    (Verdict::Changed { text, ms }, false)
+    let (verdict, new_ref, against, accepted) = {
+        let refs: Vec<&Reference> = all.iter().filter(|r| r.questions == subject.questions).collect();
+        let own = refs.iter().copied().find(|r| r.fingerprint == subject.fingerprint);
+        // A new setup is compared with the latest reference of another.
+        let against = own.or_else(|| refs.last().copied());
+        let (verdict, new_ref, accepted) = match against {
+            None => (Verdict::Recorded { prompts, ms }, true, false),
+            Some(r) => match compare(&r.answers, &answers, tolerance) {
+                Ok(()) => (Verdict::Same { prompts, ms }, own.is_none(), false),
+                Err(d) => {
+                    let after = if own.is_some() {
+                        "with the same setup".to_string()
+                    } else {
+                        let changes = crate::observe::ledger::setup_changes(&r.setup, &subject.setup);
+                        format!("after {}", changes.join("; "))
+                    };
+                    let text = format!("answers changed {after}: prompt {:?}, {}", short(&d.prompt), d.what);
+                    let accept = accept_changes && own.is_none();
+                    (Verdict::Changed { text, ms }, accept, accept)
                 }
-            }
-        },
+            },
+        };
+        (verdict, new_ref, against.map(|r| r.fingerprint.clone()), accepted)
     };
-    let mut recorded = None;
-    if new_ref && let Err(e) = set_reference(state_dir, reference(&answers)) {
-        recorded = Some(e);
-    }
-    save_last(state_dir, subject, &verdict, Some(answers), against.map(|r| r.fingerprint.clone()), tolerance);
-    match recorded {
-        Some(e) => Verdict::Failed { text: e },
-        None => verdict,
-    }
+    let recorded = if new_ref {
+        let r = Reference {
+            fingerprint: subject.fingerprint.clone(),
+            questions: subject.questions.clone(),
+            setup: subject.setup.clone(),
+            at: now(),
+            answers: answers.clone(),
+        };
+        keep(state_dir, all, r, None)
+    } else {
+        Ok(())
+    };
+    let verdict = match (verdict, recorded) {
+        (Verdict::Changed { text, ms }, Ok(())) if accepted => {
+            Verdict::Changed { text: format!("{text} (accepted: golden.accept-changes)"), ms }
+        }
+        (Verdict::Changed { text, ms }, Err(e)) => Verdict::Changed { text: format!("{text} (not accepted: {e})"), ms },
+        (Verdict::Recorded { .. }, Err(e)) => {
+            Verdict::Unrecorded { text: format!("answers not recorded as the reference: {e}"), ms }
+        }
+        (Verdict::Same { .. }, Err(e)) => Verdict::Unrecorded {
+            text: format!(
+                "answers as the reference of setup {}, not recorded as this setup's: {e}",
+                short(against.as_deref().unwrap_or_default())
+            ),
+            ms,
+        },
+        (v, _) => v,
+    };
+    save_last(state_dir, subject, &verdict, Some(answers), against, tolerance);
+    verdict
 }
 
 /// Record that the check could not be made.
@@ -279,7 +374,8 @@ pub fn failed(state_dir: &Path, subject: &Subject, text: &str, tolerance: f64) -
     verdict
 }
 
-/// `last.json`: this check, for `golden show`, `diff` and `accept`.
+/// `last.json`: this check, for `golden show`, `diff` and `accept`; its
+/// answers only when they could be a reference (within what is read).
 fn save_last(
     state_dir: &Path,
     subject: &Subject,
@@ -288,7 +384,7 @@ fn save_last(
     against: Option<String>,
     tolerance: f64,
 ) {
-    let last = Last {
+    let mut last = Last {
         fingerprint: subject.fingerprint.clone(),
         questions: subject.questions.clone(),
         setup: subject.setup.clone(),
@@ -299,7 +395,13 @@ fn save_last(
         against,
         tolerance,
     };
-    if let Err(e) = save(state_dir, LAST, &last) {
+    let mut text = serde_json::to_string(&last);
+    if text.as_ref().is_ok_and(|t| t.len() > MAX_REFERENCE) {
+        last.answers = None;
+        text = serde_json::to_string(&last);
+    }
+    let saved = text.map_err(std::io::Error::other).and_then(|t| save(state_dir, LAST, &t, None));
+    if let Err(e) = saved {
         tracing::warn!(error = %e, "cannot save the last golden answers");
     }
 }
@@ -327,21 +429,33 @@ pub fn diff(state_dir: &Path) -> Option<String> {
     Some(head + &crate::supervisor::golden::side_by_side(&r.answers, answers, last.tolerance))
 }
 
+/// What `golden accept` did: the setup whose reference the last answers
+/// became, and the error of the unreadable store it set aside, if any.
+#[derive(Debug)]
+pub struct Accepted {
+    pub fingerprint: String,
+    pub replaced: Option<String>,
+}
+
 /// `golden accept`: the last answers become the reference of their setup.
-pub fn accept(state_dir: &Path) -> Result<String, String> {
+/// An unreadable store is set aside ([`UNREADABLE`]) and a new one begun
+/// with them.
+pub fn accept(state_dir: &Path) -> Result<Accepted, String> {
     let last = last(state_dir)?.ok_or("no golden answers yet")?;
-    let answers = last.answers.ok_or("the last golden check has no answers (it failed)")?;
-    set_reference(
-        state_dir,
-        Reference {
-            fingerprint: last.fingerprint.clone(),
-            questions: last.questions,
-            setup: last.setup,
-            at: now(),
-            answers,
-        },
-    )?;
-    Ok(last.fingerprint)
+    let answers = last.answers.ok_or_else(|| format!("the last golden check kept no answers: {}", last.text))?;
+    let (all, replaced) = match references(state_dir) {
+        Ok(all) => (all, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    let r = Reference {
+        fingerprint: last.fingerprint.clone(),
+        questions: last.questions,
+        setup: last.setup,
+        at: now(),
+        answers,
+    };
+    keep(state_dir, all, r, replaced.as_ref().map(|_| UNREADABLE))?;
+    Ok(Accepted { fingerprint: last.fingerprint, replaced })
 }
 
 #[cfg(test)]
@@ -406,7 +520,7 @@ mod tests {
         };
         assert!(text.starts_with("answers changed after command: y → z: prompt \"p\", token 1"), "{text}");
         assert_eq!(references(s).unwrap().len(), 2);
-        assert_eq!(accept(s).unwrap(), "c");
+        assert_eq!(accept(s).unwrap().fingerprint, "c");
         assert_eq!(judge(s, &subject("c", "z"), answers(&["9"]), 1e-3, false), Verdict::Same { prompts: 1, ms: 12 });
         // With accept-changes, a changed setup's answers are its reference.
         let v = judge(s, &subject("d", "w"), answers(&["7"]), 1e-3, true);
@@ -428,20 +542,106 @@ mod tests {
         std::fs::create_dir(&state).unwrap();
         std::os::unix::fs::symlink(&elsewhere, state.join(FOLDER)).unwrap();
         let v = judge(&state, &subject("a", "x"), answers(&["1"]), 1e-3, false);
-        assert!(matches!(v, Verdict::Failed { .. }), "{v:?}");
+        assert!(matches!(v, Verdict::Unrecorded { .. }), "{v:?}");
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        assert!(accept(&state).is_err());
         assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
         std::fs::write(elsewhere.join(LAST), "{}").unwrap();
         assert!(last(&state).is_err());
     }
 
+    /// An unreadable store is a warning, left as it is, until `golden
+    /// accept` sets it aside and begins a new one with the last answers.
     #[test]
-    fn a_references_file_that_is_not_one_is_a_failed_check_and_is_kept() {
+    fn an_unreadable_references_file_is_a_warning_kept_until_accept_replaces_it() {
+        let d = tempfile::tempdir().unwrap();
+        let s = d.path();
+        std::fs::create_dir_all(s.join(FOLDER)).unwrap();
+        std::fs::write(s.join(FOLDER).join(REFERENCES), "not json").unwrap();
+        let v = judge(s, &subject("a", "x"), answers(&["1"]), 1e-3, false);
+        let Verdict::Unrecorded { text, .. } = &v else { panic!("{v:?}") };
+        assert!(text.starts_with("answers not compared: the golden references are unreadable ("), "{text}");
+        assert!(text.contains("`vllm-warden golden accept` makes these answers the reference"), "{text}");
+        assert_eq!(std::fs::read_to_string(s.join(FOLDER).join(REFERENCES)).unwrap(), "not json");
+        assert_eq!(last(s).unwrap().unwrap().verdict, "unrecorded");
+
+        let done = accept(s).unwrap();
+        assert_eq!(done.fingerprint, "a");
+        assert!(done.replaced.is_some_and(|e| e.contains("references.json: expected ident")));
+        assert_eq!(std::fs::read_to_string(s.join(FOLDER).join(UNREADABLE)).unwrap(), "not json");
+        assert_eq!(references(s).unwrap().len(), 1);
+        assert_eq!(judge(s, &subject("a", "x"), answers(&["1"]), 1e-3, false).name(), "same");
+    }
+
+    /// Answers of `tokens` tokens of `width` bytes each.
+    fn wide(tokens: usize, width: usize, seed: char) -> Answers {
+        let t: String = std::iter::repeat_n(seed, width).collect();
+        Answers {
+            answers: vec![Answer {
+                prompt: "p".into(),
+                tokens: vec![t; tokens],
+                logprobs: vec![Some(-0.5); tokens],
+                text: String::new(),
+            }],
+            ms: 1.0,
+        }
+    }
+
+    /// The store is written within what is read: the oldest references
+    /// dropped for room, the newest always kept, every write readable.
+    #[test]
+    fn the_store_never_outgrows_what_is_read() {
+        let d = tempfile::tempdir().unwrap();
+        let s = d.path();
+        // About 3.4 MiB a reference: four fit in 16 MiB, not five.
+        let size = 3_500_000 / 1000;
+        for (i, seed) in ('a'..='e').enumerate() {
+            let v = judge(s, &subject(&format!("s{i}"), &format!("c{i}")), wide(size, 1000, seed), 1e-3, true);
+            assert!(matches!(v, Verdict::Recorded { .. } | Verdict::Changed { .. }), "{i}: {v:?}");
+            assert!(!v.text().contains("not accepted"), "{i}: {v:?}");
+            let len = std::fs::metadata(s.join(FOLDER).join(REFERENCES)).unwrap().len();
+            assert!(len <= MAX_STORE, "{i}: {len}");
+        }
+        let kept: Vec<String> = references(s).unwrap().into_iter().map(|r| r.fingerprint).collect();
+        assert_eq!(kept, ["s1", "s2", "s3", "s4"]);
+        assert!(std::fs::metadata(s.join(FOLDER).join(LAST)).unwrap().len() <= MAX_STORE);
+        assert_eq!(accept(s).unwrap().fingerprint, "s4");
+    }
+
+    /// A reference larger than one may be is not kept: a warning, the
+    /// store as it was; `last.json` keeps no answers it could not read.
+    #[test]
+    fn answers_too_large_to_keep_are_a_warning_and_the_store_is_unchanged() {
+        let d = tempfile::tempdir().unwrap();
+        let s = d.path();
+        assert_eq!(judge(s, &subject("a", "x"), answers(&["1"]), 1e-3, false).name(), "recorded");
+        let before = std::fs::read(s.join(FOLDER).join(REFERENCES)).unwrap();
+        let v = judge(s, &subject("b", "y"), wide(MAX_REFERENCE / 1000 + 1, 1000, 'z'), 1e-3, true);
+        let Verdict::Changed { text, .. } = &v else { panic!("{v:?}") };
+        assert!(
+            text.contains("(not accepted: the answers take 4.0 MiB as a reference, more than the 4.0 MiB"),
+            "{text}"
+        );
+        let v = judge(s, &Subject { questions: "q2".into(), ..subject("b", "y") }, wide(5000, 1000, 'z'), 1e-3, false);
+        let Verdict::Unrecorded { text, .. } = &v else { panic!("{v:?}") };
+        assert!(text.starts_with("answers not recorded as the reference: the answers take 4.8 MiB"), "{text}");
+        assert_eq!(std::fs::read(s.join(FOLDER).join(REFERENCES)).unwrap(), before);
+        let l = last(s).unwrap().unwrap();
+        assert_eq!((l.verdict.as_str(), l.answers.is_none()), ("unrecorded", true));
+        let e = accept(s).unwrap_err();
+        assert!(e.starts_with("the last golden check kept no answers: answers not recorded"), "{e}");
+    }
+
+    /// A store larger than what is read (an older warden's) says so, not
+    /// "EOF while parsing".
+    #[test]
+    fn a_store_larger_than_what_is_read_says_so() {
         let d = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(d.path().join(FOLDER)).unwrap();
-        std::fs::write(d.path().join(FOLDER).join(REFERENCES), "not json").unwrap();
-        let v = judge(d.path(), &subject("a", "x"), answers(&["1"]), 1e-3, false);
-        assert!(matches!(v, Verdict::Failed { .. }), "{v:?}");
-        assert_eq!(std::fs::read_to_string(d.path().join(FOLDER).join(REFERENCES)).unwrap(), "not json");
+        let f = std::fs::File::create(d.path().join(FOLDER).join(REFERENCES)).unwrap();
+        f.set_len(MAX_STORE + 1).unwrap();
+        let e = references(d.path()).unwrap_err();
+        assert!(e.ends_with("references.json: 16.0 MiB, more than the 16.0 MiB the warden reads"), "{e}");
     }
 
     #[test]

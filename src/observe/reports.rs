@@ -68,6 +68,9 @@ pub struct Summary {
     /// The start number (`start N` in the log marker).
     pub start: u32,
     pub attempt: u32,
+    /// The run's child (its leader); none in a report of an older warden.
+    #[serde(default)]
+    pub pid: Option<u32>,
     pub cause: String,
     pub class: FailureClass,
     pub hint: Option<String>,

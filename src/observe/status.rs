@@ -66,8 +66,8 @@ pub struct Doc {
     /// The last load that ended, as the ledger has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_load: Option<LastLoad>,
-    /// The last golden check: `same`, `recorded`, `changed` or `failed`,
-    /// and what it found.
+    /// The last golden check: `same`, `recorded`, `changed`, `failed` or
+    /// `unrecorded`, and what it found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub golden: Option<GoldenDoc>,
     /// The weight-cache daemon (`[preload]`), while one runs.
@@ -685,7 +685,7 @@ impl Metrics {
         );
         registry.register(
             "golden_checks",
-            "Golden checks by verdict: same, recorded, changed (an alarm), failed (no answer)",
+            "Golden checks by verdict: same, recorded, changed (an alarm), failed (no answer), unrecorded (the store unusable)",
             m.golden.clone(),
         );
         registry.register(

@@ -312,6 +312,20 @@ pub struct Record {
     pub severity: Severity,
     pub topic: Topic,
     pub message: String,
+    /// The run the event is about, when that is not simply the machine's
+    /// run of the moment: a failure names the attempt that failed and the
+    /// pid that ran it, though by the time it is logged the leader may be
+    /// gone (a run that exited) or the failure already counted (a start
+    /// that failed). `None`: the machine's current child and attempt.
+    pub about: Option<RunOf>,
+}
+
+/// A run as the journal names it (`CHILD_PID`, `ATTEMPT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunOf {
+    /// The run's child; none for a start that never spawned.
+    pub pid: Option<u32>,
+    pub attempt: u32,
 }
 
 /// What to do.
@@ -385,6 +399,8 @@ pub enum Effect {
 pub struct ReportOrder {
     pub start: u32,
     pub attempt: u32,
+    /// The run's child (its leader), which may have exited already.
+    pub pid: u32,
     pub cause: String,
     pub class: FailureClass,
     pub hint: Option<String>,

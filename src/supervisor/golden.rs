@@ -87,6 +87,12 @@ pub enum Verdict {
     Changed { text: String, ms: u64 },
     /// The check could not be made: the server failed it, or timed out.
     Failed { text: String },
+    /// The server answered, but the golden store could not be used: its
+    /// references unreadable (the answers not compared), or the answers
+    /// not recorded as a reference (too large to keep, or not written).
+    /// The store's problem, not the model's: a warning, never a failed
+    /// run; `text` says what and what to do.
+    Unrecorded { text: String, ms: u64 },
 }
 
 impl Verdict {
@@ -99,6 +105,7 @@ impl Verdict {
             }
             Verdict::Changed { text, .. } => text.clone(),
             Verdict::Failed { text } => format!("golden check failed: {text}"),
+            Verdict::Unrecorded { text, .. } => text.clone(),
         }
     }
 
@@ -108,10 +115,11 @@ impl Verdict {
             Verdict::Recorded { .. } => "recorded",
             Verdict::Changed { .. } => "changed",
             Verdict::Failed { .. } => "failed",
+            Verdict::Unrecorded { .. } => "unrecorded",
         }
     }
 
-    pub const NAMES: [&'static str; 4] = ["same", "recorded", "changed", "failed"];
+    pub const NAMES: [&'static str; 5] = ["same", "recorded", "changed", "failed", "unrecorded"];
 }
 
 /// Two sets of answers side by side, token by token, for `golden diff` and

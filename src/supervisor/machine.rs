@@ -129,7 +129,12 @@ fn secs(d: Duration) -> String {
 }
 
 fn record(severity: Severity, topic: Topic, message: String) -> Effect {
-    Effect::Log(Record { severity, topic, message })
+    Effect::Log(Record { severity, topic, message, about: None })
+}
+
+/// A record about the run `about` (see [`Record::about`]).
+fn record_of(severity: Severity, topic: Topic, message: String, about: RunOf) -> Effect {
+    Effect::Log(Record { severity, topic, message, about: Some(about) })
 }
 
 fn status(text: String) -> Note {
@@ -759,7 +764,9 @@ impl Machine {
                     "the failure report did not finish within {}; cut short",
                     secs(self.policy.report.unwrap_or_default())
                 );
-                let fx = vec![Effect::CancelReport, record(Severity::Warn, Topic::Failed, text)];
+                let about = into_run(&r.run).map(|(run, _)| RunOf { pid: Some(run.pid), attempt: self.attempt() });
+                let cut = Record { severity: Severity::Warn, topic: Topic::Failed, message: text, about };
+                let fx = vec![Effect::CancelReport, Effect::Log(cut)];
                 self.report_done(r, now, fx)
             }
             (S::Reporting(mut r), E::StopRequested) => {
@@ -911,7 +918,9 @@ impl Machine {
             class: cause.class(),
             report: None,
         });
-        let fx = vec![record(Severity::Error, Topic::Failed, format!("start failed: {}", cause.shown()))];
+        // Said before the failure counts: the attempt that failed, not the next.
+        let about = RunOf { pid: None, attempt: self.attempt() };
+        let fx = vec![record_of(Severity::Error, Topic::Failed, format!("start failed: {}", cause.shown()), about)];
         self.after_failure(cause, None, now, fx)
     }
 
@@ -1044,6 +1053,13 @@ impl Machine {
             Verdict::Same { .. } | Verdict::Recorded { .. } => {
                 let mut fx = vec![record(Severity::Info, Topic::Golden, text)];
                 let (next, more) = self.become_ready(loading, now, None);
+                fx.extend(more);
+                (next, fx)
+            }
+            // The golden store's trouble, not the model's: never a failed run.
+            Verdict::Unrecorded { .. } => {
+                let mut fx = vec![record(Severity::Warn, Topic::Golden, text.clone())];
+                let (next, more) = self.become_ready(loading, now, Some(format!("WARNING: {text}")));
                 fx.extend(more);
                 (next, fx)
             }

@@ -22,6 +22,6 @@ pub mod preload;
 pub mod progress;
 pub mod snapshot;
 
-pub use self::events::{Cause, Effect, Event, FailureKind, Note, Record, ReportOrder, Severity, Topic};
+pub use self::events::{Cause, Effect, Event, FailureKind, Note, Record, ReportOrder, RunOf, Severity, Topic};
 pub use self::machine::{Machine, Saved, State};
 pub use self::policy::{Policy, prepare_timeout};

@@ -172,6 +172,7 @@ pub(super) fn log_parts(job: &Job, dir: &Path, mut parts: BTreeMap<String, Strin
         instance: job.instance.clone(),
         start: o.start,
         attempt: o.attempt,
+        pid: Some(o.pid),
         cause: masked(&o.cause),
         class: o.class,
         hint: o.hint.as_deref().map(masked),

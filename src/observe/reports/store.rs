@@ -89,7 +89,8 @@ pub fn show(r: &Listed) -> String {
         return out;
     };
     let t = &s.timings;
-    let _ = writeln!(out, "instance {}, start {}, attempt {}", shown(&s.instance), s.start, s.attempt);
+    let pid = s.pid.map(|p| format!(", pid {p}")).unwrap_or_default();
+    let _ = writeln!(out, "instance {}, start {}, attempt {}{pid}", shown(&s.instance), s.start, s.attempt);
     let _ = writeln!(out, "cause: {}", shown(&s.cause));
     let _ = writeln!(out, "class: {}", s.class_name());
     if let Some(h) = &s.hint {

@@ -48,7 +48,7 @@ pub fn new_run_token() -> io::Result<String> {
 }
 
 /// True when `pid`'s environment holds `RUN_TOKEN=token`.
-pub(super) fn carries_token(pid: i32, token: &str) -> bool {
+pub fn carries_token(pid: i32, token: &str) -> bool {
     let want = format!("{RUN_TOKEN}={token}");
     std::fs::read(format!("/proc/{pid}/environ"))
         .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == want.as_bytes()))

@@ -38,6 +38,7 @@ impl Machine {
         let order = ReportOrder {
             start: run.start,
             attempt: self.attempt(),
+            pid: run.pid,
             cause: cause.text.clone(),
             class: cause.class(),
             hint: cause.hint.clone(),
@@ -47,7 +48,8 @@ impl Machine {
             exit,
         };
         let mut fx = vec![Effect::Report(order)];
-        self.announce(&cause, ", writing the failure report", &mut fx);
+        let pid = run.pid;
+        self.announce(&cause, pid, ", writing the failure report", &mut fx);
         let reporting = Reporting {
             run: Box::new(state),
             purpose: Purpose::Failure(cause),
@@ -57,12 +59,15 @@ impl Machine {
         (State::Reporting(reporting), fx)
     }
 
-    /// The failure's journal event and status line; it is the last failure.
-    pub(super) fn announce(&mut self, c: &Cause, then: &str, fx: &mut Vec<Effect>) {
+    /// The failure of the run of child `pid`: its journal event and status
+    /// line; it is the last failure. The event names the run itself: once
+    /// logged, the leader may be gone (a run that exited).
+    pub(super) fn announce(&mut self, c: &Cause, pid: u32, then: &str, fx: &mut Vec<Effect>) {
         self.cause = Some(c.clone());
         self.last_failure =
             Some(crate::supervisor::snapshot::LastFailure { cause: c.text.clone(), class: c.class(), report: None });
-        fx.push(record(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown())));
+        let about = RunOf { pid: Some(pid), attempt: self.attempt() };
+        fx.push(record_of(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown()), about));
         fx.push(Effect::Notify(vec![status(format!("failed ({}{then}): {}", self.attempts_text(), c.shown()))]));
     }
 
@@ -99,7 +104,7 @@ impl Machine {
             Purpose::Failure(c) if announce => {
                 c.hint = self.policy.hints.find(&c.text);
                 let c = c.clone();
-                self.announce(&c, "", &mut fx);
+                self.announce(&c, pid, "", &mut fx);
             }
             Purpose::Failure(c) => {
                 c.hint = self.policy.hints.find(&c.text);
