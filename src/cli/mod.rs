@@ -375,8 +375,7 @@ fn control(config: &Path, path: &str) -> Code {
     let s = lenient(config);
     // A reload is answered once the config was read and checked: it may
     // take longer.
-    let within =
-        if path == "/reload" { crate::daemon::server::RELOAD_WAIT + ANSWER_TIMEOUT } else { ANSWER_TIMEOUT };
+    let within = if path == "/reload" { crate::daemon::server::RELOAD_WAIT + ANSWER_TIMEOUT } else { ANSWER_TIMEOUT };
     match instance::ask(&s.server.socket, "POST", path, within) {
         Ok((code, body)) => {
             let body = if path == "/reload" {

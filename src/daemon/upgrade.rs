@@ -334,6 +334,14 @@ mod tests {
             .env(crate::process::prestart::RUN_TOKEN, token)
             .spawn()
             .unwrap();
+        // A spawn returns once the exec has begun, and the kernel fills
+        // the new program's environment a moment later: wait for it.
+        let environ = format!("/proc/{}/environ", child.id());
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::fs::read(&environ).unwrap().is_empty() {
+            assert!(std::time::Instant::now() < until, "the child's environment never appeared");
+            std::thread::yield_now();
+        }
         let st = crate::process::child::read_stat(child.id() as i32).unwrap();
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join(STATE_FILE);
