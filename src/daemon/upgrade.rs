@@ -2,12 +2,17 @@
 //! `vllm-warden upgrade`), a ready warden saves what its successor needs to
 //! a file in the runtime directory and `execve`s the binary at its own path.
 //! The pid stays, so the child stays its child (nothing is re-parented),
-//! systemd's `MAINPID` stays, and the instance lock's descriptor is kept
-//! across the exec. The successor reads the file, checks every part of it
-//! against the live system (the child is its child with the same start
-//! time, the log descriptor the child writes to is the recorded inode, the
-//! lock descriptor is the instance's lock), follows the log from the saved
-//! offset and supervises the ready run as before.
+//! systemd's `MAINPID` stays, and three descriptors are kept across the
+//! exec: the instance lock, the read end of the pipe the child writes its
+//! output to, and the log file. The log writer is held before the exec, so
+//! everything it took out of the pipe is in the file; what the child writes
+//! meanwhile waits in the pipe. The successor reads the file, checks every
+//! part of it against the live system (the child is its child with the same
+//! start time; the pipe descriptor is a pipe's read end whose write end is
+//! the child's stdout and stderr; the log descriptor is the configured log
+//! file, open for appending; the lock descriptor is the instance's lock),
+//! goes on moving the pipe to the file, follows the log from the saved
+//! offset and supervises the ready run as before: no line is lost.
 //!
 //! What can go wrong before the exec leaves the old warden running and says
 //! why: a new binary that does not answer `--version`, a state file that
@@ -19,7 +24,7 @@
 
 use std::ffi::{CString, OsString};
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -33,8 +38,10 @@ pub use crate::process::child::UPGRADE_STATE_ENV as STATE_ENV;
 /// The state file's name in the runtime directory.
 pub const STATE_FILE: &str = "upgrade.json";
 
-/// The format of the state file; a successor refuses another.
-pub const FORMAT: u32 = 1;
+/// The format of the state file; a successor refuses another (format 1,
+/// before the child's output went through the warden's pipe, is refused:
+/// the model is loaded again).
+pub const FORMAT: u32 = 2;
 
 /// A state file larger than this is not read.
 const MAX_STATE: u64 = 64 << 10;
@@ -55,8 +62,12 @@ pub struct Handoff {
     pub token: String,
     /// The child, with its start time (clock ticks after boot).
     pub child_start_time: u64,
-    /// The log the child writes to: its inode, and the offset of the first
-    /// line not yet read.
+    /// The read end of the pipe the child's stdout and stderr write to,
+    /// kept open across the exec.
+    pub pipe_fd: RawFd,
+    /// The log file the pipe is moved to, kept open across the exec: its
+    /// descriptor, its inode, and the offset of the first line not yet read.
+    pub log_fd: RawFd,
     pub log_dev: u64,
     pub log_ino: u64,
     pub log_offset: u64,
@@ -88,6 +99,13 @@ pub enum UpgradeError {
     /// The descriptor the state names is not the inherited instance lock.
     #[error("descriptor {0} is not the instance's lock")]
     NotTheLock(RawFd),
+    /// The descriptor the state names is not the read end of the child's
+    /// output pipe.
+    #[error("descriptor {0} is not the read end of the child's output pipe: {1}")]
+    NotThePipe(RawFd, String),
+    /// The descriptor the state names is not the log file, open for appending.
+    #[error("descriptor {fd} is not the log file {}: {why}", path.display())]
+    NotTheLog { fd: RawFd, path: PathBuf, why: String },
     #[error("cannot run {} --version: {source}", exe.display())]
     Spawn { exe: PathBuf, source: io::Error },
     #[error("{} --version did not answer within {}s", .0.display(), VERSION_TIMEOUT.as_secs())]
@@ -164,15 +182,88 @@ pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
     Ok(state)
 }
 
-/// The child's log, opened through the child's own standard output: the
-/// inode it writes to, checked against the recorded one.
-pub fn open_child_log(pid: u32, dev: u64, ino: u64) -> io::Result<std::fs::File> {
-    let f = std::fs::File::open(format!("/proc/{pid}/fd/1"))?;
-    let m = f.metadata()?;
-    if (m.dev(), m.ino()) != (dev, ino) || !m.is_file() {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "the child's output is not the recorded log file"));
+/// The child's output pipe and the log file, taken over from the
+/// descriptors `state` names, once checked against the live system: the
+/// pipe descriptor is a pipe open for reading whose write end is the
+/// child's stdout; the log descriptor is the regular file at
+/// `log_path` with the recorded inode, open for appending. Both close on
+/// exec again.
+pub fn take_output(state: &Handoff, log_path: &Path) -> Result<(OwnedFd, std::fs::File), UpgradeError> {
+    use std::os::fd::FromRawFd;
+    let (p, l, pid) = (state.pipe_fd, state.log_fd, state.machine.pid);
+    let pipe = |why: String| UpgradeError::NotThePipe(p, why);
+    let log = |why: String| UpgradeError::NotTheLog { fd: l, path: log_path.to_path_buf(), why };
+    // Never the standard ones, the lock, or one descriptor for both.
+    if p <= 2 || p == state.lock_fd || p == l {
+        return Err(pipe("not a descriptor a warden hands over".into()));
     }
-    Ok(f)
+    if l <= 2 || l == state.lock_fd {
+        return Err(log("not a descriptor a warden hands over".into()));
+    }
+    let ours = std::fs::metadata(format!("/proc/self/fd/{p}")).map_err(|e| pipe(e.to_string()))?;
+    if !std::os::unix::fs::FileTypeExt::is_fifo(&ours.file_type()) {
+        return Err(pipe("not a pipe".into()));
+    }
+    if fd_flags(&format!("/proc/self/fdinfo/{p}")).map(|f| f & libc::O_ACCMODE) != Some(libc::O_RDONLY) {
+        return Err(pipe("not open for reading only".into()));
+    }
+    // The child's stdout (the warden gave it stderr too, but a child may
+    // move its own stderr).
+    let theirs = std::fs::metadata(format!("/proc/{pid}/fd/1"))
+        .map_err(|e| pipe(format!("cannot see the child's stdout: {e}")))?;
+    if (theirs.dev(), theirs.ino()) != (ours.dev(), ours.ino()) {
+        return Err(pipe("the child's stdout is another file".into()));
+    }
+    if fd_flags(&format!("/proc/{pid}/fdinfo/1")).map(|f| f & libc::O_ACCMODE) != Some(libc::O_WRONLY) {
+        return Err(pipe("the child's stdout is not the pipe's write end".into()));
+    }
+    let file = std::fs::metadata(format!("/proc/self/fd/{l}")).map_err(|e| log(e.to_string()))?;
+    if !file.is_file() || (file.dev(), file.ino()) != (state.log_dev, state.log_ino) {
+        return Err(log("not the recorded file".into()));
+    }
+    let at_path = std::fs::symlink_metadata(log_path).map_err(|e| log(e.to_string()))?;
+    if (at_path.dev(), at_path.ino()) != (file.dev(), file.ino()) {
+        return Err(log("another file is at that path".into()));
+    }
+    match fd_flags(&format!("/proc/self/fdinfo/{l}")) {
+        Some(f) if f & libc::O_ACCMODE != libc::O_RDONLY && f & libc::O_APPEND != 0 => {}
+        _ => return Err(log("not open for appending".into())),
+    }
+    // SAFETY: both are open descriptors of this process, checked above to
+    // be what the predecessor left for its successor, which nothing else
+    // of this process uses: from now on these own them.
+    let (pipe_fd, log_file) = unsafe { (OwnedFd::from_raw_fd(p), std::fs::File::from_raw_fd(l)) };
+    for fd in [pipe_fd.as_fd(), log_file.as_fd()] {
+        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+    }
+    Ok((pipe_fd, log_file))
+}
+
+/// The `flags:` of a `/proc/PID/fdinfo/FD` file (octal).
+fn fd_flags(path: &str) -> Option<i32> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let flags = text.lines().find_map(|l| l.strip_prefix("flags:"))?;
+    i32::from_str_radix(flags.trim(), 8).ok()
+}
+
+/// Make every descriptor but the standard ones close on exec: run by a
+/// successor first thing, so that what its predecessor kept open for it
+/// (and a hand-off that names others) never reaches a process it starts.
+/// What it takes over it has found by then, by what the descriptors are.
+pub fn close_inherited_on_exec() {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return };
+    let fds: Vec<i32> =
+        dir.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).filter(|fd| *fd > 2).collect();
+    for fd in fds {
+        // SAFETY: fcntl on a number: at worst EBADF (the directory's own
+        // descriptor, closed by now).
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
 }
 
 /// Ask `exe --version` and return the version it names, or why not.
@@ -290,6 +381,8 @@ mod tests {
             lock_fd: 3,
             token: "0123456789abcdef0123456789abcdef".into(),
             child_start_time: start_time,
+            pipe_fd: 4,
+            log_fd: 5,
             log_dev: 0,
             log_ino: 0,
             log_offset: 0,
