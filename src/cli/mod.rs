@@ -505,7 +505,7 @@ fn run(path: &Path, log_format: crate::util::logging::Format, upgraded: Option<P
     }
     let inherited = upgraded.as_ref().and_then(|_| crate::process::lock::InstanceLock::inherited(&settings.state_dir));
     let adopted = upgraded.map(|p| {
-        let state = crate::daemon::upgrade::read(&p, &settings.name)?;
+        let state = crate::daemon::upgrade::read(&p, &settings.name, &settings.child.log_file)?;
         let held = inherited.as_ref().map(|l| std::os::fd::AsRawFd::as_raw_fd(&l.fd()));
         if held != Some(state.lock_fd) {
             return Err(crate::daemon::upgrade::UpgradeError::NotTheLock(state.lock_fd));

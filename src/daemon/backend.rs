@@ -576,6 +576,9 @@ impl Backend for RealBackend {
         if let Some(f) = &self.log.follower {
             f.pace(SERVING_PACE);
         }
+        if let Some(w) = &self.log.writer {
+            w.pace(SERVING_PACE);
+        }
         // The start is over once READY=1 is out: the reports' file work
         // waited for it.
         crate::observe::outbox::after_sent(|| crate::observe::reports::start_under_way(false));

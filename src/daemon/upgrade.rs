@@ -148,9 +148,10 @@ pub fn take_from_env() -> Option<PathBuf> {
     Some(PathBuf::from(path))
 }
 
-/// Read and check the state file for instance `instance`, then remove it.
-/// Every part is checked against the live system; `Err` says which failed.
-pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
+/// Read and check the state file for instance `instance`, whose log file
+/// is `log_path`, then remove it. Every part is checked against the live
+/// system; `Err` says which failed.
+pub fn read(path: &Path, instance: &str, log_path: &Path) -> Result<Handoff, UpgradeError> {
     let text = crate::process::prestart::read_state_file(path, MAX_STATE)
         .map_err(|source| UpgradeError::Unreadable { path: path.to_path_buf(), source });
     let _ = std::fs::remove_file(path);
@@ -177,6 +178,7 @@ pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
         Some(_) => return Err(UpgradeError::NotTheChild(pid)),
         None => return Err(UpgradeError::ChildGone(pid)),
     }
+    check_output(&state, log_path)?;
     // The lock's descriptor is checked where it is taken over
     // (`InstanceLock::adopt`).
     Ok(state)
@@ -190,6 +192,20 @@ pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
 /// exec again.
 pub fn take_output(state: &Handoff, log_path: &Path) -> Result<(OwnedFd, std::fs::File), UpgradeError> {
     use std::os::fd::FromRawFd;
+    check_output(state, log_path)?;
+    // SAFETY: both are open descriptors of this process, checked above to
+    // be what the predecessor left for its successor, which nothing else
+    // of this process uses: from now on these own them.
+    let (pipe_fd, log_file) =
+        unsafe { (OwnedFd::from_raw_fd(state.pipe_fd), std::fs::File::from_raw_fd(state.log_fd)) };
+    for fd in [pipe_fd.as_fd(), log_file.as_fd()] {
+        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+    }
+    Ok((pipe_fd, log_file))
+}
+
+/// The checks of [`take_output`], taking nothing.
+pub fn check_output(state: &Handoff, log_path: &Path) -> Result<(), UpgradeError> {
     let (p, l, pid) = (state.pipe_fd, state.log_fd, state.machine.pid);
     let pipe = |why: String| UpgradeError::NotThePipe(p, why);
     let log = |why: String| UpgradeError::NotTheLog { fd: l, path: log_path.to_path_buf(), why };
@@ -229,14 +245,7 @@ pub fn take_output(state: &Handoff, log_path: &Path) -> Result<(OwnedFd, std::fs
         Some(f) if f & libc::O_ACCMODE != libc::O_RDONLY && f & libc::O_APPEND != 0 => {}
         _ => return Err(log("not open for appending".into())),
     }
-    // SAFETY: both are open descriptors of this process, checked above to
-    // be what the predecessor left for its successor, which nothing else
-    // of this process uses: from now on these own them.
-    let (pipe_fd, log_file) = unsafe { (OwnedFd::from_raw_fd(p), std::fs::File::from_raw_fd(l)) };
-    for fd in [pipe_fd.as_fd(), log_file.as_fd()] {
-        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
-    }
-    Ok((pipe_fd, log_file))
+    Ok(())
 }
 
 /// The `flags:` of a `/proc/PID/fdinfo/FD` file (octal).
@@ -408,17 +417,39 @@ mod tests {
     /// it is gone once read.
     #[test]
     fn a_state_is_checked_against_the_live_system() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        use std::os::fd::AsRawFd;
+        let (pipe, output) = crate::observe::logpipe::pipe().unwrap();
+        let mut child =
+            std::process::Command::new("sleep").arg("30").stdout(std::process::Stdio::from(output)).spawn().unwrap();
         let st = crate::process::child::read_stat(child.id() as i32).unwrap();
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join(STATE_FILE);
+        let log_path = d.path().join("t.log");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).unwrap();
         let try_read = |s: &Handoff| {
             write(&path, s).unwrap();
-            let got = read(&path, "t");
+            let got = read(&path, "t", &log_path);
             assert!(!path.exists(), "the state file is removed once read");
             got
         };
-        let good = state(child.id(), st.start_time);
+        let meta = log.metadata().unwrap();
+        let good = Handoff {
+            pipe_fd: pipe.as_raw_fd(),
+            log_fd: log.as_raw_fd(),
+            log_dev: meta.dev(),
+            log_ino: meta.ino(),
+            // Checked where the lock is taken over: out of the way here.
+            lock_fd: 1000,
+            ..state(child.id(), st.start_time)
+        };
+        // The pipe named as the log, the log as the pipe, another inode.
+        let e = try_read(&Handoff { log_fd: good.pipe_fd, ..good.clone() }).unwrap_err().to_string();
+        assert!(e.contains("is not the read end of the child's output pipe"), "{e}");
+        let other = std::fs::File::open(&log_path).unwrap();
+        let e = try_read(&Handoff { pipe_fd: other.as_raw_fd(), ..good.clone() }).unwrap_err().to_string();
+        assert!(e.contains("not a pipe"), "{e}");
+        let e = try_read(&Handoff { log_ino: meta.ino() + 1, ..good.clone() }).unwrap_err().to_string();
+        assert!(e.contains("not the recorded file"), "{e}");
         assert_eq!(try_read(&good).unwrap(), good);
         let e = try_read(&Handoff { instance: "u".into(), ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("instance \"u\""), "{e}");

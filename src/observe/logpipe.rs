@@ -68,6 +68,10 @@ pub struct Sink {
     /// Wakes the writer's thread to stop.
     wake: EventFd,
     stop: AtomicBool,
+    /// Once the child is ready: wait this long (ms) after a read that
+    /// emptied the pipe, so that a chatty server costs a few wake-ups a
+    /// second, not one a line (a drain empties the pipe at once all the same).
+    pace_ms: std::sync::atomic::AtomicU64,
     /// The log file's descriptor (it lives as long as `log`).
     log_fd: RawFd,
     /// The log file's path, for messages.
@@ -144,6 +148,7 @@ impl Sink {
             spilled: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?,
             wake: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?,
             stop: AtomicBool::new(false),
+            pace_ms: Default::default(),
             log_fd,
             path: path.to_path_buf(),
         }))
@@ -365,6 +370,13 @@ impl Writer {
     pub fn sink(&self) -> &Arc<Sink> {
         &self.sink
     }
+
+    /// Move the pipe at most every `every` while it is not full (the child
+    /// is ready: see [`Sink`]'s `pace_ms`).
+    pub fn pace(&self, every: Duration) {
+        let ms = u64::try_from(every.as_millis()).unwrap_or(u64::MAX);
+        self.sink.pace_ms.store(ms, Ordering::SeqCst);
+    }
 }
 
 impl Drop for Writer {
@@ -401,8 +413,20 @@ fn write_until_ended(sink: &Sink) {
         while log.spill_bytes + READ > SPILL && !sink.stop.load(Ordering::SeqCst) {
             log = sink.room.wait_timeout(log, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
         }
-        if sink.move_once(&mut log) == Moved::Ended {
-            return;
+        let moved = sink.move_once(&mut log);
+        drop(log);
+        match moved {
+            Moved::Ended => return,
+            // The pipe was emptied by a read of less than it holds: let the
+            // next lines gather (only a stop ends the pause early).
+            Moved::Bytes(n) if n < READ => {
+                let ms = sink.pace_ms.load(Ordering::SeqCst);
+                if ms > 0 {
+                    let mut wake = [PollFd::new(sink.wake.as_fd(), PollFlags::POLLIN)];
+                    let _ = nix::poll::poll(&mut wake, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX));
+                }
+            }
+            _ => {}
         }
     }
 }
