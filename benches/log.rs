@@ -306,7 +306,7 @@ async fn follow_once(log: &Path) -> f64 {
     let (out, mut rx) = tokio::sync::mpsc::channel(vllm_warden::observe::logwatch::QUEUE);
     let mut tasks = vllm_warden::util::tasks::Tasks::default();
     let t = Instant::now();
-    let f = LogFollower::start(&file, 0, 1, classifier, None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&file, 0, 1, classifier, None, None, None, out, &mut tasks).unwrap();
     f.drain();
     let mut matter = 0;
     while let Some(Delivery::Lines { lines, .. }) = rx.recv().await {

@@ -735,9 +735,14 @@ fn run(path: &Path, log_format: crate::util::logging::Format, colour: Colour, up
     // instance's lock file, found whatever the state file says (a state
     // file that cannot be used must not make this warden meet its own
     // lock). Then the state, checked against the live system and the lock.
+    if upgraded.is_some() {
+        // What the predecessor kept open for this warden is found by what
+        // it is, and never reaches a process this warden starts.
+        crate::daemon::upgrade::close_inherited_on_exec();
+    }
     let inherited = upgraded.as_ref().and_then(|_| crate::process::lock::InstanceLock::inherited(&settings.state_dir));
     let adopted = upgraded.map(|p| {
-        let state = crate::daemon::upgrade::read(&p, &settings.name)?;
+        let state = crate::daemon::upgrade::read(&p, &settings.name, &settings.child.log_file)?;
         let held = inherited.as_ref().map(|l| std::os::fd::AsRawFd::as_raw_fd(&l.fd()));
         if held != Some(state.lock_fd) {
             return Err(crate::daemon::upgrade::UpgradeError::NotTheLock(state.lock_fd));

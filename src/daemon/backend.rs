@@ -1,5 +1,7 @@
 //! The backend with real processes, a real log file and real HTTP: what
-//! the driver's effects become.
+//! the driver's effects become. The child's output goes through a pipe
+//! the warden owns to the log file (`observe::logpipe`), which the follower
+//! reads.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -127,6 +129,8 @@ struct Launch {
 struct LogWatch {
     /// The effective patterns, compiled; each follower gets a copy.
     classifier: Classifier,
+    /// Moves the latest child's output from its pipe to the log file.
+    writer: Option<crate::observe::logpipe::Writer>,
     follower: Option<LogFollower>,
     /// Where followers hand on the lines that matter.
     lines: mpsc::Sender<Delivery>,
@@ -223,7 +227,7 @@ impl RealBackend {
             tree,
             inputs,
             launch: Launch { preparing: None, leftovers_done: Arc::default(), token, handover },
-            log: LogWatch { classifier, follower: None, lines, taps, hold: Default::default() },
+            log: LogWatch { classifier, writer: None, follower: None, lines, taps, hold: Default::default() },
             kernel: KernelWatch::default(),
             checks: Checks { probe: None, health: None, last_check, load: None, golden: None, traffic },
             loads: Loads {
@@ -242,8 +246,14 @@ impl RealBackend {
         })
     }
 
-    /// Follow the log file `file` of start `start` from `offset`.
-    fn follow_log(&mut self, file: &std::fs::File, offset: u64, start: u32) -> std::io::Result<LogFollower> {
+    /// Follow the log file that `sink` writes, of start `start`, from
+    /// `offset`.
+    fn follow_log(
+        &mut self,
+        sink: &Arc<crate::observe::logpipe::Sink>,
+        offset: u64,
+        start: u32,
+    ) -> std::io::Result<LogFollower> {
         let tap = LineTap {
             journal: self.log.taps.journal.clone(),
             literal: memchr::memmem::Finder::new(b"generation throughput"),
@@ -251,16 +261,17 @@ impl RealBackend {
             traffic: self.log.taps.traffic.clone(),
         };
         let c = &self.settings.child;
-        let rotator = crate::observe::rotate::Rotator::new(&c.log_file, file, c.log_rotation)
+        let rotator = crate::observe::rotate::Rotator::new(sink.clone(), c.log_rotation)
             .map_err(|e| tracing::warn!(error = %e, "the log file will not be rotated"))
             .ok()
             .map(|r| r.with_hold(self.log.hold.clone()));
         LogFollower::start(
-            file,
+            &sink.file()?,
             offset,
             start,
             self.log.classifier.clone(),
             Some(Box::new(tap)),
+            Some(sink.clone()),
             rotator,
             self.log.lines.clone(),
             &mut self.tasks,
@@ -268,13 +279,17 @@ impl RealBackend {
     }
 
     /// Take over the ready run of the predecessor that handed `state`
-    /// over: the child as the tree's leader, its log from the saved offset,
-    /// the kernel's messages.
+    /// over: the child as the tree's leader, its output pipe and log file
+    /// (the log followed from the saved offset), the kernel's messages.
     pub(super) fn adopt(&mut self, state: &crate::daemon::upgrade::Handoff) -> std::io::Result<()> {
         let pid = state.machine.pid;
-        let file = crate::daemon::upgrade::open_child_log(pid, state.log_dev, state.log_ino)?;
-        let follower = self.follow_log(&file, state.log_offset, state.machine.start)?;
+        let (pipe, file) = crate::daemon::upgrade::take_output(state, &self.settings.child.log_file)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+        let sink = crate::observe::logpipe::Sink::new(pipe, file, &self.settings.child.log_file)?;
+        let writer = crate::observe::logpipe::Writer::start(sink.clone(), &mut self.tasks);
+        let follower = self.follow_log(&sink, state.log_offset, state.machine.start)?;
         self.tree.adopt(pid);
+        self.log.writer = Some(writer);
         self.log.follower = Some(follower);
         self.launch.leftovers_done.store(true, std::sync::atomic::Ordering::SeqCst);
         self.kernel.start.store(state.machine.start, std::sync::atomic::Ordering::SeqCst);
@@ -339,6 +354,10 @@ impl RealBackend {
         let spawned = std::time::SystemTime::now();
         let (file, offset) = child::open_log(&log_path, start, spawned)
             .map_err(|e| StartFailure::transient(format!("cannot open log file {}: {e}", log_path.display())))?;
+        // The child's output goes through a pipe of the warden's to the file.
+        let (sink, output) = crate::observe::logpipe::pipe()
+            .and_then(|(read, write)| Ok((crate::observe::logpipe::Sink::new(read, file, &log_path)?, write)))
+            .map_err(|e| StartFailure::transient(format!("cannot make a pipe for the child's output: {e}")))?;
         // The warden's cache and socket folders, where neither child.env
         // nor the warden's environment names one.
         let mut env: std::collections::BTreeMap<String, String> =
@@ -353,16 +372,20 @@ impl RealBackend {
         };
         let spec = ChildSpec { argv, env, cwd: c.cwd.clone() };
         let kernel = self.kernel.follower.as_ref().and_then(|(_, f)| f.mark());
-        let pid = self.tree.spawn(&spec, &file).map_err(|e| {
+        let spawned_pid = self.tree.spawn(&spec, &output);
+        // Only the tree holds the write end now: the pipe ends with it.
+        drop(output);
+        let pid = spawned_pid.map_err(|e| {
             let cause = format!("cannot start {}: {e}", spec.argv[0]);
             match e.kind() {
                 std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => StartFailure::permanent(cause),
                 _ => StartFailure::transient(cause),
             }
         })?;
+        self.log.writer = Some(crate::observe::logpipe::Writer::start(sink.clone(), &mut self.tasks));
         // Followed from `offset`, where the child's first line goes: begun
         // after the spawn, the follower still reads every line.
-        match self.follow_log(&file, offset, start) {
+        match self.follow_log(&sink, offset, start) {
             Ok(f) => self.log.follower = Some(f),
             Err(e) => {
                 // A child whose lines cannot be read cannot be supervised.
@@ -377,7 +400,7 @@ impl RealBackend {
             redact::command(&spec.argv),
             redact::env(&spec.env)
         );
-        let log = file.try_clone().ok().map(Arc::new);
+        let log = sink.file().ok().map(Arc::new);
         self.reports.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
         self.kernel.start.store(start, std::sync::atomic::Ordering::SeqCst);
         self.follow_kernel();
@@ -390,6 +413,9 @@ impl Backend for RealBackend {
         crate::observe::reports::start_under_way(true);
         self.stop_checks();
         self.log.follower = None;
+        // What is left of the last run (a straggler's output) does not go
+        // into the next start's lines.
+        self.log.writer = None;
         let (settings, tx, done) = (self.settings.clone(), self.inputs.clone(), self.launch.leftovers_done.clone());
         let inherited = self.launch.handover.from_upgrade;
         let gate = self.reports.gate.clone();
@@ -551,6 +577,9 @@ impl Backend for RealBackend {
         // (a fatal line is seen within that, the exit at once).
         if let Some(f) = &self.log.follower {
             f.pace(SERVING_PACE);
+        }
+        if let Some(w) = &self.log.writer {
+            w.pace(SERVING_PACE);
         }
         // The start is over once READY=1 is out: the reports' file work
         // waited for it.
@@ -745,13 +774,11 @@ impl Backend for RealBackend {
     }
 
     fn resume_lines(&mut self, offset: u64) {
-        let (pid, start) = match self.tree.leader() {
-            Some(pid) => (pid, self.kernel.start.load(std::sync::atomic::Ordering::SeqCst)),
-            None => return,
+        let start = self.kernel.start.load(std::sync::atomic::Ordering::SeqCst);
+        let (Some(_), Some(sink)) = (self.tree.leader(), self.log.writer.as_ref().map(|w| w.sink().clone())) else {
+            return;
         };
-        let followed =
-            std::fs::File::open(format!("/proc/{pid}/fd/1")).and_then(|f| self.follow_log(&f, offset, start));
-        match followed {
+        match self.follow_log(&sink, offset, start) {
             Ok(f) => self.log.follower = Some(f),
             Err(e) => tracing::error!(error = %e, "cannot follow the child's log again"),
         }
@@ -764,12 +791,17 @@ impl Backend for RealBackend {
         };
         let pid = saved.pid;
         let Some(stat) = child::read_stat(pid as i32) else { return format!("the child, pid {pid}, is gone") };
-        let log = match std::fs::metadata(format!("/proc/{pid}/fd/1")) {
-            Ok(m) => m,
-            Err(e) => return format!("cannot see the child's log: {e}"),
+        let Some(sink) = self.log.writer.as_ref().map(|w| w.sink().clone()) else {
+            return "the child's output has no writer".into();
         };
-        // SAFETY: the lock's descriptor lives as long as the warden.
-        let lock_fd_b = unsafe { std::os::fd::BorrowedFd::borrow_raw(lock_fd) };
+        // Held until the exec: everything taken out of the pipe is in the
+        // file, and the rest waits in the pipe for the successor.
+        let held = sink.lock();
+        let log = match held.file().metadata() {
+            Ok(m) => m,
+            Err(e) => return format!("cannot see the log file: {e}"),
+        };
+        let (pipe_fd, log_fd) = sink.fds();
         let state = crate::daemon::upgrade::Handoff {
             format: crate::daemon::upgrade::FORMAT,
             from: env!("CARGO_PKG_VERSION").into(),
@@ -777,6 +809,8 @@ impl Backend for RealBackend {
             lock_fd,
             token: self.launch.token.clone(),
             child_start_time: stat.start_time,
+            pipe_fd,
+            log_fd,
             log_dev: log.dev(),
             log_ino: log.ino(),
             log_offset: offset,
@@ -786,16 +820,26 @@ impl Backend for RealBackend {
         if let Err(e) = crate::daemon::upgrade::write(&path, &state) {
             return format!("cannot write {}: {e}", path.display());
         }
-        if let Err(e) = crate::daemon::upgrade::keep_across_exec(lock_fd_b) {
+        // SAFETY: the lock's descriptor lives as long as the warden; the
+        // pipe's and the log's as long as `sink`, held here.
+        let kept = unsafe { [lock_fd, pipe_fd, log_fd].map(|fd| std::os::fd::BorrowedFd::borrow_raw(fd)) };
+        let restore = || {
+            for fd in kept {
+                let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+            }
+        };
+        if let Err(e) = kept.iter().try_for_each(|fd| crate::daemon::upgrade::keep_across_exec(*fd)) {
+            restore();
             let _ = std::fs::remove_file(&path);
-            return format!("cannot keep the lock across the exec: {e}");
+            return format!("cannot keep the lock, the child's output and the log open across the exec: {e}");
         }
         // The kernel-message follower is a process of ours the successor
         // would not know: stopped (it starts its own).
         self.kernel.follower = None;
         let e = crate::daemon::upgrade::exec(&exe, &path);
         let _ = std::fs::remove_file(&path);
-        let _ = rustix::io::fcntl_setfd(lock_fd_b, rustix::io::FdFlags::CLOEXEC);
+        restore();
+        drop(held);
         self.follow_kernel();
         format!("cannot run {}: {e}", exe.display())
     }

@@ -2,13 +2,18 @@
 //! `vllm-warden upgrade`), a ready warden saves what its successor needs to
 //! a file in the runtime directory and `execve`s the binary at its own path.
 //! The pid stays, so the child stays its child (nothing is re-parented),
-//! systemd's `MAINPID` stays, and the instance lock's descriptor is kept
-//! across the exec. The successor reads the file, checks every part of it
-//! against the live system (the child is its child with the same start
-//! time and carries the run token in its own environment, the log
-//! descriptor the child writes to is the recorded inode, the lock
-//! descriptor is the instance's lock), follows the log from the saved
-//! offset and supervises the ready run as before.
+//! systemd's `MAINPID` stays, and three descriptors are kept across the
+//! exec: the instance lock, the read end of the pipe the child writes its
+//! output to, and the log file. The log writer is held before the exec, so
+//! everything it took out of the pipe is in the file; what the child writes
+//! meanwhile waits in the pipe. The successor reads the file, checks every
+//! part of it against the live system (the child is its child with the same
+//! start time and carries the run token in its own environment; the
+//! pipe descriptor is a pipe's read end whose write end is
+//! the child's stdout and stderr; the log descriptor is the configured log
+//! file, open for appending; the lock descriptor is the instance's lock),
+//! goes on moving the pipe to the file, follows the log from the saved
+//! offset and supervises the ready run as before: no line is lost.
 //!
 //! What can go wrong before the exec leaves the old warden running and says
 //! why: a new binary that does not answer `--version`, a state file that
@@ -20,7 +25,7 @@
 
 use std::ffi::{CString, OsString};
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -34,8 +39,10 @@ pub use crate::process::child::UPGRADE_STATE_ENV as STATE_ENV;
 /// The state file's name in the runtime directory.
 pub const STATE_FILE: &str = "upgrade.json";
 
-/// The format of the state file; a successor refuses another.
-pub const FORMAT: u32 = 1;
+/// The format of the state file; a successor refuses another (format 1,
+/// before the child's output went through the warden's pipe, is refused:
+/// the model is loaded again).
+pub const FORMAT: u32 = 2;
 
 /// A state file larger than this is not read.
 const MAX_STATE: u64 = 64 << 10;
@@ -56,8 +63,12 @@ pub struct Handoff {
     pub token: String,
     /// The child, with its start time (clock ticks after boot).
     pub child_start_time: u64,
-    /// The log the child writes to: its inode, and the offset of the first
-    /// line not yet read.
+    /// The read end of the pipe the child's stdout and stderr write to,
+    /// kept open across the exec.
+    pub pipe_fd: RawFd,
+    /// The log file the pipe is moved to, kept open across the exec: its
+    /// descriptor, its inode, and the offset of the first line not yet read.
+    pub log_fd: RawFd,
     pub log_dev: u64,
     pub log_ino: u64,
     pub log_offset: u64,
@@ -95,6 +106,13 @@ pub enum UpgradeError {
     /// The descriptor the state names is not the inherited instance lock.
     #[error("descriptor {0} is not the instance's lock")]
     NotTheLock(RawFd),
+    /// The descriptor the state names is not the read end of the child's
+    /// output pipe.
+    #[error("descriptor {0} is not the read end of the child's output pipe: {1}")]
+    NotThePipe(RawFd, String),
+    /// The descriptor the state names is not the log file, open for appending.
+    #[error("descriptor {fd} is not the log file {}: {why}", path.display())]
+    NotTheLog { fd: RawFd, path: PathBuf, why: String },
     #[error("cannot run {} --version: {source}", exe.display())]
     Spawn { exe: PathBuf, source: io::Error },
     #[error("{} --version did not answer within {}s", .0.display(), VERSION_TIMEOUT.as_secs())]
@@ -137,9 +155,10 @@ pub fn take_from_env() -> Option<PathBuf> {
     Some(PathBuf::from(path))
 }
 
-/// Read and check the state file for instance `instance`, then remove it.
-/// Every part is checked against the live system; `Err` says which failed.
-pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
+/// Read and check the state file for instance `instance`, whose log file
+/// is `log_path`, then remove it. Every part is checked against the live
+/// system; `Err` says which failed.
+pub fn read(path: &Path, instance: &str, log_path: &Path) -> Result<Handoff, UpgradeError> {
     let text = crate::process::prestart::read_state_file(path, MAX_STATE)
         .map_err(|source| UpgradeError::Unreadable { path: path.to_path_buf(), source });
     let _ = std::fs::remove_file(path);
@@ -172,20 +191,101 @@ pub fn read(path: &Path, instance: &str) -> Result<Handoff, UpgradeError> {
     if !crate::process::prestart::carries_token(pid, &state.token) {
         return Err(UpgradeError::TokenNotCarried(pid));
     }
+    check_output(&state, log_path)?;
     // The lock's descriptor is checked where it is taken over
     // (`InstanceLock::adopt`).
     Ok(state)
 }
 
-/// The child's log, opened through the child's own standard output: the
-/// inode it writes to, checked against the recorded one.
-pub fn open_child_log(pid: u32, dev: u64, ino: u64) -> io::Result<std::fs::File> {
-    let f = std::fs::File::open(format!("/proc/{pid}/fd/1"))?;
-    let m = f.metadata()?;
-    if (m.dev(), m.ino()) != (dev, ino) || !m.is_file() {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "the child's output is not the recorded log file"));
+/// The child's output pipe and the log file, taken over from the
+/// descriptors `state` names, once checked against the live system: the
+/// pipe descriptor is a pipe open for reading whose write end is the
+/// child's stdout; the log descriptor is the regular file at
+/// `log_path` with the recorded inode, open for appending. Both close on
+/// exec again.
+pub fn take_output(state: &Handoff, log_path: &Path) -> Result<(OwnedFd, std::fs::File), UpgradeError> {
+    use std::os::fd::FromRawFd;
+    check_output(state, log_path)?;
+    // SAFETY: both are open descriptors of this process, checked above to
+    // be what the predecessor left for its successor, which nothing else
+    // of this process uses: from now on these own them.
+    let (pipe_fd, log_file) =
+        unsafe { (OwnedFd::from_raw_fd(state.pipe_fd), std::fs::File::from_raw_fd(state.log_fd)) };
+    for fd in [pipe_fd.as_fd(), log_file.as_fd()] {
+        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
     }
-    Ok(f)
+    Ok((pipe_fd, log_file))
+}
+
+/// The checks of [`take_output`], taking nothing.
+pub fn check_output(state: &Handoff, log_path: &Path) -> Result<(), UpgradeError> {
+    let (p, l, pid) = (state.pipe_fd, state.log_fd, state.machine.pid);
+    let pipe = |why: String| UpgradeError::NotThePipe(p, why);
+    let log = |why: String| UpgradeError::NotTheLog { fd: l, path: log_path.to_path_buf(), why };
+    // Never the standard ones, the lock, or one descriptor for both.
+    if p <= 2 || p == state.lock_fd || p == l {
+        return Err(pipe("not a descriptor a warden hands over".into()));
+    }
+    if l <= 2 || l == state.lock_fd {
+        return Err(log("not a descriptor a warden hands over".into()));
+    }
+    let ours = std::fs::metadata(format!("/proc/self/fd/{p}")).map_err(|e| pipe(e.to_string()))?;
+    if !std::os::unix::fs::FileTypeExt::is_fifo(&ours.file_type()) {
+        return Err(pipe("not a pipe".into()));
+    }
+    if fd_flags(&format!("/proc/self/fdinfo/{p}")).map(|f| f & libc::O_ACCMODE) != Some(libc::O_RDONLY) {
+        return Err(pipe("not open for reading only".into()));
+    }
+    // The child's stdout (the warden gave it stderr too, but a child may
+    // move its own stderr).
+    let theirs = std::fs::metadata(format!("/proc/{pid}/fd/1"))
+        .map_err(|e| pipe(format!("cannot see the child's stdout: {e}")))?;
+    if (theirs.dev(), theirs.ino()) != (ours.dev(), ours.ino()) {
+        return Err(pipe("the child's stdout is another file".into()));
+    }
+    if fd_flags(&format!("/proc/{pid}/fdinfo/1")).map(|f| f & libc::O_ACCMODE) != Some(libc::O_WRONLY) {
+        return Err(pipe("the child's stdout is not the pipe's write end".into()));
+    }
+    let file = std::fs::metadata(format!("/proc/self/fd/{l}")).map_err(|e| log(e.to_string()))?;
+    if !file.is_file() || (file.dev(), file.ino()) != (state.log_dev, state.log_ino) {
+        return Err(log("not the recorded file".into()));
+    }
+    let at_path = std::fs::symlink_metadata(log_path).map_err(|e| log(e.to_string()))?;
+    if (at_path.dev(), at_path.ino()) != (file.dev(), file.ino()) {
+        return Err(log("another file is at that path".into()));
+    }
+    match fd_flags(&format!("/proc/self/fdinfo/{l}")) {
+        Some(f) if f & libc::O_ACCMODE != libc::O_RDONLY && f & libc::O_APPEND != 0 => {}
+        _ => return Err(log("not open for appending".into())),
+    }
+    Ok(())
+}
+
+/// The `flags:` of a `/proc/PID/fdinfo/FD` file (octal).
+fn fd_flags(path: &str) -> Option<i32> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let flags = text.lines().find_map(|l| l.strip_prefix("flags:"))?;
+    i32::from_str_radix(flags.trim(), 8).ok()
+}
+
+/// Make every descriptor but the standard ones close on exec: run by a
+/// successor first thing, so that what its predecessor kept open for it
+/// (and a hand-off that names others) never reaches a process it starts.
+/// What it takes over it has found by then, by what the descriptors are.
+pub fn close_inherited_on_exec() {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return };
+    let fds: Vec<i32> =
+        dir.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).filter(|fd| *fd > 2).collect();
+    for fd in fds {
+        // SAFETY: fcntl on a number: at worst EBADF (the directory's own
+        // descriptor, closed by now).
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
 }
 
 /// Ask `exe --version` and return the version it names, or why not.
@@ -303,6 +403,8 @@ mod tests {
             lock_fd: 3,
             token: "0123456789abcdef0123456789abcdef".into(),
             child_start_time: start_time,
+            pipe_fd: 4,
+            log_fd: 5,
             log_dev: 0,
             log_ino: 0,
             log_offset: 0,
@@ -328,10 +430,13 @@ mod tests {
     /// it is gone once read.
     #[test]
     fn a_state_is_checked_against_the_live_system() {
+        use std::os::fd::AsRawFd;
+        let (pipe, output) = crate::observe::logpipe::pipe().unwrap();
         let token = "0123456789abcdef0123456789abcdef";
         let mut child = std::process::Command::new("sleep")
             .arg("30")
             .env(crate::process::prestart::RUN_TOKEN, token)
+            .stdout(std::process::Stdio::from(output))
             .spawn()
             .unwrap();
         // A spawn returns once the exec has begun, and the kernel fills
@@ -345,13 +450,32 @@ mod tests {
         let st = crate::process::child::read_stat(child.id() as i32).unwrap();
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join(STATE_FILE);
+        let log_path = d.path().join("t.log");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).unwrap();
         let try_read = |s: &Handoff| {
             write(&path, s).unwrap();
-            let got = read(&path, "t");
+            let got = read(&path, "t", &log_path);
             assert!(!path.exists(), "the state file is removed once read");
             got
         };
-        let good = state(child.id(), st.start_time);
+        let meta = log.metadata().unwrap();
+        let good = Handoff {
+            pipe_fd: pipe.as_raw_fd(),
+            log_fd: log.as_raw_fd(),
+            log_dev: meta.dev(),
+            log_ino: meta.ino(),
+            // Checked where the lock is taken over: out of the way here.
+            lock_fd: 1000,
+            ..state(child.id(), st.start_time)
+        };
+        // The pipe named as the log, the log as the pipe, another inode.
+        let e = try_read(&Handoff { log_fd: good.pipe_fd, ..good.clone() }).unwrap_err().to_string();
+        assert!(e.contains("is not the read end of the child's output pipe"), "{e}");
+        let other = std::fs::File::open(&log_path).unwrap();
+        let e = try_read(&Handoff { pipe_fd: other.as_raw_fd(), ..good.clone() }).unwrap_err().to_string();
+        assert!(e.contains("not a pipe"), "{e}");
+        let e = try_read(&Handoff { log_ino: meta.ino() + 1, ..good.clone() }).unwrap_err().to_string();
+        assert!(e.contains("not the recorded file"), "{e}");
         assert_eq!(try_read(&good).unwrap(), good);
         let e = try_read(&Handoff { instance: "u".into(), ..good.clone() }).unwrap_err().to_string();
         assert!(e.contains("instance \"u\""), "{e}");

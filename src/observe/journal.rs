@@ -1,7 +1,7 @@
 //! The child's lines in the journal, under `SYSLOG_IDENTIFIER=vllm-<name>`,
 //! with the priority taken from vLLM's level word. The child only ever
-//! writes to its log file; the warden forwards what it has read, so a slow
-//! journal can never slow the child. The lines go through a bounded queue
+//! writes to its pipe, which the warden moves to the log file; the warden
+//! forwards what it has read, so a slow journal can never slow the child. The lines go through a bounded queue
 //! to a thread of their own, so it never slows the warden either.
 
 use tracing::Level as T;

@@ -1,7 +1,10 @@
 //! Following the child's log file.
 //!
 //! [`LogFollower`] reads the file from a thread of its own, woken by inotify
-//! (no polling loop), and survives truncation, rename and re-creation. On
+//! (no polling loop), and survives truncation, rename and re-creation. The
+//! file is written by the warden's log writer from the child's pipe
+//! (`observe::logpipe`): a drain has it empty the pipe first, and what the
+//! file refused (a full disk) is read from the writer instead. On
 //! that thread the supervisor's [`Splitter`] cuts the bytes into lines and
 //! its [`Classifier`] tells what each means (`supervisor::classify`); a
 //! [`Tap`] sees every line.
@@ -13,7 +16,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -23,6 +26,7 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use tokio::sync::mpsc;
 
 use crate::config::Rotation;
+use crate::observe::logpipe::Sink;
 use crate::observe::rotate::Rotator;
 use crate::supervisor::classify::{Classifier, Level, Line, Splitter};
 use crate::util::tasks::{Lifetime, Tasks};
@@ -189,19 +193,19 @@ struct Reader {
     out: mpsc::Sender<Delivery>,
     gauge: Gauge,
     batch: Batch,
+    /// The writer of the file, if the warden writes it.
+    sink: Option<Arc<Sink>>,
     rotator: Option<Rotator>,
-    /// A read stops here, even before the end of the file (the rotation
-    /// copies in steps).
-    stop_at: Option<u64>,
     /// Every line before this offset has been handed on whole (or did not
     /// matter): where another follower goes on.
     resume_at: u64,
 }
 
 impl Reader {
-    /// Read to the end of the file; false when the loop is gone or the
-    /// follower was stopped. While `draining`, a read without a line that
-    /// matters still says, every [`DRAIN_BEAT`] reads, that reading goes on.
+    /// Read to the end of the file (and the bytes the file refused, which
+    /// come after it); false when the loop is gone or the follower was
+    /// stopped. While `draining`, a read without a line that matters still
+    /// says, every [`DRAIN_BEAT`] reads, that reading goes on.
     fn read_to_end(&mut self, buf: &mut [u8], control: &Control, draining: bool) -> bool {
         let mut quiet = 0;
         if let Ok(meta) = self.file.metadata()
@@ -213,32 +217,24 @@ impl Reader {
         }
         loop {
             let n = match self.file.read_at(buf, self.pos) {
-                Ok(0) => return true,
+                Ok(0) => match self.sink.as_ref().and_then(|s| s.take_spilled(self.pos)) {
+                    Some(bytes) => {
+                        if !self.take(&bytes) {
+                            return false;
+                        }
+                        0
+                    }
+                    None => return true,
+                },
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => return true,
             };
             self.pos += n as u64;
-            let Reader { splitter, classifier, tap, start, out, gauge, batch, .. } = self;
-            let mut open = true;
-            splitter.feed(&buf[..n], |text| {
-                let v = classifier.classify_ref(text);
-                if let Some(t) = tap.as_mut() {
-                    t.line(text, v.level);
-                }
-                if let Some(line) = v.line {
-                    batch.push(line);
-                    if open && batch.full() {
-                        open = batch.hand_on(out, gauge, *start);
-                    }
-                }
-            });
-            if let Some(t) = tap.as_mut() {
-                t.end_of_read();
-            }
-            if !open || control.stopped() {
+            if !self.take(&buf[..n]) || control.stopped() {
                 return false;
             }
+            let Reader { start, out, gauge, batch, .. } = self;
             if batch.lines.is_empty() && draining {
                 quiet += 1;
                 if quiet == DRAIN_BEAT {
@@ -254,154 +250,113 @@ impl Reader {
                 quiet = 0;
             }
             if batch.lines.is_empty() {
-                let pending = self.splitter.pending();
-                self.resume_at = self.pos.saturating_sub(pending);
+                self.resume_at = self.line_end();
             }
-            if self.stop_at.is_some_and(|at| self.pos >= at) || (!draining && self.rotation_due()) {
+            if !draining && self.rotation_due() {
                 return true;
             }
         }
     }
 
-    /// Copy what has been read, cut at a block boundary, and cut it out of
-    /// the file; false when the filesystem cannot.
-    fn rotate_by_collapse(&mut self, rot: &mut Rotator) -> io::Result<bool> {
-        let meta = self.file.metadata()?;
-        let block = meta.blksize().max(1);
-        let upto = self.pos / block * block;
-        let size = meta.len();
-        if upto == 0 || upto >= size {
-            return Ok(false);
-        }
-        let mut copy = rot.begin()?;
-        if let Some((file, _)) = copy.as_mut()
-            && let Err(e) = rot.copy(&self.file, file, 0, upto)
-        {
-            if let Some((_, tmp)) = copy {
-                rot.discard(&tmp);
+    /// Split, classify and tap `bytes`; hand on full batches. False when
+    /// the loop is gone.
+    fn take(&mut self, bytes: &[u8]) -> bool {
+        let Reader { splitter, classifier, tap, start, out, gauge, batch, .. } = self;
+        let mut open = true;
+        splitter.feed(bytes, |text| {
+            let v = classifier.classify_ref(text);
+            if let Some(t) = tap.as_mut() {
+                t.line(text, v.level);
             }
-            return Err(e);
-        }
-        match rot.collapse(upto) {
-            Ok(Some(n)) => {
-                // The copy may hold more than was cut (a larger block size
-                // than reported): keep only what was cut.
-                if let Some((file, _)) = copy.as_mut() {
-                    file.set_len(n)?;
+            if let Some(line) = v.line {
+                batch.push(line);
+                if open && batch.full() {
+                    open = batch.hand_on(out, gauge, *start);
                 }
-                self.pos -= n;
-                self.resume_at = self.resume_at.saturating_sub(n);
-                let keep = rot.settings.keep;
-                rot.finish(copy)?;
-                tracing::info!(EVENT = "log-rotated", "log file rotated: its first {n} bytes moved out ({keep} kept)");
-                Ok(true)
             }
-            other => {
-                if let Some((_, tmp)) = copy {
-                    rot.discard(&tmp);
-                }
-                other.map(|_| false)
-            }
+        });
+        if let Some(t) = tap.as_mut() {
+            t.end_of_read();
         }
+        open
+    }
+
+    /// The offset after the last whole line read.
+    fn line_end(&self) -> u64 {
+        self.pos.saturating_sub(self.splitter.pending())
     }
 
     fn rotation_due(&self) -> bool {
         self.rotator.as_ref().is_some_and(|r| self.pos >= r.settings.max_size)
     }
 
-    /// Copy the file to `NAME.1` and truncate it, reading (and classifying)
-    /// what the child writes meanwhile; truncated only once everything is
-    /// read. False when the loop is gone or the follower was stopped.
-    fn rotate(&mut self, buf: &mut [u8], control: &Control) -> bool {
-        /// Copied and read in steps of this much, until the last step is
-        /// no larger than [`LAST_STEP`].
-        const STEP: u64 = 8 << 20;
-        const LAST_STEP: u64 = 64 << 10;
-        /// Steps before giving up for now (a child writing faster than the
-        /// follower reads): the file grows past the size, nothing is lost,
-        /// and the next read tries again.
-        const STEPS: usize = 64;
-        let Some(mut rot) = self.rotator.take() else { return true };
+    /// Copy the file to `NAME.1` up to the end of the last whole line read
+    /// and cut that much out of it (the rest, not read yet or a line not
+    /// yet ended, moved to its start while the writer is held): nothing is
+    /// lost or torn. A follower far behind reads on first (a copy then
+    /// holds more than the size).
+    fn rotate(&mut self) {
+        /// A rotation waits while the follower is further behind than this:
+        /// what it has not read is moved back to the file's start while the
+        /// writer waits, and must stay small.
+        const BEHIND: u64 = 1 << 20;
+        let Some(mut rot) = self.rotator.take() else { return };
+        if rot.sink().lock().len().saturating_sub(self.line_end()) > BEHIND {
+            // Read on first: the copy holds more than the size.
+            self.rotator = Some(rot);
+            return;
+        }
         // A reader of the bytes by offset goes first.
         let hold = rot.hold();
         let _held = hold.as_ref().map(|h| h.blocking_lock());
-        match self.rotate_by_collapse(&mut rot) {
-            Ok(true) => {
-                self.rotator = Some(rot);
-                return true;
-            }
-            Ok(false) => {}
-            Err(e) => tracing::warn!(error = %e, "cannot cut the log file's start: truncating it instead"),
-        }
         let mut copy = match rot.begin() {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot rotate the log file: no copy made; it grows on");
                 rot.settings.max_size = rot.settings.max_size.saturating_mul(2);
                 self.rotator = Some(rot);
-                return true;
+                return;
             }
         };
-        let mut copied = 0;
-        let mut open = true;
-        let mut done = false;
-        for _ in 0..STEPS {
-            if let Some((file, _)) = copy.as_mut()
-                && let Err(e) = rot.copy(&self.file, file, copied, self.pos)
-            {
-                tracing::warn!(error = %e, "cannot copy the log file for its rotation");
-                break;
-            }
-            copied = self.pos;
-            self.stop_at = Some(self.pos + STEP);
-            open = self.read_to_end(buf, control, false);
-            self.stop_at = None;
-            if !open {
-                break;
-            }
-            if self.pos - copied > LAST_STEP {
-                continue;
-            }
-            if let Some((file, _)) = copy.as_mut()
-                && let Err(e) = rot.copy(&self.file, file, copied, self.pos)
-            {
-                tracing::warn!(error = %e, "cannot copy the log file for its rotation");
-                break;
-            }
-            copied = self.pos;
-            match rot.truncate(self.pos) {
-                Ok(true) => {
-                    done = true;
-                    break;
-                }
-                // Written since: read that too.
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot truncate the log file");
-                    break;
-                }
-            }
-        }
-        if done {
-            // The child's next write lands at 0; a line cut by the rotation
-            // goes on in the splitter.
-            self.pos = 0;
-            self.resume_at = 0;
-            let keep = rot.settings.keep;
-            match rot.finish(copy) {
-                Ok(()) => {
-                    tracing::info!(
+        match self.copy_and_cut(&rot, copy.as_mut().map(|(f, _)| f)) {
+            Ok(copied) => {
+                let keep = rot.settings.keep;
+                match rot.finish(copy) {
+                    Ok(()) => tracing::info!(
                         EVENT = "log-rotated",
-                        "log file rotated: {copied} bytes copied, then truncated ({keep} kept)"
-                    )
+                        "log file rotated: its first {copied} bytes moved out ({keep} kept)"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "log file cut, but its copy could not be put in place"),
                 }
-                Err(e) => tracing::warn!(error = %e, "log file truncated, but its copy could not be put in place"),
             }
-        } else if let Some((_, tmp)) = copy {
-            rot.discard(&tmp);
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot rotate the log file");
+                if let Some((_, tmp)) = copy {
+                    rot.discard(&tmp);
+                }
+            }
         }
         self.rotator = Some(rot);
-        open
+    }
+
+    /// Copy the file to `copy` up to the end of the last whole line read,
+    /// then, holding the writer (the file stands still), cut that much out
+    /// of it: the file emptied and the rest (a line not yet ended, and what
+    /// the follower has not read yet) written back at its start. The bytes
+    /// cut out, or why not (the file is then as it was).
+    fn copy_and_cut(&mut self, rot: &Rotator, copy: Option<&mut File>) -> io::Result<u64> {
+        let cut = self.line_end();
+        if let Some(file) = copy {
+            rot.copy(&self.file, file, 0, cut)?;
+        }
+        let sink = rot.sink().clone();
+        let mut log = sink.lock();
+        rot.cut(&mut log, &self.file, cut)?;
+        drop(log);
+        sink.room_again();
+        self.pos -= cut;
+        self.resume_at = self.resume_at.saturating_sub(cut);
+        Ok(cut)
     }
 }
 
@@ -430,6 +385,7 @@ impl LogFollower {
         start: u32,
         classifier: Classifier,
         tap: Option<Box<dyn Tap>>,
+        sink: Option<Arc<Sink>>,
         rotator: Option<Rotator>,
         out: mpsc::Sender<Delivery>,
         tasks: &mut Tasks,
@@ -463,8 +419,8 @@ impl LogFollower {
             out,
             gauge: gauge.clone(),
             batch: Batch::default(),
+            sink,
             rotator,
-            stop_at: None,
             resume_at: offset,
         };
         let c = control.clone();
@@ -568,14 +524,17 @@ fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Contro
         {
             r.settings = settings;
         }
+        if drain && let Some(s) = &reader.sink {
+            // What the child wrote before its exit is in the pipe.
+            s.flush();
+        }
         if stop || !reader.read_to_end(&mut buf, control, drain) {
             return;
         }
         if reader.rotation_due() {
-            if !reader.rotate(&mut buf, control) {
-                return;
-            }
-            // Read on at once: the rotation may have stopped mid-file.
+            reader.rotate();
+            // Read on at once: the rotation cut at what was read, and the
+            // follower may be behind.
             if !drain {
                 continue;
             }
@@ -596,8 +555,13 @@ fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Contro
                 return;
             }
         }
-        let mut fds =
-            [PollFd::new(inotify.as_fd(), PollFlags::POLLIN), PollFd::new(control.wake.as_fd(), PollFlags::POLLIN)];
+        // Bytes the file refused wake the follower as a write would.
+        let spilled = reader.sink.clone();
+        let mut fds = [
+            PollFd::new(inotify.as_fd(), PollFlags::POLLIN),
+            PollFd::new(control.wake.as_fd(), PollFlags::POLLIN),
+            PollFd::new(spilled.as_ref().map_or(control.wake.as_fd(), |s| s.spilled_fd()), PollFlags::POLLIN),
+        ];
         if wait(&mut fds, PollTimeout::NONE).is_err() {
             return;
         }
@@ -607,6 +571,11 @@ fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Contro
         }
         if fds[1].any().unwrap_or(true) {
             let _ = control.wake.read();
+        }
+        if fds[2].any().unwrap_or(true)
+            && let Some(s) = &spilled
+        {
+            s.spill_seen();
         }
     }
 }

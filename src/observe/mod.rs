@@ -1,5 +1,6 @@
-//! Watching the child and telling the world about it: following its log
-//! file (and rotating it), HTTP readiness and health checks, GPU faults in
+//! Watching the child and telling the world about it: moving its output
+//! from the warden's pipe to its log file, following that file (and
+//! rotating it), HTTP readiness and health checks, GPU faults in
 //! the kernel's messages, forwarding its lines to the journal, the status
 //! document and the metrics, the load ledger, the golden answers, the
 //! failure report of a failed run, and sd_notify (the status files and the
@@ -14,6 +15,7 @@ pub mod health;
 pub mod journal;
 pub mod kernel;
 pub mod ledger;
+pub mod logpipe;
 pub mod logwatch;
 pub mod notify;
 pub mod outbox;

@@ -1,32 +1,34 @@
 //! The child's log file rotated by the warden, which knows exactly what it
-//! has read: when the file passes `child.log-max-size`, it is copied to
+//! has read and is the file's only writer (`observe::logpipe`): when the
+//! file passes `child.log-max-size`, what has been read is copied to
 //! `NAME.1` (older copies shifted to `NAME.2`, … up to `child.log-keep`,
 //! compressed with gzip beyond the first when `child.log-compress`), then
-//! truncated in place. The child's `O_APPEND` writes go on at the new end.
+//! the file is cut in place.
 //!
-//! Where the filesystem can (ext4, XFS), the start of the file that has
-//! been read and copied is cut out of it (`FALLOC_FL_COLLAPSE_RANGE`)
-//! rather than truncated: the child's appends wait for the cut and go on,
-//! the part not read yet stays, and nothing is lost, however fast the child
-//! writes; a copy holds what had been read when the size was passed, cut at
-//! a block boundary (a line may go on in the next file). Elsewhere (tmpfs,
-//! btrfs, NFS) the file is truncated, only when the follower has read it to
-//! the end, so no line is lost to classification; what the child writes in
-//! the instant between the follower's last look at the size and the
-//! truncation (two system calls apart) is lost from the files; see
-//! [`Rotator::truncate`]. The follower's thread drives this; the
-//! compression runs on a thread of its own.
+//! The copy ends after the last whole line the follower has read; then,
+//! holding the log writer ([`crate::observe::logpipe::Sink::lock`]), so that
+//! the file stands still, the warden empties it and writes back what
+//! followed the copied part: the start of a line not yet ended and what the
+//! follower has not read yet. No line is lost and none is torn in two, on
+//! any filesystem, however fast the child writes (meanwhile its output
+//! waits in the pipe). What is written back is kept small: a rotation waits
+//! while the follower is more than 1 MiB behind (`observe::logwatch`), and
+//! the copy then holds more than the size. Emptying in place rather than
+//! renaming keeps the inode that the follower, the failure reports (which
+//! read by offset, under [`Hold`]) and an upgrade's hand-off know the file
+//! by. The follower's thread drives this; the compression runs on a thread
+//! of its own.
 
 use crate::config::Rotation;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use crate::observe::logpipe::{Log, Sink};
 use crate::util::fsutil::Dir;
 
 /// Rotates one log file: the follower's thread holds it.
@@ -35,15 +37,12 @@ pub struct Rotator {
     dir: Dir,
     /// The log file's name in `dir`.
     name: OsString,
-    /// A writable descriptor of the inode the child writes to, for the
-    /// truncation; the path may name another file by now.
-    writer: File,
+    /// The log's writer, held for a rotation's last step.
+    sink: Arc<Sink>,
     /// Held while names are shifted, and while the compressor renames its
     /// result: neither sees the other's half-done work.
     names: Arc<Mutex<()>>,
     compressor: Option<std::thread::JoinHandle<()>>,
-    /// False once the filesystem refused [`Rotator::collapse`].
-    can_collapse: bool,
     /// Taken for each rotation (see [`Hold`]).
     hold: Option<Hold>,
 }
@@ -60,26 +59,16 @@ impl std::fmt::Debug for Rotator {
 }
 
 impl Rotator {
-    /// For the log file `path`, opened by the warden as `log`.
-    pub fn new(path: &Path, log: &File, settings: Rotation) -> io::Result<Rotator> {
+    /// For the log file that `sink` writes.
+    pub fn new(sink: Arc<Sink>, settings: Rotation) -> io::Result<Rotator> {
+        let path = sink.path();
         let name = path
             .file_name()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "the log file has no name"))?
             .to_os_string();
         let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let dir = Dir::open(folder)?;
-        // A second open file of the same inode, writable, whatever its path.
-        let writer = std::fs::OpenOptions::new().write(true).open(format!("/proc/self/fd/{}", log.as_raw_fd()))?;
-        Ok(Rotator {
-            settings,
-            dir,
-            name,
-            writer,
-            names: Arc::default(),
-            compressor: None,
-            can_collapse: true,
-            hold: None,
-        })
+        Ok(Rotator { settings, dir, name, sink, names: Arc::default(), compressor: None, hold: None })
     }
 
     /// Rotate only while `hold` is free.
@@ -90,6 +79,11 @@ impl Rotator {
     /// The hold, to be taken for a rotation.
     pub fn hold(&self) -> Option<Hold> {
         self.hold.clone()
+    }
+
+    /// The log's writer.
+    pub fn sink(&self) -> &Arc<Sink> {
+        &self.sink
     }
 
     /// The name of copy `k` (`NAME.k`, `NAME.k.gz`).
@@ -110,47 +104,24 @@ impl Rotator {
         copy_range(source, copy, from, to)
     }
 
-    /// Remove the first `upto` bytes of the log, already read and copied,
-    /// shifting the rest down (`FALLOC_FL_COLLAPSE_RANGE`): the child's
-    /// appends wait for it and go on at the new end, and nothing is lost.
-    /// `upto` is cut down to the filesystem's block size, as the call
-    /// requires, and must leave at least one block. Returns the bytes
-    /// removed; `Ok(None)` when this filesystem cannot (tmpfs, btrfs, NFS)
-    /// or the file is too short: the caller truncates instead.
-    pub fn collapse(&mut self, upto: u64) -> io::Result<Option<u64>> {
-        if !self.can_collapse {
-            return Ok(None);
+    /// Cut the first `at` bytes (copied) out of the log, its writer held
+    /// as `log` (the file stands still): the rest is kept aside, the file
+    /// emptied and the rest written back at its start. Up to 1 MiB is kept
+    /// in memory; more (a follower far behind a flooding child) in a
+    /// temporary file beside the log, removed after.
+    pub fn cut(&self, log: &mut Log, source: &File, at: u64) -> io::Result<()> {
+        const IN_MEMORY: u64 = 1 << 20;
+        let end = log.len();
+        let rest_len = end.saturating_sub(at);
+        if rest_len <= IN_MEMORY {
+            let mut rest = vec![0; usize::try_from(rest_len).unwrap_or(0)];
+            source.read_exact_at(&mut rest, at)?;
+            return log.cut(at, |f| f.write_all(&rest));
         }
-        let meta = self.writer.metadata()?;
-        let block = meta.blksize().max(1);
-        let n = upto / block * block;
-        if n == 0 || n >= meta.len() {
-            return Ok(None);
-        }
-        let flags = rustix::fs::FallocateFlags::COLLAPSE_RANGE;
-        match rustix::fs::fallocate(&self.writer, flags, 0, n) {
-            Ok(()) => Ok(Some(n)),
-            Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => {
-                self.can_collapse = false;
-                Ok(None)
-            }
-            // The size moved under a racing reader of the size, or a
-            // filesystem that wants other alignment: truncate this time.
-            Err(rustix::io::Errno::INVAL) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Truncate the log to nothing, if it holds no more than `read` bytes
-    /// (everything read); false when more has been written since: the
-    /// caller reads it first. The window in which the child's bytes are
-    /// lost is between the `fstat` and the `ftruncate` here.
-    pub fn truncate(&self, read: u64) -> io::Result<bool> {
-        if self.writer.metadata()?.len() > read {
-            return Ok(false);
-        }
-        self.writer.set_len(0)?;
-        Ok(true)
+        let (mut tmp, name) = self.dir.create_temp(&append(&self.name, ".rest"))?;
+        let _ = self.dir.remove(&name);
+        copy_range(source, &mut tmp, at, end)?;
+        log.cut(at, |f| copy_range(&tmp, f, 0, rest_len))
     }
 
     /// Put the finished copy in place as `NAME.1`, shifting the older ones
@@ -341,23 +312,40 @@ mod tests {
         v
     }
 
+    /// A rotator of `path`, and the write end of the pipe its writer reads.
+    fn rotator(path: &Path, settings: Rotation) -> (Rotator, File) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+        let (read, write) = crate::observe::logpipe::pipe().unwrap();
+        let sink = Sink::new(read, log, path).unwrap();
+        (Rotator::new(sink, settings).unwrap(), File::from(write))
+    }
+
+    /// One rotation of everything in the file.
+    fn rotate_all(r: &mut Rotator, path: &Path) {
+        let mut copy = r.begin().unwrap();
+        let sink = r.sink().clone();
+        let mut log = sink.lock();
+        if let Some((file, _)) = copy.as_mut() {
+            r.copy(&File::open(path).unwrap(), file, 0, log.len()).unwrap();
+        }
+        let len = log.len();
+        r.cut(&mut log, &File::open(path).unwrap(), len).unwrap();
+        drop(log);
+        r.finish(copy).unwrap();
+        r.wait_compressed();
+    }
+
     /// Three rotations with `keep = 2`: the newest copy plain, the one
     /// before compressed, the oldest gone; each holds what the log held.
     #[test]
     fn copies_shift_compress_and_expire() {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("m.log");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap();
-        let mut r = Rotator::new(&path, &log, settings(2, true)).unwrap();
+        let (mut r, mut child) = rotator(&path, settings(2, true));
         for round in 1..=3 {
-            let text = format!("round {round}\n");
-            (&log).write_all(text.as_bytes()).unwrap();
-            let mut copy = r.begin().unwrap();
-            let (file, _) = copy.as_mut().unwrap();
-            r.copy(&File::open(&path).unwrap(), file, 0, text.len() as u64).unwrap();
-            assert!(r.truncate(text.len() as u64).unwrap());
-            r.finish(copy).unwrap();
-            r.wait_compressed();
+            child.write_all(format!("round {round}\n").as_bytes()).unwrap();
+            r.sink().flush();
+            rotate_all(&mut r, &path);
         }
         assert_eq!(names(d.path()), ["m.log", "m.log.1", "m.log.2.gz"]);
         assert_eq!(std::fs::read_to_string(d.path().join("m.log.1")).unwrap(), "round 3\n");
@@ -367,19 +355,10 @@ mod tests {
             .unwrap();
         assert_eq!(unzipped, "round 2\n");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
-    }
-
-    /// A file written past what was read is not truncated: the follower
-    /// reads it first.
-    #[test]
-    fn unread_bytes_hold_the_truncation_back() {
-        let d = tempfile::tempdir().unwrap();
-        let path = d.path().join("m.log");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap();
-        let r = Rotator::new(&path, &log, settings(1, false)).unwrap();
-        (&log).write_all(b"read\nnot read\n").unwrap();
-        assert!(!r.truncate(5).unwrap());
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 14);
+        // The writer goes on at the new start.
+        child.write_all(b"after\n").unwrap();
+        r.sink().flush();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "after\n");
     }
 
     /// A symlink planted where a copy goes is moved or removed as a name,
@@ -392,14 +371,10 @@ mod tests {
         std::fs::write(&victim, "precious").unwrap();
         std::os::unix::fs::symlink(&victim, d.path().join("m.log.1")).unwrap();
         std::os::unix::fs::symlink(&victim, d.path().join("m.log.2")).unwrap();
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap();
-        let mut r = Rotator::new(&path, &log, settings(2, true)).unwrap();
-        (&log).write_all(b"x\n").unwrap();
-        let mut copy = r.begin().unwrap();
-        r.copy(&File::open(&path).unwrap(), &mut copy.as_mut().unwrap().0, 0, 2).unwrap();
-        r.truncate(2).unwrap();
-        r.finish(copy).unwrap();
-        r.wait_compressed();
+        let (mut r, mut child) = rotator(&path, settings(2, true));
+        child.write_all(b"x\n").unwrap();
+        r.sink().flush();
+        rotate_all(&mut r, &path);
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
         assert_eq!(std::fs::read_to_string(d.path().join("m.log.1")).unwrap(), "x\n");
         // The shifted link is a link still, not compressed through.

@@ -74,8 +74,8 @@ pub fn unblock_all_signals() -> io::Result<()> {
 }
 
 /// Create the log file (and its folder) and append the start marker.
-/// Returns the file, for the child's stdout and stderr, and the offset after
-/// the marker, where following starts.
+/// Returns the file, for the warden's log writer to append the child's
+/// output to, and the offset after the marker, where following starts.
 pub fn open_log(path: &Path, start: u32, now: std::time::SystemTime) -> io::Result<(File, u64)> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
@@ -162,13 +162,16 @@ impl Tree {
     }
 
     /// Spawn `spec` in its own process group, stdin from /dev/null, stdout and
-    /// stderr to `log`, with a scrubbed environment.
-    pub fn spawn(&self, spec: &ChildSpec, log: &File) -> io::Result<u32> {
+    /// stderr to `output` (the write end of the warden's pipe: the caller
+    /// closes its own copy after the spawn, so that the pipe ends when the
+    /// last process of the tree holding it is gone), with a scrubbed
+    /// environment.
+    pub fn spawn(&self, spec: &ChildSpec, output: &std::os::fd::OwnedFd) -> io::Result<u32> {
         let mut cmd = Command::new(&spec.argv[0]);
         cmd.args(&spec.argv[1..])
             .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log.try_clone()?)
+            .stdout(Stdio::from(output.try_clone()?))
+            .stderr(Stdio::from(output.try_clone()?))
             .process_group(0)
             .envs(&spec.env);
         for var in SCRUBBED_ENV {

@@ -41,7 +41,8 @@ async fn the_follower_reads_the_childs_inode_through_truncation_renames_and_recr
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (out, mut lines) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = LogFollower::start(&child, offset, 1, vllm(), Some(Box::new(Seen(tx))), None, out, &mut tasks).unwrap();
+    let f =
+        LogFollower::start(&child, offset, 1, vllm(), Some(Box::new(Seen(tx))), None, None, out, &mut tasks).unwrap();
     child.write_all(b"first line, long enough to be longer than what follows a truncation\n").unwrap();
     assert_eq!(next(&mut rx).await, "first line, long enough to be longer than what follows a truncation");
     // Truncated in place, as logrotate's copytruncate does.
@@ -95,7 +96,7 @@ async fn a_burst_is_held_in_the_file_not_in_memory() {
     let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = LogFollower::start(&child, 0, 3, vllm(), None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 3, vllm(), None, None, None, out, &mut tasks).unwrap();
     const N: usize = 100_000;
     let mut text = String::new();
     for i in 0..N {
@@ -136,7 +137,7 @@ async fn a_stopped_follower_is_not_a_failed_task() {
     let child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, _rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = LogFollower::start(&child, 0, 1, vllm(), None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 1, vllm(), None, None, None, out, &mut tasks).unwrap();
     drop(f);
     let r = tokio::time::timeout(Duration::from_millis(200), tasks.failed()).await;
     assert!(r.is_err(), "{r:?}");
@@ -151,7 +152,7 @@ async fn a_running_follower_takes_reloaded_patterns() {
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
     let none = Classifier::new(&Patterns::default()).unwrap();
-    let f = LogFollower::start(&child, 0, 5, none, None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 5, none, None, None, None, out, &mut tasks).unwrap();
     child.write_all(b"INFO:     Application startup complete.\n").unwrap();
     f.drain();
     assert!(matches!(delivery(&mut rx).await, Delivery::Drained { .. }), "no pattern, nothing matters");
@@ -173,7 +174,7 @@ async fn a_paced_follower_still_answers_a_drain_at_once() {
     let mut child = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
     let (out, mut rx) = mpsc::channel(QUEUE);
     let mut tasks = Tasks::default();
-    let f = LogFollower::start(&child, 0, 2, vllm(), None, None, out, &mut tasks).unwrap();
+    let f = LogFollower::start(&child, 0, 2, vllm(), None, None, None, out, &mut tasks).unwrap();
     f.pace(Duration::from_secs(3600));
     child.write_all(b"INFO:     Application startup complete.\n").unwrap();
     f.drain();
@@ -211,8 +212,8 @@ fn a_long_drain_of_plain_lines_beats_while_it_reads() {
         out,
         gauge: Gauge::default(),
         batch: Batch::default(),
+        sink: None,
         rotator: None,
-        stop_at: None,
         resume_at: 0,
     };
     let control = Control {
@@ -234,4 +235,142 @@ fn a_long_drain_of_plain_lines_beats_while_it_reads() {
     reader.pos = 0;
     assert!(reader.read_to_end(&mut buf, &control, false));
     assert!(rx.try_recv().is_err());
+}
+
+/// The child's end of the pipe, on a thread of its own.
+struct Child(std::sync::mpsc::Sender<Vec<u8>>);
+
+impl Child {
+    fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.0.send(bytes.to_vec()).map_err(std::io::Error::other)
+    }
+}
+
+/// A follower of the file a sink writes, from its start; the child's end of
+/// the pipe and the sink.
+fn piped(
+    path: &std::path::Path,
+    file: File,
+    rotation: Option<Rotation>,
+    tap: Option<Box<dyn Tap>>,
+    out: mpsc::Sender<Delivery>,
+    tasks: &mut Tasks,
+) -> (LogFollower, File, Arc<Sink>, crate::observe::logpipe::Writer) {
+    let (read, write) = crate::observe::logpipe::pipe().unwrap();
+    let sink = Sink::new(read, file, path).unwrap();
+    let writer = crate::observe::logpipe::Writer::start(sink.clone(), tasks);
+    let rotator = rotation.map(|r| Rotator::new(sink.clone(), r).unwrap());
+    let f =
+        LogFollower::start(&sink.file().unwrap(), 0, 1, vllm(), tap, Some(sink.clone()), rotator, out, tasks).unwrap();
+    (f, File::from(write), sink, writer)
+}
+
+/// Rotations of a file the warden writes, while the child writes lines
+/// that end in the middle of a write: each copy ends with a whole line, the
+/// files together hold every line once, in order, and the follower read
+/// each line whole.
+#[tokio::test]
+async fn a_rotation_cuts_the_file_at_a_lines_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.log");
+    let file = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (out, mut lines) = mpsc::channel(QUEUE);
+    let mut tasks = Tasks::default();
+    let rotation = Rotation { max_size: 1 << 20, keep: 1000, compress: false };
+    let (f, mut child, _sink, _writer) = piped(&path, file, Some(rotation), Some(Box::new(Seen(tx))), out, &mut tasks);
+    // Far more than the pipe holds: written from a thread of its own.
+    let (to_child, from_test) = std::sync::mpsc::channel::<Vec<u8>>();
+    let writing = std::thread::spawn(move || {
+        while let Ok(bytes) = from_test.recv() {
+            child.write_all(&bytes).unwrap();
+        }
+    });
+    let mut child = Child(to_child);
+    // Three bursts of a MiB and more, each ending in the first half of a
+    // line: the rotation after each comes while a line is not yet ended.
+    const N: usize = 60_000;
+    let line = |i: usize| format!("line {i:08} of the child, long enough to fill a MiB sooner");
+    for burst in 0..3 {
+        let mut text = String::new();
+        if burst > 0 {
+            text.push_str("of the child, long enough to fill a MiB sooner\n");
+        }
+        for i in burst * N / 3 + usize::from(burst > 0)..(burst + 1) * N / 3 {
+            text.push_str(&line(i));
+            text.push('\n');
+        }
+        if burst < 2 {
+            text.push_str(&format!("line {:08} ", (burst + 1) * N / 3));
+        }
+        child.write_all(text.as_bytes()).unwrap();
+        for i in burst * N / 3..(burst + 1) * N / 3 {
+            assert_eq!(next(&mut rx).await, line(i));
+        }
+    }
+    f.drain();
+    while !matches!(delivery(&mut lines).await, Delivery::Drained { .. }) {}
+    let mut copies: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            Some((name.strip_prefix("t.log.")?.parse().ok()?, dir.path().join(name)))
+        })
+        .collect();
+    copies.sort_by_key(|c| std::cmp::Reverse(c.0));
+    drop(child);
+    writing.join().unwrap();
+    assert!(copies.len() >= 3, "{} rotations of {N} lines", copies.len());
+    let mut all = String::new();
+    for (_, p) in &copies {
+        let text = std::fs::read_to_string(p).unwrap();
+        assert!(text.ends_with('\n'), "{} ends inside a line", p.display());
+        all.push_str(&text);
+    }
+    all.push_str(&std::fs::read_to_string(&path).unwrap());
+    let want: String =
+        (0..N).map(|i| format!("line {i:08} of the child, long enough to fill a MiB sooner\n")).collect();
+    assert!(all == want, "the files together are not what the child wrote");
+}
+
+/// A log file that cannot be written (as on a full disk): the child's
+/// lines are still read and classified, none is written, and the child is
+/// never held up.
+#[tokio::test]
+async fn a_file_that_cannot_be_written_still_has_its_lines_classified() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.log");
+    std::fs::write(&path, "before\n").unwrap();
+    // Open for reading only: every write fails.
+    let file = File::open(&path).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (out, mut lines) = mpsc::channel(QUEUE);
+    let mut tasks = Tasks::default();
+    let (f, mut child, _sink, _writer) = piped(&path, file, None, Some(Box::new(Seen(tx))), out, &mut tasks);
+    assert_eq!(next(&mut rx).await, "before");
+    // Far more than the memory set aside (4 MiB) and the pipe: the child
+    // writes it all, and every line is read.
+    const N: usize = 100_000;
+    let writing = std::thread::spawn(move || {
+        for i in 0..N {
+            writeln!(child, "plain line {i:08} of the child while the disk is full, some 80 bytes").unwrap();
+        }
+        child.write_all(b"INFO:     Application startup complete.\n").unwrap();
+        child
+    });
+    for i in 0..N {
+        assert_eq!(
+            next(&mut rx).await,
+            format!("plain line {i:08} of the child while the disk is full, some 80 bytes")
+        );
+    }
+    assert_eq!(next(&mut rx).await, "INFO:     Application startup complete.");
+    let _child = writing.join().unwrap();
+    f.drain();
+    let mut ready = Vec::new();
+    while let Delivery::Lines { lines, .. } = delivery(&mut lines).await {
+        ready.extend(lines.into_iter().map(|l| l.class));
+    }
+    assert_eq!(ready, vec![Class::Ready]);
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "before\n");
 }
