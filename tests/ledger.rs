@@ -81,16 +81,23 @@ fn loads_are_recorded_estimated_and_a_lost_compile_cache_is_an_alarm() {
     assert!(show.lines().any(|l| l.starts_with("compile      █")), "{show}");
 }
 
-#[test]
-fn startupz_answers_503_with_the_phase_until_the_model_has_loaded() {
+/// A warden whose child is stuck half way through its weights, silent for
+/// ever, and the URL of its `/startupz`.
+fn stuck_in_the_weights() -> (Warden, String) {
     let listen = free_port();
     let mut w = Warden::start(|d, p| {
-        // Stuck half way through its weights, for ever.
+        // Stuck half way through its weights, silent for ever.
         let extra = format!("{FAST}[server]\nlisten = \"127.0.0.1:{listen}\"\n");
         config(d, p, &["--shards", "4", "--fail", "stall"], "", &extra)
     });
     w.wait_note("the weights", |n| n.contains("Loading safetensors checkpoint shards: 2/4"));
     let url = format!("http://127.0.0.1:{listen}/startupz");
+    (w, url)
+}
+
+#[test]
+fn startupz_answers_503_with_the_phase_until_the_model_has_loaded() {
+    let (mut w, url) = stuck_in_the_weights();
     let answer = http::get(&url, Duration::from_secs(10)).unwrap();
     assert_eq!(answer.status, 503, "{}", answer.body);
     let body = answer.json();
@@ -155,14 +162,7 @@ fn forged_ledger_lines_never_turn_off_the_stall_check() {
 /// phase differ, and its text agrees.
 #[test]
 fn startupz_elapsed_moves_in_a_phase_that_logs_nothing() {
-    let listen = free_port();
-    let mut w = Warden::start(|d, p| {
-        // Stuck half way through its weights, silent for ever.
-        let extra = format!("{FAST}[server]\nlisten = \"127.0.0.1:{listen}\"\n");
-        config(d, p, &["--shards", "4", "--fail", "stall"], "", &extra)
-    });
-    w.wait_note("the weights", |n| n.contains("Loading safetensors checkpoint shards: 2/4"));
-    let url = format!("http://127.0.0.1:{listen}/startupz");
+    let (mut w, url) = stuck_in_the_weights();
     let load = || {
         let answer = http::get(&url, Duration::from_secs(10)).unwrap();
         assert_eq!(answer.status, 503, "{}", answer.body);
