@@ -125,7 +125,18 @@ fn demo_runs_the_whole_lifecycle() {
     assert_eq!(code, 0, "{out}\n{err}");
     assert_eq!(out.matches("systemd <- READY=1").count(), 2, "{out}");
     assert!(out.contains("Loading safetensors checkpoint shards: 4/8 (50%)"), "{out}");
-    assert!(out.contains("STATUS=applying 1 patch(es)"), "{out}");
+    assert!(out.contains("STATUS=applying 1 patch"), "{out}");
+    // One timeout extension a phase, not one a status.
+    let extensions = out.matches("EXTEND_TIMEOUT_USEC=").count();
+    let statuses = out.matches("STATUS=").count();
+    assert!(extensions > 0 && extensions * 2 < statuses, "{extensions} extensions for {statuses} statuses:\n{out}");
+    // What it names is kept, its runtime folder included, and it says so.
+    let kept = out.lines().find_map(|l| l.strip_prefix("demo: kept in ")).unwrap_or_else(|| panic!("{out}"));
+    let dir = std::path::Path::new(kept.split(':').next().unwrap());
+    assert!(dir.join("demo.log").is_file() && dir.join("demo.toml").is_file(), "{out}");
+    assert!(dir.join("run").is_dir(), "its runtime folder is its own: {out}");
+    assert!(out.contains("demo: next: "), "{out}");
+    std::fs::remove_dir_all(dir).unwrap();
     assert!(out.contains("STATUS=restarting in "), "{out}");
     assert!(out.contains("STOPPING=1"), "{out}");
     assert!(out.contains("the warden exited with code 0"), "{out}");

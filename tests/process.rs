@@ -429,7 +429,7 @@ fn the_kv_cache_patch_makes_a_failing_model_load() {
         );
         config(d, p, &["--shards", "1", "--model", m.to_str().unwrap()], "", &format!("{FAST}{patch}"))
     });
-    w.wait_note("patching", |n| n == "STATUS=applying 1 patch(es)");
+    w.wait_note("patching", |n| n == "STATUS=applying 1 patch");
     w.wait_ready();
     let cfg = std::fs::read_to_string(w.path("model/config.json")).unwrap();
     assert!(!cfg.contains("kv_cache_scheme") && cfg.contains("compressed-tensors"), "{cfg}");

@@ -35,8 +35,13 @@ fn find_sim() -> Option<PathBuf> {
 }
 
 /// Prints every notification and asks for a stop after the second READY=1.
+/// A timeout extension is printed once a kind of status (a phase): the
+/// loop sends one with every status, the same most of the time.
 struct Narrator {
     readies: u32,
+    /// The last status, and whether a timeout extension was printed since.
+    status: String,
+    extended: bool,
     /// Held for the whole run: the end of the requests would be a stop.
     stop: mpsc::UnboundedSender<Request>,
     started: std::time::Instant,
@@ -48,9 +53,19 @@ impl Notifier for Narrator {
         for n in notes {
             let line = match n {
                 Note::Ready => "READY=1".to_string(),
-                Note::Status(s) => format!("STATUS={s}"),
+                Note::Status(s) => {
+                    if !crate::observe::notify::same_kind(&self.status, s) {
+                        self.extended = false;
+                    }
+                    self.status.clone_from(s);
+                    format!("STATUS={s}")
+                }
                 Note::Stopping => "STOPPING=1".to_string(),
-                Note::ExtendTimeout(d) => format!("EXTEND_TIMEOUT_USEC={}", d.as_micros()),
+                Note::ExtendTimeout(_) if self.extended => continue,
+                Note::ExtendTimeout(d) => {
+                    self.extended = true;
+                    format!("EXTEND_TIMEOUT_USEC={}", d.as_micros())
+                }
                 Note::Watchdog => "WATCHDOG=1".to_string(),
             };
             say!("[{t:6.2}s] systemd <- {line}");
@@ -72,7 +87,18 @@ pub fn main(colour: crate::util::logging::Colour) -> Code {
     };
     let dir = std::env::temp_dir().join(format!("vllm-warden-demo-{}", std::process::id()));
     let code = demo_in(&dir, &sim, colour);
-    let _ = std::fs::remove_dir_all(&dir);
+    if dir.exists() {
+        let d = dir.display();
+        say!(
+            "demo: kept in {d}: demo.toml (its config), demo.log (the child's log), status.json, state/ (the load ledger, setups, golden answers), run/ (the control socket); rm -r {d} removes it"
+        );
+        say!(
+            "demo: next: STATE_DIRECTORY={d}/state vllm-warden loads -c {d}/demo.toml   (the two loads, phase by phase)"
+        );
+        say!(
+            "demo: next: the README's Install section serves a real model under systemd; vllm-warden(8) has every command"
+        );
+    }
     code
 }
 
@@ -118,7 +144,13 @@ file = "{d}/status.json"
     if let Err(e) = std::fs::write(&cfg, &text) {
         return fail(&e);
     }
-    let dirs = Dirs { state: Some(dir.join("state")), ..Dirs::default() };
+    // Every folder of its own in `dir`: nothing is left in /run or /var.
+    let dirs = Dirs {
+        state: Some(dir.join("state")),
+        runtime: Some(dir.join("run")),
+        logs: Some(dir.to_path_buf()),
+        cache: Some(dir.join("cache")),
+    };
     let settings = match config::parse(&text, &cfg, &dirs) {
         Ok(s) => s,
         Err(p) => return fail(&p),
@@ -134,7 +166,7 @@ file = "{d}/status.json"
     };
     let started = std::time::Instant::now();
     let (stop, requests) = mpsc::unbounded_channel();
-    let narrator = Narrator { readies: 0, stop, started };
+    let narrator = Narrator { readies: 0, status: String::new(), extended: false, stop, started };
     let code = rt.block_on(crate::daemon::run(
         settings,
         narrator,

@@ -66,7 +66,8 @@ fn blocking_steps(
     // 2. Patches. A patch that fails will fail the same way next time,
     // unless another run held the lock or a file changed meanwhile.
     if !s.patches.is_empty() {
-        status(format!("applying {} patch(es)", s.patches.len()));
+        let n = s.patches.len();
+        status(format!("applying {n} patch{}", if n == 1 { "" } else { "es" }));
         let applied = crate::patch::apply(&s.patches, &s.state_dir, crate::patch::Wait::No).map_err(|e| {
             let cause = format!("patch failed: {e}");
             if e.is_transient() { StartFailure::transient(cause) } else { StartFailure::permanent(cause) }

@@ -260,12 +260,17 @@ fn kind(text: &str) -> impl Iterator<Item = &str> {
     text.split_whitespace().filter(|w| !w.bytes().any(|b| b.is_ascii_digit()))
 }
 
+/// Whether two statuses are of one kind: the same words but for figures.
+pub fn same_kind(a: &str, b: &str) -> bool {
+    kind(a).eq(kind(b))
+}
+
 /// Whether `text` is printed at `now`, after `shown`.
 pub fn foreground_due(shown: Option<&(String, std::time::Instant)>, text: &str, now: std::time::Instant) -> bool {
     match shown {
         None => true,
         Some((last, _)) if last == text => false,
-        Some((last, at)) => !kind(last).eq(kind(text)) || now.saturating_duration_since(*at) >= FOREGROUND_EVERY,
+        Some((last, at)) => !same_kind(last, text) || now.saturating_duration_since(*at) >= FOREGROUND_EVERY,
     }
 }
 
