@@ -359,10 +359,12 @@ const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 fn reload_verdict(body: &str) -> String {
     match serde_json::from_str::<crate::observe::status::LastReload>(body) {
         Ok(r) => {
-            let mut out = format!("reload {}: {}", r.outcome.as_str(), r.summary);
+            // Escaped again here: the text reaches a terminal.
+            let line = |t: &str| crate::util::escape::one_line(t, crate::util::escape::MAX_LINE);
+            let mut out = format!("reload {}: {}", r.outcome.as_str(), line(&r.summary));
             for p in &r.problems {
                 out.push_str("\n  ");
-                out.push_str(p);
+                out.push_str(&line(p));
             }
             out
         }
