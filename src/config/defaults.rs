@@ -130,3 +130,18 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 pub const LOG_MAX_SIZE: u64 = 1 << 30;
 pub const LOG_KEEP: u32 = 3;
 pub const LOG_COMPRESS: bool = true;
+
+/// `front.hold`: long enough for an engine restart with `[preload]`, short
+/// enough that a client's own timeout has not given up.
+pub const FRONT_HOLD: Duration = Duration::from_secs(30);
+/// `front.max-held`.
+pub const FRONT_MAX_HELD: u32 = 256;
+/// `front.max-body`: 32 MiB, room for long prompts and images inline.
+pub const FRONT_MAX_BODY: u64 = 32 << 20;
+/// `front.max-connections`.
+pub const FRONT_MAX_CONNECTIONS: u32 = 1024;
+/// `front.idle-sleep-level`.
+pub const FRONT_IDLE_SLEEP_LEVEL: u8 = 1;
+/// The engine's socket, in a folder of its own under the runtime directory.
+pub const ENGINE_DIR: &str = "engine";
+pub const ENGINE_SOCKET: &str = "engine.sock";

@@ -42,3 +42,12 @@ pub const LEDGER_FACTOR: (f64, f64) = (1.0, 100.0);
 
 /// `golden.prompts`: at most this many (a file adds as many more).
 pub const GOLDEN_PROMPTS: usize = 32;
+
+/// `front.max-body`, in bytes: 1 KiB to 4 GiB.
+pub const FRONT_MAX_BODY: RangeInclusive<u64> = 1 << 10..=4 << 30;
+/// `front.max-held`: up to a million.
+pub const FRONT_MAX_HELD: RangeInclusive<u32> = 0..=1_000_000;
+/// `front.max-connections`.
+pub const FRONT_MAX_CONNECTIONS: RangeInclusive<u32> = 1..=1_000_000;
+/// A unix socket's path fits `sun_path` (108 bytes with its NUL).
+pub const UNIX_PATH: usize = 107;

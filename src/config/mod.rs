@@ -35,8 +35,8 @@ use crate::patch::Patch;
 
 pub use self::problem::{Problem, Problems};
 pub use self::settings::{
-    Child, Cluster, Drain, Fatal, Fit, FitArg, Golden, GoldenPolicy, Health, Ledger, Prestart, Ready, Reports, Restart,
-    Rollback, Rotation, Server, Settings, Status,
+    Child, Cluster, Drain, Engine, Fatal, Fit, FitArg, Front, Golden, GoldenPolicy, Health, IdleAction, Ledger, Listen,
+    Prestart, Ready, Reports, Restart, Rollback, Rotation, Server, Settings, Status,
 };
 
 /// The folder of the instances' configs: `NAME.toml` is instance NAME's,
@@ -176,20 +176,28 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         fit_v,
         rollback_v,
         preload_v,
+        front_v,
     ] = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden", "fit", "rollback", "preload",
+        "reports", "ledger", "golden", "fit", "rollback", "preload", "front",
     ]
     .map(|k| top.take(k));
     drop(top);
     let hints = hints(r, hint_v);
 
     let mut patterns = profile.patterns();
+    let command_span = child_v.and_then(|v| match v.get_ref() {
+        DeValue::Table(t) => t.get("command").map(|c| c.span()),
+        _ => None,
+    });
     let mut child = child(r.section(child_v, "child"), &name, dirs);
     let patches = patches(r, patch_v);
     let prestart = prestart(r.section(prestart_v, "prestart"), profile, &child.command);
+    let front = front(r.section(front_v, "front"), profile, &child.command);
+    let engine =
+        engine(r, front.as_ref(), profile, &child.command, command_span, prestart.port, runtime_dir(&name, dirs));
     // A Ray node serves no HTTP: its readiness is confirmed by the cluster.
-    let health_url = prestart.port.filter(|_| !profile.is_ray()).map(|p| format!("http://127.0.0.1:{p}/health"));
+    let health_url = engine.as_ref().map(|e| format!("{}/health", engine_base(e)));
     let ready = ready(r.section(ready_v, "ready"), &mut patterns, &health_url);
     let fatal = fatal(r.section(fatal_v, "fatal"), &mut patterns);
     let restart = restart(r.section(restart_v, "restart"));
@@ -205,6 +213,21 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     // After every section that reads the serve command as the operator wrote it.
     let preload =
         preload::preload(r.section(preload_v, "preload"), &mut child.command, prestart.port, runtime_dir(&name, dirs));
+    // The engine's private socket, given to vLLM as the last of its flags.
+    if let Some(Engine::Unix(path)) = &engine
+        && front.is_some()
+    {
+        child.command = command::with_flag(&child.command, "--uds", &path.to_string_lossy());
+    }
+    if let (Some(front), Some(listen)) = (&front, server.listen)
+        && front.listen.contains(&Listen::Tcp(listen))
+    {
+        let span = server_v.map(|v| v.span());
+        r.problem(
+            span,
+            format!("`server.listen` {listen} is also in `front.listen`: give the endpoint its own address"),
+        );
+    }
     let state_dir = dirs.state.clone().unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR).join(&name));
     Settings {
         source: path.to_path_buf(),
@@ -227,6 +250,8 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         fit,
         rollback,
         preload,
+        front,
+        engine,
         hints,
         state_dir,
         patterns,
@@ -701,6 +726,160 @@ fn server(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Server {
         k.problem(span, "`server.token-file` is for the TCP listener, and `server.listen` is not set");
     }
     Server { socket, listen, token_file }
+}
+
+/// The base URL of the engine's HTTP API as the warden's clients write it:
+/// `http://127.0.0.1:PORT`, or `http://localhost` for an engine on a unix
+/// socket (the clients connect such URLs through the socket).
+pub fn engine_base(engine: &Engine) -> String {
+    match engine {
+        Engine::Loopback(port) => format!("http://127.0.0.1:{port}"),
+        Engine::Unix(_) => "http://localhost".to_string(),
+    }
+}
+
+/// `[front]`: `None` when the file has no such table.
+fn front(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Option<Front> {
+    let table = k.span()?;
+    let listen = k.read("listen", Vec::new(), |r, v| {
+        let list = match v.get_ref() {
+            DeValue::String(_) => vec![r.string(v, "listen")?],
+            _ => r.strings(v, "listen")?,
+        };
+        let mut out = Vec::new();
+        for a in list {
+            match listen_address(&a) {
+                Ok(l) if out.contains(&l) => r.problem(Some(v.span()), format!("`front.listen`: {a:?} is given twice")),
+                Ok(l) => out.push(l),
+                Err(why) => r.problem(Some(v.span()), format!("`front.listen`: {a:?} {why}")),
+            }
+        }
+        Some(out)
+    });
+    let hold = k.duration("hold", defaults::FRONT_HOLD, limits::WAIT);
+    let max_held = k.read("max-held", defaults::FRONT_MAX_HELD, |r, v| {
+        let n = r.integer(v, "max-held", (*limits::FRONT_MAX_HELD.end()).into())?;
+        u32::try_from(n).ok()
+    });
+    let retry_unanswered = k.read("retry-unanswered", false, |r, v| r.boolean(v, "retry-unanswered"));
+    let max_body = k.read("max-body", defaults::FRONT_MAX_BODY, |r, v| size(r, v, "max-body", limits::FRONT_MAX_BODY));
+    let max_connections = k.read("max-connections", defaults::FRONT_MAX_CONNECTIONS, |r, v| {
+        let n = r.integer(v, "max-connections", (*limits::FRONT_MAX_CONNECTIONS.end()).into())?;
+        if n < 1 {
+            r.problem(Some(v.span()), "`max-connections` must be at least 1");
+            return None;
+        }
+        u32::try_from(n).ok()
+    });
+    let idle_stop = k.duration("idle-stop", Duration::ZERO, limits::WAIT);
+    let idle_stop = (!idle_stop.is_zero()).then_some(idle_stop);
+    let idle_action = k.read("idle-action", IdleAction::Stop, |r, v| match r.string(v, "idle-action")?.as_str() {
+        "stop" => Some(IdleAction::Stop),
+        "sleep" => Some(IdleAction::Sleep),
+        other => {
+            r.problem(Some(v.span()), format!("`idle-action` {other:?} must be \"stop\" or \"sleep\""));
+            None
+        }
+    });
+    let idle_sleep_level = k.read("idle-sleep-level", defaults::FRONT_IDLE_SLEEP_LEVEL, |r, v| {
+        let n = r.integer(v, "idle-sleep-level", 2)?;
+        u8::try_from(n).ok()
+    });
+    let idle_hold =
+        k.read("idle-hold", None, |r, v| r.duration(v, "idle-hold", "front.idle-hold", &limits::WAIT).map(Some));
+    if k.ok("listen") && listen.is_empty() {
+        k.problem(
+            Some(table.clone()),
+            "`[front]` needs `listen`: the addresses clients connect to (e.g. \"0.0.0.0:8000\")",
+        );
+    }
+    if profile.is_ray() {
+        k.problem(Some(table), "`[front]`: a Ray node serves no HTTP, so there is nothing to put a front door before");
+    }
+    let sleeps = command.iter().any(|a| a == "--enable-sleep-mode" || a == "--enable_sleep_mode");
+    if idle_action == IdleAction::Sleep && !sleeps {
+        let span = k.span_of("idle-action");
+        k.problem(span, "`idle-action = \"sleep\"` needs `--enable-sleep-mode` in the command");
+    }
+    Some(Front {
+        listen,
+        hold,
+        max_held,
+        retry_unanswered,
+        max_body,
+        max_connections,
+        idle_stop,
+        idle_action,
+        idle_sleep_level,
+        idle_hold,
+    })
+}
+
+/// One of `front.listen`: `HOST:PORT` (an IP address; IPv6 in brackets)
+/// or `unix:/absolute/path`.
+fn listen_address(a: &str) -> Result<Listen, String> {
+    if let Some(path) = a.strip_prefix("unix:") {
+        if !path.starts_with('/') {
+            return Err("must be an absolute path after `unix:`".into());
+        }
+        if path.len() > limits::UNIX_PATH {
+            return Err(format!("is longer than a unix socket's {} bytes", limits::UNIX_PATH));
+        }
+        return Ok(Listen::Unix(PathBuf::from(path)));
+    }
+    match a.parse::<std::net::SocketAddr>() {
+        Ok(s) if s.port() == 0 => Err("needs a port other than 0".into()),
+        Ok(s) => Ok(Listen::Tcp(s)),
+        Err(_) => Err("is not an address and port (e.g. \"0.0.0.0:8000\", \"[::]:8000\") or \"unix:/path\"".into()),
+    }
+}
+
+/// Where the engine serves. With the front door, a vLLM engine serves on
+/// a unix socket the warden chooses: an address of its own in the command
+/// (`--host`, `--port`, `--uds`) is a problem that names the command's
+/// line, never silently overridden. A command of another profile keeps its
+/// port, which must not be one the front door listens on.
+fn engine(
+    r: &mut Reader<'_>,
+    front: Option<&Front>,
+    profile: Profile,
+    command: &[String],
+    command_span: Option<Span>,
+    port: Option<u16>,
+    runtime: PathBuf,
+) -> Option<Engine> {
+    if profile.is_ray() {
+        return None;
+    }
+    let Some(front) = front else { return port.map(Engine::Loopback) };
+    if profile == Profile::Vllm {
+        for flag in ["--host", "--port", "--uds"] {
+            if let Some(value) = crate::config::command::vllm_flag(command, flag) {
+                let message = format!(
+                    "`{flag} {value}` in the command: with `[front]`, clients connect to `front.listen` and the \
+                     warden gives the engine a private socket; remove it"
+                );
+                r.problem(command_span.clone(), message);
+            }
+        }
+        let path = runtime.join(defaults::ENGINE_DIR).join(defaults::ENGINE_SOCKET);
+        if path.as_os_str().len() > limits::UNIX_PATH {
+            let message = format!(
+                "the engine's socket {} is longer than a unix socket's {} bytes: use a shorter runtime directory",
+                path.display(),
+                limits::UNIX_PATH
+            );
+            r.problem(None, message);
+        }
+        return Some(Engine::Unix(path));
+    }
+    let port = port?;
+    if front.listen.iter().any(|l| matches!(l, Listen::Tcp(a) if a.port() == port)) {
+        let message =
+            format!("the command serves on port {port}, which `front.listen` takes: give the command a private port");
+        r.problem(command_span, message);
+    }
+    Some(Engine::Loopback(port))
 }
 
 /// `[drain]`; `listening`: the server has a TCP listener (a balancer may be

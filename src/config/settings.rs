@@ -49,6 +49,12 @@ pub struct Settings {
     pub rollback: Rollback,
     /// `[preload]`: the weight-cache daemon beside the engine.
     pub preload: crate::config::preload::Preload,
+    /// `[front]`: the model's address, owned by the warden; `None`: off
+    /// (no `listen`), clients reach the engine itself.
+    pub front: Option<Front>,
+    /// Where the engine serves HTTP, as the warden reaches it; `None`: it
+    /// serves none (a Ray node).
+    pub engine: Option<Engine>,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
     pub state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.
@@ -328,4 +334,84 @@ pub struct Drain {
     /// A stop, and a reload that restarts the child, drain first. Default:
     /// true when `server.listen` is set.
     pub on_stop: bool,
+}
+
+/// Where the engine serves HTTP, as the warden (its checks, and the front
+/// door) reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Engine {
+    /// `127.0.0.1:PORT`: the command's own port (no front door, or a
+    /// command that cannot take `--uds`).
+    Loopback(u16),
+    /// vLLM's `--uds PATH`, chosen by the warden in a 0700 folder of the
+    /// runtime directory when `[front]` is on: only the warden reaches it.
+    Unix(PathBuf),
+}
+
+impl Engine {
+    /// What a person reads: `127.0.0.1:8000`, `unix:/run/…/engine.sock`.
+    pub fn shown(&self) -> String {
+        match self {
+            Engine::Loopback(port) => format!("127.0.0.1:{port}"),
+            Engine::Unix(path) => format!("unix:{}", path.display()),
+        }
+    }
+}
+
+/// One address the front door listens on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    Tcp(std::net::SocketAddr),
+    /// `unix:/path`: a unix socket the warden creates (and removes).
+    Unix(PathBuf),
+}
+
+impl Listen {
+    /// As written in the config: `0.0.0.0:8000`, `unix:/run/…`.
+    pub fn shown(&self) -> String {
+        match self {
+            Listen::Tcp(a) => a.to_string(),
+            Listen::Unix(p) => format!("unix:{}", p.display()),
+        }
+    }
+}
+
+/// What `front.idle-stop` does to an idle engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleAction {
+    /// The engine is stopped (GPUs and `/dev/shm` free, as after any stop).
+    Stop,
+    /// vLLM's own sleep mode (`/sleep?level=N`), woken by `/wake_up`.
+    Sleep,
+}
+
+/// `[front]`: the warden owns the model's address and forwards to the
+/// engine; requests wait while it is not serving.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Front {
+    /// Bound by the warden, unless systemd passes listening sockets
+    /// (`LISTEN_FDS`), which are used instead.
+    pub listen: Vec<Listen>,
+    /// How long one request may wait for the engine to serve.
+    pub hold: Duration,
+    /// The most requests waiting at once.
+    pub max_held: u32,
+    /// A request in flight when the engine dies, that had received no
+    /// byte of its answer, is held and sent once more after the restart.
+    pub retry_unanswered: bool,
+    /// The largest request body, in bytes.
+    pub max_body: u64,
+    /// The most client connections at once (kept under the descriptor
+    /// limit).
+    pub max_connections: u32,
+    /// After this long without a request, the engine is stopped or put
+    /// to sleep; `None`: never.
+    pub idle_stop: Option<Duration>,
+    pub idle_action: IdleAction,
+    /// `idle-sleep-level`: vLLM's sleep level (1: weights to host memory,
+    /// 2: weights dropped).
+    pub idle_sleep_level: u8,
+    /// How long a request that wakes an idle engine may wait; `None`: the
+    /// setup's estimate from the ledger plus a margin.
+    pub idle_hold: Option<Duration>,
 }

@@ -211,6 +211,12 @@ fn the_man_page_shows_the_default_constants() {
         ("golden.tolerance", format!("{:?}", defaults::GOLDEN_TOLERANCE)),
         ("golden.timeout", duration(defaults::GOLDEN_TIMEOUT)),
         ("golden.prompts", format!("`[{:?}]`", defaults::GOLDEN_PROMPT)),
+        ("front.hold", duration(defaults::FRONT_HOLD)),
+        ("front.max-held", defaults::FRONT_MAX_HELD.to_string()),
+        ("front.max-body", quoted(&format!("{} MiB", defaults::FRONT_MAX_BODY >> 20))),
+        ("front.max-connections", defaults::FRONT_MAX_CONNECTIONS.to_string()),
+        ("front.idle-sleep-level", defaults::FRONT_IDLE_SLEEP_LEVEL.to_string()),
+        ("front.idle-stop", quoted("0s")),
     ];
     let rows = man_page_rows();
     let row = |key: &str| {
@@ -238,7 +244,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n[ledger]\nzz = 1\n[golden]\nzz = 1\n[fit]\nzz = 1\n[rollback]\nzz = 1\n[preload]\nzz = 1\n";
+                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n[ledger]\nzz = 1\n[golden]\nzz = 1\n[fit]\nzz = 1\n[rollback]\nzz = 1\n[preload]\nzz = 1\n[front]\nlisten = \"127.0.0.1:8000\"\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -254,10 +260,10 @@ fn the_man_page_documents_every_known_key() {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 18, "{problems:?}");
+    assert_eq!(problems.len(), 19, "{problems:?}");
     let sections = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden", "fit", "rollback", "preload",
+        "reports", "ledger", "golden", "fit", "rollback", "preload", "front",
     ];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
@@ -287,6 +293,8 @@ fn with_value(dotted: &str, value: &str) -> String {
         "restart.max-delay" => "initial-delay = \"0s\"\n",
         // What a cluster must have needs a cluster.
         _ if key.starts_with("ray-") && key != "ray-address" => "ray-address = \"127.0.0.3:6391\"\n",
+        // A front door needs its address.
+        _ if section == "front" && key != "listen" => "listen = \"127.0.0.1:8000\"\n",
         _ => "",
     };
     let child = "[child]\ncommand = [\"vllm\"]\n";
@@ -343,7 +351,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 47, "every duration and number has a range");
+    assert_eq!(tried, 53, "every duration and number has a range");
 }
 
 #[test]
@@ -612,4 +620,49 @@ fn a_broken_config_still_gives_its_name_and_folders() {
         .unwrap();
     let (s, p) = load_lenient(&cfg, &dirs);
     assert_eq!((s.name.as_str(), s.server.socket.to_str().unwrap(), p.len()), ("k", "/s.sock", 1), "{p:?}");
+}
+
+#[test]
+fn the_front_door_moves_the_engine_to_a_private_socket() {
+    let text = "[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n[front]\nlisten = [\"0.0.0.0:8000\", \"unix:/run/m.sock\"]\n";
+    let s = parse_str(text).unwrap();
+    let front = s.front.as_ref().unwrap();
+    assert_eq!(front.listen, vec![Listen::Tcp("0.0.0.0:8000".parse().unwrap()), Listen::Unix("/run/m.sock".into())]);
+    assert_eq!((front.hold, front.max_held, front.idle_stop), (defaults::FRONT_HOLD, defaults::FRONT_MAX_HELD, None));
+    let sock = PathBuf::from("/run/vllm-warden/kimi/engine/engine.sock");
+    assert_eq!(s.engine, Some(Engine::Unix(sock.clone())));
+    assert_eq!(s.child.command[3..], ["--uds".to_string(), sock.display().to_string()]);
+    assert_eq!(s.ready.http.as_deref(), Some("http://localhost/health"));
+    // One string is a list of one; without [front], the engine is the command's port.
+    let one = parse_str("[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n[front]\nlisten = \"[::]:8000\"\n").unwrap();
+    assert_eq!(one.front.unwrap().listen.len(), 1);
+    let plain = parse_str("[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n").unwrap();
+    assert_eq!((plain.front, plain.engine), (None, Some(Engine::Loopback(8000))));
+}
+
+#[test]
+fn an_address_of_its_own_in_the_command_is_a_problem_naming_its_line() {
+    for flag in ["--port\", \"8000", "--host=0.0.0.0", "--uds\", \"/tmp/s"] {
+        let text = format!(
+            "name = \"m\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"{flag}\"]\n[front]\nlisten = \"0.0.0.0:8000\"\n"
+        );
+        let p = parse_str(&text).unwrap_err().0;
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].at.map(|a| a.0), Some(3), "{p:?}");
+        assert!(p[0].message.contains("with `[front]`"), "{p:?}");
+    }
+    for (listen, why) in [
+        ("\"unix:run/x\"", "absolute"),
+        ("\"localhost:80\"", "not an address"),
+        ("[\"0.0.0.0:1\", \"0.0.0.0:1\"]", "twice"),
+        ("[]", "needs `listen`"),
+    ] {
+        let text = format!("[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n[front]\nlisten = {listen}\n");
+        let p = parse_str(&text).unwrap_err().0;
+        assert!(p.iter().any(|p| p.message.contains(why)), "{listen}: {p:?}");
+    }
+    let sleep =
+        "[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n[front]\nlisten = \"0.0.0.0:1\"\nidle-action = \"sleep\"\n";
+    let p = parse_str(sleep).unwrap_err().0;
+    assert!(p[0].message.contains("--enable-sleep-mode"), "{p:?}");
 }

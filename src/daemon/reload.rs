@@ -71,6 +71,8 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         fit,
         rollback,
         preload,
+        front,
+        engine,
         state_dir,
         patterns,
         hints,
@@ -133,6 +135,16 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("server.socket", Identity, dbg(&old.server.socket), dbg(&server.socket));
     cmp("server.listen", Identity, dbg(&old.server.listen), dbg(&server.listen));
     cmp("server.token-file", Identity, dbg(&old.server.token_file), dbg(&server.token_file));
+    // The front door's addresses are the warden's own, bound once (or
+    // passed by systemd): a new one needs a restart of the warden, as the
+    // endpoint's. The rest applies to requests from then on.
+    let listen = |f: &Option<crate::config::Front>| dbg(&f.as_ref().map(|f| &f.listen));
+    cmp("front.listen", Identity, listen(&old.front), listen(front));
+    let rest = |f: &Option<crate::config::Front>| {
+        dbg(&f.as_ref().map(|f| crate::config::Front { listen: Vec::new(), ..f.clone() }))
+    };
+    cmp("front.*", Warden, rest(&old.front), rest(front));
+    cmp("engine address", Child, dbg(&old.engine), dbg(engine));
     cmp("drain.delay", Warden, d(old.drain.delay), d(drain.delay));
     cmp("drain.timeout", Warden, d(old.drain.timeout), d(drain.timeout));
     cmp("drain.on-stop", Warden, old.drain.on_stop.to_string(), drain.on_stop.to_string());
