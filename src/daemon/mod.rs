@@ -12,6 +12,7 @@
 
 mod backend;
 mod deadline;
+pub mod front;
 pub mod driver;
 pub mod environment;
 mod observer;
