@@ -210,6 +210,7 @@ fn the_man_page_shows_the_default_constants() {
         ("golden.max-tokens", defaults::GOLDEN_MAX_TOKENS.to_string()),
         ("golden.tolerance", format!("{:?}", defaults::GOLDEN_TOLERANCE)),
         ("golden.timeout", duration(defaults::GOLDEN_TIMEOUT)),
+        ("golden.interval", duration(defaults::GOLDEN_INTERVAL)),
         ("golden.prompts", format!("`[{:?}]`", defaults::GOLDEN_PROMPT)),
     ];
     let rows = man_page_rows();

@@ -647,12 +647,12 @@ impl Backend for RealBackend {
                 .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
             let (asked, questions) = match prompts {
                 Ok(p) => (golden::ask(&base, &p, g.max_tokens, g.timeout).await, golden::questions(&p, g.max_tokens)),
-                Err(e) => (Err(e), String::new()),
+                Err(e) => (Err(golden::Unanswered::Other(e)), String::new()),
             };
             let subject = golden::Subject { fingerprint, setup, questions };
             let verdict = tokio::task::spawn_blocking(move || match asked {
                 Ok(answers) => golden::judge(&state, &subject, answers, g.tolerance, g.accept_changes),
-                Err(e) => golden::failed(&state, &subject, &e, g.tolerance),
+                Err(e) => golden::failed(&state, &subject, e, g.tolerance),
             })
             .await
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
