@@ -51,9 +51,9 @@ impl StateObserver {
             if let Some(m) = m {
                 next.phase = m.phase();
                 let why = m.recheck_reason().map(|r| format!("the answers are being checked again after {r}"));
-                next.cause = why.or_else(|| m.cause().map(|c| c.text.clone())).map(|c| {
-                    crate::util::escape::one_line(&redact::text(&c), crate::util::escape::MAX_LINE)
-                });
+                next.cause = why
+                    .or_else(|| m.cause().map(|c| c.text.clone()))
+                    .map(|c| crate::util::escape::one_line(&redact::text(&c), crate::util::escape::MAX_LINE));
                 next.load = m.load_now();
             }
             next.document = document;

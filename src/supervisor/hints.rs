@@ -69,6 +69,19 @@ pub const VLLM: &[(&str, &str)] = &[
          prestart.port-wait says how long the warden waits for it",
     ),
     (
+        r"InductorError: FileNotFoundError|InvalidCxxCompiler|No working C\+\+ compiler|Failed to find C compiler|Python\.h: No such file",
+        "torch inductor cannot build vLLM's compiled kernels on this host: it needs a C++ compiler, the Python \
+         headers and `openssl` on the service user's PATH (Debian: apt install g++ python3-dev openssl); or add \
+         --enforce-eager to the command (no compile: a faster start, slower decoding); `vllm-warden check` says \
+         which are missing",
+    ),
+    (
+        r"killed by the kernel's OOM killer \(host memory\)",
+        "the host's memory (or the unit's MemoryMax=) ran out, not the GPU's: vLLM's CPU memory is the weights \
+         while they load, --swap-space (4 GiB a GPU by default) and --cpu-offload-gb; lower them, serve fewer \
+         models on the host, or give it more memory; `journalctl -k` shows what the kernel killed and why",
+    ),
+    (
         r"UnsupportedPlatformForIPCError",
         "vllm preload needs GPUs that share memory over CUDA IPC (CUDA or ROCm): this machine has none, so the \
          weights cannot stay loaded between engine starts; set [preload] enabled = false",

@@ -829,9 +829,7 @@ impl Machine {
             (
                 S::Reporting(r),
                 E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. } | E::DaemonLost { .. } | E::Recheck { .. },
-            ) => {
-                (S::Reporting(r), vec![])
-            }
+            ) => (S::Reporting(r), vec![]),
 
             (S::Stopping(mut stop), E::ChildExited { pid, exit }) => {
                 self.last_exit = Some(exit);

@@ -120,7 +120,9 @@ impl Machine {
                 false,
             ),
             Verdict::NoAnswer { .. } => (Some(Cause::new(format!("{after}: {text}"), FailureKind::NoAnswer)), false),
-            Verdict::Failed { .. } if fail => (Some(Cause::new(format!("{after}: {text}"), FailureKind::Health)), false),
+            Verdict::Failed { .. } if fail => {
+                (Some(Cause::new(format!("{after}: {text}"), FailureKind::Health)), false)
+            }
             Verdict::Failed { .. } => (None, true),
         };
         if let Some(cause) = cause {

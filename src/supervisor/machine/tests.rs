@@ -1131,7 +1131,10 @@ mod golden {
         assert!(statuses(&fx).iter().any(|t| t.ends_with(warned)), "{fx:?}");
         let (s, fx) = checked(GoldenPolicy::Fail, failed());
         assert!(!notes(&fx).contains(&Note::Ready));
-        assert_eq!(s.m.snapshot().cause.as_deref(), Some("golden check failed: /v1/completions: no choice in the answer"));
+        assert_eq!(
+            s.m.snapshot().cause.as_deref(),
+            Some("golden check failed: /v1/completions: no choice in the answer")
+        );
     }
 
     /// A golden store that cannot be read or written is the warden's
@@ -1219,7 +1222,10 @@ mod recheck {
         let fx = s.ev(Event::GoldenChecked { start: 1, verdict: Verdict::Skipped { text: text.into() } });
         assert!(notes(&fx).contains(&Note::Ready), "{fx:?}");
         let said = statuses(&fx);
-        assert!(said.iter().any(|t| t.contains("; golden check skipped: the model has no completions API")), "{said:?}");
+        assert!(
+            said.iter().any(|t| t.contains("; golden check skipped: the model has no completions API")),
+            "{said:?}"
+        );
         assert!(!said.iter().any(|t| t.contains("WARNING")), "{said:?}");
         assert!(fx.contains(&Effect::SetupGood), "not a warning: the setup is good");
         assert_eq!(s.m.snapshot().golden.map(|v| v.name()), Some("skipped"));
@@ -1264,7 +1270,8 @@ mod recheck {
 
     #[test]
     fn different_answers_or_none_at_a_recheck_fail_the_run() {
-        let changed = Verdict::Changed { text: "answers changed with the same setup: prompt \"p\", token 1".into(), ms: 1 };
+        let changed =
+            Verdict::Changed { text: "answers changed with the same setup: prompt \"p\", token 1".into(), ms: 1 };
         for (verdict, class) in [(changed, FailureClass::WrongAnswers), (no_answer(), FailureClass::NoAnswer)] {
             // Even with "warn": the setup is the one that was proven ready.
             let mut s = serving(golden(GoldenPolicy::Warn));
@@ -1343,7 +1350,10 @@ mod recheck {
         let mut s = Sim::new(policy());
         s.ready(100);
         let fx = s.ev(Event::Recheck { reason: "GPU fault: Xid 31".into() });
-        assert_eq!(logged(&fx, Topic::Golden), ["GPU fault: Xid 31: the answers are not checked again (golden.enabled is off)"]);
+        assert_eq!(
+            logged(&fx, Topic::Golden),
+            ["GPU fault: Xid 31: the answers are not checked again (golden.enabled is off)"]
+        );
         assert!(s.m.serving());
     }
 
