@@ -31,6 +31,10 @@ enum Failure {
     Stall,
     /// Plain exit 1 with no line.
     Exit1,
+    /// After ready (its first answered `/health` and `--fail-after`), take
+    /// and touch memory until the kernel's OOM killer ends the process
+    /// (for a test under a small `MemoryMax=`).
+    Oom,
 }
 
 #[derive(Debug, Clone, Parser)]
@@ -593,6 +597,19 @@ fn simulate(args: FakeArgs) -> i32 {
         stamp(&args, "exit");
         // The API server exits 0 when its engine dies.
         return 0;
+    }
+    if failing && args.fail == Some(Failure::Oom) {
+        let _ = health_rx.recv();
+        std::thread::sleep(args.fail_after);
+        let mut held: Vec<Vec<u8>> = Vec::new();
+        loop {
+            // Every page written: resident, not only reserved.
+            let mut chunk = vec![0u8; 16 << 20];
+            for page in chunk.chunks_mut(4096) {
+                page[0] = 1;
+            }
+            held.push(chunk);
+        }
     }
     forever();
 }

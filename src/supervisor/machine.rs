@@ -535,7 +535,8 @@ impl Machine {
                 if self.policy.golden.is_none() {
                     return (S::Ready(serving), fx);
                 }
-                let (next, more) = self.recheck(serving, "an upgrade of the warden".into(), now);
+                let reason = format!("the warden upgraded from {from} to {}", env!("CARGO_PKG_VERSION"));
+                let (next, more) = self.recheck(serving, reason, now);
                 fx.extend(more);
                 (next, fx)
             }

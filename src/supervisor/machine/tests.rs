@@ -1337,7 +1337,8 @@ mod recheck {
         let mut next = Machine::adopt(golden(GoldenPolicy::Warn), 1, &saved, "0.1.0", s.now);
         let fx = next.step(Event::Begin, s.now);
         assert!(fx.contains(&Effect::Health { start: 1 }) && fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
-        assert_eq!(next.recheck_reason(), Some("an upgrade of the warden"));
+        let reason = format!("the warden upgraded from 0.1.0 to {}", env!("CARGO_PKG_VERSION"));
+        assert_eq!(next.recheck_reason(), Some(reason.as_str()));
         assert!(!next.serving());
         // Without the golden check, nothing to prove.
         let mut next = Machine::adopt(policy(), 1, &saved, "0.1.0", s.now);
