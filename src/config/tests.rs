@@ -344,7 +344,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 47, "every duration and number has a range");
+    assert_eq!(tried, 48, "every duration and number has a range");
 }
 
 #[test]

