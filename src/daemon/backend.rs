@@ -698,14 +698,29 @@ impl Backend for RealBackend {
         let g = self.settings.golden.clone();
         let base = crate::observe::health::Spec::from_settings(&self.settings).base;
         let state = self.settings.state_dir.clone();
-        let (fingerprint, setup) = match &self.loads.running {
-            Some(f) => (f.fingerprint.clone(), serde_json::to_value(&f.setup).unwrap_or_default()),
-            None => ("unknown".to_string(), serde_json::Value::Null),
-        };
+        let running = self
+            .loads
+            .running
+            .as_ref()
+            .map(|f| (f.fingerprint.clone(), serde_json::to_value(&f.setup).unwrap_or_default()));
+        // A run taken over from a predecessor (an upgrade) has no facts of
+        // its start here: gathered now, as that start gathered them, so that
+        // its answers are compared with its own setup's reference.
+        let settings = running.is_none().then(|| self.settings.clone());
         if let Some(t) = self.checks.golden.take() {
             t.abort();
         }
         self.checks.golden = Some(self.tasks.spawn("golden check", Lifetime::Finite, async move {
+            let (fingerprint, setup) = match (running, settings) {
+                (Some(r), _) => r,
+                (None, Some(s)) => tokio::task::spawn_blocking(move || {
+                    let f = crate::daemon::environment::load_facts(&s);
+                    (f.fingerprint.clone(), serde_json::to_value(&f.setup).unwrap_or_default())
+                })
+                .await
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())),
+                (None, None) => ("unknown".to_string(), serde_json::Value::Null),
+            };
             let gp = g.clone();
             let prompts = tokio::task::spawn_blocking(move || golden::prompts(&gp))
                 .await

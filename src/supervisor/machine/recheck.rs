@@ -131,11 +131,18 @@ impl Machine {
             fx.extend(more);
             return (next, fx);
         }
-        let said = format!("{after}: {text}; back in rotation after {} out of it", pause(out));
+        // A drain held meanwhile keeps it out of rotation.
+        let (said, now_is) = match &serving.drain {
+            Some(d) => (format!("{after}: {text} (checked in {})", pause(out)), self.drain_text(&serving, d)),
+            None => (
+                format!("{after}: {text}; back in rotation after {} out of it", pause(out)),
+                format!("ready: pid {}", serving.run.pid),
+            ),
+        };
         let (severity, shown) = if warn {
-            (Severity::Warn, format!("ready: pid {}; WARNING: {said}", serving.run.pid))
+            (Severity::Warn, format!("{now_is}; WARNING: {said}"))
         } else {
-            (Severity::Info, format!("ready: pid {}; {said}", serving.run.pid))
+            (Severity::Info, format!("{now_is}; {said}"))
         };
         let mut fx = vec![record(severity, Topic::Golden, said), Effect::Notify(vec![status(shown)])];
         self.rechecks.ready(&self.policy, now);
