@@ -175,8 +175,9 @@ fn an_xid_31_in_the_kernel_ring_buffer_takes_the_model_out_and_wrong_answers_res
     assert!(took <= OUT_OF_ROTATION, "{took:?}");
     let (code, body) = readyz(listen);
     assert!(
-        code == 503 && body.starts_with("rechecking: the answers are being checked again after GPU fault: Xid 31")
-            || code == 503 && body.starts_with("failed"),
+        code == 503
+            && (body.starts_with("rechecking: the answers are being checked again after GPU fault: Xid 31")
+                || body.starts_with("failed")),
         "{code} {body}"
     );
     w.wait_note("the failure", |n| n.starts_with("STATUS=failed ("));

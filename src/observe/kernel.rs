@@ -163,8 +163,9 @@ pub fn fault(line: &str) -> Option<Fault> {
 /// only the fatal ones), a GPU fallen off the bus, the driver's GSP or ECC
 /// reports; or a process's illegal instruction (`traps: python3[4242] trap
 /// invalid opcode ip:… in libfoo.so`: the address, and the library it is in,
-/// of an instruction this CPU refused). What goes into a failure report's
-/// `kernel.txt`.
+/// of an instruction this CPU refused); or the OOM killer's (`Killed process
+/// PID (name) total-vm:…`, `oom-kill:…`: the memory figures of a host OOM
+/// kill). What goes into a failure report's `kernel.txt`.
 pub fn gpu_related(line: &str) -> bool {
     static GPU: LazyLock<Regex> = LazyLock::new(|| {
         Regex::new(

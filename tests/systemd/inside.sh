@@ -250,7 +250,7 @@ systemctl stop vllm-warden@flood
 mkdir -p /etc/systemd/system/vllm-warden@oom.service.d
 printf '[Service]\nMemoryMax=256M\nMemorySwapMax=0\n' >/etc/systemd/system/vllm-warden@oom.service.d/memory.conf
 systemctl daemon-reload
-fake oom 8007 --shards 1 --fail oom --fail-times 1 --count-file /var/lib/vllm-warden/oom/count <<'TOML'
+fake oom 8009 --shards 1 --fail oom --fail-times 1 --count-file /var/lib/vllm-warden/oom/count <<'TOML'
 [restart]
 initial-delay = "0s"
 TOML
