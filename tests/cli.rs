@@ -223,6 +223,8 @@ fn a_broken_config_does_not_take_the_control_of_a_serving_model() {
     assert_eq!(code, 0, "{out}{err}");
     assert!(warned(&err), "{err}");
     w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    // The new warden re-checks the answers of what it took over first.
+    w.wait_note("back in rotation", |n| n.contains("; back in rotation after "));
     let (code, out, _) = on(&exe, &w, &["status"]);
     assert_eq!(code, 0, "the model still serves, under the upgraded warden: {out}");
 

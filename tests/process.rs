@@ -641,8 +641,9 @@ fn rotated_under_a_flood(log_dir: Option<&std::path::Path>) {
 /// `vllm-warden upgrade` while ready, with the binary at the warden's path
 /// replaced by another file: the warden runs the new file (same pid), the
 /// child keeps its pid and stays the warden's child, systemd hears the
-/// upgrade and no new READY=1; the ready run is then supervised as before
-/// (a killed child is restarted).
+/// upgrade and no new READY=1; the new warden checks the golden answers
+/// again; the ready run is then supervised as before (a killed child is
+/// restarted).
 #[test]
 fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     use std::os::unix::fs::MetadataExt;
@@ -665,6 +666,15 @@ fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child, still ours");
     assert_eq!(w.notes.iter().filter(|n| *n == "READY=1").count(), 1, "no new READY=1");
     assert!(!w.path("upgrade.json").exists(), "the state file is gone");
+    // The new warden proves the answers of what it took over before it
+    // vouches for them: out of rotation, the golden check, back.
+    let out = w.wait_note("the re-check", |n| n.starts_with("STATUS=rechecking pid "));
+    assert!(out.ends_with(&format!("(the warden upgraded from {v} to {v})")), "{out}");
+    let back = w.wait_note("back in rotation", |n| n.contains("; back in rotation after "));
+    assert!(
+        back.contains(&format!("re-checked after the warden upgraded from {v} to {v}: answers as recorded")),
+        "{back}"
+    );
 
     // Supervised as before.
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader.pid), nix::sys::signal::Signal::SIGKILL).unwrap();

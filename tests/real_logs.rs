@@ -121,6 +121,31 @@ fn nvfp4_without_a_kernel_is_permanent() {
     assert!(permanent);
 }
 
+/// No `openssl` on the host (nor a compiler, nor `Python.h`): torch
+/// inductor cannot build vLLM's kernels, which no retry fixes; the cause
+/// names it and the hint the packages and `--enforce-eager`.
+#[test]
+fn inductor_without_openssl_is_permanent_with_a_hint() {
+    let (text, permanent) = cause(&replay("i_inductor_no_openssl", Exit::Code(1), None));
+    assert_eq!(
+        text,
+        "torch._inductor.exc.InductorError: FileNotFoundError: [Errno 2] No such file or directory: 'openssl'"
+    );
+    assert!(permanent);
+    let hint = vllm_warden::supervisor::hints::Hints::new(config::profile::Profile::Vllm, &[], &[], &[]).find(&text);
+    let hint = hint.unwrap();
+    assert!(hint.contains("apt install g++ python3-dev openssl") && hint.contains("--enforce-eager"), "{hint}");
+    // The compiler and the headers, as torch and Triton say they miss them.
+    let mut c = Classifier::new(&settings().patterns).unwrap();
+    for line in [
+        "torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx: (None, 'g++')",
+        "RuntimeError: Failed to find C compiler. Please specify via CC environment variable or set triton.knobs.build.impl.",
+        "/tmp/tmpa1b2c3/cuda_utils.c:6:10: fatal error: Python.h: No such file or directory",
+    ] {
+        assert!(c.classify(line.to_string()).permanent.is_some(), "{line}");
+    }
+}
+
 #[test]
 fn no_memory_for_the_kv_cache_is_permanent() {
     let (text, permanent) = cause(&replay("e_kv_cache_zero", Exit::Code(1), None));

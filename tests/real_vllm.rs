@@ -1542,3 +1542,61 @@ fn s13_preload_is_refused_on_a_machine_without_cuda_ipc_before_any_engine() {
         took.as_secs_f64()
     );
 }
+
+/// Scenario 14: an Xid 31 line written to the real kernel ring buffer
+/// while the real vLLM serves, followed through the warden's configured
+/// kernel-message command: out of rotation, the golden answers asked again
+/// of the unchanged model, the same, back in rotation; the model still
+/// serves. Needs root (to write `/dev/kmsg`); prints the pause.
+#[test]
+#[ignore]
+fn s14_an_xid_that_leaves_the_engine_running_is_rechecked_and_the_model_stays_served() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("scenario 14: SKIPPED: writing to /dev/kmsg needs root");
+        return;
+    }
+    let ready = budget(1, Duration::ZERO);
+    let back = Duration::from_secs(60) + MARGIN;
+    budgets("scenario 14", &[("READY=1", ready), ("back in rotation", back), ("stop", stop_budget())]);
+    let tag = format!("vllm-warden-s14-{}", std::process::id());
+    let source = format!(
+        "[health]\nkernel-messages = [\"sh\", \"-c\", \"exec dmesg -W | grep --line-buffered -F {tag}\"]\n[golden]\nenabled = true\n{RESTART}"
+    );
+    let mut w = start(&model("tiny"), &source);
+    w.wait_ready_within(ready, "READY=1 (one load)");
+    w.wait_note("ready", |n| n.starts_with("STATUS=ready: pid "));
+    let mut kmsg = std::fs::OpenOptions::new().write(true).open("/dev/kmsg").expect("/dev/kmsg");
+    let printk = |k: &mut std::fs::File, line: &str| {
+        use std::io::Write;
+        k.write_all(format!("<4>{line}\n").as_bytes()).unwrap();
+    };
+    // `dmesg -W` reads what comes after it started: an Xid 13 until the
+    // warden's journal shows it read one (its re-check passes too).
+    printk(&mut kmsg, &format!("NVRM: Xid (PCI:0000:41:00): 13, pid=1, name=probe {tag}"));
+    w.wait_for_file("warden.stderr", |w| w.stderr().contains("kernel: GPU fault: Xid 13"));
+    w.wait_note_within(back, "the probe's re-check", |n| n.contains("; back in rotation after "));
+    let t0 = Instant::now();
+    printk(&mut kmsg, &format!("NVRM: Xid (PCI:0000:41:00): 31, pid=4242, name=python3, MMU Fault {tag}"));
+    w.wait_note_within(back, "out of rotation", |n| n.starts_with("STATUS=rechecking pid "));
+    let out = t0.elapsed();
+    let said = w.wait_note_within(back, "back in rotation", |n| n.contains("; back in rotation after "));
+    let paused = t0.elapsed() - out;
+    assert!(
+        said.contains(
+            "re-checked after GPU fault: Xid 31 (GPU memory page fault) on 0000:41:00.0: answers as recorded"
+        ),
+        "{said}"
+    );
+    assert!(out <= Duration::from_secs(1), "{out:?}");
+    completion(&w).expect("a completion after the re-check");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap();
+    assert_eq!((doc["state"].as_str(), doc["rechecks"].as_u64()), (Some("ready"), Some(2)), "{doc}");
+    assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
+    eprintln!(
+        "scenario 14 recheck: PASS  Xid line -> out of rotation {}, out of rotation {} ({})",
+        ms(out),
+        ms(paused),
+        said.rsplit("; ").next().unwrap_or_default()
+    );
+}

@@ -436,6 +436,9 @@ fn an_upgrade_while_drained_comes_back_drained() {
     assert!(note.ends_with(&format!("; drained: pid {}, out of rotation", leader.pid)), "{note}");
     let (code, body) = tcp(listen, "GET", "/readyz", None);
     assert_eq!((code, body.as_str()), (503, "drained\n"), "still out of rotation");
+    // The new warden re-checks the answers of what it took over, drained.
+    let checked = w.wait_note("the re-check", |n| n.contains("; re-checked after the warden upgraded from "));
+    assert!(checked.starts_with(&format!("STATUS=drained: pid {}, out of rotation; ", leader.pid)), "{checked}");
     let now = vllm_warden::process::child::read_stat(leader.pid).unwrap();
     assert_eq!((now.ppid, now.start_time), (w.pid as i32, leader.start_time), "the same child");
     let (code, out) = command(&w, "undrain");
@@ -464,6 +467,8 @@ fn an_upgrade_during_a_restarts_drain_waits_for_the_restart() {
     assert_ne!(child.pid, leader.pid, "restarted");
     assert!(note.ends_with(&format!("; ready: pid {}", child.pid)), "{note}");
     assert!(w.stderr().contains("waits until the drain ends"), "{}", w.stderr());
+    // The new warden re-checks the answers of the run it took over first.
+    w.wait_note("back in rotation", |n| n.contains("; back in rotation after "));
     assert_eq!(tcp(listen, "GET", "/readyz", None).0, 200);
     assert_eq!(w.stop(), 0);
 }

@@ -31,6 +31,10 @@ enum Failure {
     Stall,
     /// Plain exit 1 with no line.
     Exit1,
+    /// After ready (its first answered `/health` and `--fail-after`), take
+    /// and touch memory until the kernel's OOM killer ends the process
+    /// (for a test under a small `MemoryMax=`).
+    Oom,
 }
 
 #[derive(Debug, Clone, Parser)]
@@ -87,6 +91,10 @@ struct FakeArgs {
     /// `/v1/completions` never answers (a wedged engine).
     #[arg(long)]
     hang_completions: bool,
+    /// No completions API, as a pooling or embedding model: vLLM has no
+    /// `/v1/completions` route for it (404).
+    #[arg(long)]
+    no_completions: bool,
     /// The model's "weights" for its answers: the completions (tokens and
     /// logprobs, as vLLM gives them) are a hash of this file's content and
     /// the prompt, so that a change of the file (a patch) changes them.
@@ -534,6 +542,7 @@ fn simulate(args: FakeArgs) -> i32 {
         let behaviour = Serve {
             unhealthy_at: args.unhealthy_after.map(|d| std::time::Instant::now() + d),
             hang_completions: args.hang_completions,
+            no_completions: args.no_completions,
             answers_from: args.answers_from.clone(),
             no_metrics: args.no_metrics,
             health_file: args.health_file.clone(),
@@ -588,6 +597,19 @@ fn simulate(args: FakeArgs) -> i32 {
         stamp(&args, "exit");
         // The API server exits 0 when its engine dies.
         return 0;
+    }
+    if failing && args.fail == Some(Failure::Oom) {
+        let _ = health_rx.recv();
+        std::thread::sleep(args.fail_after);
+        let mut held: Vec<Vec<u8>> = Vec::new();
+        loop {
+            // Every page written: resident, not only reserved.
+            let mut chunk = vec![0u8; 16 << 20];
+            for page in chunk.chunks_mut(4096) {
+                page[0] = 1;
+            }
+            held.push(chunk);
+        }
     }
     forever();
 }
@@ -904,6 +926,7 @@ fn check_model(out: &Out, dir: &std::path::Path) -> Option<i32> {
 struct Serve {
     unhealthy_at: Option<std::time::Instant>,
     hang_completions: bool,
+    no_completions: bool,
     answers_from: Option<PathBuf>,
     /// Serve no `/metrics` (as a server without the endpoint).
     no_metrics: bool,
@@ -999,6 +1022,7 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
             "/health" => (200, String::new()),
             "/metrics" if !how.no_metrics => (200, engine.metrics()),
             "/v1/models" => (200, r#"{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}"#.to_string()),
+            "/v1/completions" if how.no_completions => (404, r#"{"detail":"Not Found"}"#.to_string()),
             "/v1/completions" if how.hang_completions => {
                 // Held, never answered, as by an engine that makes no progress.
                 std::thread::spawn(move || {

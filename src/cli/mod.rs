@@ -247,6 +247,14 @@ fn check(path: &Path, diff: bool, print_patterns: bool) -> Code {
         outln!("log: {}", s.child.log_file.display());
         outln!("control socket: {}", s.server.socket.display());
         outln!("status file: {}", s.status.file.display());
+        // The golden check skipped for the setup at its last start (a
+        // pooling or embedding model): said where the check is looked at.
+        if s.golden.enabled
+            && let Ok(Some(last)) = crate::observe::golden::last(&s.state_dir)
+            && last.verdict == "skipped"
+        {
+            outln!("golden: {}", crate::util::escape::one_line(&last.text, crate::util::escape::MAX_LINE));
+        }
         match &s.child.cache_dir {
             Some(d) => outln!("caches: {}", d.display()),
             None => outln!("caches: where the child's environment puts them"),

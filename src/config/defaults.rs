@@ -80,6 +80,8 @@ pub const GOLDEN_PROMPT: &str = "The capital of France is";
 pub const GOLDEN_MAX_TOKENS: u32 = 8;
 pub const GOLDEN_TOLERANCE: f64 = 1e-3;
 pub const GOLDEN_TIMEOUT: Duration = Duration::from_secs(60);
+/// `golden.interval`: off (a re-check takes the model out of rotation).
+pub const GOLDEN_INTERVAL: Duration = Duration::ZERO;
 
 /// `[fit]`: how far `--gpu-memory-utilization` moves at a time and
 /// between which bounds (vLLM's own default is 0.9), the shortest

@@ -925,7 +925,8 @@ fn golden(mut k: Keys<'_, '_, '_>, served: bool) -> Golden {
     });
     let accept_changes = k.read("accept-changes", false, |r, v| r.boolean(v, "accept-changes"));
     let timeout = k.duration("timeout", defaults::GOLDEN_TIMEOUT, limits::START);
-    Golden { enabled, prompts, prompts_file, max_tokens, tolerance, on_mismatch, accept_changes, timeout }
+    let interval = k.duration("interval", defaults::GOLDEN_INTERVAL, limits::WAIT);
+    Golden { enabled, prompts, prompts_file, max_tokens, tolerance, on_mismatch, accept_changes, timeout, interval }
 }
 
 /// `[fit]`

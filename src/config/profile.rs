@@ -312,6 +312,14 @@ fn vllm() -> Patterns {
             // A worker killed by SIGILL: an instruction this CPU or kernel
             // refuses, met again at the same point of every run.
             r"died unexpectedly \(exit code: -4\)",
+            // torch inductor cannot build its kernels on this host (vLLM
+            // compiles unless --enforce-eager): no C++ compiler, no
+            // `openssl` (it hashes the precompiled header with it), no
+            // Python headers for Triton's launcher. No retry installs them.
+            r"InductorError: FileNotFoundError: .*No such file or directory: '(openssl|g\+\+|gcc|c\+\+|cc|clang\+\+|clang)'",
+            r"InvalidCxxCompiler|No working C\+\+ compiler found",
+            r"Failed to find C compiler",
+            r"Python\.h: No such file or directory",
         ]),
         load: vllm_load(),
     }

@@ -196,6 +196,9 @@ pub struct Golden {
     pub accept_changes: bool,
     /// What the whole check may take.
     pub timeout: Duration,
+    /// While serving, the answers are checked again this often (out of
+    /// rotation meanwhile); zero: never on a timer.
+    pub interval: Duration,
 }
 
 /// `[fit]`: memory-fit recovery. A start that fails with one of vLLM's

@@ -210,6 +210,7 @@ fn the_man_page_shows_the_default_constants() {
         ("golden.max-tokens", defaults::GOLDEN_MAX_TOKENS.to_string()),
         ("golden.tolerance", format!("{:?}", defaults::GOLDEN_TOLERANCE)),
         ("golden.timeout", duration(defaults::GOLDEN_TIMEOUT)),
+        ("golden.interval", duration(defaults::GOLDEN_INTERVAL)),
         ("golden.prompts", format!("`[{:?}]`", defaults::GOLDEN_PROMPT)),
         ("front.hold", duration(defaults::FRONT_HOLD)),
         ("front.max-held", defaults::FRONT_MAX_HELD.to_string()),
@@ -351,7 +352,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 53, "every duration and number has a range");
+    assert_eq!(tried, 54, "every duration and number has a range");
 }
 
 #[test]

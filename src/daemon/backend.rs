@@ -147,7 +147,14 @@ struct KernelWatch {
     follower: Option<(Vec<String>, crate::observe::kernel::KernelFollower)>,
     /// The start a GPU fault belongs to: the latest spawn.
     start: Arc<std::sync::atomic::AtomicU32>,
+    /// The warden's memory cgroup and its OOM kills at the latest spawn.
+    oom: Option<(crate::observe::oom::Cgroup, u64)>,
+    /// The instance's GPUs asked of `nvidia-smi`, for the follower.
+    gpus: Option<AbortHandle>,
 }
+
+/// Asks for the instance's GPUs' PCI addresses (their index, UUID and bus).
+const GPU_PCI_QUERY: [&str; 3] = ["nvidia-smi", "--query-gpu=index,uuid,pci.bus_id", "--format=csv,noheader"];
 
 /// The HTTP checks of a run.
 struct Checks {
@@ -309,14 +316,49 @@ impl RealBackend {
         }
         self.kernel.follower = None;
         let (tx, current) = (self.inputs.clone(), self.kernel.start.clone());
-        match crate::observe::kernel::follow(source, move |fault| {
+        match crate::observe::kernel::follow(source, move |said| {
+            use crate::observe::kernel::Kernel;
             let start = current.load(std::sync::atomic::Ordering::SeqCst);
-            let _ = tx.send(Input::GpuFault { start, cause: fault.cause() });
+            let _ = match said {
+                Kernel::Fatal(fault) => tx.send(Input::GpuFault { start, cause: fault.cause() }),
+                Kernel::Recheck(fault) => {
+                    tracing::warn!(EVENT = "gpus", "kernel: {}", fault.recheck_reason());
+                    tx.send(Input::Recheck { reason: fault.recheck_reason() })
+                }
+                Kernel::OomKill(line) => {
+                    let said = crate::util::escape::one_line(&line, crate::util::escape::MAX_LINE);
+                    tracing::warn!(EVENT = "oom", "kernel: {said}");
+                    Ok(())
+                }
+            };
         }) {
             Ok(Some(f)) => self.kernel.follower = Some((source.clone(), f)),
             Ok(None) => tracing::info!(EVENT = "gpus", "{} not found: GPU faults are not watched", source[0]),
             Err(e) => tracing::warn!(error = %e, "cannot follow kernel messages: GPU faults are not watched"),
         }
+    }
+
+    /// Tell the kernel-message follower which GPUs are the instance's, off
+    /// the loop (`nvidia-smi` and the child's `CUDA_VISIBLE_DEVICES`);
+    /// until it knows, or when it cannot be told, every GPU's faults count.
+    fn kernel_gpus(&mut self) {
+        if let Some(t) = self.kernel.gpus.take() {
+            t.abort();
+        }
+        let Some((_, f)) = &self.kernel.follower else { return };
+        f.set_gpus(None);
+        let visible = (self.settings.child.env.get("CUDA_VISIBLE_DEVICES").cloned())
+            .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok());
+        let gpus = f.gpus();
+        self.kernel.gpus = Some(self.tasks.spawn("GPU addresses", Lifetime::Finite, async move {
+            let query: Vec<String> = GPU_PCI_QUERY.iter().map(|s| s.to_string()).collect();
+            let out = crate::process::prestart::run_command(&query, Duration::from_secs(10), 1 << 16, false).await;
+            if let Ok(Some(out)) = out {
+                let told = crate::observe::kernel::instance_gpus(&out, visible.as_deref());
+                tracing::debug!(?told, "the instance's GPUs, for the kernel's messages");
+                *gpus.lock().unwrap_or_else(|p| p.into_inner()) = told;
+            }
+        }));
     }
 
     /// Wait, up to `within`, for the failure reports still being written,
@@ -403,7 +445,9 @@ impl RealBackend {
         let log = sink.file().ok().map(Arc::new);
         self.reports.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
         self.kernel.start.store(start, std::sync::atomic::Ordering::SeqCst);
+        self.kernel.oom = crate::observe::oom::cgroup().and_then(|c| c.kills().map(|n| (c, n)));
         self.follow_kernel();
+        self.kernel_gpus();
         Ok(pid)
     }
 }
@@ -627,32 +671,68 @@ impl Backend for RealBackend {
         plan
     }
 
+    fn oom_killed(&mut self, pid: u32, exit: crate::supervisor::outcome::Exit) -> Option<String> {
+        use crate::observe::oom;
+        // Counted by the cgroup that holds the tree: a process of the run,
+        // whichever (a descendant whose death the leader then reported).
+        let (cgroup, kills) = match &self.kernel.oom {
+            Some((c, at_spawn)) => (Some(c), c.kills().map_or(0, |n| n.saturating_sub(*at_spawn))),
+            None => (None, 0),
+        };
+        // The kernel's message names a pid of the whole host: only the
+        // leader's, killed by SIGKILL, is the run's for sure.
+        let killed = matches!(exit, crate::supervisor::outcome::Exit::Signal(Signal::SIGKILL));
+        let mark = self.reports.run.as_ref().and_then(|r| r.kernel.as_ref());
+        let lines = self.kernel.follower.as_ref().map(|(_, f)| f.oom_kills(mark)).unwrap_or_default();
+        let leader = lines.iter().rev().filter_map(|l| oom::kill(l)).find(|k| killed && k.pid == pid);
+        if leader.is_none() && kills == 0 {
+            return None;
+        }
+        let figures = cgroup.and_then(oom::Cgroup::figures);
+        Some(oom::cause(leader.as_ref(), kills, figures.as_deref()))
+    }
+
     fn golden(&mut self, start: u32) {
         use crate::observe::golden;
         let tx = self.inputs.clone();
         let g = self.settings.golden.clone();
         let base = crate::observe::health::Spec::from_settings(&self.settings).base;
         let state = self.settings.state_dir.clone();
-        let (fingerprint, setup) = match &self.loads.running {
-            Some(f) => (f.fingerprint.clone(), serde_json::to_value(&f.setup).unwrap_or_default()),
-            None => ("unknown".to_string(), serde_json::Value::Null),
-        };
+        let running = self
+            .loads
+            .running
+            .as_ref()
+            .map(|f| (f.fingerprint.clone(), serde_json::to_value(&f.setup).unwrap_or_default()));
+        // A run taken over from a predecessor (an upgrade) has no facts of
+        // its start here: gathered now, as that start gathered them, so that
+        // its answers are compared with its own setup's reference.
+        let settings = running.is_none().then(|| self.settings.clone());
         if let Some(t) = self.checks.golden.take() {
             t.abort();
         }
         self.checks.golden = Some(self.tasks.spawn("golden check", Lifetime::Finite, async move {
+            let (fingerprint, setup) = match (running, settings) {
+                (Some(r), _) => r,
+                (None, Some(s)) => tokio::task::spawn_blocking(move || {
+                    let f = crate::daemon::environment::load_facts(&s);
+                    (f.fingerprint.clone(), serde_json::to_value(&f.setup).unwrap_or_default())
+                })
+                .await
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())),
+                (None, None) => ("unknown".to_string(), serde_json::Value::Null),
+            };
             let gp = g.clone();
             let prompts = tokio::task::spawn_blocking(move || golden::prompts(&gp))
                 .await
                 .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
             let (asked, questions) = match prompts {
                 Ok(p) => (golden::ask(&base, &p, g.max_tokens, g.timeout).await, golden::questions(&p, g.max_tokens)),
-                Err(e) => (Err(e), String::new()),
+                Err(e) => (Err(golden::Unanswered::Other(e)), String::new()),
             };
             let subject = golden::Subject { fingerprint, setup, questions };
             let verdict = tokio::task::spawn_blocking(move || match asked {
                 Ok(answers) => golden::judge(&state, &subject, answers, g.tolerance, g.accept_changes),
-                Err(e) => golden::failed(&state, &subject, &e, g.tolerance),
+                Err(e) => golden::failed(&state, &subject, e, g.tolerance),
             })
             .await
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));

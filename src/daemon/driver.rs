@@ -102,6 +102,11 @@ pub enum Input {
         start: u32,
         cause: String,
     },
+    /// Prove the serving model's answers again (a GPU fault that did not
+    /// end the run, a wake from sleep): `Event::Recheck`.
+    Recheck {
+        reason: String,
+    },
     /// `health.failures` checks in a row failed for `start`.
     HealthFailed {
         start: u32,
@@ -226,6 +231,11 @@ pub trait Backend {
     /// Ask the golden prompts of start `start`, off the loop:
     /// `Input::Golden`. Asked only with `golden` in the policy.
     fn golden(&mut self, _start: u32) {}
+    /// The leader `pid` of the run exited so: the cause, when the kernel's
+    /// OOM killer ended it or one of its processes (host memory).
+    fn oom_killed(&mut self, _pid: u32, _exit: crate::supervisor::outcome::Exit) -> Option<String> {
+        None
+    }
 }
 
 /// Told of every state change (the child's lines are seen by the
@@ -650,6 +660,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
             Input::Survivors { left, description } => events.push_back(Event::Survivors { left, description }),
             Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
+            Input::Recheck { reason } => events.push_back(Event::Recheck { reason }),
             Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
             Input::DaemonLost { cause } => events.push_back(Event::DaemonLost { cause }),
             Input::Reload(result) => match *result {
@@ -680,6 +691,10 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             },
             Input::Tree(TreeEvent::Empty) => events.push_back(Event::TreeGone),
             Input::Tree(TreeEvent::LeaderExited { pid, exit }) => {
+                // Said before the exit, so that it is the run's cause.
+                if let Some(cause) = self.backend.oom_killed(pid, exit) {
+                    events.push_back(Event::OomKilled { start: self.machine.starts(), cause });
+                }
                 // The child's last lines (its traceback) are written before it
                 // exits; make sure they are classified before its exit is:
                 // the follower reads to the end of the file and says so

@@ -144,6 +144,7 @@ pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
     use std::fmt::Write;
     let writes = crate::process::caches::of(s);
     let mut warnings = crate::process::caches::problems(&writes).1;
+    warnings.extend(compile_problems(s));
     let mut out = String::new();
     if !writes.is_empty() {
         let _ = writeln!(out, "the child's caches and sockets:");
@@ -472,6 +473,70 @@ fn state_directory(dir: &Path) -> Option<String> {
     }
 }
 
+/// What torch inductor needs to build vLLM's kernels and cannot find for
+/// this user (`check` runs as the service user under the unit): a vLLM
+/// command that compiles (no `--enforce-eager`) fails at its first
+/// compile without them, on every start.
+pub fn compile_problems(s: &Settings) -> Vec<String> {
+    if s.profile != crate::config::profile::Profile::Vllm || model_of(&s.child.command).is_none() {
+        return Vec::new();
+    }
+    let path = s.child.env.get("PATH").cloned().or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
+    let program = resolve_program(s.child.command.first().map_or("", String::as_str), Some(&path));
+    let missing = compile_missing(&s.child.command, &path, program.as_deref());
+    if missing.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "the command compiles vLLM's kernels with torch inductor (no --enforce-eager), but {} cannot be found \
+         for uid {}: every start would fail at the compile; install them (Debian: apt install g++ python3-dev \
+         openssl) or add --enforce-eager",
+        missing.join(", "),
+        nix::unistd::geteuid()
+    )]
+}
+
+/// [`compile_problems`]' findings: what is missing on `path` (a C++
+/// compiler, `openssl`) and beside `program`'s Python (its headers).
+fn compile_missing(command: &[String], path: &str, program: Option<&Path>) -> Vec<&'static str> {
+    if command.iter().any(|a| a == "--enforce-eager" || a == "--enforce_eager" || a == "-O0") {
+        return Vec::new();
+    }
+    let found = |name: &str| which::which_in(name, Some(path), "/").is_ok();
+    let mut missing = Vec::new();
+    if !["g++", "c++", "clang++"].into_iter().any(found) {
+        missing.push("a C++ compiler (g++)");
+    }
+    if !found("openssl") {
+        missing.push("openssl");
+    }
+    if program.is_some_and(|p| !python_headers(p)) {
+        missing.push("the Python headers (Python.h)");
+    }
+    missing
+}
+
+/// Whether the Python of the venv `program` is in has its headers: the
+/// base installation's `include/pythonX.Y/Python.h`, as `pyvenv.cfg`
+/// names it. True when that cannot be told (not a venv).
+fn python_headers(program: &Path) -> bool {
+    let Some(venv) = program.parent().and_then(Path::parent) else { return true };
+    let Ok(cfg) = std::fs::read_to_string(venv.join("pyvenv.cfg")) else { return true };
+    let key = |k: &str| {
+        cfg.lines().find_map(|l| {
+            let (a, b) = l.split_once('=')?;
+            (a.trim() == k).then(|| b.trim().to_string())
+        })
+    };
+    let (Some(home), Some(version)) = (key("home"), key("version").or_else(|| key("version_info"))) else {
+        return true;
+    };
+    let short: Vec<&str> = version.split('.').take(2).collect();
+    let Some(prefix) = Path::new(&home).parent() else { return true };
+    let include = format!("include/python{}", short.join("."));
+    [prefix.join(&include), venv.join(&include)].iter().any(|d| d.join("Python.h").is_file())
+}
+
 /// A program name as `execvp` would find it.
 pub fn resolve_program(program: &str, path_override: Option<&str>) -> Option<PathBuf> {
     if program.contains('/') {
@@ -491,6 +556,39 @@ mod tests {
 
     /// Only vLLM's own command lines name a model of this host; the last
     /// `--model` wins, as in vLLM's parser.
+    /// What inductor needs, looked for on the child's PATH and beside its
+    /// venv's Python; nothing asked of a command that does not compile.
+    #[test]
+    fn a_compiling_command_names_what_inductor_misses() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let bin = d.path().join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        let tool = |name: &str| {
+            std::fs::write(bin.join(name), "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(bin.join(name), std::fs::Permissions::from_mode(0o755)).unwrap();
+        };
+        let venv = d.path().join("venv");
+        std::fs::create_dir_all(venv.join("bin")).unwrap();
+        let base = d.path().join("base");
+        std::fs::write(venv.join("pyvenv.cfg"), format!("home = {}/bin\nversion = 3.11.2\n", base.display())).unwrap();
+        let vllm = venv.join("bin/vllm");
+        let path = bin.to_str().unwrap();
+        let cmd = argv("vllm serve /m");
+        assert_eq!(
+            compile_missing(&cmd, path, Some(&vllm)),
+            ["a C++ compiler (g++)", "openssl", "the Python headers (Python.h)"]
+        );
+        tool("g++");
+        tool("openssl");
+        std::fs::create_dir_all(base.join("include/python3.11")).unwrap();
+        std::fs::write(base.join("include/python3.11/Python.h"), "").unwrap();
+        assert!(compile_missing(&cmd, path, Some(&vllm)).is_empty());
+        std::fs::remove_file(bin.join("openssl")).unwrap();
+        assert_eq!(compile_missing(&cmd, path, Some(&vllm)), ["openssl"]);
+        assert!(compile_missing(&argv("vllm serve /m --enforce-eager"), path, Some(&vllm)).is_empty());
+    }
+
     #[test]
     fn the_model_is_read_from_vllms_command_lines_only() {
         assert_eq!(model_of(&argv("/opt/v/bin/vllm serve /m --port 8")).as_deref(), Some("/m"));

@@ -50,9 +50,15 @@ impl StateObserver {
             let mut next = v.clone();
             if let Some(m) = m {
                 next.phase = m.phase();
-                next.cause = m
-                    .cause()
-                    .map(|c| crate::util::escape::one_line(&redact::text(&c.text), crate::util::escape::MAX_LINE));
+                // Said while it is what keeps the model out of rotation (a
+                // drain held meanwhile says `drained`, as before).
+                let why = m
+                    .recheck_reason()
+                    .filter(|_| m.phase() == crate::supervisor::outcome::Phase::Rechecking)
+                    .map(|r| format!("the answers are being checked again after {r}"));
+                next.cause = why
+                    .or_else(|| m.cause().map(|c| c.text.clone()))
+                    .map(|c| crate::util::escape::one_line(&redact::text(&c), crate::util::escape::MAX_LINE));
                 next.load = m.load_now();
             }
             next.document = document;

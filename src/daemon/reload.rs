@@ -161,6 +161,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("golden.on-mismatch", Warden, dbg(&g.0.on_mismatch), dbg(&g.1.on_mismatch));
     cmp("golden.accept-changes", Warden, g.0.accept_changes.to_string(), g.1.accept_changes.to_string());
     cmp("golden.timeout", Warden, d(g.0.timeout), d(g.1.timeout));
+    cmp("golden.interval", Warden, d(g.0.interval), d(g.1.interval));
     let f = (&old.fit, fit);
     cmp("fit.enabled", Warden, f.0.enabled.to_string(), f.1.enabled.to_string());
     cmp("fit.adjust", Warden, dbg(&f.0.adjust), dbg(&f.1.adjust));

@@ -10,7 +10,7 @@
 //! | endpoint | answer |
 //! |---|---|
 //! | `GET /livez` | 200 while the loop turns, 503 when it has not for [`LIVE_STALE`]; the phase |
-//! | `GET /readyz` | 200 when ready, not draining and the last health check passed; else 503, phase and cause |
+//! | `GET /readyz` | 200 when ready, not draining, not re-checking its answers and the last health check passed; else 503, phase and cause |
 //! | `GET /startupz` | 200 once the model has loaded (ready, or drained since); else 503 with the load's phase, as JSON |
 //! | `GET /status` | the status document |
 //! | `GET /metrics` | the metrics, Prometheus text format |
@@ -613,7 +613,9 @@ async fn startupz(State(api): State<Api>) -> Response {
         (view.phase, view.load.clone())
     };
     match phase {
-        Phase::Ready | Phase::Draining | Phase::Drained => text(StatusCode::OK, format!("{phase}\n")),
+        Phase::Ready | Phase::Rechecking | Phase::Draining | Phase::Drained => {
+            text(StatusCode::OK, format!("{phase}\n"))
+        }
         phase => {
             let load = load.map(|l| crate::observe::status::LoadDoc::of(&l.as_of(tokio::time::Instant::now())));
             let body = serde_json::json!({ "state": phase.as_str(), "load": load });
@@ -641,9 +643,9 @@ async fn metrics(State(api): State<Api>) -> Response {
 fn applies(r: Request, phase: Phase) -> bool {
     use Phase::*;
     match r {
-        Request::Drain => matches!(phase, Ready | Draining | Drained),
-        Request::Undrain => matches!(phase, Ready | Draining | Drained),
-        Request::Restart => matches!(phase, Starting | Ready | Draining | Drained | Backoff),
+        Request::Drain => matches!(phase, Ready | Rechecking | Draining | Drained),
+        Request::Undrain => matches!(phase, Ready | Rechecking | Draining | Drained),
+        Request::Restart => matches!(phase, Starting | Ready | Rechecking | Draining | Drained | Backoff),
         Request::Stop | Request::Reload | Request::Upgrade => false,
     }
 }
@@ -651,7 +653,7 @@ fn applies(r: Request, phase: Phase) -> bool {
 fn taken(r: Request, before: Phase, now: Phase) -> bool {
     use Phase::*;
     match r {
-        Request::Drain => now != Ready,
+        Request::Drain => matches!(now, Draining | Drained),
         Request::Undrain => !matches!(now, Draining | Drained),
         // A restart from a serving child drains it first; one asked while
         // draining changes only what the drain ends in.

@@ -96,18 +96,59 @@ fn read_bounded(path: &Path, max: u64) -> std::io::Result<String> {
     Ok(s)
 }
 
+/// Why the golden prompts got no answers to compare.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unanswered {
+    /// The server gave none: nothing within the timeout, no connection
+    /// (refused, cut), or a 5xx. A failed run.
+    NoAnswer(String),
+    /// The model has no completions API (a pooling or embedding model:
+    /// vLLM answers 404 or 400 for `/v1/completions`): the check is skipped.
+    NoCompletions(String),
+    /// Anything else (an answer that is no completion, a prompts file that
+    /// cannot be read): `golden.on-mismatch` decides.
+    Other(String),
+}
+
+impl Unanswered {
+    /// The verdict it is.
+    pub fn verdict(self) -> Verdict {
+        match self {
+            Unanswered::NoAnswer(text) => Verdict::NoAnswer { text },
+            Unanswered::NoCompletions(text) => Verdict::Skipped { text },
+            Unanswered::Other(text) => Verdict::Failed { text },
+        }
+    }
+}
+
+/// What a failed request is: no answer (a timeout, no connection), or an
+/// answer that could not be read.
+fn unanswered(what: &str, e: client::Error, timeout: Duration) -> Unanswered {
+    match e {
+        client::Error::Timeout => {
+            Unanswered::NoAnswer(format!("nothing within {} ({what})", humantime::format_duration(timeout)))
+        }
+        e @ (client::Error::Io(_) | client::Error::Http(_)) => Unanswered::NoAnswer(format!("{what}: {e}")),
+        e => Unanswered::Other(format!("{what}: {e}")),
+    }
+}
+
 /// Ask `prompts` of the server at `base`, all within `timeout`.
-pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Duration) -> Result<Answers, String> {
+pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Duration) -> Result<Answers, Unanswered> {
     let t0 = Instant::now();
     let left = || timeout.saturating_sub(t0.elapsed());
     let models = client::send(client::Request::get(&format!("{base}/v1/models")).read(MAX_BODY), left())
         .await
-        .map_err(|e| format!("/v1/models: {e}"))?;
-    if !models.status.is_success() {
-        return Err(format!("/v1/models: HTTP {}", models.status.as_u16()));
+        .map_err(|e| unanswered("/v1/models", e, timeout))?;
+    if models.status.is_server_error() {
+        return Err(Unanswered::NoAnswer(format!("/v1/models: HTTP {}", models.status.as_u16())));
     }
-    let models = models.json().map_err(|e| format!("/v1/models: {e}"))?;
-    let model = models["data"][0]["id"].as_str().ok_or("/v1/models lists no model")?.to_string();
+    if !models.status.is_success() {
+        return Err(Unanswered::Other(format!("/v1/models: HTTP {}", models.status.as_u16())));
+    }
+    let models = models.json().map_err(|e| Unanswered::Other(format!("/v1/models: {e}")))?;
+    let model = models["data"][0]["id"].as_str().ok_or(Unanswered::Other("/v1/models lists no model".into()))?;
+    let model = model.to_string();
     let mut answers = Vec::new();
     for prompt in prompts {
         let body = serde_json::json!({
@@ -115,19 +156,24 @@ pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Durat
             "logprobs": 1, "return_tokens_as_token_ids": true,
         });
         let url = format!("{base}/v1/completions");
-        let r = match client::send(client::Request::post_json(&url, &body).read(MAX_BODY), left()).await {
-            Ok(r) => r,
-            Err(client::Error::Timeout) => {
-                return Err(format!("no answer within {}", humantime::format_duration(timeout)));
-            }
-            Err(e) => return Err(format!("/v1/completions: {e}")),
-        };
+        let r = client::send(client::Request::post_json(&url, &body).read(MAX_BODY), left())
+            .await
+            .map_err(|e| unanswered("/v1/completions", e, timeout))?;
         if !r.status.is_success() {
             let said = crate::util::escape::one_line(&String::from_utf8_lossy(&r.body), 200);
-            return Err(format!("/v1/completions: HTTP {}: {said}", r.status.as_u16()));
+            let text = format!("/v1/completions: HTTP {}: {said}", r.status.as_u16());
+            return Err(match r.status.as_u16() {
+                // vLLM has no such route for a pooling model (404), or
+                // refuses the task (400: "The model does not support
+                // Completions API").
+                404 | 400 => Unanswered::NoCompletions(text),
+                500.. => Unanswered::NoAnswer(text),
+                _ => Unanswered::Other(text),
+            });
         }
-        let v = r.json().map_err(|e| format!("/v1/completions: {e}"))?;
-        answers.push(answer(prompt, &v).ok_or("/v1/completions: no choice in the answer")?);
+        let v = r.json().map_err(|e| Unanswered::Other(format!("/v1/completions: {e}")))?;
+        let a = answer(prompt, &v).ok_or(Unanswered::Other("/v1/completions: no choice in the answer".into()))?;
+        answers.push(a);
     }
     Ok(Answers { answers, ms: t0.elapsed().as_secs_f64() * 1e3 })
 }
@@ -367,9 +413,9 @@ pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f
     verdict
 }
 
-/// Record that the check could not be made.
-pub fn failed(state_dir: &Path, subject: &Subject, text: &str, tolerance: f64) -> Verdict {
-    let verdict = Verdict::Failed { text: text.to_string() };
+/// Record that the check could not be made, and why.
+pub fn failed(state_dir: &Path, subject: &Subject, why: Unanswered, tolerance: f64) -> Verdict {
+    let verdict = why.verdict();
     save_last(state_dir, subject, &verdict, None, None, tolerance);
     verdict
 }

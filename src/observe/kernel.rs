@@ -2,6 +2,10 @@
 //! command (by default `journalctl -k -f -n 0 -o short-iso`: new kernel
 //! messages as they come) is followed; a line of a fatal NVIDIA Xid class
 //! ends the run with a permanent cause: no restart loop against a dead GPU.
+//! A line of a class that does not end the process ([`RECHECK_XIDS`]) about
+//! one of the instance's GPUs (every GPU, when they cannot be told) calls
+//! for the serving model's answers to be checked again: after an MMU fault
+//! a server has been seen answering 200 with garbage.
 //! The follower is a helper of the warden (its own process group, not part
 //! of the child's tree, killed when the run ends). It keeps the latest
 //! messages that concern the GPUs, numbered among all it read, so that a
@@ -32,6 +36,33 @@ pub const FATAL_XIDS: &[(u32, &str)] = &[
     (154, "GPU recovery action changed"),
 ];
 
+/// The Xid classes that leave the process running but may leave its
+/// answers wrong, with what they mean (NVIDIA's Xid catalogue): the
+/// serving model is taken out of rotation and its golden answers are asked
+/// again.
+pub const RECHECK_XIDS: &[(u32, &str)] = &[
+    // An exception in the graphics engine (a kernel's illegal address or
+    // instruction); usually the application's, the context may be damaged.
+    (13, "graphics engine exception"),
+    // An illegal memory access (MMU fault): a server was seen answering
+    // HTTP 200 with prompt-independent punctuation after one.
+    (31, "GPU memory page fault"),
+    // The GPU stopped processing a channel (the context is torn down).
+    (43, "GPU stopped processing"),
+    // Channels cleaned up pre-emptively after an earlier error.
+    (45, "preemptive cleanup, due to previous errors"),
+    // A page retired or a row remapped after ECC errors (memory moved).
+    (63, "ECC page retirement or row remapping recording event"),
+    // The retirement or remapping could not be recorded.
+    (64, "ECC page retirement or row remapper recording failure"),
+    // The video decoder's exception.
+    (68, "NVDEC0 exception"),
+    // A graphics engine class error (a bad method or argument).
+    (69, "graphics engine class error"),
+    // An NVLink error (a link between GPUs retrained or down).
+    (74, "NVLink error"),
+];
+
 /// `NVRM: Xid (PCI:0000:41:00): 79, pid=1234, name=python3, GPU has fallen off the bus.`
 static XID: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"NVRM: Xid \(PCI:([0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\): (\d+)")
@@ -56,6 +87,61 @@ impl Fault {
     pub fn cause(&self) -> String {
         format!("GPU fault: Xid {} ({}) on {} — needs a reset or reboot", self.xid, self.what, self.pci)
     }
+
+    /// Why the answers are checked again, for one of [`RECHECK_XIDS`].
+    pub fn recheck_reason(&self) -> String {
+        format!("GPU fault: Xid {} ({}) on {}", self.xid, self.what, self.pci)
+    }
+}
+
+/// What a kernel message means for the run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kernel {
+    /// A fatal GPU fault (the first one only).
+    Fatal(Fault),
+    /// A fault that leaves the process running, on one of the instance's
+    /// GPUs: its answers are to be checked again.
+    Recheck(Fault),
+    /// The OOM killer ended a process (any on the host: whose it is, the
+    /// exit of the run tells; see `observe::oom`).
+    OomKill(String),
+}
+
+/// A fault of one of [`RECHECK_XIDS`] a kernel message reports, if it
+/// reports one.
+pub fn recheck(line: &str) -> Option<Fault> {
+    let c = XID.captures(line)?;
+    let xid: u32 = c[2].parse().ok()?;
+    let (_, what) = RECHECK_XIDS.iter().find(|(x, _)| *x == xid)?;
+    Some(Fault { xid, what, pci: with_function(&c[1]) })
+}
+
+/// The instance's GPUs as PCI addresses (`0000:41:00.0`), from
+/// `nvidia-smi --query-gpu=index,uuid,pci.bus_id --format=csv,noheader`
+/// and the child's `CUDA_VISIBLE_DEVICES` (indexes or UUIDs; unset: every
+/// GPU). `None` when they cannot be told (no answer, or a device the query
+/// does not list): then every GPU counts.
+pub fn instance_gpus(query: &str, visible: Option<&str>) -> Option<Vec<String>> {
+    let mut all = Vec::new();
+    for line in query.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        let [index, uuid, bus] = f[..] else { return None };
+        // `00000000:41:00.0`: the domain in 8 digits, the kernel's in 4.
+        let (domain, rest) = bus.split_once(':')?;
+        let domain = domain.get(domain.len().checked_sub(4)?..)?;
+        all.push((index.to_string(), uuid.to_string(), format!("{domain}:{rest}").to_ascii_lowercase()));
+    }
+    if all.is_empty() {
+        return None;
+    }
+    let Some(visible) = visible.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Some(all.into_iter().map(|(_, _, pci)| pci).collect());
+    };
+    visible
+        .split(',')
+        .map(str::trim)
+        .map(|v| all.iter().find(|(i, u, _)| i == v || u == v || u.starts_with(v)).map(|(_, _, p)| p.clone()))
+        .collect()
 }
 
 fn with_function(pci: &str) -> String {
@@ -77,12 +163,13 @@ pub fn fault(line: &str) -> Option<Fault> {
 /// only the fatal ones), a GPU fallen off the bus, the driver's GSP or ECC
 /// reports; or a process's illegal instruction (`traps: python3[4242] trap
 /// invalid opcode ip:… in libfoo.so`: the address, and the library it is in,
-/// of an instruction this CPU refused). What goes into a failure report's
-/// `kernel.txt`.
+/// of an instruction this CPU refused); or the OOM killer's (`Killed process
+/// PID (name) total-vm:…`, `oom-kill:…`: the memory figures of a host OOM
+/// kill). What goes into a failure report's `kernel.txt`.
 pub fn gpu_related(line: &str) -> bool {
     static GPU: LazyLock<Regex> = LazyLock::new(|| {
         Regex::new(
-            r"NVRM: Xid|fallen off the bus|GPU has fallen|NVRM: GPU at PCI|NVRM: .*(?:GSP|ECC|RmInit)|trap invalid opcode",
+            r"NVRM: Xid|fallen off the bus|GPU has fallen|NVRM: GPU at PCI|NVRM: .*(?:GSP|ECC|RmInit)|trap invalid opcode|Killed process \d+|oom-kill:",
         )
         .expect("static regex")
     });
@@ -94,6 +181,8 @@ pub fn gpu_related(line: &str) -> bool {
 pub struct KernelFollower {
     pid: nix::unistd::Pid,
     seen: Arc<Mutex<Seen>>,
+    /// The instance's GPUs; `None`: not known, every GPU counts.
+    gpus: Arc<Mutex<Option<Vec<String>>>>,
 }
 
 /// GPU-related messages kept at most, and their bytes.
@@ -164,6 +253,26 @@ impl Mark {
 }
 
 impl KernelFollower {
+    /// The instance's GPUs, whose faults call for a re-check (`None`:
+    /// every GPU's).
+    pub fn set_gpus(&self, gpus: Option<Vec<String>>) {
+        *self.gpus.lock().unwrap_or_else(|p| p.into_inner()) = gpus;
+    }
+
+    /// The follower's list of the instance's GPUs, to be set later (off
+    /// the loop, once asked).
+    pub fn gpus(&self) -> Arc<Mutex<Option<Vec<String>>>> {
+        self.gpus.clone()
+    }
+
+    /// The messages of the latest OOM kills the follower read (the
+    /// kernel's `Killed process PID (name) …` lines), newest last.
+    pub fn oom_kills(&self, since: Option<&Mark>) -> Vec<String> {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let at = since.map_or(0, |m| m.at);
+        seen.gpu.iter().filter(|(n, t)| *n >= at && t.contains("Killed process ")).map(|(_, t)| t.clone()).collect()
+    }
+
     /// Here, among what the follower reads; `None` when it no longer reads.
     pub fn mark(&self) -> Option<Mark> {
         let at = {
@@ -183,11 +292,11 @@ impl Drop for KernelFollower {
 
 /// Start following `source` (an argv whose output is kernel messages, one
 /// per line); `on_fault` is called from a thread of its own for the first
-/// fatal fault, and the follower reads on. `Ok(None)`: the command is not
-/// installed.
+/// fatal fault and for every fault that calls for a re-check, and the
+/// follower reads on. `Ok(None)`: the command is not installed.
 pub fn follow(
     source: &[String],
-    on_fault: impl FnOnce(Fault) + Send + 'static,
+    mut on_fault: impl FnMut(Kernel) + Send + 'static,
 ) -> std::io::Result<Option<KernelFollower>> {
     use std::os::unix::process::CommandExt;
     let Some(program) = source.first() else { return Ok(None) };
@@ -215,9 +324,10 @@ pub fn follow(
     crate::process::child::register_helper(pid.as_raw());
     let stdout = child.stdout.take();
     let seen = Arc::new(Mutex::new(Seen { reading: true, ..Seen::default() }));
-    let s = seen.clone();
+    let gpus: Arc<Mutex<Option<Vec<String>>>> = Arc::default();
+    let (s, ours) = (seen.clone(), gpus.clone());
     let read = std::thread::Builder::new().name("kernel messages".into()).spawn(move || {
-        let mut on_fault = Some(on_fault);
+        let mut fatal_told = false;
         if let Some(out) = stdout {
             // Lines are capped: a runaway source cannot fill memory.
             let mut reader = std::io::BufReader::new(out);
@@ -229,10 +339,18 @@ pub fn follow(
                     Ok(_) => {
                         let text = String::from_utf8_lossy(&line);
                         s.lock().unwrap_or_else(|p| p.into_inner()).line(&text);
-                        if let Some(f) = fault(&text)
-                            && let Some(call) = on_fault.take()
-                        {
-                            call(f);
+                        if let Some(f) = fault(&text) {
+                            if !std::mem::replace(&mut fatal_told, true) {
+                                on_fault(Kernel::Fatal(f));
+                            }
+                        } else if text.contains("Killed process ") {
+                            on_fault(Kernel::OomKill(text.trim_end().to_string()));
+                        } else if let Some(f) = recheck(&text) {
+                            let ours = ours.lock().unwrap_or_else(|p| p.into_inner());
+                            if ours.as_ref().is_none_or(|g| g.contains(&f.pci.to_ascii_lowercase())) {
+                                drop(ours);
+                                on_fault(Kernel::Recheck(f));
+                            }
                         }
                         // A line longer than the cap: skip the rest of it.
                         if !line.ends_with(b"\n") && reader.skip_until(b'\n').is_err() {
@@ -251,7 +369,7 @@ pub fn follow(
         crate::process::child::unregister_helper(pid.as_raw());
         return Err(e);
     }
-    Ok(Some(KernelFollower { pid, seen }))
+    Ok(Some(KernelFollower { pid, seen, gpus }))
 }
 
 #[cfg(test)]
@@ -293,6 +411,32 @@ mod tests {
         assert_eq!((since.gpu.len(), since.all), (KEEP_LINES, KEEP_LINES as u64 + 2));
         seen.lock().unwrap().reading = false;
         assert_eq!(mark.since(), None, "it may have missed some");
+    }
+
+    #[test]
+    fn xids_that_leave_the_process_running_call_for_a_recheck() {
+        let line = "kernel: NVRM: Xid (PCI:0000:41:00): 31, pid=4242, name=python3, Ch 00000008, intr 10000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f_12340000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ";
+        let f = recheck(line).unwrap();
+        assert_eq!(f.recheck_reason(), "GPU fault: Xid 31 (GPU memory page fault) on 0000:41:00.0");
+        for (xid, _) in RECHECK_XIDS {
+            assert!(recheck(&format!("NVRM: Xid (PCI:0000:41:00): {xid}, pid=1, name=x, y")).is_some(), "{xid}");
+            assert!(fault(&format!("NVRM: Xid (PCI:0000:41:00): {xid}, pid=1, name=x, y")).is_none(), "{xid}");
+        }
+        assert_eq!(recheck("NVRM: Xid (PCI:0000:41:00): 79, pid=1, name=x, y"), None, "fatal, not a re-check");
+        assert_eq!(recheck("NVRM: Xid (PCI:0000:41:00): 999, pid=1, name=x, y"), None);
+    }
+
+    /// The instance's GPUs from nvidia-smi and CUDA_VISIBLE_DEVICES;
+    /// `None` (every GPU counts) when they cannot be told.
+    #[test]
+    fn the_instance_gpus_are_told_by_index_or_uuid() {
+        let q = "0, GPU-aaaa-1111, 00000000:41:00.0\n1, GPU-bbbb-2222, 00000000:C1:00.0\n";
+        assert_eq!(instance_gpus(q, None), Some(vec!["0000:41:00.0".to_string(), "0000:c1:00.0".into()]));
+        assert_eq!(instance_gpus(q, Some("1")), Some(vec!["0000:c1:00.0".to_string()]));
+        assert_eq!(instance_gpus(q, Some("GPU-aaaa")), Some(vec!["0000:41:00.0".to_string()]));
+        assert_eq!(instance_gpus(q, Some("0,7")), None, "a device not listed: not told");
+        assert_eq!(instance_gpus("", Some("0")), None);
+        assert_eq!(instance_gpus("garbage", None), None);
     }
 
     #[test]

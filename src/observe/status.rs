@@ -70,6 +70,16 @@ pub struct Doc {
     /// `unrecorded`, and what it found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub golden: Option<GoldenDoc>,
+    /// Why the answers are being checked again (the model out of rotation
+    /// meanwhile), while they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rechecking: Option<String>,
+    /// Re-checks of the serving model's answers, and the seconds out of
+    /// rotation they took in all.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rechecks: u32,
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub recheck_paused_seconds: f64,
     /// The weight-cache daemon (`[preload]`), while one runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preload: Option<crate::supervisor::preload::DaemonView>,
@@ -517,6 +527,9 @@ impl Reporter {
             }),
             load: snap.load.as_ref().map(LoadDoc::of),
             golden: snap.golden.as_ref().map(|v| GoldenDoc { verdict: v.name().into(), text: safe(&v.text()) }),
+            rechecking: snap.rechecking.as_deref().map(safe),
+            rechecks: snap.rechecks,
+            recheck_paused_seconds: (snap.recheck_paused.as_secs_f64() * 1e3).round() / 1e3,
             fit: snap
                 .fit
                 .iter()
@@ -585,6 +598,9 @@ pub struct Metrics {
     loads_seen: std::sync::atomic::AtomicU32,
     golden: Family<Vec<(String, String)>, Counter>,
     golden_seen: std::sync::atomic::AtomicU32,
+    /// Re-checks while serving, and the time out of rotation they took.
+    rechecks: Counter,
+    recheck_paused: Counter<f64, AtomicU64>,
     /// 0 after a refused reload; 1 at start and after one that applied.
     reload_ok: Gauge,
     /// When the config in force was last read successfully.
@@ -621,6 +637,8 @@ impl Metrics {
             loads_seen: Default::default(),
             golden: Family::default(),
             golden_seen: Default::default(),
+            rechecks: Counter::default(),
+            recheck_paused: Counter::default(),
             reload_ok: Gauge::default(),
             reload_ok_at: Gauge::default(),
         };
@@ -689,6 +707,17 @@ impl Metrics {
             m.golden.clone(),
         );
         registry.register(
+            "golden_rechecks",
+            "Re-checks of the serving model's answers (after a GPU fault that did not end it, an upgrade of the warden, golden.interval)",
+            m.rechecks.clone(),
+        );
+        registry.register_with_unit(
+            "golden_recheck_pause",
+            "Time the model was out of rotation for re-checks of its answers",
+            Unit::Seconds,
+            m.recheck_paused.clone(),
+        );
+        registry.register(
             "config_last_reload_successful",
             "0 when the last reload was refused (the previous config still runs); 1 at start and after a reload that applied",
             m.reload_ok.clone(),
@@ -720,6 +749,11 @@ impl Metrics {
             self.last_load.get_or_create(&vec![]).set(d.as_secs_f64());
         }
         raise(&self.journal_dropped, journal_dropped);
+        raise(&self.rechecks, snap.rechecks.into());
+        let paused = snap.recheck_paused.as_secs_f64();
+        if paused > self.recheck_paused.get() {
+            self.recheck_paused.inc_by(paused - self.recheck_paused.get());
+        }
         let seen = self.golden_seen.swap(snap.golden_checks, std::sync::atomic::Ordering::Relaxed);
         if snap.golden_checks > seen
             && let Some(v) = &snap.golden
@@ -777,6 +811,10 @@ fn alarm_kind(text: &str) -> &'static str {
 
 /// A counter brought up to `total` (the machine keeps the counts; a
 /// counter only goes up).
+fn is_zero_f64(n: &f64) -> bool {
+    *n == 0.0
+}
+
 fn raise(c: &Counter, total: u64) {
     let now = c.get();
     if total > now {
@@ -973,6 +1011,9 @@ mod tests {
             loads_ended: 0,
             golden: None,
             golden_checks: 0,
+            rechecks: 0,
+            recheck_paused: Duration::ZERO,
+            rechecking: None,
         }
     }
 

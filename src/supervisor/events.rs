@@ -31,6 +31,10 @@ pub enum FailureKind {
     Spawn,
     /// The golden check's answers differ from the reference.
     WrongAnswers,
+    /// The golden check got no answer (a timeout, no connection, a 5xx).
+    NoAnswer,
+    /// The kernel's OOM killer ended a process of the run (host memory).
+    OomKilled,
 }
 
 /// The one line that says why a run failed.
@@ -73,6 +77,9 @@ impl Cause {
             FailureKind::Health => FailureClass::Health,
             FailureKind::Spawn => FailureClass::Spawn,
             FailureKind::WrongAnswers => FailureClass::WrongAnswers,
+            FailureKind::NoAnswer => FailureClass::NoAnswer,
+            // Counted as what ended the run: its leader's exit.
+            FailureKind::OomKilled => FailureClass::Exit,
         }
     }
 }
@@ -172,6 +179,22 @@ pub enum Event {
         start: u32,
         cause: String,
     },
+    /// Prove the serving model's answers again: out of rotation, the
+    /// golden check, back in rotation if they are the same (else the run
+    /// fails). Any trigger sends it: a GPU fault that did not end the run,
+    /// an upgrade of the warden, `golden.interval`, a wake from sleep.
+    /// `reason` says why, in the journal and `STATUS=`. Ignored unless
+    /// ready with the golden check on.
+    Recheck {
+        reason: String,
+    },
+    /// The kernel's OOM killer ended a process of run `start` (its leader
+    /// or a descendant); `cause` names it, with the memory figures. The
+    /// run's cause when it ends, whatever else its log says.
+    OomKilled {
+        start: u32,
+        cause: String,
+    },
     /// The failure report of run `start` is being written into `path`.
     ReportStarted {
         start: u32,
@@ -205,6 +228,7 @@ impl Event {
             | Event::HealthFailed { start, .. }
             | Event::Quiet { start }
             | Event::GpuFault { start, .. }
+            | Event::OomKilled { start, .. }
             | Event::ReportStarted { start, .. }
             | Event::Reported { start } => Some(*start),
             _ => None,

@@ -85,8 +85,18 @@ pub enum Verdict {
     /// Different from the reference of this setup, or of the setup before
     /// (`after` says what changed); `text` says where.
     Changed { text: String, ms: u64 },
-    /// The check could not be made: the server failed it, or timed out.
+    /// The check could not be made: an unreadable prompts file, an answer
+    /// that is no completion.
     Failed { text: String },
+    /// The server did not answer: nothing within `golden.timeout`, no
+    /// connection, or a 5xx. A model that cannot answer one short
+    /// completion is not serving: a failed run whatever
+    /// `golden.on-mismatch` says.
+    NoAnswer { text: String },
+    /// The model has no completions API (a pooling or embedding model:
+    /// vLLM answers 404 or 400 for `/v1/completions`): nothing to compare,
+    /// the check is skipped for the setup; `text` says what the server said.
+    Skipped { text: String },
     /// The server answered, but the golden store could not be used: its
     /// references unreadable (the answers not compared), or the answers
     /// not recorded as a reference (too large to keep, or not written).
@@ -105,6 +115,10 @@ impl Verdict {
             }
             Verdict::Changed { text, .. } => text.clone(),
             Verdict::Failed { text } => format!("golden check failed: {text}"),
+            Verdict::NoAnswer { text } => format!("golden check: no answer: {text}"),
+            Verdict::Skipped { text } => {
+                format!("golden check skipped: the model has no completions API (a pooling or embedding model): {text}")
+            }
             Verdict::Unrecorded { text, .. } => text.clone(),
         }
     }
@@ -116,10 +130,13 @@ impl Verdict {
             Verdict::Changed { .. } => "changed",
             Verdict::Failed { .. } => "failed",
             Verdict::Unrecorded { .. } => "unrecorded",
+            Verdict::NoAnswer { .. } => "no_answer",
+            Verdict::Skipped { .. } => "skipped",
         }
     }
 
-    pub const NAMES: [&'static str; 5] = ["same", "recorded", "changed", "failed", "unrecorded"];
+    pub const NAMES: [&'static str; 7] =
+        ["same", "recorded", "changed", "failed", "unrecorded", "no_answer", "skipped"];
 }
 
 /// Two sets of answers side by side, token by token, for `golden diff` and

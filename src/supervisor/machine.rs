@@ -24,6 +24,10 @@
 //!   StopRequested: Starting/Ready → Stopping(shutdown) → Done(0); Launching → Done(0)
 //!                  once its steps are cancelled; Backoff → Done(0)
 //!   TaskFailed (a part of the warden died): the tree is stopped, then Done(70)
+//!   Recheck (any trigger: a GPU fault that left the engine running, an
+//!   upgrade, `golden.interval`, a wake): Ready out of rotation (phase
+//!   `rechecking`; `serving()` false), the golden answers asked again; the
+//!   same → back in rotation, else a failed run (see `machine/recheck.rs`)
 //!
 //!   A failed run (Starting/Ready → failure) first goes through Reporting:
 //!            Report              Reported / deadline
@@ -38,6 +42,7 @@
 //!   a failure goes straight to Stopping.
 //! ```
 
+mod recheck;
 mod state;
 mod stop;
 
@@ -98,6 +103,8 @@ pub struct Machine {
     /// The last golden check's verdict, and how many checks there were.
     last_golden: Option<crate::supervisor::golden::Verdict>,
     golden_checks: u32,
+    /// Re-checks of a serving model's answers (see `machine/recheck.rs`).
+    rechecks: recheck::Rechecks,
     /// Memory fit.
     fit: crate::supervisor::fit::FitState,
     /// Last-known-good rollback.
@@ -166,6 +173,7 @@ impl Machine {
             clock: None,
             last_golden: None,
             golden_checks: 0,
+            rechecks: Default::default(),
             fit: Default::default(),
             rollback: Rollback::default(),
         }
@@ -221,10 +229,11 @@ impl Machine {
             fatal_at: None,
             first_fatal: None,
             exception: None,
+            oom: None,
         };
         let drain =
             saved.drained.then_some(ActiveDrain { for_: DrainFor::Hold, stage: DrainStage::Drained, began: now });
-        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain });
+        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain, recheck: None });
         m.starts = saved.starts;
         m.failures = saved.failures;
         m.restarts = saved.restarts;
@@ -270,6 +279,22 @@ impl Machine {
         phase_of(&self.state)
     }
 
+    /// Why the serving model's answers are being checked again, while they
+    /// are (it is out of rotation meanwhile).
+    pub fn recheck_reason(&self) -> Option<&str> {
+        match &self.state {
+            State::Ready(Serving { recheck: Some(r), .. }) => Some(&r.reason),
+            _ => None,
+        }
+    }
+
+    /// Whether requests may go to the model now: ready, in rotation, its
+    /// answers not being proven again (see [`Phase::serving`]). A front
+    /// door holds requests while this is false.
+    pub fn serving(&self) -> bool {
+        self.phase().serving()
+    }
+
     /// The current run's latest progress line, while starting.
     pub fn progress(&self) -> Option<&str> {
         match &self.state {
@@ -300,6 +325,9 @@ impl Machine {
             loads_ended: self.loads_ended,
             golden: self.last_golden.clone(),
             golden_checks: self.golden_checks,
+            rechecks: self.rechecks.count,
+            recheck_paused: self.rechecks.paused,
+            rechecking: self.recheck_reason().map(String::from),
             fit: self.fit.used.clone(),
             fit_moves: self.fit.moves,
             setup: self.rollback.setup.clone(),
@@ -348,7 +376,7 @@ impl Machine {
                     DrainStage::Quiesce { deadline } => Some(deadline),
                     DrainStage::Drained => None,
                 });
-                [s.run.fatal_at.map(|t| t + p.grace), drain].into_iter().flatten().min()
+                [s.run.fatal_at.map(|t| t + p.grace), drain, self.recheck_deadline(s)].into_iter().flatten().min()
             }
             State::Stopping(s) => Some(match s.escalation {
                 Escalation::Signalled { kill_at, resend_at } => resend_at.map_or(kill_at, |r| r.min(kill_at)),
@@ -501,12 +529,20 @@ impl Machine {
                     None => format!("ready: pid {}", serving.run.pid),
                 };
                 let text = format!("upgraded from {from} to {}; {now_is}", env!("CARGO_PKG_VERSION"));
-                let fx = vec![
+                let mut fx = vec![
                     record(Severity::Info, Topic::Upgrade, text.clone()),
                     Effect::Notify(vec![status(text)]),
                     Effect::Health { start: serving.run.start },
                 ];
-                (S::Ready(serving), fx)
+                // A new warden proves what it took over before it vouches
+                // for it (the golden check on).
+                if self.policy.golden.is_none() {
+                    return (S::Ready(serving), fx);
+                }
+                let reason = format!("the warden upgraded from {from} to {}", env!("CARGO_PKG_VERSION"));
+                let (next, more) = self.recheck(serving, reason, now);
+                fx.extend(more);
+                (next, fx)
             }
 
             (S::Launching { start, then }, E::Prepared { result, .. }) => match (then, result) {
@@ -531,6 +567,7 @@ impl Machine {
                         fatal_at: None,
                         first_fatal: None,
                         exception: None,
+                        oom: None,
                     },
                     progress_at: now,
                     progress: None,
@@ -597,6 +634,18 @@ impl Machine {
             (S::Starting(loading), E::GoldenChecked { verdict, .. }) if loading.golden => {
                 self.golden_checked(loading, verdict, now)
             }
+            (S::Ready(serving), E::GoldenChecked { verdict, .. }) if serving.recheck.is_some() => {
+                self.rechecked(serving, verdict, now)
+            }
+            (S::Ready(serving), E::Recheck { reason }) => self.recheck(serving, reason, now),
+            (S::Starting(mut loading), E::OomKilled { cause, .. }) => {
+                let fx = recheck::oom_noted(&mut loading.run, cause);
+                (S::Starting(loading), fx)
+            }
+            (S::Ready(mut serving), E::OomKilled { cause, .. }) => {
+                let fx = recheck::oom_noted(&mut serving.run, cause);
+                (S::Ready(serving), fx)
+            }
             (state @ (S::Starting(_) | S::Ready(_)), E::ChildExited { exit, .. }) => {
                 self.last_exit = Some(exit);
                 self.exits += 1;
@@ -637,7 +686,7 @@ impl Machine {
             }
             (S::Ready(serving), E::Tick) => match serving.run.fatal_grace_over(self.policy.grace, now) {
                 Some(c) => self.fail(S::Ready(serving), c, None, now),
-                None => self.drain_tick(serving, now),
+                None => self.recheck_tick(serving, now),
             },
             (S::Ready(serving), E::Quiet { .. }) => match serving.drain {
                 Some(d @ ActiveDrain { stage: DrainStage::Quiesce { .. }, .. }) => {
@@ -782,9 +831,10 @@ impl Machine {
                 (S::Reporting(r), vec![])
             }
             // The run has failed already: what else it does waits for the stop.
-            (S::Reporting(r), E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. } | E::DaemonLost { .. }) => {
-                (S::Reporting(r), vec![])
-            }
+            (
+                S::Reporting(r),
+                E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. } | E::DaemonLost { .. } | E::Recheck { .. },
+            ) => (S::Reporting(r), vec![]),
 
             (S::Stopping(mut stop), E::ChildExited { pid, exit }) => {
                 self.last_exit = Some(exit);
@@ -1025,6 +1075,8 @@ impl Machine {
         if self.policy.golden.is_none() {
             return self.become_ready(loading, now, None);
         }
+        self.rechecks.skipped = false;
+        self.rechecks.unproven = false;
         loading.golden = true;
         loading.progress_at = now;
         let text = self.loading_text(loading.run.pid, ": checking the golden answers");
@@ -1063,7 +1115,23 @@ impl Machine {
                 fx.extend(more);
                 (next, fx)
             }
+            Verdict::Skipped { .. } => {
+                self.rechecks.skipped = true;
+                let mut fx = vec![record(Severity::Info, Topic::Golden, text.clone())];
+                let (next, more) = self.become_ready(loading, now, Some(text));
+                fx.extend(more);
+                (next, fx)
+            }
+            // No answer is not ready, whatever `golden.on-mismatch` says.
+            Verdict::NoAnswer { .. } => {
+                let mut fx = vec![record(Severity::Error, Topic::GoldenMismatch, text.clone())];
+                let (next, more) =
+                    self.fail(State::Starting(loading), Cause::new(text, FailureKind::NoAnswer), None, now);
+                fx.extend(more);
+                (next, fx)
+            }
             Verdict::Changed { .. } | Verdict::Failed { .. } if !fail => {
+                self.rechecks.unproven = matches!(verdict, Verdict::Changed { .. });
                 let mut fx = vec![record(Severity::Warn, Topic::GoldenMismatch, text.clone())];
                 let (next, more) = self.become_ready(loading, now, Some(format!("WARNING: {text}")));
                 fx.extend(more);
@@ -1114,7 +1182,8 @@ impl Machine {
         }
         self.fit.moves = 0;
         // Ready, and the golden answers (when asked) as before.
-        let good = warning.is_none();
+        // A skipped check (no completions API) is said, but is no warning.
+        let good = warning.as_deref().is_none_or(|w| !w.starts_with("WARNING: "));
         let shown = match (&self.rollback.active, warning) {
             (_, Some(w)) => format!("{text}; {w}"),
             (Some(r), None) => {
@@ -1133,7 +1202,8 @@ impl Machine {
                 Effect::Health { start: run.start },
             ],
         );
-        (State::Ready(Serving { run, ready_at: now, drain: None }), fx)
+        self.rechecks.ready(&self.policy, now);
+        (State::Ready(Serving { run, ready_at: now, drain: None, recheck: None }), fx)
     }
 
     /// The backend has turned to the last-known-good setup (or could not).

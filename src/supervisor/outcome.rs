@@ -21,6 +21,10 @@ pub enum Phase {
     Draining,
     /// Ready, out of rotation, and held so until undrained or stopped.
     Drained,
+    /// Ready, and out of rotation while its golden answers are asked again
+    /// (after a GPU fault that did not end it, an upgrade of the warden,
+    /// `golden.interval`): back in rotation if they are the same.
+    Rechecking,
     /// Waiting before the next start.
     Backoff,
     /// A stop (or a reload) was asked for; the tree is being stopped.
@@ -32,11 +36,12 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 8] = [
+    pub const ALL: [Phase; 9] = [
         Phase::Starting,
         Phase::Ready,
         Phase::Draining,
         Phase::Drained,
+        Phase::Rechecking,
         Phase::Backoff,
         Phase::Stopping,
         Phase::Stopped,
@@ -49,11 +54,20 @@ impl Phase {
             Phase::Ready => "ready",
             Phase::Draining => "draining",
             Phase::Drained => "drained",
+            Phase::Rechecking => "rechecking",
             Phase::Backoff => "backoff",
             Phase::Stopping => "stopping",
             Phase::Failed => "failed",
             Phase::Stopped => "stopped",
         }
+    }
+
+    /// Whether requests may be sent to the model now: ready, and neither
+    /// taken out of rotation (a drain) nor waiting for its answers to be
+    /// proven again (a re-check). `/readyz` answers 200 only then; a front
+    /// door holds requests in every other phase.
+    pub fn serving(self) -> bool {
+        self == Phase::Ready
     }
 }
 
@@ -82,12 +96,16 @@ pub enum FailureClass {
     /// Not ready within `ready.timeout`.
     Timeout,
     /// The golden check's answers differ from the reference
-    /// (`golden.on-mismatch = "fail"`).
+    /// (`golden.on-mismatch = "fail"`, or a re-check while serving).
     WrongAnswers,
+    /// The golden check got no answer: none within `golden.timeout`, a
+    /// connection refused or cut, or a 5xx (before ready whatever
+    /// `golden.on-mismatch` says, and at a re-check while serving).
+    NoAnswer,
 }
 
 impl FailureClass {
-    pub const ALL: [FailureClass; 8] = [
+    pub const ALL: [FailureClass; 9] = [
         FailureClass::Exit,
         FailureClass::FatalLine,
         FailureClass::Health,
@@ -96,6 +114,7 @@ impl FailureClass {
         FailureClass::Stall,
         FailureClass::Timeout,
         FailureClass::WrongAnswers,
+        FailureClass::NoAnswer,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -108,6 +127,7 @@ impl FailureClass {
             FailureClass::Stall => "stall",
             FailureClass::Timeout => "timeout",
             FailureClass::WrongAnswers => "wrong_answers",
+            FailureClass::NoAnswer => "no_answer",
         }
     }
 }

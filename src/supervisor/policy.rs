@@ -69,6 +69,8 @@ pub struct Policy {
     pub golden: Option<crate::config::GoldenPolicy>,
     /// What the golden check may take (`golden.timeout`).
     pub golden_timeout: Duration,
+    /// While serving, re-check the answers this often (`golden.interval`).
+    pub golden_interval: Option<Duration>,
     /// Memory-fit recovery (`[fit]`), when on.
     pub fit: Option<crate::config::Fit>,
     /// Last-known-good rollback (`[rollback]`) is on.
@@ -123,6 +125,7 @@ impl Policy {
             deadline_factor: s.ledger.deadline_factor,
             golden: s.golden.enabled.then_some(s.golden.on_mismatch),
             golden_timeout: s.golden.timeout,
+            golden_interval: (!s.golden.interval.is_zero()).then_some(s.golden.interval),
             fit: s.fit.enabled.then(|| s.fit.clone()),
             rollback: s.rollback.enabled,
         }

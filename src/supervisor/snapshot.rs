@@ -40,6 +40,12 @@ pub struct Snapshot {
     /// The last golden check's verdict.
     pub golden: Option<crate::supervisor::golden::Verdict>,
     pub golden_checks: u32,
+    /// Re-checks of the serving model's answers, and the time out of
+    /// rotation they took in all.
+    pub rechecks: u32,
+    pub recheck_paused: std::time::Duration,
+    /// Why the answers are being checked again, while they are.
+    pub rechecking: Option<String>,
     /// The memory-fit arguments the current (or last) start used, and
     /// memory fit's adjustments since the last ready.
     pub fit: crate::supervisor::fit::Used,

@@ -244,6 +244,24 @@ echo "# journald forwarding: $total lines written; $fwd in the journal over ${sp
 check "the warden stayed responsive" vllm-warden status -c /etc/vllm-warden/flood.toml
 systemctl stop vllm-warden@flood
 
+# A host OOM kill under the shipped unit (OOMPolicy=continue): a drop-in
+# gives this instance a small MemoryMax=, its child allocates past it once.
+# The unit stays active, the warden names the kill and restarts the child.
+mkdir -p /etc/systemd/system/vllm-warden@oom.service.d
+printf '[Service]\nMemoryMax=256M\nMemorySwapMax=0\n' >/etc/systemd/system/vllm-warden@oom.service.d/memory.conf
+systemctl daemon-reload
+fake oom 8009 --shards 1 --fail oom --fail-times 1 --count-file /var/lib/vllm-warden/oom/count <<'TOML'
+[restart]
+initial-delay = "0s"
+TOML
+check "an instance under MemoryMax=256M starts" systemctl start vllm-warden@oom
+main=$(prop oom MainPID)
+oom_named() { journalctl -u vllm-warden@oom EVENT=failed --no-pager -o cat | grep -q "killed by the kernel's OOM killer (host memory)"; }
+check "the warden names the OOM kill of its child" wait_for 60 oom_named
+check "… and restarts it, the unit active, same main pid" wait_for 60 bash -c \
+    "grep -q '\"state\": \"ready\"' /run/vllm-warden/oom/status.json && test \"\$(systemctl is-active vllm-warden@oom)/\$(systemctl show -p MainPID --value vllm-warden@oom)/\$(systemctl show -p NRestarts --value vllm-warden@oom)\" = active/$main/0"
+systemctl stop vllm-warden@oom
+
 # Installing a later package upgrades a running warden in place: the unit
 # stays active with the same main pid, the server keeps its pid, and the
 # new binary says so.
@@ -253,7 +271,8 @@ check "an instance to upgrade starts" systemctl start vllm-warden@up
 main=$(prop up MainPID)
 old=$(child_pid up)
 check "a later package installs over the running instance" dpkg -i /opt/payload/vllm-warden-next.deb
-upgraded() { systemctl status --no-pager vllm-warden@up | grep -q 'Status: "upgraded from '; }
+# The new warden says it, then proves the answers of what it took over.
+upgraded() { journalctl -u vllm-warden@up EVENT=upgrade --no-pager -o cat | grep -q '^upgraded from '; }
 check "systemctl status shows the new binary's status line" wait_for 60 upgraded
 check "the unit stayed active, same main pid, not restarted" \
     test "$(systemctl is-active vllm-warden@up)/$(prop up MainPID)/$(prop up NRestarts)" = "active/$main/0"

@@ -293,6 +293,7 @@ fn policy() -> Policy {
         deadline_factor: 3.0,
         golden: None,
         golden_timeout: Duration::from_secs(60),
+        golden_interval: None,
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),

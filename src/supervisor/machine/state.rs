@@ -25,11 +25,18 @@ pub struct Run {
     pub(super) first_fatal: Option<(String, Permanence)>,
     /// The first traceback's final exception line, and its permanence.
     pub(super) exception: Option<(Exception, Permanence)>,
+    /// The kernel's OOM killer ended a process of the run: what it killed,
+    /// with the memory figures. The cause, whatever the log says after
+    /// (vLLM's front end logs its engine's death as an error of its own).
+    pub(super) oom: Option<String>,
 }
 
 impl Run {
     /// The cause to report if this run fails now, when its log tells one.
     pub(super) fn logged_cause(&self) -> Option<Cause> {
+        if let Some(oom) = &self.oom {
+            return Some(Cause::new(oom.clone(), FailureKind::OomKilled));
+        }
         let exc = self.exception.as_ref().map(|(e, p)| (e.text.clone(), *p));
         let fatal = self.first_fatal.clone();
         // A permanent match wins, then the exception line, then the fatal line.
@@ -65,6 +72,20 @@ pub struct Serving {
     pub(super) ready_at: Instant,
     /// Being taken out of rotation, or held out of it.
     pub(super) drain: Option<ActiveDrain>,
+    /// Out of rotation while the golden answers are asked again.
+    pub(super) recheck: Option<Recheck>,
+}
+
+/// A re-check of a serving model's golden answers under way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recheck {
+    /// Why (the journal and `STATUS=` say it).
+    pub(super) reason: String,
+    /// Out of rotation since then: the pause the journal and metrics give.
+    pub(super) began: Instant,
+    /// Another reason came while the check was under way: the answers are
+    /// asked again once it is over (those asked may predate it).
+    pub(super) again: Option<String>,
 }
 
 /// What a drain ends in.

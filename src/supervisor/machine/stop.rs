@@ -520,6 +520,7 @@ pub(super) fn leader_gone(state: State) -> State {
 pub(super) fn phase_of(state: &State) -> Phase {
     match state {
         State::Idle | State::Launching { .. } | State::Starting(_) => Phase::Starting,
+        State::Ready(Serving { drain: None, recheck: Some(_), .. }) => Phase::Rechecking,
         State::Ready(Serving { drain: None, .. }) => Phase::Ready,
         State::Ready(Serving { drain: Some(ActiveDrain { stage: DrainStage::Drained, .. }), .. }) => Phase::Drained,
         State::Ready(Serving { drain: Some(_), .. }) => Phase::Draining,

@@ -24,6 +24,7 @@ fn policy() -> Policy {
         deadline_factor: 3.0,
         golden: None,
         golden_timeout: Duration::from_secs(60),
+        golden_interval: None,
         restart: crate::config::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),
@@ -1124,12 +1125,16 @@ mod golden {
 
     #[test]
     fn a_check_that_cannot_be_made_is_one_clear_failure() {
-        let failed = || Verdict::Failed { text: "no answer within 1m".into() };
+        let failed = || Verdict::Failed { text: "/v1/completions: no choice in the answer".into() };
         let (_, fx) = checked(GoldenPolicy::Warn, failed());
-        assert!(statuses(&fx).iter().any(|t| t.ends_with("; WARNING: golden check failed: no answer within 1m")));
+        let warned = "; WARNING: golden check failed: /v1/completions: no choice in the answer";
+        assert!(statuses(&fx).iter().any(|t| t.ends_with(warned)), "{fx:?}");
         let (s, fx) = checked(GoldenPolicy::Fail, failed());
         assert!(!notes(&fx).contains(&Note::Ready));
-        assert_eq!(s.m.snapshot().cause.as_deref(), Some("golden check failed: no answer within 1m"));
+        assert_eq!(
+            s.m.snapshot().cause.as_deref(),
+            Some("golden check failed: /v1/completions: no choice in the answer")
+        );
     }
 
     /// A golden store that cannot be read or written is the warden's
@@ -1145,6 +1150,228 @@ mod golden {
         );
         assert_eq!(s.m.snapshot().last_failure, None);
         assert_eq!(s.state(), "ready");
+    }
+}
+
+/// No answer is not ready; a model without a completions API is not
+/// checked; a serving model's answers are proven again out of rotation.
+mod recheck {
+    use super::*;
+    use crate::config::GoldenPolicy;
+    use crate::supervisor::golden::Verdict;
+
+    fn same() -> Verdict {
+        Verdict::Same { prompts: 1, ms: 40 }
+    }
+
+    fn no_answer() -> Verdict {
+        Verdict::NoAnswer { text: "nothing within 1m (/v1/completions)".into() }
+    }
+
+    /// Ready with the golden check on (`on`), its answers the same.
+    fn serving(p: Policy) -> Sim {
+        let mut s = Sim::new(p);
+        s.spawned(100);
+        s.line("INFO:     Application startup complete.");
+        s.ev(Event::HttpReady { start: 1 });
+        let fx = s.ev(Event::GoldenChecked { start: 1, verdict: same() });
+        assert!(notes(&fx).contains(&Note::Ready));
+        assert!(s.m.serving());
+        s
+    }
+
+    fn golden(on: GoldenPolicy) -> Policy {
+        Policy { golden: Some(on), ..policy() }
+    }
+
+    fn logged(fx: &[Effect], topic: Topic) -> Vec<String> {
+        fx.iter()
+            .filter_map(|e| match e {
+                Effect::Log(r) if r.topic == topic => Some(r.message.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn no_answer_before_ready_is_a_failed_run_of_its_own_class_whatever_on_mismatch_says() {
+        for on in [GoldenPolicy::Warn, GoldenPolicy::Fail] {
+            let mut s = Sim::new(golden(on));
+            s.spawned(100);
+            s.line("INFO:     Application startup complete.");
+            s.ev(Event::HttpReady { start: 1 });
+            let fx = s.ev(Event::GoldenChecked { start: 1, verdict: no_answer() });
+            assert!(!notes(&fx).contains(&Note::Ready), "{on:?}: {fx:?}");
+            let snap = s.m.snapshot();
+            assert_eq!(snap.last_failure.as_ref().map(|f| f.class), Some(FailureClass::NoAnswer), "{on:?}");
+            assert_eq!(snap.cause.as_deref(), Some("golden check: no answer: nothing within 1m (/v1/completions)"));
+            assert_eq!(s.m.cause().unwrap().permanence, Permanence::Transient, "a retry may answer");
+            s.ev(Event::TreeGone);
+            assert_eq!(s.state(), "backoff", "{on:?}");
+            assert_eq!(s.m.snapshot().failures.get(&FailureClass::NoAnswer), Some(&1));
+        }
+    }
+
+    #[test]
+    fn a_model_without_completions_is_ready_the_check_skipped_and_said() {
+        let mut s = Sim::new(golden(GoldenPolicy::Fail));
+        s.spawned(100);
+        s.line("INFO:     Application startup complete.");
+        s.ev(Event::HttpReady { start: 1 });
+        let text = "/v1/completions: HTTP 404: {\"detail\":\"Not Found\"}";
+        let fx = s.ev(Event::GoldenChecked { start: 1, verdict: Verdict::Skipped { text: text.into() } });
+        assert!(notes(&fx).contains(&Note::Ready), "{fx:?}");
+        let said = statuses(&fx);
+        assert!(
+            said.iter().any(|t| t.contains("; golden check skipped: the model has no completions API")),
+            "{said:?}"
+        );
+        assert!(!said.iter().any(|t| t.contains("WARNING")), "{said:?}");
+        assert!(fx.contains(&Effect::SetupGood), "not a warning: the setup is good");
+        assert_eq!(s.m.snapshot().golden.map(|v| v.name()), Some("skipped"));
+        // Nothing to ask again: it stays in rotation.
+        let fx = s.ev(Event::Recheck { reason: "Xid 31".into() });
+        assert!(!fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
+        assert!(s.m.serving());
+    }
+
+    #[test]
+    fn a_recheck_takes_the_model_out_of_rotation_and_the_same_answers_put_it_back() {
+        let mut s = serving(golden(GoldenPolicy::Warn));
+        s.at(100.0);
+        let reason = "GPU fault: Xid 31 (GPU memory page fault) on 0000:41:00.0";
+        let fx = s.ev(Event::Recheck { reason: reason.into() });
+        assert!(fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
+        assert_eq!(s.m.phase(), Phase::Rechecking);
+        assert!(!s.m.serving() && !s.m.phase().serving());
+        assert_eq!(s.m.recheck_reason(), Some(reason));
+        assert_eq!(s.m.snapshot().rechecking.as_deref(), Some(reason));
+        assert!(statuses(&fx).iter().any(|t| t.starts_with("rechecking pid 100: out of rotation")), "{fx:?}");
+        // Its own deadline: the check's timeout and a margin.
+        assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(65)));
+        // Another reason meanwhile: asked again once this one is over.
+        assert!(s.ev(Event::Recheck { reason: "golden.interval".into() }).is_empty());
+
+        s.at(101.5);
+        let fx = s.ev(Event::GoldenChecked { start: 1, verdict: same() });
+        let said = logged(&fx, Topic::Golden);
+        assert!(said[0].starts_with(&format!("re-checked after {reason}: answers as recorded")), "{said:?}");
+        assert!(said[0].ends_with("; back in rotation after 1.5 s out of it"), "{said:?}");
+        assert!(fx.contains(&Effect::Golden { start: 1 }), "the second reason: {fx:?}");
+        assert_eq!(s.m.phase(), Phase::Rechecking);
+        s.at(102.0);
+        s.ev(Event::GoldenChecked { start: 1, verdict: same() });
+        assert!(s.m.serving());
+        let snap = s.m.snapshot();
+        assert_eq!((snap.rechecks, snap.recheck_paused), (2, Duration::from_secs(2)));
+        assert_eq!(snap.golden_checks, 3);
+        assert_eq!(s.m.next_deadline(), None, "no golden.interval");
+    }
+
+    #[test]
+    fn different_answers_or_none_at_a_recheck_fail_the_run() {
+        let changed =
+            Verdict::Changed { text: "answers changed with the same setup: prompt \"p\", token 1".into(), ms: 1 };
+        for (verdict, class) in [(changed, FailureClass::WrongAnswers), (no_answer(), FailureClass::NoAnswer)] {
+            // Even with "warn": the setup is the one that was proven ready.
+            let mut s = serving(golden(GoldenPolicy::Warn));
+            s.ev(Event::Recheck { reason: "Xid 31".into() });
+            let fx = s.ev(Event::GoldenChecked { start: 1, verdict });
+            assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+            let snap = s.m.snapshot();
+            assert_eq!(snap.last_failure.as_ref().map(|f| f.class), Some(class));
+            assert!(snap.cause.as_deref().unwrap().starts_with("re-checked after Xid 31: "), "{snap:?}");
+            s.ev(Event::ChildExited { pid: 100, exit: Exit::Signal(Signal::SIGTERM) });
+            s.ev(Event::TreeGone);
+            assert_eq!(s.state(), "backoff");
+        }
+        // No answer at all by the check's own deadline.
+        let mut s = serving(golden(GoldenPolicy::Warn));
+        s.ev(Event::Recheck { reason: "Xid 13".into() });
+        s.at(64.0);
+        assert!(s.tick().is_empty());
+        s.at(65.0);
+        s.tick();
+        assert_eq!(s.m.snapshot().last_failure.map(|f| f.class), Some(FailureClass::NoAnswer));
+    }
+
+    #[test]
+    fn a_run_ready_with_changed_answers_and_a_warning_is_not_failed_by_the_same_difference() {
+        let mut s = Sim::new(golden(GoldenPolicy::Warn));
+        s.spawned(100);
+        s.line("INFO:     Application startup complete.");
+        s.ev(Event::HttpReady { start: 1 });
+        let changed = || Verdict::Changed { text: "answers changed after x: y".into(), ms: 1 };
+        s.ev(Event::GoldenChecked { start: 1, verdict: changed() });
+        s.ev(Event::Recheck { reason: "golden.interval".into() });
+        let fx = s.ev(Event::GoldenChecked { start: 1, verdict: changed() });
+        assert!(s.m.serving(), "{fx:?}");
+        assert!(statuses(&fx).iter().any(|t| t.contains("; WARNING: re-checked after golden.interval")), "{fx:?}");
+    }
+
+    #[test]
+    fn golden_interval_rechecks_on_time_and_not_while_drained() {
+        let mut s = serving(Policy { golden_interval: Some(Duration::from_secs(600)), ..golden(GoldenPolicy::Warn) });
+        assert_eq!(s.m.next_deadline(), Some(s.t0 + Duration::from_secs(600)));
+        s.at(599.0);
+        assert!(s.tick().is_empty());
+        s.at(600.0);
+        let fx = s.tick();
+        assert!(fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
+        assert_eq!(s.m.recheck_reason(), Some("golden.interval"));
+        s.at(601.0);
+        s.ev(Event::GoldenChecked { start: 1, verdict: same() });
+        assert_eq!(s.m.next_deadline(), Some(s.now + Duration::from_secs(600)), "counted from the last");
+        s.ev(Event::DrainRequested);
+        s.at(1300.0);
+        s.tick();
+        s.tick();
+        assert!(!s.fx[s.fx.len() - 3..].contains(&Effect::Golden { start: 1 }));
+        assert_eq!(s.m.recheck_reason(), None, "not while held out of rotation");
+    }
+
+    #[test]
+    fn a_warden_that_took_over_a_ready_run_proves_its_answers_first() {
+        let s = serving(golden(GoldenPolicy::Warn));
+        let saved = s.m.save(s.now).unwrap();
+        let mut next = Machine::adopt(golden(GoldenPolicy::Warn), 1, &saved, "0.1.0", s.now);
+        let fx = next.step(Event::Begin, s.now);
+        assert!(fx.contains(&Effect::Health { start: 1 }) && fx.contains(&Effect::Golden { start: 1 }), "{fx:?}");
+        let reason = format!("the warden upgraded from 0.1.0 to {}", env!("CARGO_PKG_VERSION"));
+        assert_eq!(next.recheck_reason(), Some(reason.as_str()));
+        assert!(!next.serving());
+        // Without the golden check, nothing to prove.
+        let mut next = Machine::adopt(policy(), 1, &saved, "0.1.0", s.now);
+        let fx = next.step(Event::Begin, s.now);
+        assert!(!fx.contains(&Effect::Golden { start: 1 }) && next.serving(), "{fx:?}");
+    }
+
+    #[test]
+    fn without_the_golden_check_a_recheck_is_a_warning_and_the_model_stays_in_rotation() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        let fx = s.ev(Event::Recheck { reason: "GPU fault: Xid 31".into() });
+        assert_eq!(
+            logged(&fx, Topic::Golden),
+            ["GPU fault: Xid 31: the answers are not checked again (golden.enabled is off)"]
+        );
+        assert!(s.m.serving());
+    }
+
+    /// The OOM killer's note is the run's cause, whatever the log says
+    /// after it.
+    #[test]
+    fn an_oom_kill_names_the_cause_of_the_run() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        let oom = "killed by the kernel's OOM killer (host memory): process 101 (python3)";
+        let fx = s.ev(Event::OomKilled { start: 1, cause: oom.into() });
+        assert_eq!(logged(&fx, Topic::Fatal), [oom]);
+        s.line("ERROR 11-29 18:11:02 [core.py:1] EngineCore encountered a fatal error.");
+        s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+        assert_eq!(s.m.snapshot().cause.as_deref(), Some(oom));
+        s.ev(Event::TreeGone);
+        assert_eq!(s.state(), "backoff", "transient: restarted");
     }
 }
 
