@@ -96,11 +96,16 @@ fn read_bounded(path: &Path, max: u64) -> std::io::Result<String> {
     Ok(s)
 }
 
-/// Ask `prompts` of the server at `base`, all within `timeout`.
-pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Duration) -> Result<Answers, String> {
+/// Ask `prompts` of the server at `api`, all within `timeout`.
+pub async fn ask(
+    api: &crate::observe::health::Api,
+    prompts: &[String],
+    max_tokens: u32,
+    timeout: Duration,
+) -> Result<Answers, String> {
     let t0 = Instant::now();
     let left = || timeout.saturating_sub(t0.elapsed());
-    let models = client::send(client::Request::get(&format!("{base}/v1/models")).read(MAX_BODY), left())
+    let models = client::send(api.get(&api.url("/v1/models")).read(MAX_BODY), left())
         .await
         .map_err(|e| format!("/v1/models: {e}"))?;
     if !models.status.is_success() {
@@ -114,8 +119,8 @@ pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Durat
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 0,
             "logprobs": 1, "return_tokens_as_token_ids": true,
         });
-        let url = format!("{base}/v1/completions");
-        let r = match client::send(client::Request::post_json(&url, &body).read(MAX_BODY), left()).await {
+        let url = api.url("/v1/completions");
+        let r = match client::send(api.post_json(&url, &body).read(MAX_BODY), left()).await {
             Ok(r) => r,
             Err(client::Error::Timeout) => {
                 return Err(format!("no answer within {}", humantime::format_duration(timeout)));
