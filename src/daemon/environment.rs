@@ -535,6 +535,32 @@ mod tests {
         s.split_whitespace().map(String::from).collect()
     }
 
+    /// `check` says where clients connect and where the engine serves,
+    /// and what an idle engine comes to; sleep mode on a host with none of
+    /// CUDA, ROCm, XPU is a warning (a ROCm device counts as one).
+    #[test]
+    fn check_says_where_clients_connect_and_warns_where_sleep_mode_is_refused() {
+        let text = "name = \"k\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--enable-sleep-mode\"]\n\
+                    [front]\nlisten = [\"0.0.0.0:8000\", \"unix:/run/k.sock\"]\nidle-stop = \"30m\"\nidle-action = \"sleep\"\n";
+        let dirs = crate::config::Dirs { runtime: Some("/run/vllm-warden/k".into()), ..Default::default() };
+        let s = crate::config::parse(text, Path::new("/etc/vllm-warden/k.toml"), &dirs).unwrap();
+        let front = s.front.clone().unwrap();
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(t.path().join("kfd"), "").unwrap();
+        let (said, warnings) = describe_front(&s, &front, t.path());
+        assert_eq!(
+            said,
+            "front door: clients connect to 0.0.0.0:8000, unix:/run/k.sock\n  the engine serves on \
+             unix:/run/vllm-warden/k/engine/engine.sock (only the warden reaches it)\n  after 30m without requests \
+             the engine is put to sleep (level 1)\n"
+        );
+        assert!(warnings.is_empty(), "{warnings:?}");
+        if !sleep_capable(Path::new("/nonexistent")) {
+            let (_, warnings) = describe_front(&s, &front, Path::new("/nonexistent"));
+            assert!(warnings[0].contains("vLLM will refuse `--enable-sleep-mode`"), "{warnings:?}");
+        }
+    }
+
     /// Only vLLM's own command lines name a model of this host; the last
     /// `--model` wins, as in vLLM's parser.
     #[test]

@@ -52,7 +52,7 @@ pub fn engine_folder(socket: &Path) -> Result<(), EngineFolderError> {
     }
     if meta.mode() & 0o7777 != 0o700 {
         // Through the descriptor: the folder checked is the folder changed.
-        let f = std::fs::File::from(std::os::fd::OwnedFd::from(dir.fd().try_clone_to_owned().map_err(io)?));
+        let f = std::fs::File::from(dir.fd().try_clone_to_owned().map_err(io)?);
         f.set_permissions(std::fs::Permissions::from_mode(0o700)).map_err(io)?;
     }
     match dir.lstat(OsStr::new(file)).map_err(io)? {
