@@ -145,6 +145,10 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     };
     cmp("front.*", Warden, rest(&old.front), rest(front));
     cmp("engine address", Child, dbg(&old.engine), dbg(engine));
+    // The engine that sleeps is given vLLM's development mode in its
+    // environment: a child started without it cannot sleep.
+    let dev_mode = |s: &Settings| crate::daemon::idle::sleeps(s).to_string();
+    cmp("the engine's development mode (idle-action = \"sleep\")", Child, dev_mode(old), dev_mode(new));
     cmp("drain.delay", Warden, d(old.drain.delay), d(drain.delay));
     cmp("drain.timeout", Warden, d(old.drain.timeout), d(drain.timeout));
     cmp("drain.on-stop", Warden, old.drain.on_stop.to_string(), drain.on_stop.to_string());

@@ -36,6 +36,10 @@
 //!   what follows (the backend holds the next spawn until the report has
 //!   what describes the run as it was). Without reports (`reports.keep = 0`)
 //!   a failure goes straight to Stopping.
+//!
+//!   An idle engine (`front.idle-stop`, `machine/idle.rs`): Ready → Stopping
+//!   → Parked → (a request) Launching; or Ready → Asleep → (a request) wake,
+//!   golden check → Ready.
 //! ```
 
 mod idle;
