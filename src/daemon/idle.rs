@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::config::{IdleAction, Settings};
+use crate::config::Settings;
 use crate::observe::health::{Api, client};
 
 /// vLLM serves `/sleep`, `/wake_up` and `/is_sleeping` only with this set
@@ -15,7 +15,7 @@ pub const DEV_MODE: &str = "VLLM_SERVER_DEV_MODE";
 
 /// The warden puts this instance's idle engine to sleep.
 pub fn sleeps(s: &Settings) -> bool {
-    s.front.as_ref().is_some_and(|f| f.idle_stop.is_some() && f.idle_action == IdleAction::Sleep)
+    s.front.as_ref().is_some_and(crate::config::Front::sleeps)
 }
 
 /// How long a sleep or a wake may take: moving the weights to host memory
