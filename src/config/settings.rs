@@ -379,6 +379,15 @@ impl Listen {
     }
 }
 
+impl Front {
+    /// The warden puts an idle engine to sleep (`idle-stop` with
+    /// `idle-action = "sleep"`): the engine is given vLLM's development
+    /// mode for it.
+    pub fn sleeps(&self) -> bool {
+        self.idle_stop.is_some() && self.idle_action == IdleAction::Sleep
+    }
+}
+
 /// What `front.idle-stop` does to an idle engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdleAction {

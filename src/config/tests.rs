@@ -667,3 +667,25 @@ fn an_address_of_its_own_in_the_command_is_a_problem_naming_its_line() {
     let p = parse_str(sleep).unwrap_err().0;
     assert!(p[0].message.contains("--enable-sleep-mode"), "{p:?}");
 }
+
+#[test]
+fn a_check_that_would_ask_the_front_door_itself_is_a_problem() {
+    let with = |ready: &str| {
+        format!(
+            "[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n[front]\nlisten = [\"0.0.0.0:8000\", \"127.0.0.2:9000\"]\n{ready}"
+        )
+    };
+    for own in ["http://127.0.0.1:8000/health", "http://localhost:8000/health", "http://127.0.0.2:9000/health"] {
+        let problems = parse_str(&with(&format!("[ready]\nhttp = \"{own}\"\n"))).unwrap_err().0;
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        let said = problems[0].to_string();
+        assert!(said.contains("`ready.http`") && said.contains("the front door's own address"), "{said}");
+        let problems = parse_str(&with(&format!("[health]\nhttp = \"{own}\"\n"))).unwrap_err().0;
+        assert!(problems[0].to_string().contains("`health.http`"), "{problems:?}");
+    }
+    // Another server is asked as written; the default reaches the engine's socket.
+    for other in ["http://127.0.0.1:8001/health", "http://127.0.0.3:9000/health", "http://gpu-box:8000/health"] {
+        let s = parse_str(&with(&format!("[ready]\nhttp = \"{other}\"\n"))).unwrap();
+        assert_eq!(s.ready.http.as_deref(), Some(other));
+    }
+}

@@ -406,6 +406,12 @@ impl RealBackend {
             crate::process::caches::child_env(&crate::process::caches::of(&self.settings)).collect();
         env.extend(c.env.clone());
         env.insert(crate::process::prestart::RUN_TOKEN.into(), self.launch.token.clone());
+        // vLLM serves its sleep routes only in development mode, which also
+        // opens its other development routes: set only when the warden puts
+        // an idle engine to sleep, whose socket only the warden reaches.
+        if crate::daemon::idle::sleeps(&self.settings) {
+            env.insert(crate::daemon::idle::DEV_MODE.into(), "1".into());
+        }
         // The command line with memory fit's values, as the pre-start
         // steps found it.
         let argv = match &*self.loads.found.lock().unwrap_or_else(|p| p.into_inner()) {
@@ -603,10 +609,11 @@ impl Backend for RealBackend {
         let Some(url) = self.settings.ready.http.clone() else {
             return;
         };
+        let api = crate::observe::health::Api::of(&self.settings);
         self.checks.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
             let mut delay = Duration::from_millis(20);
             loop {
-                if crate::observe::health::http_ok_async(&url, Duration::from_secs(5)).await {
+                if crate::observe::health::request_ok(api.get(&url), Duration::from_secs(5)).await {
                     let _ = tx.send(Input::HttpReady { start });
                     return;
                 }
@@ -692,11 +699,39 @@ impl Backend for RealBackend {
         Some(oom::cause(leader.as_ref(), kills, figures.as_deref()))
     }
 
+    fn sleep(&mut self, start: u32, level: u8) {
+        // An engine asleep answers no completion: its checks end here and
+        // begin again once it is awake.
+        if let Some((_, task)) = self.checks.health.take() {
+            task.abort();
+        }
+        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
+        let timeout = crate::daemon::idle::request_timeout(&self.settings);
+        self.tasks.spawn("sleep", Lifetime::Finite, async move {
+            let result = crate::daemon::idle::sleep(&api, level, timeout).await;
+            let _ = tx.send(Input::Slept { start, result });
+        });
+    }
+
+    fn wake(&mut self, start: u32) {
+        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
+        let timeout = crate::daemon::idle::request_timeout(&self.settings);
+        self.tasks.spawn("wake", Lifetime::Finite, async move {
+            let result = crate::daemon::idle::wake(&api, timeout).await;
+            let _ = tx.send(Input::Woke { start, result });
+        });
+    }
+
+    fn parked(&mut self) {
+        let settings = self.settings.clone();
+        self.tasks.spawn("idle stop's cleanup", Lifetime::Finite, crate::daemon::idle::parked(settings));
+    }
+
     fn golden(&mut self, start: u32) {
         use crate::observe::golden;
         let tx = self.inputs.clone();
         let g = self.settings.golden.clone();
-        let base = crate::observe::health::Spec::from_settings(&self.settings).base;
+        let api = crate::observe::health::Api::of(&self.settings);
         let state = self.settings.state_dir.clone();
         let running = self
             .loads
@@ -726,7 +761,7 @@ impl Backend for RealBackend {
                 .await
                 .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
             let (asked, questions) = match prompts {
-                Ok(p) => (golden::ask(&base, &p, g.max_tokens, g.timeout).await, golden::questions(&p, g.max_tokens)),
+                Ok(p) => (golden::ask(&api, &p, g.max_tokens, g.timeout).await, golden::questions(&p, g.max_tokens)),
                 Err(e) => (Err(golden::Unanswered::Other(e)), String::new()),
             };
             let subject = golden::Subject { fingerprint, setup, questions };
@@ -946,12 +981,12 @@ impl Backend for RealBackend {
 
     fn watch_load(&mut self, start: u32) {
         self.unwatch_load();
-        let (base, tx) = (crate::observe::health::Spec::from_settings(&self.settings).base, self.inputs.clone());
+        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
         let timeout = self.settings.health.timeout;
         self.checks.load = Some(self.tasks.spawn("drain watch", Lifetime::Finite, async move {
             let mut said = None;
             loop {
-                match crate::observe::health::in_flight(&base, timeout).await {
+                match crate::observe::health::in_flight(&api, timeout).await {
                     Ok(n) if n <= 0.0 => {
                         let _ = tx.send(Input::Quiet { start });
                         return;

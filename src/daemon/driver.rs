@@ -139,6 +139,16 @@ pub enum Input {
     DaemonLost {
         cause: String,
     },
+    /// The engine of run `start` was asked to sleep: asleep, or why not.
+    Slept {
+        start: u32,
+        result: Result<(), String>,
+    },
+    /// The engine of run `start` was asked to wake: awake, or why not.
+    Woke {
+        start: u32,
+        result: Result<(), String>,
+    },
 }
 
 /// Where effects on the child are carried out.
@@ -236,6 +246,14 @@ pub trait Backend {
     fn oom_killed(&mut self, _pid: u32, _exit: crate::supervisor::outcome::Exit) -> Option<String> {
         None
     }
+    /// Put the engine of run `start` to sleep at `level`, its health checks
+    /// ended: `Input::Slept`.
+    fn sleep(&mut self, _start: u32, _level: u8) {}
+    /// Wake the engine of run `start`: `Input::Woke`.
+    fn wake(&mut self, _start: u32) {}
+    /// The engine was stopped for want of requests: what the tree left
+    /// goes, and the GPUs are looked at, off the loop.
+    fn parked(&mut self) {}
 }
 
 /// Told of every state change (the child's lines are seen by the
@@ -310,6 +328,10 @@ pub struct Loop<'a, B: Backend, N: Notifier> {
     /// An upgrade to this version was asked for and checked: it is done
     /// once the run is ready.
     pub upgrade: Option<String>,
+    /// The front door's requests (`[front]`): an engine without any for
+    /// `front.idle-stop` is stopped or put to sleep, and one that comes
+    /// for it starts or wakes it.
+    pub activity: Option<Arc<crate::daemon::front::Activity>>,
 }
 
 /// A leader's exit, held back until the lines it wrote are classified.
@@ -345,6 +367,11 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             }
             while let Some(ev) = events.pop_front() {
                 self.step(ev, &mut events, &mut held);
+                // Requests held at the front door while the engine went
+                // idle (stopped or asleep) start it again at once.
+                if events.is_empty() && self.machine.idle_now() && self.requests_waiting() {
+                    events.push_back(Event::Wanted);
+                }
             }
             if let Some((woke, what)) = turn.take() {
                 let took = woke.elapsed();
@@ -375,6 +402,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             let patience = exiting.as_ref().map(|x| x.patience);
             let retry = self.notifier.retry_at();
             let due = self.observer.due().map(Instant::from_std);
+            let idle_at = self.idle_at();
+            let activity = self.activity.clone().filter(|_| self.machine.idle_now());
             let woke: &'static str = tokio::select! {
                 biased;
                 request = stamped(&woke_at, requests.next()), if requests_open && open => { match request {
@@ -406,6 +435,20 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     None => events.push_back(Event::TaskFailed { task: "the input queue".into() }),
                 }; "an input from the backend" },
                 _ = stamped(&woke_at, sleep_until(deadline)), if open => { events.push_back(Event::Tick); "a deadline" }
+                _ = stamped(&woke_at, sleep_until(idle_at)), if open => {
+                    if let Some(quiet) = self.idle_quiet() {
+                        events.push_back(Event::IdleFor { quiet });
+                    }
+                    "the idle timer"
+                }
+                _ = stamped(&woke_at, wanted(activity.as_deref())), if open => {
+                    // A wake-up left from an earlier idle spell starts nothing:
+                    // a request must be waiting.
+                    if self.requests_waiting() {
+                        events.push_back(Event::Wanted);
+                    }
+                    "a request for the idle engine"
+                }
                 _ = stamped(&woke_at, sleep_until(patience)), if !open => {
                     if let Some(x) = exiting.take() {
                         tracing::warn!(
@@ -444,6 +487,35 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             };
             turn = Some((woke_at.get(), woke));
         }
+    }
+
+    /// When the engine will have been without requests for `idle-stop`:
+    /// counted from the last request's end, or from ready when none came
+    /// since (a long load does not make an idle engine of a new one).
+    /// While one is in flight, looked at again `idle-stop` from now.
+    fn idle_at(&self) -> Option<Instant> {
+        let (after, ready_at) = self.machine.idle_watch()?;
+        let activity = self.activity.as_ref()?;
+        let now = Instant::now();
+        let since = match activity.quiet_for(now) {
+            Some(quiet) => now.checked_sub(quiet).unwrap_or(now).max(ready_at),
+            None => now,
+        };
+        Some(since + after)
+    }
+
+    /// How long the engine has been without requests, once that is
+    /// `idle-stop` or more.
+    fn idle_quiet(&self) -> Option<Duration> {
+        let (after, ready_at) = self.machine.idle_watch()?;
+        let now = Instant::now();
+        let quiet = self.activity.as_ref()?.quiet_for(now)?.min(now - ready_at);
+        (quiet >= after).then_some(quiet)
+    }
+
+    /// A request is at the front door (held, since the engine is idle).
+    fn requests_waiting(&self) -> bool {
+        self.activity.as_ref().is_some_and(|a| a.quiet_for(Instant::now()).is_none())
     }
 
     /// One turn of the loop, from its wake to its next wait: into the
@@ -529,6 +601,9 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::CancelPrepare => self.backend.cancel_prepare(),
                 Effect::Probe { start } => self.backend.probe(start),
                 Effect::Golden { start } => self.backend.golden(start),
+                Effect::Sleep { start, level } => self.backend.sleep(start, level),
+                Effect::Wake { start } => self.backend.wake(start),
+                Effect::Parked => self.backend.parked(),
                 Effect::Health { start } => self.backend.health(start),
                 Effect::Terminate(sig) => self.backend.terminate(sig),
                 Effect::KillTree => self.backend.kill_tree(),
@@ -663,6 +738,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Recheck { reason } => events.push_back(Event::Recheck { reason }),
             Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
             Input::DaemonLost { cause } => events.push_back(Event::DaemonLost { cause }),
+            Input::Slept { start, result } => events.push_back(Event::Slept { start, result }),
+            Input::Woke { start, result } => events.push_back(Event::Woke { start, result }),
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {
                     Ok(c) => {
@@ -783,6 +860,15 @@ async fn stamped<F: Future>(woke: &std::cell::Cell<std::time::Instant>, f: F) ->
 async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when a request comes for the idle engine; never without a
+/// front door.
+async fn wanted(activity: Option<&crate::daemon::front::Activity>) {
+    match activity {
+        Some(a) => a.wanted().await,
         None => std::future::pending().await,
     }
 }

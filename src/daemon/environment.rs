@@ -185,7 +185,53 @@ pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
             Err(why) => warnings.push(format!("[preload]: {why}")),
         }
     }
+    if let Some(front) = &s.front {
+        let (said, w) = describe_front(s, front, Path::new("/dev"));
+        out.push_str(&said);
+        warnings.extend(w);
+    }
     (out, warnings)
+}
+
+/// Where clients connect and where the engine listens (`[front]`), what an
+/// idle engine comes to; a warning where vLLM will refuse sleep mode. vLLM
+/// supports it on CUDA, ROCm and XPU only: a host with none of their tools
+/// or devices (`nvidia-smi`, `rocm-smi` or `/dev/kfd`, `xpu-smi`) is taken
+/// as one where `--enable-sleep-mode` is refused.
+fn describe_front(s: &Settings, front: &crate::config::Front, dev: &Path) -> (String, Vec<String>) {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let mut warnings = Vec::new();
+    let listen: Vec<String> = front.listen.iter().map(crate::config::Listen::shown).collect();
+    let _ = writeln!(out, "front door: clients connect to {}", listen.join(", "));
+    if let Some(e) = &s.engine {
+        let _ = writeln!(out, "  the engine serves on {} (only the warden reaches it)", e.shown());
+    }
+    match front.idle_stop {
+        None => {}
+        Some(after) => {
+            let after = humantime::format_duration(after);
+            let what = match front.idle_action {
+                crate::config::IdleAction::Stop => "stopped".to_string(),
+                crate::config::IdleAction::Sleep => format!("put to sleep (level {})", front.idle_sleep_level),
+            };
+            let _ = writeln!(out, "  after {after} without requests the engine is {what}");
+            if front.idle_action == crate::config::IdleAction::Sleep && !sleep_capable(dev) {
+                warnings.push(
+                    "`idle-action = \"sleep\"`: vLLM supports sleep mode only on CUDA, ROCm and XPU, and none is \
+                     found on this host (no nvidia-smi, rocm-smi or /dev/kfd, xpu-smi): vLLM will refuse \
+                     `--enable-sleep-mode`"
+                        .into(),
+                );
+            }
+        }
+    }
+    (out, warnings)
+}
+
+/// A GPU platform vLLM's sleep mode works on: CUDA, ROCm or XPU.
+fn sleep_capable(dev: &Path) -> bool {
+    ["nvidia-smi", "rocm-smi", "xpu-smi"].iter().any(|t| which::which(t).is_ok()) || dev.join("kfd").exists()
 }
 
 /// Why this user cannot use a file the child needs: run its program, or
@@ -552,6 +598,32 @@ mod tests {
 
     fn argv(s: &str) -> Vec<String> {
         s.split_whitespace().map(String::from).collect()
+    }
+
+    /// `check` says where clients connect and where the engine serves,
+    /// and what an idle engine comes to; sleep mode on a host with none of
+    /// CUDA, ROCm, XPU is a warning (a ROCm device counts as one).
+    #[test]
+    fn check_says_where_clients_connect_and_warns_where_sleep_mode_is_refused() {
+        let text = "name = \"k\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--enable-sleep-mode\"]\n\
+                    [front]\nlisten = [\"0.0.0.0:8000\", \"unix:/run/k.sock\"]\nidle-stop = \"30m\"\nidle-action = \"sleep\"\n";
+        let dirs = crate::config::Dirs { runtime: Some("/run/vllm-warden/k".into()), ..Default::default() };
+        let s = crate::config::parse(text, Path::new("/etc/vllm-warden/k.toml"), &dirs).unwrap();
+        let front = s.front.clone().unwrap();
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(t.path().join("kfd"), "").unwrap();
+        let (said, warnings) = describe_front(&s, &front, t.path());
+        assert_eq!(
+            said,
+            "front door: clients connect to 0.0.0.0:8000, unix:/run/k.sock\n  the engine serves on \
+             unix:/run/vllm-warden/k/engine/engine.sock (only the warden reaches it)\n  after 30m without requests \
+             the engine is put to sleep (level 1)\n"
+        );
+        assert!(warnings.is_empty(), "{warnings:?}");
+        if !sleep_capable(Path::new("/nonexistent")) {
+            let (_, warnings) = describe_front(&s, &front, Path::new("/nonexistent"));
+            assert!(warnings[0].contains("vLLM will refuse `--enable-sleep-mode`"), "{warnings:?}");
+        }
     }
 
     /// Only vLLM's own command lines name a model of this host; the last

@@ -78,3 +78,39 @@ impl Activity {
         self.woken.notified().await;
     }
 }
+
+/// The least margin [`idle_hold`] gives beyond the estimate.
+pub const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
+
+/// How long a request that wakes an idle engine may wait
+/// (`front.idle-hold`): as set; else the estimate of the start or the wake
+/// ([`Gate::Idle`]'s `eta`: the ledger's median load of the setup, the
+/// last wake) and half of it again, at least [`IDLE_HOLD_MARGIN`] more (a
+/// load is rarely exactly its median; past this it is not going well);
+/// with no estimate (the setup never loaded on this host), the start's
+/// own deadline, `ready.timeout`.
+pub fn idle_hold(front: &crate::config::Front, eta: Option<Duration>, ready_timeout: Duration) -> Duration {
+    match (front.idle_hold, eta) {
+        (Some(set), _) => set,
+        (None, Some(eta)) => eta.saturating_add((eta / 2).max(IDLE_HOLD_MARGIN)),
+        (None, None) => ready_timeout,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_request_is_held_for_the_estimate_and_a_margin_unless_told() {
+        let text = "[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\n[front]\nlisten = \"127.0.0.1:8000\"\n";
+        let s = crate::config::parse(text, std::path::Path::new("/k.toml"), &Default::default()).unwrap();
+        let mut f = s.front.unwrap();
+        let (m, h) = (Duration::from_secs(60), Duration::from_secs(3600));
+        assert_eq!(idle_hold(&f, Some(Duration::from_secs(20)), h), Duration::from_secs(50));
+        assert_eq!(idle_hold(&f, Some(Duration::from_secs(80)), h), Duration::from_secs(120));
+        assert_eq!(idle_hold(&f, None, h), h);
+        f.idle_hold = Some(m);
+        assert_eq!(idle_hold(&f, Some(Duration::from_secs(600)), h), m);
+    }
+}

@@ -12,15 +12,18 @@
 
 mod backend;
 mod deadline;
-pub mod front;
 pub mod driver;
 pub mod environment;
+pub mod front;
+pub mod idle;
 mod observer;
 pub mod preload;
 pub mod prepare;
 pub mod recover;
 pub mod reload;
 pub mod server;
+#[cfg(feature = "fault-injection")]
+mod standin;
 pub mod upgrade;
 
 use std::time::Duration;
@@ -113,6 +116,12 @@ pub async fn run(
     };
     observer.preload = Some(backend.preload.clone());
     let machine = machine(&mut backend, policy, adopted);
+    // What the front door tells the loop of its requests (`[front]`).
+    let activity = cleanup.front.as_ref().map(|_| std::sync::Arc::new(front::Activity::default()));
+    #[cfg(feature = "fault-injection")]
+    if let (Some(front), Some(activity)) = (&cleanup.front, &activity) {
+        standin::serve(front, activity, &shared.view, &mut backend.tasks);
+    }
     endpoint.serve(&mut backend.tasks, shared);
     // The status files and the notes behind them, off the loop.
     let dog = notifier.watchdog();
@@ -129,6 +138,7 @@ pub async fn run(
         ctx: &ctx,
         observer: &mut observer,
         upgrade: None,
+        activity,
     }
     .run(requests)
     .await;

@@ -69,6 +69,21 @@ impl StateObserver {
     }
 }
 
+/// The front door's gate for an idle engine (`front.idle-stop`): stopped,
+/// or asleep, a request that comes is held and starts or wakes it; `eta`
+/// is how long that should take (the ledger's estimate of a start, the
+/// last wake). `None` when the engine is not idle: the gate is then what
+/// the rest of the machine says. While it is falling asleep, and while it
+/// wakes, the engine is not idle but the request is held all the same
+/// (`Holding`), and one that came meanwhile is seen by the loop once the
+/// engine sleeps.
+// The front door's mapping of the machine to its gate asks this first.
+#[allow(dead_code)]
+pub fn idle_gate(m: &Machine) -> Option<crate::daemon::front::Gate> {
+    (m.phase() == crate::supervisor::outcome::Phase::Idle)
+        .then(|| crate::daemon::front::Gate::Idle { eta: m.idle_eta() })
+}
+
 /// How often the journal's count of dropped lines is brought into the
 /// metrics while nothing else changes.
 const JOURNAL_COUNT_EVERY: Duration = Duration::from_secs(5);

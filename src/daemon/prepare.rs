@@ -1,7 +1,8 @@
 //! The steps before every start, in the order the specification gives:
 //! leftovers of an earlier warden (and, after an upgrade whose state was
 //! refused, the predecessor's run found in the warden's own tree), patches,
-//! shared memory (and vLLM's files in the temporary folders), the port, the
+//! shared memory (and vLLM's files in the temporary folders), the engine's
+//! private socket folder (`[front]`: 0700, the last socket gone), the port, the
 //! GPUs. Each step is shown through `status` (`STATUS=`); a step that cannot
 //! be satisfied fails the start with a cause naming what is in the way.
 
@@ -98,8 +99,17 @@ fn blocking_steps(
         return Err(StartFailure::transient(problem));
     }
 
-    // 4. The port, at first sight.
-    Ok(match s.prestart.port.map(|port| (port, prestart::look_at_port(port))) {
+    // The engine's private socket (`[front]`): its folder the warden's
+    // own, 0700, the last run's socket gone. A folder that is a symlink or
+    // someone else's is not fixed by waiting.
+    if let Some(crate::config::Engine::Unix(socket)) = &s.engine {
+        prestart::engine_folder(socket).map_err(|e| StartFailure::permanent(e.to_string()))?;
+    }
+
+    // 4. The port, at first sight. An engine on a unix socket holds none
+    // (the front door may listen on the command's port itself).
+    let port = s.prestart.port.filter(|_| !matches!(s.engine, Some(crate::config::Engine::Unix(_))));
+    Ok(match port.map(|port| (port, prestart::look_at_port(port))) {
         None | Some((_, prestart::Port::Free)) => Blocking::PortFree,
         Some((port, prestart::Port::Held)) => Blocking::PortHeld(port, prestart::describe_holders(port)),
         // The warden's own shortage may pass: waited for as a held port.

@@ -145,6 +145,10 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     };
     cmp("front.*", Warden, rest(&old.front), rest(front));
     cmp("engine address", Child, dbg(&old.engine), dbg(engine));
+    // The engine that sleeps is given vLLM's development mode in its
+    // environment: a child started without it cannot sleep.
+    let dev_mode = |s: &Settings| s.front.as_ref().is_some_and(crate::config::Front::sleeps).to_string();
+    cmp("the engine's development mode (idle-action = \"sleep\")", Child, dev_mode(old), dev_mode(new));
     cmp("drain.delay", Warden, d(old.drain.delay), d(drain.delay));
     cmp("drain.timeout", Warden, d(old.drain.timeout), d(drain.timeout));
     cmp("drain.on-stop", Warden, old.drain.on_stop.to_string(), drain.on_stop.to_string());
@@ -261,6 +265,28 @@ mod tests {
             "[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\nenv = {{ A = \"1\", HF_TOKEN = \"x\" }}\n{extra}"
         );
         crate::config::parse(&text, Path::new("/etc/vllm-warden/t.toml"), &Default::default()).unwrap()
+    }
+
+    /// An idle engine put to sleep needs vLLM's development mode in its
+    /// environment: turning sleep on or off restarts the child; the idle
+    /// time alone is the warden's.
+    #[test]
+    fn turning_sleep_on_restarts_the_child_and_the_idle_time_does_not() {
+        let (stop, sleep) = (
+            parse("[front]\nlisten = \"127.0.0.1:8000\"\nidle-stop = \"30m\"\n"),
+            crate::config::parse(
+                "[child]\ncommand = [\"vllm\", \"serve\", \"/m\", \"--enable-sleep-mode\"]\nenv = { A = \"1\", HF_TOKEN = \"x\" }\n\
+                 [front]\nlisten = \"127.0.0.1:8000\"\nidle-stop = \"30m\"\nidle-action = \"sleep\"\n",
+                Path::new("/etc/vllm-warden/t.toml"),
+                &Default::default(),
+            )
+            .unwrap(),
+        );
+        let p = plan(&stop, &sleep);
+        assert!(matches!(p, ReloadPlan::Restart { .. }), "{p}");
+        assert!(p.to_string().contains("development mode"), "{p}");
+        let longer = parse("[front]\nlisten = \"127.0.0.1:8000\"\nidle-stop = \"1h\"\n");
+        assert!(matches!(plan(&stop, &longer), ReloadPlan::InPlace(_)), "{}", plan(&stop, &longer));
     }
 
     #[test]

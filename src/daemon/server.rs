@@ -595,6 +595,11 @@ async fn readyz(State(api): State<Api>) -> Response {
     let checked = api.shared.last_check.passed();
     match (view.phase, checked) {
         (Phase::Ready, true) => text(StatusCode::OK, "ready\n".into()),
+        // An idle engine (`front.idle-stop`): the front door serves it,
+        // later, holding the request while it starts or wakes; a balancer
+        // that took the instance out would never send the request that
+        // brings it back.
+        (Phase::Idle, _) => text(StatusCode::OK, "idle: the engine starts on the next request\n".into()),
         (Phase::Ready, false) => text(StatusCode::SERVICE_UNAVAILABLE, "ready: the last health check failed\n".into()),
         (phase, _) => {
             let cause = view.cause.map(|c| format!(": {c}")).unwrap_or_default();
@@ -616,6 +621,8 @@ async fn startupz(State(api): State<Api>) -> Response {
         Phase::Ready | Phase::Rechecking | Phase::Draining | Phase::Drained => {
             text(StatusCode::OK, format!("{phase}\n"))
         }
+        // It has loaded once; it is given back until a request comes.
+        Phase::Idle => text(StatusCode::OK, format!("{phase}\n")),
         phase => {
             let load = load.map(|l| crate::observe::status::LoadDoc::of(&l.as_of(tokio::time::Instant::now())));
             let body = serde_json::json!({ "state": phase.as_str(), "load": load });

@@ -133,11 +133,16 @@ fn unanswered(what: &str, e: client::Error, timeout: Duration) -> Unanswered {
     }
 }
 
-/// Ask `prompts` of the server at `base`, all within `timeout`.
-pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Duration) -> Result<Answers, Unanswered> {
+/// Ask `prompts` of the server at `api`, all within `timeout`.
+pub async fn ask(
+    api: &crate::observe::health::Api,
+    prompts: &[String],
+    max_tokens: u32,
+    timeout: Duration,
+) -> Result<Answers, Unanswered> {
     let t0 = Instant::now();
     let left = || timeout.saturating_sub(t0.elapsed());
-    let models = client::send(client::Request::get(&format!("{base}/v1/models")).read(MAX_BODY), left())
+    let models = client::send(api.get(&api.url("/v1/models")).read(MAX_BODY), left())
         .await
         .map_err(|e| unanswered("/v1/models", e, timeout))?;
     if models.status.is_server_error() {
@@ -155,8 +160,8 @@ pub async fn ask(base: &str, prompts: &[String], max_tokens: u32, timeout: Durat
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 0,
             "logprobs": 1, "return_tokens_as_token_ids": true,
         });
-        let url = format!("{base}/v1/completions");
-        let r = client::send(client::Request::post_json(&url, &body).read(MAX_BODY), left())
+        let url = api.url("/v1/completions");
+        let r = client::send(api.post_json(&url, &body).read(MAX_BODY), left())
             .await
             .map_err(|e| unanswered("/v1/completions", e, timeout))?;
         if !r.status.is_success() {

@@ -14,18 +14,76 @@ use regex::Regex;
 
 use crate::config::Settings;
 
+/// Where the engine's HTTP API is, as the warden's clients reach it: its
+/// base URL, and for an engine on a unix socket (vLLM's `--uds`, under
+/// `[front]`) the socket its URLs are connected through. The one rule: a
+/// URL of the base (`http://localhost/...` for a unix engine) goes through
+/// the socket; any other URL (an operator's own `ready.http` elsewhere) is
+/// connected as it is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Api {
+    /// `http://127.0.0.1:<port>`, or `http://localhost` for a unix engine.
+    pub base: String,
+    pub socket: Option<std::path::PathBuf>,
+}
+
+impl Api {
+    /// The engine's API as the settings place it; an engine that serves no
+    /// HTTP (a Ray node) is given the default port, which nothing asks.
+    pub fn of(s: &Settings) -> Api {
+        match &s.engine {
+            Some(e) => Api::engine(e),
+            None => Api::tcp(format!("http://127.0.0.1:{}", s.prestart.port.unwrap_or(crate::config::defaults::PORT))),
+        }
+    }
+
+    pub fn engine(e: &crate::config::Engine) -> Api {
+        let socket = match e {
+            crate::config::Engine::Unix(path) => Some(path.clone()),
+            crate::config::Engine::Loopback(_) => None,
+        };
+        Api { base: crate::config::engine_base(e), socket }
+    }
+
+    /// A server on TCP at `base` (`http://HOST:PORT`).
+    pub fn tcp(base: impl Into<String>) -> Api {
+        Api { base: base.into(), socket: None }
+    }
+
+    /// `path` (beginning with `/`) on the engine.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// `GET url`, through the engine's socket when `url` is the engine's.
+    pub fn get(&self, url: &str) -> client::Request {
+        client::Request::get(url).via(self.route(url))
+    }
+
+    /// `POST url` of a JSON document, routed as [`Api::get`].
+    pub fn post_json(&self, url: &str, body: &serde_json::Value) -> client::Request {
+        client::Request::post_json(url, body).via(self.route(url))
+    }
+
+    /// The socket `url` goes through: the engine's, for a URL of its base.
+    pub fn route(&self, url: &str) -> Option<&std::path::Path> {
+        let socket = self.socket.as_deref()?;
+        let rest = url.strip_prefix(&self.base)?;
+        (rest.is_empty() || rest.starts_with('/') || rest.starts_with('?')).then_some(socket)
+    }
+}
+
 /// What to check: `[health]`, and where the server's API is.
 #[derive(Debug, Clone)]
 pub struct Spec {
     pub health: crate::config::Health,
-    /// `http://127.0.0.1:<port>`, for `/v1/models` and `/v1/completions`.
-    pub base: String,
+    /// The engine's API, for `/v1/models`, `/v1/completions`, `/metrics`.
+    pub api: Api,
 }
 
 impl Spec {
     pub fn from_settings(s: &Settings) -> Spec {
-        let port = s.prestart.port.unwrap_or(crate::config::defaults::PORT);
-        Spec { health: s.health.clone(), base: format!("http://127.0.0.1:{port}") }
+        Spec { health: s.health.clone(), api: Api::of(s) }
     }
 
     pub fn enabled(&self) -> bool {
@@ -137,21 +195,37 @@ pub mod client {
         /// How much of the body is read: `None`, none of it (the status is
         /// the answer); else at most this much, more is an error.
         pub read: Option<usize>,
+        /// The unix socket the request is connected through (the URL's host
+        /// is then only its `Host:`); `None`: TCP to the URL's host.
+        pub socket: Option<std::path::PathBuf>,
     }
 
     impl Request {
         pub fn get(url: &str) -> Request {
-            Request { method: Method::GET, url: url.to_string(), json: None, bearer: None, read: None }
+            Request { method: Method::GET, url: url.to_string(), json: None, bearer: None, read: None, socket: None }
         }
 
         pub fn post_json(url: &str, body: &serde_json::Value) -> Request {
             let json = Bytes::from(serde_json::to_vec(body).unwrap_or_default());
-            Request { method: Method::POST, url: url.to_string(), json: Some(json), bearer: None, read: None }
+            Request {
+                method: Method::POST,
+                url: url.to_string(),
+                json: Some(json),
+                bearer: None,
+                read: None,
+                socket: None,
+            }
         }
 
         /// Read the body, at most `limit` bytes of it.
         pub fn read(mut self, limit: usize) -> Request {
             self.read = Some(limit);
+            self
+        }
+
+        /// Connected through the unix socket `socket`, when one is given.
+        pub fn via(mut self, socket: Option<&std::path::Path>) -> Request {
+            self.socket = socket.map(std::path::Path::to_path_buf);
             self
         }
     }
@@ -180,9 +254,29 @@ pub mod client {
         Ok(CLIENT.get_or_init(|| built))
     }
 
+    /// The client of one unix socket, built on first use and kept: a
+    /// warden reaches one engine's socket, whose path does not change
+    /// while it runs. No proxy is asked: the socket is the destination.
+    fn through(socket: &std::path::Path) -> Result<reqwest::Client, Error> {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+        static CLIENTS: OnceLock<Mutex<HashMap<std::path::PathBuf, reqwest::Client>>> = OnceLock::new();
+        let mut clients = CLIENTS.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = clients.get(socket) {
+            return Ok(c.clone());
+        }
+        let built = reqwest::Client::builder().pool_max_idle_per_host(0).no_proxy().unix_socket(socket).build()?;
+        clients.insert(socket.to_path_buf(), built.clone());
+        Ok(built)
+    }
+
     /// `req` within `timeout`, on the runtime of the caller.
     pub async fn send(req: Request, timeout: Duration) -> Result<Answer, Error> {
-        let mut r = shared()?.request(req.method, &req.url).timeout(timeout);
+        let client = match &req.socket {
+            Some(socket) => through(socket)?,
+            None => shared()?.clone(),
+        };
+        let mut r = client.request(req.method, &req.url).timeout(timeout);
         if let Some(token) = &req.bearer {
             r = r.bearer_auth(token);
         }
@@ -269,7 +363,12 @@ fn shortage(e: &client::Error) -> Option<&'static str> {
 
 /// One `GET`; `Err` names why it failed.
 pub async fn check(url: &str, timeout: Duration) -> Result<(), Miss> {
-    match client::send(client::Request::get(url), timeout).await {
+    check_request(client::Request::get(url), timeout).await
+}
+
+/// [`check`] of a request made already (routed through the engine's socket).
+pub async fn check_request(req: client::Request, timeout: Duration) -> Result<(), Miss> {
+    match client::send(req, timeout).await {
         Ok(r) if r.status.is_success() => Ok(()),
         Ok(r) => Err(Miss::Server(status_text(r.status))),
         Err(e) => Err(Miss::of(&e, timeout, "")),
@@ -280,9 +379,9 @@ pub async fn check(url: &str, timeout: Duration) -> Result<(), Miss> {
 const MAX_MODELS: usize = 10 << 20;
 
 /// The first model the server lists.
-async fn model(base: &str, timeout: Duration) -> Result<String, Miss> {
-    let url = format!("{base}/v1/models");
-    let r = client::send(client::Request::get(&url).read(MAX_MODELS), timeout).await;
+async fn model(api: &Api, timeout: Duration) -> Result<String, Miss> {
+    let url = api.url("/v1/models");
+    let r = client::send(api.get(&url).read(MAX_MODELS), timeout).await;
     let r = r.map_err(|e| match e {
         client::Error::BodyExceedsLimit(_) => Miss::Server(format!("/v1/models: {e}")),
         e => Miss::of(&e, timeout, ""),
@@ -303,7 +402,13 @@ pub fn http_ok(url: &str, timeout: Duration) -> bool {
 /// [`http_ok`] on the runtime's own thread, for the readiness check the
 /// loop waits on.
 pub async fn http_ok_async(url: &str, timeout: Duration) -> bool {
-    matches!(client::send(client::Request::get(url), timeout).await, Ok(r) if r.status == 200)
+    request_ok(client::Request::get(url), timeout).await
+}
+
+/// [`http_ok_async`] of a request made already (routed through the
+/// engine's socket).
+pub async fn request_ok(req: client::Request, timeout: Duration) -> bool {
+    matches!(client::send(req, timeout).await, Ok(r) if r.status == 200)
 }
 
 /// Why the canary or the count of requests in flight has no answer.
@@ -329,19 +434,20 @@ pub enum CheckError {
 /// why it failed.
 pub fn canary(base: &str, timeout: Duration) -> Result<(), CheckError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let done = rt.block_on(canary_checked(base, timeout)).map_err(|m| CheckError::Canary(m.text().to_string()));
+    let done =
+        rt.block_on(canary_checked(&Api::tcp(base), timeout)).map_err(|m| CheckError::Canary(m.text().to_string()));
     rt.shutdown_background();
     done
 }
 
 /// [`canary`], telling the server's failures from the warden's own.
-async fn canary_checked(base: &str, timeout: Duration) -> Result<(), Miss> {
-    let model = model(base, timeout).await.map_err(|m| match m {
+async fn canary_checked(api: &Api, timeout: Duration) -> Result<(), Miss> {
+    let model = model(api, timeout).await.map_err(|m| match m {
         Miss::Server(t) => Miss::Server(format!("canary: {t}")),
         warden => warden,
     })?;
     let body = serde_json::json!({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0});
-    match client::send(client::Request::post_json(&format!("{base}/v1/completions"), &body), timeout).await {
+    match client::send(api.post_json(&api.url("/v1/completions"), &body), timeout).await {
         Ok(r) if r.status.is_success() => Ok(()),
         Ok(r) => Err(Miss::Server(format!("canary: {}", status_text(r.status)))),
         Err(client::Error::Timeout) => {
@@ -363,22 +469,23 @@ enum Scrape {
 /// The most a scrape may hold; vLLM's is tens of kilobytes.
 const MAX_SCRAPE: usize = 8 << 20;
 
-async fn scrape(base: &str, timeout: Duration) -> Scrape {
-    let url = format!("{base}/metrics");
-    match client::send(client::Request::get(&url).read(MAX_SCRAPE), timeout).await {
+async fn scrape(api: &Api, timeout: Duration) -> Scrape {
+    let url = api.url("/metrics");
+    match client::send(api.get(&url).read(MAX_SCRAPE), timeout).await {
         Ok(r) if r.status.is_success() => match String::from_utf8(r.body.to_vec()) {
             Ok(text) => Scrape::Text(text),
             Err(_) => Scrape::Nothing,
         },
-        Ok(r) if r.status == 404 => Scrape::NoEndpoint(format!("{base}/metrics: {}", status_text(r.status))),
+        Ok(r) if r.status == 404 => Scrape::NoEndpoint(format!("{url}: {}", status_text(r.status))),
         _ => Scrape::Nothing,
     }
 }
 
-/// The requests running or waiting on the server at `base`, from its
+/// The requests running or waiting on the server at `api`, from its
 /// `/metrics`; `Err` says why there is no count.
-pub async fn in_flight(base: &str, timeout: Duration) -> Result<f64, CheckError> {
-    match scrape(base, timeout).await {
+pub async fn in_flight(api: &Api, timeout: Duration) -> Result<f64, CheckError> {
+    let base = &api.base;
+    match scrape(api, timeout).await {
         Scrape::Text(text) => Ok(crate::supervisor::progress::in_flight(&text)?),
         Scrape::NoEndpoint(why) => Err(CheckError::NoMetrics(why)),
         Scrape::Nothing => Err(CheckError::Silent { base: base.to_string() }),
@@ -416,13 +523,13 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
         tokio::time::sleep(h.interval).await;
         let mut result = Ok(());
         if let Some(url) = h.http.clone() {
-            result = check(&url, h.timeout).await;
+            result = check_request(spec.api.get(&url), h.timeout).await;
         }
         let now = tokio::time::Instant::now();
         if result.is_ok()
             && let Some(w) = progress.as_mut()
         {
-            let off = match scrape(&spec.base, h.timeout).await {
+            let off = match scrape(&spec.api, h.timeout).await {
                 Scrape::Text(text) => match crate::supervisor::progress::read(&text) {
                     Ok(reading) => {
                         if let Some(cause) = w.observe(reading, now).cause() {
@@ -445,7 +552,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
             // Requests in flight: the progress check judges the engine.
             let busy = progress.as_ref().is_some_and(crate::supervisor::progress::Watch::busy);
             if !traffic.seen_within(h.canary_interval) && !busy {
-                result = canary_checked(&spec.base, h.canary_timeout).await;
+                result = canary_checked(&spec.api, h.canary_timeout).await;
             }
         }
         match result {
@@ -551,7 +658,7 @@ mod tests {
         let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         let url = format!("http://{gone}/health");
         assert_eq!(rt.block_on(check(&url, t)), Err(Miss::Server("connection refused".into())));
-        let canary = rt.block_on(canary_checked(&format!("http://{gone}"), t));
+        let canary = rt.block_on(canary_checked(&Api::tcp(format!("http://{gone}")), t));
         assert_eq!(canary, Err(Miss::Server("canary: connection refused".into())));
         if std::env::var_os(OUT_OF_DESCRIPTORS).is_some() {
             // The soft limit at the lowest free number: no new one fits.
@@ -601,16 +708,22 @@ mod tests {
             Err(Miss::Server("no answer within 200ms".into()))
         );
         let halfway = stalling("HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"data\": [".into());
-        assert_eq!(model(&format!("http://{halfway}"), t).await, Err(Miss::Server("no answer within 200ms".into())));
+        assert_eq!(
+            model(&Api::tcp(format!("http://{halfway}")), t).await,
+            Err(Miss::Server("no answer within 200ms".into()))
+        );
         let body = " ".repeat(MAX_MODELS + 1);
         let said = answering(format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}", body.len()));
         let unsaid = answering(format!("HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{body}"));
         for big in [said, unsaid] {
             assert_eq!(
-                model(&format!("http://{big}"), Duration::from_secs(10)).await,
+                model(&Api::tcp(format!("http://{big}")), Duration::from_secs(10)).await,
                 Err(Miss::Server("/v1/models: the response body is larger than request limit: 10485760".into()))
             );
-            assert!(matches!(scrape(&format!("http://{big}"), Duration::from_secs(10)).await, Scrape::Nothing));
+            assert!(matches!(
+                scrape(&Api::tcp(format!("http://{big}")), Duration::from_secs(10)).await,
+                Scrape::Nothing
+            ));
         }
     }
 

@@ -605,6 +605,9 @@ pub struct Metrics {
     reload_ok: Gauge,
     /// When the config in force was last read successfully.
     reload_ok_at: Gauge<f64, AtomicU64>,
+    /// Engines stopped, and put to sleep, for want of requests.
+    idle_stops: Counter,
+    sleeps: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -641,6 +644,8 @@ impl Metrics {
             recheck_paused: Counter::default(),
             reload_ok: Gauge::default(),
             reload_ok_at: Gauge::default(),
+            idle_stops: Counter::default(),
+            sleeps: Counter::default(),
         };
         for v in crate::supervisor::golden::Verdict::NAMES {
             let _ = m.golden.get_or_create(&vec![("verdict".into(), v.into())]);
@@ -727,6 +732,16 @@ impl Metrics {
             "When the config in force was read successfully (the start, or the last reload that applied), in seconds since the epoch",
             m.reload_ok_at.clone(),
         );
+        registry.register(
+            "idle_stops",
+            "Engines stopped for want of requests (`front.idle-stop`, `idle-action = \"stop\"`)",
+            m.idle_stops.clone(),
+        );
+        registry.register(
+            "idle_sleeps",
+            "Engines put to sleep for want of requests (`idle-action = \"sleep\"`)",
+            m.sleeps.clone(),
+        );
         m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
         m.reloaded(true, started);
         Metrics { registry, ..m }
@@ -754,6 +769,8 @@ impl Metrics {
         if paused > self.recheck_paused.get() {
             self.recheck_paused.inc_by(paused - self.recheck_paused.get());
         }
+        raise(&self.idle_stops, snap.idle_stops.into());
+        raise(&self.sleeps, snap.sleeps.into());
         let seen = self.golden_seen.swap(snap.golden_checks, std::sync::atomic::Ordering::Relaxed);
         if snap.golden_checks > seen
             && let Some(v) = &snap.golden
@@ -1014,6 +1031,9 @@ mod tests {
             rechecks: 0,
             recheck_paused: Duration::ZERO,
             rechecking: None,
+            idle_stops: 0,
+            sleeps: 0,
+            idle_eta: None,
         }
     }
 

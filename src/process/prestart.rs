@@ -6,11 +6,13 @@
 use std::path::{Path, PathBuf};
 
 mod commands;
+mod engine;
 mod files;
 mod leftovers;
 mod port;
 
 pub use self::commands::*;
+pub use self::engine::*;
 pub use self::files::*;
 pub use self::leftovers::*;
 pub use self::port::*;

@@ -211,6 +211,26 @@ pub enum Event {
         description: String,
     },
     Tick,
+    /// The front door has had no request for `quiet` (`front.idle-stop`
+    /// or more), and none is in flight.
+    IdleFor {
+        quiet: Duration,
+    },
+    /// A request waits at the front door for an idle engine (stopped or
+    /// asleep): start or wake it.
+    Wanted,
+    /// The engine of run `start` was asked to sleep: confirmed asleep, or
+    /// why not.
+    Slept {
+        start: u32,
+        result: Result<(), String>,
+    },
+    /// The engine of run `start` was asked to wake: confirmed awake, or why
+    /// not.
+    Woke {
+        start: u32,
+        result: Result<(), String>,
+    },
 }
 
 impl Event {
@@ -230,6 +250,8 @@ impl Event {
             | Event::GpuFault { start, .. }
             | Event::OomKilled { start, .. }
             | Event::ReportStarted { start, .. }
+            | Event::Slept { start, .. }
+            | Event::Woke { start, .. }
             | Event::Reported { start } => Some(*start),
             _ => None,
         }
@@ -275,6 +297,9 @@ pub enum Topic {
     Fit,
     /// The last-known-good setup replaces a changed setup that failed.
     Rollback,
+    /// The engine stopped or put to sleep for want of requests, and
+    /// started or woken for one.
+    Idle,
 }
 
 impl Topic {
@@ -302,6 +327,7 @@ impl Topic {
             Topic::Load => "load",
             Topic::Fit => "fit",
             Topic::Rollback => "rollback",
+            Topic::Idle => "idle",
         }
     }
 
@@ -416,6 +442,21 @@ pub enum Effect {
     /// Use the last-known-good setup's settings from the next start;
     /// `RolledBack` follows.
     Rollback,
+    /// Put the engine of run `start` to sleep (vLLM's `POST /sleep?level=N`,
+    /// confirmed by `GET /is_sleeping`); its health checks end. `Slept`
+    /// follows.
+    Sleep {
+        start: u32,
+        level: u8,
+    },
+    /// Wake the engine of run `start` (`POST /wake_up`, confirmed by `GET
+    /// /is_sleeping`); `Woke` follows.
+    Wake {
+        start: u32,
+    },
+    /// The engine was stopped for want of requests: what it left goes, and
+    /// the GPUs are looked at, as after any stop.
+    Parked,
 }
 
 /// What the failure report of a run is to say, as the machine knows it.

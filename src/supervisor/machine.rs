@@ -40,9 +40,14 @@
 //!   what follows (the backend holds the next spawn until the report has
 //!   what describes the run as it was). Without reports (`reports.keep = 0`)
 //!   a failure goes straight to Stopping.
+//!
+//!   An idle engine (`front.idle-stop`, `machine/idle.rs`): Ready → Stopping
+//!   → Parked → (a request) Launching; or Ready → Asleep → (a request) wake,
+//!   golden check → Ready.
 //! ```
 
 mod recheck;
+mod idle;
 mod state;
 mod stop;
 
@@ -109,6 +114,13 @@ pub struct Machine {
     fit: crate::supervisor::fit::FitState,
     /// Last-known-good rollback.
     rollback: Rollback,
+    /// Engines stopped, and put to sleep, for want of requests.
+    idle_stops: u32,
+    sleeps: u32,
+    /// The ledger's estimate of a load of the current setup (its median).
+    estimate: Option<Duration>,
+    /// How long the last wake from sleep took, to the golden answers.
+    last_wake: Option<Duration>,
 }
 
 /// What the machine knows of setups: the current one and the last that
@@ -176,6 +188,10 @@ impl Machine {
             rechecks: Default::default(),
             fit: Default::default(),
             rollback: Rollback::default(),
+            idle_stops: 0,
+            sleeps: 0,
+            estimate: None,
+            last_wake: None,
         }
     }
 
@@ -332,6 +348,9 @@ impl Machine {
             fit_moves: self.fit.moves,
             setup: self.rollback.setup.clone(),
             rolled_back: self.rollback.active.clone(),
+            idle_stops: self.idle_stops,
+            sleeps: self.sleeps,
+            idle_eta: self.idle_eta(),
         }
     }
 
@@ -354,6 +373,7 @@ impl Machine {
             State::Ready(s) => Some(s.run.pid),
             State::Stopping(s) => s.leader,
             State::Reporting(r) => into_run(&r.run).filter(|_| r.leader).map(|(run, _)| run.pid),
+            State::Asleep(d) => Some(d.serving.run.pid),
             _ => None,
         }
     }
@@ -386,7 +406,8 @@ impl Machine {
             State::Backoff { until, .. } => Some(*until),
             State::Reporting(r) => Some(r.until),
             State::Launching { then: AfterPrepare::Spawn { deadline, .. }, .. } => Some(*deadline),
-            State::Idle | State::Launching { .. } | State::Done(_) => None,
+            State::Asleep(d) => d.serving.run.fatal_at.map(|t| t + p.grace),
+            State::Idle | State::Launching { .. } | State::Done(_) | State::Parked(_) => None,
         }
     }
 
@@ -409,6 +430,7 @@ impl Machine {
             self.fit.used = load.used.clone();
             self.rollback.setup = Some(load.fingerprint.clone());
             self.rollback.last_good = load.last_good.clone();
+            self.estimate = load.history.as_ref().map(|h| h.median);
             self.next_load = Some(*load);
             return Vec::new();
         }
@@ -432,6 +454,7 @@ impl Machine {
             Purpose::Reload => LoadOutcome::Stopped { why: "reload".into() },
             Purpose::Restart => LoadOutcome::Stopped { why: "restart".into() },
             Purpose::Internal(t) => LoadOutcome::Stopped { why: format!("the warden failed: {t}") },
+            Purpose::Idle(_) => LoadOutcome::Stopped { why: "idle".into() },
         };
         let outcome = match next {
             State::Ready(_) => LoadOutcome::Ready,
@@ -521,6 +544,10 @@ impl Machine {
         use Event as E;
         use State as S;
         match (state, event) {
+            // An idle engine (front.idle-stop): see `machine/idle.rs`.
+            (S::Ready(serving), E::IdleFor { quiet }) => self.idle_for(serving, quiet, now),
+            (S::Parked(p), event) => self.parked_event(p, event, now),
+            (S::Asleep(d), event) => self.asleep_event(d, event, now),
             (S::Idle, E::Begin) => self.launch(now),
             (S::Ready(serving), E::Begin) => {
                 let from = self.upgraded_from.take().unwrap_or_default();
@@ -897,7 +924,7 @@ impl Machine {
                     (S::Stopping(stop), vec![Effect::KillTree])
                 }
                 (Purpose::Shutdown | Purpose::Internal(_), _) => (S::Stopping(stop), vec![]),
-                (Purpose::Failure(_) | Purpose::Reload | Purpose::Restart, _) => {
+                (Purpose::Failure(_) | Purpose::Reload | Purpose::Restart | Purpose::Idle(_), _) => {
                     stop.purpose = Purpose::Shutdown;
                     (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
                 }

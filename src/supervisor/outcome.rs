@@ -33,10 +33,13 @@ pub enum Phase {
     Failed,
     /// The warden has exited (the document is left saying why).
     Stopped,
+    /// The engine was stopped, or put to sleep, for want of requests
+    /// (`front.idle-stop`); the next request starts or wakes it.
+    Idle,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::Starting,
         Phase::Ready,
         Phase::Draining,
@@ -46,6 +49,7 @@ impl Phase {
         Phase::Stopping,
         Phase::Stopped,
         Phase::Failed,
+        Phase::Idle,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -59,6 +63,7 @@ impl Phase {
             Phase::Stopping => "stopping",
             Phase::Failed => "failed",
             Phase::Stopped => "stopped",
+            Phase::Idle => "idle",
         }
     }
 

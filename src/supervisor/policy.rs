@@ -75,6 +75,19 @@ pub struct Policy {
     pub fit: Option<crate::config::Fit>,
     /// Last-known-good rollback (`[rollback]`) is on.
     pub rollback: bool,
+    /// What an engine without requests comes to (`front.idle-stop`); none:
+    /// it serves for ever.
+    pub idle: Option<IdlePolicy>,
+}
+
+/// `front.idle-stop`, `idle-action`, `idle-sleep-level`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdlePolicy {
+    /// No request for this long, and none in flight: the engine is idle.
+    pub after: Duration,
+    /// Stopped, or put to sleep at `level`.
+    pub action: crate::config::IdleAction,
+    pub level: u8,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
@@ -128,6 +141,9 @@ impl Policy {
             golden_interval: (!s.golden.interval.is_zero()).then_some(s.golden.interval),
             fit: s.fit.enabled.then(|| s.fit.clone()),
             rollback: s.rollback.enabled,
+            idle: s.front.as_ref().and_then(|f| {
+                f.idle_stop.map(|after| IdlePolicy { after, action: f.idle_action, level: f.idle_sleep_level })
+            }),
         }
     }
 

@@ -53,6 +53,11 @@ pub struct Snapshot {
     /// The setup the current (or last) start used; the rollback in force.
     pub setup: Option<String>,
     pub rolled_back: Option<RolledBack>,
+    /// Engines stopped, and put to sleep, for want of requests.
+    pub idle_stops: u32,
+    pub sleeps: u32,
+    /// While idle: how long the engine should take to serve again.
+    pub idle_eta: Option<Duration>,
 }
 
 /// The last-known-good setup serves in place of a changed one that failed.

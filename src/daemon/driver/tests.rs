@@ -31,6 +31,9 @@ enum Call {
     UnwatchLoad,
     Report(u32),
     CancelReport,
+    Sleep(u32, u8),
+    Wake(u32),
+    Parked,
 }
 
 #[derive(Clone, Default)]
@@ -89,6 +92,8 @@ struct Quirks {
     /// The observer's change to ready takes this long, in real time (a
     /// slow status write).
     slow_observer: Option<std::time::Duration>,
+    /// The front door's requests, as it tells them to the loop.
+    activity: Option<Arc<crate::daemon::front::Activity>>,
 }
 
 /// One line as the follower hands it on, when it matters.
@@ -155,6 +160,17 @@ impl Backend for Fake {
     }
     fn cancel_report(&mut self) {
         self.call(Call::CancelReport);
+    }
+    fn sleep(&mut self, start: u32, level: u8) {
+        self.call(Call::Sleep(start, level));
+        let _ = self.tx.send(Input::Slept { start, result: Ok(()) });
+    }
+    fn wake(&mut self, start: u32) {
+        self.call(Call::Wake(start));
+        let _ = self.tx.send(Input::Woke { start, result: Ok(()) });
+    }
+    fn parked(&mut self) {
+        self.call(Call::Parked);
     }
     fn read_config(&mut self) {}
     fn reconfigure(
@@ -306,6 +322,7 @@ fn policy() -> Policy {
         drain_delay: Duration::from_secs(5),
         drain_timeout: Duration::from_secs(60),
         drain_on_stop: false,
+        idle: None,
     }
 }
 
@@ -382,6 +399,7 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         ctx: &ctx,
         observer: &mut phases,
         upgrade: None,
+        activity: q.activity,
     }
     .run(tokio_stream::wrappers::UnboundedReceiverStream::new(rq))
     .await;
@@ -777,4 +795,93 @@ async fn each_turn_of_the_loop_is_measured() {
     let slow: Vec<_> = o.turns.iter().filter(|t| **t >= SLOW_TURN).collect();
     assert_eq!(slow.len(), 1, "{:?}", o.turns);
     assert!(*slow[0] >= held);
+}
+
+/// The test policy with an engine idle after a minute without requests.
+fn idle_after_a_minute(action: crate::config::IdleAction) -> Policy {
+    let idle = crate::supervisor::policy::IdlePolicy { after: S(60), action, level: 1 };
+    Policy { idle: Some(idle), ..policy() }
+}
+
+/// A request at the front door from `from` to `to` (of the test's clock);
+/// `idle`: the gate said idle when it came.
+fn request(a: &Arc<crate::daemon::front::Activity>, from: Duration, to: Duration, idle: bool) {
+    let a = a.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(from).await;
+        a.begin(idle);
+        tokio::time::sleep(to - from).await;
+        a.end();
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_engine_is_stopped_on_time_and_started_by_the_next_request() {
+    let activity = Arc::new(crate::daemon::front::Activity::default());
+    // In flight from 30 s to 90 s: the minute counts from its end. Then a
+    // request at 300 s, while the engine is stopped, starts it.
+    request(&activity, S(30), S(90), false);
+    request(&activity, S(300), S(310), true);
+    let plans = vec![Plan::Run { lines: vec![READY], gap: S(1) }, Plan::Run { lines: vec![READY], gap: S(2) }];
+    let q = Quirks { activity: Some(activity), ..Quirks::default() };
+    let o = run_with(idle_after_a_minute(crate::config::IdleAction::Stop), plans, q, Some(S(500)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    let mut terminations: Vec<Duration> =
+        o.calls.iter().filter(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| *t).collect();
+    // The signal again once the leader is gone, for what it left: one stop each.
+    terminations.dedup();
+    // After the request's end; then a minute after the second start's
+    // request ended (310 s); then the stop request finds nothing to stop.
+    assert_eq!(terminations, vec![S(150), S(370)], "{:?}", o.calls);
+    assert_eq!(spawn_times(&o), vec![S(0), S(300)]);
+    assert!(o.calls.contains(&(S(150), Call::Parked)), "{:?}", o.calls);
+    use crate::supervisor::outcome::Phase;
+    assert!(o.phases.contains(&(S(150), Phase::Idle)) && o.phases.contains(&(S(302), Phase::Ready)), "{:?}", o.phases);
+    let idle_status = |t: Duration| {
+        o.notes.iter().any(|(at, n)| {
+            *at == t
+                && matches!(n, Note::Status(s) if s.starts_with("idle: stopped after 1m without requests; starts on the next request"))
+        })
+    };
+    assert!(idle_status(S(150)) && idle_status(S(370)), "{:?}", o.notes);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_load_does_not_make_an_idle_engine_of_a_new_one() {
+    let activity = Arc::new(crate::daemon::front::Activity::default());
+    let plans = vec![Plan::Run { lines: vec![READY], gap: S(200) }];
+    let q = Quirks { activity: Some(activity), ..Quirks::default() };
+    let p = Policy { stall: S(600), ..idle_after_a_minute(crate::config::IdleAction::Stop) };
+    let o = run_with(p, plans, q, Some(S(400)), None).await;
+    let first = o.calls.iter().find(|(_, c)| *c == Call::Terminate(Signal::SIGTERM)).map(|(t, _)| *t);
+    assert_eq!(first, Some(S(260)), "a minute after ready, not at it: {:?}", o.calls);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sleeping_engine_is_woken_by_the_next_request() {
+    let activity = Arc::new(crate::daemon::front::Activity::default());
+    request(&activity, S(300), S(301), true);
+    let plans = vec![Plan::Run { lines: vec![READY], gap: S(1) }];
+    let q = Quirks { activity: Some(activity), ..Quirks::default() };
+    let o = run_with(idle_after_a_minute(crate::config::IdleAction::Sleep), plans, q, Some(S(330)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert!(o.calls.contains(&(S(61), Call::Sleep(1, 1))), "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(300), Call::Wake(1))), "{:?}", o.calls);
+    assert_eq!(spawn_times(&o), vec![S(0)], "the engine stayed");
+    use crate::supervisor::outcome::Phase;
+    assert!(o.phases.contains(&(S(61), Phase::Idle)) && o.phases.contains(&(S(300), Phase::Ready)), "{:?}", o.phases);
+    // Asleep from 61 s: the wake at 300 s, and no second sleep before 361 s.
+    assert_eq!(o.calls.iter().filter(|(_, c)| matches!(c, Call::Sleep(..))).count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wake_up_left_from_an_earlier_idle_spell_starts_nothing() {
+    let activity = Arc::new(crate::daemon::front::Activity::default());
+    // Told "idle" while the engine loads (a gate that had not caught up):
+    // the request is answered before the engine is ever idle.
+    request(&activity, S(0), S(1), true);
+    let plans = vec![Plan::Run { lines: vec![READY], gap: S(2) }];
+    let q = Quirks { activity: Some(activity), ..Quirks::default() };
+    let o = run_with(idle_after_a_minute(crate::config::IdleAction::Stop), plans, q, Some(S(200)), None).await;
+    assert_eq!(spawn_times(&o), vec![S(0)], "parked at 62 s and left so: {:?}", o.calls);
 }

@@ -131,6 +131,9 @@ pub enum Purpose {
     Restart,
     /// A part of the warden failed: exit 70 once the tree is gone.
     Internal(String),
+    /// No request for this long (`front.idle-stop`): the engine is given
+    /// back, and started again by the next request.
+    Idle(Duration),
 }
 
 /// How far a stop has escalated.
@@ -198,6 +201,40 @@ pub enum State {
         cause: Cause,
     },
     Done(Code),
+    /// Stopped for want of requests (`idle-action = "stop"`): no child;
+    /// the next request starts one.
+    Parked(Parked),
+    /// Put to sleep for want of requests (`idle-action = "sleep"`): the
+    /// child is there, its GPUs' memory given back; the next request wakes it.
+    Asleep(Dormant),
+}
+
+/// An engine stopped for want of requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parked {
+    pub(super) since: Instant,
+    /// How long no request had come when it was stopped.
+    pub(super) quiet: Duration,
+}
+
+/// A serving run put to sleep, and how far its sleep or wake has gone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dormant {
+    pub(super) serving: Serving,
+    pub(super) quiet: Duration,
+    pub(super) stage: SleepStage,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SleepStage {
+    /// `/sleep` asked, not yet confirmed.
+    Falling,
+    /// Confirmed asleep since then.
+    Asleep { since: Instant },
+    /// A request came: `/wake_up` asked at this instant.
+    Waking { at: Instant },
+    /// Awake again: the golden answers are being checked before it serves.
+    Checking { at: Instant },
 }
 
 /// A ready run handed to a successor warden (see [`Machine::save`]): the

@@ -93,7 +93,8 @@ impl Machine {
         let mut purpose = self.purpose_of_stop(&state, purpose, &mut fx);
         // Only a serving child being stopped on purpose has something to
         // drain; everything else gets the short grace, the signal repeated.
-        let drain = ready_for.is_some() && matches!(purpose, Purpose::Shutdown | Purpose::Reload | Purpose::Restart);
+        let drain = ready_for.is_some()
+            && matches!(purpose, Purpose::Shutdown | Purpose::Reload | Purpose::Restart | Purpose::Idle(_));
         let grace = if drain { self.policy.stop_timeout } else { self.policy.stop_timeout.min(LOAD_STOP_GRACE) };
         match &mut purpose {
             Purpose::Shutdown => fx.push(Effect::Notify(vec![
@@ -126,6 +127,10 @@ impl Machine {
                 Note::Stopping,
                 status(format!("internal failure, stopping pid {pid}: {why}")),
             ])),
+            Purpose::Idle(quiet) => fx.push(Effect::Notify(vec![status(format!(
+                "idle: stopping pid {pid} after {} without requests",
+                secs(*quiet)
+            ))])),
         }
         fx.push(Effect::Terminate(self.policy.stop_signal));
         let escalation = if grace.is_zero() {
@@ -330,7 +335,10 @@ impl Machine {
                 self.report_done(r, now, fx)
             }
             State::Launching { start, .. } => self.cancel_launch(start, Purpose::Internal(why), fx),
-            State::Idle | State::Backoff { .. } => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
+            State::Idle | State::Backoff { .. } | State::Parked(_) => {
+                self.finish(Code::Internal, format!("internal failure: {why}"), fx)
+            }
+            State::Asleep(d) => self.begin_stop(State::Ready(d.serving), Purpose::Internal(why), now, fx),
             done @ State::Done(_) => (done, vec![]),
         }
     }
@@ -348,6 +356,7 @@ impl Machine {
             Purpose::Failure(cause) => self.after_failure(cause, ready_for, now, fx),
             Purpose::Reload | Purpose::Restart => self.launch(now),
             Purpose::Internal(why) => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
+            Purpose::Idle(quiet) => self.parked(quiet, now, fx),
         }
     }
 
@@ -526,8 +535,14 @@ pub(super) fn phase_of(state: &State) -> Phase {
         State::Ready(Serving { drain: Some(_), .. }) => Phase::Draining,
         State::Stopping(st) => match st.purpose {
             Purpose::Failure(_) => Phase::Failed,
-            Purpose::Shutdown | Purpose::Reload | Purpose::Restart | Purpose::Internal(_) => Phase::Stopping,
+            Purpose::Shutdown | Purpose::Reload | Purpose::Restart | Purpose::Internal(_) | Purpose::Idle(_) => {
+                Phase::Stopping
+            }
         },
+        State::Parked(_) => Phase::Idle,
+        State::Asleep(Dormant { stage: SleepStage::Falling | SleepStage::Asleep { .. }, .. }) => Phase::Idle,
+        // A request came: the engine is becoming ready again.
+        State::Asleep(_) => Phase::Starting,
         State::Reporting(_) => Phase::Failed,
         State::Backoff { .. } => Phase::Backoff,
         // Left saying why in `cause`: a stop request, or the give-up.

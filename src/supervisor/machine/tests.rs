@@ -37,6 +37,7 @@ fn policy() -> Policy {
         drain_delay: Duration::from_secs(5),
         drain_timeout: Duration::from_secs(60),
         drain_on_stop: false,
+        idle: None,
     }
 }
 
@@ -1700,4 +1701,159 @@ fn a_failure_event_names_the_pid_and_attempt_that_failed() {
     let fx = s.ev(Event::SpawnFailed { start: 1, failure: StartFailure::transient("cannot start /x: busy") });
     assert_eq!(failed(&fx), [Some(RunOf { pid: None, attempt: 1 })]);
     assert_eq!(s.m.attempt(), 2);
+}
+
+/// The test policy with an idle engine stopped (or put to sleep) after 30 minutes.
+fn idle(action: crate::config::IdleAction) -> Policy {
+    let idle = crate::supervisor::policy::IdlePolicy { after: Duration::from_secs(1800), action, level: 1 };
+    Policy { idle: Some(idle), ..policy() }
+}
+
+#[test]
+fn an_idle_engine_is_stopped_through_the_normal_stop_and_started_by_the_next_request() {
+    let mut s = Sim::new(idle(crate::config::IdleAction::Stop));
+    s.at(0.0).ready(100);
+    let fx = s.at(1900.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    assert_eq!(s.state(), "stopping");
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert!(statuses(&fx).contains(&"idle: stopping pid 100 after 30m without requests".to_string()), "{fx:?}");
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    let fx = s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "idle");
+    assert!(fx.contains(&Effect::Parked), "what the tree left goes, the GPUs are looked at: {fx:?}");
+    // The estimate: the last load, until the ledger knows the setup.
+    assert!(
+        statuses(&fx)
+            .iter()
+            .any(|t| t.starts_with("idle: stopped after 30m without requests; starts on the next request (about")),
+        "{fx:?}"
+    );
+    let snap = s.m.snapshot();
+    assert_eq!((snap.idle_stops, snap.failures.values().sum::<u64>(), s.m.failures()), (1, 0, 0));
+    assert!(s.m.idle_now());
+    assert_eq!(s.m.next_deadline(), None, "nothing happens until a request comes");
+    // Ticks and a stray readiness answer change nothing.
+    s.at(5000.0).tick();
+    s.ev(Event::HttpReady { start: 1 });
+    assert_eq!(s.state(), "idle");
+    let fx = s.at(6000.0).ev(Event::Wanted);
+    assert!(fx.contains(&Effect::Prepare { start: 2 }), "a normal start: patches, pre-start, load: {fx:?}");
+    assert!(!s.m.idle_now());
+    s.spawned(101);
+    s.ready(101);
+    assert_eq!(s.state(), "ready");
+}
+
+#[test]
+fn idle_asks_nothing_of_a_draining_or_unconfigured_engine_and_a_parked_one_stops_at_once() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert_eq!(s.m.idle_watch(), None);
+    s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    assert_eq!(s.state(), "ready", "without idle-stop nothing happens");
+
+    let mut s = Sim::new(idle(crate::config::IdleAction::Stop));
+    s.ready(100);
+    assert!(s.m.idle_watch().is_some());
+    s.ev(Event::DrainRequested);
+    assert_eq!(s.m.idle_watch(), None);
+    s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    assert_eq!(s.state(), "draining", "a drain is the operator's: idle waits for it");
+
+    let mut s = Sim::new(idle(crate::config::IdleAction::Stop));
+    s.ready(100);
+    s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "idle");
+    s.ev(Event::StopRequested);
+    assert_eq!(s.m.done(), Some(Code::Ok));
+}
+
+#[test]
+fn a_sleeping_engine_is_woken_by_a_request_and_serves_after_its_golden_answers() {
+    use crate::supervisor::golden::Verdict;
+    let p = Policy { golden: Some(crate::config::GoldenPolicy::Warn), ..idle(crate::config::IdleAction::Sleep) };
+    let mut s = Sim::new(p);
+    s.spawned(100);
+    s.line("INFO:     Application startup complete.");
+    s.ev(Event::HttpReady { start: 1 });
+    s.ev(Event::GoldenChecked { start: 1, verdict: Verdict::Recorded { prompts: 1, ms: 5 } });
+    assert_eq!(s.state(), "ready");
+    let fx = s.at(1900.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    assert!(fx.contains(&Effect::Sleep { start: 1, level: 1 }), "{fx:?}");
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Terminate(_))), "the engine stays");
+    assert_eq!((s.state(), s.m.idle_now()), ("idle", false), "not idle for requests until it sleeps");
+    let fx = s.ev(Event::Slept { start: 1, result: Ok(()) });
+    assert!(statuses(&fx).iter().any(|t| t.starts_with("idle: asleep (level 1) after 30m without requests")), "{fx:?}");
+    assert!(s.m.idle_now());
+    assert_eq!((s.m.child_pid(), s.m.snapshot().sleeps), (Some(100), 1));
+    let fx = s.at(5000.0).ev(Event::Wanted);
+    assert!(fx.contains(&Effect::Wake { start: 1 }), "{fx:?}");
+    assert_eq!(s.state(), "starting", "waking: the engine is becoming ready again");
+    let fx = s.at(5002.0).ev(Event::Woke { start: 1, result: Ok(()) });
+    assert!(fx.contains(&Effect::Golden { start: 1 }), "the golden check before it serves: {fx:?}");
+    assert_eq!(s.state(), "starting");
+    let fx = s.at(5003.0).ev(Event::GoldenChecked { start: 1, verdict: Verdict::Same { prompts: 1, ms: 5 } });
+    assert_eq!(s.state(), "ready");
+    assert!(fx.contains(&Effect::Health { start: 1 }), "its health checked again: {fx:?}");
+    assert!(statuses(&fx).contains(&"ready: pid 100, woken in 3s".to_string()), "{fx:?}");
+    assert!(!notes(&fx).contains(&Note::Ready), "READY=1 was said once, at the load");
+    assert_eq!(s.m.starts(), 1, "no new start");
+    // Asleep again, the next wake is expected to take as long as this one.
+    s.at(7000.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    s.ev(Event::Slept { start: 1, result: Ok(()) });
+    assert_eq!(s.m.idle_eta(), Some(Duration::from_secs(3)));
+}
+
+#[test]
+fn a_wake_that_fails_or_answers_wrongly_restarts_the_engine() {
+    use crate::supervisor::golden::Verdict;
+    let asleep = |golden| {
+        let mut s = Sim::new(Policy { golden, ..idle(crate::config::IdleAction::Sleep) });
+        s.spawned(100);
+        s.line("INFO:     Application startup complete.");
+        s.ev(Event::HttpReady { start: 1 });
+        if golden.is_some() {
+            s.ev(Event::GoldenChecked { start: 1, verdict: Verdict::Recorded { prompts: 1, ms: 5 } });
+        }
+        s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+        s.ev(Event::Slept { start: 1, result: Ok(()) });
+        s.ev(Event::Wanted);
+        s
+    };
+    let mut s = asleep(None);
+    let fx = s.ev(Event::Woke { start: 1, result: Err("/wake_up: HTTP 500".into()) });
+    assert_eq!(s.state(), "failed");
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    assert_eq!(s.m.cause().unwrap().text, "the wake from sleep failed: /wake_up: HTTP 500");
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff", "started again as after any failure");
+
+    // Other answers than before the sleep: a restart, even where a load's
+    // mismatch would only warn.
+    let mut s = asleep(Some(crate::config::GoldenPolicy::Warn));
+    s.ev(Event::Woke { start: 1, result: Ok(()) });
+    let changed = Verdict::Changed { text: "prompt 1: token 3 differs".into(), ms: 5 };
+    s.ev(Event::GoldenChecked { start: 1, verdict: changed });
+    assert_eq!(s.state(), "failed");
+    assert_eq!(s.m.cause().unwrap().text, "after a wake from sleep: prompt 1: token 3 differs");
+}
+
+#[test]
+fn a_sleep_that_is_not_confirmed_stops_the_engine_and_a_sleeper_that_exits_has_failed() {
+    let mut s = Sim::new(idle(crate::config::IdleAction::Sleep));
+    s.ready(100);
+    s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    let fx = s.ev(Event::Slept { start: 1, result: Err("/sleep: HTTP 404".into()) });
+    assert!(fx.contains(&Effect::Terminate(Signal::SIGTERM)), "{fx:?}");
+    s.ev(Event::TreeGone);
+    assert_eq!((s.state(), s.m.snapshot().idle_stops), ("idle", 1), "stopped instead, GPUs given back");
+
+    let mut s = Sim::new(idle(crate::config::IdleAction::Sleep));
+    s.ready(100);
+    s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    s.ev(Event::Slept { start: 1, result: Ok(()) });
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    assert_eq!(s.state(), "failed");
+    assert_eq!(s.m.cause().unwrap().text, "exited while serving (exit code 1)");
 }
