@@ -276,3 +276,38 @@ fn an_upgrade_keeps_the_front_doors_sockets() {
     connects_tcp(&format!("127.0.0.1:{front}")).unwrap();
     assert_eq!(w.stop(), 0);
 }
+
+/// An upgrade whose hand-off the successor cannot use (here: garbage in
+/// the state file) starts the model again, but the listening sockets,
+/// open all the same, are found by what they are and kept: the same
+/// sockets listen, nothing was refused.
+#[test]
+fn an_unusable_hand_off_still_keeps_the_sockets() {
+    let bin = tempfile::tempdir().unwrap();
+    let exe = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &exe).unwrap();
+    let front = common::free_port();
+    let listen = vec![format!("127.0.0.1:{front}")];
+    let opts = Opts { exe: Some(exe.clone()), ..Opts::default() };
+    let mut w = Warden::start_with(|d, p| front_config(d, p, &listen), opts);
+    w.wait_ready();
+    let before = listening_tcp(front).unwrap();
+    let real = bin.path().join("real");
+    std::fs::copy(common::exe(), &real).unwrap();
+    let script = format!(
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then exec {real} --version; fi\necho garbage > \"$VLLM_WARDEN_UPGRADE_STATE\"\nexec {real} \"$@\"\n",
+        real = real.display()
+    );
+    let new = bin.path().join("script");
+    std::fs::write(&new, script).unwrap();
+    std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&new, &exe).unwrap();
+    w.ask_upgrade(&real);
+    w.wait_ready_within(TIMEOUT, "READY=1 of the start after a refused upgrade");
+    let log = w.stderr();
+    assert!(log.contains("the upgrade's state is unusable ("), "{log}");
+    assert!(log.contains(&format!("listening on 127.0.0.1:{front} (kept across the upgrade)")), "{log}");
+    assert_eq!(listening_tcp(front), Some(before), "the same socket listens");
+    connects_tcp(&format!("127.0.0.1:{front}")).unwrap();
+    assert_eq!(w.stop(), 0);
+}
