@@ -311,3 +311,27 @@ fn an_unusable_hand_off_still_keeps_the_sockets() {
     connects_tcp(&format!("127.0.0.1:{front}")).unwrap();
     assert_eq!(w.stop(), 0);
 }
+
+/// `check` says before any start what would stop the front door: a unix
+/// socket's path that holds another kind of file, or whose folder is
+/// missing.
+#[test]
+fn check_names_a_unix_path_the_front_door_cannot_use() {
+    let d = tempfile::tempdir().unwrap();
+    let file = d.path().join("file.sock");
+    std::fs::write(&file, "").unwrap();
+    let missing = d.path().join("no-such-folder/front.sock");
+    let cfg = d.path().join("t.toml");
+    let listen = vec![format!("unix:{}", file.display()), format!("unix:{}", missing.display())];
+    std::fs::write(&cfg, front_config(d.path(), common::free_port(), &listen)).unwrap();
+    let out = std::process::Command::new(common::exe())
+        .args(["check", "-c"])
+        .arg(&cfg)
+        .env("STATE_DIRECTORY", d.path())
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(78), "{text}");
+    assert!(text.contains(&format!("front.listen unix:{}: a file that is not a socket", file.display())), "{text}");
+    assert!(text.contains(&format!("front.listen unix:{}: its folder does not exist", missing.display())), "{text}");
+}

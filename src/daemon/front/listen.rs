@@ -428,10 +428,10 @@ fn bind(listen: &Listen) -> Result<Listener, ListenError> {
     }
 }
 
-/// Make room for a unix socket at `path`: nothing there, or a stale socket
-/// (nobody listens on it), which is removed. Another kind of file is never
-/// removed; a socket something listens on is not taken.
-fn clear_unix_path(path: &Path) -> Result<(), ListenError> {
+/// Whether a unix socket can be made at `path`, as `check` sees it: its
+/// folder exists, and the path holds nothing or a socket (stale, or the
+/// one a running warden or a `.socket` unit listens on). Changes nothing.
+pub fn unix_path_usable(path: &Path) -> Result<(), ListenError> {
     let folder = path.parent().unwrap_or(Path::new("/"));
     if !folder.is_dir() {
         return Err(ListenError::NoFolder(path.to_path_buf()));
@@ -440,12 +440,23 @@ fn clear_unix_path(path: &Path) -> Result<(), ListenError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(source) => Err(ListenError::Bind { address: format!("unix:{}", path.display()), source }),
         Ok(m) if !m.file_type().is_socket() => Err(ListenError::NotASocket(path.to_path_buf())),
-        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
-            Ok(_) => Err(ListenError::InUse(path.to_path_buf())),
-            Err(_) => std::fs::remove_file(path)
-                .or_else(|e| if e.kind() == io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
-                .map_err(|source| ListenError::Bind { address: format!("unix:{}", path.display()), source }),
-        },
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Make room for a unix socket at `path`: nothing there, or a stale socket
+/// (nobody listens on it), which is removed. Another kind of file is never
+/// removed; a socket something listens on is not taken.
+fn clear_unix_path(path: &Path) -> Result<(), ListenError> {
+    unix_path_usable(path)?;
+    if std::fs::symlink_metadata(path).is_err() {
+        return Ok(());
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(ListenError::InUse(path.to_path_buf())),
+        Err(_) => std::fs::remove_file(path)
+            .or_else(|e| if e.kind() == io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+            .map_err(|source| ListenError::Bind { address: format!("unix:{}", path.display()), source }),
     }
 }
 
