@@ -359,19 +359,21 @@ fn take_or_bind(wanted: &[Listen], inherited: Inherited, front: bool) -> Result<
             Origin::Store(name) => {
                 tracing::info!(
                     EVENT = "front",
-                    "closing the stored socket {name} ({shown}): no longer in front.listen"
+                    "closing the stored socket {name} ({shown}): no longer in front.listen, or its path is gone"
                 );
                 if !stale.contains(&name) {
                     stale.push(name);
                 }
             }
-            Origin::Predecessor => {
-                tracing::info!(EVENT = "front", "closing the predecessor's socket ({shown}): no longer in front.listen")
-            }
-            // Two of a `.socket` unit's for one address.
-            Origin::Activation(name) => {
-                tracing::warn!(EVENT = "front", "closing socket {name} ({shown}): a second one")
-            }
+            Origin::Predecessor => tracing::info!(
+                EVENT = "front",
+                "closing the predecessor's socket ({shown}): no longer in front.listen, or its path is gone"
+            ),
+            // A second one for an address, or a unix socket whose path is gone.
+            Origin::Activation(name) => tracing::warn!(
+                EVENT = "front",
+                "not using socket {name} ({shown}): another serves that address, or its path is gone"
+            ),
             Origin::Bound => {}
         }
     }
