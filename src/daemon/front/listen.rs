@@ -484,30 +484,43 @@ fn store(listeners: &[(Listen, Listener)], origins: &[Origin], stale: &[String])
             Err(e) => return failed(e),
         }
     }
-    let mut names: Vec<String> = origins
-        .iter()
-        .filter_map(|o| match o {
-            Origin::Store(n) if !stale.contains(n) => Some(n.clone()),
-            _ => None,
-        })
-        .collect();
-    for (i, ((_, listener), origin)) in listeners.iter().zip(origins).enumerate() {
-        let name = match origin {
-            Origin::Activation(_) => continue,
-            Origin::Store(n) if !stale.contains(n) => continue,
-            Origin::Store(n) => n.clone(),
-            Origin::Predecessor | Origin::Bound => {
-                let name = (i..).map(|n| format!("{STORE_PREFIX}{n}")).find(|n| !names.contains(n)).unwrap_or_default();
-                names.push(name.clone());
-                name
-            }
-        };
-        match crate::observe::notify::store_fd(&name, listener.as_fd()) {
+    for (i, name) in store_plan(origins, stale) {
+        match crate::observe::notify::store_fd(&name, listeners[i].1.as_fd()) {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => return failed(e),
         }
     }
+}
+
+/// Which of the sockets (by their `origins`) go into the store once the
+/// `stale` names are out of it, and under which name: a stored one only if
+/// its name was taken out (under that name again); one bound here or kept
+/// across an upgrade under `front-N`, N its place in `front.listen` unless
+/// a stored one has that name, then the first name free. Names stay
+/// unique, so that taking one out never takes another socket with it.
+fn store_plan(origins: &[Origin], stale: &[String]) -> Vec<(usize, String)> {
+    let mut names: Vec<String> = origins
+        .iter()
+        .filter_map(|o| match o {
+            Origin::Store(n) => Some(n.clone()),
+            _ => None,
+        })
+        .collect();
+    let mut plan = Vec::new();
+    for (i, origin) in origins.iter().enumerate() {
+        match origin {
+            Origin::Activation(_) => {}
+            Origin::Store(n) if !stale.contains(n) => {}
+            Origin::Store(n) => plan.push((i, n.clone())),
+            Origin::Predecessor | Origin::Bound => {
+                let name = (i..).map(|n| format!("{STORE_PREFIX}{n}")).find(|n| !names.contains(n)).unwrap_or_default();
+                names.push(name.clone());
+                plan.push((i, name));
+            }
+        }
+    }
+    plan
 }
 
 /// A listening socket kept for an upgrade's successor: a second descriptor
@@ -563,6 +576,28 @@ mod tests {
         assert_eq!(local_listen(s.as_fd()), Err("not listening".into()));
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         assert_eq!(local_listen(l.as_fd()), Ok(Listen::Tcp(l.local_addr().unwrap())));
+    }
+
+    /// A socket goes into the store unless it is there already (or is a
+    /// `.socket` unit's), under a name no other stored socket has.
+    #[test]
+    fn the_store_gets_each_socket_once_under_a_name_of_its_own() {
+        let s = |n: &str| Origin::Store(n.into());
+        let named = |p: Vec<(usize, String)>| p.into_iter().map(|(i, n)| format!("{i}={n}")).collect::<Vec<_>>();
+        // A first start: front-0, front-1, … in the config's order.
+        assert_eq!(named(store_plan(&[Origin::Bound, Origin::Bound], &[])), ["0=front-0", "1=front-1"]);
+        // Taken back from the store: nothing to send; a .socket unit's: never.
+        assert!(store_plan(&[s("front-0"), Origin::Activation("web".into())], &[]).is_empty());
+        // A new address where a stored one keeps its old name front-0.
+        assert_eq!(named(store_plan(&[Origin::Bound, s("front-0")], &[])), ["0=front-1"]);
+        // front-1 named both a kept socket and a stale one: the name was
+        // taken out of the store with both, the kept one goes back under
+        // it, and a new one does not take it.
+        let plan = store_plan(&[s("front-0"), Origin::Bound, s("front-1")], &["front-1".into()]);
+        assert_eq!(named(plan), ["1=front-2", "2=front-1"]);
+        // Across an upgrade: stored again under front-N (systemd ignores a
+        // descriptor it holds already).
+        assert_eq!(named(store_plan(&[Origin::Predecessor], &[])), ["0=front-0"]);
     }
 
     /// The hand-off's descriptors are taken only when they are what it
