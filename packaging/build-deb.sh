@@ -51,6 +51,7 @@ assets=(
     "docs/operator-guide.md usr/share/doc/vllm-warden/docs/ 644"
     "docs/benchmarks.md usr/share/doc/vllm-warden/docs/ 644"
     "docs/architecture.md usr/share/doc/vllm-warden/docs/ 644"
+    "examples/vllm-warden-front.socket usr/share/doc/vllm-warden/examples/ 644"
 )
 
 arch=$(dpkg --print-architecture)

@@ -70,10 +70,15 @@ pub fn main() -> Code {
     // The config a command reads, or the reason none could be chosen.
     let chosen = |i: &InstanceArg, cmd: &str| choose(file, i, cmd);
     match cli.command {
-        Cmd::Run(a) => match chosen(&a.instance, "run") {
-            Ok(path) => run(&path, a.log_format, colour, upgraded),
-            Err(code) => code,
-        },
+        Cmd::Run(a) => {
+            // Still before any thread: the sockets systemd passed (an
+            // upgrade's successor has its predecessor's instead).
+            let passed = crate::daemon::front::listen::Inherited::from_env(upgraded.is_none());
+            match chosen(&a.instance, "run") {
+                Ok(path) => run(&path, a.log_format, colour, upgraded, passed),
+                Err(code) => code,
+            }
+        }
         Cmd::Upgrade(i) => chosen(&i, "upgrade").map_or_else(|c| c, |p| upgrade(&p)),
         Cmd::Check(c) => match chosen(&c.instance, "check") {
             Ok(path) => check(&path, c.diff, c.print_patterns),
@@ -733,7 +738,13 @@ fn patch(config: &Path, a: &PatchArgs) -> Code {
     }
 }
 
-fn run(path: &Path, log_format: crate::util::logging::Format, colour: Colour, upgraded: Option<PathBuf>) -> Code {
+fn run(
+    path: &Path,
+    log_format: crate::util::logging::Format,
+    colour: Colour,
+    upgraded: Option<PathBuf>,
+    passed: crate::daemon::front::listen::Inherited,
+) -> Code {
     let settings = match load(path) {
         Ok(s) => s,
         Err(code) => match upgraded.as_ref().and_then(|_| running_config(path)) {
@@ -759,6 +770,18 @@ fn run(path: &Path, log_format: crate::util::logging::Format, colour: Colour, up
         }
         Ok(state)
     });
+    // The front door's sockets an upgrading predecessor kept open: those
+    // its state names, once checked; found by what they are when the state
+    // cannot be used (they are open all the same, and no other warden may
+    // bind the address while they are).
+    let listeners = match &adopted {
+        Some(Ok(state)) => {
+            let named: Vec<_> = state.listeners.iter().map(|l| (l.fd, l.address.clone())).collect();
+            crate::daemon::front::listen::Inherited::handed_over(&named, &[state.lock_fd, state.pipe_fd, state.log_fd])
+        }
+        Some(Err(_)) => crate::daemon::front::listen::Inherited::found(),
+        None => passed,
+    };
     // Before anything else: a second warden of this instance touches nothing.
     let lock = match inherited
         .map_or_else(|| crate::process::lock::InstanceLock::take(&settings.state_dir, &settings.name), Ok)
@@ -790,6 +813,8 @@ fn run(path: &Path, log_format: crate::util::logging::Format, colour: Colour, up
         lock_fd: Some(std::os::fd::AsRawFd::as_raw_fd(&lock.fd())),
         adopted,
         from_upgrade,
+        listeners,
+        kept: Vec::new(),
     };
     let rt = match crate::daemon::runtime() {
         Ok(rt) => rt,

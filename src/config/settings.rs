@@ -365,7 +365,8 @@ impl Engine {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Listen {
     Tcp(std::net::SocketAddr),
-    /// `unix:/path`: a unix socket the warden creates (and removes).
+    /// `unix:/path`: a unix socket the warden creates (replacing a stale
+    /// one; the file is left at exit, for a socket kept by systemd).
     Unix(PathBuf),
 }
 

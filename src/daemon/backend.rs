@@ -189,7 +189,7 @@ struct Reports {
 }
 
 /// What an upgrade in place needs of the process around the daemon.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct Handover {
     /// The binary at the warden's own path (as it was started).
     pub exe: Option<std::path::PathBuf>,
@@ -201,6 +201,11 @@ pub struct Handover {
     /// its state could be used): until its first start, the processes it
     /// finds in its own tree are the predecessor's.
     pub from_upgrade: bool,
+    /// The listening sockets handed to this warden (by systemd, or by an
+    /// upgrading predecessor), taken by the front door as it opens.
+    pub listeners: crate::daemon::front::listen::Inherited,
+    /// The front door's sockets, kept open for a successor.
+    pub kept: Vec<crate::daemon::front::listen::Kept>,
 }
 
 impl RealBackend {
@@ -930,23 +935,40 @@ impl Backend for RealBackend {
             log_ino: log.ino(),
             log_offset: offset,
             machine: saved,
+            listeners: self
+                .launch
+                .handover
+                .kept
+                .iter()
+                .map(|k| {
+                    let (fd, address) = k.handed();
+                    crate::daemon::upgrade::HandedListener { fd, address }
+                })
+                .collect(),
         };
         let path = crate::daemon::upgrade::state_path(&self.settings.status.file);
         if let Err(e) = crate::daemon::upgrade::write(&path, &state) {
             return format!("cannot write {}: {e}", path.display());
         }
-        // SAFETY: the lock's descriptor lives as long as the warden; the
-        // pipe's and the log's as long as `sink`, held here.
-        let kept = unsafe { [lock_fd, pipe_fd, log_fd].map(|fd| std::os::fd::BorrowedFd::borrow_raw(fd)) };
+        // The front door's sockets too: never closed, never bound again.
+        let fds = [lock_fd, pipe_fd, log_fd]
+            .into_iter()
+            .chain(self.launch.handover.kept.iter().map(|k| std::os::fd::AsRawFd::as_raw_fd(&k.fd)));
+        // SAFETY: the lock's descriptor and the front door's kept sockets
+        // live as long as the warden; the pipe's and the log's as long as
+        // `sink`, held here.
+        let kept: Vec<_> = fds.map(|fd| unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).collect();
         let restore = || {
-            for fd in kept {
+            for &fd in &kept {
                 let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
             }
         };
         if let Err(e) = kept.iter().try_for_each(|fd| crate::daemon::upgrade::keep_across_exec(*fd)) {
             restore();
             let _ = std::fs::remove_file(&path);
-            return format!("cannot keep the lock, the child's output and the log open across the exec: {e}");
+            return format!(
+                "cannot keep the lock, the child's output, the log and the front door's sockets open across the exec: {e}"
+            );
         }
         // The kernel-message follower is a process of ours the successor
         // would not know: stopped (it starts its own).

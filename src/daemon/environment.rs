@@ -55,6 +55,13 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
     for problem in crate::patch::check(&s.patches, &s.state_dir) {
         say(format!("[[patch]] {problem}"));
     }
+    for listen in s.front.iter().flat_map(|f| &f.listen) {
+        if let crate::config::Listen::Unix(path) = listen
+            && let Err(e) = crate::daemon::front::listen::unix_path_usable(path)
+        {
+            say(e.to_string());
+        }
+    }
     out
 }
 

@@ -9,6 +9,8 @@
 //! [`Activity`] it reports (requests arriving and in flight, which the
 //! loop reads to stop or wake an idle engine).
 
+pub mod listen;
+
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

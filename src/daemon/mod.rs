@@ -59,7 +59,7 @@ pub async fn run(
     notifier: impl Notifier + 'static,
     watchdog: Option<Duration>,
     requests: impl Stream<Item = Request>,
-    handover: Handover,
+    mut handover: Handover,
 ) -> Code {
     let classifier = match Classifier::new(&settings.patterns) {
         Ok(c) => c,
@@ -78,6 +78,13 @@ pub async fn run(
     };
     let endpoint = match Endpoint::bind(&settings) {
         Ok(e) => e,
+        Err(code) => return code,
+    };
+    // The front door's sockets, open before anything starts and for the
+    // warden's whole life (taken by the front door; a second descriptor of
+    // each is kept for an upgrade's successor).
+    let front_listeners = match open_front(&settings, &mut handover) {
+        Ok(l) => l,
         Err(code) => return code,
     };
     let heartbeat = driver::Heartbeat::default();
@@ -142,7 +149,32 @@ pub async fn run(
     }
     .run(requests)
     .await;
-    finish(code, backend, observer, &cleanup).await
+    let code = finish(code, backend, observer, &cleanup).await;
+    drop(front_listeners);
+    code
+}
+
+/// The front door's listening sockets (none without `[front]`), with a
+/// second descriptor of each kept in `handover` for an upgrade's
+/// successor. A socket that cannot be had is a config problem.
+fn open_front(
+    settings: &Settings,
+    handover: &mut Handover,
+) -> Result<Vec<(crate::config::Listen, front::listen::Listener)>, Code> {
+    let inherited = std::mem::take(&mut handover.listeners);
+    let opened = match settings.front.as_ref() {
+        Some(f) => front::listen::open(f, inherited),
+        None => front::listen::without_front(inherited).map(|()| Vec::new()),
+    };
+    let listeners = opened.map_err(|e| {
+        tracing::error!(EVENT = "front", error = %e, "cannot open the front door");
+        Code::Config
+    })?;
+    handover.kept = front::listen::kept(&listeners).map_err(|e| {
+        tracing::error!(EVENT = "front", error = %e, "cannot keep the front door's sockets for an upgrade");
+        Code::Internal
+    })?;
+    Ok(listeners)
 }
 
 /// A new machine, or one that takes over the ready run of an upgrading

@@ -2,9 +2,10 @@
 //! `vllm-warden upgrade`), a ready warden saves what its successor needs to
 //! a file in the runtime directory and `execve`s the binary at its own path.
 //! The pid stays, so the child stays its child (nothing is re-parented),
-//! systemd's `MAINPID` stays, and three descriptors are kept across the
+//! systemd's `MAINPID` stays, and these descriptors are kept across the
 //! exec: the instance lock, the read end of the pipe the child writes its
-//! output to, and the log file. The log writer is held before the exec, so
+//! output to, the log file, and the front door's listening sockets (never
+//! closed, never bound again: clients wait in their backlog meanwhile). The log writer is held before the exec, so
 //! everything it took out of the pipe is in the file; what the child writes
 //! meanwhile waits in the pipe. The successor reads the file, checks every
 //! part of it against the live system (the child is its child with the same
@@ -73,6 +74,21 @@ pub struct Handoff {
     pub log_ino: u64,
     pub log_offset: u64,
     pub machine: crate::supervisor::Saved,
+    /// The front door's listening sockets, kept open across the exec; none
+    /// from a predecessor without them.
+    #[serde(default)]
+    pub listeners: Vec<HandedListener>,
+}
+
+/// A listening socket of the front door, as the hand-off names it: its
+/// descriptor and its address as the config writes it (`0.0.0.0:8000`,
+/// `unix:/run/…`). The successor takes it only once checked to be a
+/// listening socket with that local address
+/// (`front::listen::Inherited::handed_over`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandedListener {
+    pub fd: RawFd,
+    pub address: String,
 }
 
 /// Why an upgrade does not go on: the state file the successor cannot
@@ -422,6 +438,7 @@ mod tests {
                 last_failure: None,
                 drained: false,
             },
+            listeners: Vec::new(),
         }
     }
 

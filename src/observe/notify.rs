@@ -1,5 +1,6 @@
 //! Talking to systemd: `READY=1`, `STATUS=`, `STOPPING=1`,
-//! `EXTEND_TIMEOUT_USEC=`, `WATCHDOG=1`. A failed notification is logged and
+//! `EXTEND_TIMEOUT_USEC=`, `WATCHDOG=1`; descriptors kept in the service's
+//! store (`FDSTORE=1`, `FDSTOREREMOVE=1`). A failed notification is logged and
 //! never stops the daemon; without `NOTIFY_SOCKET` nothing is sent. Knows
 //! nothing of what the messages mean.
 
@@ -310,6 +311,54 @@ pub fn watchdog_interval() -> Option<Duration> {
     }
     let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
     (usec > 0).then(|| Duration::from_micros(usec / 2))
+}
+
+/// How long a message with descriptors may wait for room in the service
+/// manager's queue: it is sent at start, before anything else, and a
+/// manager that takes no message in that time is not waited for.
+const FD_SEND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Keep `fd` in the service's file-descriptor store under `name`
+/// (`FDSTORE=1`, `FDNAME=`): systemd hands it back (in `LISTEN_FDS`, named
+/// in `LISTEN_FDNAMES`) when it starts the service again, and holds it
+/// meanwhile. Nothing is sent, and `Ok(false)` returned, without
+/// `$NOTIFY_SOCKET`. One message a descriptor: the name is the message's.
+pub fn store_fd(name: &str, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let msg = format!("FDSTORE=1\nFDNAME={name}\n");
+    send_with_fds(&msg, &[fd.as_raw_fd()])
+}
+
+/// Take every descriptor named `name` out of the store
+/// (`FDSTOREREMOVE=1`, `FDNAME=`); systemd closes its copies.
+pub fn remove_stored(name: &str) -> std::io::Result<bool> {
+    let msg = format!("FDSTOREREMOVE=1\nFDNAME={name}\n");
+    send_with_fds(&msg, &[])
+}
+
+/// One datagram to `$NOTIFY_SOCKET` (a path or an abstract `@name`) with
+/// `fds` attached (`SCM_RIGHTS`), waiting at most [`FD_SEND_TIMEOUT`].
+fn send_with_fds(msg: &str, fds: &[std::os::fd::RawFd]) -> std::io::Result<bool> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, UnixAddr, sendmsg};
+    use std::os::fd::AsRawFd;
+    let Some(target) = std::env::var_os("NOTIFY_SOCKET").filter(|s| !s.is_empty()) else {
+        return Ok(false);
+    };
+    let sock = UnixDatagram::unbound()?;
+    if let Some(name) = target.as_bytes().strip_prefix(b"@") {
+        sock.connect_addr(&std::os::unix::net::SocketAddr::from_abstract_name(name)?)?;
+    } else {
+        sock.connect(Path::new(&target))?;
+    }
+    sock.set_write_timeout(Some(FD_SEND_TIMEOUT))?;
+    let iov = [std::io::IoSlice::new(msg.as_bytes())];
+    let rights = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &rights };
+    let sent = sendmsg::<UnixAddr>(sock.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    if sent != msg.len() {
+        return Err(std::io::Error::new(std::io::ErrorKind::WriteZero, "incomplete notification"));
+    }
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -40,7 +40,8 @@ pub fn free_port() -> u16 {
 
 pub struct Warden {
     pub dir: tempfile::TempDir,
-    opts: Opts,
+    /// How the next [`Warden::spawn`] starts it.
+    pub opts: Opts,
     notify_socket: String,
     /// Lines of the notify socket, read as they come by a thread (as
     /// systemd does: a sender must never find the queue full).
@@ -93,6 +94,29 @@ pub struct Opts {
     /// The warden's stderr is a pipe of one page that nobody reads (a log
     /// collector that stopped reading) instead of `warden.stderr`.
     pub stderr_unread: bool,
+    /// Descriptors of the test's, given to the warden as descriptors 3, 4, …
+    /// as systemd passes sockets (the test sets `LISTEN_FDS` and the rest).
+    pub listen_fds: Vec<std::os::fd::RawFd>,
+    /// Where the notifications that carry descriptors (`FDSTORE=1`) go,
+    /// with the descriptors, as systemd receives them.
+    pub notify_fds: Option<mpsc::Sender<(String, Vec<std::os::fd::OwnedFd>)>>,
+}
+
+/// One datagram of the notify socket, with the descriptors it carries.
+fn recv_with_fds(sock: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 16]);
+    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(got) = c {
+            // SAFETY: the kernel just gave these descriptors to this process.
+            fds.extend(got.into_iter().map(|fd| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }));
+        }
+    }
+    Ok((msg.bytes, fds))
 }
 
 impl Warden {
@@ -120,10 +144,15 @@ impl Warden {
             (UnixDatagram::bind(&path).unwrap(), path.to_str().unwrap().to_string())
         };
         let (tx, lines) = mpsc::channel();
+        let fds_tx = opts.notify_fds.clone();
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 65536];
-            while let Ok(n) = sock.recv(&mut buf) {
-                for line in String::from_utf8_lossy(&buf[..n]).lines() {
+            while let Ok((n, fds)) = recv_with_fds(&sock, &mut buf) {
+                let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                if let (Some(fds_tx), false) = (&fds_tx, fds.is_empty()) {
+                    let _ = fds_tx.send((text.clone(), fds));
+                }
+                for line in text.lines() {
                     if tx.send(line.to_string()).is_err() {
                         return;
                     }
@@ -195,6 +224,32 @@ impl Warden {
                     set.add(nix::sys::signal::Signal::SIGTERM);
                     set.add(nix::sys::signal::Signal::SIGINT);
                     let _ = set.thread_set_mask();
+                    Ok(())
+                });
+            }
+        }
+        if !opts.listen_fds.is_empty() {
+            use std::os::unix::process::CommandExt;
+            let fds = opts.listen_fds.clone();
+            // SAFETY: only fcntl and dup2 between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    // Out of the way first, then to 3, 4, … (a source may be
+                    // one of those numbers), open across the exec.
+                    let mut high = Vec::new();
+                    for &fd in &fds {
+                        let h = libc::fcntl(fd, libc::F_DUPFD, 100);
+                        if h < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        high.push(h);
+                    }
+                    for (i, &h) in high.iter().enumerate() {
+                        if libc::dup2(h, 3 + i as i32) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        libc::close(h);
+                    }
                     Ok(())
                 });
             }
