@@ -398,3 +398,23 @@ fn every_metric_a_rule_or_the_dashboard_names_exists_in_a_real_exposition() {
         .collect();
     assert!(missing.is_empty(), "named by a rule or the dashboard, in no exposition: {missing:?}\n{ready}");
 }
+
+/// Shipped: the package installs the rules, the PrometheusRule and the
+/// dashboard in `/usr/share/vllm-warden/`, and the container image has
+/// them there too (`tests/systemd/run.sh` installs the package and looks).
+#[test]
+fn the_package_and_the_image_ship_the_rules_and_the_dashboard() {
+    let deb = std::fs::read_to_string(root().join("packaging/build-deb.sh")).unwrap();
+    let image = std::fs::read_to_string(root().join("packaging/container/Dockerfile")).unwrap();
+    let copy = image.lines().find(|l| l.starts_with("COPY packaging/observability/")).expect("a COPY of them");
+    assert!(copy.ends_with(" /usr/share/vllm-warden/"), "{copy}");
+    for file in [
+        "packaging/observability/vllm-warden.rules.yml",
+        "packaging/observability/vllm-warden.dashboard.json",
+        "packaging/container/vllm-warden.prometheusrule.yaml",
+    ] {
+        assert!(root().join(file).is_file(), "{file}");
+        assert!(deb.contains(&format!("\"{file} usr/share/vllm-warden/ 644\"")), "build-deb.sh installs {file}");
+        assert!(copy.contains(&format!(" {file} ")), "the image has {file}");
+    }
+}
