@@ -261,12 +261,13 @@ fn the_dashboard_is_grafana_json_of_its_schema_version_and_every_query_parses() 
     let tmp = tempfile::tempdir().unwrap();
     let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
     let var_queries = d["templating"]["list"].as_array().unwrap().iter().filter_map(|v| v["definition"].as_str());
-    for (i, q) in queries.iter().map(String::as_str).chain(var_queries.map(|q| q)).enumerate() {
+    for (i, q) in queries.iter().map(String::as_str).chain(var_queries).enumerate() {
         // label_values() is Grafana's, not PromQL: its first argument is.
         let q = q.strip_prefix("label_values(").map_or(q.to_string(), |rest| {
             rest.rsplit_once(',').map_or(rest.trim_end_matches(')').to_string(), |(m, _)| m.to_string())
         });
-        rules += &format!("      - record: dashboard:query_{i}\n        expr: {}\n", serde_json::json!(with_values(&q)));
+        rules +=
+            &format!("      - record: dashboard:query_{i}\n        expr: {}\n", serde_json::json!(with_values(&q)));
     }
     std::fs::write(tmp.path().join("dashboard.yml"), &rules).unwrap();
     let checked = promtool(p, &["check", "rules", "dashboard.yml"], tmp.path());
@@ -416,5 +417,498 @@ fn the_package_and_the_image_ship_the_rules_and_the_dashboard() {
         assert!(root().join(file).is_file(), "{file}");
         assert!(deb.contains(&format!("\"{file} usr/share/vllm-warden/ 644\"")), "build-deb.sh installs {file}");
         assert!(copy.contains(&format!(" {file} ")), "the image has {file}");
+    }
+}
+
+// --- End to end: a real Prometheus with the shipped rules -----------------
+
+/// The end-to-end test's scrape and rule-evaluation intervals.
+const SCRAPE: Duration = Duration::from_secs(1);
+const EVAL: Duration = Duration::from_millis(500);
+/// The `for:` of the test's copy of the rules (the shipped ones are what an
+/// operator needs: minutes), for every rule whose `for:` is not 0.
+const FOR: Duration = Duration::from_secs(2);
+/// `VllmWardenDown`'s: longer than a warden takes to bind its endpoint on
+/// a busy machine (a scenario's warden is started while Prometheus runs).
+const FOR_DOWN: Duration = Duration::from_secs(10);
+/// How often the test asks Prometheus for its alerts.
+const POLL: Duration = Duration::from_millis(100);
+
+/// The shipped rules with the test's `for:`; each alert's `for:` there.
+fn test_rules(text: &str) -> (String, BTreeMap<String, Duration>) {
+    let mut out = String::new();
+    let mut fors = BTreeMap::new();
+    let mut alert = String::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if let Some(name) = t.strip_prefix("- alert:") {
+            alert = name.trim().to_string();
+        }
+        match t.strip_prefix("for:").map(str::trim) {
+            Some(v) => {
+                let d = match v {
+                    "0m" | "0s" => Duration::ZERO,
+                    _ if alert == "VllmWardenDown" => FOR_DOWN,
+                    _ => FOR,
+                };
+                fors.insert(alert.clone(), d);
+                let indent = &line[..line.len() - line.trim_start().len()];
+                out += &format!("{indent}for: {}ms\n", d.as_millis());
+            }
+            None => out += &format!("{line}\n"),
+        }
+    }
+    (out, fors)
+}
+
+/// A Prometheus server, killed when dropped.
+struct Prometheus {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    /// Start `prometheus` on `config` and `rules`; returns once it says it
+    /// is ready to receive web requests (read from its log, as it comes).
+    fn start(program: &str, config: &str, rules: &str) -> Prometheus {
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
+        std::fs::write(dir.path().join("rules.yml"), rules).unwrap();
+        let port = free_port();
+        let mut child = Command::new(program)
+            .arg(format!("--config.file={}", dir.path().join("prometheus.yml").display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--log.level=info")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + common::TIMEOUT;
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.contains("Server is ready to receive web requests") => break,
+                Ok(line) => seen.push(line),
+                Err(e) => {
+                    let _ = child.kill();
+                    panic!("prometheus not ready ({e}):\n{}", seen.join("\n"))
+                }
+            }
+        }
+        // Its log from now on: read and dropped, so that it never blocks.
+        std::thread::spawn(move || while rx.recv().is_ok() {});
+        Prometheus { child, port, _dir: dir }
+    }
+
+    /// The answer to an instant query, for a failure message.
+    fn query(&self, expr: &str) -> String {
+        let mut url = format!("http://127.0.0.1:{}/api/v1/query?query=", self.port);
+        for b in expr.bytes() {
+            if b.is_ascii_alphanumeric() || b"_-.".contains(&b) {
+                url.push(b as char);
+            } else {
+                url += &format!("%{b:02X}");
+            }
+        }
+        http::get(&url, common::TIMEOUT).map(|a| a.body).unwrap_or_else(|e| e)
+    }
+
+    /// When Prometheus took its first sample of `selector`: the first
+    /// sample of the series it has kept for the last 10 minutes.
+    fn first_sample(&self, selector: &str) -> Instant {
+        let body = self.query(&format!("{selector}[10m]"));
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        let first = v["data"]["result"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|series| series["values"][0][0].as_f64())
+            .reduce(f64::min)
+            .unwrap_or_else(|| panic!("no sample of {selector}: {body}"));
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+        Instant::now() - Duration::from_secs_f64((now - first).max(0.0))
+    }
+
+    /// The alerts, pending and firing: (labels, state).
+    fn alerts(&self) -> Vec<(BTreeMap<String, String>, String)> {
+        let a = http::get(&format!("http://127.0.0.1:{}/api/v1/alerts", self.port), common::TIMEOUT).unwrap();
+        assert_eq!(a.status, 200, "{}", a.body);
+        let body = a.json();
+        body["data"]["alerts"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{body}"))
+            .iter()
+            .map(|x| {
+                let labels = x["labels"]
+                    .as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                    .collect();
+                (labels, x["state"].as_str().unwrap_or_default().to_string())
+            })
+            .collect()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Serves the file at `path` to every request, as node_exporter's textfile
+/// collector serves the metrics file; its port.
+fn serve_file(path: PathBuf) -> u16 {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = c.read(&mut buf);
+            let body = std::fs::read_to_string(&path).unwrap_or_default();
+            let _ = write!(
+                c,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    port
+}
+
+const TOKEN: &str = "s3cret";
+
+/// A scenario's warden: the simulated vLLM with `fake` arguments, the
+/// endpoint on `listen` (token [`TOKEN`]), no drain delay; `restart` keys
+/// of `[restart]`, and `more` sections.
+fn scenario_config(d: &Path, p: u16, listen: u16, fake: &[&str], restart: &str, more: &str) -> String {
+    let token = d.join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let extra = format!(
+        "[restart]\ninitial-delay = \"0s\"\n{restart}[server]\nlisten = \"127.0.0.1:{listen}\"\ntoken-file = \"{}\"\n[drain]\ndelay = \"0s\"\n{more}",
+        token.display()
+    );
+    config(d, p, fake, "", &extra)
+}
+
+/// The golden scenario's config: the simulated model answers from a file
+/// that the config patches to `value`; a mismatch is a warning.
+fn golden_config(d: &Path, p: u16, listen: u16, value: u32) -> String {
+    let weights = d.join("weights.json");
+    if !weights.exists() {
+        std::fs::write(&weights, "{\"rms_norm_eps\": 1e-06}\n").unwrap();
+    }
+    let w = weights.to_str().unwrap();
+    let more = format!(
+        "[golden]\non-mismatch = \"warn\"\nprompts = [\"one\"]\n[[patch]]\nfile = \"{w}\"\nset = {{ rms_norm_eps = {value} }}\n"
+    );
+    scenario_config(d, p, listen, &["--shards", "1", "--answers-from", w], "", &more)
+}
+
+/// What a scenario's thread hands back: its warden (still running), and
+/// for each alert it expects, when the condition began (as the warden
+/// told it).
+type Outcome = (Warden, Vec<(&'static str, Instant)>);
+
+/// Issue 47's proof: a real Prometheus (scrape every 1 s, rules every
+/// 0.5 s) with the shipped rules, `for:` shortened to seconds, scrapes
+/// wardens that supervise the simulated vLLM through a crash loop, a
+/// give-up, a stall after ready, a load slower than its history, a golden
+/// mismatch, a refused reload and a long drain, each its own warden, all
+/// at once. Each scenario's alert fires within its `for:` plus two scrape
+/// intervals of the moment its condition began; no scenario fires an
+/// alert it should not; a clean run, there all along, fires none.
+#[test]
+fn a_real_prometheus_fires_each_alert_on_its_scenario_and_none_on_a_clean_run() {
+    let Some(program) = tool("prometheus") else { return };
+    let began = Instant::now();
+    let ports: BTreeMap<&str, u16> =
+        ["clean", "crash-loop", "give-up", "stall", "slow-load", "golden", "reload", "drain"]
+            .into_iter()
+            .map(|s| (s, free_port()))
+            .collect();
+    let listen = |s: &str| ports[s];
+
+    // Before Prometheus: the wardens whose scenario begins from a ready
+    // server (or, for the give-up, has already ended).
+    let one = &["--shards", "1"][..];
+    let clean = Warden::start(|d, p| scenario_config(d, p, listen("clean"), one, "", ""));
+    let mut give_up = Warden::start(|d, p| {
+        scenario_config(
+            d,
+            p,
+            listen("give-up"),
+            &["--shards", "1", "--fail", "kv-cache"],
+            "permanent-attempts = 1\n",
+            "",
+        )
+    });
+    let stall_health = "[health]\ninterval = \"100ms\"\nprogress-stall = \"1s\"\ncanary-interval = \"0s\"\n";
+    let mut stall = Warden::start(|d, p| {
+        scenario_config(d, p, listen("stall"), &["--shards", "1", "--wedge-on-usr2"], "", stall_health)
+    });
+    let slow_args = &["--shards", "6", "--shard-time", "1500ms"][..];
+    let mut slow = Warden::start(|d, p| scenario_config(d, p, listen("slow-load"), slow_args, "", ""));
+    let golden_listen = listen("golden");
+    let mut golden = Warden::start(|d, p| golden_config(d, p, golden_listen, 1));
+    let mut reload = Warden::start(|d, p| scenario_config(d, p, listen("reload"), one, "", ""));
+    let mut drain = Warden::start(|d, p| scenario_config(d, p, listen("drain"), one, "", ""));
+    // The crash loop begins with a reload that makes every start fail.
+    let crash_delay = Duration::from_millis(300);
+    let crash_restart =
+        format!("max-delay = \"{ms}ms\"\njitter = 0.0\nmax-attempts = 0\n", ms = crash_delay.as_millis());
+    let crash_listen = listen("crash-loop");
+    let crash_config = move |d: &Path, p: u16, fake: &[&str]| {
+        let c = scenario_config(d, p, crash_listen, fake, &crash_restart, "");
+        c.replace("initial-delay = \"0s\"", &format!("initial-delay = \"{}ms\"", crash_delay.as_millis()))
+    };
+    let mut crash = Warden::start(|d, p| crash_config(d, p, one));
+    let mut clean = clean;
+    for w in [&mut clean, &mut stall, &mut golden, &mut reload, &mut drain, &mut crash] {
+        w.wait_ready();
+    }
+    assert_eq!(give_up.wait_exit(), 78, "a permanent cause, once");
+    // The slow load's history: its setup's loads took a second each.
+    slow.wait_ready();
+    assert_eq!(slow.stop(), 0);
+    let ledger = slow.path("state/loads.jsonl");
+    let last: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&ledger).unwrap().lines().last().unwrap()).unwrap();
+    let history: String = (1..=30)
+        .map(|id| {
+            let line = serde_json::json!({
+                "id": id, "at": "2026-01-01T00:00:00Z", "start": 1, "outcome": {"kind": "ready"},
+                "total_secs": 1.0, "phases": [{"phase": "start", "secs": 0.5}, {"phase": "weights", "secs": 0.5}],
+                "fingerprint": last["fingerprint"], "setup": last["setup"],
+            });
+            format!("{line}\n")
+        })
+        .collect();
+    std::fs::write(&ledger, history).unwrap();
+    let textfile = serve_file(give_up.path("vllm_warden.prom"));
+
+    let (rules, fors) = test_rules(&std::fs::read_to_string(rules_path()).unwrap());
+    let mut config = format!(
+        "global:\n  scrape_interval: {}ms\n  scrape_timeout: {}ms\n  evaluation_interval: {}ms\nrule_files: [rules.yml]\nscrape_configs:\n  - job_name: vllm-warden\n    static_configs:\n",
+        SCRAPE.as_millis(),
+        SCRAPE.as_millis() * 8 / 10,
+        EVAL.as_millis()
+    );
+    for (scenario, port) in &ports {
+        config += &format!("      - targets: ['127.0.0.1:{port}']\n        labels: {{scenario: {scenario}}}\n");
+    }
+    config += &format!(
+        "  - job_name: vllm-warden-textfile\n    static_configs:\n      - targets: ['127.0.0.1:{textfile}']\n        labels: {{scenario: give-up}}\n"
+    );
+    let prometheus = Prometheus::start(program, &config, &rules);
+    let scraping = Instant::now();
+    // Every warden that runs scraped once before a scenario begins: a
+    // counter's first sample is its value before (as in production, where
+    // Prometheus has watched a warden long before anything happens).
+    // All but the give-up (over) and the slow load (stopped, to start again).
+    let running = ports.len() - 2;
+    // When each alert first fired, and every alert ever seen by scenario.
+    let mut fired: BTreeMap<(String, String), Instant> = BTreeMap::new();
+    let mut seen: BTreeSet<(String, String, String)> = BTreeSet::new();
+    let watch = |fired: &mut BTreeMap<(String, String), Instant>, seen: &mut BTreeSet<(String, String, String)>| {
+        let now = Instant::now();
+        for (labels, state) in prometheus.alerts() {
+            let scenario = labels.get("scenario").cloned().unwrap_or_default();
+            let alert = labels.get("alertname").cloned().unwrap_or_default();
+            seen.insert((scenario.clone(), alert.clone(), state.clone()));
+            if state == "firing" {
+                fired.entry((scenario, alert)).or_insert(now);
+            }
+        }
+    };
+    let deadline = Instant::now() + common::TIMEOUT;
+    while !prometheus.query("count(up{job=\"vllm-warden\"} == 1)").contains(&format!(",\"{running}\"]")) {
+        assert!(Instant::now() < deadline, "the wardens not scraped: {}", prometheus.query("up"));
+        watch(&mut fired, &mut seen);
+        // Prometheus can only be asked: asked again shortly.
+        std::thread::sleep(POLL);
+    }
+
+    // The scenarios, each on its own thread, all at once.
+    let mut threads: Vec<(&str, std::thread::JoinHandle<Outcome>)> = Vec::new();
+    threads.push((
+        "give-up",
+        std::thread::spawn(move || {
+            // Over before the first scrape: the condition is there from it on
+            // (below, when Prometheus took that scrape).
+            (give_up, vec![("VllmWardenGaveUp", scraping), ("VllmWardenDown", scraping)])
+        }),
+    ));
+    threads.push((
+        "crash-loop",
+        std::thread::spawn(move || {
+            let text = crash_config(&crash.path(""), crash.port, &["--shards", "1", "--fail", "exit1"]);
+            std::fs::write(crash.path("t.toml"), text).unwrap();
+            crash.signal(nix::sys::signal::Signal::SIGHUP);
+            for _ in 0..3 {
+                crash.wait_note("a restart", |n| n.starts_with("STATUS=restarting in"));
+            }
+            // Counted at the spawn after the third, a delay later (and the
+            // reload's own restart counted before them all: the condition may
+            // hold earlier, never later).
+            (crash, vec![("VllmWardenRestartLoop", Instant::now() + crash_delay)])
+        }),
+    ));
+    threads.push((
+        "stall",
+        std::thread::spawn(move || {
+            let leader = stall.descendants().iter().find(|p| p.ppid == stall.pid as i32).unwrap().pid;
+            let url = format!("http://127.0.0.1:{}/v1/completions", stall.port);
+            // A long request in flight when the engine wedges.
+            std::thread::spawn(move || {
+                let body = serde_json::json!({"model": "tiny-llama", "prompt": "Hi", "max_tokens": 100000});
+                let _ = http::post_json(&url, &body, http::FOREVER);
+            });
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(leader), nix::sys::signal::Signal::SIGUSR2).unwrap();
+            stall.wait_note("the stall", |n| n.starts_with("STATUS=failed") && n.contains("engine stalled"));
+            let at = Instant::now();
+            (stall, vec![("VllmWardenEngineStalled", at)])
+        }),
+    ));
+    threads.push((
+        "slow-load",
+        std::thread::spawn(move || {
+            slow.spawn();
+            // Its history says a second: 1.5 s in, it is slower than that.
+            let at = Instant::now() + Duration::from_millis(1500);
+            slow.wait_note("the weights", |n| n.contains("Loading safetensors checkpoint shards: 1/6"));
+            (slow, vec![("VllmWardenLoadSlow", at)])
+        }),
+    ));
+    threads.push((
+        "golden",
+        std::thread::spawn(move || {
+            let text = golden_config(&golden.path(""), golden.port, golden_listen, 2);
+            std::fs::write(golden.path("t.toml"), text).unwrap();
+            golden.signal(nix::sys::signal::Signal::SIGHUP);
+            golden.wait_note("the changed answers", |n| {
+                n.starts_with("STATUS=ready") && n.contains("WARNING: answers changed")
+            });
+            let at = Instant::now();
+            (golden, vec![("VllmWardenGoldenChanged", at)])
+        }),
+    ));
+    threads.push((
+        "reload",
+        std::thread::spawn(move || {
+            let good = std::fs::read_to_string(reload.path("t.toml")).unwrap();
+            std::fs::write(reload.path("t.toml"), good.replace("[child]", "[child]\nstop-timeout = \"soon\"")).unwrap();
+            reload.signal(nix::sys::signal::Signal::SIGHUP);
+            reload.wait_note("the refusal", |n| n.starts_with("STATUS=reload refused"));
+            let at = Instant::now();
+            (reload, vec![("VllmWardenReloadRefused", at)])
+        }),
+    ));
+    let drain_listen = listen("drain");
+    threads.push((
+        "drain",
+        std::thread::spawn(move || {
+            let url = format!("http://127.0.0.1:{drain_listen}/drain");
+            let a = http::post(&url, Some(TOKEN), common::TIMEOUT).unwrap();
+            assert_eq!(a.status, 202, "{}", a.body);
+            let at = Instant::now();
+            (drain, vec![("VllmWardenDrainedTooLong", at)])
+        }),
+    ));
+
+    // Watch Prometheus's alerts until every expected one fires.
+    let expected: BTreeMap<&str, BTreeSet<&str>> = [
+        ("clean", &[][..]),
+        ("crash-loop", &["VllmWardenRestartLoop"][..]),
+        ("give-up", &["VllmWardenGaveUp", "VllmWardenDown"][..]),
+        ("stall", &["VllmWardenEngineStalled"][..]),
+        ("slow-load", &["VllmWardenLoadSlow"][..]),
+        ("golden", &["VllmWardenGoldenChanged"][..]),
+        ("reload", &["VllmWardenReloadRefused"][..]),
+        ("drain", &["VllmWardenDrainedTooLong"][..]),
+    ]
+    .into_iter()
+    .map(|(s, a)| (s, a.iter().copied().collect()))
+    .collect();
+    let want: usize = expected.values().map(BTreeSet::len).sum();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while fired.len() < want || threads.iter().any(|(_, t)| !t.is_finished()) {
+        let now = Instant::now();
+        watch(&mut fired, &mut seen);
+        let unexpected: Vec<_> = seen
+            .iter()
+            // Pending is not firing (a warden's endpoint is down until it
+            // binds it), but the clean run raises nothing at all.
+            .filter(|(s, a, state)| {
+                (state == "firing" || s == "clean") && !expected.get(s.as_str()).is_some_and(|e| e.contains(a.as_str()))
+            })
+            .collect();
+        assert!(unexpected.is_empty(), "alerts no scenario should raise: {unexpected:?}");
+        if now >= deadline {
+            let missing: Vec<_> = expected
+                .iter()
+                .flat_map(|(s, a)| a.iter().map(move |a| (s.to_string(), a.to_string())))
+                .filter(|k| !fired.contains_key(k))
+                .collect();
+            let scrapes = prometheus.query("up == 0 or vllm_warden_health_check_failures_total > 0");
+            panic!("after {}, not fired: {missing:?}; seen: {seen:?}\n{scrapes}", common::secs(now - began));
+        }
+        // Prometheus's alerts can only be asked for: asked again shortly.
+        std::thread::sleep(POLL);
+    }
+    let mut outcomes: Vec<(&str, Outcome)> = threads.into_iter().map(|(s, t)| (s, t.join().unwrap())).collect();
+    let first = [
+        ("VllmWardenGaveUp", prometheus.first_sample("vllm_warden_gave_up{scenario=\"give-up\"}")),
+        ("VllmWardenDown", prometheus.first_sample("up{scenario=\"give-up\", job=\"vllm-warden\"}")),
+    ];
+    for (scenario, (_, began)) in &mut outcomes {
+        if *scenario == "give-up" {
+            *began = first.to_vec();
+        }
+    }
+    let (mut report, mut late) = (Vec::new(), Vec::new());
+    for (scenario, (_, began)) in &outcomes {
+        for (alert, at) in began {
+            let fired_at = fired[&(scenario.to_string(), alert.to_string())];
+            let took = fired_at.saturating_duration_since(*at);
+            let budget = fors[*alert] + SCRAPE * 2;
+            report.push(format!(
+                "{scenario:>10} {alert:<32} fired {:>6} ms after its condition (for: {} ms, budget {} ms)",
+                took.as_millis(),
+                fors[*alert].as_millis(),
+                budget.as_millis()
+            ));
+            if took > budget {
+                late.push(format!(
+                    "{alert} on {scenario}: {} after its condition, over {}",
+                    common::secs(took),
+                    common::secs(budget)
+                ));
+            }
+        }
+    }
+    eprintln!("{}\nwhole test: {}", report.join("\n"), common::secs(began.elapsed()));
+    assert!(late.is_empty(), "{late:?}");
+    drop(prometheus);
+    for (_, (mut w, _)) in outcomes {
+        if w.child.is_some() {
+            w.stop();
+        }
     }
 }

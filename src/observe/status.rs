@@ -768,11 +768,7 @@ impl Metrics {
             "Failed checks after ready: health (the HTTP check), canary (the one-token completion), progress (an engine stalled under load)",
             m.health_failures.clone(),
         );
-        registry.register(
-            "draining",
-            "1 while out of rotation: draining or drained; 0 otherwise",
-            m.draining.clone(),
-        );
+        registry.register("draining", "1 while out of rotation: draining or drained; 0 otherwise", m.draining.clone());
         registry.register(
             "last_load_weights_bytes_per_second",
             "Weight bytes over the weights phase of the last load that read them at a known rate",
@@ -1376,7 +1372,13 @@ mod tests {
             let line = text.lines().find(|l| l.starts_with(sample)).unwrap_or_else(|| panic!("no {sample} in\n{text}"));
             line.rsplit(' ').next().unwrap().parse().unwrap()
         };
-        assert!(text.contains(&format!("vllm_warden_build_info{{name=\"kimi\",version=\"{}\"}} 1\n", env!("CARGO_PKG_VERSION"))), "{text}");
+        assert!(
+            text.contains(&format!(
+                "vllm_warden_build_info{{name=\"kimi\",version=\"{}\"}} 1\n",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{text}"
+        );
         assert!((130.0..200.0).contains(&value(&text, "vllm_warden_load_elapsed_seconds{")), "{text}");
         assert_eq!(value(&text, "vllm_warden_load_expected_seconds{"), 290.0);
         assert_eq!(value(&text, "vllm_warden_load_phase{name=\"kimi\",phase=\"weights\"}"), 1.0);
