@@ -400,6 +400,46 @@ fn every_metric_a_rule_or_the_dashboard_names_exists_in_a_real_exposition() {
     assert!(missing.is_empty(), "named by a rule or the dashboard, in no exposition: {missing:?}\n{ready}");
 }
 
+/// The value of the sample `name{name="t"}` in an exposition.
+fn sample(exposition: &str, name: &str) -> Option<f64> {
+    let prefix = format!("{name}{{name=\"t\"}} ");
+    exposition.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok())
+}
+
+/// `vllm_warden_gpu_release_wait_seconds` while a start waits for the
+/// GPUs (a query that says one is busy, until the test frees it), as of
+/// the answer; 0 once the wait is over.
+#[test]
+fn the_gpu_wait_is_in_the_metrics_while_it_lasts() {
+    let listen = free_port();
+    let mut w = Warden::start(|d, p| {
+        let script = d.join("gpu-query");
+        let busy = d.join("busy");
+        std::fs::write(&busy, "").unwrap();
+        std::fs::write(&script, format!("#!/bin/sh\n[ -e {} ] && echo '4242, 81000'\nexit 0\n", busy.display()))
+            .unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let more = format!(
+            "[server]\nlisten = \"127.0.0.1:{listen}\"\n[prestart]\ngpu-idle-wait = \"60s\"\ngpu-query = [\"{}\"]\n",
+            script.display()
+        );
+        config(d, p, &["--shards", "1"], "", &more)
+    });
+    let scrape = || http::get(&format!("http://127.0.0.1:{listen}/metrics"), common::TIMEOUT).unwrap().body;
+    w.wait_note("the wait", |n| n.starts_with("STATUS=waiting up to 1m for GPU compute processes"));
+    let first = sample(&scrape(), "vllm_warden_gpu_release_wait_seconds").expect("the gauge");
+    assert!(first > 0.0, "waiting: {first}");
+    // Asked again until the answer moves: the wait is timed as of each answer.
+    let deadline = Instant::now() + common::TIMEOUT;
+    while sample(&scrape(), "vllm_warden_gpu_release_wait_seconds").unwrap() <= first {
+        assert!(Instant::now() < deadline, "the wait's time stood still at {first}");
+    }
+    std::fs::remove_file(w.path("busy")).unwrap();
+    w.wait_ready();
+    assert_eq!(sample(&scrape(), "vllm_warden_gpu_release_wait_seconds"), Some(0.0));
+    assert_eq!(w.stop(), 0);
+}
+
 /// Shipped: the package installs the rules, the PrometheusRule and the
 /// dashboard in `/usr/share/vllm-warden/`, and the container image has
 /// them there too (`tests/systemd/run.sh` installs the package and looks).
