@@ -8,18 +8,26 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The kinds of health check, for the metric's `check` label: the HTTP
-/// check, the canary completion, forward progress from vLLM's metrics.
+/// The kinds of health check after ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// The HTTP check (`health.http`).
+    Health,
+    /// The one-token completion (`health.canary-interval`).
+    Canary,
+    /// Forward progress from vLLM's own metrics: an engine stalled under
+    /// load (`health.progress-stall`).
+    Progress,
+}
+
+/// Their names, for the metric's `check` label, in the order of [`Check`].
 pub const CHECKS: [&str; 3] = ["health", "canary", "progress"];
 
 static FAILED: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 
-/// A check of this kind (one of [`CHECKS`]) failed; an unknown kind is a
-/// mistake of the caller and is not counted.
-pub fn check_failed(check: &str) {
-    if let Some(i) = CHECKS.iter().position(|c| *c == check) {
-        FAILED[i].fetch_add(1, Ordering::Relaxed);
-    }
+/// A check of this kind failed.
+pub fn check_failed(check: Check) {
+    FAILED[check as usize].fetch_add(1, Ordering::Relaxed);
 }
 
 /// Failed checks so far, by kind, in the order of [`CHECKS`].
@@ -50,4 +58,25 @@ impl Drop for GpuWaiting {
 /// How long the start has been waiting for the GPUs; zero when it is not.
 pub fn gpu_waited() -> Duration {
     GPU_WAIT.lock().unwrap_or_else(|e| e.into_inner()).map_or(Duration::ZERO, |t| t.elapsed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_checks_are_counted_by_kind_and_the_gpu_wait_lasts_as_long_as_its_guard() {
+        let before = checks_failed();
+        check_failed(Check::Progress);
+        check_failed(Check::Canary);
+        check_failed(Check::Progress);
+        let after = checks_failed();
+        assert_eq!([0, 1, 2].map(|i| after[i] - before[i]), [0, 1, 2]);
+        assert_eq!(gpu_waited(), Duration::ZERO);
+        let waiting = GpuWaiting::begin();
+        // Looked at until the clock moves.
+        while gpu_waited().is_zero() {}
+        drop(waiting);
+        assert_eq!(gpu_waited(), Duration::ZERO, "over with its guard");
+    }
 }

@@ -416,7 +416,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
         tokio::time::sleep(h.interval).await;
         let mut result = Ok(());
         // Which check a failure is counted against in the metrics.
-        let mut kind = "health";
+        let mut kind = crate::observe::facts::Check::Health;
         if let Some(url) = h.http.clone() {
             result = check(&url, h.timeout).await;
         }
@@ -428,7 +428,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
                 Scrape::Text(text) => match crate::supervisor::progress::read(&text) {
                     Ok(reading) => {
                         if let Some(cause) = w.observe(reading, now).cause() {
-                            crate::observe::facts::check_failed("progress");
+                            crate::observe::facts::check_failed(crate::observe::facts::Check::Progress);
                             return cause;
                         }
                         None
@@ -449,7 +449,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
             let busy = progress.as_ref().is_some_and(crate::supervisor::progress::Watch::busy);
             if !traffic.seen_within(h.canary_interval) && !busy {
                 result = canary_checked(&spec.base, h.canary_timeout).await;
-                kind = "canary";
+                kind = crate::observe::facts::Check::Canary;
             }
         }
         match result {
