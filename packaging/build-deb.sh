@@ -52,6 +52,9 @@ assets=(
     "docs/benchmarks.md usr/share/doc/vllm-warden/docs/ 644"
     "docs/architecture.md usr/share/doc/vllm-warden/docs/ 644"
     "examples/vllm-warden-front.socket usr/share/doc/vllm-warden/examples/ 644"
+    "packaging/observability/vllm-warden.rules.yml usr/share/vllm-warden/ 644"
+    "packaging/observability/vllm-warden.dashboard.json usr/share/vllm-warden/ 644"
+    "packaging/container/vllm-warden.prometheusrule.yaml usr/share/vllm-warden/ 644"
 )
 
 arch=$(dpkg --print-architecture)

@@ -194,7 +194,9 @@ pub async fn run(
                     humantime::format_duration(wait),
                     prestart::describe_gpu_apps(&apps)
                 ));
+                let waiting = crate::observe::facts::GpuWaiting::begin();
                 let (idle, last) = look_until(wait, ask, |r| matches!(r, Ok(Some(a)) if a.is_empty())).await;
+                drop(waiting);
                 if !idle {
                     let busy = match last {
                         Ok(Some(a)) => prestart::describe_gpu_apps(&a),

@@ -522,6 +522,8 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
     loop {
         tokio::time::sleep(h.interval).await;
         let mut result = Ok(());
+        // Which check a failure is counted against in the metrics.
+        let mut kind = crate::observe::facts::Check::Health;
         if let Some(url) = h.http.clone() {
             result = check_request(spec.api.get(&url), h.timeout).await;
         }
@@ -533,6 +535,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
                 Scrape::Text(text) => match crate::supervisor::progress::read(&text) {
                     Ok(reading) => {
                         if let Some(cause) = w.observe(reading, now).cause() {
+                            crate::observe::facts::check_failed(crate::observe::facts::Check::Progress);
                             return cause;
                         }
                         None
@@ -553,6 +556,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
             let busy = progress.as_ref().is_some_and(crate::supervisor::progress::Watch::busy);
             if !traffic.seen_within(h.canary_interval) && !busy {
                 result = canary_checked(&spec.api, h.canary_timeout).await;
+                kind = crate::observe::facts::Check::Canary;
             }
         }
         match result {
@@ -571,6 +575,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
             Err(Miss::Server(why)) => {
                 last.set(false);
                 failed += 1;
+                crate::observe::facts::check_failed(kind);
                 tracing::warn!(EVENT = "health", "check failed ({failed} of {}): {why}", h.failures);
                 if failed >= h.failures {
                     return format!("health check failed {failed} times: {why}");

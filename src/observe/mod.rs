@@ -10,6 +10,7 @@
 //! nothing: what a line or an answer means for the run is the
 //! supervisor's; when to look is the daemon's.
 
+pub mod facts;
 pub mod golden;
 pub mod health;
 pub mod journal;

@@ -608,6 +608,25 @@ pub struct Metrics {
     /// Engines stopped, and put to sleep, for want of requests.
     idle_stops: Counter,
     sleeps: Counter,
+    /// 1, labelled with the warden's version.
+    build_info: Family<Vec<(String, String)>, Gauge>,
+    /// During a load only: its elapsed time (brought up to date at each
+    /// encoding, from when it began) and the setup's expected time.
+    load_elapsed: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
+    load_expected: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
+    load_began: std::sync::Mutex<Option<std::time::Instant>>,
+    /// 1 for the phase of the load under way, 0 for the others.
+    load_phase_now: Family<Vec<(String, String)>, Gauge>,
+    /// When the last failed run was counted; none before the first.
+    last_failure_at: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
+    failures_seen: AtomicU64,
+    health_failures: Family<Vec<(String, String)>, Counter>,
+    draining: Gauge,
+    last_bps: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
+    /// 1 for the verdict of the last golden check, 0 for the others.
+    golden_last: Family<Vec<(String, String)>, Gauge>,
+    gpu_wait: Gauge<f64, AtomicU64>,
+    gave_up: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -646,7 +665,30 @@ impl Metrics {
             reload_ok_at: Gauge::default(),
             idle_stops: Counter::default(),
             sleeps: Counter::default(),
+            build_info: Family::default(),
+            load_elapsed: Family::default(),
+            load_expected: Family::default(),
+            load_began: Default::default(),
+            load_phase_now: Family::default(),
+            last_failure_at: Family::default(),
+            failures_seen: Default::default(),
+            health_failures: Family::default(),
+            draining: Gauge::default(),
+            last_bps: Family::default(),
+            golden_last: Family::default(),
+            gpu_wait: Gauge::default(),
+            gave_up: Gauge::default(),
         };
+        m.build_info.get_or_create(&vec![("version".into(), env!("CARGO_PKG_VERSION").into())]).set(1);
+        for v in crate::supervisor::golden::Verdict::NAMES {
+            let _ = m.golden_last.get_or_create(&vec![("verdict".into(), v.into())]);
+        }
+        for p in crate::config::profile::LoadPhase::ALL {
+            let _ = m.load_phase_now.get_or_create(&vec![("phase".into(), p.name().into())]);
+        }
+        for c in crate::observe::facts::CHECKS {
+            let _ = m.health_failures.get_or_create(&vec![("check".into(), c.into())]);
+        }
         for v in crate::supervisor::golden::Verdict::NAMES {
             let _ = m.golden.get_or_create(&vec![("verdict".into(), v.into())]);
         }
@@ -703,7 +745,7 @@ impl Metrics {
         );
         registry.register(
             "last_load_weights_gigabytes_per_second",
-            "Weight bytes over the weights phase of the last load that read them at a known rate",
+            "Deprecated, to be removed in the next release: vllm_warden_last_load_weights_bytes_per_second / 1e9",
             m.last_gbps.clone(),
         );
         registry.register(
@@ -741,6 +783,56 @@ impl Metrics {
             "idle_sleeps",
             "Engines put to sleep for want of requests (`idle-action = \"sleep\"`)",
             m.sleeps.clone(),
+        );
+        registry.register("build_info", "1, labelled with the warden's version", m.build_info.clone());
+        registry.register_with_unit(
+            "load_elapsed",
+            "During a load only: the time since its spawn",
+            Unit::Seconds,
+            m.load_elapsed.clone(),
+        );
+        registry.register_with_unit(
+            "load_expected",
+            "During a load only: the median of the setup's good loads in the ledger; absent without history",
+            Unit::Seconds,
+            m.load_expected.clone(),
+        );
+        registry.register(
+            "load_phase",
+            "1 for the phase of the load under way, 0 for the others (all 0 outside a load)",
+            m.load_phase_now.clone(),
+        );
+        registry.register(
+            "last_failure_timestamp_seconds",
+            "When the last failed run was counted, in seconds since the epoch; absent before the first",
+            m.last_failure_at.clone(),
+        );
+        registry.register(
+            "health_check_failures",
+            "Failed checks after ready: health (the HTTP check), canary (the one-token completion), progress (an engine stalled under load)",
+            m.health_failures.clone(),
+        );
+        registry.register("draining", "1 while out of rotation: draining or drained; 0 otherwise", m.draining.clone());
+        registry.register(
+            "last_load_weights_bytes_per_second",
+            "Weight bytes over the weights phase of the last load that read them at a known rate",
+            m.last_bps.clone(),
+        );
+        registry.register(
+            "golden_last_verdict",
+            "1 for the verdict of the last golden check, 0 for the others (all 0 before the first)",
+            m.golden_last.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_release_wait",
+            "How long the start has been waiting for GPU compute processes to exit (their memory released); 0 when it is not",
+            Unit::Seconds,
+            m.gpu_wait.clone(),
+        );
+        registry.register(
+            "gave_up",
+            "1 once the warden has given up (exit 75: max-attempts failed starts; 78: a permanent cause; 71: processes that survived SIGKILL): its last write before it exits",
+            m.gave_up.clone(),
         );
         m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
         m.reloaded(true, started);
@@ -792,7 +884,60 @@ impl Metrics {
             }
             if let Some(g) = r.gbps {
                 self.last_gbps.get_or_create(&vec![]).set(g);
+                self.last_bps.get_or_create(&vec![]).set(g * 1e9);
             }
+        }
+        self.set_more(snap);
+    }
+
+    /// The metrics an alert needs (issue 47), from `snap`.
+    fn set_more(&self, snap: &Snapshot) {
+        let mut began = self.load_began.lock().unwrap_or_else(|e| e.into_inner());
+        match &snap.load {
+            Some(l) => {
+                *began = Some(l.began.into_std());
+                self.load_elapsed.get_or_create(&vec![]).set(l.elapsed.as_secs_f64());
+                match l.expected {
+                    Some(e) => {
+                        self.load_expected.get_or_create(&vec![]).set(e.as_secs_f64());
+                    }
+                    None => self.load_expected.clear(),
+                }
+            }
+            None => {
+                *began = None;
+                self.load_elapsed.clear();
+                self.load_expected.clear();
+            }
+        }
+        for p in crate::config::profile::LoadPhase::ALL {
+            let now = snap.load.as_ref().is_some_and(|l| l.phase == p);
+            self.load_phase_now.get_or_create(&vec![("phase".into(), p.name().into())]).set(i64::from(now));
+        }
+        let failed: u64 = snap.failures.values().sum();
+        if failed > self.failures_seen.swap(failed, std::sync::atomic::Ordering::Relaxed) {
+            let at = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+            self.last_failure_at.get_or_create(&vec![]).set(at.as_secs_f64());
+        }
+        self.draining.set(i64::from(matches!(snap.phase, Phase::Draining | Phase::Drained)));
+        if let Some(v) = &snap.golden {
+            for name in crate::supervisor::golden::Verdict::NAMES {
+                self.golden_last.get_or_create(&vec![("verdict".into(), name.into())]).set(i64::from(name == v.name()));
+            }
+        }
+        use crate::supervisor::exit::Code;
+        self.gave_up.set(i64::from(matches!(snap.exit_code, Some(Code::GaveUp | Code::Config | Code::Unkillable))));
+    }
+
+    /// What only tasks off the loop know, and the times that move between
+    /// two snapshots, as of now.
+    fn refresh(&self) {
+        for (check, n) in crate::observe::facts::CHECKS.iter().zip(crate::observe::facts::checks_failed()) {
+            raise(&self.health_failures.get_or_create(&vec![("check".into(), (*check).into())]), n);
+        }
+        self.gpu_wait.set(crate::observe::facts::gpu_waited().as_secs_f64());
+        if let Some(began) = *self.load_began.lock().unwrap_or_else(|e| e.into_inner()) {
+            self.load_elapsed.get_or_create(&vec![]).set(began.elapsed().as_secs_f64());
         }
     }
 
@@ -806,6 +951,7 @@ impl Metrics {
 
     /// The exposition text.
     pub fn encode(&self) -> String {
+        self.refresh();
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
@@ -1255,10 +1401,69 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("vllm_warden_last_load_weights_gigabytes_per_second{name=\"kimi\"} 1.5"), "{text}");
+        assert!(text.contains("vllm_warden_last_load_weights_bytes_per_second{name=\"kimi\"} 1500000000.0"), "{text}");
         assert!(
             text.contains("vllm_warden_load_phase_duration_seconds_count{name=\"kimi\",phase=\"start\"} 1"),
             "{text}"
         );
+    }
+
+    /// Issue 47: the metrics an alert needs, in base units, from the
+    /// snapshot; the load's gauges only during a load.
+    #[test]
+    fn the_metrics_an_alert_needs_follow_the_snapshot() {
+        use crate::supervisor::load::{LoadNow, LoadPhase};
+        let m = Metrics::new("kimi", SystemTime::UNIX_EPOCH);
+        let mut s = snap();
+        s.phase = Phase::Starting;
+        s.load = Some(LoadNow {
+            phase: LoadPhase::Weights,
+            index: 2,
+            of: 7,
+            elapsed: Duration::from_secs(130),
+            began: tokio::time::Instant::now() - Duration::from_secs(130),
+            expected: Some(Duration::from_secs(290)),
+            last: None,
+            fingerprint: "abc".into(),
+            preload: None,
+        });
+        m.set(&s, 0);
+        let text = m.encode();
+        let value = |text: &str, sample: &str| -> f64 {
+            let line = text.lines().find(|l| l.starts_with(sample)).unwrap_or_else(|| panic!("no {sample} in\n{text}"));
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        assert!(
+            text.contains(&format!(
+                "vllm_warden_build_info{{name=\"kimi\",version=\"{}\"}} 1\n",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{text}"
+        );
+        assert!((130.0..200.0).contains(&value(&text, "vllm_warden_load_elapsed_seconds{")), "{text}");
+        assert_eq!(value(&text, "vllm_warden_load_expected_seconds{"), 290.0);
+        assert_eq!(value(&text, "vllm_warden_load_phase{name=\"kimi\",phase=\"weights\"}"), 1.0);
+        assert_eq!(value(&text, "vllm_warden_load_phase{name=\"kimi\",phase=\"start\"}"), 0.0);
+        assert!(value(&text, "vllm_warden_last_failure_timestamp_seconds{") > 1.7e9, "the failure of the snapshot");
+        assert_eq!(value(&text, "vllm_warden_health_check_failures_total{name=\"kimi\",check=\"progress\"}"), 0.0);
+        assert_eq!(value(&text, "vllm_warden_gpu_release_wait_seconds{"), 0.0);
+        assert_eq!(value(&text, "vllm_warden_draining{"), 0.0);
+        assert_eq!(value(&text, "vllm_warden_gave_up{"), 0.0);
+        // Out of the load, drained, after a changed golden answer, given up.
+        s.load = None;
+        s.phase = Phase::Drained;
+        s.golden = Some(crate::supervisor::golden::Verdict::Failed { text: "no answer".into() });
+        s.golden_checks = 1;
+        s.exit_code = Some(crate::supervisor::exit::Code::GaveUp);
+        m.set(&s, 0);
+        let text = m.encode();
+        assert!(!text.contains("vllm_warden_load_elapsed_seconds{"), "{text}");
+        assert!(!text.contains("vllm_warden_load_expected_seconds{"), "{text}");
+        assert_eq!(value(&text, "vllm_warden_load_phase{name=\"kimi\",phase=\"weights\"}"), 0.0);
+        assert_eq!(value(&text, "vllm_warden_draining{"), 1.0);
+        assert_eq!(value(&text, "vllm_warden_golden_last_verdict{name=\"kimi\",verdict=\"failed\"}"), 1.0);
+        assert_eq!(value(&text, "vllm_warden_golden_last_verdict{name=\"kimi\",verdict=\"same\"}"), 0.0);
+        assert_eq!(value(&text, "vllm_warden_gave_up{"), 1.0);
     }
 
     /// A reload that moves the files: the next update writes them at the

@@ -24,6 +24,7 @@ check "the template unit is known" systemctl cat vllm-warden@x.service
 check "installing started no instance" test -z "$(systemctl list-units --no-legend 'vllm-warden@*')"
 check "the man pages are installed" test -f /usr/share/man/man8/vllm-warden.8.gz -a -f /usr/share/man/man5/vllm-warden.toml.5.gz
 check "the completions are installed" test -f /usr/share/bash-completion/completions/vllm-warden
+check "the alert rules, the PrometheusRule and the dashboard are installed" test -f /usr/share/vllm-warden/vllm-warden.rules.yml -a -f /usr/share/vllm-warden/vllm-warden.prometheusrule.yaml -a -f /usr/share/vllm-warden/vllm-warden.dashboard.json
 check "the example config is installed" test -f /etc/vllm-warden/kimi.toml.example
 check "the simulator is installed beside, not in, the warden" test -x /usr/lib/vllm-warden/vllm-warden-sim
 # Not in /tmp: in runs where this check failed, its output file was gone
