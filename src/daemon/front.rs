@@ -8,6 +8,17 @@
 //! observer derives it from the machine after every change) and the
 //! [`Activity`] it reports (requests arriving and in flight, which the
 //! loop reads to stop or wake an idle engine).
+//!
+//! Its parts: `front/proxy.rs` serves the listeners and forwards, holds
+//! or answers each request; `front/hold.rs` is the queue of held
+//! requests; `front/bind.rs` binds the listeners.
+
+mod bind;
+pub mod hold;
+pub mod proxy;
+
+pub use bind::{ListenError, Listener, open};
+pub use proxy::Door;
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};

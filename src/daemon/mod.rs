@@ -12,9 +12,9 @@
 
 mod backend;
 mod deadline;
-pub mod front;
 pub mod driver;
 pub mod environment;
+pub mod front;
 mod observer;
 pub mod preload;
 pub mod prepare;
@@ -77,6 +77,10 @@ pub async fn run(
         Ok(e) => e,
         Err(code) => return code,
     };
+    let front_door = match FrontDoor::bind(&settings) {
+        Ok(f) => f,
+        Err(code) => return code,
+    };
     let heartbeat = driver::Heartbeat::default();
     let ctx = Context { instance: settings.name.clone(), watchdog, heartbeat: Some(heartbeat.clone()) };
     let (view_tx, view_rx) = tokio::sync::watch::channel(server::View::default());
@@ -89,6 +93,7 @@ pub async fn run(
     let journal = crate::observe::journal::Forwarder::from_env(&settings.name);
     let gatherer = journal.as_ref().map(|j| j.gatherer());
     let mut observer = StateObserver::new(&settings, journal, &token, view_tx);
+    let front_door = front_door.map(|f| f.open(&mut observer));
     for w in environment::describe_child(&settings).1 {
         tracing::warn!(INSTANCE = settings.name.as_str(), EVENT = "caches", "{w}");
     }
@@ -114,6 +119,9 @@ pub async fn run(
     observer.preload = Some(backend.preload.clone());
     let machine = machine(&mut backend, policy, adopted);
     endpoint.serve(&mut backend.tasks, shared);
+    if let Some(serve) = front_door {
+        backend.tasks.spawn("front door", Lifetime::Owned, serve);
+    }
     // The status files and the notes behind them, off the loop.
     let dog = notifier.watchdog();
     let mut notifier: Box<dyn Notifier> = match crate::observe::outbox::start(notifier) {
@@ -188,6 +196,47 @@ impl Endpoint {
         if let Some((l, token)) = self.tcp {
             tasks.spawn("TCP endpoint", Lifetime::Owned, server::serve_tcp(l, token, shared));
         }
+    }
+}
+
+/// The front door (`[front]`): its listeners, bound before anything
+/// starts (an address that cannot be had is a config problem, as the
+/// endpoint's), and where it forwards.
+struct FrontDoor {
+    front: crate::config::Front,
+    engine: crate::config::Engine,
+    listeners: Vec<(crate::config::Listen, front::Listener)>,
+}
+
+impl FrontDoor {
+    fn bind(settings: &Settings) -> Result<Option<FrontDoor>, Code> {
+        let Some(f) = &settings.front else { return Ok(None) };
+        let Some(engine) = settings.engine.clone() else {
+            tracing::error!("[front] needs the engine's address, which this profile does not give");
+            return Err(Code::Config);
+        };
+        match front::open(f) {
+            Ok(listeners) => Ok(Some(FrontDoor { front: f.clone(), engine, listeners })),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot serve [front] listen");
+                Err(Code::Config)
+            }
+        }
+    }
+
+    /// The door, its gate given to the observer; what serves it.
+    fn open(self, observer: &mut StateObserver) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let starting = front::Gate::Holding { why: "model starting".into(), eta: None };
+        let (gate_tx, gate_rx) = tokio::sync::watch::channel(starting);
+        let activity = std::sync::Arc::new(front::Activity::default());
+        let door = front::Door::new(&self.front, &self.engine, gate_rx, activity, observer.status.metrics());
+        observer.front = Some(observer::FrontSide {
+            gate: gate_tx,
+            door: door.clone(),
+            listen: self.listeners.iter().map(|(l, _)| l.shown()).collect(),
+            engine: self.engine.shown(),
+        });
+        front::proxy::serve(door, self.listeners)
     }
 }
 
