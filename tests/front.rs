@@ -28,7 +28,7 @@ fn front_config(d: &Path, p: u16, front: u16, server: u16, sim: &[&str], more: &
         sim,
         "",
         &format!(
-            "[restart]\ninitial-delay = \"0s\"\n[ready]\nlog = [\"Application startup complete\"]\n\
+            "[restart]\ninitial-delay = \"0s\"\n[ready]\nlog = [\"Application startup complete\"]\nprogress = [\"checkpoint shards\"]\n\
              [server]\nlisten = \"127.0.0.1:{server}\"\n[front]\nlisten = \"127.0.0.1:{front}\"\n{more}"
         ),
     );
@@ -103,6 +103,8 @@ fn requests_are_held_during_a_load_and_released_on_ready() {
         .collect();
     d.wait_metric(HELD, 5.0);
     let mut d = d;
+    // STATUS= says how many wait, with the load's progress.
+    d.w.wait_note("STATUS= with the requests held", |n| n.starts_with("STATUS=") && n.ends_with(" · 5 requests held"));
     d.w.wait_ready();
     for c in clients {
         let a = c.join().unwrap().expect("answered");
