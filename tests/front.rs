@@ -152,6 +152,28 @@ fn a_full_queue_is_answered_503_with_retry_after() {
     assert_eq!(d.w.stop(), 0);
 }
 
+/// A client that goes away while held frees its place in the queue at
+/// once: a flood of held requests that hang up fills nothing.
+#[test]
+fn a_client_gone_while_held_frees_its_place() {
+    let mut d = Door::start(&["--shards", "200", "--shard-time", "50ms"], "max-held = 1\n");
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.front)).unwrap();
+    s.write_all(post_head("/v1/completions", &completion("gone", 1).to_string()).as_bytes()).unwrap();
+    d.wait_metric(HELD, 1.0);
+    drop(s);
+    let deadline = Instant::now() + TIMEOUT;
+    while d.metric(HELD) > 0.0 {
+        assert!(Instant::now() < deadline, "the place was not freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The one place is free again: the next request is held, then answered.
+    let a = common::http::post_json(&d.url("/v1/completions"), &completion("next", 1), TIMEOUT).unwrap();
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(outcome(&d, "held"), 2.0, "both were held: the first left before the engine served");
+    d.w.wait_ready();
+    assert_eq!(d.w.stop(), 0);
+}
+
 /// A request held past `front.hold` gets the 503 too.
 #[test]
 fn a_request_held_past_the_hold_is_answered_503() {

@@ -44,10 +44,17 @@ pub enum Place<'q> {
 }
 
 /// The queue; shared by every connection of the front door.
-#[derive(Debug)]
 pub struct Queue {
     max: usize,
     inner: Mutex<Inner>,
+    /// Told the queue's length after every change (the held gauge).
+    on_len: Box<dyn Fn(usize) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue").field("max", &self.max).finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -65,16 +72,20 @@ pub struct Ticket<'q> {
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
+        // Released, timed out, or its client gone (hyper drops the
+        // request when its connection closes): the place is free.
         let mut inner = self.queue.lock();
         if let Some(i) = inner.waiting.iter().position(|(id, _)| *id == self.id) {
             inner.waiting.remove(i);
+            (self.queue.on_len)(inner.waiting.len());
         }
     }
 }
 
 impl Queue {
-    pub fn new(max: usize) -> Queue {
-        Queue { max, inner: Mutex::default() }
+    /// At most `max` held; `on_len` is told the length after each change.
+    pub fn new(max: usize, on_len: impl Fn(usize) + Send + Sync + 'static) -> Queue {
+        Queue { max, inner: Mutex::default(), on_len: Box::new(on_len) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -110,6 +121,7 @@ impl Queue {
         let id = inner.next;
         inner.next += 1;
         inner.waiting.push_back((id, tx));
+        (self.on_len)(inner.waiting.len());
         Ok(Place::Held(Ticket { queue: self, id, release: rx }))
     }
 
@@ -126,6 +138,7 @@ impl Queue {
         for (_, tx) in inner.waiting.drain(..) {
             let _ = tx.send(release);
         }
+        (self.on_len)(0);
         n
     }
 }
@@ -144,7 +157,10 @@ mod tests {
     #[tokio::test]
     async fn held_requests_are_released_in_arrival_order_when_the_gate_opens() {
         let (tx, rx) = watch::channel(holding(None));
-        let q = Queue::new(8);
+        let told = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(99));
+        let gauge = told.clone();
+        let q = Queue::new(8, move |n| gauge.store(n, std::sync::atomic::Ordering::SeqCst));
+        let told = move || told.load(std::sync::atomic::Ordering::SeqCst);
         let mut tickets: Vec<Ticket> = (0..5)
             .map(|_| match q.admit(&rx, Duration::from_secs(30)) {
                 Ok(Place::Held(t)) => t,
@@ -152,8 +168,10 @@ mod tests {
             })
             .collect();
         // One client went away: its place is freed, the others keep theirs.
+        assert_eq!(told(), 5);
         tickets.remove(2);
         assert_eq!(q.len(), 4);
+        assert_eq!(told(), 4, "the gauge follows a place freed");
         tx.send(holding(Some(3))).unwrap();
         assert_eq!(q.gate_changed(&rx), 0, "still holding");
         tx.send(Gate::Serving).unwrap();
@@ -162,6 +180,7 @@ mod tests {
         let ids: Vec<u64> = q.lock().waiting.iter().map(|(id, _)| *id).collect();
         assert_eq!(ids, [0, 1, 3, 4]);
         assert_eq!(q.gate_changed(&rx), 4);
+        assert_eq!(told(), 0);
         for t in &mut tickets {
             assert_eq!(t.release.try_recv(), Ok(Release::Go));
         }
@@ -172,7 +191,7 @@ mod tests {
     #[tokio::test]
     async fn a_full_queue_or_a_long_estimate_refuses_at_once() {
         let (tx, rx) = watch::channel(holding(Some(20)));
-        let q = Queue::new(2);
+        let q = Queue::new(2, |_| {});
         let _a = q.admit(&rx, Duration::from_secs(30)).ok().unwrap();
         let _b = q.admit(&rx, Duration::from_secs(30)).ok().unwrap();
         assert!(matches!(q.admit(&rx, Duration::from_secs(30)), Err(Refused::Full { eta: Some(_), .. })));

@@ -140,13 +140,14 @@ impl Door {
         activity: Arc<Activity>,
         metrics: Arc<Metrics>,
     ) -> Arc<Door> {
+        let gauge = metrics.clone();
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(POOL_IDLE)
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .pool_timer(TokioTimer::new())
             .build(Connector(Arc::new(engine.clone())));
         Arc::new(Door {
-            queue: hold::Queue::new(front.max_held as usize),
+            queue: hold::Queue::new(front.max_held as usize, move |n| gauge.front.set_held(n)),
             front: front.clone(),
             base: crate::config::engine_base(engine),
             gate,
@@ -160,10 +161,6 @@ impl Door {
     /// Requests held and forwarded now.
     pub fn now(&self) -> Now {
         Now { held: self.queue.len(), in_flight: self.in_flight.load(Ordering::Relaxed) }
-    }
-
-    fn held_changed(&self) {
-        self.metrics.front.set_held(self.queue.len());
     }
 }
 
@@ -210,7 +207,6 @@ async fn release(door: Arc<Door>) {
         if n > 0 {
             tracing::info!(EVENT = "front", "{n} held requests released");
         }
-        door.held_changed();
         if gate.changed().await.is_err() {
             // The observer is gone: the warden is ending.
             std::future::pending::<()>().await;
@@ -648,7 +644,6 @@ async fn wait_turn(
             return Some(refusal(refused, budget));
         }
     };
-    door.held_changed();
     if !*held {
         *held = true;
         door.metrics.front.count(outcome::HELD);
@@ -657,7 +652,6 @@ async fn wait_turn(
     let released = tokio::time::timeout(budget, &mut ticket.release).await;
     let waited = started.elapsed();
     drop(ticket);
-    door.held_changed();
     door.metrics.front.held_for(waited);
     match released {
         Ok(Ok(Release::Go)) => None,
