@@ -1067,8 +1067,10 @@ fn stream_completion(req: tiny_http::Request, asked: &serde_json::Value, max_tok
         }
         std::thread::sleep(engine.token_time);
         engine.generation_tokens.fetch_add(1, Ordering::SeqCst);
+        // `sent_ns`: when it was written (unix nanoseconds), for a reader
+        // on the same machine to measure each event's delay.
         let event = serde_json::json!({"id": id, "object": "text_completion", "model": "tiny-llama",
-            "choices": [{"index": 0, "text": format!(" w{i}"), "finish_reason": null}]});
+            "choices": [{"index": 0, "text": format!(" w{i}"), "finish_reason": null}], "sent_ns": nanos() as u64});
         sent = chunk(&mut w, &format!("data: {event}\n\n"));
     }
     let sent = sent.and_then(|()| chunk(&mut w, "data: [DONE]\n\n")).and_then(|()| chunk(&mut w, ""));
