@@ -1177,6 +1177,10 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 let asked = serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default();
                 let max_tokens = asked["max_tokens"].as_u64().unwrap_or(1).min(100_000);
                 let engine = engine.clone();
+                if asked["stream"].as_bool() == Some(true) {
+                    std::thread::spawn(move || stream_completion(req, &asked, max_tokens, &engine));
+                    continue;
+                }
                 let weights = how.answers_from.as_ref().and_then(|f| std::fs::read(f).ok()).unwrap_or_default();
                 let weights = how.sleep.weights(weights);
                 // Answered from its own thread once generated, so that
@@ -1199,5 +1203,44 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 let _ = noted.and_then(|mut f| f.write_all(format!("{code}\n").as_bytes()));
             }
         }
+    }
+}
+
+/// `stream: true`: the completion as vLLM streams it, server-sent events
+/// of one token each (a token every `--token-time`), then `data: [DONE]`.
+/// Each event is written and flushed on its own. A client that goes away
+/// mid-stream aborts the request, which is logged as vLLM logs it
+/// (`Aborted request ID.`); each request is logged as it comes
+/// (`Received request ID`), its id `cmpl-` and its prompt.
+fn stream_completion(req: tiny_http::Request, asked: &serde_json::Value, max_tokens: u64, engine: &Engine) {
+    use std::io::Write;
+    let out = Out { pid: std::process::id() };
+    let id = format!("cmpl-{}", asked["prompt"].as_str().unwrap_or_default());
+    out.log("APIServer", "INFO", "logger.py:39", &format!("Received request {id}"));
+    let mut w = req.into_writer();
+    let chunk = |w: &mut Box<dyn Write + Send>, data: &str| -> std::io::Result<()> {
+        write!(w, "{:x}\r\n{data}\r\n", data.len())?;
+        w.flush()
+    };
+    let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
+                Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+    let mut sent = w.write_all(head.as_bytes()).and_then(|()| w.flush());
+    engine.running.fetch_add(1, Ordering::SeqCst);
+    for i in 0..max_tokens {
+        if sent.is_err() {
+            break;
+        }
+        std::thread::sleep(engine.token_time);
+        engine.generation_tokens.fetch_add(1, Ordering::SeqCst);
+        // `sent_ns`: when it was written (unix nanoseconds), for a reader
+        // on the same machine to measure each event's delay.
+        let event = serde_json::json!({"id": id, "object": "text_completion", "model": "tiny-llama",
+            "choices": [{"index": 0, "text": format!(" w{i}"), "finish_reason": null}], "sent_ns": nanos() as u64});
+        sent = chunk(&mut w, &format!("data: {event}\n\n"));
+    }
+    let sent = sent.and_then(|()| chunk(&mut w, "data: [DONE]\n\n")).and_then(|()| chunk(&mut w, ""));
+    engine.running.fetch_sub(1, Ordering::SeqCst);
+    if sent.is_err() {
+        out.log("APIServer", "INFO", "async_llm.py:436", &format!("Aborted request {id}."));
     }
 }

@@ -50,6 +50,15 @@ fn the_spec_example_is_valid() {
 }
 
 #[test]
+fn the_front_door_example_is_valid() {
+    let s = parse_str(include_str!("../../examples/kimi-front-door.toml")).unwrap_or_else(|p| panic!("{p}"));
+    let front = s.front.expect("[front]");
+    assert_eq!(front.listen.len(), 2);
+    assert!(front.retry_unanswered);
+    assert!(matches!(s.engine, Some(crate::config::Engine::Unix(_))));
+}
+
+#[test]
 fn the_ray_examples_are_valid_and_wait_as_they_say() {
     let head = parse_str(include_str!("../../examples/ray/ray-head.toml")).unwrap_or_else(|p| panic!("{p}"));
     let worker = parse_str(include_str!("../../examples/ray/ray-worker.toml")).unwrap_or_else(|p| panic!("{p}"));

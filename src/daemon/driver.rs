@@ -282,6 +282,11 @@ pub trait Observer {
     }
     /// How long one turn of the loop took, from its wake to its next wait.
     fn loop_turn(&mut self, _took: Duration) {}
+    /// The notes of a change as they are sent: `STATUS=` may say more
+    /// than the machine knows (the front door's held requests).
+    fn amend(&self, notes: Vec<Note>) -> Vec<Note> {
+        notes
+    }
 }
 
 /// A turn of the loop longer than this is logged as a warning: the loop
@@ -610,8 +615,11 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::DescribeSurvivors => self.backend.describe_survivors(),
                 Effect::WatchLoad { start } => self.backend.watch_load(start),
                 Effect::UnwatchLoad => self.backend.unwatch_load(),
-                Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => held.hold(notes),
+                Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => {
+                    held.hold(self.observer.amend(notes))
+                }
                 Effect::Notify(notes) => {
+                    let notes = self.observer.amend(notes);
                     // What was held goes in the same datagram, after these
                     // notes, and only where they do not say newer.
                     if !held.is_empty() {

@@ -8,6 +8,16 @@
 //! observer derives it from the machine after every change) and the
 //! [`Activity`] it reports (requests arriving and in flight, which the
 //! loop reads to stop or wake an idle engine).
+//!
+//! Its parts: `front/proxy.rs` serves the listeners and forwards, holds
+//! or answers each request; `front/hold.rs` is the queue of held
+//! requests; `front/bind.rs` binds the listeners.
+
+pub mod hold;
+pub mod proxy;
+
+pub use listen::Listener;
+pub use proxy::Door;
 
 pub mod listen;
 

@@ -22,8 +22,6 @@ pub mod prepare;
 pub mod recover;
 pub mod reload;
 pub mod server;
-#[cfg(feature = "fault-injection")]
-mod standin;
 pub mod upgrade;
 
 use std::time::Duration;
@@ -81,10 +79,10 @@ pub async fn run(
         Err(code) => return code,
     };
     // The front door's sockets, open before anything starts and for the
-    // warden's whole life (taken by the front door; a second descriptor of
-    // each is kept for an upgrade's successor).
-    let front_listeners = match open_front(&settings, &mut handover) {
-        Ok(l) => l,
+    // warden's whole life (a second descriptor of each is kept for an
+    // upgrade's successor).
+    let front_door = match open_front(&settings, &mut handover).and_then(|l| FrontDoor::new(&settings, l)) {
+        Ok(f) => f,
         Err(code) => return code,
     };
     let heartbeat = driver::Heartbeat::default();
@@ -99,6 +97,9 @@ pub async fn run(
     let journal = crate::observe::journal::Forwarder::from_env(&settings.name);
     let gatherer = journal.as_ref().map(|j| j.gatherer());
     let mut observer = StateObserver::new(&settings, journal, &token, view_tx);
+    // What the front door tells the loop of its requests (`[front]`).
+    let activity = front_door.as_ref().map(|_| std::sync::Arc::new(front::Activity::default()));
+    let front_door = front_door.zip(activity.clone()).map(|(f, a)| f.open(&mut observer, a));
     for w in environment::describe_child(&settings).1 {
         tracing::warn!(INSTANCE = settings.name.as_str(), EVENT = "caches", "{w}");
     }
@@ -123,13 +124,10 @@ pub async fn run(
     };
     observer.preload = Some(backend.preload.clone());
     let machine = machine(&mut backend, policy, adopted);
-    // What the front door tells the loop of its requests (`[front]`).
-    let activity = cleanup.front.as_ref().map(|_| std::sync::Arc::new(front::Activity::default()));
-    #[cfg(feature = "fault-injection")]
-    if let (Some(front), Some(activity)) = (&cleanup.front, &activity) {
-        standin::serve(front, activity, &shared.view, &mut backend.tasks);
-    }
     endpoint.serve(&mut backend.tasks, shared);
+    if let Some(serve) = front_door {
+        backend.tasks.spawn("front door", Lifetime::Owned, serve);
+    }
     // The status files and the notes behind them, off the loop.
     let dog = notifier.watchdog();
     let mut notifier: Box<dyn Notifier> = match crate::observe::outbox::start(notifier) {
@@ -149,9 +147,7 @@ pub async fn run(
     }
     .run(requests)
     .await;
-    let code = finish(code, backend, observer, &cleanup).await;
-    drop(front_listeners);
-    code
+    finish(code, backend, observer, &cleanup).await
 }
 
 /// The front door's listening sockets (none without `[front]`), with a
@@ -230,6 +226,49 @@ impl Endpoint {
         if let Some((l, token)) = self.tcp {
             tasks.spawn("TCP endpoint", Lifetime::Owned, server::serve_tcp(l, token, shared));
         }
+    }
+}
+
+/// The front door (`[front]`): its listeners, bound before anything
+/// starts (an address that cannot be had is a config problem, as the
+/// endpoint's), and where it forwards.
+struct FrontDoor {
+    front: crate::config::Front,
+    engine: crate::config::Engine,
+    listeners: Vec<(crate::config::Listen, front::Listener)>,
+}
+
+impl FrontDoor {
+    /// The door of `settings` on its `listeners`; none without `[front]`.
+    fn new(
+        settings: &Settings,
+        listeners: Vec<(crate::config::Listen, front::Listener)>,
+    ) -> Result<Option<FrontDoor>, Code> {
+        let Some(f) = &settings.front else { return Ok(None) };
+        let Some(engine) = settings.engine.clone() else {
+            tracing::error!("[front] needs the engine's address, which this profile does not give");
+            return Err(Code::Config);
+        };
+        Ok(Some(FrontDoor { front: f.clone(), engine, listeners }))
+    }
+
+    /// The door, its gate given to the observer and its requests told to
+    /// `activity`; what serves it.
+    fn open(
+        self,
+        observer: &mut StateObserver,
+        activity: std::sync::Arc<front::Activity>,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let starting = front::Gate::Holding { why: "model starting".into(), eta: None };
+        let (gate_tx, gate_rx) = tokio::sync::watch::channel(starting);
+        let door = front::Door::new(&self.front, &self.engine, gate_rx, activity, observer.status.metrics());
+        observer.front = Some(observer::FrontSide {
+            gate: gate_tx,
+            door: door.clone(),
+            listen: self.listeners.iter().map(|(l, _)| l.shown()).collect(),
+            engine: self.engine.shown(),
+        });
+        front::proxy::serve(door, self.listeners)
     }
 }
 

@@ -1,11 +1,15 @@
 //! The observer of the machine's state: after every change, the status
 //! document and metrics, the journal's count of dropped lines, the tree
-//! record in the state directory and the endpoint's view.
+//! record in the state directory, the endpoint's view, and the front
+//! door's gate.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use crate::config::Settings;
+use crate::daemon::front::Gate;
+use crate::supervisor::load::LoadNow;
+use crate::supervisor::outcome::Phase;
 use crate::supervisor::{Machine, State};
 use crate::util::redact;
 
@@ -21,6 +25,64 @@ pub struct StateObserver {
     view: tokio::sync::watch::Sender<crate::daemon::server::View>,
     /// The weight-cache daemon, for the status document.
     pub preload: Option<crate::daemon::preload::Preloader>,
+    /// The front door (`[front]`): its gate, set from the machine after
+    /// every change, and the door itself, for the status document.
+    pub front: Option<FrontSide>,
+}
+
+/// What the observer keeps of the front door.
+pub struct FrontSide {
+    pub gate: tokio::sync::watch::Sender<Gate>,
+    pub door: std::sync::Arc<crate::daemon::front::Door>,
+    pub listen: Vec<String>,
+    pub engine: String,
+}
+
+impl FrontSide {
+    fn doc(&self) -> crate::observe::status::FrontDoc {
+        let now = self.door.now();
+        crate::observe::status::FrontDoc {
+            listen: self.listen.clone(),
+            engine: self.engine.clone(),
+            held: now.held,
+            in_flight: now.in_flight,
+        }
+    }
+}
+
+/// What the front door does with a request, from the machine: forward
+/// while it is ready, hold while the engine will serve later (with the
+/// load's estimate of when), refuse once the warden is done.
+pub fn gate_of(m: &Machine) -> Gate {
+    idle_gate(m).unwrap_or_else(|| gate(m.phase(), m.load_now().as_ref(), m.snapshot().last_load))
+}
+
+/// [`gate_of`] by the machine's phase, its load under way and the length
+/// of its last load (the estimate of a start not yet loading). A new
+/// state of the machine is a new row here.
+pub fn gate(phase: Phase, load: Option<&LoadNow>, last_load: Option<Duration>) -> Gate {
+    // A load past its estimate has none left (it may be close).
+    let load_left = load.and_then(|l| l.expected.map(|e| e.saturating_sub(l.elapsed))).filter(|d| !d.is_zero());
+    let holding = |why: &str, eta| Gate::Holding { why: why.to_string(), eta };
+    match phase {
+        Phase::Ready => Gate::Serving,
+        // Loading (the golden check included: the machine is ready only
+        // after it), or its pre-start steps before the load is known.
+        Phase::Starting if load.is_some() => holding("model loading", load_left),
+        Phase::Starting => holding("model starting", last_load),
+        // Out of rotation, or about to restart: requests wait, never
+        // refused (there is no estimate of an undrain).
+        Phase::Draining | Phase::Drained => holding("model drained", None),
+        // Out of rotation while its answers are proven again (a GPU fault
+        // that did not end it, an upgrade, `golden.interval`): a few
+        // completions' time.
+        Phase::Rechecking => holding("model answers being checked", None),
+        // Given back for want of requests: one starts or wakes it
+        // ([`idle_gate`] gives the estimate).
+        Phase::Idle => Gate::Idle { eta: None },
+        Phase::Backoff | Phase::Failed | Phase::Stopping => holding("model restarting", last_load),
+        Phase::Stopped => Gate::Closed,
+    }
 }
 
 impl StateObserver {
@@ -41,6 +103,7 @@ impl StateObserver {
             tree: TreeRecord::new(s.state_dir.clone(), s.name.clone(), token.to_string()),
             view,
             preload: None,
+            front: None,
         }
     }
 
@@ -78,7 +141,6 @@ impl StateObserver {
 /// (`Holding`), and one that came meanwhile is seen by the loop once the
 /// engine sleeps.
 // The front door's mapping of the machine to its gate asks this first.
-#[allow(dead_code)]
 pub fn idle_gate(m: &Machine) -> Option<crate::daemon::front::Gate> {
     (m.phase() == crate::supervisor::outcome::Phase::Idle)
         .then(|| crate::daemon::front::Gate::Idle { eta: m.idle_eta() })
@@ -94,6 +156,15 @@ impl crate::daemon::driver::Observer for StateObserver {
             self.status.set_journal_dropped(j.dropped());
         }
         self.status.set_preload(self.preload.as_ref().and_then(|p| p.view()));
+        if let Some(f) = &self.front {
+            let next = gate_of(m);
+            f.gate.send_if_modified(|g| {
+                let changed = *g != next;
+                *g = next;
+                changed
+            });
+            self.status.set_front(Some(f.doc()));
+        }
         self.status.update(&m.snapshot());
         self.tree.update(m);
         self.publish(Some(m));
@@ -128,6 +199,21 @@ impl crate::daemon::driver::Observer for StateObserver {
         self.status.loop_turn(took);
     }
 
+    /// `STATUS=` says how many requests the front door holds, when any
+    /// (`loading 3/7 compile · 2m10s of ~4m50s · 12 requests held`).
+    fn amend(&self, mut notes: Vec<crate::supervisor::events::Note>) -> Vec<crate::supervisor::events::Note> {
+        let held = self.front.as_ref().map_or(0, |f| f.door.now().held);
+        if held > 0 {
+            for n in &mut notes {
+                if let crate::supervisor::events::Note::Status(text) = n {
+                    let s = if held == 1 { "" } else { "s" };
+                    text.push_str(&format!(" · {held} request{s} held"));
+                }
+            }
+        }
+        notes
+    }
+
     fn due(&self) -> Option<std::time::Instant> {
         let journal = self.journal.as_ref().map(|_| self.next_journal_count);
         [self.status.due(), journal].into_iter().flatten().min()
@@ -140,6 +226,9 @@ impl crate::daemon::driver::Observer for StateObserver {
         {
             self.status.set_journal_dropped(j.dropped());
             self.next_journal_count = now + JOURNAL_COUNT_EVERY;
+        }
+        if let Some(f) = &self.front {
+            self.status.set_front(Some(f.doc()));
         }
         if self.status.due().is_some_and(|d| d <= now) {
             self.status.flush();
@@ -275,4 +364,49 @@ fn post(mailbox: &Mailbox, job: RecordJob) {
         *slot = Some(job);
     }
     ready.notify_one();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(elapsed: u64, expected: Option<u64>) -> LoadNow {
+        LoadNow {
+            phase: crate::supervisor::load::LoadPhase::Weights,
+            index: 1,
+            of: 3,
+            elapsed: Duration::from_secs(elapsed),
+            began: tokio::time::Instant::now(),
+            expected: expected.map(Duration::from_secs),
+            last: None,
+            fingerprint: String::new(),
+            preload: None,
+        }
+    }
+
+    #[test]
+    fn the_gate_follows_the_machine() {
+        let secs = |s| Some(Duration::from_secs(s));
+        let hold = |why: &str, eta: Option<Duration>| Gate::Holding { why: why.into(), eta };
+        let rows: [(Phase, Option<LoadNow>, Option<Duration>, Gate); 11] = [
+            (Phase::Ready, None, secs(90), Gate::Serving),
+            (Phase::Starting, Some(load(30, Some(90))), secs(80), hold("model loading", secs(60))),
+            (Phase::Starting, Some(load(100, Some(90))), secs(80), hold("model loading", None)),
+            (Phase::Starting, Some(load(5, None)), None, hold("model loading", None)),
+            (Phase::Starting, None, secs(80), hold("model starting", secs(80))),
+            (Phase::Draining, None, secs(80), hold("model drained", None)),
+            (Phase::Drained, None, secs(80), hold("model drained", None)),
+            (Phase::Backoff, None, secs(80), hold("model restarting", secs(80))),
+            (Phase::Failed, None, None, hold("model restarting", None)),
+            (Phase::Stopping, None, secs(80), hold("model restarting", secs(80))),
+            (Phase::Stopped, None, secs(80), Gate::Closed),
+        ];
+        for (phase, l, last, want) in rows {
+            assert_eq!(gate(phase, l.as_ref(), last), want, "{phase:?} {l:?}");
+        }
+        // Every phase has its row.
+        for p in Phase::ALL {
+            let _ = gate(p, None, None);
+        }
+    }
 }

@@ -105,6 +105,23 @@ pub struct Doc {
     /// problem of a refused config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_reload: Option<LastReload>,
+    /// The front door (`[front]`): where clients connect, where the engine
+    /// listens, and the requests held and in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub front: Option<FrontDoc>,
+}
+
+/// The front door, in the status document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FrontDoc {
+    /// The addresses clients connect to (`0.0.0.0:8000`, `unix:/run/…`).
+    pub listen: Vec<String>,
+    /// Where the engine serves, reached only by the warden.
+    pub engine: String,
+    /// Requests waiting for the engine to serve.
+    pub held: usize,
+    /// Requests forwarded and not yet answered.
+    pub in_flight: usize,
 }
 
 /// What became of a reload.
@@ -293,6 +310,8 @@ pub struct Reporter {
     preload: Option<crate::supervisor::preload::DaemonView>,
     /// The last reload, as last told.
     last_reload: Option<LastReload>,
+    /// The front door, as last told.
+    front: Option<FrontDoc>,
 }
 
 impl Reporter {
@@ -319,6 +338,7 @@ impl Reporter {
             cache_dir: None,
             preload: None,
             last_reload: None,
+            front: None,
             meter: crate::process::caches::Meter::default(),
         }
     }
@@ -400,6 +420,15 @@ impl Reporter {
     pub fn set_preload(&mut self, view: Option<crate::supervisor::preload::DaemonView>) {
         if self.preload != view {
             self.preload = view;
+            self.pending = true;
+        }
+    }
+
+    /// The front door as it is now (`[front]`): written with the next
+    /// change, or at [`Reporter::due`].
+    pub fn set_front(&mut self, front: Option<FrontDoc>) {
+        if self.front != front {
+            self.front = front;
             self.pending = true;
         }
     }
@@ -548,6 +577,7 @@ impl Reporter {
                 good_at: safe(&r.good_at),
             }),
             last_reload: self.last_reload.clone(),
+            front: self.front.clone(),
             preload: self.preload.as_ref().map(|v| crate::supervisor::preload::DaemonView {
                 state: v.state.clone(),
                 progress: v.progress.as_deref().map(safe),
@@ -627,6 +657,79 @@ pub struct Metrics {
     golden_last: Family<Vec<(String, String)>, Gauge>,
     gpu_wait: Gauge<f64, AtomicU64>,
     gave_up: Gauge,
+    /// The front door's (`[front]`): its requests, held and in flight.
+    pub front: FrontMetrics,
+}
+
+/// What the front door counts: requests by outcome (one request may count
+/// under several: held, then forwarded), how long requests were held, and
+/// the requests held and forwarded now.
+pub struct FrontMetrics {
+    requests: Family<Vec<(String, String)>, Counter>,
+    held_seconds: Histogram,
+    in_flight: Gauge,
+    held: Gauge,
+}
+
+/// The outcomes of `front_requests_total`.
+pub const FRONT_OUTCOMES: [&str; 5] = ["forwarded", "held", "rejected", "upstream_error", "retried"];
+
+impl FrontMetrics {
+    fn new() -> FrontMetrics {
+        let m = FrontMetrics {
+            requests: Family::default(),
+            // 10 ms to about 45 min.
+            held_seconds: Histogram::new(exponential_buckets(0.01, 3.0, 12)),
+            in_flight: Gauge::default(),
+            held: Gauge::default(),
+        };
+        for o in FRONT_OUTCOMES {
+            let _ = m.requests.get_or_create(&vec![("outcome".into(), o.into())]);
+        }
+        m
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "front_requests",
+            "Requests of the front door by outcome: forwarded (answered by the engine), held (waited for it), \
+             rejected (answered by the warden: 503, 413, 404), upstream_error (502), retried (sent once more)",
+            self.requests.clone(),
+        );
+        registry.register_with_unit(
+            "front_held",
+            "How long each held request of the front door waited",
+            Unit::Seconds,
+            self.held_seconds.clone(),
+        );
+        registry.register(
+            "front_in_flight",
+            "Requests of the front door forwarded and not yet answered",
+            self.in_flight.clone(),
+        );
+        registry.register(
+            "front_held",
+            "Requests of the front door waiting for the engine to serve",
+            self.held.clone(),
+        );
+    }
+
+    /// One request had `outcome` (one of [`FRONT_OUTCOMES`]).
+    pub fn count(&self, outcome: &str) {
+        self.requests.get_or_create(&vec![("outcome".into(), outcome.into())]).inc();
+    }
+
+    pub fn held_for(&self, d: Duration) {
+        self.held_seconds.observe(d.as_secs_f64());
+    }
+
+    pub fn set_in_flight(&self, n: usize) {
+        self.in_flight.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    pub fn set_held(&self, n: usize) {
+        self.held.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
 }
 
 impl std::fmt::Debug for Metrics {
@@ -678,6 +781,7 @@ impl Metrics {
             golden_last: Family::default(),
             gpu_wait: Gauge::default(),
             gave_up: Gauge::default(),
+            front: FrontMetrics::new(),
         };
         m.build_info.get_or_create(&vec![("version".into(), env!("CARGO_PKG_VERSION").into())]).set(1);
         for v in crate::supervisor::golden::Verdict::NAMES {
@@ -834,6 +938,7 @@ impl Metrics {
             "1 once the warden has given up (exit 75: max-attempts failed starts; 78: a permanent cause; 71: processes that survived SIGKILL): its last write before it exits",
             m.gave_up.clone(),
         );
+        m.front.register(&mut registry);
         m.start_time.set(started.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
         m.reloaded(true, started);
         Metrics { registry, ..m }
@@ -1050,6 +1155,17 @@ pub fn summary(v: &StatusVerdict) -> String {
     let _ = write!(out, ", attempt {}, {} restart(s)", doc.attempt, doc.restarts);
     if let Some(l) = &doc.load {
         let _ = write!(out, "\nload: {}", safe(&l.text));
+    }
+    if let Some(f) = &doc.front {
+        let listen: Vec<String> = f.listen.iter().map(|l| safe(l)).collect();
+        let _ = write!(
+            out,
+            "\nfront door: clients connect to {}; the engine listens on {}; {} held, {} in flight",
+            listen.join(", "),
+            safe(&f.engine),
+            f.held,
+            f.in_flight
+        );
     }
     if let Some(p) = &doc.progress {
         let _ = write!(out, "\nprogress: {}", safe(p));

@@ -1,0 +1,999 @@
+//! The front door's serving: it accepts clients on the listeners, and for
+//! each request either forwards it to the engine (hyper's pooled client,
+//! over the engine's unix socket or loopback port), holds it while the
+//! engine does not serve (see `hold.rs`), or answers it itself: 503 with
+//! `Retry-After` when it cannot be held, 502 when the engine died under
+//! it, 413 for a body over `front.max-body`, 404 for vLLM's development
+//! routes, which are never forwarded.
+//!
+//! Forwarding streams both bodies, frame by frame (an SSE token stream
+//! passes event by event), drops the hop-by-hop headers of RFC 9110
+//! §7.6.1 both ways, and appends the client to `X-Forwarded-For` and
+//! `Forwarded`. A client that goes away drops its request here, and with
+//! it the upstream connection under way: vLLM sees the disconnect and
+//! aborts the request.
+//!
+//! A request whose body is known and small ([`RESEND_MAX`]) is read
+//! before it is sent, so that it can be sent again: when the engine could
+//! not be reached at all (it died a moment before the machine saw it), it
+//! is held like any request that arrives while the engine restarts; with
+//! `front.retry-unanswered`, also when the engine died after it was sent
+//! and before a byte of the answer came. A larger body is streamed and
+//! never sent twice.
+//!
+//! The same protections as the warden's endpoint: a request head must come
+//! within [`HEADER_READ_TIMEOUT`] (also between two requests of a
+//! kept-alive connection), at most `front.max-connections` connections at
+//! once (never more than an eighth of the descriptor limit: more wait in
+//! the kernel's queue), and the warden's own lack of a resource is said as
+//! the warden's (503), never blamed on the engine.
+
+use std::future::Future;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Body, Bytes, Frame, Incoming};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Request, Response, StatusCode, Uri};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::sync::watch;
+
+use super::hold::{self, Place, Refused, Release};
+use super::{Activity, Gate, Listener};
+use crate::config::{Engine, Front, Listen};
+use crate::observe::status::Metrics;
+
+/// How long a client has to send a request's head, on a new connection
+/// and between two requests on a kept-alive one (as uvicorn's keep-alive,
+/// vLLM's own: clients' pools expect a few seconds at least).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a body that is read before it is sent (up to [`RESEND_MAX`])
+/// may take to arrive.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The largest request body kept to be sent again (a completion's body is
+/// a few KiB): larger bodies are streamed to the engine, never resent.
+pub const RESEND_MAX: u64 = 1 << 20;
+
+/// The front door's connections take at most this share of the warden's
+/// descriptor limit (`RLIMIT_NOFILE`), whatever `front.max-connections`
+/// says: each also takes an upstream connection while it is forwarded.
+pub const NOFILE_SHARE: u64 = 8;
+
+/// The read buffer of one client connection: a request head larger than
+/// this is answered 431 (the body is streamed, not buffered).
+pub const MAX_BUF: usize = 64 << 10;
+
+/// The most headers a request may have; more is answered 431.
+pub const MAX_HEADERS: usize = 100;
+
+/// Idle upstream connections kept for reuse.
+const POOL_IDLE: usize = 64;
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// vLLM's development routes (`VLLM_SERVER_DEV_MODE=1`, which the warden
+/// sets for sleep mode): RPC into the workers, cache resets, server
+/// internals, sleep and wake. vLLM itself warns they must never be
+/// exposed; the front door answers 404 for them and everything under them.
+pub const DEV_ROUTES: &[&str] = &[
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/server_info",
+    "/release_kv_cache_memory",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/update_weights",
+    "/init_weight_transfer_engine",
+    "/get_world_size",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+];
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type UpBody = BoxBody<Bytes, BoxError>;
+
+/// What the front door has now, for the status document.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Now {
+    pub held: usize,
+    pub in_flight: usize,
+}
+
+/// Everything the connections share.
+pub struct Door {
+    front: Front,
+    base: String,
+    gate: watch::Receiver<Gate>,
+    queue: hold::Queue,
+    activity: Arc<Activity>,
+    metrics: Arc<Metrics>,
+    client: Client<Connector, UpBody>,
+    in_flight: AtomicUsize,
+}
+
+impl std::fmt::Debug for Door {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Door").field("base", &self.base).finish_non_exhaustive()
+    }
+}
+
+impl Door {
+    pub fn new(
+        front: &Front,
+        engine: &Engine,
+        gate: watch::Receiver<Gate>,
+        activity: Arc<Activity>,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Door> {
+        let gauge = metrics.clone();
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(POOL_IDLE)
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .pool_timer(TokioTimer::new())
+            .build(Connector(Arc::new(engine.clone())));
+        Arc::new(Door {
+            queue: hold::Queue::new(front.max_held as usize, move |n| gauge.front.set_held(n)),
+            front: front.clone(),
+            base: crate::config::engine_base(engine),
+            gate,
+            activity,
+            metrics,
+            client,
+            in_flight: AtomicUsize::new(0),
+        })
+    }
+
+    /// Requests held and forwarded now.
+    pub fn now(&self) -> Now {
+        Now { held: self.queue.len(), in_flight: self.in_flight.load(Ordering::Relaxed) }
+    }
+}
+
+/// Serve `listeners` until aborted; every listener's connections count
+/// against one cap.
+pub async fn serve(door: Arc<Door>, listeners: Vec<(Listen, Listener)>) {
+    let cap = connection_cap(door.front.max_connections, crate::daemon::server::nofile_limit());
+    let permits = Arc::new(tokio::sync::Semaphore::new(cap));
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(release(door.clone()));
+    for (listen, l) in listeners {
+        let (door, permits) = (door.clone(), permits.clone());
+        match l {
+            Listener::Tcp(l) => match tokio::net::TcpListener::from_std(l) {
+                Ok(l) => {
+                    tasks.spawn(accept(l, listen, door, permits));
+                }
+                Err(e) => tracing::error!(EVENT = "front", error = %e, "cannot serve {}", listen.shown()),
+            },
+            Listener::Unix(l) => match tokio::net::UnixListener::from_std(l) {
+                Ok(l) => {
+                    tasks.spawn(accept(l, listen, door, permits));
+                }
+                Err(e) => tracing::error!(EVENT = "front", error = %e, "cannot serve {}", listen.shown()),
+            },
+        }
+    }
+    tracing::debug!(connections = cap, "the front door serves");
+    while tasks.join_next().await.is_some() {}
+}
+
+/// `max-connections`, or an eighth of the descriptor limit `nofile` when
+/// that is lower; at least one.
+pub fn connection_cap(max: u32, nofile: u64) -> usize {
+    let share = usize::try_from(nofile / NOFILE_SHARE).unwrap_or(usize::MAX);
+    (max as usize).min(share).max(1)
+}
+
+/// Release the held requests whenever the gate opens (or closes).
+async fn release(door: Arc<Door>) {
+    let mut gate = door.gate.clone();
+    loop {
+        let n = door.queue.gate_changed(&gate);
+        if n > 0 {
+            tracing::info!(EVENT = "front", "{n} held requests released");
+        }
+        if gate.changed().await.is_err() {
+            // The observer is gone: the warden is ending.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// A listener of the front door: TCP or a unix socket.
+trait Accept: Send + 'static {
+    type Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    /// A connection, and the client's address (none on a unix socket).
+    fn accept(&self) -> impl Future<Output = std::io::Result<(Self::Io, Option<IpAddr>)>> + Send;
+}
+
+impl Accept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn accept(&self) -> std::io::Result<(Self::Io, Option<IpAddr>)> {
+        let (s, addr) = tokio::net::TcpListener::accept(self).await?;
+        let _ = s.set_nodelay(true);
+        Ok((s, Some(addr.ip().to_canonical())))
+    }
+}
+
+impl Accept for tokio::net::UnixListener {
+    type Io = tokio::net::UnixStream;
+    async fn accept(&self) -> std::io::Result<(Self::Io, Option<IpAddr>)> {
+        Ok((tokio::net::UnixListener::accept(self).await?.0, None))
+    }
+}
+
+/// The first pause after a failed accept for want of a resource; doubled
+/// up to a second.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
+
+async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits: Arc<tokio::sync::Semaphore>) {
+    let mut pause = ACCEPT_PAUSE;
+    let mut warned: Option<tokio::time::Instant> = None;
+    loop {
+        // At the cap, new connections wait in the kernel's queue (they
+        // hold none of the warden's descriptors) until one ends.
+        let Ok(permit) = permits.clone().acquire_owned().await else { return };
+        let (io, peer) = match listener.accept().await {
+            Ok(a) => {
+                pause = ACCEPT_PAUSE;
+                a
+            }
+            Err(e) => {
+                if let Some(why) = crate::util::errno::own_shortage(&e) {
+                    let now = tokio::time::Instant::now();
+                    if warned.is_none_or(|w| now >= w + Duration::from_secs(60)) {
+                        warned = Some(now);
+                        tracing::warn!(EVENT = "front", error = %e, "the front door at {} cannot accept a connection: {why}", listen.shown());
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                } else {
+                    tracing::debug!(error = %e, "the front door could not accept a connection");
+                }
+                continue;
+            }
+        };
+        let door = door.clone();
+        tokio::spawn(async move {
+            connection(io, peer, door).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Serve one client connection until it ends.
+async fn connection<I>(io: I, peer: Option<IpAddr>, door: Arc<Door>)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let door = door.clone();
+        async move { Ok::<_, std::convert::Infallible>(handle(door, peer, req).await) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_BUF)
+        .max_headers(MAX_HEADERS)
+        .serve_connection(TokioIo::new(io), service);
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "front door connection ended");
+    }
+}
+
+/// The outcomes counted in `vllm_warden_front_requests_total`.
+pub mod outcome {
+    pub const FORWARDED: &str = "forwarded";
+    pub const HELD: &str = "held";
+    pub const REJECTED: &str = "rejected";
+    pub const UPSTREAM_ERROR: &str = "upstream_error";
+    pub const RETRIED: &str = "retried";
+}
+
+/// A request in the front door's hands: told to the activity (for idle
+/// stop) while it lives, which is until its answer's body is done.
+struct InHand {
+    door: Arc<Door>,
+}
+
+impl Drop for InHand {
+    fn drop(&mut self) {
+        self.door.activity.end();
+    }
+}
+
+/// A request being forwarded (the in-flight gauge), until its answer is
+/// done or dropped.
+struct Forwarding {
+    door: Arc<Door>,
+}
+
+impl Forwarding {
+    fn new(door: &Arc<Door>) -> Forwarding {
+        let n = door.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        door.metrics.front.set_in_flight(n);
+        Forwarding { door: door.clone() }
+    }
+}
+
+impl Drop for Forwarding {
+    fn drop(&mut self) {
+        let n = self.door.in_flight.fetch_sub(1, Ordering::Relaxed) - 1;
+        self.door.metrics.front.set_in_flight(n);
+    }
+}
+
+/// A body that keeps what it carries alive until it is done or dropped.
+struct Kept<B, T> {
+    body: B,
+    _kept: T,
+}
+
+impl<B: Body + Unpin, T: Unpin> Body for Kept<B, T> {
+    type Data = B::Data;
+    type Error = B::Error;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The request's body, as it is sent.
+enum Payload {
+    /// Read whole: it may be sent again.
+    Kept(Bytes),
+    /// Streamed: it is sent once.
+    Streamed(Option<UpBody>),
+}
+
+impl Payload {
+    fn take(&mut self) -> Option<UpBody> {
+        match self {
+            Payload::Kept(b) => Some(Full::new(b.clone()).map_err(|e| match e {}).boxed()),
+            Payload::Streamed(s) => s.take(),
+        }
+    }
+}
+
+fn limit(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// Read a body up to [`RESEND_MAX`] within [`BODY_READ_TIMEOUT`]: whole
+/// (kept, to be sent again if need be), or, past the bound, what was read
+/// followed by the rest as it comes. Or the answer: 413 past `max`, 400
+/// for a body that breaks off (a chunked body that is not one), 408 for
+/// one that does not come.
+async fn read_body(mut body: Incoming, max: u64) -> Result<Payload, Response<UpBody>> {
+    let deadline = tokio::time::Instant::now() + BODY_READ_TIMEOUT;
+    let mut read = Vec::new();
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => {
+                return Err(error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    format!("the body did not come within {}s", BODY_READ_TIMEOUT.as_secs()),
+                    None,
+                ));
+            }
+            Ok(None) => return Ok(Payload::Kept(Bytes::from(read))),
+            Ok(Some(Err(e))) => {
+                tracing::debug!(error = %e, "the front door could not read a request's body");
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "the body is not whole".into(),
+                    None,
+                ));
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        // Trailers are dropped (vLLM reads none).
+        let Ok(data) = frame.into_data() else { continue };
+        read.extend_from_slice(&data);
+        if read.len() as u64 > max {
+            return Err(too_large(max));
+        }
+        if read.len() as u64 > RESEND_MAX {
+            let rest = Limited::new(body, limit(max - read.len() as u64));
+            return Ok(Payload::Streamed(Some(Prefixed { read: Some(Bytes::from(read)), rest }.boxed())));
+        }
+    }
+}
+
+/// A body begun: what was read of it, then the rest.
+struct Prefixed {
+    read: Option<Bytes>,
+    rest: Limited<Incoming>,
+}
+
+impl Body for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(read) = self.read.take() {
+            return Poll::Ready(Some(Ok(Frame::data(read))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+}
+
+async fn handle(door: Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -> Response<UpBody> {
+    let idle = matches!(*door.gate.borrow(), Gate::Idle { .. });
+    door.activity.begin(idle);
+    let in_hand = InHand { door: door.clone() };
+    let answer = forward(&door, peer, req).await;
+    answer.map(|body| Kept { body, _kept: in_hand }.boxed())
+}
+
+async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -> Response<UpBody> {
+    let (mut parts, body) = req.into_parts();
+    if is_dev_route(parts.uri.path()) {
+        door.metrics.front.count(outcome::REJECTED);
+        return error(StatusCode::NOT_FOUND, "not_found", format!("{} is not served here", parts.uri.path()), None);
+    }
+    if parts.headers.contains_key(header::TRANSFER_ENCODING) && parts.headers.contains_key(header::CONTENT_LENGTH) {
+        // RFC 9112 §6.3: a sign of request smuggling. Refused, and the
+        // connection closed (its next bytes cannot be trusted).
+        door.metrics.front.count(outcome::REJECTED);
+        let mut res = error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "both Content-Length and Transfer-Encoding".into(),
+            None,
+        );
+        res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return res;
+    }
+    let max = door.front.max_body;
+    let length = content_length(&parts.headers);
+    if let Some(Err(())) = length {
+        door.metrics.front.count(outcome::REJECTED);
+        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid Content-Length".into(), None);
+    }
+    let length = length.and_then(Result::ok);
+    if length.is_some_and(|n| n > max) {
+        door.metrics.front.count(outcome::REJECTED);
+        return too_large(max);
+    }
+    let mut payload = match length {
+        // Too long to keep: streamed as it comes, never sent twice.
+        Some(n) if n > RESEND_MAX => Payload::Streamed(Some(Limited::new(body, limit(max)).boxed())),
+        // A length under the bound, or none (chunked): read first, up to
+        // the bound, so that it can be sent again and that a body that
+        // breaks off never reaches the engine.
+        _ => match read_body(body, max).await {
+            Ok(p) => p,
+            Err(answer) => {
+                door.metrics.front.count(outcome::REJECTED);
+                return answer;
+            }
+        },
+    };
+    strip_hop_by_hop(&mut parts.headers);
+    add_forwarded(&mut parts.headers, peer);
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let uri: Uri = match format!("{}{path}", door.base).parse() {
+        Ok(u) => u,
+        Err(_) => {
+            door.metrics.front.count(outcome::REJECTED);
+            return error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid request target".into(), None);
+        }
+    };
+    parts.uri = uri;
+    // Whether it was held already (counted once), and sent once more.
+    let (mut held, mut retried) = (false, false);
+    let mut gate = door.gate.clone();
+    loop {
+        if let Some(answer) = wait_turn(door, &gate, door.front.hold, &mut held).await {
+            return answer;
+        }
+        let Some(body) = payload.take() else {
+            // A streamed body cannot be sent twice.
+            door.metrics.front.count(outcome::UPSTREAM_ERROR);
+            return error(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "the model's engine stopped answering".into(),
+                None,
+            );
+        };
+        gate.borrow_and_update();
+        let mut up = Request::new(body);
+        *up.method_mut() = parts.method.clone();
+        *up.uri_mut() = parts.uri.clone();
+        *up.headers_mut() = parts.headers.clone();
+        let forwarding = Forwarding::new(door);
+        match door.client.request(up).await {
+            Ok(res) => {
+                door.metrics.front.count(outcome::FORWARDED);
+                let (mut rparts, rbody) = res.into_parts();
+                strip_hop_by_hop(&mut rparts.headers);
+                let body = Kept { body: rbody.map_err(BoxError::from), _kept: forwarding };
+                return Response::from_parts(rparts, body.boxed());
+            }
+            Err(e) => {
+                drop(forwarding);
+                if let Some(why) = own_shortage(&e) {
+                    tracing::warn!(EVENT = "front", error = %e, "the front door cannot reach the engine: {why}");
+                    door.metrics.front.count(outcome::REJECTED);
+                    return unavailable(why.to_string(), Some(Duration::from_secs(1)));
+                }
+                if is_too_large(&e) {
+                    door.metrics.front.count(outcome::REJECTED);
+                    return too_large(max);
+                }
+                if is_clients_body(&e) {
+                    // The client's body broke off while it was streamed:
+                    // the client's fault, not the engine's.
+                    door.metrics.front.count(outcome::REJECTED);
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        "the body is not whole".into(),
+                        None,
+                    );
+                }
+                let resendable = matches!(payload, Payload::Kept(_));
+                if e.is_connect() && resendable {
+                    // Never reached the engine: it is not serving, whatever
+                    // the gate said a moment ago. Held until the machine
+                    // has seen it and it serves again.
+                    tracing::debug!(error = %e, "the engine could not be reached: the request is held");
+                    if let Some(answer) = wait_change(door, &mut gate, &mut held).await {
+                        return answer;
+                    }
+                    continue;
+                }
+                if e.is_connect() {
+                    door.metrics.front.count(outcome::REJECTED);
+                    return unavailable("the model's engine is not reachable".into(), Some(Duration::from_secs(1)));
+                }
+                if door.front.retry_unanswered && resendable && !retried {
+                    tracing::debug!(error = %e, "the engine went away unanswered: the request is held to be sent again");
+                    retried = true;
+                    door.metrics.front.count(outcome::RETRIED);
+                    if let Some(answer) = wait_change(door, &mut gate, &mut held).await {
+                        return answer;
+                    }
+                    continue;
+                }
+                tracing::debug!(error = %e, "the engine went away under a request");
+                door.metrics.front.count(outcome::UPSTREAM_ERROR);
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "the model's engine stopped before it answered".into(),
+                    None,
+                );
+            }
+        }
+    }
+}
+
+/// After a request failed at the engine: wait (up to `hold`) for the gate
+/// to change from what it was when the request was sent, then take its
+/// turn as any request.
+async fn wait_change(door: &Arc<Door>, gate: &mut watch::Receiver<Gate>, held: &mut bool) -> Option<Response<UpBody>> {
+    let started = tokio::time::Instant::now();
+    if !*held {
+        *held = true;
+        door.metrics.front.count(outcome::HELD);
+    }
+    match tokio::time::timeout(door.front.hold, gate.changed()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return Some(unavailable("the warden is stopping".into(), Some(Duration::from_secs(1)))),
+        Err(_) => {
+            door.metrics.front.held_for(started.elapsed());
+            door.metrics.front.count(outcome::REJECTED);
+            return Some(unavailable(
+                format!(
+                    "the model's engine is not reachable: held {}, the longest a request waits",
+                    shown(door.front.hold)
+                ),
+                Some(Duration::from_secs(1)),
+            ));
+        }
+    }
+    let left = door.front.hold.saturating_sub(started.elapsed());
+    wait_turn(door, gate, left, held).await
+}
+
+/// Wait until the gate lets the request through (`None`), held at most
+/// `budget`; or the answer it gets instead.
+async fn wait_turn(
+    door: &Arc<Door>,
+    gate: &watch::Receiver<Gate>,
+    budget: Duration,
+    held: &mut bool,
+) -> Option<Response<UpBody>> {
+    let budget = match &*gate.borrow() {
+        Gate::Idle { eta } => door.front.idle_hold.unwrap_or_else(|| idle_hold(door.front.hold, *eta)),
+        _ => budget,
+    };
+    let place = door.queue.admit(gate, budget);
+    let mut ticket = match place {
+        Ok(Place::Go) => return None,
+        Ok(Place::Held(t)) => t,
+        Err(refused) => {
+            door.metrics.front.count(outcome::REJECTED);
+            return Some(refusal(refused, budget));
+        }
+    };
+    if !*held {
+        *held = true;
+        door.metrics.front.count(outcome::HELD);
+    }
+    let started = tokio::time::Instant::now();
+    let released = tokio::time::timeout(budget, &mut ticket.release).await;
+    let waited = started.elapsed();
+    drop(ticket);
+    door.metrics.front.held_for(waited);
+    match released {
+        Ok(Ok(Release::Go)) => None,
+        Ok(Ok(Release::Closed)) | Ok(Err(_)) => {
+            door.metrics.front.count(outcome::REJECTED);
+            Some(unavailable("the warden is stopping".into(), Some(Duration::from_secs(1))))
+        }
+        Err(_) => {
+            door.metrics.front.count(outcome::REJECTED);
+            let (why, eta) = match &*gate.borrow() {
+                Gate::Holding { why, eta } => (why.clone(), *eta),
+                Gate::Idle { eta } => (hold::IDLE_WHY.to_string(), *eta),
+                _ => ("model not serving".to_string(), None),
+            };
+            let left = eta.map(|e| format!(", about {} left", shown(e))).unwrap_or_default();
+            Some(unavailable(
+                format!("{why}{left}; held {}, the longest a request waits", shown(budget)),
+                Some(eta.unwrap_or(Duration::from_secs(1))),
+            ))
+        }
+    }
+}
+
+/// The wait of a request that wakes an idle engine, without
+/// `front.idle-hold`: the estimate and a margin (a quarter, and 10 s),
+/// never less than `hold`.
+fn idle_hold(hold: Duration, eta: Option<Duration>) -> Duration {
+    eta.map_or(hold, |e| hold.max(e + e / 4 + Duration::from_secs(10)))
+}
+
+fn refusal(refused: Refused, budget: Duration) -> Response<UpBody> {
+    match refused {
+        Refused::Full { why, eta } => {
+            let left = eta.map(|e| format!(", about {} left", shown(e))).unwrap_or_default();
+            unavailable(format!("{why}{left}; too many requests waiting"), Some(eta.unwrap_or(budget)))
+        }
+        Refused::TooLong { why, eta } => unavailable(format!("{why}, about {} left", shown(eta)), Some(eta)),
+        Refused::Closed => unavailable("the warden is stopping".into(), Some(Duration::from_secs(1))),
+    }
+}
+
+/// A duration as a person reads it in an answer: `3m`, `2m10s`, `12s`.
+pub fn shown(d: Duration) -> String {
+    let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, 0) => format!("{m}m"),
+        (0, m, s) => format!("{m}m{s}s"),
+        (h, 0, _) => format!("{h}h"),
+        (h, m, _) => format!("{h}h{m}m"),
+    }
+}
+
+/// 503 with `Retry-After` (whole seconds, at least 1).
+fn unavailable(message: String, retry: Option<Duration>) -> Response<UpBody> {
+    error(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message, retry)
+}
+
+fn too_large(max: u64) -> Response<UpBody> {
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "invalid_request_error",
+        format!("the request body is larger than {max} bytes (front.max-body)"),
+        None,
+    )
+}
+
+/// An answer of the front door's own, shaped as OpenAI's errors.
+pub fn error(code: StatusCode, kind: &str, message: String, retry: Option<Duration>) -> Response<UpBody> {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "param": null, "code": code.as_u16()}
+    });
+    let mut res = Response::new(Full::new(Bytes::from(format!("{body}\n"))).map_err(|e| match e {}).boxed());
+    *res.status_mut() = code;
+    let h = res.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(r) = retry {
+        let secs = (r.as_secs() + u64::from(r.subsec_nanos() > 0)).max(1);
+        h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    res
+}
+
+/// `Content-Length`: none, a length, or `Err` when it is not one number
+/// (hyper refuses conflicting ones before this).
+fn content_length(h: &HeaderMap) -> Option<Result<u64, ()>> {
+    let v = h.get(header::CONTENT_LENGTH)?;
+    Some(v.to_str().ok().and_then(|s| s.trim().parse().ok()).ok_or(()))
+}
+
+/// Is `path` one of vLLM's development routes (or under one)? Read as
+/// vLLM's router reads it: percent-decoded, repeated and trailing
+/// slashes ignored.
+pub fn is_dev_route(path: &str) -> bool {
+    let decoded = percent_decode(path);
+    let mut norm = String::with_capacity(decoded.len());
+    for seg in decoded.split('/').filter(|s| !s.is_empty() && *s != ".") {
+        norm.push('/');
+        norm.push_str(seg);
+    }
+    DEV_ROUTES.iter().any(|r| norm == *r || norm.strip_prefix(r).is_some_and(|rest| rest.starts_with('/')))
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Remove the hop-by-hop headers (RFC 9110 §7.6.1): `Connection` and
+/// those it names, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`,
+/// `Upgrade`, and `Proxy-*`.
+pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in [header::CONNECTION, header::TE, header::TRAILER, header::TRANSFER_ENCODING, header::UPGRADE] {
+        h.remove(n);
+    }
+    h.remove("keep-alive");
+    let proxy: Vec<HeaderName> = h.keys().filter(|k| k.as_str().starts_with("proxy-")).cloned().collect();
+    for n in proxy {
+        h.remove(n);
+    }
+}
+
+/// Append the client to `X-Forwarded-For` and `Forwarded` (RFC 7239:
+/// `for`, `proto=http`, and the `host` it asked for).
+pub fn add_forwarded(h: &mut HeaderMap, peer: Option<IpAddr>) {
+    static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+    static FORWARDED: HeaderName = HeaderName::from_static("forwarded");
+    let append = |h: &mut HeaderMap, name: &HeaderName, value: String| {
+        let joined = match h.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect::<Vec<_>>() {
+            earlier if earlier.is_empty() => value,
+            earlier => format!("{}, {value}", earlier.join(", ")),
+        };
+        if let Ok(v) = HeaderValue::from_str(&joined) {
+            h.insert(name, v);
+        }
+    };
+    if let Some(ip) = peer {
+        append(h, &XFF, ip.to_string());
+    }
+    let node = match peer {
+        Some(IpAddr::V4(ip)) => ip.to_string(),
+        Some(IpAddr::V6(ip)) => format!("\"[{ip}]\""),
+        None => "unknown".to_string(),
+    };
+    let mut element = format!("for={node};proto=http");
+    if let Some(host) = h.get(header::HOST).and_then(|v| v.to_str().ok()) {
+        let quoted = host.replace('\\', "\\\\").replace('"', "\\\"");
+        element.push_str(&format!(";host=\"{quoted}\""));
+    }
+    append(h, &FORWARDED, element);
+}
+
+/// The warden's own lack of a resource, in an error of the client.
+fn own_shortage(e: &hyper_util::client::legacy::Error) -> Option<&'static str> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return crate::util::errno::own_shortage(io);
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// Did the request's body go over `front.max-body` while it was sent?
+fn is_too_large(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = source {
+        if s.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// Did the client's own body fail while it was streamed to the engine?
+fn is_clients_body(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = source {
+        if s.downcast_ref::<hyper::Error>().is_some_and(|h| h.is_user()) {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// Connects the pooled client to the engine, whatever the URI says.
+#[derive(Clone)]
+struct Connector(Arc<Engine>);
+
+impl tower_service::Service<Uri> for Connector {
+    type Response = TokioIo<EngineStream>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = std::io::Result<Self::Response>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Uri) -> Self::Future {
+        let engine = self.0.clone();
+        Box::pin(async move {
+            let s = match &*engine {
+                Engine::Loopback(port) => {
+                    let s = tokio::net::TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, *port)).await?;
+                    let _ = s.set_nodelay(true);
+                    EngineStream::Tcp(s)
+                }
+                Engine::Unix(path) => EngineStream::Unix(tokio::net::UnixStream::connect(path).await?),
+            };
+            Ok(TokioIo::new(s))
+        })
+    }
+}
+
+/// A connection to the engine.
+enum EngineStream {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl Connection for EngineStream {
+    fn connected(&self) -> Connected {
+        Connected::new()
+    }
+}
+
+impl tokio::io::AsyncRead for EngineStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            EngineStream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            EngineStream::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for EngineStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            EngineStream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            EngineStream::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            EngineStream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            EngineStream::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            EngineStream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            EngineStream::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_go_and_the_client_is_added() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, X-Secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer kept"));
+        h.insert(header::HOST, HeaderValue::from_static("model.example:8000"));
+        h.insert("x-forwarded-for", HeaderValue::from_static("203.0.113.7"));
+        strip_hop_by_hop(&mut h);
+        add_forwarded(&mut h, Some("2001:db8::1".parse().unwrap()));
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["authorization", "host", "x-forwarded-for", "forwarded"]);
+        assert_eq!(h["x-forwarded-for"], "203.0.113.7, 2001:db8::1");
+        assert_eq!(h["forwarded"], "for=\"[2001:db8::1]\";proto=http;host=\"model.example:8000\"");
+        let mut h = HeaderMap::new();
+        add_forwarded(&mut h, Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(h["forwarded"], "for=10.0.0.1;proto=http");
+        let mut h = HeaderMap::new();
+        add_forwarded(&mut h, None);
+        assert!(h.get("x-forwarded-for").is_none());
+        assert_eq!(h["forwarded"], "for=unknown;proto=http");
+    }
+
+    #[test]
+    fn vllms_development_routes_are_known_however_written() {
+        for p in ["/sleep", "/sleep/", "//wake_up", "/%73leep", "/collective_rpc/x", "/./server_info", "/is_sleeping"] {
+            assert!(is_dev_route(p), "{p}");
+        }
+        for p in ["/v1/completions", "/health", "/sleeper", "/v1/sleep", "/metrics", "/drain"] {
+            assert!(!is_dev_route(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn the_cap_is_under_the_descriptor_limit() {
+        assert_eq!(connection_cap(1024, 1 << 20), 1024);
+        assert_eq!(connection_cap(1024, 4096), 512);
+        assert_eq!(connection_cap(1024, 3), 1);
+    }
+
+    #[test]
+    fn waits_are_said_as_people_say_them() {
+        assert_eq!(shown(Duration::from_secs(180)), "3m");
+        assert_eq!(shown(Duration::from_secs(130)), "2m10s");
+        assert_eq!(shown(Duration::from_millis(11_200)), "12s");
+        assert_eq!(shown(Duration::from_secs(3600 + 120)), "1h2m");
+    }
+}

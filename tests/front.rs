@@ -1,0 +1,431 @@
+//! The front door (`[front]`) with the real binary and the simulated vLLM:
+//! requests held through a load and released on ready, refused at once
+//! when they cannot be held, a killed engine under load (no connection
+//! refused; 502 for what was in flight, or sent again with
+//! `retry-unanswered`), server-sent events passed event by event, a client
+//! gone cancelling its upstream request, and the protections (a body over
+//! the limit, vLLM's development routes, request smuggling, slowloris).
+//!
+//! The simulator serves on a loopback port here (profile `none`: the
+//! engine is the command's own port, `Engine::Loopback`).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{TIMEOUT, Warden, free_port};
+
+/// A config of the simulator under profile `none` (its ready line and
+/// `/health`), with a front door on `front` and the endpoint on `server`
+/// (for `/metrics`); `sim` are more arguments of the simulator, `more`
+/// more keys of `[front]`.
+fn front_config(d: &Path, p: u16, front: u16, server: u16, sim: &[&str], more: &str) -> String {
+    let base = common::config(
+        d,
+        p,
+        sim,
+        "",
+        &format!(
+            "[restart]\ninitial-delay = \"0s\"\n[ready]\nlog = [\"Application startup complete\"]\nprogress = [\"checkpoint shards\"]\n\
+             [server]\nlisten = \"127.0.0.1:{server}\"\n[front]\nlisten = \"127.0.0.1:{front}\"\n{more}"
+        ),
+    );
+    base.replacen("name = \"t\"\n", "name = \"t\"\nprofile = \"none\"\n", 1)
+}
+
+struct Door {
+    w: Warden,
+    front: u16,
+    server: u16,
+}
+
+impl Door {
+    fn start(sim: &[&str], more: &str) -> Door {
+        let (front, server) = (free_port(), free_port());
+        let mut w = Warden::start(|d, p| front_config(d, p, front, server, sim, more));
+        // The listeners are bound before the first start: its first
+        // STATUS= comes after them.
+        w.wait_note("the first STATUS=", |n| n.starts_with("STATUS="));
+        Door { w, front, server }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.front)
+    }
+
+    /// A metric of the warden's endpoint: the first sample whose line
+    /// starts with `name` (and a `{`) and has `label` (`outcome="held"`).
+    fn metric(&self, name: &str) -> f64 {
+        let (name, label) = name.split_once(' ').unwrap_or((name, ""));
+        let m = common::http::get(&format!("http://127.0.0.1:{}/metrics", self.server), TIMEOUT).unwrap();
+        m.body
+            .lines()
+            .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{')) && l.contains(label))
+            .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Wait (under one generous deadline) until `metric` is at least `n`.
+    fn wait_metric(&self, name: &str, n: f64) {
+        let deadline = Instant::now() + TIMEOUT;
+        while self.metric(name) < n {
+            assert!(Instant::now() < deadline, "timed out waiting for {name} ≥ {n}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn completion(prompt: &str, max_tokens: u64) -> serde_json::Value {
+    serde_json::json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens})
+}
+
+const HELD: &str = "vllm_warden_front_held";
+const IN_FLIGHT: &str = "vllm_warden_front_in_flight";
+const FRONT: &str = "vllm_warden_front_requests_total";
+
+fn outcome(d: &Door, outcome: &str) -> f64 {
+    d.metric(&format!("{FRONT} outcome=\"{outcome}\""))
+}
+
+/// Requests that arrive while the model loads wait, and are answered
+/// once it is ready; the queue's count says they were held.
+#[test]
+fn requests_are_held_during_a_load_and_released_on_ready() {
+    // A load of 3 s: long enough for the requests to come during it.
+    let d = Door::start(&["--shards", "60", "--shard-time", "50ms"], "");
+    let clients: Vec<_> = (0..5)
+        .map(|i| {
+            let url = d.url("/v1/completions");
+            std::thread::spawn(move || common::http::post_json(&url, &completion(&format!("p{i}"), 2), TIMEOUT))
+        })
+        .collect();
+    d.wait_metric(HELD, 5.0);
+    let mut d = d;
+    // STATUS= says how many wait, with the load's progress.
+    d.w.wait_note("STATUS= with the requests held", |n| n.starts_with("STATUS=") && n.ends_with(" · 5 requests held"));
+    d.w.wait_ready();
+    for c in clients {
+        let a = c.join().unwrap().expect("answered");
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.json()["object"], "text_completion");
+    }
+    assert_eq!(d.metric(HELD), 0.0);
+    assert_eq!(outcome(&d, "held"), 5.0);
+    assert_eq!(outcome(&d, "forwarded"), 5.0);
+    // The status document says where clients connect and where the engine is.
+    let doc: serde_json::Value = serde_json::from_str(
+        &common::http::get(&format!("http://127.0.0.1:{}/status", d.server), TIMEOUT).unwrap().body,
+    )
+    .unwrap();
+    assert_eq!(doc["front"]["listen"][0], format!("127.0.0.1:{}", d.front));
+    assert_eq!(doc["front"]["engine"], format!("127.0.0.1:{}", d.w.port));
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// A full queue refuses at once: 503, `Retry-After`, an OpenAI-shaped
+/// error saying why.
+#[test]
+fn a_full_queue_is_answered_503_with_retry_after() {
+    let mut d = Door::start(&["--shards", "80", "--shard-time", "50ms"], "max-held = 2\n");
+    let clients: Vec<_> = (0..2)
+        .map(|i| {
+            let url = d.url("/v1/completions");
+            std::thread::spawn(move || common::http::post_json(&url, &completion(&format!("p{i}"), 1), TIMEOUT))
+        })
+        .collect();
+    d.wait_metric(HELD, 2.0);
+    let third = raw(d.front, &post_head("/v1/completions", &completion("p2", 1).to_string()));
+    assert!(third.starts_with("HTTP/1.1 503"), "{third}");
+    let retry = header(&third, "retry-after").expect("Retry-After");
+    assert!(retry.parse::<u64>().unwrap() >= 1, "{retry}");
+    let body: serde_json::Value = serde_json::from_str(third.split("\r\n\r\n").nth(1).unwrap().trim()).unwrap();
+    assert_eq!(body["error"]["type"], "unavailable");
+    assert_eq!(body["error"]["code"], 503);
+    assert!(body["error"]["message"].as_str().unwrap().contains("too many requests waiting"), "{body}");
+    d.w.wait_ready();
+    for c in clients {
+        assert_eq!(c.join().unwrap().unwrap().status, 200);
+    }
+    assert_eq!(outcome(&d, "rejected"), 1.0);
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// A client that goes away while held frees its place in the queue at
+/// once: a flood of held requests that hang up fills nothing.
+#[test]
+fn a_client_gone_while_held_frees_its_place() {
+    let mut d = Door::start(&["--shards", "200", "--shard-time", "50ms"], "max-held = 1\n");
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.front)).unwrap();
+    s.write_all(post_head("/v1/completions", &completion("gone", 1).to_string()).as_bytes()).unwrap();
+    d.wait_metric(HELD, 1.0);
+    drop(s);
+    let deadline = Instant::now() + TIMEOUT;
+    while d.metric(HELD) > 0.0 {
+        assert!(Instant::now() < deadline, "the place was not freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The one place is free again: the next request is held, then answered.
+    let a = common::http::post_json(&d.url("/v1/completions"), &completion("next", 1), TIMEOUT).unwrap();
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(outcome(&d, "held"), 2.0, "both were held: the first left before the engine served");
+    d.w.wait_ready();
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// A request held past `front.hold` gets the 503 too.
+#[test]
+fn a_request_held_past_the_hold_is_answered_503() {
+    let mut d = Door::start(&["--shards", "100", "--shard-time", "50ms"], "hold = \"300ms\"\n");
+    let a = common::http::post_json(&d.url("/v1/completions"), &completion("p", 1), TIMEOUT).unwrap();
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert!(a.json()["error"]["message"].as_str().unwrap().contains("the longest a request waits"), "{}", a.body);
+    d.w.wait_ready();
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// The engine killed under a steady load: no client is refused; each
+/// request is answered 200 (those that came while it restarted were
+/// held) or 502 (those in flight when it died).
+#[test]
+fn a_killed_engine_refuses_no_client() {
+    let mut d = Door::start(&["--token-time", "10ms"], "");
+    d.w.wait_ready();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|i| {
+            let (url, stop) = (d.url("/v1/completions"), stop.clone());
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let a = common::http::post_json(&url, &completion(&format!("c{i}"), 20), TIMEOUT);
+                    seen.push(a.map(|a| a.status));
+                }
+                seen
+            })
+        })
+        .collect();
+    d.wait_metric(&format!("{FRONT} outcome=\"forwarded\""), 8.0);
+    let sim = sim_pid(&d.w);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sim as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    d.w.wait_ready();
+    let after = outcome(&d, "forwarded");
+    d.wait_metric(&format!("{FRONT} outcome=\"forwarded\""), after + 8.0);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut statuses = std::collections::BTreeMap::new();
+    for c in clients {
+        for s in c.join().unwrap() {
+            let s = s.unwrap_or_else(|e| panic!("a client was not answered: {e}"));
+            *statuses.entry(s).or_insert(0) += 1;
+        }
+    }
+    assert!(statuses.keys().all(|s| *s == 200 || *s == 502), "{statuses:?}");
+    assert!(statuses[&200] >= 16, "{statuses:?}");
+    assert!(outcome(&d, "held") >= 1.0, "requests came while it restarted: {statuses:?}");
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// With `retry-unanswered`, a request in flight when the engine dies,
+/// answered by no byte yet, is held and sent once more after the restart.
+#[test]
+fn an_unanswered_request_is_sent_again_after_the_restart() {
+    let mut d = Door::start(&["--token-time", "20ms"], "retry-unanswered = true\n");
+    d.w.wait_ready();
+    // Long enough to be in flight when the engine is killed.
+    let url = d.url("/v1/completions");
+    let client = std::thread::spawn(move || common::http::post_json(&url, &completion("long", 500), TIMEOUT));
+    d.wait_metric(IN_FLIGHT, 1.0);
+    let sim = sim_pid(&d.w);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sim as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    d.w.wait_ready();
+    let a = client.join().unwrap().expect("answered");
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(outcome(&d, "retried"), 1.0);
+    assert_eq!(outcome(&d, "upstream_error"), 0.0);
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// Without it, the same request is answered 502, OpenAI-shaped.
+#[test]
+fn a_request_in_flight_when_the_engine_dies_gets_502() {
+    let mut d = Door::start(&["--token-time", "20ms"], "");
+    d.w.wait_ready();
+    let url = d.url("/v1/completions");
+    let client = std::thread::spawn(move || common::http::post_json(&url, &completion("long", 500), TIMEOUT));
+    d.wait_metric(IN_FLIGHT, 1.0);
+    let sim = sim_pid(&d.w);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sim as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let a = client.join().unwrap().expect("answered");
+    assert_eq!(a.status, 502, "{}", a.body);
+    assert_eq!(a.json()["error"]["type"], "upstream_error");
+    d.w.wait_ready();
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// Server-sent events pass one by one, as the engine writes them: the
+/// first arrives long before the last is generated.
+#[test]
+fn server_sent_events_pass_event_by_event() {
+    let mut d = Door::start(&["--token-time", "200ms"], "");
+    d.w.wait_ready();
+    let mut body = completion("sse", 5);
+    body["stream"] = true.into();
+    let mut at = Vec::new();
+    let status = common::http::post_json_lines(&d.url("/v1/completions"), &body, TIMEOUT, |line| {
+        if line.starts_with("data: ") {
+            at.push((Instant::now(), line.to_string()));
+        }
+    })
+    .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(at.len(), 6, "5 tokens and [DONE]: {at:?}");
+    assert_eq!(at[5].1, "data: [DONE]");
+    // Buffered, they would arrive together; passed on, 200 ms apart.
+    for pair in at[..5].windows(2) {
+        assert!(pair[1].0 - pair[0].0 >= Duration::from_millis(100), "{at:?}");
+    }
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// A client that goes away mid-stream cancels its request at the engine,
+/// which logs it aborted.
+#[test]
+fn a_client_gone_cancels_its_upstream_request() {
+    let mut d = Door::start(&["--token-time", "20ms"], "");
+    d.w.wait_ready();
+    let mut body = completion("gone", 100_000);
+    body["stream"] = true.into();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.front)).unwrap();
+    s.write_all(post_head("/v1/completions", &body.to_string()).as_bytes()).unwrap();
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    drop(s);
+    let log = d.w.path("t.log");
+    common::wait_for_file(&log, || {
+        std::fs::read_to_string(&log).unwrap_or_default().contains("Aborted request cmpl-gone.")
+    });
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// A body over `front.max-body` is answered 413; vLLM's development
+/// routes 404; neither reaches the engine.
+#[test]
+fn large_bodies_and_development_routes_are_answered_by_the_door() {
+    let mut d = Door::start(&[], "max-body = \"1 KiB\"\n");
+    d.w.wait_ready();
+    let big = completion(&"x".repeat(2048), 1);
+    let a = common::http::post_json(&d.url("/v1/completions"), &big, TIMEOUT).unwrap();
+    assert_eq!(a.status, 413, "{}", a.body);
+    // Chunked, with no length said: refused once past the limit.
+    let chunked = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{}\r\n0\r\n\r\n",
+        2048,
+        "x".repeat(2048)
+    );
+    let r = raw(d.front, &chunked);
+    assert!(r.starts_with("HTTP/1.1 413"), "{r}");
+    for path in ["/sleep?level=1", "/wake_up", "/collective_rpc", "/%73leep", "//server_info"] {
+        let r = raw(d.front, &post_head(path, "{}"));
+        assert!(r.starts_with("HTTP/1.1 404"), "{path}: {r}");
+    }
+    let ok = common::http::get(&d.url("/v1/models"), TIMEOUT).unwrap();
+    assert_eq!(ok.status, 200);
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// Request smuggling: conflicting lengths are refused (400), or read as
+/// RFC 9112 says (chunked wins, and the connection closes after the
+/// answer); nothing smuggled behind a body reaches the engine.
+#[test]
+fn conflicting_lengths_smuggle_nothing() {
+    let mut d = Door::start(&[], "");
+    d.w.wait_ready();
+    let smuggled = r#"{"prompt":"smuggled","stream":true,"max_tokens":1}"#;
+    let hidden = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{smuggled}",
+        smuggled.len()
+    );
+    for head in [
+        format!("Content-Length: {}\r\nContent-Length: {}\r\n", smuggled.len(), smuggled.len() + 1),
+        "Transfer-Encoding: chunked, identity\r\n".to_string(),
+        // Read as chunked, the JSON is no chunk: refused before it is sent.
+        format!("Content-Length: {}\r\nTransfer-Encoding: chunked\r\n", smuggled.len()),
+    ] {
+        let r = raw(d.front, &format!("POST /v1/completions HTTP/1.1\r\nHost: t\r\n{head}\r\n{smuggled}"));
+        assert!(r.starts_with("HTTP/1.1 400"), "{head}: {r}");
+    }
+    // A valid empty chunked body, a request hidden behind it (as a server
+    // that reads the Content-Length would see it): one answer, then the
+    // connection is closed.
+    for head in
+        ["Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n"]
+    {
+        let r = raw(d.front, &format!("POST /v1/models HTTP/1.1\r\nHost: t\r\n{head}\r\n0\r\n\r\n{hidden}"));
+        assert_eq!(r.matches("HTTP/1.1 ").count(), 1, "{r}");
+    }
+    assert!(!d.w.log().contains("cmpl-smuggled"), "{}", d.w.log());
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// Slowloris: a connection that sends its head a byte at a time is closed
+/// after the header-read timeout, and others are served meanwhile.
+#[test]
+fn a_slow_head_is_cut_off() {
+    let mut d = Door::start(&[], "");
+    d.w.wait_ready();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.front)).unwrap();
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let began = Instant::now();
+    s.write_all(b"GET /v1/models HTTP/1.1\r\n").unwrap();
+    let dribble = std::thread::spawn({
+        let mut s = s.try_clone().unwrap();
+        move || {
+            for _ in 0..100 {
+                if s.write_all(b"X").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    });
+    assert_eq!(common::http::get(&d.url("/v1/models"), TIMEOUT).unwrap().status, 200);
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    let took = began.elapsed();
+    assert!(took >= Duration::from_secs(4) && took < Duration::from_secs(15), "{took:?}");
+    dribble.join().unwrap();
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// The simulator's pid: the warden's child.
+fn sim_pid(w: &Warden) -> u32 {
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap();
+    doc["child_pid"].as_u64().expect("a child") as u32
+}
+
+fn post_head(path: &str, body: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Send `text` on a new connection; all that comes back until it closes.
+fn raw(port: u16, text: &str) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    s.write_all(text.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn header(answer: &str, name: &str) -> Option<String> {
+    answer.split("\r\n\r\n").next()?.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+    })
+}
