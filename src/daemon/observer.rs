@@ -54,6 +54,9 @@ impl FrontSide {
 /// while it is ready, hold while the engine will serve later (with the
 /// load's estimate of when), refuse once the warden is done.
 pub fn gate_of(m: &Machine) -> Gate {
+    if m.failing() {
+        return Gate::Holding { why: "model restarting".into(), eta: m.snapshot().last_load };
+    }
     idle_gate(m).unwrap_or_else(|| gate(m.phase(), m.load_now().as_ref(), m.snapshot().last_load))
 }
 

@@ -137,7 +137,7 @@ impl InstanceLock {
             (m.dev(), m.ino())
         };
         let table = std::fs::read_to_string("/proc/locks")?;
-        if flock_held_by(&table, pid, (libc::major(dev), libc::minor(dev)), ino) {
+        if flock_held_by(&table, pid, (libc::major(dev), libc::minor(dev)), ino) || holds_open((dev, ino), pid) {
             Ok(Some(pid))
         } else {
             Err(io::Error::new(
@@ -146,6 +146,23 @@ impl InstanceLock {
             ))
         }
     }
+}
+
+/// Whether process `pid` has the file `(dev, ino)` open with an `flock`
+/// on that descriptor, from its own `/proc/PID/fd` and `fdinfo`. On an
+/// overlay filesystem (a container's root) the kernel's table names the
+/// file by the inode of the layer below, which `stat` does not give; the
+/// descriptor's own `stat` gives the same file as ours. Reading another
+/// process's descriptors needs its user or root: without them, no.
+fn holds_open(file: (u64, u64), pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    fds.flatten().any(|fd| {
+        let same = std::fs::metadata(fd.path()).is_ok_and(|m| (m.dev(), m.ino()) == file);
+        same && std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy())).is_ok_and(
+            |info| info.lines().any(|l| l.starts_with("lock:") && l.contains(" FLOCK ") && l.contains(" WRITE ")),
+        )
+    })
 }
 
 /// Whether `/proc/locks` (`table`) shows an `flock` of process `pid` on the
@@ -184,6 +201,20 @@ mod tests {
         assert_eq!(e.to_string(), "pid 1, named in the lock file, does not hold it");
         drop(lock);
         assert_eq!(InstanceLock::holder(dir.path()).unwrap(), None, "a free lock: no holder");
+    }
+
+    /// Where the kernel's table names another inode (an overlay
+    /// filesystem), the holder's own descriptor is its proof.
+    #[test]
+    fn the_holder_is_found_by_its_descriptor_too() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let lock = InstanceLock::take(dir.path(), "t").unwrap();
+        let m = std::fs::metadata(dir.path().join("lock")).unwrap();
+        assert!(holds_open((m.dev(), m.ino()), std::process::id()));
+        assert!(!holds_open((m.dev(), m.ino() + 1), std::process::id()), "another file");
+        drop(lock);
+        assert!(!holds_open((m.dev(), m.ino()), std::process::id()), "released: no descriptor left");
     }
 
     #[test]

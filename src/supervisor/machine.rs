@@ -46,8 +46,8 @@
 //!   golden check → Ready.
 //! ```
 
-mod recheck;
 mod idle;
+mod recheck;
 mod state;
 mod stop;
 
@@ -309,6 +309,13 @@ impl Machine {
     /// door holds requests while this is false.
     pub fn serving(&self) -> bool {
         self.phase().serving()
+    }
+
+    /// A ready run has logged a fatal line and is waiting out its grace to
+    /// exit: still "ready", but what is sent to it now fails (vLLM answers
+    /// 500 once its engine died), so the front door holds instead.
+    pub fn failing(&self) -> bool {
+        matches!(&self.state, State::Ready(s) if s.run.fatal_at.is_some())
     }
 
     /// The current run's latest progress line, while starting.

@@ -31,7 +31,7 @@ ready_with_new_child() {
 # The load time the warden reported for the last ready ("loaded in 41s").
 loaded_in() { journalctl -u vllm-warden@tiny EVENT=ready --no-pager -o cat | tail -n 1 | grep -o 'loaded in .*' ; }
 complete() {
-    curl -sf -m 60 http://127.0.0.1:8300/v1/completions -H 'content-type: application/json' \
+    curl -sf -m $budget http://127.0.0.1:8300/v1/completions -H 'content-type: application/json' \
         -d "{\"model\": \"$model\", \"prompt\": \"Hello\", \"max_tokens\": 4}" | grep -q '"text"'
 }
 # Every StatusText while the unit starts, one a line, until it is active:
@@ -54,12 +54,20 @@ budget=600
 check "the venv's interpreter is Debian's, which user vllm can run" \
     runuser -u vllm -- "$venv/bin/python3" -c 'import sys; print(sys.version)'
 
-# === README: Serve a model with systemd
+# === README: Serve a model with systemd, clients at the warden's front door
 cat >/etc/vllm-warden/tiny.toml <<EOF
 [child]
-command = ["$venv/bin/vllm", "serve", "$model", "--port", "8300",
+command = ["$venv/bin/vllm", "serve", "$model",
            "--max-model-len", "256", "--gpu-memory-utilization", "0.5"]
 env = { HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1" }
+
+[front]
+listen = ["127.0.0.1:8300"]
+# A restart of the engine here takes up to a few minutes on 2 busy cores:
+# every request waits for it rather than being answered 503.
+hold = "10m"
+# A request in flight when the engine dies, not yet answered, is sent again.
+retry-unanswered = true
 EOF
 # As root here; the unit runs it again as user vllm (ExecStartPre=), once
 # systemd has made the instance's folders.
@@ -97,18 +105,57 @@ check "vLLM's IPC sockets are in the runtime directory" \
 check "vllm-warden status names the cache directory and its size" \
     bash -c "vllm-warden status -c /etc/vllm-warden/tiny.toml | grep -q '^cache: $cache, .* in [0-9]* file(s)'"
 
-# The engine dies: the warden, not systemd, starts it again.
+# The front door: clients connect to the warden, the engine serves on a
+# private socket only the service user reaches.
+check "the engine serves on its private socket, in a folder of mode 0700 of user vllm" \
+    bash -c "test -S /run/vllm-warden/tiny/engine/engine.sock && test \"\$(stat -c '%U %a' /run/vllm-warden/tiny/engine)\" = 'vllm 700'"
+check "the engine's command has --uds and no port" \
+    bash -c "tr '\\0' ' ' </proc/$(child_pid)/cmdline | grep -q -- '--uds /run/vllm-warden/tiny/engine/engine.sock'"
+check "the warden keeps the front door's socket in systemd's store" test "$(prop NFileDescriptorStore)" -ge 1
+
+# From here to the service restart, a constant load of completions (four
+# clients, every third streamed) runs through the front door while the
+# engine is killed, restarted, reloaded and the warden upgraded and
+# restarted: no connection may be refused, and every answer is a 200 or a
+# 503 that says when to come back (Retry-After).
+rm -f /var/tmp/load.stop /var/tmp/load.json
+"$venv/bin/python3" /opt/payload/load.py http://127.0.0.1:8300 "$model" /var/tmp/load.stop /var/tmp/load.json 4 &
+load=$!
+
+# The engine dies (three times): the warden, not systemd, starts it again.
 main=$(prop MainPID)
-old=$(child_pid)
-engine=$(pgrep -u vllm -f '^VLLM::EngineCore' | head -n 1)
-check "the EngineCore runs" test -n "$engine"
-t=$SECONDS
-kill -9 "$engine"
-check "the warden restarts the server after the EngineCore is killed" wait_for $budget ready_with_new_child "$old"
-echo "# after the engine kill: ready again in $((SECONDS - t)) s; the warden: $(loaded_in)"
+for n in 1 2 3; do
+    old=$(child_pid)
+    engine=$(pgrep -u vllm -f '^VLLM::EngineCore' | head -n 1)
+    check "the EngineCore runs ($n)" test -n "$engine"
+    t=$SECONDS
+    kill -9 "$engine"
+    check "the warden restarts the server after the EngineCore is killed ($n)" wait_for $budget ready_with_new_child "$old"
+    echo "# after engine kill $n: ready again in $((SECONDS - t)) s; the warden: $(loaded_in)"
+done
 check "systemd did not restart the unit (NRestarts=0, same main pid)" \
     test "$(prop NRestarts)/$(prop MainPID)" = "0/$main"
-check "a completion after the restart" complete
+check "a completion after the restarts" complete
+
+# vllm-warden restart: drain, then a new engine.
+old=$(child_pid)
+t=$SECONDS
+check "vllm-warden restart" vllm-warden restart tiny
+check "a new child after vllm-warden restart" wait_for $budget ready_with_new_child "$old"
+echo "# after vllm-warden restart: ready again in $((SECONDS - t)) s"
+
+# Three upgrades in place of the warden: the same engine serves on, the
+# front door's socket is carried across each exec.
+upgrades() { journalctl -u vllm-warden@tiny EVENT=upgrade --no-pager -o cat | grep -c 'handing pid'; }
+for n in 1 2 3; do
+    before=$(upgrades)
+    engine_pid=$(child_pid)
+    check "vllm-warden upgrade ($n)" vllm-warden upgrade tiny
+    check "the upgrade is done and the model serves again ($n)" wait_for 120 bash -c \
+        "test \"\$(journalctl -u vllm-warden@tiny EVENT=upgrade --no-pager -o cat | grep -c 'handing pid')\" -gt $before && vllm-warden status tiny >/dev/null"
+    check "… with the same engine ($n)" test "$(child_pid)" = "$engine_pid"
+done
+check "the unit's main pid did not change across the upgrades" test "$(prop MainPID)" = "$main"
 
 # A reload with a changed argument: a new child with it.
 old=$(child_pid)
@@ -150,6 +197,34 @@ vllm-warden loads -c /etc/vllm-warden/tiny.toml | sed 's/^/#   loads: /'
 check "vllm-warden loads lists every load of the ledger" \
     bash -c "test \"\$(vllm-warden loads -c /etc/vllm-warden/tiny.toml | tail -n +2 | wc -l)\" -eq \"\$(wc -l <$ledger)\""
 check "a completion after the service restart" complete
+
+# The load ends here: what every client met.
+touch /var/tmp/load.stop
+wait "$load"
+echo "# load through the front door: $(cat /var/tmp/load.json 2>/dev/null)"
+check "the load's clients reported" test -s /var/tmp/load.json
+check "no connection was refused" bash -c "! grep -q '\"refused\"' /var/tmp/load.json"
+# What vLLM itself answers in the milliseconds between its engine's death
+# and the line that says so (500), and a stream cut by that death (502),
+# cannot be held: at most two of them for each of the three engine deaths.
+check "every other answer was a 200 or a 503 with Retry-After" bash -c \
+    "\"$venv/bin/python3\" -c 'import json,sys; c=json.load(open(\"/var/tmp/load.json\"))[\"counts\"]; other=sum(n for k, n in c.items() if k not in (\"ok\", \"budgeted-503\")); sys.exit(0 if c.get(\"ok\", 0) > 0 and other <= 6 else 1)'"
+check "some requests were held while the engine was not serving" bash -c \
+    "\"$venv/bin/python3\" -c 'import json,sys; sys.exit(0 if json.load(open(\"/var/tmp/load.json\"))[\"waited_over_2s\"] > 0 else 1)'"
+
+# An idle engine is given back, and the next request brings it back.
+sed -i 's/^hold = "10m"$/hold = "10m"\nidle-stop = "5s"/' /etc/vllm-warden/tiny.toml
+check "systemctl reload (idle-stop = 5s)" systemctl reload vllm-warden@tiny
+idle() { systemctl show -p StatusText --value vllm-warden@tiny | grep -q '^idle: stopped'; }
+check "after 5 s without a request the engine is stopped" wait_for 120 idle
+systemctl show -p StatusText --value vllm-warden@tiny | sed 's/^/#   status: /'
+check "… and no process of user vllm is left but the warden" bash -c "! pgrep -u vllm -f '^VLLM::EngineCore' >/dev/null"
+check "/readyz says idle" bash -c "curl -s --unix-socket /run/vllm-warden/tiny/control.sock http://localhost/readyz | grep -q idle"
+t=$SECONDS
+check "a request to the idle model is answered" complete
+echo "# the request that woke the idle model waited $((SECONDS - t)) s"
+sed -i '/^idle-stop = "5s"$/d' /etc/vllm-warden/tiny.toml
+check "systemctl reload (no idle-stop)" systemctl reload vllm-warden@tiny
 journalctl -u vllm-warden@tiny SYSLOG_IDENTIFIER=vllm-tiny --since "$since" --no-pager -o cat \
     | grep -E 'Directly load|Compiling model again|saved AOT|Compiling a graph|torch.compile takes|Using cache directory' \
     | sed 's/^/#   restart load: /'

@@ -26,7 +26,7 @@ rootfs=$(tests/systemd/rootfs.sh)
 # by its setup, shown to the container read-only at the same paths.
 { read -r venv; read -r models; } < <(tests/real-vllm/setup.sh)
 
-cp tests/systemd/lib.sh tests/systemd/inside.sh tests/systemd/real-vllm.sh "$payload/"
+cp tests/systemd/lib.sh tests/systemd/inside.sh tests/systemd/real-vllm.sh tests/systemd/load.py "$payload/"
 cp examples/ray/vllm-warden@kimi.service.d/ray.conf "$payload/ray.conf"
 chmod 644 "$payload"/*
 

@@ -744,35 +744,21 @@ fn content_length(h: &HeaderMap) -> Option<Result<u64, ()>> {
 
 /// Is `path` one of vLLM's development routes (or under one)? Read as
 /// vLLM's router reads it: percent-decoded, repeated and trailing
-/// slashes ignored.
+/// slashes ignored. A path that decodes to a control character is one
+/// too, whatever it names: Python's router matches a route's `$` before a
+/// final newline (`/sleep%0a` is `/sleep` there), and no route of the API
+/// has one.
 pub fn is_dev_route(path: &str) -> bool {
-    let decoded = percent_decode(path);
+    let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
+    if decoded.chars().any(char::is_control) {
+        return true;
+    }
     let mut norm = String::with_capacity(decoded.len());
     for seg in decoded.split('/').filter(|s| !s.is_empty() && *s != ".") {
         norm.push('/');
         norm.push_str(seg);
     }
     DEV_ROUTES.iter().any(|r| norm == *r || norm.strip_prefix(r).is_some_and(|rest| rest.starts_with('/')))
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = |c: u8| (c as char).to_digit(16);
-        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
-            (b'%', Some(h), Some(l)) => {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            (c, _, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Remove the hop-by-hop headers (RFC 9110 §7.6.1): `Connection` and
@@ -974,7 +960,18 @@ mod tests {
 
     #[test]
     fn vllms_development_routes_are_known_however_written() {
-        for p in ["/sleep", "/sleep/", "//wake_up", "/%73leep", "/collective_rpc/x", "/./server_info", "/is_sleeping"] {
+        for p in [
+            "/sleep",
+            "/sleep/",
+            "//wake_up",
+            "/%73leep",
+            "/collective_rpc/x",
+            "/./server_info",
+            "/is_sleeping",
+            "/sleep%0a",
+            "/collective_rpc%0A",
+            "/v1/completions%00",
+        ] {
             assert!(is_dev_route(p), "{p}");
         }
         for p in ["/v1/completions", "/health", "/sleeper", "/v1/sleep", "/metrics", "/drain"] {

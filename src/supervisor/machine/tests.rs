@@ -287,6 +287,18 @@ fn a_fatal_line_with_a_hanging_child_is_stopped_after_the_grace() {
     assert_eq!(s.m.cause.as_ref().unwrap().text, "EngineCore failed to start.");
 }
 
+/// A ready engine that logged its death is not sent anything more (the
+/// front door holds), though it is "ready" until it exits or its grace ends.
+#[test]
+fn a_ready_run_with_a_fatal_line_is_failing() {
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    assert!(!s.m.failing());
+    s.at(50.0).line("(APIServer pid=7) ERROR 11-29 18:16:28 [core_client.py:564] Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.");
+    assert_eq!(s.state(), "ready");
+    assert!(s.m.failing());
+}
+
 #[test]
 fn a_stop_during_a_load_is_prompt() {
     let mut s = Sim::new(policy());
