@@ -140,10 +140,26 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     // endpoint's. The rest applies to requests from then on.
     let listen = |f: &Option<crate::config::Front>| dbg(&f.as_ref().map(|f| &f.listen));
     cmp("front.listen", Identity, listen(&old.front), listen(front));
-    let rest = |f: &Option<crate::config::Front>| {
-        dbg(&f.as_ref().map(|f| crate::config::Front { listen: Vec::new(), ..f.clone() }))
+    // Each key on its own line, as every other key is said.
+    let key = |f: &Option<crate::config::Front>, get: fn(&crate::config::Front) -> String| {
+        f.as_ref().map_or_else(|| "none".to_string(), get)
     };
-    cmp("front.*", Warden, rest(&old.front), rest(front));
+    let (of, nf) = (&old.front, front);
+    cmp("front.hold", Warden, key(of, |f| d(f.hold)), key(nf, |f| d(f.hold)));
+    cmp("front.max-held", Warden, key(of, |f| f.max_held.to_string()), key(nf, |f| f.max_held.to_string()));
+    let retry = |f: &crate::config::Front| f.retry_unanswered.to_string();
+    cmp("front.retry-unanswered", Warden, key(of, retry), key(nf, retry));
+    cmp("front.max-body", Warden, key(of, |f| f.max_body.to_string()), key(nf, |f| f.max_body.to_string()));
+    let conns = |f: &crate::config::Front| f.max_connections.to_string();
+    cmp("front.max-connections", Warden, key(of, conns), key(nf, conns));
+    let stop = |f: &crate::config::Front| f.idle_stop.map_or_else(|| "none".to_string(), d);
+    cmp("front.idle-stop", Warden, key(of, stop), key(nf, stop));
+    let action = |f: &crate::config::Front| format!("{:?}", f.idle_action).to_lowercase();
+    cmp("front.idle-action", Warden, key(of, action), key(nf, action));
+    let level = |f: &crate::config::Front| f.idle_sleep_level.to_string();
+    cmp("front.idle-sleep-level", Warden, key(of, level), key(nf, level));
+    let hold = |f: &crate::config::Front| f.idle_hold.map_or_else(|| "none".to_string(), d);
+    cmp("front.idle-hold", Warden, key(of, hold), key(nf, hold));
     cmp("engine address", Child, dbg(&old.engine), dbg(engine));
     // The engine that sleeps is given vLLM's development mode in its
     // environment: a child started without it cannot sleep.
@@ -287,6 +303,7 @@ mod tests {
         assert!(p.to_string().contains("development mode"), "{p}");
         let longer = parse("[front]\nlisten = \"127.0.0.1:8000\"\nidle-stop = \"1h\"\n");
         assert!(matches!(plan(&stop, &longer), ReloadPlan::InPlace(_)), "{}", plan(&stop, &longer));
+        assert_eq!(plan(&stop, &longer).to_string(), "reloaded in place: front.idle-stop 30m → 1h");
     }
 
     #[test]
