@@ -384,6 +384,8 @@ mod tests {
             last: None,
             fingerprint: String::new(),
             preload: None,
+            estimate: None,
+            error: None,
         }
     }
 
