@@ -1010,7 +1010,9 @@ impl Metrics {
             Some(l) => {
                 *began = Some(l.began.into_std());
                 self.load_elapsed.get_or_create(&vec![]).set(l.elapsed.as_secs_f64());
-                match l.expected {
+                // The median, a fixed yardstick: the live estimate is never
+                // behind the elapsed time, so no alert could compare them.
+                match l.median {
                     Some(e) => {
                         self.load_expected.get_or_create(&vec![]).set(e.as_secs_f64());
                     }
@@ -1481,6 +1483,7 @@ mod tests {
             last: Some(Duration::from_secs(282)),
             fingerprint: "abc".into(),
             preload: None,
+            median: Some(Duration::from_secs(290)),
             estimate: None,
             error: Some(0.04125),
         });
@@ -1550,10 +1553,11 @@ mod tests {
             of: 7,
             elapsed: Duration::from_secs(130),
             began: tokio::time::Instant::now() - Duration::from_secs(130),
-            expected: Some(Duration::from_secs(290)),
+            expected: Some(Duration::from_secs(300)), // the live estimate: not the metric
             last: None,
             fingerprint: "abc".into(),
             preload: None,
+            median: Some(Duration::from_secs(290)),
             estimate: None,
             error: None,
         });

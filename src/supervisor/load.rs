@@ -598,6 +598,7 @@ impl LoadTrack {
             elapsed,
             began: self.spawned,
             expected: estimate.map(|e| e.at(elapsed)),
+            median: self.history().map(|h| h.median),
             estimate,
             error: self.history().and_then(|h| h.error),
             last: self.history().map(|h| h.last),
@@ -741,6 +742,10 @@ pub struct LoadNow {
     /// load; none without history.
     pub expected: Option<Duration>,
     pub last: Option<Duration>,
+    /// The setup's median load: the fixed yardstick of the metric the
+    /// alerts compare the elapsed time with, and of the front door's hold
+    /// (a load past it is held, not refused on a guess).
+    pub median: Option<Duration>,
     /// The estimate in force, for [`LoadNow::as_of`].
     pub estimate: Option<Estimate>,
     /// The estimate's expected error from history (a fraction, see
@@ -1086,7 +1091,7 @@ mod tests {
         assert_eq!(first.worst_error(), None);
         let fresh = LoadTrack::new(start(None), Instant::now());
         let now = fresh.now(Instant::now());
-        assert_eq!((now.expected, now.error, now.estimate), (None, None, None));
+        assert_eq!((now.expected, now.median, now.error, now.estimate), (None, None, None, None));
         // Records of before the snapshots: an estimate, but no error yet.
         let h = History::of(&[load(USUAL, 1.0)], "f1", HOUR).unwrap();
         assert_eq!((h.error, h.errors), (None, 0));
