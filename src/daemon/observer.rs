@@ -65,7 +65,9 @@ pub fn gate_of(m: &Machine) -> Gate {
 /// state of the machine is a new row here.
 pub fn gate(phase: Phase, load: Option<&LoadNow>, last_load: Option<Duration>) -> Gate {
     // A load past its estimate has none left (it may be close).
-    let load_left = load.and_then(|l| l.expected.map(|e| e.saturating_sub(l.elapsed))).filter(|d| !d.is_zero());
+    // By the setup's median load, not the live estimate, which is never
+    // behind the elapsed time.
+    let load_left = load.and_then(|l| l.median.map(|e| e.saturating_sub(l.elapsed))).filter(|d| !d.is_zero());
     let holding = |why: &str, eta| Gate::Holding { why: why.to_string(), eta };
     match phase {
         Phase::Ready => Gate::Serving,
@@ -384,6 +386,9 @@ mod tests {
             last: None,
             fingerprint: String::new(),
             preload: None,
+            median: expected.map(Duration::from_secs),
+            estimate: None,
+            error: None,
         }
     }
 

@@ -460,6 +460,7 @@ mod tests {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            estimates: vec![],
         }
     }
 

@@ -197,12 +197,19 @@ pub struct LoadDoc {
     pub index: usize,
     pub of: usize,
     pub elapsed_secs: f64,
-    /// The median of the setup's good loads, and its last; absent without
+    /// The estimate of the load's total from its setup's history (see
+    /// `supervisor::load`), and the setup's last load; absent without
     /// history.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expected_secs: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_secs: Option<f64>,
+    /// How far off the estimate is expected to be, from the setup's
+    /// history: the median of the recent loads' worst absolute error from
+    /// 25 % of the load on (a fraction); absent until loads kept what
+    /// their estimate said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_error: Option<f64>,
     pub fingerprint: String,
     /// As in `STATUS=`.
     pub text: String,
@@ -218,6 +225,7 @@ impl LoadDoc {
             elapsed_secs: round(l.elapsed.as_secs_f64()),
             expected_secs: l.expected.map(|d| round(d.as_secs_f64())),
             last_secs: l.last.map(|d| round(d.as_secs_f64())),
+            expected_error: l.error.filter(|e| e.is_finite()).map(|e| (e * 1000.0).round() / 1000.0),
             fingerprint: safe(&l.fingerprint),
             text: safe(&l.text()),
         }
@@ -1002,7 +1010,9 @@ impl Metrics {
             Some(l) => {
                 *began = Some(l.began.into_std());
                 self.load_elapsed.get_or_create(&vec![]).set(l.elapsed.as_secs_f64());
-                match l.expected {
+                // The median, a fixed yardstick: the live estimate is never
+                // behind the elapsed time, so no alert could compare them.
+                match l.median {
                     Some(e) => {
                         self.load_expected.get_or_create(&vec![]).set(e.as_secs_f64());
                     }
@@ -1473,6 +1483,9 @@ mod tests {
             last: Some(Duration::from_secs(282)),
             fingerprint: "abc".into(),
             preload: None,
+            median: Some(Duration::from_secs(290)),
+            estimate: None,
+            error: Some(0.04125),
         });
         s.loads_ended = 1;
         s.last_load_record = Some(Arc::new(LoadRecord {
@@ -1494,16 +1507,18 @@ mod tests {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            estimates: vec![],
         }));
         r.update(&s);
         let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let load = doc.load.as_ref().unwrap();
         assert_eq!((load.phase.as_str(), load.index, load.of, load.expected_secs), ("compile", 3, 7, Some(290.0)));
-        assert_eq!(load.text, "loading 3/7 compile · 2m10s of ~4m50s (last 4m42s)");
+        assert_eq!(load.text, "loading 3/7 compile · 2m10s of ~4m50s ±4% (last 4m42s)");
+        assert_eq!(load.expected_error, Some(0.041));
         let last = doc.last_load.as_ref().unwrap();
         assert_eq!(last.phases, [("start".to_string(), 20.5)]);
         let text = summary(&StatusVerdict::NotReady(doc.clone()));
-        assert!(text.contains("\nload: loading 3/7 compile · 2m10s of ~4m50s (last 4m42s)"), "{text}");
+        assert!(text.contains("\nload: loading 3/7 compile · 2m10s of ~4m50s ±4% (last 4m42s)"), "{text}");
         assert!(text.contains("\nlast load: ready after 61.2s (start 20.5s); compile cache: load-failure (bad\\nREADY=1); weights 1.50 GB/s"), "{text}");
         assert!(text.contains("\nload alarm: slow load: 1m01s"), "{text}");
         // The metrics count the load once.
@@ -1538,10 +1553,13 @@ mod tests {
             of: 7,
             elapsed: Duration::from_secs(130),
             began: tokio::time::Instant::now() - Duration::from_secs(130),
-            expected: Some(Duration::from_secs(290)),
+            expected: Some(Duration::from_secs(300)), // the live estimate: not the metric
             last: None,
             fingerprint: "abc".into(),
             preload: None,
+            median: Some(Duration::from_secs(290)),
+            estimate: None,
+            error: None,
         });
         m.set(&s, 0);
         let text = m.encode();

@@ -927,6 +927,7 @@ mod loads {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            estimates: vec![],
         }
     }
 
@@ -955,10 +956,12 @@ mod loads {
         s.at(25.0)
             .line("(Worker pid=1) INFO 11-29 18:09:34 [default_loader.py:501] Loading weights took 14.90 seconds");
         let fx = s.at(30.0).line("Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00]");
+        // The weights ended at 25 s, 5 s after their median: the compile's
+        // and the engine's medians after that, 1m55s.
         assert_eq!(
             statuses(&fx),
             [
-                "loading 3/4 compile · 30s of ~1m50s (last 2m00s), pid 100: Loading safetensors checkpoint shards: 1/1 (100%)"
+                "loading 3/4 compile · 30s of ~1m55s (last 2m00s), pid 100: Loading safetensors checkpoint shards: 1/1 (100%)"
             ]
         );
         s.at(200.0).line(
