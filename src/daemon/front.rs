@@ -25,6 +25,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// What the front door does with a request now.
@@ -45,17 +46,50 @@ pub enum Gate {
     Closed,
 }
 
-/// The requests the front door has seen, as the loop reads them.
+/// The requests the front door has seen, as the loop reads them; and the
+/// hand-over before an upgrade's exec, which the loop asks for and the
+/// front door carries out.
 #[derive(Debug)]
 pub struct Activity {
     in_flight: AtomicUsize,
     last: Mutex<Instant>,
     woken: tokio::sync::Notify,
+    /// `true` while an upgrade waits for the front door to empty: no
+    /// connection is accepted (they wait in the kernel's backlog, for the
+    /// successor), kept-alive ones are closed after their request.
+    handover: watch::Sender<bool>,
+    /// The client connections open now.
+    connections: watch::Sender<usize>,
 }
 
 impl Default for Activity {
     fn default() -> Self {
-        Activity { in_flight: AtomicUsize::new(0), last: Mutex::new(Instant::now()), woken: tokio::sync::Notify::new() }
+        Activity {
+            in_flight: AtomicUsize::new(0),
+            last: Mutex::new(Instant::now()),
+            woken: tokio::sync::Notify::new(),
+            handover: watch::Sender::new(false),
+            connections: watch::Sender::new(0),
+        }
+    }
+}
+
+/// How long an upgrade waits for the front door's connections to end
+/// before its exec: the requests being forwarded are answered whole by
+/// this warden (a streamed answer included), meanwhile new connections
+/// wait in the kernel's backlog for the successor. A request still in
+/// flight after this is cut by the exec (said in the log, counted). As
+/// long as `front.hold`'s default: a client waits no longer in the
+/// backlog than it would be held.
+pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A client connection, counted while it is open.
+#[derive(Debug)]
+pub struct Open<'a>(&'a Activity);
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.connections.send_modify(|n| *n -= 1);
     }
 }
 
@@ -88,6 +122,48 @@ impl Activity {
     /// Resolves when a request arrives at an idle engine.
     pub async fn wanted(&self) {
         self.woken.notified().await;
+    }
+
+    /// Requests in the front door's hands now: held, or forwarded and
+    /// their answer not yet all sent.
+    pub fn in_hand(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// A client connection opened; counted until the guard is dropped.
+    pub fn opened(&self) -> Open<'_> {
+        self.connections.send_modify(|n| *n += 1);
+        Open(self)
+    }
+
+    /// Client connections open now.
+    pub fn connections(&self) -> usize {
+        *self.connections.borrow()
+    }
+
+    /// An upgrade is about to exec: take no new connection, close the
+    /// kept-alive ones, refuse to hold (see [`HANDOVER_PATIENCE`]).
+    pub fn hand_over(&self) {
+        self.handover.send_replace(true);
+    }
+
+    /// The upgrade did not happen (it failed, or waits for the run): serve
+    /// as before.
+    pub fn resume(&self) {
+        self.handover.send_replace(false);
+    }
+
+    /// The hand-over, as the front door watches it.
+    pub fn handover(&self) -> watch::Receiver<bool> {
+        self.handover.subscribe()
+    }
+
+    /// Resolves once no client connection is open (every request answered
+    /// whole), or at `deadline`; the connections still open then.
+    pub async fn emptied(&self, deadline: Instant) -> usize {
+        let mut open = self.connections.subscribe();
+        let _ = tokio::time::timeout_at(deadline, open.wait_for(|n| *n == 0)).await;
+        self.connections()
     }
 }
 

@@ -199,17 +199,28 @@ pub fn connection_cap(max: u32, nofile: u64) -> usize {
     (max as usize).min(share).max(1)
 }
 
-/// Release the held requests whenever the gate opens (or closes).
+/// Release the held requests whenever the gate opens (or closes), and
+/// answer them when an upgrade's exec is near.
 async fn release(door: Arc<Door>) {
     let mut gate = door.gate.clone();
+    let mut handover = door.activity.handover();
     loop {
         let n = door.queue.gate_changed(&gate);
         if n > 0 {
             tracing::info!(EVENT = "front", "{n} held requests released");
         }
-        if gate.changed().await.is_err() {
-            // The observer is gone: the warden is ending.
-            std::future::pending::<()>().await;
+        tokio::select! {
+            changed = gate.changed() => if changed.is_err() {
+                // The observer is gone: the warden is ending.
+                std::future::pending::<()>().await;
+            },
+            Ok(()) = handover.changed() => {
+                let on = *handover.borrow_and_update();
+                let n = door.queue.hand_over(on);
+                if n > 0 {
+                    tracing::info!(EVENT = "front", "{n} held requests answered 503: the warden is being upgraded");
+                }
+            }
         }
     }
 }
@@ -237,6 +248,13 @@ impl Accept for tokio::net::UnixListener {
     }
 }
 
+/// Resolves once the hand-over before an upgrade is `on` (`true`), or
+/// off; `false` when it can never be (the warden is ending).
+async fn handing_over(handover: &mut watch::Receiver<bool>, on: bool) -> bool {
+    // The watch's guard is let go at once: never held across a wait.
+    handover.wait_for(|h| *h == on).await.is_ok()
+}
+
 /// The first pause after a failed accept for want of a resource; doubled
 /// up to a second.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
@@ -244,11 +262,23 @@ const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
 async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits: Arc<tokio::sync::Semaphore>) {
     let mut pause = ACCEPT_PAUSE;
     let mut warned: Option<tokio::time::Instant> = None;
+    let mut handover = door.activity.handover();
     loop {
         // At the cap, new connections wait in the kernel's queue (they
         // hold none of the warden's descriptors) until one ends.
         let Ok(permit) = permits.clone().acquire_owned().await else { return };
-        let (io, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            biased;
+            // An upgrade's exec is near: new connections wait in the
+            // kernel's queue for the successor (the socket is handed over,
+            // never closed); accepted again if the upgrade does not happen.
+            true = handing_over(&mut handover, true) => {
+                handing_over(&mut handover, false).await;
+                continue;
+            }
+            a = listener.accept() => a,
+        };
+        let (io, peer) = match accepted {
             Ok(a) => {
                 pause = ACCEPT_PAUSE;
                 a
@@ -270,7 +300,9 @@ async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits
         };
         let door = door.clone();
         tokio::spawn(async move {
-            connection(io, peer, door).await;
+            let open = door.activity.opened();
+            connection(io, peer, door.clone()).await;
+            drop(open);
             drop(permit);
         });
     }
@@ -281,6 +313,7 @@ async fn connection<I>(io: I, peer: Option<IpAddr>, door: Arc<Door>)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let mut handover = door.activity.handover();
     let service = hyper::service::service_fn(move |req| {
         let door = door.clone();
         async move { Ok::<_, std::convert::Infallible>(handle(door, peer, req).await) }
@@ -291,7 +324,19 @@ where
         .max_buf_size(MAX_BUF)
         .max_headers(MAX_HEADERS)
         .serve_connection(TokioIo::new(io), service);
-    if let Err(e) = conn.await {
+    let mut conn = std::pin::pin!(conn);
+    let ended = tokio::select! {
+        ended = conn.as_mut() => ended,
+        true = handing_over(&mut handover, true) => {
+            // An upgrade's exec is near: the request under way (if any)
+            // is answered whole, then the connection is closed (a client
+            // that kept it alive opens its next one on the successor); an
+            // idle one is closed now.
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = ended {
         tracing::debug!(error = %e, "front door connection ended");
     }
 }
@@ -659,6 +704,10 @@ async fn wait_turn(
             door.metrics.front.count(outcome::REJECTED);
             Some(unavailable("the warden is stopping".into(), Some(Duration::from_secs(1))))
         }
+        Ok(Ok(Release::Upgrading)) => {
+            door.metrics.front.count(outcome::REJECTED);
+            Some(upgrading())
+        }
         Err(_) => {
             door.metrics.front.count(outcome::REJECTED);
             let (why, eta) = match &*gate.borrow() {
@@ -690,7 +739,14 @@ fn refusal(refused: Refused, budget: Duration) -> Response<UpBody> {
         }
         Refused::TooLong { why, eta } => unavailable(format!("{why}, about {} left", shown(eta)), Some(eta)),
         Refused::Closed => unavailable("the warden is stopping".into(), Some(Duration::from_secs(1))),
+        Refused::Upgrading => upgrading(),
     }
+}
+
+/// A held request when an upgrade's exec is near: its wait cannot cross
+/// the exec; asked again in a second, it is held by the successor.
+fn upgrading() -> Response<UpBody> {
+    unavailable("the warden is being upgraded; the model is not serving now".into(), Some(Duration::from_secs(1)))
 }
 
 /// A duration as a person reads it in an answer: `3m`, `2m10s`, `12s`.
