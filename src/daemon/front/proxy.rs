@@ -575,10 +575,35 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
         let forwarding = Forwarding::new(door);
         match door.client.request(up).await {
             Ok(res) => {
+                let res = match engine_dead(res).await {
+                    Ok(res) => res,
+                    Err(()) => {
+                        // vLLM's own answer in the moment its engine died,
+                        // before the warden saw the death: no answer of the
+                        // model, so the engine's death for this request.
+                        drop(forwarding);
+                        tracing::debug!("the engine answered that it is dead");
+                        if door.front.retry_unanswered && matches!(payload, Payload::Kept(_)) && !retried {
+                            retried = true;
+                            door.metrics.front.count(outcome::RETRIED);
+                            if let Some(answer) = wait_change(door, &mut gate, &mut held).await {
+                                return answer;
+                            }
+                            continue;
+                        }
+                        door.metrics.front.count(outcome::UPSTREAM_ERROR);
+                        return error(
+                            StatusCode::BAD_GATEWAY,
+                            "upstream_error",
+                            "the model's engine stopped before it answered".into(),
+                            None,
+                        );
+                    }
+                };
                 door.metrics.front.count(outcome::FORWARDED);
                 let (mut rparts, rbody) = res.into_parts();
                 strip_hop_by_hop(&mut rparts.headers);
-                let body = Kept { body: rbody.map_err(BoxError::from), _kept: forwarding };
+                let body = Kept { body: rbody, _kept: forwarding };
                 return Response::from_parts(rparts, body.boxed());
             }
             Err(e) => {
@@ -638,6 +663,39 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
             }
         }
     }
+}
+
+/// What vLLM 0.32 answers a request while its engine is dead (the
+/// EngineCore died; its API server has not yet shut down): 500 and this
+/// message, as `create_error_response(EngineDeadError)` makes it.
+pub const ENGINE_DEAD_MESSAGE: &str = "EngineCore encountered an issue. See stack trace (above) for the root cause.";
+
+/// The longest body [`engine_dead`] reads: vLLM's is 150 bytes.
+const ENGINE_DEAD_MAX: u64 = 1024;
+
+/// The engine's answer, unless it is vLLM's own answer that its engine is
+/// dead (`Err`): status 500, a JSON body of at most [`ENGINE_DEAD_MAX`]
+/// bytes whose error is [`ENGINE_DEAD_MESSAGE`] of type
+/// `InternalServerError`. Only such a 500 is read before it is passed on.
+async fn engine_dead(res: Response<Incoming>) -> Result<Response<UpBody>, ()> {
+    let small = content_length(res.headers()).and_then(Result::ok).is_some_and(|n| n <= ENGINE_DEAD_MAX);
+    if res.status() != StatusCode::INTERNAL_SERVER_ERROR || !small {
+        return Ok(res.map(|b| b.map_err(BoxError::from).boxed()));
+    }
+    let (parts, body) = res.into_parts();
+    // A body that does not come whole (within the time a local answer of
+    // a few bytes takes, generously) is the engine dying too.
+    let read = tokio::time::timeout(HEADER_READ_TIMEOUT, Limited::new(body, limit(ENGINE_DEAD_MAX)).collect());
+    let bytes = match read.await {
+        Ok(Ok(c)) => c.to_bytes(),
+        _ => return Err(()),
+    };
+    let said: Option<serde_json::Value> = serde_json::from_slice(&bytes).ok();
+    let error = said.as_ref().map(|v| &v["error"]);
+    if error.is_some_and(|e| e["message"] == ENGINE_DEAD_MESSAGE && e["type"] == "InternalServerError") {
+        return Err(());
+    }
+    Ok(Response::from_parts(parts, Full::new(bytes).map_err(|e| match e {}).boxed()))
 }
 
 /// After a request failed at the engine: wait (up to `hold`) for the gate
