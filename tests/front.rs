@@ -29,7 +29,8 @@ fn front_config(d: &Path, p: u16, front: u16, server: u16, sim: &[&str], more: &
         "",
         &format!(
             "[restart]\ninitial-delay = \"0s\"\n[ready]\nlog = [\"Application startup complete\"]\nprogress = [\"checkpoint shards\"]\n\
-             [server]\nlisten = \"127.0.0.1:{server}\"\n[front]\nlisten = \"127.0.0.1:{front}\"\n{more}"
+             [server]\nlisten = \"127.0.0.1:{server}\"\nsocket = \"{}/control.sock\"\n[front]\nlisten = \"127.0.0.1:{front}\"\n{more}",
+            d.display()
         ),
     );
     base.replacen("name = \"t\"\n", "name = \"t\"\nprofile = \"none\"\n", 1)
@@ -499,5 +500,59 @@ fn an_upgrade_cuts_no_request_in_flight() {
     let a = common::http::post_json(&d.url("/v1/completions"), &completion("after", 2), TIMEOUT).unwrap();
     assert_eq!(a.status, 200, "{}", a.body);
     assert!(!d.w.stderr().contains("the upgrade cuts"), "{}", d.w.stderr());
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// What outsiders found: a body that stops coming is answered 408 after
+/// `BODY_IDLE_TIMEOUT` (5 s), not after the whole body's 60 s; a request
+/// with two `Host` headers is answered 400 and `CONNECT` 405, neither
+/// forwarded.
+#[test]
+fn a_stalled_body_two_hosts_and_connect_are_answered_by_the_door() {
+    let mut d = Door::start(&[], "");
+    d.w.wait_ready();
+    let started = Instant::now();
+    let r = raw(
+        d.front,
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":",
+    );
+    assert!(r.starts_with("HTTP/1.1 408"), "{r}");
+    assert!(r.contains("no byte of the body came for 5s"), "{r}");
+    assert!(started.elapsed() < Duration::from_secs(30), "408 after {:?}", started.elapsed());
+    let r = raw(d.front, "GET /v1/models HTTP/1.1\r\nHost: a\r\nHost: b\r\nConnection: close\r\n\r\n");
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    assert!(r.contains("more than one Host header"), "{r}");
+    let r = raw(d.front, "CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n");
+    assert!(r.starts_with("HTTP/1.1 405"), "{r}");
+    assert_eq!(outcome(&d, "forwarded"), 0.0, "none of them reached the engine");
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// The status document's `front.held` is the count now, not as of the
+/// machine's last change: requests held while the model is drained (no
+/// change of the machine comes with them) are counted.
+#[test]
+fn the_status_document_counts_the_held_requests_now() {
+    let mut d = Door::start(&[], "");
+    d.w.wait_ready();
+    let (ok, out) = d.w.cli(&["drain"]);
+    assert!(ok, "{out}");
+    let clients: Vec<_> = (0..2)
+        .map(|i| {
+            let url = d.url("/v1/completions");
+            std::thread::spawn(move || common::http::post_json(&url, &completion(&format!("h{i}"), 1), TIMEOUT))
+        })
+        .collect();
+    d.wait_metric(HELD, 2.0);
+    let doc: serde_json::Value = serde_json::from_str(
+        &common::http::get(&format!("http://127.0.0.1:{}/status", d.server), TIMEOUT).unwrap().body,
+    )
+    .unwrap();
+    assert_eq!(doc["front"]["held"], 2, "{doc}");
+    let (ok, out) = d.w.cli(&["undrain"]);
+    assert!(ok, "{out}");
+    for c in clients {
+        assert_eq!(c.join().unwrap().unwrap().status, 200);
+    }
     assert_eq!(d.w.stop(), 0);
 }

@@ -60,6 +60,12 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// may take to arrive.
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long such a body may make no progress (no byte comes): a client
+/// that stalls mid-body is answered 408 then, not at
+/// [`BODY_READ_TIMEOUT`]. As the header read's: a client that sends a
+/// body sends it at once.
+pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The largest request body kept to be sent again (a completion's body is
 /// a few KiB): larger bodies are streamed to the engine, never resent.
 pub const RESEND_MAX: u64 = 1 << 20;
@@ -436,7 +442,16 @@ async fn read_body(mut body: Incoming, max: u64) -> Result<Payload, Response<UpB
     let deadline = tokio::time::Instant::now() + BODY_READ_TIMEOUT;
     let mut read = Vec::new();
     loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+        let idle = tokio::time::Instant::now() + BODY_IDLE_TIMEOUT;
+        let frame = match tokio::time::timeout_at(deadline.min(idle), body.frame()).await {
+            Err(_) if idle < deadline => {
+                return Err(error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    format!("no byte of the body came for {}s", BODY_IDLE_TIMEOUT.as_secs()),
+                    None,
+                ));
+            }
             Err(_) => {
                 return Err(error(
                     StatusCode::REQUEST_TIMEOUT,
@@ -497,6 +512,25 @@ async fn handle(door: Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -
 
 async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -> Response<UpBody> {
     let (mut parts, body) = req.into_parts();
+    if parts.method == hyper::Method::CONNECT {
+        // A tunnel is no request of the API (and vLLM has no use for one).
+        door.metrics.front.count(outcome::REJECTED);
+        let mut res = error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "CONNECT is not served here".into(),
+            None,
+        );
+        res.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"));
+        res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return res;
+    }
+    if parts.headers.get_all(header::HOST).iter().count() > 1 {
+        // RFC 9112 §3.2: a request with more than one Host is answered 400
+        // (the engine and the front door could each read another).
+        door.metrics.front.count(outcome::REJECTED);
+        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "more than one Host header".into(), None);
+    }
     if is_dev_route(parts.uri.path()) {
         door.metrics.front.count(outcome::REJECTED);
         return error(StatusCode::NOT_FOUND, "not_found", format!("{} is not served here", parts.uri.path()), None);
