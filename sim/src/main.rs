@@ -1099,7 +1099,12 @@ const DEAD_ANSWERS_FOR: Duration = Duration::from_millis(300);
 fn engine_killed(out: &Out, engine: &Engine, args: &FakeArgs) {
     engine.dead.store(true, Ordering::SeqCst);
     let c = "core_client.py";
-    out.log("APIServer", "WARNING", &format!("{c}:817"), "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup");
+    out.log(
+        "APIServer",
+        "WARNING",
+        &format!("{c}:817"),
+        "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
+    );
     out.log("APIServer", "INFO", &format!("{c}:770"), "[shutdown] MPClient: start timeout=default");
     out.log("APIServer", "INFO", &format!("{c}:777"), "[shutdown] MPClient: complete");
     out.log("APIServer", "ERROR", "async_llm.py:906", "AsyncLLM output_handler failed.");

@@ -515,13 +515,10 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
     if parts.method == hyper::Method::CONNECT {
         // A tunnel is no request of the API (and vLLM has no use for one).
         door.metrics.front.count(outcome::REJECTED);
-        let mut res = error(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "invalid_request_error",
-            "CONNECT is not served here".into(),
-            None,
-        );
-        res.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"));
+        let mut res =
+            error(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "CONNECT is not served here".into(), None);
+        res.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"));
         res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
         return res;
     }
