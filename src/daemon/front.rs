@@ -28,6 +28,33 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+/// Run the front door (`serve`, from [`proxy::serve`]) on a runtime of its
+/// own, on a thread of its own: its forwarding never waits for a turn of
+/// the supervising loop, nor the loop for it. What it shares with the loop
+/// needs no runtime: the gate (a watch channel), the [`Activity`]
+/// (atomics, a watch channel, a notify) and the metrics. A current-thread
+/// runtime: the front door's work is a few socket hops and a parse per
+/// request, and on the small machines measured a second worker only
+/// contends with the clients and the engine for the same cores (see
+/// `docs/benchmarks.md`). The returned future ends when that thread ends,
+/// which it does only if the front door stopped: watched as every other
+/// task of the warden. An upgrade's exec and the warden's exit end the
+/// thread with the process.
+pub fn apart(
+    serve: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (ended, on_end) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new().name("front door".into()).spawn(move || {
+        // Dropped when `serve` returns or panics: the loop hears of it.
+        let _ended = ended;
+        rt.block_on(serve);
+    })?;
+    Ok(async move {
+        let _ = on_end.await;
+    })
+}
+
 /// What the front door does with a request now.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Gate {
