@@ -9,9 +9,17 @@
 //! [`Activity`] it reports (requests arriving and in flight, which the
 //! loop reads to stop or wake an idle engine).
 //!
+//! Before an upgrade's exec the loop asks it to empty
+//! ([`Activity::hand_over`]): it stops accepting, closes its connections
+//! after their request and answers what it holds, and the loop waits for
+//! its last connection, at most [`HANDOVER_PATIENCE`].
+//!
+//! It runs on a thread and runtime of its own ([`apart`]).
+//!
 //! Its parts: `front/proxy.rs` serves the listeners and forwards, holds
 //! or answers each request; `front/hold.rs` is the queue of held
-//! requests; `front/bind.rs` binds the listeners.
+//! requests; `front/listen.rs` opens the listeners (bound, passed by
+//! systemd, or kept across an upgrade).
 
 pub mod hold;
 pub mod proxy;

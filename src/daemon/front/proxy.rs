@@ -11,7 +11,9 @@
 //! §7.6.1 both ways, and appends the client to `X-Forwarded-For` and
 //! `Forwarded`. A client that goes away drops its request here, and with
 //! it the upstream connection under way: vLLM sees the disconnect and
-//! aborts the request.
+//! aborts the request. vLLM's own 500 while its engine is dead
+//! ([`ENGINE_DEAD_MESSAGE`]) is no answer of the model: it is taken as the
+//! engine's death under the request.
 //!
 //! A request whose body is known and small ([`RESEND_MAX`]) is read
 //! before it is sent, so that it can be sent again: when the engine could
@@ -23,7 +25,9 @@
 //!
 //! The same protections as the warden's endpoint: a request head must come
 //! within [`HEADER_READ_TIMEOUT`] (also between two requests of a
-//! kept-alive connection), at most `front.max-connections` connections at
+//! kept-alive connection), a body that pauses no longer than
+//! [`BODY_IDLE_TIMEOUT`], one `Host`, no `CONNECT`, at most
+//! `front.max-connections` connections at
 //! once (never more than an eighth of the descriptor limit: more wait in
 //! the kernel's queue), and the warden's own lack of a resource is said as
 //! the warden's (503), never blamed on the engine.
