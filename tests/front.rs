@@ -29,7 +29,8 @@ fn front_config(d: &Path, p: u16, front: u16, server: u16, sim: &[&str], more: &
         "",
         &format!(
             "[restart]\ninitial-delay = \"0s\"\n[ready]\nlog = [\"Application startup complete\"]\nprogress = [\"checkpoint shards\"]\n\
-             [server]\nlisten = \"127.0.0.1:{server}\"\n[front]\nlisten = \"127.0.0.1:{front}\"\n{more}"
+             [server]\nlisten = \"127.0.0.1:{server}\"\nsocket = \"{}/control.sock\"\n[front]\nlisten = \"127.0.0.1:{front}\"\n{more}",
+            d.display()
         ),
     );
     base.replacen("name = \"t\"\n", "name = \"t\"\nprofile = \"none\"\n", 1)
@@ -43,8 +44,12 @@ struct Door {
 
 impl Door {
     fn start(sim: &[&str], more: &str) -> Door {
+        Door::start_with(sim, more, common::Opts::default())
+    }
+
+    fn start_with(sim: &[&str], more: &str, opts: common::Opts) -> Door {
         let (front, server) = (free_port(), free_port());
-        let mut w = Warden::start(|d, p| front_config(d, p, front, server, sim, more));
+        let mut w = Warden::start_with(|d, p| front_config(d, p, front, server, sim, more), opts);
         // The listeners are bound before the first start: its first
         // STATUS= comes after them.
         w.wait_note("the first STATUS=", |n| n.starts_with("STATUS="));
@@ -428,4 +433,126 @@ fn header(answer: &str, name: &str) -> Option<String> {
         let (k, v) = l.split_once(':')?;
         k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
     })
+}
+
+/// `vllm-warden upgrade` while requests are being forwarded, streamed and
+/// not: the front door takes no new connection, every request in flight
+/// is answered whole by the old warden before the exec (200, a stream to
+/// its `[DONE]`), a client that connects meanwhile waits in the backlog
+/// and is answered by the successor, which serves the next ones.
+#[test]
+fn an_upgrade_cuts_no_request_in_flight() {
+    let bin = tempfile::tempdir().unwrap();
+    let exe = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &exe).unwrap();
+    let opts = common::Opts { exe: Some(exe.clone()), ..common::Opts::default() };
+    // 150 tokens of 20 ms: three seconds an answer, far longer than an
+    // upgrade takes without the wait.
+    let mut d = Door::start_with(&["--token-time", "20ms"], "", opts);
+    d.w.wait_ready();
+    let plain: Vec<_> = (0..3)
+        .map(|i| {
+            let url = d.url("/v1/completions");
+            std::thread::spawn(move || common::http::post_json(&url, &completion(&format!("u{i}"), 150), TIMEOUT))
+        })
+        .collect();
+    let streamed: Vec<_> = (0..3)
+        .map(|i| {
+            let url = d.url("/v1/completions");
+            std::thread::spawn(move || {
+                let mut body = completion(&format!("s{i}"), 150);
+                body["stream"] = true.into();
+                let mut events = Vec::new();
+                let status = common::http::post_json_lines(&url, &body, TIMEOUT, |line| {
+                    if let Some(data) = line.strip_prefix("data: ") {
+                        events.push(data.to_string());
+                    }
+                });
+                status.map(|s| (s, events))
+            })
+        })
+        .collect();
+    d.wait_metric(IN_FLIGHT, 6.0);
+    d.w.ask_upgrade(&exe);
+    // The door empties (or, as it did before, the exec comes at once): a
+    // new client now waits in the backlog.
+    let deadline = Instant::now() + TIMEOUT;
+    while !["the front door takes no new connection", "upgrading to"].iter().any(|l| d.w.stderr().contains(l)) {
+        assert!(Instant::now() < deadline, "no hand-over{}", d.w.seen());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let url = d.url("/v1/completions");
+    let waiting = std::thread::spawn(move || common::http::post_json(&url, &completion("later", 2), TIMEOUT));
+    for c in plain {
+        let a = c.join().unwrap().unwrap_or_else(|e| panic!("a request was cut: {e}"));
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.json()["object"], "text_completion");
+    }
+    for c in streamed {
+        let (status, events) = c.join().unwrap().unwrap_or_else(|e| panic!("a stream was cut: {e}"));
+        assert_eq!(status, 200);
+        assert_eq!(events.len(), 151, "150 tokens and [DONE]");
+        assert_eq!(events[150], "[DONE]");
+    }
+    d.w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    let a = waiting.join().unwrap().expect("the client that came during the upgrade is answered");
+    assert_eq!(a.status, 200, "{}", a.body);
+    let a = common::http::post_json(&d.url("/v1/completions"), &completion("after", 2), TIMEOUT).unwrap();
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(!d.w.stderr().contains("the upgrade cuts"), "{}", d.w.stderr());
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// What outsiders found: a body that stops coming is answered 408 after
+/// `BODY_IDLE_TIMEOUT` (5 s), not after the whole body's 60 s; a request
+/// with two `Host` headers is answered 400 and `CONNECT` 405, neither
+/// forwarded.
+#[test]
+fn a_stalled_body_two_hosts_and_connect_are_answered_by_the_door() {
+    let mut d = Door::start(&[], "");
+    d.w.wait_ready();
+    let started = Instant::now();
+    let r = raw(
+        d.front,
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":",
+    );
+    assert!(r.starts_with("HTTP/1.1 408"), "{r}");
+    assert!(r.contains("no byte of the body came for 5s"), "{r}");
+    assert!(started.elapsed() < Duration::from_secs(30), "408 after {:?}", started.elapsed());
+    let r = raw(d.front, "GET /v1/models HTTP/1.1\r\nHost: a\r\nHost: b\r\nConnection: close\r\n\r\n");
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    assert!(r.contains("more than one Host header"), "{r}");
+    let r = raw(d.front, "CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n");
+    assert!(r.starts_with("HTTP/1.1 405"), "{r}");
+    assert_eq!(outcome(&d, "forwarded"), 0.0, "none of them reached the engine");
+    assert_eq!(d.w.stop(), 0);
+}
+
+/// The status document's `front.held` is the count now, not as of the
+/// machine's last change: requests held while the model is drained (no
+/// change of the machine comes with them) are counted.
+#[test]
+fn the_status_document_counts_the_held_requests_now() {
+    let mut d = Door::start(&[], "");
+    d.w.wait_ready();
+    let (ok, out) = d.w.cli(&["drain"]);
+    assert!(ok, "{out}");
+    let clients: Vec<_> = (0..2)
+        .map(|i| {
+            let url = d.url("/v1/completions");
+            std::thread::spawn(move || common::http::post_json(&url, &completion(&format!("h{i}"), 1), TIMEOUT))
+        })
+        .collect();
+    d.wait_metric(HELD, 2.0);
+    let doc: serde_json::Value = serde_json::from_str(
+        &common::http::get(&format!("http://127.0.0.1:{}/status", d.server), TIMEOUT).unwrap().body,
+    )
+    .unwrap();
+    assert_eq!(doc["front"]["held"], 2, "{doc}");
+    let (ok, out) = d.w.cli(&["undrain"]);
+    assert!(ok, "{out}");
+    for c in clients {
+        assert_eq!(c.join().unwrap().unwrap().status, 200);
+    }
+    assert_eq!(d.w.stop(), 0);
 }

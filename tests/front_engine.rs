@@ -166,3 +166,73 @@ fn a_wake_that_fails_or_answers_otherwise_restarts_the_engine() {
         assert_eq!(w.stop(), 0);
     }
 }
+
+/// The requests the simulated engine is generating, from its own
+/// `/metrics` on its private socket.
+fn engine_running(w: &Warden) -> f64 {
+    let Ok(mut c) = std::os::unix::net::UnixStream::connect(w.path("run").join("engine").join("engine.sock")) else {
+        return 0.0;
+    };
+    let mut answer = String::new();
+    let asked = c.write_all(b"GET /metrics HTTP/1.1\r\nhost: engine\r\nconnection: close\r\n\r\n");
+    if asked.and_then(|()| c.read_to_string(&mut answer)).is_err() {
+        return 0.0;
+    }
+    answer
+        .lines()
+        .find(|l| l.starts_with("vllm:num_requests_running{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// `n` completions of 100 tokens (two seconds) sent to the front door at
+/// once, each from its thread; once the engine generates them all, its
+/// EngineCore dies as vLLM's does under SIGKILL (`--engine-killed-on-usr1`):
+/// vLLM's API server answers each 500 (`EngineDeadError`) before the
+/// warden sees the death. Their answers.
+fn killed_under(w: &mut Warden, port: u16, n: usize) -> Vec<common::http::Answer> {
+    w.wait_ready();
+    let clients: Vec<_> = (0..n)
+        .map(|i| {
+            let url = format!("http://127.0.0.1:{port}/v1/completions");
+            let body = serde_json::json!({"model": "tiny-llama", "prompt": format!("d{i}"), "max_tokens": 100});
+            std::thread::spawn(move || common::http::post_json(&url, &body, TIMEOUT))
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while engine_running(w) < n as f64 {
+        assert!(std::time::Instant::now() < deadline, "the requests never reached the engine{}", w.seen());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let sim = doc(w)["child_pid"].as_u64().expect("a child") as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sim), nix::sys::signal::Signal::SIGUSR1).unwrap();
+    clients.into_iter().map(|c| c.join().unwrap().expect("answered")).collect()
+}
+
+/// vLLM's own 500 in the moment its engine dies is the engine's death for
+/// the request: 502 from the front door, said as the front door's.
+#[test]
+fn vllms_engine_dead_answer_is_a_502() {
+    let port = free_port();
+    let mut w = Warden::start(|d, _| front_config(d, port, &["--engine-killed-on-usr1", "--token-time", "20ms"], ""));
+    for a in killed_under(&mut w, port, 3) {
+        assert_eq!(a.status, 502, "{}", a.body);
+        assert_eq!(a.json()["error"]["type"], "upstream_error", "{}", a.body);
+    }
+    w.wait_ready();
+    assert_eq!(w.stop(), 0);
+}
+
+/// With `retry-unanswered`, the same requests (no byte of an answer came)
+/// are held and sent once more after the restart: all answered 200.
+#[test]
+fn vllms_engine_dead_answer_is_sent_again_with_retry_unanswered() {
+    let port = free_port();
+    let sim = ["--engine-killed-on-usr1", "--token-time", "20ms"];
+    let mut w = Warden::start(|d, _| front_config(d, port, &sim, "retry-unanswered = true"));
+    for a in killed_under(&mut w, port, 3) {
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(a.json()["object"], "text_completion", "{}", a.body);
+    }
+    assert_eq!(w.stop(), 0);
+}

@@ -108,6 +108,14 @@ struct FakeArgs {
     /// token moves, `/health` still answers 200.
     #[arg(long)]
     wedge_on_usr2: bool,
+    /// On SIGUSR1, the engine dies as vLLM 0.32's does when its
+    /// EngineCore is SIGKILLed while serving (`tests/fixtures/f_kill-engine.log`):
+    /// the API server's lines of the death, every completion in flight
+    /// and each one that comes in the next moments answered **500** with
+    /// `EngineDeadError`'s body (a stream: its error event, then
+    /// `[DONE]`), then uvicorn's shutdown and exit 0.
+    #[arg(long)]
+    engine_killed_on_usr1: bool,
     /// Serve no `/metrics`.
     #[arg(long)]
     no_metrics: bool,
@@ -390,6 +398,10 @@ fn simulate(args: FakeArgs) -> i32 {
         });
     }
     let engine = Arc::new(Engine { token_time: args.token_time, ..Engine::default() });
+    if args.engine_killed_on_usr1 {
+        let (e, pid, stamped) = (engine.clone(), out.pid, args.clone());
+        on_signal(Signal::SIGUSR1, move || engine_killed(&Out { pid }, &e, &stamped));
+    }
     if args.wedge_on_usr2 {
         let e = engine.clone();
         on_signal(Signal::SIGUSR2, move || e.wedged.store(true, Ordering::SeqCst));
@@ -1073,9 +1085,48 @@ impl Sleep {
     }
 }
 
+/// The body vLLM 0.32 answers a request with when its engine is dead
+/// (`engine_error_handler`: `create_error_response(EngineDeadError)` as
+/// Starlette's `JSONResponse` writes it), status 500.
+const ENGINE_DEAD_BODY: &str = r#"{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.","type":"InternalServerError","param":null,"code":500}}"#;
+
+/// How long the API server answers 500 after its engine died, before it
+/// shuts down (vLLM's watchdog; a few milliseconds to a second).
+const DEAD_ANSWERS_FOR: Duration = Duration::from_millis(300);
+
+/// The EngineCore was killed: what vLLM 0.32's API server does then, as
+/// `tests/fixtures/f_kill-engine.log` shows it.
+fn engine_killed(out: &Out, engine: &Engine, args: &FakeArgs) {
+    engine.dead.store(true, Ordering::SeqCst);
+    let c = "core_client.py";
+    out.log(
+        "APIServer",
+        "WARNING",
+        &format!("{c}:817"),
+        "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
+    );
+    out.log("APIServer", "INFO", &format!("{c}:770"), "[shutdown] MPClient: start timeout=default");
+    out.log("APIServer", "INFO", &format!("{c}:777"), "[shutdown] MPClient: complete");
+    out.log("APIServer", "ERROR", "async_llm.py:906", "AsyncLLM output_handler failed.");
+    out.log("APIServer", "ERROR", "async_llm.py:906", "Traceback (most recent call last):");
+    out.log(
+        "APIServer",
+        "ERROR",
+        "async_llm.py:906",
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    );
+    std::thread::sleep(DEAD_ANSWERS_FOR);
+    out.raw("INFO:     Shutting down\nINFO:     Waiting for application shutdown.\nINFO:     Application shutdown complete.\n");
+    stamp(args, "exit");
+    std::process::exit(0);
+}
+
 /// The simulated engine: what `/metrics` shows.
 #[derive(Default)]
 struct Engine {
+    /// Its EngineCore was killed (`--engine-killed-on-usr1`): every
+    /// completion is answered vLLM's 500.
+    dead: AtomicBool,
     running: std::sync::atomic::AtomicU64,
     prompt_tokens: std::sync::atomic::AtomicU64,
     generation_tokens: std::sync::atomic::AtomicU64,
@@ -1111,19 +1162,29 @@ impl Engine {
     }
 
     /// Generate `max_tokens` tokens, one every `token_time`, unless wedged
-    /// (then never return).
-    fn complete(&self, max_tokens: u64) {
+    /// (then never return); `false` when the engine died meanwhile.
+    fn complete(&self, max_tokens: u64) -> bool {
         self.running.fetch_add(1, Ordering::SeqCst);
         self.prompt_tokens.fetch_add(2, Ordering::SeqCst);
         for _ in 0..max_tokens {
             while self.wedged.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_secs(3600));
             }
+            if self.dead.load(Ordering::SeqCst) {
+                break;
+            }
             std::thread::sleep(self.token_time);
             self.generation_tokens.fetch_add(1, Ordering::SeqCst);
         }
         self.running.fetch_sub(1, Ordering::SeqCst);
+        !self.dead.load(Ordering::SeqCst)
     }
+}
+
+/// vLLM's answer while its engine is dead.
+fn engine_dead() -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    let json = tiny_http::Header::from_bytes("content-type", "application/json").expect("a valid header");
+    tiny_http::Response::from_string(ENGINE_DEAD_BODY).with_status_code(500).with_header(json)
 }
 
 /// A completion as vLLM answers one: greedy and so the same for the same
@@ -1171,6 +1232,10 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 });
                 continue;
             }
+            "/v1/completions" if engine.dead.load(Ordering::SeqCst) => {
+                let _ = req.respond(engine_dead());
+                continue;
+            }
             "/v1/completions" => {
                 let mut body = String::new();
                 let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
@@ -1186,7 +1251,10 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 // Answered from its own thread once generated, so that
                 // requests run side by side, as in a real engine.
                 std::thread::spawn(move || {
-                    engine.complete(max_tokens);
+                    if !engine.complete(max_tokens) {
+                        let _ = req.respond(engine_dead());
+                        return;
+                    }
                     let text = completion(&asked, max_tokens, &weights);
                     let _ = req.respond(tiny_http::Response::from_string(text));
                 });
@@ -1231,6 +1299,13 @@ fn stream_completion(req: tiny_http::Request, asked: &serde_json::Value, max_tok
             break;
         }
         std::thread::sleep(engine.token_time);
+        if engine.dead.load(Ordering::SeqCst) {
+            // As vLLM's stream generator: the error as the next event
+            // (`json.dumps`, its spaces), then `[DONE]`.
+            let error = ENGINE_DEAD_BODY.replace("\":", "\": ").replace(",\"", ", \"");
+            sent = chunk(&mut w, &format!("data: {error}\n\n"));
+            break;
+        }
         engine.generation_tokens.fetch_add(1, Ordering::SeqCst);
         // `sent_ns`: when it was written (unix nanoseconds), for a reader
         // on the same machine to measure each event's delay.

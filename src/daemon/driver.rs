@@ -366,6 +366,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         // The longest turn, and what woke it: said when the loop ends.
         let mut longest: (Duration, &'static str) = (Duration::ZERO, "nothing");
         let woke_at = std::cell::Cell::new(std::time::Instant::now());
+        // An upgrade waiting for the front door to empty: until when.
+        let mut handover: Option<Instant> = None;
         loop {
             if let Some(h) = &self.ctx.heartbeat {
                 h.beat();
@@ -385,8 +387,18 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     longest = (took, what);
                 }
             }
-            if exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some() {
-                self.upgrade_now(&mut events, &mut held);
+            let upgrading = exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some();
+            match (self.activity.clone(), upgrading) {
+                // The front door is emptied first (see `hand_over`).
+                (Some(a), true) if handover.is_none() => handover = Some(self.hand_over(&a)),
+                (Some(a), false) if handover.is_some() => {
+                    // The run stopped being one to hand over (a drain, a
+                    // death): the front door serves again, the upgrade waits.
+                    handover = None;
+                    a.resume();
+                }
+                (None, true) => self.upgrade_now(&mut events, &mut held),
+                _ => {}
             }
             if let Some(code) = self.machine.done() {
                 self.observer.flush();
@@ -464,6 +476,27 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                         events.push_back(Event::ChildExited { pid: x.pid, exit: x.exit });
                     }
                     "an exit whose log was not read to its end"
+                }
+                cut = stamped(&woke_at, emptied(self.activity.as_deref(), handover)), if open && handover.is_some() => {
+                    handover = None;
+                    if cut > 0 {
+                        // Counted where it outlives the exec: the journal.
+                        tracing::warn!(
+                            INSTANCE = self.ctx.instance.as_str(),
+                            EVENT = "upgrade",
+                            CUT = cut,
+                            "the front door did not empty within {}s: the upgrade cuts {cut} connections and the requests on them",
+                            crate::daemon::front::HANDOVER_PATIENCE.as_secs()
+                        );
+                    }
+                    if exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some() {
+                        self.upgrade_now(&mut events, &mut held);
+                    }
+                    // Here only when the exec did not happen.
+                    if let Some(a) = &self.activity {
+                        a.resume();
+                    }
+                    "the front door emptied for an upgrade"
                 }
                 _ = stamped(&woke_at, tick(&mut dog)) => { self.notifier.notify(&[Note::Watchdog]); "the watchdog" }
                 // The beat itself is at the top of the loop.
@@ -701,6 +734,25 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         self.backend.resume_lines(offset);
     }
 
+    /// An upgrade is due and the front door serves: before the exec ends
+    /// this process, the front door stops accepting (new clients wait in
+    /// the kernel's backlog of the sockets the successor inherits), closes
+    /// its kept-alive connections after their request, and answers what
+    /// it holds; the exec waits until its connections are all closed, at
+    /// most [`HANDOVER_PATIENCE`](crate::daemon::front::HANDOVER_PATIENCE).
+    /// Returns that deadline.
+    fn hand_over(&mut self, activity: &crate::daemon::front::Activity) -> Instant {
+        activity.hand_over();
+        tracing::info!(
+            INSTANCE = self.ctx.instance.as_str(),
+            EVENT = "upgrade",
+            "upgrade: the front door takes no new connection and waits for {} open ({} requests in hand)",
+            activity.connections(),
+            activity.in_hand()
+        );
+        Instant::now() + crate::daemon::front::HANDOVER_PATIENCE
+    }
+
     /// The lines already in the line queue, as events.
     fn take_delivered(&mut self, events: &mut VecDeque<Event>) {
         while let Ok(delivery) = self.lines.try_recv() {
@@ -874,6 +926,15 @@ async fn sleep_until(deadline: Option<Instant>) {
 
 /// Resolves when a request comes for the idle engine; never without a
 /// front door.
+/// Resolves once the front door's connections are all closed, or at
+/// `until`; the number still open.
+async fn emptied(activity: Option<&crate::daemon::front::Activity>, until: Option<Instant>) -> usize {
+    match (activity, until) {
+        (Some(a), Some(until)) => a.emptied(until).await,
+        _ => std::future::pending().await,
+    }
+}
+
 async fn wanted(activity: Option<&crate::daemon::front::Activity>) {
     match activity {
         Some(a) => a.wanted().await,

@@ -9,9 +9,17 @@
 //! [`Activity`] it reports (requests arriving and in flight, which the
 //! loop reads to stop or wake an idle engine).
 //!
+//! Before an upgrade's exec the loop asks it to empty
+//! ([`Activity::hand_over`]): it stops accepting, closes its connections
+//! after their request and answers what it holds, and the loop waits for
+//! its last connection, at most [`HANDOVER_PATIENCE`].
+//!
+//! It runs on a thread and runtime of its own ([`apart`]).
+//!
 //! Its parts: `front/proxy.rs` serves the listeners and forwards, holds
 //! or answers each request; `front/hold.rs` is the queue of held
-//! requests; `front/bind.rs` binds the listeners.
+//! requests; `front/listen.rs` opens the listeners (bound, passed by
+//! systemd, or kept across an upgrade).
 
 pub mod hold;
 pub mod proxy;
@@ -25,7 +33,35 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
+
+/// Run the front door (`serve`, from [`proxy::serve`]) on a runtime of its
+/// own, on a thread of its own: its forwarding never waits for a turn of
+/// the supervising loop, nor the loop for it. What it shares with the loop
+/// needs no runtime: the gate (a watch channel), the [`Activity`]
+/// (atomics, a watch channel, a notify) and the metrics. A current-thread
+/// runtime: the front door's work is a few socket hops and a parse per
+/// request, and on the small machines measured a second worker only
+/// contends with the clients and the engine for the same cores (see
+/// `docs/benchmarks.md`). The returned future ends when that thread ends,
+/// which it does only if the front door stopped: watched as every other
+/// task of the warden. An upgrade's exec and the warden's exit end the
+/// thread with the process.
+pub fn apart(
+    serve: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (ended, on_end) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new().name("front door".into()).spawn(move || {
+        // Dropped when `serve` returns or panics: the loop hears of it.
+        let _ended = ended;
+        rt.block_on(serve);
+    })?;
+    Ok(async move {
+        let _ = on_end.await;
+    })
+}
 
 /// What the front door does with a request now.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -45,17 +81,50 @@ pub enum Gate {
     Closed,
 }
 
-/// The requests the front door has seen, as the loop reads them.
+/// The requests the front door has seen, as the loop reads them; and the
+/// hand-over before an upgrade's exec, which the loop asks for and the
+/// front door carries out.
 #[derive(Debug)]
 pub struct Activity {
     in_flight: AtomicUsize,
     last: Mutex<Instant>,
     woken: tokio::sync::Notify,
+    /// `true` while an upgrade waits for the front door to empty: no
+    /// connection is accepted (they wait in the kernel's backlog, for the
+    /// successor), kept-alive ones are closed after their request.
+    handover: watch::Sender<bool>,
+    /// The client connections open now.
+    connections: watch::Sender<usize>,
 }
 
 impl Default for Activity {
     fn default() -> Self {
-        Activity { in_flight: AtomicUsize::new(0), last: Mutex::new(Instant::now()), woken: tokio::sync::Notify::new() }
+        Activity {
+            in_flight: AtomicUsize::new(0),
+            last: Mutex::new(Instant::now()),
+            woken: tokio::sync::Notify::new(),
+            handover: watch::Sender::new(false),
+            connections: watch::Sender::new(0),
+        }
+    }
+}
+
+/// How long an upgrade waits for the front door's connections to end
+/// before its exec: the requests being forwarded are answered whole by
+/// this warden (a streamed answer included), meanwhile new connections
+/// wait in the kernel's backlog for the successor. A request still in
+/// flight after this is cut by the exec (said in the log, counted). As
+/// long as `front.hold`'s default: a client waits no longer in the
+/// backlog than it would be held.
+pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A client connection, counted while it is open.
+#[derive(Debug)]
+pub struct Open<'a>(&'a Activity);
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.connections.send_modify(|n| *n -= 1);
     }
 }
 
@@ -88,6 +157,48 @@ impl Activity {
     /// Resolves when a request arrives at an idle engine.
     pub async fn wanted(&self) {
         self.woken.notified().await;
+    }
+
+    /// Requests in the front door's hands now: held, or forwarded and
+    /// their answer not yet all sent.
+    pub fn in_hand(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// A client connection opened; counted until the guard is dropped.
+    pub fn opened(&self) -> Open<'_> {
+        self.connections.send_modify(|n| *n += 1);
+        Open(self)
+    }
+
+    /// Client connections open now.
+    pub fn connections(&self) -> usize {
+        *self.connections.borrow()
+    }
+
+    /// An upgrade is about to exec: take no new connection, close the
+    /// kept-alive ones, refuse to hold (see [`HANDOVER_PATIENCE`]).
+    pub fn hand_over(&self) {
+        self.handover.send_replace(true);
+    }
+
+    /// The upgrade did not happen (it failed, or waits for the run): serve
+    /// as before.
+    pub fn resume(&self) {
+        self.handover.send_replace(false);
+    }
+
+    /// The hand-over, as the front door watches it.
+    pub fn handover(&self) -> watch::Receiver<bool> {
+        self.handover.subscribe()
+    }
+
+    /// Resolves once no client connection is open (every request answered
+    /// whole), or at `deadline`; the connections still open then.
+    pub async fn emptied(&self, deadline: Instant) -> usize {
+        let mut open = self.connections.subscribe();
+        let _ = tokio::time::timeout_at(deadline, open.wait_for(|n| *n == 0)).await;
+        self.connections()
     }
 }
 

@@ -126,7 +126,15 @@ pub async fn run(
     let machine = machine(&mut backend, policy, adopted);
     endpoint.serve(&mut backend.tasks, shared);
     if let Some(serve) = front_door {
-        backend.tasks.spawn("front door", Lifetime::Owned, serve);
+        match front::apart(serve) {
+            Ok(serving) => {
+                backend.tasks.spawn("front door", Lifetime::Owned, serving);
+            }
+            Err(e) => {
+                tracing::error!(EVENT = "front", error = %e, "cannot start the front door's thread");
+                return Code::Internal;
+            }
+        }
     }
     // The status files and the notes behind them, off the loop.
     let dog = notifier.watchdog();

@@ -635,9 +635,25 @@ async fn startupz(State(api): State<Api>) -> Response {
 async fn status(State(api): State<Api>) -> Response {
     let doc = api.shared.view.borrow().document.clone();
     match doc {
-        Some(d) => ([(header::CONTENT_TYPE, "application/json")], d.to_string()).into_response(),
+        Some(d) => ([(header::CONTENT_TYPE, "application/json")], live_front(&d, &api.shared.metrics)).into_response(),
         None => text(StatusCode::SERVICE_UNAVAILABLE, "no status yet\n".into()),
     }
+}
+
+/// The document with the front door's `held` and `in_flight` as they are
+/// now: the document is made at each change of the machine, and requests
+/// come and go between two (the gauges follow each one).
+fn live_front(doc: &str, metrics: &crate::observe::status::Metrics) -> String {
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(doc) else { return doc.to_string() };
+    let Some(front) = v.get_mut("front").and_then(|f| f.as_object_mut()) else { return doc.to_string() };
+    let (held, in_flight) = metrics.front.now();
+    front.insert("held".into(), held.into());
+    front.insert("in_flight".into(), in_flight.into());
+    let mut text = v.to_string();
+    if doc.ends_with('\n') {
+        text.push('\n');
+    }
+    text
 }
 
 async fn metrics(State(api): State<Api>) -> Response {

@@ -738,6 +738,13 @@ impl FrontMetrics {
     pub fn set_held(&self, n: usize) {
         self.held.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
+
+    /// Requests held and in flight now, as the gauges say (live: set by
+    /// the front door at each change).
+    pub fn now(&self) -> (usize, usize) {
+        let n = |g: &Gauge| usize::try_from(g.get()).unwrap_or(0);
+        (n(&self.held), n(&self.in_flight))
+    }
 }
 
 impl std::fmt::Debug for Metrics {

@@ -22,6 +22,10 @@ pub enum Release {
     Go,
     /// The warden is ending: answer 503.
     Closed,
+    /// The warden is being upgraded: a held request cannot be carried
+    /// across the exec; answer 503 with a short `Retry-After` (the
+    /// successor holds it when it comes again).
+    Upgrading,
 }
 
 /// Why a request is not held.
@@ -33,6 +37,8 @@ pub enum Refused {
     TooLong { why: String, eta: Duration },
     /// The warden is ending.
     Closed,
+    /// The warden is being upgraded (see [`Release::Upgrading`]).
+    Upgrading,
 }
 
 /// The outcome of asking for a place.
@@ -60,6 +66,8 @@ impl std::fmt::Debug for Queue {
 #[derive(Debug, Default)]
 struct Inner {
     next: u64,
+    /// An upgrade's exec is near: nothing more is held.
+    handing_over: bool,
     waiting: VecDeque<(u64, oneshot::Sender<Release>)>,
 }
 
@@ -111,6 +119,9 @@ impl Queue {
             Gate::Holding { why, eta } => (why.clone(), *eta),
             Gate::Idle { eta } => (IDLE_WHY.to_string(), *eta),
         };
+        if inner.handing_over {
+            return Err(Refused::Upgrading);
+        }
         if let Some(eta) = eta.filter(|e| *e > budget) {
             return Err(Refused::TooLong { why, eta });
         }
@@ -137,6 +148,26 @@ impl Queue {
         let n = inner.waiting.len();
         for (_, tx) in inner.waiting.drain(..) {
             let _ = tx.send(release);
+        }
+        (self.on_len)(0);
+        n
+    }
+}
+
+impl Queue {
+    /// An upgrade's exec is near (`on`), or was given up: while it is,
+    /// nothing is held, and what is held now is told
+    /// [`Release::Upgrading`] (its wait lives in this process, which the
+    /// exec ends). Returns how many were held.
+    pub fn hand_over(&self, on: bool) -> usize {
+        let mut inner = self.lock();
+        inner.handing_over = on;
+        if !on {
+            return 0;
+        }
+        let n = inner.waiting.len();
+        for (_, tx) in inner.waiting.drain(..) {
+            let _ = tx.send(Release::Upgrading);
         }
         (self.on_len)(0);
         n
@@ -207,5 +238,21 @@ mod tests {
             Place::Held(t) => assert_eq!(t.release.try_recv(), Ok(Release::Closed)),
             Place::Go => panic!(),
         }
+    }
+
+    #[tokio::test]
+    async fn an_upgrade_answers_what_is_held_and_holds_nothing_more() {
+        let (_tx, rx) = watch::channel(holding(None));
+        let q = Queue::new(8, |_| {});
+        let mut held = match q.admit(&rx, Duration::from_secs(30)) {
+            Ok(Place::Held(t)) => t,
+            _ => panic!("not held"),
+        };
+        assert_eq!(q.hand_over(true), 1);
+        assert_eq!(held.release.try_recv(), Ok(Release::Upgrading));
+        assert!(matches!(q.admit(&rx, Duration::from_secs(30)), Err(Refused::Upgrading)));
+        // Given up: held again.
+        assert_eq!(q.hand_over(false), 0);
+        assert!(matches!(q.admit(&rx, Duration::from_secs(30)), Ok(Place::Held(_))));
     }
 }

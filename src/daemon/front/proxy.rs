@@ -11,7 +11,9 @@
 //! §7.6.1 both ways, and appends the client to `X-Forwarded-For` and
 //! `Forwarded`. A client that goes away drops its request here, and with
 //! it the upstream connection under way: vLLM sees the disconnect and
-//! aborts the request.
+//! aborts the request. vLLM's own 500 while its engine is dead
+//! ([`ENGINE_DEAD_MESSAGE`]) is no answer of the model: it is taken as the
+//! engine's death under the request.
 //!
 //! A request whose body is known and small ([`RESEND_MAX`]) is read
 //! before it is sent, so that it can be sent again: when the engine could
@@ -23,7 +25,9 @@
 //!
 //! The same protections as the warden's endpoint: a request head must come
 //! within [`HEADER_READ_TIMEOUT`] (also between two requests of a
-//! kept-alive connection), at most `front.max-connections` connections at
+//! kept-alive connection), a body that pauses no longer than
+//! [`BODY_IDLE_TIMEOUT`], one `Host`, no `CONNECT`, at most
+//! `front.max-connections` connections at
 //! once (never more than an eighth of the descriptor limit: more wait in
 //! the kernel's queue), and the warden's own lack of a resource is said as
 //! the warden's (503), never blamed on the engine.
@@ -59,6 +63,12 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a body that is read before it is sent (up to [`RESEND_MAX`])
 /// may take to arrive.
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long such a body may make no progress (no byte comes): a client
+/// that stalls mid-body is answered 408 then, not at
+/// [`BODY_READ_TIMEOUT`]. As the header read's: a client that sends a
+/// body sends it at once.
+pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The largest request body kept to be sent again (a completion's body is
 /// a few KiB): larger bodies are streamed to the engine, never resent.
@@ -199,17 +209,28 @@ pub fn connection_cap(max: u32, nofile: u64) -> usize {
     (max as usize).min(share).max(1)
 }
 
-/// Release the held requests whenever the gate opens (or closes).
+/// Release the held requests whenever the gate opens (or closes), and
+/// answer them when an upgrade's exec is near.
 async fn release(door: Arc<Door>) {
     let mut gate = door.gate.clone();
+    let mut handover = door.activity.handover();
     loop {
         let n = door.queue.gate_changed(&gate);
         if n > 0 {
             tracing::info!(EVENT = "front", "{n} held requests released");
         }
-        if gate.changed().await.is_err() {
-            // The observer is gone: the warden is ending.
-            std::future::pending::<()>().await;
+        tokio::select! {
+            changed = gate.changed() => if changed.is_err() {
+                // The observer is gone: the warden is ending.
+                std::future::pending::<()>().await;
+            },
+            Ok(()) = handover.changed() => {
+                let on = *handover.borrow_and_update();
+                let n = door.queue.hand_over(on);
+                if n > 0 {
+                    tracing::info!(EVENT = "front", "{n} held requests answered 503: the warden is being upgraded");
+                }
+            }
         }
     }
 }
@@ -237,6 +258,13 @@ impl Accept for tokio::net::UnixListener {
     }
 }
 
+/// Resolves once the hand-over before an upgrade is `on` (`true`), or
+/// off; `false` when it can never be (the warden is ending).
+async fn handing_over(handover: &mut watch::Receiver<bool>, on: bool) -> bool {
+    // The watch's guard is let go at once: never held across a wait.
+    handover.wait_for(|h| *h == on).await.is_ok()
+}
+
 /// The first pause after a failed accept for want of a resource; doubled
 /// up to a second.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
@@ -244,11 +272,23 @@ const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
 async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits: Arc<tokio::sync::Semaphore>) {
     let mut pause = ACCEPT_PAUSE;
     let mut warned: Option<tokio::time::Instant> = None;
+    let mut handover = door.activity.handover();
     loop {
         // At the cap, new connections wait in the kernel's queue (they
         // hold none of the warden's descriptors) until one ends.
         let Ok(permit) = permits.clone().acquire_owned().await else { return };
-        let (io, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            biased;
+            // An upgrade's exec is near: new connections wait in the
+            // kernel's queue for the successor (the socket is handed over,
+            // never closed); accepted again if the upgrade does not happen.
+            true = handing_over(&mut handover, true) => {
+                handing_over(&mut handover, false).await;
+                continue;
+            }
+            a = listener.accept() => a,
+        };
+        let (io, peer) = match accepted {
             Ok(a) => {
                 pause = ACCEPT_PAUSE;
                 a
@@ -270,7 +310,9 @@ async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits
         };
         let door = door.clone();
         tokio::spawn(async move {
-            connection(io, peer, door).await;
+            let open = door.activity.opened();
+            connection(io, peer, door.clone()).await;
+            drop(open);
             drop(permit);
         });
     }
@@ -281,6 +323,7 @@ async fn connection<I>(io: I, peer: Option<IpAddr>, door: Arc<Door>)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let mut handover = door.activity.handover();
     let service = hyper::service::service_fn(move |req| {
         let door = door.clone();
         async move { Ok::<_, std::convert::Infallible>(handle(door, peer, req).await) }
@@ -291,7 +334,19 @@ where
         .max_buf_size(MAX_BUF)
         .max_headers(MAX_HEADERS)
         .serve_connection(TokioIo::new(io), service);
-    if let Err(e) = conn.await {
+    let mut conn = std::pin::pin!(conn);
+    let ended = tokio::select! {
+        ended = conn.as_mut() => ended,
+        true = handing_over(&mut handover, true) => {
+            // An upgrade's exec is near: the request under way (if any)
+            // is answered whole, then the connection is closed (a client
+            // that kept it alive opens its next one on the successor); an
+            // idle one is closed now.
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = ended {
         tracing::debug!(error = %e, "front door connection ended");
     }
 }
@@ -391,7 +446,16 @@ async fn read_body(mut body: Incoming, max: u64) -> Result<Payload, Response<UpB
     let deadline = tokio::time::Instant::now() + BODY_READ_TIMEOUT;
     let mut read = Vec::new();
     loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+        let idle = tokio::time::Instant::now() + BODY_IDLE_TIMEOUT;
+        let frame = match tokio::time::timeout_at(deadline.min(idle), body.frame()).await {
+            Err(_) if idle < deadline => {
+                return Err(error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    format!("no byte of the body came for {}s", BODY_IDLE_TIMEOUT.as_secs()),
+                    None,
+                ));
+            }
             Err(_) => {
                 return Err(error(
                     StatusCode::REQUEST_TIMEOUT,
@@ -452,6 +516,22 @@ async fn handle(door: Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -
 
 async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -> Response<UpBody> {
     let (mut parts, body) = req.into_parts();
+    if parts.method == hyper::Method::CONNECT {
+        // A tunnel is no request of the API (and vLLM has no use for one).
+        door.metrics.front.count(outcome::REJECTED);
+        let mut res =
+            error(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "CONNECT is not served here".into(), None);
+        res.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"));
+        res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return res;
+    }
+    if parts.headers.get_all(header::HOST).iter().count() > 1 {
+        // RFC 9112 §3.2: a request with more than one Host is answered 400
+        // (the engine and the front door could each read another).
+        door.metrics.front.count(outcome::REJECTED);
+        return error(StatusCode::BAD_REQUEST, "invalid_request_error", "more than one Host header".into(), None);
+    }
     if is_dev_route(parts.uri.path()) {
         door.metrics.front.count(outcome::REJECTED);
         return error(StatusCode::NOT_FOUND, "not_found", format!("{} is not served here", parts.uri.path()), None);
@@ -530,10 +610,35 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
         let forwarding = Forwarding::new(door);
         match door.client.request(up).await {
             Ok(res) => {
+                let res = match engine_dead(res).await {
+                    Ok(res) => res,
+                    Err(()) => {
+                        // vLLM's own answer in the moment its engine died,
+                        // before the warden saw the death: no answer of the
+                        // model, so the engine's death for this request.
+                        drop(forwarding);
+                        tracing::debug!("the engine answered that it is dead");
+                        if door.front.retry_unanswered && matches!(payload, Payload::Kept(_)) && !retried {
+                            retried = true;
+                            door.metrics.front.count(outcome::RETRIED);
+                            if let Some(answer) = wait_change(door, &mut gate, &mut held).await {
+                                return answer;
+                            }
+                            continue;
+                        }
+                        door.metrics.front.count(outcome::UPSTREAM_ERROR);
+                        return error(
+                            StatusCode::BAD_GATEWAY,
+                            "upstream_error",
+                            "the model's engine stopped before it answered".into(),
+                            None,
+                        );
+                    }
+                };
                 door.metrics.front.count(outcome::FORWARDED);
                 let (mut rparts, rbody) = res.into_parts();
                 strip_hop_by_hop(&mut rparts.headers);
-                let body = Kept { body: rbody.map_err(BoxError::from), _kept: forwarding };
+                let body = Kept { body: rbody, _kept: forwarding };
                 return Response::from_parts(rparts, body.boxed());
             }
             Err(e) => {
@@ -593,6 +698,39 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
             }
         }
     }
+}
+
+/// What vLLM 0.32 answers a request while its engine is dead (the
+/// EngineCore died; its API server has not yet shut down): 500 and this
+/// message, as `create_error_response(EngineDeadError)` makes it.
+pub const ENGINE_DEAD_MESSAGE: &str = "EngineCore encountered an issue. See stack trace (above) for the root cause.";
+
+/// The longest body [`engine_dead`] reads: vLLM's is 150 bytes.
+const ENGINE_DEAD_MAX: u64 = 1024;
+
+/// The engine's answer, unless it is vLLM's own answer that its engine is
+/// dead (`Err`): status 500, a JSON body of at most [`ENGINE_DEAD_MAX`]
+/// bytes whose error is [`ENGINE_DEAD_MESSAGE`] of type
+/// `InternalServerError`. Only such a 500 is read before it is passed on.
+async fn engine_dead(res: Response<Incoming>) -> Result<Response<UpBody>, ()> {
+    let small = content_length(res.headers()).and_then(Result::ok).is_some_and(|n| n <= ENGINE_DEAD_MAX);
+    if res.status() != StatusCode::INTERNAL_SERVER_ERROR || !small {
+        return Ok(res.map(|b| b.map_err(BoxError::from).boxed()));
+    }
+    let (parts, body) = res.into_parts();
+    // A body that does not come whole (within the time a local answer of
+    // a few bytes takes, generously) is the engine dying too.
+    let read = tokio::time::timeout(HEADER_READ_TIMEOUT, Limited::new(body, limit(ENGINE_DEAD_MAX)).collect());
+    let bytes = match read.await {
+        Ok(Ok(c)) => c.to_bytes(),
+        _ => return Err(()),
+    };
+    let said: Option<serde_json::Value> = serde_json::from_slice(&bytes).ok();
+    let error = said.as_ref().map(|v| &v["error"]);
+    if error.is_some_and(|e| e["message"] == ENGINE_DEAD_MESSAGE && e["type"] == "InternalServerError") {
+        return Err(());
+    }
+    Ok(Response::from_parts(parts, Full::new(bytes).map_err(|e| match e {}).boxed()))
 }
 
 /// After a request failed at the engine: wait (up to `hold`) for the gate
@@ -659,6 +797,10 @@ async fn wait_turn(
             door.metrics.front.count(outcome::REJECTED);
             Some(unavailable("the warden is stopping".into(), Some(Duration::from_secs(1))))
         }
+        Ok(Ok(Release::Upgrading)) => {
+            door.metrics.front.count(outcome::REJECTED);
+            Some(upgrading())
+        }
         Err(_) => {
             door.metrics.front.count(outcome::REJECTED);
             let (why, eta) = match &*gate.borrow() {
@@ -690,7 +832,14 @@ fn refusal(refused: Refused, budget: Duration) -> Response<UpBody> {
         }
         Refused::TooLong { why, eta } => unavailable(format!("{why}, about {} left", shown(eta)), Some(eta)),
         Refused::Closed => unavailable("the warden is stopping".into(), Some(Duration::from_secs(1))),
+        Refused::Upgrading => upgrading(),
     }
+}
+
+/// A held request when an upgrade's exec is near: its wait cannot cross
+/// the exec; asked again in a second, it is held by the successor.
+fn upgrading() -> Response<UpBody> {
+    unavailable("the warden is being upgraded; the model is not serving now".into(), Some(Duration::from_secs(1)))
 }
 
 /// A duration as a person reads it in an answer: `3m`, `2m10s`, `12s`.
