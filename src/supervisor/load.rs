@@ -140,6 +140,118 @@ pub struct LoadStart {
     pub last_good: Option<(String, String)>,
     /// With `[preload]`: which kind of start this is.
     pub preload: Option<crate::supervisor::preload::PreloadStart>,
+    /// The fraction of the weight files' bytes in the page cache at the
+    /// spawn (what was there before, and what the read-ahead added).
+    pub residency: Option<f64>,
+    /// The read-ahead (`[prefetch]`) reads the weights beside the load.
+    pub prefetch: bool,
+    /// vLLM's faster loaders, named where they apply to the command: the
+    /// hint of a load whose weights phase ran below half the disk's speed.
+    pub faster_loaders: Option<String>,
+}
+
+/// The read-ahead's part of a load's record (`[prefetch]`): what it read
+/// from the disk, what it found in the page cache, and how fast the disk
+/// gave it what it read.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct PrefetchRecord {
+    /// Read from the disk by the read-ahead.
+    pub bytes: u64,
+    /// Skipped: already in the page cache.
+    pub resident_bytes: u64,
+    /// The time its reads took, first to last.
+    pub secs: f64,
+    /// `bytes` ÷ `secs`: the disk's speed for this model on this load.
+    pub gbps: f64,
+    /// Stopped at the memory bound (`prefetch.max-memory-fraction`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partial: bool,
+}
+
+/// The read-ahead of a start as it goes, from the counters its threads
+/// keep (see `daemon::prefetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PrefetchNow {
+    /// The bytes of the weight files vLLM will read.
+    pub total: u64,
+    /// Of them, in the page cache when the read-ahead began.
+    pub cached_at_start: u64,
+    /// Read from the disk so far.
+    pub read: u64,
+    /// Skipped as the reads came to them: already in the page cache.
+    pub resident: u64,
+    /// The time the reads took so far.
+    pub secs: f64,
+    /// Stopped (or will stop) at the memory bound.
+    pub partial: bool,
+    /// Over: every file read, the bound reached, or stopped.
+    pub done: bool,
+    /// The page cache's speed, timed on resident weights.
+    pub cache_gbps: Option<f64>,
+}
+
+/// The read-ahead's reads are a measure of the disk from this many bytes
+/// on: less is mostly the time of opening files.
+pub const DISK_MEASURE_MIN: u64 = 256 << 20;
+
+impl PrefetchNow {
+    /// The record's part: none before anything was looked at.
+    pub fn record(&self) -> Option<PrefetchRecord> {
+        (self.total > 0).then(|| PrefetchRecord {
+            bytes: self.read,
+            resident_bytes: self.resident,
+            secs: self.secs,
+            gbps: if self.secs > 0.0 { self.read as f64 / 1e9 / self.secs } else { 0.0 },
+            partial: self.partial,
+        })
+    }
+
+    /// The disk's speed, where the reads were enough to tell it.
+    pub fn disk_gbps(&self) -> Option<f64> {
+        self.record().filter(|r| r.bytes >= DISK_MEASURE_MIN && r.gbps > 0.0).map(|r| r.gbps)
+    }
+
+    /// The fraction of the weights in the page cache now, as far as the
+    /// read-ahead knows: what was there, and what it added.
+    pub fn residency(&self) -> Option<f64> {
+        (self.total > 0).then(|| (self.cached_at_start.saturating_add(self.read) as f64 / self.total as f64).min(1.0))
+    }
+
+    /// `read ahead 3.1 of 4.2 GB`, and why it stopped short.
+    pub fn text(&self) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        let ahead = self.cached_at_start.saturating_add(self.read).min(self.total);
+        let partial = if self.partial { " (partial: the memory bound)" } else { "" };
+        format!("read ahead {:.1} of {:.1} GB{partial}", gb(ahead), gb(self.total))
+    }
+}
+
+/// The weights phase's speed against what the machine could do: the time
+/// the weights would take at the disk's speed (`disk_gbps`) for the part
+/// not in the page cache and at the page cache's (`cache_gbps`) for the
+/// rest, over the time they took. 1 is the machine's speed; 0.5 is half.
+/// None where a speed it needs is not known.
+pub fn efficiency(
+    bytes: u64,
+    secs: f64,
+    residency: f64,
+    disk_gbps: Option<f64>,
+    cache_gbps: Option<f64>,
+) -> Option<f64> {
+    if !(secs > 0.0) || bytes == 0 || !residency.is_finite() {
+        return None;
+    }
+    let r = residency.clamp(0.0, 1.0);
+    let gb = bytes as f64 / 1e9;
+    let part = |share: f64, speed: Option<f64>| -> Option<f64> {
+        if share <= 1e-3 {
+            return Some(0.0);
+        }
+        speed.filter(|s| s.is_finite() && *s > 0.0).map(|s| gb * share / s)
+    };
+    let expected = part(1.0 - r, disk_gbps)? + part(r, cache_gbps)?;
+    let e = expected / secs;
+    (e.is_finite() && e > 0.0).then_some(e)
 }
 
 /// What earlier good loads of one setup took: the ledger's ready loads of
@@ -156,6 +268,10 @@ pub struct History {
     pub phases: Vec<PhaseHistory>,
     /// The most of the cache any of them used.
     pub best_cache: Option<CacheOutcome>,
+    /// The disk's speed for the setup's weights: the median of what the
+    /// read-ahead measured over its recent loads (of any outcome: the
+    /// disk is the same), where it read enough to tell.
+    pub disk_gbps: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -228,6 +344,17 @@ pub struct LoadRecord {
     pub boot: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights_id: Option<String>,
+    /// The fraction (0..1) of the weight files' bytes in the page cache
+    /// when the child was spawned (replaces `cold`, kept for old records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<f64>,
+    /// The read-ahead of the weights (`[prefetch]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<PrefetchRecord>,
+    /// The weights phase's speed against the disk's (or the page cache's
+    /// for what was cached): see [`efficiency`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<f64>,
 }
 
 impl LoadRecord {
@@ -306,11 +433,35 @@ impl History {
             last: secs(last.total_secs),
             phases,
             best_cache,
+            disk_gbps: disk_gbps(records, fingerprint),
         })
     }
 
     fn phase(&self, p: LoadPhase) -> Option<&PhaseHistory> {
         self.phases.iter().find(|h| h.phase == p)
+    }
+}
+
+/// The fastest a disk read is taken to be (GB/s): a record that says more
+/// was not written by a measure.
+const DISK_GBPS_MAX: f64 = 1000.0;
+
+/// The median of the disk speeds the read-ahead measured over the latest
+/// [`HISTORY_LOADS`] loads of `fingerprint` that read enough to tell.
+fn disk_gbps(records: &[LoadRecord], fingerprint: &str) -> Option<f64> {
+    let mut speeds: Vec<f64> = records
+        .iter()
+        .filter(|r| r.fingerprint == fingerprint)
+        .filter_map(|r| r.prefetch)
+        .filter(|p| p.bytes >= DISK_MEASURE_MIN && p.gbps.is_finite() && p.gbps > 0.0 && p.gbps <= DISK_GBPS_MAX)
+        .map(|p| p.gbps)
+        .collect();
+    speeds = speeds.split_off(speeds.len().saturating_sub(HISTORY_LOADS));
+    speeds.sort_by(f64::total_cmp);
+    match speeds.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(speeds[n / 2]),
+        n => Some((speeds[n / 2 - 1] + speeds[n / 2]) / 2.0),
     }
 }
 
@@ -323,6 +474,8 @@ pub struct LoadTrack {
     cache: Option<CacheOutcome>,
     weights: Option<(Duration, Option<u64>)>,
     start: LoadStart,
+    /// The read-ahead's latest counters.
+    prefetch: Option<PrefetchNow>,
 }
 
 fn index(p: LoadPhase) -> usize {
@@ -340,7 +493,42 @@ fn short(d: Duration) -> String {
 
 impl LoadTrack {
     pub fn new(start: LoadStart, now: Instant) -> LoadTrack {
-        LoadTrack { spawned: now, ends: [None; 9], cache: None, weights: None, start }
+        LoadTrack { spawned: now, ends: [None; 9], cache: None, weights: None, start, prefetch: None }
+    }
+
+    /// The read-ahead's counters now; whether what `STATUS=` shows of
+    /// them changed.
+    pub fn prefetched(&mut self, p: PrefetchNow) -> bool {
+        let shown = |t: &LoadTrack| t.prefetch_shown().map(|p| p.text());
+        let before = shown(self);
+        self.prefetch = Some(p);
+        before != shown(self)
+    }
+
+    /// The read-ahead, while the load is in the phases it serves.
+    fn prefetch_shown(&self) -> Option<PrefetchNow> {
+        self.prefetch.filter(|_| matches!(self.current(), LoadPhase::Start | LoadPhase::Weights))
+    }
+
+    /// How much longer than its history this load's start and weights
+    /// phases are expected to take because the weights are not in the page
+    /// cache: their bytes not cached at the spawn at the disk's measured
+    /// speed, against the phases' medians (with the read-ahead, the disk
+    /// reads while vLLM starts: the two phases together; without it, the
+    /// weights phase alone). Zero without the figures it needs.
+    pub fn cold_extra(&self) -> Duration {
+        let (Some(h), Some(bytes), Some(r)) = (self.history(), self.start.weights_bytes, self.start.residency) else {
+            return Duration::ZERO;
+        };
+        let Some(disk) = h.disk_gbps.filter(|g| g.is_finite() && *g > 0.0) else { return Duration::ZERO };
+        let cold = secs(bytes as f64 / 1e9 * (1.0 - r.clamp(0.0, 1.0)) / disk);
+        let median = |p| h.phase(p).map_or(Duration::ZERO, |p| p.median);
+        let window = if self.start.prefetch {
+            median(LoadPhase::Start) + median(LoadPhase::Weights)
+        } else {
+            median(LoadPhase::Weights)
+        };
+        cold.saturating_sub(window)
     }
 
     pub fn fingerprint(&self) -> &str {
@@ -418,10 +606,11 @@ impl LoadTrack {
             of: expected.len().max(index),
             elapsed: now - self.spawned,
             began: self.spawned,
-            expected: self.history().map(|h| h.median),
+            expected: self.history().map(|h| h.median + self.cold_extra()),
             last: self.history().map(|h| h.last),
             fingerprint: self.start.fingerprint.clone(),
             preload: self.start.preload.map(|p| p.kind),
+            prefetch: self.prefetch_shown(),
         }
     }
 
@@ -482,17 +671,30 @@ impl LoadTrack {
             weights_bytes: self.start.weights_bytes,
             weights_secs,
             gbps,
-            cold: self.start.cold,
+            // The residency, where measured, replaces the guess.
+            cold: self.start.cold.filter(|_| self.start.residency.is_none()),
             alarms: Vec::new(),
             fingerprint: self.start.fingerprint.clone(),
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            residency: self.start.residency,
+            prefetch: self.prefetch.and_then(|p| p.record()),
+            efficiency: None,
         };
-        if record.outcome == LoadOutcome::Ready
-            && let Some(h) = self.history()
-        {
-            record.alarms = alarms(&record, h, slow_factor);
+        // The disk's speed: this load's read-ahead, else the setup's.
+        let disk = self.prefetch.and_then(|p| p.disk_gbps()).or(self.history().and_then(|h| h.disk_gbps));
+        let cache = self.prefetch.and_then(|p| p.cache_gbps);
+        let took = weights_secs.filter(|s| *s > 0.0).or(weights_phase);
+        record.efficiency = match (self.start.weights_bytes, took, self.start.residency) {
+            (Some(b), Some(s), Some(r)) => efficiency(b, s, r, disk, cache),
+            _ => None,
+        };
+        if record.outcome == LoadOutcome::Ready {
+            if let Some(h) = self.history() {
+                record.alarms = alarms(&record, h, slow_factor);
+            }
+            record.alarms.extend(slow_weights(&record, disk, self.start.faster_loaders.as_deref()));
         }
         record
     }
@@ -543,6 +745,21 @@ pub fn alarms(r: &LoadRecord, h: &History, factor: f64) -> Vec<String> {
     out
 }
 
+/// A load whose weights came mostly from the disk at less than half its
+/// speed: the loader, not the disk, was the bottleneck (with the faster
+/// loaders that apply to the command, where any do).
+fn slow_weights(r: &LoadRecord, disk: Option<f64>, faster: Option<&str>) -> Option<String> {
+    let (e, disk, gbps) = (r.efficiency?, disk?, r.gbps?);
+    if r.residency? > 0.5 || e >= 0.5 {
+        return None;
+    }
+    let hint = faster.map(|f| format!("; {f}")).unwrap_or_default();
+    Some(format!(
+        "slow weights: {gbps:.2} GB/s, below half the disk's {disk:.2} GB/s (efficiency {e:.2}): the loader, not the \
+         disk, is the bottleneck{hint}"
+    ))
+}
+
 /// Where a load is now.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadNow {
@@ -560,6 +777,8 @@ pub struct LoadNow {
     pub fingerprint: String,
     /// With `[preload]`: which kind of start this is.
     pub preload: Option<crate::supervisor::preload::StartKind>,
+    /// The read-ahead of the weights, during the start and weights phases.
+    pub prefetch: Option<PrefetchNow>,
 }
 
 impl LoadNow {
@@ -577,6 +796,10 @@ impl LoadNow {
         let text = match (self.expected, self.last) {
             (Some(e), Some(l)) => format!("{head} of ~{} (last {})", short(e), short(l)),
             _ => format!("{head} (no earlier load of this setup)"),
+        };
+        let text = match self.prefetch {
+            Some(p) => format!("{text} · {}", p.text()),
+            None => text,
         };
         match self.preload {
             Some(kind) => format!("{text} · {}", kind.short()),
@@ -676,6 +899,9 @@ mod tests {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 
