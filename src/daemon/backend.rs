@@ -806,6 +806,11 @@ impl Backend for RealBackend {
         // The page cache as the child begins to read: what was cached and
         // what the read-ahead has added.
         if let Some(p) = &self.loads.prefetch {
+            // The bytes of the files vLLM reads, where the read-ahead has
+            // them (the ledger's own count takes every weight-like file).
+            if p.now().total > 0 {
+                load.weights_bytes = Some(p.now().total);
+            }
             load.residency = p.now().residency();
             load.prefetch = p.reads() && !p.now().done;
             load.faster_loaders =

@@ -217,12 +217,14 @@ impl PrefetchNow {
         (self.total > 0).then(|| (self.cached_at_start.saturating_add(self.read) as f64 / self.total as f64).min(1.0))
     }
 
-    /// `read ahead 3.1 of 4.2 GB`, and why it stopped short.
+    /// `read ahead 3.1 of 4.2 GB` (what is in the page cache ahead of
+    /// vLLM's reads), and why it stopped short.
     pub fn text(&self) -> String {
-        let gb = |b: u64| b as f64 / 1e9;
+        // GB for a model that has them, MB for a small one.
+        let (unit, div) = if self.total >= 1_000_000_000 { ("GB", 1e9) } else { ("MB", 1e6) };
         let ahead = self.cached_at_start.saturating_add(self.read).min(self.total);
         let partial = if self.partial { " (partial: the memory bound)" } else { "" };
-        format!("read ahead {:.1} of {:.1} GB{partial}", gb(ahead), gb(self.total))
+        format!("read ahead {:.1} of {:.1} {unit}{partial}", ahead as f64 / div, self.total as f64 / div)
     }
 }
 
@@ -1026,5 +1028,146 @@ mod tests {
         l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 20));
         assert_eq!(l.stall(stall, 3.0), stall);
         assert_eq!(l.timeout(Duration::from_secs(600), 3.0), Duration::from_secs(600));
+    }
+
+    /// The weights phase against the machine: cold bytes at the disk's
+    /// speed, cached ones at the page cache's, over the time they took.
+    #[test]
+    fn efficiency_is_the_machines_time_over_the_phases() {
+        // 4 GB cold at 1 GB/s is 4 s: taking 8 s is half the disk's speed.
+        assert_eq!(efficiency(4_000_000_000, 8.0, 0.0, Some(1.0), None), Some(0.5));
+        // Warm: against the page cache (4 GB at 8 GB/s is 0.5 s, took 1 s).
+        assert_eq!(efficiency(4_000_000_000, 1.0, 1.0, Some(1.0), Some(8.0)), Some(0.5));
+        // Half and half: 2 s of disk and 0.25 s of cache, in 4.5 s.
+        assert_eq!(efficiency(4_000_000_000, 4.5, 0.5, Some(1.0), Some(8.0)), Some(0.5));
+        // A speed it needs is unknown, or no time: none.
+        assert_eq!(efficiency(4_000_000_000, 8.0, 0.0, None, Some(8.0)), None);
+        assert_eq!(efficiency(4_000_000_000, 1.0, 1.0, Some(1.0), None), None);
+        assert_eq!(efficiency(4_000_000_000, 0.0, 0.0, Some(1.0), None), None);
+    }
+
+    fn prefetched(read: u64, secs: f64) -> PrefetchNow {
+        PrefetchNow { total: 4_000_000_000, read, secs, done: true, ..Default::default() }
+    }
+
+    /// A cold load's record: the residency at the spawn, the read-ahead's
+    /// bytes and speed, the efficiency; below half the disk's speed, an
+    /// alarm naming the faster loaders where they apply.
+    #[test]
+    fn a_cold_load_slower_than_half_the_disk_is_an_alarm_with_the_faster_loaders() {
+        let t0 = Instant::now();
+        let start = LoadStart {
+            fingerprint: "f1".into(),
+            weights_bytes: Some(4_000_000_000),
+            residency: Some(0.0),
+            cold: Some(true),
+            faster_loaders: Some("try `--load-format runai_streamer`".into()),
+            ..Default::default()
+        };
+        let mut l = LoadTrack::new(start.clone(), t0);
+        assert!(l.prefetched(prefetched(4_000_000_000, 2.0)), "shown in the start phase");
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        // 4 GB in 10 s: 0.4 GB/s against the disk's 2 GB/s.
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 15));
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 20), 1.5);
+        assert_eq!(r.residency, Some(0.0));
+        assert_eq!(r.cold, None, "the residency replaces the guess");
+        let p = r.prefetch.unwrap();
+        assert_eq!((p.bytes, p.secs, p.gbps, p.partial), (4_000_000_000, 2.0, 2.0, false));
+        assert!((r.efficiency.unwrap() - 0.2).abs() < 1e-9, "{r:?}");
+        assert_eq!(r.alarms.len(), 1, "{:?}", r.alarms);
+        assert!(r.alarms[0].starts_with("slow weights: 0.40 GB/s, below half the disk's 2.00 GB/s"), "{:?}", r.alarms);
+        assert!(r.alarms[0].ends_with("try `--load-format runai_streamer`"), "{:?}", r.alarms);
+        // As fast as the disk: no alarm; no hint where none applies.
+        let mut l = LoadTrack::new(LoadStart { faster_loaders: None, ..start }, t0);
+        l.prefetched(prefetched(4_000_000_000, 2.0));
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 7));
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 8), 1.5);
+        assert_eq!(r.efficiency, Some(1.0));
+        assert!(r.alarms.is_empty(), "{:?}", r.alarms);
+        // The record reads back, and an old one without the fields too.
+        let back: LoadRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        let mut old = serde_json::to_value(&r).unwrap();
+        for k in ["residency", "prefetch", "efficiency"] {
+            old.as_object_mut().unwrap().remove(k);
+        }
+        old["cold"] = true.into();
+        let old: LoadRecord = serde_json::from_value(old).unwrap();
+        assert_eq!((old.residency, old.prefetch, old.cold), (None, None, Some(true)));
+    }
+
+    /// `STATUS=` during the start and weights phases shows the bytes read
+    /// ahead, and says when the memory bound stopped it.
+    #[test]
+    fn the_status_text_shows_the_read_ahead_in_the_weights_phase() {
+        let t0 = Instant::now();
+        let mut l = LoadTrack::new(start(None), t0);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        let p = PrefetchNow {
+            total: 4_200_000_000,
+            cached_at_start: 1_000_000_000,
+            read: 2_100_000_000,
+            ..Default::default()
+        };
+        assert!(l.prefetched(p));
+        assert_eq!(
+            l.now(at(t0, 12)).text(),
+            "loading 2/9 weights · 12s (no earlier load of this setup) · read ahead 3.1 of 4.2 GB"
+        );
+        // The same figures shown: nothing new to say.
+        assert!(!l.prefetched(PrefetchNow { secs: 1.0, ..p }));
+        assert!(l.prefetched(PrefetchNow { partial: true, ..p }));
+        assert!(l.now(at(t0, 12)).text().ends_with("read ahead 3.1 of 4.2 GB (partial: the memory bound)"));
+        // After the weights: not shown.
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 20));
+        assert!(!l.now(at(t0, 21)).text().contains("read ahead"));
+    }
+
+    fn cold_record(total: f64, start: f64, weights: f64, disk: Option<f64>) -> LoadRecord {
+        let mut r = record("f1", total, 0.0, CacheOutcome::Hit);
+        r.phases = vec![
+            PhaseTime { phase: LoadPhase::Start, secs: start },
+            PhaseTime { phase: LoadPhase::Weights, secs: weights },
+            PhaseTime { phase: LoadPhase::Compile, secs: total - start - weights },
+        ];
+        r.prefetch =
+            disk.map(|g| PrefetchRecord { bytes: 4_000_000_000, gbps: g, secs: 4.0 / g, ..Default::default() });
+        r
+    }
+
+    /// A first load after a reboot is not estimated as a warm one: the
+    /// weights not cached, at the disk's measured speed, against the
+    /// phases the history's warm loads took.
+    #[test]
+    fn a_cold_cache_is_estimated_at_the_disks_speed() {
+        let t0 = Instant::now();
+        // Warm loads of 60 s: start 20 s, weights 5 s; the disk measured
+        // at 0.1 GB/s by an earlier read-ahead (8 GB then take 80 s).
+        let rs = vec![cold_record(60.0, 20.0, 5.0, Some(0.1)), cold_record(60.0, 20.0, 5.0, None)];
+        let h = History::of(&rs, "f1", HOUR).unwrap();
+        assert_eq!(h.disk_gbps, Some(0.1));
+        let load = |residency: f64, prefetch: bool| LoadStart {
+            fingerprint: "f1".into(),
+            history: Some(h.clone()),
+            weights_bytes: Some(8_000_000_000),
+            residency: Some(residency),
+            prefetch,
+            ..Default::default()
+        };
+        let expected = |s: LoadStart| LoadTrack::new(s, t0).now(t0).expected.unwrap();
+        // Cold, no read-ahead: the weights phase is 80 s, not 5 s.
+        assert_eq!(expected(load(0.0, false)), Duration::from_secs(60 + 75));
+        // Cold with the read-ahead: the disk reads while vLLM starts, the
+        // two phases together take 80 s, not 25 s.
+        assert_eq!(expected(load(0.0, true)), Duration::from_secs(60 + 55));
+        // Half cached: half of it.
+        assert_eq!(expected(load(0.5, false)), Duration::from_secs(60 + 35));
+        // Warm: the history's.
+        assert_eq!(expected(load(1.0, false)), Duration::from_secs(60));
+        // Without a measure of the disk: the history's.
+        let h2 = History::of(&rs[1..], "f1", HOUR).unwrap();
+        assert_eq!(expected(LoadStart { history: Some(h2), ..load(0.0, false) }), Duration::from_secs(60));
     }
 }
