@@ -500,11 +500,9 @@ fn run(order: Order, cancel: &Arc<AtomicBool>, c: &Arc<Counters>, report: &(dyn 
     }
     drop(done_tx);
     if started > 0 {
-        loop {
-            match done_rx.recv_timeout(REPORT_EVERY) {
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => report(c.now()),
-                _ => break,
-            }
+        // Every reader's sender dropped: all of them ended.
+        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(REPORT_EVERY) {
+            report(c.now());
         }
     }
     c.done.store(true, Ordering::Relaxed);
