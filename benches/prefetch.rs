@@ -93,7 +93,10 @@ fn cold(how: &str, files: &[PathBuf]) -> f64 {
             let threads: u32 = threads.trim_start_matches("prefetch-").parse().unwrap();
             let order = Order { files: files.to_vec(), threads, budget: u64::MAX };
             let now = Prefetch::start(order, |_| {}).unwrap().wait();
-            assert_eq!(now.read, now.total, "read all of it: {now:?}");
+            // What the kernel's own read-ahead of one thread's reads put in
+            // the page cache before another thread came to it is not read
+            // again: all of it is in the page cache either way.
+            assert_eq!(now.read + now.resident, now.total, "all of it: {now:?}");
         }
     }
     t.elapsed().as_secs_f64()

@@ -265,6 +265,11 @@ fn check(path: &Path, diff: bool, print_patterns: bool) -> Code {
             None => outln!("caches: where the child's environment puts them"),
         }
         out!("{}", child.unwrap_or_default());
+        if s.profile == crate::config::profile::Profile::Vllm
+            && crate::daemon::environment::model_of(&s.child.command).is_some()
+        {
+            outln!("{}", crate::daemon::prefetch::describe(s));
+        }
         if print_patterns {
             out!("{}", config::describe_patterns(s));
         }

@@ -179,7 +179,6 @@ pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
         };
         let _ = writeln!(out, "{said}");
         warnings.extend(hub_warnings);
-        let _ = writeln!(out, "{}", crate::daemon::prefetch::describe(s));
     }
     if s.preload.enabled {
         let _ = writeln!(out, "weight-cache daemon: {}", crate::util::redact::command(&s.preload.command));
