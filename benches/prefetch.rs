@@ -156,8 +156,9 @@ enabled = {prefetch}
     assert!(w.wait().unwrap().success());
     let err = std::fs::read_to_string(d.join("warden.err")).unwrap();
     let line = err.lines().rev().find(|l| l.contains("the loop's longest turn: ")).expect("the longest turn is logged");
-    let ms = line.split("the loop's longest turn: ").nth(1).unwrap().split(' ').next().unwrap();
-    ms.parse().unwrap()
+    let said = line.split("the loop's longest turn: ").nth(1).unwrap();
+    println!("  the warden: the loop's longest turn: {}", said.split(" INSTANCE=").next().unwrap_or(said));
+    said.split(' ').next().unwrap().parse().unwrap()
 }
 
 fn main() {
