@@ -229,7 +229,8 @@ fn unreadable(path: &Path, e: &std::io::Error) -> Code {
 /// Every problem `run` would meet at start, the config's and the
 /// environment's together, whatever else is wrong; "valid" only when there
 /// is none. The verdict first; then (with `diff`) what a reload would do,
-/// where the instance's files go, the child's caches and model, and (when
+/// where the instance's files go, the child's caches and model, what the
+/// read-ahead of the weights will read, and (when
 /// asked) the effective pattern lists.
 fn check(path: &Path, diff: bool, print_patterns: bool) -> Code {
     let (settings, mut problems) = config::load_all(path, &Dirs::from_env());
@@ -265,6 +266,11 @@ fn check(path: &Path, diff: bool, print_patterns: bool) -> Code {
             None => outln!("caches: where the child's environment puts them"),
         }
         out!("{}", child.unwrap_or_default());
+        if s.profile == crate::config::profile::Profile::Vllm
+            && crate::daemon::environment::model_of(&s.child.command).is_some()
+        {
+            outln!("{}", crate::daemon::prefetch::describe(s));
+        }
         if print_patterns {
             out!("{}", config::describe_patterns(s));
         }

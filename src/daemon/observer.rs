@@ -389,6 +389,7 @@ mod tests {
             median: expected.map(Duration::from_secs),
             estimate: None,
             error: None,
+            prefetch: None,
         }
     }
 

@@ -276,6 +276,7 @@ impl Ledger {
             used: Default::default(),
             last_good: None,
             preload: facts.setup.preload,
+            ..Default::default()
         }
     }
 
@@ -461,6 +462,9 @@ mod tests {
             boot: None,
             weights_id: None,
             estimates: vec![],
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 

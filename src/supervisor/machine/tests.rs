@@ -928,6 +928,9 @@ mod loads {
             boot: None,
             weights_id: None,
             estimates: vec![],
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 
