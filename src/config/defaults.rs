@@ -73,6 +73,14 @@ pub const LEDGER_KEEP: u32 = 500;
 pub const LEDGER_SLOW_FACTOR: f64 = 1.5;
 pub const LEDGER_DEADLINE_FACTOR: f64 = 3.0;
 
+/// `[prefetch]`: on; four threads (enough to keep a local NVMe's queue
+/// busy, few enough not to crowd a 2-core machine); at most half of the
+/// memory available at the start, so that the engine's own use of memory
+/// (and of the page cache) is never crowded out by the read-ahead.
+pub const PREFETCH_ENABLED: bool = true;
+pub const PREFETCH_THREADS: u32 = 4;
+pub const PREFETCH_MAX_MEMORY_FRACTION: f64 = 0.5;
+
 /// `[golden]`: the built-in prompt, how many tokens each answer has, how
 /// far a logprob may move (vLLM's snapshot oracle's rule) and how long the
 /// whole check may take.

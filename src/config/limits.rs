@@ -40,6 +40,11 @@ pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
 /// `ledger.slow-factor` and `ledger.deadline-factor`.
 pub const LEDGER_FACTOR: (f64, f64) = (1.0, 100.0);
 
+/// `prefetch.threads`.
+pub const PREFETCH_THREADS: RangeInclusive<u32> = 1..=64;
+/// `prefetch.max-memory-fraction`.
+pub const PREFETCH_MEMORY_FRACTION: (f64, f64) = (0.01, 0.95);
+
 /// `golden.prompts`: at most this many (a file adds as many more).
 pub const GOLDEN_PROMPTS: usize = 32;
 

@@ -36,7 +36,7 @@ use crate::patch::Patch;
 pub use self::problem::{Problem, Problems};
 pub use self::settings::{
     Child, Cluster, Drain, Engine, Fatal, Fit, FitArg, Front, Golden, GoldenPolicy, Health, IdleAction, Ledger, Listen,
-    Prestart, Ready, Reports, Restart, Rollback, Rotation, Server, Settings, Status,
+    Prefetch, Prestart, Ready, Reports, Restart, Rollback, Rotation, Server, Settings, Status,
 };
 
 /// The folder of the instances' configs: `NAME.toml` is instance NAME's,
@@ -177,9 +177,10 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         rollback_v,
         preload_v,
         front_v,
+        prefetch_v,
     ] = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden", "fit", "rollback", "preload", "front",
+        "reports", "ledger", "golden", "fit", "rollback", "preload", "front", "prefetch",
     ]
     .map(|k| top.take(k));
     drop(top);
@@ -210,6 +211,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     let golden = golden(r.section(golden_v, "golden"), profile == Profile::Vllm && ready.http.is_some());
     let fit = fit(r.section(fit_v, "fit"));
     let rollback = rollback(r.section(rollback_v, "rollback"));
+    let prefetch = prefetch(r.section(prefetch_v, "prefetch"));
     // After every section that reads the serve command as the operator wrote it.
     let preload =
         preload::preload(r.section(preload_v, "preload"), &mut child.command, prestart.port, runtime_dir(&name, dirs));
@@ -250,6 +252,7 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
         fit,
         rollback,
         preload,
+        prefetch,
         front,
         engine,
         hints,
@@ -955,6 +958,28 @@ fn ledger(mut k: Keys<'_, '_, '_>) -> Ledger {
     let slow_factor = k.number("slow-factor", defaults::LEDGER_SLOW_FACTOR, lo, hi);
     let deadline_factor = k.number("deadline-factor", defaults::LEDGER_DEADLINE_FACTOR, lo, hi);
     Ledger { keep, slow_factor, deadline_factor }
+}
+
+/// `[prefetch]`
+fn prefetch(mut k: Keys<'_, '_, '_>) -> Prefetch {
+    let enabled = k.read("enabled", defaults::PREFETCH_ENABLED, |r, v| r.boolean(v, "enabled"));
+    let threads = k.read("threads", defaults::PREFETCH_THREADS, |r, v| {
+        let n = r.integer(v, "threads", u32::MAX.into())?;
+        let range = limits::PREFETCH_THREADS;
+        match u32::try_from(n) {
+            Ok(n) if range.contains(&n) => Some(n),
+            _ => {
+                r.problem(
+                    Some(v.span()),
+                    format!("`threads` must be from {} to {}, not {n}", range.start(), range.end()),
+                );
+                None
+            }
+        }
+    });
+    let (lo, hi) = limits::PREFETCH_MEMORY_FRACTION;
+    let max_memory_fraction = k.number("max-memory-fraction", defaults::PREFETCH_MAX_MEMORY_FRACTION, lo, hi);
+    Prefetch { enabled, threads, max_memory_fraction }
 }
 
 /// `[golden]`

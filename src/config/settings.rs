@@ -49,6 +49,8 @@ pub struct Settings {
     pub rollback: Rollback,
     /// `[preload]`: the weight-cache daemon beside the engine.
     pub preload: crate::config::preload::Preload,
+    /// `[prefetch]`: the weights read into the page cache as a start begins.
+    pub prefetch: Prefetch,
     /// `[front]`: the model's address, owned by the warden; `None`: off
     /// (no `listen`), clients reach the engine itself.
     pub front: Option<Front>,
@@ -177,6 +179,19 @@ pub struct Ledger {
     /// A phase without progress for this factor × its longest recorded
     /// time is a stall (when that is longer than `ready.stall-timeout`).
     pub deadline_factor: f64,
+}
+
+/// `[prefetch]`: the read-ahead of the model's weight files into the page
+/// cache while vLLM starts (see `daemon::prefetch`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prefetch {
+    /// On by default: it does something only for a vLLM command whose
+    /// weights are on this machine (a folder, or the hub cache's copy).
+    pub enabled: bool,
+    /// The threads that read, each its own part of the files.
+    pub threads: u32,
+    /// At most this fraction of `MemAvailable` (at the start) is read.
+    pub max_memory_fraction: f64,
 }
 
 /// `[golden]`: the answers checked at every ready.

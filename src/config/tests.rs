@@ -216,6 +216,9 @@ fn the_man_page_shows_the_default_constants() {
         ("ledger.keep", defaults::LEDGER_KEEP.to_string()),
         ("ledger.slow-factor", format!("{:?}", defaults::LEDGER_SLOW_FACTOR)),
         ("ledger.deadline-factor", format!("{:?}", defaults::LEDGER_DEADLINE_FACTOR)),
+        ("prefetch.enabled", format!("`{}`", defaults::PREFETCH_ENABLED)),
+        ("prefetch.threads", defaults::PREFETCH_THREADS.to_string()),
+        ("prefetch.max-memory-fraction", format!("{:?}", defaults::PREFETCH_MAX_MEMORY_FRACTION)),
         ("golden.max-tokens", defaults::GOLDEN_MAX_TOKENS.to_string()),
         ("golden.tolerance", format!("{:?}", defaults::GOLDEN_TOLERANCE)),
         ("golden.timeout", duration(defaults::GOLDEN_TIMEOUT)),
@@ -254,7 +257,7 @@ fn the_man_page_shows_the_default_constants() {
 fn the_man_page_documents_every_known_key() {
     let text = "zz = 1\n[child]\ncommand = [\"a\"]\nzz = 1\n[[patch]]\nfile = \"/f\"\nremove = [\"a\"]\nzz = 1\n\
                 [prestart]\nzz = 1\n[ready]\nzz = 1\n[fatal]\nzz = 1\n[restart]\nzz = 1\n[health]\nzz = 1\n\
-                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n[ledger]\nzz = 1\n[golden]\nzz = 1\n[fit]\nzz = 1\n[rollback]\nzz = 1\n[preload]\nzz = 1\n[front]\nlisten = \"127.0.0.1:8000\"\nzz = 1\n";
+                [status]\nzz = 1\n[server]\nzz = 1\n[drain]\nzz = 1\n[[hint]]\nmatch = \"x\"\ntext = \"y\"\nzz = 1\n[reports]\nzz = 1\n[ledger]\nzz = 1\n[golden]\nzz = 1\n[fit]\nzz = 1\n[rollback]\nzz = 1\n[preload]\nzz = 1\n[prefetch]\nzz = 1\n[front]\nlisten = \"127.0.0.1:8000\"\nzz = 1\n";
     let problems = parse_str(text).unwrap_err().0;
     let mut known: Vec<String> = Vec::new();
     for p in &problems {
@@ -270,10 +273,10 @@ fn the_man_page_documents_every_known_key() {
             known.push(format!("{section}{key}"));
         }
     }
-    assert_eq!(problems.len(), 19, "{problems:?}");
+    assert_eq!(problems.len(), 20, "{problems:?}");
     let sections = [
         "child", "patch", "prestart", "ready", "fatal", "restart", "health", "status", "server", "drain", "hint",
-        "reports", "ledger", "golden", "fit", "rollback", "preload", "front",
+        "reports", "ledger", "golden", "fit", "rollback", "preload", "front", "prefetch",
     ];
     let mut documented: Vec<String> = man_page_rows().into_iter().map(|r| r.key).collect();
     documented.extend(sections.map(String::from));
@@ -361,7 +364,7 @@ fn the_man_page_shows_the_ranges_the_reader_enforces() {
         }
         tried += 1;
     }
-    assert_eq!(tried, 54, "every duration and number has a range");
+    assert_eq!(tried, 56, "every duration and number has a range");
 }
 
 #[test]

@@ -111,6 +111,9 @@ struct Loads {
     recovery: crate::daemon::recover::Recovery,
     /// The setup of the run spawned last.
     running: Option<crate::observe::ledger::Facts>,
+    /// The read-ahead of the weights (`[prefetch]`) of the latest start,
+    /// from its pre-start steps to the end of its load.
+    prefetch: Option<crate::daemon::prefetch::Prefetch>,
 }
 
 /// What a start needs before its spawn.
@@ -251,6 +254,7 @@ impl RealBackend {
                 found: Arc::default(),
                 recovery: Default::default(),
                 running: None,
+                prefetch: None,
             },
             reports: Reports::default(),
             preload,
@@ -480,6 +484,17 @@ impl Backend for RealBackend {
         let dropped = self.loads.recovery.dropped.clone();
         let revert = self.loads.recovery.revert.take();
         let (preload, kind) = (self.preload.clone(), self.start_kind.clone());
+        // The read-ahead of the weights begins with the start, beside its
+        // pre-start steps (their waits are the disk's idle time).
+        let (s, tx_prefetch) = (settings.clone(), self.inputs.clone());
+        self.loads.prefetch = crate::daemon::prefetch::Prefetch::planned(
+            move || crate::daemon::prefetch::order_for(&s),
+            move |now| {
+                let _ = tx_prefetch.send(Input::Prefetched { start, now });
+            },
+        )
+        .map_err(|e| tracing::warn!(EVENT = "prefetch", "no thread for the read-ahead of the weights: {e}"))
+        .ok();
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::daemon::prepare::Status = Arc::new(move |text| {
@@ -559,6 +574,8 @@ impl Backend for RealBackend {
     }
 
     fn cancel_prepare(&mut self) {
+        // Dropped: stopped at its next chunk.
+        self.loads.prefetch = None;
         if let Some((start, task)) = self.launch.preparing.take() {
             task.abort();
             crate::observe::reports::start_under_way(false);
@@ -786,6 +803,19 @@ impl Backend for RealBackend {
         let found = found.filter(|(s, _)| *s == start).map(|(_, f)| f)?;
         let mut load = self.loads.ledger.start(&found.facts, self.settings.ready.timeout);
         load.used = found.used;
+        // The page cache as the child begins to read: what was cached and
+        // what the read-ahead has added.
+        if let Some(p) = &self.loads.prefetch {
+            // The bytes of the files vLLM reads, where the read-ahead has
+            // them (the ledger's own count takes every weight-like file).
+            if p.now().total > 0 {
+                load.weights_bytes = Some(p.now().total);
+            }
+            load.residency = p.now().residency();
+            load.prefetch = p.reads() && !p.now().done;
+            load.faster_loaders =
+                crate::daemon::prefetch::faster_loaders(&self.settings.child.command, p.safetensors());
+        }
         // The last-known-good of this warden's life, when it is another.
         load.last_good = self
             .loads
@@ -799,6 +829,8 @@ impl Backend for RealBackend {
     }
 
     fn load_ended(&mut self, record: crate::supervisor::load::LoadRecord) {
+        // The load is over (ready, failed or stopped): so is its read-ahead.
+        self.loads.prefetch = None;
         let at = self.reports.run.as_ref().map_or_else(std::time::SystemTime::now, |r| r.spawned);
         let write = self.loads.ledger.push(record, self.loads.running.as_ref(), at);
         if let Some(w) = self.loads.writer.clone() {

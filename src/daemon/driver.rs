@@ -92,6 +92,11 @@ pub enum Input {
         start: u32,
         text: String,
     },
+    /// The read-ahead of start `start`'s weights, as it goes.
+    Prefetched {
+        start: u32,
+        now: crate::supervisor::load::PrefetchNow,
+    },
     /// What survived SIGKILL: how many live processes, described.
     Survivors {
         left: usize,
@@ -741,6 +746,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Reported { start } => events.push_back(Event::Reported { start }),
             Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
             Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
+            Input::Prefetched { start, now } => events.push_back(Event::Prefetched { start, now }),
             Input::Survivors { left, description } => events.push_back(Event::Survivors { left, description }),
             Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
             Input::Recheck { reason } => events.push_back(Event::Recheck { reason }),

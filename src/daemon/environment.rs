@@ -131,10 +131,7 @@ pub fn model_problems(s: &Settings) -> Vec<String> {
 /// The setup a start of `s` runs, and its model's weights (a local folder
 /// of a vLLM command): the load ledger's facts. Blocking.
 pub fn load_facts(s: &Settings) -> crate::observe::ledger::Facts {
-    let model = match model_of(&s.child.command).map(|m| Model::of(&m, &child_cwd(s))) {
-        Some(Model::Local(dir)) if dir.is_dir() => Some(dir),
-        _ => None,
-    };
+    let model = weights_folder(s);
     let files: Vec<PathBuf> = s.patches.iter().map(|p| p.file.clone()).collect();
     crate::observe::ledger::Facts::gather(&s.child.command, &s.child.env, &files, model.as_deref())
 }
@@ -182,6 +179,7 @@ pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
         };
         let _ = writeln!(out, "{said}");
         warnings.extend(hub_warnings);
+        let _ = writeln!(out, "{}", crate::daemon::prefetch::describe(s));
     }
     if s.preload.enabled {
         let _ = writeln!(out, "weight-cache daemon: {}", crate::util::redact::command(&s.preload.command));
@@ -410,6 +408,79 @@ fn model_folder(p: &Path, need_config: bool) -> Result<(), AccessError> {
     Ok(())
 }
 
+/// The hub's cache folder as the child finds it, from the variables
+/// `get` gives (the child's, the warden's, the warden's cache folders).
+fn hub_cache(get: &dyn Fn(&str) -> Option<String>) -> PathBuf {
+    get("HF_HUB_CACHE").or_else(|| get("HUGGINGFACE_HUB_CACHE")).map(PathBuf::from).unwrap_or_else(|| {
+        let home = get("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
+            let xdg = get("XDG_CACHE_HOME").map(PathBuf::from);
+            xdg.unwrap_or_else(|| Path::new(&get("HOME").unwrap_or_else(|| "/".into())).join(".cache"))
+                .join("huggingface")
+        });
+        home.join("hub")
+    })
+}
+
+/// The folder of the model's weights as vLLM will read them: a local
+/// folder, or the hub cache's snapshot of a hub model (its `--revision`,
+/// else `main`, as `refs/` names it); none for anything else (an object
+/// store, ModelScope, a model not in the cache yet). Blocking.
+pub fn weights_folder(s: &Settings) -> Option<PathBuf> {
+    if s.profile != crate::config::profile::Profile::Vllm {
+        return None;
+    }
+    let model = model_of(&s.child.command)?;
+    match Model::of(&model, &child_cwd(s)) {
+        Model::Local(dir) => dir.is_dir().then_some(dir),
+        Model::Hub(id) => {
+            let writes = crate::process::caches::of(s);
+            let get = |k: &str| {
+                s.child
+                    .env
+                    .get(k)
+                    .cloned()
+                    .or_else(|| std::env::var(k).ok())
+                    .or_else(|| writes.iter().find(|v| v.name == k).map(|v| v.value.display().to_string()))
+                    .filter(|v| !v.is_empty())
+            };
+            if get("VLLM_USE_MODELSCOPE").is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true"))
+                || get("VLLM_MODEL_REDIRECT_PATH").is_some()
+            {
+                return None;
+            }
+            let cache = hub_cache(&get);
+            if !cache.is_absolute() {
+                return None;
+            }
+            let repo = cache.join(format!("models--{}", id.replace('/', "--")));
+            let revision = crate::config::command::vllm_flag(&s.child.command, "--revision");
+            let revision = revision.as_deref().unwrap_or("main");
+            snapshot(&repo, revision)
+        }
+        Model::Elsewhere => None,
+    }
+}
+
+/// The snapshot folder of `revision` in a hub cache's `repo` folder: a
+/// commit's own folder, or the commit a ref's file names. The cache is
+/// someone else's: a ref is read bounded and must be one plain name.
+fn snapshot(repo: &Path, revision: &str) -> Option<PathBuf> {
+    let plain =
+        |r: &str| !r.is_empty() && r.len() <= 128 && r.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !plain(revision) || revision.starts_with('.') {
+        return None;
+    }
+    let direct = repo.join("snapshots").join(revision);
+    if direct.is_dir() {
+        return Some(direct);
+    }
+    let mut text = String::new();
+    use std::io::Read;
+    std::fs::File::open(repo.join("refs").join(revision)).ok()?.take(256).read_to_string(&mut text).ok()?;
+    let commit = text.trim();
+    (plain(commit) && !commit.starts_with('.')).then(|| repo.join("snapshots").join(commit)).filter(|d| d.is_dir())
+}
+
 /// What `check` says of a model of the hub, and the problems: whether it is
 /// read offline (`HF_HUB_OFFLINE`), from which hub cache, and, when a
 /// download may happen, whether the service user can write that cache.
@@ -433,14 +504,7 @@ pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>, Vec<String>) {
     {
         return (format!("model {id}: from ModelScope or a redirect (not looked at)"), vec![], vec![]);
     }
-    let cache = get("HF_HUB_CACHE").or_else(|| get("HUGGINGFACE_HUB_CACHE")).map(PathBuf::from).unwrap_or_else(|| {
-        let home = get("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
-            let xdg = get("XDG_CACHE_HOME").map(PathBuf::from);
-            xdg.unwrap_or_else(|| Path::new(&get("HOME").unwrap_or_else(|| "/".into())).join(".cache"))
-                .join("huggingface")
-        });
-        home.join("hub")
-    });
+    let cache = hub_cache(&get);
     if !cache.is_absolute() || cache.to_string_lossy().contains(['~', '$']) {
         return (
             format!("model {id}: from the Hugging Face hub, cache {} (not looked at)", cache.display()),

@@ -17,6 +17,7 @@ pub mod environment;
 pub mod front;
 pub mod idle;
 mod observer;
+pub mod prefetch;
 pub mod preload;
 pub mod prepare;
 pub mod recover;

@@ -384,6 +384,7 @@ mod tests {
             last: None,
             fingerprint: String::new(),
             preload: None,
+            prefetch: None,
         }
     }
 

@@ -71,6 +71,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         fit,
         rollback,
         preload,
+        prefetch,
         front,
         engine,
         state_dir,
@@ -172,6 +173,16 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     cmp("ledger.keep", Warden, lg.0.keep.to_string(), lg.1.keep.to_string());
     cmp("ledger.slow-factor", Warden, lg.0.slow_factor.to_string(), lg.1.slow_factor.to_string());
     cmp("ledger.deadline-factor", Warden, lg.0.deadline_factor.to_string(), lg.1.deadline_factor.to_string());
+    // The read-ahead is of a start: the next one reads with the new values.
+    let pf = (&old.prefetch, prefetch);
+    cmp("prefetch.enabled", Warden, pf.0.enabled.to_string(), pf.1.enabled.to_string());
+    cmp("prefetch.threads", Warden, pf.0.threads.to_string(), pf.1.threads.to_string());
+    cmp(
+        "prefetch.max-memory-fraction",
+        Warden,
+        pf.0.max_memory_fraction.to_string(),
+        pf.1.max_memory_fraction.to_string(),
+    );
     let g = (&old.golden, golden);
     cmp("golden.enabled", Warden, g.0.enabled.to_string(), g.1.enabled.to_string());
     cmp("golden.prompts", Warden, dbg(&g.0.prompts), dbg(&g.1.prompts));

@@ -276,6 +276,7 @@ impl Ledger {
             used: Default::default(),
             last_good: None,
             preload: facts.setup.preload,
+            ..Default::default()
         }
     }
 
@@ -460,6 +461,9 @@ mod tests {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 

@@ -1473,6 +1473,7 @@ mod tests {
             last: Some(Duration::from_secs(282)),
             fingerprint: "abc".into(),
             preload: None,
+            prefetch: None,
         });
         s.loads_ended = 1;
         s.last_load_record = Some(Arc::new(LoadRecord {
@@ -1494,6 +1495,9 @@ mod tests {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }));
         r.update(&s);
         let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -1542,6 +1546,7 @@ mod tests {
             last: None,
             fingerprint: "abc".into(),
             preload: None,
+            prefetch: None,
         });
         m.set(&s, 0);
         let text = m.encode();

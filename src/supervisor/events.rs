@@ -104,6 +104,12 @@ pub enum Event {
         start: u32,
         load: Box<crate::supervisor::load::LoadStart>,
     },
+    /// The read-ahead of start `start`'s weights (`[prefetch]`), as it
+    /// goes: shown in `STATUS=`, kept in the load's record.
+    Prefetched {
+        start: u32,
+        now: crate::supervisor::load::PrefetchNow,
+    },
     Spawned {
         start: u32,
         pid: u32,
@@ -241,6 +247,7 @@ impl Event {
             | Event::PrepareStep { start, .. }
             | Event::Spawned { start, .. }
             | Event::LoadKnown { start, .. }
+            | Event::Prefetched { start, .. }
             | Event::SpawnFailed { start, .. }
             | Event::Line { start, .. }
             | Event::HttpReady { start }

@@ -140,6 +140,120 @@ pub struct LoadStart {
     pub last_good: Option<(String, String)>,
     /// With `[preload]`: which kind of start this is.
     pub preload: Option<crate::supervisor::preload::PreloadStart>,
+    /// The fraction of the weight files' bytes in the page cache at the
+    /// spawn (what was there before, and what the read-ahead added).
+    pub residency: Option<f64>,
+    /// The read-ahead (`[prefetch]`) reads the weights beside the load.
+    pub prefetch: bool,
+    /// vLLM's faster loaders, named where they apply to the command: the
+    /// hint of a load whose weights phase ran below half the disk's speed.
+    pub faster_loaders: Option<String>,
+}
+
+/// The read-ahead's part of a load's record (`[prefetch]`): what it read
+/// from the disk, what it found in the page cache, and how fast the disk
+/// gave it what it read.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct PrefetchRecord {
+    /// Read from the disk by the read-ahead.
+    pub bytes: u64,
+    /// Skipped: already in the page cache.
+    pub resident_bytes: u64,
+    /// The time its reads took, first to last.
+    pub secs: f64,
+    /// `bytes` ÷ `secs`: the disk's speed for this model on this load.
+    pub gbps: f64,
+    /// Stopped at the memory bound (`prefetch.max-memory-fraction`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partial: bool,
+}
+
+/// The read-ahead of a start as it goes, from the counters its threads
+/// keep (see `daemon::prefetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PrefetchNow {
+    /// The bytes of the weight files vLLM will read.
+    pub total: u64,
+    /// Of them, in the page cache when the read-ahead began.
+    pub cached_at_start: u64,
+    /// Read from the disk so far.
+    pub read: u64,
+    /// Skipped as the reads came to them: already in the page cache.
+    pub resident: u64,
+    /// The time the reads took so far.
+    pub secs: f64,
+    /// Stopped (or will stop) at the memory bound.
+    pub partial: bool,
+    /// Over: every file read, the bound reached, or stopped.
+    pub done: bool,
+    /// The page cache's speed, timed on resident weights.
+    pub cache_gbps: Option<f64>,
+}
+
+/// The read-ahead's reads are a measure of the disk from this many bytes
+/// on: less is mostly the time of opening files.
+pub const DISK_MEASURE_MIN: u64 = 256 << 20;
+
+impl PrefetchNow {
+    /// The record's part: none before anything was looked at.
+    pub fn record(&self) -> Option<PrefetchRecord> {
+        (self.total > 0).then(|| PrefetchRecord {
+            bytes: self.read,
+            resident_bytes: self.resident,
+            secs: self.secs,
+            gbps: if self.secs > 0.0 { self.read as f64 / 1e9 / self.secs } else { 0.0 },
+            partial: self.partial,
+        })
+    }
+
+    /// The disk's speed, where the reads were enough to tell it.
+    pub fn disk_gbps(&self) -> Option<f64> {
+        self.record().filter(|r| r.bytes >= DISK_MEASURE_MIN && r.gbps > 0.0).map(|r| r.gbps)
+    }
+
+    /// The fraction of the weights in the page cache now, as far as the
+    /// read-ahead knows: what was there, and what it added.
+    pub fn residency(&self) -> Option<f64> {
+        (self.total > 0).then(|| (self.cached_at_start.saturating_add(self.read) as f64 / self.total as f64).min(1.0))
+    }
+
+    /// `read ahead 3.1 of 4.2 GB` (what is in the page cache ahead of
+    /// vLLM's reads), and why it stopped short.
+    pub fn text(&self) -> String {
+        // GB for a model that has them, MB for a small one.
+        let (unit, div) = if self.total >= 1_000_000_000 { ("GB", 1e9) } else { ("MB", 1e6) };
+        let ahead = self.cached_at_start.saturating_add(self.read).min(self.total);
+        let partial = if self.partial { " (partial: the memory bound)" } else { "" };
+        format!("read ahead {:.1} of {:.1} {unit}{partial}", ahead as f64 / div, self.total as f64 / div)
+    }
+}
+
+/// The weights phase's speed against what the machine could do: the time
+/// the weights would take at the disk's speed (`disk_gbps`) for the part
+/// not in the page cache and at the page cache's (`cache_gbps`) for the
+/// rest, over the time they took. 1 is the machine's speed; 0.5 is half.
+/// None where a speed it needs is not known.
+pub fn efficiency(
+    bytes: u64,
+    secs: f64,
+    residency: f64,
+    disk_gbps: Option<f64>,
+    cache_gbps: Option<f64>,
+) -> Option<f64> {
+    if !(secs > 0.0) || bytes == 0 || !residency.is_finite() {
+        return None;
+    }
+    let r = residency.clamp(0.0, 1.0);
+    let gb = bytes as f64 / 1e9;
+    let part = |share: f64, speed: Option<f64>| -> Option<f64> {
+        if share <= 1e-3 {
+            return Some(0.0);
+        }
+        speed.filter(|s| s.is_finite() && *s > 0.0).map(|s| gb * share / s)
+    };
+    let expected = part(1.0 - r, disk_gbps)? + part(r, cache_gbps)?;
+    let e = expected / secs;
+    (e.is_finite() && e > 0.0).then_some(e)
 }
 
 /// What earlier good loads of one setup took: the ledger's ready loads of
@@ -156,6 +270,10 @@ pub struct History {
     pub phases: Vec<PhaseHistory>,
     /// The most of the cache any of them used.
     pub best_cache: Option<CacheOutcome>,
+    /// The disk's speed for the setup's weights: the median of what the
+    /// read-ahead measured over its recent loads (of any outcome: the
+    /// disk is the same), where it read enough to tell.
+    pub disk_gbps: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -228,6 +346,17 @@ pub struct LoadRecord {
     pub boot: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights_id: Option<String>,
+    /// The fraction (0..1) of the weight files' bytes in the page cache
+    /// when the child was spawned (replaces `cold`, kept for old records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<f64>,
+    /// The read-ahead of the weights (`[prefetch]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<PrefetchRecord>,
+    /// The weights phase's speed against the disk's (or the page cache's
+    /// for what was cached): see [`efficiency`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<f64>,
 }
 
 impl LoadRecord {
@@ -306,11 +435,35 @@ impl History {
             last: secs(last.total_secs),
             phases,
             best_cache,
+            disk_gbps: disk_gbps(records, fingerprint),
         })
     }
 
     fn phase(&self, p: LoadPhase) -> Option<&PhaseHistory> {
         self.phases.iter().find(|h| h.phase == p)
+    }
+}
+
+/// The fastest a disk read is taken to be (GB/s): a record that says more
+/// was not written by a measure.
+const DISK_GBPS_MAX: f64 = 1000.0;
+
+/// The median of the disk speeds the read-ahead measured over the latest
+/// [`HISTORY_LOADS`] loads of `fingerprint` that read enough to tell.
+fn disk_gbps(records: &[LoadRecord], fingerprint: &str) -> Option<f64> {
+    let mut speeds: Vec<f64> = records
+        .iter()
+        .filter(|r| r.fingerprint == fingerprint)
+        .filter_map(|r| r.prefetch)
+        .filter(|p| p.bytes >= DISK_MEASURE_MIN && p.gbps.is_finite() && p.gbps > 0.0 && p.gbps <= DISK_GBPS_MAX)
+        .map(|p| p.gbps)
+        .collect();
+    speeds = speeds.split_off(speeds.len().saturating_sub(HISTORY_LOADS));
+    speeds.sort_by(f64::total_cmp);
+    match speeds.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(speeds[n / 2]),
+        n => Some((speeds[n / 2 - 1] + speeds[n / 2]) / 2.0),
     }
 }
 
@@ -323,6 +476,8 @@ pub struct LoadTrack {
     cache: Option<CacheOutcome>,
     weights: Option<(Duration, Option<u64>)>,
     start: LoadStart,
+    /// The read-ahead's latest counters.
+    prefetch: Option<PrefetchNow>,
 }
 
 fn index(p: LoadPhase) -> usize {
@@ -340,7 +495,42 @@ fn short(d: Duration) -> String {
 
 impl LoadTrack {
     pub fn new(start: LoadStart, now: Instant) -> LoadTrack {
-        LoadTrack { spawned: now, ends: [None; 9], cache: None, weights: None, start }
+        LoadTrack { spawned: now, ends: [None; 9], cache: None, weights: None, start, prefetch: None }
+    }
+
+    /// The read-ahead's counters now; whether what `STATUS=` shows of
+    /// them changed.
+    pub fn prefetched(&mut self, p: PrefetchNow) -> bool {
+        let shown = |t: &LoadTrack| t.prefetch_shown().map(|p| p.text());
+        let before = shown(self);
+        self.prefetch = Some(p);
+        before != shown(self)
+    }
+
+    /// The read-ahead, while the load is in the phases it serves.
+    fn prefetch_shown(&self) -> Option<PrefetchNow> {
+        self.prefetch.filter(|_| matches!(self.current(), LoadPhase::Start | LoadPhase::Weights))
+    }
+
+    /// How much longer than its history this load's start and weights
+    /// phases are expected to take because the weights are not in the page
+    /// cache: their bytes not cached at the spawn at the disk's measured
+    /// speed, against the phases' medians (with the read-ahead, the disk
+    /// reads while vLLM starts: the two phases together; without it, the
+    /// weights phase alone). Zero without the figures it needs.
+    pub fn cold_extra(&self) -> Duration {
+        let (Some(h), Some(bytes), Some(r)) = (self.history(), self.start.weights_bytes, self.start.residency) else {
+            return Duration::ZERO;
+        };
+        let Some(disk) = h.disk_gbps.filter(|g| g.is_finite() && *g > 0.0) else { return Duration::ZERO };
+        let cold = secs(bytes as f64 / 1e9 * (1.0 - r.clamp(0.0, 1.0)) / disk);
+        let median = |p| h.phase(p).map_or(Duration::ZERO, |p| p.median);
+        let window = if self.start.prefetch {
+            median(LoadPhase::Start) + median(LoadPhase::Weights)
+        } else {
+            median(LoadPhase::Weights)
+        };
+        cold.saturating_sub(window)
     }
 
     pub fn fingerprint(&self) -> &str {
@@ -418,10 +608,11 @@ impl LoadTrack {
             of: expected.len().max(index),
             elapsed: now - self.spawned,
             began: self.spawned,
-            expected: self.history().map(|h| h.median),
+            expected: self.history().map(|h| h.median + self.cold_extra()),
             last: self.history().map(|h| h.last),
             fingerprint: self.start.fingerprint.clone(),
             preload: self.start.preload.map(|p| p.kind),
+            prefetch: self.prefetch_shown(),
         }
     }
 
@@ -482,17 +673,30 @@ impl LoadTrack {
             weights_bytes: self.start.weights_bytes,
             weights_secs,
             gbps,
-            cold: self.start.cold,
+            // The residency, where measured, replaces the guess.
+            cold: self.start.cold.filter(|_| self.start.residency.is_none()),
             alarms: Vec::new(),
             fingerprint: self.start.fingerprint.clone(),
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            residency: self.start.residency,
+            prefetch: self.prefetch.and_then(|p| p.record()),
+            efficiency: None,
         };
-        if record.outcome == LoadOutcome::Ready
-            && let Some(h) = self.history()
-        {
-            record.alarms = alarms(&record, h, slow_factor);
+        // The disk's speed: this load's read-ahead, else the setup's.
+        let disk = self.prefetch.and_then(|p| p.disk_gbps()).or(self.history().and_then(|h| h.disk_gbps));
+        let cache = self.prefetch.and_then(|p| p.cache_gbps);
+        let took = weights_secs.filter(|s| *s > 0.0).or(weights_phase);
+        record.efficiency = match (self.start.weights_bytes, took, self.start.residency) {
+            (Some(b), Some(s), Some(r)) => efficiency(b, s, r, disk, cache),
+            _ => None,
+        };
+        if record.outcome == LoadOutcome::Ready {
+            if let Some(h) = self.history() {
+                record.alarms = alarms(&record, h, slow_factor);
+            }
+            record.alarms.extend(slow_weights(&record, disk, self.start.faster_loaders.as_deref()));
         }
         record
     }
@@ -543,6 +747,21 @@ pub fn alarms(r: &LoadRecord, h: &History, factor: f64) -> Vec<String> {
     out
 }
 
+/// A load whose weights came mostly from the disk at less than half its
+/// speed: the loader, not the disk, was the bottleneck (with the faster
+/// loaders that apply to the command, where any do).
+fn slow_weights(r: &LoadRecord, disk: Option<f64>, faster: Option<&str>) -> Option<String> {
+    let (e, disk, gbps) = (r.efficiency?, disk?, r.gbps?);
+    if r.residency? > 0.5 || e >= 0.5 {
+        return None;
+    }
+    let hint = faster.map(|f| format!("; {f}")).unwrap_or_default();
+    Some(format!(
+        "slow weights: {gbps:.2} GB/s, below half the disk's {disk:.2} GB/s (efficiency {e:.2}): the loader, not the \
+         disk, is the bottleneck{hint}"
+    ))
+}
+
 /// Where a load is now.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadNow {
@@ -560,6 +779,8 @@ pub struct LoadNow {
     pub fingerprint: String,
     /// With `[preload]`: which kind of start this is.
     pub preload: Option<crate::supervisor::preload::StartKind>,
+    /// The read-ahead of the weights, during the start and weights phases.
+    pub prefetch: Option<PrefetchNow>,
 }
 
 impl LoadNow {
@@ -577,6 +798,10 @@ impl LoadNow {
         let text = match (self.expected, self.last) {
             (Some(e), Some(l)) => format!("{head} of ~{} (last {})", short(e), short(l)),
             _ => format!("{head} (no earlier load of this setup)"),
+        };
+        let text = match self.prefetch {
+            Some(p) => format!("{text} · {}", p.text()),
+            None => text,
         };
         match self.preload {
             Some(kind) => format!("{text} · {}", kind.short()),
@@ -676,6 +901,9 @@ mod tests {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 
@@ -800,5 +1028,146 @@ mod tests {
         l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 20));
         assert_eq!(l.stall(stall, 3.0), stall);
         assert_eq!(l.timeout(Duration::from_secs(600), 3.0), Duration::from_secs(600));
+    }
+
+    /// The weights phase against the machine: cold bytes at the disk's
+    /// speed, cached ones at the page cache's, over the time they took.
+    #[test]
+    fn efficiency_is_the_machines_time_over_the_phases() {
+        // 4 GB cold at 1 GB/s is 4 s: taking 8 s is half the disk's speed.
+        assert_eq!(efficiency(4_000_000_000, 8.0, 0.0, Some(1.0), None), Some(0.5));
+        // Warm: against the page cache (4 GB at 8 GB/s is 0.5 s, took 1 s).
+        assert_eq!(efficiency(4_000_000_000, 1.0, 1.0, Some(1.0), Some(8.0)), Some(0.5));
+        // Half and half: 2 s of disk and 0.25 s of cache, in 4.5 s.
+        assert_eq!(efficiency(4_000_000_000, 4.5, 0.5, Some(1.0), Some(8.0)), Some(0.5));
+        // A speed it needs is unknown, or no time: none.
+        assert_eq!(efficiency(4_000_000_000, 8.0, 0.0, None, Some(8.0)), None);
+        assert_eq!(efficiency(4_000_000_000, 1.0, 1.0, Some(1.0), None), None);
+        assert_eq!(efficiency(4_000_000_000, 0.0, 0.0, Some(1.0), None), None);
+    }
+
+    fn prefetched(read: u64, secs: f64) -> PrefetchNow {
+        PrefetchNow { total: 4_000_000_000, read, secs, done: true, ..Default::default() }
+    }
+
+    /// A cold load's record: the residency at the spawn, the read-ahead's
+    /// bytes and speed, the efficiency; below half the disk's speed, an
+    /// alarm naming the faster loaders where they apply.
+    #[test]
+    fn a_cold_load_slower_than_half_the_disk_is_an_alarm_with_the_faster_loaders() {
+        let t0 = Instant::now();
+        let start = LoadStart {
+            fingerprint: "f1".into(),
+            weights_bytes: Some(4_000_000_000),
+            residency: Some(0.0),
+            cold: Some(true),
+            faster_loaders: Some("try `--load-format runai_streamer`".into()),
+            ..Default::default()
+        };
+        let mut l = LoadTrack::new(start.clone(), t0);
+        assert!(l.prefetched(prefetched(4_000_000_000, 2.0)), "shown in the start phase");
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        // 4 GB in 10 s: 0.4 GB/s against the disk's 2 GB/s.
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 15));
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 20), 1.5);
+        assert_eq!(r.residency, Some(0.0));
+        assert_eq!(r.cold, None, "the residency replaces the guess");
+        let p = r.prefetch.unwrap();
+        assert_eq!((p.bytes, p.secs, p.gbps, p.partial), (4_000_000_000, 2.0, 2.0, false));
+        assert!((r.efficiency.unwrap() - 0.2).abs() < 1e-9, "{r:?}");
+        assert_eq!(r.alarms.len(), 1, "{:?}", r.alarms);
+        assert!(r.alarms[0].starts_with("slow weights: 0.40 GB/s, below half the disk's 2.00 GB/s"), "{:?}", r.alarms);
+        assert!(r.alarms[0].ends_with("try `--load-format runai_streamer`"), "{:?}", r.alarms);
+        // As fast as the disk: no alarm; no hint where none applies.
+        let mut l = LoadTrack::new(LoadStart { faster_loaders: None, ..start }, t0);
+        l.prefetched(prefetched(4_000_000_000, 2.0));
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 7));
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 8), 1.5);
+        assert_eq!(r.efficiency, Some(1.0));
+        assert!(r.alarms.is_empty(), "{:?}", r.alarms);
+        // The record reads back, and an old one without the fields too.
+        let back: LoadRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+        let mut old = serde_json::to_value(&r).unwrap();
+        for k in ["residency", "prefetch", "efficiency"] {
+            old.as_object_mut().unwrap().remove(k);
+        }
+        old["cold"] = true.into();
+        let old: LoadRecord = serde_json::from_value(old).unwrap();
+        assert_eq!((old.residency, old.prefetch, old.cold), (None, None, Some(true)));
+    }
+
+    /// `STATUS=` during the start and weights phases shows the bytes read
+    /// ahead, and says when the memory bound stopped it.
+    #[test]
+    fn the_status_text_shows_the_read_ahead_in_the_weights_phase() {
+        let t0 = Instant::now();
+        let mut l = LoadTrack::new(start(None), t0);
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        let p = PrefetchNow {
+            total: 4_200_000_000,
+            cached_at_start: 1_000_000_000,
+            read: 2_100_000_000,
+            ..Default::default()
+        };
+        assert!(l.prefetched(p));
+        assert_eq!(
+            l.now(at(t0, 12)).text(),
+            "loading 2/9 weights · 12s (no earlier load of this setup) · read ahead 3.1 of 4.2 GB"
+        );
+        // The same figures shown: nothing new to say.
+        assert!(!l.prefetched(PrefetchNow { secs: 1.0, ..p }));
+        assert!(l.prefetched(PrefetchNow { partial: true, ..p }));
+        assert!(l.now(at(t0, 12)).text().ends_with("read ahead 3.1 of 4.2 GB (partial: the memory bound)"));
+        // After the weights: not shown.
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 20));
+        assert!(!l.now(at(t0, 21)).text().contains("read ahead"));
+    }
+
+    fn cold_record(total: f64, start: f64, weights: f64, disk: Option<f64>) -> LoadRecord {
+        let mut r = record("f1", total, 0.0, CacheOutcome::Hit);
+        r.phases = vec![
+            PhaseTime { phase: LoadPhase::Start, secs: start },
+            PhaseTime { phase: LoadPhase::Weights, secs: weights },
+            PhaseTime { phase: LoadPhase::Compile, secs: total - start - weights },
+        ];
+        r.prefetch =
+            disk.map(|g| PrefetchRecord { bytes: 4_000_000_000, gbps: g, secs: 4.0 / g, ..Default::default() });
+        r
+    }
+
+    /// A first load after a reboot is not estimated as a warm one: the
+    /// weights not cached, at the disk's measured speed, against the
+    /// phases the history's warm loads took.
+    #[test]
+    fn a_cold_cache_is_estimated_at_the_disks_speed() {
+        let t0 = Instant::now();
+        // Warm loads of 60 s: start 20 s, weights 5 s; the disk measured
+        // at 0.1 GB/s by an earlier read-ahead (8 GB then take 80 s).
+        let rs = vec![cold_record(60.0, 20.0, 5.0, Some(0.1)), cold_record(60.0, 20.0, 5.0, None)];
+        let h = History::of(&rs, "f1", HOUR).unwrap();
+        assert_eq!(h.disk_gbps, Some(0.1));
+        let load = |residency: f64, prefetch: bool| LoadStart {
+            fingerprint: "f1".into(),
+            history: Some(h.clone()),
+            weights_bytes: Some(8_000_000_000),
+            residency: Some(residency),
+            prefetch,
+            ..Default::default()
+        };
+        let expected = |s: LoadStart| LoadTrack::new(s, t0).now(t0).expected.unwrap();
+        // Cold, no read-ahead: the weights phase is 80 s, not 5 s.
+        assert_eq!(expected(load(0.0, false)), Duration::from_secs(60 + 75));
+        // Cold with the read-ahead: the disk reads while vLLM starts, the
+        // two phases together take 80 s, not 25 s.
+        assert_eq!(expected(load(0.0, true)), Duration::from_secs(60 + 55));
+        // Half cached: half of it.
+        assert_eq!(expected(load(0.5, false)), Duration::from_secs(60 + 35));
+        // Warm: the history's.
+        assert_eq!(expected(load(1.0, false)), Duration::from_secs(60));
+        // Without a measure of the disk: the history's.
+        let h2 = History::of(&rs[1..], "f1", HOUR).unwrap();
+        assert_eq!(expected(LoadStart { history: Some(h2), ..load(0.0, false) }), Duration::from_secs(60));
     }
 }

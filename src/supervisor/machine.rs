@@ -98,6 +98,8 @@ pub struct Machine {
     upgraded_from: Option<String>,
     /// What the ledger said of the next start's setup.
     next_load: Option<LoadStart>,
+    /// The read-ahead's latest counters, and the start they are of.
+    prefetch: Option<(u32, crate::supervisor::load::PrefetchNow)>,
     /// The load under way (while `Starting`).
     load: Option<LoadTrack>,
     /// The last load that ended, and how many have.
@@ -179,6 +181,7 @@ impl Machine {
             upgraded_from: None,
             last_failure: None,
             next_load: None,
+            prefetch: None,
             load: None,
             last_load_record: None,
             loads_ended: 0,
@@ -441,6 +444,9 @@ impl Machine {
             self.next_load = Some(*load);
             return Vec::new();
         }
+        if let Event::Prefetched { start, now: p } = event {
+            return self.prefetched(start, p);
+        }
         let state = std::mem::replace(&mut self.state, State::Idle);
         let was_loading = matches!(state, State::Starting(_));
         let (next, mut effects) = self.transition(state, event, now);
@@ -449,6 +455,21 @@ impl Machine {
         }
         self.state = next;
         effects
+    }
+
+    /// The read-ahead's counters of start `start`: kept for the load's
+    /// record; `STATUS=` again when what it shows of them changed.
+    fn prefetched(&mut self, start: u32, p: crate::supervisor::load::PrefetchNow) -> Vec<Effect> {
+        self.prefetch = Some((start, p));
+        let Some(track) = &mut self.load else { return Vec::new() };
+        let changed = track.prefetched(p);
+        match &self.state {
+            State::Starting(l) if changed && self.policy.phases => {
+                let rest = l.progress.as_deref().map(|t| format!(": {t}")).unwrap_or_default();
+                vec![Effect::Notify(vec![status(self.loading_text(l.run.pid, &rest))])]
+            }
+            _ => Vec::new(),
+        }
     }
 
     /// The load left `Starting` for `next`: its record into the ledger,
@@ -608,7 +629,11 @@ impl Machine {
                     awaiting_http: false,
                     golden: false,
                 };
-                self.load = Some(LoadTrack::new(self.next_load.take().unwrap_or_default(), now));
+                let mut track = LoadTrack::new(self.next_load.take().unwrap_or_default(), now);
+                if let Some((_, p)) = self.prefetch.filter(|(s, _)| *s == start) {
+                    track.prefetched(p);
+                }
+                self.load = Some(track);
                 let mut fx = vec![
                     record(Severity::Info, Topic::Spawned, format!("child spawned, pid {pid}, start {start}")),
                     Effect::Notify(vec![

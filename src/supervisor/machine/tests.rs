@@ -927,6 +927,9 @@ mod loads {
             setup: serde_json::Value::Null,
             boot: None,
             weights_id: None,
+            residency: None,
+            prefetch: None,
+            efficiency: None,
         }
     }
 
