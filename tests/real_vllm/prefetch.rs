@@ -140,7 +140,8 @@ fn row(kind: Kind, r: &serde_json::Value) -> Row {
         to_weights,
         bytes: r["weights_bytes"].as_f64(),
         residency: r["residency"].as_f64(),
-        gbps: r["prefetch"]["gbps"].as_f64(),
+        // A load without the read-ahead has its part with nothing read.
+        gbps: r["prefetch"]["gbps"].as_f64().filter(|g| *g > 0.0),
         ahead_bytes: r["prefetch"]["bytes"].as_f64(),
         efficiency: r["efficiency"].as_f64(),
         errors: [at(0.25), at(0.5), at(0.75)],
@@ -219,7 +220,7 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
         opt(rows[0].bytes, |b| format!("{:.2} GB of weights", b / 1e9))
     );
     eprintln!(
-        "  {:>3} {:<17} {:>7} {:>7} {:>8} {:>13} {:>9} {:>9} {:>10} {:>6} {:>6} {:>6}",
+        "  {:>3} {:<17} {:>7} {:>7} {:>8} {:>13} {:>9} {:>8} {:>9} {:>10} {:>6} {:>6} {:>6}",
         "id",
         "load",
         "total",
@@ -227,6 +228,7 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
         "weights",
         "spawn→weights",
         "resident",
+        "ahead",
         "disk",
         "efficiency",
         "err25",
@@ -234,13 +236,14 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
         "err75"
     );
     for r in &rows {
+        // The disk's speed as this cold load's read-ahead measured it; for
+        // the others (in brackets) the median of this run's.
         let disk = match (r.gbps, r.kind) {
-            (Some(g), _) => format!("{g:.2} GB/s"),
-            (None, Kind::Cold) => opt(disk, |g| format!("({g:.2})")),
-            (None, _) => "-".to_string(),
+            (Some(g), Kind::ColdAhead) => format!("{g:.2} GB/s"),
+            _ => opt(disk, |g| format!("({g:.2})")),
         };
         eprintln!(
-            "  {:>3} {:<17} {:>6.1}s {:>6.1}s {:>7.1}s {:>12.1}s {:>9} {:>9} {:>10} {:>6} {:>6} {:>6}",
+            "  {:>3} {:<17} {:>6.1}s {:>6.1}s {:>7.1}s {:>12.1}s {:>9} {:>8} {:>9} {:>10} {:>6} {:>6} {:>6}",
             r.id,
             r.kind.word(),
             r.total,
@@ -248,6 +251,7 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
             r.weights,
             r.to_weights,
             opt(r.residency, |x| format!("{:.0}%", x * 100.0)),
+            opt(r.ahead_bytes, |b| format!("{:.2} GB", b / 1e9)),
             disk,
             opt(r.efficiency, |x| format!("{:.0}%", x * 100.0)),
             pct(r.errors[0]),
@@ -263,16 +267,37 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
          (the loader's own time on cached pages: what no read-ahead can remove)"
     );
 
-    // Each load's page cache as the ledger saw it at the spawn: dropped
-    // before the cold ones, kept for the warm ones. (A cold load with the
-    // read-ahead has what it read during the pre-start steps.)
+    // What is wrong, said all at once after every measure is printed.
+    let mut wrong: Vec<String> = Vec::new();
+    let mut check = |ok: bool, what: String| {
+        if !ok {
+            wrong.push(what);
+        }
+    };
     for r in &rows {
+        // Each load's page cache as the ledger saw it at the spawn: dropped
+        // before the cold ones, most of it kept for the warm ones (a
+        // machine others use may take some back). A cold load with the
+        // read-ahead has what it read during the pre-start steps.
         if let Some(res) = r.residency {
+            let pc = res * 100.0;
             match r.kind {
-                Kind::Warm => assert!(res >= 0.9, "a warm load found {:.0}% of its weights cached: {r:?}", res * 100.0),
-                Kind::Cold => assert!(res <= 0.1, "a cold load found {:.0}% of its weights cached: {r:?}", res * 100.0),
+                Kind::Warm => {
+                    check(res >= 0.8, format!("load {}, warm: {pc:.0}% of the weights cached at the spawn", r.id))
+                }
+                Kind::Cold => {
+                    check(res <= 0.1, format!("load {}, cold: {pc:.0}% of the weights cached at the spawn", r.id))
+                }
                 Kind::ColdAhead => {}
             }
+        }
+        // The weights phase against what the machine could do: above 1 it
+        // ran faster than the disk or the page cache it read from, which
+        // only a wrong reference gives (a load whose read-ahead filled the
+        // page cache before vLLM read is to be measured against the page
+        // cache). The margin is for both speeds being measured.
+        if let Some(e) = r.efficiency {
+            check(e <= 1.5, format!("load {}: efficiency {:.0}%, faster than the machine", r.id, e * 100.0));
         }
     }
 
@@ -285,10 +310,12 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
             "scenario 15 goal: cold weights phase with read-ahead / without = {with:.1} s / {cold_weights:.1} s = {:.2} (goal <= 0.5)",
             with / cold_weights
         );
-        assert!(with < cold_weights, "the read-ahead did not shorten a cold weights phase: {rows:#?}");
+        check(with < cold_weights, "the read-ahead did not shorten a cold weights phase".to_string());
         for r in of(Kind::ColdAhead) {
-            assert!(r.ahead_bytes.is_some_and(|b| b > 0.0), "a cold load's read-ahead read nothing: {r:?}");
-            assert!(r.gbps.is_some_and(|g| g > 0.0), "no disk speed in a cold load's record: {r:?}");
+            if !r.ahead_bytes.is_some_and(|b| b > 0.0) || r.gbps.is_none() {
+                check(false, format!("load {}, cold: the read-ahead read nothing, no disk speed", r.id));
+                continue;
+            }
             // Goal: within 1.2x of max(start-up, bytes / GB/s), the limit
             // of overlapping the two. Physics adds the loader's own time on
             // cached pages (the warm loads' weights phase), which reading
@@ -307,11 +334,12 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
                 r.to_weights / limit,
                 r.to_weights / (limit + warm_weights)
             );
-            assert!(
+            check(
                 r.to_weights <= 1.2 * (limit + warm_weights),
-                "load {}: spawn to weights done {:.1} s, beyond 1.2 x (max(start-up, disk) {limit:.1} s + the warm loader's {warm_weights:.1} s)",
-                r.id,
-                r.to_weights
+                format!(
+                    "load {}: spawn to weights done {:.1} s, beyond 1.2 x (max(start-up, disk) {limit:.1} s + the warm loader's {warm_weights:.1} s)",
+                    r.id, r.to_weights
+                ),
             );
         }
     }
@@ -328,8 +356,9 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
             "scenario 15 goal: the warm loads' worst estimate error from 25 % on {:.1}% (goal <= 10%)",
             worst * 100.0
         );
-        assert!(worst <= 0.25, "a warm load's estimate was off by {:.0}%: {rows:#?}", worst * 100.0);
+        check(worst <= 0.25, format!("a warm load's estimate was off by {:.0}%", worst * 100.0));
     }
+    assert!(wrong.is_empty(), "scenario 15:\n  {}\n{rows:#?}", wrong.join("\n  "));
     eprintln!(
         "scenario 15 loads at the speed of the disk: PASS  {} loads in {:.0} s",
         rows.len(),
