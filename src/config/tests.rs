@@ -47,6 +47,7 @@ fn the_spec_example_is_valid() {
     let s = parse_str(text).unwrap_or_else(|p| panic!("{p}"));
     assert_eq!(s.patches.len(), 2);
     assert!(s.patterns.fatal.iter().any(|p| p == "illegal memory access"));
+    assert_eq!((s.prefetch.enabled, s.prefetch.threads, s.prefetch.max_memory_fraction), (true, 8, 0.8));
 }
 
 #[test]

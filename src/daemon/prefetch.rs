@@ -468,7 +468,7 @@ fn run(order: Order, cancel: &Arc<AtomicBool>, c: &Arc<Counters>, report: &(dyn 
         return;
     }
     if cached >= CHUNK {
-        time_cache(&files, page, c, cancel);
+        time_cache(&files, c, cancel);
     }
     report(c.now());
     let chunks: Vec<(usize, u64, u64)> = files
@@ -500,11 +500,9 @@ fn run(order: Order, cancel: &Arc<AtomicBool>, c: &Arc<Counters>, report: &(dyn 
     }
     drop(done_tx);
     if started > 0 {
-        loop {
-            match done_rx.recv_timeout(REPORT_EVERY) {
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => report(c.now()),
-                _ => break,
-            }
+        // Every reader's sender dropped: all of them ended.
+        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(REPORT_EVERY) {
+            report(c.now());
         }
     }
     c.done.store(true, Ordering::Relaxed);
@@ -539,7 +537,7 @@ fn run(order: Order, cancel: &Arc<AtomicBool>, c: &Arc<Counters>, report: &(dyn 
 
 /// Time reading what is cached: the page cache's speed for these files
 /// (at most [`CACHE_SAMPLE`], in [`CHUNK`]s that are wholly cached).
-fn time_cache(files: &[Weight], page: u64, c: &Counters, cancel: &AtomicBool) {
+fn time_cache(files: &[Weight], c: &Counters, cancel: &AtomicBool) {
     let mut buf = vec![0u8; CHUNK as usize];
     let (mut bytes, began) = (0u64, Instant::now());
     'files: for w in files {
@@ -555,7 +553,6 @@ fn time_cache(files: &[Weight], page: u64, c: &Counters, cancel: &AtomicBool) {
                 bytes += n;
             }
             off += len;
-            let _ = page;
         }
     }
     let secs = began.elapsed().as_secs_f64();
@@ -758,6 +755,11 @@ mod tests {
         ]);
         let got = names(&vllm_order(d.path(), "auto").unwrap());
         assert_eq!(got, ["model-1-of-12.safetensors", "model-2-of-12.safetensors", "model-10-of-12.safetensors"]);
+        // Equal numbers keep their order (a stable sort); text after them
+        // decides. As Python sorts ['a2.st', 'a02.st', 'a2b.st', 'a10.st'].
+        let mut v: Vec<String> = ["a10.st", "a2.st", "a2b.st", "a02.st"].map(String::from).to_vec();
+        sort_natural(&mut v);
+        assert_eq!(v, ["a2.st", "a02.st", "a2b.st", "a10.st"]);
     }
 
     /// Safetensors over `.bin` (its first pattern with a match wins), and
@@ -771,9 +773,10 @@ mod tests {
             "model-00001-of-00002.safetensors",
             "model.safetensors",
         ]);
-        // No index: every safetensors file, in order.
+        // No index: every safetensors file, in vLLM's order (Python's
+        // `sorted` with its key puts `model-` before `model.safetensors`).
         let got = names(&vllm_order(d.path(), "auto").unwrap());
-        assert_eq!(got, ["model.safetensors", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]);
+        assert_eq!(got, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors"]);
         std::fs::write(
             d.path().join("model.safetensors.index.json"),
             r#"{"metadata":{},"weight_map":{"a":"model-00002-of-00002.safetensors","b":"model-00001-of-00002.safetensors","c":"model-00001-of-00002.safetensors"}}"#,

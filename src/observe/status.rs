@@ -237,6 +237,15 @@ pub struct LastLoad {
     pub gbps: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cold: Option<bool>,
+    /// The fraction of the weights in the page cache at the spawn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<f64>,
+    /// The disk's speed as the read-ahead measured it (GB/s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_gbps: Option<f64>,
+    /// The weights phase against the disk's speed (or the page cache's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<f64>,
     /// Its warnings: slower than its setup's median, or the compile cache
     /// did less than before.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -594,6 +603,9 @@ impl Reporter {
                 cache: r.cache.as_ref().map(|c| safe(&c.describe())),
                 gbps: r.gbps.map(round),
                 cold: r.cold,
+                residency: r.residency.map(round),
+                disk_gbps: r.prefetch.filter(|p| p.bytes > 0).map(|p| round(p.gbps)),
+                efficiency: r.efficiency.map(round),
                 alarms: r.alarms.iter().map(|a| safe(a)).collect(),
                 fingerprint: safe(&r.fingerprint),
             }),
@@ -1181,6 +1193,15 @@ pub fn summary(v: &StatusVerdict) -> String {
         }
         if let Some(g) = l.gbps {
             let _ = write!(out, "; weights {g:.2} GB/s");
+        }
+        if let Some(r) = l.residency {
+            let _ = write!(out, "; {:.0}% in the page cache", r.clamp(0.0, 1.0) * 100.0);
+        }
+        if let Some(g) = l.disk_gbps {
+            let _ = write!(out, "; disk {g:.2} GB/s");
+        }
+        if let Some(e) = l.efficiency {
+            let _ = write!(out, "; efficiency {e:.2}");
         }
         for a in &l.alarms {
             let _ = write!(out, "\nload alarm: {}", safe(a));

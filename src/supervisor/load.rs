@@ -240,7 +240,7 @@ pub fn efficiency(
     disk_gbps: Option<f64>,
     cache_gbps: Option<f64>,
 ) -> Option<f64> {
-    if !(secs > 0.0) || bytes == 0 || !residency.is_finite() {
+    if secs.is_nan() || secs <= 0.0 || bytes == 0 || !residency.is_finite() {
         return None;
     }
     let r = residency.clamp(0.0, 1.0);
