@@ -293,6 +293,8 @@ struct Counters {
     safetensors: AtomicBool,
     /// Threads read (else the residency only is measured).
     reads: AtomicBool,
+    /// What was cached before the reads is counted.
+    measured: AtomicBool,
 }
 
 impl Counters {
@@ -307,6 +309,8 @@ impl Counters {
             partial: self.partial.load(Ordering::Relaxed),
             done: self.done.load(Ordering::Relaxed),
             cache_gbps: (cache > 0.0).then_some(cache),
+            reads: self.reads.load(Ordering::Relaxed),
+            measured: self.measured.load(Ordering::Relaxed),
         }
     }
 }
@@ -462,6 +466,7 @@ fn run(order: Order, cancel: &Arc<AtomicBool>, c: &Arc<Counters>, report: &(dyn 
         }
     }
     c.cached_at_start.store(cached, Ordering::Relaxed);
+    c.measured.store(true, Ordering::Relaxed);
     if order.threads == 0 {
         c.done.store(true, Ordering::Relaxed);
         report(c.now());
@@ -504,6 +509,12 @@ fn run(order: Order, cancel: &Arc<AtomicBool>, c: &Arc<Counters>, report: &(dyn 
         while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(REPORT_EVERY) {
             report(c.now());
         }
+    }
+    // A cold start's cache was not timed before: what was read ahead is
+    // in it now (the efficiency of the weights phase that reads it needs
+    // the page cache's speed).
+    if c.cache_gbps.load(Ordering::Relaxed) == 0 && !cancel.load(Ordering::Relaxed) {
+        time_cache(&shared.files, c, cancel);
     }
     c.done.store(true, Ordering::Relaxed);
     let now = c.now();
@@ -846,6 +857,21 @@ mod tests {
         assert!(evict(&files[0]));
         let third = Prefetch::start(order, |_| {}).unwrap().wait();
         assert_eq!((third.read, third.resident, third.cached_at_start), (3 << 20, 1 << 20, 1 << 20), "{third:?}");
+    }
+
+    /// A cold start has nothing cached to time before it reads: the page
+    /// cache is timed on what it read, so that the weights phase reading
+    /// it can be measured; the counters say the cache was counted and
+    /// that it read.
+    #[test]
+    fn a_cold_read_ahead_times_the_page_cache_after_its_reads() {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let files = vec![weights(dir.path(), "a.safetensors", (CHUNK + (1 << 20)) as usize)];
+        assert!(evict(&files[0]), "the test's folder keeps its pages cached");
+        let now = Prefetch::start(Order { files, threads: 1, budget: u64::MAX }, |_| {}).unwrap().wait();
+        assert_eq!(now.cached_at_start, 0, "{now:?}");
+        assert!(now.measured && now.reads && now.done, "{now:?}");
+        assert!(now.cache_gbps.is_some_and(|g| g > 0.0), "{now:?}");
     }
 
     /// Never more than the budget: what would pass it is not read, and the

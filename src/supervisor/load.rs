@@ -213,6 +213,10 @@ pub struct PrefetchNow {
     pub done: bool,
     /// The page cache's speed, timed on resident weights.
     pub cache_gbps: Option<f64>,
+    /// Threads read (else the residency only is measured).
+    pub reads: bool,
+    /// `cached_at_start` is counted (before, it is 0 whatever is cached).
+    pub measured: bool,
 }
 
 /// The read-ahead's reads are a measure of the disk from this many bytes
@@ -220,9 +224,10 @@ pub struct PrefetchNow {
 pub const DISK_MEASURE_MIN: u64 = 256 << 20;
 
 impl PrefetchNow {
-    /// The record's part: none before anything was looked at.
+    /// The record's part: none before anything was looked at, nor when
+    /// nothing was to be read (`prefetch.enabled` off).
     pub fn record(&self) -> Option<PrefetchRecord> {
-        (self.total > 0).then(|| PrefetchRecord {
+        (self.total > 0 && self.reads).then(|| PrefetchRecord {
             bytes: self.read,
             resident_bytes: self.resident,
             secs: self.secs,
@@ -239,7 +244,8 @@ impl PrefetchNow {
     /// The fraction of the weights in the page cache now, as far as the
     /// read-ahead knows: what was there, and what it added.
     pub fn residency(&self) -> Option<f64> {
-        (self.total > 0).then(|| (self.cached_at_start.saturating_add(self.read) as f64 / self.total as f64).min(1.0))
+        (self.total > 0 && self.measured)
+            .then(|| (self.cached_at_start.saturating_add(self.read) as f64 / self.total as f64).min(1.0))
     }
 
     /// `read ahead 3.1 of 4.2 GB` (what is in the page cache ahead of
@@ -592,6 +598,9 @@ pub struct LoadTrack {
     pieces: Vec<Piece>,
     /// The read-ahead's latest counters.
     prefetch: Option<PrefetchNow>,
+    /// The fraction of the weights in the page cache as the weights phase
+    /// began (the start phase's end), as far as the read-ahead counted.
+    weights_residency: Option<f64>,
 }
 
 fn index(p: LoadPhase) -> usize {
@@ -617,6 +626,7 @@ impl LoadTrack {
             start,
             pieces: Vec::new(),
             prefetch: None,
+            weights_residency: None,
         };
         l.piece(now);
         l
@@ -624,10 +634,22 @@ impl LoadTrack {
 
     /// The read-ahead's counters now; whether what `STATUS=` shows of
     /// them changed.
-    pub fn prefetched(&mut self, p: PrefetchNow) -> bool {
+    pub fn prefetched(&mut self, p: PrefetchNow, now: Instant) -> bool {
         let shown = |t: &LoadTrack| t.prefetch_shown().map(|p| p.text());
         let before = shown(self);
         self.prefetch = Some(p);
+        // What was cached is counted after the spawn: the page cache at
+        // the spawn is known from here on, and so is a cold load's extra.
+        if self.start.residency.is_none() && p.measured && p.total > 0 {
+            self.start.residency = p.residency();
+            self.start.weights_bytes = Some(p.total);
+            self.start.prefetch = p.reads && !p.done;
+            self.piece(now);
+        }
+        // The weights phase reads what is cached as it begins.
+        if self.ends.iter().all(Option::is_none) {
+            self.weights_residency = p.residency();
+        }
         before != shown(self)
     }
 
@@ -882,7 +904,10 @@ impl LoadTrack {
         let disk = self.prefetch.and_then(|p| p.disk_gbps()).or(self.history().and_then(|h| h.disk_gbps));
         let cache = self.prefetch.and_then(|p| p.cache_gbps);
         let took = weights_secs.filter(|s| *s > 0.0).or(weights_phase);
-        record.efficiency = match (self.start.weights_bytes, took, self.start.residency) {
+        // Against what was cached as the weights phase began: what the
+        // read-ahead put in the page cache is read at its speed.
+        let cached = self.weights_residency.or(self.start.residency);
+        record.efficiency = match (self.start.weights_bytes, took, cached) {
             (Some(b), Some(s), Some(r)) => efficiency(b, s, r, disk, cache),
             _ => None,
         };
@@ -1464,7 +1489,12 @@ mod tests {
     }
 
     fn prefetched(read: u64, secs: f64) -> PrefetchNow {
-        PrefetchNow { total: 4_000_000_000, read, secs, done: true, ..Default::default() }
+        PrefetchNow { total: 4_000_000_000, read, secs, done: true, reads: true, measured: true, ..Default::default() }
+    }
+
+    /// The read-ahead's first report: the page cache counted, nothing read.
+    fn counted(cached: u64) -> PrefetchNow {
+        PrefetchNow { total: 4_000_000_000, cached_at_start: cached, reads: true, measured: true, ..Default::default() }
     }
 
     /// A cold load's record: the residency at the spawn, the read-ahead's
@@ -1482,9 +1512,12 @@ mod tests {
             ..Default::default()
         };
         let mut l = LoadTrack::new(start.clone(), t0);
-        assert!(l.prefetched(prefetched(4_000_000_000, 2.0)), "shown in the start phase");
+        assert!(l.prefetched(counted(0), t0), "shown in the start phase");
         l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
-        // 4 GB in 10 s: 0.4 GB/s against the disk's 2 GB/s.
+        // The read-ahead read beside the weights phase: nothing of it was
+        // cached as the phase began. 4 GB in 10 s: 0.4 GB/s against the
+        // disk's 2 GB/s.
+        l.prefetched(prefetched(4_000_000_000, 2.0), at(t0, 7));
         l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 15));
         let r = l.finish(LoadOutcome::Ready, 1, at(t0, 20), 1.5);
         assert_eq!(r.residency, Some(0.0));
@@ -1497,8 +1530,9 @@ mod tests {
         assert!(r.alarms[0].ends_with("try `--load-format runai_streamer`"), "{:?}", r.alarms);
         // As fast as the disk: no alarm; no hint where none applies.
         let mut l = LoadTrack::new(LoadStart { faster_loaders: None, ..start }, t0);
-        l.prefetched(prefetched(4_000_000_000, 2.0));
+        l.prefetched(counted(0), t0);
         l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        l.prefetched(prefetched(4_000_000_000, 2.0), at(t0, 6));
         l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 7));
         let r = l.finish(LoadOutcome::Ready, 1, at(t0, 8), 1.5);
         assert_eq!(r.efficiency, Some(1.0));
@@ -1515,6 +1549,91 @@ mod tests {
         assert_eq!((old.residency, old.prefetch, old.cold), (None, None, Some(true)));
     }
 
+    /// The page cache is counted after the spawn: the start knows no
+    /// residency yet, the read-ahead's first counted report gives it; a
+    /// weights phase that reads what the read-ahead cached is measured
+    /// against the page cache, not the disk; with nothing to read
+    /// (`prefetch.enabled` off), the record has the residency and no
+    /// read-ahead.
+    #[test]
+    fn the_residency_comes_when_counted_and_the_efficiency_reads_what_was_cached_as_the_weights_began() {
+        let t0 = Instant::now();
+        let start = LoadStart { fingerprint: "f1".into(), weights_bytes: Some(4_000_000_000), ..Default::default() };
+        // Warm: counted after the spawn, before anything is read.
+        let mut l = LoadTrack::new(start.clone(), t0);
+        l.prefetched(PrefetchNow { total: 4_000_000_000, reads: true, ..Default::default() }, t0);
+        l.prefetched(counted(4_000_000_000), at(t0, 1));
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        l.prefetched(PrefetchNow { done: true, cache_gbps: Some(8.0), ..counted(4_000_000_000) }, at(t0, 6));
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 6));
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 8), 1.5);
+        assert_eq!(r.residency, Some(1.0), "not the 0 of the report before the count");
+        // 4 GB at 8 GB/s is 0.5 s, taken in 1 s.
+        assert_eq!(r.efficiency, Some(0.5));
+        // Cold, read ahead while vLLM started: the weights phase read the
+        // page cache, and is measured against it.
+        let mut l = LoadTrack::new(start.clone(), t0);
+        l.prefetched(counted(0), t0);
+        l.prefetched(PrefetchNow { read: 4_000_000_000, secs: 4.0, ..counted(0) }, at(t0, 4));
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        l.prefetched(PrefetchNow { done: true, cache_gbps: Some(4.0), ..prefetched(4_000_000_000, 4.0) }, at(t0, 6));
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 7));
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 8), 1.5);
+        assert_eq!(r.residency, Some(0.0));
+        assert_eq!(r.prefetch.map(|p| p.gbps), Some(1.0));
+        // 4 GB at the page cache's 4 GB/s is 1 s, taken in 2 s (not 4 s
+        // of disk over 2 s: 2.0).
+        assert_eq!(r.efficiency, Some(0.5));
+        // Nothing read: the residency alone.
+        let mut l = LoadTrack::new(start, t0);
+        l.prefetched(PrefetchNow { reads: false, done: true, ..counted(1_000_000_000) }, t0);
+        let r = l.finish(LoadOutcome::Ready, 1, at(t0, 8), 1.5);
+        assert_eq!((r.residency, r.prefetch), (Some(0.25), None));
+    }
+
+    /// A cold load of a setup whose disk is known is estimated with what
+    /// its uncached bytes take at the disk's speed, from when the page
+    /// cache is counted until the weights are read.
+    #[test]
+    fn a_cold_load_is_estimated_longer_until_its_weights_are_read() {
+        let t0 = Instant::now();
+        let rs: Vec<LoadRecord> = (1..=3)
+            .map(|i| {
+                let mut r = record("f1", 30.0, 10.0, CacheOutcome::Hit);
+                r.id = i;
+                r.prefetch = Some(PrefetchRecord {
+                    bytes: 4_000_000_000,
+                    resident_bytes: 0,
+                    secs: 20.0,
+                    gbps: 0.2,
+                    partial: false,
+                });
+                r
+            })
+            .collect();
+        let h = History::of(&rs, "f1", HOUR).unwrap();
+        assert_eq!(h.disk_gbps, Some(0.2));
+        let start = LoadStart {
+            fingerprint: "f1".into(),
+            history: Some(h.clone()),
+            weights_bytes: Some(4_000_000_000),
+            ..Default::default()
+        };
+        let warm = LoadTrack::new(start.clone(), t0).now(at(t0, 1)).expected.unwrap();
+        assert_eq!(warm, h.median, "not counted yet: as a warm load");
+        let mut l = LoadTrack::new(start, t0);
+        l.prefetched(PrefetchNow { reads: false, ..counted(0) }, at(t0, 1));
+        let cold = l.now(at(t0, 1)).expected.unwrap();
+        // 4 GB at 0.2 GB/s is 20 s, beyond the weights phase's median.
+        let weights = h.phase(LoadPhase::Weights).map_or(Duration::ZERO, |p| p.median);
+        assert_eq!(cold, warm + Duration::from_secs(20).saturating_sub(weights), "{h:?}");
+        // The weights read: what is left is the history's.
+        l.mark(&LoadMark::Ends(LoadPhase::Start), at(t0, 5));
+        l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 26));
+        let after = l.now(at(t0, 26)).expected.unwrap();
+        assert!(after < cold + Duration::from_secs(6), "{after:?} {cold:?}");
+    }
+
     /// `STATUS=` during the start and weights phases shows the bytes read
     /// ahead, and says when the memory bound stopped it.
     #[test]
@@ -1528,14 +1647,14 @@ mod tests {
             read: 2_100_000_000,
             ..Default::default()
         };
-        assert!(l.prefetched(p));
+        assert!(l.prefetched(p, at(t0, 6)));
         assert_eq!(
             l.now(at(t0, 12)).text(),
             "loading 2/9 weights · 12s (no earlier load of this setup) · read ahead 3.1 of 4.2 GB"
         );
         // The same figures shown: nothing new to say.
-        assert!(!l.prefetched(PrefetchNow { secs: 1.0, ..p }));
-        assert!(l.prefetched(PrefetchNow { partial: true, ..p }));
+        assert!(!l.prefetched(PrefetchNow { secs: 1.0, ..p }, at(t0, 7)));
+        assert!(l.prefetched(PrefetchNow { partial: true, ..p }, at(t0, 8)));
         assert!(l.now(at(t0, 12)).text().ends_with("read ahead 3.1 of 4.2 GB (partial: the memory bound)"));
         // After the weights: not shown.
         l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 20));

@@ -445,7 +445,7 @@ impl Machine {
             return Vec::new();
         }
         if let Event::Prefetched { start, now: p } = event {
-            return self.prefetched(start, p);
+            return self.prefetched(start, p, now);
         }
         let state = std::mem::replace(&mut self.state, State::Idle);
         let was_loading = matches!(state, State::Starting(_));
@@ -459,10 +459,10 @@ impl Machine {
 
     /// The read-ahead's counters of start `start`: kept for the load's
     /// record; `STATUS=` again when what it shows of them changed.
-    fn prefetched(&mut self, start: u32, p: crate::supervisor::load::PrefetchNow) -> Vec<Effect> {
+    fn prefetched(&mut self, start: u32, p: crate::supervisor::load::PrefetchNow, now: Instant) -> Vec<Effect> {
         self.prefetch = Some((start, p));
         let Some(track) = &mut self.load else { return Vec::new() };
-        let changed = track.prefetched(p);
+        let changed = track.prefetched(p, now);
         match &self.state {
             State::Starting(l) if changed && self.policy.phases => {
                 let rest = l.progress.as_deref().map(|t| format!(": {t}")).unwrap_or_default();
@@ -631,7 +631,7 @@ impl Machine {
                 };
                 let mut track = LoadTrack::new(self.next_load.take().unwrap_or_default(), now);
                 if let Some((_, p)) = self.prefetch.filter(|(s, _)| *s == start) {
-                    track.prefetched(p);
+                    track.prefetched(p, now);
                 }
                 self.load = Some(track);
                 let mut fx = vec![
