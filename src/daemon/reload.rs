@@ -94,15 +94,33 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         crate::util::redact::command(&old.child.command),
         crate::util::redact::command(&child.command),
     );
-    cmp("child.env", Child, crate::util::redact::env(&old.child.env), crate::util::redact::env(&child.env));
-    cmp("child.cwd", Child, dbg(&old.child.cwd), dbg(&child.cwd));
-    cmp("child.log-file", Child, dbg(&old.child.log_file), dbg(&child.log_file));
-    let (lr, nr) = (&old.child.log_rotation, &child.log_rotation);
+    // The child's keys by name: a new one does not compile until compared
+    // (an unused binding is an error here).
+    #[deny(unused_variables)]
+    let crate::config::Child {
+        command: _,
+        env,
+        cwd,
+        cache_dir,
+        // `$RUNTIME_DIRECTORY`, the unit's: the same for the warden's life.
+        runtime_dir: _,
+        log_file,
+        log_rotation,
+        stop_signal,
+        stop_timeout,
+    } = child;
+    cmp("child.env", Child, crate::util::redact::env(&old.child.env), crate::util::redact::env(env));
+    cmp("child.cwd", Child, dbg(&old.child.cwd), dbg(cwd));
+    // The child's caches (vLLM's compile cache, Triton's, …) are in its
+    // environment: the child starts again to use the new ones.
+    cmp("child.cache-dir", Child, dbg(&old.child.cache_dir), dbg(cache_dir));
+    cmp("child.log-file", Child, dbg(&old.child.log_file), dbg(log_file));
+    let (lr, nr) = (&old.child.log_rotation, log_rotation);
     cmp("child.log-max-size", Warden, lr.max_size.to_string(), nr.max_size.to_string());
     cmp("child.log-keep", Warden, lr.keep.to_string(), nr.keep.to_string());
     cmp("child.log-compress", Warden, lr.compress.to_string(), nr.compress.to_string());
-    cmp("child.stop-signal", Child, old.child.stop_signal.as_str().into(), child.stop_signal.as_str().into());
-    cmp("child.stop-timeout", Warden, d(old.child.stop_timeout), d(child.stop_timeout));
+    cmp("child.stop-signal", Child, old.child.stop_signal.as_str().into(), stop_signal.as_str().into());
+    cmp("child.stop-timeout", Warden, d(old.child.stop_timeout), d(*stop_timeout));
     cmp("patch", Child, dbg(&old.patches), dbg(patches));
     cmp("prestart.clean-shm", Warden, dbg(&old.prestart.clean_shm), dbg(&prestart.clean_shm));
     cmp("prestart.port", Warden, dbg(&old.prestart.port), dbg(&prestart.port));
@@ -315,6 +333,23 @@ mod tests {
         let longer = parse("[front]\nlisten = \"127.0.0.1:8000\"\nidle-stop = \"1h\"\n");
         assert!(matches!(plan(&stop, &longer), ReloadPlan::InPlace(_)), "{}", plan(&stop, &longer));
         assert_eq!(plan(&stop, &longer).to_string(), "reloaded in place: front.idle-stop 30m → 1h");
+    }
+
+    /// The child's caches are in its environment: a reload that changes
+    /// only `child.cache-dir` starts the child again on the new ones.
+    #[test]
+    fn a_new_cache_folder_restarts_the_child() {
+        let with = |dir: &str| {
+            let text = format!("[child]\ncommand = [\"vllm\", \"serve\", \"/m\"]\ncache-dir = \"{dir}\"\n");
+            crate::config::parse(&text, Path::new("/etc/vllm-warden/t.toml"), &Default::default()).unwrap()
+        };
+        let p = plan(&with("/var/cache/a"), &with("/var/cache/b"));
+        assert!(matches!(p, ReloadPlan::Restart { .. }), "{p}");
+        assert_eq!(
+            p.to_string(),
+            "restarting the child: child.cache-dir changed (child.cache-dir Some(\"/var/cache/a\") → Some(\"/var/cache/b\"))"
+        );
+        assert_eq!(plan(&with("/var/cache/a"), &with("/var/cache/a")), ReloadPlan::Nothing);
     }
 
     #[test]
