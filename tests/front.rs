@@ -293,6 +293,38 @@ fn server_sent_events_pass_event_by_event() {
     assert_eq!(d.w.stop(), 0);
 }
 
+/// A stream whose engine dies between two events ends as vLLM ends a
+/// stream whose generation failed: an error event, then `[DONE]`, and the
+/// transfer whole — not a connection torn under the client.
+#[test]
+fn a_stream_whose_engine_dies_ends_with_an_error_event() {
+    let mut d = Door::start(&["--token-time", "100ms"], "");
+    d.w.wait_ready();
+    let sim = sim_pid(&d.w);
+    let mut body = completion("sse", 500);
+    body["stream"] = true.into();
+    let mut lines = Vec::new();
+    let status = common::http::post_json_lines(&d.url("/v1/completions"), &body, TIMEOUT, |line| {
+        if line.starts_with("data: ") {
+            lines.push(line.to_string());
+            if lines.len() == 2 {
+                let pid = nix::unistd::Pid::from_raw(sim as i32);
+                nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+            }
+        }
+    })
+    .unwrap_or_else(|e| panic!("the stream was torn: {e}"));
+    assert_eq!(status, 200);
+    let n = lines.len();
+    assert!(n >= 4 && n < 500, "{lines:?}");
+    let error: serde_json::Value = serde_json::from_str(lines[n - 2].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(error["error"]["type"], "upstream_error", "{lines:?}");
+    assert_eq!(error["error"]["code"], 502, "{lines:?}");
+    assert_eq!(lines[n - 1], "data: [DONE]");
+    d.w.wait_ready();
+    assert_eq!(d.w.stop(), 0);
+}
+
 /// A client that goes away mid-stream cancels its request at the engine,
 /// which logs it aborted.
 #[test]

@@ -11,14 +11,27 @@ request opens a connection of its own, so that a refused connection is seen
 as such (a kept-alive connection closed under a client is another matter,
 which HTTP leaves to the client). Each outcome is counted:
 
-    ok            200, a whole answer (a stream to its [DONE])
+    ok            200, a whole answer (a stream to its [DONE], no error
+                  event in it)
     budgeted-503  503 with a Retry-After header (the service said when)
     refused       the connection was refused
     http-NNN      any other status
+    stream-error  200, a stream that ended with an error event (vLLM's, or
+                  the front door's when the engine went away mid-stream)
     error-KIND    anything else (reset, a stream cut short, a timeout)
 
-OUT gets one JSON object: the counts, the longest wait for an answer, and
-how many waited longer than 2 s (held while the engine was not serving).
+OUT gets one JSON object: the counts, the longest wait for an answer, how
+many waited longer than 2 s (held while the engine was not serving), and
+each outcome but ok and budgeted-503 with the wall-clock time it ended at.
+
+    load.py judge OUT WINDOWS
+
+reads OUT and a file of windows (one "START END" per line, wall-clock
+seconds: from an EngineCore's SIGKILL to the model served again) and
+exits 0 when every answer was ok or budgeted-503, except streams that
+ended with an error event inside a window: a stream begun before its
+engine was killed cannot be finished by anyone, only ended in words the
+client reads. It prints what it counted.
 """
 
 import http.client
@@ -29,18 +42,52 @@ import threading
 import time
 import urllib.parse
 
+
+def judge(out, windows):
+    with open(out) as f:
+        result = json.load(f)
+    spans = []
+    with open(windows) as f:
+        for line in f:
+            if line.strip():
+                a, b = line.split()
+                spans.append((float(a), float(b)))
+    inside = [o for t, o in result["others"] if o == "stream-error" and any(a <= t <= b for a, b in spans)]
+    wrong = [(t, o) for t, o in result["others"] if not (o == "stream-error" and any(a <= t <= b for a, b in spans))]
+    print("#   streams ended with an error event while an engine was killed: %d" % len(inside))
+    if wrong:
+        print("#   other answers (wall-clock time, outcome):", wrong)
+    return 0 if result["counts"].get("ok", 0) > 0 and not wrong else 1
+
+
+if sys.argv[1] == "judge":
+    sys.exit(judge(sys.argv[2], sys.argv[3]))
+
 url, model, stopfile, out = sys.argv[1:5]
 clients = int(sys.argv[5]) if len(sys.argv) > 5 else 4
 target = urllib.parse.urlsplit(url)
 lock = threading.Lock()
 counts = {}
 waits = []
+others = []
 
 
 def count(outcome, waited):
     with lock:
         counts[outcome] = counts.get(outcome, 0) + 1
         waits.append(waited)
+        if outcome not in ("ok", "budgeted-503"):
+            others.append((round(time.time(), 3), outcome))
+
+
+def events(data):
+    """The JSON of each `data:` event of a stream but [DONE]."""
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            try:
+                yield json.loads(line[6:])
+            except ValueError:
+                yield {"error": "not JSON: %r" % line[:80]}
 
 
 def one(stream):
@@ -60,6 +107,8 @@ def one(stream):
         if r.status != 200:
             return "http-%d" % r.status
         if stream:
+            if any("error" in e for e in events(data)):
+                return "stream-error"
             return "ok" if b"data: [DONE]" in data else "error-stream-cut"
         return "ok" if b'"text"' in data else "error-no-text"
     except ConnectionRefusedError:
@@ -94,6 +143,7 @@ with open(out + ".tmp", "w") as f:
             "requests": sum(counts.values()),
             "longest_wait_s": round(max(waits, default=0.0), 1),
             "waited_over_2s": sum(1 for w in waits if w > 2),
+            "others": others,
         },
         f,
     )

@@ -416,6 +416,68 @@ impl<B: Body + Unpin, T: Unpin> Body for Kept<B, T> {
     }
 }
 
+/// What a stream whose engine went away in its middle ends with, as vLLM
+/// ends one whose generation failed (an error event, then `[DONE]`): the
+/// client reads why, in the shape it reads tokens in, where a torn
+/// connection says nothing.
+pub const STREAM_CUT_EVENT: &str = concat!(
+    r#"data: {"error": {"message": "the model's engine stopped in the middle of this answer", "#,
+    r#""type": "upstream_error", "param": null, "code": 502}}"#,
+    "\n\ndata: [DONE]\n\n"
+);
+
+fn is_event_stream(h: &HeaderMap) -> bool {
+    h.get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("text/event-stream"))
+}
+
+/// A server-sent event stream from the engine: when the engine goes away
+/// between two events, the stream ends with [`STREAM_CUT_EVENT`] instead
+/// of a torn transfer. Torn inside an event, it stays torn: an error glued
+/// to half an event would be read as that event.
+struct EventsEnd {
+    body: UpBody,
+    /// The last bytes passed on end an event (or nothing was passed).
+    at_boundary: bool,
+    ended: bool,
+}
+
+impl EventsEnd {
+    fn new(body: UpBody) -> EventsEnd {
+        EventsEnd { body, at_boundary: true, ended: false }
+    }
+}
+
+impl Body for EventsEnd {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        match std::task::ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                if let Some(d) = frame.data_ref()
+                    && !d.is_empty()
+                {
+                    self.at_boundary = d.ends_with(b"\n\n") || d.ends_with(b"\r\n\r\n");
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Some(Err(e)) if self.at_boundary => {
+                tracing::debug!(error = %e, "the engine went away in the middle of a stream: ended with an error event");
+                self.ended = true;
+                Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(STREAM_CUT_EVENT.as_bytes())))))
+            }
+            other => Poll::Ready(other),
+        }
+    }
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.body.is_end_stream()
+    }
+}
+
 /// The request's body, as it is sent.
 enum Payload {
     /// Read whole: it may be sent again.
@@ -638,6 +700,7 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
                 door.metrics.front.count(outcome::FORWARDED);
                 let (mut rparts, rbody) = res.into_parts();
                 strip_hop_by_hop(&mut rparts.headers);
+                let rbody = if is_event_stream(&rparts.headers) { EventsEnd::new(rbody).boxed() } else { rbody };
                 let body = Kept { body: rbody, _kept: forwarding };
                 return Response::from_parts(rparts, body.boxed());
             }
