@@ -1062,7 +1062,13 @@ fn s9_the_load_ledger_times_each_phase_estimates_and_alarms_on_a_lost_cache() {
     assert_eq!(cache, ["miss", "load-failure", "miss"], "{records:?}");
     assert!(ready_loads[2].alarms.iter().any(|a| a.starts_with("compile cache: miss where")), "{records:?}");
     assert!(ready_loads.iter().all(|r| r.fingerprint == ready_loads[0].fingerprint));
-    assert_eq!(ready_loads.iter().map(|r| r.cold).collect::<Vec<_>>(), [Some(true), Some(false), Some(false)]);
+    // The page cache at the spawn is measured (the read-ahead counts it,
+    // reading or not), and replaces the first-load-since-boot guess.
+    for r in &ready_loads {
+        assert_eq!(r.cold, None, "{r:?}");
+        assert!(r.residency.is_some_and(|x| (0.0..=1.0).contains(&x)), "{r:?}");
+    }
+
     for r in &ready_loads {
         let phases: Vec<_> = r.phases.iter().map(|t| t.phase.name()).collect();
         assert_eq!(phases, ["start", "weights", "compile", "kv-cache", "engine", "api", "http", "golden"], "{r:?}");
