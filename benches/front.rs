@@ -98,6 +98,16 @@ impl Warden {
         Warden { child: cmd.spawn().unwrap(), _dir: dir }
     }
 
+    /// The simulator: the warden's one child (profile `none`).
+    fn sim_pid(&self) -> u32 {
+        // A child is listed under the thread that forked it.
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.child.id())).unwrap();
+        tasks
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("children")).ok())
+            .find_map(|c| c.split_whitespace().next()?.parse().ok())
+            .expect("the simulator runs")
+    }
+
     fn rss_kib(&self) -> u64 {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
         s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok()).unwrap()
@@ -174,21 +184,46 @@ fn percentile(xs: &mut [f64], p: f64) -> f64 {
     xs[((xs.len() as f64 * p).ceil() as usize).clamp(1, xs.len()) - 1]
 }
 
+/// What a client sends: `GET /v1/models` (answered at once: the path is
+/// measured) or a completion of one token (answered after the simulator's
+/// `--token-time`: the shortest answer a model gives).
+#[derive(Clone, Copy)]
+enum Ask {
+    Models,
+    OneToken,
+}
+
+impl Ask {
+    fn once(self, c: &mut Conn) -> u16 {
+        match self {
+            Ask::Models => c.get("/v1/models"),
+            Ask::OneToken => {
+                let body = r#"{"prompt":"p","max_tokens":1}"#;
+                c.send(&format!(
+                    "POST /v1/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                ));
+                c.answer().0
+            }
+        }
+    }
+}
+
 /// One round: 16 clients, `n` requests each; the latencies (ms) and the
 /// throughput (requests a second).
-fn round(port: u16, n: usize) -> (Vec<f64>, f64) {
+fn round(port: u16, n: usize, ask: Ask) -> (Vec<f64>, f64) {
     let barrier = std::sync::Arc::new(std::sync::Barrier::new(CLIENTS + 1));
     let clients: Vec<_> = (0..CLIENTS)
         .map(|_| {
             let barrier = barrier.clone();
             std::thread::spawn(move || {
                 let mut c = Conn::open(port);
-                assert_eq!(c.get("/v1/models"), 200);
+                assert_eq!(ask.once(&mut c), 200);
                 barrier.wait();
                 let mut took = Vec::with_capacity(n);
                 for _ in 0..n {
                     let t = Instant::now();
-                    assert_eq!(c.get("/v1/models"), 200);
+                    assert_eq!(ask.once(&mut c), 200);
                     took.push(t.elapsed().as_secs_f64() * 1000.0);
                 }
                 took
@@ -203,6 +238,112 @@ fn round(port: u16, n: usize) -> (Vec<f64>, f64) {
     }
     let rate = all.len() as f64 / began.elapsed().as_secs_f64();
     (all, rate)
+}
+
+/// The CPU time (user and system) a process has used, in seconds.
+fn cpu_of(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command's closing parenthesis: utime is the
+    // 14th field of the line, stime the 15th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    // SAFETY: sysconf reads a constant of the system.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    ticks / hz
+}
+
+/// The CPU time of the three parties: this process (the clients), the
+/// simulator and the warden.
+#[derive(Clone, Copy, Default)]
+struct Cpu {
+    clients: f64,
+    sim: f64,
+    warden: f64,
+}
+
+impl Cpu {
+    fn now(w: &Warden) -> Cpu {
+        Cpu { clients: cpu_of(std::process::id()), sim: cpu_of(w.sim_pid()), warden: cpu_of(w.child.id()) }
+    }
+
+    fn since(self, before: Cpu) -> Cpu {
+        Cpu { clients: self.clients - before.clients, sim: self.sim - before.sim, warden: self.warden - before.warden }
+    }
+
+    fn add(&mut self, o: Cpu) {
+        self.clients += o.clients;
+        self.sim += o.sim;
+        self.warden += o.warden;
+    }
+
+    /// Microseconds of each party's CPU per request.
+    fn per(self, requests: usize) -> (f64, f64, f64) {
+        let us = |s: f64| s * 1e6 / requests as f64;
+        (us(self.clients), us(self.sim), us(self.warden))
+    }
+}
+
+/// Rounds taking turns, direct and through the front door: the latencies,
+/// the mean throughputs, the CPU each party used, and how many requests
+/// each side sent.
+struct Turns {
+    direct: Vec<f64>,
+    via: Vec<f64>,
+    direct_rate: f64,
+    via_rate: f64,
+    direct_cpu: Cpu,
+    via_cpu: Cpu,
+    requests: usize,
+}
+
+fn turns(w: &Warden, port: u16, front: u16, rounds: usize, n: usize, ask: Ask) -> Turns {
+    let mut t = Turns {
+        direct: Vec::new(),
+        via: Vec::new(),
+        direct_rate: 0.0,
+        via_rate: 0.0,
+        direct_cpu: Cpu::default(),
+        via_cpu: Cpu::default(),
+        requests: rounds * n * CLIENTS,
+    };
+    for _ in 0..rounds {
+        let before = Cpu::now(w);
+        let (l, r) = round(port, n, ask);
+        t.direct_cpu.add(Cpu::now(w).since(before));
+        t.direct.extend(l);
+        t.direct_rate += r / rounds as f64;
+        let before = Cpu::now(w);
+        let (l, r) = round(front, n, ask);
+        t.via_cpu.add(Cpu::now(w).since(before));
+        t.via.extend(l);
+        t.via_rate += r / rounds as f64;
+    }
+    t
+}
+
+impl Turns {
+    fn report(&mut self, what: &str) {
+        let (d50, d99) = (percentile(&mut self.direct, 0.5), percentile(&mut self.direct, 0.99));
+        let (f50, f99) = (percentile(&mut self.via, 0.5), percentile(&mut self.via, 0.99));
+        println!("{what} direct        p50 {d50:7.3} ms  p99 {d99:7.3} ms  {:8.0} req/s", self.direct_rate);
+        println!("{what} front door    p50 {f50:7.3} ms  p99 {f99:7.3} ms  {:8.0} req/s", self.via_rate);
+        println!(
+            "added: p50 +{:.3} ms (goal ≤ 0.2), p99 ×{:.2} (goal ≤ 1.5), throughput ×{:.2} (goal ≥ 0.8)",
+            f50 - d50,
+            f99 / d99,
+            self.via_rate / self.direct_rate
+        );
+        let (dc, ds, _) = self.direct_cpu.per(self.requests);
+        let (fc, fs, fw) = self.via_cpu.per(self.requests);
+        // Where the CPU bounds both (every party busy on the same cores),
+        // the throughputs go as the inverse of the CPU a request costs.
+        println!(
+            "CPU per request: direct clients {dc:.1} µs + simulator {ds:.1} µs; front door clients {fc:.1} µs + simulator {fs:.1} µs + warden {fw:.1} µs; \
+             bound by CPU alone the ratio would be ×{:.2}",
+            (dc + ds) / (fc + fs + fw)
+        );
+    }
 }
 
 /// A streamed completion's events: each one's delay, arrival less the
@@ -239,26 +380,12 @@ fn main() {
     // Held until the engine serves: answered once it is ready.
     assert_eq!(Conn::open(front).get("/v1/models"), 200);
     println!("front door bench: {CLIENTS} kept-alive clients, {rounds} rounds of {n} requests each, taking turns");
-    let (mut direct, mut via) = (Vec::new(), Vec::new());
-    let (mut direct_rate, mut via_rate) = (0.0, 0.0);
-    for _ in 0..rounds {
-        let (l, r) = round(port, n);
-        direct.extend(l);
-        direct_rate += r / rounds as f64;
-        let (l, r) = round(front, n);
-        via.extend(l);
-        via_rate += r / rounds as f64;
-    }
-    let (d50, d99) = (percentile(&mut direct, 0.5), percentile(&mut direct, 0.99));
-    let (f50, f99) = (percentile(&mut via, 0.5), percentile(&mut via, 0.99));
-    println!("GET /v1/models direct        p50 {d50:7.3} ms  p99 {d99:7.3} ms  {direct_rate:8.0} req/s");
-    println!("GET /v1/models front door    p50 {f50:7.3} ms  p99 {f99:7.3} ms  {via_rate:8.0} req/s");
-    println!(
-        "added: p50 +{:.3} ms (goal ≤ 0.2), p99 ×{:.2} (goal ≤ 1.5), throughput ×{:.2} (goal ≥ 0.8)",
-        f50 - d50,
-        f99 / d99,
-        via_rate / direct_rate
-    );
+    turns(&w, port, front, rounds, n, Ask::Models).report("GET /v1/models");
+    // Against answers that take what a model's shortest does (one token
+    // at the simulator's 5 ms): what a client of a model meets.
+    let n = (n / 10).max(20);
+    println!("{CLIENTS} clients, {rounds} rounds of {n} completions of one token (5 ms) each, taking turns");
+    turns(&w, port, front, rounds, n, Ask::OneToken).report("POST 1-token completion");
     let (mut sd, mut sf) = (Vec::new(), Vec::new());
     for i in 0..3 {
         sd.extend(sse_delays(port, &format!("d{i}")));
