@@ -9,6 +9,10 @@
 //!   requests a client), so that both meet the same load of the machine.
 //!   Reported: the added latency at the median and the 99th percentile,
 //!   the ratio of the 99th percentiles, and the ratio of the throughputs.
+//!   Then the same with completions of one token (the simulator's 5 ms):
+//!   the shortest answer a model gives. For both, each party's CPU time
+//!   per request (the clients, the simulator, the warden) and the
+//!   throughput ratio the CPU alone allows.
 //! - server-sent events: a streamed completion of 300 tokens, one every
 //!   5 ms; each event carries the simulator's stamp of its write
 //!   (`sent_ns`), and its delay is its arrival at the client less that
