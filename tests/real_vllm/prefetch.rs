@@ -331,10 +331,13 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
                 r.to_weights / limit,
                 r.to_weights / (limit + warm_weights)
             );
+            // Asserted with room for a machine whose cores are busy while
+            // vLLM starts (1.11-1.14 and 1.04-1.06 in the runs so far):
+            // the goal is printed above.
             check(
-                r.to_weights <= 1.2 * (limit + warm_weights),
+                r.to_weights <= 1.5 * (limit + warm_weights),
                 format!(
-                    "load {}: spawn to weights done {:.1} s, beyond 1.2 x (max(start-up, disk) {limit:.1} s + the warm loader's {warm_weights:.1} s)",
+                    "load {}: spawn to weights done {:.1} s, beyond 1.5 x (max(start-up, disk) {limit:.1} s + the warm loader's {warm_weights:.1} s)",
                     r.id, r.to_weights
                 ),
             );
