@@ -467,6 +467,49 @@ fn header(answer: &str, name: &str) -> Option<String> {
     })
 }
 
+/// A connection accepted before an upgrade's hand-over whose request comes
+/// after it is not idle: its request is answered, not its connection
+/// closed under it (which its client meets as a reset or a broken pipe).
+#[test]
+fn a_connection_whose_request_comes_during_the_hand_over_is_answered() {
+    let bin = tempfile::tempdir().unwrap();
+    let exe = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &exe).unwrap();
+    let opts = common::Opts { exe: Some(exe.clone()), ..common::Opts::default() };
+    let mut d = Door::start_with(&["--token-time", "20ms"], "", opts);
+    d.w.wait_ready();
+    // Connected first; the long request's connection after it: once that
+    // request is in flight, this one was accepted (one listener, taken in
+    // order).
+    let mut early = std::net::TcpStream::connect(("127.0.0.1", d.front)).unwrap();
+    early.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let url = d.url("/v1/completions");
+    let long = std::thread::spawn(move || common::http::post_json(&url, &completion("long", 150), TIMEOUT));
+    d.wait_metric(IN_FLIGHT, 1.0);
+    d.w.ask_upgrade(&exe);
+    let deadline = Instant::now() + TIMEOUT;
+    while !d.w.stderr().contains("the front door takes no new connection") {
+        assert!(Instant::now() < deadline, "no hand-over{}", d.w.seen());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(d.w.stderr().contains("waits for 2 open"), "{}", d.w.stderr());
+    let body = completion("early", 2).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    early.write_all(request.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let read = early.read_to_end(&mut out);
+    let answer = String::from_utf8_lossy(&out);
+    assert!(read.is_ok() && answer.starts_with("HTTP/1.1 200"), "{read:?}: {answer}");
+    assert!(answer.contains("text_completion"), "{answer}");
+    let a = long.join().unwrap().unwrap_or_else(|e| panic!("the long request was cut: {e}"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    d.w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    assert_eq!(d.w.stop(), 0);
+}
+
 /// `vllm-warden upgrade` while requests are being forwarded, streamed and
 /// not: the front door takes no new connection, every request in flight
 /// is answered whole by the old warden before the exec (200, a stream to

@@ -11,8 +11,9 @@
 //!
 //! Before an upgrade's exec the loop asks it to empty
 //! ([`Activity::hand_over`]): it stops accepting, closes its connections
-//! after their request and answers what it holds, and the loop waits for
-//! its last connection, at most [`HANDOVER_PATIENCE`].
+//! after their request (one accepted without a request yet after its
+//! first: its request may be in the socket) and answers what it holds, and
+//! the loop waits for its last connection, at most [`HANDOVER_PATIENCE`].
 //!
 //! It runs on a thread and runtime of its own ([`apart`]).
 //!

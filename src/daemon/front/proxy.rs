@@ -324,8 +324,13 @@ where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut handover = door.activity.handover();
+    // Whether a request has begun on the connection: one just accepted
+    // may have its request on the way (or in the socket unread).
+    let (begun_tx, mut begun) = watch::channel(false);
+    let begun_tx = Arc::new(begun_tx);
     let service = hyper::service::service_fn(move |req| {
         let door = door.clone();
+        begun_tx.send_replace(true);
         async move { Ok::<_, std::convert::Infallible>(handle(door, peer, req).await) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
@@ -341,9 +346,26 @@ where
             // An upgrade's exec is near: the request under way (if any)
             // is answered whole, then the connection is closed (a client
             // that kept it alive opens its next one on the successor); an
-            // idle one is closed now.
-            conn.as_mut().graceful_shutdown();
-            conn.await
+            // idle one is closed now. A connection accepted that has not
+            // begun its first request is not idle: its client sent, or is
+            // sending, a request that closing would answer with a reset.
+            // It is served its first request (or ended by the header-read
+            // timeout), then closed.
+            let early = if *begun.borrow() {
+                None
+            } else {
+                tokio::select! {
+                    ended = conn.as_mut() => Some(ended),
+                    _ = begun.wait_for(|b| *b) => None,
+                }
+            };
+            match early {
+                Some(ended) => ended,
+                None => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            }
         }
     };
     if let Err(e) = ended {
