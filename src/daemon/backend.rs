@@ -429,6 +429,10 @@ impl RealBackend {
         };
         let spec = ChildSpec { argv, env, cwd: c.cwd.clone() };
         let kernel = self.kernel.follower.as_ref().and_then(|(_, f)| f.mark());
+        // The cgroup's OOM kills before the child exists: one that comes
+        // at once (a child that allocates past the limit as it starts) is
+        // counted as the run's, not taken into the baseline.
+        let oom = crate::observe::oom::cgroup().and_then(|c| c.kills().map(|n| (c, n)));
         let spawned_pid = self.tree.spawn(&spec, &output);
         // Only the tree holds the write end now: the pipe ends with it.
         drop(output);
@@ -460,7 +464,7 @@ impl RealBackend {
         let log = sink.file().ok().map(Arc::new);
         self.reports.run = Some(RunRecord { start, spawned, log_file: log_path.clone(), offset, kernel, log });
         self.kernel.start.store(start, std::sync::atomic::Ordering::SeqCst);
-        self.kernel.oom = crate::observe::oom::cgroup().and_then(|c| c.kills().map(|n| (c, n)));
+        self.kernel.oom = oom;
         self.follow_kernel();
         self.kernel_gpus();
         Ok(pid)
