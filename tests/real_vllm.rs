@@ -1391,13 +1391,17 @@ fn s12_a_changed_setup_that_fails_rolls_back_to_the_last_known_good() {
     w.wait_for_file(&format!("state/setups/{good}.json"), |w| w.path(&format!("state/setups/{good}.json")).exists());
 
     let rollback = |w: &mut Warden, change: &str| -> RolledBackRun {
+        // The load is timed from the last spawn before the ready line after
+        // the reload: the rollback's (the failed setup's spawn is earlier).
+        // Taken before the signal, not after the failure is read: the
+        // rollback's spawn may be logged before this test reads the note.
+        let t0 = SystemTime::now();
         std::fs::write(w.path("t.toml"), make(w.dir.path(), w.port, true, change)).unwrap();
         w.signal(Signal::SIGHUP);
         let failure = w.wait_note_within(failed, &format!("STATUS=failed (the setup with the {change})"), |n| {
             n.starts_with("STATUS=failed (")
         });
         let t = Instant::now();
-        let t0 = SystemTime::now();
         let said =
             w.wait_note_within(turned, "STATUS=the new setup … failed", |n| n.starts_with("STATUS=the new setup "));
         w.wait_ready_within(ready, &format!("READY=1 of the last-known-good after the {change} (one load)"));
