@@ -94,8 +94,17 @@ pub struct Activity {
     /// connection is accepted (they wait in the kernel's backlog, for the
     /// successor), kept-alive ones are closed after their request.
     handover: watch::Sender<bool>,
-    /// The client connections open now.
-    connections: watch::Sender<usize>,
+    /// The client connections open now, and the listeners accepting.
+    open: watch::Sender<Open_>,
+}
+
+/// What an upgrade's exec waits on: connections open (each in this
+/// warden's hands), and accept loops that may take one (one that took a
+/// connection counts it before it looks at the hand-over again).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Open_ {
+    connections: usize,
+    accepting: usize,
 }
 
 impl Default for Activity {
@@ -105,7 +114,7 @@ impl Default for Activity {
             last: Mutex::new(Instant::now()),
             woken: tokio::sync::Notify::new(),
             handover: watch::Sender::new(false),
-            connections: watch::Sender::new(0),
+            open: watch::Sender::new(Open_::default()),
         }
     }
 }
@@ -121,11 +130,22 @@ pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A client connection, counted while it is open.
 #[derive(Debug)]
-pub struct Open<'a>(&'a Activity);
+pub struct Open(std::sync::Arc<Activity>);
 
-impl Drop for Open<'_> {
+impl Drop for Open {
     fn drop(&mut self) {
-        self.0.connections.send_modify(|n| *n -= 1);
+        self.0.open.send_modify(|o| o.connections -= 1);
+    }
+}
+
+/// A listener's accept loop, counted while it may accept a connection:
+/// from its start, and again after each hand-over that did not happen.
+#[derive(Debug)]
+pub struct Accepting(std::sync::Arc<Activity>);
+
+impl Drop for Accepting {
+    fn drop(&mut self) {
+        self.0.open.send_modify(|o| o.accepting -= 1);
     }
 }
 
@@ -167,14 +187,21 @@ impl Activity {
     }
 
     /// A client connection opened; counted until the guard is dropped.
-    pub fn opened(&self) -> Open<'_> {
-        self.connections.send_modify(|n| *n += 1);
-        Open(self)
+    pub fn opened(self: &std::sync::Arc<Self>) -> Open {
+        self.open.send_modify(|o| o.connections += 1);
+        Open(self.clone())
+    }
+
+    /// An accept loop may accept a connection until the guard is dropped
+    /// (it parks for a hand-over, or ends).
+    pub fn accepting(self: &std::sync::Arc<Self>) -> Accepting {
+        self.open.send_modify(|o| o.accepting += 1);
+        Accepting(self.clone())
     }
 
     /// Client connections open now.
     pub fn connections(&self) -> usize {
-        *self.connections.borrow()
+        self.open.borrow().connections
     }
 
     /// An upgrade is about to exec: take no new connection, close the
@@ -195,10 +222,11 @@ impl Activity {
     }
 
     /// Resolves once no client connection is open (every request answered
-    /// whole), or at `deadline`; the connections still open then.
+    /// whole) and no listener accepts one any more, or at `deadline`; the
+    /// connections still open then.
     pub async fn emptied(&self, deadline: Instant) -> usize {
-        let mut open = self.connections.subscribe();
-        let _ = tokio::time::timeout_at(deadline, open.wait_for(|n| *n == 0)).await;
+        let mut open = self.open.subscribe();
+        let _ = tokio::time::timeout_at(deadline, open.wait_for(|o| *o == Open_::default())).await;
         self.connections()
     }
 }
@@ -236,5 +264,32 @@ mod tests {
         assert_eq!(idle_hold(&f, None, h), h);
         f.idle_hold = Some(m);
         assert_eq!(idle_hold(&f, Some(Duration::from_secs(600)), h), m);
+    }
+
+    /// An upgrade's exec waits for the accept loops to park as well as for
+    /// the connections to end: a loop that took a connection counts it
+    /// before it parks, so none is in the warden's hands uncounted.
+    #[tokio::test(start_paused = true)]
+    async fn the_front_door_is_empty_once_no_loop_accepts_and_no_connection_is_open() {
+        let a = std::sync::Arc::new(Activity::default());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let accepting = a.accepting();
+        let emptied = tokio::spawn({
+            let a = a.clone();
+            async move { (a.emptied(deadline).await, Instant::now()) }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!emptied.is_finished(), "a loop still accepts");
+        // It took a connection, then parked.
+        let open = a.opened();
+        drop(accepting);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!emptied.is_finished(), "a connection is open");
+        drop(open);
+        let (left, at) = emptied.await.unwrap();
+        assert_eq!((left, at.duration_since(deadline - Duration::from_secs(30))), (0, Duration::from_secs(2)));
+        // At the deadline, what is still open is counted.
+        let _open = a.opened();
+        assert_eq!(a.emptied(Instant::now() + Duration::from_secs(30)).await, 1);
     }
 }

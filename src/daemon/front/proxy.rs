@@ -273,19 +273,34 @@ async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits
     let mut pause = ACCEPT_PAUSE;
     let mut warned: Option<tokio::time::Instant> = None;
     let mut handover = door.activity.handover();
+    let mut accepting = Some(door.activity.accepting());
     loop {
+        // An upgrade's exec is near: new connections wait in the kernel's
+        // queue for the successor (the socket is handed over, never
+        // closed); accepted again if the upgrade does not happen. Every
+        // connection this loop took is counted open by now: the exec
+        // waits for this loop to park here, then for them.
+        if *handover.borrow() {
+            accepting = None;
+            handing_over(&mut handover, false).await;
+            continue;
+        }
+        if accepting.is_none() {
+            accepting = Some(door.activity.accepting());
+        }
         // At the cap, new connections wait in the kernel's queue (they
         // hold none of the warden's descriptors) until one ends.
-        let Ok(permit) = permits.clone().acquire_owned().await else { return };
+        let permit = tokio::select! {
+            biased;
+            true = handing_over(&mut handover, true) => continue,
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+        };
         let accepted = tokio::select! {
             biased;
-            // An upgrade's exec is near: new connections wait in the
-            // kernel's queue for the successor (the socket is handed over,
-            // never closed); accepted again if the upgrade does not happen.
-            true = handing_over(&mut handover, true) => {
-                handing_over(&mut handover, false).await;
-                continue;
-            }
+            true = handing_over(&mut handover, true) => continue,
             a = listener.accept() => a,
         };
         let (io, peer) = match accepted {
@@ -308,10 +323,14 @@ async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits
                 continue;
             }
         };
+        // Counted open here, not in its task: an upgrade that finds the
+        // front door empty between this accept and the task's first turn
+        // would exec with the connection in its hands, and the kernel
+        // would answer its client's request with a reset.
+        let open = door.activity.opened();
         let door = door.clone();
         tokio::spawn(async move {
-            let open = door.activity.opened();
-            connection(io, peer, door.clone()).await;
+            connection(io, peer, door).await;
             drop(open);
             drop(permit);
         });
