@@ -271,6 +271,7 @@ impl Ledger {
         LoadStart {
             fingerprint: facts.fingerprint.clone(),
             history: History::of(&self.records, &facts.fingerprint, timeout),
+            classes: History::by_class(&self.records, &facts.fingerprint, timeout),
             weights_bytes: facts.weights.as_ref().map(|w| w.0),
             cold,
             used: Default::default(),

@@ -13,7 +13,14 @@
 //! the setup's last [`HISTORY_LOADS`] good loads: one outlier moves none.
 //! Adding only the later phases to the elapsed time would under-estimate
 //! all through a phase and jump at its end; a median total would ignore
-//! how far the load has come.
+//! how far the load has come. The loads a load is estimated from are
+//! first all of its setup's; once the page cache is counted (the
+//! read-ahead's first report), those of its [`CacheClass`] where the setup
+//! has any: on one machine, whether the weights are cached decides the
+//! start and weights phases more than anything else, and a warm load
+//! estimated from cold ones is minutes off on a big model. Without a load
+//! of its class, a cold load adds what its uncached bytes take at the
+//! disk's measured speed ([`LoadTrack::cold_extra`]).
 //!
 //! **What the estimate said** is kept for the ledger without a list of
 //! samples: between two phase ends the estimate is `max(floor, t + later)`
@@ -173,6 +180,45 @@ pub struct LoadStart {
     /// vLLM's faster loaders, named where they apply to the command: the
     /// hint of a load whose weights phase ran below half the disk's speed.
     pub faster_loaders: Option<String>,
+    /// The setup's history of each page-cache class with a load in it:
+    /// once the residency at the spawn is counted, the load's own class
+    /// replaces `history` (see [`CacheClass`]).
+    pub classes: Vec<(CacheClass, History)>,
+}
+
+/// How a load found its weights in the page cache, which decides how long
+/// its start and weights phases take more than anything else on one
+/// machine: a history of loads of one class estimates a load of that class
+/// (a warm load is not estimated from cold ones, nor the other way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheClass {
+    /// At least half the weights' bytes cached at the spawn.
+    Warm,
+    /// Less, with the read-ahead reading the rest beside the start.
+    ColdAhead,
+    /// Less, and vLLM reads the rest itself.
+    Cold,
+}
+
+impl CacheClass {
+    pub const ALL: [CacheClass; 3] = [CacheClass::Warm, CacheClass::ColdAhead, CacheClass::Cold];
+
+    /// The class of a load with `residency` at its spawn, the read-ahead
+    /// reading or not.
+    pub fn of(residency: f64, reading: bool) -> CacheClass {
+        match (residency >= 0.5, reading) {
+            (true, _) => CacheClass::Warm,
+            (false, true) => CacheClass::ColdAhead,
+            (false, false) => CacheClass::Cold,
+        }
+    }
+
+    /// The class of a recorded load; none where its residency was not
+    /// counted (an older record, or weights that are not local).
+    fn of_record(r: &LoadRecord) -> Option<CacheClass> {
+        let residency = r.residency.filter(|x| x.is_finite())?;
+        Some(CacheClass::of(residency, r.prefetch.is_some()))
+    }
 }
 
 /// The read-ahead's part of a load's record (`[prefetch]`): what it read
@@ -518,9 +564,31 @@ impl History {
     /// loads that could be loads under a `ready.timeout` of `timeout`
     /// (others are skipped); none without one.
     pub fn of(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Option<History> {
+        History::of_loads(records, fingerprint, timeout, |_| true)
+    }
+
+    /// The histories of `fingerprint` by page-cache class, each from the
+    /// loads of its class only; a class without a load has none.
+    pub fn by_class(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Vec<(CacheClass, History)> {
+        CacheClass::ALL
+            .into_iter()
+            .filter_map(|c| {
+                let h = History::of_loads(records, fingerprint, timeout, |r| CacheClass::of_record(r) == Some(c));
+                Some((c, h?))
+            })
+            .collect()
+    }
+
+    fn of_loads(
+        records: &[LoadRecord],
+        fingerprint: &str,
+        timeout: Duration,
+        keep: impl Fn(&LoadRecord) -> bool,
+    ) -> Option<History> {
         let good: Vec<&LoadRecord> = records
             .iter()
             .filter(|r| r.fingerprint == fingerprint && r.outcome == LoadOutcome::Ready && usable(r, timeout))
+            .filter(|r| keep(r))
             .collect();
         let last = *good.last()?;
         let recent = &good[good.len().saturating_sub(HISTORY_LOADS)..];
@@ -644,6 +712,15 @@ impl LoadTrack {
             self.start.residency = p.residency();
             self.start.weights_bytes = Some(p.total);
             self.start.prefetch = p.reads && !p.done;
+            // From here on the load is estimated from the loads of its
+            // class, where the setup has one (their medians hold what the
+            // page cache made them take: the cold extra is then small).
+            if let Some(r) = self.start.residency {
+                let class = CacheClass::of(r, p.reads);
+                if let Some(i) = self.start.classes.iter().position(|(c, _)| *c == class) {
+                    self.start.history = Some(self.start.classes.swap_remove(i).1);
+                }
+            }
             self.piece(now);
         }
         // The weights phase reads what is cached as it begins.
@@ -1632,6 +1709,68 @@ mod tests {
         l.mark(&LoadMark::Ends(LoadPhase::Weights), at(t0, 26));
         let after = l.now(at(t0, 26)).expected.unwrap();
         assert!(after < cold + Duration::from_secs(6), "{after:?} {cold:?}");
+    }
+
+    /// A setup loaded both cold and warm: once the page cache is counted,
+    /// a load is estimated from the loads of its own class (a warm one
+    /// from warm ones, not from the cold ones' median), and the error
+    /// expected is its class's; without a load of its class, from all of
+    /// them as before.
+    #[test]
+    fn a_load_is_estimated_from_the_loads_of_its_page_cache_class() {
+        let t0 = Instant::now();
+        let of = |residency: f64, reads: bool, weights: f64, id: u64| {
+            let mut r = load([10.0, weights, 5.0, 3.0, 2.0], 1.0);
+            r.id = id;
+            r.residency = Some(residency);
+            r.prefetch = reads.then_some(PrefetchRecord {
+                bytes: 4_000_000_000,
+                resident_bytes: 0,
+                secs: 20.0,
+                gbps: 0.2,
+                partial: false,
+            });
+            r
+        };
+        // Three cold loads (60 s of weights), two warm ones (4 s).
+        let rs = vec![of(0.0, false, 60.0, 1), of(0.0, false, 60.0, 2), of(1.0, true, 4.0, 3), of(0.0, false, 60.0, 4), of(1.0, true, 4.0, 5)];
+        let classes = History::by_class(&rs, "f1", HOUR);
+        let class = |c| classes.iter().find(|(k, _)| *k == c).map(|(_, h)| h.loads);
+        assert_eq!(
+            (class(CacheClass::Warm), class(CacheClass::Cold), class(CacheClass::ColdAhead)),
+            (Some(2), Some(3), None)
+        );
+        let start = LoadStart {
+            fingerprint: "f1".into(),
+            history: History::of(&rs, "f1", HOUR),
+            weights_bytes: Some(4_000_000_000),
+            classes,
+            ..Default::default()
+        };
+        // All five: the weights' median is a cold one's.
+        assert_eq!(LoadTrack::new(start.clone(), t0).now(t0).expected, Some(Duration::from_secs(81)));
+        // Warm, counted: 10 + 4 + 5 + 3 + 2 + 1.
+        let mut l = LoadTrack::new(start.clone(), t0);
+        l.prefetched(counted(4_000_000_000), t0);
+        assert_eq!(l.now(t0).expected, Some(Duration::from_secs(25)));
+        assert_eq!(l.history().map(|h| h.loads), Some(2));
+        // Cold, vLLM reading: the cold loads' 81 s, and nothing more for
+        // the disk (their medians hold it).
+        let mut l = LoadTrack::new(start.clone(), t0);
+        l.prefetched(PrefetchNow { reads: false, ..counted(0) }, t0);
+        assert_eq!(l.now(t0).expected, Some(Duration::from_secs(81)));
+        assert_eq!(l.history().map(|h| h.loads), Some(3));
+        // Cold with the read-ahead: no load of its class, all five, and
+        // the disk's extra (4 GB at 0.2 GB/s is 20 s, within the start
+        // and weights phases' medians of 10 + 60 s: none).
+        let mut l = LoadTrack::new(start, t0);
+        l.prefetched(counted(0), t0);
+        assert_eq!(l.history().map(|h| h.loads), Some(5));
+        assert_eq!(l.now(t0).expected, Some(Duration::from_secs(81)));
+        // Records without a residency have no class.
+        let mut old = rs.clone();
+        old.iter_mut().for_each(|r| r.residency = None);
+        assert!(History::by_class(&old, "f1", HOUR).is_empty());
     }
 
     /// `STATUS=` during the start and weights phases shows the bytes read

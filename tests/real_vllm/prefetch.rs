@@ -344,20 +344,38 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
         }
     }
 
-    // Goal: within ±10 % from 25 % of a warm load on; printed, not
-    // asserted (see below).
-    let warm_errors: Vec<f64> = of(Kind::Warm).flat_map(|r| r.errors.iter().flatten().copied()).collect();
-    if warm_errors.is_empty() {
+    // Goal: within ±10 % from 25 % of a load on, across repeated loads
+    // of one setup, cold and warm. A load is estimated from the earlier
+    // loads of its page-cache class once its residency is counted: the
+    // first of a class (the first warm load follows six cold ones) has
+    // only the others to go by, and is printed apart.
+    let worst = |r: &Row| r.errors.iter().flatten().fold(None, |a: Option<f64>, e| Some(a.unwrap_or(0.0).max(e.abs())));
+    let mut repeated: Vec<(Kind, f64)> = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        let Some(e) = worst(r) else { continue };
+        if rows[..i].iter().any(|q| q.kind == r.kind) {
+            repeated.push((r.kind, e));
+        } else {
+            eprintln!(
+                "scenario 15: load {} ({}), the first of its kind, estimated from the others: worst error from 25 % on {:.1}%",
+                r.id,
+                r.kind.word(),
+                e * 100.0
+            );
+        }
+    }
+    if repeated.is_empty() {
         eprintln!("scenario 15: no estimate snapshots in the ledger (this build does not record them)");
-    } else {
-        let worst = warm_errors.iter().fold(0.0f64, |a, e| a.max(e.abs()));
-        eprintln!(
-            "scenario 15 goal: the warm loads' worst estimate error from 25 % on {:.1}% (goal <= 10%)",
-            worst * 100.0
-        );
-        // Not asserted: the warm loads follow six cold ones (the venv's
-        // page cache dropped too, so their start-up is slower as well),
-        // and their history is of those.
+    }
+    for kind in [Kind::ColdAhead, Kind::Cold, Kind::Warm] {
+        let errors: Vec<f64> = repeated.iter().filter(|(k, _)| *k == kind).map(|(_, e)| *e).collect();
+        if let Some(w) = errors.iter().copied().reduce(f64::max) {
+            eprintln!(
+                "scenario 15 goal: the repeated {} loads' worst estimate error from 25 % on {:.1}% (goal <= 10%)",
+                kind.word(),
+                w * 100.0
+            );
+        }
     }
     assert!(wrong.is_empty(), "scenario 15:\n  {}\n{rows:#?}", wrong.join("\n  "));
     eprintln!(
