@@ -3,7 +3,8 @@
 //! no files use each other in a circle; the pure supervisor does no I/O.
 //! Read from the source text (`crate::` paths outside comments), so it
 //! runs without building anything else: `cargo nextest run -E
-//! 'binary(layers)'`. `docs/architecture.md` draws the same layers.
+//! 'binary(layers)'`. `docs/architecture.md` draws the same layers, and
+//! its table names every file.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -180,4 +181,57 @@ fn the_checks_see_what_they_forbid() {
     let used = uses(&f, &modules);
     assert_eq!(used, BTreeSet::from(["daemon::server".to_string()]));
     assert!(layer_of("daemon::server") < layer_of("util::escape"));
+}
+
+/// `docs/architecture.md`'s table of folders names every file of `src/`
+/// (but `mod.rs`, `lib.rs`, `main.rs` and test modules), and no file that
+/// is not there: `| \`folder/\` | \`a.rs\`, \`b.rs\` (+ \`b/c.rs\`, \`b/d/\`) | … |`,
+/// a name ending in `/` standing for a folder's every file.
+#[test]
+fn the_architecture_documents_table_names_every_file() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/architecture.md")).unwrap();
+    let mut named: BTreeSet<String> = BTreeSet::new();
+    for line in doc.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let Some(folder) = cells.get(1).and_then(|c| c.strip_prefix('`')?.strip_suffix("/`")) else { continue };
+        let Some(files) = cells.get(2) else { continue };
+        for name in files.split('`').skip(1).step_by(2) {
+            named.insert(format!("{folder}/{name}"));
+        }
+    }
+    assert!(named.len() > 20, "no table of folders read from docs/architecture.md: {named:?}");
+    let src = root.join("src");
+    let mut unnamed = Vec::new();
+    let mut seen = BTreeSet::new();
+    for f in files() {
+        let rel = f.path.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
+        let name = rel.rsplit('/').next().unwrap_or_default();
+        if !rel.contains('/') || name == "mod.rs" || f.code.trim().is_empty() {
+            seen.insert(rel);
+            continue;
+        }
+        // A test-only module (`#[cfg(test)] mod properties;`) is no part.
+        let parent = Path::new(&rel).parent().unwrap();
+        let stem = name.trim_end_matches(".rs");
+        let declared_in = [src.join(parent).with_extension("rs"), src.join(parent).join("mod.rs")];
+        let test_only = declared_in.iter().filter_map(|p| std::fs::read_to_string(p).ok()).any(|t| {
+            let decl = format!("mod {stem};");
+            t.lines().collect::<Vec<_>>().windows(2).any(|w| w[0].trim() == "#[cfg(test)]" && w[1].trim() == decl)
+        });
+        if test_only {
+            continue;
+        }
+        let by_folder = named.iter().any(|n| n.ends_with('/') && rel.starts_with(n.as_str()));
+        if by_folder {
+            continue;
+        }
+        seen.insert(rel.clone());
+        if !named.contains(&rel) {
+            unnamed.push(rel);
+        }
+    }
+    assert!(unnamed.is_empty(), "files missing from docs/architecture.md's table: {unnamed:?}");
+    let stale: Vec<&String> = named.iter().filter(|n| !n.ends_with('/') && !seen.contains(*n)).collect();
+    assert!(stale.is_empty(), "docs/architecture.md's table names files that are not in src/: {stale:?}");
 }
