@@ -510,6 +510,37 @@ fn a_connection_whose_request_comes_during_the_hand_over_is_answered() {
     assert_eq!(d.w.stop(), 0);
 }
 
+/// The warden's exit (a stop, a service restart) gives a connection it
+/// accepted its answer before the process ends, though its request is
+/// still on its way: a 503 (it will not serve again), not a reset.
+#[test]
+fn a_connection_open_at_the_exit_is_answered_not_reset() {
+    // No drain before the stop: the connection's header-read timeout
+    // would close it first.
+    let mut d = Door::start(&[], "[drain]\non-stop = false\n");
+    d.w.wait_ready();
+    let mut early = std::net::TcpStream::connect(("127.0.0.1", d.front)).unwrap();
+    early.set_read_timeout(Some(TIMEOUT)).unwrap();
+    d.w.signal(nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + TIMEOUT;
+    while !d.w.stderr().contains("the front door answers its last requests: 1 connections open") {
+        assert!(Instant::now() < deadline, "no last answers{}", d.w.seen());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let body = completion("late", 2).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    early.write_all(request.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let read = early.read_to_end(&mut out);
+    let answer = String::from_utf8_lossy(&out);
+    assert!(read.is_ok() && answer.starts_with("HTTP/1.1 503"), "{read:?}: {answer}");
+    assert_eq!(d.w.wait_exit(), 0);
+    assert!(!d.w.stderr().contains("did not empty"), "{}", d.w.stderr());
+}
+
 /// `vllm-warden upgrade` while requests are being forwarded, streamed and
 /// not: the front door takes no new connection, every request in flight
 /// is answered whole by the old warden before the exec (200, a stream to

@@ -128,6 +128,12 @@ impl Default for Activity {
 /// backlog than it would be held.
 pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(30);
 
+/// How long the warden's exit waits for the front door's connections to
+/// get their last answers (see `daemon::run`): they are answered at once
+/// (the warden will not serve again); only a client still sending its
+/// request takes longer.
+pub const EXIT_PATIENCE: Duration = Duration::from_secs(5);
+
 /// A client connection, counted while it is open.
 #[derive(Debug)]
 pub struct Open(std::sync::Arc<Activity>);

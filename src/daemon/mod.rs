@@ -152,11 +152,39 @@ pub async fn run(
         ctx: &ctx,
         observer: &mut observer,
         upgrade: None,
-        activity,
+        activity: activity.clone(),
     }
     .run(requests)
     .await;
+    if let (Some(a), Some(f)) = (activity, &observer.front) {
+        // Whatever the machine ended in: the warden will not serve again.
+        f.gate.send_replace(front::Gate::Closed);
+        front_closed(&a).await;
+    }
     finish(code, backend, observer, &cleanup).await
+}
+
+/// The loop is done: the front door takes no new connection (they wait
+/// in the kernel's backlog, for the next warden when systemd keeps the
+/// socket in its store) and its open connections get their answers (a
+/// 503 now that the warden will not serve again; one accepted whose
+/// request is still on its way gets it too) before the process ends: an
+/// exit under an open connection is a reset for its client. At most
+/// [`front::EXIT_PATIENCE`].
+async fn front_closed(a: &front::Activity) {
+    a.hand_over();
+    let open = a.connections();
+    if open > 0 {
+        tracing::info!(EVENT = "front", "the front door answers its last requests: {open} connections open");
+    }
+    let left = a.emptied(tokio::time::Instant::now() + front::EXIT_PATIENCE).await;
+    if left > 0 {
+        tracing::warn!(
+            EVENT = "front",
+            "the front door did not empty within {}s: {left} connections end with the warden",
+            front::EXIT_PATIENCE.as_secs()
+        );
+    }
 }
 
 /// The front door's listening sockets (none without `[front]`), with a

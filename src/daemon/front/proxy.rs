@@ -226,6 +226,9 @@ async fn release(door: Arc<Door>) {
             },
             Ok(()) = handover.changed() => {
                 let on = *handover.borrow_and_update();
+                // A gate that closed at the same time (the warden's exit)
+                // answers its own way first.
+                door.queue.gate_changed(&gate);
                 let n = door.queue.hand_over(on);
                 if n > 0 {
                     tracing::info!(EVENT = "front", "{n} held requests answered 503: the warden is being upgraded");
