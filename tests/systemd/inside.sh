@@ -248,6 +248,19 @@ systemctl stop vllm-warden@flood
 # A host OOM kill under the shipped unit (OOMPolicy=continue): a drop-in
 # gives this instance a small MemoryMax=, its child allocates past it once.
 # The unit stays active, the warden names the kill and restarts the child.
+# Only where the container's systemd can enforce MemoryMax=: a memory
+# controller of its own (cgroup v2 with memory, or a writable v1 memory
+# hierarchy). On a host whose cgroups give the container none (v1, its
+# memory hierarchy read-only), the limit is not set and the child would
+# allocate until the host's OOM killer picked a victim, whichever: skipped,
+# and said.
+memory_limits() {
+    grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null ||
+        { [ -d /sys/fs/cgroup/memory ] && ! findmnt -n -o OPTIONS /sys/fs/cgroup/memory | tr ',' '\n' | grep -qx ro; }
+}
+if ! memory_limits; then
+    ok "the warden names the OOM kill of its child # SKIP this container has no memory controller of its own (cgroup v1, read-only): MemoryMax= cannot be enforced"
+else
 mkdir -p /etc/systemd/system/vllm-warden@oom.service.d
 printf '[Service]\nMemoryMax=256M\nMemorySwapMax=0\n' >/etc/systemd/system/vllm-warden@oom.service.d/memory.conf
 systemctl daemon-reload
@@ -259,9 +272,14 @@ check "an instance under MemoryMax=256M starts" systemctl start vllm-warden@oom
 main=$(prop oom MainPID)
 oom_named() { journalctl -u vllm-warden@oom EVENT=failed --no-pager -o cat | grep -q "killed by the kernel's OOM killer (host memory)"; }
 check "the warden names the OOM kill of its child" wait_for 60 oom_named
+if ! oom_named; then
+    echo "#   the unit's memory limit: $(systemctl show -p MemoryMax --value vllm-warden@oom), cgroup: $(cat /proc/"$main"/cgroup | tr '\n' ' ')"
+    journalctl -u vllm-warden@oom --no-pager -o cat | grep -v '^$' | tail -n 15 | sed 's/^/#   journal: /'
+fi
 check "… and restarts it, the unit active, same main pid" wait_for 60 bash -c \
     "grep -q '\"state\": \"ready\"' /run/vllm-warden/oom/status.json && test \"\$(systemctl is-active vllm-warden@oom)/\$(systemctl show -p MainPID --value vllm-warden@oom)/\$(systemctl show -p NRestarts --value vllm-warden@oom)\" = active/$main/0"
 systemctl stop vllm-warden@oom
+fi
 
 # Installing a later package upgrades a running warden in place: the unit
 # stays active with the same main pid, the server keeps its pid, and the
