@@ -467,6 +467,29 @@ fn header(answer: &str, name: &str) -> Option<String> {
     })
 }
 
+/// Wait (under one generous deadline) until the warden has logged `what`.
+fn wait_logged(d: &mut Door, what: &str) {
+    let deadline = Instant::now() + TIMEOUT;
+    while !d.w.stderr().contains(what) {
+        assert!(Instant::now() < deadline, "not logged: {what}{}", d.w.seen());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A completion sent on `conn` (asking to close it), and all that came
+/// back until it closed.
+fn complete_on(conn: &mut std::net::TcpStream, prompt: &str) -> (std::io::Result<usize>, String) {
+    let body = completion(prompt, 2).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let read = conn.read_to_end(&mut out);
+    (read, String::from_utf8_lossy(&out).into_owned())
+}
+
 /// A connection accepted before an upgrade's hand-over whose request comes
 /// after it is not idle: its request is answered, not its connection
 /// closed under it (which its client meets as a reset or a broken pipe).
@@ -487,21 +510,9 @@ fn a_connection_whose_request_comes_during_the_hand_over_is_answered() {
     let long = std::thread::spawn(move || common::http::post_json(&url, &completion("long", 150), TIMEOUT));
     d.wait_metric(IN_FLIGHT, 1.0);
     d.w.ask_upgrade(&exe);
-    let deadline = Instant::now() + TIMEOUT;
-    while !d.w.stderr().contains("the front door takes no new connection") {
-        assert!(Instant::now() < deadline, "no hand-over{}", d.w.seen());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_logged(&mut d, "the front door takes no new connection");
     assert!(d.w.stderr().contains("waits for 2 open"), "{}", d.w.stderr());
-    let body = completion("early", 2).to_string();
-    let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    early.write_all(request.as_bytes()).unwrap();
-    let mut out = Vec::new();
-    let read = early.read_to_end(&mut out);
-    let answer = String::from_utf8_lossy(&out);
+    let (read, answer) = complete_on(&mut early, "early");
     assert!(read.is_ok() && answer.starts_with("HTTP/1.1 200"), "{read:?}: {answer}");
     assert!(answer.contains("text_completion"), "{answer}");
     let a = long.join().unwrap().unwrap_or_else(|e| panic!("the long request was cut: {e}"));
@@ -522,20 +533,8 @@ fn a_connection_open_at_the_exit_is_answered_not_reset() {
     let mut early = std::net::TcpStream::connect(("127.0.0.1", d.front)).unwrap();
     early.set_read_timeout(Some(TIMEOUT)).unwrap();
     d.w.signal(nix::sys::signal::Signal::SIGTERM);
-    let deadline = Instant::now() + TIMEOUT;
-    while !d.w.stderr().contains("the front door answers its last requests: 1 connections open") {
-        assert!(Instant::now() < deadline, "no last answers{}", d.w.seen());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let body = completion("late", 2).to_string();
-    let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    early.write_all(request.as_bytes()).unwrap();
-    let mut out = Vec::new();
-    let read = early.read_to_end(&mut out);
-    let answer = String::from_utf8_lossy(&out);
+    wait_logged(&mut d, "the front door answers its last requests: 1 connections open");
+    let (read, answer) = complete_on(&mut early, "late");
     assert!(read.is_ok() && answer.starts_with("HTTP/1.1 503"), "{read:?}: {answer}");
     assert_eq!(d.w.wait_exit(), 0);
     assert!(!d.w.stderr().contains("did not empty"), "{}", d.w.stderr());
