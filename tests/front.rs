@@ -467,13 +467,10 @@ fn header(answer: &str, name: &str) -> Option<String> {
     })
 }
 
-/// Wait (under one generous deadline) until the warden has logged `what`.
+/// Wait (on inotify, under one generous deadline) until the warden has
+/// logged `what`.
 fn wait_logged(d: &mut Door, what: &str) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !d.w.stderr().contains(what) {
-        assert!(Instant::now() < deadline, "not logged: {what}{}", d.w.seen());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    d.w.wait_for_file("warden.stderr", |w| w.stderr().contains(what));
 }
 
 /// A completion sent on `conn` (asking to close it), and all that came

@@ -104,25 +104,17 @@ fn ms(d: Duration) -> String {
 /// start since `since` that became ready, and how many starts that took.
 /// The warden's log lines reach its stderr on a writer of their own, so a
 /// line may come a moment after the notification that followed it: they
-/// are waited for, under [`MARGIN`].
+/// are waited for (on inotify), under [`MARGIN`].
 fn load_timings(w: &Warden, since: SystemTime) -> (Duration, Duration, usize) {
-    let deadline = Instant::now() + MARGIN;
-    loop {
-        let line = logged_at(w, "ready line seen", since);
-        let starts: Vec<SystemTime> =
-            logged(w, "child spawned", since).into_iter().filter(|t| line.is_some_and(|l| *t <= l)).collect();
-        let ready = line.and_then(|l| logged_at(w, "ready: pid", l));
-        if let (Some(line), Some(spawned), Some(ready)) = (line, starts.last(), ready) {
-            return (ready.duration_since(*spawned).unwrap(), ready.duration_since(line).unwrap(), starts.len());
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no spawn, ready line and ready of one load since {}: {line:?}, {starts:?}, {ready:?}\n{}",
-            humantime::format_rfc3339_micros(since),
-            w.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let timings = || {
+        let line = logged_at(w, "ready line seen", since)?;
+        let starts: Vec<SystemTime> = logged(w, "child spawned", since).into_iter().filter(|t| *t <= line).collect();
+        let spawned = *starts.last()?;
+        let ready = logged_at(w, "ready: pid", line)?;
+        Some((ready.duration_since(spawned).unwrap(), ready.duration_since(line).unwrap(), starts.len()))
+    };
+    common::wait_for_file_within(MARGIN, &w.path("warden.stderr"), || timings().is_some());
+    timings().expect("waited for")
 }
 
 /// "", or how many starts a load took when it took more than one.

@@ -95,14 +95,14 @@ pub struct Activity {
     /// successor), kept-alive ones are closed after their request.
     handover: watch::Sender<bool>,
     /// The client connections open now, and the listeners accepting.
-    open: watch::Sender<Open_>,
+    open: watch::Sender<Counts>,
 }
 
 /// What an upgrade's exec waits on: connections open (each in this
 /// warden's hands), and accept loops that may take one (one that took a
 /// connection counts it before it looks at the hand-over again).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Open_ {
+struct Counts {
     connections: usize,
     accepting: usize,
 }
@@ -114,7 +114,7 @@ impl Default for Activity {
             last: Mutex::new(Instant::now()),
             woken: tokio::sync::Notify::new(),
             handover: watch::Sender::new(false),
-            open: watch::Sender::new(Open_::default()),
+            open: watch::Sender::new(Counts::default()),
         }
     }
 }
@@ -232,7 +232,7 @@ impl Activity {
     /// connections still open then.
     pub async fn emptied(&self, deadline: Instant) -> usize {
         let mut open = self.open.subscribe();
-        let _ = tokio::time::timeout_at(deadline, open.wait_for(|o| *o == Open_::default())).await;
+        let _ = tokio::time::timeout_at(deadline, open.wait_for(|o| *o == Counts::default())).await;
         self.connections()
     }
 }

@@ -1733,7 +1733,13 @@ mod tests {
             r
         };
         // Three cold loads (60 s of weights), two warm ones (4 s).
-        let rs = vec![of(0.0, false, 60.0, 1), of(0.0, false, 60.0, 2), of(1.0, true, 4.0, 3), of(0.0, false, 60.0, 4), of(1.0, true, 4.0, 5)];
+        let rs = vec![
+            of(0.0, false, 60.0, 1),
+            of(0.0, false, 60.0, 2),
+            of(1.0, true, 4.0, 3),
+            of(0.0, false, 60.0, 4),
+            of(1.0, true, 4.0, 5),
+        ];
         let classes = History::by_class(&rs, "f1", HOUR);
         let class = |c| classes.iter().find(|(k, _)| *k == c).map(|(_, h)| h.loads);
         assert_eq!(
