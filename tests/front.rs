@@ -316,7 +316,7 @@ fn a_stream_whose_engine_dies_ends_with_an_error_event() {
     .unwrap_or_else(|e| panic!("the stream was torn: {e}"));
     assert_eq!(status, 200);
     let n = lines.len();
-    assert!(n >= 4 && n < 500, "{lines:?}");
+    assert!((4..500).contains(&n), "{lines:?}");
     let error: serde_json::Value = serde_json::from_str(lines[n - 2].strip_prefix("data: ").unwrap()).unwrap();
     assert_eq!(error["error"]["type"], "upstream_error", "{lines:?}");
     assert_eq!(error["error"]["code"], 502, "{lines:?}");
