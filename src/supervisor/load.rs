@@ -16,7 +16,8 @@
 //! how far the load has come. The loads a load is estimated from are
 //! first all of its setup's; once the page cache is counted (the
 //! read-ahead's first report), those of its [`CacheClass`] where the setup
-//! has any: on one machine, whether the weights are cached decides the
+//! has any (of the class nearest it, [`CacheClass::nearest`], where it has
+//! none of its own): on one machine, whether the weights are cached decides the
 //! start and weights phases more than anything else, and a warm load
 //! estimated from cold ones is minutes off on a big model. Without a load
 //! of its class, a cold load adds what its uncached bytes take at the
@@ -210,6 +211,21 @@ impl CacheClass {
             (true, _) => CacheClass::Warm,
             (false, true) => CacheClass::ColdAhead,
             (false, false) => CacheClass::Cold,
+        }
+    }
+
+    /// The classes whose history estimates a load of this one, nearest
+    /// first: a warm load without warm loads before it is estimated from
+    /// the cold loads with the read-ahead (the read-ahead has the weights
+    /// in the page cache by the time vLLM reads them, most of the way to
+    /// a warm load), not from all the setup's loads (a cold load's weights
+    /// phase is a loader's reading from the disk: on a big model several
+    /// times a warm one's).
+    pub fn nearest(self) -> &'static [CacheClass] {
+        match self {
+            CacheClass::Warm => &[CacheClass::Warm, CacheClass::ColdAhead],
+            CacheClass::ColdAhead => &[CacheClass::ColdAhead],
+            CacheClass::Cold => &[CacheClass::Cold],
         }
     }
 
@@ -717,7 +733,8 @@ impl LoadTrack {
             // page cache made them take: the cold extra is then small).
             if let Some(r) = self.start.residency {
                 let class = CacheClass::of(r, p.reads);
-                if let Some(i) = self.start.classes.iter().position(|(c, _)| *c == class) {
+                let nearest = class.nearest().iter().find_map(|k| self.start.classes.iter().position(|(c, _)| c == k));
+                if let Some(i) = nearest {
                     self.start.history = Some(self.start.classes.swap_remove(i).1);
                 }
             }
@@ -1769,10 +1786,32 @@ mod tests {
         // Cold with the read-ahead: no load of its class, all five, and
         // the disk's extra (4 GB at 0.2 GB/s is 20 s, within the start
         // and weights phases' medians of 10 + 60 s: none).
-        let mut l = LoadTrack::new(start, t0);
+        let mut l = LoadTrack::new(start.clone(), t0);
         l.prefetched(counted(0), t0);
         assert_eq!(l.history().map(|h| h.loads), Some(5));
         assert_eq!(l.now(t0).expected, Some(Duration::from_secs(81)));
+        // Warm with no warm load before it: the cold loads with the
+        // read-ahead (two, of 20 s of weights), not all of them.
+        let ahead = vec![of(0.0, false, 60.0, 1), of(0.0, true, 20.0, 2), of(0.0, true, 20.0, 3)];
+        let start = LoadStart {
+            history: History::of(&ahead, "f1", HOUR),
+            classes: History::by_class(&ahead, "f1", HOUR),
+            ..start
+        };
+        let mut l = LoadTrack::new(start.clone(), t0);
+        l.prefetched(counted(4_000_000_000), t0);
+        assert_eq!(l.history().map(|h| h.loads), Some(2));
+        assert_eq!(l.now(t0).expected, Some(Duration::from_secs(41)));
+        // Cold, vLLM reading, with no cold load before it: all of them.
+        let warm = vec![of(0.0, true, 20.0, 1), of(0.0, true, 20.0, 2), of(1.0, true, 4.0, 3)];
+        let start = LoadStart {
+            history: History::of(&warm, "f1", HOUR),
+            classes: History::by_class(&warm, "f1", HOUR),
+            ..start
+        };
+        let mut l = LoadTrack::new(start, t0);
+        l.prefetched(PrefetchNow { reads: false, ..counted(0) }, t0);
+        assert_eq!(l.history().map(|h| h.loads), Some(3));
         // Records without a residency have no class.
         let mut old = rs.clone();
         old.iter_mut().for_each(|r| r.residency = None);
