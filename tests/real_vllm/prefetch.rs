@@ -4,11 +4,12 @@
 //! safetensors shards, a tiny architecture that answers completions).
 //!
 //! One warden's config and state directory, started again for each load, so
-//! that every load is in the same ledger and the same setup's history: six
-//! cold loads (the page cache dropped before each, which needs root), with
-//! the read-ahead and without in turns, then three warm loads. Each load's
-//! row is read from the ledger's JSON lines (the fields of issue #48, read
-//! as plain JSON so that a record without them still prints).
+//! that every load is in the same ledger and the same setup's history: cold
+//! loads (the page cache dropped before each, which needs root), with the
+//! read-ahead and without in turns, then warm loads; one of each kind by
+//! default, three with `VLLM_WARDEN_S15_LOADS=3` (see [`loads`]). Each
+//! load's row is read from the ledger's JSON lines (the fields of issue #48,
+//! read as plain JSON so that a record without them still prints).
 //!
 //! The issue's goals on the machine it was written for: a cold weights
 //! phase with the read-ahead at most 0.5x one without; a cold load's spawn
@@ -28,8 +29,20 @@ use crate::common::{Warden, exe, secs};
 /// A ready child's stop (`child.stop-timeout`) and the harness's margin.
 const STOP: Duration = Duration::from_secs(30);
 
-/// How many loads of each kind the issue asks for.
-const LOADS: usize = 3;
+/// How many loads of each kind: `VLLM_WARDEN_S15_LOADS`, else one. One of
+/// each proves the read-ahead against the real loader (what CI runs: each
+/// load of this model is over a minute on 2 cores); the measurement of
+/// `docs/benchmarks.md` is three of each
+/// (`VLLM_WARDEN_S15_LOADS=3 tests/real-vllm/run.sh s15`), which also
+/// holds the repeated warm loads' estimate to its bound.
+fn loads() -> usize {
+    match std::env::var("VLLM_WARDEN_S15_LOADS") {
+        Ok(v) => v.parse().ok().filter(|n| (1..=10).contains(n)).unwrap_or_else(|| {
+            panic!("VLLM_WARDEN_S15_LOADS={v}: a number of loads of each kind, from 1 to 10")
+        }),
+        Err(_) => 1,
+    }
+}
 
 /// The config of every load.
 fn config(d: &Path, port: u16, prefetch: Option<bool>) -> String {
@@ -165,13 +178,14 @@ fn median(mut xs: Vec<f64>) -> f64 {
 #[test]
 #[ignore]
 fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
+    let loads = loads();
     let load = budget(1, Duration::ZERO);
     let stop = STOP + MARGIN;
     let (c, from) = ceiling();
     eprintln!(
         "scenario 15 budgets (load ceiling {} from {from}): each of {} loads {}, each stop {}",
         secs(c),
-        3 * LOADS,
+        3 * loads,
         secs(load),
         secs(stop)
     );
@@ -182,7 +196,7 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
     // prove nothing of the read-ahead.
     assert!(ahead, "scenario 15: this build of the warden refuses [prefetch]");
     let order: Vec<Kind> =
-        (0..LOADS).flat_map(|_| [Kind::ColdAhead, Kind::Cold]).chain(std::iter::repeat_n(Kind::Warm, LOADS)).collect();
+        (0..loads).flat_map(|_| [Kind::ColdAhead, Kind::Cold]).chain(std::iter::repeat_n(Kind::Warm, loads)).collect();
     let prefetch = |k: Kind| ahead.then_some(k != Kind::Cold);
     let mut w = Warden::start(|d, p| {
         // Before the first spawn: the config of the first load, and a cold
@@ -365,7 +379,7 @@ fn s15_weights_read_ahead_while_vllm_starts_measured_against_the_disk() {
             );
         }
     }
-    if repeated.is_empty() {
+    if rows.iter().all(|r| worst(r).is_none()) {
         eprintln!("scenario 15: no estimate snapshots in the ledger (this build does not record them)");
     }
     for kind in [Kind::ColdAhead, Kind::Cold, Kind::Warm] {
