@@ -414,7 +414,7 @@ mod tests {
             assert_eq!(gate(phase, l.as_ref(), last), want, "{phase:?} {l:?}");
         }
         // Every phase has its row.
-        for p in Phase::ALL {
+        for &p in Phase::ALL {
             let _ = gate(p, None, None);
         }
     }

@@ -125,8 +125,9 @@ pub struct FrontDoc {
 }
 
 /// What became of a reload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, strum::IntoStaticStr)]
 #[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
 pub enum ReloadOutcome {
     /// Only the warden's own settings changed: applied to the running child.
     Applied,
@@ -140,12 +141,7 @@ pub enum ReloadOutcome {
 
 impl ReloadOutcome {
     pub fn as_str(self) -> &'static str {
-        match self {
-            ReloadOutcome::Applied => "applied",
-            ReloadOutcome::Restarting => "restarting",
-            ReloadOutcome::Unchanged => "unchanged",
-            ReloadOutcome::Refused => "refused",
-        }
+        self.into()
     }
 }
 
@@ -829,10 +825,10 @@ impl Metrics {
         for k in ALARM_KINDS {
             let _ = m.load_alarms.get_or_create(&vec![("kind".into(), k.into())]);
         }
-        for p in Phase::ALL {
+        for &p in Phase::ALL {
             let _ = m.state.get_or_create(&vec![("state".into(), p.as_str().into())]);
         }
-        for c in FailureClass::ALL {
+        for &c in FailureClass::ALL {
             let _ = m.failures.get_or_create(&vec![("class".into(), c.as_str().into())]);
         }
         registry.register("state", "1 for the state the warden is in, 0 for the others", m.state.clone());
@@ -973,14 +969,14 @@ impl Metrics {
 
     /// Bring every metric to what `snap` says.
     pub fn set(&self, snap: &Snapshot, journal_dropped: u64) {
-        for p in Phase::ALL {
+        for &p in Phase::ALL {
             let v = i64::from(p == snap.phase);
             self.state.get_or_create(&vec![("state".into(), p.as_str().into())]).set(v);
         }
         self.ready.set(i64::from(snap.phase == Phase::Ready));
         raise(&self.child_starts, snap.starts.into());
         raise(&self.restarts, snap.restarts.into());
-        for c in FailureClass::ALL {
+        for &c in FailureClass::ALL {
             let n = snap.failures.get(&c).copied().unwrap_or(0);
             raise(&self.failures.get_or_create(&vec![("class".into(), c.as_str().into())]), n);
         }

@@ -45,8 +45,9 @@ impl Problem {
 }
 
 /// Where a value a start used came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::IntoStaticStr)]
 #[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
 pub enum Source {
     /// The command line as configured.
     Config,
@@ -61,12 +62,7 @@ pub enum Source {
 
 impl Source {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Source::Config => "config",
-            Source::Default => "default",
-            Source::Pinned => "pinned",
-            Source::Fitted => "fitted",
-        }
+        self.into()
     }
 }
 

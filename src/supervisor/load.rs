@@ -191,7 +191,7 @@ pub struct LoadStart {
 /// its start and weights phases take more than anything else on one
 /// machine: a history of loads of one class estimates a load of that class
 /// (a warm load is not estimated from cold ones, nor the other way).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::VariantArray)]
 pub enum CacheClass {
     /// At least half the weights' bytes cached at the spawn.
     Warm,
@@ -202,8 +202,6 @@ pub enum CacheClass {
 }
 
 impl CacheClass {
-    pub const ALL: [CacheClass; 3] = [CacheClass::Warm, CacheClass::ColdAhead, CacheClass::Cold];
-
     /// The class of a load with `residency` at its spawn, the read-ahead
     /// reading or not.
     pub fn of(residency: f64, reading: bool) -> CacheClass {
@@ -586,8 +584,9 @@ impl History {
     /// The histories of `fingerprint` by page-cache class, each from the
     /// loads of its class only; a class without a load has none.
     pub fn by_class(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Vec<(CacheClass, History)> {
-        CacheClass::ALL
-            .into_iter()
+        <CacheClass as strum::VariantArray>::VARIANTS
+            .iter()
+            .copied()
             .filter_map(|c| {
                 let h = History::of_loads(records, fingerprint, timeout, |r| CacheClass::of_record(r) == Some(c));
                 Some((c, h?))

@@ -10,8 +10,22 @@ use serde::{Deserialize, Serialize};
 
 /// What the warden is doing, as the status document, the metrics and
 /// `status` name it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    strum::VariantArray,
+    strum::IntoStaticStr,
+)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum Phase {
     /// Preparing, spawning or loading.
     Starting,
@@ -39,32 +53,10 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 10] = [
-        Phase::Starting,
-        Phase::Ready,
-        Phase::Draining,
-        Phase::Drained,
-        Phase::Rechecking,
-        Phase::Backoff,
-        Phase::Stopping,
-        Phase::Stopped,
-        Phase::Failed,
-        Phase::Idle,
-    ];
+    pub const ALL: &[Phase] = <Phase as strum::VariantArray>::VARIANTS;
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Starting => "starting",
-            Phase::Ready => "ready",
-            Phase::Draining => "draining",
-            Phase::Drained => "drained",
-            Phase::Rechecking => "rechecking",
-            Phase::Backoff => "backoff",
-            Phase::Stopping => "stopping",
-            Phase::Failed => "failed",
-            Phase::Stopped => "stopped",
-            Phase::Idle => "idle",
-        }
+        self.into()
     }
 
     /// Whether requests may be sent to the model now: ready, and neither
@@ -83,8 +75,22 @@ impl std::fmt::Display for Phase {
 }
 
 /// The class of a failed run's cause, as counted in the metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    strum::VariantArray,
+    strum::IntoStaticStr,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum FailureClass {
     /// The child exited (any code) with no fatal line to explain it.
     Exit,
@@ -110,30 +116,10 @@ pub enum FailureClass {
 }
 
 impl FailureClass {
-    pub const ALL: [FailureClass; 9] = [
-        FailureClass::Exit,
-        FailureClass::FatalLine,
-        FailureClass::Health,
-        FailureClass::Permanent,
-        FailureClass::Spawn,
-        FailureClass::Stall,
-        FailureClass::Timeout,
-        FailureClass::WrongAnswers,
-        FailureClass::NoAnswer,
-    ];
+    pub const ALL: &[FailureClass] = <FailureClass as strum::VariantArray>::VARIANTS;
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            FailureClass::Exit => "exit",
-            FailureClass::FatalLine => "fatal_line",
-            FailureClass::Health => "health",
-            FailureClass::Permanent => "permanent",
-            FailureClass::Spawn => "spawn",
-            FailureClass::Stall => "stall",
-            FailureClass::Timeout => "timeout",
-            FailureClass::WrongAnswers => "wrong_answers",
-            FailureClass::NoAnswer => "no_answer",
-        }
+        self.into()
     }
 }
 

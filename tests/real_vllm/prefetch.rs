@@ -37,9 +37,11 @@ const STOP: Duration = Duration::from_secs(30);
 /// holds the repeated warm loads' estimate to its bound.
 fn loads() -> usize {
     match std::env::var("VLLM_WARDEN_S15_LOADS") {
-        Ok(v) => v.parse().ok().filter(|n| (1..=10).contains(n)).unwrap_or_else(|| {
-            panic!("VLLM_WARDEN_S15_LOADS={v}: a number of loads of each kind, from 1 to 10")
-        }),
+        Ok(v) => v
+            .parse()
+            .ok()
+            .filter(|n| (1..=10).contains(n))
+            .unwrap_or_else(|| panic!("VLLM_WARDEN_S15_LOADS={v}: a number of loads of each kind, from 1 to 10")),
         Err(_) => 1,
     }
 }
