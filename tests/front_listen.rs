@@ -156,6 +156,7 @@ fn a_socket_passed_by_systemd_is_used_and_not_bound() {
     let mut w = Warden::start_with(|d, p| front_config(d, p, &listen), opts);
     w.wait_ready();
     assert!(sockets_of(w.pid).contains(&inode(&l)), "the warden holds the socket systemd passed");
+    w.wait_logged(&format!("listening on {addr} (passed by systemd as web.socket)"));
     let stderr = w.stderr();
     assert!(stderr.contains(&format!("listening on {addr} (passed by systemd as web.socket)")), "{stderr}");
     drop(l);
@@ -228,7 +229,7 @@ fn a_warden_started_again_takes_its_sockets_back_from_the_store() {
     assert!(theirs.contains(&inode(&kept)), "the warden uses the stored socket");
     assert!(!theirs.contains(&inode(&removed)), "the stale one is closed");
     assert!(rx.try_recv().is_err(), "a socket taken from the store is not stored again");
-    assert!(w2.stderr().contains("from systemd's store, front-0"), "{}", w2.stderr());
+    w2.wait_logged("from systemd's store, front-0");
     connects_tcp(&format!("127.0.0.1:{front}")).unwrap();
     assert_eq!(w2.stop(), 0);
 }
@@ -272,7 +273,7 @@ fn an_upgrade_keeps_the_front_doors_sockets() {
     eprintln!("{tries} connections of each kind during the upgrade, none refused");
     let after = (listening_tcp(front).unwrap(), listening_unix(&sock).unwrap());
     assert_eq!(before, after, "the same sockets listen after the upgrade");
-    assert!(w.stderr().contains("(kept across the upgrade)"), "{}", w.stderr());
+    w.wait_logged("(kept across the upgrade)");
     connects_tcp(&format!("127.0.0.1:{front}")).unwrap();
     assert_eq!(w.stop(), 0);
 }
@@ -304,6 +305,7 @@ fn an_unusable_hand_off_still_keeps_the_sockets() {
     std::fs::rename(&new, &exe).unwrap();
     w.ask_upgrade(&real);
     w.wait_ready_within(TIMEOUT, "READY=1 of the start after a refused upgrade");
+    w.wait_logged("the upgrade's state is unusable (");
     let log = w.stderr();
     assert!(log.contains("the upgrade's state is unusable ("), "{log}");
     assert!(log.contains(&format!("listening on 127.0.0.1:{front} (kept across the upgrade)")), "{log}");

@@ -806,6 +806,7 @@ fn a_refused_upgrade_starts_again(how: &str, tamper: &str) -> String {
     w.ask_upgrade(&real);
 
     w.wait_ready_within(common::TIMEOUT, &format!("READY=1 of the start after a refused upgrade ({how})"));
+    w.wait_logged("the upgrade's state is unusable (");
     let log = w.stderr();
     assert!(log.contains("the upgrade's state is unusable ("), "{how}: {log}");
     assert!(!log.contains("already supervised"), "{how}: {log}");

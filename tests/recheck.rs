@@ -186,7 +186,7 @@ fn an_xid_31_in_the_kernel_ring_buffer_takes_the_model_out_and_wrong_answers_res
     assert_eq!(d["last_failure"]["class"], "wrong_answers", "{d}");
     let cause = d["last_failure"]["cause"].as_str().unwrap();
     assert!(cause.starts_with("re-checked after GPU fault: Xid 31 (GPU memory page fault) on 0000:41:00.0: answers changed with the same setup"), "{cause}");
-    assert!(w.stderr().contains("golden-mismatch"), "the journal's event");
+    w.wait_logged("golden-mismatch");
     assert_eq!(w.stop(), 0);
     eprintln!("Xid 31 → out of rotation: {} ms", took.as_millis());
 }
@@ -225,7 +225,7 @@ fn an_xid_31_with_the_answers_unchanged_puts_the_model_back_in_rotation() {
     });
     let prom = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
     assert!(prom.contains("vllm_warden_golden_recheck_pause_seconds_total{name=\"t\"} "), "{prom}");
-    assert!(w.stderr().contains("back in rotation after"), "the journal");
+    w.wait_logged("back in rotation after");
     assert_eq!(w.stop(), 0);
     eprintln!("Xid 31 → out of rotation: {} ms; back in rotation after {} ms", took.as_millis(), back_at.as_millis());
 }
@@ -275,6 +275,6 @@ fn an_oom_kill_of_the_leader_that_the_kernel_reports_is_named() {
         )),
         "{d}"
     );
-    assert!(w.stderr().contains("the host's memory (or the unit's MemoryMax=) ran out"), "the hint");
+    w.wait_logged("the host's memory (or the unit's MemoryMax=) ran out");
     assert_eq!(w.stop(), 0);
 }

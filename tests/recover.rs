@@ -336,7 +336,7 @@ mod state_is_data {
         let cmd = start_with_pins(&mut w, &fp, "", r#"{"max-model-len": "2048"}"#);
         assert!(cmd.ends_with("--max-model-len 8192"), "{cmd}");
         let said = format!("the pin --max-model-len \"2048\" of setup {fp} is not used: `fit.enabled` is off");
-        assert!(w.stderr().contains(&said), "{}", w.stderr());
+        w.wait_logged(&said);
     }
 
     #[test]
@@ -345,7 +345,7 @@ mod state_is_data {
         let only = format!("{ON}adjust = [\"gpu-memory-utilization\"]\n");
         let cmd = start_with_pins(&mut w, &fp, &only, r#"{"max-model-len": "4096"}"#);
         assert!(cmd.ends_with("--max-model-len 8192"), "{cmd}");
-        assert!(w.stderr().contains("`fit.adjust` does not allow --max-model-len"), "{}", w.stderr());
+        w.wait_logged("`fit.adjust` does not allow --max-model-len");
     }
 
     #[test]
@@ -397,7 +397,7 @@ mod state_is_data {
         let said = format!(
             "memory fit: the start with the pinned --max-model-len 4096 failed; the pin is dropped for setup {fp}"
         );
-        assert!(w.stderr().contains(&said), "{}", w.stderr());
+        w.wait_logged(&said);
         assert_eq!(w.stop(), 0);
         let pins = std::fs::read_to_string(w.path("state/fit-pins.json")).unwrap();
         assert!(!pins.contains("4096"), "{pins}");

@@ -466,7 +466,7 @@ fn an_upgrade_during_a_restarts_drain_waits_for_the_restart() {
     let child = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
     assert_ne!(child.pid, leader.pid, "restarted");
     assert!(note.ends_with(&format!("; ready: pid {}", child.pid)), "{note}");
-    assert!(w.stderr().contains("waits until the drain ends"), "{}", w.stderr());
+    w.wait_logged("waits until the drain ends");
     // The new warden re-checks the answers of the run it took over first.
     w.wait_note("back in rotation", |n| n.contains("; back in rotation after "));
     assert_eq!(tcp(listen, "GET", "/readyz", None).0, 200);

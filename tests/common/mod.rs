@@ -495,6 +495,13 @@ impl Warden {
         }
     }
 
+    /// Wait (on inotify, under one generous deadline) until the warden has
+    /// logged `what`: its lines reach stderr through its log's writer
+    /// thread, a moment after the notification that follows them.
+    pub fn wait_logged(&mut self, what: &str) {
+        self.wait_for_file("warden.stderr", |w| w.stderr().contains(what));
+    }
+
     pub fn statuses(&self) -> Vec<&str> {
         self.notes.iter().filter_map(|n| n.strip_prefix("STATUS=")).collect()
     }
