@@ -14,6 +14,7 @@ use crate::config::{self, Dirs, Settings};
 use crate::daemon::driver::{Backend, Input};
 use crate::observe::logwatch::{Delivery, LogFollower, Tap};
 use crate::process::child::{self, ChildSpec, Tree};
+use crate::supervisor::Event;
 use crate::supervisor::classify::{Classifier, Level};
 use crate::supervisor::outcome::{Prepared, StartFailure};
 use crate::util::redact;
@@ -329,10 +330,10 @@ impl RealBackend {
             use crate::observe::kernel::Kernel;
             let start = current.load(std::sync::atomic::Ordering::SeqCst);
             let _ = match said {
-                Kernel::Fatal(fault) => tx.send(Input::GpuFault { start, cause: fault.cause() }),
+                Kernel::Fatal(fault) => tx.send(Event::GpuFault { start, cause: fault.cause() }.into()),
                 Kernel::Recheck(fault) => {
                     tracing::warn!(EVENT = "gpus", "kernel: {}", fault.recheck_reason());
-                    tx.send(Input::Recheck { reason: fault.recheck_reason() })
+                    tx.send(Event::Recheck { reason: fault.recheck_reason() }.into())
                 }
                 Kernel::OomKill(line) => {
                     let said = crate::util::escape::one_line(&line, crate::util::escape::MAX_LINE);
@@ -494,7 +495,7 @@ impl Backend for RealBackend {
         self.loads.prefetch = crate::daemon::prefetch::Prefetch::planned(
             move || crate::daemon::prefetch::order_for(&s),
             move |now| {
-                let _ = tx_prefetch.send(Input::Prefetched { start, now });
+                let _ = tx_prefetch.send(Event::Prefetched { start, now }.into());
             },
         )
         .map_err(|e| tracing::warn!(EVENT = "prefetch", "no thread for the read-ahead of the weights: {e}"))
@@ -502,7 +503,7 @@ impl Backend for RealBackend {
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::daemon::prepare::Status = Arc::new(move |text| {
-                let _ = steps.send(Input::Step { start, text });
+                let _ = steps.send(Event::PrepareStep { start, text }.into());
             });
             let mut result = Ok(());
             if let Some(patches) = revert {
@@ -572,7 +573,7 @@ impl Backend for RealBackend {
                     Prepared::Failed(failure)
                 }
             };
-            let _ = tx.send(Input::Prepared { start, result });
+            let _ = tx.send(Event::Prepared { start, result }.into());
         });
         self.launch.preparing = Some((start, task));
     }
@@ -583,7 +584,7 @@ impl Backend for RealBackend {
         if let Some((start, task)) = self.launch.preparing.take() {
             task.abort();
             crate::observe::reports::start_under_way(false);
-            let _ = self.inputs.send(Input::Prepared { start, result: Prepared::Cancelled });
+            let _ = self.inputs.send(Event::Prepared { start, result: Prepared::Cancelled }.into());
         }
     }
 
@@ -628,7 +629,7 @@ impl Backend for RealBackend {
             let member = crate::process::ray::Member::of(&self.settings.child.command, head);
             self.checks.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
                 crate::process::ray::confirm(&argv, &address, &member).await;
-                let _ = tx.send(Input::HttpReady { start });
+                let _ = tx.send(Event::HttpReady { start }.into());
             }));
             return;
         }
@@ -640,7 +641,7 @@ impl Backend for RealBackend {
             let mut delay = Duration::from_millis(20);
             loop {
                 if crate::observe::health::request_ok(api.get(&url), Duration::from_secs(5)).await {
-                    let _ = tx.send(Input::HttpReady { start });
+                    let _ = tx.send(Event::HttpReady { start }.into());
                     return;
                 }
                 tokio::time::sleep(delay).await;
@@ -669,7 +670,7 @@ impl Backend for RealBackend {
         let (tx, traffic, last) = (self.inputs.clone(), self.checks.traffic.clone(), self.checks.last_check.clone());
         let task = self.tasks.spawn("health checks", Lifetime::Finite, async move {
             let cause = crate::observe::health::watch(spec, traffic, last).await;
-            let _ = tx.send(Input::HealthFailed { start, cause });
+            let _ = tx.send(Event::HealthFailed { start, cause }.into());
         });
         self.checks.health = Some((start, task));
     }
@@ -735,7 +736,7 @@ impl Backend for RealBackend {
         let timeout = crate::daemon::idle::request_timeout(&self.settings);
         self.tasks.spawn("sleep", Lifetime::Finite, async move {
             let result = crate::daemon::idle::sleep(&api, level, timeout).await;
-            let _ = tx.send(Input::Slept { start, result });
+            let _ = tx.send(Event::Slept { start, result }.into());
         });
     }
 
@@ -744,7 +745,7 @@ impl Backend for RealBackend {
         let timeout = crate::daemon::idle::request_timeout(&self.settings);
         self.tasks.spawn("wake", Lifetime::Finite, async move {
             let result = crate::daemon::idle::wake(&api, timeout).await;
-            let _ = tx.send(Input::Woke { start, result });
+            let _ = tx.send(Event::Woke { start, result }.into());
         });
     }
 
@@ -797,7 +798,7 @@ impl Backend for RealBackend {
             })
             .await
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
-            let _ = tx.send(Input::Golden { start, verdict });
+            let _ = tx.send(Event::GoldenChecked { start, verdict }.into());
         }));
     }
 
@@ -1032,7 +1033,7 @@ impl Backend for RealBackend {
         self.tasks.spawn("survivor report", Lifetime::Finite, async move {
             // Off the loop: /proc of a process stuck in the kernel can hang.
             if let Ok((left, description)) = tokio::task::spawn_blocking(child::describe_survivors).await {
-                let _ = tx.send(Input::Survivors { left, description });
+                let _ = tx.send(Event::Survivors { left, description }.into());
             }
         });
     }
@@ -1046,7 +1047,7 @@ impl Backend for RealBackend {
             loop {
                 match crate::observe::health::in_flight(&api, timeout).await {
                     Ok(n) if n <= 0.0 => {
-                        let _ = tx.send(Input::Quiet { start });
+                        let _ = tx.send(Event::Quiet { start }.into());
                         return;
                     }
                     Ok(n) => {
@@ -1128,7 +1129,7 @@ impl Backend for RealBackend {
                 }
                 Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
             }
-            let _ = tx.send(Input::Reported { start });
+            let _ = tx.send(Event::Reported { start }.into());
             let _ = done.send(());
         });
         // An earlier report still being written goes on.

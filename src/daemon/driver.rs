@@ -26,7 +26,7 @@ use crate::process::child::TreeEvent;
 use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
-use crate::supervisor::outcome::{Prepared, StartFailure};
+use crate::supervisor::outcome::StartFailure;
 use crate::supervisor::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
 
 /// What the warden is asked to do from outside (signals, the control
@@ -78,93 +78,38 @@ impl Heartbeat {
     }
 }
 
-/// What the backend's tasks report to the loop.
+/// What the backend's tasks report to the loop: the machine's events as
+/// they are, and what the loop acts on itself first.
 #[derive(Debug)]
 pub enum Input {
+    /// What happened, for the machine as it is.
+    Event(Event),
+    /// The child's tree: a leader's exit waits for the lines it wrote, and
+    /// is asked first whether the kernel's OOM killer ended the run.
     Tree(TreeEvent),
-    /// The pre-start steps of `start` are over.
-    Prepared {
-        start: u32,
-        result: Prepared,
-    },
-    /// A pre-start step of `start` begins.
-    Step {
-        start: u32,
-        text: String,
-    },
-    /// The read-ahead of start `start`'s weights, as it goes.
-    Prefetched {
-        start: u32,
-        now: crate::supervisor::load::PrefetchNow,
-    },
-    /// What survived SIGKILL: how many live processes, described.
-    Survivors {
-        left: usize,
-        description: String,
-    },
-    /// The kernel reported a fatal GPU fault during run `start`.
-    GpuFault {
-        start: u32,
-        cause: String,
-    },
-    /// Prove the serving model's answers again (a GPU fault that did not
-    /// end the run, a wake from sleep): `Event::Recheck`.
-    Recheck {
-        reason: String,
-    },
-    /// `health.failures` checks in a row failed for `start`.
-    HealthFailed {
-        start: u32,
-        cause: String,
-    },
     /// The config read again after a `Request::Reload`, or every problem
     /// found in it.
     Reload(Box<Result<Settings, crate::config::Problems>>),
-    HttpReady {
-        start: u32,
-    },
-    /// The golden check of `start` is over.
-    Golden {
-        start: u32,
-        verdict: crate::supervisor::golden::Verdict,
-    },
-    /// The server of run `start` has no request running or waiting.
-    Quiet {
-        start: u32,
-    },
     /// The binary an upgrade would run answered `--version` (its version),
     /// or why not.
     UpgradeChecked(Result<String, crate::daemon::upgrade::UpgradeError>),
-    /// The failure report of `start` is written (or gave up).
-    Reported {
-        start: u32,
-    },
-    /// The weight-cache daemon ended, or stopped answering, while the
-    /// engine started or served.
-    DaemonLost {
-        cause: String,
-    },
-    /// The engine of run `start` was asked to sleep: asleep, or why not.
-    Slept {
-        start: u32,
-        result: Result<(), String>,
-    },
-    /// The engine of run `start` was asked to wake: awake, or why not.
-    Woke {
-        start: u32,
-        result: Result<(), String>,
-    },
+}
+
+impl From<Event> for Input {
+    fn from(ev: Event) -> Input {
+        Input::Event(ev)
+    }
 }
 
 /// Where effects on the child are carried out.
 pub trait Backend {
-    /// Start the pre-start steps of `start`; `Input::Prepared` when done,
-    /// `Input::Status` for each step.
+    /// Start the pre-start steps of `start`; `Event::Prepared` when done,
+    /// `Event::PrepareStep` for each step.
     fn prepare(&mut self, start: u32);
-    /// Give up the pre-start steps; `Input::Prepared` still follows.
+    /// Give up the pre-start steps; `Event::Prepared` still follows.
     fn cancel_prepare(&mut self);
     /// Check the health of ready start `start` until the run ends;
-    /// `Input::HealthFailed` when it fails.
+    /// `Event::HealthFailed` when it fails.
     fn health(&mut self, start: u32);
     /// Read the config file again, off the loop; `Input::Reload` follows.
     fn read_config(&mut self);
@@ -179,14 +124,14 @@ pub trait Backend {
     fn probe(&mut self, start: u32);
     fn terminate(&mut self, sig: Signal);
     fn kill_tree(&mut self);
-    /// Describe what is left of the tree, off the loop: `Input::Survivors`.
+    /// Describe what is left of the tree, off the loop: `Event::Survivors`.
     fn describe_survivors(&mut self);
-    /// Watch the requests in flight of run `start`; `Input::Quiet` once
+    /// Watch the requests in flight of run `start`; `Event::Quiet` once
     /// none is running or waiting.
     fn watch_load(&mut self, start: u32);
     fn unwatch_load(&mut self);
     /// Write the failure report of the failed run, off the loop, while
-    /// its tree is still there; `Input::Reported` when done. Returns the
+    /// its tree is still there; `Event::Reported` when done. Returns the
     /// report's folder, or `None` when no report can be written (nothing
     /// follows then).
     fn report(&mut self, order: ReportOrder) -> Option<std::path::PathBuf>;
@@ -244,7 +189,7 @@ pub trait Backend {
     /// A load ended: into the ledger, off the loop.
     fn load_ended(&mut self, _record: crate::supervisor::load::LoadRecord) {}
     /// Ask the golden prompts of start `start`, off the loop:
-    /// `Input::Golden`. Asked only with `golden` in the policy.
+    /// `Event::GoldenChecked`. Asked only with `golden` in the policy.
     fn golden(&mut self, _start: u32) {}
     /// The leader `pid` of the run exited so: the cause, when the kernel's
     /// OOM killer ended it or one of its processes (host memory).
@@ -252,9 +197,9 @@ pub trait Backend {
         None
     }
     /// Put the engine of run `start` to sleep at `level`, its health checks
-    /// ended: `Input::Slept`.
+    /// ended: `Event::Slept`.
     fn sleep(&mut self, _start: u32, _level: u8) {}
-    /// Wake the engine of run `start`: `Input::Woke`.
+    /// Wake the engine of run `start`: `Event::Woke`.
     fn wake(&mut self, _start: u32) {}
     /// The engine was stopped for want of requests: what the tree left
     /// goes, and the GPUs are looked at, off the loop.
@@ -775,9 +720,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
 
     fn input(&mut self, input: Input, events: &mut VecDeque<Event>, exiting: &mut Option<Exiting>) {
         match input {
-            Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
-            Input::Golden { start, verdict } => events.push_back(Event::GoldenChecked { start, verdict }),
-            Input::Quiet { start } => events.push_back(Event::Quiet { start }),
+            Input::Event(ev) => events.push_back(ev),
             Input::UpgradeChecked(Err(why)) => {
                 tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");
                 // Shown by `systemctl status` until the next change of state.
@@ -795,17 +738,6 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 }
                 self.upgrade = Some(version);
             }
-            Input::Reported { start } => events.push_back(Event::Reported { start }),
-            Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
-            Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
-            Input::Prefetched { start, now } => events.push_back(Event::Prefetched { start, now }),
-            Input::Survivors { left, description } => events.push_back(Event::Survivors { left, description }),
-            Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
-            Input::Recheck { reason } => events.push_back(Event::Recheck { reason }),
-            Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
-            Input::DaemonLost { cause } => events.push_back(Event::DaemonLost { cause }),
-            Input::Slept { start, result } => events.push_back(Event::Slept { start, result }),
-            Input::Woke { start, result } => events.push_back(Event::Woke { start, result }),
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {
                     Ok(c) => {

@@ -9,6 +9,7 @@ use super::*;
 use crate::config::profile::Profile;
 use crate::process::child::Exit;
 use crate::supervisor::Policy;
+use crate::supervisor::outcome::Prepared;
 
 /// What a fake run does after its spawn, in virtual time.
 #[derive(Clone)]
@@ -117,9 +118,9 @@ impl Backend for Fake {
     fn prepare(&mut self, start: u32) {
         self.call(Call::Prepare(start));
         if self.prepare_hangs {
-            let _ = self.tx.send(Input::Step { start, text: "waiting for the GPU query".into() });
+            let _ = self.tx.send(Event::PrepareStep { start, text: "waiting for the GPU query".into() }.into());
         } else {
-            let _ = self.tx.send(Input::Prepared { start, result: Prepared::Done });
+            let _ = self.tx.send(Event::Prepared { start, result: Prepared::Done }.into());
         }
     }
     fn cancel_prepare(&mut self) {
@@ -127,7 +128,7 @@ impl Backend for Fake {
     }
     fn describe_survivors(&mut self) {
         let description = "1 process(es) survived SIGKILL: pid 101 (state D)".into();
-        let _ = self.tx.send(Input::Survivors { left: 1, description });
+        let _ = self.tx.send(Event::Survivors { left: 1, description }.into());
     }
     fn health(&mut self, _start: u32) {}
     fn watch_load(&mut self, start: u32) {
@@ -136,7 +137,7 @@ impl Backend for Fake {
         self.load = Some(
             tokio::spawn(async move {
                 tokio::time::sleep_until(quiet_at).await;
-                let _ = tx.send(Input::Quiet { start });
+                let _ = tx.send(Event::Quiet { start }.into());
             })
             .abort_handle(),
         );
@@ -153,7 +154,7 @@ impl Backend for Fake {
             let (tx, start) = (self.tx.clone(), order.start);
             tokio::spawn(async move {
                 tokio::time::sleep(takes).await;
-                let _ = tx.send(Input::Reported { start });
+                let _ = tx.send(Event::Reported { start }.into());
             });
         }
         Some(format!("/state/reports/x-t-{}", order.attempt).into())
@@ -163,11 +164,11 @@ impl Backend for Fake {
     }
     fn sleep(&mut self, start: u32, level: u8) {
         self.call(Call::Sleep(start, level));
-        let _ = self.tx.send(Input::Slept { start, result: Ok(()) });
+        let _ = self.tx.send(Event::Slept { start, result: Ok(()) }.into());
     }
     fn wake(&mut self, start: u32) {
         self.call(Call::Wake(start));
-        let _ = self.tx.send(Input::Woke { start, result: Ok(()) });
+        let _ = self.tx.send(Event::Woke { start, result: Ok(()) }.into());
     }
     fn parked(&mut self) {
         self.call(Call::Parked);
@@ -222,7 +223,7 @@ impl Backend for Fake {
     }
     fn probe(&mut self, start: u32) {
         self.call(Call::Probe(start));
-        let _ = self.tx.send(Input::HttpReady { start });
+        let _ = self.tx.send(Event::HttpReady { start }.into());
     }
     fn terminate(&mut self, sig: Signal) {
         self.call(Call::Terminate(sig));
