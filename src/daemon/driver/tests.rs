@@ -2,14 +2,16 @@
 //! recording notifier: the loop's timing (backoff, watchdog, stall, the stop
 //! escalation) is checked to the virtual millisecond, with no real process.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
+
+use nix::sys::signal::Signal;
 
 use super::*;
 use crate::config::profile::Profile;
 use crate::process::child::Exit;
 use crate::supervisor::Policy;
-use crate::supervisor::outcome::Prepared;
+use crate::supervisor::outcome::{Prepared, StartFailure};
 
 /// What a fake run does after its spawn, in virtual time.
 #[derive(Clone)]
@@ -35,7 +37,27 @@ enum Call {
     Sleep(u32, u8),
     Wake(u32),
     Parked,
+    Golden(u32),
+    /// A load ended so (its outcome's word).
+    LoadEnded(String),
+    Fit(BTreeMap<crate::config::FitArg, String>),
+    Pin(BTreeMap<crate::config::FitArg, String>),
+    Unpin(BTreeMap<crate::config::FitArg, String>),
+    SetupGood,
+    Rollback,
+    Reconfigure,
+    CheckUpgrade,
+    PauseLines,
+    ResumeLines(u64),
+    ExecUpgrade {
+        start: u32,
+        pid: u32,
+        offset: u64,
+    },
 }
+
+/// Where the fake's follower stops when an upgrade pauses it.
+const PAUSED_AT: u64 = 4096;
 
 #[derive(Clone, Default)]
 struct Log {
@@ -74,6 +96,21 @@ struct Fake {
     load: Option<tokio::task::AbortHandle>,
     /// A failure report takes this long; `None`: it never ends (wedged).
     report_takes: Option<Duration>,
+    /// The kernel's OOM killer ends a leader killed by SIGKILL, so said.
+    oom: Option<String>,
+    /// The golden check's verdicts, one a check (then the same answers).
+    verdicts: Vec<crate::supervisor::golden::Verdict>,
+    /// How long a golden check takes.
+    golden_takes: Duration,
+    /// What the ledger knows of the setup each start runs (the last one
+    /// for the starts after); none: nothing.
+    setups: Vec<crate::supervisor::load::LoadStart>,
+    /// Memory fit's values, laid over the setup's own from the next start.
+    fitted: BTreeMap<crate::config::FitArg, String>,
+    /// The last-known-good setup's settings, for one rollback.
+    good: Option<crate::config::Settings>,
+    /// What the check of an upgrade's binary answers.
+    upgrade: Option<Result<String, crate::daemon::upgrade::UpgradeError>>,
 }
 
 /// What goes wrong besides the plans.
@@ -95,6 +132,12 @@ struct Quirks {
     slow_observer: Option<std::time::Duration>,
     /// The front door's requests, as it tells them to the loop.
     activity: Option<Arc<crate::daemon::front::Activity>>,
+    oom: Option<String>,
+    verdicts: Vec<crate::supervisor::golden::Verdict>,
+    golden_takes: Duration,
+    setups: Vec<crate::supervisor::load::LoadStart>,
+    good: Option<crate::config::Settings>,
+    upgrade: Option<Result<String, crate::daemon::upgrade::UpgradeError>>,
 }
 
 /// One line as the follower hands it on, when it matters.
@@ -114,7 +157,7 @@ impl Fake {
     }
 }
 
-impl Backend for Fake {
+impl ports::Launch for Fake {
     fn prepare(&mut self, start: u32) {
         self.call(Call::Prepare(start));
         if self.prepare_hangs {
@@ -129,69 +172,6 @@ impl Backend for Fake {
     fn describe_survivors(&mut self) {
         let description = "1 process(es) survived SIGKILL: pid 101 (state D)".into();
         let _ = self.tx.send(Event::Survivors { left: 1, description }.into());
-    }
-    fn health(&mut self, _start: u32) {}
-    fn watch_load(&mut self, start: u32) {
-        self.call(Call::WatchLoad(start));
-        let (tx, quiet_at) = (self.tx.clone(), self.t0 + self.busy_until.unwrap_or_default());
-        self.load = Some(
-            tokio::spawn(async move {
-                tokio::time::sleep_until(quiet_at).await;
-                let _ = tx.send(Event::Quiet { start }.into());
-            })
-            .abort_handle(),
-        );
-    }
-    fn unwatch_load(&mut self) {
-        self.call(Call::UnwatchLoad);
-        if let Some(t) = self.load.take() {
-            t.abort();
-        }
-    }
-    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
-        self.call(Call::Report(order.start));
-        if let Some(takes) = self.report_takes {
-            let (tx, start) = (self.tx.clone(), order.start);
-            tokio::spawn(async move {
-                tokio::time::sleep(takes).await;
-                let _ = tx.send(Event::Reported { start }.into());
-            });
-        }
-        Some(format!("/state/reports/x-t-{}", order.attempt).into())
-    }
-    fn cancel_report(&mut self) {
-        self.call(Call::CancelReport);
-    }
-    fn sleep(&mut self, start: u32, level: u8) {
-        self.call(Call::Sleep(start, level));
-        let _ = self.tx.send(Event::Slept { start, result: Ok(()) }.into());
-    }
-    fn wake(&mut self, start: u32) {
-        self.call(Call::Wake(start));
-        let _ = self.tx.send(Event::Woke { start, result: Ok(()) }.into());
-    }
-    fn parked(&mut self) {
-        self.call(Call::Parked);
-    }
-    fn read_config(&mut self) {}
-    fn reconfigure(
-        &mut self,
-        _settings: crate::config::Settings,
-        _classifier: Classifier,
-    ) -> crate::daemon::reload::ReloadPlan {
-        crate::daemon::reload::ReloadPlan::Nothing
-    }
-    async fn task_failed(&mut self) -> String {
-        // Cancel-safe, as the real one: the wait is dropped whenever another
-        // input comes first.
-        match self.task_dies_at {
-            Some(at) => {
-                tokio::time::sleep_until(self.t0 + at).await;
-                self.task_dies_at = None;
-                "the reaper task panicked: test".into()
-            }
-            None => std::future::pending().await,
-        }
     }
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
         self.call(Call::Spawn(start));
@@ -220,10 +200,6 @@ impl Backend for Fake {
             }
         });
         Ok(pid)
-    }
-    fn probe(&mut self, start: u32) {
-        self.call(Call::Probe(start));
-        let _ = self.tx.send(Event::HttpReady { start }.into());
     }
     fn terminate(&mut self, sig: Signal) {
         self.call(Call::Terminate(sig));
@@ -276,6 +252,162 @@ impl Backend for Fake {
             let _ = out.send(Delivery::Drained { start }).await;
         });
         true
+    }
+    fn oom_killed(&mut self, _pid: u32, exit: Exit) -> Option<String> {
+        // The kernel's OOM killer ends the leader with SIGKILL.
+        let killed = exit == Exit::Signal(Signal::SIGKILL);
+        self.oom.clone().filter(|_| killed)
+    }
+}
+
+impl ports::Checks for Fake {
+    fn health(&mut self, _start: u32) {}
+    fn watch_load(&mut self, start: u32) {
+        self.call(Call::WatchLoad(start));
+        let (tx, quiet_at) = (self.tx.clone(), self.t0 + self.busy_until.unwrap_or_default());
+        self.load = Some(
+            tokio::spawn(async move {
+                tokio::time::sleep_until(quiet_at).await;
+                let _ = tx.send(Event::Quiet { start }.into());
+            })
+            .abort_handle(),
+        );
+    }
+    fn unwatch_load(&mut self) {
+        self.call(Call::UnwatchLoad);
+        if let Some(t) = self.load.take() {
+            t.abort();
+        }
+    }
+    fn probe(&mut self, start: u32) {
+        self.call(Call::Probe(start));
+        let _ = self.tx.send(Event::HttpReady { start }.into());
+    }
+    fn golden(&mut self, start: u32) {
+        self.call(Call::Golden(start));
+        let verdict = if self.verdicts.is_empty() {
+            crate::supervisor::golden::Verdict::Same { prompts: 1, ms: 40 }
+        } else {
+            self.verdicts.remove(0)
+        };
+        let (tx, takes) = (self.tx.clone(), self.golden_takes);
+        tokio::spawn(async move {
+            tokio::time::sleep(takes).await;
+            let _ = tx.send(Event::GoldenChecked { start, verdict }.into());
+        });
+    }
+}
+
+impl ports::Idle for Fake {
+    fn sleep(&mut self, start: u32, level: u8) {
+        self.call(Call::Sleep(start, level));
+        let _ = self.tx.send(Event::Slept { start, result: Ok(()) }.into());
+    }
+    fn wake(&mut self, start: u32) {
+        self.call(Call::Wake(start));
+        let _ = self.tx.send(Event::Woke { start, result: Ok(()) }.into());
+    }
+    fn parked(&mut self) {
+        self.call(Call::Parked);
+    }
+}
+
+impl ports::Reports for Fake {
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
+        self.call(Call::Report(order.start));
+        if let Some(takes) = self.report_takes {
+            let (tx, start) = (self.tx.clone(), order.start);
+            tokio::spawn(async move {
+                tokio::time::sleep(takes).await;
+                let _ = tx.send(Event::Reported { start }.into());
+            });
+        }
+        Some(format!("/state/reports/x-t-{}", order.attempt).into())
+    }
+    fn cancel_report(&mut self) {
+        self.call(Call::CancelReport);
+    }
+}
+
+impl ports::Loads for Fake {
+    fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
+        let i = (self.current as usize).checked_sub(1)?;
+        let mut load = self.setups.get(i).or(self.setups.last()).cloned()?;
+        for (arg, value) in &self.fitted {
+            load.used.insert(*arg, (value.clone(), crate::supervisor::fit::Source::Fitted));
+        }
+        Some(load)
+    }
+    fn load_ended(&mut self, record: crate::supervisor::load::LoadRecord) {
+        self.call(Call::LoadEnded(record.outcome.word().to_string()));
+    }
+    fn fit(&mut self, set: BTreeMap<crate::config::FitArg, String>) {
+        self.call(Call::Fit(set.clone()));
+        self.fitted = set;
+    }
+    fn pin(&mut self, values: BTreeMap<crate::config::FitArg, String>) {
+        self.call(Call::Pin(values));
+    }
+    fn unpin(&mut self, values: BTreeMap<crate::config::FitArg, String>) {
+        self.call(Call::Unpin(values));
+    }
+    fn setup_good(&mut self) {
+        self.call(Call::SetupGood);
+    }
+    fn rollback(&mut self) -> Result<crate::config::Settings, String> {
+        self.call(Call::Rollback);
+        self.good.take().ok_or_else(|| "no setup has reached ready in this warden's life".into())
+    }
+}
+
+impl ports::Upgrade for Fake {
+    fn check_upgrade(&mut self) {
+        self.call(Call::CheckUpgrade);
+        if let Some(checked) = self.upgrade.take() {
+            let _ = self.tx.send(Input::UpgradeChecked(checked));
+        }
+    }
+    fn pause_lines(&mut self) -> bool {
+        self.call(Call::PauseLines);
+        !self.alive.lock().unwrap().is_empty()
+    }
+    fn lines_paused(&mut self, _wait: Duration) -> Option<u64> {
+        Some(PAUSED_AT)
+    }
+    fn resume_lines(&mut self, offset: u64) {
+        self.call(Call::ResumeLines(offset));
+    }
+    fn exec_upgrade(&mut self, saved: crate::supervisor::Saved, offset: u64) -> String {
+        self.call(Call::ExecUpgrade { start: saved.start, pid: saved.pid, offset });
+        // An exec that succeeds does not return: only its failure is seen here.
+        "cannot run /usr/bin/vllm-warden: test".into()
+    }
+}
+
+impl ports::Config for Fake {
+    fn read_config(&mut self) {}
+    fn reconfigure(
+        &mut self,
+        _settings: crate::config::Settings,
+        _classifier: Classifier,
+    ) -> crate::daemon::reload::ReloadPlan {
+        self.call(Call::Reconfigure);
+        crate::daemon::reload::ReloadPlan::Nothing
+    }
+}
+
+impl ports::Tasks for Fake {
+    async fn task_failed(&mut self) -> String {
+        // Cancel-safe, as the real one: the wait is dropped whenever another
+        // input comes first.
+        match self.task_dies_at {
+            Some(at) => {
+                tokio::time::sleep_until(self.t0 + at).await;
+                self.task_dies_at = None;
+                "the reaper task panicked: test".into()
+            }
+            None => std::future::pending().await,
+        }
     }
 }
 
@@ -371,6 +503,13 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         prepare_hangs: q.prepare_hangs,
         busy_until: q.busy_until,
         load: None,
+        oom: q.oom,
+        verdicts: q.verdicts,
+        golden_takes: q.golden_takes,
+        setups: q.setups,
+        fitted: BTreeMap::new(),
+        good: q.good,
+        upgrade: q.upgrade,
     };
     let mut rec = Rec { t0, log: log.clone() };
     let mut phases = Phases { t0, seen: Vec::new(), turns: Vec::new(), slow: q.slow_observer };
