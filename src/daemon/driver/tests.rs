@@ -1025,3 +1025,82 @@ async fn a_wake_up_left_from_an_earlier_idle_spell_starts_nothing() {
     let o = run_with(idle_after_a_minute(crate::config::IdleAction::Stop), plans, q, Some(S(200)), None).await;
     assert_eq!(spawn_times(&o), vec![S(0)], "parked at 62 s and left so: {:?}", o.calls);
 }
+
+/// The statuses said, with their times.
+fn statuses(o: &Outcome) -> Vec<(Duration, String)> {
+    o.notes.iter().filter_map(|(t, n)| if let Note::Status(s) = n { Some((*t, s.clone())) } else { None }).collect()
+}
+
+fn ready_notes(o: &Outcome) -> Vec<Duration> {
+    o.notes.iter().filter(|(_, n)| *n == Note::Ready).map(|(t, _)| *t).collect()
+}
+
+fn with_golden(on: crate::config::GoldenPolicy) -> Policy {
+    Policy { golden: Some(on), ..policy() }
+}
+
+/// With the golden check on, READY=1 waits for its answers: the check is
+/// asked once the server answers, and the run is ready when they come.
+#[tokio::test(start_paused = true)]
+async fn the_golden_answers_come_before_ready() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks { golden_takes: S(3), ..Quirks::default() };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(with_golden(crate::config::GoldenPolicy::Warn), vec![serving], q, Some(S(20)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(times(&o, |c| *c == Call::Golden(1)), vec![S(2)], "{:?}", o.calls);
+    assert_eq!(ready_notes(&o), vec![S(5)], "{:?}", o.notes);
+    assert!(o.phases.contains(&(S(5), Phase::Ready)), "{:?}", o.phases);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(2) && s.ends_with(": checking the golden answers")),
+        "{:?}",
+        o.notes
+    );
+    // Ready with the answers as recorded: the setup is kept as good.
+    assert_eq!(times(&o, |c| *c == Call::SetupGood), vec![S(5)]);
+}
+
+/// `golden.on-mismatch = "fail"`: changed answers fail the run, which is
+/// stopped and started again; the next start's answers make it ready. The
+/// failed setup is never kept as good.
+#[tokio::test(start_paused = true)]
+async fn changed_golden_answers_fail_the_run_and_the_next_start_is_checked_again() {
+    use crate::supervisor::golden::Verdict;
+    let changed = Verdict::Changed { text: "answers changed: prompt 1 differs at token 3".into(), ms: 40 };
+    let q = Quirks { golden_takes: S(1), verdicts: vec![changed], ..Quirks::default() };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let p = with_golden(crate::config::GoldenPolicy::Fail);
+    let o = run_with(p, vec![serving.clone(), serving], q, Some(S(30)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(times(&o, |c| matches!(c, Call::Golden(_))), vec![S(2), S(15)], "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(15), Call::Golden(2))), "{:?}", o.calls);
+    assert_eq!(terminations(&o).first(), Some(&S(3)), "{:?}", o.calls);
+    // Restarted after the backoff's 10 s; ready only after the second answers.
+    assert_eq!(spawn_times(&o), vec![S(0), S(13)]);
+    assert_eq!(ready_notes(&o), vec![S(16)], "{:?}", o.notes);
+    assert_eq!(times(&o, |c| *c == Call::SetupGood), vec![S(16)]);
+    assert!(
+        statuses(&o)
+            .iter()
+            .any(|(t, s)| *t == S(3) && s.starts_with("failed") && s.contains("prompt 1 differs at token 3")),
+        "{:?}",
+        o.notes
+    );
+}
+
+/// `golden.interval`: the serving run is taken out of rotation, its
+/// answers asked again, and put back once they are the same.
+#[tokio::test(start_paused = true)]
+async fn golden_interval_rechecks_the_serving_run_out_of_rotation() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks { golden_takes: S(1), ..Quirks::default() };
+    let p = Policy { golden_interval: Some(S(60)), ..with_golden(crate::config::GoldenPolicy::Fail) };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(p, vec![serving], q, Some(S(100)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    // Ready at 3 s; the interval counts from there.
+    assert_eq!(times(&o, |c| *c == Call::Golden(1)), vec![S(2), S(63)], "{:?}", o.calls);
+    let after_ready: Vec<_> = o.phases.iter().filter(|(t, _)| *t >= S(3) && *t < S(100)).cloned().collect();
+    assert_eq!(after_ready, vec![(S(3), Phase::Ready), (S(63), Phase::Rechecking), (S(64), Phase::Ready)]);
+    assert_eq!(spawn_times(&o), vec![S(0)], "the run stayed");
+}
