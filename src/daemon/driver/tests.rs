@@ -1104,3 +1104,160 @@ async fn golden_interval_rechecks_the_serving_run_out_of_rotation() {
     assert_eq!(after_ready, vec![(S(3), Phase::Ready), (S(63), Phase::Rechecking), (S(64), Phase::Ready)]);
     assert_eq!(spawn_times(&o), vec![S(0)], "the run stayed");
 }
+
+/// vLLM's words for a KV cache too small for one request of the model's
+/// length.
+const KV_TOO_SMALL: &str = "(EngineCore pid=7) ERROR 12-02 12:26:28 [core.py:1510] ValueError: To serve at least one request with the model's max seq len (1500000), (1.43 GiB KV cache is needed, which is larger than the available KV cache memory (1.0 GiB). Based on the available memory, the estimated maximum model length is 1048448. Try increasing `gpu_memory_utilization`";
+
+/// What the ledger knows of a setup: its fingerprint, memory fit's values
+/// as the start uses them, and the last one that reached ready.
+fn setup(
+    fingerprint: &str,
+    used: &[(crate::config::FitArg, &str, crate::supervisor::fit::Source)],
+    last_good: Option<(&str, &str)>,
+) -> crate::supervisor::load::LoadStart {
+    crate::supervisor::load::LoadStart {
+        fingerprint: fingerprint.into(),
+        used: used.iter().map(|(a, v, s)| (*a, (v.to_string(), *s))).collect(),
+        last_good: last_good.map(|(f, at)| (f.into(), at.into())),
+        ..Default::default()
+    }
+}
+
+/// `[fit]`: a memory error restarts at once with the argument moved (the
+/// backend told the values for the next starts), and the values that
+/// reach ready are pinned for the setup.
+#[tokio::test(start_paused = true)]
+async fn a_memory_error_restarts_at_once_with_the_fitted_value_and_pins_it_at_ready() {
+    use crate::config::FitArg;
+    use crate::supervisor::fit::Source;
+    let p = Policy { fit: Some(crate::config::Fit { enabled: true, attempts: 2, ..Default::default() }), ..policy() };
+    let q = Quirks {
+        setups: vec![setup("00000000000000aa", &[(FitArg::MaxModelLen, "1500000", Source::Config)], None)],
+        ..Quirks::default()
+    };
+    let too_small = Plan::Exit { lines: vec![KV_TOO_SMALL], gap: S(1), exit: Exit::Code(1) };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(p, vec![too_small, serving], q, Some(S(20)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    let fitted = BTreeMap::from([(FitArg::MaxModelLen, "1047552".to_string())]);
+    assert!(o.calls.contains(&(S(1), Call::Fit(fitted.clone()))), "{:?}", o.calls);
+    // No backoff: the fitted start follows at once.
+    assert_eq!(spawn_times(&o), vec![S(0), S(1)]);
+    assert_eq!(times(&o, |c| *c == Call::Pin(fitted.clone())), vec![S(3)], "{:?}", o.calls);
+    assert_eq!(times(&o, |c| matches!(c, Call::Unpin(_))), vec![], "{:?}", o.calls);
+    assert_eq!(ready_notes(&o), vec![S(3)]);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(3) && s.ends_with("; --max-model-len 1047552 (fitted)")),
+        "{:?}",
+        o.notes
+    );
+    let loads: Vec<_> = o.calls.iter().filter(|(_, c)| matches!(c, Call::LoadEnded(_))).cloned().collect();
+    assert_eq!(loads, vec![(S(1), Call::LoadEnded("failed".into())), (S(3), Call::LoadEnded("ready".into()))]);
+}
+
+/// A start with pinned values that fails drops its pins: they no longer
+/// prove what fits.
+#[tokio::test(start_paused = true)]
+async fn a_start_with_pinned_values_that_fails_drops_its_pins() {
+    use crate::config::FitArg;
+    use crate::supervisor::fit::Source;
+    let mut p = Policy { fit: Some(crate::config::Fit { enabled: true, ..Default::default() }), ..policy() };
+    p.restart.max_attempts = 1;
+    let used = [(FitArg::MaxModelLen, "69632", Source::Pinned), (FitArg::GpuMemoryUtilization, "0.9", Source::Default)];
+    let q = Quirks { setups: vec![setup("00000000000000aa", &used, None)], ..Quirks::default() };
+    let crash = Plan::Exit { lines: vec![STARTING], gap: S(1), exit: Exit::Code(1) };
+    let o = run_with(p, vec![crash], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let pinned = BTreeMap::from([(FitArg::MaxModelLen, "69632".to_string())]);
+    assert_eq!(times(&o, |c| *c == Call::Unpin(pinned.clone())), vec![S(1)], "{:?}", o.calls);
+    assert!(!o.calls.iter().any(|(_, c)| matches!(c, Call::Pin(_) | Call::SetupGood)), "{:?}", o.calls);
+}
+
+/// A line that says nothing to the machine.
+const STARTING: &str = "(APIServer pid=1) INFO 11-29 18:00:00 [x.py:1] starting";
+
+/// The settings of the last-known-good setup, as the backend gives them
+/// for a rollback.
+fn good_settings() -> crate::config::Settings {
+    let dirs = crate::config::Dirs { state: Some("/state".into()), ..Default::default() };
+    let text = "name = \"t\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/models/good\"]\n";
+    crate::config::parse(text, std::path::Path::new("/etc/vllm-warden/t.toml"), &dirs).unwrap()
+}
+
+const GOOD: (&str, &str) = ("00000000000000bb", "2026-12-02T10:00:00Z");
+
+/// `[rollback]`: a changed setup that fails for the last time is replaced
+/// by the last-known-good one: its settings taken from the backend and
+/// put to use, a start of it, and its ready said as a rollback's.
+#[tokio::test(start_paused = true)]
+async fn a_failing_new_setup_rolls_back_to_the_last_known_good() {
+    let mut p = Policy { rollback: true, ..policy() };
+    p.restart.max_attempts = 1;
+    let q = Quirks {
+        setups: vec![setup("00000000000000aa", &[], Some(GOOD)), setup(GOOD.0, &[], None)],
+        good: Some(good_settings()),
+        ..Quirks::default()
+    };
+    let crash = Plan::Exit { lines: vec![STARTING], gap: S(1), exit: Exit::Code(1) };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(p, vec![crash, serving], q, Some(S(20)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    // Asked once, its settings put to use before the good setup's start.
+    let at_one: Vec<Call> = o.calls.iter().filter(|(t, _)| *t == S(1)).map(|(_, c)| c.clone()).collect();
+    let order: Vec<&Call> =
+        at_one.iter().filter(|c| matches!(c, Call::Rollback | Call::Reconfigure | Call::Spawn(_))).collect();
+    assert_eq!(order, vec![&Call::Rollback, &Call::Reconfigure, &Call::Spawn(2)], "{:?}", o.calls);
+    assert_eq!(times(&o, |c| *c == Call::Rollback).len(), 1);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(1)
+            && s.starts_with("the new setup 00000000000000aa failed: exited before ready (exit code 1); starting the last-known-good setup 00000000000000bb from 2026-12-02T10:00:00Z")),
+        "{:?}",
+        o.notes
+    );
+    assert_eq!(ready_notes(&o), vec![S(3)]);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(3)
+            && s.starts_with("serving last-known-good from 2026-12-02T10:00:00Z; the new setup failed: exited before ready (exit code 1); ready: pid 102")),
+        "{:?}",
+        o.notes
+    );
+}
+
+/// A rollback the backend cannot make ends the warden as without one,
+/// saying why.
+#[tokio::test(start_paused = true)]
+async fn a_rollback_that_cannot_be_made_ends_the_warden_saying_why() {
+    let mut p = Policy { rollback: true, ..policy() };
+    p.restart.max_attempts = 1;
+    let q = Quirks { setups: vec![setup("00000000000000aa", &[], Some(GOOD))], good: None, ..Quirks::default() };
+    let crash = Plan::Exit { lines: vec![STARTING], gap: S(1), exit: Exit::Code(1) };
+    let o = run_with(p, vec![crash], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert_eq!(times(&o, |c| *c == Call::Rollback), vec![S(1)]);
+    assert!(!o.calls.iter().any(|(_, c)| *c == Call::Reconfigure), "{:?}", o.calls);
+    assert_eq!(spawn_times(&o), vec![S(0)]);
+    let last = statuses(&o).last().map(|(_, s)| s.clone()).unwrap_or_default();
+    assert!(
+        last.starts_with("gave up after 1 failed starts: exited before ready (exit code 1)")
+            && last.ends_with(
+                "the last-known-good setup cannot be started: no setup has reached ready in this warden's life"
+            ),
+        "{last}"
+    );
+}
+
+/// A leader the kernel's OOM killer ended: the backend's word on it is
+/// the run's cause, before its exit.
+#[tokio::test(start_paused = true)]
+async fn a_leader_killed_by_the_oom_killer_fails_with_that_cause() {
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let oom = "killed by the kernel's OOM killer: pid 101 (python3), anon-rss 60.0 GiB".to_string();
+    let q = Quirks { oom: Some(oom.clone()), ..Quirks::default() };
+    let killed = Plan::Exit { lines: vec![READY], gap: S(2), exit: Exit::Signal(Signal::SIGKILL) };
+    let o = run_with(p, vec![killed], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let last = statuses(&o).last().map(|(_, s)| s.clone()).unwrap_or_default();
+    assert!(last.starts_with(&format!("gave up after 1 failed starts: {oom}")), "{last}");
+}
