@@ -1261,3 +1261,86 @@ async fn a_leader_killed_by_the_oom_killer_fails_with_that_cause() {
     let last = statuses(&o).last().map(|(_, s)| s.clone()).unwrap_or_default();
     assert!(last.starts_with(&format!("gave up after 1 failed starts: {oom}")), "{last}");
 }
+
+fn upgrade_calls(o: &Outcome) -> Vec<(Duration, Call)> {
+    let of_upgrade =
+        |c: &Call| matches!(c, Call::CheckUpgrade | Call::PauseLines | Call::ExecUpgrade { .. } | Call::ResumeLines(_));
+    o.calls.iter().filter(|(_, c)| of_upgrade(c)).cloned().collect()
+}
+
+/// An upgrade asked for while the model loads is checked at once and
+/// carried out once the run is ready: the lines paused at a line's end,
+/// the ready run handed over with that offset. The exec fails here, so
+/// this warden goes on following from the same offset, the run ready.
+#[tokio::test(start_paused = true)]
+async fn an_upgrade_asked_while_loading_is_handed_over_once_ready() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks { upgrade: Some(Ok("9.9.9".into())), requests: vec![(S(1), Request::Upgrade)], ..Quirks::default() };
+    let serving = Plan::Run { lines: vec![READY], gap: S(3) };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(
+        upgrade_calls(&o),
+        vec![
+            (S(1), Call::CheckUpgrade),
+            (S(3), Call::PauseLines),
+            (S(3), Call::ExecUpgrade { start: 1, pid: 101, offset: PAUSED_AT }),
+            (S(3), Call::ResumeLines(PAUSED_AT)),
+        ]
+    );
+    assert_eq!(
+        o.phases.iter().filter(|(t, _)| *t < S(10)).cloned().collect::<Vec<_>>(),
+        vec![(S(0), Phase::Starting), (S(3), Phase::Ready)]
+    );
+    assert_eq!(spawn_times(&o), vec![S(0)]);
+}
+
+/// A binary that does not answer as a warden: the upgrade is refused,
+/// said in `STATUS=`, and nothing is paused or handed over.
+#[tokio::test(start_paused = true)]
+async fn a_refused_upgrade_is_said_and_the_run_goes_on() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks {
+        upgrade: Some(Err(crate::daemon::upgrade::UpgradeError::NoOwnPath)),
+        requests: vec![(S(5), Request::Upgrade)],
+        ..Quirks::default()
+    };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(upgrade_calls(&o), vec![(S(5), Call::CheckUpgrade)]);
+    assert!(
+        o.notes.contains(&(S(5), Note::Status("upgrade refused: the warden's own path is not known".into()))),
+        "{:?}",
+        o.notes
+    );
+    assert_eq!(
+        o.phases.iter().filter(|(t, _)| *t < S(10)).cloned().collect::<Vec<_>>(),
+        vec![(S(0), Phase::Starting), (S(2), Phase::Ready)]
+    );
+}
+
+/// An upgrade asked for during a drain waits until the drain is held,
+/// then hands the drained run over.
+#[tokio::test(start_paused = true)]
+async fn an_upgrade_waits_for_a_drain_under_way() {
+    let q = Quirks {
+        upgrade: Some(Ok("9.9.9".into())),
+        busy_until: Some(S(12)),
+        requests: vec![(S(10), Request::Drain), (S(11), Request::Upgrade)],
+        ..Quirks::default()
+    };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(policy(), vec![serving], q, Some(S(30)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    // Drain delay 5 s, then the requests in flight counted: held at 15 s.
+    assert_eq!(
+        upgrade_calls(&o),
+        vec![
+            (S(11), Call::CheckUpgrade),
+            (S(15), Call::PauseLines),
+            (S(15), Call::ExecUpgrade { start: 1, pid: 101, offset: PAUSED_AT }),
+            (S(15), Call::ResumeLines(PAUSED_AT)),
+        ]
+    );
+}
