@@ -1178,7 +1178,7 @@ async fn a_start_with_pinned_values_that_fails_drops_its_pins() {
 const STARTING: &str = "(APIServer pid=1) INFO 11-29 18:00:00 [x.py:1] starting";
 
 /// The settings of the last-known-good setup, as the backend gives them
-/// for a rollback.
+/// for a rollback (the golden check on, as for any served model).
 fn good_settings() -> crate::config::Settings {
     let dirs = crate::config::Dirs { state: Some("/state".into()), ..Default::default() };
     let text = "name = \"t\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/models/good\"]\n";
