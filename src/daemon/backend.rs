@@ -11,9 +11,11 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
 use crate::config::{self, Dirs, Settings};
-use crate::daemon::driver::{Backend, Input};
+use crate::daemon::driver::Input;
+use crate::daemon::driver::ports::{self, Checks as _};
 use crate::observe::logwatch::{Delivery, LogFollower, Tap};
 use crate::process::child::{self, ChildSpec, Tree};
+use crate::supervisor::Event;
 use crate::supervisor::classify::{Classifier, Level};
 use crate::supervisor::outcome::{Prepared, StartFailure};
 use crate::util::redact;
@@ -329,10 +331,10 @@ impl RealBackend {
             use crate::observe::kernel::Kernel;
             let start = current.load(std::sync::atomic::Ordering::SeqCst);
             let _ = match said {
-                Kernel::Fatal(fault) => tx.send(Input::GpuFault { start, cause: fault.cause() }),
+                Kernel::Fatal(fault) => tx.send(Event::GpuFault { start, cause: fault.cause() }.into()),
                 Kernel::Recheck(fault) => {
                     tracing::warn!(EVENT = "gpus", "kernel: {}", fault.recheck_reason());
-                    tx.send(Input::Recheck { reason: fault.recheck_reason() })
+                    tx.send(Event::Recheck { reason: fault.recheck_reason() }.into())
                 }
                 Kernel::OomKill(line) => {
                     let said = crate::util::escape::one_line(&line, crate::util::escape::MAX_LINE);
@@ -471,7 +473,7 @@ impl RealBackend {
     }
 }
 
-impl Backend for RealBackend {
+impl ports::Launch for RealBackend {
     fn prepare(&mut self, start: u32) {
         crate::observe::reports::start_under_way(true);
         self.stop_checks();
@@ -494,7 +496,7 @@ impl Backend for RealBackend {
         self.loads.prefetch = crate::daemon::prefetch::Prefetch::planned(
             move || crate::daemon::prefetch::order_for(&s),
             move |now| {
-                let _ = tx_prefetch.send(Input::Prefetched { start, now });
+                let _ = tx_prefetch.send(Event::Prefetched { start, now }.into());
             },
         )
         .map_err(|e| tracing::warn!(EVENT = "prefetch", "no thread for the read-ahead of the weights: {e}"))
@@ -502,7 +504,7 @@ impl Backend for RealBackend {
         let task = self.tasks.spawn("pre-start", Lifetime::Finite, async move {
             let steps = tx.clone();
             let status: crate::daemon::prepare::Status = Arc::new(move |text| {
-                let _ = steps.send(Input::Step { start, text });
+                let _ = steps.send(Event::PrepareStep { start, text }.into());
             });
             let mut result = Ok(());
             if let Some(patches) = revert {
@@ -572,7 +574,7 @@ impl Backend for RealBackend {
                     Prepared::Failed(failure)
                 }
             };
-            let _ = tx.send(Input::Prepared { start, result });
+            let _ = tx.send(Event::Prepared { start, result }.into());
         });
         self.launch.preparing = Some((start, task));
     }
@@ -583,28 +585,8 @@ impl Backend for RealBackend {
         if let Some((start, task)) = self.launch.preparing.take() {
             task.abort();
             crate::observe::reports::start_under_way(false);
-            let _ = self.inputs.send(Input::Prepared { start, result: Prepared::Cancelled });
+            let _ = self.inputs.send(Event::Prepared { start, result: Prepared::Cancelled }.into());
         }
-    }
-
-    fn read_config(&mut self) {
-        // The operator's config again: a rollback is over.
-        self.loads.recovery.expect = None;
-        self.loads.recovery.revert = None;
-        let (path, tx) = (self.settings.source.clone(), self.inputs.clone());
-        tracing::info!(EVENT = "reload", "reading {} again", path.display());
-        self.tasks.spawn("config reader", Lifetime::Finite, async move {
-            let loaded = tokio::task::spawn_blocking(move || {
-                config::load(&path, &Dirs::from_env()).and_then(|s| {
-                    let env = crate::daemon::environment::check_environment(&s);
-                    if env.is_empty() { Ok(s) } else { Err(config::Problems(env)) }
-                })
-            })
-            .await;
-            // A panic while reading is this task's panic.
-            let loaded = loaded.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
-            let _ = tx.send(Input::Reload(Box::new(loaded)));
-        });
     }
 
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
@@ -617,6 +599,53 @@ impl Backend for RealBackend {
         spawned
     }
 
+    fn oom_killed(&mut self, pid: u32, exit: crate::supervisor::outcome::Exit) -> Option<String> {
+        use crate::observe::oom;
+        // Counted by the cgroup that holds the tree: a process of the run,
+        // whichever (a descendant whose death the leader then reported).
+        let (cgroup, kills) = match &self.kernel.oom {
+            Some((c, at_spawn)) => (Some(c), c.kills().map_or(0, |n| n.saturating_sub(*at_spawn))),
+            None => (None, 0),
+        };
+        // The kernel's message names a pid of the whole host: only the
+        // leader's, killed by SIGKILL, is the run's for sure.
+        let killed = matches!(exit, crate::supervisor::outcome::Exit::Signal(Signal::SIGKILL));
+        let mark = self.reports.run.as_ref().and_then(|r| r.kernel.as_ref());
+        let lines = self.kernel.follower.as_ref().map(|(_, f)| f.oom_kills(mark)).unwrap_or_default();
+        let leader = lines.iter().rev().filter_map(|l| oom::kill(l)).find(|k| killed && k.pid == pid);
+        if leader.is_none() && kills == 0 {
+            return None;
+        }
+        let figures = cgroup.and_then(oom::Cgroup::figures);
+        Some(oom::cause(leader.as_ref(), kills, figures.as_deref()))
+    }
+
+    fn terminate(&mut self, sig: Signal) {
+        self.stop_checks();
+        self.tree.terminate(sig);
+    }
+
+    fn kill_tree(&mut self) {
+        self.stop_checks();
+        self.tree.kill_all();
+    }
+
+    fn describe_survivors(&mut self) {
+        let tx = self.inputs.clone();
+        self.tasks.spawn("survivor report", Lifetime::Finite, async move {
+            // Off the loop: /proc of a process stuck in the kernel can hang.
+            if let Ok((left, description)) = tokio::task::spawn_blocking(child::describe_survivors).await {
+                let _ = tx.send(Event::Survivors { left, description }.into());
+            }
+        });
+    }
+
+    fn drain_lines(&mut self) -> bool {
+        self.log.follower.as_ref().inspect(|f| f.drain()).is_some()
+    }
+}
+
+impl ports::Checks for RealBackend {
     fn probe(&mut self, start: u32) {
         let tx = self.inputs.clone();
         if let Some(p) = self.checks.probe.take() {
@@ -628,7 +657,7 @@ impl Backend for RealBackend {
             let member = crate::process::ray::Member::of(&self.settings.child.command, head);
             self.checks.probe = Some(self.tasks.spawn("readiness probe", Lifetime::Finite, async move {
                 crate::process::ray::confirm(&argv, &address, &member).await;
-                let _ = tx.send(Input::HttpReady { start });
+                let _ = tx.send(Event::HttpReady { start }.into());
             }));
             return;
         }
@@ -640,7 +669,7 @@ impl Backend for RealBackend {
             let mut delay = Duration::from_millis(20);
             loop {
                 if crate::observe::health::request_ok(api.get(&url), Duration::from_secs(5)).await {
-                    let _ = tx.send(Input::HttpReady { start });
+                    let _ = tx.send(Event::HttpReady { start }.into());
                     return;
                 }
                 tokio::time::sleep(delay).await;
@@ -669,88 +698,9 @@ impl Backend for RealBackend {
         let (tx, traffic, last) = (self.inputs.clone(), self.checks.traffic.clone(), self.checks.last_check.clone());
         let task = self.tasks.spawn("health checks", Lifetime::Finite, async move {
             let cause = crate::observe::health::watch(spec, traffic, last).await;
-            let _ = tx.send(Input::HealthFailed { start, cause });
+            let _ = tx.send(Event::HealthFailed { start, cause }.into());
         });
         self.checks.health = Some((start, task));
-    }
-
-    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::daemon::reload::ReloadPlan {
-        let plan = crate::daemon::reload::plan(&self.settings, &settings);
-        if self.preload.restarts_on(&self.settings, &settings) {
-            tracing::info!(
-                EVENT = "reload",
-                "the weight-cache daemon starts again with the engine: its command changed"
-            );
-        }
-        for c in crate::daemon::reload::identity_left(&self.settings, &settings) {
-            tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
-        }
-        let running = settings.clone();
-        tokio::task::spawn_blocking(move || crate::daemon::reload::save_running(&running));
-        self.loads.ledger.keep(settings.ledger.keep);
-        self.settings = settings;
-        // The running child's lines are classified with the new patterns
-        // from its follower's next read on.
-        if let Some(f) = &self.log.follower {
-            f.reclassify(classifier.clone());
-            f.rotation(self.settings.child.log_rotation);
-        }
-        self.log.classifier = classifier;
-        // The health checks of a ready run go on with the new settings.
-        if let Some((start, task)) = self.checks.health.take() {
-            task.abort();
-            self.health(start);
-        }
-        plan
-    }
-
-    fn oom_killed(&mut self, pid: u32, exit: crate::supervisor::outcome::Exit) -> Option<String> {
-        use crate::observe::oom;
-        // Counted by the cgroup that holds the tree: a process of the run,
-        // whichever (a descendant whose death the leader then reported).
-        let (cgroup, kills) = match &self.kernel.oom {
-            Some((c, at_spawn)) => (Some(c), c.kills().map_or(0, |n| n.saturating_sub(*at_spawn))),
-            None => (None, 0),
-        };
-        // The kernel's message names a pid of the whole host: only the
-        // leader's, killed by SIGKILL, is the run's for sure.
-        let killed = matches!(exit, crate::supervisor::outcome::Exit::Signal(Signal::SIGKILL));
-        let mark = self.reports.run.as_ref().and_then(|r| r.kernel.as_ref());
-        let lines = self.kernel.follower.as_ref().map(|(_, f)| f.oom_kills(mark)).unwrap_or_default();
-        let leader = lines.iter().rev().filter_map(|l| oom::kill(l)).find(|k| killed && k.pid == pid);
-        if leader.is_none() && kills == 0 {
-            return None;
-        }
-        let figures = cgroup.and_then(oom::Cgroup::figures);
-        Some(oom::cause(leader.as_ref(), kills, figures.as_deref()))
-    }
-
-    fn sleep(&mut self, start: u32, level: u8) {
-        // An engine asleep answers no completion: its checks end here and
-        // begin again once it is awake.
-        if let Some((_, task)) = self.checks.health.take() {
-            task.abort();
-        }
-        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
-        let timeout = crate::daemon::idle::request_timeout(&self.settings);
-        self.tasks.spawn("sleep", Lifetime::Finite, async move {
-            let result = crate::daemon::idle::sleep(&api, level, timeout).await;
-            let _ = tx.send(Input::Slept { start, result });
-        });
-    }
-
-    fn wake(&mut self, start: u32) {
-        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
-        let timeout = crate::daemon::idle::request_timeout(&self.settings);
-        self.tasks.spawn("wake", Lifetime::Finite, async move {
-            let result = crate::daemon::idle::wake(&api, timeout).await;
-            let _ = tx.send(Input::Woke { start, result });
-        });
-    }
-
-    fn parked(&mut self) {
-        let settings = self.settings.clone();
-        self.tasks.spawn("idle stop's cleanup", Lifetime::Finite, crate::daemon::idle::parked(settings));
     }
 
     fn golden(&mut self, start: u32) {
@@ -797,10 +747,152 @@ impl Backend for RealBackend {
             })
             .await
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
-            let _ = tx.send(Input::Golden { start, verdict });
+            let _ = tx.send(Event::GoldenChecked { start, verdict }.into());
         }));
     }
 
+    fn watch_load(&mut self, start: u32) {
+        self.unwatch_load();
+        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
+        let timeout = self.settings.health.timeout;
+        self.checks.load = Some(self.tasks.spawn("drain watch", Lifetime::Finite, async move {
+            let mut said = None;
+            loop {
+                match crate::observe::health::in_flight(&api, timeout).await {
+                    Ok(n) if n <= 0.0 => {
+                        let _ = tx.send(Event::Quiet { start }.into());
+                        return;
+                    }
+                    Ok(n) => {
+                        if said != Some(n) {
+                            tracing::info!(EVENT = "drain", "{n} request(s) running or waiting");
+                            said = Some(n);
+                        }
+                    }
+                    Err(why) if said.is_none() => {
+                        // Waited for until drain.timeout: without a count,
+                        // nothing says the server is quiet.
+                        tracing::warn!(EVENT = "drain", "cannot count the requests in flight: {why}");
+                        said = Some(f64::NAN);
+                    }
+                    Err(_) => {}
+                }
+                tokio::time::sleep(LOAD_EVERY).await;
+            }
+        }));
+    }
+
+    fn unwatch_load(&mut self) {
+        if let Some(t) = self.checks.load.take() {
+            t.abort();
+        }
+    }
+}
+
+impl ports::Idle for RealBackend {
+    fn sleep(&mut self, start: u32, level: u8) {
+        // An engine asleep answers no completion: its checks end here and
+        // begin again once it is awake.
+        if let Some((_, task)) = self.checks.health.take() {
+            task.abort();
+        }
+        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
+        let timeout = crate::daemon::idle::request_timeout(&self.settings);
+        self.tasks.spawn("sleep", Lifetime::Finite, async move {
+            let result = crate::daemon::idle::sleep(&api, level, timeout).await;
+            let _ = tx.send(Event::Slept { start, result }.into());
+        });
+    }
+
+    fn wake(&mut self, start: u32) {
+        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
+        let timeout = crate::daemon::idle::request_timeout(&self.settings);
+        self.tasks.spawn("wake", Lifetime::Finite, async move {
+            let result = crate::daemon::idle::wake(&api, timeout).await;
+            let _ = tx.send(Event::Woke { start, result }.into());
+        });
+    }
+
+    fn parked(&mut self) {
+        let settings = self.settings.clone();
+        self.tasks.spawn("idle stop's cleanup", Lifetime::Finite, crate::daemon::idle::parked(settings));
+    }
+}
+
+impl ports::Reports for RealBackend {
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
+        self.reports.run.as_ref().filter(|r| r.start == order.start)?;
+        // The run has failed: its checks have nothing more to say.
+        self.stop_checks();
+        let run = self.reports.run.as_ref()?;
+        let now = std::time::SystemTime::now();
+        let s = &self.settings;
+        let job = crate::observe::reports::Job {
+            state_dir: s.state_dir.clone(),
+            name: crate::observe::reports::folder_name(now, &s.name, order.attempt),
+            instance: s.name.clone(),
+            spawned: run.spawned,
+            begun: now,
+            log_file: run.log_file.clone(),
+            log_offset: run.offset,
+            settings: s.reports.clone(),
+            config_sha256: crate::observe::reports::sha256_hex(s.text.as_bytes()),
+            classifier: self.log.classifier.clone(),
+            warden: std::process::id() as i32,
+            run_ended: self.tree.run_ended(),
+            // The follower read the log to its end after the exit (the
+            // driver waited for it): where the run's lines end.
+            log_taken: run.log.clone().zip(self.log.follower.as_ref().and_then(LogFollower::drained_to)),
+            kernel: run.kernel.clone(),
+            log_hold: Some(self.log.hold.clone()),
+            order,
+        };
+        let path = job.state_dir.join(crate::observe::reports::FOLDER).join(&job.name);
+        let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
+        let wrong =
+            (job.order.class == crate::supervisor::outcome::FailureClass::WrongAnswers).then(|| job.state_dir.clone());
+        let (taken, gate) = watch::channel(false);
+        let (done, ended) = oneshot::channel();
+        let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
+            match crate::observe::reports::write(job, move || {
+                let _ = taken.send(true);
+            })
+            .await
+            {
+                Ok(p) => {
+                    // The answers side by side, beside the rest.
+                    if let Some(state) = wrong {
+                        let to = p.clone();
+                        let _ = tokio::task::spawn_blocking(move || {
+                            if let Some(text) = crate::observe::golden::diff(&state) {
+                                let _ = std::fs::write(to.join(crate::observe::golden::REPORT_FILE), text);
+                            }
+                        })
+                        .await;
+                    }
+                    tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display())
+                }
+                Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
+            }
+            let _ = tx.send(Event::Reported { start }.into());
+            let _ = done.send(());
+        });
+        // An earlier report still being written goes on.
+        self.reports.pending.retain_mut(|r| r.try_recv() == Err(oneshot::error::TryRecvError::Empty));
+        self.reports.pending.push(ended);
+        self.reports.gate = Some(gate);
+        self.reports.writing = Some(task);
+        Some(path)
+    }
+
+    fn cancel_report(&mut self) {
+        if let Some(task) = self.reports.writing.take() {
+            task.abort();
+        }
+    }
+}
+
+impl ports::Loads for RealBackend {
     fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
         let start = self.reports.run.as_ref()?.start;
         let found = self.loads.found.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -900,7 +992,9 @@ impl Backend for RealBackend {
         self.loads.recovery.expect = Some(expect);
         Ok(settings)
     }
+}
 
+impl ports::Upgrade for RealBackend {
     fn check_upgrade(&mut self) {
         let tx = self.inputs.clone();
         if self.settings.preload.enabled {
@@ -1016,139 +1110,61 @@ impl Backend for RealBackend {
         self.follow_kernel();
         format!("cannot run {}: {e}", exe.display())
     }
+}
 
-    fn terminate(&mut self, sig: Signal) {
-        self.stop_checks();
-        self.tree.terminate(sig);
-    }
-
-    fn kill_tree(&mut self) {
-        self.stop_checks();
-        self.tree.kill_all();
-    }
-
-    fn describe_survivors(&mut self) {
-        let tx = self.inputs.clone();
-        self.tasks.spawn("survivor report", Lifetime::Finite, async move {
-            // Off the loop: /proc of a process stuck in the kernel can hang.
-            if let Ok((left, description)) = tokio::task::spawn_blocking(child::describe_survivors).await {
-                let _ = tx.send(Input::Survivors { left, description });
-            }
-        });
-    }
-
-    fn watch_load(&mut self, start: u32) {
-        self.unwatch_load();
-        let (api, tx) = (crate::observe::health::Api::of(&self.settings), self.inputs.clone());
-        let timeout = self.settings.health.timeout;
-        self.checks.load = Some(self.tasks.spawn("drain watch", Lifetime::Finite, async move {
-            let mut said = None;
-            loop {
-                match crate::observe::health::in_flight(&api, timeout).await {
-                    Ok(n) if n <= 0.0 => {
-                        let _ = tx.send(Input::Quiet { start });
-                        return;
-                    }
-                    Ok(n) => {
-                        if said != Some(n) {
-                            tracing::info!(EVENT = "drain", "{n} request(s) running or waiting");
-                            said = Some(n);
-                        }
-                    }
-                    Err(why) if said.is_none() => {
-                        // Waited for until drain.timeout: without a count,
-                        // nothing says the server is quiet.
-                        tracing::warn!(EVENT = "drain", "cannot count the requests in flight: {why}");
-                        said = Some(f64::NAN);
-                    }
-                    Err(_) => {}
-                }
-                tokio::time::sleep(LOAD_EVERY).await;
-            }
-        }));
-    }
-
-    fn unwatch_load(&mut self) {
-        if let Some(t) = self.checks.load.take() {
-            t.abort();
-        }
-    }
-
-    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
-        self.reports.run.as_ref().filter(|r| r.start == order.start)?;
-        // The run has failed: its checks have nothing more to say.
-        self.stop_checks();
-        let run = self.reports.run.as_ref()?;
-        let now = std::time::SystemTime::now();
-        let s = &self.settings;
-        let job = crate::observe::reports::Job {
-            state_dir: s.state_dir.clone(),
-            name: crate::observe::reports::folder_name(now, &s.name, order.attempt),
-            instance: s.name.clone(),
-            spawned: run.spawned,
-            begun: now,
-            log_file: run.log_file.clone(),
-            log_offset: run.offset,
-            settings: s.reports.clone(),
-            config_sha256: crate::observe::reports::sha256_hex(s.text.as_bytes()),
-            classifier: self.log.classifier.clone(),
-            warden: std::process::id() as i32,
-            run_ended: self.tree.run_ended(),
-            // The follower read the log to its end after the exit (the
-            // driver waited for it): where the run's lines end.
-            log_taken: run.log.clone().zip(self.log.follower.as_ref().and_then(LogFollower::drained_to)),
-            kernel: run.kernel.clone(),
-            log_hold: Some(self.log.hold.clone()),
-            order,
-        };
-        let path = job.state_dir.join(crate::observe::reports::FOLDER).join(&job.name);
-        let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
-        let wrong =
-            (job.order.class == crate::supervisor::outcome::FailureClass::WrongAnswers).then(|| job.state_dir.clone());
-        let (taken, gate) = watch::channel(false);
-        let (done, ended) = oneshot::channel();
-        let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
-            match crate::observe::reports::write(job, move || {
-                let _ = taken.send(true);
+impl ports::Config for RealBackend {
+    fn read_config(&mut self) {
+        // The operator's config again: a rollback is over.
+        self.loads.recovery.expect = None;
+        self.loads.recovery.revert = None;
+        let (path, tx) = (self.settings.source.clone(), self.inputs.clone());
+        tracing::info!(EVENT = "reload", "reading {} again", path.display());
+        self.tasks.spawn("config reader", Lifetime::Finite, async move {
+            let loaded = tokio::task::spawn_blocking(move || {
+                config::load(&path, &Dirs::from_env()).and_then(|s| {
+                    let env = crate::daemon::environment::check_environment(&s);
+                    if env.is_empty() { Ok(s) } else { Err(config::Problems(env)) }
+                })
             })
-            .await
-            {
-                Ok(p) => {
-                    // The answers side by side, beside the rest.
-                    if let Some(state) = wrong {
-                        let to = p.clone();
-                        let _ = tokio::task::spawn_blocking(move || {
-                            if let Some(text) = crate::observe::golden::diff(&state) {
-                                let _ = std::fs::write(to.join(crate::observe::golden::REPORT_FILE), text);
-                            }
-                        })
-                        .await;
-                    }
-                    tracing::info!(INSTANCE = instance.as_str(), EVENT = "report", "failure report written: {}", p.display())
-                }
-                Err(e) => tracing::warn!(INSTANCE = instance.as_str(), EVENT = "report", error = %e, "cannot write the failure report"),
-            }
-            let _ = tx.send(Input::Reported { start });
-            let _ = done.send(());
+            .await;
+            // A panic while reading is this task's panic.
+            let loaded = loaded.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+            let _ = tx.send(Input::Reload(Box::new(loaded)));
         });
-        // An earlier report still being written goes on.
-        self.reports.pending.retain_mut(|r| r.try_recv() == Err(oneshot::error::TryRecvError::Empty));
-        self.reports.pending.push(ended);
-        self.reports.gate = Some(gate);
-        self.reports.writing = Some(task);
-        Some(path)
     }
 
-    fn cancel_report(&mut self) {
-        if let Some(task) = self.reports.writing.take() {
-            task.abort();
+    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> crate::daemon::reload::ReloadPlan {
+        let plan = crate::daemon::reload::plan(&self.settings, &settings);
+        if self.preload.restarts_on(&self.settings, &settings) {
+            tracing::info!(
+                EVENT = "reload",
+                "the weight-cache daemon starts again with the engine: its command changed"
+            );
         }
+        for c in crate::daemon::reload::identity_left(&self.settings, &settings) {
+            tracing::warn!(EVENT = "reload", "{c}: takes effect when the warden itself restarts");
+        }
+        let running = settings.clone();
+        tokio::task::spawn_blocking(move || crate::daemon::reload::save_running(&running));
+        self.loads.ledger.keep(settings.ledger.keep);
+        self.settings = settings;
+        // The running child's lines are classified with the new patterns
+        // from its follower's next read on.
+        if let Some(f) = &self.log.follower {
+            f.reclassify(classifier.clone());
+            f.rotation(self.settings.child.log_rotation);
+        }
+        self.log.classifier = classifier;
+        // The health checks of a ready run go on with the new settings.
+        if let Some((start, task)) = self.checks.health.take() {
+            task.abort();
+            self.health(start);
+        }
+        plan
     }
+}
 
-    fn drain_lines(&mut self) -> bool {
-        self.log.follower.as_ref().inspect(|f| f.drain()).is_some()
-    }
-
+impl ports::Tasks for RealBackend {
     async fn task_failed(&mut self) -> String {
         let failed = self.tasks.failed().await;
         tracing::error!(INSTANCE = self.settings.name.as_str(), EVENT = "internal", "{failed}");

@@ -2,9 +2,9 @@
 //! happened (child events, classified log lines, HTTP readiness, requests
 //! from outside, its own deadlines, a background task that died) and carries out
 //! the effects it returns through a [`Backend`] and a [`Notifier`]. The
-//! backend is a trait so that the loop can be driven under paused time with
-//! a fake child; processes, files and HTTP are not known here (see
-//! `daemon` for the real backend).
+//! backend is a set of traits, one per job ([`ports`]), so that the loop can
+//! be driven under paused time with a fake child; processes, files and HTTP
+//! are not known here (see `daemon` for the real backend).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt};
@@ -26,8 +25,9 @@ use crate::process::child::TreeEvent;
 use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
-use crate::supervisor::outcome::{Prepared, StartFailure};
-use crate::supervisor::{Effect, Event, Machine, Policy, Record, ReportOrder, Severity, Topic};
+use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity, Topic};
+
+pub mod ports;
 
 /// What the warden is asked to do from outside (signals, the control
 /// endpoint, the demo, tests).
@@ -78,187 +78,53 @@ impl Heartbeat {
     }
 }
 
-/// What the backend's tasks report to the loop.
+/// What the backend's tasks report to the loop: the machine's events as
+/// they are, and what the loop acts on itself first.
 #[derive(Debug)]
 pub enum Input {
+    /// What happened, for the machine as it is.
+    Event(Event),
+    /// The child's tree: a leader's exit waits for the lines it wrote, and
+    /// is asked first whether the kernel's OOM killer ended the run.
     Tree(TreeEvent),
-    /// The pre-start steps of `start` are over.
-    Prepared {
-        start: u32,
-        result: Prepared,
-    },
-    /// A pre-start step of `start` begins.
-    Step {
-        start: u32,
-        text: String,
-    },
-    /// The read-ahead of start `start`'s weights, as it goes.
-    Prefetched {
-        start: u32,
-        now: crate::supervisor::load::PrefetchNow,
-    },
-    /// What survived SIGKILL: how many live processes, described.
-    Survivors {
-        left: usize,
-        description: String,
-    },
-    /// The kernel reported a fatal GPU fault during run `start`.
-    GpuFault {
-        start: u32,
-        cause: String,
-    },
-    /// Prove the serving model's answers again (a GPU fault that did not
-    /// end the run, a wake from sleep): `Event::Recheck`.
-    Recheck {
-        reason: String,
-    },
-    /// `health.failures` checks in a row failed for `start`.
-    HealthFailed {
-        start: u32,
-        cause: String,
-    },
     /// The config read again after a `Request::Reload`, or every problem
     /// found in it.
     Reload(Box<Result<Settings, crate::config::Problems>>),
-    HttpReady {
-        start: u32,
-    },
-    /// The golden check of `start` is over.
-    Golden {
-        start: u32,
-        verdict: crate::supervisor::golden::Verdict,
-    },
-    /// The server of run `start` has no request running or waiting.
-    Quiet {
-        start: u32,
-    },
     /// The binary an upgrade would run answered `--version` (its version),
     /// or why not.
     UpgradeChecked(Result<String, crate::daemon::upgrade::UpgradeError>),
-    /// The failure report of `start` is written (or gave up).
-    Reported {
-        start: u32,
-    },
-    /// The weight-cache daemon ended, or stopped answering, while the
-    /// engine started or served.
-    DaemonLost {
-        cause: String,
-    },
-    /// The engine of run `start` was asked to sleep: asleep, or why not.
-    Slept {
-        start: u32,
-        result: Result<(), String>,
-    },
-    /// The engine of run `start` was asked to wake: awake, or why not.
-    Woke {
-        start: u32,
-        result: Result<(), String>,
-    },
 }
 
-/// Where effects on the child are carried out.
-pub trait Backend {
-    /// Start the pre-start steps of `start`; `Input::Prepared` when done,
-    /// `Input::Status` for each step.
-    fn prepare(&mut self, start: u32);
-    /// Give up the pre-start steps; `Input::Prepared` still follows.
-    fn cancel_prepare(&mut self);
-    /// Check the health of ready start `start` until the run ends;
-    /// `Input::HealthFailed` when it fails.
-    fn health(&mut self, start: u32);
-    /// Read the config file again, off the loop; `Input::Reload` follows.
-    fn read_config(&mut self);
-    /// Use these settings: the warden's own at once (the health checks of a
-    /// ready run start again with them, the running child's lines are
-    /// classified with `classifier`, their patterns compiled), the child's
-    /// from the next start. Returns what changed against the settings in
-    /// use.
-    fn reconfigure(&mut self, settings: Settings, classifier: Classifier) -> ReloadPlan;
-    /// Spawn start `start`.
-    fn spawn(&mut self, start: u32) -> Result<u32, StartFailure>;
-    fn probe(&mut self, start: u32);
-    fn terminate(&mut self, sig: Signal);
-    fn kill_tree(&mut self);
-    /// Describe what is left of the tree, off the loop: `Input::Survivors`.
-    fn describe_survivors(&mut self);
-    /// Watch the requests in flight of run `start`; `Input::Quiet` once
-    /// none is running or waiting.
-    fn watch_load(&mut self, start: u32);
-    fn unwatch_load(&mut self);
-    /// Write the failure report of the failed run, off the loop, while
-    /// its tree is still there; `Input::Reported` when done. Returns the
-    /// report's folder, or `None` when no report can be written (nothing
-    /// follows then).
-    fn report(&mut self, order: ReportOrder) -> Option<std::path::PathBuf>;
-    /// Give up the report under way at once: its commands are killed,
-    /// what is written stays.
-    fn cancel_report(&mut self);
-    /// Have the current run's lines read to the end of the file, then
-    /// `Delivery::Drained` sent after them; false when no run's lines are
-    /// followed (nothing will follow).
-    fn drain_lines(&mut self) -> bool;
-    /// Ask the binary at the warden's path for its version, off the loop:
-    /// `Input::UpgradeChecked`.
-    fn check_upgrade(&mut self) {}
-    /// Stop following the run's lines; false when nothing is followed.
-    fn pause_lines(&mut self) -> bool {
-        false
+impl From<Event> for Input {
+    fn from(ev: Event) -> Input {
+        Input::Event(ev)
     }
-    /// After [`Backend::pause_lines`], once the follower has ended (waiting
-    /// up to `wait`): the offset of the first line not handed on whole
-    /// (every batch before it is in the line queue).
-    fn lines_paused(&mut self, _wait: Duration) -> Option<u64> {
-        None
-    }
-    /// Follow the run's lines again from `offset` (an upgrade given up).
-    fn resume_lines(&mut self, _offset: u64) {}
-    /// Replace the warden by the binary at its path, handing over `saved`
-    /// and the lines from `offset`; returns only on failure, saying why.
-    fn exec_upgrade(&mut self, _saved: crate::supervisor::Saved, _offset: u64) -> String {
-        "upgrades are not supported here".into()
-    }
-    /// Wait until a background task of the backend ends unexpectedly, and
-    /// name it; pending while none does. Cancel-safe. The backend has
-    /// already done what it can so that the tree can still be stopped (the
-    /// reaper is started again).
-    fn task_failed(&mut self) -> impl Future<Output = String>;
-    /// Memory fit's values for the next starts (empty: none).
-    fn fit(&mut self, _set: std::collections::BTreeMap<crate::config::FitArg, String>) {}
-    /// Pin memory fit's values for the setup just ready, off the loop.
-    fn pin(&mut self, _values: std::collections::BTreeMap<crate::config::FitArg, String>) {}
-    /// Drop memory fit's pins of the setup whose start with them failed
-    /// (the file off the loop).
-    fn unpin(&mut self, _values: std::collections::BTreeMap<crate::config::FitArg, String>) {}
-    /// Keep the setup just ready as the last-known-good (its record written
-    /// off the loop).
-    fn setup_good(&mut self) {}
-    /// The last-known-good setup's settings, to be used from the next
-    /// start as a reload's are (`reconfigure` follows); why not, else.
-    fn rollback(&mut self) -> Result<Settings, String> {
-        Err("rollback is not supported here".into())
-    }
-    /// What the ledger knows of the setup just spawned.
-    fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
-        None
-    }
-    /// A load ended: into the ledger, off the loop.
-    fn load_ended(&mut self, _record: crate::supervisor::load::LoadRecord) {}
-    /// Ask the golden prompts of start `start`, off the loop:
-    /// `Input::Golden`. Asked only with `golden` in the policy.
-    fn golden(&mut self, _start: u32) {}
-    /// The leader `pid` of the run exited so: the cause, when the kernel's
-    /// OOM killer ended it or one of its processes (host memory).
-    fn oom_killed(&mut self, _pid: u32, _exit: crate::supervisor::outcome::Exit) -> Option<String> {
-        None
-    }
-    /// Put the engine of run `start` to sleep at `level`, its health checks
-    /// ended: `Input::Slept`.
-    fn sleep(&mut self, _start: u32, _level: u8) {}
-    /// Wake the engine of run `start`: `Input::Woke`.
-    fn wake(&mut self, _start: u32) {}
-    /// The engine was stopped for want of requests: what the tree left
-    /// goes, and the GPUs are looked at, off the loop.
-    fn parked(&mut self) {}
+}
+
+/// Where effects are carried out: one type that has every port (see
+/// [`ports`]), the real backend or the tests' fake.
+pub trait Backend:
+    ports::Launch
+    + ports::Checks
+    + ports::Idle
+    + ports::Reports
+    + ports::Loads
+    + ports::Upgrade
+    + ports::Config
+    + ports::Tasks
+{
+}
+
+impl<B> Backend for B where
+    B: ports::Launch
+        + ports::Checks
+        + ports::Idle
+        + ports::Reports
+        + ports::Loads
+        + ports::Upgrade
+        + ports::Config
+        + ports::Tasks
+{
 }
 
 /// Told of every state change (the child's lines are seen by the
@@ -775,9 +641,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
 
     fn input(&mut self, input: Input, events: &mut VecDeque<Event>, exiting: &mut Option<Exiting>) {
         match input {
-            Input::HttpReady { start } => events.push_back(Event::HttpReady { start }),
-            Input::Golden { start, verdict } => events.push_back(Event::GoldenChecked { start, verdict }),
-            Input::Quiet { start } => events.push_back(Event::Quiet { start }),
+            Input::Event(ev) => events.push_back(ev),
             Input::UpgradeChecked(Err(why)) => {
                 tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");
                 // Shown by `systemctl status` until the next change of state.
@@ -795,17 +659,6 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 }
                 self.upgrade = Some(version);
             }
-            Input::Reported { start } => events.push_back(Event::Reported { start }),
-            Input::Prepared { start, result } => events.push_back(Event::Prepared { start, result }),
-            Input::Step { start, text } => events.push_back(Event::PrepareStep { start, text }),
-            Input::Prefetched { start, now } => events.push_back(Event::Prefetched { start, now }),
-            Input::Survivors { left, description } => events.push_back(Event::Survivors { left, description }),
-            Input::GpuFault { start, cause } => events.push_back(Event::GpuFault { start, cause }),
-            Input::Recheck { reason } => events.push_back(Event::Recheck { reason }),
-            Input::HealthFailed { start, cause } => events.push_back(Event::HealthFailed { start, cause }),
-            Input::DaemonLost { cause } => events.push_back(Event::DaemonLost { cause }),
-            Input::Slept { start, result } => events.push_back(Event::Slept { start, result }),
-            Input::Woke { start, result } => events.push_back(Event::Woke { start, result }),
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {
                     Ok(c) => {

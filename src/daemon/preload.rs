@@ -352,7 +352,7 @@ impl Preloader {
             ready.store(false, Ordering::SeqCst);
             if !stopping.load(Ordering::SeqCst) {
                 tracing::error!(EVENT = "preload", "{cause}");
-                let _ = tx.send(Input::DaemonLost { cause });
+                let _ = tx.send(crate::supervisor::Event::DaemonLost { cause }.into());
             }
         });
         handle.abort_handle()

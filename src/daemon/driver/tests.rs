@@ -2,13 +2,16 @@
 //! recording notifier: the loop's timing (backoff, watchdog, stall, the stop
 //! escalation) is checked to the virtual millisecond, with no real process.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
+
+use nix::sys::signal::Signal;
 
 use super::*;
 use crate::config::profile::Profile;
 use crate::process::child::Exit;
 use crate::supervisor::Policy;
+use crate::supervisor::outcome::{Prepared, StartFailure};
 
 /// What a fake run does after its spawn, in virtual time.
 #[derive(Clone)]
@@ -34,7 +37,27 @@ enum Call {
     Sleep(u32, u8),
     Wake(u32),
     Parked,
+    Golden(u32),
+    /// A load ended so (its outcome's word).
+    LoadEnded(String),
+    Fit(BTreeMap<crate::config::FitArg, String>),
+    Pin(BTreeMap<crate::config::FitArg, String>),
+    Unpin(BTreeMap<crate::config::FitArg, String>),
+    SetupGood,
+    Rollback,
+    Reconfigure,
+    CheckUpgrade,
+    PauseLines,
+    ResumeLines(u64),
+    ExecUpgrade {
+        start: u32,
+        pid: u32,
+        offset: u64,
+    },
 }
+
+/// Where the fake's follower stops when an upgrade pauses it.
+const PAUSED_AT: u64 = 4096;
 
 #[derive(Clone, Default)]
 struct Log {
@@ -73,6 +96,21 @@ struct Fake {
     load: Option<tokio::task::AbortHandle>,
     /// A failure report takes this long; `None`: it never ends (wedged).
     report_takes: Option<Duration>,
+    /// The kernel's OOM killer ends a leader killed by SIGKILL, so said.
+    oom: Option<String>,
+    /// The golden check's verdicts, one a check (then the same answers).
+    verdicts: Vec<crate::supervisor::golden::Verdict>,
+    /// How long a golden check takes.
+    golden_takes: Duration,
+    /// What the ledger knows of the setup each start runs (the last one
+    /// for the starts after); none: nothing.
+    setups: Vec<crate::supervisor::load::LoadStart>,
+    /// Memory fit's values, laid over the setup's own from the next start.
+    fitted: BTreeMap<crate::config::FitArg, String>,
+    /// The last-known-good setup's settings, for one rollback.
+    good: Option<crate::config::Settings>,
+    /// What the check of an upgrade's binary answers.
+    upgrade: Option<Result<String, crate::daemon::upgrade::UpgradeError>>,
 }
 
 /// What goes wrong besides the plans.
@@ -94,6 +132,12 @@ struct Quirks {
     slow_observer: Option<std::time::Duration>,
     /// The front door's requests, as it tells them to the loop.
     activity: Option<Arc<crate::daemon::front::Activity>>,
+    oom: Option<String>,
+    verdicts: Vec<crate::supervisor::golden::Verdict>,
+    golden_takes: Duration,
+    setups: Vec<crate::supervisor::load::LoadStart>,
+    good: Option<crate::config::Settings>,
+    upgrade: Option<Result<String, crate::daemon::upgrade::UpgradeError>>,
 }
 
 /// One line as the follower hands it on, when it matters.
@@ -113,13 +157,13 @@ impl Fake {
     }
 }
 
-impl Backend for Fake {
+impl ports::Launch for Fake {
     fn prepare(&mut self, start: u32) {
         self.call(Call::Prepare(start));
         if self.prepare_hangs {
-            let _ = self.tx.send(Input::Step { start, text: "waiting for the GPU query".into() });
+            let _ = self.tx.send(Event::PrepareStep { start, text: "waiting for the GPU query".into() }.into());
         } else {
-            let _ = self.tx.send(Input::Prepared { start, result: Prepared::Done });
+            let _ = self.tx.send(Event::Prepared { start, result: Prepared::Done }.into());
         }
     }
     fn cancel_prepare(&mut self) {
@@ -127,70 +171,7 @@ impl Backend for Fake {
     }
     fn describe_survivors(&mut self) {
         let description = "1 process(es) survived SIGKILL: pid 101 (state D)".into();
-        let _ = self.tx.send(Input::Survivors { left: 1, description });
-    }
-    fn health(&mut self, _start: u32) {}
-    fn watch_load(&mut self, start: u32) {
-        self.call(Call::WatchLoad(start));
-        let (tx, quiet_at) = (self.tx.clone(), self.t0 + self.busy_until.unwrap_or_default());
-        self.load = Some(
-            tokio::spawn(async move {
-                tokio::time::sleep_until(quiet_at).await;
-                let _ = tx.send(Input::Quiet { start });
-            })
-            .abort_handle(),
-        );
-    }
-    fn unwatch_load(&mut self) {
-        self.call(Call::UnwatchLoad);
-        if let Some(t) = self.load.take() {
-            t.abort();
-        }
-    }
-    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
-        self.call(Call::Report(order.start));
-        if let Some(takes) = self.report_takes {
-            let (tx, start) = (self.tx.clone(), order.start);
-            tokio::spawn(async move {
-                tokio::time::sleep(takes).await;
-                let _ = tx.send(Input::Reported { start });
-            });
-        }
-        Some(format!("/state/reports/x-t-{}", order.attempt).into())
-    }
-    fn cancel_report(&mut self) {
-        self.call(Call::CancelReport);
-    }
-    fn sleep(&mut self, start: u32, level: u8) {
-        self.call(Call::Sleep(start, level));
-        let _ = self.tx.send(Input::Slept { start, result: Ok(()) });
-    }
-    fn wake(&mut self, start: u32) {
-        self.call(Call::Wake(start));
-        let _ = self.tx.send(Input::Woke { start, result: Ok(()) });
-    }
-    fn parked(&mut self) {
-        self.call(Call::Parked);
-    }
-    fn read_config(&mut self) {}
-    fn reconfigure(
-        &mut self,
-        _settings: crate::config::Settings,
-        _classifier: Classifier,
-    ) -> crate::daemon::reload::ReloadPlan {
-        crate::daemon::reload::ReloadPlan::Nothing
-    }
-    async fn task_failed(&mut self) -> String {
-        // Cancel-safe, as the real one: the wait is dropped whenever another
-        // input comes first.
-        match self.task_dies_at {
-            Some(at) => {
-                tokio::time::sleep_until(self.t0 + at).await;
-                self.task_dies_at = None;
-                "the reaper task panicked: test".into()
-            }
-            None => std::future::pending().await,
-        }
+        let _ = self.tx.send(Event::Survivors { left: 1, description }.into());
     }
     fn spawn(&mut self, start: u32) -> Result<u32, StartFailure> {
         self.call(Call::Spawn(start));
@@ -219,10 +200,6 @@ impl Backend for Fake {
             }
         });
         Ok(pid)
-    }
-    fn probe(&mut self, start: u32) {
-        self.call(Call::Probe(start));
-        let _ = self.tx.send(Input::HttpReady { start });
     }
     fn terminate(&mut self, sig: Signal) {
         self.call(Call::Terminate(sig));
@@ -275,6 +252,162 @@ impl Backend for Fake {
             let _ = out.send(Delivery::Drained { start }).await;
         });
         true
+    }
+    fn oom_killed(&mut self, _pid: u32, exit: Exit) -> Option<String> {
+        // The kernel's OOM killer ends the leader with SIGKILL.
+        let killed = exit == Exit::Signal(Signal::SIGKILL);
+        self.oom.clone().filter(|_| killed)
+    }
+}
+
+impl ports::Checks for Fake {
+    fn health(&mut self, _start: u32) {}
+    fn watch_load(&mut self, start: u32) {
+        self.call(Call::WatchLoad(start));
+        let (tx, quiet_at) = (self.tx.clone(), self.t0 + self.busy_until.unwrap_or_default());
+        self.load = Some(
+            tokio::spawn(async move {
+                tokio::time::sleep_until(quiet_at).await;
+                let _ = tx.send(Event::Quiet { start }.into());
+            })
+            .abort_handle(),
+        );
+    }
+    fn unwatch_load(&mut self) {
+        self.call(Call::UnwatchLoad);
+        if let Some(t) = self.load.take() {
+            t.abort();
+        }
+    }
+    fn probe(&mut self, start: u32) {
+        self.call(Call::Probe(start));
+        let _ = self.tx.send(Event::HttpReady { start }.into());
+    }
+    fn golden(&mut self, start: u32) {
+        self.call(Call::Golden(start));
+        let verdict = if self.verdicts.is_empty() {
+            crate::supervisor::golden::Verdict::Same { prompts: 1, ms: 40 }
+        } else {
+            self.verdicts.remove(0)
+        };
+        let (tx, takes) = (self.tx.clone(), self.golden_takes);
+        tokio::spawn(async move {
+            tokio::time::sleep(takes).await;
+            let _ = tx.send(Event::GoldenChecked { start, verdict }.into());
+        });
+    }
+}
+
+impl ports::Idle for Fake {
+    fn sleep(&mut self, start: u32, level: u8) {
+        self.call(Call::Sleep(start, level));
+        let _ = self.tx.send(Event::Slept { start, result: Ok(()) }.into());
+    }
+    fn wake(&mut self, start: u32) {
+        self.call(Call::Wake(start));
+        let _ = self.tx.send(Event::Woke { start, result: Ok(()) }.into());
+    }
+    fn parked(&mut self) {
+        self.call(Call::Parked);
+    }
+}
+
+impl ports::Reports for Fake {
+    fn report(&mut self, order: crate::supervisor::ReportOrder) -> Option<std::path::PathBuf> {
+        self.call(Call::Report(order.start));
+        if let Some(takes) = self.report_takes {
+            let (tx, start) = (self.tx.clone(), order.start);
+            tokio::spawn(async move {
+                tokio::time::sleep(takes).await;
+                let _ = tx.send(Event::Reported { start }.into());
+            });
+        }
+        Some(format!("/state/reports/x-t-{}", order.attempt).into())
+    }
+    fn cancel_report(&mut self) {
+        self.call(Call::CancelReport);
+    }
+}
+
+impl ports::Loads for Fake {
+    fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
+        let i = (self.current as usize).checked_sub(1)?;
+        let mut load = self.setups.get(i).or(self.setups.last()).cloned()?;
+        for (arg, value) in &self.fitted {
+            load.used.insert(*arg, (value.clone(), crate::supervisor::fit::Source::Fitted));
+        }
+        Some(load)
+    }
+    fn load_ended(&mut self, record: crate::supervisor::load::LoadRecord) {
+        self.call(Call::LoadEnded(record.outcome.word().to_string()));
+    }
+    fn fit(&mut self, set: BTreeMap<crate::config::FitArg, String>) {
+        self.call(Call::Fit(set.clone()));
+        self.fitted = set;
+    }
+    fn pin(&mut self, values: BTreeMap<crate::config::FitArg, String>) {
+        self.call(Call::Pin(values));
+    }
+    fn unpin(&mut self, values: BTreeMap<crate::config::FitArg, String>) {
+        self.call(Call::Unpin(values));
+    }
+    fn setup_good(&mut self) {
+        self.call(Call::SetupGood);
+    }
+    fn rollback(&mut self) -> Result<crate::config::Settings, String> {
+        self.call(Call::Rollback);
+        self.good.take().ok_or_else(|| "no setup has reached ready in this warden's life".into())
+    }
+}
+
+impl ports::Upgrade for Fake {
+    fn check_upgrade(&mut self) {
+        self.call(Call::CheckUpgrade);
+        if let Some(checked) = self.upgrade.take() {
+            let _ = self.tx.send(Input::UpgradeChecked(checked));
+        }
+    }
+    fn pause_lines(&mut self) -> bool {
+        self.call(Call::PauseLines);
+        !self.alive.lock().unwrap().is_empty()
+    }
+    fn lines_paused(&mut self, _wait: Duration) -> Option<u64> {
+        Some(PAUSED_AT)
+    }
+    fn resume_lines(&mut self, offset: u64) {
+        self.call(Call::ResumeLines(offset));
+    }
+    fn exec_upgrade(&mut self, saved: crate::supervisor::Saved, offset: u64) -> String {
+        self.call(Call::ExecUpgrade { start: saved.start, pid: saved.pid, offset });
+        // An exec that succeeds does not return: only its failure is seen here.
+        "cannot run /usr/bin/vllm-warden: test".into()
+    }
+}
+
+impl ports::Config for Fake {
+    fn read_config(&mut self) {}
+    fn reconfigure(
+        &mut self,
+        _settings: crate::config::Settings,
+        _classifier: Classifier,
+    ) -> crate::daemon::reload::ReloadPlan {
+        self.call(Call::Reconfigure);
+        crate::daemon::reload::ReloadPlan::Nothing
+    }
+}
+
+impl ports::Tasks for Fake {
+    async fn task_failed(&mut self) -> String {
+        // Cancel-safe, as the real one: the wait is dropped whenever another
+        // input comes first.
+        match self.task_dies_at {
+            Some(at) => {
+                tokio::time::sleep_until(self.t0 + at).await;
+                self.task_dies_at = None;
+                "the reaper task panicked: test".into()
+            }
+            None => std::future::pending().await,
+        }
     }
 }
 
@@ -370,6 +503,13 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         prepare_hangs: q.prepare_hangs,
         busy_until: q.busy_until,
         load: None,
+        oom: q.oom,
+        verdicts: q.verdicts,
+        golden_takes: q.golden_takes,
+        setups: q.setups,
+        fitted: BTreeMap::new(),
+        good: q.good,
+        upgrade: q.upgrade,
     };
     let mut rec = Rec { t0, log: log.clone() };
     let mut phases = Phases { t0, seen: Vec::new(), turns: Vec::new(), slow: q.slow_observer };
@@ -884,4 +1024,323 @@ async fn a_wake_up_left_from_an_earlier_idle_spell_starts_nothing() {
     let q = Quirks { activity: Some(activity), ..Quirks::default() };
     let o = run_with(idle_after_a_minute(crate::config::IdleAction::Stop), plans, q, Some(S(200)), None).await;
     assert_eq!(spawn_times(&o), vec![S(0)], "parked at 62 s and left so: {:?}", o.calls);
+}
+
+/// The statuses said, with their times.
+fn statuses(o: &Outcome) -> Vec<(Duration, String)> {
+    o.notes.iter().filter_map(|(t, n)| if let Note::Status(s) = n { Some((*t, s.clone())) } else { None }).collect()
+}
+
+fn ready_notes(o: &Outcome) -> Vec<Duration> {
+    o.notes.iter().filter(|(_, n)| *n == Note::Ready).map(|(t, _)| *t).collect()
+}
+
+fn with_golden(on: crate::config::GoldenPolicy) -> Policy {
+    Policy { golden: Some(on), ..policy() }
+}
+
+/// With the golden check on, READY=1 waits for its answers: the check is
+/// asked once the server answers, and the run is ready when they come.
+#[tokio::test(start_paused = true)]
+async fn the_golden_answers_come_before_ready() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks { golden_takes: S(3), ..Quirks::default() };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(with_golden(crate::config::GoldenPolicy::Warn), vec![serving], q, Some(S(20)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(times(&o, |c| *c == Call::Golden(1)), vec![S(2)], "{:?}", o.calls);
+    assert_eq!(ready_notes(&o), vec![S(5)], "{:?}", o.notes);
+    assert!(o.phases.contains(&(S(5), Phase::Ready)), "{:?}", o.phases);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(2) && s.ends_with(": checking the golden answers")),
+        "{:?}",
+        o.notes
+    );
+    // Ready with the answers as recorded: the setup is kept as good.
+    assert_eq!(times(&o, |c| *c == Call::SetupGood), vec![S(5)]);
+}
+
+/// `golden.on-mismatch = "fail"`: changed answers fail the run, which is
+/// stopped and started again; the next start's answers make it ready. The
+/// failed setup is never kept as good.
+#[tokio::test(start_paused = true)]
+async fn changed_golden_answers_fail_the_run_and_the_next_start_is_checked_again() {
+    use crate::supervisor::golden::Verdict;
+    let changed = Verdict::Changed { text: "answers changed: prompt 1 differs at token 3".into(), ms: 40 };
+    let q = Quirks { golden_takes: S(1), verdicts: vec![changed], ..Quirks::default() };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let p = with_golden(crate::config::GoldenPolicy::Fail);
+    let o = run_with(p, vec![serving.clone(), serving], q, Some(S(30)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(times(&o, |c| matches!(c, Call::Golden(_))), vec![S(2), S(15)], "{:?}", o.calls);
+    assert!(o.calls.contains(&(S(15), Call::Golden(2))), "{:?}", o.calls);
+    assert_eq!(terminations(&o).first(), Some(&S(3)), "{:?}", o.calls);
+    // Restarted after the backoff's 10 s; ready only after the second answers.
+    assert_eq!(spawn_times(&o), vec![S(0), S(13)]);
+    assert_eq!(ready_notes(&o), vec![S(16)], "{:?}", o.notes);
+    assert_eq!(times(&o, |c| *c == Call::SetupGood), vec![S(16)]);
+    assert!(
+        statuses(&o)
+            .iter()
+            .any(|(t, s)| *t == S(3) && s.starts_with("failed") && s.contains("prompt 1 differs at token 3")),
+        "{:?}",
+        o.notes
+    );
+}
+
+/// `golden.interval`: the serving run is taken out of rotation, its
+/// answers asked again, and put back once they are the same.
+#[tokio::test(start_paused = true)]
+async fn golden_interval_rechecks_the_serving_run_out_of_rotation() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks { golden_takes: S(1), ..Quirks::default() };
+    let p = Policy { golden_interval: Some(S(60)), ..with_golden(crate::config::GoldenPolicy::Fail) };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(p, vec![serving], q, Some(S(100)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    // Ready at 3 s; the interval counts from there.
+    assert_eq!(times(&o, |c| *c == Call::Golden(1)), vec![S(2), S(63)], "{:?}", o.calls);
+    let after_ready: Vec<_> = o.phases.iter().filter(|(t, _)| *t >= S(3) && *t < S(100)).cloned().collect();
+    assert_eq!(after_ready, vec![(S(3), Phase::Ready), (S(63), Phase::Rechecking), (S(64), Phase::Ready)]);
+    assert_eq!(spawn_times(&o), vec![S(0)], "the run stayed");
+}
+
+/// vLLM's words for a KV cache too small for one request of the model's
+/// length.
+const KV_TOO_SMALL: &str = "(EngineCore pid=7) ERROR 12-02 12:26:28 [core.py:1510] ValueError: To serve at least one request with the model's max seq len (1500000), (1.43 GiB KV cache is needed, which is larger than the available KV cache memory (1.0 GiB). Based on the available memory, the estimated maximum model length is 1048448. Try increasing `gpu_memory_utilization`";
+
+/// What the ledger knows of a setup: its fingerprint, memory fit's values
+/// as the start uses them, and the last one that reached ready.
+fn setup(
+    fingerprint: &str,
+    used: &[(crate::config::FitArg, &str, crate::supervisor::fit::Source)],
+    last_good: Option<(&str, &str)>,
+) -> crate::supervisor::load::LoadStart {
+    crate::supervisor::load::LoadStart {
+        fingerprint: fingerprint.into(),
+        used: used.iter().map(|(a, v, s)| (*a, (v.to_string(), *s))).collect(),
+        last_good: last_good.map(|(f, at)| (f.into(), at.into())),
+        ..Default::default()
+    }
+}
+
+/// `[fit]`: a memory error restarts at once with the argument moved (the
+/// backend told the values for the next starts), and the values that
+/// reach ready are pinned for the setup.
+#[tokio::test(start_paused = true)]
+async fn a_memory_error_restarts_at_once_with_the_fitted_value_and_pins_it_at_ready() {
+    use crate::config::FitArg;
+    use crate::supervisor::fit::Source;
+    let p = Policy { fit: Some(crate::config::Fit { enabled: true, attempts: 2, ..Default::default() }), ..policy() };
+    let q = Quirks {
+        setups: vec![setup("00000000000000aa", &[(FitArg::MaxModelLen, "1500000", Source::Config)], None)],
+        ..Quirks::default()
+    };
+    let too_small = Plan::Exit { lines: vec![KV_TOO_SMALL], gap: S(1), exit: Exit::Code(1) };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(p, vec![too_small, serving], q, Some(S(20)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    let fitted = BTreeMap::from([(FitArg::MaxModelLen, "1047552".to_string())]);
+    assert!(o.calls.contains(&(S(1), Call::Fit(fitted.clone()))), "{:?}", o.calls);
+    // No backoff: the fitted start follows at once.
+    assert_eq!(spawn_times(&o), vec![S(0), S(1)]);
+    assert_eq!(times(&o, |c| *c == Call::Pin(fitted.clone())), vec![S(3)], "{:?}", o.calls);
+    assert_eq!(times(&o, |c| matches!(c, Call::Unpin(_))), vec![], "{:?}", o.calls);
+    assert_eq!(ready_notes(&o), vec![S(3)]);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(3) && s.ends_with("; --max-model-len 1047552 (fitted)")),
+        "{:?}",
+        o.notes
+    );
+    let loads: Vec<_> = o.calls.iter().filter(|(_, c)| matches!(c, Call::LoadEnded(_))).cloned().collect();
+    assert_eq!(loads, vec![(S(1), Call::LoadEnded("failed".into())), (S(3), Call::LoadEnded("ready".into()))]);
+}
+
+/// A start with pinned values that fails drops its pins: they no longer
+/// prove what fits.
+#[tokio::test(start_paused = true)]
+async fn a_start_with_pinned_values_that_fails_drops_its_pins() {
+    use crate::config::FitArg;
+    use crate::supervisor::fit::Source;
+    let mut p = Policy { fit: Some(crate::config::Fit { enabled: true, ..Default::default() }), ..policy() };
+    p.restart.max_attempts = 1;
+    let used = [(FitArg::MaxModelLen, "69632", Source::Pinned), (FitArg::GpuMemoryUtilization, "0.9", Source::Default)];
+    let q = Quirks { setups: vec![setup("00000000000000aa", &used, None)], ..Quirks::default() };
+    let crash = Plan::Exit { lines: vec![STARTING], gap: S(1), exit: Exit::Code(1) };
+    let o = run_with(p, vec![crash], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let pinned = BTreeMap::from([(FitArg::MaxModelLen, "69632".to_string())]);
+    assert_eq!(times(&o, |c| *c == Call::Unpin(pinned.clone())), vec![S(1)], "{:?}", o.calls);
+    assert!(!o.calls.iter().any(|(_, c)| matches!(c, Call::Pin(_) | Call::SetupGood)), "{:?}", o.calls);
+}
+
+/// A line that says nothing to the machine.
+const STARTING: &str = "(APIServer pid=1) INFO 11-29 18:00:00 [x.py:1] starting";
+
+/// The settings of the last-known-good setup, as the backend gives them
+/// for a rollback (the golden check on, as for any served model).
+fn good_settings() -> crate::config::Settings {
+    let dirs = crate::config::Dirs { state: Some("/state".into()), ..Default::default() };
+    let text = "name = \"t\"\n[child]\ncommand = [\"vllm\", \"serve\", \"/models/good\"]\n";
+    crate::config::parse(text, std::path::Path::new("/etc/vllm-warden/t.toml"), &dirs).unwrap()
+}
+
+const GOOD: (&str, &str) = ("00000000000000bb", "2026-12-02T10:00:00Z");
+
+/// `[rollback]`: a changed setup that fails for the last time is replaced
+/// by the last-known-good one: its settings taken from the backend and
+/// put to use, a start of it, and its ready said as a rollback's.
+#[tokio::test(start_paused = true)]
+async fn a_failing_new_setup_rolls_back_to_the_last_known_good() {
+    let mut p = Policy { rollback: true, ..policy() };
+    p.restart.max_attempts = 1;
+    let q = Quirks {
+        setups: vec![setup("00000000000000aa", &[], Some(GOOD)), setup(GOOD.0, &[], None)],
+        good: Some(good_settings()),
+        ..Quirks::default()
+    };
+    let crash = Plan::Exit { lines: vec![STARTING], gap: S(1), exit: Exit::Code(1) };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(p, vec![crash, serving], q, Some(S(20)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    // Asked once, its settings put to use before the good setup's start.
+    let at_one: Vec<Call> = o.calls.iter().filter(|(t, _)| *t == S(1)).map(|(_, c)| c.clone()).collect();
+    let order: Vec<&Call> =
+        at_one.iter().filter(|c| matches!(c, Call::Rollback | Call::Reconfigure | Call::Spawn(_))).collect();
+    assert_eq!(order, vec![&Call::Rollback, &Call::Reconfigure, &Call::Spawn(2)], "{:?}", o.calls);
+    assert_eq!(times(&o, |c| *c == Call::Rollback).len(), 1);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(1)
+            && s.starts_with("the new setup 00000000000000aa failed: exited before ready (exit code 1); starting the last-known-good setup 00000000000000bb from 2026-12-02T10:00:00Z")),
+        "{:?}",
+        o.notes
+    );
+    assert_eq!(ready_notes(&o), vec![S(3)]);
+    assert!(
+        statuses(&o).iter().any(|(t, s)| *t == S(3)
+            && s.starts_with("serving last-known-good from 2026-12-02T10:00:00Z; the new setup failed: exited before ready (exit code 1); ready: pid 102")),
+        "{:?}",
+        o.notes
+    );
+}
+
+/// A rollback the backend cannot make ends the warden as without one,
+/// saying why.
+#[tokio::test(start_paused = true)]
+async fn a_rollback_that_cannot_be_made_ends_the_warden_saying_why() {
+    let mut p = Policy { rollback: true, ..policy() };
+    p.restart.max_attempts = 1;
+    let q = Quirks { setups: vec![setup("00000000000000aa", &[], Some(GOOD))], good: None, ..Quirks::default() };
+    let crash = Plan::Exit { lines: vec![STARTING], gap: S(1), exit: Exit::Code(1) };
+    let o = run_with(p, vec![crash], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    assert_eq!(times(&o, |c| *c == Call::Rollback), vec![S(1)]);
+    assert!(!o.calls.iter().any(|(_, c)| *c == Call::Reconfigure), "{:?}", o.calls);
+    assert_eq!(spawn_times(&o), vec![S(0)]);
+    let last = statuses(&o).last().map(|(_, s)| s.clone()).unwrap_or_default();
+    assert!(
+        last.starts_with("gave up after 1 failed starts: exited before ready (exit code 1)")
+            && last.ends_with(
+                "the last-known-good setup cannot be started: no setup has reached ready in this warden's life"
+            ),
+        "{last}"
+    );
+}
+
+/// A leader the kernel's OOM killer ended: the backend's word on it is
+/// the run's cause, before its exit.
+#[tokio::test(start_paused = true)]
+async fn a_leader_killed_by_the_oom_killer_fails_with_that_cause() {
+    let mut p = policy();
+    p.restart.max_attempts = 1;
+    let oom = "killed by the kernel's OOM killer: pid 101 (python3), anon-rss 60.0 GiB".to_string();
+    let q = Quirks { oom: Some(oom.clone()), ..Quirks::default() };
+    let killed = Plan::Exit { lines: vec![READY], gap: S(2), exit: Exit::Signal(Signal::SIGKILL) };
+    let o = run_with(p, vec![killed], q, None, None).await;
+    assert_eq!(o.code, Code::GaveUp);
+    let last = statuses(&o).last().map(|(_, s)| s.clone()).unwrap_or_default();
+    assert!(last.starts_with(&format!("gave up after 1 failed starts: {oom}")), "{last}");
+}
+
+fn upgrade_calls(o: &Outcome) -> Vec<(Duration, Call)> {
+    let of_upgrade =
+        |c: &Call| matches!(c, Call::CheckUpgrade | Call::PauseLines | Call::ExecUpgrade { .. } | Call::ResumeLines(_));
+    o.calls.iter().filter(|(_, c)| of_upgrade(c)).cloned().collect()
+}
+
+/// An upgrade asked for while the model loads is checked at once and
+/// carried out once the run is ready: the lines paused at a line's end,
+/// the ready run handed over with that offset. The exec fails here, so
+/// this warden goes on following from the same offset, the run ready.
+#[tokio::test(start_paused = true)]
+async fn an_upgrade_asked_while_loading_is_handed_over_once_ready() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks { upgrade: Some(Ok("9.9.9".into())), requests: vec![(S(1), Request::Upgrade)], ..Quirks::default() };
+    let serving = Plan::Run { lines: vec![READY], gap: S(3) };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(
+        upgrade_calls(&o),
+        vec![
+            (S(1), Call::CheckUpgrade),
+            (S(3), Call::PauseLines),
+            (S(3), Call::ExecUpgrade { start: 1, pid: 101, offset: PAUSED_AT }),
+            (S(3), Call::ResumeLines(PAUSED_AT)),
+        ]
+    );
+    assert_eq!(
+        o.phases.iter().filter(|(t, _)| *t < S(10)).cloned().collect::<Vec<_>>(),
+        vec![(S(0), Phase::Starting), (S(3), Phase::Ready)]
+    );
+    assert_eq!(spawn_times(&o), vec![S(0)]);
+}
+
+/// A binary that does not answer as a warden: the upgrade is refused,
+/// said in `STATUS=`, and nothing is paused or handed over.
+#[tokio::test(start_paused = true)]
+async fn a_refused_upgrade_is_said_and_the_run_goes_on() {
+    use crate::supervisor::outcome::Phase;
+    let q = Quirks {
+        upgrade: Some(Err(crate::daemon::upgrade::UpgradeError::NoOwnPath)),
+        requests: vec![(S(5), Request::Upgrade)],
+        ..Quirks::default()
+    };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(policy(), vec![serving], q, Some(S(10)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    assert_eq!(upgrade_calls(&o), vec![(S(5), Call::CheckUpgrade)]);
+    assert!(
+        o.notes.contains(&(S(5), Note::Status("upgrade refused: the warden's own path is not known".into()))),
+        "{:?}",
+        o.notes
+    );
+    assert_eq!(
+        o.phases.iter().filter(|(t, _)| *t < S(10)).cloned().collect::<Vec<_>>(),
+        vec![(S(0), Phase::Starting), (S(2), Phase::Ready)]
+    );
+}
+
+/// An upgrade asked for during a drain waits until the drain is held,
+/// then hands the drained run over.
+#[tokio::test(start_paused = true)]
+async fn an_upgrade_waits_for_a_drain_under_way() {
+    let q = Quirks {
+        upgrade: Some(Ok("9.9.9".into())),
+        busy_until: Some(S(12)),
+        requests: vec![(S(10), Request::Drain), (S(11), Request::Upgrade)],
+        ..Quirks::default()
+    };
+    let serving = Plan::Run { lines: vec![READY], gap: S(2) };
+    let o = run_with(policy(), vec![serving], q, Some(S(30)), None).await;
+    assert_eq!(o.code, Code::Ok);
+    // Drain delay 5 s, then the requests in flight counted: held at 15 s.
+    assert_eq!(
+        upgrade_calls(&o),
+        vec![
+            (S(11), Call::CheckUpgrade),
+            (S(15), Call::PauseLines),
+            (S(15), Call::ExecUpgrade { start: 1, pid: 101, offset: PAUSED_AT }),
+            (S(15), Call::ResumeLines(PAUSED_AT)),
+        ]
+    );
 }
