@@ -3,7 +3,8 @@
 //! it changes. The reader's known keys are this table's (an unknown key is
 //! listed against them, a near miss suggested from them; a read of a key
 //! that is not here is a bug its tests meet); `daemon::reload` names its
-//! comparisons from it, and a name that is not here does not compile (see
+//! comparisons from it, each settings' field by the key it is named after,
+//! and a field or a name that is not here does not compile (see [`named`],
 //! [`compared`]); tests hold it to the man page, to the reader and to the
 //! reload's comparisons.
 //!
@@ -235,6 +236,49 @@ pub const fn compared(change: &str) -> &'static Key {
     panic!("no key of config::keys::KEYS is compared under this name")
 }
 
+/// The key of `section` that a field of the section's settings is named
+/// after: `named("restart", "initial_delay")` is `restart.initial-delay`
+/// (a `_` of the field's name is a `-` of the key's). For a comparison of
+/// a field in a constant, where a field named after no key does not
+/// compile.
+pub const fn named(section: &str, field: &str) -> &'static Key {
+    let mut i = 0;
+    while i < KEYS.len() {
+        if is_named(KEYS[i].path, section, field) {
+            return &KEYS[i];
+        }
+        i += 1;
+    }
+    panic!("no key of config::keys::KEYS is named after this field")
+}
+
+/// Whether `path` is `section.field`, a `_` of `field` a `-` of `path`.
+const fn is_named(path: &str, section: &str, field: &str) -> bool {
+    let (p, s, f) = (path.as_bytes(), section.as_bytes(), field.as_bytes());
+    if p.len() != s.len() + 1 + f.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < s.len() {
+        if p[i] != s[i] {
+            return false;
+        }
+        i += 1;
+    }
+    if p[i] != b'.' {
+        return false;
+    }
+    let mut j = 0;
+    while j < f.len() {
+        let c = if f[j] == b'_' { b'-' } else { f[j] };
+        if p[i + 1 + j] != c {
+            return false;
+        }
+        j += 1;
+    }
+    true
+}
+
 const fn same(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
@@ -279,6 +323,8 @@ mod tests {
         let patch = key("[[patch]] max-size");
         assert_eq!((patch.section(), patch.name(), patch.in_array()), ("patch", "max-size", true));
         assert_eq!(known("rollback"), ["enabled", "keep"]);
+        assert_eq!(named("restart", "initial_delay").path, "restart.initial-delay");
+        assert_eq!(named("child", "cache_dir").path, "child.cache-dir");
         assert_eq!(&known("")[..3], ["name", "profile", "child"]);
     }
 }
