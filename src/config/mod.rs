@@ -13,6 +13,7 @@
 
 pub mod command;
 pub mod defaults;
+pub mod keys;
 pub mod limits;
 pub mod preload;
 mod problem;

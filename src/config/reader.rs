@@ -3,9 +3,10 @@
 //!
 //! A [`Keys`] hands out the keys of one table one [`Keys::take`] at a time;
 //! whatever is left when it is dropped is reported as an unknown key, listing
-//! the keys that were taken. So the list of known keys *is* the list of
-//! reads: a misspelt `take("intervl")` makes the real `interval` an unknown
-//! key (and a test holds the known keys to the man page). Every typed read
+//! the table's keys in [`super::keys`]. A read of a key that is not there is
+//! a bug, which a debug build stops at (every test that reads the section);
+//! a key there that is not read (a misspelt `take("intervl")`) is left, and
+//! reported as unknown (a test gives every key of the table). Every typed read
 //! records its problem and returns the default, so a section is always
 //! complete and `parse` fails exactly when a problem was recorded.
 //!
@@ -220,7 +221,8 @@ struct Taken {
 pub(super) struct Keys<'r, 'a, 't> {
     r: &'r mut Reader<'a>,
     /// The section's name, as dotted names in messages start
-    /// (`ready` → `ready.log`).
+    /// (`ready` → `ready.log`) and as [`super::keys`] places its keys
+    /// (`""`: the top level).
     section: &'static str,
     /// Where unknown keys are said to be: `" in [child]"`.
     place: String,
@@ -247,6 +249,11 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
 
     /// The value of `key`, if the table has it; either way `key` is known.
     pub fn take(&mut self, key: &'static str) -> Option<&'t Value<'t>> {
+        debug_assert!(
+            super::keys::known(self.section).contains(&key),
+            "`{key}` is read{} but is not in config::keys::KEYS",
+            self.place
+        );
         let found = self.left.iter().position(|(k, _)| k.get_ref() == key).map(|i| self.left.remove(i).1);
         self.taken.push(Taken { key, span: found.map(|v| v.span()), ok: true });
         found
@@ -365,14 +372,14 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
 
 impl Drop for Keys<'_, '_, '_> {
     fn drop(&mut self) {
-        let known: Vec<&str> = self.taken.iter().map(|t| t.key).collect();
-        let known = known.join(", ");
+        let names = super::keys::known(self.section);
+        let known = names.join(", ");
         let unknown: Vec<Problem> = self
             .left
             .iter()
             .map(|(k, _)| {
                 let key = k.get_ref();
-                let message = match near_miss(key, self.taken.iter().map(|t| t.key)) {
+                let message = match near_miss(key, names.iter().copied()) {
                     Some(near) => format!("unknown key `{key}`{}: did you mean `{near}`? (known: {known})", self.place),
                     None => format!("unknown key `{key}`{} (known: {known})", self.place),
                 };

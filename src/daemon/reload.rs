@@ -4,23 +4,28 @@
 //! loads) needs the child started again; every other change is the
 //! warden's own and applies to the running child in place; the instance's
 //! name and state directory are its identity and change only with a new
-//! warden. How the change is carried out is not known here.
+//! warden. Which key is which is `config::keys`'s table, where each key
+//! says what it touches; here each field of the settings is compared under
+//! its key. How the change is carried out is not known here.
 
 use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::config::Settings;
+use nix::sys::signal::Signal;
 
-/// What a changed key touches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Affects {
-    /// The child sees it: the child must be started again.
-    Child,
-    /// The warden's own: applied to the running child in place.
-    Warden,
-    /// The instance's identity: read when the warden starts.
-    Identity,
-}
+use crate::config::keys::{self, Key};
+use crate::config::preload::Preload;
+use crate::config::profile::{Patterns, Profile};
+use crate::config::{
+    Child, Cluster, Drain, Engine, Fatal, Fit, FitArg, Front, Golden, GoldenPolicy, Health, IdleAction, Ledger,
+    Prefetch, Prestart, Ready, Reports, Restart, Rollback, Rotation, Server, Settings, Status,
+};
+use crate::patch::Patch;
+
+/// What a changed key touches, as `config::keys` says for each key.
+pub use crate::config::keys::Affects;
 
 /// One changed key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,11 +50,177 @@ fn dbg<T: fmt::Debug>(x: &T) -> String {
     crate::util::redact::text(&format!("{x:?}")).into_owned()
 }
 
+/// A value as a reload's line shows it: a duration as it is written,
+/// numbers, switches and names as they are, the rest as Rust shows it,
+/// secrets masked.
+trait Shown {
+    fn shown(&self) -> String;
+}
+
+impl Shown for Duration {
+    fn shown(&self) -> String {
+        d(*self)
+    }
+}
+
+impl Shown for Option<Duration> {
+    fn shown(&self) -> String {
+        self.map_or_else(|| "none".to_string(), d)
+    }
+}
+
+impl Shown for Signal {
+    fn shown(&self) -> String {
+        self.as_str().into()
+    }
+}
+
+impl Shown for Profile {
+    fn shown(&self) -> String {
+        self.name().into()
+    }
+}
+
+impl Shown for IdleAction {
+    fn shown(&self) -> String {
+        format!("{self:?}").to_lowercase()
+    }
+}
+
+macro_rules! shown_as_displayed {
+    ($($t:ty),*) => { $(impl Shown for $t { fn shown(&self) -> String { self.to_string() } })* };
+}
+shown_as_displayed!(String, u8, u32, u64, f64, bool);
+
+macro_rules! shown_as_debugged {
+    ($($t:ty),*) => { $(impl Shown for $t { fn shown(&self) -> String { dbg(self) } })* };
+}
+shown_as_debugged!(
+    PathBuf,
+    Option<PathBuf>,
+    Option<String>,
+    Option<u16>,
+    Option<SocketAddr>,
+    Option<Cluster>,
+    Option<Engine>,
+    Vec<String>,
+    Vec<FitArg>,
+    Vec<Patch>,
+    Vec<(String, String)>,
+    GoldenPolicy,
+    Patterns
+);
+
+/// A comparison: the name a change is said by, and what it touches.
+#[derive(Debug, Clone, Copy)]
+struct Compared {
+    name: &'static str,
+    affects: Affects,
+}
+
+impl Compared {
+    const fn of(key: &Key) -> Compared {
+        Compared { name: key.change, affects: key.affects }
+    }
+}
+
+/// The comparison of a key of `config::keys::KEYS`, or of the name some of
+/// its keys are compared under together (`"patterns"`), with what the
+/// table says the change touches. Evaluated as a constant: a name that is
+/// in no row of the table does not compile.
+macro_rules! key {
+    ($name:literal) => {{
+        const COMPARED: Compared = Compared::of(keys::compared($name));
+        COMPARED
+    }};
+}
+
+/// The comparison of a field of a section's settings, under the key of
+/// the section it is named after (`restart`, `initial_delay`:
+/// `restart.initial-delay`). Evaluated as a constant: a field named after
+/// no key of the table does not compile.
+macro_rules! field {
+    ($section:ident, $field:ident) => {{
+        const COMPARED: Compared = Compared::of(keys::named(stringify!($section), stringify!($field)));
+        COMPARED
+    }};
+}
+
+/// Compares the fields of a section of the settings, in the order given:
+/// `fields!(cmp, old.restart, restart: Restart { initial_delay, … })`,
+/// `restart` the new settings' section, which names the keys. Each field
+/// is compared under the key it is named after, shown as its type's
+/// [`Shown`] says, or
+/// - `field = "key"`: under another key, or a name some keys are
+///   compared under together;
+/// - `field as function`: shown by a function of its own;
+/// - `field: { Type { … } }`: a part whose own fields are compared there;
+/// - `field: _`: not here, with a comment that says why.
+///
+/// The section is destructured whole, without `..`: a field left out does
+/// not compile (rustc: "pattern requires `..`"). With `opt`, the section
+/// may be off (`None`), and each of its keys is then shown as `none`.
+macro_rules! fields {
+    ($cmp:ident, $old:expr, $new:ident: $ty:ident { $($body:tt)* }) => {
+        fields!(@struct $cmp, $old, $new, $new, $ty { $($body)* })
+    };
+    ($cmp:ident, opt $old:expr, $new:ident: $ty:ident { $($field:ident $(: $skip:tt)?),* $(,)? }) => {{
+        if let Some(section) = $new {
+            let $ty { $($field: _),* } = section;
+        }
+        $( fields!(@opt $cmp, $old, $new, $ty, $field $(: $skip)?); )*
+    }};
+    (@struct $cmp:ident, $o:expr, $n:expr, $section:ident,
+        $ty:ident { $($field:ident $(= $key:literal)? $(as $show:path)? $(: $skip:tt)?),* $(,)? }) => {{
+        let $ty { $($field: _),* } = &$n;
+        $( fields!(@one $cmp, $o, $n, $section, $field $(= $key)? $(as $show)? $(: $skip)?); )*
+    }};
+    (@one $cmp:ident, $o:expr, $n:expr, $section:ident, $field:ident: _) => {};
+    (@one $cmp:ident, $o:expr, $n:expr, $section:ident, $field:ident: { $ty:ident { $($inner:tt)* } }) => {
+        fields!(@struct $cmp, $o.$field, $n.$field, $section, $ty { $($inner)* })
+    };
+    (@one $cmp:ident, $o:expr, $n:expr, $section:ident, $field:ident = $key:literal) => {
+        $cmp(key!($key), Shown::shown(&$o.$field), Shown::shown(&$n.$field))
+    };
+    (@one $cmp:ident, $o:expr, $n:expr, $section:ident, $field:ident as $show:path) => {
+        $cmp(field!($section, $field), $show(&$o.$field), $show(&$n.$field))
+    };
+    (@one $cmp:ident, $o:expr, $n:expr, $section:ident, $field:ident) => {
+        $cmp(field!($section, $field), Shown::shown(&$o.$field), Shown::shown(&$n.$field))
+    };
+    (@opt $cmp:ident, $o:expr, $n:ident, $ty:ident, $field:ident: _) => {};
+    (@opt $cmp:ident, $o:expr, $n:ident, $ty:ident, $field:ident) => {{
+        let shown = |s: &Option<$ty>| s.as_ref().map_or_else(|| "none".to_string(), |s| s.$field.shown());
+        $cmp(field!($n, $field), shown(&$o), shown($n))
+    }};
+}
+
 /// Every key that differs between `old` and `new`.
 pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
-    use Affects::{Child, Identity, Warden};
-    // Destructured whole: a new setting does not compile until it is sorted
-    // here.
+    let mut out = Vec::new();
+    compare(old, new, &mut |c, a, b| {
+        if a != b {
+            // Secrets never leave in a diff either (the environment).
+            out.push(Change { key: c.name, old: a, new: b, affects: c.affects });
+        }
+    });
+    out
+}
+
+/// Every comparison of `old` with `new`, changed or not, in the order a
+/// reload names the changes.
+///
+/// No key can be missing here: every field of the settings is named,
+/// each section destructured whole (a new field does not compile until
+/// it is), and compared under the key of `config::keys::KEYS` it is
+/// named after or is given (a field or a name in no row of the table
+/// does not compile). A key of the table that no comparison names fails
+/// `every_key_of_the_table_is_compared`, and one whose change alone is
+/// not seen fails `every_key_changed_alone_is_seen_by_a_reload`.
+fn compare(old: &Settings, new: &Settings, cmp: &mut dyn FnMut(Compared, String, String)) {
+    use crate::util::redact;
+    // The settings' own fields: an unused binding is an error.
+    #[deny(unused_variables)]
     let Settings {
         source: _,
         text: _,
@@ -78,165 +249,76 @@ pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
         patterns,
         hints,
     } = new;
-    let mut out = Vec::new();
-    let mut cmp = |key: &'static str, affects: Affects, a: String, b: String| {
-        if a != b {
-            // Secrets never leave in a diff either (the environment).
-            out.push(Change { key, old: a, new: b, affects });
-        }
-    };
-    cmp("name", Identity, old.name.clone(), name.clone());
-    cmp("state directory", Identity, dbg(&old.state_dir), dbg(state_dir));
-    cmp("profile", Warden, old.profile.name().into(), profile.name().into());
-    cmp(
-        "child.command",
-        Child,
-        crate::util::redact::command(&old.child.command),
-        crate::util::redact::command(&child.command),
-    );
-    // The child's keys by name: a new one does not compile until compared
-    // (an unused binding is an error here).
-    #[deny(unused_variables)]
-    let crate::config::Child {
-        command: _,
-        env,
+    cmp(key!("name"), old.name.shown(), name.shown());
+    // Not a key: `$STATE_DIRECTORY`, else the name's.
+    cmp(Compared { name: "state directory", affects: Affects::Identity }, old.state_dir.shown(), state_dir.shown());
+    cmp(key!("profile"), old.profile.shown(), profile.shown());
+    fields!(cmp, old.child, child: Child {
+        command as redact::command,
+        env as redact::env,
         cwd,
         cache_dir,
         // `$RUNTIME_DIRECTORY`, the unit's: the same for the warden's life.
         runtime_dir: _,
         log_file,
-        log_rotation,
+        log_rotation: { Rotation {
+            max_size = "child.log-max-size",
+            keep = "child.log-keep",
+            compress = "child.log-compress",
+        } },
         stop_signal,
         stop_timeout,
-    } = child;
-    cmp("child.env", Child, crate::util::redact::env(&old.child.env), crate::util::redact::env(env));
-    cmp("child.cwd", Child, dbg(&old.child.cwd), dbg(cwd));
-    // The child's caches (vLLM's compile cache, Triton's, …) are in its
-    // environment: the child starts again to use the new ones.
-    cmp("child.cache-dir", Child, dbg(&old.child.cache_dir), dbg(cache_dir));
-    cmp("child.log-file", Child, dbg(&old.child.log_file), dbg(log_file));
-    let (lr, nr) = (&old.child.log_rotation, log_rotation);
-    cmp("child.log-max-size", Warden, lr.max_size.to_string(), nr.max_size.to_string());
-    cmp("child.log-keep", Warden, lr.keep.to_string(), nr.keep.to_string());
-    cmp("child.log-compress", Warden, lr.compress.to_string(), nr.compress.to_string());
-    cmp("child.stop-signal", Child, old.child.stop_signal.as_str().into(), stop_signal.as_str().into());
-    cmp("child.stop-timeout", Warden, d(old.child.stop_timeout), d(*stop_timeout));
-    cmp("patch", Child, dbg(&old.patches), dbg(patches));
-    cmp("prestart.clean-shm", Warden, dbg(&old.prestart.clean_shm), dbg(&prestart.clean_shm));
-    cmp("prestart.port", Warden, dbg(&old.prestart.port), dbg(&prestart.port));
-    cmp("prestart.port-wait", Warden, d(old.prestart.port_wait), d(prestart.port_wait));
-    cmp("prestart.gpu-idle-wait", Warden, d(old.prestart.gpu_idle_wait), d(prestart.gpu_idle_wait));
-    cmp("prestart.gpu-query", Warden, dbg(&old.prestart.gpu_query), dbg(&prestart.gpu_query));
-    cmp("prestart.ray-*", Warden, dbg(&old.prestart.ray), dbg(&prestart.ray));
-    cmp("ready.http", Warden, dbg(&old.ready.http), dbg(&ready.http));
-    cmp("ready.timeout", Warden, d(old.ready.timeout), d(ready.timeout));
-    cmp("ready.stall", Warden, d(old.ready.stall), d(ready.stall));
-    cmp("fatal.grace", Warden, d(old.fatal.grace), d(fatal.grace));
-    let r = (&old.restart, restart);
-    cmp("restart.initial-delay", Warden, d(r.0.initial_delay), d(r.1.initial_delay));
-    cmp("restart.max-delay", Warden, d(r.0.max_delay), d(r.1.max_delay));
-    cmp("restart.factor", Warden, r.0.factor.to_string(), r.1.factor.to_string());
-    cmp("restart.jitter", Warden, r.0.jitter.to_string(), r.1.jitter.to_string());
-    cmp("restart.reset-after", Warden, d(r.0.reset_after), d(r.1.reset_after));
-    cmp("restart.max-attempts", Warden, r.0.max_attempts.to_string(), r.1.max_attempts.to_string());
-    cmp("restart.permanent-attempts", Warden, r.0.permanent_attempts.to_string(), r.1.permanent_attempts.to_string());
-    let h = (&old.health, health);
-    cmp("health.http", Warden, dbg(&h.0.http), dbg(&h.1.http));
-    cmp("health.interval", Warden, d(h.0.interval), d(h.1.interval));
-    cmp("health.timeout", Warden, d(h.0.timeout), d(h.1.timeout));
-    cmp("health.failures", Warden, h.0.failures.to_string(), h.1.failures.to_string());
-    cmp("health.canary-interval", Warden, d(h.0.canary_interval), d(h.1.canary_interval));
-    cmp("health.canary-timeout", Warden, d(h.0.canary_timeout), d(h.1.canary_timeout));
-    cmp("health.progress-stall", Warden, d(h.0.progress_stall), d(h.1.progress_stall));
-    cmp("health.kernel-messages", Warden, dbg(&h.0.kernel_messages), dbg(&h.1.kernel_messages));
-    cmp("status.file", Warden, dbg(&old.status.file), dbg(&status.file));
-    cmp("status.metrics-file", Warden, dbg(&old.status.metrics_file), dbg(&status.metrics_file));
-    cmp("server.socket", Identity, dbg(&old.server.socket), dbg(&server.socket));
-    cmp("server.listen", Identity, dbg(&old.server.listen), dbg(&server.listen));
-    cmp("server.token-file", Identity, dbg(&old.server.token_file), dbg(&server.token_file));
-    // The front door's addresses are the warden's own, bound once (or
-    // passed by systemd): a new one needs a restart of the warden, as the
-    // endpoint's. The rest applies to requests from then on.
-    let listen = |f: &Option<crate::config::Front>| dbg(&f.as_ref().map(|f| &f.listen));
-    cmp("front.listen", Identity, listen(&old.front), listen(front));
-    // Each key on its own line, as every other key is said.
-    let key = |f: &Option<crate::config::Front>, get: fn(&crate::config::Front) -> String| {
-        f.as_ref().map_or_else(|| "none".to_string(), get)
-    };
-    let (of, nf) = (&old.front, front);
-    cmp("front.hold", Warden, key(of, |f| d(f.hold)), key(nf, |f| d(f.hold)));
-    cmp("front.max-held", Warden, key(of, |f| f.max_held.to_string()), key(nf, |f| f.max_held.to_string()));
-    let retry = |f: &crate::config::Front| f.retry_unanswered.to_string();
-    cmp("front.retry-unanswered", Warden, key(of, retry), key(nf, retry));
-    cmp("front.max-body", Warden, key(of, |f| f.max_body.to_string()), key(nf, |f| f.max_body.to_string()));
-    let conns = |f: &crate::config::Front| f.max_connections.to_string();
-    cmp("front.max-connections", Warden, key(of, conns), key(nf, conns));
-    let stop = |f: &crate::config::Front| f.idle_stop.map_or_else(|| "none".to_string(), d);
-    cmp("front.idle-stop", Warden, key(of, stop), key(nf, stop));
-    let action = |f: &crate::config::Front| format!("{:?}", f.idle_action).to_lowercase();
-    cmp("front.idle-action", Warden, key(of, action), key(nf, action));
-    let level = |f: &crate::config::Front| f.idle_sleep_level.to_string();
-    cmp("front.idle-sleep-level", Warden, key(of, level), key(nf, level));
-    let hold = |f: &crate::config::Front| f.idle_hold.map_or_else(|| "none".to_string(), d);
-    cmp("front.idle-hold", Warden, key(of, hold), key(nf, hold));
-    cmp("engine address", Child, dbg(&old.engine), dbg(engine));
-    // The engine that sleeps is given vLLM's development mode in its
-    // environment: a child started without it cannot sleep.
-    let dev_mode = |s: &Settings| s.front.as_ref().is_some_and(crate::config::Front::sleeps).to_string();
-    cmp("the engine's development mode (idle-action = \"sleep\")", Child, dev_mode(old), dev_mode(new));
-    cmp("drain.delay", Warden, d(old.drain.delay), d(drain.delay));
-    cmp("drain.timeout", Warden, d(old.drain.timeout), d(drain.timeout));
-    cmp("drain.on-stop", Warden, old.drain.on_stop.to_string(), drain.on_stop.to_string());
-    let lg = (&old.ledger, ledger);
-    cmp("ledger.keep", Warden, lg.0.keep.to_string(), lg.1.keep.to_string());
-    cmp("ledger.slow-factor", Warden, lg.0.slow_factor.to_string(), lg.1.slow_factor.to_string());
-    cmp("ledger.deadline-factor", Warden, lg.0.deadline_factor.to_string(), lg.1.deadline_factor.to_string());
-    // The read-ahead is of a start: the next one reads with the new values.
-    let pf = (&old.prefetch, prefetch);
-    cmp("prefetch.enabled", Warden, pf.0.enabled.to_string(), pf.1.enabled.to_string());
-    cmp("prefetch.threads", Warden, pf.0.threads.to_string(), pf.1.threads.to_string());
-    cmp(
-        "prefetch.max-memory-fraction",
-        Warden,
-        pf.0.max_memory_fraction.to_string(),
-        pf.1.max_memory_fraction.to_string(),
-    );
-    let g = (&old.golden, golden);
-    cmp("golden.enabled", Warden, g.0.enabled.to_string(), g.1.enabled.to_string());
-    cmp("golden.prompts", Warden, dbg(&g.0.prompts), dbg(&g.1.prompts));
-    cmp("golden.prompts-file", Warden, dbg(&g.0.prompts_file), dbg(&g.1.prompts_file));
-    cmp("golden.max-tokens", Warden, g.0.max_tokens.to_string(), g.1.max_tokens.to_string());
-    cmp("golden.tolerance", Warden, g.0.tolerance.to_string(), g.1.tolerance.to_string());
-    cmp("golden.on-mismatch", Warden, dbg(&g.0.on_mismatch), dbg(&g.1.on_mismatch));
-    cmp("golden.accept-changes", Warden, g.0.accept_changes.to_string(), g.1.accept_changes.to_string());
-    cmp("golden.timeout", Warden, d(g.0.timeout), d(g.1.timeout));
-    cmp("golden.interval", Warden, d(g.0.interval), d(g.1.interval));
-    let f = (&old.fit, fit);
-    cmp("fit.enabled", Warden, f.0.enabled.to_string(), f.1.enabled.to_string());
-    cmp("fit.adjust", Warden, dbg(&f.0.adjust), dbg(&f.1.adjust));
-    cmp("fit.step", Warden, f.0.step.to_string(), f.1.step.to_string());
-    cmp("fit.min-utilization", Warden, f.0.min_utilization.to_string(), f.1.min_utilization.to_string());
-    cmp("fit.max-utilization", Warden, f.0.max_utilization.to_string(), f.1.max_utilization.to_string());
-    cmp("fit.min-model-len", Warden, f.0.min_model_len.to_string(), f.1.min_model_len.to_string());
-    cmp("fit.model-len-multiple", Warden, f.0.model_len_multiple.to_string(), f.1.model_len_multiple.to_string());
-    cmp("fit.attempts", Warden, f.0.attempts.to_string(), f.1.attempts.to_string());
-    cmp("rollback.enabled", Warden, old.rollback.enabled.to_string(), rollback.enabled.to_string());
-    cmp("rollback.keep", Warden, old.rollback.keep.to_string(), rollback.keep.to_string());
-    let rp = (&old.reports, reports);
-    cmp("reports.keep", Warden, rp.0.keep.to_string(), rp.1.keep.to_string());
-    cmp("reports.max-size", Warden, rp.0.max_size.to_string(), rp.1.max_size.to_string());
-    cmp("reports.lines", Warden, rp.0.lines.to_string(), rp.1.lines.to_string());
-    cmp("reports.timeout", Warden, d(rp.0.timeout), d(rp.1.timeout));
-    cmp("reports.py-spy", Warden, dbg(&rp.0.py_spy), dbg(&rp.1.py_spy));
-    cmp("reports.gpu-snapshot", Warden, dbg(&rp.0.gpu_snapshot), dbg(&rp.1.gpu_snapshot));
-    cmp("reports.kernel-messages", Warden, dbg(&rp.0.kernel_messages), dbg(&rp.1.kernel_messages));
-    // The daemon's command and folder: `daemon::preload` decides whether
-    // the daemon itself starts again.
-    let shown = |p: &crate::config::preload::Preload| if p.enabled { dbg(p) } else { "off".into() };
-    cmp("preload", Child, shown(&old.preload), shown(preload));
-    cmp("patterns", Warden, dbg(&old.patterns), dbg(patterns));
-    cmp("hint", Warden, dbg(&old.hints), dbg(hints));
-    out
+    });
+    cmp(key!("patch"), old.patches.shown(), patches.shown());
+    fields!(cmp, old.prestart, prestart: Prestart {
+        clean_shm, port, port_wait, gpu_idle_wait, gpu_query, ray = "prestart.ray-*",
+    });
+    fields!(cmp, old.ready, ready: Ready { http, timeout, stall });
+    fields!(cmp, old.fatal, fatal: Fatal { grace });
+    fields!(cmp, old.restart, restart: Restart {
+        initial_delay, max_delay, factor, jitter, reset_after, max_attempts, permanent_attempts,
+    });
+    fields!(cmp, old.health, health: Health {
+        http, interval, timeout, failures, canary_interval, canary_timeout, progress_stall, kernel_messages,
+    });
+    fields!(cmp, old.status, status: Status { file, metrics_file });
+    fields!(cmp, old.server, server: Server { socket, listen, token_file });
+    // The addresses as they are, or `None` without a front door.
+    let listen = |f: &Option<Front>| dbg(&f.as_ref().map(|f| &f.listen));
+    cmp(key!("front.listen"), listen(&old.front), listen(front));
+    fields!(cmp, opt old.front, front: Front {
+        // Above.
+        listen: _,
+        hold, max_held, retry_unanswered, max_body, max_connections, idle_stop, idle_action, idle_sleep_level,
+        idle_hold,
+    });
+    // Not a key: where the engine serves follows from the command,
+    // `prestart.port` and `[front]`.
+    cmp(Compared { name: "engine address", affects: Affects::Child }, old.engine.shown(), engine.shown());
+    // Not a key either: the engine that sleeps is given vLLM's development
+    // mode in its environment, and a child started without it cannot sleep.
+    let dev_mode = |s: &Settings| s.front.as_ref().is_some_and(Front::sleeps).to_string();
+    let dev_mode_key =
+        Compared { name: "the engine's development mode (idle-action = \"sleep\")", affects: Affects::Child };
+    cmp(dev_mode_key, dev_mode(old), dev_mode(new));
+    fields!(cmp, old.drain, drain: Drain { delay, timeout, on_stop });
+    fields!(cmp, old.ledger, ledger: Ledger { keep, slow_factor, deadline_factor });
+    fields!(cmp, old.prefetch, prefetch: Prefetch { enabled, threads, max_memory_fraction });
+    fields!(cmp, old.golden, golden: Golden {
+        enabled, prompts, prompts_file, max_tokens, tolerance, on_mismatch, accept_changes, timeout, interval,
+    });
+    fields!(cmp, old.fit, fit: Fit {
+        enabled, adjust, step, min_utilization, max_utilization, min_model_len, model_len_multiple, attempts,
+    });
+    fields!(cmp, old.rollback, rollback: Rollback { enabled, keep });
+    fields!(cmp, old.reports, reports: Reports {
+        keep, max_size, lines, timeout, py_spy, gpu_snapshot, kernel_messages,
+    });
+    // Compared whole; off, the daemon's settings are not in use.
+    let shown = |p: &Preload| if p.enabled { dbg(p) } else { "off".into() };
+    cmp(key!("preload"), shown(&old.preload), shown(preload));
+    cmp(key!("patterns"), old.patterns.shown(), patterns.shown());
+    cmp(key!("hint"), old.hints.shown(), hints.shown());
 }
 
 /// What a reload does.
@@ -390,5 +472,133 @@ mod tests {
         // The name also names the default log file: that, the child sees.
         let ReloadPlan::Restart { because, .. } = plan(&parse(""), &renamed) else { panic!() };
         assert_eq!(because.iter().map(|c| c.key).collect::<Vec<_>>(), ["child.log-file"]);
+    }
+
+    /// Every key of the table is compared, under the name and with what
+    /// it touches as the table says.
+    #[test]
+    fn every_key_of_the_table_is_compared() {
+        let s = parse("");
+        let mut named = Vec::new();
+        compare(&s, &s, &mut |c, _, _| named.push((c.name, c.affects)));
+        for k in keys::KEYS {
+            assert!(named.contains(&(k.change, k.affects)), "a reload compares no `{}` ({:?})", k.change, k.affects);
+        }
+    }
+
+    /// A config that gives the key `key` the value `value` (a TOML
+    /// literal), with what the key needs beside it to be read and in use:
+    /// a command (one that can sleep), the first keys of an array's
+    /// entry, a front door's address, a cluster's, the endpoint's
+    /// listener, the weight-cache daemon on.
+    fn config_with(key: &Key, value: &str) -> String {
+        let (section, name) = (key.section(), key.name());
+        let line = format!("{name} = {value}\n");
+        let mut text = if section.is_empty() { line.clone() } else { String::new() };
+        text.push_str("[child]\n");
+        if key.path != "child.command" {
+            text.push_str("command = [\"vllm\", \"serve\", \"/m\", \"--enable-sleep-mode\"]\n");
+        }
+        if section.is_empty() || section == "child" {
+            return if section.is_empty() { text } else { text + &line };
+        }
+        text.push_str(&if key.in_array() { format!("[[{section}]]\n") } else { format!("[{section}]\n") });
+        let beside: &[&str] = match section {
+            "patch" => &["file = \"/m/config.json\"", "remove = [\"a\"]"],
+            "hint" => &["match = \"x\"", "text = \"y\""],
+            "front" => &["listen = \"127.0.0.1:8000\""],
+            "server" => &["listen = \"127.0.0.1:9400\""],
+            "preload" => &["enabled = true"],
+            "prestart" if name.starts_with("ray-") => &["ray-address = \"127.0.0.3:6391\""],
+            _ => &[],
+        };
+        for b in beside.iter().filter(|b| !b.starts_with(&format!("{name} = "))) {
+            text.push_str(&format!("{b}\n"));
+        }
+        text + &line
+    }
+
+    /// Values to try for any key, as TOML: one of each shape the reader
+    /// knows, twice.
+    const VALUES: [&str; 38] = [
+        "true",
+        "false",
+        "1",
+        "2",
+        "0.5",
+        "0.25",
+        "\"1s\"",
+        "\"2s\"",
+        "\"1h\"",
+        "\"2h\"",
+        "\"/a\"",
+        "\"/b\"",
+        "\"4 MiB\"",
+        "\"8 MiB\"",
+        "[]",
+        "[\"a\"]",
+        "[\"b\"]",
+        "[\"a\", \"{pid}\"]",
+        "[\"max-model-len\"]",
+        "[\"gpu-memory-utilization\"]",
+        "{ A = \"1\" }",
+        "{ A = \"2\" }",
+        "\"http://127.0.0.1:1/a\"",
+        "\"http://127.0.0.1:1/b\"",
+        "\"127.0.0.1:9001\"",
+        "\"127.0.0.1:9002\"",
+        "\"SIGINT\"",
+        "\"SIGHUP\"",
+        "\"warn\"",
+        "\"fail\"",
+        "\"stop\"",
+        "\"sleep\"",
+        "\"vllm\"",
+        "\"none\"",
+        "\"a\"",
+        "\"b\"",
+        "[\"vllm\", \"serve\", \"/n\"]",
+        "[\"vllm\", \"serve\", \"/o\"]",
+    ];
+
+    /// Every key of the table, changed alone, is a change a reload names,
+    /// with what the table says it touches: for each key, the first two
+    /// values of [`VALUES`] that read into different settings are
+    /// reloaded one over the other. (`child.cache-dir` was once read and
+    /// not compared: a reload that changed only it said nothing changed.)
+    #[test]
+    fn every_key_changed_alone_is_seen_by_a_reload() {
+        let read = |text: &str| {
+            let mut s = crate::config::parse(text, Path::new("/etc/vllm-warden/t.toml"), &Default::default()).ok()?;
+            s.text = String::new();
+            let shown = format!("{s:?}");
+            Some((s, shown))
+        };
+        for k in keys::KEYS {
+            let mut first: Option<(Settings, String, &str)> = None;
+            let mut pair = None;
+            for value in VALUES {
+                let Some((s, shown)) = read(&config_with(k, value)) else { continue };
+                match &first {
+                    None => first = Some((s, shown, value)),
+                    Some((a, a_shown, a_value)) if *a_shown != shown => {
+                        pair = Some((a.clone(), s, *a_value, value));
+                        break;
+                    }
+                    Some(_) => {}
+                }
+            }
+            let Some((a, b, x, y)) = pair else {
+                panic!("no two values of `{}` read differently: give VALUES one that does", k.path)
+            };
+            let seen = changes(&a, &b);
+            assert!(
+                seen.iter().any(|c| c.key == k.change && c.affects == k.affects),
+                "`{}` from {x} to {y}: a reload says {seen:?}, not `{}` ({:?})",
+                k.path,
+                k.change,
+                k.affects
+            );
+        }
     }
 }
