@@ -63,7 +63,7 @@ pub(super) fn record_path(state_dir: &Path) -> PathBuf {
 }
 
 pub fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+    procfs::sys::kernel::random::boot_id().unwrap_or_default()
 }
 
 /// Write the warden's live descendants (the child's tree) to the state
@@ -128,10 +128,13 @@ pub(super) fn own_service_cgroup() -> Option<String> {
     cg.ends_with(".service").then_some(cg)
 }
 
+/// `pid`'s cgroup v2 path (`0::/system.slice/x.service`); `None` for a
+/// process that is gone, or a table that does not parse (a cgroup's name,
+/// which the kernel does not escape, holding a newline).
 pub(super) fn cgroup_of(pid: i32) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    // cgroup v2: "0::/system.slice/x.service"
-    text.lines().find_map(|l| l.strip_prefix("0::")).map(str::to_string)
+    use procfs::FromRead;
+    let groups = procfs::ProcessCGroups::from_file(format!("/proc/{pid}/cgroup")).ok()?;
+    groups.into_iter().find(|g| g.hierarchy == 0 && g.controllers.is_empty()).map(|g| g.pathname)
 }
 
 /// Recorded processes still alive with the same start time, and their live
