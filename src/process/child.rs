@@ -332,6 +332,8 @@ mod tests {
             assert!(st.start_time > 0);
             assert!(in_tree, "{:?} in the tree", String::from_utf8_lossy(name));
         }
+        // A pid above any pid_max: no such process, gone, not an error.
+        assert_eq!(read_stat(i32::MAX), None);
     }
 
     #[test]
