@@ -109,7 +109,8 @@ pub(super) fn walk(root: i32, first: Vec<i32>) -> Vec<ProcStat> {
 
 /// The children of every thread of `pid`, in the kernel's order; none for
 /// a process that is gone. For the warden itself, once it holds a [`Tree`],
-/// only the threads its tree's processes can be children of.
+/// only the threads its tree's processes can be children of. Read by hand:
+/// the procfs crate's `Task::children` opens each thread's directory first.
 pub(super) fn children(pid: i32) -> Vec<i32> {
     let read = |path: &Path, out: &mut Vec<i32>| {
         if let Ok(text) = std::fs::read_to_string(path) {

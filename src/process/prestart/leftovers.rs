@@ -47,7 +47,8 @@ pub fn new_run_token() -> io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-/// True when `pid`'s environment holds `RUN_TOKEN=token`.
+/// True when `pid`'s environment holds `RUN_TOKEN=token`, in any of its
+/// entries (the procfs crate's map would keep one value per name).
 pub fn carries_token(pid: i32, token: &str) -> bool {
     let want = format!("{RUN_TOKEN}={token}");
     std::fs::read(format!("/proc/{pid}/environ"))

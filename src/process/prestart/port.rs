@@ -3,7 +3,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 
-/// A process's command line, for messages.
+/// A process's command line, for messages: an argument that is not UTF-8
+/// shown lossy (the procfs crate refuses the whole line).
 pub fn cmdline(pid: i32) -> String {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let args: Vec<String> =
