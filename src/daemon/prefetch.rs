@@ -198,7 +198,8 @@ fn sort_natural(names: &mut [String]) {
     names.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
 }
 
-/// `MemAvailable` of `/proc/meminfo`, in bytes.
+/// `MemAvailable` of `/proc/meminfo`, in bytes. Read by hand: the procfs
+/// crate's `Meminfo` requires fields that gVisor's file does not have.
 pub fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;

@@ -27,15 +27,14 @@ pub struct Cgroup {
 /// The memory cgroup `/proc/self/cgroup` names (`0::/system.slice/x`, or
 /// cgroup v1's `4:memory:/x`), under `root` (`/sys/fs/cgroup`).
 pub fn cgroup_of(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
+    use procfs::FromRead;
     let mut v2 = None;
-    for line in proc_self_cgroup.lines() {
-        let mut f = line.splitn(3, ':');
-        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-        let rel = path.trim_start_matches('/');
-        if controllers.split(',').any(|c| c == "memory") {
+    for group in procfs::ProcessCGroups::from_read(proc_self_cgroup.as_bytes()).ok()? {
+        let rel = group.pathname.trim_start_matches('/');
+        if group.controllers.iter().any(|c| c == "memory") {
             return Some(Cgroup { dir: root.join("memory").join(rel), v2: false });
         }
-        if controllers.is_empty() {
+        if group.controllers.is_empty() {
             v2 = Some(Cgroup { dir: root.join(rel), v2: true });
         }
     }

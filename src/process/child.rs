@@ -296,11 +296,44 @@ mod tests {
     use super::*;
     use nix::sys::wait::{WaitPidFlag, WaitStatus};
 
+    /// A whole line as the kernel writes it (every field, to `exit_code`).
     #[test]
     fn stat_with_spaces_and_parens_in_the_name() {
-        let text = "4242 (VLLM::Worker (0) x) S 4200 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 987654 1000 50 18446744073709551615";
+        let text = "4242 (VLLM::Worker (0) x) S 4200 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 987654 1000 50 18446744073709551615 94168284598272 94168284618153 140734773974640 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0 94168284634160 94168284635776 94169179602944 140734773975582 140734773975602 140734773975602 140734773977067 0\n";
         let st = parse_stat(text).unwrap();
         assert_eq!(st, ProcStat { pid: 4242, ppid: 4200, state: 'S', start_time: 987654 });
+    }
+
+    /// `sleep` run under a name of its own choosing (the name the kernel
+    /// shows is the basename of the path it was exec'd by).
+    fn sleep_named(dir: &Path, name: &std::ffi::OsStr) -> std::process::Child {
+        let path = dir.join(name);
+        std::os::unix::fs::symlink(which::which("sleep").unwrap(), &path).unwrap();
+        Command::new(&path).arg0("sleep").arg("30").spawn().unwrap()
+    }
+
+    /// A process that names itself like the fields after its name, or
+    /// with bytes that are not UTF-8, is read right, and found in the tree.
+    #[test]
+    fn a_hostile_name_is_read_right() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let me = std::process::id() as i32;
+        for name in [&b"a) R 1 2 ("[..], &b"\xff) Z 1 (\xfe"[..]] {
+            let mut child = sleep_named(dir.path(), std::ffi::OsStr::from_bytes(name));
+            let pid = child.id() as i32;
+            let st = read_stat(pid);
+            let in_tree = descendants(me).iter().any(|p| p.pid == pid);
+            let _ = child.kill();
+            let _ = child.wait();
+            let st = st.unwrap_or_else(|| panic!("{:?} read", String::from_utf8_lossy(name)));
+            assert_eq!((st.pid, st.ppid), (pid, me));
+            assert_ne!(st.state, 'Z');
+            assert!(st.start_time > 0);
+            assert!(in_tree, "{:?} in the tree", String::from_utf8_lossy(name));
+        }
+        // A pid above any pid_max: no such process, gone, not an error.
+        assert_eq!(read_stat(i32::MAX), None);
     }
 
     #[test]

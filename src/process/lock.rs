@@ -167,7 +167,8 @@ fn holds_open(file: (u64, u64), pid: u32) -> bool {
 
 /// Whether `/proc/locks` (`table`) shows an `flock` of process `pid` on the
 /// file `dev` (major, minor), `ino`. A line: `1: FLOCK  ADVISORY  WRITE
-/// 1234 08:01:5678 0 EOF`; a waiter's has `->` after the number.
+/// 1234 08:01:5678 0 EOF`; a waiter's has `->` after the number (which the
+/// procfs crate's `Lock` drops: read by hand).
 fn flock_held_by(table: &str, pid: u32, dev: (u32, u32), ino: u64) -> bool {
     table.lines().any(|line| {
         let f: Vec<&str> = line.split_whitespace().collect();

@@ -89,6 +89,16 @@ mod tests {
         assert!(p.contains(&read_stat(me).unwrap().ppid));
     }
 
+    /// A process's cgroup v2 path is the one its table's `0::` line names;
+    /// a process that is gone has none.
+    #[test]
+    fn the_cgroup_is_the_tables_v2_line() {
+        let table = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+        let v2 = table.lines().find_map(|l| l.strip_prefix("0::")).map(str::to_string);
+        assert_eq!(cgroup_of(std::process::id() as i32), v2);
+        assert_eq!(cgroup_of(i32::MAX), None);
+    }
+
     #[test]
     fn nvidia_smi_csv_parses() {
         let apps = parse_gpu_apps("4242, 81000\n4243, 512\n\n");

@@ -6,6 +6,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
 use std::sync::Mutex;
 
+use ::procfs::FromRead;
+
 use super::*;
 
 /// One line of `/proc/PID/stat` that we need.
@@ -19,23 +21,21 @@ pub struct ProcStat {
     pub start_time: u64,
 }
 
-/// Parse `/proc/PID/stat`; the command name may hold spaces and ')'.
+/// Parse `/proc/PID/stat` (the `procfs` crate's parser): the command name,
+/// which its process chooses, may hold spaces, ')' and bytes that are not
+/// UTF-8; the fields are read after the last ')'.
 pub fn parse_stat(text: &str) -> Option<ProcStat> {
-    let open = text.find('(')?;
-    let close = text.rfind(')')?;
-    let pid = text[..open].trim().parse().ok()?;
-    let rest: Vec<&str> = text[close + 1..].split_whitespace().collect();
-    // Fields after the name: state(3) ppid(4) … starttime(22).
-    Some(ProcStat {
-        pid,
-        state: rest.first()?.chars().next()?,
-        ppid: rest.get(1)?.parse().ok()?,
-        start_time: rest.get(19)?.parse().ok()?,
-    })
+    ::procfs::process::Stat::from_read(text.as_bytes()).ok().map(from_crate)
 }
 
+/// `pid`'s stat line; `None` for a process that is gone (or whose line
+/// does not parse): a vanished process is never an error.
 pub fn read_stat(pid: i32) -> Option<ProcStat> {
-    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    ::procfs::process::Stat::from_file(format!("/proc/{pid}/stat")).ok().map(from_crate)
+}
+
+fn from_crate(st: ::procfs::process::Stat) -> ProcStat {
+    ProcStat { pid: st.pid, ppid: st.ppid, state: st.state, start_time: st.starttime }
 }
 
 /// The warden's own helper processes that live beside the child's tree
@@ -109,7 +109,8 @@ pub(super) fn walk(root: i32, first: Vec<i32>) -> Vec<ProcStat> {
 
 /// The children of every thread of `pid`, in the kernel's order; none for
 /// a process that is gone. For the warden itself, once it holds a [`Tree`],
-/// only the threads its tree's processes can be children of.
+/// only the threads its tree's processes can be children of. Read by hand:
+/// the procfs crate's `Task::children` opens each thread's directory first.
 pub(super) fn children(pid: i32) -> Vec<i32> {
     let read = |path: &Path, out: &mut Vec<i32>| {
         if let Ok(text) = std::fs::read_to_string(path) {

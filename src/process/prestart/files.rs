@@ -47,6 +47,8 @@ pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
                 }
             }
         }
+        // By hand: the procfs crate's parser panics on a mapped file named
+        // `/SYSV` and shorter than 13 bytes, which a process can make.
         if let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) {
             for line in maps.lines() {
                 // address perms offset dev(major:minor, hex) inode path

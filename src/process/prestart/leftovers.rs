@@ -47,7 +47,8 @@ pub fn new_run_token() -> io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-/// True when `pid`'s environment holds `RUN_TOKEN=token`.
+/// True when `pid`'s environment holds `RUN_TOKEN=token`, in any of its
+/// entries (the procfs crate's map would keep one value per name).
 pub fn carries_token(pid: i32, token: &str) -> bool {
     let want = format!("{RUN_TOKEN}={token}");
     std::fs::read(format!("/proc/{pid}/environ"))
@@ -63,7 +64,7 @@ pub(super) fn record_path(state_dir: &Path) -> PathBuf {
 }
 
 pub fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+    procfs::sys::kernel::random::boot_id().unwrap_or_default()
 }
 
 /// Write the warden's live descendants (the child's tree) to the state
@@ -128,10 +129,13 @@ pub(super) fn own_service_cgroup() -> Option<String> {
     cg.ends_with(".service").then_some(cg)
 }
 
+/// `pid`'s cgroup v2 path (`0::/system.slice/x.service`); `None` for a
+/// process that is gone, or a table that does not parse (a cgroup's name,
+/// which the kernel does not escape, holding a newline).
 pub(super) fn cgroup_of(pid: i32) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    // cgroup v2: "0::/system.slice/x.service"
-    text.lines().find_map(|l| l.strip_prefix("0::")).map(str::to_string)
+    use procfs::FromRead;
+    let groups = procfs::ProcessCGroups::from_file(format!("/proc/{pid}/cgroup")).ok()?;
+    groups.into_iter().find(|g| g.hierarchy == 0 && g.controllers.is_empty()).map(|g| g.pathname)
 }
 
 /// Recorded processes still alive with the same start time, and their live

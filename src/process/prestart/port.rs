@@ -3,7 +3,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 
-/// A process's command line, for messages.
+/// A process's command line, for messages: an argument that is not UTF-8
+/// shown lossy (the procfs crate refuses the whole line).
 pub fn cmdline(pid: i32) -> String {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let args: Vec<String> =
@@ -28,23 +29,14 @@ pub(super) fn listening_inodes(port: u16) -> BTreeSet<u64> {
 }
 
 pub(super) fn listening_inodes_in_proc(port: u16) -> BTreeSet<u64> {
-    let mut out = BTreeSet::new();
-    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let Ok(text) = std::fs::read_to_string(table) else { continue };
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-            let (Some(local), Some(state), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else { continue };
-            let lport = local.rsplit(':').next().and_then(|h| u16::from_str_radix(h, 16).ok());
-            if lport == Some(port)
-                && *state == "0A"
-                && let Ok(i) = inode.parse()
-            {
-                out.insert(i);
-            }
-        }
-    }
-    out
+    use procfs::net::TcpState;
+    [procfs::net::tcp(), procfs::net::tcp6()]
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|s| s.state == TcpState::Listen && s.local_address.port() == port)
+        .map(|s| s.inode)
+        .collect()
 }
 
 /// The kernel's socket diagnostics (`NETLINK_SOCK_DIAG`), for listening TCP
@@ -137,19 +129,13 @@ pub fn port_holders(port: u16) -> Vec<(i32, String)> {
     }
     let mut out = BTreeMap::new();
     for pid in crate::process::child::processes() {
-        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
-        for fd in fds.flatten() {
-            let target = std::fs::read_link(fd.path()).ok();
-            let inode = target
-                .as_ref()
-                .and_then(|t| t.to_str())
-                .and_then(|t| t.strip_prefix("socket:["))
-                .and_then(|t| t.strip_suffix(']'))
-                .and_then(|t| t.parse::<u64>().ok());
-            if inode.is_some_and(|i| inodes.contains(&i)) {
-                out.insert(pid, cmdline(pid));
-                break;
-            }
+        let Ok(fds) = procfs::process::Process::new(pid).and_then(|p| p.fd()) else { continue };
+        let socket = |fd: procfs::process::FDInfo| match fd.target {
+            procfs::process::FDTarget::Socket(inode) => Some(inode),
+            _ => None,
+        };
+        if fds.flatten().filter_map(socket).any(|i| inodes.contains(&i)) {
+            out.insert(pid, cmdline(pid));
         }
     }
     out.into_iter().collect()
