@@ -47,6 +47,7 @@
 //! ```
 
 mod idle;
+mod ready;
 mod recheck;
 mod state;
 mod stop;
@@ -160,6 +161,21 @@ fn record_of(severity: Severity, topic: Topic, message: String, about: RunOf) ->
 
 fn status(text: String) -> Note {
     Note::Status(text)
+}
+
+/// An event `state` has nothing to do with: said in the debug log (a
+/// tick, the most common, is not), and nothing changes.
+fn ignored(state: State, event: Event) -> (State, Vec<Effect>) {
+    if event != Event::Tick {
+        tracing::debug!(?event, phase = %phase_of(&state), "event ignored");
+    }
+    (state, vec![])
+}
+
+/// The cause of a run ended by a fatal GPU fault: the hardware's, not a
+/// retry's to fix.
+fn gpu_fault(text: String) -> Cause {
+    Cause { text, kind: FailureKind::FatalLine, permanence: Permanence::Hardware, hint: None }
 }
 
 impl Machine {
@@ -568,39 +584,73 @@ impl Machine {
         }
     }
 
+    /// One event in one state: each state has a function of its own that
+    /// names every event, so a new event is a compile error until each
+    /// state says what it does with it (the start here, a serving run in
+    /// `machine/ready.rs`, the way out in `machine/stop.rs`, an idle engine
+    /// in `machine/idle.rs`).
     fn transition(&mut self, state: State, event: Event, now: Instant) -> (State, Vec<Effect>) {
+        match state {
+            State::Idle => self.in_idle(event, now),
+            State::Launching { start, then } => self.in_launching(start, then, event, now),
+            State::Starting(loading) => self.in_starting(loading, event, now),
+            State::Ready(serving) => self.in_ready(serving, event, now),
+            State::Reporting(r) => self.in_reporting(r, event, now),
+            State::Stopping(stop) => self.in_stopping(stop, event, now),
+            State::Backoff { until, cause } => self.in_backoff(until, cause, event, now),
+            State::Done(code) => self.in_done(code, event),
+            State::Parked(p) => self.in_parked(p, event, now),
+            State::Asleep(d) => self.in_asleep(d, event, now),
+        }
+    }
+
+    /// Before the first start, and between a give-up and its rollback.
+    fn in_idle(&mut self, event: Event, now: Instant) -> (State, Vec<Effect>) {
+        use Event as E;
+        match event {
+            E::Begin => self.launch(now),
+            E::StopRequested => self.finish(Code::Ok, "stopped on request".into(), vec![]),
+            E::RolledBack { policy } => self.rolled_back(policy, now),
+            E::TaskFailed { task } => self.task_failed(State::Idle, task, now),
+            E::Reload { policy, summary } => self.reload(State::Idle, *policy, summary, now),
+            E::ReloadInPlace { policy, summary } => self.reload_in_place(State::Idle, *policy, summary),
+            E::ReportStarted { path, .. } => self.report_started(State::Idle, path),
+            event @ (E::Prepared { .. }
+            | E::PrepareStep { .. }
+            | E::LoadKnown { .. }
+            | E::Prefetched { .. }
+            | E::Spawned { .. }
+            | E::SpawnFailed { .. }
+            | E::Line { .. }
+            | E::HttpReady { .. }
+            | E::GoldenChecked { .. }
+            | E::HealthFailed { .. }
+            | E::DaemonLost { .. }
+            | E::ChildExited { .. }
+            | E::TreeGone
+            | E::DrainRequested
+            | E::UndrainRequested
+            | E::RestartRequested
+            | E::Quiet { .. }
+            | E::GpuFault { .. }
+            | E::Recheck { .. }
+            | E::OomKilled { .. }
+            | E::Reported { .. }
+            | E::Survivors { .. }
+            | E::Tick
+            | E::IdleFor { .. }
+            | E::Wanted
+            | E::Slept { .. }
+            | E::Woke { .. }) => ignored(State::Idle, event),
+        }
+    }
+
+    /// The pre-start steps of `start`, and its spawn.
+    fn in_launching(&mut self, start: u32, then: AfterPrepare, event: Event, now: Instant) -> (State, Vec<Effect>) {
         use Event as E;
         use State as S;
-        match (state, event) {
-            // An idle engine (front.idle-stop): see `machine/idle.rs`.
-            (S::Ready(serving), E::IdleFor { quiet }) => self.idle_for(serving, quiet, now),
-            (S::Parked(p), event) => self.parked_event(p, event, now),
-            (S::Asleep(d), event) => self.asleep_event(d, event, now),
-            (S::Idle, E::Begin) => self.launch(now),
-            (S::Ready(serving), E::Begin) => {
-                let from = self.upgraded_from.take().unwrap_or_default();
-                let now_is = match &serving.drain {
-                    Some(d) => self.drain_text(&serving, d),
-                    None => format!("ready: pid {}", serving.run.pid),
-                };
-                let text = format!("upgraded from {from} to {}; {now_is}", env!("CARGO_PKG_VERSION"));
-                let mut fx = vec![
-                    record(Severity::Info, Topic::Upgrade, text.clone()),
-                    Effect::Notify(vec![status(text)]),
-                    Effect::Health { start: serving.run.start },
-                ];
-                // A new warden proves what it took over before it vouches
-                // for it (the golden check on).
-                if self.policy.golden.is_none() {
-                    return (S::Ready(serving), fx);
-                }
-                let reason = format!("the warden upgraded from {from} to {}", env!("CARGO_PKG_VERSION"));
-                let (next, more) = self.recheck(serving, reason, now);
-                fx.extend(more);
-                (next, fx)
-            }
-
-            (S::Launching { start, then }, E::Prepared { result, .. }) => match (then, result) {
+        match (then, event) {
+            (then, E::Prepared { result, .. }) => match (then, result) {
                 (AfterPrepare::Stop(purpose), _) => self.stopped(purpose, None, now, vec![]),
                 (AfterPrepare::Relaunch, _) => self.launch(now),
                 (then @ AfterPrepare::Spawn { .. }, Prepared::Done) => {
@@ -612,58 +662,20 @@ impl Machine {
                     self.start_failed(StartFailure::transient("pre-start steps cancelled"), now)
                 }
             },
-            (S::Launching { start, then }, E::Spawned { pid, .. }) => {
-                let mut loading = Loading {
-                    run: Run {
-                        start,
-                        pid,
-                        spawned_at: now,
-                        first_progress: None,
-                        fatal_at: None,
-                        first_fatal: None,
-                        exception: None,
-                        oom: None,
-                    },
-                    progress_at: now,
-                    progress: None,
-                    awaiting_http: false,
-                    golden: false,
-                };
-                let mut track = LoadTrack::new(self.next_load.take().unwrap_or_default(), now);
-                if let Some((_, p)) = self.prefetch.filter(|(s, _)| *s == start) {
-                    track.prefetched(p, now);
-                }
-                self.load = Some(track);
-                let mut fx = vec![
-                    record(Severity::Info, Topic::Spawned, format!("child spawned, pid {pid}, start {start}")),
-                    Effect::Notify(vec![
-                        status(self.loading_text(pid, &format!(" ({})", self.attempts_text()))),
-                        Note::ExtendTimeout(self.stall_now()),
-                    ]),
-                ];
-                if !self.policy.ready_log {
-                    loading.awaiting_http = true;
-                    fx.push(Effect::Probe { start });
-                }
-                match then {
-                    AfterPrepare::Stop(purpose) => self.begin_stop(S::Starting(loading), purpose, now, fx),
-                    AfterPrepare::Relaunch => self.begin_stop(S::Starting(loading), Purpose::Reload, now, fx),
-                    AfterPrepare::Spawn { .. } => (S::Starting(loading), fx),
-                }
-            }
-            (S::Launching { then, .. }, E::SpawnFailed { failure, .. }) => match then {
+            (then, E::Spawned { pid, .. }) => self.spawned(start, then, pid, now),
+            (then, E::SpawnFailed { failure, .. }) => match then {
                 AfterPrepare::Stop(purpose) => self.stopped(purpose, None, now, vec![]),
                 AfterPrepare::Relaunch => self.launch(now),
                 AfterPrepare::Spawn { .. } => self.start_failed(failure, now),
             },
-            (S::Launching { start, then: AfterPrepare::Spawn { deadline, .. } }, E::PrepareStep { text, .. }) => {
+            (AfterPrepare::Spawn { deadline, .. }, E::PrepareStep { text, .. }) => {
                 // A step is a sign of life, as a progress line is: the
                 // weight-cache daemon's load (`[preload]`) happens here and
                 // may outlast the unit's start timeout.
                 let fx = vec![Effect::Notify(vec![status(text.clone()), Note::ExtendTimeout(self.policy.stall)])];
                 (S::Launching { start, then: AfterPrepare::Spawn { deadline, step: Some(text) } }, fx)
             }
-            (S::Launching { then: AfterPrepare::Spawn { deadline, step }, .. }, E::Tick) if now >= deadline => {
+            (AfterPrepare::Spawn { deadline, step }, E::Tick) if now >= deadline => {
                 let budget = secs(self.policy.prepare_timeout);
                 let at = step.map(|s| format!("; stuck at: {s}")).unwrap_or_default();
                 let failure = StartFailure::transient(format!("pre-start steps did not finish within {budget}{at}"));
@@ -671,7 +683,7 @@ impl Machine {
                 fx.insert(0, Effect::CancelPrepare);
                 (next, fx)
             }
-            (S::Launching { start, then }, E::StopRequested) => {
+            (then, E::StopRequested) => {
                 let fx = vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])];
                 match then {
                     // Asked twice: the cancel is already under way.
@@ -679,316 +691,213 @@ impl Machine {
                     _ => self.cancel_launch(start, Purpose::Shutdown, fx),
                 }
             }
-
-            (S::Starting(loading), E::Line { line, .. }) => self.starting_line(loading, line, now),
-            (S::Ready(mut serving), E::Line { line, .. }) => {
-                let fx = self.note_fatal(&mut serving.run, &line, now);
-                (S::Ready(serving), fx)
-            }
-            (S::Starting(loading), E::HttpReady { .. })
-                if loading.awaiting_http && !loading.golden && loading.run.fatal_at.is_none() =>
-            {
-                self.http_passed(loading, now)
-            }
-            (S::Starting(loading), E::GoldenChecked { verdict, .. }) if loading.golden => {
-                self.golden_checked(loading, verdict, now)
-            }
-            (S::Ready(serving), E::GoldenChecked { verdict, .. }) if serving.recheck.is_some() => {
-                self.rechecked(serving, verdict, now)
-            }
-            (S::Ready(serving), E::Recheck { reason }) => self.recheck(serving, reason, now),
-            (S::Starting(mut loading), E::OomKilled { cause, .. }) => {
-                let fx = recheck::oom_noted(&mut loading.run, cause);
-                (S::Starting(loading), fx)
-            }
-            (S::Ready(mut serving), E::OomKilled { cause, .. }) => {
-                let fx = recheck::oom_noted(&mut serving.run, cause);
-                (S::Ready(serving), fx)
-            }
-            (state @ (S::Starting(_) | S::Ready(_)), E::ChildExited { exit, .. }) => {
-                self.last_exit = Some(exit);
-                self.exits += 1;
-                let Some((run, ready_at)) = into_run(&state) else { return (state, vec![]) };
-                let cause = run.logged_cause().unwrap_or_else(|| {
-                    let text = match ready_at {
-                        Some(_) => format!("exited while serving ({exit})"),
-                        None => format!("exited before ready ({exit})"),
-                    };
-                    Cause::new(text, FailureKind::Exit)
-                });
-                let (next, fx) = self.fail(state, cause, Some(exit), now);
-                (leader_gone(next), fx)
-            }
-            (S::Starting(loading), E::Tick) => {
-                let p = &self.policy;
-                let run = &loading.run;
-                let (timeout, stall) = (self.timeout_now(), self.stall_of(&loading));
-                let cause = if let Some(c) = run.fatal_grace_over(p.grace, now) {
-                    Some(c)
-                } else if now >= run.spawned_at + timeout {
-                    let why = if timeout > p.ready_timeout { "from the ledger" } else { "ready.timeout" };
-                    Some(Cause::new(format!("not ready after {} ({why})", secs(timeout)), FailureKind::Timeout))
-                } else if now >= loading.progress_at + stall {
-                    let last = loading.progress.as_deref().map(|l| format!("; last: {l}")).unwrap_or_default();
-                    let why = match &self.load {
-                        Some(l) if stall > p.stall => format!("{} phase, from the ledger", l.current()),
-                        _ => "ready.stall".into(),
-                    };
-                    Some(Cause::new(format!("no progress for {} ({why}){last}", secs(stall)), FailureKind::Stall))
-                } else {
-                    None
-                };
-                match cause {
-                    Some(c) => self.fail(S::Starting(loading), c, None, now),
-                    None => (S::Starting(loading), vec![]),
-                }
-            }
-            (S::Ready(serving), E::Tick) => match serving.run.fatal_grace_over(self.policy.grace, now) {
-                Some(c) => self.fail(S::Ready(serving), c, None, now),
-                None => self.recheck_tick(serving, now),
-            },
-            (S::Ready(serving), E::Quiet { .. }) => match serving.drain {
-                Some(d @ ActiveDrain { stage: DrainStage::Quiesce { .. }, .. }) => {
-                    let fx = vec![record(
-                        Severity::Info,
-                        Topic::Drain,
-                        format!("no request in flight after {}", secs(now - d.began)),
-                    )];
-                    self.drained(serving, d, now, fx)
-                }
-                _ => (S::Ready(serving), vec![]),
-            },
-            (S::Ready(serving), E::DrainRequested) => match serving.drain {
-                None => self.begin_drain(serving, DrainFor::Hold, now, vec![]),
-                Some(_) => (S::Ready(serving), vec![]),
-            },
-            (S::Ready(mut serving), E::UndrainRequested) => match serving.drain {
-                Some(d) if matches!(d.for_, DrainFor::Hold | DrainFor::Restart) => {
-                    serving.drain = None;
-                    let text = format!("ready again: pid {}, undrained", serving.run.pid);
-                    let fx = vec![
-                        Effect::UnwatchLoad,
-                        record(Severity::Info, Topic::Drain, text.clone()),
-                        Effect::Notify(vec![status(text)]),
-                    ];
-                    (S::Ready(serving), fx)
-                }
-                _ => (S::Ready(serving), vec![]),
-            },
-            (S::Ready(mut serving), E::RestartRequested) => {
-                self.failures = 0;
-                self.permanent_streak = None;
-                match serving.drain {
-                    None => self.begin_drain(serving, DrainFor::Restart, now, vec![]),
-                    Some(mut d) if d.for_ == DrainFor::Hold => {
-                        d.for_ = DrainFor::Restart;
-                        if d.stage == DrainStage::Drained {
-                            return self.drained(serving, d, now, vec![]);
-                        }
-                        serving.drain = Some(d);
-                        (S::Ready(serving), vec![])
-                    }
-                    Some(_) => (S::Ready(serving), vec![]),
-                }
-            }
-            (S::Starting(loading), E::RestartRequested) => {
-                self.failures = 0;
-                self.permanent_streak = None;
-                let fx = vec![record(Severity::Info, Topic::Stop, "restart requested".into())];
-                self.begin_stop(S::Starting(loading), Purpose::Restart, now, fx)
-            }
-            (S::Backoff { .. }, E::RestartRequested) => {
-                self.failures = 0;
-                self.permanent_streak = None;
-                let (next, mut fx) = self.launch(now);
-                fx.insert(0, record(Severity::Info, Topic::Stop, "restart requested".into()));
-                (next, fx)
-            }
-            (S::Launching { start, then: AfterPrepare::Spawn { .. } }, E::RestartRequested) => {
+            (AfterPrepare::Spawn { .. }, E::RestartRequested) => {
                 self.failures = 0;
                 self.permanent_streak = None;
                 let fx = vec![record(Severity::Info, Topic::Stop, "restart requested".into()), Effect::CancelPrepare];
                 (S::Launching { start, then: AfterPrepare::Relaunch }, fx)
             }
-            (S::Ready(mut serving), E::StopRequested) if serving.drain.is_some() || self.policy.drain_on_stop => {
-                // The stop is answered at once; the drain delays only the
-                // signal. Asked again, the child is stopped now.
-                let mut fx = vec![
-                    record(Severity::Info, Topic::Stop, "stop requested".into()),
-                    Effect::Notify(vec![Note::Stopping, Note::ExtendTimeout(self.drain_budget())]),
-                ];
-                match serving.drain {
-                    None => self.begin_drain(serving, DrainFor::Stop, now, fx),
-                    Some(d) if d.for_ == DrainFor::Stop => {
-                        fx.push(record(Severity::Info, Topic::Drain, "asked again: the drain is cut short".into()));
-                        serving.drain = None;
-                        self.begin_stop(S::Ready(serving), Purpose::Shutdown, now, fx)
-                    }
-                    Some(mut d) => {
-                        d.for_ = DrainFor::Stop;
-                        if d.stage == DrainStage::Drained {
-                            return self.drained(serving, d, now, fx);
-                        }
-                        serving.drain = Some(d);
-                        fx.push(Effect::Notify(vec![status(self.drain_text(&serving, &d))]));
-                        (S::Ready(serving), fx)
-                    }
-                }
+            (then, E::TaskFailed { task }) => self.task_failed(S::Launching { start, then }, task, now),
+            (then, E::Reload { policy, summary }) => self.reload(S::Launching { start, then }, *policy, summary, now),
+            (then, E::ReloadInPlace { policy, summary }) => {
+                self.reload_in_place(S::Launching { start, then }, *policy, summary)
             }
-            (state @ (S::Starting(_) | S::Ready(_)), E::GpuFault { cause, .. }) => {
-                let cause =
-                    Cause { text: cause, kind: FailureKind::FatalLine, permanence: Permanence::Hardware, hint: None };
-                self.fail(state, cause, None, now)
-            }
-            (state @ (S::Starting(_) | S::Ready(_)), E::DaemonLost { cause }) => {
-                self.fail(state, Cause::new(cause, FailureKind::Health), None, now)
-            }
-            (S::Ready(serving), E::HealthFailed { cause, .. }) => {
-                let cause = Cause::new(cause, FailureKind::Health);
-                self.fail(S::Ready(serving), cause, None, now)
-            }
-            (state @ (S::Starting(_) | S::Ready(_)), E::StopRequested) => {
-                let fx = vec![record(Severity::Info, Topic::Stop, "stop requested".into())];
-                self.begin_stop(state, Purpose::Shutdown, now, fx)
-            }
-
-            (state, E::ReportStarted { path, .. }) => {
-                if let Some(f) = &mut self.last_failure {
-                    f.report = Some(path);
-                }
-                (state, vec![])
-            }
-            (S::Reporting(r), E::Reported { .. }) => self.report_done(r, now, vec![]),
-            // Nothing of the run is left to stop: what follows begins now,
-            // beside the report.
-            (S::Reporting(r), E::TreeGone) if !r.leader => {
-                let mut fx = vec![];
-                let purpose = self.purpose_of_stop(&r.run, r.purpose, &mut fx);
-                let ready_for = into_run(&r.run).and_then(|(_, ready_at)| ready_at).map(|t| now - t);
-                self.stopped(purpose, ready_for, now, fx)
-            }
-            (S::Reporting(r), E::Tick) if now >= r.until => {
-                let text = format!(
-                    "the failure report did not finish within {}; cut short",
-                    secs(self.policy.report.unwrap_or_default())
-                );
-                let about = into_run(&r.run).map(|(run, _)| RunOf { pid: Some(run.pid), attempt: self.attempt() });
-                let cut = Record { severity: Severity::Warn, topic: Topic::Failed, message: text, about };
-                let fx = vec![Effect::CancelReport, Effect::Log(cut)];
-                self.report_done(r, now, fx)
-            }
-            (S::Reporting(mut r), E::StopRequested) => {
-                r.purpose = Purpose::Shutdown;
-                let text = "stop requested; the failure report is cut short".to_string();
-                let fx = vec![Effect::CancelReport, record(Severity::Info, Topic::Stop, text)];
-                self.report_done(r, now, fx)
-            }
-            (S::Reporting(mut r), E::ChildExited { exit, .. }) => {
-                self.last_exit = Some(exit);
-                self.exits += 1;
-                r.leader = false;
-                (S::Reporting(r), vec![])
-            }
-            // The run has failed already: what else it does waits for the stop.
+            (then, E::ReportStarted { path, .. }) => self.report_started(S::Launching { start, then }, path),
             (
-                S::Reporting(r),
-                E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. } | E::DaemonLost { .. } | E::Recheck { .. },
-            ) => (S::Reporting(r), vec![]),
-
-            (S::Stopping(mut stop), E::ChildExited { pid, exit }) => {
-                self.last_exit = Some(exit);
-                self.exits += 1;
-                stop.leader = None;
-                let mut fx = vec![record(Severity::Info, Topic::Exited, format!("child {pid} {exit}"))];
-                if let Escalation::Signalled { kill_at, .. } = stop.escalation {
-                    // Whatever the leader left behind is orphaned now: pass the
-                    // stop on to it at once rather than waiting for the SIGKILL.
-                    stop.escalation = Escalation::Signalled { kill_at, resend_at: None };
-                    fx.push(Effect::Terminate(self.policy.stop_signal));
-                }
-                (S::Stopping(stop), fx)
-            }
-            (S::Stopping(mut stop), E::Tick) => {
-                let mut fx = Vec::new();
-                match stop.escalation {
-                    Escalation::Signalled { kill_at, .. } if now >= kill_at => {
-                        stop.escalation = Escalation::Killed { at: now };
-                        let text = "stop timeout passed: SIGKILL to the whole tree".to_string();
-                        fx.push(record(Severity::Warn, Topic::Kill, text));
-                        fx.push(Effect::KillTree);
-                    }
-                    Escalation::Signalled { kill_at, resend_at: Some(t) } if now >= t => {
-                        stop.escalation = Escalation::Signalled { kill_at, resend_at: Some(t + LOAD_STOP_RESEND) };
-                        fx.push(Effect::Terminate(self.policy.stop_signal));
-                    }
-                    Escalation::Killed { at } if now >= at + KILL_GRACE => {
-                        stop.escalation = Escalation::Abandoning { until: now + DESCRIBE_GRACE };
-                        fx.push(Effect::DescribeSurvivors);
-                    }
-                    Escalation::Abandoning { until } if now >= until => {
-                        let text = "processes of the tree survived SIGKILL and their /proc entries do not answer; \
-                                    they are stuck in the kernel: needs a GPU reset or a reboot";
-                        return self.finish(Code::Unkillable, text.into(), fx);
-                    }
-                    _ => {}
-                }
-                (S::Stopping(stop), fx)
-            }
-            (
-                S::Stopping(stop @ Stop { escalation: Escalation::Abandoning { .. }, .. }),
-                E::Survivors { left: 0, .. },
-            ) => {
-                // Every process is dead, but the end of the tree was not
-                // reported: its last exits are still being reaped.
-                let text = "no live process of the tree is left after SIGKILL, though not every exit was seen yet: \
-                            the tree is taken as gone";
-                let (state, mut fx) = self.stopped(stop.purpose, stop.ready_for, now, vec![]);
-                fx.insert(0, record(Severity::Warn, Topic::Kill, text.into()));
-                (state, fx)
-            }
-            (S::Stopping(Stop { escalation: Escalation::Abandoning { .. }, .. }), E::Survivors { description, .. }) => {
-                self.finish(Code::Unkillable, description, vec![])
-            }
-            (S::Stopping(mut stop), E::StopRequested) => match (&stop.purpose, stop.escalation) {
-                (Purpose::Shutdown | Purpose::Internal(_), Escalation::Signalled { .. }) => {
-                    // Asked twice: no more patience.
-                    stop.escalation = Escalation::Killed { at: now };
-                    (S::Stopping(stop), vec![Effect::KillTree])
-                }
-                (Purpose::Shutdown | Purpose::Internal(_), _) => (S::Stopping(stop), vec![]),
-                (Purpose::Failure(_) | Purpose::Reload | Purpose::Restart | Purpose::Idle(_), _) => {
-                    stop.purpose = Purpose::Shutdown;
-                    (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
-                }
-            },
-            (S::Stopping(stop), E::TreeGone) => self.stopped(stop.purpose, stop.ready_for, now, vec![]),
-            // Lines after a stop was asked for never count (vLLM logs
-            // EngineDeadError on every ordinary shutdown).
-            (S::Stopping(stop), E::Line { .. }) => (S::Stopping(stop), vec![]),
-
-            (S::Backoff { until, .. }, E::Tick) if now >= until => self.launch(now),
-            (S::Backoff { .. }, E::StopRequested) => {
-                self.finish(Code::Ok, "stopped on request".into(), vec![Effect::Notify(vec![Note::Stopping])])
-            }
-            (S::Idle, E::StopRequested) => self.finish(Code::Ok, "stopped on request".into(), vec![]),
-
-            (S::Idle, E::RolledBack { policy }) => self.rolled_back(policy, now),
-            (state, E::TaskFailed { task }) => self.task_failed(state, task, now),
-            (state, E::Reload { policy, summary }) => self.reload(state, *policy, summary, now),
-            (state @ S::Done(_), E::ReloadInPlace { .. }) => (state, vec![]),
-            (state, E::ReloadInPlace { policy, summary }) => {
-                self.policy = *policy;
-                let fx =
-                    vec![record(Severity::Info, Topic::Reload, summary.clone()), Effect::Notify(vec![status(summary)])];
-                (state, fx)
-            }
-
-            (state, E::Tick) => (state, vec![]),
-            (state, event) => {
-                tracing::debug!(?event, phase = %phase_of(&state), "event ignored");
-                (state, vec![])
-            }
+                then,
+                event @ (E::Begin
+                | E::PrepareStep { .. }
+                | E::LoadKnown { .. }
+                | E::Prefetched { .. }
+                | E::Line { .. }
+                | E::HttpReady { .. }
+                | E::GoldenChecked { .. }
+                | E::HealthFailed { .. }
+                | E::RolledBack { .. }
+                | E::DaemonLost { .. }
+                | E::ChildExited { .. }
+                | E::TreeGone
+                | E::DrainRequested
+                | E::UndrainRequested
+                | E::RestartRequested
+                | E::Quiet { .. }
+                | E::GpuFault { .. }
+                | E::Recheck { .. }
+                | E::OomKilled { .. }
+                | E::Reported { .. }
+                | E::Survivors { .. }
+                | E::Tick
+                | E::IdleFor { .. }
+                | E::Wanted
+                | E::Slept { .. }
+                | E::Woke { .. }),
+            ) => ignored(S::Launching { start, then }, event),
         }
+    }
+
+    /// Start `start` spawned as `pid`: its load begins, or the stop that
+    /// came meanwhile.
+    fn spawned(&mut self, start: u32, then: AfterPrepare, pid: u32, now: Instant) -> (State, Vec<Effect>) {
+        let mut loading = Loading {
+            run: Run {
+                start,
+                pid,
+                spawned_at: now,
+                first_progress: None,
+                fatal_at: None,
+                first_fatal: None,
+                exception: None,
+                oom: None,
+            },
+            progress_at: now,
+            progress: None,
+            awaiting_http: false,
+            golden: false,
+        };
+        let mut track = LoadTrack::new(self.next_load.take().unwrap_or_default(), now);
+        if let Some((_, p)) = self.prefetch.filter(|(s, _)| *s == start) {
+            track.prefetched(p, now);
+        }
+        self.load = Some(track);
+        let mut fx = vec![
+            record(Severity::Info, Topic::Spawned, format!("child spawned, pid {pid}, start {start}")),
+            Effect::Notify(vec![
+                status(self.loading_text(pid, &format!(" ({})", self.attempts_text()))),
+                Note::ExtendTimeout(self.stall_now()),
+            ]),
+        ];
+        if !self.policy.ready_log {
+            loading.awaiting_http = true;
+            fx.push(Effect::Probe { start });
+        }
+        match then {
+            AfterPrepare::Stop(purpose) => self.begin_stop(State::Starting(loading), purpose, now, fx),
+            AfterPrepare::Relaunch => self.begin_stop(State::Starting(loading), Purpose::Reload, now, fx),
+            AfterPrepare::Spawn { .. } => (State::Starting(loading), fx),
+        }
+    }
+
+    /// A run that loads, until it serves or ends.
+    fn in_starting(&mut self, loading: Loading, event: Event, now: Instant) -> (State, Vec<Effect>) {
+        use Event as E;
+        use State as S;
+        match event {
+            E::Line { line, .. } => self.starting_line(loading, line, now),
+            E::HttpReady { .. } if loading.awaiting_http && !loading.golden && loading.run.fatal_at.is_none() => {
+                self.http_passed(loading, now)
+            }
+            E::GoldenChecked { verdict, .. } if loading.golden => self.golden_checked(loading, verdict, now),
+            E::OomKilled { cause, .. } => {
+                let mut loading = loading;
+                let fx = recheck::oom_noted(&mut loading.run, cause);
+                (S::Starting(loading), fx)
+            }
+            E::ChildExited { exit, .. } => self.exited(S::Starting(loading), exit, now),
+            E::Tick => self.starting_tick(loading, now),
+            E::RestartRequested => {
+                self.failures = 0;
+                self.permanent_streak = None;
+                let fx = vec![record(Severity::Info, Topic::Stop, "restart requested".into())];
+                self.begin_stop(S::Starting(loading), Purpose::Restart, now, fx)
+            }
+            E::GpuFault { cause, .. } => self.fail(S::Starting(loading), gpu_fault(cause), None, now),
+            E::DaemonLost { cause } => {
+                self.fail(S::Starting(loading), Cause::new(cause, FailureKind::Health), None, now)
+            }
+            E::StopRequested => {
+                let fx = vec![record(Severity::Info, Topic::Stop, "stop requested".into())];
+                self.begin_stop(S::Starting(loading), Purpose::Shutdown, now, fx)
+            }
+            E::TaskFailed { task } => self.task_failed(S::Starting(loading), task, now),
+            E::Reload { policy, summary } => self.reload(S::Starting(loading), *policy, summary, now),
+            E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Starting(loading), *policy, summary),
+            E::ReportStarted { path, .. } => self.report_started(S::Starting(loading), path),
+            event @ (E::Begin
+            | E::Prepared { .. }
+            | E::PrepareStep { .. }
+            | E::LoadKnown { .. }
+            | E::Prefetched { .. }
+            | E::Spawned { .. }
+            | E::SpawnFailed { .. }
+            | E::HttpReady { .. }
+            | E::GoldenChecked { .. }
+            | E::HealthFailed { .. }
+            | E::RolledBack { .. }
+            | E::TreeGone
+            | E::DrainRequested
+            | E::UndrainRequested
+            | E::Quiet { .. }
+            | E::Recheck { .. }
+            | E::Reported { .. }
+            | E::Survivors { .. }
+            | E::IdleFor { .. }
+            | E::Wanted
+            | E::Slept { .. }
+            | E::Woke { .. }) => ignored(S::Starting(loading), event),
+        }
+    }
+
+    /// A loading run's deadlines: a fatal line's grace, the whole load's
+    /// timeout, the stall.
+    fn starting_tick(&mut self, loading: Loading, now: Instant) -> (State, Vec<Effect>) {
+        let p = &self.policy;
+        let run = &loading.run;
+        let (timeout, stall) = (self.timeout_now(), self.stall_of(&loading));
+        let cause = if let Some(c) = run.fatal_grace_over(p.grace, now) {
+            Some(c)
+        } else if now >= run.spawned_at + timeout {
+            let why = if timeout > p.ready_timeout { "from the ledger" } else { "ready.timeout" };
+            Some(Cause::new(format!("not ready after {} ({why})", secs(timeout)), FailureKind::Timeout))
+        } else if now >= loading.progress_at + stall {
+            let last = loading.progress.as_deref().map(|l| format!("; last: {l}")).unwrap_or_default();
+            let why = match &self.load {
+                Some(l) if stall > p.stall => format!("{} phase, from the ledger", l.current()),
+                _ => "ready.stall".into(),
+            };
+            Some(Cause::new(format!("no progress for {} ({why}){last}", secs(stall)), FailureKind::Stall))
+        } else {
+            None
+        };
+        match cause {
+            Some(c) => self.fail(State::Starting(loading), c, None, now),
+            None => (State::Starting(loading), vec![]),
+        }
+    }
+
+    /// The leader of a loading or serving run exited: the run failed, its
+    /// log's cause first.
+    fn exited(&mut self, state: State, exit: Exit, now: Instant) -> (State, Vec<Effect>) {
+        self.last_exit = Some(exit);
+        self.exits += 1;
+        let Some((run, ready_at)) = into_run(&state) else { return (state, vec![]) };
+        let cause = run.logged_cause().unwrap_or_else(|| {
+            let text = match ready_at {
+                Some(_) => format!("exited while serving ({exit})"),
+                None => format!("exited before ready ({exit})"),
+            };
+            Cause::new(text, FailureKind::Exit)
+        });
+        let (next, fx) = self.fail(state, cause, Some(exit), now);
+        (leader_gone(next), fx)
+    }
+
+    /// A config whose changes the child does not see: the policy from now
+    /// on, the run as it is.
+    fn reload_in_place(&mut self, state: State, policy: Policy, summary: String) -> (State, Vec<Effect>) {
+        if matches!(state, State::Done(_)) {
+            return (state, vec![]);
+        }
+        self.policy = policy;
+        let fx = vec![record(Severity::Info, Topic::Reload, summary.clone()), Effect::Notify(vec![status(summary)])];
+        (state, fx)
+    }
+
+    /// The failure report under way is being written into `path`.
+    fn report_started(&mut self, state: State, path: String) -> (State, Vec<Effect>) {
+        if let Some(f) = &mut self.last_failure {
+            f.report = Some(path);
+        }
+        (state, vec![])
     }
 
     fn launch(&mut self, now: Instant) -> (State, Vec<Effect>) {

@@ -93,7 +93,7 @@ impl Machine {
         (State::Parked(Parked { since: now, quiet }), fx)
     }
 
-    pub(super) fn parked_event(&mut self, p: Parked, event: Event, now: Instant) -> (State, Vec<Effect>) {
+    pub(super) fn in_parked(&mut self, p: Parked, event: Event, now: Instant) -> (State, Vec<Effect>) {
         match event {
             Event::Wanted => {
                 let text = format!("a request came after {} idle: starting the engine", secs(now - p.since));
@@ -121,14 +121,42 @@ impl Machine {
                 ];
                 (State::Parked(p), fx)
             }
-            other => {
+            other @ (Event::Begin
+            | Event::Prepared { .. }
+            | Event::PrepareStep { .. }
+            | Event::LoadKnown { .. }
+            | Event::Prefetched { .. }
+            | Event::Spawned { .. }
+            | Event::SpawnFailed { .. }
+            | Event::Line { .. }
+            | Event::HttpReady { .. }
+            | Event::GoldenChecked { .. }
+            | Event::HealthFailed { .. }
+            | Event::RolledBack { .. }
+            | Event::DaemonLost { .. }
+            | Event::ReloadInPlace { .. }
+            | Event::ChildExited { .. }
+            | Event::TreeGone
+            | Event::DrainRequested
+            | Event::UndrainRequested
+            | Event::Quiet { .. }
+            | Event::GpuFault { .. }
+            | Event::Recheck { .. }
+            | Event::OomKilled { .. }
+            | Event::ReportStarted { .. }
+            | Event::Reported { .. }
+            | Event::Survivors { .. }
+            | Event::Tick
+            | Event::IdleFor { .. }
+            | Event::Slept { .. }
+            | Event::Woke { .. }) => {
                 tracing::debug!(event = ?other, "event ignored while idle");
                 (State::Parked(p), vec![])
             }
         }
     }
 
-    pub(super) fn asleep_event(&mut self, mut d: Dormant, event: Event, now: Instant) -> (State, Vec<Effect>) {
+    pub(super) fn in_asleep(&mut self, mut d: Dormant, event: Event, now: Instant) -> (State, Vec<Effect>) {
         let pid = d.serving.run.pid;
         let start = d.serving.run.start;
         match (d.stage, event) {
@@ -227,8 +255,35 @@ impl Machine {
                 | Event::TaskFailed { .. }
                 | Event::GpuFault { .. }
                 | Event::DaemonLost { .. }),
-            ) => self.transition(State::Ready(d.serving), event, now),
-            (_, other) => {
+            ) => self.in_ready(d.serving, event, now),
+            (
+                _,
+                other @ (Event::Begin
+                | Event::Prepared { .. }
+                | Event::PrepareStep { .. }
+                | Event::LoadKnown { .. }
+                | Event::Prefetched { .. }
+                | Event::Spawned { .. }
+                | Event::SpawnFailed { .. }
+                | Event::HttpReady { .. }
+                | Event::GoldenChecked { .. }
+                | Event::HealthFailed { .. }
+                | Event::RolledBack { .. }
+                | Event::ReloadInPlace { .. }
+                | Event::TreeGone
+                | Event::DrainRequested
+                | Event::UndrainRequested
+                | Event::Quiet { .. }
+                | Event::Recheck { .. }
+                | Event::OomKilled { .. }
+                | Event::ReportStarted { .. }
+                | Event::Reported { .. }
+                | Event::Survivors { .. }
+                | Event::IdleFor { .. }
+                | Event::Wanted
+                | Event::Slept { .. }
+                | Event::Woke { .. }),
+            ) => {
                 tracing::debug!(event = ?other, "event ignored while asleep");
                 (State::Asleep(d), vec![])
             }

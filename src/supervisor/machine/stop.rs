@@ -8,6 +8,282 @@ use tokio::time::Instant;
 use super::*;
 
 impl Machine {
+    /// A failed run whose report is being written, its tree still there.
+    pub(super) fn in_reporting(&mut self, r: Reporting, event: Event, now: Instant) -> (State, Vec<Effect>) {
+        use Event as E;
+        use State as S;
+        match event {
+            E::ReportStarted { path, .. } => self.report_started(S::Reporting(r), path),
+            E::Reported { .. } => self.report_done(r, now, vec![]),
+            // Nothing of the run is left to stop: what follows begins now,
+            // beside the report.
+            E::TreeGone if !r.leader => {
+                let mut fx = vec![];
+                let purpose = self.purpose_of_stop(&r.run, r.purpose, &mut fx);
+                let ready_for = into_run(&r.run).and_then(|(_, ready_at)| ready_at).map(|t| now - t);
+                self.stopped(purpose, ready_for, now, fx)
+            }
+            E::Tick if now >= r.until => {
+                let text = format!(
+                    "the failure report did not finish within {}; cut short",
+                    secs(self.policy.report.unwrap_or_default())
+                );
+                let about = into_run(&r.run).map(|(run, _)| RunOf { pid: Some(run.pid), attempt: self.attempt() });
+                let cut = Record { severity: Severity::Warn, topic: Topic::Failed, message: text, about };
+                let fx = vec![Effect::CancelReport, Effect::Log(cut)];
+                self.report_done(r, now, fx)
+            }
+            E::StopRequested => {
+                let mut r = r;
+                r.purpose = Purpose::Shutdown;
+                let text = "stop requested; the failure report is cut short".to_string();
+                let fx = vec![Effect::CancelReport, record(Severity::Info, Topic::Stop, text)];
+                self.report_done(r, now, fx)
+            }
+            E::ChildExited { exit, .. } => {
+                let mut r = r;
+                self.last_exit = Some(exit);
+                self.exits += 1;
+                r.leader = false;
+                (S::Reporting(r), vec![])
+            }
+            // The run has failed already: what else it does waits for the stop.
+            E::Line { .. } | E::HealthFailed { .. } | E::GpuFault { .. } | E::DaemonLost { .. } | E::Recheck { .. } => {
+                (S::Reporting(r), vec![])
+            }
+            E::TaskFailed { task } => self.task_failed(S::Reporting(r), task, now),
+            E::Reload { policy, summary } => self.reload(S::Reporting(r), *policy, summary, now),
+            E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Reporting(r), *policy, summary),
+            event @ (E::Begin
+            | E::Prepared { .. }
+            | E::PrepareStep { .. }
+            | E::LoadKnown { .. }
+            | E::Prefetched { .. }
+            | E::Spawned { .. }
+            | E::SpawnFailed { .. }
+            | E::HttpReady { .. }
+            | E::GoldenChecked { .. }
+            | E::RolledBack { .. }
+            | E::TreeGone
+            | E::DrainRequested
+            | E::UndrainRequested
+            | E::RestartRequested
+            | E::Quiet { .. }
+            | E::OomKilled { .. }
+            | E::Survivors { .. }
+            | E::Tick
+            | E::IdleFor { .. }
+            | E::Wanted
+            | E::Slept { .. }
+            | E::Woke { .. }) => ignored(S::Reporting(r), event),
+        }
+    }
+
+    /// The tree being stopped: signalled, killed, abandoned.
+    pub(super) fn in_stopping(&mut self, stop: Stop, event: Event, now: Instant) -> (State, Vec<Effect>) {
+        use Event as E;
+        use State as S;
+        let mut stop = stop;
+        match event {
+            E::ReportStarted { path, .. } => self.report_started(S::Stopping(stop), path),
+            E::ChildExited { pid, exit } => {
+                self.last_exit = Some(exit);
+                self.exits += 1;
+                stop.leader = None;
+                let mut fx = vec![record(Severity::Info, Topic::Exited, format!("child {pid} {exit}"))];
+                if let Escalation::Signalled { kill_at, .. } = stop.escalation {
+                    // Whatever the leader left behind is orphaned now: pass the
+                    // stop on to it at once rather than waiting for the SIGKILL.
+                    stop.escalation = Escalation::Signalled { kill_at, resend_at: None };
+                    fx.push(Effect::Terminate(self.policy.stop_signal));
+                }
+                (S::Stopping(stop), fx)
+            }
+            E::Tick => self.stopping_tick(stop, now),
+            E::Survivors { left: 0, .. } if matches!(stop.escalation, Escalation::Abandoning { .. }) => {
+                // Every process is dead, but the end of the tree was not
+                // reported: its last exits are still being reaped.
+                let text = "no live process of the tree is left after SIGKILL, though not every exit was seen yet: \
+                            the tree is taken as gone";
+                let (state, mut fx) = self.stopped(stop.purpose, stop.ready_for, now, vec![]);
+                fx.insert(0, record(Severity::Warn, Topic::Kill, text.into()));
+                (state, fx)
+            }
+            E::Survivors { description, .. } if matches!(stop.escalation, Escalation::Abandoning { .. }) => {
+                self.finish(Code::Unkillable, description, vec![])
+            }
+            E::StopRequested => match (&stop.purpose, stop.escalation) {
+                (Purpose::Shutdown | Purpose::Internal(_), Escalation::Signalled { .. }) => {
+                    // Asked twice: no more patience.
+                    stop.escalation = Escalation::Killed { at: now };
+                    (S::Stopping(stop), vec![Effect::KillTree])
+                }
+                (Purpose::Shutdown | Purpose::Internal(_), _) => (S::Stopping(stop), vec![]),
+                (Purpose::Failure(_) | Purpose::Reload | Purpose::Restart | Purpose::Idle(_), _) => {
+                    stop.purpose = Purpose::Shutdown;
+                    (S::Stopping(stop), vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])])
+                }
+            },
+            E::TreeGone => self.stopped(stop.purpose, stop.ready_for, now, vec![]),
+            // Lines after a stop was asked for never count (vLLM logs
+            // EngineDeadError on every ordinary shutdown).
+            E::Line { .. } => (S::Stopping(stop), vec![]),
+            E::TaskFailed { task } => self.task_failed(S::Stopping(stop), task, now),
+            E::Reload { policy, summary } => self.reload(S::Stopping(stop), *policy, summary, now),
+            E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Stopping(stop), *policy, summary),
+            event @ (E::Begin
+            | E::Prepared { .. }
+            | E::PrepareStep { .. }
+            | E::LoadKnown { .. }
+            | E::Prefetched { .. }
+            | E::Spawned { .. }
+            | E::SpawnFailed { .. }
+            | E::HttpReady { .. }
+            | E::GoldenChecked { .. }
+            | E::HealthFailed { .. }
+            | E::RolledBack { .. }
+            | E::DaemonLost { .. }
+            | E::DrainRequested
+            | E::UndrainRequested
+            | E::RestartRequested
+            | E::Quiet { .. }
+            | E::GpuFault { .. }
+            | E::Recheck { .. }
+            | E::OomKilled { .. }
+            | E::Reported { .. }
+            | E::Survivors { .. }
+            | E::IdleFor { .. }
+            | E::Wanted
+            | E::Slept { .. }
+            | E::Woke { .. }) => ignored(S::Stopping(stop), event),
+        }
+    }
+
+    /// A stop's deadlines: the signal again, SIGKILL, survivors described,
+    /// the tree abandoned.
+    fn stopping_tick(&mut self, mut stop: Stop, now: Instant) -> (State, Vec<Effect>) {
+        let mut fx = Vec::new();
+        match stop.escalation {
+            Escalation::Signalled { kill_at, .. } if now >= kill_at => {
+                stop.escalation = Escalation::Killed { at: now };
+                let text = "stop timeout passed: SIGKILL to the whole tree".to_string();
+                fx.push(record(Severity::Warn, Topic::Kill, text));
+                fx.push(Effect::KillTree);
+            }
+            Escalation::Signalled { kill_at, resend_at: Some(t) } if now >= t => {
+                stop.escalation = Escalation::Signalled { kill_at, resend_at: Some(t + LOAD_STOP_RESEND) };
+                fx.push(Effect::Terminate(self.policy.stop_signal));
+            }
+            Escalation::Killed { at } if now >= at + KILL_GRACE => {
+                stop.escalation = Escalation::Abandoning { until: now + DESCRIBE_GRACE };
+                fx.push(Effect::DescribeSurvivors);
+            }
+            Escalation::Abandoning { until } if now >= until => {
+                let text = "processes of the tree survived SIGKILL and their /proc entries do not answer; \
+                            they are stuck in the kernel: needs a GPU reset or a reboot";
+                return self.finish(Code::Unkillable, text.into(), fx);
+            }
+            _ => {}
+        }
+        (State::Stopping(stop), fx)
+    }
+
+    /// Waiting `until` to start again after a failure (`cause`).
+    pub(super) fn in_backoff(
+        &mut self,
+        until: Instant,
+        cause: Cause,
+        event: Event,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
+        use Event as E;
+        let state = |cause| State::Backoff { until, cause };
+        match event {
+            E::Tick if now >= until => self.launch(now),
+            E::RestartRequested => {
+                self.failures = 0;
+                self.permanent_streak = None;
+                let (next, mut fx) = self.launch(now);
+                fx.insert(0, record(Severity::Info, Topic::Stop, "restart requested".into()));
+                (next, fx)
+            }
+            E::StopRequested => {
+                self.finish(Code::Ok, "stopped on request".into(), vec![Effect::Notify(vec![Note::Stopping])])
+            }
+            E::ReportStarted { path, .. } => self.report_started(state(cause), path),
+            E::TaskFailed { task } => self.task_failed(state(cause), task, now),
+            E::Reload { policy, summary } => self.reload(state(cause), *policy, summary, now),
+            E::ReloadInPlace { policy, summary } => self.reload_in_place(state(cause), *policy, summary),
+            event @ (E::Begin
+            | E::Prepared { .. }
+            | E::PrepareStep { .. }
+            | E::LoadKnown { .. }
+            | E::Prefetched { .. }
+            | E::Spawned { .. }
+            | E::SpawnFailed { .. }
+            | E::Line { .. }
+            | E::HttpReady { .. }
+            | E::GoldenChecked { .. }
+            | E::HealthFailed { .. }
+            | E::RolledBack { .. }
+            | E::DaemonLost { .. }
+            | E::ChildExited { .. }
+            | E::TreeGone
+            | E::DrainRequested
+            | E::UndrainRequested
+            | E::Quiet { .. }
+            | E::GpuFault { .. }
+            | E::Recheck { .. }
+            | E::OomKilled { .. }
+            | E::Reported { .. }
+            | E::Survivors { .. }
+            | E::Tick
+            | E::IdleFor { .. }
+            | E::Wanted
+            | E::Slept { .. }
+            | E::Woke { .. }) => ignored(state(cause), event),
+        }
+    }
+
+    /// The end: only a report's folder is still taken in.
+    pub(super) fn in_done(&mut self, code: Code, event: Event) -> (State, Vec<Effect>) {
+        use Event as E;
+        match event {
+            E::ReportStarted { path, .. } => self.report_started(State::Done(code), path),
+            E::TaskFailed { .. } | E::Reload { .. } | E::ReloadInPlace { .. } => (State::Done(code), vec![]),
+            event @ (E::Begin
+            | E::Prepared { .. }
+            | E::PrepareStep { .. }
+            | E::LoadKnown { .. }
+            | E::Prefetched { .. }
+            | E::Spawned { .. }
+            | E::SpawnFailed { .. }
+            | E::Line { .. }
+            | E::HttpReady { .. }
+            | E::GoldenChecked { .. }
+            | E::HealthFailed { .. }
+            | E::RolledBack { .. }
+            | E::DaemonLost { .. }
+            | E::ChildExited { .. }
+            | E::TreeGone
+            | E::StopRequested
+            | E::DrainRequested
+            | E::UndrainRequested
+            | E::RestartRequested
+            | E::Quiet { .. }
+            | E::GpuFault { .. }
+            | E::Recheck { .. }
+            | E::OomKilled { .. }
+            | E::Reported { .. }
+            | E::Survivors { .. }
+            | E::Tick
+            | E::IdleFor { .. }
+            | E::Wanted
+            | E::Slept { .. }
+            | E::Woke { .. }) => ignored(State::Done(code), event),
+        }
+    }
+
     /// Stop a running child (`Starting` or `Ready`) for `purpose`; any other
     /// state is returned as it is.
     pub(super) fn begin_stop(
