@@ -59,7 +59,7 @@ use tokio::time::Instant;
 
 use crate::supervisor::classify::{Class, Line};
 use crate::supervisor::exit::Code;
-use crate::supervisor::load::{LoadOutcome, LoadPhase, LoadRecord, LoadStart, LoadTrack};
+use crate::supervisor::load::{LoadOutcome, LoadPhase, LoadRecord, LoadTrack};
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
 
@@ -97,12 +97,6 @@ pub struct Machine {
     last_failure: Option<crate::supervisor::snapshot::LastFailure>,
     /// The version of the warden this one took the ready run over from.
     upgraded_from: Option<String>,
-    /// What the ledger said of the next start's setup.
-    next_load: Option<LoadStart>,
-    /// The read-ahead's latest counters, and the start they are of.
-    prefetch: Option<(u32, crate::supervisor::load::PrefetchNow)>,
-    /// The load under way (while `Starting`).
-    load: Option<LoadTrack>,
     /// The last load that ended, and how many have.
     last_load_record: Option<std::sync::Arc<LoadRecord>>,
     loads_ended: u32,
@@ -196,9 +190,6 @@ impl Machine {
             failure_counts: BTreeMap::new(),
             upgraded_from: None,
             last_failure: None,
-            next_load: None,
-            prefetch: None,
-            load: None,
             last_load_record: None,
             loads_ended: 0,
             clock: None,
@@ -398,7 +389,7 @@ impl Machine {
             State::Starting(l) => Some(l.run.pid),
             State::Ready(s) => Some(s.run.pid),
             State::Stopping(s) => s.leader,
-            State::Reporting(r) => into_run(&r.run).filter(|_| r.leader).map(|(run, _)| run.pid),
+            State::Reporting(r) => Some(r.run.run().pid).filter(|_| r.leader),
             State::Asleep(d) => Some(d.serving.run.pid),
             _ => None,
         }
@@ -409,7 +400,7 @@ impl Machine {
         let p = &self.policy;
         match &self.state {
             State::Starting(l) => [
-                Some(l.run.spawned_at + self.timeout_now()),
+                Some(l.run.spawned_at + self.timeout_now(l)),
                 Some(l.progress_at + self.stall_of(l)),
                 l.run.fatal_at.map(|t| t + p.grace),
             ]
@@ -452,46 +443,23 @@ impl Machine {
             return Vec::new();
         }
         self.clock = Some(now);
-        if let Event::LoadKnown { load, .. } = event {
+        if let Event::LoadKnown { load, .. } = &event {
+            // The setup of the start about to spawn: what follows its
+            // load (a pin, a rollback, an idle engine's estimate) is of it.
             self.fit.used = load.used.clone();
             self.rollback.setup = Some(load.fingerprint.clone());
             self.rollback.last_good = load.last_good.clone();
             self.estimate = load.history.as_ref().map(|h| h.median);
-            self.next_load = Some(*load);
-            return Vec::new();
-        }
-        if let Event::Prefetched { start, now: p } = event {
-            return self.prefetched(start, p, now);
         }
         let state = std::mem::replace(&mut self.state, State::Idle);
-        let was_loading = matches!(state, State::Starting(_));
-        let (next, mut effects) = self.transition(state, event, now);
-        if was_loading && !matches!(next, State::Starting(_)) {
-            self.load_ended(&next, now, &mut effects);
-        }
+        let (next, effects) = self.transition(state, event, now);
         self.state = next;
         effects
     }
 
-    /// The read-ahead's counters of start `start`: kept for the load's
-    /// record; `STATUS=` again when what it shows of them changed.
-    fn prefetched(&mut self, start: u32, p: crate::supervisor::load::PrefetchNow, now: Instant) -> Vec<Effect> {
-        self.prefetch = Some((start, p));
-        let Some(track) = &mut self.load else { return Vec::new() };
-        let changed = track.prefetched(p, now);
-        match &self.state {
-            State::Starting(l) if changed && self.policy.phases => {
-                let rest = l.progress.as_deref().map(|t| format!(": {t}")).unwrap_or_default();
-                vec![Effect::Notify(vec![status(self.loading_text(l.run.pid, &rest))])]
-            }
-            _ => Vec::new(),
-        }
-    }
-
-    /// The load left `Starting` for `next`: its record into the ledger,
-    /// its alarms into the journal.
-    fn load_ended(&mut self, next: &State, now: Instant, fx: &mut Vec<Effect>) {
-        let Some(track) = self.load.take() else { return };
+    /// The load `track` left `Starting` for `next`: its record into the
+    /// ledger, its alarms into the journal.
+    fn load_ended(&mut self, track: LoadTrack, next: &State, now: Instant, fx: &mut Vec<Effect>) {
         let from_purpose = |p: &Purpose| match p {
             Purpose::Failure(c) => LoadOutcome::Failed { class: c.class().as_str().into(), cause: c.text.clone() },
             Purpose::Shutdown => LoadOutcome::Stopped { why: "stop".into() },
@@ -548,38 +516,39 @@ impl Machine {
 
     /// How long the load may go without progress now: `ready.stall`, or
     /// longer where the ledger says the phase under way takes longer.
-    fn stall_now(&self) -> Duration {
-        self.load.as_ref().map_or(self.policy.stall, |l| l.stall(self.policy.stall, self.policy.deadline_factor))
+    fn stall_now(&self, track: &LoadTrack) -> Duration {
+        track.stall(self.policy.stall, self.policy.deadline_factor)
     }
 
     /// How long `l` may go without progress: [`Machine::stall_now`], and
     /// during the golden check at least its timeout and a margin (the
     /// check's own deadline comes first).
     fn stall_of(&self, l: &Loading) -> Duration {
-        let stall = self.stall_now();
+        let stall = self.stall_now(&l.track);
         if l.golden { stall.max(self.policy.golden_timeout.saturating_add(GOLDEN_MARGIN)) } else { stall }
     }
 
     /// How long the whole load may take: `ready.timeout`, or longer where
     /// the ledger says the setup's loads take longer.
-    fn timeout_now(&self) -> Duration {
+    fn timeout_now(&self, l: &Loading) -> Duration {
         let p = &self.policy;
-        self.load.as_ref().map_or(p.ready_timeout, |l| l.timeout(p.ready_timeout, p.deadline_factor))
+        l.track.timeout(p.ready_timeout, p.deadline_factor)
     }
 
     /// `STATUS=` of a load: its phase and estimate first, where the
     /// profile tells phases.
-    fn loading_text(&self, pid: u32, rest: &str) -> String {
-        match (&self.load, self.clock) {
-            (Some(l), Some(now)) if self.policy.phases => format!("{}, pid {pid}{rest}", l.now(now).text()),
+    fn loading_text(&self, l: &Loading, rest: &str) -> String {
+        let pid = l.run.pid;
+        match self.clock {
+            Some(now) if self.policy.phases => format!("{}, pid {pid}{rest}", l.track.now(now).text()),
             _ => format!("loading, pid {pid}{rest}"),
         }
     }
 
     /// Where the load under way is, for the status document.
     pub fn load_now(&self) -> Option<crate::supervisor::load::LoadNow> {
-        match (&self.state, &self.load, self.clock) {
-            (State::Starting(_), Some(l), Some(now)) => Some(l.now(now)),
+        match (&self.state, self.clock) {
+            (State::Starting(l), Some(now)) => Some(l.track.now(now)),
             _ => None,
         }
     }
@@ -592,7 +561,7 @@ impl Machine {
     fn transition(&mut self, state: State, event: Event, now: Instant) -> (State, Vec<Effect>) {
         match state {
             State::Idle => self.in_idle(event, now),
-            State::Launching { start, then } => self.in_launching(start, then, event, now),
+            State::Launching { start, then, known } => self.in_launching(start, then, known, event, now),
             State::Starting(loading) => self.in_starting(loading, event, now),
             State::Ready(serving) => self.in_ready(serving, event, now),
             State::Reporting(r) => self.in_reporting(r, event, now),
@@ -646,7 +615,14 @@ impl Machine {
     }
 
     /// The pre-start steps of `start`, and its spawn.
-    fn in_launching(&mut self, start: u32, then: AfterPrepare, event: Event, now: Instant) -> (State, Vec<Effect>) {
+    fn in_launching(
+        &mut self,
+        start: u32,
+        then: AfterPrepare,
+        mut known: Known,
+        event: Event,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
         use Event as E;
         use State as S;
         match (then, event) {
@@ -654,7 +630,7 @@ impl Machine {
                 (AfterPrepare::Stop(purpose), _) => self.stopped(purpose, None, now, vec![]),
                 (AfterPrepare::Relaunch, _) => self.launch(now),
                 (then @ AfterPrepare::Spawn { .. }, Prepared::Done) => {
-                    (S::Launching { start, then }, vec![Effect::Spawn { start }])
+                    (S::Launching { start, then, known }, vec![Effect::Spawn { start }])
                 }
                 (AfterPrepare::Spawn { .. }, Prepared::Failed(failure)) => self.start_failed(failure, now),
                 // Nothing asked for it; fail the start rather than wait for ever.
@@ -662,7 +638,15 @@ impl Machine {
                     self.start_failed(StartFailure::transient("pre-start steps cancelled"), now)
                 }
             },
-            (then, E::Spawned { pid, .. }) => self.spawned(start, then, pid, now),
+            (then, E::LoadKnown { load, .. }) => {
+                known.setup = Some(load);
+                (S::Launching { start, then, known }, vec![])
+            }
+            (then, E::Prefetched { now: p, .. }) => {
+                known.prefetch = Some(p);
+                (S::Launching { start, then, known }, vec![])
+            }
+            (then, E::Spawned { pid, .. }) => self.spawned(start, then, known, pid, now),
             (then, E::SpawnFailed { failure, .. }) => match then {
                 AfterPrepare::Stop(purpose) => self.stopped(purpose, None, now, vec![]),
                 AfterPrepare::Relaunch => self.launch(now),
@@ -673,7 +657,7 @@ impl Machine {
                 // weight-cache daemon's load (`[preload]`) happens here and
                 // may outlast the unit's start timeout.
                 let fx = vec![Effect::Notify(vec![status(text.clone()), Note::ExtendTimeout(self.policy.stall)])];
-                (S::Launching { start, then: AfterPrepare::Spawn { deadline, step: Some(text) } }, fx)
+                (S::Launching { start, then: AfterPrepare::Spawn { deadline, step: Some(text) }, known }, fx)
             }
             (AfterPrepare::Spawn { deadline, step }, E::Tick) if now >= deadline => {
                 let budget = secs(self.policy.prepare_timeout);
@@ -687,7 +671,7 @@ impl Machine {
                 let fx = vec![Effect::Notify(vec![Note::Stopping, status("stopping".into())])];
                 match then {
                     // Asked twice: the cancel is already under way.
-                    AfterPrepare::Stop(Purpose::Shutdown) => (S::Launching { start, then }, vec![]),
+                    AfterPrepare::Stop(Purpose::Shutdown) => (S::Launching { start, then, known }, vec![]),
                     _ => self.cancel_launch(start, Purpose::Shutdown, fx),
                 }
             }
@@ -695,20 +679,20 @@ impl Machine {
                 self.failures = 0;
                 self.permanent_streak = None;
                 let fx = vec![record(Severity::Info, Topic::Stop, "restart requested".into()), Effect::CancelPrepare];
-                (S::Launching { start, then: AfterPrepare::Relaunch }, fx)
+                (S::Launching { start, then: AfterPrepare::Relaunch, known }, fx)
             }
-            (then, E::TaskFailed { task }) => self.task_failed(S::Launching { start, then }, task, now),
-            (then, E::Reload { policy, summary }) => self.reload(S::Launching { start, then }, *policy, summary, now),
+            (then, E::TaskFailed { task }) => self.task_failed(S::Launching { start, then, known }, task, now),
+            (then, E::Reload { policy, summary }) => {
+                self.reload(S::Launching { start, then, known }, *policy, summary, now)
+            }
             (then, E::ReloadInPlace { policy, summary }) => {
-                self.reload_in_place(S::Launching { start, then }, *policy, summary)
+                self.reload_in_place(S::Launching { start, then, known }, *policy, summary)
             }
-            (then, E::ReportStarted { path, .. }) => self.report_started(S::Launching { start, then }, path),
+            (then, E::ReportStarted { path, .. }) => self.report_started(S::Launching { start, then, known }, path),
             (
                 then,
                 event @ (E::Begin
                 | E::PrepareStep { .. }
-                | E::LoadKnown { .. }
-                | E::Prefetched { .. }
                 | E::Line { .. }
                 | E::HttpReady { .. }
                 | E::GoldenChecked { .. }
@@ -731,13 +715,24 @@ impl Machine {
                 | E::Wanted
                 | E::Slept { .. }
                 | E::Woke { .. }),
-            ) => ignored(S::Launching { start, then }, event),
+            ) => ignored(S::Launching { start, then, known }, event),
         }
     }
 
     /// Start `start` spawned as `pid`: its load begins, or the stop that
     /// came meanwhile.
-    fn spawned(&mut self, start: u32, then: AfterPrepare, pid: u32, now: Instant) -> (State, Vec<Effect>) {
+    fn spawned(
+        &mut self,
+        start: u32,
+        then: AfterPrepare,
+        known: Known,
+        pid: u32,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
+        let mut track = LoadTrack::new(known.setup.map(|s| *s).unwrap_or_default(), now);
+        if let Some(p) = known.prefetch {
+            track.prefetched(p, now);
+        }
         let mut loading = Loading {
             run: Run {
                 start,
@@ -753,28 +748,27 @@ impl Machine {
             progress: None,
             awaiting_http: false,
             golden: false,
+            track: Box::new(track),
         };
-        let mut track = LoadTrack::new(self.next_load.take().unwrap_or_default(), now);
-        if let Some((_, p)) = self.prefetch.filter(|(s, _)| *s == start) {
-            track.prefetched(p, now);
-        }
-        self.load = Some(track);
         let mut fx = vec![
             record(Severity::Info, Topic::Spawned, format!("child spawned, pid {pid}, start {start}")),
             Effect::Notify(vec![
-                status(self.loading_text(pid, &format!(" ({})", self.attempts_text()))),
-                Note::ExtendTimeout(self.stall_now()),
+                status(self.loading_text(&loading, &format!(" ({})", self.attempts_text()))),
+                Note::ExtendTimeout(self.stall_now(&loading.track)),
             ]),
         ];
         if !self.policy.ready_log {
             loading.awaiting_http = true;
             fx.push(Effect::Probe { start });
         }
-        match then {
-            AfterPrepare::Stop(purpose) => self.begin_stop(State::Starting(loading), purpose, now, fx),
-            AfterPrepare::Relaunch => self.begin_stop(State::Starting(loading), Purpose::Reload, now, fx),
-            AfterPrepare::Spawn { .. } => (State::Starting(loading), fx),
-        }
+        // A stop that came while it spawned: nothing was loaded yet, so no
+        // load is recorded.
+        let purpose = match then {
+            AfterPrepare::Stop(purpose) => purpose,
+            AfterPrepare::Relaunch => Purpose::Reload,
+            AfterPrepare::Spawn { .. } => return (State::Starting(loading), fx),
+        };
+        self.stop_leaving(Leaving::Loading(loading.run), purpose, now, fx, true)
     }
 
     /// A run that loads, until it serves or ends.
@@ -794,6 +788,17 @@ impl Machine {
             }
             E::ChildExited { exit, .. } => self.exited(S::Starting(loading), exit, now),
             E::Tick => self.starting_tick(loading, now),
+            E::Prefetched { now: p, .. } => {
+                // Kept for the load's record; `STATUS=` again when what it
+                // shows of the read-ahead changed.
+                let mut loading = loading;
+                let mut fx = vec![];
+                if loading.track.prefetched(p, now) && self.policy.phases {
+                    let rest = loading.progress.as_deref().map(|t| format!(": {t}")).unwrap_or_default();
+                    fx.push(Effect::Notify(vec![status(self.loading_text(&loading, &rest))]));
+                }
+                (S::Starting(loading), fx)
+            }
             E::RestartRequested => {
                 self.failures = 0;
                 self.permanent_streak = None;
@@ -816,7 +821,6 @@ impl Machine {
             | E::Prepared { .. }
             | E::PrepareStep { .. }
             | E::LoadKnown { .. }
-            | E::Prefetched { .. }
             | E::Spawned { .. }
             | E::SpawnFailed { .. }
             | E::HttpReady { .. }
@@ -842,7 +846,7 @@ impl Machine {
     fn starting_tick(&mut self, loading: Loading, now: Instant) -> (State, Vec<Effect>) {
         let p = &self.policy;
         let run = &loading.run;
-        let (timeout, stall) = (self.timeout_now(), self.stall_of(&loading));
+        let (timeout, stall) = (self.timeout_now(&loading), self.stall_of(&loading));
         let cause = if let Some(c) = run.fatal_grace_over(p.grace, now) {
             Some(c)
         } else if now >= run.spawned_at + timeout {
@@ -850,9 +854,10 @@ impl Machine {
             Some(Cause::new(format!("not ready after {} ({why})", secs(timeout)), FailureKind::Timeout))
         } else if now >= loading.progress_at + stall {
             let last = loading.progress.as_deref().map(|l| format!("; last: {l}")).unwrap_or_default();
-            let why = match &self.load {
-                Some(l) if stall > p.stall => format!("{} phase, from the ledger", l.current()),
-                _ => "ready.stall".into(),
+            let why = if stall > p.stall {
+                format!("{} phase, from the ledger", loading.track.current())
+            } else {
+                "ready.stall".into()
             };
             Some(Cause::new(format!("no progress for {} ({why}){last}", secs(stall)), FailureKind::Stall))
         } else {
@@ -912,14 +917,14 @@ impl Machine {
             Effect::Prepare { start },
         ];
         let deadline = now + self.policy.prepare_timeout;
-        (State::Launching { start, then: AfterPrepare::Spawn { deadline, step: None } }, fx)
+        (State::Launching { start, then: AfterPrepare::Spawn { deadline, step: None }, known: Known::default() }, fx)
     }
 
     /// Give up the pre-start steps of `start`; `then` happens when they
     /// report back.
     fn cancel_launch(&mut self, start: u32, then: Purpose, mut fx: Vec<Effect>) -> (State, Vec<Effect>) {
         fx.push(Effect::CancelPrepare);
-        (State::Launching { start, then: AfterPrepare::Stop(then) }, fx)
+        (State::Launching { start, then: AfterPrepare::Stop(then), known: Known::default() }, fx)
     }
 
     fn start_failed(&mut self, failure: StartFailure, now: Instant) -> (State, Vec<Effect>) {
@@ -984,19 +989,16 @@ impl Machine {
             && self.fit.problem.is_none()
         {
             // Out of memory counts while the weights load, not after.
-            let weights =
-                self.load.as_ref().is_none_or(|l| matches!(l.current(), LoadPhase::Start | LoadPhase::Weights));
+            let weights = matches!(loading.track.current(), LoadPhase::Start | LoadPhase::Weights);
             if *p != crate::supervisor::fit::Problem::OutOfMemory || weights {
                 self.fit.problem = Some(p.clone());
             }
         }
-        if let Some(track) = &mut self.load {
-            for mark in &line.load {
-                track.mark(mark, now);
-            }
-            if line.class == Class::Ready {
-                track.end(LoadPhase::Api, now);
-            }
+        for mark in &line.load {
+            loading.track.mark(mark, now);
+        }
+        if line.class == Class::Ready {
+            loading.track.end(LoadPhase::Api, now);
         }
         if loading.run.fatal_at.is_some() {
             return (State::Starting(loading), fx);
@@ -1006,7 +1008,7 @@ impl Machine {
             // systemd's start timeout with it (a progress line says so too).
             loading.progress_at = now;
             if !matches!(line.class, Class::Progress(_)) {
-                fx.push(Effect::Notify(vec![Note::ExtendTimeout(self.stall_now())]));
+                fx.push(Effect::Notify(vec![Note::ExtendTimeout(self.stall_now(&loading.track))]));
             }
         }
         match &line.class {
@@ -1023,8 +1025,8 @@ impl Machine {
                 loading.run.first_progress.get_or_insert(now);
                 loading.progress = Some(text.clone());
                 fx.push(Effect::Notify(vec![
-                    status(self.loading_text(loading.run.pid, &format!(": {text}"))),
-                    Note::ExtendTimeout(self.stall_now()),
+                    status(self.loading_text(&loading, &format!(": {text}"))),
+                    Note::ExtendTimeout(self.stall_now(&loading.track)),
                 ]));
             }
             _ => {}
@@ -1035,10 +1037,8 @@ impl Machine {
     /// The server answered (or none is asked): the golden check, if on,
     /// else ready.
     fn http_passed(&mut self, mut loading: Loading, now: Instant) -> (State, Vec<Effect>) {
-        if let Some(track) = &mut self.load
-            && loading.awaiting_http
-        {
-            track.end(LoadPhase::Http, now);
+        if loading.awaiting_http {
+            loading.track.end(LoadPhase::Http, now);
         }
         if self.policy.golden.is_none() {
             return self.become_ready(loading, now, None);
@@ -1047,7 +1047,7 @@ impl Machine {
         self.rechecks.unproven = false;
         loading.golden = true;
         loading.progress_at = now;
-        let text = self.loading_text(loading.run.pid, ": checking the golden answers");
+        let text = self.loading_text(&loading, ": checking the golden answers");
         let extend = Note::ExtendTimeout(self.stall_of(&loading));
         let fx = vec![Effect::Golden { start: loading.run.start }, Effect::Notify(vec![status(text), extend])];
         (State::Starting(loading), fx)
@@ -1057,14 +1057,12 @@ impl Machine {
     /// run (`golden.on-mismatch = "fail"`).
     fn golden_checked(
         &mut self,
-        loading: Loading,
+        mut loading: Loading,
         verdict: crate::supervisor::golden::Verdict,
         now: Instant,
     ) -> (State, Vec<Effect>) {
         use crate::supervisor::golden::Verdict;
-        if let Some(track) = &mut self.load {
-            track.end(LoadPhase::Golden, now);
-        }
+        loading.track.end(LoadPhase::Golden, now);
         let text = verdict.text();
         self.last_golden = Some(verdict.clone());
         self.golden_checks += 1;
@@ -1125,7 +1123,7 @@ impl Machine {
 
     fn become_ready(&mut self, loading: Loading, now: Instant, warning: Option<String>) -> (State, Vec<Effect>) {
         use crate::supervisor::fit::{Source, shown as fit_shown};
-        let run = loading.run;
+        let Loading { run, track, .. } = loading;
         let took = now - run.spawned_at;
         self.last_load = Some(took);
         self.cause = None;
@@ -1171,7 +1169,9 @@ impl Machine {
             ],
         );
         self.rechecks.ready(&self.policy, now);
-        (State::Ready(Serving { run, ready_at: now, drain: None, recheck: None }), fx)
+        let next = State::Ready(Serving { run, ready_at: now, drain: None, recheck: None });
+        self.load_ended(*track, &next, now, &mut fx);
+        (next, fx)
     }
 
     /// The backend has turned to the last-known-good setup (or could not).

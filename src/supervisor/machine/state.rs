@@ -9,6 +9,7 @@ use crate::supervisor::events::{Cause, FailureKind};
 use std::collections::BTreeMap;
 
 use crate::supervisor::exit::Code;
+use crate::supervisor::load::{LoadStart, LoadTrack, PrefetchNow};
 use crate::supervisor::outcome::{FailureClass, Permanence};
 
 /// What is known of one run of the child, from its spawn on.
@@ -63,6 +64,9 @@ pub struct Loading {
     pub(super) awaiting_http: bool,
     /// HTTP answered; the golden check is under way.
     pub(super) golden: bool,
+    /// The load's phases, its estimate and its deadlines from the ledger;
+    /// it ends (into the ledger) when the run leaves loading.
+    pub(super) track: Box<LoadTrack>,
 }
 
 /// A run that is serving.
@@ -158,11 +162,36 @@ pub struct Stop {
     pub(super) escalation: Escalation,
 }
 
+/// A run on its way out (failed, or being stopped): loading, its load
+/// over, or serving.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Leaving {
+    Loading(Run),
+    Serving(Serving),
+}
+
+impl Leaving {
+    pub(super) fn run(&self) -> &Run {
+        match self {
+            Leaving::Loading(run) => run,
+            Leaving::Serving(s) => &s.run,
+        }
+    }
+
+    /// When it became ready, if it did.
+    pub(super) fn ready_at(&self) -> Option<Instant> {
+        match self {
+            Leaving::Loading(_) => None,
+            Leaving::Serving(s) => Some(s.ready_at),
+        }
+    }
+}
+
 /// A failed run whose report is being written before its tree is stopped.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reporting {
-    /// The run as it was when it failed: `Starting` or `Ready`.
-    pub(super) run: Box<State>,
+    /// The run as it was when it failed.
+    pub(super) run: Box<Leaving>,
     /// What the stop that follows is for: the failure, or what came since
     /// (a reload, a failure of the warden).
     pub(super) purpose: Purpose,
@@ -170,6 +199,14 @@ pub struct Reporting {
     pub(super) until: Instant,
     /// The leader has not exited.
     pub(super) leader: bool,
+}
+
+/// What is known of a start's load before its spawn: what the ledger
+/// says of its setup, and the read-ahead's latest counters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Known {
+    pub(super) setup: Option<Box<LoadStart>>,
+    pub(super) prefetch: Option<PrefetchNow>,
 }
 
 /// What to do once the pre-start steps are over.
@@ -191,6 +228,7 @@ pub enum State {
     Launching {
         start: u32,
         then: AfterPrepare,
+        known: Known,
     },
     Starting(Loading),
     Ready(Serving),

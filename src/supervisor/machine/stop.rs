@@ -20,7 +20,7 @@ impl Machine {
             E::TreeGone if !r.leader => {
                 let mut fx = vec![];
                 let purpose = self.purpose_of_stop(&r.run, r.purpose, &mut fx);
-                let ready_for = into_run(&r.run).and_then(|(_, ready_at)| ready_at).map(|t| now - t);
+                let ready_for = r.run.ready_at().map(|t| now - t);
                 self.stopped(purpose, ready_for, now, fx)
             }
             E::Tick if now >= r.until => {
@@ -28,7 +28,7 @@ impl Machine {
                     "the failure report did not finish within {}; cut short",
                     secs(self.policy.report.unwrap_or_default())
                 );
-                let about = into_run(&r.run).map(|(run, _)| RunOf { pid: Some(run.pid), attempt: self.attempt() });
+                let about = Some(RunOf { pid: Some(r.run.run().pid), attempt: self.attempt() });
                 let cut = Record { severity: Severity::Warn, topic: Topic::Failed, message: text, about };
                 let fx = vec![Effect::CancelReport, Effect::Log(cut)];
                 self.report_done(r, now, fx)
@@ -293,7 +293,15 @@ impl Machine {
         now: Instant,
         fx: Vec<Effect>,
     ) -> (State, Vec<Effect>) {
-        self.begin_stop_as(state, purpose, now, fx, true)
+        let (leaving, track) = match leave(state) {
+            Ok(left) => left,
+            Err(other) => return (other, fx),
+        };
+        let (next, mut fx) = self.stop_leaving(leaving, purpose, now, fx, true);
+        if let Some(track) = track {
+            self.load_ended(*track, &next, now, &mut fx);
+        }
+        (next, fx)
     }
 
     /// A run has failed: write its report first, when reports are on, then
@@ -308,7 +316,11 @@ impl Machine {
         let Some(budget) = self.policy.report else {
             return self.begin_stop(state, Purpose::Failure(cause), now, vec![]);
         };
-        let Some((run, ready_at)) = into_run(&state) else { return (state, vec![]) };
+        let (leaving, track) = match leave(state) {
+            Ok(left) => left,
+            Err(other) => return (other, vec![]),
+        };
+        let (run, ready_at) = (leaving.run(), leaving.ready_at());
         let since = |t: Instant| t.saturating_duration_since(run.spawned_at);
         cause.hint = self.policy.hints.find(&cause.text);
         let order = ReportOrder {
@@ -327,12 +339,16 @@ impl Machine {
         let pid = run.pid;
         self.announce(&cause, pid, ", writing the failure report", &mut fx);
         let reporting = Reporting {
-            run: Box::new(state),
+            run: Box::new(leaving),
             purpose: Purpose::Failure(cause),
             until: now + budget,
             leader: exit.is_none(),
         };
-        (State::Reporting(reporting), fx)
+        let next = State::Reporting(reporting);
+        if let Some(track) = track {
+            self.load_ended(*track, &next, now, &mut fx);
+        }
+        (next, fx)
     }
 
     /// The failure of the run of child `pid`: its journal event and status
@@ -350,23 +366,23 @@ impl Machine {
     /// The report is over (written, cut short, or out of time): stop the
     /// run for what is now the purpose.
     pub(super) fn report_done(&mut self, r: Reporting, now: Instant, fx: Vec<Effect>) -> (State, Vec<Effect>) {
-        let (next, fx) = self.begin_stop_as(*r.run, r.purpose, now, fx, false);
+        let (next, fx) = self.stop_leaving(*r.run, r.purpose, now, fx, false);
         if r.leader { (next, fx) } else { (leader_gone(next), fx) }
     }
 
-    /// `announce`: a failure is said here (not when its report said it).
-    pub(super) fn begin_stop_as(
+    /// Stop the run `leaving` for `purpose`. `announce`: a failure is said
+    /// here (not when its report said it).
+    pub(super) fn stop_leaving(
         &mut self,
-        state: State,
+        leaving: Leaving,
         purpose: Purpose,
         now: Instant,
         mut fx: Vec<Effect>,
         announce: bool,
     ) -> (State, Vec<Effect>) {
-        let Some((run, ready_at)) = into_run(&state) else { return (state, fx) };
-        let pid = run.pid;
-        let ready_for = ready_at.map(|t| now - t);
-        let mut purpose = self.purpose_of_stop(&state, purpose, &mut fx);
+        let pid = leaving.run().pid;
+        let ready_for = leaving.ready_at().map(|t| now - t);
+        let mut purpose = self.purpose_of_stop(&leaving, purpose, &mut fx);
         // Only a serving child being stopped on purpose has something to
         // drain; everything else gets the short grace, the signal repeated.
         let drain = ready_for.is_some()
@@ -421,10 +437,10 @@ impl Machine {
     /// What stopping the run in `state` for `purpose` is for: a stop was
     /// asked for and answered, so a failure during its drain ends in the
     /// stop, not in a restart.
-    pub(super) fn purpose_of_stop(&mut self, state: &State, purpose: Purpose, fx: &mut Vec<Effect>) -> Purpose {
-        match (state, purpose) {
+    pub(super) fn purpose_of_stop(&mut self, run: &Leaving, purpose: Purpose, fx: &mut Vec<Effect>) -> Purpose {
+        match (run, purpose) {
             (
-                State::Ready(Serving { drain: Some(ActiveDrain { for_: DrainFor::Stop, .. }), .. }),
+                Leaving::Serving(Serving { drain: Some(ActiveDrain { for_: DrainFor::Stop, .. }), .. }),
                 Purpose::Failure(c),
             ) => {
                 fx.push(record(Severity::Warn, Topic::Drain, format!("failed while draining to stop: {}", c.text)));
@@ -585,10 +601,10 @@ impl Machine {
                 let (next, more) = self.launch(now);
                 (next, fx.into_iter().chain(more).collect())
             }
-            State::Launching { start, then: AfterPrepare::Spawn { .. } } => {
+            State::Launching { start, then: AfterPrepare::Spawn { .. }, known } => {
                 let mut fx = fx;
                 fx.push(Effect::CancelPrepare);
-                (State::Launching { start, then: AfterPrepare::Relaunch }, fx)
+                (State::Launching { start, then: AfterPrepare::Relaunch, known }, fx)
             }
             // A stop is under way, or the start is already being redone.
             other => (other, vec![]),
@@ -785,6 +801,17 @@ pub(super) fn into_run(state: &State) -> Option<(&Run, Option<Instant>)> {
         State::Starting(l) => Some((&l.run, None)),
         State::Ready(s) => Some((&s.run, Some(s.ready_at))),
         _ => None,
+    }
+}
+
+/// A loading or serving run taken out of its state to be stopped or
+/// reported, and a loading run's load, which ends with it; any other state
+/// as it is.
+pub(super) fn leave(state: State) -> Result<(Leaving, Option<Box<LoadTrack>>), State> {
+    match state {
+        State::Starting(l) => Ok((Leaving::Loading(l.run), Some(l.track))),
+        State::Ready(s) => Ok((Leaving::Serving(s), None)),
+        other => Err(other),
     }
 }
 
