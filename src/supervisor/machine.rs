@@ -100,8 +100,6 @@ pub struct Machine {
     /// The last load that ended, and how many have.
     last_load_record: Option<std::sync::Arc<LoadRecord>>,
     loads_ended: u32,
-    /// The instant of the last step.
-    clock: Option<Instant>,
     /// The last golden check's verdict, and how many checks there were.
     last_golden: Option<crate::supervisor::golden::Verdict>,
     golden_checks: u32,
@@ -192,7 +190,6 @@ impl Machine {
             last_failure: None,
             last_load_record: None,
             loads_ended: 0,
-            clock: None,
             last_golden: None,
             golden_checks: 0,
             rechecks: Default::default(),
@@ -442,7 +439,6 @@ impl Machine {
             tracing::debug!(?event, "stale event dropped");
             return Vec::new();
         }
-        self.clock = Some(now);
         if let Event::LoadKnown { load, .. } = &event {
             // The setup of the start about to spawn: what follows its
             // load (a pin, a rollback, an idle engine's estimate) is of it.
@@ -537,18 +533,20 @@ impl Machine {
 
     /// `STATUS=` of a load: its phase and estimate first, where the
     /// profile tells phases.
-    fn loading_text(&self, l: &Loading, rest: &str) -> String {
+    fn loading_text(&self, l: &Loading, now: Instant, rest: &str) -> String {
         let pid = l.run.pid;
-        match self.clock {
-            Some(now) if self.policy.phases => format!("{}, pid {pid}{rest}", l.track.now(now).text()),
-            _ => format!("loading, pid {pid}{rest}"),
+        if self.policy.phases {
+            format!("{}, pid {pid}{rest}", l.track.now(now).text())
+        } else {
+            format!("loading, pid {pid}{rest}")
         }
     }
 
-    /// Where the load under way is, for the status document.
+    /// Where the load under way is, for the status document: as of the
+    /// last event it saw.
     pub fn load_now(&self) -> Option<crate::supervisor::load::LoadNow> {
-        match (&self.state, self.clock) {
-            (State::Starting(l), Some(now)) => Some(l.track.now(now)),
+        match &self.state {
+            State::Starting(l) => Some(l.track.now(l.seen)),
             _ => None,
         }
     }
@@ -749,11 +747,12 @@ impl Machine {
             awaiting_http: false,
             golden: false,
             track: Box::new(track),
+            seen: now,
         };
         let mut fx = vec![
             record(Severity::Info, Topic::Spawned, format!("child spawned, pid {pid}, start {start}")),
             Effect::Notify(vec![
-                status(self.loading_text(&loading, &format!(" ({})", self.attempts_text()))),
+                status(self.loading_text(&loading, now, &format!(" ({})", self.attempts_text()))),
                 Note::ExtendTimeout(self.stall_now(&loading.track)),
             ]),
         ];
@@ -772,9 +771,10 @@ impl Machine {
     }
 
     /// A run that loads, until it serves or ends.
-    fn in_starting(&mut self, loading: Loading, event: Event, now: Instant) -> (State, Vec<Effect>) {
+    fn in_starting(&mut self, mut loading: Loading, event: Event, now: Instant) -> (State, Vec<Effect>) {
         use Event as E;
         use State as S;
+        loading.seen = now;
         match event {
             E::Line { line, .. } => self.starting_line(loading, line, now),
             E::HttpReady { .. } if loading.awaiting_http && !loading.golden && loading.run.fatal_at.is_none() => {
@@ -782,7 +782,6 @@ impl Machine {
             }
             E::GoldenChecked { verdict, .. } if loading.golden => self.golden_checked(loading, verdict, now),
             E::OomKilled { cause, .. } => {
-                let mut loading = loading;
                 let fx = recheck::oom_noted(&mut loading.run, cause);
                 (S::Starting(loading), fx)
             }
@@ -791,11 +790,10 @@ impl Machine {
             E::Prefetched { now: p, .. } => {
                 // Kept for the load's record; `STATUS=` again when what it
                 // shows of the read-ahead changed.
-                let mut loading = loading;
                 let mut fx = vec![];
                 if loading.track.prefetched(p, now) && self.policy.phases {
                     let rest = loading.progress.as_deref().map(|t| format!(": {t}")).unwrap_or_default();
-                    fx.push(Effect::Notify(vec![status(self.loading_text(&loading, &rest))]));
+                    fx.push(Effect::Notify(vec![status(self.loading_text(&loading, now, &rest))]));
                 }
                 (S::Starting(loading), fx)
             }
@@ -1025,7 +1023,7 @@ impl Machine {
                 loading.run.first_progress.get_or_insert(now);
                 loading.progress = Some(text.clone());
                 fx.push(Effect::Notify(vec![
-                    status(self.loading_text(&loading, &format!(": {text}"))),
+                    status(self.loading_text(&loading, now, &format!(": {text}"))),
                     Note::ExtendTimeout(self.stall_now(&loading.track)),
                 ]));
             }
@@ -1047,7 +1045,7 @@ impl Machine {
         self.rechecks.unproven = false;
         loading.golden = true;
         loading.progress_at = now;
-        let text = self.loading_text(&loading, ": checking the golden answers");
+        let text = self.loading_text(&loading, now, ": checking the golden answers");
         let extend = Note::ExtendTimeout(self.stall_of(&loading));
         let fx = vec![Effect::Golden { start: loading.run.start }, Effect::Notify(vec![status(text), extend])];
         (State::Starting(loading), fx)

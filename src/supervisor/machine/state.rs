@@ -67,6 +67,9 @@ pub struct Loading {
     /// The load's phases, its estimate and its deadlines from the ledger;
     /// it ends (into the ledger) when the run leaves loading.
     pub(super) track: Box<LoadTrack>,
+    /// The instant of the last event while loading: the status document
+    /// shows the load as of then.
+    pub(super) seen: Instant,
 }
 
 /// A run that is serving.
