@@ -119,7 +119,7 @@ pub struct Machine {
 }
 
 /// What the machine knows of setups: the current one and the last that
-/// was good, a give-up waiting for the rollback, the rollback serving.
+/// was good, the rollback serving.
 #[derive(Debug, Default)]
 struct Rollback {
     /// The current setup's fingerprint (from the last `LoadKnown`).
@@ -127,8 +127,6 @@ struct Rollback {
     /// The last-known-good setup when the current one is another: its
     /// fingerprint and when it was recorded.
     last_good: Option<(String, String)>,
-    /// The give-up held while the backend turns to the last-known-good.
-    pending: Option<(Code, String)>,
     /// The rollback in force: the failed setup's fingerprint and cause,
     /// and the good one's fingerprint and time.
     active: Option<crate::supervisor::snapshot::RolledBack>,
@@ -421,7 +419,10 @@ impl Machine {
             State::Reporting(r) => Some(r.until),
             State::Launching { then: AfterPrepare::Spawn { deadline, .. }, .. } => Some(*deadline),
             State::Asleep(d) => d.serving.run.fatal_at.map(|t| t + p.grace),
-            State::Idle | State::Launching { .. } | State::Done(_) | State::Parked(_) => None,
+            // `RolledBack` follows `Effect::Rollback` at once.
+            State::Idle | State::RollingBack { .. } | State::Launching { .. } | State::Done(_) | State::Parked(_) => {
+                None
+            }
         }
     }
 
@@ -559,6 +560,7 @@ impl Machine {
     fn transition(&mut self, state: State, event: Event, now: Instant) -> (State, Vec<Effect>) {
         match state {
             State::Idle => self.in_idle(event, now),
+            State::RollingBack { code, text } => self.in_rolling_back(code, text, event, now),
             State::Launching { start, then, known } => self.in_launching(start, then, known, event, now),
             State::Starting(loading) => self.in_starting(loading, event, now),
             State::Ready(serving) => self.in_ready(serving, event, now),
@@ -577,12 +579,55 @@ impl Machine {
         match event {
             E::Begin => self.launch(now),
             E::StopRequested => self.finish(Code::Ok, "stopped on request".into(), vec![]),
-            E::RolledBack { policy } => self.rolled_back(policy, now),
             E::TaskFailed { task } => self.task_failed(State::Idle, task, now),
             E::Reload { policy, summary } => self.reload(State::Idle, *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(State::Idle, *policy, summary),
             E::ReportStarted { path, .. } => self.report_started(State::Idle, path),
             event @ (E::Prepared { .. }
+            | E::PrepareStep { .. }
+            | E::LoadKnown { .. }
+            | E::Prefetched { .. }
+            | E::Spawned { .. }
+            | E::SpawnFailed { .. }
+            | E::Line { .. }
+            | E::HttpReady { .. }
+            | E::GoldenChecked { .. }
+            | E::HealthFailed { .. }
+            | E::RolledBack { .. }
+            | E::DaemonLost { .. }
+            | E::ChildExited { .. }
+            | E::TreeGone
+            | E::DrainRequested
+            | E::UndrainRequested
+            | E::RestartRequested
+            | E::Quiet { .. }
+            | E::GpuFault { .. }
+            | E::Recheck { .. }
+            | E::OomKilled { .. }
+            | E::Reported { .. }
+            | E::Survivors { .. }
+            | E::Tick
+            | E::IdleFor { .. }
+            | E::Wanted
+            | E::Slept { .. }
+            | E::Woke { .. }) => ignored(State::Idle, event),
+        }
+    }
+
+    /// The give-up `code`, `text` held while the backend turns to the
+    /// last-known-good setup.
+    fn in_rolling_back(&mut self, code: Code, text: String, event: Event, now: Instant) -> (State, Vec<Effect>) {
+        use Event as E;
+        let state = |code, text| State::RollingBack { code, text };
+        match event {
+            E::RolledBack { policy } => self.rolled_back(code, text, policy, now),
+            E::StopRequested => self.finish(Code::Ok, "stopped on request".into(), vec![]),
+            E::TaskFailed { task } => self.task_failed(state(code, text), task, now),
+            E::Reload { policy, summary } => self.reload(state(code, text), *policy, summary, now),
+            E::ReloadInPlace { policy, summary } => self.reload_in_place(state(code, text), *policy, summary),
+            E::ReportStarted { path, .. } => self.report_started(state(code, text), path),
+            event @ (E::Begin
+            | E::Prepared { .. }
             | E::PrepareStep { .. }
             | E::LoadKnown { .. }
             | E::Prefetched { .. }
@@ -608,7 +653,7 @@ impl Machine {
             | E::IdleFor { .. }
             | E::Wanted
             | E::Slept { .. }
-            | E::Woke { .. }) => ignored(State::Idle, event),
+            | E::Woke { .. }) => ignored(state(code, text), event),
         }
     }
 
@@ -1172,9 +1217,15 @@ impl Machine {
         (next, fx)
     }
 
-    /// The backend has turned to the last-known-good setup (or could not).
-    fn rolled_back(&mut self, policy: Result<Box<Policy>, String>, now: Instant) -> (State, Vec<Effect>) {
-        let Some((code, text)) = self.rollback.pending.take() else { return (State::Idle, vec![]) };
+    /// The backend has turned to the last-known-good setup (or could not:
+    /// the give-up `code`, `text` held meanwhile is the end).
+    fn rolled_back(
+        &mut self,
+        code: Code,
+        text: String,
+        policy: Result<Box<Policy>, String>,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
         let policy = match policy {
             Ok(p) => p,
             Err(why) => {

@@ -227,6 +227,13 @@ pub enum AfterPrepare {
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
     Idle,
+    /// The end of retries (`code`, said by `text`) held while the backend
+    /// turns to the last-known-good setup (`RolledBack` follows at once):
+    /// a start with it, or that end if it cannot be made.
+    RollingBack {
+        code: Code,
+        text: String,
+    },
     /// Pre-start steps and spawn of `start`.
     Launching {
         start: u32,

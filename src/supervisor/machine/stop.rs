@@ -627,7 +627,7 @@ impl Machine {
                 self.report_done(r, now, fx)
             }
             State::Launching { start, .. } => self.cancel_launch(start, Purpose::Internal(why), fx),
-            State::Idle | State::Backoff { .. } | State::Parked(_) => {
+            State::Idle | State::RollingBack { .. } | State::Backoff { .. } | State::Parked(_) => {
                 self.finish(Code::Internal, format!("internal failure: {why}"), fx)
             }
             State::Asleep(d) => self.begin_stop(State::Ready(d.serving), Purpose::Internal(why), now, fx),
@@ -774,8 +774,7 @@ impl Machine {
         fx.push(Effect::Rollback);
         self.rollback.active =
             Some(crate::supervisor::snapshot::RolledBack { failed, cause: cause.text.clone(), good, good_at });
-        self.rollback.pending = Some((code, text));
-        (State::Idle, fx)
+        (State::RollingBack { code, text }, fx)
     }
 
     /// The one way the machine ends: `code`, and why in `text`.
@@ -831,7 +830,7 @@ pub(super) fn leader_gone(state: State) -> State {
 
 pub(super) fn phase_of(state: &State) -> Phase {
     match state {
-        State::Idle | State::Launching { .. } | State::Starting(_) => Phase::Starting,
+        State::Idle | State::RollingBack { .. } | State::Launching { .. } | State::Starting(_) => Phase::Starting,
         State::Ready(Serving { drain: None, recheck: Some(_), .. }) => Phase::Rechecking,
         State::Ready(Serving { drain: None, .. }) => Phase::Ready,
         State::Ready(Serving { drain: Some(ActiveDrain { stage: DrainStage::Drained, .. }), .. }) => Phase::Drained,

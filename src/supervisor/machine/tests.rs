@@ -1593,6 +1593,24 @@ mod rollback {
         assert_eq!(s.m.snapshot().rolled_back, None);
     }
 
+    /// The give-up held for the rollback is a state of its own: it waits
+    /// for `RolledBack` (no deadline: the driver sends it as it carries out
+    /// the rollback), a stop ends it at once, and a `RolledBack` with no
+    /// give-up held starts nothing.
+    #[test]
+    fn a_give_up_held_for_its_rollback_is_a_state_that_a_stop_ends() {
+        let mut s = Sim::new(one_try(true));
+        let good = ("00000000000000bb", "2026-12-02T10:00:00Z");
+        fail_as(&mut s, 100, "00000000000000aa", Some(good));
+        assert!(matches!(s.m.state(), State::RollingBack { code: Code::Config, .. }), "{:?}", s.m.state());
+        assert_eq!((s.m.next_deadline(), s.state()), (None, "starting"));
+        s.ev(Event::StopRequested);
+        assert_eq!(s.m.done(), Some(Code::Ok));
+        let mut s = Sim::new(one_try(true));
+        assert!(s.ev(Event::RolledBack { policy: Ok(Box::new(one_try(true))) }).is_empty());
+        assert_eq!(s.m.state(), &State::Idle);
+    }
+
     #[test]
     fn the_last_known_good_failing_too_ends_the_warden_and_off_nothing_rolls_back() {
         let mut s = Sim::new(one_try(true));
