@@ -25,7 +25,7 @@ use crate::process::child::TreeEvent;
 use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
-use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity, Topic};
+use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity, Topic, Upgrade};
 
 pub mod ports;
 
@@ -201,13 +201,32 @@ pub struct Loop<'a, B: Backend, N: Notifier> {
     pub lines: &'a mut mpsc::Receiver<Delivery>,
     pub ctx: &'a Context,
     pub observer: &'a mut dyn Observer,
-    /// An upgrade to this version was asked for and checked: it is done
-    /// once the run is ready.
-    pub upgrade: Option<String>,
     /// The front door's requests (`[front]`): an engine without any for
     /// `front.idle-stop` is stopped or put to sleep, and one that comes
     /// for it starts or wakes it.
     pub activity: Option<Arc<crate::daemon::front::Activity>>,
+}
+
+/// How far the loop has carried out the machine's `Effect::PauseLines`
+/// (an upgrade's hand-over).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handover {
+    Off,
+    /// Asked for: the lines are paused once no exit waits for its lines
+    /// and the front door, if any, has emptied.
+    Wanted,
+    /// The front door takes no new connection; its open ones are waited
+    /// for until then.
+    FrontDoor(Instant),
+}
+
+impl Handover {
+    fn until(self) -> Option<Instant> {
+        match self {
+            Handover::FrontDoor(until) => Some(until),
+            Handover::Off | Handover::Wanted => None,
+        }
+    }
 }
 
 /// A leader's exit, held back until the lines it wrote are classified.
@@ -237,14 +256,13 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         // The longest turn, and what woke it: said when the loop ends.
         let mut longest: (Duration, &'static str) = (Duration::ZERO, "nothing");
         let woke_at = std::cell::Cell::new(std::time::Instant::now());
-        // An upgrade waiting for the front door to empty: until when.
-        let mut handover: Option<Instant> = None;
+        let mut handover = Handover::Off;
         loop {
             if let Some(h) = &self.ctx.heartbeat {
                 h.beat();
             }
             while let Some(ev) = events.pop_front() {
-                self.step(ev, &mut events, &mut held);
+                self.step(ev, &mut events, &mut held, &mut handover);
                 // Requests held at the front door while the engine went
                 // idle (stopped or asleep) start it again at once.
                 if events.is_empty() && self.machine.idle_now() && self.requests_waiting() {
@@ -258,17 +276,21 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     longest = (took, what);
                 }
             }
-            let upgrading = exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some();
-            match (self.activity.clone(), upgrading) {
+            // The machine asked for the run's lines paused, for an upgrade.
+            match (handover, exiting.is_none(), self.activity.clone()) {
                 // The front door is emptied first (see `hand_over`).
-                (Some(a), true) if handover.is_none() => handover = Some(self.hand_over(&a)),
-                (Some(a), false) if handover.is_some() => {
-                    // The run stopped being one to hand over (a drain, a
-                    // death): the front door serves again, the upgrade waits.
-                    handover = None;
+                (Handover::Wanted, true, Some(a)) => handover = Handover::FrontDoor(self.hand_over(&a)),
+                (Handover::Wanted, true, None) => {
+                    handover = Handover::Off;
+                    self.pause_lines(&mut events);
+                    continue;
+                }
+                // A leader's exit waits for its lines: the front door serves
+                // meanwhile (the run will not be handed over).
+                (Handover::FrontDoor(_), false, Some(a)) => {
+                    handover = Handover::Wanted;
                     a.resume();
                 }
-                (None, true) => self.upgrade_now(&mut events, &mut held),
                 _ => {}
             }
             if let Some(code) = self.machine.done() {
@@ -300,10 +322,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     Some(Request::Drain) => events.push_back(Event::DrainRequested),
                     Some(Request::Undrain) => events.push_back(Event::UndrainRequested),
                     Some(Request::Restart) => events.push_back(Event::RestartRequested),
-                    Some(Request::Upgrade) => {
-                        tracing::info!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade asked for: checking the binary");
-                        self.backend.check_upgrade();
-                    }
+                    Some(Request::Upgrade) => events.push_back(Event::Upgrade(Upgrade::Requested)),
                     None => {
                         requests_open = false;
                         events.push_back(Event::StopRequested);
@@ -348,8 +367,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                     }
                     "an exit whose log was not read to its end"
                 }
-                cut = stamped(&woke_at, emptied(self.activity.as_deref(), handover)), if open && handover.is_some() => {
-                    handover = None;
+                cut = stamped(&woke_at, emptied(self.activity.as_deref(), handover.until())), if open && handover.until().is_some() => {
+                    handover = Handover::Off;
                     if cut > 0 {
                         // Counted where it outlives the exec: the journal.
                         tracing::warn!(
@@ -360,13 +379,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                             crate::daemon::front::HANDOVER_PATIENCE.as_secs()
                         );
                     }
-                    if exiting.is_none() && self.upgrade.is_some() && self.machine.save(Instant::now()).is_some() {
-                        self.upgrade_now(&mut events, &mut held);
-                    }
-                    // Here only when the exec did not happen.
-                    if let Some(a) = &self.activity {
-                        a.resume();
-                    }
+                    self.pause_lines(&mut events);
                     "the front door emptied for an upgrade"
                 }
                 _ = stamped(&woke_at, tick(&mut dog)) => { self.notifier.notify(&[Note::Watchdog]); "the watchdog" }
@@ -444,7 +457,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     }
 
     /// One event through the machine, and its effects carried out.
-    fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Held) {
+    fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Held, handover: &mut Handover) {
         let mut effects = self.machine.step(ev, Instant::now());
         // The report begun by this event, for its `failed` journal event;
         // the machine has its folder at once, so that one write of the
@@ -519,6 +532,25 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::DescribeSurvivors => self.backend.describe_survivors(),
                 Effect::WatchLoad { start } => self.backend.watch_load(start),
                 Effect::UnwatchLoad => self.backend.unwatch_load(),
+                Effect::CheckUpgrade => self.backend.check_upgrade(),
+                Effect::PauseLines => *handover = Handover::Wanted,
+                Effect::ExecUpgrade { saved, offset } => {
+                    // What was put off goes first: the successor starts from
+                    // the status files and notes as they are.
+                    self.observer.flush();
+                    self.send_held(held);
+                    let why = self.backend.exec_upgrade(*saved, offset);
+                    events.push_back(Event::Upgrade(Upgrade::ExecFailed(why)));
+                }
+                Effect::ResumeLines { offset } => {
+                    if let Some(offset) = offset {
+                        self.backend.resume_lines(offset);
+                    }
+                    *handover = Handover::Off;
+                    if let Some(a) = &self.activity {
+                        a.resume();
+                    }
+                }
                 Effect::Notify(notes) if deferring && notes.iter().all(may_wait) => {
                     held.hold(self.observer.amend(notes))
                 }
@@ -540,69 +572,30 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
         self.observer.settled();
     }
 
-    /// The machine is ready and an upgrade was asked for: stop following
-    /// the lines, act on those already read, and if the run is still ready,
-    /// hand it over (the exec returns only on failure); else follow on.
-    fn upgrade_now(&mut self, events: &mut VecDeque<Event>, held: &mut Held) {
-        let Some(version) = self.upgrade.take() else { return };
-        let instance = self.ctx.instance.clone();
-        if !self.backend.pause_lines() {
-            tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: no log is followed");
-            return;
-        }
-        // The follower may wait for room in the line queue: emptied while
-        // it ends.
-        let give_up = Instant::now() + PAUSE_PATIENCE;
-        let offset = loop {
-            self.take_delivered(events);
-            if let Some(offset) = self.backend.lines_paused(Duration::from_millis(10)) {
-                break Some(offset);
+    /// Carry out the machine's `Effect::PauseLines`: stop following the
+    /// run's lines, take in those already read, and say where they stopped
+    /// (`Upgrade::LinesPaused`, after them), or why they did not.
+    fn pause_lines(&mut self, events: &mut VecDeque<Event>) {
+        let paused = if self.backend.pause_lines() {
+            // The follower may wait for room in the line queue: emptied
+            // while it ends.
+            let give_up = Instant::now() + PAUSE_PATIENCE;
+            loop {
+                self.take_delivered(events);
+                if let Some(offset) = self.backend.lines_paused(Duration::from_millis(10)) {
+                    self.take_delivered(events);
+                    break Ok(offset);
+                }
+                if Instant::now() >= give_up {
+                    // A read that does not return (a dead network
+                    // filesystem): its lines cannot be handed over.
+                    break Err(format!("the log follower did not stop within {}s", PAUSE_PATIENCE.as_secs()));
+                }
             }
-            if Instant::now() >= give_up {
-                break None;
-            }
+        } else {
+            Err("no log is followed".to_string())
         };
-        let Some(offset) = offset else {
-            // A read that does not return (a dead network filesystem): its
-            // lines cannot be handed over; this warden keeps the run.
-            tracing::error!(
-                INSTANCE = instance.as_str(),
-                EVENT = "upgrade",
-                "upgrade given up: the log follower did not stop within {}s",
-                PAUSE_PATIENCE.as_secs()
-            );
-            return;
-        };
-        self.take_delivered(events);
-        while let Some(ev) = events.pop_front() {
-            self.step(ev, events, held);
-        }
-        let Some(saved) = self.machine.save(Instant::now()) else {
-            if self.machine.drain_under_way() {
-                // A drain began with the lines just read: waited for.
-                tracing::info!(
-                    INSTANCE = instance.as_str(),
-                    EVENT = "upgrade",
-                    "upgrade to {version} waits until the drain ends"
-                );
-                self.upgrade = Some(version);
-            } else {
-                tracing::warn!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade given up: the run is failing");
-            }
-            self.backend.resume_lines(offset);
-            return;
-        };
-        self.observer.flush();
-        self.send_held(held);
-        tracing::info!(
-            INSTANCE = instance.as_str(),
-            EVENT = "upgrade",
-            "upgrading to {version}: handing pid {} over",
-            saved.pid
-        );
-        let why = self.backend.exec_upgrade(saved, offset);
-        tracing::error!(INSTANCE = instance.as_str(), EVENT = "upgrade", "upgrade failed, this warden goes on: {why}");
-        self.backend.resume_lines(offset);
+        events.push_back(Event::Upgrade(Upgrade::LinesPaused(paused)));
     }
 
     /// An upgrade is due and the front door serves: before the exec ends
@@ -642,22 +635,8 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     fn input(&mut self, input: Input, events: &mut VecDeque<Event>, exiting: &mut Option<Exiting>) {
         match input {
             Input::Event(ev) => events.push_back(ev),
-            Input::UpgradeChecked(Err(why)) => {
-                tracing::error!(INSTANCE = self.ctx.instance.as_str(), EVENT = "upgrade", "upgrade refused: {why}");
-                // Shown by `systemctl status` until the next change of state.
-                self.notifier
-                    .notify(&[Note::Status(crate::util::escape::one_line(&format!("upgrade refused: {why}"), 512))]);
-            }
-            Input::UpgradeChecked(Ok(version)) => {
-                if self.machine.save(Instant::now()).is_none() {
-                    let until = if self.machine.drain_under_way() { "the drain ends" } else { "the model is ready" };
-                    tracing::info!(
-                        INSTANCE = self.ctx.instance.as_str(),
-                        EVENT = "upgrade",
-                        "upgrade to {version} waits until {until}"
-                    );
-                }
-                self.upgrade = Some(version);
+            Input::UpgradeChecked(checked) => {
+                events.push_back(Event::Upgrade(Upgrade::Checked(checked.map_err(|e| e.to_string()))))
             }
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {

@@ -151,7 +151,6 @@ pub async fn run(
         lines: &mut lines_rx,
         ctx: &ctx,
         observer: &mut observer,
-        upgrade: None,
         activity: activity.clone(),
     }
     .run(requests)

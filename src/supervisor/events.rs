@@ -237,6 +237,24 @@ pub enum Event {
         start: u32,
         result: Result<(), String>,
     },
+    /// An upgrade in place, as it goes (see `machine/upgrade.rs`).
+    Upgrade(Upgrade),
+}
+
+/// What happens to an upgrade in place: asked for, its binary checked, the
+/// run's lines paused, the exec failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Upgrade {
+    /// Replace the warden by the binary at its path, keeping the ready run.
+    Requested,
+    /// The binary answered `--version` (its version), or why it will not do.
+    Checked(Result<String, String>),
+    /// The run's lines stopped at a line's end, every line before it
+    /// delivered first: the offset of the first not handed on; or why they
+    /// could not be stopped.
+    LinesPaused(Result<u64, String>),
+    /// The exec returned: why it failed.
+    ExecFailed(String),
 }
 
 impl Event {
@@ -464,6 +482,24 @@ pub enum Effect {
     /// The engine was stopped for want of requests: what it left goes, and
     /// the GPUs are looked at, as after any stop.
     Parked,
+    /// Ask the binary at the warden's path for its version, off the loop;
+    /// `Upgrade::Checked` follows.
+    CheckUpgrade,
+    /// Stop following the run's lines at a line's end, the front door
+    /// emptied first when there is one; `Upgrade::LinesPaused` follows,
+    /// after the lines read before it.
+    PauseLines,
+    /// Replace the warden by the binary at its path, handing over `saved`
+    /// and the lines from `offset`; `Upgrade::ExecFailed` if it returns.
+    ExecUpgrade {
+        saved: Box<Saved>,
+        offset: u64,
+    },
+    /// The hand-over is off: the lines followed again from `offset` when
+    /// they were paused, the front door serving again.
+    ResumeLines {
+        offset: Option<u64>,
+    },
 }
 
 /// What the failure report of a run is to say, as the machine knows it.
@@ -483,4 +519,29 @@ pub struct ReportOrder {
     pub failed: Duration,
     /// How the leader ended, when it has.
     pub exit: Option<Exit>,
+}
+
+/// A ready run handed to a successor warden (see
+/// [`Machine::save`](crate::supervisor::Machine::save)): the instants as
+/// time elapsed, since the successor's clock is its own.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Saved {
+    pub start: u32,
+    pub pid: u32,
+    pub ready_for: Duration,
+    pub running_for: Duration,
+    pub starts: u32,
+    pub failures: u32,
+    pub restarts: u32,
+    pub exits: u32,
+    pub last_load: Option<Duration>,
+    pub failure_counts: std::collections::BTreeMap<FailureClass, u64>,
+    /// Absent from a predecessor that did not know it.
+    #[serde(default)]
+    pub last_failure: Option<crate::supervisor::snapshot::LastFailure>,
+    /// The run was drained and held out of rotation: the successor holds
+    /// it so (`/readyz` 503) until `undrain`. Absent from a predecessor
+    /// that did not know it.
+    #[serde(default)]
+    pub drained: bool,
 }

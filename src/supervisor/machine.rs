@@ -51,6 +51,7 @@ mod ready;
 mod recheck;
 mod state;
 mod stop;
+mod upgrade;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -116,6 +117,9 @@ pub struct Machine {
     estimate: Option<Duration>,
     /// How long the last wake from sleep took, to the golden answers.
     last_wake: Option<Duration>,
+    /// An upgrade in place asked for and checked, until it is handed over
+    /// or given up (see `machine/upgrade.rs`).
+    upgrade: Option<upgrade::Handover>,
 }
 
 /// What the machine knows of setups: the current one and the last that
@@ -197,6 +201,7 @@ impl Machine {
             sleeps: 0,
             estimate: None,
             last_wake: None,
+            upgrade: None,
         }
     }
 
@@ -209,31 +214,13 @@ impl Machine {
     /// for its grace and no drain under way (a drain held is handed over;
     /// one that ends in a restart, a reload or a stop is waited for).
     pub fn save(&self, now: Instant) -> Option<Saved> {
-        let State::Ready(serving) = &self.state else { return None };
-        if serving.run.fatal_at.is_some() || self.drain_under_way() {
-            return None;
-        }
-        Some(Saved {
-            start: serving.run.start,
-            pid: serving.run.pid,
-            ready_for: now - serving.ready_at,
-            running_for: now - serving.run.spawned_at,
-            starts: self.starts,
-            failures: self.failures,
-            restarts: self.restarts,
-            exits: self.exits,
-            last_load: self.last_load,
-            failure_counts: self.failure_counts.clone(),
-            last_failure: self.last_failure.clone(),
-            drained: serving.drain.is_some(),
-        })
+        self.save_of(&self.state, now)
     }
 
     /// A drain that has not yet ended in what it is for (held drained, a
     /// restart, a reload, a stop): an upgrade waits for it.
     pub fn drain_under_way(&self) -> bool {
-        let State::Ready(serving) = &self.state else { return false };
-        serving.drain.is_some_and(|d| !(d.for_ == DrainFor::Hold && d.stage == DrainStage::Drained))
+        upgrade::drain_under_way(&self.state)
     }
 
     /// A machine that takes over the ready run `saved` of a predecessor
@@ -449,8 +436,11 @@ impl Machine {
             self.estimate = load.history.as_ref().map(|h| h.median);
         }
         let state = std::mem::replace(&mut self.state, State::Idle);
-        let (next, effects) = self.transition(state, event, now);
+        let (next, mut effects) = self.transition(state, event, now);
         self.state = next;
+        if self.upgrade.is_some() {
+            self.upgrade_due(now, &mut effects);
+        }
         effects
     }
 
@@ -582,6 +572,7 @@ impl Machine {
             E::TaskFailed { task } => self.task_failed(State::Idle, task, now),
             E::Reload { policy, summary } => self.reload(State::Idle, *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(State::Idle, *policy, summary),
+            E::Upgrade(u) => self.upgrade_event(State::Idle, u, now),
             E::ReportStarted { path, .. } => self.report_started(State::Idle, path),
             event @ (E::Prepared { .. }
             | E::PrepareStep { .. }
@@ -625,6 +616,7 @@ impl Machine {
             E::TaskFailed { task } => self.task_failed(state(code, text), task, now),
             E::Reload { policy, summary } => self.reload(state(code, text), *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(state(code, text), *policy, summary),
+            E::Upgrade(u) => self.upgrade_event(state(code, text), u, now),
             E::ReportStarted { path, .. } => self.report_started(state(code, text), path),
             event @ (E::Begin
             | E::Prepared { .. }
@@ -731,6 +723,7 @@ impl Machine {
             (then, E::ReloadInPlace { policy, summary }) => {
                 self.reload_in_place(S::Launching { start, then, known }, *policy, summary)
             }
+            (then, E::Upgrade(u)) => self.upgrade_event(S::Launching { start, then, known }, u, now),
             (then, E::ReportStarted { path, .. }) => self.report_started(S::Launching { start, then, known }, path),
             (
                 then,
@@ -859,6 +852,7 @@ impl Machine {
             E::TaskFailed { task } => self.task_failed(S::Starting(loading), task, now),
             E::Reload { policy, summary } => self.reload(S::Starting(loading), *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Starting(loading), *policy, summary),
+            E::Upgrade(u) => self.upgrade_event(S::Starting(loading), u, now),
             E::ReportStarted { path, .. } => self.report_started(S::Starting(loading), path),
             event @ (E::Begin
             | E::Prepared { .. }

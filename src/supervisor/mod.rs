@@ -22,6 +22,8 @@ pub mod preload;
 pub mod progress;
 pub mod snapshot;
 
-pub use self::events::{Cause, Effect, Event, FailureKind, Note, Record, ReportOrder, RunOf, Severity, Topic};
-pub use self::machine::{Machine, Saved, State};
+pub use self::events::{
+    Cause, Effect, Event, FailureKind, Note, Record, ReportOrder, RunOf, Saved, Severity, Topic, Upgrade,
+};
+pub use self::machine::{Machine, State};
 pub use self::policy::{Policy, prepare_timeout};

@@ -538,7 +538,6 @@ async fn run_with(p: Policy, plans: Vec<Plan>, q: Quirks, stop_at: Option<Durati
         lines: &mut lines,
         ctx: &ctx,
         observer: &mut phases,
-        upgrade: None,
         activity: q.activity,
     }
     .run(tokio_stream::wrappers::UnboundedReceiverStream::new(rq))

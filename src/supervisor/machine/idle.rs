@@ -108,6 +108,7 @@ impl Machine {
             }
             Event::StopRequested => self.finish(Code::Ok, "stopped on request".into(), vec![]),
             Event::TaskFailed { task } => self.task_failed(State::Parked(p), task, now),
+            Event::Upgrade(u) => self.upgrade_event(State::Parked(p), u, now),
             Event::Reload { policy, summary } => {
                 // Taken at the next start, which a request makes.
                 self.policy = *policy;
@@ -256,6 +257,7 @@ impl Machine {
                 | Event::GpuFault { .. }
                 | Event::DaemonLost { .. }),
             ) => self.in_ready(d.serving, event, now),
+            (_, Event::Upgrade(u)) => self.upgrade_event(State::Asleep(d), u, now),
             (
                 _,
                 other @ (Event::Begin

@@ -65,6 +65,7 @@ impl Machine {
             E::TaskFailed { task } => self.task_failed(S::Ready(serving), task, now),
             E::Reload { policy, summary } => self.reload(S::Ready(serving), *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Ready(serving), *policy, summary),
+            E::Upgrade(u) => self.upgrade_event(S::Ready(serving), u, now),
             E::ReportStarted { path, .. } => self.report_started(S::Ready(serving), path),
             event @ (E::Prepared { .. }
             | E::PrepareStep { .. }

@@ -6,11 +6,10 @@ use tokio::time::Instant;
 
 use crate::supervisor::classify::Exception;
 use crate::supervisor::events::{Cause, FailureKind};
-use std::collections::BTreeMap;
 
 use crate::supervisor::exit::Code;
 use crate::supervisor::load::{LoadStart, LoadTrack, PrefetchNow};
-use crate::supervisor::outcome::{FailureClass, Permanence};
+use crate::supervisor::outcome::Permanence;
 
 /// What is known of one run of the child, from its spawn on.
 #[derive(Debug, Clone, PartialEq)]
@@ -283,28 +282,4 @@ pub enum SleepStage {
     Waking { at: Instant },
     /// Awake again: the golden answers are being checked before it serves.
     Checking { at: Instant },
-}
-
-/// A ready run handed to a successor warden (see [`Machine::save`]): the
-/// instants as time elapsed, since the successor's clock is its own.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Saved {
-    pub start: u32,
-    pub pid: u32,
-    pub ready_for: Duration,
-    pub running_for: Duration,
-    pub starts: u32,
-    pub failures: u32,
-    pub restarts: u32,
-    pub exits: u32,
-    pub last_load: Option<Duration>,
-    pub failure_counts: BTreeMap<FailureClass, u64>,
-    /// Absent from a predecessor that did not know it.
-    #[serde(default)]
-    pub last_failure: Option<crate::supervisor::snapshot::LastFailure>,
-    /// The run was drained and held out of rotation: the successor holds
-    /// it so (`/readyz` 503) until `undrain`. Absent from a predecessor
-    /// that did not know it.
-    #[serde(default)]
-    pub drained: bool,
 }

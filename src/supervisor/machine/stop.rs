@@ -54,6 +54,7 @@ impl Machine {
             E::TaskFailed { task } => self.task_failed(S::Reporting(r), task, now),
             E::Reload { policy, summary } => self.reload(S::Reporting(r), *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Reporting(r), *policy, summary),
+            E::Upgrade(u) => self.upgrade_event(S::Reporting(r), u, now),
             event @ (E::Begin
             | E::Prepared { .. }
             | E::PrepareStep { .. }
@@ -131,6 +132,7 @@ impl Machine {
             E::TaskFailed { task } => self.task_failed(S::Stopping(stop), task, now),
             E::Reload { policy, summary } => self.reload(S::Stopping(stop), *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Stopping(stop), *policy, summary),
+            E::Upgrade(u) => self.upgrade_event(S::Stopping(stop), u, now),
             event @ (E::Begin
             | E::Prepared { .. }
             | E::PrepareStep { .. }
@@ -214,6 +216,7 @@ impl Machine {
             E::TaskFailed { task } => self.task_failed(state(cause), task, now),
             E::Reload { policy, summary } => self.reload(state(cause), *policy, summary, now),
             E::ReloadInPlace { policy, summary } => self.reload_in_place(state(cause), *policy, summary),
+            E::Upgrade(u) => self.upgrade_event(state(cause), u, now),
             event @ (E::Begin
             | E::Prepared { .. }
             | E::PrepareStep { .. }
@@ -250,7 +253,9 @@ impl Machine {
         use Event as E;
         match event {
             E::ReportStarted { path, .. } => self.report_started(State::Done(code), path),
-            E::TaskFailed { .. } | E::Reload { .. } | E::ReloadInPlace { .. } => (State::Done(code), vec![]),
+            E::TaskFailed { .. } | E::Reload { .. } | E::ReloadInPlace { .. } | E::Upgrade(_) => {
+                (State::Done(code), vec![])
+            }
             event @ (E::Begin
             | E::Prepared { .. }
             | E::PrepareStep { .. }
@@ -295,7 +300,7 @@ impl Machine {
     ) -> (State, Vec<Effect>) {
         let (leaving, track) = match leave(state) {
             Ok(left) => left,
-            Err(other) => return (other, fx),
+            Err(other) => return (*other, fx),
         };
         let (next, mut fx) = self.stop_leaving(leaving, purpose, now, fx, true);
         if let Some(track) = track {
@@ -318,7 +323,7 @@ impl Machine {
         };
         let (leaving, track) = match leave(state) {
             Ok(left) => left,
-            Err(other) => return (other, vec![]),
+            Err(other) => return (*other, vec![]),
         };
         let (run, ready_at) = (leaving.run(), leaving.ready_at());
         let since = |t: Instant| t.saturating_duration_since(run.spawned_at);
@@ -806,11 +811,11 @@ pub(super) fn into_run(state: &State) -> Option<(&Run, Option<Instant>)> {
 /// A loading or serving run taken out of its state to be stopped or
 /// reported, and a loading run's load, which ends with it; any other state
 /// as it is.
-pub(super) fn leave(state: State) -> Result<(Leaving, Option<Box<LoadTrack>>), State> {
+pub(super) fn leave(state: State) -> Result<(Leaving, Option<Box<LoadTrack>>), Box<State>> {
     match state {
         State::Starting(l) => Ok((Leaving::Loading(l.run), Some(l.track))),
         State::Ready(s) => Ok((Leaving::Serving(s), None)),
-        other => Err(other),
+        other => Err(Box::new(other)),
     }
 }
 

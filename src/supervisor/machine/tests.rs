@@ -1893,3 +1893,169 @@ fn a_sleep_that_is_not_confirmed_stops_the_engine_and_a_sleeper_that_exits_has_f
     assert_eq!(s.state(), "failed");
     assert_eq!(s.m.cause().unwrap().text, "exited while serving (exit code 1)");
 }
+
+/// An upgrade in place, as the machine leads its hand-over: the binary
+/// checked, the run awaited, its lines paused, the exec with their offset,
+/// the lines followed again when it does not happen.
+mod upgrade {
+    use super::*;
+    use crate::supervisor::events::Upgrade;
+
+    const DIED: &str = "(APIServer pid=7) ERROR 11-29 18:16:28 [core_client.py:564] Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.";
+
+    fn said(fx: &[Effect]) -> Vec<(Severity, String)> {
+        fx.iter()
+            .filter_map(|e| match e {
+                Effect::Log(r) if r.topic == Topic::Upgrade => Some((r.severity, r.message.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn of_upgrade(fx: &[Effect]) -> Vec<Effect> {
+        fx.iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    Effect::CheckUpgrade | Effect::PauseLines | Effect::ExecUpgrade { .. } | Effect::ResumeLines { .. }
+                )
+            })
+            .cloned()
+            .collect()
+    }
+
+    fn checked(s: &mut Sim) -> Vec<Effect> {
+        s.ev(Event::Upgrade(Upgrade::Checked(Ok("9.9.9".into()))))
+    }
+
+    /// Asked while loading: checked at once, held until ready, then the
+    /// lines paused, the exec given the ready run and their offset; an
+    /// exec that returns has the lines followed again from it, and the
+    /// upgrade is over.
+    #[test]
+    fn an_upgrade_asked_while_loading_is_handed_over_once_ready() {
+        let mut s = Sim::new(policy());
+        s.spawned(100);
+        let fx = s.ev(Event::Upgrade(Upgrade::Requested));
+        assert_eq!(of_upgrade(&fx), vec![Effect::CheckUpgrade]);
+        let fx = checked(&mut s);
+        assert_eq!(of_upgrade(&fx), vec![]);
+        assert_eq!(said(&fx), vec![(Severity::Info, "upgrade to 9.9.9 waits until the model is ready".into())]);
+        s.at(3.0).line("INFO:     Application startup complete.");
+        let fx = s.ev(Event::HttpReady { start: 1 });
+        assert_eq!(of_upgrade(&fx), vec![Effect::PauseLines]);
+        s.at(4.0);
+        let fx = s.ev(Event::Upgrade(Upgrade::LinesPaused(Ok(4096))));
+        let saved = s.m.save(s.now).unwrap();
+        assert_eq!((saved.start, saved.pid, saved.ready_for), (1, 100, Duration::from_secs(1)));
+        assert_eq!(of_upgrade(&fx), vec![Effect::ExecUpgrade { saved: Box::new(saved), offset: 4096 }]);
+        assert_eq!(said(&fx), vec![(Severity::Info, "upgrading to 9.9.9: handing pid 100 over".into())]);
+        let fx = s.ev(Event::Upgrade(Upgrade::ExecFailed("cannot run /usr/bin/vllm-warden: test".into())));
+        assert_eq!(of_upgrade(&fx), vec![Effect::ResumeLines { offset: Some(4096) }]);
+        assert_eq!(
+            said(&fx),
+            vec![(
+                Severity::Error,
+                "upgrade failed, this warden goes on: cannot run /usr/bin/vllm-warden: test".into()
+            )]
+        );
+        assert_eq!(s.state(), "ready");
+        // Over: nothing more is paused.
+        assert_eq!(of_upgrade(&s.at(5.0).tick()), vec![]);
+    }
+
+    /// A binary that does not answer as a warden: said in the journal and
+    /// `STATUS=`, and nothing is paused.
+    #[test]
+    fn a_refused_upgrade_is_said_and_nothing_is_paused() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        let fx = s.ev(Event::Upgrade(Upgrade::Checked(Err("the warden's own path is not known".into()))));
+        assert_eq!(statuses(&fx), vec!["upgrade refused: the warden's own path is not known".to_string()]);
+        assert_eq!(said(&fx)[0].0, Severity::Error);
+        assert_eq!(of_upgrade(&fx), vec![]);
+        assert_eq!(of_upgrade(&s.at(1.0).tick()), vec![]);
+        assert_eq!(s.state(), "ready");
+    }
+
+    /// Checked during a drain: waits until the drain is held, then hands
+    /// the drained run over.
+    #[test]
+    fn an_upgrade_waits_for_a_drain_under_way_and_hands_over_the_held_drain() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        s.ev(Event::DrainRequested);
+        let fx = checked(&mut s);
+        assert_eq!(said(&fx), vec![(Severity::Info, "upgrade to 9.9.9 waits until the drain ends".into())]);
+        assert_eq!(of_upgrade(&fx), vec![]);
+        assert_eq!(of_upgrade(&s.at(5.0).tick()), vec![]);
+        let fx = s.ev(Event::Quiet { start: 1 });
+        assert_eq!(s.state(), "drained");
+        assert_eq!(of_upgrade(&fx), vec![Effect::PauseLines]);
+        let fx = s.ev(Event::Upgrade(Upgrade::LinesPaused(Ok(7))));
+        match &of_upgrade(&fx)[..] {
+            [Effect::ExecUpgrade { saved, offset: 7 }] => assert!(saved.drained),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A fatal line among the last lines read: the pause is called off,
+    /// the lines are followed again from where they stopped, and a failing
+    /// run is not handed over.
+    #[test]
+    fn a_run_that_fails_while_its_lines_pause_is_not_handed_over() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        assert_eq!(of_upgrade(&checked(&mut s)), vec![Effect::PauseLines]);
+        let fx = s.at(1.0).line(DIED);
+        assert_eq!(of_upgrade(&fx), vec![Effect::ResumeLines { offset: None }]);
+        let fx = s.ev(Event::Upgrade(Upgrade::LinesPaused(Ok(9))));
+        assert_eq!(of_upgrade(&fx), vec![Effect::ResumeLines { offset: Some(9) }]);
+        assert_eq!(said(&fx), vec![(Severity::Warn, "upgrade given up: the run is failing".into())]);
+        // Given up: the run's end and the next ready do not bring it back.
+        s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+        s.ev(Event::TreeGone);
+        s.at(20.0).tick();
+        s.ready(101);
+        assert!(!s.fx.iter().skip_while(|e| **e != Effect::Prepare { start: 2 }).any(|e| *e == Effect::PauseLines));
+    }
+
+    /// A drain begun with the last lines read: the lines are followed
+    /// again, the upgrade waits for the drain, and is handed over once it
+    /// is held.
+    #[test]
+    fn a_drain_begun_while_the_lines_pause_makes_the_upgrade_wait_again() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        assert_eq!(of_upgrade(&checked(&mut s)), vec![Effect::PauseLines]);
+        assert_eq!(of_upgrade(&s.ev(Event::DrainRequested)), vec![Effect::ResumeLines { offset: None }]);
+        let fx = s.ev(Event::Upgrade(Upgrade::LinesPaused(Ok(5))));
+        assert_eq!(of_upgrade(&fx), vec![Effect::ResumeLines { offset: Some(5) }]);
+        assert_eq!(said(&fx), vec![(Severity::Info, "upgrade to 9.9.9 waits until the drain ends".into())]);
+        s.at(5.0).tick();
+        assert_eq!(of_upgrade(&s.ev(Event::Quiet { start: 1 })), vec![Effect::PauseLines]);
+    }
+
+    /// Lines that cannot be paused (none followed, a follower that does
+    /// not stop): the upgrade is given up and this warden keeps the run.
+    #[test]
+    fn lines_that_cannot_be_paused_give_the_upgrade_up() {
+        let mut s = Sim::new(policy());
+        s.ready(100);
+        assert_eq!(of_upgrade(&checked(&mut s)), vec![Effect::PauseLines]);
+        let fx = s.ev(Event::Upgrade(Upgrade::LinesPaused(Err("no log is followed".into()))));
+        assert_eq!(of_upgrade(&fx), vec![Effect::ResumeLines { offset: None }]);
+        assert_eq!(said(&fx), vec![(Severity::Error, "upgrade given up: no log is followed".into())]);
+        assert_eq!(of_upgrade(&s.at(1.0).tick()), vec![]);
+        assert_eq!(s.state(), "ready");
+    }
+
+    /// The end takes no upgrade.
+    #[test]
+    fn a_machine_that_is_done_ignores_an_upgrade() {
+        let mut s = Sim::new(policy());
+        s.ev(Event::StopRequested);
+        assert_eq!(s.m.done(), Some(Code::Ok));
+        assert!(s.ev(Event::Upgrade(Upgrade::Requested)).is_empty());
+    }
+}
