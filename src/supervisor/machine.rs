@@ -96,8 +96,6 @@ pub struct Machine {
     failure_counts: BTreeMap<FailureClass, u64>,
     /// The last failed run: its cause and report; kept after ready.
     last_failure: Option<crate::supervisor::snapshot::LastFailure>,
-    /// The version of the warden this one took the ready run over from.
-    upgraded_from: Option<String>,
     /// The last load that ended, and how many have.
     last_load_record: Option<std::sync::Arc<LoadRecord>>,
     loads_ended: u32,
@@ -188,7 +186,6 @@ impl Machine {
             cause: None,
             last_load: None,
             failure_counts: BTreeMap::new(),
-            upgraded_from: None,
             last_failure: None,
             last_load_record: None,
             loads_ended: 0,
@@ -241,7 +238,8 @@ impl Machine {
         };
         let drain =
             saved.drained.then_some(ActiveDrain { for_: DrainFor::Hold, stage: DrainStage::Drained, began: now });
-        m.state = State::Ready(Serving { run, ready_at: back(saved.ready_for), drain, recheck: None });
+        let serving = Serving { run, ready_at: back(saved.ready_for), drain, recheck: None };
+        m.state = State::Adopted { serving, from: from.to_string() };
         m.starts = saved.starts;
         m.failures = saved.failures;
         m.restarts = saved.restarts;
@@ -249,7 +247,6 @@ impl Machine {
         m.last_load = saved.last_load;
         m.failure_counts = saved.failure_counts.clone();
         m.last_failure = saved.last_failure.clone();
-        m.upgraded_from = Some(from.to_string());
         m
     }
 
@@ -369,7 +366,7 @@ impl Machine {
     pub fn child_pid(&self) -> Option<u32> {
         match &self.state {
             State::Starting(l) => Some(l.run.pid),
-            State::Ready(s) => Some(s.run.pid),
+            State::Ready(s) | State::Adopted { serving: s, .. } => Some(s.run.pid),
             State::Stopping(s) => s.leader,
             State::Reporting(r) => Some(r.run.run().pid).filter(|_| r.leader),
             State::Asleep(d) => Some(d.serving.run.pid),
@@ -406,10 +403,14 @@ impl Machine {
             State::Reporting(r) => Some(r.until),
             State::Launching { then: AfterPrepare::Spawn { deadline, .. }, .. } => Some(*deadline),
             State::Asleep(d) => d.serving.run.fatal_at.map(|t| t + p.grace),
-            // `RolledBack` follows `Effect::Rollback` at once.
-            State::Idle | State::RollingBack { .. } | State::Launching { .. } | State::Done(_) | State::Parked(_) => {
-                None
-            }
+            // `RolledBack` follows `Effect::Rollback` at once; `Begin` is
+            // the first event of all.
+            State::Idle
+            | State::RollingBack { .. }
+            | State::Adopted { .. }
+            | State::Launching { .. }
+            | State::Done(_)
+            | State::Parked(_) => None,
         }
     }
 
@@ -554,6 +555,7 @@ impl Machine {
             State::Launching { start, then, known } => self.in_launching(start, then, known, event, now),
             State::Starting(loading) => self.in_starting(loading, event, now),
             State::Ready(serving) => self.in_ready(serving, event, now),
+            State::Adopted { serving, from } => self.in_adopted(serving, from, event, now),
             State::Reporting(r) => self.in_reporting(r, event, now),
             State::Stopping(stop) => self.in_stopping(stop, event, now),
             State::Backoff { until, cause } => self.in_backoff(until, cause, event, now),

@@ -15,7 +15,6 @@ impl Machine {
         match event {
             // An idle engine (front.idle-stop): see `machine/idle.rs`.
             E::IdleFor { quiet } => self.idle_for(serving, quiet, now),
-            E::Begin => self.taken_over(serving, now),
             E::Line { line, .. } => {
                 let mut serving = serving;
                 let fx = self.note_fatal(&mut serving.run, &line, now);
@@ -67,7 +66,8 @@ impl Machine {
             E::ReloadInPlace { policy, summary } => self.reload_in_place(S::Ready(serving), *policy, summary),
             E::Upgrade(u) => self.upgrade_event(S::Ready(serving), u, now),
             E::ReportStarted { path, .. } => self.report_started(S::Ready(serving), path),
-            event @ (E::Prepared { .. }
+            event @ (E::Begin
+            | E::Prepared { .. }
             | E::PrepareStep { .. }
             | E::LoadKnown { .. }
             | E::Prefetched { .. }
@@ -85,11 +85,25 @@ impl Machine {
         }
     }
 
-    /// The first event of a warden that took the ready run over from its
-    /// predecessor (see [`Machine::adopt`]): said, its health checked, and
-    /// with the golden check on, its answers proven again.
-    fn taken_over(&mut self, serving: Serving, now: Instant) -> (State, Vec<Effect>) {
-        let from = self.upgraded_from.take().unwrap_or_default();
+    /// The ready run taken over from a predecessor warden (version
+    /// `from`, see [`Machine::adopt`]) until the first event, `Begin`,
+    /// which the driver queues before any other: said, its health checked,
+    /// and with the golden check on, its answers proven again. Anything
+    /// else is what it is to a ready run.
+    pub(super) fn in_adopted(
+        &mut self,
+        serving: Serving,
+        from: String,
+        event: Event,
+        now: Instant,
+    ) -> (State, Vec<Effect>) {
+        match event {
+            Event::Begin => self.taken_over(serving, from, now),
+            event => self.in_ready(serving, event, now),
+        }
+    }
+
+    fn taken_over(&mut self, serving: Serving, from: String, now: Instant) -> (State, Vec<Effect>) {
         let now_is = match &serving.drain {
             Some(d) => self.drain_text(&serving, d),
             None => format!("ready: pid {}", serving.run.pid),

@@ -241,6 +241,12 @@ pub enum State {
     },
     Starting(Loading),
     Ready(Serving),
+    /// The ready run taken over from a predecessor warden (version
+    /// `from`), before its first event says so.
+    Adopted {
+        serving: Serving,
+        from: String,
+    },
     Reporting(Reporting),
     Stopping(Stop),
     Backoff {

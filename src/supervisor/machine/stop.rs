@@ -635,7 +635,9 @@ impl Machine {
             State::Idle | State::RollingBack { .. } | State::Backoff { .. } | State::Parked(_) => {
                 self.finish(Code::Internal, format!("internal failure: {why}"), fx)
             }
-            State::Asleep(d) => self.begin_stop(State::Ready(d.serving), Purpose::Internal(why), now, fx),
+            State::Asleep(Dormant { serving, .. }) | State::Adopted { serving, .. } => {
+                self.begin_stop(State::Ready(serving), Purpose::Internal(why), now, fx)
+            }
             done @ State::Done(_) => (done, vec![]),
         }
     }
@@ -836,10 +838,12 @@ pub(super) fn leader_gone(state: State) -> State {
 pub(super) fn phase_of(state: &State) -> Phase {
     match state {
         State::Idle | State::RollingBack { .. } | State::Launching { .. } | State::Starting(_) => Phase::Starting,
-        State::Ready(Serving { drain: None, recheck: Some(_), .. }) => Phase::Rechecking,
-        State::Ready(Serving { drain: None, .. }) => Phase::Ready,
-        State::Ready(Serving { drain: Some(ActiveDrain { stage: DrainStage::Drained, .. }), .. }) => Phase::Drained,
-        State::Ready(Serving { drain: Some(_), .. }) => Phase::Draining,
+        State::Ready(s) | State::Adopted { serving: s, .. } => match s {
+            Serving { drain: None, recheck: Some(_), .. } => Phase::Rechecking,
+            Serving { drain: None, .. } => Phase::Ready,
+            Serving { drain: Some(ActiveDrain { stage: DrainStage::Drained, .. }), .. } => Phase::Drained,
+            Serving { drain: Some(_), .. } => Phase::Draining,
+        },
         State::Stopping(st) => match st.purpose {
             Purpose::Failure(_) => Phase::Failed,
             Purpose::Shutdown | Purpose::Reload | Purpose::Restart | Purpose::Internal(_) | Purpose::Idle(_) => {
