@@ -5,9 +5,13 @@
 //! effects and feeds back what happened. sd_notify's wire format, regexes
 //! and processes are not known here.
 //!
-//! Each state carries exactly the data that is valid in it. Events that
-//! belong to an earlier start (a line, a probe answer, a reaped pid of a run
-//! that is over) are dropped once, before the transition table.
+//! Each state carries exactly the data that is valid in it, and has a
+//! function of its own that names every event (`in_idle`, `in_launching`,
+//! `in_starting` here; `machine/ready.rs`, `machine/stop.rs`,
+//! `machine/idle.rs` for the others). Events that belong to an earlier
+//! start (a line, a probe answer, a reaped pid of a run that is over) are
+//! dropped once, before them. An upgrade in place goes on beside the
+//! states (`machine/upgrade.rs`).
 //!
 //! States and their transitions (every other pair is logged and ignored):
 //!
@@ -21,8 +25,12 @@
 //!               Tick   │                         │ TreeGone
 //!                      │       delay             ▼
 //!                   Backoff ◀────────────── (failure) ──▶ Done(75 | 78)
+//!   A give-up with `[rollback]` on and a changed setup that failed:
+//!   RollingBack ─RolledBack(ok)─▶ Launching (the last-known-good setup),
+//!   ─RolledBack(err)─▶ Done(75 | 78)
+//!   A ready run taken over from a predecessor: Adopted ─Begin─▶ Ready
 //!   StopRequested: Starting/Ready → Stopping(shutdown) → Done(0); Launching → Done(0)
-//!                  once its steps are cancelled; Backoff → Done(0)
+//!                  once its steps are cancelled; Backoff, RollingBack → Done(0)
 //!   TaskFailed (a part of the warden died): the tree is stopped, then Done(70)
 //!   Recheck (any trigger: a GPU fault that left the engine running, an
 //!   upgrade, `golden.interval`, a wake): Ready out of rotation (phase

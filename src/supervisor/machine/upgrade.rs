@@ -7,12 +7,17 @@
 //! the effects out through its `Upgrade` port.
 //!
 //! ```text
-//!    Requested        Checked(ok)             the run can be handed over
-//!   ──────────▶ check ──────────▶ Waiting ───────────────────────────────▶ Pausing
-//!                 │ Checked(err):    ▲    ◀─── it stopped being one: ResumeLines ──┘ │ LinesPaused
-//!                 ▼ said             │ LinesPaused, a drain under way: ResumeLines   ▼
-//!                                    └──────────────────────────────────────────── (run?) ── ExecUpgrade ──▶ Exec
-//!   LinesPaused and the run failing, or the lines not stopped: given up        ExecFailed: ResumeLines, over
+//!   Requested ─▶ CheckUpgrade ─Checked(err)─▶ said (journal, STATUS=)
+//!                     │ Checked(ok)
+//!                     ▼       a run to hand over
+//!                  Waiting ────────────────────▶ Pausing ─LinesPaused(err)─▶ given up
+//!                     ▲ ◀── not one any more ─────┘  │        (ResumeLines)
+//!                     │     (ResumeLines)            │ LinesPaused(offset):
+//!                     └──── a drain under way ───────┤ not one (ResumeLines)
+//!                                                    │ the run failing: given up
+//!                                                    │ still one: ExecUpgrade
+//!                                                    ▼
+//!                                                  Exec ─ExecFailed─▶ over (ResumeLines)
 //! ```
 
 use super::*;
