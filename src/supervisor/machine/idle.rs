@@ -93,6 +93,15 @@ impl Machine {
         (State::Parked(Parked { since: now, quiet }), fx)
     }
 
+    /// A reload of the warden's own settings while the engine is idle: taken
+    /// at once, said in the journal; `STATUS=` keeps saying the engine is
+    /// idle.
+    fn reload_idle(&mut self, state: State, policy: Policy, summary: String) -> (State, Vec<Effect>) {
+        self.policy = policy;
+        let text = format!("{summary}; the engine is idle");
+        (state, vec![record(Severity::Info, Topic::Reload, text)])
+    }
+
     pub(super) fn in_parked(&mut self, p: Parked, event: Event, now: Instant) -> (State, Vec<Effect>) {
         match event {
             Event::Wanted => {
@@ -109,6 +118,9 @@ impl Machine {
             Event::StopRequested => self.finish(Code::Ok, "stopped on request".into(), vec![]),
             Event::TaskFailed { task } => self.task_failed(State::Parked(p), task, now),
             Event::Upgrade(u) => self.upgrade_event(State::Parked(p), u, now),
+            // The warden's own settings: the next start and the next idle
+            // stop go by them.
+            Event::ReloadInPlace { policy, summary } => self.reload_idle(State::Parked(p), *policy, summary),
             Event::Reload { policy, summary } => {
                 // Taken at the next start, which a request makes.
                 self.policy = *policy;
@@ -135,7 +147,6 @@ impl Machine {
             | Event::HealthFailed { .. }
             | Event::RolledBack { .. }
             | Event::DaemonLost { .. }
-            | Event::ReloadInPlace { .. }
             | Event::ChildExited { .. }
             | Event::TreeGone
             | Event::DrainRequested
@@ -258,6 +269,7 @@ impl Machine {
                 | Event::DaemonLost { .. }),
             ) => self.in_ready(d.serving, event, now),
             (_, Event::Upgrade(u)) => self.upgrade_event(State::Asleep(d), u, now),
+            (_, Event::ReloadInPlace { policy, summary }) => self.reload_idle(State::Asleep(d), *policy, summary),
             (
                 _,
                 other @ (Event::Begin
@@ -271,7 +283,6 @@ impl Machine {
                 | Event::GoldenChecked { .. }
                 | Event::HealthFailed { .. }
                 | Event::RolledBack { .. }
-                | Event::ReloadInPlace { .. }
                 | Event::TreeGone
                 | Event::DrainRequested
                 | Event::UndrainRequested

@@ -2059,3 +2059,34 @@ mod upgrade {
         assert!(s.ev(Event::Upgrade(Upgrade::Requested)).is_empty());
     }
 }
+
+/// A reload of the warden's own settings while the engine is idle (stopped
+/// or asleep) is taken at once: the next start, wake and idle stop go by
+/// it, and `STATUS=` still says the engine is idle.
+#[test]
+fn a_reload_of_the_wardens_settings_while_idle_is_taken() {
+    for action in [crate::config::IdleAction::Stop, crate::config::IdleAction::Sleep] {
+        let mut s = Sim::new(idle(action));
+        s.at(0.0).ready(100);
+        s.at(1900.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+        if action == crate::config::IdleAction::Stop {
+            s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+            s.ev(Event::TreeGone);
+        } else {
+            s.ev(Event::Slept { start: 1, result: Ok(()) });
+        }
+        let was = s.state();
+        assert!(s.m.idle_now(), "{action:?}: {was}");
+        let new = Policy { idle: None, ..idle(action) };
+        let fx =
+            s.ev(Event::ReloadInPlace { policy: Box::new(new.clone()), summary: "front.idle-stop changed".into() });
+        assert_eq!(s.m.policy, new, "{action:?}");
+        assert_eq!(s.state(), was, "{action:?}");
+        assert!(statuses(&fx).is_empty(), "{action:?}: {fx:?}");
+        assert!(
+            fx.iter().any(|e| matches!(e, Effect::Log(r) if r.topic == Topic::Reload
+                && r.message == "front.idle-stop changed; the engine is idle")),
+            "{action:?}: {fx:?}"
+        );
+    }
+}
