@@ -105,7 +105,7 @@ pub struct RealBackend {
 struct Loads {
     ledger: crate::observe::ledger::Ledger,
     /// Handed each record once the change that ended the load is out.
-    writer: Option<Arc<crate::observe::ledger::Writer>>,
+    writer: Option<crate::observe::ledger::Writer>,
     /// Found by the pre-start steps of a start: its setup, weights,
     /// memory fit's values and command line.
     found: Arc<std::sync::Mutex<Option<(u32, crate::daemon::recover::Found)>>>,
@@ -251,8 +251,7 @@ impl RealBackend {
                 ledger: crate::observe::ledger::Ledger::open(&settings_state_dir, settings_keep),
                 writer: crate::observe::ledger::Writer::start()
                     .map_err(|e| tracing::warn!(error = %e, "no thread for the load ledger: loads are not recorded"))
-                    .ok()
-                    .map(Arc::new),
+                    .ok(),
                 found: Arc::default(),
                 recovery: Default::default(),
                 running: None,
@@ -383,6 +382,14 @@ impl RealBackend {
             let _ = tokio::time::timeout_at(deadline, r).await;
         }
         crate::observe::reports::settle(deadline.saturating_duration_since(tokio::time::Instant::now())).await;
+    }
+
+    /// Wait, at most `within`, for the ledger's and the setups' writes
+    /// handed on so far (blocking: the loop is over).
+    pub(super) fn finish_records(&self, within: Duration) {
+        if let Some(w) = &self.loads.writer {
+            w.flush(within);
+        }
     }
 
     fn stop_checks(&mut self) {
@@ -892,6 +899,18 @@ impl ports::Reports for RealBackend {
     }
 }
 
+impl Loads {
+    /// Have `job` write the setups' records after the writes asked before
+    /// it, one at a time, on the ledger's thread (on the blocking pool
+    /// without it).
+    fn records(&self, job: impl FnOnce() + Send + 'static) {
+        match &self.writer {
+            Some(w) => w.run(job),
+            None => drop(tokio::task::spawn_blocking(job)),
+        }
+    }
+}
+
 impl ports::Loads for RealBackend {
     fn load_start(&mut self) -> Option<crate::supervisor::load::LoadStart> {
         let start = self.reports.run.as_ref()?.start;
@@ -945,7 +964,7 @@ impl ports::Loads for RealBackend {
         if let Some(d) = self.loads.recovery.dropped.get_mut(&fp) {
             d.retain(|a, _| !values.contains_key(a));
         }
-        tokio::task::spawn_blocking(move || {
+        self.loads.records(move || {
             if let Err(e) = crate::observe::setups::pin(&state, &fp, &values) {
                 tracing::warn!(EVENT = "fit", "cannot pin memory fit's values for setup {fp}: {e}");
             }
@@ -957,7 +976,7 @@ impl ports::Loads for RealBackend {
         let (state, fp) = (self.settings.state_dir.clone(), facts.fingerprint.clone());
         // Not used again by this warden, whenever the file is written.
         self.loads.recovery.dropped.entry(fp.clone()).or_default().extend(values.clone());
-        tokio::task::spawn_blocking(move || {
+        self.loads.records(move || {
             if let Err(e) = crate::observe::setups::unpin(&state, &fp, &values) {
                 tracing::warn!(EVENT = "fit", "cannot drop memory fit's pins of setup {fp}: {e}");
             }
@@ -976,7 +995,7 @@ impl ports::Loads for RealBackend {
             settings: self.settings.clone(),
             setup: facts.setup.clone(),
         });
-        tokio::task::spawn_blocking(move || {
+        self.loads.records(move || {
             if let Err(e) = crate::observe::setups::record_good(&state, &record, keep) {
                 tracing::warn!(EVENT = "rollback", "cannot record the good setup {}: {e}", record.fingerprint);
             }

@@ -321,6 +321,9 @@ async fn finish(code: Code, mut backend: RealBackend, mut observer: StateObserve
     let exit = ExitDeadline::start(&settings.name, code, EXIT_DEADLINE);
     exit.at("writing the status files and sending the last notifications");
     crate::observe::outbox::settle(OUTBOX_PATIENCE);
+    // The ledger's record of the last load, handed on behind the news.
+    exit.at("writing the load ledger and the setups");
+    backend.finish_records(OUTBOX_PATIENCE);
     // Reports of runs that ended beside a new one may still be written.
     exit.at("waiting for the failure reports being written");
     backend.finish_reports(crate::supervisor::policy::REPORT_MARGIN).await;

@@ -2,12 +2,13 @@
 //! with the priority taken from vLLM's level word. The child only ever
 //! writes to its pipe, which the warden moves to the log file; the warden
 //! forwards what it has read, so a slow journal can never slow the child. The lines go through a bounded queue
-//! to a thread of their own, so it never slows the warden either.
+//! to a thread of their own (a [`crate::util::worker`]), so it never slows the warden either.
 
 use tracing::Level as T;
 use tracing_subscriber::prelude::*;
 
 use crate::supervisor::classify::Level;
+use crate::util::worker::Worker;
 
 /// The tracing level whose journal PRIORITY is the syslog priority of a
 /// vLLM level word: tracing-journald writes ERROR as 3 (err), WARN as 4
@@ -28,85 +29,23 @@ pub fn tracing_level(level: Option<Level>) -> T {
 pub const QUEUE: usize = 4096;
 pub const QUEUE_BYTES: usize = 4 << 20;
 
-/// The lines of one read, packed in one string.
-#[derive(Debug, Default, Clone)]
-struct Batch {
-    text: String,
-    /// Each line's level and where it ends in `text`.
-    lines: Vec<(T, usize)>,
-}
+/// How often, at the most, the lines dropped are said.
+const SAY_DROPPED_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// The lines waiting for journald, bounded in lines and bytes.
-#[derive(Debug, Default)]
-pub struct Queue {
-    batches: std::collections::VecDeque<Batch>,
-    lines: usize,
-    bytes: usize,
-    /// The most lines and bytes that ever waited at once.
-    high_water: (usize, usize),
-    dropped: u64,
-    /// The forwarder is gone: the thread stops once the queue is empty.
-    closed: bool,
-}
+/// One line for journald, with its level.
+type Line = (T, String);
 
-impl Queue {
-    /// Take what fits of `batch`; count the rest as dropped.
-    fn admit(&mut self, mut batch: Batch) {
-        let room_lines = QUEUE - self.lines;
-        let mut keep = 0;
-        for (i, (_, end)) in batch.lines.iter().enumerate() {
-            if i >= room_lines || self.bytes + end > QUEUE_BYTES {
-                break;
-            }
-            keep = i + 1;
-        }
-        self.dropped += (batch.lines.len() - keep) as u64;
-        if keep == 0 {
-            return;
-        }
-        batch.lines.truncate(keep);
-        batch.text.truncate(batch.lines[keep - 1].1);
-        self.lines += keep;
-        self.bytes += batch.text.len();
-        self.high_water = (self.high_water.0.max(self.lines), self.high_water.1.max(self.bytes));
-        self.batches.push_back(batch);
-    }
-
-    fn take(&mut self) -> Option<Batch> {
-        let b = self.batches.pop_front()?;
-        self.lines -= b.lines.len();
-        self.bytes -= b.text.len();
-        Some(b)
-    }
-
-    /// The most lines and bytes that ever waited at once.
-    pub fn high_water(&self) -> (usize, usize) {
-        self.high_water
-    }
-
-    pub fn dropped(&self) -> u64 {
-        self.dropped
-    }
-}
-
-#[derive(Debug, Default)]
-struct Shared {
-    queue: std::sync::Mutex<Queue>,
-    ready: std::sync::Condvar,
-}
-
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// Sends lines to journald from a thread of its own, so that a slow journal
-/// never slows the follower or the loop; built only when the warden runs
-/// under systemd.
+/// Sends lines to journald from a worker of its own
+/// ([`crate::util::worker`]), so that a slow journal never slows the
+/// follower or the loop; built only when the warden runs under systemd.
 #[derive(Debug)]
 pub struct Forwarder {
-    shared: std::sync::Arc<Shared>,
+    worker: Worker<Line>,
+}
+
+/// The forwarder's queue: bounded in lines and in bytes.
+fn spec() -> crate::util::worker::Spec<Line> {
+    Worker::named("journal", QUEUE).bytes(QUEUE_BYTES, |(_, text)| text.len())
 }
 
 impl Forwarder {
@@ -121,60 +60,31 @@ impl Forwarder {
             }
         };
         let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(layer));
-        let shared = std::sync::Arc::new(Shared::default());
-        let (instance, s) = (name.to_string(), shared.clone());
-        let spawned = std::thread::Builder::new().name("journal".into()).spawn(move || {
-            let (mut reported, mut last) = (0, std::time::Instant::now());
-            loop {
-                let batch = {
-                    let mut q = s.lock();
-                    loop {
-                        if let Some(b) = q.take() {
-                            break b;
-                        }
-                        if q.closed {
-                            return;
-                        }
-                        q = s.ready.wait(q).unwrap_or_else(|p| p.into_inner());
-                    }
-                };
-                let mut from = 0;
-                for (level, end) in batch.lines {
-                    send(&dispatch, &instance, level, &crate::util::redact::text(&batch.text[from..end]));
-                    from = end;
-                }
-                let now = s.lock().dropped;
-                // At most every 10 s, so that the report adds no burst of its own.
-                if now != reported && last.elapsed() >= std::time::Duration::from_secs(10) {
-                    last = std::time::Instant::now();
-                    tracing::warn!(INSTANCE = instance.as_str(), EVENT = "journal", "{} line(s) of the child dropped from the journal so far (journald too slow); the log file has them all", now);
-                    reported = now;
-                }
+        let (instance, told) = (name.to_string(), name.to_string());
+        // At most every 10 s, so that the report adds no burst of its own.
+        let spawned = spec()
+            .say_dropped(SAY_DROPPED_EVERY, move |_, total| {
+                tracing::warn!(INSTANCE = told.as_str(), EVENT = "journal", "{} line(s) of the child dropped from the journal so far (journald too slow); the log file has them all", total);
+            })
+            .start(move |(level, text): Line| send(&dispatch, &instance, level, &crate::util::redact::text(&text)));
+        match spawned {
+            Ok(worker) => Some(Forwarder { worker }),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the journal thread: the child's lines stay in its log file only");
+                None
             }
-        });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start the journal thread: the child's lines stay in its log file only");
-            return None;
         }
-        Some(Forwarder { shared })
     }
 
     /// What a follower forwards through: it gathers the lines of one read
     /// and queues them at once.
     pub fn gatherer(&self) -> Gatherer {
-        Gatherer { shared: self.shared.clone(), batch: Batch::default() }
+        Gatherer { worker: self.worker.clone(), lines: Vec::new() }
     }
 
     /// Lines dropped from the forwarding so far.
     pub fn dropped(&self) -> u64 {
-        self.shared.lock().dropped
-    }
-}
-
-impl Drop for Forwarder {
-    fn drop(&mut self) {
-        self.shared.lock().closed = true;
-        self.shared.ready.notify_one();
+        self.worker.dropped()
     }
 }
 
@@ -182,24 +92,20 @@ impl Drop for Forwarder {
 /// A clone queues to the same journal.
 #[derive(Debug, Clone)]
 pub struct Gatherer {
-    shared: std::sync::Arc<Shared>,
-    batch: Batch,
+    worker: Worker<Line>,
+    lines: Vec<Line>,
 }
 
 impl Gatherer {
     pub fn line(&mut self, text: &str, level: Option<Level>) {
-        self.batch.text.push_str(text);
-        self.batch.lines.push((tracing_level(level), self.batch.text.len()));
+        self.lines.push((tracing_level(level), text.to_string()));
     }
 
-    /// Queue what was gathered.
+    /// Queue what was gathered; what does not fit is dropped and counted.
     pub fn flush(&mut self) {
-        if self.batch.lines.is_empty() {
-            return;
+        for line in self.lines.drain(..) {
+            self.worker.send(line);
         }
-        let batch = std::mem::take(&mut self.batch);
-        self.shared.lock().admit(batch);
-        self.shared.ready.notify_one();
     }
 }
 
@@ -231,44 +137,38 @@ mod tests {
     /// its caps, and every line past them is counted.
     #[test]
     fn the_queue_is_capped_in_lines_and_bytes_and_counts_what_it_drops() {
-        let shared = std::sync::Arc::new(Shared::default());
-        let mut g = Gatherer { shared: shared.clone(), batch: Batch::default() };
+        let worker = spec().unstarted();
+        let mut g = Gatherer { worker: worker.clone(), lines: Vec::new() };
         for i in 0..10_000 {
             g.line(&format!("short line {i}"), Some(Level::Info));
             if i % 100 == 99 {
                 g.flush();
             }
         }
-        {
-            let q = shared.lock();
-            assert_eq!(q.high_water().0, QUEUE);
-            assert_eq!(q.dropped(), 10_000 - QUEUE as u64);
-        }
-        let fresh = std::sync::Arc::new(Shared::default());
-        let mut g = Gatherer { shared: fresh.clone(), batch: Batch::default() };
+        assert_eq!(worker.high_water().0, QUEUE);
+        assert_eq!(worker.dropped(), 10_000 - QUEUE as u64);
+        let fresh = spec().unstarted();
+        let mut g = Gatherer { worker: fresh.clone(), lines: Vec::new() };
         let long = "x".repeat(64 * 1024);
         for _ in 0..100 {
             g.line(&long, None);
             g.flush();
         }
-        let q = fresh.lock();
-        assert!(q.high_water().1 <= QUEUE_BYTES, "{:?}", q.high_water());
-        assert_eq!(q.lines, QUEUE_BYTES / long.len());
-        assert_eq!(q.dropped(), 100 - (QUEUE_BYTES / long.len()) as u64);
+        assert!(fresh.high_water().1 <= QUEUE_BYTES, "{:?}", fresh.high_water());
+        assert_eq!(fresh.high_water().0, QUEUE_BYTES / long.len());
+        assert_eq!(fresh.dropped(), 100 - (QUEUE_BYTES / long.len()) as u64);
     }
 
     #[test]
-    fn a_batch_is_taken_in_order_with_its_levels() {
-        let mut q = Queue::default();
-        let mut b = Batch::default();
+    fn lines_are_taken_in_order_with_their_levels() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = spec().start(move |line: Line| tx.send(line).unwrap()).unwrap();
+        let mut g = Gatherer { worker: worker.clone(), lines: Vec::new() };
         for (t, l) in [("a", Some(Level::Error)), ("bb", None)] {
-            b.text.push_str(t);
-            b.lines.push((tracing_level(l), b.text.len()));
+            g.line(t, l);
         }
-        q.admit(b);
-        let b = q.take().unwrap();
-        assert_eq!(b.text, "abb");
-        assert_eq!(b.lines, vec![(T::ERROR, 1), (T::DEBUG, 3)]);
-        assert_eq!((q.lines, q.bytes), (0, 0));
+        g.flush();
+        assert!(worker.flush(std::time::Duration::from_secs(60)));
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), [(T::ERROR, "a".to_string()), (T::DEBUG, "bb".to_string())]);
     }
 }

@@ -366,30 +366,44 @@ pub fn write(w: &Write_) -> std::io::Result<()> {
     }
 }
 
-/// The ledger's writer: a thread of its own, fed by a bounded queue, so
-/// that no write of the ledger waits on the loop.
+/// The ledger's writer: a worker of its own, fed by a bounded queue, so
+/// that no write of the ledger waits on the loop. The setups' file
+/// ([`crate::observe::setups`]) is written by the same thread, so that its
+/// reads and rewrites come one after the other, in the order asked.
+#[derive(Clone)]
 pub struct Writer {
-    tx: std::sync::mpsc::SyncSender<Write_>,
+    worker: crate::util::worker::Worker<Job>,
 }
+
+/// A write of the state directory's records, done on the writer's thread.
+type Job = Box<dyn FnOnce() + Send>;
 
 impl Writer {
     pub fn start() -> std::io::Result<Writer> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Write_>(16);
-        std::thread::Builder::new().name("ledger".into()).spawn(move || {
-            for w in rx {
-                if let Err(e) = write(&w) {
-                    tracing::warn!(error = %e, "cannot write the load ledger");
-                }
-            }
-        })?;
-        Ok(Writer { tx })
+        let worker = crate::util::worker::Worker::named("ledger", 16).start(|job: Job| job())?;
+        Ok(Writer { worker })
     }
 
     /// Hand `w` to the writer; a full queue drops it, with a warning.
     pub fn send(&self, w: Write_) {
-        if let Err(e) = self.tx.try_send(w) {
-            tracing::warn!("the load ledger's writer is behind: a record was not written ({e})");
+        self.run(move || {
+            if let Err(e) = write(&w) {
+                tracing::warn!(error = %e, "cannot write the load ledger");
+            }
+        });
+    }
+
+    /// Have `job` (a write of the state directory's records) done after
+    /// what was handed before it; a full queue drops it, with a warning.
+    pub fn run(&self, job: impl FnOnce() + Send + 'static) {
+        if !self.worker.send(Box::new(job)) {
+            tracing::warn!("the load ledger's writer is behind: a record was not written (the queue is full)");
         }
+    }
+
+    /// Wait, at most `limit`, for what was handed so far.
+    pub fn flush(&self, limit: std::time::Duration) -> bool {
+        self.worker.flush(limit)
     }
 }
 
