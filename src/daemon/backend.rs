@@ -98,6 +98,9 @@ pub struct RealBackend {
     pub preload: crate::daemon::preload::Preloader,
     /// Which kind of start the pre-start steps of a start made ready.
     start_kind: Arc<std::sync::Mutex<Option<(u32, crate::supervisor::preload::PreloadStart)>>>,
+    /// Hands on the work that waits for a change's news (the ledger's
+    /// write, the end of a start), and is settled before an upgrade's exec.
+    outbox: crate::observe::outbox::Outbox,
 }
 
 /// The load ledger: its records, its writer, and what the pre-start steps
@@ -225,6 +228,7 @@ impl RealBackend {
         token: String,
         handover: Handover,
         last_check: crate::observe::health::LastCheck,
+        outbox: crate::observe::outbox::Outbox,
     ) -> std::io::Result<RealBackend> {
         let traffic = crate::observe::health::Traffic::default();
         let preload = crate::daemon::preload::Preloader::new(inputs.clone(), token.clone(), journal.clone());
@@ -260,6 +264,7 @@ impl RealBackend {
             reports: Reports::default(),
             preload,
             start_kind: Arc::default(),
+            outbox,
         })
     }
 
@@ -696,7 +701,7 @@ impl ports::Checks for RealBackend {
         }
         // The start is over once READY=1 is out: the reports' file work
         // waited for it.
-        crate::observe::outbox::after_sent(|| crate::observe::reports::start_under_way(false));
+        self.outbox.after_sent(|| crate::observe::reports::start_under_way(false));
         let spec = crate::observe::health::Spec::from_settings(&self.settings);
         self.checks.last_check.set(true);
         if !spec.enabled() {
@@ -950,7 +955,7 @@ impl ports::Loads for RealBackend {
         let write = self.loads.ledger.push(record, self.loads.running.as_ref(), at);
         if let Some(w) = self.loads.writer.clone() {
             // A load ends as the run becomes ready: READY=1 first.
-            crate::observe::outbox::after_sent(move || w.send(write));
+            self.outbox.after_sent(move || w.send(write));
         }
     }
 
@@ -1122,7 +1127,7 @@ impl ports::Upgrade for RealBackend {
         // The kernel-message follower is a process of ours the successor
         // would not know: stopped (it starts its own).
         self.kernel.follower = None;
-        let e = crate::daemon::upgrade::exec(&exe, &path);
+        let e = crate::daemon::upgrade::exec(&exe, &path, &self.outbox);
         let _ = std::fs::remove_file(&path);
         restore();
         drop(held);

@@ -1,103 +1,150 @@
 //! The status files and the notifications to systemd, written and sent in
-//! order by a thread of their own, so that neither a slow or stuck
-//! filesystem nor a full notify socket holds the loop. A notification goes
-//! out only once every file posted before it is written: whoever hears
-//! `READY=1` finds the files saying ready. Of each file only the newest
-//! content waits; the notes wait coalesced (see [`crate::observe::notify`]).
-//! `WATCHDOG=1` does not wait behind them: it says that the loop turns, and
-//! is sent from the loop. Housekeeping that would take a CPU from the
-//! news (the tree record, the ledger, a report's file work) is handed on
-//! by the same thread once the news is out ([`after_sent`]).
+//! order by a worker of their own ([`crate::util::worker`]), so that neither
+//! a slow or stuck filesystem nor a full notify socket holds the loop. A
+//! notification goes out only once every file posted before it is written:
+//! whoever hears `READY=1` finds the files saying ready. Of each file only
+//! the newest content waits, beside the worker's queue; the notes wait in
+//! the queue, coalesced by the notifier when it cannot send them (see
+//! [`crate::observe::notify`]). `WATCHDOG=1` does not wait behind them: it
+//! says that the loop turns, and is sent from the loop. Housekeeping that
+//! would take a CPU from the news (the tree record, the ledger, a report's
+//! file work) is handed on by the same thread once the news is out
+//! ([`Outbox::after_sent`]).
 //!
-//! Started once by the daemon ([`start`]); until then (the commands, the
-//! tests of the status files) [`replace`] writes at once.
+//! A handle, made by the daemon ([`Outbox::start`]) and passed down; the
+//! commands and the tests of the status files use [`Outbox::direct`], which
+//! writes at once.
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::observe::notify::{Note, Notifier};
+use crate::util::worker::{Handler, Worker};
 
-/// The writer's thread and what waits for it.
+/// Where the status files and notes go: the writer's thread, or at once.
+#[derive(Clone)]
 pub struct Outbox {
-    shared: Arc<Shared>,
+    /// `None`: written and run at once, by the caller.
+    thread: Option<Thread>,
 }
 
-#[derive(Default)]
-struct Shared {
-    state: Mutex<Waiting>,
-    /// Something was posted.
-    posted: Condvar,
-    /// All that was posted is written and sent.
-    done: Condvar,
+#[derive(Clone)]
+struct Thread {
+    worker: Worker<Item>,
+    files: Arc<Mutex<Files>>,
 }
 
+/// What the writer's thread is handed, in order. Before each, it writes the
+/// files posted so far.
+enum Item {
+    /// The files posted (a change that notifies nothing).
+    Files,
+    /// One datagram of notes.
+    Notes(Vec<Note>),
+    /// Work to do once the news before it is out.
+    After(Job),
+}
+
+/// The files waiting, beside the queue: the newest content of each.
 #[derive(Default)]
-struct Waiting {
-    /// The newest content of each file, in the order first posted.
-    files: Vec<(PathBuf, Vec<u8>, u32)>,
-    /// The notes posted after them, one datagram each, in order.
-    notes: Vec<Vec<Note>>,
-    /// What to do once the files and notes posted before it are out.
-    after: Vec<Job>,
-    /// The thread is writing or sending what it took.
-    busy: bool,
+struct Files {
+    /// In the order first posted.
+    waiting: Vec<(PathBuf, Vec<u8>, u32)>,
+    /// An [`Item::Files`] is queued and not yet taken.
+    kicked: bool,
 }
 
 /// Work handed on after the news: quick, and never waiting for the outbox.
 type Job = Box<dyn FnOnce() + Send>;
 
-impl Waiting {
-    fn is_empty(&self) -> bool {
-        self.files.is_empty() && self.notes.is_empty() && self.after.is_empty()
-    }
+/// How many notes and jobs may wait for the writer's thread; more are
+/// dropped and counted (a filesystem that does not answer).
+const QUEUE: usize = 1024;
+
+fn lock(files: &Mutex<Files>) -> MutexGuard<'_, Files> {
+    files.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Waiting> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-static OUTBOX: OnceLock<Outbox> = OnceLock::new();
-
-/// Start the writer's thread, which sends notes through `notifier`; once
-/// per process (a second call returns the first outbox, and `notifier` is
-/// not used). `notifier` back if the thread cannot be started: files are
-/// then written, and notes sent, at once by their caller.
-pub fn start<N: Notifier + 'static>(notifier: N) -> Result<&'static Outbox, N> {
-    if let Some(o) = OUTBOX.get() {
-        return Ok(o);
-    }
-    let shared = Arc::new(Shared::default());
-    // Handed to the thread, or back if it cannot start.
-    let handed = Arc::new(Mutex::new(Some(notifier)));
-    let (s, h) = (shared.clone(), handed.clone());
-    let spawned = std::thread::Builder::new().name("status writer".into()).spawn(move || {
-        if let Some(n) = h.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            write_and_send(&s, n);
-        }
-    });
-    match spawned {
-        Ok(_) => Ok(OUTBOX.get_or_init(|| Outbox { shared })),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot start the status writer: the loop writes the status files itself");
-            Err(handed.lock().unwrap_or_else(|p| p.into_inner()).take().expect("the thread never started"))
+impl Outbox {
+    /// Start the writer's thread, which sends notes through `notifier`;
+    /// `notifier` back if the thread cannot be started.
+    pub fn start<N: Notifier + 'static>(notifier: N) -> Result<Outbox, N> {
+        let files = Arc::new(Mutex::new(Files::default()));
+        // Handed to the thread, or back if it cannot start.
+        let handed = Arc::new(Mutex::new(Some(notifier)));
+        let handler = Writer { files: files.clone(), notifier: handed.clone(), failing: Vec::new() };
+        match Worker::named("status writer", QUEUE).start_with(handler) {
+            Ok(worker) => Ok(Outbox { thread: Some(Thread { worker, files }) }),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the status writer: the loop writes the status files itself");
+                Err(handed.lock().unwrap_or_else(|p| p.into_inner()).take().expect("the thread never started"))
+            }
         }
     }
-}
 
-/// Write `bytes` to `path` whole, by rename ([`crate::util::fsutil::replace`]),
-/// its folder made if missing: by the writer's thread once [`start`]ed
-/// (then `Ok` at once; a failure is logged there), else at once.
-pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    match OUTBOX.get() {
-        Some(o) => {
-            o.post_file(path, bytes, mode);
-            Ok(())
+    /// Files written, and jobs run, at once by their caller.
+    pub fn direct() -> Outbox {
+        Outbox { thread: None }
+    }
+
+    /// Write `bytes` to `path` whole, by rename
+    /// ([`crate::util::fsutil::replace`]), its folder made if missing: by
+    /// the writer's thread (then `Ok` at once; a failure is logged there),
+    /// else at once. The thread is woken by the notes that follow, or by
+    /// [`Outbox::kick`] (one wake-up for a change and its notes).
+    pub fn replace(&self, path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+        let Some(t) = &self.thread else { return write_file(path, bytes, mode) };
+        let mut f = lock(&t.files);
+        match f.waiting.iter_mut().find(|(p, ..)| p == path) {
+            Some(waiting) => *waiting = (path.to_path_buf(), bytes.to_vec(), mode),
+            None => f.waiting.push((path.to_path_buf(), bytes.to_vec(), mode)),
         }
-        None => write_file(path, bytes, mode),
+        Ok(())
+    }
+
+    /// Have the files posted written, with no note after them (a change
+    /// that notifies nothing): the observer of the state calls it once
+    /// each change is carried out.
+    pub fn kick(&self) {
+        let Some(t) = &self.thread else { return };
+        let mut f = lock(&t.files);
+        if f.waiting.is_empty() || f.kicked {
+            return;
+        }
+        f.kicked = t.worker.send(Item::Files);
+    }
+
+    fn post_notes(&self, notes: &[Note]) {
+        if let Some(t) = &self.thread {
+            t.worker.send(Item::Notes(notes.to_vec()));
+        }
+    }
+
+    /// Run `job` once the files and notes posted so far are written and
+    /// sent (at once without the thread): the housekeeping that goes with a
+    /// change wakes its thread only after the change's news is out, so that
+    /// on a busy machine that thread does not take the CPU the news waits
+    /// for. `job` runs on the writer's thread: it must be quick and must not
+    /// wait for the outbox (it hands work on to a thread of its own).
+    pub fn after_sent(&self, job: impl FnOnce() + Send + 'static) {
+        match &self.thread {
+            Some(t) => {
+                t.worker.send(Item::After(Box::new(job)));
+            }
+            None => job(),
+        }
+    }
+
+    /// Wait until all that was posted is written and sent (a note that
+    /// could not be delivered is not waited for), at most `limit`; false if
+    /// that did not come. Before the warden exits or execs, nothing posted
+    /// is lost.
+    pub fn settle(&self, limit: Duration) -> bool {
+        let Some(t) = &self.thread else { return true };
+        self.kick();
+        t.worker.flush(limit)
     }
 }
 
@@ -120,143 +167,81 @@ fn write_file(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     }
 }
 
-impl Outbox {
-    /// Post the newest content of a file; the thread is woken by the notes
-    /// that follow, or by [`kick`] (one wake-up for a change and its notes).
-    fn post_file(&self, path: &Path, bytes: &[u8], mode: u32) {
-        let mut w = self.shared.lock();
-        match w.files.iter_mut().find(|(p, ..)| p == path) {
-            Some(waiting) => *waiting = (path.to_path_buf(), bytes.to_vec(), mode),
-            None => w.files.push((path.to_path_buf(), bytes.to_vec(), mode)),
-        }
-    }
-
-    fn post_notes(&self, notes: &[Note]) {
-        self.shared.lock().notes.push(notes.to_vec());
-        // Woken with the lock let go: it does not wake only to wait for it.
-        self.shared.posted.notify_one();
-    }
-
-    fn post_after(&self, job: Job) {
-        self.shared.lock().after.push(job);
-        self.shared.posted.notify_one();
-    }
-
-    /// Wake the thread for the files posted.
-    fn kick(&self) {
-        let waiting = !self.shared.lock().files.is_empty();
-        if waiting {
-            self.shared.posted.notify_one();
-        }
-    }
-
-    /// Wait until all that was posted is written and sent (a note that
-    /// could not be delivered is not waited for), at most `limit`; false if
-    /// that did not come.
-    pub fn settle(&self, limit: Duration) -> bool {
-        self.kick();
-        let w = self.shared.lock();
-        let (_w, waited) = self
-            .shared
-            .done
-            .wait_timeout_while(w, limit, |w| w.busy || !w.is_empty())
-            .unwrap_or_else(|p| p.into_inner());
-        !waited.timed_out()
-    }
+/// The writer's thread: before each item, the files posted, in the order
+/// first posted; then the item: notes sent as they were posted, an
+/// undelivered note tried again when the notifier says.
+struct Writer<N> {
+    files: Arc<Mutex<Files>>,
+    /// Taken once the thread runs (it is handed back if it cannot start).
+    notifier: Arc<Mutex<Option<N>>>,
+    /// The files whose last write failed: said once until one succeeds.
+    failing: Vec<PathBuf>,
 }
 
-/// Have the files posted written, with no note after them (a change that
-/// notifies nothing): the observer of the state calls it once each change
-/// is carried out.
-pub fn kick() {
-    if let Some(o) = OUTBOX.get() {
-        o.kick();
-    }
-}
-
-/// Run `job` once the files and notes posted so far are written and sent
-/// (at once without the outbox): the housekeeping that goes with a change
-/// wakes its thread only after the change's news is out, so that on a
-/// busy machine that thread does not take the CPU the news waits for.
-/// `job` runs on the writer's thread: it must be quick and must not wait
-/// for the outbox (it hands work on to a thread of its own).
-pub fn after_sent(job: impl FnOnce() + Send + 'static) {
-    match OUTBOX.get() {
-        Some(o) => o.post_after(Box::new(job)),
-        None => job(),
-    }
-}
-
-/// [`Outbox::settle`] on the outbox, if started: before the warden exits or
-/// execs, nothing posted is lost.
-pub fn settle(limit: Duration) -> bool {
-    OUTBOX.get().is_none_or(|o| o.settle(limit))
-}
-
-/// The writer's thread: what was posted, the files first, then the notes
-/// posted with or after them, as they were posted; an undelivered note
-/// tried again when `notifier` says.
-fn write_and_send(shared: &Shared, mut notifier: impl Notifier) {
-    // The files whose last write failed: said once until one succeeds.
-    let mut failing: Vec<PathBuf> = Vec::new();
-    loop {
-        let retry = notifier.retry_at().map(tokio::time::Instant::into_std);
-        let (files, notes, after) = {
-            let mut w = shared.lock();
-            w.busy = false;
-            loop {
-                if !w.is_empty() {
-                    break;
-                }
-                shared.done.notify_all();
-                match retry {
-                    Some(at) => {
-                        let left = at.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            break;
-                        }
-                        w = shared.posted.wait_timeout(w, left).unwrap_or_else(|p| p.into_inner()).0;
-                    }
-                    None => w = shared.posted.wait(w).unwrap_or_else(|p| p.into_inner()),
-                }
-            }
-            w.busy = true;
-            (std::mem::take(&mut w.files), std::mem::take(&mut w.notes), std::mem::take(&mut w.after))
+impl<N: Notifier + 'static> Writer<N> {
+    fn write_files(&mut self) {
+        let waiting = {
+            let mut f = lock(&self.files);
+            f.kicked = false;
+            std::mem::take(&mut f.waiting)
         };
-        for (path, bytes, mode) in files {
+        for (path, bytes, mode) in waiting {
             match write_file(&path, &bytes, mode) {
-                Ok(()) => failing.retain(|p| *p != path),
-                Err(e) if !failing.contains(&path) => {
+                Ok(()) => self.failing.retain(|p| *p != path),
+                Err(e) if !self.failing.contains(&path) => {
                     tracing::warn!(error = %e, file = %path.display(), "cannot write the status file");
-                    failing.push(path);
+                    self.failing.push(path);
                 }
                 Err(_) => {}
             }
         }
-        if notes.is_empty() {
-            notifier.retry();
+    }
+
+    fn notifier(&self) -> MutexGuard<'_, Option<N>> {
+        self.notifier.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<N: Notifier + 'static> Handler<Item> for Writer<N> {
+    fn handle(&mut self, item: Item) {
+        self.write_files();
+        match item {
+            Item::Files => {
+                if let Some(n) = self.notifier().as_mut() {
+                    n.retry();
+                }
+            }
+            Item::Notes(notes) => {
+                if let Some(n) = self.notifier().as_mut() {
+                    n.notify(&notes);
+                }
+            }
+            Item::After(job) => job(),
         }
-        for n in notes {
-            notifier.notify(&n);
-        }
-        for job in after {
-            // A job's panic is its own: the files and notes go on.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+    }
+
+    fn wake_at(&self) -> Option<Instant> {
+        self.notifier().as_ref()?.retry_at().map(tokio::time::Instant::into_std)
+    }
+
+    fn wake(&mut self) {
+        if let Some(n) = self.notifier().as_mut() {
+            n.retry();
         }
     }
 }
 
-/// The loop's notifier once the outbox is started: every note goes behind
-/// the files posted before it, but `WATCHDOG=1`, sent at once through a
-/// notifier of its own when there is one.
+/// The loop's notifier with the outbox: every note goes behind the files
+/// posted before it, but `WATCHDOG=1`, sent at once through a notifier of
+/// its own when there is one.
 pub struct Behind {
-    outbox: &'static Outbox,
+    outbox: Outbox,
     watchdog: Option<Box<dyn Notifier>>,
 }
 
 impl Behind {
     /// The notes through `outbox`; `WATCHDOG=1` through `watchdog`.
-    pub fn new(outbox: &'static Outbox, watchdog: Option<Box<dyn Notifier>>) -> Behind {
+    pub fn new(outbox: Outbox, watchdog: Option<Box<dyn Notifier>>) -> Behind {
         Behind { outbox, watchdog }
     }
 }
@@ -295,15 +280,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("run").join("status.json");
         let (tx, rx) = std::sync::mpsc::channel();
-        let shared = Arc::new(Shared::default());
-        let outbox: &'static Outbox = Box::leak(Box::new(Outbox { shared: shared.clone() }));
         let recorder = Recorder { file: file.clone(), sent: tx };
-        std::thread::spawn(move || write_and_send(&shared, recorder));
+        let outbox = Outbox::start(recorder).ok().unwrap();
         for state in ["launching", "starting", "ready"] {
-            outbox.post_file(&file, state.as_bytes(), 0o644);
+            outbox.replace(&file, state.as_bytes(), 0o644).unwrap();
         }
         outbox.kick();
-        let mut loop_side = Behind::new(outbox, None);
+        let mut loop_side = Behind::new(outbox.clone(), None);
         loop_side.notify(&[Note::Ready]);
         assert!(outbox.settle(Duration::from_secs(60)));
         let (notes, said) = rx.recv().unwrap();
@@ -320,13 +303,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("status.json");
         let (tx, rx) = std::sync::mpsc::channel();
-        let shared = Arc::new(Shared::default());
-        let outbox: &'static Outbox = Box::leak(Box::new(Outbox { shared: shared.clone() }));
         let recorder = Recorder { file: file.clone(), sent: tx.clone() };
-        std::thread::spawn(move || write_and_send(&shared, recorder));
-        outbox.post_file(&file, b"ready", 0o644);
-        Behind::new(outbox, None).notify(&[Note::Ready]);
-        outbox.post_after(Box::new(move || tx.send((Vec::new(), "after".into())).unwrap()));
+        let outbox = Outbox::start(recorder).ok().unwrap();
+        outbox.replace(&file, b"ready", 0o644).unwrap();
+        Behind::new(outbox.clone(), None).notify(&[Note::Ready]);
+        outbox.after_sent(move || tx.send((Vec::new(), "after".into())).unwrap());
         assert!(outbox.settle(Duration::from_secs(60)));
         assert_eq!(rx.try_recv().unwrap(), (vec![Note::Ready], "ready".to_string()));
         assert_eq!(rx.try_recv().unwrap(), (Vec::new(), "after".to_string()));
@@ -338,13 +319,15 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let dir = tempfile::tempdir().unwrap();
         let watchdog = Recorder { file: dir.path().join("none"), sent: tx };
-        let outbox: &'static Outbox = Box::leak(Box::new(Outbox { shared: Arc::default() }));
+        // An outbox whose thread does not run: what is posted waits.
+        let worker = Worker::named("status writer", QUEUE).unstarted();
+        let outbox = Outbox { thread: Some(Thread { worker: worker.clone(), files: Arc::default() }) };
         let mut loop_side = Behind::new(outbox, Some(Box::new(watchdog)));
         loop_side.notify(&[Note::Watchdog]);
         assert_eq!(rx.try_recv().unwrap().0, vec![Note::Watchdog]);
         loop_side.notify(&[Note::Ready]);
         assert!(rx.try_recv().is_err());
-        assert_eq!(outbox.shared.lock().notes, vec![vec![Note::Ready]]);
+        assert_eq!(worker.high_water().0, 1, "the note waits for the thread");
     }
 
     #[test]
@@ -353,5 +336,20 @@ mod tests {
         let file = dir.path().join("a").join("b.json");
         write_file(&file, b"x", 0o600).unwrap();
         assert_eq!(std::fs::read(&file).unwrap(), b"x");
+    }
+
+    /// Without its thread, the outbox writes at once and runs what comes
+    /// after at once.
+    #[test]
+    fn a_direct_outbox_writes_and_runs_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a").join("status.json");
+        let outbox = Outbox::direct();
+        outbox.replace(&file, b"ready", 0o644).unwrap();
+        assert_eq!(std::fs::read(&file).unwrap(), b"ready");
+        let (tx, rx) = std::sync::mpsc::channel();
+        outbox.after_sent(move || tx.send(()).unwrap());
+        rx.try_recv().unwrap();
+        assert!(outbox.settle(Duration::ZERO));
     }
 }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use std::collections::BTreeMap;
 
-use crate::observe::outbox::replace;
+use crate::observe::outbox::Outbox;
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Phase};
 pub use crate::supervisor::snapshot::{LastFailure, Snapshot};
@@ -325,12 +325,15 @@ pub struct Reporter {
     last_reload: Option<LastReload>,
     /// The front door, as last told.
     front: Option<FrontDoc>,
+    /// Writes the files, off the loop when it has a thread.
+    outbox: Outbox,
 }
 
 impl Reporter {
-    pub fn new(name: &str, doc_path: &Path, metrics_path: Option<&Path>) -> Reporter {
+    pub fn new(name: &str, doc_path: &Path, metrics_path: Option<&Path>, outbox: Outbox) -> Reporter {
         let now = SystemTime::now();
         Reporter {
+            outbox,
             name: name.to_string(),
             doc_path: doc_path.to_path_buf(),
             metrics_path: metrics_path.map(Path::to_path_buf),
@@ -520,7 +523,7 @@ impl Reporter {
         self.document = Some(Arc::from(text.as_str()));
         self.metrics.set(&snap, self.journal_dropped);
         if self.written_doc.as_deref() != Some(&text) {
-            match replace(&self.doc_path, text.as_bytes(), 0o644) {
+            match self.outbox.replace(&self.doc_path, text.as_bytes(), 0o644) {
                 Ok(()) => self.written_doc = Some(text),
                 Err(e) => tracing::warn!(error = %e, file = %self.doc_path.display(), "cannot write the status file"),
             }
@@ -528,7 +531,7 @@ impl Reporter {
         if let Some(path) = &self.metrics_path {
             let text = self.metrics.encode();
             if self.written_metrics.as_deref() != Some(&text) {
-                match replace(path, text.as_bytes(), 0o644) {
+                match self.outbox.replace(path, text.as_bytes(), 0o644) {
                     Ok(()) => self.written_metrics = Some(text),
                     Err(e) => tracing::warn!(error = %e, file = %path.display(), "cannot write the metrics file"),
                 }
@@ -1369,7 +1372,7 @@ mod tests {
     fn the_document_is_rewritten_only_on_change_and_is_not_world_writable() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("status.json");
-        let mut r = Reporter::new("kimi", &path, None);
+        let mut r = Reporter::new("kimi", &path, None, Outbox::direct());
         r.update(&snap());
         let doc: Doc = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(doc.state, Phase::Ready);
@@ -1391,7 +1394,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("status.json");
         let metrics_path = dir.path().join("metrics.prom");
-        let mut r = Reporter::new("kimi", &path, Some(&metrics_path));
+        let mut r = Reporter::new("kimi", &path, Some(&metrics_path), Outbox::direct());
         let mut s = snap();
         s.phase = Phase::Starting;
         r.update(&s);
@@ -1435,7 +1438,7 @@ mod tests {
         let cache = dir.path().join("cache");
         std::fs::create_dir_all(cache.join("vllm/torch_compile_cache")).unwrap();
         std::fs::write(cache.join("vllm/torch_compile_cache/a"), vec![7u8; 10_000]).unwrap();
-        let mut r = Reporter::new("kimi", &path, None);
+        let mut r = Reporter::new("kimi", &path, None, Outbox::direct());
         r.set_cache_dir(Some(&cache));
         let read = || serde_json::from_str::<Doc>(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let mut s = snap();
@@ -1473,7 +1476,7 @@ mod tests {
     fn notify_injection_no_control_character_reaches_the_document_or_the_terminal() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("status.json");
-        let mut r = Reporter::new("kimi", &path, None);
+        let mut r = Reporter::new("kimi", &path, None, Outbox::direct());
         let mut s = snap();
         s.phase = Phase::Starting;
         s.cause = Some("port 8000 is held by pid 9 (x\nREADY=1\n\x1b]0;pwned\x07)".into());
@@ -1494,7 +1497,7 @@ mod tests {
         use crate::supervisor::load::{CacheOutcome, LoadNow, LoadOutcome, LoadPhase, LoadRecord, PhaseTime};
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("status.json");
-        let mut r = Reporter::new("kimi", &path, None);
+        let mut r = Reporter::new("kimi", &path, None, Outbox::direct());
         let mut s = snap();
         s.phase = Phase::Starting;
         s.load = Some(LoadNow {
@@ -1635,7 +1638,7 @@ mod tests {
     fn moved_files_are_written_at_the_next_update_whatever_changed() {
         let dir = tempfile::tempdir().unwrap();
         let (old, new) = (dir.path().join("old.json"), dir.path().join("new.json"));
-        let mut r = Reporter::new("kimi", &old, None);
+        let mut r = Reporter::new("kimi", &old, None, Outbox::direct());
         r.update(&snap());
         r.set_paths(&new, Some(&dir.path().join("new.prom")));
         r.update(&snap());
@@ -1649,7 +1652,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("status.json");
         assert_eq!(read(&path), StatusVerdict::NotRunning(None));
-        let mut doc = Reporter::new("kimi", &path, None).doc(&snap());
+        let mut doc = Reporter::new("kimi", &path, None, Outbox::direct()).doc(&snap());
         doc.warden_pid = u32::MAX - 1;
         std::fs::write(&path, serde_json::to_string(&doc).unwrap()).unwrap();
         assert!(matches!(read(&path), StatusVerdict::NotRunning(Some(_))));
