@@ -82,7 +82,7 @@ pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<(String, serde
 /// What differs from setup `a` to setup `b`.
 pub fn diff(a: &(String, serde_json::Value), b: &(String, serde_json::Value)) -> String {
     let mut out = format!("setup {} → setup {}\n", safe(&a.0), safe(&b.0));
-    for line in crate::observe::ledger::setup_changes(&a.1, &b.1) {
+    for line in crate::observe::golden::setup_changes(&a.1, &b.1) {
         let _ = writeln!(out, "  {line}");
     }
     out

@@ -153,7 +153,7 @@ pub fn find(
     {
         let now = serde_json::to_value(&facts.setup).unwrap_or_default();
         let was = serde_json::to_value(&want.setup).unwrap_or_default();
-        let what = crate::observe::ledger::setup_changes(&was, &now).join("; ");
+        let what = crate::observe::golden::setup_changes(&was, &now).join("; ");
         let venv = if want.setup.vllm != facts.setup.vllm {
             " (the command's vLLM changed in place: side-by-side venvs make vLLM upgrades roll back)"
         } else {
