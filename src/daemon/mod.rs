@@ -36,11 +36,11 @@ use self::deadline::ExitDeadline;
 use self::driver::{Context, Request};
 use self::observer::StateObserver;
 use crate::config::Settings;
-use crate::observe::notify::Notifier;
-use crate::observe::outbox::Outbox;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
 use crate::supervisor::{Machine, Policy};
+use crate::tell::notify::Notifier;
+use crate::tell::outbox::Outbox;
 use crate::util::tasks::{Lifetime, Tasks};
 
 /// A current-thread runtime: the loop is one thread, and blocking work
@@ -96,12 +96,12 @@ pub async fn run(
     let last_check = crate::observe::health::LastCheck::default();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (lines_tx, mut lines_rx) = mpsc::channel(crate::observe::logwatch::QUEUE);
-    let journal = crate::observe::journal::Forwarder::from_env(&settings.name);
+    let journal = crate::tell::journal::Forwarder::from_env(&settings.name);
     let gatherer = journal.as_ref().map(|j| j.gatherer());
     // The status files and the notes behind them, off the loop.
     let dog = notifier.watchdog();
     let (outbox, mut notifier): (Outbox, Box<dyn Notifier>) = match Outbox::start(notifier) {
-        Ok(outbox) => (outbox.clone(), Box::new(crate::observe::outbox::Behind::new(outbox, dog))),
+        Ok(outbox) => (outbox.clone(), Box::new(crate::tell::outbox::Behind::new(outbox, dog))),
         Err(notifier) => (Outbox::direct(), Box::new(notifier)),
     };
     let mut observer = StateObserver::new(&settings, journal, &token, view_tx, outbox.clone());

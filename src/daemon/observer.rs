@@ -8,18 +8,18 @@ use std::time::Duration;
 
 use crate::config::Settings;
 use crate::daemon::front::Gate;
-use crate::observe::outbox::Outbox;
 use crate::supervisor::load::LoadNow;
 use crate::supervisor::outcome::Phase;
 use crate::supervisor::{Machine, State};
+use crate::tell::outbox::Outbox;
 use crate::util::redact;
 use crate::util::worker::Worker;
 
 /// The status files and the tree record, kept up to date by the loop.
 pub struct StateObserver {
-    pub status: crate::observe::status::Reporter,
+    pub status: crate::tell::status::Reporter,
     /// Its count of dropped lines goes into the metrics.
-    journal: Option<crate::observe::journal::Forwarder>,
+    journal: Option<crate::tell::journal::Forwarder>,
     /// When that count is read next.
     next_journal_count: std::time::Instant,
     pub tree: TreeRecord,
@@ -43,9 +43,9 @@ pub struct FrontSide {
 }
 
 impl FrontSide {
-    fn doc(&self) -> crate::observe::status::FrontDoc {
+    fn doc(&self) -> crate::tell::status::FrontDoc {
         let now = self.door.now();
-        crate::observe::status::FrontDoc {
+        crate::tell::status::FrontDoc {
             listen: self.listen.clone(),
             engine: self.engine.clone(),
             held: now.held,
@@ -97,13 +97,13 @@ pub fn gate(phase: Phase, load: Option<&LoadNow>, last_load: Option<Duration>) -
 impl StateObserver {
     pub fn new(
         settings: &Settings,
-        journal: Option<crate::observe::journal::Forwarder>,
+        journal: Option<crate::tell::journal::Forwarder>,
         token: &str,
         view: tokio::sync::watch::Sender<crate::daemon::server::View>,
         outbox: Outbox,
     ) -> StateObserver {
         let s = settings;
-        let mut status = crate::observe::status::Reporter::new(
+        let mut status = crate::tell::status::Reporter::new(
             &s.name,
             &s.status.file,
             s.status.metrics_file.as_deref(),
@@ -189,7 +189,7 @@ impl crate::daemon::driver::Observer for StateObserver {
         self.status.set_cache_dir(s.child.cache_dir.as_deref());
     }
 
-    fn reloaded(&mut self, reload: crate::observe::status::LastReload) {
+    fn reloaded(&mut self, reload: crate::tell::status::LastReload) {
         let shown = Arc::new(reload.clone());
         self.status.set_last_reload(reload);
         self.status.flush();

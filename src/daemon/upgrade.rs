@@ -362,7 +362,7 @@ pub fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 /// has its handlers is held for them, not taken by the default action
 /// (which would end the warden); what `outbox` holds is written and sent
 /// first. Returns only on failure, with the mask as it was.
-pub fn exec(exe: &Path, state: &Path, outbox: &crate::observe::outbox::Outbox) -> io::Error {
+pub fn exec(exe: &Path, state: &Path, outbox: &crate::tell::outbox::Outbox) -> io::Error {
     use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
     // What the status writer and the log's writer hold would be lost with
     // this process.

@@ -232,7 +232,10 @@ impl<T: Send + 'static> Spec<T> {
                 tracing::warn!(EVENT = "dropped", "{total} item(s) dropped so far by the {name} (it fell behind)")
             })
         });
-        std::thread::Builder::new().name(name).stack_size(self.stack).spawn(move || run(&shared, handler, every, say))?;
+        std::thread::Builder::new()
+            .name(name)
+            .stack_size(self.stack)
+            .spawn(move || run(&shared, handler, every, say))?;
         Ok(worker)
     }
 

@@ -5,7 +5,7 @@
 //! whoever hears `READY=1` finds the files saying ready. Of each file only
 //! the newest content waits, beside the worker's queue; the notes wait in
 //! the queue, coalesced by the notifier when it cannot send them (see
-//! [`crate::observe::notify`]). `WATCHDOG=1` does not wait behind them: it
+//! [`crate::tell::notify`]). `WATCHDOG=1` does not wait behind them: it
 //! says that the loop turns, and is sent from the loop. Housekeeping that
 //! would take a CPU from the news (the tree record, the ledger, a report's
 //! file work) is handed on by the same thread once the news is out
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::observe::notify::{Note, Notifier};
+use crate::tell::notify::{Note, Notifier};
 use crate::util::worker::{Handler, Worker};
 
 /// Where the status files and notes go: the writer's thread, or at once.

@@ -20,10 +20,10 @@ use serde::{Deserialize, Serialize};
 
 use std::collections::BTreeMap;
 
-use crate::observe::outbox::Outbox;
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::{FailureClass, Phase};
 pub use crate::supervisor::snapshot::{LastFailure, Snapshot};
+use crate::tell::outbox::Outbox;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LastExit {

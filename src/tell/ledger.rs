@@ -368,7 +368,7 @@ pub fn write(w: &Write_) -> std::io::Result<()> {
 
 /// The ledger's writer: a worker of its own, fed by a bounded queue, so
 /// that no write of the ledger waits on the loop. The setups' file
-/// ([`crate::observe::setups`]) is written by the same thread, so that its
+/// ([`crate::tell::setups`]) is written by the same thread, so that its
 /// reads and rewrites come one after the other, in the order asked.
 #[derive(Clone)]
 pub struct Writer {
