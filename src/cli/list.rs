@@ -15,7 +15,8 @@ use serde::Serialize;
 
 use crate::cli::instance::{self, Found, Seen};
 use crate::config::{self, Dirs};
-use crate::tell::status::{Doc, StatusVerdict};
+use crate::tell::status::Doc;
+use crate::tell::summary::StatusVerdict;
 use crate::util::escape::one_line;
 
 /// How long `list` waits for each warden's answer before it reads the

@@ -341,7 +341,7 @@ fn list(json: bool) -> Code {
 
 fn status(path: &Path, a: &StatusArgs) -> Code {
     let s = lenient(path);
-    use crate::tell::status::StatusVerdict;
+    use crate::tell::summary::StatusVerdict;
     // Through the socket when a warden answers there; else the file.
     let verdict = match instance::look(&s, ANSWER_TIMEOUT) {
         Seen::Verdict(v) => *v,
@@ -361,7 +361,7 @@ fn status(path: &Path, a: &StatusArgs) -> Code {
     } else if let StatusVerdict::NotRunning(None) = &verdict {
         outln!("{}: not running (no status file {})", s.name, s.status.file.display());
     } else {
-        outln!("{}", crate::tell::status::summary(&verdict));
+        outln!("{}", crate::tell::summary::summary(&verdict));
     }
     match verdict {
         StatusVerdict::Ready(_) => Code::Ok,

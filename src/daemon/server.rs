@@ -41,7 +41,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::daemon::driver::{Heartbeat, Request};
 use crate::supervisor::outcome::Phase;
-use crate::tell::status::Metrics;
+use crate::tell::metrics::Metrics;
 
 /// The loop has not turned for this long: `/livez` fails.
 pub const LIVE_STALE: Duration = Duration::from_secs(5);
@@ -643,7 +643,7 @@ async fn status(State(api): State<Api>) -> Response {
 /// The document with the front door's `held` and `in_flight` as they are
 /// now: the document is made at each change of the machine, and requests
 /// come and go between two (the gauges follow each one).
-fn live_front(doc: &str, metrics: &crate::tell::status::Metrics) -> String {
+fn live_front(doc: &str, metrics: &crate::tell::metrics::Metrics) -> String {
     let Ok(mut v) = serde_json::from_str::<serde_json::Value>(doc) else { return doc.to_string() };
     let Some(front) = v.get_mut("front").and_then(|f| f.as_object_mut()) else { return doc.to_string() };
     let (held, in_flight) = metrics.front.now();

@@ -1,4 +1,5 @@
-//! Telling the world: the status document and the metrics (`status`), the
+//! Telling the world: the status document (`status`), the metrics
+//! (`metrics`) and what `status` concludes from the document (`summary`), the
 //! notes to systemd (`notify`) and the outbox that writes the files and
 //! sends the notes in order off the loop (`outbox`), the child's lines in
 //! the journal (`journal`), the load ledger (`ledger`) and the setups that
@@ -13,8 +14,10 @@
 
 pub mod journal;
 pub mod ledger;
+pub mod metrics;
 pub mod notify;
 pub mod outbox;
 pub mod reports;
 pub mod setups;
 pub mod status;
+pub mod summary;
