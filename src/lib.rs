@@ -8,12 +8,13 @@
 //! |---|---|
 //! | [`cli`] | the command line, the short commands, the demo, man pages and completions |
 //! | [`daemon`] | the composition: the loop, the real backend, the pre-start steps, reload, upgrade, the endpoint |
-//! | [`observe`] | watching the child and telling the world: the log follower, health checks, the kernel's messages, the journal, the status document and metrics, failure reports, sd_notify |
+//! | [`tell`] | telling the world: the status document and metrics, sd_notify and the outbox, the journal, the load ledger and setups, failure reports |
+//! | [`observe`] | watching the child: its output pipe, the log follower and rotation, health and golden checks, the kernel's messages, OOM kills |
 //! | [`process`] | the child's process tree: spawning, signalling, reaping, leftovers, the lock, Ray, the caches |
 //! | [`supervisor`] | the pure supervisor: the state machine, its vocabulary, outcomes, exit codes, log classification, hints |
 //! | [`config`] | TOML → validated settings, the built-in profiles |
 //! | [`patch`] | JSON edits of model files, atomic writes, backups, revert |
-//! | [`util`] | small shared tools: atomic files, escaping, redaction, watched tasks, logging |
+//! | [`util`] | small shared tools: atomic files, escaping, redaction, watched tasks, logging, the writers' worker |
 
 pub mod cli;
 pub mod config;
@@ -22,4 +23,5 @@ pub mod observe;
 pub mod patch;
 pub mod process;
 pub mod supervisor;
+pub mod tell;
 pub mod util;

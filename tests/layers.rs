@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// From the top down. `lib.rs` and `main.rs` stand above them all.
-const LAYERS: [&str; 8] = ["cli", "daemon", "observe", "process", "supervisor", "config", "patch", "util"];
+const LAYERS: [&str; 9] = ["cli", "daemon", "tell", "observe", "process", "supervisor", "config", "patch", "util"];
 
 /// What the pure supervisor must not name: files, processes, sockets,
 /// threads, tasks.
@@ -19,7 +19,7 @@ const NOT_IN_THE_SUPERVISOR: [&str; 8] =
 
 struct File {
     path: PathBuf,
-    /// `observe::reports::parts` for `src/observe/reports/parts.rs`.
+    /// `tell::reports::parts` for `src/tell/reports/parts.rs`.
     module: String,
     /// The code without comments, tests cut off.
     code: String,

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use vllm_warden::config::profile::Profile;
-use vllm_warden::observe::notify::{Note, datagram};
 use vllm_warden::supervisor::classify::{Class, Classifier, Splitter};
+use vllm_warden::tell::notify::{Note, datagram};
 
 const CASES: u32 = 10_000;
 

@@ -254,7 +254,7 @@ fn s4_the_kv_cache_patch_makes_the_model_load() {
         "{last}"
     );
     // Each failed run left its report, with the patch that fixes it as hint.
-    let reports = vllm_warden::observe::reports::list(&w.path("state"), "t").unwrap();
+    let reports = vllm_warden::tell::reports::list(&w.path("state"), "t").unwrap();
     assert_eq!(reports.len(), 2, "{reports:?}");
     for r in &reports {
         let s = r.summary.as_ref().unwrap_or_else(|| panic!("{}: no summary", r.path.display()));
@@ -956,7 +956,7 @@ fn s6_a_wedged_engine_under_traffic_is_caught_reported_and_restarted() {
     let back = t_wedge.elapsed();
     let (load, _, n) = load_timings(&w, t0);
 
-    let reports = vllm_warden::observe::reports::list(&w.path("state"), "t").unwrap();
+    let reports = vllm_warden::tell::reports::list(&w.path("state"), "t").unwrap();
     assert_eq!(reports.len(), 1, "{reports:?}");
     let r = &reports[0];
     let summary_text = std::fs::read_to_string(r.path.join("summary.json")).unwrap();
@@ -1059,7 +1059,7 @@ fn s9_the_load_ledger_times_each_phase_estimates_and_alarms_on_a_lost_cache() {
     kill_and_wait(&mut w, again, "READY=1 (load 3, the compile cache wiped)");
     assert_eq!(w.stop_within(stop_budget(), "the warden's exit after SIGTERM while serving"), 0);
 
-    let (records, _) = vllm_warden::observe::ledger::read(&w.path("state").join("loads.jsonl")).unwrap();
+    let (records, _) = vllm_warden::tell::ledger::read(&w.path("state").join("loads.jsonl")).unwrap();
     let ready_loads: Vec<_> =
         records.iter().filter(|r| r.outcome == vllm_warden::supervisor::load::LoadOutcome::Ready).collect();
     assert_eq!(ready_loads.len(), 3, "{records:?}");
@@ -1211,7 +1211,7 @@ fn event_lines(w: &Warden, event: &str, from: usize) -> Vec<String> {
 
 /// The records of the warden's load ledger.
 fn ledger(w: &Warden) -> Vec<vllm_warden::supervisor::load::LoadRecord> {
-    vllm_warden::observe::ledger::read(&w.path("state").join("loads.jsonl")).unwrap().0
+    vllm_warden::tell::ledger::read(&w.path("state").join("loads.jsonl")).unwrap().0
 }
 
 /// A `--max-model-len` whose KV cache does not fit in
@@ -1428,7 +1428,7 @@ fn s12_a_changed_setup_that_fails_rolls_back_to_the_last_known_good() {
         let (failed_fp, good_fp) =
             (doc["rollback"]["failed"].as_str().unwrap(), doc["rollback"]["good"].as_str().unwrap());
         assert_eq!(good_fp, good, "{doc}");
-        assert!(vllm_warden::observe::setups::valid_fingerprint(failed_fp) && failed_fp != good_fp, "{doc}");
+        assert!(vllm_warden::tell::setups::valid_fingerprint(failed_fp) && failed_fp != good_fp, "{doc}");
         assert!(doc["rollback"]["cause"].as_str().unwrap().contains(cause), "{doc}");
         assert!(r.said.starts_with(&format!("STATUS=the new setup {failed_fp} failed: ")), "{}", r.said);
         assert!(r.said.contains(&format!("; starting the last-known-good setup {good} from ")), "{}", r.said);
@@ -1464,7 +1464,7 @@ fn s12_a_changed_setup_that_fails_rolls_back_to_the_last_known_good() {
         ],
         "{records:?}"
     );
-    let reports = vllm_warden::observe::reports::list(&w.path("state"), "t").unwrap();
+    let reports = vllm_warden::tell::reports::list(&w.path("state"), "t").unwrap();
     assert_eq!(reports.len(), 2, "a failure report for each failed setup: {reports:?}");
 
     // Without rollback: a new warden on the failing setup ends as before.

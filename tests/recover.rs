@@ -184,7 +184,7 @@ mod state_is_data {
     /// A record of setup `config` (its command `argv`) as the warden writes
     /// them, with the fingerprint anyone can compute, `at` the given time.
     fn forged_record(w: &Warden, argv: &[String], config: &str, at: &str) -> (String, String) {
-        let facts = vllm_warden::observe::ledger::Facts::gather(argv, &Default::default(), &[], None);
+        let facts = vllm_warden::tell::ledger::Facts::gather(argv, &Default::default(), &[], None);
         let record = serde_json::json!({
             "fingerprint": facts.fingerprint,
             "at": at,

@@ -107,7 +107,7 @@ fn a_wedged_engine_leaves_a_failure_report_with_every_part_and_no_secret() {
     assert_eq!(summary["vllm_version"], "0.32.0");
     assert_eq!(summary["complete"], true);
     let text = std::fs::read_to_string(w.path("t.toml")).unwrap();
-    assert_eq!(summary["config_sha256"], vllm_warden::observe::reports::sha256_hex(text.as_bytes()));
+    assert_eq!(summary["config_sha256"], vllm_warden::tell::reports::sha256_hex(text.as_bytes()));
     let t = &summary["timings"];
     for k in ["spawn", "first_progress", "ready", "failure", "report_begun", "report_done"] {
         assert!(t[k].as_str().is_some_and(|s| s.starts_with("20") && s.ends_with('Z')), "{k}: {summary}");

@@ -10,9 +10,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::config::{self, Dirs};
 use crate::daemon::driver::Request;
-use crate::observe::notify::Notifier;
 use crate::supervisor::Note;
 use crate::supervisor::exit::Code;
+use crate::tell::notify::Notifier;
 
 /// `println!` that goes on when nobody reads any more (`demo | head`):
 /// the demo's warden must still end its run and stop its child.
@@ -54,7 +54,7 @@ impl Notifier for Narrator {
             let line = match n {
                 Note::Ready => "READY=1".to_string(),
                 Note::Status(s) => {
-                    if !crate::observe::notify::same_kind(&self.status, s) {
+                    if !crate::tell::notify::same_kind(&self.status, s) {
                         self.extended = false;
                     }
                     self.status.clone_from(s);

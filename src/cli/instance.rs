@@ -143,7 +143,7 @@ pub fn ask(
 /// What can be seen of an instance's state.
 #[derive(Debug, Clone)]
 pub enum Seen {
-    Verdict(Box<crate::observe::status::StatusVerdict>),
+    Verdict(Box<crate::tell::summary::StatusVerdict>),
     /// Neither the control socket nor the status file may be read by this
     /// user: a warden may well run. Why, in a sentence.
     Denied(String),
@@ -156,7 +156,7 @@ pub fn look(s: &crate::config::Settings, timeout: std::time::Duration) -> Seen {
     use crate::daemon::server::client::ClientError;
     let denied = |e: &std::io::Error| e.kind() == std::io::ErrorKind::PermissionDenied;
     let socket = match ask(&s.server.socket, "GET", "/status", timeout) {
-        Ok((200, body)) => return Seen::Verdict(Box::new(crate::observe::status::verdict(&body))),
+        Ok((200, body)) => return Seen::Verdict(Box::new(crate::tell::summary::verdict(&body))),
         Err(ClientError::Connect { source, .. }) if denied(&source) => Some(source),
         _ => None,
     };
@@ -165,6 +165,6 @@ pub fn look(s: &crate::config::Settings, timeout: std::time::Duration) -> Seen {
             let socket = socket.map_or_else(String::new, |e| format!(", nor open {} ({e})", s.server.socket.display()));
             Seen::Denied(format!("permission denied: cannot read {} ({e}){socket}", s.status.file.display()))
         }
-        _ => Seen::Verdict(Box::new(crate::observe::status::read(&s.status.file))),
+        _ => Seen::Verdict(Box::new(crate::tell::summary::read(&s.status.file))),
     }
 }

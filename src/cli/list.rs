@@ -15,7 +15,8 @@ use serde::Serialize;
 
 use crate::cli::instance::{self, Found, Seen};
 use crate::config::{self, Dirs};
-use crate::observe::status::{Doc, StatusVerdict};
+use crate::tell::status::Doc;
+use crate::tell::summary::StatusVerdict;
 use crate::util::escape::one_line;
 
 /// How long `list` waits for each warden's answer before it reads the
@@ -126,7 +127,7 @@ fn fill(r: &mut Row, d: &Doc) {
 /// load's setup) in the ledger, when this user may read it; loads longer
 /// than `timeout` (`ready.timeout`) are not counted.
 fn estimate(state_dir: &std::path::Path, fingerprint: Option<&str>, timeout: std::time::Duration) -> Option<f64> {
-    let (records, _) = crate::observe::ledger::read(&state_dir.join(crate::observe::ledger::FILE)).ok()?;
+    let (records, _) = crate::tell::ledger::read(&state_dir.join(crate::tell::ledger::FILE)).ok()?;
     let fp = fingerprint.map(str::to_string).or_else(|| records.last().map(|r| r.fingerprint.clone()))?;
     let h = crate::supervisor::load::History::of(&records, &fp, timeout)?;
     Some(h.median.as_secs_f64())

@@ -218,7 +218,7 @@ pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
         let _ = writeln!(out, "same setup ({})", safe(&a.fingerprint));
     } else {
         let _ = writeln!(out, "setups differ: {} → {}", safe(&a.fingerprint), safe(&b.fingerprint));
-        for line in crate::observe::ledger::setup_changes(&a.setup, &b.setup) {
+        for line in crate::observe::golden::setup_changes(&a.setup, &b.setup) {
             let _ = writeln!(out, "  {line}");
         }
     }

@@ -40,8 +40,8 @@ use self::args::{Cli, Cmd, InstanceArg, PatchArgs, ReportsArgs, ReportsCmd, Stat
 use self::instance::Seen;
 use crate::config::{self, Dirs, Settings};
 use crate::daemon::driver::Request;
-use crate::observe::notify::{self, SdNotifier};
 use crate::supervisor::exit::Code;
+use crate::tell::notify::{self, SdNotifier};
 use crate::util::logging::Colour;
 
 /// Write to stdout. A reader that went away (`… | head -1`) ends the
@@ -341,7 +341,7 @@ fn list(json: bool) -> Code {
 
 fn status(path: &Path, a: &StatusArgs) -> Code {
     let s = lenient(path);
-    use crate::observe::status::StatusVerdict;
+    use crate::tell::summary::StatusVerdict;
     // Through the socket when a warden answers there; else the file.
     let verdict = match instance::look(&s, ANSWER_TIMEOUT) {
         Seen::Verdict(v) => *v,
@@ -361,7 +361,7 @@ fn status(path: &Path, a: &StatusArgs) -> Code {
     } else if let StatusVerdict::NotRunning(None) = &verdict {
         outln!("{}: not running (no status file {})", s.name, s.status.file.display());
     } else {
-        outln!("{}", crate::observe::status::summary(&verdict));
+        outln!("{}", crate::tell::summary::summary(&verdict));
     }
     match verdict {
         StatusVerdict::Ready(_) => Code::Ok,
@@ -376,7 +376,7 @@ const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The verdict of `POST /reload` as the operator reads it: one line, and
 /// each problem of a refused config on a line of its own.
 fn reload_verdict(body: &str) -> String {
-    match serde_json::from_str::<crate::observe::status::LastReload>(body) {
+    match serde_json::from_str::<crate::tell::status::LastReload>(body) {
         Ok(r) => {
             // Escaped again here: the text reaches a terminal.
             let line = |t: &str| crate::util::escape::one_line(t, crate::util::escape::MAX_LINE);
@@ -447,15 +447,15 @@ fn control(config: &Path, path: &str) -> Code {
 
 fn reports(path: &Path, a: &ReportsArgs) -> Code {
     let s = lenient(path);
-    if let Err(code) = readable(&s, &[crate::observe::reports::FOLDER]) {
+    if let Err(code) = readable(&s, &[crate::tell::reports::FOLDER]) {
         return code;
     }
-    let all = match crate::observe::reports::list(&s.state_dir, &s.name) {
+    let all = match crate::tell::reports::list(&s.state_dir, &s.name) {
         Ok(all) => all,
-        Err(e) => return unreadable(&s.state_dir.join(crate::observe::reports::FOLDER), &e),
+        Err(e) => return unreadable(&s.state_dir.join(crate::tell::reports::FOLDER), &e),
     };
-    let pick = |id: &Option<String>| -> Result<crate::observe::reports::Listed, Code> {
-        let found: Vec<&crate::observe::reports::Listed> = match id {
+    let pick = |id: &Option<String>| -> Result<crate::tell::reports::Listed, Code> {
+        let found: Vec<&crate::tell::reports::Listed> = match id {
             None => all.last().into_iter().collect(),
             Some(id) => all.iter().filter(|r| r.name.starts_with(id.as_str())).collect(),
         };
@@ -466,7 +466,7 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
                     id.as_deref().map_or(String::new(), |i| format!(" {:?}", crate::util::escape::one_line(i, 200)));
                 eprintln!(
                     "vllm-warden: no failure report{what} in {}",
-                    s.state_dir.join(crate::observe::reports::FOLDER).display()
+                    s.state_dir.join(crate::tell::reports::FOLDER).display()
                 );
                 Err(Code::NoReport)
             }
@@ -479,15 +479,15 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
     match &a.what {
         None | Some(ReportsCmd::List) => {
             if all.is_empty() {
-                outln!("no failure reports in {}", s.state_dir.join(crate::observe::reports::FOLDER).display());
+                outln!("no failure reports in {}", s.state_dir.join(crate::tell::reports::FOLDER).display());
             } else {
-                out!("{}", crate::observe::reports::table(&all));
+                out!("{}", crate::tell::reports::table(&all));
             }
             Code::Ok
         }
         Some(ReportsCmd::Show { id }) => match pick(id) {
             Ok(r) => {
-                out!("{}", crate::observe::reports::show(&r));
+                out!("{}", crate::tell::reports::show(&r));
                 Code::Ok
             }
             Err(code) => code,
@@ -508,8 +508,8 @@ fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
     if let Err(code) = readable(&s, &[]) {
         return code;
     }
-    let path = s.state_dir.join(crate::observe::ledger::FILE);
-    let all = match crate::observe::ledger::read(&path) {
+    let path = s.state_dir.join(crate::tell::ledger::FILE);
+    let all = match crate::tell::ledger::read(&path) {
         Ok((all, _)) => all,
         Err(e) => return unreadable(&path, &e),
     };
@@ -556,7 +556,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
     if let Err(code) = readable(&s, &["setups"]) {
         return code;
     }
-    let all = crate::observe::setups::list(&s.state_dir, &s.name);
+    let all = crate::tell::setups::list(&s.state_dir, &s.name);
     let fail = |why: String| {
         eprintln!("vllm-warden: {why}");
         Code::NoReport
@@ -572,7 +572,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
         }
         Some(SetupsCmd::Show { id }) => {
             let found = match id {
-                Some(id) => crate::observe::setups::find(&s.state_dir, &s.name, id),
+                Some(id) => crate::tell::setups::find(&s.state_dir, &s.name, id),
                 None => all.first().cloned().ok_or_else(|| "no setup has reached ready yet".to_string()),
             };
             match found {
@@ -587,8 +587,8 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
             // The newest load of another setup than `good`: after a
             // rollback, the setup that failed.
             let latest = |good: &str| {
-                let path = s.state_dir.join(crate::observe::ledger::FILE);
-                let loads = crate::observe::ledger::read(&path).map(|(l, _)| l).unwrap_or_default();
+                let path = s.state_dir.join(crate::tell::ledger::FILE);
+                let loads = crate::tell::ledger::read(&path).map(|(l, _)| l).unwrap_or_default();
                 loads
                     .iter()
                     .rev()

@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::observe::setups::SetupRecord;
+use crate::tell::setups::SetupRecord;
 use crate::util::escape::one_line;
 
 fn safe(s: &str) -> String {
@@ -58,11 +58,11 @@ pub fn show(r: &SetupRecord) -> String {
 /// one, else the newest load of it in the ledger. Its fingerprint and
 /// setup, as JSON.
 pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<(String, serde_json::Value), String> {
-    match crate::observe::setups::find(state_dir, instance, id) {
+    match crate::tell::setups::find(state_dir, instance, id) {
         Ok(r) => Ok((r.fingerprint, serde_json::to_value(&r.setup).unwrap_or_default())),
         Err(not_kept) => {
-            let ledger = state_dir.join(crate::observe::ledger::FILE);
-            let loads = crate::observe::ledger::read(&ledger).map(|(l, _)| l).unwrap_or_default();
+            let ledger = state_dir.join(crate::tell::ledger::FILE);
+            let loads = crate::tell::ledger::read(&ledger).map(|(l, _)| l).unwrap_or_default();
             let mut fps: Vec<&str> =
                 loads.iter().map(|r| r.fingerprint.as_str()).filter(|f| !id.is_empty() && f.starts_with(id)).collect();
             fps.sort_unstable();
@@ -82,7 +82,7 @@ pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<(String, serde
 /// What differs from setup `a` to setup `b`.
 pub fn diff(a: &(String, serde_json::Value), b: &(String, serde_json::Value)) -> String {
     let mut out = format!("setup {} → setup {}\n", safe(&a.0), safe(&b.0));
-    for line in crate::observe::ledger::setup_changes(&a.1, &b.1) {
+    for line in crate::observe::golden::setup_changes(&a.1, &b.1) {
         let _ = writeln!(out, "  {line}");
     }
     out

@@ -24,13 +24,13 @@ use crate::util::tasks::{Lifetime, Tasks};
 /// What each follower gives every line it reads besides its class.
 #[derive(Clone)]
 struct Taps {
-    journal: Option<crate::observe::journal::Gatherer>,
+    journal: Option<crate::tell::journal::Gatherer>,
     /// Set when the log shows tokens being generated; read by the canary.
     traffic: crate::observe::health::Traffic,
 }
 
 struct LineTap {
-    journal: Option<crate::observe::journal::Gatherer>,
+    journal: Option<crate::tell::journal::Gatherer>,
     /// The throughput line's literal, searched before its regex.
     literal: memchr::memmem::Finder<'static>,
     generation: crate::observe::health::GenerationLine,
@@ -98,21 +98,24 @@ pub struct RealBackend {
     pub preload: crate::daemon::preload::Preloader,
     /// Which kind of start the pre-start steps of a start made ready.
     start_kind: Arc<std::sync::Mutex<Option<(u32, crate::supervisor::preload::PreloadStart)>>>,
+    /// Hands on the work that waits for a change's news (the ledger's
+    /// write, the end of a start), and is settled before an upgrade's exec.
+    outbox: crate::tell::outbox::Outbox,
 }
 
 /// The load ledger: its records, its writer, and what the pre-start steps
 /// found of the setup about to start.
 struct Loads {
-    ledger: crate::observe::ledger::Ledger,
+    ledger: crate::tell::ledger::Ledger,
     /// Handed each record once the change that ended the load is out.
-    writer: Option<Arc<crate::observe::ledger::Writer>>,
+    writer: Option<crate::tell::ledger::Writer>,
     /// Found by the pre-start steps of a start: its setup, weights,
     /// memory fit's values and command line.
     found: Arc<std::sync::Mutex<Option<(u32, crate::daemon::recover::Found)>>>,
     /// What memory fit and a rollback ask of the next starts.
     recovery: crate::daemon::recover::Recovery,
     /// The setup of the run spawned last.
-    running: Option<crate::observe::ledger::Facts>,
+    running: Option<crate::tell::ledger::Facts>,
     /// The read-ahead of the weights (`[prefetch]`) of the latest start,
     /// from its pre-start steps to the end of its load.
     prefetch: Option<crate::daemon::prefetch::Prefetch>,
@@ -221,10 +224,11 @@ impl RealBackend {
         classifier: Classifier,
         inputs: mpsc::UnboundedSender<Input>,
         lines: mpsc::Sender<Delivery>,
-        journal: Option<crate::observe::journal::Gatherer>,
+        journal: Option<crate::tell::journal::Gatherer>,
         token: String,
         handover: Handover,
         last_check: crate::observe::health::LastCheck,
+        outbox: crate::tell::outbox::Outbox,
     ) -> std::io::Result<RealBackend> {
         let traffic = crate::observe::health::Traffic::default();
         let preload = crate::daemon::preload::Preloader::new(inputs.clone(), token.clone(), journal.clone());
@@ -248,11 +252,10 @@ impl RealBackend {
             kernel: KernelWatch::default(),
             checks: Checks { probe: None, health: None, last_check, load: None, golden: None, traffic },
             loads: Loads {
-                ledger: crate::observe::ledger::Ledger::open(&settings_state_dir, settings_keep),
-                writer: crate::observe::ledger::Writer::start()
+                ledger: crate::tell::ledger::Ledger::open(&settings_state_dir, settings_keep),
+                writer: crate::tell::ledger::Writer::start()
                     .map_err(|e| tracing::warn!(error = %e, "no thread for the load ledger: loads are not recorded"))
-                    .ok()
-                    .map(Arc::new),
+                    .ok(),
                 found: Arc::default(),
                 recovery: Default::default(),
                 running: None,
@@ -261,6 +264,7 @@ impl RealBackend {
             reports: Reports::default(),
             preload,
             start_kind: Arc::default(),
+            outbox,
         })
     }
 
@@ -377,12 +381,20 @@ impl RealBackend {
     pub(super) async fn finish_reports(&mut self, within: Duration) {
         // No start is under way any more (one stopped before its spawn
         // never said so).
-        crate::observe::reports::start_under_way(false);
+        crate::tell::reports::start_under_way(false);
         let deadline = tokio::time::Instant::now() + within;
         for r in self.reports.pending.drain(..) {
             let _ = tokio::time::timeout_at(deadline, r).await;
         }
-        crate::observe::reports::settle(deadline.saturating_duration_since(tokio::time::Instant::now())).await;
+        crate::tell::reports::settle(deadline.saturating_duration_since(tokio::time::Instant::now())).await;
+    }
+
+    /// Wait, at most `within`, for the ledger's and the setups' writes
+    /// handed on so far (blocking: the loop is over).
+    pub(super) fn finish_records(&self, within: Duration) {
+        if let Some(w) = &self.loads.writer {
+            w.flush(within);
+        }
     }
 
     fn stop_checks(&mut self) {
@@ -475,7 +487,7 @@ impl RealBackend {
 
 impl ports::Launch for RealBackend {
     fn prepare(&mut self, start: u32) {
-        crate::observe::reports::start_under_way(true);
+        crate::tell::reports::start_under_way(true);
         self.stop_checks();
         self.log.follower = None;
         // What is left of the last run (a straggler's output) does not go
@@ -563,14 +575,14 @@ impl ports::Launch for RealBackend {
             {
                 // What the report waits for is never the start's: it
                 // need not yield to it.
-                crate::observe::reports::start_under_way(false);
+                crate::tell::reports::start_under_way(false);
                 status("waiting for the failure report of the last run".into());
                 let _ = gate.wait_for(|taken| *taken).await;
             }
             let result = match result {
                 Ok(()) => Prepared::Done,
                 Err(failure) => {
-                    crate::observe::reports::start_under_way(false);
+                    crate::tell::reports::start_under_way(false);
                     Prepared::Failed(failure)
                 }
             };
@@ -584,7 +596,7 @@ impl ports::Launch for RealBackend {
         self.loads.prefetch = None;
         if let Some((start, task)) = self.launch.preparing.take() {
             task.abort();
-            crate::observe::reports::start_under_way(false);
+            crate::tell::reports::start_under_way(false);
             let _ = self.inputs.send(Event::Prepared { start, result: Prepared::Cancelled }.into());
         }
     }
@@ -594,7 +606,7 @@ impl ports::Launch for RealBackend {
         // A failed start is no longer under way; a spawned one is until
         // its run is ready (see `health`).
         if spawned.is_err() {
-            crate::observe::reports::start_under_way(false);
+            crate::tell::reports::start_under_way(false);
         }
         spawned
     }
@@ -689,7 +701,7 @@ impl ports::Checks for RealBackend {
         }
         // The start is over once READY=1 is out: the reports' file work
         // waited for it.
-        crate::observe::outbox::after_sent(|| crate::observe::reports::start_under_way(false));
+        self.outbox.after_sent(|| crate::tell::reports::start_under_way(false));
         let spec = crate::observe::health::Spec::from_settings(&self.settings);
         self.checks.last_check.set(true);
         if !spec.enabled() {
@@ -827,16 +839,16 @@ impl ports::Reports for RealBackend {
         let run = self.reports.run.as_ref()?;
         let now = std::time::SystemTime::now();
         let s = &self.settings;
-        let job = crate::observe::reports::Job {
+        let job = crate::tell::reports::Job {
             state_dir: s.state_dir.clone(),
-            name: crate::observe::reports::folder_name(now, &s.name, order.attempt),
+            name: crate::tell::reports::folder_name(now, &s.name, order.attempt),
             instance: s.name.clone(),
             spawned: run.spawned,
             begun: now,
             log_file: run.log_file.clone(),
             log_offset: run.offset,
             settings: s.reports.clone(),
-            config_sha256: crate::observe::reports::sha256_hex(s.text.as_bytes()),
+            config_sha256: crate::tell::reports::sha256_hex(s.text.as_bytes()),
             classifier: self.log.classifier.clone(),
             warden: std::process::id() as i32,
             run_ended: self.tree.run_ended(),
@@ -847,14 +859,14 @@ impl ports::Reports for RealBackend {
             log_hold: Some(self.log.hold.clone()),
             order,
         };
-        let path = job.state_dir.join(crate::observe::reports::FOLDER).join(&job.name);
+        let path = job.state_dir.join(crate::tell::reports::FOLDER).join(&job.name);
         let (tx, start, instance) = (self.inputs.clone(), job.order.start, s.name.clone());
         let wrong =
             (job.order.class == crate::supervisor::outcome::FailureClass::WrongAnswers).then(|| job.state_dir.clone());
         let (taken, gate) = watch::channel(false);
         let (done, ended) = oneshot::channel();
         let task = self.tasks.spawn("failure report", Lifetime::Finite, async move {
-            match crate::observe::reports::write(job, move || {
+            match crate::tell::reports::write(job, move || {
                 let _ = taken.send(true);
             })
             .await
@@ -888,6 +900,18 @@ impl ports::Reports for RealBackend {
     fn cancel_report(&mut self) {
         if let Some(task) = self.reports.writing.take() {
             task.abort();
+        }
+    }
+}
+
+impl Loads {
+    /// Have `job` write the setups' records after the writes asked before
+    /// it, one at a time, on the ledger's thread (on the blocking pool
+    /// without it).
+    fn records(&self, job: impl FnOnce() + Send + 'static) {
+        match &self.writer {
+            Some(w) => w.run(job),
+            None => drop(tokio::task::spawn_blocking(job)),
         }
     }
 }
@@ -931,7 +955,7 @@ impl ports::Loads for RealBackend {
         let write = self.loads.ledger.push(record, self.loads.running.as_ref(), at);
         if let Some(w) = self.loads.writer.clone() {
             // A load ends as the run becomes ready: READY=1 first.
-            crate::observe::outbox::after_sent(move || w.send(write));
+            self.outbox.after_sent(move || w.send(write));
         }
     }
 
@@ -945,8 +969,8 @@ impl ports::Loads for RealBackend {
         if let Some(d) = self.loads.recovery.dropped.get_mut(&fp) {
             d.retain(|a, _| !values.contains_key(a));
         }
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = crate::observe::setups::pin(&state, &fp, &values) {
+        self.loads.records(move || {
+            if let Err(e) = crate::tell::setups::pin(&state, &fp, &values) {
                 tracing::warn!(EVENT = "fit", "cannot pin memory fit's values for setup {fp}: {e}");
             }
         });
@@ -957,8 +981,8 @@ impl ports::Loads for RealBackend {
         let (state, fp) = (self.settings.state_dir.clone(), facts.fingerprint.clone());
         // Not used again by this warden, whenever the file is written.
         self.loads.recovery.dropped.entry(fp.clone()).or_default().extend(values.clone());
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = crate::observe::setups::unpin(&state, &fp, &values) {
+        self.loads.records(move || {
+            if let Err(e) = crate::tell::setups::unpin(&state, &fp, &values) {
                 tracing::warn!(EVENT = "fit", "cannot drop memory fit's pins of setup {fp}: {e}");
             }
         });
@@ -966,7 +990,7 @@ impl ports::Loads for RealBackend {
 
     fn setup_good(&mut self) {
         let Some(facts) = &self.loads.running else { return };
-        let record = crate::observe::setups::good_now(&self.settings, facts);
+        let record = crate::tell::setups::good_now(&self.settings, facts);
         let (state, keep) = (self.settings.state_dir.clone(), self.settings.rollback.keep);
         // The last-known-good is what this warden read and saw ready, kept
         // here; the record on disk is to show and compare.
@@ -976,8 +1000,8 @@ impl ports::Loads for RealBackend {
             settings: self.settings.clone(),
             setup: facts.setup.clone(),
         });
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = crate::observe::setups::record_good(&state, &record, keep) {
+        self.loads.records(move || {
+            if let Err(e) = crate::tell::setups::record_good(&state, &record, keep) {
                 tracing::warn!(EVENT = "rollback", "cannot record the good setup {}: {e}", record.fingerprint);
             }
         });
@@ -1103,7 +1127,7 @@ impl ports::Upgrade for RealBackend {
         // The kernel-message follower is a process of ours the successor
         // would not know: stopped (it starts its own).
         self.kernel.follower = None;
-        let e = crate::daemon::upgrade::exec(&exe, &path);
+        let e = crate::daemon::upgrade::exec(&exe, &path, &self.outbox);
         let _ = std::fs::remove_file(&path);
         restore();
         drop(held);

@@ -19,13 +19,13 @@ use tokio_stream::{Stream, StreamExt};
 use crate::config::Settings;
 use crate::daemon::reload::ReloadPlan;
 use crate::observe::logwatch::Delivery;
-use crate::observe::notify::Notifier;
-use crate::observe::status::{LastReload, ReloadOutcome};
 use crate::process::child::TreeEvent;
 use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
 use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity, Topic, Upgrade};
+use crate::tell::notify::Notifier;
+use crate::tell::status::{LastReload, ReloadOutcome};
 
 pub mod ports;
 
@@ -135,7 +135,7 @@ pub trait Observer {
     /// A reloaded config (the status files may have moved).
     fn reconfigure(&mut self, _settings: &Settings) {}
     /// A reload ended: applied, restarting the child, unchanged or refused.
-    fn reloaded(&mut self, _reload: crate::observe::status::LastReload) {}
+    fn reloaded(&mut self, _reload: crate::tell::status::LastReload) {}
     /// When [`Observer::flush`] is due: what `changed` put off (writes
     /// coalesced to a few a second).
     fn due(&self) -> Option<std::time::Instant> {

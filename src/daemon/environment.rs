@@ -130,10 +130,10 @@ pub fn model_problems(s: &Settings) -> Vec<String> {
 
 /// The setup a start of `s` runs, and its model's weights (a local folder
 /// of a vLLM command): the load ledger's facts. Blocking.
-pub fn load_facts(s: &Settings) -> crate::observe::ledger::Facts {
+pub fn load_facts(s: &Settings) -> crate::tell::ledger::Facts {
     let model = weights_folder(s);
     let files: Vec<PathBuf> = s.patches.iter().map(|p| p.file.clone()).collect();
-    crate::observe::ledger::Facts::gather(&s.child.command, &s.child.env, &files, model.as_deref())
+    crate::tell::ledger::Facts::gather(&s.child.command, &s.child.env, &files, model.as_deref())
 }
 
 /// The folder the child starts in: `child.cwd`, else the warden's.

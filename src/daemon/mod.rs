@@ -36,10 +36,11 @@ use self::deadline::ExitDeadline;
 use self::driver::{Context, Request};
 use self::observer::StateObserver;
 use crate::config::Settings;
-use crate::observe::notify::Notifier;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
 use crate::supervisor::{Machine, Policy};
+use crate::tell::notify::Notifier;
+use crate::tell::outbox::Outbox;
 use crate::util::tasks::{Lifetime, Tasks};
 
 /// A current-thread runtime: the loop is one thread, and blocking work
@@ -95,9 +96,15 @@ pub async fn run(
     let last_check = crate::observe::health::LastCheck::default();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let (lines_tx, mut lines_rx) = mpsc::channel(crate::observe::logwatch::QUEUE);
-    let journal = crate::observe::journal::Forwarder::from_env(&settings.name);
+    let journal = crate::tell::journal::Forwarder::from_env(&settings.name);
     let gatherer = journal.as_ref().map(|j| j.gatherer());
-    let mut observer = StateObserver::new(&settings, journal, &token, view_tx);
+    // The status files and the notes behind them, off the loop.
+    let dog = notifier.watchdog();
+    let (outbox, mut notifier): (Outbox, Box<dyn Notifier>) = match Outbox::start(notifier) {
+        Ok(outbox) => (outbox.clone(), Box::new(crate::tell::outbox::Behind::new(outbox, dog))),
+        Err(notifier) => (Outbox::direct(), Box::new(notifier)),
+    };
+    let mut observer = StateObserver::new(&settings, journal, &token, view_tx, outbox.clone());
     // What the front door tells the loop of its requests (`[front]`).
     let activity = front_door.as_ref().map(|_| std::sync::Arc::new(front::Activity::default()));
     let front_door = front_door.zip(activity.clone()).map(|(f, a)| f.open(&mut observer, a));
@@ -115,8 +122,8 @@ pub async fn run(
     let policy = Policy::from_settings(&settings);
     let cleanup = settings.clone();
     let adopted = handover.adopted.clone();
-    let mut backend = match RealBackend::new(settings, classifier, tx, lines_tx, gatherer, token, handover, last_check)
-    {
+    let backend = RealBackend::new(settings, classifier, tx, lines_tx, gatherer, token, handover, last_check, outbox);
+    let mut backend = match backend {
         Ok(b) => b,
         Err(e) => {
             tracing::error!(error = %e, "cannot become a subreaper");
@@ -137,12 +144,6 @@ pub async fn run(
             }
         }
     }
-    // The status files and the notes behind them, off the loop.
-    let dog = notifier.watchdog();
-    let mut notifier: Box<dyn Notifier> = match crate::observe::outbox::start(notifier) {
-        Ok(outbox) => Box::new(crate::observe::outbox::Behind::new(outbox, dog)),
-        Err(notifier) => Box::new(notifier),
-    };
     let code = driver::Loop {
         machine,
         backend: &mut backend,
@@ -319,7 +320,10 @@ async fn finish(code: Code, mut backend: RealBackend, mut observer: StateObserve
     backend.preload.stop(settings.child.stop_timeout).await;
     let exit = ExitDeadline::start(&settings.name, code, EXIT_DEADLINE);
     exit.at("writing the status files and sending the last notifications");
-    crate::observe::outbox::settle(OUTBOX_PATIENCE);
+    observer.outbox.settle(OUTBOX_PATIENCE);
+    // The ledger's record of the last load, handed on behind the news.
+    exit.at("writing the load ledger and the setups");
+    backend.finish_records(OUTBOX_PATIENCE);
     // Reports of runs that ended beside a new one may still be written.
     exit.at("waiting for the failure reports being written");
     backend.finish_reports(crate::supervisor::policy::REPORT_MARGIN).await;

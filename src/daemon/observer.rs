@@ -3,7 +3,7 @@
 //! record in the state directory, the endpoint's view, and the front
 //! door's gate.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::config::Settings;
@@ -11,16 +11,20 @@ use crate::daemon::front::Gate;
 use crate::supervisor::load::LoadNow;
 use crate::supervisor::outcome::Phase;
 use crate::supervisor::{Machine, State};
+use crate::tell::outbox::Outbox;
 use crate::util::redact;
+use crate::util::worker::Worker;
 
 /// The status files and the tree record, kept up to date by the loop.
 pub struct StateObserver {
-    pub status: crate::observe::status::Reporter,
+    pub status: crate::tell::status::Reporter,
     /// Its count of dropped lines goes into the metrics.
-    journal: Option<crate::observe::journal::Forwarder>,
+    journal: Option<crate::tell::journal::Forwarder>,
     /// When that count is read next.
     next_journal_count: std::time::Instant,
     pub tree: TreeRecord,
+    /// Writes the status files and sends the notes behind them.
+    pub outbox: Outbox,
     /// What the HTTP endpoint shows.
     view: tokio::sync::watch::Sender<crate::daemon::server::View>,
     /// The weight-cache daemon, for the status document.
@@ -39,9 +43,9 @@ pub struct FrontSide {
 }
 
 impl FrontSide {
-    fn doc(&self) -> crate::observe::status::FrontDoc {
+    fn doc(&self) -> crate::tell::status::FrontDoc {
         let now = self.door.now();
-        crate::observe::status::FrontDoc {
+        crate::tell::status::FrontDoc {
             listen: self.listen.clone(),
             engine: self.engine.clone(),
             held: now.held,
@@ -93,19 +97,25 @@ pub fn gate(phase: Phase, load: Option<&LoadNow>, last_load: Option<Duration>) -
 impl StateObserver {
     pub fn new(
         settings: &Settings,
-        journal: Option<crate::observe::journal::Forwarder>,
+        journal: Option<crate::tell::journal::Forwarder>,
         token: &str,
         view: tokio::sync::watch::Sender<crate::daemon::server::View>,
+        outbox: Outbox,
     ) -> StateObserver {
         let s = settings;
-        let mut status =
-            crate::observe::status::Reporter::new(&s.name, &s.status.file, s.status.metrics_file.as_deref());
+        let mut status = crate::tell::status::Reporter::new(
+            &s.name,
+            &s.status.file,
+            s.status.metrics_file.as_deref(),
+            outbox.clone(),
+        );
         status.set_cache_dir(s.child.cache_dir.as_deref());
         StateObserver {
             status,
             journal,
             next_journal_count: std::time::Instant::now(),
-            tree: TreeRecord::new(s.state_dir.clone(), s.name.clone(), token.to_string()),
+            tree: TreeRecord::new(s.state_dir.clone(), s.name.clone(), token.to_string(), outbox.clone()),
+            outbox,
             view,
             preload: None,
             front: None,
@@ -179,7 +189,7 @@ impl crate::daemon::driver::Observer for StateObserver {
         self.status.set_cache_dir(s.child.cache_dir.as_deref());
     }
 
-    fn reloaded(&mut self, reload: crate::observe::status::LastReload) {
+    fn reloaded(&mut self, reload: crate::tell::status::LastReload) {
         let shown = Arc::new(reload.clone());
         self.status.set_last_reload(reload);
         self.status.flush();
@@ -192,7 +202,7 @@ impl crate::daemon::driver::Observer for StateObserver {
 
     fn settled(&mut self) {
         // The status files of a change that notified nothing.
-        crate::observe::outbox::kick();
+        self.outbox.kick();
         self.tree.settle();
     }
 
@@ -238,19 +248,23 @@ impl crate::daemon::driver::Observer for StateObserver {
         if self.status.due().is_some_and(|d| d <= now) {
             self.status.flush();
             self.publish(None);
-            crate::observe::outbox::kick();
+            self.outbox.kick();
         }
     }
 }
 
 /// Keeps the child's tree recorded in the state directory while it runs,
 /// for a warden started after this one was killed (see `prestart`). The
-/// `/proc` walk and the file write are done by a thread of their own; the
-/// latest job is left in its mailbox once the change's news is out.
+/// `/proc` walk and the file write are done by a worker of its own
+/// ([`crate::util::worker`]); of the jobs not yet taken only the latest is
+/// kept, in a slot beside the worker's queue, handed on once the change's
+/// news is out.
 pub struct TreeRecord {
     state_dir: std::path::PathBuf,
-    mailbox: Mailbox,
-    worker: Option<std::thread::JoinHandle<()>>,
+    /// The recorder's next job; the worker is woken for it.
+    slot: Slot,
+    worker: Option<Worker<()>>,
+    outbox: Outbox,
     /// The phase, progress and instant of the last record, while there is one.
     last: Option<(crate::supervisor::outcome::Phase, Option<String>, std::time::Instant)>,
     /// A job due, posted once the change's notifications are sent (the
@@ -258,42 +272,32 @@ pub struct TreeRecord {
     due: Option<RecordJob>,
 }
 
-/// The recorder's next job, and its wake-up.
-type Mailbox = Arc<(Mutex<Option<RecordJob>>, Condvar)>;
+/// The recorder's next job.
+type Slot = Arc<Mutex<Option<RecordJob>>>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RecordJob {
     Record,
     Clear,
-    /// The warden is exiting: stop after the job under way.
-    Stop,
 }
 
+/// How long the warden's exit waits for a record under way.
+const RECORD_PATIENCE: Duration = Duration::from_secs(5);
+
 impl TreeRecord {
-    fn new(state_dir: std::path::PathBuf, instance: String, token: String) -> TreeRecord {
-        let mailbox: Mailbox = Arc::default();
-        let (m, dir) = (mailbox.clone(), state_dir.clone());
-        let spawned = std::thread::Builder::new().name("tree record".into()).spawn(move || {
-            loop {
-                let job = {
-                    let (slot, ready) = &*m;
-                    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-                    loop {
-                        if let Some(job) = slot.take() {
-                            break job;
-                        }
-                        slot = ready.wait(slot).unwrap_or_else(|p| p.into_inner());
+    fn new(state_dir: std::path::PathBuf, instance: String, token: String, outbox: Outbox) -> TreeRecord {
+        let slot: Slot = Arc::default();
+        let (s, dir) = (slot.clone(), state_dir.clone());
+        let spawned = Worker::named("tree record", 4).start(move |()| {
+            let job = s.lock().unwrap_or_else(|p| p.into_inner()).take();
+            match job {
+                Some(RecordJob::Record) => {
+                    if let Err(e) = crate::process::prestart::record_tree(&dir, &instance, &token) {
+                        tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
                     }
-                };
-                match job {
-                    RecordJob::Record => {
-                        if let Err(e) = crate::process::prestart::record_tree(&dir, &instance, &token) {
-                            tracing::warn!(error = %e, "cannot record the child's tree in the state directory");
-                        }
-                    }
-                    RecordJob::Clear => crate::process::prestart::clear_record(&dir),
-                    RecordJob::Stop => return,
                 }
+                Some(RecordJob::Clear) => crate::process::prestart::clear_record(&dir),
+                None => {}
             }
         });
         let worker = spawned
@@ -301,18 +305,19 @@ impl TreeRecord {
                 tracing::warn!(error = %e, "cannot start the tree recorder: a killed warden's leftovers will not be found")
             })
             .ok();
-        TreeRecord { state_dir, mailbox, worker, last: None, due: None }
+        TreeRecord { state_dir, slot, worker, outbox, last: None, due: None }
     }
 
-    /// The warden is done and its tree gone: wait for the recorder, then
-    /// leave no record behind.
+    /// The warden is done and its tree gone: a job not yet taken is
+    /// dropped, the one under way waited for, then no record is left
+    /// behind.
     pub fn finish(&mut self) {
-        if let Some(job) = self.due.take() {
-            self.post(job);
-        }
-        self.post(RecordJob::Stop);
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
+        self.due = None;
+        self.slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(w) = self.worker.take()
+            && !w.flush(RECORD_PATIENCE)
+        {
+            tracing::warn!("the tree record under way did not finish: it is cleared beside it");
         }
         crate::process::prestart::clear_record(&self.state_dir);
     }
@@ -321,14 +326,10 @@ impl TreeRecord {
     /// notifications are out: this is housekeeping, they are news (woken
     /// beside them, the recorder's `/proc` walk takes a CPU they wait for).
     fn settle(&mut self) {
-        if let Some(job) = self.due.take() {
-            let mailbox = self.mailbox.clone();
-            crate::observe::outbox::after_sent(move || post(&mailbox, job));
+        if let (Some(job), Some(w)) = (self.due.take(), &self.worker) {
+            let (slot, w) = (self.slot.clone(), w.clone());
+            self.outbox.after_sent(move || post(&slot, &w, job));
         }
-    }
-
-    fn post(&self, job: RecordJob) {
-        post(&self.mailbox, job);
     }
 
     /// Recorded again at every change of phase and, while loading, of the
@@ -359,16 +360,14 @@ impl TreeRecord {
     }
 }
 
-/// Leave `job` in the recorder's mailbox, in place of a job not yet taken;
-/// but a stop stays: a record handed on late must not keep the recorder
-/// (and the warden's exit, which joins it) waiting.
-fn post(mailbox: &Mailbox, job: RecordJob) {
-    let (slot, ready) = &**mailbox;
-    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-    if *slot != Some(RecordJob::Stop) {
-        *slot = Some(job);
+/// Leave `job` in the recorder's slot, in place of a job not yet taken;
+/// the worker is woken when the slot was empty (a wake-up is queued for a
+/// job already there).
+fn post(slot: &Slot, worker: &Worker<()>, job: RecordJob) {
+    let was = slot.lock().unwrap_or_else(|p| p.into_inner()).replace(job);
+    if was.is_none() {
+        worker.send(());
     }
-    ready.notify_one();
 }
 
 #[cfg(test)]

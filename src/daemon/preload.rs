@@ -77,7 +77,7 @@ pub struct Preloader {
     /// Sent each progress line of a starting daemon.
     progress: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>>,
     /// The daemon's lines go to the journal too, with the engine's.
-    journal: Option<crate::observe::journal::Gatherer>,
+    journal: Option<crate::tell::journal::Gatherer>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -88,7 +88,7 @@ impl Preloader {
     pub fn new(
         inputs: mpsc::UnboundedSender<Input>,
         token: String,
-        journal: Option<crate::observe::journal::Gatherer>,
+        journal: Option<crate::tell::journal::Gatherer>,
     ) -> Preloader {
         Preloader { slot: Arc::default(), inputs, token, progress: Arc::default(), journal }
     }
@@ -438,7 +438,7 @@ fn read_output(
     mut log: std::fs::File,
     seen: Arc<Mutex<Seen>>,
     progress: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>>,
-    mut journal: Option<crate::observe::journal::Gatherer>,
+    mut journal: Option<crate::tell::journal::Gatherer>,
     gone: watch::Sender<bool>,
 ) {
     let run = move || {

@@ -221,7 +221,7 @@ pub async fn run(
 /// The start waits (for leftovers to stop, the port, the GPUs, the Ray
 /// cluster): the reports of earlier runs need not wait for it any more.
 fn waits() {
-    crate::observe::reports::start_under_way(false);
+    crate::tell::reports::start_under_way(false);
 }
 
 /// First and longest wait between two looks at the Ray cluster: each look

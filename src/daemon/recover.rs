@@ -3,7 +3,7 @@
 //! values over the command line), the last-known-good setup and the
 //! settings of a rollback. What to do when is the machine's
 //! (`supervisor::fit`, `supervisor::machine`); the records on disk are
-//! `observe::setups`.
+//! `tell::setups`.
 //!
 //! The last-known-good is kept in memory, never read back from the state
 //! directory: that folder is the service user's, and the service user is
@@ -18,9 +18,9 @@
 use std::collections::BTreeMap;
 
 use crate::config::{FitArg, Settings};
-use crate::observe::ledger::{Facts, Setup};
 use crate::supervisor::fit::{Source, Used, VLLM_UTILIZATION};
 use crate::supervisor::outcome::StartFailure;
+use crate::tell::ledger::{Facts, Setup};
 
 /// A setup that reached ready (with good golden answers, when asked) in
 /// this warden's life: the settings it was started with, as this warden
@@ -153,7 +153,7 @@ pub fn find(
     {
         let now = serde_json::to_value(&facts.setup).unwrap_or_default();
         let was = serde_json::to_value(&want.setup).unwrap_or_default();
-        let what = crate::observe::ledger::setup_changes(&was, &now).join("; ");
+        let what = crate::observe::golden::setup_changes(&was, &now).join("; ");
         let venv = if want.setup.vllm != facts.setup.vllm {
             " (the command's vLLM changed in place: side-by-side venvs make vLLM upgrades roll back)"
         } else {
@@ -164,7 +164,7 @@ pub fn find(
             want.fingerprint
         )));
     }
-    let raw = crate::observe::setups::pins(&s.state_dir, &facts.fingerprint);
+    let raw = crate::tell::setups::pins(&s.state_dir, &facts.fingerprint);
     let pinned = usable_pins(s, &facts.fingerprint, &raw, dropped.get(&facts.fingerprint));
     let used = used(&s.child.command, fit, &pinned);
     let argv = argv(&s.child.command, &used);
@@ -284,7 +284,7 @@ mod tests {
     fn a_good_setup_of_another_instance_is_not_rolled_back_to() {
         let d = tempfile::tempdir().unwrap();
         let s = settings(d.path(), "name = \"m\"\n[child]\ncommand = [\"vllm\"]\n");
-        let facts = crate::observe::ledger::Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], None);
+        let facts = crate::tell::ledger::Facts::gather(&["vllm".into()], &BTreeMap::new(), &[], None);
         let mut good =
             Good { fingerprint: facts.fingerprint.clone(), at: "2026".into(), settings: s.clone(), setup: facts.setup };
         assert!(rollback_settings(&s, &good).is_ok());

@@ -40,8 +40,8 @@ use axum::routing::{get, post};
 use tokio::sync::{mpsc, watch};
 
 use crate::daemon::driver::{Heartbeat, Request};
-use crate::observe::status::Metrics;
 use crate::supervisor::outcome::Phase;
+use crate::tell::metrics::Metrics;
 
 /// The loop has not turned for this long: `/livez` fails.
 pub const LIVE_STALE: Duration = Duration::from_secs(5);
@@ -66,7 +66,7 @@ pub struct View {
     /// The reloads that ended, and the last one: `POST /reload` answers
     /// once the count passes what it was when asked.
     pub reloads: u64,
-    pub last_reload: Option<Arc<crate::observe::status::LastReload>>,
+    pub last_reload: Option<Arc<crate::tell::status::LastReload>>,
 }
 
 impl Default for View {
@@ -624,7 +624,7 @@ async fn startupz(State(api): State<Api>) -> Response {
         // It has loaded once; it is given back until a request comes.
         Phase::Idle => text(StatusCode::OK, format!("{phase}\n")),
         phase => {
-            let load = load.map(|l| crate::observe::status::LoadDoc::of(&l.as_of(tokio::time::Instant::now())));
+            let load = load.map(|l| crate::tell::status::LoadDoc::of(&l.as_of(tokio::time::Instant::now())));
             let body = serde_json::json!({ "state": phase.as_str(), "load": load });
             (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], format!("{body}\n"))
                 .into_response()
@@ -643,7 +643,7 @@ async fn status(State(api): State<Api>) -> Response {
 /// The document with the front door's `held` and `in_flight` as they are
 /// now: the document is made at each change of the machine, and requests
 /// come and go between two (the gauges follow each one).
-fn live_front(doc: &str, metrics: &crate::observe::status::Metrics) -> String {
+fn live_front(doc: &str, metrics: &crate::tell::metrics::Metrics) -> String {
     let Ok(mut v) = serde_json::from_str::<serde_json::Value>(doc) else { return doc.to_string() };
     let Some(front) = v.get_mut("front").and_then(|f| f.as_object_mut()) else { return doc.to_string() };
     let (held, in_flight) = metrics.front.now();
@@ -769,7 +769,7 @@ async fn reload(State(api): State<Api>, headers: HeaderMap) -> Response {
         .and_then(|v| v.last_reload.clone());
     match done {
         Some(r) => {
-            let code = if r.outcome == crate::observe::status::ReloadOutcome::Refused {
+            let code = if r.outcome == crate::tell::status::ReloadOutcome::Refused {
                 StatusCode::UNPROCESSABLE_ENTITY
             } else {
                 StatusCode::OK

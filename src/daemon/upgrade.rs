@@ -360,13 +360,13 @@ pub fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 /// naming `state`. The stop, reload and upgrade signals are blocked across
 /// the exec (the mask is kept), so that one arriving before the successor
 /// has its handlers is held for them, not taken by the default action
-/// (which would end the warden). Returns only on failure, with the mask as
-/// it was.
-pub fn exec(exe: &Path, state: &Path) -> io::Error {
+/// (which would end the warden); what `outbox` holds is written and sent
+/// first. Returns only on failure, with the mask as it was.
+pub fn exec(exe: &Path, state: &Path, outbox: &crate::tell::outbox::Outbox) -> io::Error {
     use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
     // What the status writer and the log's writer hold would be lost with
     // this process.
-    crate::observe::outbox::settle(Duration::from_secs(1));
+    outbox.settle(Duration::from_secs(1));
     crate::util::logging::flush(Duration::from_secs(1));
     let mut held = SigSet::empty();
     for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGUSR2] {

@@ -2,7 +2,7 @@
 //! the status reporter of their own: the health checks that failed, by
 //! kind, and how long the start has been waiting for the GPUs' memory to be
 //! released. Process-wide, as there is one warden a process; read by
-//! [`crate::observe::status::Metrics`] each time it encodes.
+//! [`crate::tell::metrics::Metrics`] each time it encodes.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};

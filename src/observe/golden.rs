@@ -374,7 +374,7 @@ pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f
                     let after = if own.is_some() {
                         "with the same setup".to_string()
                     } else {
-                        let changes = crate::observe::ledger::setup_changes(&r.setup, &subject.setup);
+                        let changes = setup_changes(&r.setup, &subject.setup);
                         format!("after {}", changes.join("; "))
                     };
                     let text = format!("answers changed {after}: prompt {:?}, {}", short(&d.prompt), d.what);
@@ -507,6 +507,52 @@ pub fn accept(state_dir: &Path) -> Result<Accepted, String> {
     };
     keep(state_dir, all, r, replaced.as_ref().map(|_| UNREADABLE))?;
     Ok(Accepted { fingerprint: last.fingerprint, replaced })
+}
+
+/// What differs between two setups, key by key: the reason of a verdict
+/// whose answers changed with the setup (and what `loads`, `setups` and a
+/// rollback show).
+pub fn setup_changes(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+    use serde_json::Value;
+    let mut out = Vec::new();
+    let str_of = |v: Option<&Value>| match v {
+        None | Some(Value::Null) => "(none)".to_string(),
+        Some(Value::String(s)) => crate::util::escape::one_line(s, 300),
+        Some(v) => crate::util::escape::one_line(&v.to_string(), 300),
+    };
+    for key in ["vllm", "command"] {
+        let (x, y) = (a.get(key), b.get(key));
+        if x != y {
+            out.push(format!("{key}: {} → {}", str_of(x), str_of(y)));
+        }
+    }
+    for key in ["env", "patched"] {
+        let empty = serde_json::Map::new();
+        let x = a.get(key).and_then(Value::as_object).unwrap_or(&empty);
+        let y = b.get(key).and_then(Value::as_object).unwrap_or(&empty);
+        let mut names: Vec<&String> = x.keys().chain(y.keys()).collect();
+        names.sort();
+        names.dedup();
+        for n in names {
+            if x.get(n) != y.get(n) {
+                // A file's sha256 is told by its first 12 digits.
+                let str_of = |v: Option<&Value>| {
+                    let s = str_of(v);
+                    if key == "patched" && s.len() == 64 { s[..12].to_string() } else { s }
+                };
+                out.push(format!(
+                    "{key} {}: {} → {}",
+                    crate::util::escape::one_line(n, 300),
+                    str_of(x.get(n)),
+                    str_of(y.get(n))
+                ));
+            }
+        }
+    }
+    if out.is_empty() {
+        out.push("(the records hold no more of the setups)".into());
+    }
+    out
 }
 
 #[cfg(test)]

@@ -1,10 +1,9 @@
-//! Watching the child and telling the world about it: moving its output
-//! from the warden's pipe to its log file, following that file (and
-//! rotating it), HTTP readiness and health checks, GPU faults in
-//! the kernel's messages, host OOM kills, forwarding its lines to the journal, the status
-//! document and the metrics, the load ledger, the golden answers, the
-//! failure report of a failed run, and sd_notify (the status files and the
-//! notes behind them written and sent off the loop, by the outbox).
+//! Watching the child: moving its output from the warden's pipe to its log
+//! file, following that file (and rotating it), HTTP readiness and health
+//! checks, the golden answers asked, GPU faults in the kernel's messages,
+//! host OOM kills, and what only the tasks off the loop know of the checks
+//! (`facts`). What goes out (the status files, sd_notify, the journal, the
+//! ledger, failure reports) is `tell`'s.
 //!
 //! May use `process`, `supervisor`, `config`, `patch` and `util`. Decides
 //! nothing: what a line or an answer means for the run is the
@@ -13,15 +12,8 @@
 pub mod facts;
 pub mod golden;
 pub mod health;
-pub mod journal;
 pub mod kernel;
-pub mod ledger;
 pub mod logpipe;
 pub mod logwatch;
-pub mod notify;
 pub mod oom;
-pub mod outbox;
-pub mod reports;
 pub mod rotate;
-pub mod setups;
-pub mod status;

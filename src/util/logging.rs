@@ -11,14 +11,15 @@
 //! full is dropped and counted, and the count said once the writer has
 //! caught up; [`flush`] waits for the queue before the process ends.
 
-use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::os::unix::net::UnixDatagram;
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::prelude::*;
+
+use crate::util::worker::Worker;
 
 /// How events are written to stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -154,104 +155,66 @@ impl Sink {
     }
 }
 
-/// The events waiting for the writer.
-#[derive(Default)]
-struct Waiting {
-    events: VecDeque<Vec<u8>>,
-    bytes: usize,
-    dropped: u64,
-    /// The writer is writing what it took.
-    busy: bool,
-}
-
+/// The events waiting for the writer: a worker of its own
+/// ([`crate::util::worker`]) bounded in events and bytes, whose drops are
+/// said in the sink itself (the log cannot say them through itself) as
+/// soon as the writer has caught up; or the sink itself, when the thread
+/// cannot be started.
 struct Queue {
-    waiting: Mutex<Waiting>,
-    posted: Condvar,
-    done: Condvar,
-    /// Where events go when the writer's thread cannot be started.
-    direct: OnceLock<Sink>,
+    worker: Option<Worker<Vec<u8>>>,
+    direct: Option<Arc<Sink>>,
 }
 
 static QUEUE: OnceLock<Queue> = OnceLock::new();
 
 impl Queue {
-    fn lock(&self) -> MutexGuard<'_, Waiting> {
-        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    fn start(sink: Sink) -> Queue {
+        let sink = Arc::new(sink);
+        let (to, said) = (sink.clone(), sink.clone());
+        let started = spec()
+            .say_dropped(Duration::ZERO, move |new, _| {
+                let _ = said.write(&said.dropped(new));
+            })
+            .start(move |event: Vec<u8>| {
+                let _ = to.write(&event);
+            });
+        match started {
+            Ok(worker) => Queue { worker: Some(worker), direct: None },
+            Err(_) => Queue { worker: None, direct: Some(sink) },
+        }
     }
 
     fn push(&self, event: Vec<u8>) {
         if event.is_empty() {
             return;
         }
-        if let Some(sink) = self.direct.get() {
-            let _ = sink.write(&event);
-            return;
+        match (&self.worker, &self.direct) {
+            (Some(w), _) => {
+                w.send(event);
+            }
+            (None, Some(sink)) => {
+                let _ = sink.write(&event);
+            }
+            (None, None) => {}
         }
-        let mut w = self.lock();
-        if w.events.len() >= QUEUE_EVENTS || w.bytes + event.len() > QUEUE_BYTES {
-            w.dropped += 1;
-            return;
-        }
-        w.bytes += event.len();
-        w.events.push_back(event);
-        drop(w);
-        self.posted.notify_one();
     }
 
     fn flush(&self, limit: Duration) {
-        let w = self.lock();
-        let _w = self.done.wait_timeout_while(w, limit, |w| w.busy || !w.events.is_empty());
-    }
-
-    /// The writer's thread.
-    fn write_all(&self, sink: &Sink) {
-        loop {
-            let (events, dropped) = {
-                let mut w = self.lock();
-                w.busy = false;
-                while w.events.is_empty() {
-                    self.done.notify_all();
-                    w = self.posted.wait(w).unwrap_or_else(|p| p.into_inner());
-                }
-                w.busy = true;
-                w.bytes = 0;
-                (std::mem::take(&mut w.events), std::mem::take(&mut w.dropped))
-            };
-            for e in events {
-                let _ = sink.write(&e);
-            }
-            if dropped > 0 {
-                let _ = sink.write(&sink.dropped(dropped));
-            }
+        if let Some(w) = &self.worker {
+            w.flush(limit);
         }
     }
+}
+
+/// The writer's queue: bounded in events and bytes.
+fn spec() -> crate::util::worker::Spec<Vec<u8>> {
+    Worker::named("log writer", QUEUE_EVENTS).bytes(QUEUE_BYTES, Vec::len)
 }
 
 /// The queue, and its writer's thread writing to `sink`; started once (the
 /// first sink stays).
 fn queue(sink: Sink) -> &'static Queue {
-    let mut fresh = None;
-    let q = QUEUE.get_or_init(|| {
-        fresh = Some(sink);
-        Queue { waiting: Mutex::default(), posted: Condvar::new(), done: Condvar::new(), direct: OnceLock::new() }
-    });
-    if let Some(sink) = fresh {
-        let (tx, rx) = std::sync::mpsc::channel::<Sink>();
-        let spawned = std::thread::Builder::new().name("log writer".into()).spawn(move || {
-            if let Ok(sink) = rx.recv() {
-                QUEUE.get().expect("set before the thread").write_all(&sink);
-            }
-        });
-        match spawned {
-            Ok(_) => {
-                let _ = tx.send(sink);
-            }
-            Err(_) => {
-                let _ = q.direct.set(sink);
-            }
-        }
-    }
-    q
+    QUEUE.get_or_init(|| Queue::start(sink))
 }
 
 /// The fmt layers' writer: each event is formatted into a buffer of its
@@ -414,13 +377,7 @@ mod tests {
         let path = dir.path().join("journal.sock");
         let journal = UnixDatagram::bind(&path).unwrap();
         let sock = UnixDatagram::unbound().unwrap();
-        let queue: &'static Queue = Box::leak(Box::new(Queue {
-            waiting: Mutex::default(),
-            posted: Condvar::new(),
-            done: Condvar::new(),
-            direct: OnceLock::new(),
-        }));
-        std::thread::spawn(move || queue.write_all(&Sink::Journal(sock, path)));
+        let queue: &'static Queue = Box::leak(Box::new(Queue::start(Sink::Journal(sock, path))));
         let layer = Journal { queue, identifier: "vllm-warden".into() };
         let subscriber = tracing_subscriber::registry().with(layer);
         tracing::subscriber::with_default(subscriber, || {
@@ -457,13 +414,12 @@ mod tests {
     /// no one who logs: past the bound, events are dropped and counted.
     #[test]
     fn a_stuck_writer_drops_and_counts_what_does_not_fit() {
-        let queue =
-            Queue { waiting: Mutex::default(), posted: Condvar::new(), done: Condvar::new(), direct: OnceLock::new() };
+        let worker = spec().unstarted();
+        let queue = Queue { worker: Some(worker.clone()), direct: None };
         for i in 0..QUEUE_EVENTS + 10 {
             queue.push(format!("event {i}\n").into_bytes());
         }
-        let w = queue.lock();
-        assert_eq!((w.events.len(), w.dropped), (QUEUE_EVENTS, 10));
+        assert_eq!((worker.high_water().0, worker.dropped()), (QUEUE_EVENTS, 10));
         assert_eq!(
             Sink::Stderr.dropped(10),
             b"vllm-warden: 10 event(s) of the warden's own log dropped: the log's reader was too slow\n"

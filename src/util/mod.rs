@@ -1,6 +1,7 @@
 //! Small tools every layer may use: atomic whole-file writes and folder
 //! checks, escaping untrusted text into one line, masking secrets, the
-//! watched background tasks, and where the warden's own log goes.
+//! watched background tasks, where the warden's own log goes, and the
+//! one worker thread behind every writer.
 //!
 //! Uses nothing of the crate; knows nothing of vLLM, the child or systemd.
 
@@ -10,3 +11,4 @@ pub mod fsutil;
 pub mod logging;
 pub mod redact;
 pub mod tasks;
+pub mod worker;

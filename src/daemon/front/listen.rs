@@ -478,14 +478,14 @@ fn store(listeners: &[(Listen, Listener)], origins: &[Origin], stale: &[String])
         )
     };
     for name in stale {
-        match crate::observe::notify::remove_stored(name) {
+        match crate::tell::notify::remove_stored(name) {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => return failed(e),
         }
     }
     for (i, name) in store_plan(origins, stale) {
-        match crate::observe::notify::store_fd(&name, listeners[i].1.as_fd()) {
+        match crate::tell::notify::store_fd(&name, listeners[i].1.as_fd()) {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => return failed(e),

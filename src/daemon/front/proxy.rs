@@ -53,7 +53,7 @@ use tokio::sync::watch;
 use super::hold::{self, Place, Refused, Release};
 use super::{Activity, Gate, Listener};
 use crate::config::{Engine, Front, Listen};
-use crate::observe::status::Metrics;
+use crate::tell::metrics::Metrics;
 
 /// How long a client has to send a request's head, on a new connection
 /// and between two requests on a kept-alive one (as uvicorn's keep-alive,

@@ -43,7 +43,7 @@ pub struct SetupRecord {
     pub config: String,
     /// vLLM's version, the command line and `child.env` (masked), the
     /// patched files' sha256.
-    pub setup: crate::observe::ledger::Setup,
+    pub setup: crate::tell::ledger::Setup,
 }
 
 /// A fingerprint as the warden makes them: 16 lowercase hex digits.
@@ -89,7 +89,7 @@ pub fn record_good(state_dir: &Path, record: &SetupRecord, keep: u32) -> std::io
 }
 
 /// A record of this warden's making, for a good setup now.
-pub fn good_now(s: &crate::config::Settings, facts: &crate::observe::ledger::Facts) -> SetupRecord {
+pub fn good_now(s: &crate::config::Settings, facts: &crate::tell::ledger::Facts) -> SetupRecord {
     SetupRecord {
         fingerprint: facts.fingerprint.clone(),
         at: now_rfc3339(),
@@ -227,7 +227,7 @@ mod tests {
             at: at.into(),
             config_file: "/etc/vllm-warden/m.toml".into(),
             config: "name = \"m\"\n".into(),
-            setup: crate::observe::ledger::Setup {
+            setup: crate::tell::ledger::Setup {
                 vllm: Some("0.32.0".into()),
                 command: "vllm serve m".into(),
                 env: BTreeMap::new(),

@@ -5,6 +5,8 @@ use std::io;
 use std::sync::{Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::util::worker::Worker;
+
 pub(super) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
     tokio::task::spawn_blocking(f).await.map_err(io::Error::other)
 }
@@ -19,8 +21,9 @@ pub(super) fn work<T: Send + 'static>(
     let job: Work = Box::new(move || {
         let _ = tx.send(f());
     });
+    // A full queue hands the job to the blocking pool: it is not dropped.
     let job = match LATER.as_ref().filter(|_| later) {
-        Some(worker) => worker.send(job).err().map(|e| e.0),
+        Some(worker) => worker.try_send(job).err(),
         None => Some(job),
     };
     if let Some(job) = job {
@@ -42,25 +45,35 @@ pub(super) const LATER_NICE: i32 = 10;
 /// one job at a time, in order. It yields to the start that goes on beside
 /// it; a report the machine waits for (a run still there) uses the
 /// blocking pool.
-pub(super) static LATER: LazyLock<Option<std::sync::mpsc::Sender<Work>>> = LazyLock::new(|| {
-    let (tx, rx) = std::sync::mpsc::channel::<Work>();
-    let spawned = std::thread::Builder::new().name("failure reports".into()).spawn(move || {
-        let idle = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sched_setscheduler on this thread (pid 0) reads `idle`;
-        // setpriority on this thread (who = its tid) takes no pointer.
-        unsafe {
-            if libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) != 0 {
-                libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, LATER_NICE);
-            }
+pub(super) static LATER: LazyLock<Option<Worker<Work>>> = LazyLock::new(|| {
+    let mut idle = false;
+    let worker = Worker::named("failure reports", LATER_QUEUE).stack(LATER_STACK).start(move |job: Work| {
+        if !std::mem::replace(&mut idle, true) {
+            lowest_priority();
         }
-        for job in rx {
-            wait_for_start();
-            // A panic is the job's: its result is never sent; the thread goes on.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-        }
+        wait_for_start();
+        job();
     });
-    spawned.ok().map(|_| tx)
+    worker.ok()
 });
+
+/// How many jobs may wait for [`LATER`]; more go to the blocking pool.
+const LATER_QUEUE: usize = 64;
+
+/// [`LATER`]'s stack: a report's parts read logs and compress them.
+const LATER_STACK: usize = 1 << 20;
+
+/// This thread at `SCHED_IDLE`, else at nice [`LATER_NICE`].
+fn lowest_priority() {
+    let idle = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler on this thread (pid 0) reads `idle`;
+    // setpriority on this thread (who = its tid) takes no pointer.
+    unsafe {
+        if libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) != 0 {
+            libc::setpriority(libc::PRIO_PROCESS, nix::unistd::gettid().as_raw() as libc::id_t, LATER_NICE);
+        }
+    }
+}
 
 /// How long at the most [`LATER`] waits for a start under way.
 pub(super) const START_YIELD: Duration = Duration::from_secs(1);

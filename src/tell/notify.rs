@@ -26,7 +26,7 @@ pub trait Notifier: Send {
     /// Try the undelivered notes again.
     fn retry(&mut self) {}
     /// A notifier of its own for `WATCHDOG=1` alone, to send it apart from
-    /// the other notes (see [`crate::observe::outbox`]); `None`: it goes
+    /// the other notes (see [`crate::tell::outbox`]); `None`: it goes
     /// with them.
     fn watchdog(&self) -> Option<Box<dyn Notifier>> {
         None

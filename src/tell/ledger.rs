@@ -366,75 +366,45 @@ pub fn write(w: &Write_) -> std::io::Result<()> {
     }
 }
 
-/// The ledger's writer: a thread of its own, fed by a bounded queue, so
-/// that no write of the ledger waits on the loop.
+/// The ledger's writer: a worker of its own, fed by a bounded queue, so
+/// that no write of the ledger waits on the loop. The setups' file
+/// ([`crate::tell::setups`]) is written by the same thread, so that its
+/// reads and rewrites come one after the other, in the order asked.
+#[derive(Clone)]
 pub struct Writer {
-    tx: std::sync::mpsc::SyncSender<Write_>,
+    worker: crate::util::worker::Worker<Job>,
 }
+
+/// A write of the state directory's records, done on the writer's thread.
+type Job = Box<dyn FnOnce() + Send>;
 
 impl Writer {
     pub fn start() -> std::io::Result<Writer> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Write_>(16);
-        std::thread::Builder::new().name("ledger".into()).spawn(move || {
-            for w in rx {
-                if let Err(e) = write(&w) {
-                    tracing::warn!(error = %e, "cannot write the load ledger");
-                }
-            }
-        })?;
-        Ok(Writer { tx })
+        let worker = crate::util::worker::Worker::named("ledger", 16).start(|job: Job| job())?;
+        Ok(Writer { worker })
     }
 
     /// Hand `w` to the writer; a full queue drops it, with a warning.
     pub fn send(&self, w: Write_) {
-        if let Err(e) = self.tx.try_send(w) {
-            tracing::warn!("the load ledger's writer is behind: a record was not written ({e})");
-        }
-    }
-}
-
-/// What differs between two setups, key by key.
-pub fn setup_changes(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
-    use serde_json::Value;
-    let mut out = Vec::new();
-    let str_of = |v: Option<&Value>| match v {
-        None | Some(Value::Null) => "(none)".to_string(),
-        Some(Value::String(s)) => crate::util::escape::one_line(s, 300),
-        Some(v) => crate::util::escape::one_line(&v.to_string(), 300),
-    };
-    for key in ["vllm", "command"] {
-        let (x, y) = (a.get(key), b.get(key));
-        if x != y {
-            out.push(format!("{key}: {} → {}", str_of(x), str_of(y)));
-        }
-    }
-    for key in ["env", "patched"] {
-        let empty = serde_json::Map::new();
-        let x = a.get(key).and_then(Value::as_object).unwrap_or(&empty);
-        let y = b.get(key).and_then(Value::as_object).unwrap_or(&empty);
-        let mut names: Vec<&String> = x.keys().chain(y.keys()).collect();
-        names.sort();
-        names.dedup();
-        for n in names {
-            if x.get(n) != y.get(n) {
-                // A file's sha256 is told by its first 12 digits.
-                let str_of = |v: Option<&Value>| {
-                    let s = str_of(v);
-                    if key == "patched" && s.len() == 64 { s[..12].to_string() } else { s }
-                };
-                out.push(format!(
-                    "{key} {}: {} → {}",
-                    crate::util::escape::one_line(n, 300),
-                    str_of(x.get(n)),
-                    str_of(y.get(n))
-                ));
+        self.run(move || {
+            if let Err(e) = write(&w) {
+                tracing::warn!(error = %e, "cannot write the load ledger");
             }
+        });
+    }
+
+    /// Have `job` (a write of the state directory's records) done after
+    /// what was handed before it; a full queue drops it, with a warning.
+    pub fn run(&self, job: impl FnOnce() + Send + 'static) {
+        if !self.worker.send(Box::new(job)) {
+            tracing::warn!("the load ledger's writer is behind: a record was not written (the queue is full)");
         }
     }
-    if out.is_empty() {
-        out.push("(the records hold no more of the setups)".into());
+
+    /// Wait, at most `limit`, for what was handed so far.
+    pub fn flush(&self, limit: std::time::Duration) -> bool {
+        self.worker.flush(limit)
     }
-    out
 }
 
 #[cfg(test)]
