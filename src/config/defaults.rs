@@ -20,7 +20,7 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The port vLLM listens on when the command has no `--port`, and the
 /// Ray head's GCS port when `ray start --head` has none.
-pub use crate::config::command::{PORT, RAY_PORT};
+pub use crate::config::command::PORT;
 /// How long a start waits for the Ray cluster (`prestart.ray-*`).
 pub const RAY_WAIT: Duration = minutes(10);
 /// How long one look at the Ray cluster may take: it starts a Python

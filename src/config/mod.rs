@@ -43,8 +43,6 @@ pub use self::settings::{
 /// The folder of the instances' configs: `NAME.toml` is instance NAME's,
 /// as the unit `vllm-warden@NAME` reads it.
 pub const CONFIG_DIR: &str = "/etc/vllm-warden";
-/// The port vLLM listens on when the command has no `--port`.
-pub const DEFAULT_PORT: u16 = defaults::PORT;
 
 /// The directories systemd hands a service (`RuntimeDirectory=` …), read
 /// once so that validation stays a pure function of its inputs.

@@ -80,13 +80,6 @@ impl Preload {
     pub fn health_url(&self) -> Option<String> {
         self.enabled.then(|| format!("http://127.0.0.1:{}/health", self.health_port))
     }
-
-    /// The part of the daemon's command that decides which weights it
-    /// holds: a reload that changes it starts the daemon again; one that
-    /// does not keeps it.
-    pub fn weights(&self) -> &[String] {
-        &self.command
-    }
 }
 
 /// What `vllm serve` takes as its model: the first argument after `serve`

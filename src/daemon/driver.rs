@@ -164,13 +164,6 @@ pub trait Observer {
 /// carries the watchdog, the stop and `STATUS=`.
 pub const SLOW_TURN: Duration = Duration::from_millis(100);
 
-/// An observer that does nothing, for tests.
-pub struct NullObserver;
-
-impl Observer for NullObserver {
-    fn changed(&mut self, _: &Machine) {}
-}
-
 /// What the loop needs to know besides its inputs.
 #[derive(Debug, Clone)]
 pub struct Context {

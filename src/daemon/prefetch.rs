@@ -46,12 +46,6 @@ const CACHE_SAMPLE: u64 = 256 << 20;
 /// `filter_files_not_needed_for_inference`).
 const NOT_WEIGHTS: [&str; 5] = ["training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"];
 
-/// The load formats whose weight files the read-ahead knows (vLLM's
-/// `DefaultModelLoader`); the others read their own way (a streamer, a
-/// GGUF file, no file at all).
-pub const KNOWN_FORMATS: [&str; 8] =
-    ["auto", "hf", "safetensors", "fastsafetensors", "instanttensor", "mistral", "pt", "npcache"];
-
 /// The weight files vLLM 0.32 reads from `folder` under `--load-format
 /// load_format`, in the order it reads them, as its
 /// `DefaultModelLoader._prepare_weights` and its weight iterators decide:

@@ -25,9 +25,8 @@ mod error;
 mod source;
 mod store;
 
-pub use self::error::{OriginalError, PatchError};
+pub use self::error::PatchError;
 
-pub use edit::{PathError, remove, set};
 pub use store::{Manifest, Wait};
 
 use edit::{EditError, Op};

@@ -41,8 +41,6 @@ pub struct Known {
     /// The variable whose default this one derives from: when the operator
     /// sets that one, this one follows it and the warden leaves it alone.
     pub parent: Option<&'static str>,
-    /// Who writes there, shown by `check` and the man page.
-    pub who: &'static str,
 }
 
 /// Every variable set under the cache directory: read in vLLM 0.32's
@@ -58,87 +56,88 @@ pub const CACHES: &[Known] = &[
         sub: "",
         kind: Kind::Cache,
         parent: None,
-        who: "the default cache root of vLLM (assets), torch (hub, kernels, extensions), numba, outlines",
+        // Who writes there: the default cache root of vLLM (assets), torch (hub, kernels, extensions), numba, outlines
     },
     Known {
         name: "XDG_CONFIG_HOME",
         sub: "config",
         kind: Kind::Cache,
         parent: None,
-        who: "configuration files written at run time",
+        // Who writes there: configuration files written at run time
     },
     Known {
         name: "VLLM_CONFIG_ROOT",
         sub: "config/vllm",
         kind: Kind::Cache,
         parent: Some("XDG_CONFIG_HOME"),
-        who: "vLLM's config root (usage statistics, `do_not_track`)",
+        // Who writes there: vLLM's config root (usage statistics, `do_not_track`)
     },
     Known {
         name: "VLLM_CACHE_ROOT",
         sub: "vllm",
         kind: Kind::Cache,
         parent: Some("XDG_CACHE_HOME"),
-        who: "vLLM: torch.compile artefacts (`torch_compile_cache/`, with inductor's and Triton's kernels per model), \
-              model info, DeepGEMM's and FlashInfer's caches",
+        // Who writes there: vLLM: torch.compile artefacts (`torch_compile_cache/`, with inductor's and Triton's kernels
+        // per model), model info, DeepGEMM's and FlashInfer's caches
     },
     Known {
         name: "TORCHINDUCTOR_CACHE_DIR",
         sub: "torchinductor",
         kind: Kind::Cache,
         parent: None,
-        who: "torch inductor's kernels outside vLLM's compile (default `/tmp/torchinductor_USER`)",
+        // Who writes there: torch inductor's kernels outside vLLM's compile (default `/tmp/torchinductor_USER`)
     },
     Known {
         name: "TRITON_HOME",
         sub: "",
         kind: Kind::Cache,
         parent: None,
-        who: "Triton's `.triton/` (cache, dump, override; default `$HOME`)",
+        // Who writes there: Triton's `.triton/` (cache, dump, override; default `$HOME`)
     },
     Known {
         name: "CUDA_CACHE_PATH",
         sub: "nv/ComputeCache",
         kind: Kind::Cache,
         parent: None,
-        who: "CUDA's JIT cache of PTX compiled for this GPU (default `~/.nv/ComputeCache`)",
+        // Who writes there: CUDA's JIT cache of PTX compiled for this GPU (default `~/.nv/ComputeCache`)
     },
     Known {
         name: "FLASHINFER_WORKSPACE_BASE",
         sub: "",
         kind: Kind::Cache,
         parent: None,
-        who: "FlashInfer's JIT kernels and cubins (`.cache/flashinfer/` under it; default `$HOME`)",
+        // Who writes there: FlashInfer's JIT kernels and cubins (`.cache/flashinfer/` under it; default `$HOME`)
     },
     Known {
         name: "TVM_FFI_CACHE_DIR",
         sub: "tvm-ffi",
         kind: Kind::Cache,
         parent: None,
-        who: "tvm-ffi's JIT builds, for FlashInfer and CuTe kernels (default `~/.cache/tvm-ffi`)",
+        // Who writes there: tvm-ffi's JIT builds, for FlashInfer and CuTe kernels (default `~/.cache/tvm-ffi`)
     },
     Known {
         name: "HF_MODULES_CACHE",
         sub: "huggingface/modules",
         kind: Kind::Cache,
         parent: Some("HF_HOME"),
-        who: "the code of `--trust-remote-code` models (default `HF_HOME/modules`)",
+        // Who writes there: the code of `--trust-remote-code` models (default `HF_HOME/modules`)
     },
     Known {
         name: "NUMBA_CACHE_DIR",
         sub: "numba",
         kind: Kind::Cache,
         parent: None,
-        who: "numba's compiled functions (its default is beside the code, in the read-only venv)",
+        // Who writes there: numba's compiled functions (its default is beside the code, in the read-only venv)
     },
     Known {
         name: "OUTLINES_CACHE_DIR",
         sub: "outlines",
         kind: Kind::Cache,
         parent: None,
-        who: "outlines' guided-decoding cache",
+        // Who writes there: outlines' guided-decoding cache
     },
-    Known { name: "MPLCONFIGDIR", sub: "matplotlib", kind: Kind::Cache, parent: None, who: "matplotlib's font cache" },
+    // Who writes there: matplotlib's font cache.
+    Known { name: "MPLCONFIGDIR", sub: "matplotlib", kind: Kind::Cache, parent: None },
 ];
 
 /// vLLM's ZMQ IPC sockets (default: the temporary folder, where every run
@@ -148,7 +147,7 @@ pub const SOCKETS: Known = Known {
     sub: "vllm-ipc",
     kind: Kind::Sockets,
     parent: None,
-    who: "vLLM's ZMQ IPC sockets between its processes",
+    // Who writes there: vLLM's ZMQ IPC sockets between its processes
 };
 
 /// The longest sockets folder: ZMQ's `ipc://` paths are limited to 107

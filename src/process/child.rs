@@ -33,7 +33,7 @@ mod watched;
 
 pub use self::procfs::*;
 use self::reaper::*;
-pub use self::watched::{OnExit, spawn_watched};
+pub use self::watched::spawn_watched;
 
 /// The environment variable that names an upgrade's state file for the
 /// successor (`daemon::upgrade`).

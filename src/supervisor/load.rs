@@ -772,10 +772,6 @@ impl LoadTrack {
         cold.saturating_sub(window)
     }
 
-    pub fn fingerprint(&self) -> &str {
-        &self.start.fingerprint
-    }
-
     pub fn history(&self) -> Option<&History> {
         self.start.history.as_ref()
     }

@@ -272,10 +272,6 @@ impl Machine {
         self.failures
     }
 
-    pub fn restarts(&self) -> u32 {
-        self.restarts
-    }
-
     pub fn cause(&self) -> Option<&Cause> {
         self.cause.as_ref()
     }

@@ -22,8 +22,6 @@ pub mod preload;
 pub mod progress;
 pub mod snapshot;
 
-pub use self::events::{
-    Cause, Effect, Event, FailureKind, Note, Record, ReportOrder, RunOf, Saved, Severity, Topic, Upgrade,
-};
+pub use self::events::{Effect, Event, Note, Record, ReportOrder, Saved, Severity, Topic, Upgrade};
 pub use self::machine::{Machine, State};
 pub use self::policy::{Policy, prepare_timeout};

@@ -105,10 +105,6 @@ impl Queue {
         self.lock().waiting.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.lock().waiting.is_empty()
-    }
-
     /// A place for a request that may wait `budget`, the gate being what
     /// `gate` holds now.
     pub fn admit<'q>(&'q self, gate: &watch::Receiver<Gate>, budget: Duration) -> Result<Place<'q>, Refused> {

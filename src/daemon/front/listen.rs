@@ -245,11 +245,6 @@ impl Inherited {
         }
         out
     }
-
-    /// Nothing was handed over.
-    pub fn is_empty(&self) -> bool {
-        self.passed.is_empty() && self.notes.is_empty()
-    }
 }
 
 /// The local address of a listening stream socket, or why `fd` is not one.

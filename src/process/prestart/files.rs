@@ -151,12 +151,6 @@ impl Cleaned {
     }
 }
 
-/// Remove the entries of `dir` matching `globs` that belong to `uid` and
-/// that no live process has open or mapped.
-pub fn clean(dir: &Path, globs: &[String], uid: u32, in_use: &HashMap<PathBuf, BTreeSet<i32>>) -> Cleaned {
-    clean_candidates(candidates(dir, globs), uid, in_use)
-}
-
 /// Remove those of `paths` that are regular files of `uid` and that no
 /// live process has open or mapped.
 pub fn clean_candidates(paths: Vec<PathBuf>, uid: u32, in_use: &HashMap<PathBuf, BTreeSet<i32>>) -> Cleaned {
