@@ -125,6 +125,7 @@ pub const REPORTS_GPU_SNAPSHOT: [&str; 2] = ["nvidia-smi", "-q"];
 pub const REPORTS_KERNEL_MESSAGES: [&str; 6] = ["journalctl", "-k", "-o", "short-iso", "--since", "@{since}"];
 
 /// `[[patch]] max-size`: the largest model file a patch reads.
+#[cfg(test)]
 pub const PATCH_MAX_SIZE: u64 = crate::patch::DEFAULT_MAX_SIZE;
 
 /// `server.socket` is this file in the runtime directory (the folder of

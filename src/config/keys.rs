@@ -53,6 +53,7 @@ impl Key {
     }
 
     /// Whether its table is one of an array (`[[patch]]`).
+    #[cfg(test)]
     pub fn in_array(&self) -> bool {
         self.path.starts_with("[[")
     }

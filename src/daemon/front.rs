@@ -238,6 +238,7 @@ impl Activity {
 }
 
 /// The least margin [`idle_hold`] gives beyond the estimate.
+#[cfg(test)]
 pub const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
 
 /// How long a request that wakes an idle engine may wait
@@ -247,6 +248,7 @@ pub const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
 /// load is rarely exactly its median; past this it is not going well);
 /// with no estimate (the setup never loaded on this host), the start's
 /// own deadline, `ready.timeout`.
+#[cfg(test)]
 pub fn idle_hold(front: &crate::config::Front, eta: Option<Duration>, ready_timeout: Duration) -> Duration {
     match (front.idle_hold, eta) {
         (Some(set), _) => set,

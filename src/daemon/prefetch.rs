@@ -399,6 +399,7 @@ impl Prefetch {
     }
 
     /// Stop, and wait for the threads to end (tests, benchmarks).
+    #[cfg(test)]
     pub fn join(mut self) -> PrefetchNow {
         if let Some(t) = self.thread.take() {
             let _ = t.join();

@@ -450,6 +450,7 @@ impl Meter {
     }
 
     /// Wait until no measure is under way, at most `limit`.
+    #[cfg(test)]
     pub fn wait(&self, limit: std::time::Duration) {
         let m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
         let _ = self.inner.1.wait_timeout_while(m, limit, |m| m.measuring);

@@ -175,6 +175,7 @@ impl Line {
     /// Whether the state machine acts on this line: a fatal, ready or
     /// progress line, or the end of a traceback. Every other line changes
     /// nothing but the journal.
+    #[cfg(test)]
     pub fn matters(&self) -> bool {
         matches!(self.class, Class::Fatal | Class::Ready | Class::Progress(_))
             || self.exception.is_some()
@@ -470,6 +471,7 @@ impl Classifier {
     }
 
     /// The most processes whose traceback state was held at once.
+    #[cfg(test)]
     pub fn traceback_high_water(&self) -> usize {
         self.tracebacks.high_water
     }

@@ -126,6 +126,7 @@ impl PartialEq for Hints {
 
 impl Hints {
     /// No hint at all.
+    #[cfg(test)]
     pub fn none() -> Hints {
         Hints { table: Vec::new(), not_json: None, patched: Vec::new(), model: None }
     }

@@ -210,6 +210,7 @@ impl Machine {
         }
     }
 
+    #[cfg(test)]
     pub fn policy(&self) -> &Policy {
         &self.policy
     }
@@ -218,12 +219,14 @@ impl Machine {
     /// upgrade in place); `None` unless ready with no fatal line waiting
     /// for its grace and no drain under way (a drain held is handed over;
     /// one that ends in a restart, a reload or a stop is waited for).
+    #[cfg(test)]
     pub fn save(&self, now: Instant) -> Option<Saved> {
         self.save_of(&self.state, now)
     }
 
     /// A drain that has not yet ended in what it is for (held drained, a
     /// restart, a reload, a stop): an upgrade waits for it.
+    #[cfg(test)]
     pub fn drain_under_way(&self) -> bool {
         upgrade::drain_under_way(&self.state)
     }
@@ -268,6 +271,7 @@ impl Machine {
     }
 
     /// Consecutive failed starts.
+    #[cfg(test)]
     pub fn failures(&self) -> u32 {
         self.failures
     }
@@ -300,6 +304,7 @@ impl Machine {
     /// Whether requests may go to the model now: ready, in rotation, its
     /// answers not being proven again (see [`Phase::serving`]). A front
     /// door holds requests while this is false.
+    #[cfg(test)]
     pub fn serving(&self) -> bool {
         self.phase().serving()
     }

@@ -24,4 +24,6 @@ pub mod snapshot;
 
 pub use self::events::{Effect, Event, Note, Record, ReportOrder, Saved, Severity, Topic, Upgrade};
 pub use self::machine::{Machine, State};
-pub use self::policy::{Policy, prepare_timeout};
+pub use self::policy::Policy;
+#[cfg(test)]
+pub use self::policy::prepare_timeout;

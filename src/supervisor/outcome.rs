@@ -63,6 +63,7 @@ impl Phase {
     /// taken out of rotation (a drain) nor waiting for its answers to be
     /// proven again (a re-check). `/readyz` answers 200 only then; a front
     /// door holds requests in every other phase.
+    #[cfg(test)]
     pub fn serving(self) -> bool {
         self == Phase::Ready
     }

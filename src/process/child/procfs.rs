@@ -24,6 +24,7 @@ pub struct ProcStat {
 /// Parse `/proc/PID/stat` (the `procfs` crate's parser): the command name,
 /// which its process chooses, may hold spaces, ')' and bytes that are not
 /// UTF-8; the fields are read after the last ')'.
+#[cfg(test)]
 pub fn parse_stat(text: &str) -> Option<ProcStat> {
     ::procfs::process::Stat::from_read(text.as_bytes()).ok().map(from_crate)
 }
