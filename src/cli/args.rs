@@ -8,100 +8,100 @@ use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
 #[command(name = "vllm-warden", version, about = "Supervise one vLLM server under systemd")]
-pub struct Cli {
+pub(crate) struct Cli {
     /// The instance's config file, anywhere on the command line. Without
     /// it: NAME's (`$VLLM_WARDEN_CONFIG_DIR/NAME.toml`, else
     /// `/etc/vllm-warden/NAME.toml`), else `$VLLM_WARDEN_CONFIG`, else the
     /// host's only instance.
     #[arg(short, long, global = true, value_name = "FILE", value_hint = clap::ValueHint::FilePath)]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// Colours in help, errors and the warden's own log on a terminal:
     /// `auto` (not when NO_COLOR is set), `always`, `never`.
     #[arg(long, global = true, value_enum, default_value_t = crate::util::logging::Colour::Auto, value_name = "WHEN")]
-    pub color: crate::util::logging::Colour,
+    pub(crate) color: crate::util::logging::Colour,
     #[command(subcommand)]
-    pub command: Cmd,
+    pub(crate) command: Cmd,
 }
 
 /// The instance a command is about: a name (`-c FILE` is global).
 #[derive(Debug, Clone, clap::Args)]
-pub struct InstanceArg {
+pub(crate) struct InstanceArg {
     /// The instance: its config is `NAME.toml` in the config folder
     /// (`$VLLM_WARDEN_CONFIG_DIR`, else `/etc/vllm-warden`), as the unit
     /// `vllm-warden@NAME` reads it.
     #[arg(value_name = "NAME")]
-    pub name: Option<String>,
+    pub(crate) name: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     /// The warden's own events on stderr as `text` lines (the journal under
     /// systemd), or as `json` lines for a container's log collector.
     #[arg(long, value_enum, default_value_t = crate::util::logging::Format::Text)]
-    pub log_format: crate::util::logging::Format,
+    pub(crate) log_format: crate::util::logging::Format,
 }
 
 #[derive(Debug, clap::Args)]
-pub struct PatchArgs {
+pub(crate) struct PatchArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     /// Print a unified diff per file of what would change; write nothing.
     #[arg(long, conflicts_with = "revert")]
-    pub dry_run: bool,
+    pub(crate) dry_run: bool,
     /// Restore the original files (symlinks back to symlinks).
     #[arg(long)]
-    pub revert: bool,
+    pub(crate) revert: bool,
     /// With --revert: restore even files changed by someone else since.
     #[arg(long, requires = "revert")]
-    pub force: bool,
+    pub(crate) force: bool,
 }
 
 #[derive(Debug, clap::Args)]
-pub struct CheckArgs {
+pub(crate) struct CheckArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     /// Also print what `systemctl reload` would do with this file against
     /// the running instance: nothing, reload in place, or restart the child.
     #[arg(long)]
-    pub diff: bool,
+    pub(crate) diff: bool,
     /// Also print the effective pattern lists: the profile's and the
     /// config's, for readiness, fatal and permanent errors, and the rest.
     #[arg(long)]
-    pub print_patterns: bool,
+    pub(crate) print_patterns: bool,
 }
 
 #[derive(Debug, clap::Args)]
-pub struct StatusArgs {
+pub(crate) struct StatusArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     /// Print the status document instead of a summary (with --all: the
     /// list as JSON).
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
     /// Every instance of the host, one line each, as `list` shows them.
     #[arg(long, conflicts_with = "name")]
-    pub all: bool,
+    pub(crate) all: bool,
 }
 
 #[derive(Debug, clap::Args)]
-pub struct ListArgs {
+pub(crate) struct ListArgs {
     /// One JSON object per instance, in an array.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, clap::Args)]
-pub struct ReportsArgs {
+pub(crate) struct ReportsArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     #[command(subcommand)]
-    pub what: Option<ReportsCmd>,
+    pub(crate) what: Option<ReportsCmd>,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum ReportsCmd {
+pub(crate) enum ReportsCmd {
     /// Every report, oldest first: time, attempt, class, size, cause (the default).
     List,
     /// One report as a readable summary (the latest by default).
@@ -117,15 +117,15 @@ pub enum ReportsCmd {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct LoadsArgs {
+pub(crate) struct LoadsArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     #[command(subcommand)]
-    pub what: Option<LoadsCmd>,
+    pub(crate) what: Option<LoadsCmd>,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum LoadsCmd {
+pub(crate) enum LoadsCmd {
     /// Every load in the ledger, oldest first: time, outcome, total, each
     /// phase, compile cache, GB/s (the default).
     List,
@@ -140,15 +140,15 @@ pub enum LoadsCmd {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct SetupsArgs {
+pub(crate) struct SetupsArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     #[command(subcommand)]
-    pub what: Option<SetupsCmd>,
+    pub(crate) what: Option<SetupsCmd>,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum SetupsCmd {
+pub(crate) enum SetupsCmd {
     /// The setups recorded as reaching ready, newest first (the default).
     List,
     /// One setup: its config file, vLLM, command, environment (masked),
@@ -164,15 +164,15 @@ pub enum SetupsCmd {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct GoldenArgs {
+pub(crate) struct GoldenArgs {
     #[command(flatten)]
-    pub instance: InstanceArg,
+    pub(crate) instance: InstanceArg,
     #[command(subcommand)]
-    pub what: Option<GoldenCmd>,
+    pub(crate) what: Option<GoldenCmd>,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum GoldenCmd {
+pub(crate) enum GoldenCmd {
     /// The last check and the reference answers of every setup (the default).
     Show,
     /// The last answers beside the reference they were compared with, token by token.
@@ -183,7 +183,7 @@ pub enum GoldenCmd {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Cmd {
+pub(crate) enum Cmd {
     /// Run the daemon in the foreground (systemd's ExecStart=, or a
     /// container's PID 1).
     Run(RunArgs),

@@ -7,7 +7,7 @@ use std::path::Path;
 use crate::cli::args::Cli;
 
 /// Write `man/` and `completions/` into `dir`.
-pub fn write(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn write(dir: &Path) -> std::io::Result<()> {
     let man = dir.join("man");
     let comp = dir.join("completions");
     std::fs::create_dir_all(&man)?;
@@ -29,7 +29,7 @@ pub fn write(dir: &Path) -> std::io::Result<()> {
 }
 
 /// The completion script of `shell`.
-pub fn completion(shell: clap_complete::Shell) -> Vec<u8> {
+pub(crate) fn completion(shell: clap_complete::Shell) -> Vec<u8> {
     use clap::CommandFactory;
     let mut out = Vec::new();
     if shell != clap_complete::Shell::Bash {

@@ -24,8 +24,8 @@ macro_rules! say {
 }
 
 /// The simulator's name; the package installs it under [`SIM_DIR`].
-pub const SIM: &str = "vllm-warden-sim";
-pub const SIM_DIR: &str = "/usr/lib/vllm-warden";
+pub(crate) const SIM: &str = "vllm-warden-sim";
+pub(crate) const SIM_DIR: &str = "/usr/lib/vllm-warden";
 
 /// Where the simulator is: beside this binary (a build tree), else where
 /// the package installs it.
@@ -80,7 +80,7 @@ impl Notifier for Narrator {
     }
 }
 
-pub fn main(colour: crate::util::logging::Colour) -> Code {
+pub(crate) fn main(colour: crate::util::logging::Colour) -> Code {
     let Some(sim) = find_sim() else {
         eprintln!("demo: {SIM} not found beside this binary or in {SIM_DIR} (cargo build --release builds it)");
         return Code::Internal;

@@ -18,13 +18,13 @@ use std::path::{Path, PathBuf};
 use crate::config::{self, defaults};
 
 /// The variable that moves the folder of the instances' configs.
-pub const CONFIG_DIR_ENV: &str = "VLLM_WARDEN_CONFIG_DIR";
+pub(crate) const CONFIG_DIR_ENV: &str = "VLLM_WARDEN_CONFIG_DIR";
 /// The variable that names the config file (the unit sets it).
-pub const CONFIG_ENV: &str = "VLLM_WARDEN_CONFIG";
+pub(crate) const CONFIG_ENV: &str = "VLLM_WARDEN_CONFIG";
 
 /// Why no config could be chosen; each says what to do.
 #[derive(Debug, thiserror::Error)]
-pub enum Choice {
+pub(crate) enum Choice {
     #[error("give the instance's NAME or -c FILE, not both")]
     Both,
     #[error("{0:?} is not an instance name (letters, digits, '-', '_' or '.'); a config file is given with -c FILE")]
@@ -42,21 +42,21 @@ pub enum Choice {
 }
 
 /// The folder of the instances' configs.
-pub fn config_dir() -> PathBuf {
+pub(crate) fn config_dir() -> PathBuf {
     std::env::var_os(CONFIG_DIR_ENV)
         .filter(|v| !v.is_empty())
         .map_or_else(|| PathBuf::from(config::CONFIG_DIR), PathBuf::from)
 }
 
 /// Instance `name`'s config file.
-pub fn config_of(name: &str) -> PathBuf {
+pub(crate) fn config_of(name: &str) -> PathBuf {
     config_dir().join(format!("{name}.toml"))
 }
 
 /// The config a command reads: `-c FILE`, else NAME's, else
 /// `$VLLM_WARDEN_CONFIG`, else the host's only instance's. `cmd` names
 /// the command in the message that asks for a name.
-pub fn choose(file: Option<&Path>, name: Option<&str>, cmd: &str) -> Result<PathBuf, Choice> {
+pub(crate) fn choose(file: Option<&Path>, name: Option<&str>, cmd: &str) -> Result<PathBuf, Choice> {
     match (file, name) {
         (Some(_), Some(_)) => Err(Choice::Both),
         (Some(f), None) => Ok(f.to_path_buf()),
@@ -80,19 +80,19 @@ pub fn choose(file: Option<&Path>, name: Option<&str>, cmd: &str) -> Result<Path
 
 /// An instance of the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Found {
-    pub name: String,
+pub(crate) struct Found {
+    pub(crate) name: String,
     /// Its config file (`NAME.toml` in the config folder), there or not.
-    pub config: PathBuf,
+    pub(crate) config: PathBuf,
     /// Whether the config file is there.
-    pub configured: bool,
+    pub(crate) configured: bool,
 }
 
 /// Every instance of the host, by name: a `NAME.toml` in the config
 /// folder, or a folder of [`defaults::RUN_DIR`] holding a control socket
 /// or a status file. A config folder that is not there has no instances;
 /// one that cannot be read is an error (the list would be wrong).
-pub fn all() -> Result<Vec<Found>, Choice> {
+pub(crate) fn all() -> Result<Vec<Found>, Choice> {
     let dir = config_dir();
     let mut names = std::collections::BTreeMap::new();
     match std::fs::read_dir(&dir) {
@@ -128,7 +128,7 @@ pub fn all() -> Result<Vec<Found>, Choice> {
 }
 
 /// One request over the control socket, answered within `timeout`.
-pub fn ask(
+pub(crate) fn ask(
     socket: &Path,
     method: &str,
     path: &str,
@@ -142,7 +142,7 @@ pub fn ask(
 
 /// What can be seen of an instance's state.
 #[derive(Debug, Clone)]
-pub enum Seen {
+pub(crate) enum Seen {
     Verdict(Box<crate::tell::summary::StatusVerdict>),
     /// Neither the control socket nor the status file may be read by this
     /// user: a warden may well run. Why, in a sentence.
@@ -152,7 +152,7 @@ pub enum Seen {
 /// The instance's status: from its warden (the control socket) when one
 /// answers, else from the status file. "Not running" only when that is
 /// what was seen, never when this user was refused.
-pub fn look(s: &crate::config::Settings, timeout: std::time::Duration) -> Seen {
+pub(crate) fn look(s: &crate::config::Settings, timeout: std::time::Duration) -> Seen {
     use crate::daemon::server::client::ClientError;
     let denied = |e: &std::io::Error| e.kind() == std::io::ErrorKind::PermissionDenied;
     let socket = match ask(&s.server.socket, "GET", "/status", timeout) {

@@ -25,35 +25,35 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One instance, as `list` shows it (and `--json` writes it).
 #[derive(Debug, Clone, Serialize)]
-pub struct Row {
-    pub name: String,
+pub(crate) struct Row {
+    pub(crate) name: String,
     /// `ready`, `starting` … while a warden runs; `stopped`, `exited N`
     /// (its last word), `gone` (it died), `not running` (no status), or
     /// `unknown` when this user may not read it.
-    pub state: String,
-    pub since: Option<String>,
+    pub(crate) state: String,
+    pub(crate) since: Option<String>,
     /// The model server's pid, and the warden's.
-    pub pid: Option<u32>,
-    pub warden_pid: Option<u32>,
-    pub model: Option<String>,
-    pub address: Option<String>,
+    pub(crate) pid: Option<u32>,
+    pub(crate) warden_pid: Option<u32>,
+    pub(crate) model: Option<String>,
+    pub(crate) address: Option<String>,
     /// The last load that ended: its outcome and seconds.
-    pub last_load: Option<String>,
-    pub last_load_secs: Option<f64>,
+    pub(crate) last_load: Option<String>,
+    pub(crate) last_load_secs: Option<f64>,
     /// The load under way's expected seconds, else the next one's: the
     /// median of the setup's good loads in the ledger.
-    pub estimate_secs: Option<f64>,
-    pub last_failure: Option<String>,
+    pub(crate) estimate_secs: Option<f64>,
+    pub(crate) last_failure: Option<String>,
     /// The config file, when there is one, and how many problems it has.
-    pub config: Option<String>,
-    pub config_problems: usize,
+    pub(crate) config: Option<String>,
+    pub(crate) config_problems: usize,
     /// Why the state is not known, when it is not.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub unknown: Option<String>,
+    pub(crate) unknown: Option<String>,
 }
 
 /// Every instance of the host, by name.
-pub fn rows(found: &[Found]) -> Vec<Row> {
+pub(crate) fn rows(found: &[Found]) -> Vec<Row> {
     found.iter().map(row).collect()
 }
 
@@ -150,7 +150,7 @@ fn secs(x: f64) -> String {
 }
 
 /// The table: a header, then a line per instance.
-pub fn table(rows: &[Row]) -> String {
+pub(crate) fn table(rows: &[Row]) -> String {
     let dash = || "-".to_string();
     let cell = |s: &Option<String>, max: usize| s.as_deref().map_or_else(dash, |s| one_line(s, max));
     let mut lines = vec![

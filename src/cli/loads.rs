@@ -82,7 +82,7 @@ fn efficiency(r: &LoadRecord) -> String {
 }
 
 /// Every load, oldest first.
-pub fn table(rs: &[LoadRecord]) -> String {
+pub(crate) fn table(rs: &[LoadRecord]) -> String {
     let phases = phases_of(rs);
     let mut head = vec!["ID".to_string(), "TIME".into(), "OUTCOME".into(), "TOTAL".into()];
     head.extend(phases.iter().map(|p| p.name().to_uppercase()));
@@ -122,7 +122,7 @@ pub(crate) fn columns(rows: &[Vec<String>]) -> String {
 const BAR: usize = 40;
 
 /// One load: what it was, and its phases as bars.
-pub fn show(r: &LoadRecord) -> String {
+pub(crate) fn show(r: &LoadRecord) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "load {} at {}: {} after {}", r.id, safe(&r.at), outcome(r), secs(r.total_secs));
     if let crate::supervisor::load::LoadOutcome::Failed { cause, .. } = &r.outcome {
@@ -187,7 +187,7 @@ pub fn show(r: &LoadRecord) -> String {
 
 /// Two loads side by side: phases, cache, rate, and what differed in
 /// their setups.
-pub fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
+pub(crate) fn compare(a: &LoadRecord, b: &LoadRecord) -> String {
     let mut rows = vec![vec![String::new(), format!("load {}", a.id), format!("load {}", b.id), "B/A".into()]];
     let ratio = |x: f64, y: f64| if x > 0.0 { format!("{:.2}×", y / x) } else { "-".into() };
     rows.push(vec!["time".into(), safe(&a.at), safe(&b.at), String::new()]);

@@ -24,13 +24,13 @@ macro_rules! outln {
     ($($t:tt)*) => { $crate::cli::write_out(format_args!("{}\n", format_args!($($t)*))) };
 }
 
-pub mod args;
-pub mod assets;
-pub mod demo;
-pub mod instance;
-pub mod list;
-pub mod loads;
-pub mod setups;
+pub(crate) mod args;
+pub(crate) mod assets;
+pub(crate) mod demo;
+pub(crate) mod instance;
+pub(crate) mod list;
+pub(crate) mod loads;
+pub(crate) mod setups;
 
 use std::path::{Path, PathBuf};
 

@@ -16,7 +16,7 @@ fn safe(s: &str) -> String {
 }
 
 /// Every recorded setup, newest first.
-pub fn table(all: &[SetupRecord]) -> String {
+pub(crate) fn table(all: &[SetupRecord]) -> String {
     let mut out = String::new();
     for (i, r) in all.iter().enumerate() {
         let mark = if i == 0 { "newest" } else { "" };
@@ -34,7 +34,7 @@ pub fn table(all: &[SetupRecord]) -> String {
 }
 
 /// One setup: when, its config file, vLLM, command, environment, patches.
-pub fn show(r: &SetupRecord) -> String {
+pub(crate) fn show(r: &SetupRecord) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "setup {}, ready at {}", safe(&r.fingerprint), safe(&r.at));
     let _ = writeln!(
@@ -57,7 +57,7 @@ pub fn show(r: &SetupRecord) -> String {
 /// A setup by its fingerprint (or a unique beginning of it): a recorded
 /// one, else the newest load of it in the ledger. Its fingerprint and
 /// setup, as JSON.
-pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<(String, serde_json::Value), String> {
+pub(crate) fn find(state_dir: &Path, instance: &str, id: &str) -> Result<(String, serde_json::Value), String> {
     match crate::tell::setups::find(state_dir, instance, id) {
         Ok(r) => Ok((r.fingerprint, serde_json::to_value(&r.setup).unwrap_or_default())),
         Err(not_kept) => {
@@ -80,7 +80,7 @@ pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<(String, serde
 }
 
 /// What differs from setup `a` to setup `b`.
-pub fn diff(a: &(String, serde_json::Value), b: &(String, serde_json::Value)) -> String {
+pub(crate) fn diff(a: &(String, serde_json::Value), b: &(String, serde_json::Value)) -> String {
     let mut out = format!("setup {} → setup {}\n", safe(&a.0), safe(&b.0));
     for line in crate::observe::golden::setup_changes(&a.1, &b.1) {
         let _ = writeln!(out, "  {line}");

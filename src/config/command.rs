@@ -4,12 +4,12 @@
 //! both use them.
 
 /// vLLM's port when its command names none.
-pub const PORT: u16 = 8000;
+pub(crate) const PORT: u16 = 8000;
 /// A Ray head's GCS port when its command names none.
-pub const RAY_PORT: u16 = 6379;
+pub(crate) const RAY_PORT: u16 = 6379;
 
 /// The value of `--port N` or `--port=N` in a command line.
-pub fn port_of(command: &[String]) -> Option<u16> {
+pub(crate) fn port_of(command: &[String]) -> Option<u16> {
     let mut it = command.iter();
     while let Some(arg) = it.next() {
         if arg == "--port" {
@@ -23,7 +23,7 @@ pub fn port_of(command: &[String]) -> Option<u16> {
 }
 
 /// The value of `--name VALUE` or `--name=VALUE`.
-pub fn flag(command: &[String], name: &str) -> Option<String> {
+pub(crate) fn flag(command: &[String], name: &str) -> Option<String> {
     let mut it = command.iter();
     while let Some(arg) = it.next() {
         if arg == name {
@@ -39,7 +39,7 @@ pub fn flag(command: &[String], name: &str) -> Option<String> {
 /// The value vLLM takes for `--name`: its last setting, `--name V` or
 /// `--name=V`, in either of vLLM's spellings (`--max-model-len`,
 /// `--max_model_len`).
-pub fn vllm_flag(command: &[String], name: &str) -> Option<String> {
+pub(crate) fn vllm_flag(command: &[String], name: &str) -> Option<String> {
     let under = underscored(name);
     let mut last = None;
     let mut it = command.iter().skip(1);
@@ -65,7 +65,7 @@ fn underscored(name: &str) -> String {
 /// `command` with `--name VALUE` as its one setting of `name`: every
 /// earlier `--name V`, `--name=V` (and vLLM's underscore spelling of
 /// them) is taken out, and the new one goes at the end.
-pub fn with_flag(command: &[String], name: &str, value: &str) -> Vec<String> {
+pub(crate) fn with_flag(command: &[String], name: &str, value: &str) -> Vec<String> {
     let under = underscored(name);
     let mut out = Vec::with_capacity(command.len() + 2);
     let mut it = command.iter().enumerate();
@@ -89,7 +89,7 @@ pub fn with_flag(command: &[String], name: &str, value: &str) -> Vec<String> {
 /// The head's GCS address a node's own command names: `--address` of a
 /// joining node; `--node-ip-address` (else 127.0.0.1) and `--port` (else
 /// 6379) of a head.
-pub fn address_in(command: &[String], head: bool) -> Option<String> {
+pub(crate) fn address_in(command: &[String], head: bool) -> Option<String> {
     if head {
         let ip = flag(command, "--node-ip-address").unwrap_or_else(|| "127.0.0.1".into());
         let port = port_of(command).unwrap_or(RAY_PORT);
@@ -105,7 +105,7 @@ fn bracketed(ip: &str) -> String {
 
 /// Whether `address` is `HOST:PORT` as Ray takes it: a host name, an IPv4
 /// address or a bracketed IPv6 one, and a port from 1 to 65535.
-pub fn valid_address(address: &str) -> bool {
+pub(crate) fn valid_address(address: &str) -> bool {
     let Some((host, port)) = address.rsplit_once(':') else { return false };
     let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
     let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {

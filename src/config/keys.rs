@@ -17,7 +17,7 @@
 
 /// What a change of a key needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Affects {
+pub(crate) enum Affects {
     /// The child sees it: the child must be started again.
     Child,
     /// The warden's own: applied to the running child in place.
@@ -28,32 +28,33 @@ pub enum Affects {
 
 /// One key of the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Key {
+pub(crate) struct Key {
     /// As the man page's table writes it: `name`, `child.cache-dir`,
     /// `[[patch]] file`.
-    pub path: &'static str,
+    pub(crate) path: &'static str,
     /// What a reload does when it changes.
-    pub affects: Affects,
+    pub(crate) affects: Affects,
     /// The name a reload gives its change: the key's own path, or the
     /// value it is read into together with other keys, which a reload
     /// compares as one (`patterns`: the profile's lists and the config's).
-    pub change: &'static str,
+    pub(crate) change: &'static str,
 }
 
 impl Key {
     /// The table it is in: `child`; `patch` for `[[patch]]`; `""` at the
     /// top level.
-    pub fn section(&self) -> &'static str {
+    pub(crate) fn section(&self) -> &'static str {
         self.split().0
     }
 
     /// Its name within its table: `cache-dir`.
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         self.split().1
     }
 
     /// Whether its table is one of an array (`[[patch]]`).
-    pub fn in_array(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn in_array(&self) -> bool {
         self.path.starts_with("[[")
     }
 
@@ -77,7 +78,7 @@ const fn within(path: &'static str, affects: Affects, change: &'static str) -> K
 use Affects::{Child, Identity, Warden};
 
 /// The table.
-pub const KEYS: &[Key] = &[
+pub(crate) const KEYS: &[Key] = &[
     own("name", Identity),
     own("profile", Warden),
     own("child.command", Child),
@@ -201,7 +202,7 @@ pub const KEYS: &[Key] = &[
 ];
 
 /// The sections, in the table's order.
-pub fn sections() -> Vec<&'static str> {
+pub(crate) fn sections() -> Vec<&'static str> {
     let mut out: Vec<&'static str> = Vec::new();
     for s in KEYS.iter().map(Key::section).filter(|s| !s.is_empty()) {
         if !out.contains(&s) {
@@ -213,7 +214,7 @@ pub fn sections() -> Vec<&'static str> {
 
 /// The names a table may hold: a section's keys; at the top level, its
 /// own keys and then the sections.
-pub fn known(section: &str) -> Vec<&'static str> {
+pub(crate) fn known(section: &str) -> Vec<&'static str> {
     let mut out: Vec<&'static str> = KEYS.iter().filter(|k| k.section() == section).map(Key::name).collect();
     if section.is_empty() {
         out.extend(sections());
@@ -225,7 +226,7 @@ pub fn known(section: &str) -> Vec<&'static str> {
 /// the first of the keys compared together under that name. For a
 /// comparison's name in a constant, where a name that is no key's does
 /// not compile: `const { compared("child.cache-dir") }`.
-pub const fn compared(change: &str) -> &'static Key {
+pub(crate) const fn compared(change: &str) -> &'static Key {
     let mut i = 0;
     while i < KEYS.len() {
         if same(KEYS[i].change, change) {
@@ -241,7 +242,7 @@ pub const fn compared(change: &str) -> &'static Key {
 /// (a `_` of the field's name is a `-` of the key's). For a comparison of
 /// a field in a constant, where a field named after no key does not
 /// compile.
-pub const fn named(section: &str, field: &str) -> &'static Key {
+pub(crate) const fn named(section: &str, field: &str) -> &'static Key {
     let mut i = 0;
     while i < KEYS.len() {
         if is_named(KEYS[i].path, section, field) {

@@ -10,49 +10,49 @@ const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 /// The longest duration any key accepts.
 pub const LONGEST: Duration = DAY.saturating_mul(30);
 /// The shortest duration a key that must be positive accepts.
-pub const SHORTEST: Duration = Duration::from_millis(1);
+pub(crate) const SHORTEST: Duration = Duration::from_millis(1);
 
 /// A wait, delay or grace; zero means none.
-pub const WAIT: RangeInclusive<Duration> = Duration::ZERO..=LONGEST;
+pub(crate) const WAIT: RangeInclusive<Duration> = Duration::ZERO..=LONGEST;
 /// A period or timeout that must be positive.
-pub const PERIOD: RangeInclusive<Duration> = SHORTEST..=LONGEST;
+pub(crate) const PERIOD: RangeInclusive<Duration> = SHORTEST..=LONGEST;
 /// The deadlines of one start (`ready.timeout`, `ready.stall`): a week
 /// is far beyond any load.
-pub const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
+pub(crate) const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
 
 /// `[[patch]] max-size`, in bytes: up to 4 GiB, so that a mistake
 /// cannot ask the warden to read a disk image.
-pub const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;
+pub(crate) const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;
 
 /// `child.log-max-size`: from 1 MiB (smaller, and the file would be
 /// copied many times a second by a chatty server) to 1 TiB.
-pub const LOG_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+pub(crate) const LOG_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
 /// `child.log-keep`: copies kept.
-pub const LOG_KEEP: RangeInclusive<u32> = 0..=1000;
+pub(crate) const LOG_KEEP: RangeInclusive<u32> = 0..=1000;
 /// `reports.timeout`: long enough for a slow `py-spy` on a big tree,
 /// short enough that a failed run's stop is never held for long.
-pub const REPORTS_TIMEOUT: RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(600);
+pub(crate) const REPORTS_TIMEOUT: RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(600);
 /// `reports.max-size`, in bytes: 1 MiB to 1 TiB.
-pub const REPORTS_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
+pub(crate) const REPORTS_MAX_SIZE: RangeInclusive<u64> = 1 << 20..=1 << 40;
 /// `reports.lines`.
-pub const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
+pub(crate) const REPORTS_LINES: RangeInclusive<u64> = 0..=1_000_000;
 
 /// `ledger.slow-factor` and `ledger.deadline-factor`.
-pub const LEDGER_FACTOR: (f64, f64) = (1.0, 100.0);
+pub(crate) const LEDGER_FACTOR: (f64, f64) = (1.0, 100.0);
 
 /// `prefetch.threads`.
-pub const PREFETCH_THREADS: RangeInclusive<u32> = 1..=64;
+pub(crate) const PREFETCH_THREADS: RangeInclusive<u32> = 1..=64;
 /// `prefetch.max-memory-fraction`.
-pub const PREFETCH_MEMORY_FRACTION: (f64, f64) = (0.01, 0.95);
+pub(crate) const PREFETCH_MEMORY_FRACTION: (f64, f64) = (0.01, 0.95);
 
 /// `golden.prompts`: at most this many (a file adds as many more).
-pub const GOLDEN_PROMPTS: usize = 32;
+pub(crate) const GOLDEN_PROMPTS: usize = 32;
 
 /// `front.max-body`, in bytes: 1 KiB to 4 GiB.
-pub const FRONT_MAX_BODY: RangeInclusive<u64> = 1 << 10..=4 << 30;
+pub(crate) const FRONT_MAX_BODY: RangeInclusive<u64> = 1 << 10..=4 << 30;
 /// `front.max-held`: up to a million.
-pub const FRONT_MAX_HELD: RangeInclusive<u32> = 0..=1_000_000;
+pub(crate) const FRONT_MAX_HELD: RangeInclusive<u32> = 0..=1_000_000;
 /// `front.max-connections`.
-pub const FRONT_MAX_CONNECTIONS: RangeInclusive<u32> = 1..=1_000_000;
+pub(crate) const FRONT_MAX_CONNECTIONS: RangeInclusive<u32> = 1..=1_000_000;
 /// A unix socket's path fits `sun_path` (108 bytes with its NUL).
-pub const UNIX_PATH: usize = 107;
+pub(crate) const UNIX_PATH: usize = 107;

@@ -11,11 +11,11 @@
 //! program, folders and patched files are checked by `environment`, and
 //! what a patch does is `patch`'s.
 
-pub mod command;
-pub mod defaults;
-pub mod keys;
+pub(crate) mod command;
+pub(crate) mod defaults;
+pub(crate) mod keys;
 pub mod limits;
-pub mod preload;
+pub(crate) mod preload;
 mod problem;
 pub mod profile;
 mod reader;
@@ -34,30 +34,29 @@ use self::reader::{Keys, Reader, Span, Table, Value, to_json};
 use crate::config::profile::{List, Patterns, Profile};
 use crate::patch::Patch;
 
-pub use self::problem::{Problem, Problems};
-pub use self::settings::{
+pub(crate) use self::problem::{Problem, Problems};
+pub use self::settings::Settings;
+pub(crate) use self::settings::{
     Child, Cluster, Drain, Engine, Fatal, Fit, FitArg, Front, Golden, GoldenPolicy, Health, IdleAction, Ledger, Listen,
-    Prefetch, Prestart, Ready, Reports, Restart, Rollback, Rotation, Server, Settings, Status,
+    Prefetch, Prestart, Ready, Reports, Restart, Rollback, Rotation, Server, Status,
 };
 
 /// The folder of the instances' configs: `NAME.toml` is instance NAME's,
 /// as the unit `vllm-warden@NAME` reads it.
-pub const CONFIG_DIR: &str = "/etc/vllm-warden";
-/// The port vLLM listens on when the command has no `--port`.
-pub const DEFAULT_PORT: u16 = defaults::PORT;
+pub(crate) const CONFIG_DIR: &str = "/etc/vllm-warden";
 
 /// The directories systemd hands a service (`RuntimeDirectory=` …), read
 /// once so that validation stays a pure function of its inputs.
 #[derive(Debug, Clone, Default)]
 pub struct Dirs {
-    pub runtime: Option<PathBuf>,
-    pub state: Option<PathBuf>,
-    pub logs: Option<PathBuf>,
-    pub cache: Option<PathBuf>,
+    pub(crate) runtime: Option<PathBuf>,
+    pub(crate) state: Option<PathBuf>,
+    pub(crate) logs: Option<PathBuf>,
+    pub(crate) cache: Option<PathBuf>,
 }
 
 impl Dirs {
-    pub fn from_env() -> Dirs {
+    pub(crate) fn from_env() -> Dirs {
         // systemd joins several directories with ':'; the first is ours.
         let first = |var: &str| {
             std::env::var_os(var)
@@ -94,7 +93,7 @@ pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems>
 /// the environment's problems beside the file's: the settings as far as
 /// they could be read (each value with a problem left at its default) and
 /// every problem. No settings when the file cannot be read or is not TOML.
-pub fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
+pub(crate) fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
     match std::fs::read_to_string(path) {
         Ok(text) => parse_all(&text, path, dirs),
         Err(e) => {
@@ -109,7 +108,7 @@ pub fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
 /// file says where it reads (each value with a problem at its default);
 /// when it cannot be read or is not TOML, its `name` if that much reads,
 /// else the file's stem, and every default. With every problem found.
-pub fn load_lenient(path: &Path, dirs: &Dirs) -> (Settings, Vec<Problem>) {
+pub(crate) fn load_lenient(path: &Path, dirs: &Dirs) -> (Settings, Vec<Problem>) {
     let text = std::fs::read_to_string(path);
     let (settings, problems) = match &text {
         Ok(text) => parse_all(text, path, dirs),
@@ -264,14 +263,14 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
 
 /// An instance's name: letters, digits, '-', '_' or '.', not first. It
 /// names folders and files (`NAME.toml`, `/run/vllm-warden/NAME`).
-pub fn valid_name(n: &str) -> bool {
+pub(crate) fn valid_name(n: &str) -> bool {
     !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) && !n.starts_with('.')
 }
 
 /// The instance a config file's `text` at `path` names, as [`load`] reads
 /// it (`name`, else the file's stem); none when the text is not TOML or
 /// its `name` is not a string.
-pub fn instance_in(text: &str, path: &Path) -> Option<String> {
+pub(crate) fn instance_in(text: &str, path: &Path) -> Option<String> {
     let doc: toml::Table = toml::from_str(text).ok()?;
     match doc.get("name") {
         Some(v) => v.as_str().map(str::to_string),
@@ -752,7 +751,7 @@ fn status(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Status {
 }
 
 /// `$RUNTIME_DIRECTORY`, else `NAME/` in [`defaults::RUN_DIR`].
-pub fn runtime_dir(name: &str, dirs: &Dirs) -> PathBuf {
+pub(crate) fn runtime_dir(name: &str, dirs: &Dirs) -> PathBuf {
     match &dirs.runtime {
         Some(d) => d.clone(),
         None => PathBuf::from(defaults::RUN_DIR).join(name),
@@ -792,7 +791,7 @@ fn server(mut k: Keys<'_, '_, '_>, name: &str, dirs: &Dirs) -> Server {
 /// The base URL of the engine's HTTP API as the warden's clients write it:
 /// `http://127.0.0.1:PORT`, or `http://localhost` for an engine on a unix
 /// socket (the clients connect such URLs through the socket).
-pub fn engine_base(engine: &Engine) -> String {
+pub(crate) fn engine_base(engine: &Engine) -> String {
     match engine {
         Engine::Loopback(port) => format!("http://127.0.0.1:{port}"),
         Engine::Unix(_) => "http://localhost".to_string(),
@@ -1088,7 +1087,7 @@ fn reports(mut k: Keys<'_, '_, '_>) -> Reports {
 }
 
 /// `"SIGTERM"`, `"TERM"` or `"15"` → a signal.
-pub fn parse_signal(s: &str) -> Option<Signal> {
+pub(crate) fn parse_signal(s: &str) -> Option<Signal> {
     if let Ok(n) = s.parse::<i32>() {
         return Signal::try_from(n).ok();
     }
@@ -1098,7 +1097,7 @@ pub fn parse_signal(s: &str) -> Option<Signal> {
 }
 
 /// The effective pattern lists, as `check` prints them.
-pub fn describe_patterns(s: &Settings) -> String {
+pub(crate) fn describe_patterns(s: &Settings) -> String {
     let mut out = format!("profile: {}\n", s.profile.name());
     let lists = List::ALL.map(|l| (if l == List::Ignore { "ignore (benign)" } else { l.name() }, s.patterns.list(l)));
     for (title, list) in lists.into_iter().chain([("clean-shm", &s.prestart.clean_shm)]) {

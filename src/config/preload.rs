@@ -17,21 +17,21 @@ use super::command::flag;
 use super::reader::{Keys, Value};
 
 /// The folder of the daemon's sockets, in the instance's runtime folder.
-pub const SOCKET_DIR: &str = "weight-cache";
+pub(crate) const SOCKET_DIR: &str = "weight-cache";
 /// The health port's distance from the engine's when `health-port` is not
 /// given.
-pub const HEALTH_PORT_OFFSET: u16 = 1;
+pub(crate) const HEALTH_PORT_OFFSET: u16 = 1;
 /// A unix socket's path holds at most 107 bytes; vLLM's socket names are
 /// `weight_cache_<16 hex>_<role>.sock` (at most 40 bytes): the folder must
 /// leave room for them.
-pub const MAX_SOCKET_DIR: usize = 64;
+pub(crate) const MAX_SOCKET_DIR: usize = 64;
 
 /// The serve command's arguments that take a value and define the weights
 /// the daemon must hold (vLLM's `WeightCacheKey`: the checkpoint, its
 /// revision, dtype, quantization, the tensor/pipeline/data parallel layout)
 /// or what it takes to build them (remote code, overrides, the draft model,
 /// where the weights are downloaded, how they are read from disk).
-pub const WEIGHT_FLAGS: &[&[&str]] = &[
+pub(crate) const WEIGHT_FLAGS: &[&[&str]] = &[
     &["--model"],
     &["--tensor-parallel-size", "-tp"],
     &["--pipeline-parallel-size", "-pp"],
@@ -54,7 +54,7 @@ pub const WEIGHT_FLAGS: &[&[&str]] = &[
 ];
 
 /// The serve command's switches (no value) that define the weights.
-pub const WEIGHT_SWITCHES: &[&str] = &[
+pub(crate) const WEIGHT_SWITCHES: &[&str] = &[
     "--enable-expert-parallel",
     "-ep",
     "--no-enable-expert-parallel",
@@ -64,28 +64,21 @@ pub const WEIGHT_SWITCHES: &[&str] = &[
 
 /// The settings of `[preload]`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Preload {
-    pub enabled: bool,
+pub(crate) struct Preload {
+    pub(crate) enabled: bool,
     /// The daemon's argv, the socket folder and health port arguments
     /// included. Empty when off.
-    pub command: Vec<String>,
+    pub(crate) command: Vec<String>,
     /// Its `/health` (on 127.0.0.1): 200 once every rank holds its weights.
-    pub health_port: u16,
+    pub(crate) health_port: u16,
     /// Where the daemon's sockets go (0700, the warden's user).
-    pub socket_dir: PathBuf,
+    pub(crate) socket_dir: PathBuf,
 }
 
 impl Preload {
     /// `http://127.0.0.1:PORT/health`, when on.
-    pub fn health_url(&self) -> Option<String> {
+    pub(crate) fn health_url(&self) -> Option<String> {
         self.enabled.then(|| format!("http://127.0.0.1:{}/health", self.health_port))
-    }
-
-    /// The part of the daemon's command that decides which weights it
-    /// holds: a reload that changes it starts the daemon again; one that
-    /// does not keeps it.
-    pub fn weights(&self) -> &[String] {
-        &self.command
     }
 }
 
@@ -102,7 +95,7 @@ fn model_of(command: &[String], serve: usize) -> Option<String> {
 /// same program, `preload`, the model and every argument of
 /// [`WEIGHT_FLAGS`] and [`WEIGHT_SWITCHES`] it gives. `Err` says why none
 /// can be derived.
-pub fn derive(command: &[String]) -> Result<Vec<String>, String> {
+pub(crate) fn derive(command: &[String]) -> Result<Vec<String>, String> {
     let serve = command
         .iter()
         .position(|a| a == "serve")
@@ -145,7 +138,7 @@ pub fn derive(command: &[String]) -> Result<Vec<String>, String> {
 
 /// `command` with the socket folder and the health port the warden needs,
 /// unless it names them itself.
-pub fn daemon_command(mut command: Vec<String>, socket_dir: &str, health_port: u16) -> Vec<String> {
+pub(crate) fn daemon_command(mut command: Vec<String>, socket_dir: &str, health_port: u16) -> Vec<String> {
     if flag(&command, "--weight-cache-socket-dir").is_none() {
         command.extend(["--weight-cache-socket-dir".into(), socket_dir.into()]);
     }
@@ -161,7 +154,7 @@ pub fn daemon_command(mut command: Vec<String>, socket_dir: &str, health_port: u
 /// The engine's command: `--load-format ipc_cache` and the socket folder
 /// (`--model-loader-extra-config`) added, unless it chooses a load format
 /// or a loader config itself.
-pub fn engine_command(mut command: Vec<String>, socket_dir: &str) -> Vec<String> {
+pub(crate) fn engine_command(mut command: Vec<String>, socket_dir: &str) -> Vec<String> {
     let has = |c: &[String], name: &str| c.iter().any(|a| a == name || a.starts_with(&format!("{name}=")));
     if has(&command, "--load-format") || has(&command, "--model-loader-extra-config") {
         return command;

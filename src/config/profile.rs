@@ -13,19 +13,19 @@
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Patterns {
     /// A line matching one of these, then the HTTP check, means ready.
-    pub ready: Vec<String>,
+    pub(crate) ready: Vec<String>,
     /// Lines that show the load is moving (shown in `STATUS=`, restart the
     /// stall deadline).
-    pub progress: Vec<String>,
+    pub(crate) progress: Vec<String>,
     /// Lines that mean this run is lost.
-    pub fatal: Vec<String>,
+    pub(crate) fatal: Vec<String>,
     /// Lines that are never fatal, whatever else they match.
-    pub ignore: Vec<String>,
+    pub(crate) ignore: Vec<String>,
     /// Causes that a retry cannot fix; a line matching one is fatal too.
-    pub permanent: Vec<String>,
+    pub(crate) permanent: Vec<String>,
     /// What lines tell of a load's phases and its compile cache (the load
     /// ledger); not changed by a config.
-    pub load: Vec<(LoadSignal, String)>,
+    pub(crate) load: Vec<(LoadSignal, String)>,
 }
 
 /// The phases of a model's load, in their order: the process starts (and
@@ -50,7 +50,7 @@ pub enum LoadPhase {
 }
 
 impl LoadPhase {
-    pub const ALL: [LoadPhase; 9] = [
+    pub(crate) const ALL: [LoadPhase; 9] = [
         LoadPhase::Start,
         LoadPhase::Weights,
         LoadPhase::Compile,
@@ -77,7 +77,7 @@ impl LoadPhase {
     }
 
     /// What the phase is, in a few words, for `loads show`.
-    pub fn words(self) -> &'static str {
+    pub(crate) fn words(self) -> &'static str {
         match self {
             LoadPhase::Start => "process start, engine and workers up",
             LoadPhase::Weights => "weights read",
@@ -100,7 +100,7 @@ impl std::fmt::Display for LoadPhase {
 
 /// What a line tells of a load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LoadSignal {
+pub(crate) enum LoadSignal {
     /// The phase's work is done (a later line of the same phase, before a
     /// later phase ended, moves its end).
     Ends(LoadPhase),
@@ -131,7 +131,7 @@ pub enum List {
 impl List {
     pub const ALL: [List; 5] = [List::Ready, List::Progress, List::Fatal, List::Ignore, List::Permanent];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             List::Ready => "ready",
             List::Progress => "progress",
@@ -153,7 +153,7 @@ impl Patterns {
         }
     }
 
-    pub fn list_mut(&mut self, which: List) -> &mut Vec<String> {
+    pub(crate) fn list_mut(&mut self, which: List) -> &mut Vec<String> {
         match which {
             List::Ready => &mut self.ready,
             List::Progress => &mut self.progress,
@@ -176,7 +176,7 @@ pub enum Profile {
 }
 
 impl Profile {
-    pub fn parse(name: &str) -> Option<Profile> {
+    pub(crate) fn parse(name: &str) -> Option<Profile> {
         match name {
             "vllm" => Some(Profile::Vllm),
             "ray-head" => Some(Profile::RayHead),
@@ -186,7 +186,7 @@ impl Profile {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Profile::Vllm => "vllm",
             Profile::RayHead => "ray-head",
@@ -196,11 +196,11 @@ impl Profile {
     }
 
     /// The names `profile = "…"` accepts.
-    pub const NAMES: [&'static str; 4] = ["vllm", "ray-head", "ray-worker", "none"];
+    pub(crate) const NAMES: [&'static str; 4] = ["vllm", "ray-head", "ray-worker", "none"];
 
     /// A Ray node, whose readiness is confirmed by the cluster and whose
     /// session folders are cleaned.
-    pub fn is_ray(self) -> bool {
+    pub(crate) fn is_ray(self) -> bool {
         matches!(self, Profile::RayHead | Profile::RayWorker)
     }
 
@@ -216,7 +216,7 @@ impl Profile {
     /// `--port` in the command, else the server's default (vLLM's 8000,
     /// the Ray head's GCS on 6379); a node joining a Ray cluster listens on
     /// none that is known beforehand.
-    pub fn default_port(self, command: &[String]) -> Option<u16> {
+    pub(crate) fn default_port(self, command: &[String]) -> Option<u16> {
         use crate::config::command::{PORT, RAY_PORT, port_of};
         let given = port_of(command);
         match self {
@@ -228,7 +228,7 @@ impl Profile {
 
     /// Globs in the temporary folders: every vLLM run leaves a
     /// `vllm_dist_*` file (its torch.distributed rendezvous) behind.
-    pub fn temp_globs(self) -> Vec<String> {
+    pub(crate) fn temp_globs(self) -> Vec<String> {
         match self {
             Profile::None | Profile::RayHead | Profile::RayWorker => Vec::new(),
             Profile::Vllm => to_strings(&["vllm_dist_*"]),
@@ -242,7 +242,7 @@ impl Profile {
     /// vLLM's workers run in the Ray nodes' trees: a node's warden cleans
     /// the same files. (Ray's own object store file is unlinked as soon as
     /// it is mapped.)
-    pub fn shm_globs(self) -> Vec<String> {
+    pub(crate) fn shm_globs(self) -> Vec<String> {
         match self {
             Profile::None => Vec::new(),
             Profile::Vllm | Profile::RayHead | Profile::RayWorker => {
@@ -256,7 +256,7 @@ impl Profile {
 /// `Worker proc VllmWorker-0 died unexpectedly (exit code: -4), shutting
 /// down executor.`: a negative code is the signal that killed it (here
 /// SIGILL), which the cause then names.
-pub const WORKER_DIED: &str = r"Worker proc \S+ died unexpectedly \(exit code: -(\d+)\)";
+pub(crate) const WORKER_DIED: &str = r"Worker proc \S+ died unexpectedly \(exit code: -(\d+)\)";
 
 fn to_strings(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()

@@ -39,11 +39,11 @@ pub(super) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    pub fn new(text: &'a str, file: &'a Path) -> Reader<'a> {
+    pub(crate) fn new(text: &'a str, file: &'a Path) -> Reader<'a> {
         Reader { text, file, problems: Vec::new() }
     }
 
-    pub fn problem(&mut self, span: Option<Span>, message: impl Into<String>) {
+    pub(crate) fn problem(&mut self, span: Option<Span>, message: impl Into<String>) {
         let p = self.at(span, message.into());
         self.problems.push(p);
     }
@@ -53,18 +53,18 @@ impl<'a> Reader<'a> {
         Problem { file: self.file.to_path_buf(), at, message }
     }
 
-    pub fn into_problems(self) -> Vec<Problem> {
+    pub(crate) fn into_problems(self) -> Vec<Problem> {
         self.problems
     }
 
     /// The keys of a top-level section: `v` is `[name]`'s value, if given.
     /// A section that is not a table is a problem, and reads as empty.
-    pub fn section<'r, 't>(&'r mut self, v: Option<&'t Value<'t>>, name: &'static str) -> Keys<'r, 'a, 't> {
+    pub(crate) fn section<'r, 't>(&'r mut self, v: Option<&'t Value<'t>>, name: &'static str) -> Keys<'r, 'a, 't> {
         let table = v.and_then(|v| self.table(v, name));
         Keys::new(self, table, v.map(|v| v.span()), name, format!(" in [{name}]"))
     }
 
-    pub fn string(&mut self, v: &Value<'_>, key: &str) -> Option<String> {
+    pub(crate) fn string(&mut self, v: &Value<'_>, key: &str) -> Option<String> {
         match v.get_ref() {
             DeValue::String(s) => Some(s.to_string()),
             other => {
@@ -74,7 +74,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    pub fn boolean(&mut self, v: &Value<'_>, key: &str) -> Option<bool> {
+    pub(crate) fn boolean(&mut self, v: &Value<'_>, key: &str) -> Option<bool> {
         match v.get_ref() {
             DeValue::Boolean(b) => Some(*b),
             other => {
@@ -84,7 +84,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    pub fn strings(&mut self, v: &Value<'_>, key: &str) -> Option<Vec<String>> {
+    pub(crate) fn strings(&mut self, v: &Value<'_>, key: &str) -> Option<Vec<String>> {
         let DeValue::Array(items) = v.get_ref() else {
             self.problem(Some(v.span()), format!("`{key}` must be an array of strings"));
             return None;
@@ -102,7 +102,7 @@ impl<'a> Reader<'a> {
 
     /// The valid regular expressions of an array; each invalid one is a
     /// problem at its place.
-    pub fn patterns(&mut self, v: &Value<'_>, key: &str) -> Vec<String> {
+    pub(crate) fn patterns(&mut self, v: &Value<'_>, key: &str) -> Vec<String> {
         let DeValue::Array(items) = v.get_ref() else {
             self.problem(Some(v.span()), format!("`{key}` must be an array of regular expressions"));
             return Vec::new();
@@ -111,7 +111,7 @@ impl<'a> Reader<'a> {
     }
 
     /// One regular expression.
-    pub fn regex(&mut self, v: &Value<'_>, key: &str) -> Option<String> {
+    pub(crate) fn regex(&mut self, v: &Value<'_>, key: &str) -> Option<String> {
         let s = self.string(v, key)?;
         match Regex::new(&s) {
             Ok(_) => Some(s),
@@ -124,7 +124,7 @@ impl<'a> Reader<'a> {
 
     /// A duration within `range`; `name` is the dotted name a value out of
     /// range is reported under.
-    pub fn duration(
+    pub(crate) fn duration(
         &mut self,
         v: &Value<'_>,
         key: &str,
@@ -154,7 +154,7 @@ impl<'a> Reader<'a> {
         None
     }
 
-    pub fn integer(&mut self, v: &Value<'_>, key: &str, max: i64) -> Option<i64> {
+    pub(crate) fn integer(&mut self, v: &Value<'_>, key: &str, max: i64) -> Option<i64> {
         let parsed = match v.get_ref() {
             DeValue::Integer(i) => parse_int(i.as_str(), i.radix()),
             _ => None,
@@ -168,7 +168,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    pub fn float(&mut self, v: &Value<'_>, key: &str, min: f64, max: f64) -> Option<f64> {
+    pub(crate) fn float(&mut self, v: &Value<'_>, key: &str, min: f64, max: f64) -> Option<f64> {
         let parsed = match v.get_ref() {
             DeValue::Float(f) => f.as_str().replace('_', "").parse::<f64>().ok(),
             DeValue::Integer(i) => parse_int(i.as_str(), i.radix()).map(|n| n as f64),
@@ -183,7 +183,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    pub fn table<'t>(&mut self, v: &'t Value<'t>, key: &str) -> Option<&'t Table<'t>> {
+    pub(crate) fn table<'t>(&mut self, v: &'t Value<'t>, key: &str) -> Option<&'t Table<'t>> {
         match v.get_ref() {
             DeValue::Table(t) => Some(t),
             _ => {
@@ -194,7 +194,7 @@ impl<'a> Reader<'a> {
     }
 
     /// `""` is `None` (off).
-    pub fn url(&mut self, v: &Value<'_>, key: &str) -> Option<Option<String>> {
+    pub(crate) fn url(&mut self, v: &Value<'_>, key: &str) -> Option<Option<String>> {
         let s = self.string(v, key)?;
         if s.is_empty() {
             return Some(None);
@@ -235,7 +235,7 @@ pub(super) struct Keys<'r, 'a, 't> {
 }
 
 impl<'r, 'a, 't> Keys<'r, 'a, 't> {
-    pub fn new(
+    pub(crate) fn new(
         r: &'r mut Reader<'a>,
         table: Option<&'t Table<'t>>,
         span: Option<Span>,
@@ -248,7 +248,7 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
     }
 
     /// The value of `key`, if the table has it; either way `key` is known.
-    pub fn take(&mut self, key: &'static str) -> Option<&'t Value<'t>> {
+    pub(crate) fn take(&mut self, key: &'static str) -> Option<&'t Value<'t>> {
         debug_assert!(
             super::keys::known(self.section).contains(&key),
             "`{key}` is read{} but is not in config::keys::KEYS",
@@ -261,7 +261,7 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
 
     /// The value of `key` as `read` makes it; `default` when it is missing,
     /// or when `read` returns `None` (having recorded why).
-    pub fn read<T>(
+    pub(crate) fn read<T>(
         &mut self,
         key: &'static str,
         default: T,
@@ -280,45 +280,50 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
     }
 
     /// Whether `key` was missing or read without a problem.
-    pub fn ok(&self, key: &str) -> bool {
+    pub(crate) fn ok(&self, key: &str) -> bool {
         self.taken.iter().any(|t| t.key == key && t.ok)
     }
 
     /// Where the value of `key` is, if the file gives it.
-    pub fn span_of(&self, key: &str) -> Option<Span> {
+    pub(crate) fn span_of(&self, key: &str) -> Option<Span> {
         self.taken.iter().find(|t| t.key == key).and_then(|t| t.span.clone())
     }
 
     /// The table's own place.
-    pub fn span(&self) -> Option<Span> {
+    pub(crate) fn span(&self) -> Option<Span> {
         self.span.clone()
     }
 
-    pub fn problem(&mut self, span: Option<Span>, message: impl Into<String>) {
+    pub(crate) fn problem(&mut self, span: Option<Span>, message: impl Into<String>) {
         self.r.problem(span, message);
     }
 
-    pub fn reader(&mut self) -> &mut Reader<'a> {
+    pub(crate) fn reader(&mut self) -> &mut Reader<'a> {
         self.r
     }
 
     /// `section.key`, as messages about patterns and URLs name a key.
-    pub fn dotted(&self, key: &str) -> String {
+    pub(crate) fn dotted(&self, key: &str) -> String {
         format!("{}.{key}", self.section)
     }
 
-    pub fn path(&mut self, key: &'static str, default: PathBuf) -> PathBuf {
+    pub(crate) fn path(&mut self, key: &'static str, default: PathBuf) -> PathBuf {
         self.read(key, default, |r, v| r.string(v, key).map(PathBuf::from))
     }
 
     /// A duration within `range`.
-    pub fn duration(&mut self, key: &'static str, default: Duration, range: RangeInclusive<Duration>) -> Duration {
+    pub(crate) fn duration(
+        &mut self,
+        key: &'static str,
+        default: Duration,
+        range: RangeInclusive<Duration>,
+    ) -> Duration {
         let name = self.dotted(key);
         self.read(key, default, |r, v| r.duration(v, key, &name, &range))
     }
 
     /// An integer of at least `min`.
-    pub fn count(&mut self, key: &'static str, default: u32, min: u32) -> u32 {
+    pub(crate) fn count(&mut self, key: &'static str, default: u32, min: u32) -> u32 {
         self.read(key, default, |r, v| {
             let n = r.integer(v, key, u32::MAX.into())?;
             if n < min.into() {
@@ -329,12 +334,12 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
         })
     }
 
-    pub fn number(&mut self, key: &'static str, default: f64, min: f64, max: f64) -> f64 {
+    pub(crate) fn number(&mut self, key: &'static str, default: f64, min: f64, max: f64) -> f64 {
         self.read(key, default, |r, v| r.float(v, key, min, max))
     }
 
     /// An http(s) URL, or `None` for `""`.
-    pub fn url(&mut self, key: &'static str, default: Option<String>) -> Option<String> {
+    pub(crate) fn url(&mut self, key: &'static str, default: Option<String>) -> Option<String> {
         let name = self.dotted(key);
         self.read(key, default, |r, v| r.url(v, &name))
     }
@@ -343,7 +348,7 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
     /// list). The list must then still compile as one `RegexSet`, as the
     /// classifier compiles it: patterns that each fit the regex size limit
     /// can exceed it together.
-    pub fn patterns(&mut self, key: &'static str, list: &mut Vec<String>, what: &str) {
+    pub(crate) fn patterns(&mut self, key: &'static str, list: &mut Vec<String>, what: &str) {
         let name = self.dotted(key);
         let Some(v) = self.take(key) else { return };
         let extra = self.r.patterns(v, &name);
@@ -358,7 +363,7 @@ impl<'r, 'a, 't> Keys<'r, 'a, 't> {
     }
 
     /// The table under `key`, if there is one.
-    pub fn table(&mut self, key: &'static str) -> Option<&'t Table<'t>> {
+    pub(crate) fn table(&mut self, key: &'static str) -> Option<&'t Table<'t>> {
         let v = self.take(key)?;
         let t = self.r.table(v, key);
         if t.is_none()

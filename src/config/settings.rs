@@ -13,7 +13,7 @@ use crate::patch::Patch;
 impl Settings {
     /// The cluster that confirms a Ray node's readiness after its ready
     /// line, unless `ready.http` is set: Ray nodes serve no HTTP.
-    pub fn ready_by_ray(&self) -> Option<&Cluster> {
+    pub(crate) fn ready_by_ray(&self) -> Option<&Cluster> {
         if self.ready.http.is_some() || !self.profile.is_ray() {
             return None;
         }
@@ -25,84 +25,84 @@ impl Settings {
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// The file it came from.
-    pub source: PathBuf,
+    pub(crate) source: PathBuf,
     /// The text it was read from: kept as `running.toml` in the state
     /// directory, for `check --diff` against the running instance.
-    pub text: String,
+    pub(crate) text: String,
     /// Instance name: journal identifier `vllm-<name>`, default file names.
-    pub name: String,
+    pub(crate) name: String,
     pub profile: Profile,
     pub child: Child,
-    pub patches: Vec<Patch>,
+    pub(crate) patches: Vec<Patch>,
     pub prestart: Prestart,
     pub ready: Ready,
     pub fatal: Fatal,
     pub restart: Restart,
     pub health: Health,
-    pub status: Status,
+    pub(crate) status: Status,
     pub server: Server,
     pub drain: Drain,
-    pub reports: Reports,
-    pub ledger: Ledger,
-    pub golden: Golden,
-    pub fit: Fit,
-    pub rollback: Rollback,
+    pub(crate) reports: Reports,
+    pub(crate) ledger: Ledger,
+    pub(crate) golden: Golden,
+    pub(crate) fit: Fit,
+    pub(crate) rollback: Rollback,
     /// `[preload]`: the weight-cache daemon beside the engine.
-    pub preload: crate::config::preload::Preload,
+    pub(crate) preload: crate::config::preload::Preload,
     /// `[prefetch]`: the weights read into the page cache as a start begins.
-    pub prefetch: Prefetch,
+    pub(crate) prefetch: Prefetch,
     /// `[front]`: the model's address, owned by the warden; `None`: off
     /// (no `listen`), clients reach the engine itself.
-    pub front: Option<Front>,
+    pub(crate) front: Option<Front>,
     /// Where the engine serves HTTP, as the warden reaches it; `None`: it
     /// serves none (a Ray node).
-    pub engine: Option<Engine>,
+    pub(crate) engine: Option<Engine>,
     /// `$STATE_DIRECTORY`, else `/var/lib/vllm-warden/<name>`.
-    pub state_dir: PathBuf,
+    pub(crate) state_dir: PathBuf,
     /// The effective pattern lists: the profile's plus the config's.
     pub patterns: Patterns,
     /// `[[hint]]`: `(match, text)`, tried before the profile's hints.
-    pub hints: Vec<(String, String)>,
+    pub(crate) hints: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Child {
     /// argv; never run through a shell.
     pub command: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub cwd: Option<PathBuf>,
+    pub(crate) env: BTreeMap<String, String>,
+    pub(crate) cwd: Option<PathBuf>,
     /// `cache-dir`: where the child's caches go (see `process::caches`);
     /// `$CACHE_DIRECTORY` by default, `None` when there is none or it is
     /// set to `""`.
-    pub cache_dir: Option<PathBuf>,
+    pub(crate) cache_dir: Option<PathBuf>,
     /// `$RUNTIME_DIRECTORY`: vLLM's IPC sockets go into a folder of it.
-    pub runtime_dir: Option<PathBuf>,
-    pub log_file: PathBuf,
+    pub(crate) runtime_dir: Option<PathBuf>,
+    pub(crate) log_file: PathBuf,
     /// `log-max-size`, `log-keep`, `log-compress`.
-    pub log_rotation: Rotation,
-    pub stop_signal: Signal,
+    pub(crate) log_rotation: Rotation,
+    pub(crate) stop_signal: Signal,
     pub stop_timeout: Duration,
 }
 
 #[derive(Debug, Clone)]
 pub struct Prestart {
     /// Globs in `/dev/shm`, the profile's plus the config's.
-    pub clean_shm: Vec<String>,
+    pub(crate) clean_shm: Vec<String>,
     /// Checked free before each start; `None`: no port is known (a Ray
     /// node that joins a cluster).
     pub port: Option<u16>,
     pub port_wait: Duration,
     pub gpu_idle_wait: Duration,
-    pub gpu_query: Vec<String>,
+    pub(crate) gpu_query: Vec<String>,
     /// The Ray cluster: waited for before each start (`gate`), and asked
     /// to confirm a Ray node's readiness.
-    pub ray: Option<Cluster>,
+    pub(crate) ray: Option<Cluster>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Ready {
     /// `None`: the HTTP check is off (`http = ""`).
-    pub http: Option<String>,
+    pub(crate) http: Option<String>,
     pub timeout: Duration,
     pub stall: Duration,
 }
@@ -120,25 +120,25 @@ pub struct Restart {
     pub jitter: f64,
     pub reset_after: Duration,
     /// 0 = never give up.
-    pub max_attempts: u32,
-    pub permanent_attempts: u32,
+    pub(crate) max_attempts: u32,
+    pub(crate) permanent_attempts: u32,
 }
 
 /// `[prestart] ray-*`: the cluster a start needs (what it asks and how:
 /// `process::ray`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Cluster {
+pub(crate) struct Cluster {
     /// `HOST:PORT` of the head's GCS.
-    pub address: String,
+    pub(crate) address: String,
     /// The Python that has Ray (`prestart.ray-python`).
-    pub python: String,
+    pub(crate) python: String,
     /// Whether a start waits for the cluster (a head waits for none).
-    pub gate: bool,
-    pub min_nodes: u32,
-    pub min_cpus: f64,
-    pub min_gpus: f64,
+    pub(crate) gate: bool,
+    pub(crate) min_nodes: u32,
+    pub(crate) min_cpus: f64,
+    pub(crate) min_gpus: f64,
     /// How long a start waits for it.
-    pub wait: Duration,
+    pub(crate) wait: Duration,
 }
 
 /// `child.log-max-size`, `child.log-keep`, `child.log-compress` (carried
@@ -146,74 +146,74 @@ pub struct Cluster {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rotation {
     /// Rotate once the file holds this many bytes.
-    pub max_size: u64,
+    pub(crate) max_size: u64,
     /// Copies kept: `NAME.1` to `NAME.KEEP`; 0 truncates without a copy.
-    pub keep: u32,
+    pub(crate) keep: u32,
     /// Copies beyond the first are gzip-compressed (`NAME.2.gz`, …).
-    pub compress: bool,
+    pub(crate) compress: bool,
 }
 
 #[derive(Debug, Clone)]
 pub struct Health {
-    pub http: Option<String>,
+    pub(crate) http: Option<String>,
     pub interval: Duration,
     pub timeout: Duration,
-    pub failures: u32,
+    pub(crate) failures: u32,
     pub canary_interval: Duration,
     pub canary_timeout: Duration,
     /// Zero: no progress check from the server's metrics.
     pub progress_stall: Duration,
     /// A command whose output is new kernel messages, followed from each
     /// spawn for GPU faults; empty: off.
-    pub kernel_messages: Vec<String>,
+    pub(crate) kernel_messages: Vec<String>,
 }
 
 /// `[ledger]`: the record of every load (see `observe::ledger`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     /// How many loads the ledger keeps; 0: none is recorded.
-    pub keep: u32,
+    pub(crate) keep: u32,
     /// A load of a known setup slower than its median by this factor,
     /// overall or in one phase, is a warning.
-    pub slow_factor: f64,
+    pub(crate) slow_factor: f64,
     /// A phase without progress for this factor × its longest recorded
     /// time is a stall (when that is longer than `ready.stall-timeout`).
-    pub deadline_factor: f64,
+    pub(crate) deadline_factor: f64,
 }
 
 /// `[prefetch]`: the read-ahead of the model's weight files into the page
 /// cache while vLLM starts (see `daemon::prefetch`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Prefetch {
+pub(crate) struct Prefetch {
     /// On by default: it does something only for a vLLM command whose
     /// weights are on this machine (a folder, or the hub cache's copy).
-    pub enabled: bool,
+    pub(crate) enabled: bool,
     /// The threads that read, each its own part of the files.
-    pub threads: u32,
+    pub(crate) threads: u32,
     /// At most this fraction of `MemAvailable` (at the start) is read.
-    pub max_memory_fraction: f64,
+    pub(crate) max_memory_fraction: f64,
 }
 
 /// `[golden]`: the answers checked at every ready.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Golden {
     /// On by default for a vLLM server with an HTTP readiness check.
-    pub enabled: bool,
-    pub prompts: Vec<String>,
+    pub(crate) enabled: bool,
+    pub(crate) prompts: Vec<String>,
     /// More prompts, one a line, read at each check.
-    pub prompts_file: Option<PathBuf>,
-    pub max_tokens: u32,
+    pub(crate) prompts_file: Option<PathBuf>,
+    pub(crate) max_tokens: u32,
     /// The largest difference of one token's logprob that is still the
     /// same answer.
-    pub tolerance: f64,
-    pub on_mismatch: GoldenPolicy,
+    pub(crate) tolerance: f64,
+    pub(crate) on_mismatch: GoldenPolicy,
     /// Changed answers after a changed setup become its reference.
-    pub accept_changes: bool,
+    pub(crate) accept_changes: bool,
     /// What the whole check may take.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// While serving, the answers are checked again this often (out of
     /// rotation meanwhile); zero: never on a timer.
-    pub interval: Duration,
+    pub(crate) interval: Duration,
 }
 
 /// `[fit]`: memory-fit recovery. A start that fails with one of vLLM's
@@ -221,20 +221,20 @@ pub struct Golden {
 /// the error asks, within bounds; a value that reaches ready is pinned
 /// for the setup.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Fit {
-    pub enabled: bool,
+pub(crate) struct Fit {
+    pub(crate) enabled: bool,
     /// The arguments it may set.
-    pub adjust: Vec<FitArg>,
+    pub(crate) adjust: Vec<FitArg>,
     /// How far `--gpu-memory-utilization` moves at a time.
-    pub step: f64,
-    pub min_utilization: f64,
-    pub max_utilization: f64,
+    pub(crate) step: f64,
+    pub(crate) min_utilization: f64,
+    pub(crate) max_utilization: f64,
     /// The shortest `--max-model-len` it sets.
-    pub min_model_len: u64,
+    pub(crate) min_model_len: u64,
     /// `--max-model-len` is rounded down to a multiple of this.
-    pub model_len_multiple: u64,
+    pub(crate) model_len_multiple: u64,
     /// Adjustments in a row, at most.
-    pub attempts: u32,
+    pub(crate) attempts: u32,
 }
 
 impl Default for Fit {
@@ -262,10 +262,10 @@ pub enum FitArg {
 }
 
 impl FitArg {
-    pub const ALL: [FitArg; 2] = [FitArg::MaxModelLen, FitArg::GpuMemoryUtilization];
+    pub(crate) const ALL: [FitArg; 2] = [FitArg::MaxModelLen, FitArg::GpuMemoryUtilization];
 
     /// As `fit.adjust` and the status document name it.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             FitArg::MaxModelLen => "max-model-len",
             FitArg::GpuMemoryUtilization => "gpu-memory-utilization",
@@ -273,14 +273,14 @@ impl FitArg {
     }
 
     /// As vLLM's command line spells it.
-    pub fn flag(self) -> &'static str {
+    pub(crate) fn flag(self) -> &'static str {
         match self {
             FitArg::MaxModelLen => "--max-model-len",
             FitArg::GpuMemoryUtilization => "--gpu-memory-utilization",
         }
     }
 
-    pub fn of_name(name: &str) -> Option<FitArg> {
+    pub(crate) fn of_name(name: &str) -> Option<FitArg> {
         FitArg::ALL.into_iter().find(|a| a.name() == name)
     }
 }
@@ -288,15 +288,15 @@ impl FitArg {
 /// `[rollback]`: a changed setup that fails permanently is replaced by
 /// the last setup that reached ready.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Rollback {
-    pub enabled: bool,
+pub(crate) struct Rollback {
+    pub(crate) enabled: bool,
     /// How many setups that reached ready are kept.
-    pub keep: u32,
+    pub(crate) keep: u32,
 }
 
 /// What a mismatch does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GoldenPolicy {
+pub(crate) enum GoldenPolicy {
     /// `READY=1` with a warning.
     Warn,
     /// A failed run, class `wrong_answers`; no `READY=1`.
@@ -307,25 +307,25 @@ pub enum GoldenPolicy {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reports {
     /// How many reports are kept; 0: none is written.
-    pub keep: u32,
+    pub(crate) keep: u32,
     /// The most all reports may take together, in bytes.
-    pub max_size: u64,
+    pub(crate) max_size: u64,
     /// The last lines of the run's log in `log-tail.txt`.
-    pub lines: u32,
+    pub(crate) lines: u32,
     /// What one report may take in all.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// argv of a Python stack dump, `{pid}` in it; empty: none.
-    pub py_spy: Vec<String>,
+    pub(crate) py_spy: Vec<String>,
     /// argv of a GPU snapshot; empty: none.
-    pub gpu_snapshot: Vec<String>,
+    pub(crate) gpu_snapshot: Vec<String>,
     /// argv whose output is the kernel's messages since `{since}`; empty: none.
-    pub kernel_messages: Vec<String>,
+    pub(crate) kernel_messages: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
-pub struct Status {
-    pub file: PathBuf,
-    pub metrics_file: Option<PathBuf>,
+pub(crate) struct Status {
+    pub(crate) file: PathBuf,
+    pub(crate) metrics_file: Option<PathBuf>,
 }
 
 /// `[server]`: the warden's own HTTP endpoint.
@@ -333,12 +333,12 @@ pub struct Status {
 pub struct Server {
     /// The unix socket, always served: `control.sock` in the runtime
     /// directory unless set.
-    pub socket: PathBuf,
+    pub(crate) socket: PathBuf,
     /// A TCP address to serve too (`127.0.0.1:9400`); none by default.
     pub listen: Option<std::net::SocketAddr>,
     /// A file holding the bearer token that allows the mutating endpoints
     /// over TCP; without it they are refused there.
-    pub token_file: Option<PathBuf>,
+    pub(crate) token_file: Option<PathBuf>,
 }
 
 /// `[drain]`: taking a serving child out of rotation before it stops.
@@ -368,7 +368,7 @@ pub enum Engine {
 
 impl Engine {
     /// What a person reads: `127.0.0.1:8000`, `unix:/run/…/engine.sock`.
-    pub fn shown(&self) -> String {
+    pub(crate) fn shown(&self) -> String {
         match self {
             Engine::Loopback(port) => format!("127.0.0.1:{port}"),
             Engine::Unix(path) => format!("unix:{}", path.display()),
@@ -378,7 +378,7 @@ impl Engine {
 
 /// One address the front door listens on.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Listen {
+pub(crate) enum Listen {
     Tcp(std::net::SocketAddr),
     /// `unix:/path`: a unix socket the warden creates (replacing a stale
     /// one; the file is left at exit, for a socket kept by systemd).
@@ -387,7 +387,7 @@ pub enum Listen {
 
 impl Listen {
     /// As written in the config: `0.0.0.0:8000`, `unix:/run/…`.
-    pub fn shown(&self) -> String {
+    pub(crate) fn shown(&self) -> String {
         match self {
             Listen::Tcp(a) => a.to_string(),
             Listen::Unix(p) => format!("unix:{}", p.display()),
@@ -399,14 +399,14 @@ impl Front {
     /// The warden puts an idle engine to sleep (`idle-stop` with
     /// `idle-action = "sleep"`): the engine is given vLLM's development
     /// mode for it.
-    pub fn sleeps(&self) -> bool {
+    pub(crate) fn sleeps(&self) -> bool {
         self.idle_stop.is_some() && self.idle_action == IdleAction::Sleep
     }
 }
 
 /// What `front.idle-stop` does to an idle engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IdleAction {
+pub(crate) enum IdleAction {
     /// The engine is stopped (GPUs and `/dev/shm` free, as after any stop).
     Stop,
     /// vLLM's own sleep mode (`/sleep?level=N`), woken by `/wake_up`.
@@ -416,30 +416,30 @@ pub enum IdleAction {
 /// `[front]`: the warden owns the model's address and forwards to the
 /// engine; requests wait while it is not serving.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Front {
+pub(crate) struct Front {
     /// Bound by the warden, unless systemd passes listening sockets
     /// (`LISTEN_FDS`), which are used instead.
-    pub listen: Vec<Listen>,
+    pub(crate) listen: Vec<Listen>,
     /// How long one request may wait for the engine to serve.
-    pub hold: Duration,
+    pub(crate) hold: Duration,
     /// The most requests waiting at once.
-    pub max_held: u32,
+    pub(crate) max_held: u32,
     /// A request in flight when the engine dies, that had received no
     /// byte of its answer, is held and sent once more after the restart.
-    pub retry_unanswered: bool,
+    pub(crate) retry_unanswered: bool,
     /// The largest request body, in bytes.
-    pub max_body: u64,
+    pub(crate) max_body: u64,
     /// The most client connections at once (kept under the descriptor
     /// limit).
-    pub max_connections: u32,
+    pub(crate) max_connections: u32,
     /// After this long without a request, the engine is stopped or put
     /// to sleep; `None`: never.
-    pub idle_stop: Option<Duration>,
-    pub idle_action: IdleAction,
+    pub(crate) idle_stop: Option<Duration>,
+    pub(crate) idle_action: IdleAction,
     /// `idle-sleep-level`: vLLM's sleep level (1: weights to host memory,
     /// 2: weights dropped).
-    pub idle_sleep_level: u8,
+    pub(crate) idle_sleep_level: u8,
     /// How long a request that wakes an idle engine may wait; `None`: the
     /// setup's estimate from the ledger plus a margin.
-    pub idle_hold: Option<Duration>,
+    pub(crate) idle_hold: Option<Duration>,
 }

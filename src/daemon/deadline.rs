@@ -19,12 +19,12 @@ const LOG_PATIENCE: Duration = Duration::from_secs(1);
 /// example on a process stuck in the kernel; a stopped warden must end all
 /// the same. Past the deadline, the step it was held at is logged and the
 /// process ends with the loop's code.
-pub struct ExitDeadline {
+pub(crate) struct ExitDeadline {
     step: Arc<Mutex<&'static str>>,
 }
 
 impl ExitDeadline {
-    pub fn start(instance: &str, code: Code, within: Duration) -> ExitDeadline {
+    pub(crate) fn start(instance: &str, code: Code, within: Duration) -> ExitDeadline {
         let step = Arc::new(Mutex::new("ending"));
         let (s, instance) = (step.clone(), instance.to_string());
         let spawned = std::thread::Builder::new().name("exit deadline".into()).spawn(move || {
@@ -50,7 +50,7 @@ impl ExitDeadline {
         ExitDeadline { step }
     }
 
-    pub fn at(&self, step: &'static str) {
+    pub(crate) fn at(&self, step: &'static str) {
         tracing::debug!(EVENT = "exit", "exit: {step}");
         *self.step.lock().unwrap_or_else(|p| p.into_inner()) = step;
     }

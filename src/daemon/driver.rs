@@ -27,7 +27,7 @@ use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity, Topic,
 use crate::tell::notify::Notifier;
 use crate::tell::status::{LastReload, ReloadOutcome};
 
-pub mod ports;
+pub(crate) mod ports;
 
 /// What the warden is asked to do from outside (signals, the control
 /// endpoint, the demo, tests).
@@ -51,14 +51,14 @@ pub enum Request {
 /// When the loop last turned, for `/livez`: the loop beats at every turn
 /// and at least every [`HEARTBEAT_EVERY`]; readers see how long ago.
 #[derive(Debug, Clone)]
-pub struct Heartbeat {
+pub(crate) struct Heartbeat {
     base: std::time::Instant,
     /// Milliseconds from `base` to the last beat.
     last: Arc<AtomicU64>,
 }
 
 /// How often an idle loop beats.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 
 impl Default for Heartbeat {
     fn default() -> Self {
@@ -67,12 +67,12 @@ impl Default for Heartbeat {
 }
 
 impl Heartbeat {
-    pub fn beat(&self) {
+    pub(crate) fn beat(&self) {
         self.last.store(self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
     /// How long ago the loop last turned.
-    pub fn age(&self) -> Duration {
+    pub(crate) fn age(&self) -> Duration {
         let last = Duration::from_millis(self.last.load(Ordering::Relaxed));
         self.base.elapsed().saturating_sub(last)
     }
@@ -103,7 +103,7 @@ impl From<Event> for Input {
 
 /// Where effects are carried out: one type that has every port (see
 /// [`ports`]), the real backend or the tests' fake.
-pub trait Backend:
+pub(crate) trait Backend:
     ports::Launch
     + ports::Checks
     + ports::Idle
@@ -129,7 +129,7 @@ impl<B> Backend for B where
 
 /// Told of every state change (the child's lines are seen by the
 /// follower's `logwatch::Tap`, on its own thread).
-pub trait Observer {
+pub(crate) trait Observer {
     /// After every event: the machine as it is now.
     fn changed(&mut self, machine: &Machine);
     /// A reloaded config (the status files may have moved).
@@ -164,47 +164,40 @@ pub trait Observer {
 /// carries the watchdog, the stop and `STATUS=`.
 pub const SLOW_TURN: Duration = Duration::from_millis(100);
 
-/// An observer that does nothing, for tests.
-pub struct NullObserver;
-
-impl Observer for NullObserver {
-    fn changed(&mut self, _: &Machine) {}
-}
-
 /// What the loop needs to know besides its inputs.
 #[derive(Debug, Clone)]
-pub struct Context {
+pub(crate) struct Context {
     /// The `INSTANCE=` of every warden event.
-    pub instance: String,
+    pub(crate) instance: String,
     /// How often to send `WATCHDOG=1`, if systemd asks for it.
-    pub watchdog: Option<Duration>,
+    pub(crate) watchdog: Option<Duration>,
     /// Beaten at every turn of the loop, for `/livez`.
-    pub heartbeat: Option<Heartbeat>,
+    pub(crate) heartbeat: Option<Heartbeat>,
 }
 
 /// How long the loop waits for the lines of an exited child, counted from
 /// the last batch: a follower that neither reads nor fails cannot hold the
 /// exit back for ever.
-pub const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
+pub(crate) const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
 
 /// How long an upgrade waits for the log follower to stop.
 const PAUSE_PATIENCE: Duration = Duration::from_secs(5);
 
 /// The loop's parts that outlive one event.
-pub struct Loop<'a, B: Backend, N: Notifier> {
-    pub machine: Machine,
-    pub backend: &'a mut B,
-    pub notifier: &'a mut N,
-    pub inputs: &'a mut mpsc::UnboundedReceiver<Input>,
+pub(crate) struct Loop<'a, B: Backend, N: Notifier> {
+    pub(crate) machine: Machine,
+    pub(crate) backend: &'a mut B,
+    pub(crate) notifier: &'a mut N,
+    pub(crate) inputs: &'a mut mpsc::UnboundedReceiver<Input>,
     /// The lines that matter, classified by the follower, in the file's
     /// order; bounded, so that the follower waits when the loop is behind.
-    pub lines: &'a mut mpsc::Receiver<Delivery>,
-    pub ctx: &'a Context,
-    pub observer: &'a mut dyn Observer,
+    pub(crate) lines: &'a mut mpsc::Receiver<Delivery>,
+    pub(crate) ctx: &'a Context,
+    pub(crate) observer: &'a mut dyn Observer,
     /// The front door's requests (`[front]`): an engine without any for
     /// `front.idle-stop` is stopped or put to sleep, and one that comes
     /// for it starts or wakes it.
-    pub activity: Option<Arc<crate::daemon::front::Activity>>,
+    pub(crate) activity: Option<Arc<crate::daemon::front::Activity>>,
 }
 
 /// How far the loop has carried out the machine's `Effect::PauseLines`
@@ -241,7 +234,7 @@ struct Exiting {
 impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     /// Run the machine until it is done; `requests` ending counts as a stop
     /// request (nothing could ask for one any more).
-    pub async fn run(mut self, requests: impl Stream<Item = Request>) -> Code {
+    pub(crate) async fn run(mut self, requests: impl Stream<Item = Request>) -> Code {
         let mut requests = std::pin::pin!(requests.fuse());
         let mut events: VecDeque<Event> = VecDeque::from([Event::Begin]);
         let mut exiting: Option<Exiting> = None;
@@ -705,7 +698,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
 /// only (systemd shows the latest status; a timeout extension counts from
 /// when it arrives), never a backlog of stale ones.
 #[derive(Debug, Default)]
-pub struct Held {
+pub(crate) struct Held {
     status: Option<Note>,
     extend: Option<Note>,
 }

@@ -12,7 +12,7 @@ use crate::config::{Problem, Settings};
 /// Problems outside the file: the program, the working folder, the log
 /// folder, the state directory, the patched files. Values the config left
 /// empty because they had a problem of their own are not looked at again.
-pub fn check_environment(s: &Settings) -> Vec<Problem> {
+pub(crate) fn check_environment(s: &Settings) -> Vec<Problem> {
     let mut out = Vec::new();
     let mut say = |message: String| out.push(Problem { file: s.source.clone(), at: None, message });
     let program = s.child.command.first().map_or("", String::as_str);
@@ -72,7 +72,7 @@ pub fn check_environment(s: &Settings) -> Vec<Problem> {
 /// the hub that cannot be read, and the folders the child writes. Checked
 /// by `check` and before every start, so that such a start fails in a
 /// second with the path, the uid and the fix, not after a load.
-pub fn child_problems(s: &Settings) -> Vec<String> {
+pub(crate) fn child_problems(s: &Settings) -> Vec<String> {
     let mut out = program_problems(s);
     out.extend(model_problems(s));
     out.extend(crate::process::caches::problems(&crate::process::caches::of(s)).0);
@@ -81,7 +81,7 @@ pub fn child_problems(s: &Settings) -> Vec<String> {
 
 /// The program of `child.command`, and the interpreter of its `#!` line,
 /// as this user may run them.
-pub fn program_problems(s: &Settings) -> Vec<String> {
+pub(crate) fn program_problems(s: &Settings) -> Vec<String> {
     let mut out = Vec::new();
     let uid = nix::unistd::geteuid();
     let program = s.child.command.first().map_or("", String::as_str);
@@ -110,7 +110,7 @@ pub fn program_problems(s: &Settings) -> Vec<String> {
 /// (or file), or a model of the hub. What may come right by itself (a
 /// mount not there yet) is worth a retry: the pre-start step counts these
 /// as transient.
-pub fn model_problems(s: &Settings) -> Vec<String> {
+pub(crate) fn model_problems(s: &Settings) -> Vec<String> {
     let uid = nix::unistd::geteuid();
     if s.profile != crate::config::profile::Profile::Vllm {
         return Vec::new();
@@ -130,7 +130,7 @@ pub fn model_problems(s: &Settings) -> Vec<String> {
 
 /// The setup a start of `s` runs, and its model's weights (a local folder
 /// of a vLLM command): the load ledger's facts. Blocking.
-pub fn load_facts(s: &Settings) -> crate::tell::ledger::Facts {
+pub(crate) fn load_facts(s: &Settings) -> crate::tell::ledger::Facts {
     let model = weights_folder(s);
     let files: Vec<PathBuf> = s.patches.iter().map(|p| p.file.clone()).collect();
     crate::tell::ledger::Facts::gather(&s.child.command, &s.child.env, &files, model.as_deref())
@@ -144,7 +144,7 @@ fn child_cwd(s: &Settings) -> PathBuf {
 /// What `check` shows of where the child writes and what it reads: each
 /// variable with its value and who set it, the model; and the warnings (a
 /// cache that will not outlive the service).
-pub fn describe_child(s: &Settings) -> (String, Vec<String>) {
+pub(crate) fn describe_child(s: &Settings) -> (String, Vec<String>) {
     use std::fmt::Write;
     let writes = crate::process::caches::of(s);
     let mut warnings = crate::process::caches::problems(&writes).1;
@@ -297,7 +297,7 @@ fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, Str
 /// vLLM's argument parser), or of `python -m vllm.entrypoints… --model
 /// MODEL`, as written. `None` for any other program (a container or a
 /// remote shell that runs vLLM elsewhere: its paths are not this host's).
-pub fn model_of(command: &[String]) -> Option<String> {
+pub(crate) fn model_of(command: &[String]) -> Option<String> {
     let name = |a: &String| Path::new(a).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let program = name(command.first()?);
     let args = &command[1..];
@@ -324,7 +324,7 @@ pub fn model_of(command: &[String]) -> Option<String> {
 
 /// A model as vLLM reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Model {
+pub(crate) enum Model {
     /// A folder (or file) on this machine.
     Local(PathBuf),
     /// A repository id of the Hugging Face hub, `org/name` or `name`.
@@ -338,7 +338,7 @@ impl Model {
     /// As vLLM decides, in the child's working folder `cwd`: what exists
     /// on disk is local, and so is what is written as a path; a name of
     /// one or two plain parts is an id of the hub.
-    pub fn of(model: &str, cwd: &Path) -> Model {
+    pub(crate) fn of(model: &str, cwd: &Path) -> Model {
         if model.contains("://") || model.starts_with('~') || model.contains('$') {
             return Model::Elsewhere;
         }
@@ -424,7 +424,7 @@ fn hub_cache(get: &dyn Fn(&str) -> Option<String>) -> PathBuf {
 /// folder, or the hub cache's snapshot of a hub model (its `--revision`,
 /// else `main`, as `refs/` names it); none for anything else (an object
 /// store, ModelScope, a model not in the cache yet). Blocking.
-pub fn weights_folder(s: &Settings) -> Option<PathBuf> {
+pub(crate) fn weights_folder(s: &Settings) -> Option<PathBuf> {
     if s.profile != crate::config::profile::Profile::Vllm {
         return None;
     }
@@ -484,7 +484,7 @@ fn snapshot(repo: &Path, revision: &str) -> Option<PathBuf> {
 /// read offline (`HF_HUB_OFFLINE`), from which hub cache, and, when a
 /// download may happen, whether the service user can write that cache.
 /// Returns what to say, the problems, and the warnings.
-pub fn hub(s: &Settings, id: &str) -> (String, Vec<String>, Vec<String>) {
+pub(crate) fn hub(s: &Settings, id: &str) -> (String, Vec<String>, Vec<String>) {
     let writes = crate::process::caches::of(s);
     let get = |k: &str| {
         s.child
@@ -593,7 +593,7 @@ fn state_directory(dir: &Path) -> Option<String> {
 /// this user (`check` runs as the service user under the unit): a vLLM
 /// command that compiles (no `--enforce-eager`) fails at its first
 /// compile without them, on every start.
-pub fn compile_problems(s: &Settings) -> Vec<String> {
+pub(crate) fn compile_problems(s: &Settings) -> Vec<String> {
     if s.profile != crate::config::profile::Profile::Vllm || model_of(&s.child.command).is_none() {
         return Vec::new();
     }
@@ -654,7 +654,7 @@ fn python_headers(program: &Path) -> bool {
 }
 
 /// A program name as `execvp` would find it.
-pub fn resolve_program(program: &str, path_override: Option<&str>) -> Option<PathBuf> {
+pub(crate) fn resolve_program(program: &str, path_override: Option<&str>) -> Option<PathBuf> {
     if program.contains('/') {
         return Some(PathBuf::from(program));
     }

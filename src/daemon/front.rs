@@ -22,13 +22,13 @@
 //! requests; `front/listen.rs` opens the listeners (bound, passed by
 //! systemd, or kept across an upgrade).
 
-pub mod hold;
-pub mod proxy;
+pub(crate) mod hold;
+pub(crate) mod proxy;
 
-pub use listen::Listener;
-pub use proxy::Door;
+pub(crate) use listen::Listener;
+pub(crate) use proxy::Door;
 
-pub mod listen;
+pub(crate) mod listen;
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -49,7 +49,7 @@ use tokio::time::Instant;
 /// which it does only if the front door stopped: watched as every other
 /// task of the warden. An upgrade's exec and the warden's exit end the
 /// thread with the process.
-pub fn apart(
+pub(crate) fn apart(
     serve: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -66,7 +66,7 @@ pub fn apart(
 
 /// What the front door does with a request now.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Gate {
+pub(crate) enum Gate {
     /// The engine serves: forward.
     Serving,
     /// The engine will serve, later: hold the request (up to `front.hold`),
@@ -86,7 +86,7 @@ pub enum Gate {
 /// hand-over before an upgrade's exec, which the loop asks for and the
 /// front door carries out.
 #[derive(Debug)]
-pub struct Activity {
+pub(crate) struct Activity {
     in_flight: AtomicUsize,
     last: Mutex<Instant>,
     woken: tokio::sync::Notify,
@@ -126,17 +126,17 @@ impl Default for Activity {
 /// flight after this is cut by the exec (said in the log, counted). As
 /// long as `front.hold`'s default: a client waits no longer in the
 /// backlog than it would be held.
-pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(30);
+pub(crate) const HANDOVER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// How long the warden's exit waits for the front door's connections to
 /// get their last answers (see `daemon::run`): they are answered at once
 /// (the warden will not serve again); only a client still sending its
 /// request takes longer.
-pub const EXIT_PATIENCE: Duration = Duration::from_secs(5);
+pub(crate) const EXIT_PATIENCE: Duration = Duration::from_secs(5);
 
 /// A client connection, counted while it is open.
 #[derive(Debug)]
-pub struct Open(std::sync::Arc<Activity>);
+pub(crate) struct Open(std::sync::Arc<Activity>);
 
 impl Drop for Open {
     fn drop(&mut self) {
@@ -147,7 +147,7 @@ impl Drop for Open {
 /// A listener's accept loop, counted while it may accept a connection:
 /// from its start, and again after each hand-over that did not happen.
 #[derive(Debug)]
-pub struct Accepting(std::sync::Arc<Activity>);
+pub(crate) struct Accepting(std::sync::Arc<Activity>);
 
 impl Drop for Accepting {
     fn drop(&mut self) {
@@ -158,7 +158,7 @@ impl Drop for Accepting {
 impl Activity {
     /// A request arrived (held or forwarded); `idle`: the gate was
     /// [`Gate::Idle`], so the loop is told to start the engine.
-    pub fn begin(&self, idle: bool) {
+    pub(crate) fn begin(&self, idle: bool) {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
         if idle {
@@ -167,14 +167,14 @@ impl Activity {
     }
 
     /// A request ended (answered, refused, or its client went away).
-    pub fn end(&self) {
+    pub(crate) fn end(&self) {
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
     }
 
     /// How long no request has been in flight, as of `now`; `None` while
     /// one is.
-    pub fn quiet_for(&self, now: Instant) -> Option<Duration> {
+    pub(crate) fn quiet_for(&self, now: Instant) -> Option<Duration> {
         if self.in_flight.load(Ordering::SeqCst) > 0 {
             return None;
         }
@@ -182,55 +182,55 @@ impl Activity {
     }
 
     /// Resolves when a request arrives at an idle engine.
-    pub async fn wanted(&self) {
+    pub(crate) async fn wanted(&self) {
         self.woken.notified().await;
     }
 
     /// Requests in the front door's hands now: held, or forwarded and
     /// their answer not yet all sent.
-    pub fn in_hand(&self) -> usize {
+    pub(crate) fn in_hand(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
     }
 
     /// A client connection opened; counted until the guard is dropped.
-    pub fn opened(self: &std::sync::Arc<Self>) -> Open {
+    pub(crate) fn opened(self: &std::sync::Arc<Self>) -> Open {
         self.open.send_modify(|o| o.connections += 1);
         Open(self.clone())
     }
 
     /// An accept loop may accept a connection until the guard is dropped
     /// (it parks for a hand-over, or ends).
-    pub fn accepting(self: &std::sync::Arc<Self>) -> Accepting {
+    pub(crate) fn accepting(self: &std::sync::Arc<Self>) -> Accepting {
         self.open.send_modify(|o| o.accepting += 1);
         Accepting(self.clone())
     }
 
     /// Client connections open now.
-    pub fn connections(&self) -> usize {
+    pub(crate) fn connections(&self) -> usize {
         self.open.borrow().connections
     }
 
     /// An upgrade is about to exec: take no new connection, close the
     /// kept-alive ones, refuse to hold (see [`HANDOVER_PATIENCE`]).
-    pub fn hand_over(&self) {
+    pub(crate) fn hand_over(&self) {
         self.handover.send_replace(true);
     }
 
     /// The upgrade did not happen (it failed, or waits for the run): serve
     /// as before.
-    pub fn resume(&self) {
+    pub(crate) fn resume(&self) {
         self.handover.send_replace(false);
     }
 
     /// The hand-over, as the front door watches it.
-    pub fn handover(&self) -> watch::Receiver<bool> {
+    pub(crate) fn handover(&self) -> watch::Receiver<bool> {
         self.handover.subscribe()
     }
 
     /// Resolves once no client connection is open (every request answered
     /// whole) and no listener accepts one any more, or at `deadline`; the
     /// connections still open then.
-    pub async fn emptied(&self, deadline: Instant) -> usize {
+    pub(crate) async fn emptied(&self, deadline: Instant) -> usize {
         let mut open = self.open.subscribe();
         let _ = tokio::time::timeout_at(deadline, open.wait_for(|o| *o == Counts::default())).await;
         self.connections()
@@ -238,7 +238,8 @@ impl Activity {
 }
 
 /// The least margin [`idle_hold`] gives beyond the estimate.
-pub const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
+#[cfg(test)]
+pub(crate) const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
 
 /// How long a request that wakes an idle engine may wait
 /// (`front.idle-hold`): as set; else the estimate of the start or the wake
@@ -247,7 +248,8 @@ pub const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
 /// load is rarely exactly its median; past this it is not going well);
 /// with no estimate (the setup never loaded on this host), the start's
 /// own deadline, `ready.timeout`.
-pub fn idle_hold(front: &crate::config::Front, eta: Option<Duration>, ready_timeout: Duration) -> Duration {
+#[cfg(test)]
+pub(crate) fn idle_hold(front: &crate::config::Front, eta: Option<Duration>, ready_timeout: Duration) -> Duration {
     match (front.idle_hold, eta) {
         (Some(set), _) => set,
         (None, Some(eta)) => eta.saturating_add((eta / 2).max(IDLE_HOLD_MARGIN)),

@@ -11,16 +11,16 @@ use crate::observe::health::{Api, client};
 
 /// vLLM serves `/sleep`, `/wake_up` and `/is_sleeping` only with this set
 /// to `1` in its environment.
-pub const DEV_MODE: &str = "VLLM_SERVER_DEV_MODE";
+pub(crate) const DEV_MODE: &str = "VLLM_SERVER_DEV_MODE";
 
 /// The warden puts this instance's idle engine to sleep.
-pub fn sleeps(s: &Settings) -> bool {
+pub(crate) fn sleeps(s: &Settings) -> bool {
     s.front.as_ref().is_some_and(crate::config::Front::sleeps)
 }
 
 /// How long a sleep or a wake may take: moving the weights to host memory
 /// and back is a load without reading the files, so a load's stall bound.
-pub fn request_timeout(s: &Settings) -> Duration {
+pub(crate) fn request_timeout(s: &Settings) -> Duration {
     s.ready.stall.max(Duration::from_secs(30))
 }
 
@@ -58,7 +58,7 @@ async fn is_sleeping(api: &Api, timeout: Duration) -> Result<bool, String> {
 }
 
 /// Put the engine to sleep at `level`, and see that it says it sleeps.
-pub async fn sleep(api: &Api, level: u8, timeout: Duration) -> Result<(), String> {
+pub(crate) async fn sleep(api: &Api, level: u8, timeout: Duration) -> Result<(), String> {
     post(api, &format!("/sleep?level={level}"), timeout).await?;
     match is_sleeping(api, timeout).await? {
         true => Ok(()),
@@ -67,7 +67,7 @@ pub async fn sleep(api: &Api, level: u8, timeout: Duration) -> Result<(), String
 }
 
 /// Wake the engine, and see that it says it is awake.
-pub async fn wake(api: &Api, timeout: Duration) -> Result<(), String> {
+pub(crate) async fn wake(api: &Api, timeout: Duration) -> Result<(), String> {
     post(api, "/wake_up", timeout).await?;
     match is_sleeping(api, timeout).await? {
         false => Ok(()),
@@ -78,7 +78,7 @@ pub async fn wake(api: &Api, timeout: Duration) -> Result<(), String> {
 /// After an idle stop, as after any stop: what the tree left in `/dev/shm`
 /// and the temporary folders goes, and the GPUs are looked at (a process
 /// that still holds them is said, since the next start will wait for it).
-pub async fn parked(s: Settings) {
+pub(crate) async fn parked(s: Settings) {
     let name = s.name.clone();
     let cleaned = s.clone();
     let _ = tokio::task::spawn_blocking(move || crate::daemon::prepare::clean_leftover_files(&cleaned)).await;

@@ -27,7 +27,7 @@ use crate::supervisor::load::PrefetchNow;
 
 /// What one thread reads at a time: as `dd bs=16M`, large enough that a
 /// read is the disk's streaming speed, small enough that a stop is quick.
-pub const CHUNK: u64 = 16 << 20;
+pub(crate) const CHUNK: u64 = 16 << 20;
 
 /// How often the loop is told how far the read-ahead is.
 const REPORT_EVERY: Duration = Duration::from_millis(500);
@@ -46,12 +46,6 @@ const CACHE_SAMPLE: u64 = 256 << 20;
 /// `filter_files_not_needed_for_inference`).
 const NOT_WEIGHTS: [&str; 5] = ["training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"];
 
-/// The load formats whose weight files the read-ahead knows (vLLM's
-/// `DefaultModelLoader`); the others read their own way (a streamer, a
-/// GGUF file, no file at all).
-pub const KNOWN_FORMATS: [&str; 8] =
-    ["auto", "hf", "safetensors", "fastsafetensors", "instanttensor", "mistral", "pt", "npcache"];
-
 /// The weight files vLLM 0.32 reads from `folder` under `--load-format
 /// load_format`, in the order it reads them, as its
 /// `DefaultModelLoader._prepare_weights` and its weight iterators decide:
@@ -60,7 +54,7 @@ pub const KNOWN_FORMATS: [&str; 8] =
 /// an index), no training files; safetensors in natural order of their
 /// names (`model-2-of-10` before `model-10-of-10`), other files in the
 /// folder's own order (its `glob`). An error says why none is read.
-pub fn vllm_order(folder: &Path, load_format: &str) -> Result<Vec<PathBuf>, String> {
+pub(crate) fn vllm_order(folder: &Path, load_format: &str) -> Result<Vec<PathBuf>, String> {
     let names = names_in(folder)?;
     let mut index = "model.safetensors.index.json";
     let format = match load_format {
@@ -200,7 +194,7 @@ fn sort_natural(names: &mut [String]) {
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes. Read by hand: the procfs
 /// crate's `Meminfo` requires fields that gVisor's file does not have.
-pub fn mem_available() -> Option<u64> {
+pub(crate) fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -331,7 +325,7 @@ pub struct Order {
 /// The read-ahead of a start of `s`: its files in vLLM's order, the
 /// threads and the memory bound; none where the weights are not on this
 /// machine (said in the log when the read-ahead is on). Blocking.
-pub fn order_for(s: &crate::config::Settings) -> Option<Order> {
+pub(crate) fn order_for(s: &crate::config::Settings) -> Option<Order> {
     let files = match files_of(s) {
         Ok((_, files)) => files,
         Err(why) => {
@@ -369,7 +363,7 @@ impl Prefetch {
 
     /// The same, with the order made by `plan` on the read-ahead's own
     /// thread (it looks at the model's folder): nothing when it gives none.
-    pub fn planned(
+    pub(crate) fn planned(
         plan: impl FnOnce() -> Option<Order> + Send + 'static,
         report: impl Fn(PrefetchNow) + Send + 'static,
     ) -> std::io::Result<Prefetch> {
@@ -385,27 +379,28 @@ impl Prefetch {
 
     /// Whether the weights are all safetensors files (vLLM's faster
     /// loaders read those), as far as the read-ahead looked.
-    pub fn safetensors(&self) -> bool {
+    pub(crate) fn safetensors(&self) -> bool {
         self.counters.safetensors.load(Ordering::Relaxed)
     }
 
     /// Whether it reads (else it measured the residency only).
-    pub fn reads(&self) -> bool {
+    pub(crate) fn reads(&self) -> bool {
         self.counters.reads.load(Ordering::Relaxed)
     }
 
     /// The counters now.
-    pub fn now(&self) -> PrefetchNow {
+    pub(crate) fn now(&self) -> PrefetchNow {
         self.counters.now()
     }
 
     /// Stop at the next chunk; the threads end by themselves.
-    pub fn stop(&self) {
+    pub(crate) fn stop(&self) {
         self.cancel.store(true, Ordering::Relaxed);
     }
 
     /// Stop, and wait for the threads to end (tests, benchmarks).
-    pub fn join(mut self) -> PrefetchNow {
+    #[cfg(test)]
+    pub(crate) fn join(mut self) -> PrefetchNow {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -654,7 +649,7 @@ impl Readers {
 
 /// The weights a start of `s` reads: the folder, its files in vLLM's
 /// order and their bytes; or why there are none. Blocking.
-pub fn files_of(s: &crate::config::Settings) -> Result<(PathBuf, Vec<(PathBuf, u64)>), String> {
+pub(crate) fn files_of(s: &crate::config::Settings) -> Result<(PathBuf, Vec<(PathBuf, u64)>), String> {
     if s.profile != crate::config::profile::Profile::Vllm {
         return Err("none: not a vLLM command".into());
     }
@@ -674,7 +669,7 @@ pub fn files_of(s: &crate::config::Settings) -> Result<(PathBuf, Vec<(PathBuf, u
 
 /// vLLM's faster loaders, named where they apply to `command`: weights in
 /// safetensors files, and a load format that is not already one of them.
-pub fn faster_loaders(command: &[String], safetensors: bool) -> Option<String> {
+pub(crate) fn faster_loaders(command: &[String], safetensors: bool) -> Option<String> {
     let format = crate::config::command::vllm_flag(command, "--load-format").unwrap_or_else(|| "auto".into());
     if !safetensors || ["runai_streamer", "runai_streamer_sharded", "fastsafetensors"].contains(&format.as_str()) {
         return None;
@@ -688,7 +683,7 @@ pub fn faster_loaders(command: &[String], safetensors: bool) -> Option<String> {
 
 /// What `check` says of the read-ahead: the files, their bytes, what is
 /// cached now, and the memory bound. Blocking.
-pub fn describe(s: &crate::config::Settings) -> String {
+pub(crate) fn describe(s: &crate::config::Settings) -> String {
     let gb = |b: u64| b as f64 / 1e9;
     if !s.prefetch.enabled {
         return "read-ahead of the weights: off (prefetch.enabled = false)".into();

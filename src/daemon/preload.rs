@@ -85,7 +85,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Preloader {
-    pub fn new(
+    pub(crate) fn new(
         inputs: mpsc::UnboundedSender<Input>,
         token: String,
         journal: Option<crate::tell::journal::Gatherer>,
@@ -94,7 +94,7 @@ impl Preloader {
     }
 
     /// What the status document shows: none when no daemon runs.
-    pub fn view(&self) -> Option<decide::DaemonView> {
+    pub(crate) fn view(&self) -> Option<decide::DaemonView> {
         let slot = lock(&self.slot);
         let d = slot.as_ref().filter(|d| d.exit.borrow().is_none())?;
         let state = if d.stopping.load(Ordering::SeqCst) {
@@ -117,7 +117,7 @@ impl Preloader {
     /// kept (an engine-only start); otherwise one is started and waited for
     /// (a full start). Without `[preload]`, a daemon left from before a
     /// reload is stopped.
-    pub async fn ensure(&self, s: &Settings, status: Status) -> Result<Option<PreloadStart>, StartFailure> {
+    pub(crate) async fn ensure(&self, s: &Settings, status: Status) -> Result<Option<PreloadStart>, StartFailure> {
         if !s.preload.enabled {
             self.stop(s.child.stop_timeout).await;
             return Ok(None);
@@ -361,7 +361,7 @@ impl Preloader {
     /// Stop the daemon, if one runs: its stop signal to its group, SIGKILL
     /// to what is left after `timeout`, then until its output is closed
     /// (every process of it gone) or [`KILL_GRACE`] has passed.
-    pub async fn stop(&self, timeout: Duration) {
+    pub(crate) async fn stop(&self, timeout: Duration) {
         let Some(d) = lock(&self.slot).take() else { return };
         if let Some(w) = &d.watcher {
             w.abort();
@@ -390,7 +390,7 @@ impl Preloader {
 
     /// A reload: the daemon of another command is stopped at the next
     /// start (see [`decide::plan`]); nothing to do now.
-    pub fn restarts_on(&self, old: &Settings, new: &Settings) -> bool {
+    pub(crate) fn restarts_on(&self, old: &Settings, new: &Settings) -> bool {
         decide::daemon_restarts(&old.preload.command, &new.preload.command, old.preload.enabled, new.preload.enabled)
     }
 }
@@ -408,7 +408,7 @@ impl Drop for Preloader {
 
 /// vLLM's level word in a line (`(Proc pid=N) LEVEL MM-DD …`, or
 /// uvicorn's `LEVEL:`), for the journal's priority.
-pub fn level(line: &str) -> Option<crate::supervisor::classify::Level> {
+pub(crate) fn level(line: &str) -> Option<crate::supervisor::classify::Level> {
     use crate::supervisor::classify::Level;
     let rest = match line.strip_prefix('(') {
         Some(r) => r.split_once(") ")?.1,

@@ -33,7 +33,7 @@ async fn off_loop<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 }
 
 /// Shows a step in `STATUS=`; callable from any thread.
-pub type Status = std::sync::Arc<dyn Fn(String) + Send + Sync>;
+pub(crate) type Status = std::sync::Arc<dyn Fn(String) + Send + Sync>;
 
 /// Steps 1 to 4 up to their waits, in one visit to the blocking pool (each
 /// visit is a thread hand-off, which a loaded machine makes slow): the
@@ -138,7 +138,7 @@ enum Blocking {
 /// lock). `inherited`: this warden was exec'd by an upgrading predecessor
 /// whose run it did not take over; the processes of its own tree are that
 /// run's, and leftovers too.
-pub async fn run(
+pub(crate) async fn run(
     s: &Settings,
     status: Status,
     leftovers_done: Arc<AtomicBool>,
@@ -265,7 +265,7 @@ async fn ray_gate(cluster: &crate::config::Cluster, child: &[String], status: &S
 /// temporary folders (see `prestart::clean` for the rule), and a Ray
 /// node's session folders (see `ray::clean_sessions`). Logs what was
 /// removed and what was kept, and why.
-pub fn clean_leftover_files(s: &Settings) {
+pub(crate) fn clean_leftover_files(s: &Settings) {
     let uid = nix::unistd::geteuid().as_raw();
     clean_ray_sessions(s, uid);
     let mut folders: Vec<(PathBuf, Vec<String>)> = Vec::new();

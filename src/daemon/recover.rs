@@ -26,53 +26,53 @@ use crate::tell::ledger::{Facts, Setup};
 /// this warden's life: the settings it was started with, as this warden
 /// read them from the operator's file.
 #[derive(Debug, Clone)]
-pub struct Good {
-    pub fingerprint: String,
+pub(crate) struct Good {
+    pub(crate) fingerprint: String,
     /// When it reached ready (RFC 3339, UTC).
-    pub at: String,
-    pub settings: Settings,
+    pub(crate) at: String,
+    pub(crate) settings: Settings,
     /// What the fingerprint is made of, to say what changed since.
-    pub setup: Setup,
+    pub(crate) setup: Setup,
 }
 
 /// The setup a rollback start must be.
 #[derive(Debug, Clone)]
-pub struct Expect {
-    pub fingerprint: String,
-    pub setup: Setup,
+pub(crate) struct Expect {
+    pub(crate) fingerprint: String,
+    pub(crate) setup: Setup,
 }
 
 /// What memory fit and a rollback ask of the next starts.
 #[derive(Debug, Default)]
-pub struct Recovery {
+pub(crate) struct Recovery {
     /// Memory fit's values for the next starts (over the pinned ones).
-    pub fit: BTreeMap<FitArg, String>,
+    pub(crate) fit: BTreeMap<FitArg, String>,
     /// A rollback: the failed setup's patches, undone before the next
     /// start (once).
-    pub revert: Option<Vec<crate::patch::Patch>>,
+    pub(crate) revert: Option<Vec<crate::patch::Patch>>,
     /// A rollback: the setup the start must be.
-    pub expect: Option<Expect>,
+    pub(crate) expect: Option<Expect>,
     /// The last-known-good setup: the newest that reached ready in this
     /// warden's life.
-    pub good: Option<Good>,
+    pub(crate) good: Option<Good>,
     /// Pins whose start failed, per setup: not used again (their removal
     /// from the file goes on off the loop).
-    pub dropped: BTreeMap<String, BTreeMap<FitArg, String>>,
+    pub(crate) dropped: BTreeMap<String, BTreeMap<FitArg, String>>,
 }
 
 /// A start, as its pre-start steps found it.
 #[derive(Debug, Clone)]
-pub struct Found {
-    pub facts: Facts,
+pub(crate) struct Found {
+    pub(crate) facts: Facts,
     /// The fit arguments the start uses, and where each comes from.
-    pub used: Used,
+    pub(crate) used: Used,
     /// The command line with memory fit's values.
-    pub argv: Vec<String>,
+    pub(crate) argv: Vec<String>,
 }
 
 /// The values of the fit arguments for `command`: `fit` first, then the
 /// setup's pins, then the command line, then vLLM's default.
-pub fn used(command: &[String], fit: &BTreeMap<FitArg, String>, pinned: &BTreeMap<FitArg, String>) -> Used {
+pub(crate) fn used(command: &[String], fit: &BTreeMap<FitArg, String>, pinned: &BTreeMap<FitArg, String>) -> Used {
     let mut out = Used::new();
     for arg in FitArg::ALL {
         let v = if let Some(v) = fit.get(&arg) {
@@ -92,7 +92,7 @@ pub fn used(command: &[String], fit: &BTreeMap<FitArg, String>, pinned: &BTreeMa
 }
 
 /// `command` with the fitted and pinned values of `used` set.
-pub fn argv(command: &[String], used: &Used) -> Vec<String> {
+pub(crate) fn argv(command: &[String], used: &Used) -> Vec<String> {
     used.iter()
         .filter(|(_, (_, s))| matches!(s, Source::Fitted | Source::Pinned))
         .fold(command.to_vec(), |c, (a, (v, _))| crate::config::command::with_flag(&c, a.flag(), v))
@@ -101,7 +101,7 @@ pub fn argv(command: &[String], used: &Used) -> Vec<String> {
 /// The pins of setup `fingerprint` (`raw`, as the file has them) that a
 /// start of `s` may use: each other one is named in a warning, with why.
 /// `dropped`: the values whose start failed in this warden's life.
-pub fn usable_pins(
+pub(crate) fn usable_pins(
     s: &Settings,
     fingerprint: &str,
     raw: &BTreeMap<String, String>,
@@ -141,7 +141,7 @@ pub fn usable_pins(
 /// What the start of `s` is, off the loop: its facts and memory fit's
 /// values (`fit`, then the usable pins). A rollback start whose setup is
 /// not the one expected (`expect`) fails here, saying what differs.
-pub fn find(
+pub(crate) fn find(
     s: &Settings,
     fit: &BTreeMap<FitArg, String>,
     expect: Option<&Expect>,
@@ -174,7 +174,7 @@ pub fn find(
 /// Memory fit moves an argument only while no other process holds GPU
 /// memory: the holders are named, and the start fails, otherwise. Without
 /// the GPU query (no `nvidia-smi`), nothing is known to hold any.
-pub async fn gpus_free(s: &Settings, fit: &BTreeMap<FitArg, String>) -> Result<(), StartFailure> {
+pub(crate) async fn gpus_free(s: &Settings, fit: &BTreeMap<FitArg, String>) -> Result<(), StartFailure> {
     use crate::process::prestart::{QueryError, describe_gpu_apps, query_gpus};
     if fit.is_empty() || s.prestart.gpu_query.is_empty() {
         return Ok(());
@@ -197,7 +197,7 @@ pub async fn gpus_free(s: &Settings, fit: &BTreeMap<FitArg, String>) -> Result<(
 /// The settings of a rollback to `good`, for the warden now running
 /// `current`: the good setup's own, as this warden read them. Held to the
 /// instance all the same (a reload cannot change it).
-pub fn rollback_settings(current: &Settings, good: &Good) -> Result<Settings, String> {
+pub(crate) fn rollback_settings(current: &Settings, good: &Good) -> Result<Settings, String> {
     let s = &good.settings;
     if s.name != current.name || s.state_dir != current.state_dir {
         return Err(format!("it was instance {:?}'s, not {:?}", s.name, current.name));

@@ -25,15 +25,15 @@ use crate::config::{
 use crate::patch::Patch;
 
 /// What a changed key touches, as `config::keys` says for each key.
-pub use crate::config::keys::Affects;
+pub(crate) use crate::config::keys::Affects;
 
 /// One changed key.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Change {
-    pub key: &'static str,
-    pub old: String,
-    pub new: String,
-    pub affects: Affects,
+pub(crate) struct Change {
+    pub(crate) key: &'static str,
+    pub(crate) old: String,
+    pub(crate) new: String,
+    pub(crate) affects: Affects,
 }
 
 impl fmt::Display for Change {
@@ -196,7 +196,7 @@ macro_rules! fields {
 }
 
 /// Every key that differs between `old` and `new`.
-pub fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
+pub(crate) fn changes(old: &Settings, new: &Settings) -> Vec<Change> {
     let mut out = Vec::new();
     compare(old, new, &mut |c, a, b| {
         if a != b {
@@ -323,7 +323,7 @@ fn compare(old: &Settings, new: &Settings, cmp: &mut dyn FnMut(Compared, String,
 
 /// What a reload does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReloadPlan {
+pub(crate) enum ReloadPlan {
     Nothing,
     /// Only the warden's own settings changed: applied to the running child.
     InPlace(Vec<Change>),
@@ -337,7 +337,7 @@ pub enum ReloadPlan {
 
 /// What reloading `new` over `old` does. Identity changes are left out:
 /// they wait for a new warden (and are said so by [`identity_left`]).
-pub fn plan(old: &Settings, new: &Settings) -> ReloadPlan {
+pub(crate) fn plan(old: &Settings, new: &Settings) -> ReloadPlan {
     let all: Vec<Change> = changes(old, new).into_iter().filter(|c| c.affects != Affects::Identity).collect();
     let because: Vec<Change> = all.iter().filter(|c| c.affects == Affects::Child).cloned().collect();
     match (all.is_empty(), because.is_empty()) {
@@ -348,13 +348,13 @@ pub fn plan(old: &Settings, new: &Settings) -> ReloadPlan {
 }
 
 /// Where a running warden keeps the config text it runs with.
-pub fn running_path(state_dir: &std::path::Path) -> std::path::PathBuf {
+pub(crate) fn running_path(state_dir: &std::path::Path) -> std::path::PathBuf {
     state_dir.join("running.toml")
 }
 
 /// Keep the config text the warden now runs with (for `check --diff`);
 /// a failure is logged, never fatal.
-pub fn save_running(s: &Settings) {
+pub(crate) fn save_running(s: &Settings) {
     let path = running_path(&s.state_dir);
     let saved = std::fs::create_dir_all(&s.state_dir)
         .and_then(|()| crate::util::fsutil::replace(&path, s.text.as_bytes(), 0o600));
@@ -364,7 +364,7 @@ pub fn save_running(s: &Settings) {
 }
 
 /// The identity changes a reload cannot apply.
-pub fn identity_left(old: &Settings, new: &Settings) -> Vec<Change> {
+pub(crate) fn identity_left(old: &Settings, new: &Settings) -> Vec<Change> {
     changes(old, new).into_iter().filter(|c| c.affects == Affects::Identity).collect()
 }
 

@@ -44,29 +44,29 @@ use crate::supervisor::outcome::Phase;
 use crate::tell::metrics::Metrics;
 
 /// The loop has not turned for this long: `/livez` fails.
-pub const LIVE_STALE: Duration = Duration::from_secs(5);
+pub(crate) const LIVE_STALE: Duration = Duration::from_secs(5);
 /// How long a mutating request waits for the loop to show that it took it.
-pub const ANSWER_WAIT: Duration = Duration::from_secs(2);
+pub(crate) const ANSWER_WAIT: Duration = Duration::from_secs(2);
 /// The largest token file read.
 const MAX_TOKEN: u64 = 4096;
 
 /// What the loop publishes after every change.
 #[derive(Debug, Clone, PartialEq)]
-pub struct View {
-    pub phase: Phase,
+pub(crate) struct View {
+    pub(crate) phase: Phase,
     /// Why the warden is not ready (the cause of the last failure, one
     /// escaped line), when it has one.
-    pub cause: Option<String>,
+    pub(crate) cause: Option<String>,
     /// The status document as last made.
-    pub document: Option<Arc<str>>,
+    pub(crate) document: Option<Arc<str>>,
     /// The load under way, as of the loop's last step: `/startupz` takes
     /// its elapsed time again when it answers, since a phase that logs
     /// nothing makes no step.
-    pub load: Option<crate::supervisor::load::LoadNow>,
+    pub(crate) load: Option<crate::supervisor::load::LoadNow>,
     /// The reloads that ended, and the last one: `POST /reload` answers
     /// once the count passes what it was when asked.
-    pub reloads: u64,
-    pub last_reload: Option<Arc<crate::tell::status::LastReload>>,
+    pub(crate) reloads: u64,
+    pub(crate) last_reload: Option<Arc<crate::tell::status::LastReload>>,
 }
 
 impl Default for View {
@@ -77,12 +77,12 @@ impl Default for View {
 
 /// What every connection shares.
 #[derive(Debug, Clone)]
-pub struct Shared {
-    pub view: watch::Receiver<View>,
-    pub heartbeat: Heartbeat,
-    pub metrics: Arc<Metrics>,
-    pub last_check: crate::observe::health::LastCheck,
-    pub requests: mpsc::UnboundedSender<Request>,
+pub(crate) struct Shared {
+    pub(crate) view: watch::Receiver<View>,
+    pub(crate) heartbeat: Heartbeat,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) last_check: crate::observe::health::LastCheck,
+    pub(crate) requests: mpsc::UnboundedSender<Request>,
 }
 
 /// Who may change things through a listener.
@@ -102,7 +102,7 @@ struct Api {
 
 /// Why the token file gives no token.
 #[derive(Debug, thiserror::Error)]
-pub enum TokenError {
+pub(crate) enum TokenError {
     #[error("{path}: {source}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: empty")]
@@ -114,7 +114,7 @@ pub enum TokenError {
 }
 
 /// The bearer token: the file's text, surrounding whitespace removed.
-pub fn read_token(path: &Path) -> Result<String, TokenError> {
+pub(crate) fn read_token(path: &Path) -> Result<String, TokenError> {
     use std::io::Read;
     use std::os::unix::fs::PermissionsExt;
     let read = |source| TokenError::Read { path: path.to_path_buf(), source };
@@ -137,7 +137,7 @@ pub fn read_token(path: &Path) -> Result<String, TokenError> {
 
 /// Why a listener could not be set up.
 #[derive(Debug, thiserror::Error)]
-pub enum ListenError {
+pub(crate) enum ListenError {
     #[error("cannot listen on {path}: {source}")]
     Socket { path: PathBuf, source: std::io::Error },
     #[error("cannot listen on {addr}: {source}")]
@@ -150,7 +150,7 @@ pub enum ListenError {
 /// given its mode, then renamed into place, so that it is never open to
 /// more than that. A socket left by an earlier warden of this instance
 /// (whose lock this one holds) is replaced.
-pub fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, ListenError> {
+pub(crate) fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, ListenError> {
     use std::os::unix::fs::PermissionsExt;
     let err = |source| ListenError::Socket { path: path.to_path_buf(), source };
     if let Some(dir) = path.parent() {
@@ -171,7 +171,7 @@ pub fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, ListenError>
 }
 
 /// The TCP listener, and the token that allows changes through it.
-pub fn bind_tcp(
+pub(crate) fn bind_tcp(
     addr: std::net::SocketAddr,
     token_file: Option<&Path>,
 ) -> Result<(tokio::net::TcpListener, Option<String>), ListenError> {
@@ -185,13 +185,13 @@ pub fn bind_tcp(
 mod conns;
 
 /// Serve the unix socket until the task is aborted.
-pub async fn serve_socket(listener: tokio::net::UnixListener, shared: Shared) {
+pub(crate) async fn serve_socket(listener: tokio::net::UnixListener, shared: Shared) {
     let app = router(Api { shared, access: Access::Local });
     serve(listener, app, Limits::for_this_process(), "control socket").await;
 }
 
 /// Serve TCP until the task is aborted; changes need `token`.
-pub async fn serve_tcp(listener: tokio::net::TcpListener, token: Option<String>, shared: Shared) {
+pub(crate) async fn serve_tcp(listener: tokio::net::TcpListener, token: Option<String>, shared: Shared) {
     let app = router(Api { shared, access: Access::Token(token.map(Arc::from)) });
     serve(listener, app, Limits::for_this_process(), "TCP endpoint").await;
 }
@@ -205,7 +205,7 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// A connection on which no byte moved either way for this long is closed:
 /// a body that is never sent, an answer that is never read. Longer than
 /// the longest answer ([`ANSWER_WAIT`]) with room to spare.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The most connections one listener serves at once. The endpoint answers
 /// probes, a balancer's health checks, a metrics scraper and the local
@@ -223,22 +223,22 @@ pub const MAX_CONNECTIONS: usize = 64;
 /// request, after its answer; else the one quiet the longest, at once). A
 /// balancer, a scraper and the kubelet are each a few connections; a peer
 /// that opens many and sends nothing cannot keep the others out.
-pub const PEER_SHARE: usize = 4;
+pub(crate) const PEER_SHARE: usize = 4;
 
 /// Each listener serves at most this share of the warden's descriptor
 /// limit (`RLIMIT_NOFILE`, soft) when that is lower than
 /// [`MAX_CONNECTIONS`] allows: both listeners together never take more than
 /// a quarter of it, and the rest stays for the child's log, the health
 /// checks, `/proc` and the pre-start steps.
-pub const NOFILE_SHARE: u64 = 8;
+pub(crate) const NOFILE_SHARE: u64 = 8;
 
 /// The read buffer of one connection, which holds a request's head: hyper's
 /// smallest (8 KiB is its floor), ample for a request to this endpoint
 /// (a path and a bearer token). A head larger than this is answered 431.
-pub const MAX_BUF: usize = 16 << 10;
+pub(crate) const MAX_BUF: usize = 16 << 10;
 
 /// The most headers a request may have; more is answered 431.
-pub const MAX_HEADERS: usize = 32;
+pub(crate) const MAX_HEADERS: usize = 32;
 
 /// What one listener allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,8 +246,8 @@ pub struct Limits {
     pub connections: usize,
     /// The most one peer holds.
     pub per_peer: usize,
-    pub header_read: Duration,
-    pub idle: Duration,
+    pub(crate) header_read: Duration,
+    pub(crate) idle: Duration,
 }
 
 impl Limits {
@@ -266,13 +266,13 @@ impl Limits {
     }
 
     /// For this process's descriptor limit as it is now.
-    pub fn for_this_process() -> Limits {
+    pub(crate) fn for_this_process() -> Limits {
         Limits::for_nofile(nofile_limit())
     }
 }
 
 /// The soft `RLIMIT_NOFILE` of this process (unlimited when unknown).
-pub fn nofile_limit() -> u64 {
+pub(crate) fn nofile_limit() -> u64 {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes the limit into the struct we own.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
@@ -747,7 +747,7 @@ async fn change(State(api): State<Api>, headers: HeaderMap, r: Request) -> Respo
 
 /// How long `POST /reload` waits for the verdict: the config is read and
 /// checked off the loop (paths, the program, the model folder).
-pub const RELOAD_WAIT: Duration = Duration::from_secs(30);
+pub(crate) const RELOAD_WAIT: Duration = Duration::from_secs(30);
 
 /// `POST /reload`: read the config again and answer what became of it, as
 /// JSON (the status document's `last_reload`): 200 when it applied (in

@@ -35,49 +35,49 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// The environment variable that names the state file for the successor.
-pub use crate::process::child::UPGRADE_STATE_ENV as STATE_ENV;
+pub(crate) use crate::process::child::UPGRADE_STATE_ENV as STATE_ENV;
 
 /// The state file's name in the runtime directory.
-pub const STATE_FILE: &str = "upgrade.json";
+pub(crate) const STATE_FILE: &str = "upgrade.json";
 
 /// The format of the state file; a successor refuses another (format 1,
 /// before the child's output went through the warden's pipe, is refused:
 /// the model is loaded again).
-pub const FORMAT: u32 = 2;
+pub(crate) const FORMAT: u32 = 2;
 
 /// A state file larger than this is not read.
 const MAX_STATE: u64 = 64 << 10;
 
 /// How long the new binary has to answer `--version`.
-pub const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const VERSION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the successor needs: the upgrade handed over.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Handoff {
-    pub format: u32,
+    pub(crate) format: u32,
     /// The version of the warden that wrote it.
-    pub from: String,
-    pub instance: String,
+    pub(crate) from: String,
+    pub(crate) instance: String,
     /// The instance lock's descriptor, kept open across the exec.
-    pub lock_fd: RawFd,
+    pub(crate) lock_fd: RawFd,
     /// The run token the child carries in its environment.
-    pub token: String,
+    pub(crate) token: String,
     /// The child, with its start time (clock ticks after boot).
-    pub child_start_time: u64,
+    pub(crate) child_start_time: u64,
     /// The read end of the pipe the child's stdout and stderr write to,
     /// kept open across the exec.
-    pub pipe_fd: RawFd,
+    pub(crate) pipe_fd: RawFd,
     /// The log file the pipe is moved to, kept open across the exec: its
     /// descriptor, its inode, and the offset of the first line not yet read.
-    pub log_fd: RawFd,
-    pub log_dev: u64,
-    pub log_ino: u64,
-    pub log_offset: u64,
-    pub machine: crate::supervisor::Saved,
+    pub(crate) log_fd: RawFd,
+    pub(crate) log_dev: u64,
+    pub(crate) log_ino: u64,
+    pub(crate) log_offset: u64,
+    pub(crate) machine: crate::supervisor::Saved,
     /// The front door's listening sockets, kept open across the exec; none
     /// from a predecessor without them.
     #[serde(default)]
-    pub listeners: Vec<HandedListener>,
+    pub(crate) listeners: Vec<HandedListener>,
 }
 
 /// A listening socket of the front door, as the hand-off names it: its
@@ -86,9 +86,9 @@ pub struct Handoff {
 /// listening socket with that local address
 /// (`front::listen::Inherited::handed_over`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HandedListener {
-    pub fd: RawFd,
-    pub address: String,
+pub(crate) struct HandedListener {
+    pub(crate) fd: RawFd,
+    pub(crate) address: String,
 }
 
 /// Why an upgrade does not go on: the state file the successor cannot
@@ -150,12 +150,12 @@ pub enum UpgradeError {
 
 /// Where the state file goes: beside the status document (the runtime
 /// directory under systemd).
-pub fn state_path(status_file: &Path) -> PathBuf {
+pub(crate) fn state_path(status_file: &Path) -> PathBuf {
     status_file.parent().unwrap_or(Path::new(".")).join(STATE_FILE)
 }
 
 /// Write `state` to `path`, mode 0600, whole or not at all.
-pub fn write(path: &Path, state: &Handoff) -> io::Result<()> {
+pub(crate) fn write(path: &Path, state: &Handoff) -> io::Result<()> {
     let text = serde_json::to_vec_pretty(state).map_err(io::Error::other)?;
     crate::util::fsutil::replace(path, &text, 0o600)
 }
@@ -163,7 +163,7 @@ pub fn write(path: &Path, state: &Handoff) -> io::Result<()> {
 /// The state file named by [`STATE_ENV`], taken out of the environment so
 /// that no child inherits it. Call first thing in `main`, before any
 /// thread exists.
-pub fn take_from_env() -> Option<PathBuf> {
+pub(crate) fn take_from_env() -> Option<PathBuf> {
     let path = std::env::var_os(STATE_ENV)?;
     // SAFETY: called from `main` before any other thread is started, so no
     // other thread reads the environment meanwhile.
@@ -174,7 +174,7 @@ pub fn take_from_env() -> Option<PathBuf> {
 /// Read and check the state file for instance `instance`, whose log file
 /// is `log_path`, then remove it. Every part is checked against the live
 /// system; `Err` says which failed.
-pub fn read(path: &Path, instance: &str, log_path: &Path) -> Result<Handoff, UpgradeError> {
+pub(crate) fn read(path: &Path, instance: &str, log_path: &Path) -> Result<Handoff, UpgradeError> {
     let text = crate::process::prestart::read_state_file(path, MAX_STATE)
         .map_err(|source| UpgradeError::Unreadable { path: path.to_path_buf(), source });
     let _ = std::fs::remove_file(path);
@@ -219,7 +219,7 @@ pub fn read(path: &Path, instance: &str, log_path: &Path) -> Result<Handoff, Upg
 /// child's stdout; the log descriptor is the regular file at
 /// `log_path` with the recorded inode, open for appending. Both close on
 /// exec again.
-pub fn take_output(state: &Handoff, log_path: &Path) -> Result<(OwnedFd, std::fs::File), UpgradeError> {
+pub(crate) fn take_output(state: &Handoff, log_path: &Path) -> Result<(OwnedFd, std::fs::File), UpgradeError> {
     use std::os::fd::FromRawFd;
     check_output(state, log_path)?;
     // SAFETY: both are open descriptors of this process, checked above to
@@ -234,7 +234,7 @@ pub fn take_output(state: &Handoff, log_path: &Path) -> Result<(OwnedFd, std::fs
 }
 
 /// The checks of [`take_output`], taking nothing.
-pub fn check_output(state: &Handoff, log_path: &Path) -> Result<(), UpgradeError> {
+pub(crate) fn check_output(state: &Handoff, log_path: &Path) -> Result<(), UpgradeError> {
     let (p, l, pid) = (state.pipe_fd, state.log_fd, state.machine.pid);
     let pipe = |why: String| UpgradeError::NotThePipe(p, why);
     let log = |why: String| UpgradeError::NotTheLog { fd: l, path: log_path.to_path_buf(), why };
@@ -288,7 +288,7 @@ fn fd_flags(path: &str) -> Option<i32> {
 /// successor first thing, so that what its predecessor kept open for it
 /// (and a hand-off that names others) never reaches a process it starts.
 /// What it takes over it has found by then, by what the descriptors are.
-pub fn close_inherited_on_exec() {
+pub(crate) fn close_inherited_on_exec() {
     let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return };
     let fds: Vec<i32> =
         dir.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).filter(|fd| *fd > 2).collect();
@@ -307,7 +307,7 @@ pub fn close_inherited_on_exec() {
 /// Ask `exe --version` and return the version it names, or why not.
 /// Blocking (run it off the loop); the command is killed after
 /// [`VERSION_TIMEOUT`].
-pub fn probe_version(exe: &Path) -> Result<String, UpgradeError> {
+pub(crate) fn probe_version(exe: &Path) -> Result<String, UpgradeError> {
     use std::io::Read;
     let mut child = std::process::Command::new(exe)
         .arg("--version")
@@ -350,7 +350,7 @@ pub fn probe_version(exe: &Path) -> Result<String, UpgradeError> {
 }
 
 /// Keep descriptor `fd` open across the exec.
-pub fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+pub(crate) fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
     let flags = rustix::io::fcntl_getfd(fd)?;
     rustix::io::fcntl_setfd(fd, flags - rustix::io::FdFlags::CLOEXEC)?;
     Ok(())
@@ -362,7 +362,7 @@ pub fn keep_across_exec(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 /// has its handlers is held for them, not taken by the default action
 /// (which would end the warden); what `outbox` holds is written and sent
 /// first. Returns only on failure, with the mask as it was.
-pub fn exec(exe: &Path, state: &Path, outbox: &crate::tell::outbox::Outbox) -> io::Error {
+pub(crate) fn exec(exe: &Path, state: &Path, outbox: &crate::tell::outbox::Outbox) -> io::Error {
     use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
     // What the status writer and the log's writer hold would be lost with
     // this process.

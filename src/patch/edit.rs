@@ -25,7 +25,7 @@ use serde_json::Value;
 
 /// One edit of a document.
 #[derive(Debug, Clone, Copy)]
-pub enum Op<'a> {
+pub(crate) enum Op<'a> {
     /// Delete the member at this dotted path; a missing one is fine.
     Remove(&'a str),
     /// Write this value at the dotted path, creating missing objects.
@@ -49,7 +49,7 @@ impl Op<'_> {
 
 /// Why a document could not be edited.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EditError {
+pub(crate) enum EditError {
     /// Not JSON: where `serde_json` stopped, and why.
     Json { line: usize, column: usize, message: String },
     /// A path that cannot be followed in this document.
@@ -62,7 +62,7 @@ pub enum EditError {
 /// Apply `ops` in order to `text`. The result is `text` itself when the
 /// edits, taken together, change nothing it means (`remove a` then `set a`
 /// to the value it had).
-pub fn edit(text: &str, ops: &[Op<'_>]) -> Result<String, EditError> {
+pub(crate) fn edit(text: &str, ops: &[Op<'_>]) -> Result<String, EditError> {
     let json = |e: serde_json::Error| EditError::Json {
         line: e.line(),
         column: e.column(),
@@ -414,14 +414,14 @@ fn indentation(text: &str) -> Option<String> {
 
 /// One step of a dotted path.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
+pub(crate) enum Step {
     Key(String),
     /// Digits: an index into an array, or a key of an object.
     Index(usize, String),
 }
 
 /// Split `a.b\.c.0` into `a`, `b.c`, `0`.
-pub fn steps(path: &str) -> Vec<Step> {
+pub(crate) fn steps(path: &str) -> Vec<Step> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut chars = path.chars().peekable();
@@ -460,7 +460,7 @@ fn kind(v: &Value) -> &'static str {
 /// Why a path cannot be followed in a document; `at` is the path up to
 /// the step that fails.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PathError {
+pub(crate) enum PathError {
     #[error("empty path")]
     Empty,
     #[error("`{at}` goes through {kind}")]
@@ -479,7 +479,7 @@ pub enum PathError {
 
 /// The model of `Op::Remove`: remove `path`; a missing key is not an
 /// error. Returns whether it changed.
-pub fn remove(doc: &mut Value, path: &str) -> Result<bool, PathError> {
+pub(crate) fn remove(doc: &mut Value, path: &str) -> Result<bool, PathError> {
     let steps = steps(path);
     let (last, parents) = steps.split_last().ok_or(PathError::Empty)?;
     let mut node = doc;
@@ -505,7 +505,7 @@ pub fn remove(doc: &mut Value, path: &str) -> Result<bool, PathError> {
 
 /// The model of `Op::Set`: set `path` to `value`, creating missing objects
 /// on the way. Returns whether it changed.
-pub fn set(doc: &mut Value, path: &str, value: &Value) -> Result<bool, PathError> {
+pub(crate) fn set(doc: &mut Value, path: &str, value: &Value) -> Result<bool, PathError> {
     let steps = steps(path);
     let (last, parents) = steps.split_last().ok_or(PathError::Empty)?;
     let mut node = doc;

@@ -25,10 +25,10 @@ mod error;
 mod source;
 mod store;
 
-pub use self::error::{OriginalError, PatchError};
+pub use self::error::PatchError;
 
-pub use edit::{PathError, remove, set};
-pub use store::{Manifest, Wait};
+pub(crate) use store::Manifest;
+pub use store::Wait;
 
 use edit::{EditError, Op};
 use source::{Place, Source, sha256};
@@ -37,7 +37,7 @@ use store::{Entry, Lock, Store};
 /// The largest model file a `[[patch]]` reads unless its `max-size` says
 /// otherwise: far above any model's config, far below what would strain
 /// the warden's memory.
-pub const DEFAULT_MAX_SIZE: u64 = 64 << 20;
+pub(crate) const DEFAULT_MAX_SIZE: u64 = 64 << 20;
 
 /// One `[[patch]]` entry: JSON edits applied before every start.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,14 +54,14 @@ pub struct Patch {
 
 /// The patches of one file, in config order.
 #[derive(Debug, Clone)]
-pub struct FilePatch<'a> {
-    pub file: PathBuf,
-    pub patches: Vec<&'a Patch>,
+pub(crate) struct FilePatch<'a> {
+    pub(crate) file: PathBuf,
+    pub(crate) patches: Vec<&'a Patch>,
 }
 
 impl FilePatch<'_> {
     /// The largest `max-size` its entries give, else the default.
-    pub fn max_size(&self) -> u64 {
+    pub(crate) fn max_size(&self) -> u64 {
         self.patches.iter().filter_map(|p| p.max_size).max().unwrap_or(DEFAULT_MAX_SIZE)
     }
 
@@ -76,7 +76,7 @@ impl FilePatch<'_> {
 }
 
 /// Group patches by file, keeping the order of first appearance.
-pub fn by_file(patches: &[Patch]) -> Vec<FilePatch<'_>> {
+pub(crate) fn by_file(patches: &[Patch]) -> Vec<FilePatch<'_>> {
     let mut out: Vec<FilePatch<'_>> = Vec::new();
     for p in patches {
         match out.iter_mut().find(|f| f.file == p.file) {
@@ -89,19 +89,19 @@ pub fn by_file(patches: &[Patch]) -> Vec<FilePatch<'_>> {
 
 /// What a file is now and what the patches would make of it.
 #[derive(Debug, Clone)]
-pub struct PatchPlan {
-    pub file: PathBuf,
-    pub old: String,
-    pub new: String,
+pub(crate) struct PatchPlan {
+    pub(crate) file: PathBuf,
+    pub(crate) old: String,
+    pub(crate) new: String,
 }
 
 impl PatchPlan {
-    pub fn changes(&self) -> bool {
+    pub(crate) fn changes(&self) -> bool {
         self.old != self.new
     }
 
     /// A unified diff, empty when nothing changes.
-    pub fn diff(&self) -> String {
+    pub(crate) fn diff(&self) -> String {
         if !self.changes() {
             return String::new();
         }
@@ -115,7 +115,7 @@ impl PatchPlan {
 }
 
 /// Compute what the patches of one file would do, writing nothing.
-pub fn plan(fp: &FilePatch<'_>) -> Result<PatchPlan, PatchError> {
+pub(crate) fn plan(fp: &FilePatch<'_>) -> Result<PatchPlan, PatchError> {
     let place = Place::open(&fp.file)?;
     let source = place.read(fp.max_size())?;
     plan_of(fp, &source)
@@ -420,11 +420,11 @@ fn put_back(f: &Staged) -> io::Result<()> {
 
 /// What `revert` did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Reverted {
+pub(crate) struct Reverted {
     /// Files put back as they were.
-    pub restored: Vec<PathBuf>,
+    pub(crate) restored: Vec<PathBuf>,
     /// Files the manifest names and no `[[patch]]` does: left as they are.
-    pub ignored: Vec<PathBuf>,
+    pub(crate) ignored: Vec<PathBuf>,
 }
 
 /// What one file is restored to.
@@ -442,7 +442,7 @@ enum Original {
 /// to its recorded sha256, and a link that would lead out of the model's
 /// folder or to anything but the original, are refused whatever `force`
 /// says.
-pub fn revert(patches: &[Patch], state_dir: &Path, force: bool, wait: Wait<'_>) -> Result<Reverted, PatchError> {
+pub(crate) fn revert(patches: &[Patch], state_dir: &Path, force: bool, wait: Wait<'_>) -> Result<Reverted, PatchError> {
     let Some(store) = Store::open(state_dir, false)? else { return Ok(Reverted::default()) };
     let _lock = store.lock(wait)?;
     let mut manifest = store.load()?;
@@ -552,7 +552,7 @@ fn restore(place: &Place, source: &Source, original: &Original, max: u64) -> Res
 
 /// The patches' manifest in `state_dir`, read without the lock and
 /// without creating anything: `None` when nothing was ever patched.
-pub fn manifest(state_dir: &Path) -> Result<Option<store::Manifest>, PatchError> {
+pub(crate) fn manifest(state_dir: &Path) -> Result<Option<store::Manifest>, PatchError> {
     match store::Store::open(state_dir, false)? {
         Some(s) => s.load().map(Some),
         None => Ok(None),
@@ -565,7 +565,7 @@ pub fn manifest(state_dir: &Path) -> Result<Option<store::Manifest>, PatchError>
 /// that could not be replaced (not writable, immutable, an owner that
 /// could not be kept), and in the state directory a patches folder, lock
 /// or manifest that cannot be used.
-pub fn check(patches: &[Patch], state_dir: &Path) -> Vec<String> {
+pub(crate) fn check(patches: &[Patch], state_dir: &Path) -> Vec<String> {
     let mut out = Vec::new();
     let fps = by_file(patches);
     for fp in fps.iter().filter(|fp| !fp.file.as_os_str().is_empty()) {

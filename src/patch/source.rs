@@ -19,17 +19,17 @@ use crate::util::fsutil::{BeneathError, Dir, Stamp, read_capped};
 
 /// Where a model file may lead, and where its name is.
 #[derive(Debug)]
-pub struct Place {
+pub(crate) struct Place {
     /// The file as the config names it.
-    pub file: PathBuf,
+    pub(crate) file: PathBuf,
     /// The folder symlinks must stay in.
-    pub root: Dir,
+    pub(crate) root: Dir,
     /// The folder the file's name is in, reached from `root` without
     /// following a symlink.
-    pub dir: Dir,
+    pub(crate) dir: Dir,
     /// That folder, relative to `root`.
-    pub dir_rel: PathBuf,
-    pub name: OsString,
+    pub(crate) dir_rel: PathBuf,
+    pub(crate) name: OsString,
 }
 
 /// `…/models--org--name/snapshots/<rev>/FILE` → `…/models--org--name`
@@ -49,7 +49,7 @@ fn split(file: &Path) -> Option<(PathBuf, PathBuf, OsString)> {
 }
 
 impl Place {
-    pub fn open(file: &Path) -> Result<Place, PatchError> {
+    pub(crate) fn open(file: &Path) -> Result<Place, PatchError> {
         let (root_path, dir_rel, name) = split(file).ok_or_else(|| PatchError::Read {
             file: file.to_path_buf(),
             source: io::Error::new(io::ErrorKind::InvalidInput, "not a file name"),
@@ -60,7 +60,7 @@ impl Place {
     }
 
     /// Read the file (through its symlink, if it is one).
-    pub fn read(&self, max: u64) -> Result<Source, PatchError> {
+    pub(crate) fn read(&self, max: u64) -> Result<Source, PatchError> {
         let file = &self.file;
         let read_err = |source| PatchError::Read { file: file.clone(), source };
         let entry = self
@@ -96,7 +96,7 @@ impl Place {
 
     /// Whether the file is still what `seen` read: the same name entry, the
     /// same content file and the same bytes.
-    pub fn unchanged(&self, seen: &Source, max: u64) -> bool {
+    pub(crate) fn unchanged(&self, seen: &Source, max: u64) -> bool {
         match self.read(max) {
             Ok(now) => now.fingerprint() == seen.fingerprint(),
             Err(_) => false,
@@ -106,18 +106,18 @@ impl Place {
 
 /// A model file as read.
 #[derive(Debug, Clone)]
-pub struct Source {
+pub(crate) struct Source {
     /// The name's own inode: the file, or the symlink.
-    pub entry: Stamp,
+    pub(crate) entry: Stamp,
     /// The content's inode: the file, or the file the symlink leads to.
-    pub content: Stamp,
+    pub(crate) content: Stamp,
     /// Mode and owner of the content.
-    pub mode: u32,
-    pub owner: (u32, u32),
-    pub sha: String,
+    pub(crate) mode: u32,
+    pub(crate) owner: (u32, u32),
+    pub(crate) sha: String,
     /// The symlink's target, when the name is one.
-    pub link: Option<OsString>,
-    pub bytes: Vec<u8>,
+    pub(crate) link: Option<OsString>,
+    pub(crate) bytes: Vec<u8>,
 }
 
 impl Source {
@@ -126,13 +126,13 @@ impl Source {
     }
 }
 
-pub fn sha256(bytes: &[u8]) -> String {
+pub(crate) fn sha256(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A refusal of `fsutil` as a patch error naming the file.
-pub fn beneath(file: &Path, e: BeneathError) -> PatchError {
+pub(crate) fn beneath(file: &Path, e: BeneathError) -> PatchError {
     match e {
         BeneathError::Escapes { link, target, root } => {
             PatchError::Escapes { file: file.to_path_buf(), link, target, root }

@@ -47,23 +47,23 @@ pub enum Wait<'a> {
 /// an index: what is restored, and where, comes from the config.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Manifest {
-    pub files: BTreeMap<PathBuf, Entry>,
+pub(crate) struct Manifest {
+    pub(crate) files: BTreeMap<PathBuf, Entry>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Entry {
-    pub original_sha256: String,
-    pub patched_sha256: String,
+pub(crate) struct Entry {
+    pub(crate) original_sha256: String,
+    pub(crate) patched_sha256: String,
     /// The link's target, when the file was a symlink.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub symlink: Option<PathBuf>,
+    pub(crate) symlink: Option<PathBuf>,
 }
 
 impl Manifest {
     /// Whether an entry keeps the original whose sha256 is `sha`.
-    pub fn keeps(&self, sha: &str) -> bool {
+    pub(crate) fn keeps(&self, sha: &str) -> bool {
         self.files.values().any(|e| e.original_sha256 == sha)
     }
 }
@@ -74,13 +74,13 @@ fn is_sha256(s: &str) -> bool {
 
 /// The held lock: released when dropped, or when the process ends.
 #[derive(Debug)]
-pub struct Lock {
+pub(crate) struct Lock {
     _file: File,
 }
 
 /// The patches folder, opened.
 #[derive(Debug)]
-pub struct Store {
+pub(crate) struct Store {
     dir: Dir,
     /// Who what we create here belongs to, when it is not us: the folder's
     /// owner, when root runs `patch` in the service user's state directory.
@@ -91,7 +91,7 @@ impl Store {
     /// The patches folder of `state_dir`, created (with the state directory)
     /// when `create` says so; `None` when there is none and it is not to be
     /// created.
-    pub fn open(state_dir: &Path, create: bool) -> Result<Option<Store>, PatchError> {
+    pub(crate) fn open(state_dir: &Path, create: bool) -> Result<Option<Store>, PatchError> {
         let err = |source| PatchError::State { dir: state_dir.to_path_buf(), source };
         if create {
             std::fs::create_dir_all(state_dir).map_err(err)?;
@@ -122,7 +122,7 @@ impl Store {
         Ok(Some(Store { dir, owner }))
     }
 
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         self.dir.path()
     }
 
@@ -135,7 +135,7 @@ impl Store {
     }
 
     /// Take the lock (`flock` on `patches/lock`).
-    pub fn lock(&self, wait: Wait<'_>) -> Result<Lock, PatchError> {
+    pub(crate) fn lock(&self, wait: Wait<'_>) -> Result<Lock, PatchError> {
         let path = self.path().join(LOCK);
         let io_err = |source| PatchError::State { dir: path.clone(), source };
         let flags = OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
@@ -178,7 +178,7 @@ impl Store {
     }
 
     /// The manifest; empty when there is none.
-    pub fn load(&self) -> Result<Manifest, PatchError> {
+    pub(crate) fn load(&self) -> Result<Manifest, PatchError> {
         let path = self.manifest_path();
         let bad = |reason: String| PatchError::Manifest { path: path.clone(), reason };
         let (file, _) = match self.dir.open_regular(OsStr::new(MANIFEST), true) {
@@ -206,7 +206,7 @@ impl Store {
         Ok(m)
     }
 
-    pub fn save(&self, m: &Manifest) -> Result<(), PatchError> {
+    pub(crate) fn save(&self, m: &Manifest) -> Result<(), PatchError> {
         let text = serde_json::to_string_pretty(m).map_err(|e| self.state_err(io::Error::other(e)))?;
         self.dir.write_atomic(OsStr::new(MANIFEST), text.as_bytes(), 0o600, self.owner).map_err(|e| self.state_err(e))
     }
@@ -214,7 +214,7 @@ impl Store {
     /// Keep `bytes`, whose sha256 is `sha`, as an original: under the name
     /// `sha`, unless a true copy is already there. Returns whether it was
     /// written now.
-    pub fn keep_original(&self, bytes: &[u8], sha: &str) -> Result<bool, PatchError> {
+    pub(crate) fn keep_original(&self, bytes: &[u8], sha: &str) -> Result<bool, PatchError> {
         let name = name_of(sha).map_err(|e| self.state_err(e))?;
         if self.dir.create_new(&name, bytes, 0o600, self.owner).map_err(|e| self.state_err(e))? {
             self.dir.sync().map_err(|e| self.state_err(e))?;
@@ -229,7 +229,7 @@ impl Store {
     }
 
     /// The original whose sha256 is `sha`, checked against it.
-    pub fn original(&self, sha: &str, max: u64) -> Result<Vec<u8>, OriginalError> {
+    pub(crate) fn original(&self, sha: &str, max: u64) -> Result<Vec<u8>, OriginalError> {
         let name = name_of(sha).map_err(OriginalError::Name)?;
         let (file, _) = match self.dir.open_regular(&name, true) {
             Ok(f) => f,
@@ -251,12 +251,12 @@ impl Store {
     }
 
     /// The path of the original whose sha256 is `sha`, for messages.
-    pub fn original_path(&self, sha: &str) -> PathBuf {
+    pub(crate) fn original_path(&self, sha: &str) -> PathBuf {
         self.path().join(sha)
     }
 
     /// Remove the original `sha`.
-    pub fn forget_original(&self, sha: &str) {
+    pub(crate) fn forget_original(&self, sha: &str) {
         if let Ok(name) = name_of(sha) {
             let _ = self.dir.remove(&name);
             let _ = self.dir.sync();
@@ -285,7 +285,7 @@ fn refusal(e: rustix::io::Errno, what: &str) -> io::Error {
 /// What `run` and `patch` would meet in the patches folder at start: a
 /// folder that is not one, a lock that cannot be taken, a manifest that
 /// cannot be read. Reads only.
-pub fn check(state_dir: &Path) -> Vec<String> {
+pub(crate) fn check(state_dir: &Path) -> Vec<String> {
     let Ok(state) = Dir::open(state_dir) else { return Vec::new() };
     let name = OsStr::new("patches");
     let path = state_dir.join(name);

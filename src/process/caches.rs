@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 /// What a variable names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     /// A folder of caches, kept across restarts.
     Cache,
     /// The folder of vLLM's ZMQ IPC sockets: one run's, emptied before the
@@ -32,17 +32,15 @@ pub enum Kind {
 
 /// One variable the warden may set for the child.
 #[derive(Debug, Clone, Copy)]
-pub struct Known {
-    pub name: &'static str,
+pub(crate) struct Known {
+    pub(crate) name: &'static str,
     /// Under the cache directory (or, for [`Kind::Sockets`], the runtime
     /// directory); empty: the folder itself.
-    pub sub: &'static str,
-    pub kind: Kind,
+    pub(crate) sub: &'static str,
+    pub(crate) kind: Kind,
     /// The variable whose default this one derives from: when the operator
     /// sets that one, this one follows it and the warden leaves it alone.
-    pub parent: Option<&'static str>,
-    /// Who writes there, shown by `check` and the man page.
-    pub who: &'static str,
+    pub(crate) parent: Option<&'static str>,
 }
 
 /// Every variable set under the cache directory: read in vLLM 0.32's
@@ -52,124 +50,125 @@ pub struct Known {
 /// vLLM keeps Triton's kernels per model in its own compile cache; Triton's
 /// own default follows `TRITON_HOME`), and `DG_JIT_CACHE_DIR` (vLLM sets it
 /// to `VLLM_CACHE_ROOT/deep_gemm` when it is unset).
-pub const CACHES: &[Known] = &[
+pub(crate) const CACHES: &[Known] = &[
     Known {
         name: "XDG_CACHE_HOME",
         sub: "",
         kind: Kind::Cache,
         parent: None,
-        who: "the default cache root of vLLM (assets), torch (hub, kernels, extensions), numba, outlines",
+        // Who writes there: the default cache root of vLLM (assets), torch (hub, kernels, extensions), numba, outlines
     },
     Known {
         name: "XDG_CONFIG_HOME",
         sub: "config",
         kind: Kind::Cache,
         parent: None,
-        who: "configuration files written at run time",
+        // Who writes there: configuration files written at run time
     },
     Known {
         name: "VLLM_CONFIG_ROOT",
         sub: "config/vllm",
         kind: Kind::Cache,
         parent: Some("XDG_CONFIG_HOME"),
-        who: "vLLM's config root (usage statistics, `do_not_track`)",
+        // Who writes there: vLLM's config root (usage statistics, `do_not_track`)
     },
     Known {
         name: "VLLM_CACHE_ROOT",
         sub: "vllm",
         kind: Kind::Cache,
         parent: Some("XDG_CACHE_HOME"),
-        who: "vLLM: torch.compile artefacts (`torch_compile_cache/`, with inductor's and Triton's kernels per model), \
-              model info, DeepGEMM's and FlashInfer's caches",
+        // Who writes there: vLLM: torch.compile artefacts (`torch_compile_cache/`, with inductor's and Triton's kernels
+        // per model), model info, DeepGEMM's and FlashInfer's caches
     },
     Known {
         name: "TORCHINDUCTOR_CACHE_DIR",
         sub: "torchinductor",
         kind: Kind::Cache,
         parent: None,
-        who: "torch inductor's kernels outside vLLM's compile (default `/tmp/torchinductor_USER`)",
+        // Who writes there: torch inductor's kernels outside vLLM's compile (default `/tmp/torchinductor_USER`)
     },
     Known {
         name: "TRITON_HOME",
         sub: "",
         kind: Kind::Cache,
         parent: None,
-        who: "Triton's `.triton/` (cache, dump, override; default `$HOME`)",
+        // Who writes there: Triton's `.triton/` (cache, dump, override; default `$HOME`)
     },
     Known {
         name: "CUDA_CACHE_PATH",
         sub: "nv/ComputeCache",
         kind: Kind::Cache,
         parent: None,
-        who: "CUDA's JIT cache of PTX compiled for this GPU (default `~/.nv/ComputeCache`)",
+        // Who writes there: CUDA's JIT cache of PTX compiled for this GPU (default `~/.nv/ComputeCache`)
     },
     Known {
         name: "FLASHINFER_WORKSPACE_BASE",
         sub: "",
         kind: Kind::Cache,
         parent: None,
-        who: "FlashInfer's JIT kernels and cubins (`.cache/flashinfer/` under it; default `$HOME`)",
+        // Who writes there: FlashInfer's JIT kernels and cubins (`.cache/flashinfer/` under it; default `$HOME`)
     },
     Known {
         name: "TVM_FFI_CACHE_DIR",
         sub: "tvm-ffi",
         kind: Kind::Cache,
         parent: None,
-        who: "tvm-ffi's JIT builds, for FlashInfer and CuTe kernels (default `~/.cache/tvm-ffi`)",
+        // Who writes there: tvm-ffi's JIT builds, for FlashInfer and CuTe kernels (default `~/.cache/tvm-ffi`)
     },
     Known {
         name: "HF_MODULES_CACHE",
         sub: "huggingface/modules",
         kind: Kind::Cache,
         parent: Some("HF_HOME"),
-        who: "the code of `--trust-remote-code` models (default `HF_HOME/modules`)",
+        // Who writes there: the code of `--trust-remote-code` models (default `HF_HOME/modules`)
     },
     Known {
         name: "NUMBA_CACHE_DIR",
         sub: "numba",
         kind: Kind::Cache,
         parent: None,
-        who: "numba's compiled functions (its default is beside the code, in the read-only venv)",
+        // Who writes there: numba's compiled functions (its default is beside the code, in the read-only venv)
     },
     Known {
         name: "OUTLINES_CACHE_DIR",
         sub: "outlines",
         kind: Kind::Cache,
         parent: None,
-        who: "outlines' guided-decoding cache",
+        // Who writes there: outlines' guided-decoding cache
     },
-    Known { name: "MPLCONFIGDIR", sub: "matplotlib", kind: Kind::Cache, parent: None, who: "matplotlib's font cache" },
+    // Who writes there: matplotlib's font cache.
+    Known { name: "MPLCONFIGDIR", sub: "matplotlib", kind: Kind::Cache, parent: None },
 ];
 
 /// vLLM's ZMQ IPC sockets (default: the temporary folder, where every run
 /// leaves its socket files), in the runtime directory.
-pub const SOCKETS: Known = Known {
+pub(crate) const SOCKETS: Known = Known {
     name: "VLLM_RPC_BASE_PATH",
     sub: "vllm-ipc",
     kind: Kind::Sockets,
     parent: None,
-    who: "vLLM's ZMQ IPC sockets between its processes",
+    // Who writes there: vLLM's ZMQ IPC sockets between its processes
 };
 
 /// The longest sockets folder: ZMQ's `ipc://` paths are limited to 107
 /// bytes (`sun_path`), and vLLM adds `/` and a 36-byte UUID.
-pub const SOCKETS_MAX: usize = 70;
+pub(crate) const SOCKETS_MAX: usize = 70;
 
 /// The Hugging Face hub cache follows `XDG_CACHE_HOME`: when the warden
 /// sets that, `HF_HOME` is set to where the hub cache was before
 /// (`$HOME/.cache/huggingface`), so that the operator's model store (unless
 /// `HF_HUB_CACHE` names another) and the login token do not move. Not set
 /// when `HF_HOME` is set already.
-pub const HF_HOME: &str = "HF_HOME";
+pub(crate) const HF_HOME: &str = "HF_HOME";
 
 /// A variable the child will see, and where it comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Var {
-    pub name: String,
-    pub value: PathBuf,
-    pub kind: Kind,
+pub(crate) struct Var {
+    pub(crate) name: String,
+    pub(crate) value: PathBuf,
+    pub(crate) kind: Kind,
     /// Set by the warden (else by `child.env` or the warden's environment).
-    pub ours: bool,
+    pub(crate) ours: bool,
 }
 
 /// The folders the child writes and the variables that name them: each
@@ -177,7 +176,7 @@ pub struct Var {
 /// environment (`outer`), else the warden's default under `cache` (or
 /// `runtime` for the sockets). A variable with none of the three is left
 /// out (the library's own default applies).
-pub fn plan(
+pub(crate) fn plan(
     cache: Option<&Path>,
     runtime: Option<&Path>,
     env: &BTreeMap<String, String>,
@@ -239,12 +238,12 @@ fn plain_path(p: &Path) -> bool {
 }
 
 /// The variables of one config, with the warden's own environment.
-pub fn of(s: &crate::config::Settings) -> Vec<Var> {
+pub(crate) fn of(s: &crate::config::Settings) -> Vec<Var> {
     plan(s.child.cache_dir.as_deref(), s.child.runtime_dir.as_deref(), &s.child.env, &|k| std::env::var(k).ok())
 }
 
 /// What the warden adds to the child's environment.
-pub fn child_env(vars: &[Var]) -> impl Iterator<Item = (String, String)> + '_ {
+pub(crate) fn child_env(vars: &[Var]) -> impl Iterator<Item = (String, String)> + '_ {
     vars.iter().filter(|v| v.ours).map(|v| (v.name.clone(), v.value.to_string_lossy().into_owned()))
 }
 
@@ -252,7 +251,7 @@ pub fn child_env(vars: &[Var]) -> impl Iterator<Item = (String, String)> + '_ {
 /// time) of the folders the child writes, seen as this process's user,
 /// who is the child's: each must be a folder it can write, or one it can
 /// create. The hub cache is not looked at here.
-pub fn problems(vars: &[Var]) -> (Vec<String>, Vec<String>) {
+pub(crate) fn problems(vars: &[Var]) -> (Vec<String>, Vec<String>) {
     let (mut bad, mut warn) = (Vec::new(), Vec::new());
     let uid = nix::unistd::geteuid();
     for v in vars.iter().filter(|v| v.kind != Kind::Hub && plain_path(&v.value)) {
@@ -287,7 +286,7 @@ pub fn problems(vars: &[Var]) -> (Vec<String>, Vec<String>) {
 
 /// Why a cache folder cannot be used, or was not made.
 #[derive(Debug, thiserror::Error)]
-pub enum CacheError {
+pub(crate) enum CacheError {
     #[error("not writable ({0})")]
     NotWritable(io::Error),
     #[error("is {0}, not a folder")]
@@ -340,7 +339,7 @@ fn short_lived(dir: &Path) -> Option<String> {
 /// (the warden's own control socket, should it be configured there); only
 /// when the folder is a real folder of this user, not a link elsewhere:
 /// the run that made them is gone). Returns what could not be done.
-pub fn prepare(vars: &[Var], keep: &Path) -> Result<(), CacheError> {
+pub(crate) fn prepare(vars: &[Var], keep: &Path) -> Result<(), CacheError> {
     let uid = nix::unistd::geteuid().as_raw();
     for v in vars.iter().filter(|v| v.ours && v.kind != Kind::Hub) {
         std::fs::DirBuilder::new()
@@ -373,7 +372,7 @@ pub fn prepare(vars: &[Var], keep: &Path) -> Result<(), CacheError> {
 
 /// The size in bytes of what is under `dir` (files only, links not
 /// followed, other filesystems not entered), and the number of files.
-pub fn size_of(dir: &Path) -> io::Result<(u64, u64)> {
+pub(crate) fn size_of(dir: &Path) -> io::Result<(u64, u64)> {
     // The folder itself may be a link (to a bigger disk): followed.
     let dev = std::fs::metadata(dir)?.dev();
     let (mut bytes, mut files) = (0, 0);
@@ -399,7 +398,7 @@ pub fn size_of(dir: &Path) -> io::Result<(u64, u64)> {
 /// (a change into loading or ready asks for one: no thread is started on
 /// the way to `READY=1`); it ends once no meter is left.
 #[derive(Debug, Clone, Default)]
-pub struct Meter {
+pub(crate) struct Meter {
     inner: std::sync::Arc<(std::sync::Mutex<Measured>, std::sync::Condvar)>,
 }
 
@@ -417,10 +416,10 @@ struct Measured {
 
 /// What a measure found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Size {
-    pub bytes: u64,
-    pub files: u64,
-    pub at: std::time::SystemTime,
+pub(crate) struct Size {
+    pub(crate) bytes: u64,
+    pub(crate) files: u64,
+    pub(crate) at: std::time::SystemTime,
 }
 
 /// How often an idle measuring thread looks whether its meter is gone.
@@ -428,7 +427,7 @@ const METER_IDLE_LOOK: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Meter {
     /// Measure `dir` now, unless a measure is under way.
-    pub fn measure(&self, dir: &Path) {
+    pub(crate) fn measure(&self, dir: &Path) {
         let mut m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
         if m.measuring {
             return;
@@ -451,19 +450,20 @@ impl Meter {
     }
 
     /// Wait until no measure is under way, at most `limit`.
-    pub fn wait(&self, limit: std::time::Duration) {
+    #[cfg(test)]
+    pub(crate) fn wait(&self, limit: std::time::Duration) {
         let m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
         let _ = self.inner.1.wait_timeout_while(m, limit, |m| m.measuring);
     }
 
     /// A measure is under way, or its result not taken yet.
-    pub fn waiting(&self) -> bool {
+    pub(crate) fn waiting(&self) -> bool {
         let m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
         m.measuring || m.fresh
     }
 
     /// The last size, and whether it is new since the last call.
-    pub fn take(&self) -> (Option<Size>, bool) {
+    pub(crate) fn take(&self) -> (Option<Size>, bool) {
         let mut m = self.inner.0.lock().unwrap_or_else(|e| e.into_inner());
         (m.last, std::mem::take(&mut m.fresh))
     }

@@ -33,15 +33,15 @@ mod watched;
 
 pub use self::procfs::*;
 use self::reaper::*;
-pub use self::watched::{OnExit, spawn_watched};
+pub(crate) use self::watched::spawn_watched;
 
 /// The environment variable that names an upgrade's state file for the
 /// successor (`daemon::upgrade`).
-pub const UPGRADE_STATE_ENV: &str = "VLLM_WARDEN_UPGRADE_STATE";
+pub(crate) const UPGRADE_STATE_ENV: &str = "VLLM_WARDEN_UPGRADE_STATE";
 
 /// The environment variables a child must never inherit: they would let it
 /// talk to systemd in the warden's name.
-pub const SCRUBBED_ENV: [&str; 4] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", UPGRADE_STATE_ENV];
+pub(crate) const SCRUBBED_ENV: [&str; 4] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", UPGRADE_STATE_ENV];
 
 /// What the tree reports to the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,7 +54,7 @@ pub enum TreeEvent {
 }
 
 /// Make this process a child subreaper (`PR_SET_CHILD_SUBREAPER`).
-pub fn become_subreaper() -> io::Result<()> {
+pub(crate) fn become_subreaper() -> io::Result<()> {
     // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes one integer argument.
     let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
     if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
@@ -63,7 +63,7 @@ pub fn become_subreaper() -> io::Result<()> {
 /// Empty this thread's signal mask. The warden calls it at start, before
 /// any other thread exists: a SIGTERM blocked by whoever started it would
 /// never reach its handler.
-pub fn unblock_all_signals() -> io::Result<()> {
+pub(crate) fn unblock_all_signals() -> io::Result<()> {
     let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
     // SAFETY: sigemptyset initialises the set; sigprocmask reads it.
     let rc = unsafe {
@@ -76,7 +76,7 @@ pub fn unblock_all_signals() -> io::Result<()> {
 /// Create the log file (and its folder) and append the start marker.
 /// Returns the file, for the warden's log writer to append the child's
 /// output to, and the offset after the marker, where following starts.
-pub fn open_log(path: &Path, start: u32, now: std::time::SystemTime) -> io::Result<(File, u64)> {
+pub(crate) fn open_log(path: &Path, start: u32, now: std::time::SystemTime) -> io::Result<(File, u64)> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
@@ -89,10 +89,10 @@ pub fn open_log(path: &Path, start: u32, now: std::time::SystemTime) -> io::Resu
 
 /// What to run.
 #[derive(Debug, Clone)]
-pub struct ChildSpec {
-    pub argv: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub cwd: Option<PathBuf>,
+pub(crate) struct ChildSpec {
+    pub(crate) argv: Vec<String>,
+    pub(crate) env: BTreeMap<String, String>,
+    pub(crate) cwd: Option<PathBuf>,
 }
 
 struct Inner {
@@ -110,7 +110,7 @@ struct Inner {
 }
 
 /// The child's process tree. Dropping it kills whatever is left.
-pub struct Tree {
+pub(crate) struct Tree {
     inner: Arc<Mutex<Inner>>,
     me: i32,
     /// The task that watches the reaper's thread.
@@ -126,7 +126,7 @@ fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
 impl Tree {
     /// Become a subreaper and start reaping, on a thread watched by a task
     /// of `tasks`. Needs a tokio runtime.
-    pub fn new(events: impl Fn(TreeEvent) + Send + 'static, tasks: &mut Tasks) -> io::Result<Tree> {
+    pub(crate) fn new(events: impl Fn(TreeEvent) + Send + 'static, tasks: &mut Tasks) -> io::Result<Tree> {
         become_subreaper()?;
         tree_thread(std::process::id() as i32);
         let inner = Arc::new(Mutex::new(Inner {
@@ -144,7 +144,7 @@ impl Tree {
 
     /// Start (or start again, after it died) the reaper: a thread, watched
     /// as the task "reaper" (a panic there is that task's).
-    pub fn start_reaper(&mut self, tasks: &mut Tasks) -> io::Result<()> {
+    pub(crate) fn start_reaper(&mut self, tasks: &mut Tasks) -> io::Result<()> {
         if let Some(old) = self.reaper.take() {
             old.abort();
         }
@@ -166,7 +166,7 @@ impl Tree {
     /// closes its own copy after the spawn, so that the pipe ends when the
     /// last process of the tree holding it is gone), with a scrubbed
     /// environment.
-    pub fn spawn(&self, spec: &ChildSpec, output: &std::os::fd::OwnedFd) -> io::Result<u32> {
+    pub(crate) fn spawn(&self, spec: &ChildSpec, output: &std::os::fd::OwnedFd) -> io::Result<u32> {
         let mut cmd = Command::new(&spec.argv[0]);
         cmd.args(&spec.argv[1..])
             .stdin(Stdio::null())
@@ -202,7 +202,7 @@ impl Tree {
 
     /// Take `pid`, already our child (a predecessor's, before an upgrade's
     /// exec), as the leader.
-    pub fn adopt(&self, pid: u32) {
+    pub(crate) fn adopt(&self, pid: u32) {
         let mut inner = lock(&self.inner);
         inner.leader = Some(pid as i32);
         inner.leader_exited = false;
@@ -223,19 +223,19 @@ impl Tree {
     /// no process can join the tree before the next spawn): what works on
     /// that run after it (its failure report) sees when there is nothing
     /// left to look at and it no longer holds up anything.
-    pub fn run_ended(&self) -> Arc<AtomicBool> {
+    pub(crate) fn run_ended(&self) -> Arc<AtomicBool> {
         lock(&self.inner).ended.clone()
     }
 
     /// The leader while it lives.
-    pub fn leader(&self) -> Option<u32> {
+    pub(crate) fn leader(&self) -> Option<u32> {
         let inner = lock(&self.inner);
         inner.leader.filter(|_| !inner.leader_exited).map(|p| p as u32)
     }
 
     /// Send `sig` to the leader if it is alive, else to every descendant
     /// left; then report `Empty` when the tree is gone.
-    pub fn terminate(&self, sig: Signal) {
+    pub(crate) fn terminate(&self, sig: Signal) {
         let mut inner = lock(&self.inner);
         inner.watching = true;
         match inner.leader {
@@ -257,7 +257,7 @@ impl Tree {
 
     /// SIGKILL the leader's group and every descendant, until none is left;
     /// then report `Empty`.
-    pub fn kill_all(&self) {
+    pub(crate) fn kill_all(&self) {
         let mut inner = lock(&self.inner);
         inner.watching = true;
         inner.killing = true;

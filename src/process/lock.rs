@@ -13,12 +13,12 @@ use std::path::{Path, PathBuf};
 
 /// The held lock; released when dropped (or when the process ends).
 #[derive(Debug)]
-pub struct InstanceLock {
+pub(crate) struct InstanceLock {
     _file: File,
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum LockError {
+pub(crate) enum LockError {
     #[error("instance {instance:?} is already supervised by {holder} (lock {})", path.display())]
     Held { instance: String, holder: String, path: PathBuf },
     #[error("cannot take the lock {}: {source}", path.display())]
@@ -26,7 +26,7 @@ pub enum LockError {
 }
 
 impl InstanceLock {
-    pub fn take(state_dir: &Path, instance: &str) -> Result<InstanceLock, LockError> {
+    pub(crate) fn take(state_dir: &Path, instance: &str) -> Result<InstanceLock, LockError> {
         let path = state_dir.join("lock");
         let io = |source| LockError::Io { path: path.clone(), source };
         std::fs::create_dir_all(state_dir).map_err(io)?;
@@ -71,7 +71,7 @@ impl InstanceLock {
     /// file is granted again). Any other descriptor on the lock file is
     /// closed. `None` when there is none, or when another process holds the
     /// lock.
-    pub fn inherited(state_dir: &Path) -> Option<InstanceLock> {
+    pub(crate) fn inherited(state_dir: &Path) -> Option<InstanceLock> {
         use std::os::fd::{AsRawFd, FromRawFd, RawFd};
         use std::os::unix::fs::MetadataExt;
         let path = std::fs::symlink_metadata(state_dir.join("lock")).ok().filter(|m| m.is_file())?;
@@ -103,14 +103,14 @@ impl InstanceLock {
     }
 
     /// The lock file's descriptor (kept open across an upgrade's exec).
-    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
         std::os::fd::AsFd::as_fd(&self._file)
     }
 
     /// The pid of the warden that holds the lock of the instance in
     /// `state_dir`: `Ok(None)` when none does (the lock is free). The pid
     /// is the holder's own word; the caller checks it before signalling.
-    pub fn holder(state_dir: &Path) -> io::Result<Option<u32>> {
+    pub(crate) fn holder(state_dir: &Path) -> io::Result<Option<u32>> {
         let path = state_dir.join("lock");
         let file = match std::fs::OpenOptions::new()
             .read(true)

@@ -7,9 +7,9 @@
 //! May use `supervisor` (its vocabulary), `config`, `patch` and `util`.
 //! Knows nothing of the log, the status document, systemd or the loop.
 
-pub mod caches;
+pub(crate) mod caches;
 pub mod child;
-pub mod lock;
-pub mod preload;
+pub(crate) mod lock;
+pub(crate) mod preload;
 pub mod prestart;
-pub mod ray;
+pub(crate) mod ray;

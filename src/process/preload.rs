@@ -27,19 +27,19 @@ use crate::process::child::{Exit, SCRUBBED_ENV, descendants, read_stat, register
 static RUNNING: Mutex<Option<i32>> = Mutex::new(None);
 
 /// A spawned daemon.
-pub struct Spawned {
-    pub pid: u32,
+pub(crate) struct Spawned {
+    pub(crate) pid: u32,
     /// Its start time (`/proc/PID/stat`): with the pid, its identity.
-    pub start_time: u64,
+    pub(crate) start_time: u64,
     /// Its stdout and stderr: end of file once every process holding them
     /// is gone.
-    pub output: OwnedFd,
+    pub(crate) output: OwnedFd,
 }
 
 /// Spawn `argv` in its own process group, stdin from /dev/null, stdout
 /// and stderr into a pipe, with a scrubbed environment; `on_exit` is
 /// called with its exit.
-pub fn spawn(
+pub(crate) fn spawn(
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: Option<&Path>,
@@ -84,7 +84,7 @@ pub fn spawn(
 }
 
 /// Send `sig` to the daemon's group.
-pub fn signal_group(pid: u32, sig: Signal) {
+pub(crate) fn signal_group(pid: u32, sig: Signal) {
     let _ = killpg(Pid::from_raw(pid as i32), sig);
 }
 
@@ -93,7 +93,7 @@ pub fn signal_group(pid: u32, sig: Signal) {
 /// `start_time` (a pid, once reaped, may be another's). Once the leader is
 /// gone its orphans are the warden's, and its group id cannot be taken by
 /// another process while any of them lives.
-pub fn kill_all(pid: u32, start_time: u64) {
+pub(crate) fn kill_all(pid: u32, start_time: u64) {
     let still_ours = read_stat(pid as i32).is_some_and(|s| s.start_time == start_time && s.state != 'Z');
     if still_ours {
         for d in descendants(pid as i32) {
@@ -105,7 +105,7 @@ pub fn kill_all(pid: u32, start_time: u64) {
 }
 
 /// The processes of the running daemon: its leader and descendants.
-pub fn daemon_pids() -> Vec<i32> {
+pub(crate) fn daemon_pids() -> Vec<i32> {
     let Some(pid) = *RUNNING.lock().unwrap_or_else(|p| p.into_inner()) else { return Vec::new() };
     if read_stat(pid).is_none() {
         return Vec::new();
@@ -115,7 +115,7 @@ pub fn daemon_pids() -> Vec<i32> {
 
 /// The GPU compute processes less the daemon's, which hold the weights on
 /// purpose.
-pub fn without_daemon(apps: Vec<crate::process::prestart::GpuApp>) -> Vec<crate::process::prestart::GpuApp> {
+pub(crate) fn without_daemon(apps: Vec<crate::process::prestart::GpuApp>) -> Vec<crate::process::prestart::GpuApp> {
     let ours = daemon_pids();
     if ours.is_empty() {
         return apps;
@@ -126,7 +126,7 @@ pub fn without_daemon(apps: Vec<crate::process::prestart::GpuApp>) -> Vec<crate:
 /// Whether this host can run the daemon, as far as its device nodes tell:
 /// `Err` says why not (vLLM shares weights over CUDA IPC, on CUDA and ROCm
 /// only); `Ok` names what was found (vLLM checks the rest as it starts).
-pub fn host_qualifies(dev: &Path) -> Result<String, String> {
+pub(crate) fn host_qualifies(dev: &Path) -> Result<String, String> {
     let found: Vec<String> = ["nvidiactl", "kfd"]
         .iter()
         .filter(|n| dev.join(n).exists())
@@ -145,7 +145,7 @@ pub fn host_qualifies(dev: &Path) -> Result<String, String> {
 
 /// Make the socket folder: mode 0700, the warden's user (vLLM refuses a
 /// folder others can read, or that is not its user's).
-pub fn socket_dir(dir: &Path) -> io::Result<()> {
+pub(crate) fn socket_dir(dir: &Path) -> io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     match std::fs::symlink_metadata(dir) {
         Ok(m) if m.file_type().is_symlink() || !m.is_dir() => {
@@ -170,7 +170,7 @@ pub fn socket_dir(dir: &Path) -> io::Result<()> {
 
 /// Open the daemon's log file for appending (its folder made), after a
 /// marker line `--- vllm-warden: weight-cache daemon at <RFC 3339> ---`.
-pub fn open_log(path: &Path, now: std::time::SystemTime) -> io::Result<std::fs::File> {
+pub(crate) fn open_log(path: &Path, now: std::time::SystemTime) -> io::Result<std::fs::File> {
     use std::io::Write;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
@@ -182,7 +182,7 @@ pub fn open_log(path: &Path, now: std::time::SystemTime) -> io::Result<std::fs::
 
 /// The daemon's own log file, beside the engine's: `NAME.log` →
 /// `NAME.preload.log`.
-pub fn log_file(engine_log: &Path) -> PathBuf {
+pub(crate) fn log_file(engine_log: &Path) -> PathBuf {
     let stem = engine_log.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "vllm".into());
     engine_log.with_file_name(format!("{stem}.preload.log"))
 }

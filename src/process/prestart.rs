@@ -11,14 +11,14 @@ mod files;
 mod leftovers;
 mod port;
 
-pub use self::commands::*;
-pub use self::engine::*;
+pub(crate) use self::commands::*;
+pub(crate) use self::engine::*;
 pub use self::files::*;
-pub use self::leftovers::*;
-pub use self::port::*;
+pub(crate) use self::leftovers::*;
+pub(crate) use self::port::*;
 
 /// Where vLLM leaves `vllm_dist_*` files: the temporary folders.
-pub fn temp_dirs() -> Vec<PathBuf> {
+pub(crate) fn temp_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::env::var_os("TMPDIR").map(PathBuf::from).into_iter().collect();
     for d in ["/tmp", "/var/tmp"] {
         if !dirs.iter().any(|x| x == Path::new(d)) {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 /// How long one look may take (it starts a Python interpreter and imports
 /// Ray, several seconds on a busy machine); the pre-start budget counts it.
-pub use crate::config::defaults::RAY_STATUS_TIMEOUT as STATUS_TIMEOUT;
+pub(crate) use crate::config::defaults::RAY_STATUS_TIMEOUT as STATUS_TIMEOUT;
 
 /// The look, run as `PYTHON -c ASK_GCS HEAD:PORT`: the GCS's nodes, each
 /// with its address, whether it is alive, and its total and free
@@ -38,19 +38,19 @@ print(json.dumps({"nodes": nodes}))
 
 /// What the GCS showed.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct ClusterView {
+pub(crate) struct ClusterView {
     /// Nodes alive.
-    pub nodes: u32,
+    pub(crate) nodes: u32,
     /// Their addresses.
-    pub alive: Vec<String>,
+    pub(crate) alive: Vec<String>,
     /// Free and total of each resource that the gate knows (`CPU`, `GPU`).
-    pub cpus: (f64, f64),
-    pub gpus: (f64, f64),
+    pub(crate) cpus: (f64, f64),
+    pub(crate) gpus: (f64, f64),
 }
 
 impl Cluster {
     /// What the cluster lacks for a start, in words; `None`: nothing.
-    pub fn missing(&self, v: &ClusterView) -> Option<String> {
+    pub(crate) fn missing(&self, v: &ClusterView) -> Option<String> {
         let mut lack = Vec::new();
         if v.nodes < self.min_nodes {
             lack.push(format!("{} of {} nodes alive", v.nodes, self.min_nodes));
@@ -66,7 +66,7 @@ impl Cluster {
     /// The argv that asks the cluster: the Python, found beside the
     /// child's program when it names no folder (the venv that runs `vllm`
     /// or `ray start`), else on `PATH`; the look; the address.
-    pub fn command(&self, child: &[String]) -> Vec<String> {
+    pub(crate) fn command(&self, child: &[String]) -> Vec<String> {
         let mut python = self.python.clone();
         if !python.contains('/')
             && let Some(found) = beside(child, &python)
@@ -89,7 +89,7 @@ fn beside(child: &[String], program: &str) -> Option<PathBuf> {
 /// Why the look at the cluster gave no view of it; each says so in words
 /// fit for `STATUS=`.
 #[derive(Debug, thiserror::Error)]
-pub enum RayError {
+pub(crate) enum RayError {
     #[error("{0} is not HOST:PORT")]
     NotHostPort(String),
     #[error("cannot resolve {host}: {source}")]
@@ -114,7 +114,7 @@ pub enum RayError {
 
 /// Why the look's output is not a view of the cluster.
 #[derive(Debug, thiserror::Error)]
-pub enum AnswerError {
+pub(crate) enum AnswerError {
     /// No JSON line: the last line (one line, escaped), or that there was
     /// no output.
     #[error("{0}")]
@@ -125,7 +125,7 @@ pub enum AnswerError {
 
 /// Ask the cluster at `address` with `argv` (from [`Cluster::command`])
 /// under [`STATUS_TIMEOUT`]; `Err` says why there is no answer.
-pub async fn ask(argv: &[String], address: &str) -> Result<ClusterView, RayError> {
+pub(crate) async fn ask(argv: &[String], address: &str) -> Result<ClusterView, RayError> {
     use crate::process::prestart::QueryError;
     let program = argv.first().map(String::as_str).unwrap_or_default();
     // Ray's client takes 40 s to give up on an address where nothing
@@ -170,7 +170,7 @@ async fn reachable(address: &str) -> Result<(), RayError> {
 
 /// What shows that a Ray node is in its cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Member {
+pub(crate) enum Member {
     /// A node alive at this address (the node's `--node-ip-address`).
     At(String),
     /// At least this many nodes alive (the node's address is Ray's
@@ -180,7 +180,7 @@ pub enum Member {
 
 impl Member {
     /// How a node started with `command` is seen in its cluster.
-    pub fn of(command: &[String], head: bool) -> Member {
+    pub(crate) fn of(command: &[String], head: bool) -> Member {
         match flag(command, "--node-ip-address") {
             Some(ip) => Member::At(ip),
             None => Member::Count(if head { 1 } else { 2 }),
@@ -198,7 +198,7 @@ impl Member {
 /// Look at the cluster until it has `member` alive: a Ray node's ready
 /// line says its processes started, this that the cluster has it. The
 /// start's own deadlines (`ready.timeout`) bound the wait.
-pub async fn confirm(argv: &[String], address: &str, member: &Member) {
+pub(crate) async fn confirm(argv: &[String], address: &str, member: &Member) {
     let mut delay = Duration::from_millis(500);
     loop {
         match ask(argv, address).await {
@@ -238,7 +238,7 @@ struct Answer {
 /// Reads the look's output: its last line that is a JSON object is the
 /// answer (Ray's client may log warnings before it); without one, the
 /// last line is the error (a Python exception).
-pub fn parse_answer(text: &str) -> Result<ClusterView, AnswerError> {
+pub(crate) fn parse_answer(text: &str) -> Result<ClusterView, AnswerError> {
     let lines = || text.lines().rev().map(str::trim).filter(|l| !l.is_empty());
     let Some(json) = lines().find(|l| l.starts_with('{')) else {
         return Err(AnswerError::NoJson(crate::util::escape::one_line(lines().next().unwrap_or("no output"), 300)));
@@ -263,7 +263,7 @@ pub fn parse_answer(text: &str) -> Result<ClusterView, AnswerError> {
 /// The folder a Ray node keeps its sessions in: `--temp-dir`, else
 /// `RAY_TMPDIR` or `TMPDIR` (the child's environment first, then the
 /// warden's) followed by `/ray`, else `/tmp/ray` — as Ray chooses it.
-pub fn temp_dir(command: &[String], env: &std::collections::BTreeMap<String, String>) -> PathBuf {
+pub(crate) fn temp_dir(command: &[String], env: &std::collections::BTreeMap<String, String>) -> PathBuf {
     if let Some(dir) = flag(command, "--temp-dir") {
         return PathBuf::from(dir);
     }
@@ -287,7 +287,7 @@ const CURRENT_CLUSTER: &str = "ray_current_cluster";
 /// `session_latest` link when what it names is gone, and
 /// `ray_current_cluster` when no session is left in use. Nothing else is
 /// touched; a folder is removed without following a link inside it.
-pub fn clean_sessions(dir: &Path, uid: u32) -> crate::process::prestart::Cleaned {
+pub(crate) fn clean_sessions(dir: &Path, uid: u32) -> crate::process::prestart::Cleaned {
     use std::os::unix::fs::MetadataExt;
     let mut out = crate::process::prestart::Cleaned::default();
     let Ok(entries) = std::fs::read_dir(dir) else { return out };

@@ -15,11 +15,11 @@ use crate::config::profile::{LoadSignal, Patterns};
 use crate::supervisor::load::{CacheOutcome, LoadMark};
 
 /// Longest line kept; the rest of a longer line is dropped.
-pub const MAX_LINE: usize = 64 * 1024;
+pub(crate) const MAX_LINE: usize = 64 * 1024;
 
 /// Processes whose traceback state is kept; the least recently seen half
 /// is forgotten when a new one would pass this.
-pub const TRACEBACK_PROCESSES: usize = 1024;
+pub(crate) const TRACEBACK_PROCESSES: usize = 1024;
 
 /// Cuts a byte stream into clean text lines.
 #[derive(Debug, Default)]
@@ -34,7 +34,7 @@ pub struct Splitter {
 impl Splitter {
     /// Bytes of a line not yet ended, read but not handed on (none while
     /// the rest of an over-long line is being dropped).
-    pub fn pending(&self) -> u64 {
+    pub(crate) fn pending(&self) -> u64 {
         if self.overflow { 0 } else { self.buf.len() as u64 }
     }
 
@@ -45,7 +45,7 @@ impl Splitter {
 
     /// Cut `bytes` into lines and call `f` with each non-blank one; a line
     /// that is whole in `bytes` and needs no cleaning is not copied.
-    pub fn feed(&mut self, mut bytes: &[u8], mut f: impl FnMut(&str)) {
+    pub(crate) fn feed(&mut self, mut bytes: &[u8], mut f: impl FnMut(&str)) {
         while !bytes.is_empty() {
             let end = memchr::memchr2(b'\n', b'\r', bytes);
             let chunk = &bytes[..end.unwrap_or(bytes.len())];
@@ -104,7 +104,7 @@ fn clean<'a>(raw: &'a [u8], scratch: &'a mut String) -> &'a str {
 /// a terminal shows, not a control to drop (Ray's and Python logging's
 /// `TIME\tLEVEL …`). Only lines that hold a control byte or a C1
 /// character come here (see [`clean`]).
-pub fn strip(raw: &[u8], out: &mut String) {
+pub(crate) fn strip(raw: &[u8], out: &mut String) {
     let spaced: Vec<u8>;
     let raw = if memchr::memchr(b'\t', raw).is_some() {
         spaced = raw.iter().map(|&b| if b == b'\t' { b' ' } else { b }).collect();
@@ -139,11 +139,11 @@ pub enum Level {
 
 /// The final exception line of a Python traceback.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Exception {
+pub(crate) struct Exception {
     /// Chained tracebacks ("During handling of the above exception …")
     /// share a group; a later line of the same group replaces an earlier.
-    pub group: u64,
-    pub text: String,
+    pub(crate) group: u64,
+    pub(crate) text: String,
 }
 
 /// A classified line.
@@ -153,29 +153,30 @@ pub struct Line {
     pub text: String,
     /// The line without vLLM's `(Proc pid=N) LEVEL date [file:line]` prefix.
     pub message: String,
-    pub level: Option<Level>,
+    pub(crate) level: Option<Level>,
     pub class: Class,
     /// Set when this line ends a traceback.
-    pub exception: Option<Exception>,
+    pub(crate) exception: Option<Exception>,
     /// Index of the first permanent pattern the line matches, for fatal
     /// lines and exception lines.
     pub permanent: Option<usize>,
     /// The cause a fatal line names in fewer words than its own, such as
     /// `engine worker died: illegal instruction (SIGILL)` for vLLM's
     /// `Worker proc VllmWorker-0 died unexpectedly (exit code: -4)`.
-    pub cause: Option<String>,
+    pub(crate) cause: Option<String>,
     /// What the line tells of the load's phases and compile cache.
     pub load: Vec<LoadMark>,
     /// One of vLLM's memory-fit errors, on a fatal line or an exception
     /// line.
-    pub fit: Option<crate::supervisor::fit::Problem>,
+    pub(crate) fit: Option<crate::supervisor::fit::Problem>,
 }
 
 impl Line {
     /// Whether the state machine acts on this line: a fatal, ready or
     /// progress line, or the end of a traceback. Every other line changes
     /// nothing but the journal.
-    pub fn matters(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn matters(&self) -> bool {
         matches!(self.class, Class::Fatal | Class::Ready | Class::Progress(_))
             || self.exception.is_some()
             || !self.load.is_empty()
@@ -295,7 +296,7 @@ fn parse_prefix(text: &str) -> Result<Option<Prefix<'_>>, ()> {
 
 /// The process a line comes from, as vLLM's prefix names it (`""` for a
 /// line without one), and the line's message after the prefix.
-pub fn process_and_message(text: &str) -> (&str, &str) {
+pub(crate) fn process_and_message(text: &str) -> (&str, &str) {
     match parse_prefix(text) {
         Ok(Some(p)) => (p.process, &text[p.end..]),
         _ => ("", text),
@@ -304,10 +305,10 @@ pub fn process_and_message(text: &str) -> (&str, &str) {
 
 /// The verdict on a line borrowed from the follower's buffer.
 #[derive(Debug)]
-pub struct LineVerdict {
-    pub level: Option<Level>,
+pub(crate) struct LineVerdict {
+    pub(crate) level: Option<Level>,
     /// The line, owned, when it [`matters`](Line::matters).
-    pub line: Option<Line>,
+    pub(crate) line: Option<Line>,
 }
 
 /// Classifies lines with the effective patterns.
@@ -470,7 +471,8 @@ impl Classifier {
     }
 
     /// The most processes whose traceback state was held at once.
-    pub fn traceback_high_water(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn traceback_high_water(&self) -> usize {
         self.tracebacks.high_water
     }
 
@@ -482,7 +484,7 @@ impl Classifier {
     }
 
     /// Classify a borrowed line; it is copied only if it matters.
-    pub fn classify_ref(&mut self, text: &str) -> LineVerdict {
+    pub(crate) fn classify_ref(&mut self, text: &str) -> LineVerdict {
         let (prefix, kind, exception, load) = self.judge(text);
         let end = prefix.as_ref().map_or(0, |p| p.end);
         let level = prefix.and_then(|p| p.level);
@@ -661,7 +663,7 @@ impl Classifier {
 
 /// One of vLLM's memory-fit errors in `message`
 /// (`vllm/v1/core/kv_cache_utils.py`, torch's out-of-memory errors).
-pub fn fit_problem(message: &str) -> Option<crate::supervisor::fit::Problem> {
+pub(crate) fn fit_problem(message: &str) -> Option<crate::supervisor::fit::Problem> {
     use crate::supervisor::fit::Problem;
     static KV: std::sync::LazyLock<Regex> = std::sync::LazyLock::new(|| {
         Regex::new(r"max seq len \((\d{1,12})\).*larger than the available KV cache memory").expect("a valid pattern")

@@ -22,7 +22,7 @@ pub enum Note {
 
 /// What kind of thing ended a run, before permanence is considered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureKind {
+pub(crate) enum FailureKind {
     FatalLine,
     Exit,
     Stall,
@@ -41,7 +41,7 @@ pub enum FailureKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cause {
     pub text: String,
-    pub kind: FailureKind,
+    pub(crate) kind: FailureKind,
     pub permanence: Permanence,
     /// What to do about it, when the cause is a known one.
     pub hint: Option<String>,
@@ -62,7 +62,7 @@ impl Cause {
 
     /// The class counted in the metrics: a permanent cause is counted as
     /// permanent whatever ended the run.
-    pub fn class(&self) -> FailureClass {
+    pub(crate) fn class(&self) -> FailureClass {
         if self.kind == FailureKind::WrongAnswers {
             return FailureClass::WrongAnswers;
         }
@@ -284,7 +284,7 @@ impl Event {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Severity {
+pub(crate) enum Severity {
     Info,
     Warn,
     Error,
@@ -292,7 +292,7 @@ pub enum Severity {
 
 /// The `EVENT=` field of a warden event in the journal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Topic {
+pub(crate) enum Topic {
     Spawned,
     ReadyLine,
     Ready,
@@ -328,7 +328,7 @@ pub enum Topic {
 }
 
 impl Topic {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Topic::Spawned => "spawned",
             Topic::ReadyLine => "ready-line",
@@ -357,7 +357,7 @@ impl Topic {
     }
 
     /// The journal's `MESSAGE_ID` of the events worth a query of their own.
-    pub fn message_id(self) -> Option<&'static str> {
+    pub(crate) fn message_id(self) -> Option<&'static str> {
         match self {
             Topic::LoadAlarm => Some(LOAD_ALARM_MESSAGE_ID),
             Topic::GoldenMismatch => Some(GOLDEN_MISMATCH_MESSAGE_ID),
@@ -369,38 +369,38 @@ impl Topic {
 }
 
 /// `MESSAGE_ID` of a load alarm: `journalctl MESSAGE_ID=…` lists them.
-pub const LOAD_ALARM_MESSAGE_ID: &str = "5d8f0c3ae6a44d1f9c4b7a21e0d3b6c8";
+pub(crate) const LOAD_ALARM_MESSAGE_ID: &str = "5d8f0c3ae6a44d1f9c4b7a21e0d3b6c8";
 
 /// `MESSAGE_ID` of a golden check whose answers changed, or that failed.
-pub const GOLDEN_MISMATCH_MESSAGE_ID: &str = "a3b7e2c95f0d4e6b8c1a9d7f3e5b2c40";
+pub(crate) const GOLDEN_MISMATCH_MESSAGE_ID: &str = "a3b7e2c95f0d4e6b8c1a9d7f3e5b2c40";
 
 /// `MESSAGE_ID` of memory fit's events: an argument moved, pinned, or
 /// no move within the bounds.
 pub const FIT_MESSAGE_ID: &str = "7c2e9a4f1b6d4c3e8a5f0d2b9e7c1a64";
 
 /// `MESSAGE_ID` of a rollback to the last-known-good setup.
-pub const ROLLBACK_MESSAGE_ID: &str = "e41f6b8d2c9a4e7f9b3d5a1c8e6f2d07";
+pub(crate) const ROLLBACK_MESSAGE_ID: &str = "e41f6b8d2c9a4e7f9b3d5a1c8e6f2d07";
 
 /// A warden event for the journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
-    pub severity: Severity,
-    pub topic: Topic,
-    pub message: String,
+    pub(crate) severity: Severity,
+    pub(crate) topic: Topic,
+    pub(crate) message: String,
     /// The run the event is about, when that is not simply the machine's
     /// run of the moment: a failure names the attempt that failed and the
     /// pid that ran it, though by the time it is logged the leader may be
     /// gone (a run that exited) or the failure already counted (a start
     /// that failed). `None`: the machine's current child and attempt.
-    pub about: Option<RunOf>,
+    pub(crate) about: Option<RunOf>,
 }
 
 /// A run as the journal names it (`CHILD_PID`, `ATTEMPT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RunOf {
+pub(crate) struct RunOf {
     /// The run's child; none for a start that never spawned.
-    pub pid: Option<u32>,
-    pub attempt: u32,
+    pub(crate) pid: Option<u32>,
+    pub(crate) attempt: u32,
 }
 
 /// What to do.
@@ -505,20 +505,20 @@ pub enum Effect {
 /// What the failure report of a run is to say, as the machine knows it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReportOrder {
-    pub start: u32,
-    pub attempt: u32,
+    pub(crate) start: u32,
+    pub(crate) attempt: u32,
     /// The run's child (its leader), which may have exited already.
-    pub pid: u32,
-    pub cause: String,
-    pub class: FailureClass,
-    pub hint: Option<String>,
+    pub(crate) pid: u32,
+    pub(crate) cause: String,
+    pub(crate) class: FailureClass,
+    pub(crate) hint: Option<String>,
     /// When the first progress line came, the run became ready, and it
     /// failed, each counted from the spawn.
-    pub first_progress: Option<Duration>,
-    pub ready: Option<Duration>,
-    pub failed: Duration,
+    pub(crate) first_progress: Option<Duration>,
+    pub(crate) ready: Option<Duration>,
+    pub(crate) failed: Duration,
     /// How the leader ended, when it has.
-    pub exit: Option<Exit>,
+    pub(crate) exit: Option<Exit>,
 }
 
 /// A ready run handed to a successor warden (see
@@ -526,22 +526,22 @@ pub struct ReportOrder {
 /// time elapsed, since the successor's clock is its own.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Saved {
-    pub start: u32,
-    pub pid: u32,
-    pub ready_for: Duration,
-    pub running_for: Duration,
-    pub starts: u32,
-    pub failures: u32,
-    pub restarts: u32,
-    pub exits: u32,
-    pub last_load: Option<Duration>,
-    pub failure_counts: std::collections::BTreeMap<FailureClass, u64>,
+    pub(crate) start: u32,
+    pub(crate) pid: u32,
+    pub(crate) ready_for: Duration,
+    pub(crate) running_for: Duration,
+    pub(crate) starts: u32,
+    pub(crate) failures: u32,
+    pub(crate) restarts: u32,
+    pub(crate) exits: u32,
+    pub(crate) last_load: Option<Duration>,
+    pub(crate) failure_counts: std::collections::BTreeMap<FailureClass, u64>,
     /// Absent from a predecessor that did not know it.
     #[serde(default)]
-    pub last_failure: Option<crate::supervisor::snapshot::LastFailure>,
+    pub(crate) last_failure: Option<crate::supervisor::snapshot::LastFailure>,
     /// The run was drained and held out of rotation: the successor holds
     /// it so (`/readyz` 503) until `undrain`. Absent from a predecessor
     /// that did not know it.
     #[serde(default)]
-    pub drained: bool,
+    pub(crate) drained: bool,
 }

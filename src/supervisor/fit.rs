@@ -15,11 +15,11 @@ use serde::Serialize;
 use crate::config::{Fit, FitArg};
 
 /// vLLM's `--gpu-memory-utilization` when its command sets none.
-pub const VLLM_UTILIZATION: &str = "0.9";
+pub(crate) const VLLM_UTILIZATION: &str = "0.9";
 
 /// One of vLLM's memory-fit errors.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Problem {
+pub(crate) enum Problem {
     /// The KV cache cannot hold one request of `max_model_len` tokens;
     /// vLLM's estimate of the longest that fits.
     KvCacheTooSmall { max_model_len: u64, estimate: Option<u64> },
@@ -30,7 +30,7 @@ pub enum Problem {
 }
 
 impl Problem {
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         match self {
             Problem::KvCacheTooSmall { max_model_len, estimate: Some(e) } => {
                 format!("the KV cache cannot hold one request of {max_model_len} tokens (vLLM estimates {e} fit)")
@@ -48,7 +48,7 @@ impl Problem {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::IntoStaticStr)]
 #[serde(rename_all = "kebab-case")]
 #[strum(serialize_all = "kebab-case")]
-pub enum Source {
+pub(crate) enum Source {
     /// The command line as configured.
     Config,
     /// Not on the command line: vLLM's default.
@@ -61,17 +61,17 @@ pub enum Source {
 }
 
 impl Source {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         self.into()
     }
 }
 
 /// The value of each fit argument a start used, and where it came from.
-pub type Used = BTreeMap<FitArg, (String, Source)>;
+pub(crate) type Used = BTreeMap<FitArg, (String, Source)>;
 
 /// The arguments of `used` set by memory fit (pinned or fitted), as
 /// `--flag value` words: what `STATUS=` and the journal show.
-pub fn shown(used: &Used) -> Option<String> {
+pub(crate) fn shown(used: &Used) -> Option<String> {
     let words: Vec<String> = used
         .iter()
         .filter(|(_, (_, s))| matches!(s, Source::Pinned | Source::Fitted))
@@ -82,21 +82,21 @@ pub fn shown(used: &Used) -> Option<String> {
 
 /// Memory fit as the machine keeps it.
 #[derive(Debug, Clone, Default)]
-pub struct FitState {
+pub(crate) struct FitState {
     /// Set after failures, for the next starts (pinned once one reaches
     /// ready; dropped by a reload).
-    pub set: BTreeMap<FitArg, String>,
+    pub(crate) set: BTreeMap<FitArg, String>,
     /// Adjustments since the last ready or reload.
-    pub moves: u32,
+    pub(crate) moves: u32,
     /// The memory-fit error the current run logged.
-    pub problem: Option<Problem>,
+    pub(crate) problem: Option<Problem>,
     /// What the current (or last) run used.
-    pub used: Used,
+    pub(crate) used: Used,
 }
 
 /// What memory fit does after a failure.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Move {
+pub(crate) enum Move {
     /// Start again with `arg` set to `to` (it was `from`).
     Set { arg: FitArg, from: String, to: String, why: String },
     /// Nothing within the bounds fits: give up, and why.
@@ -112,7 +112,7 @@ pub enum Move {
 /// command's own length (memory fit only shortens it), a
 /// `--gpu-memory-utilization` within `fit.min-utilization` and
 /// `fit.max-utilization` (memory fit moves it both ways between them).
-pub fn check_pin(arg: FitArg, value: &str, own: Option<&str>, fit: &Fit) -> Result<(), String> {
+pub(crate) fn check_pin(arg: FitArg, value: &str, own: Option<&str>, fit: &Fit) -> Result<(), String> {
     if !fit.enabled {
         return Err("`fit.enabled` is off".into());
     }
@@ -171,7 +171,7 @@ fn fraction(x: f64) -> String {
 }
 
 /// Which way `problem` moves an argument of `used`, within `fit`.
-pub fn decide(problem: &Problem, used: &Used, fit: &Fit) -> Move {
+pub(crate) fn decide(problem: &Problem, used: &Used, fit: &Fit) -> Move {
     let value = |a: FitArg| used.get(&a).map(|(v, _)| v.clone());
     let allowed = |a: FitArg| fit.adjust.contains(&a);
     match problem {

@@ -13,7 +13,7 @@ use crate::patch::Patch;
 
 /// The vLLM profile's hints: a pattern searched in the cause line, and the
 /// hint (`MODEL` is replaced by the model folder from the command).
-pub const VLLM: &[(&str, &str)] = &[
+pub(crate) const VLLM: &[(&str, &str)] = &[
     (
         r"Currently supported kv cache quantization is",
         "the checkpoint asks for a KV-cache quantization this backend refuses: remove it before each start with \
@@ -89,7 +89,7 @@ pub const VLLM: &[(&str, &str)] = &[
 ];
 
 /// The Ray profiles' hints.
-pub const RAY: &[(&str, &str)] = &[
+pub(crate) const RAY: &[(&str, &str)] = &[
     (
         r"Some Ray subprocesses exited unexpectedly",
         "one of Ray's processes on this node died (the next lines of the log name it, such as `raylet [exit \
@@ -126,7 +126,8 @@ impl PartialEq for Hints {
 
 impl Hints {
     /// No hint at all.
-    pub fn none() -> Hints {
+    #[cfg(test)]
+    pub(crate) fn none() -> Hints {
         Hints { table: Vec::new(), not_json: None, patched: Vec::new(), model: None }
     }
 

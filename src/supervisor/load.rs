@@ -83,7 +83,7 @@ impl CacheOutcome {
         }
     }
 
-    pub const NAMES: [&'static str; 4] = ["hit", "load-failure", "miss", "disabled"];
+    pub(crate) const NAMES: [&'static str; 4] = ["hit", "load-failure", "miss", "disabled"];
 
     /// How much of the cache was used: a hit, then a load failure (vLLM
     /// compiles again but finds its kernels), then a miss.
@@ -114,7 +114,7 @@ impl CacheOutcome {
         }
     }
 
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             CacheOutcome::LoadFailure { reason } => format!("load-failure ({reason})"),
             o => o.name().to_string(),
@@ -160,31 +160,31 @@ pub struct PhaseTime {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct LoadStart {
     /// The setup's fingerprint (see `observe::ledger::Setup`).
-    pub fingerprint: String,
-    pub history: Option<History>,
+    pub(crate) fingerprint: String,
+    pub(crate) history: Option<History>,
     /// The model's weight files, in bytes, when they are local.
-    pub weights_bytes: Option<u64>,
+    pub(crate) weights_bytes: Option<u64>,
     /// The first load since boot or since the weights changed.
-    pub cold: Option<bool>,
+    pub(crate) cold: Option<bool>,
     /// The memory-fit arguments the start used, and where each came from.
-    pub used: crate::supervisor::fit::Used,
+    pub(crate) used: crate::supervisor::fit::Used,
     /// The last setup that reached ready, when it is not this one: its
     /// fingerprint and when it was recorded.
-    pub last_good: Option<(String, String)>,
+    pub(crate) last_good: Option<(String, String)>,
     /// With `[preload]`: which kind of start this is.
-    pub preload: Option<crate::supervisor::preload::PreloadStart>,
+    pub(crate) preload: Option<crate::supervisor::preload::PreloadStart>,
     /// The fraction of the weight files' bytes in the page cache at the
     /// spawn (what was there before, and what the read-ahead added).
-    pub residency: Option<f64>,
+    pub(crate) residency: Option<f64>,
     /// The read-ahead (`[prefetch]`) reads the weights beside the load.
-    pub prefetch: bool,
+    pub(crate) prefetch: bool,
     /// vLLM's faster loaders, named where they apply to the command: the
     /// hint of a load whose weights phase ran below half the disk's speed.
-    pub faster_loaders: Option<String>,
+    pub(crate) faster_loaders: Option<String>,
     /// The setup's history of each page-cache class with a load in it:
     /// once the residency at the spawn is counted, the load's own class
     /// replaces `history` (see [`CacheClass`]).
-    pub classes: Vec<(CacheClass, History)>,
+    pub(crate) classes: Vec<(CacheClass, History)>,
 }
 
 /// How a load found its weights in the page cache, which decides how long
@@ -192,7 +192,7 @@ pub struct LoadStart {
 /// machine: a history of loads of one class estimates a load of that class
 /// (a warm load is not estimated from cold ones, nor the other way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, strum::VariantArray)]
-pub enum CacheClass {
+pub(crate) enum CacheClass {
     /// At least half the weights' bytes cached at the spawn.
     Warm,
     /// Less, with the read-ahead reading the rest beside the start.
@@ -204,7 +204,7 @@ pub enum CacheClass {
 impl CacheClass {
     /// The class of a load with `residency` at its spawn, the read-ahead
     /// reading or not.
-    pub fn of(residency: f64, reading: bool) -> CacheClass {
+    pub(crate) fn of(residency: f64, reading: bool) -> CacheClass {
         match (residency >= 0.5, reading) {
             (true, _) => CacheClass::Warm,
             (false, true) => CacheClass::ColdAhead,
@@ -219,7 +219,7 @@ impl CacheClass {
     /// a warm load), not from all the setup's loads (a cold load's weights
     /// phase is a loader's reading from the disk: on a big model several
     /// times a warm one's).
-    pub fn nearest(self) -> &'static [CacheClass] {
+    pub(crate) fn nearest(self) -> &'static [CacheClass] {
         match self {
             CacheClass::Warm => &[CacheClass::Warm, CacheClass::ColdAhead],
             CacheClass::ColdAhead => &[CacheClass::ColdAhead],
@@ -239,18 +239,18 @@ impl CacheClass {
 /// from the disk, what it found in the page cache, and how fast the disk
 /// gave it what it read.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
-pub struct PrefetchRecord {
+pub(crate) struct PrefetchRecord {
     /// Read from the disk by the read-ahead.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     /// Skipped: already in the page cache.
-    pub resident_bytes: u64,
+    pub(crate) resident_bytes: u64,
     /// The time its reads took, first to last.
-    pub secs: f64,
+    pub(crate) secs: f64,
     /// `bytes` ÷ `secs`: the disk's speed for this model on this load.
-    pub gbps: f64,
+    pub(crate) gbps: f64,
     /// Stopped at the memory bound (`prefetch.max-memory-fraction`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub partial: bool,
+    pub(crate) partial: bool,
 }
 
 /// The read-ahead of a start as it goes, from the counters its threads
@@ -260,33 +260,33 @@ pub struct PrefetchNow {
     /// The bytes of the weight files vLLM will read.
     pub total: u64,
     /// Of them, in the page cache when the read-ahead began.
-    pub cached_at_start: u64,
+    pub(crate) cached_at_start: u64,
     /// Read from the disk so far.
     pub read: u64,
     /// Skipped as the reads came to them: already in the page cache.
     pub resident: u64,
     /// The time the reads took so far.
-    pub secs: f64,
+    pub(crate) secs: f64,
     /// Stopped (or will stop) at the memory bound.
-    pub partial: bool,
+    pub(crate) partial: bool,
     /// Over: every file read, the bound reached, or stopped.
-    pub done: bool,
+    pub(crate) done: bool,
     /// The page cache's speed, timed on resident weights.
-    pub cache_gbps: Option<f64>,
+    pub(crate) cache_gbps: Option<f64>,
     /// Threads read (else the residency only is measured).
-    pub reads: bool,
+    pub(crate) reads: bool,
     /// `cached_at_start` is counted (before, it is 0 whatever is cached).
-    pub measured: bool,
+    pub(crate) measured: bool,
 }
 
 /// The read-ahead's reads are a measure of the disk from this many bytes
 /// on: less is mostly the time of opening files.
-pub const DISK_MEASURE_MIN: u64 = 256 << 20;
+pub(crate) const DISK_MEASURE_MIN: u64 = 256 << 20;
 
 impl PrefetchNow {
     /// The record's part: none before anything was looked at, nor when
     /// nothing was to be read (`prefetch.enabled` off).
-    pub fn record(&self) -> Option<PrefetchRecord> {
+    pub(crate) fn record(&self) -> Option<PrefetchRecord> {
         (self.total > 0 && self.reads).then(|| PrefetchRecord {
             bytes: self.read,
             resident_bytes: self.resident,
@@ -297,20 +297,20 @@ impl PrefetchNow {
     }
 
     /// The disk's speed, where the reads were enough to tell it.
-    pub fn disk_gbps(&self) -> Option<f64> {
+    pub(crate) fn disk_gbps(&self) -> Option<f64> {
         self.record().filter(|r| r.bytes >= DISK_MEASURE_MIN && r.gbps > 0.0).map(|r| r.gbps)
     }
 
     /// The fraction of the weights in the page cache now, as far as the
     /// read-ahead knows: what was there, and what it added.
-    pub fn residency(&self) -> Option<f64> {
+    pub(crate) fn residency(&self) -> Option<f64> {
         (self.total > 0 && self.measured)
             .then(|| (self.cached_at_start.saturating_add(self.read) as f64 / self.total as f64).min(1.0))
     }
 
     /// `read ahead 3.1 of 4.2 GB` (what is in the page cache ahead of
     /// vLLM's reads), and why it stopped short.
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         // GB for a model that has them, MB for a small one.
         let (unit, div) = if self.total >= 1_000_000_000 { ("GB", 1e9) } else { ("MB", 1e6) };
         let ahead = self.cached_at_start.saturating_add(self.read).min(self.total);
@@ -324,7 +324,7 @@ impl PrefetchNow {
 /// not in the page cache and at the page cache's (`cache_gbps`) for the
 /// rest, over the time they took. 1 is the machine's speed; 0.5 is half.
 /// None where a speed it needs is not known.
-pub fn efficiency(
+pub(crate) fn efficiency(
     bytes: u64,
     secs: f64,
     residency: f64,
@@ -350,91 +350,91 @@ pub fn efficiency(
 /// What earlier good loads of one setup took: the ledger's ready loads of
 /// it that are usable (see [`History::of`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct History {
+pub(crate) struct History {
     /// Usable ready loads of the setup in the ledger (the medians are over
     /// the last [`HISTORY_LOADS`] of them).
-    pub loads: usize,
-    pub median: Duration,
-    pub last: Duration,
+    pub(crate) loads: usize,
+    pub(crate) median: Duration,
+    pub(crate) last: Duration,
     /// The phases of the last good load, in order, each with its median
     /// over the loads that had it.
-    pub phases: Vec<PhaseHistory>,
+    pub(crate) phases: Vec<PhaseHistory>,
     /// The most of the cache any of them used.
-    pub best_cache: Option<CacheOutcome>,
+    pub(crate) best_cache: Option<CacheOutcome>,
     /// The median time from the last phase's end to the end of the load.
-    pub tail: Duration,
+    pub(crate) tail: Duration,
     /// The estimate's expected error: the median, over the recent loads
     /// that kept what their estimate said, of each one's worst absolute
     /// error from 25 % of the load on; none without such loads.
-    pub error: Option<f64>,
+    pub(crate) error: Option<f64>,
     /// How many loads that median is over.
-    pub errors: usize,
+    pub(crate) errors: usize,
     /// The disk's speed for the setup's weights: the median of what the
     /// read-ahead measured over its recent loads (of any outcome: the
     /// disk is the same), where it read enough to tell.
-    pub disk_gbps: Option<f64>,
+    pub(crate) disk_gbps: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PhaseHistory {
-    pub phase: LoadPhase,
-    pub median: Duration,
+pub(crate) struct PhaseHistory {
+    pub(crate) phase: LoadPhase,
+    pub(crate) median: Duration,
     /// How many of the recent loads had the phase.
-    pub loads: usize,
+    pub(crate) loads: usize,
 }
 
 /// History lengthens a deadline to at most this many times the config's:
 /// the ledger is a file the service user may write (and one outlier may be
 /// in it), so what it says never turns off the detection of a hung load
 /// for longer than a bounded multiple of what the operator configured.
-pub const HISTORY_BOUND: u32 = 4;
+pub(crate) const HISTORY_BOUND: u32 = 4;
 
 /// History lengthens a deadline only from the median of at least this many
 /// usable loads: one load, an outlier or a line written by someone else,
 /// decides nothing.
-pub const HISTORY_MIN: usize = 3;
+pub(crate) const HISTORY_MIN: usize = 3;
 
 /// How many of a setup's latest good loads the medians are over.
-pub const HISTORY_LOADS: usize = 20;
+pub(crate) const HISTORY_LOADS: usize = 20;
 
 /// A phase is slow only when it is also this much longer than its median:
 /// a phase of 10 ms taking 30 ms is noise, not a regression.
-pub const SLOW_FLOOR: Duration = Duration::from_secs(1);
+pub(crate) const SLOW_FLOOR: Duration = Duration::from_secs(1);
 
 /// The fractions of a ready load's real duration at which the ledger keeps
 /// what the estimate said.
-pub const SNAPSHOTS: [f64; 3] = [0.25, 0.5, 0.75];
+pub(crate) const SNAPSHOTS: [f64; 3] = [0.25, 0.5, 0.75];
 
 /// The most pieces of the estimate a load keeps (see the module's doc).
-pub const PIECES: usize = 64;
+pub(crate) const PIECES: usize = 64;
 
 /// What the estimate said at a fraction of a load's real duration: one of
 /// a ledger record's `estimates`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct EstimateAt {
+pub(crate) struct EstimateAt {
     /// The fraction of the real duration (0.25, 0.5, 0.75).
-    pub at: f64,
-    pub elapsed_secs: f64,
+    pub(crate) at: f64,
+    pub(crate) elapsed_secs: f64,
     /// The total the estimate expected then.
-    pub expected_secs: f64,
+    pub(crate) expected_secs: f64,
     /// `(expected - real) / real`: above 0, the estimate said longer.
-    pub error: f64,
+    pub(crate) error: f64,
 }
 
 /// The estimate between two changes (see the module's doc): at elapsed
 /// `t`, the total is `max(floor, t + later)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Estimate {
+pub(crate) struct Estimate {
     /// The elapsed time the current phase began at plus its median and
     /// everything after it.
-    pub floor: Duration,
+    pub(crate) floor: Duration,
     /// The medians of the phases after the current one, and the tail.
-    pub later: Duration,
+    pub(crate) later: Duration,
 }
 
 impl Estimate {
     /// The expected total at elapsed time `t`.
-    pub fn at(&self, t: Duration) -> Duration {
+    pub(crate) fn at(&self, t: Duration) -> Duration {
         self.floor.max(t.saturating_add(self.later))
     }
 }
@@ -454,21 +454,21 @@ pub struct LoadRecord {
     /// Counts up over the ledger's life.
     pub id: u64,
     /// When the child was spawned (RFC 3339).
-    pub at: String,
-    pub start: u32,
+    pub(crate) at: String,
+    pub(crate) start: u32,
     pub outcome: LoadOutcome,
     pub total_secs: f64,
     pub phases: Vec<PhaseTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheOutcome>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weights_bytes: Option<u64>,
+    pub(crate) weights_bytes: Option<u64>,
     /// vLLM's own seconds for reading the weights.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weights_secs: Option<f64>,
+    pub(crate) weights_secs: Option<f64>,
     /// Weight bytes over the weights phase (vLLM's seconds where given).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gbps: Option<f64>,
+    pub(crate) gbps: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cold: Option<bool>,
     /// This load's warnings (slower than the median, the cache missed).
@@ -484,28 +484,28 @@ pub struct LoadRecord {
     pub rollback: bool,
     /// What the fingerprint is made of (`observe::ledger::Setup`), as JSON.
     #[serde(default)]
-    pub setup: serde_json::Value,
+    pub(crate) setup: serde_json::Value,
     /// The boot and the weights' identity the load saw: whether the page
     /// cache was cold for the next one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub boot: Option<String>,
+    pub(crate) boot: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weights_id: Option<String>,
+    pub(crate) weights_id: Option<String>,
     /// What the estimate said at 25, 50 and 75 % of the load's real
     /// duration (a ready load of a setup with history only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub estimates: Vec<EstimateAt>,
+    pub(crate) estimates: Vec<EstimateAt>,
     /// The fraction (0..1) of the weight files' bytes in the page cache
     /// when the child was spawned (replaces `cold`, kept for old records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residency: Option<f64>,
     /// The read-ahead of the weights (`[prefetch]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prefetch: Option<PrefetchRecord>,
+    pub(crate) prefetch: Option<PrefetchRecord>,
     /// The weights phase's speed against the disk's (or the page cache's
     /// for what was cached): see [`efficiency`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub efficiency: Option<f64>,
+    pub(crate) efficiency: Option<f64>,
 }
 
 impl LoadRecord {
@@ -514,14 +514,14 @@ impl LoadRecord {
     }
 
     /// What the estimate said at `at` (one of [`SNAPSHOTS`]).
-    pub fn estimate(&self, at: f64) -> Option<&EstimateAt> {
+    pub(crate) fn estimate(&self, at: f64) -> Option<&EstimateAt> {
         self.estimates.iter().find(|e| (e.at - at).abs() < 1e-6)
     }
 
     /// The estimate's worst error from 25 % of the load on, in absolute
     /// value; none without snapshots (or with only figures that are not
     /// numbers: the ledger is data).
-    pub fn worst_error(&self) -> Option<f64> {
+    pub(crate) fn worst_error(&self) -> Option<f64> {
         self.estimates
             .iter()
             .filter(|e| e.at >= SNAPSHOTS[0] - 1e-6 && e.error.is_finite())
@@ -577,13 +577,13 @@ impl History {
     /// The history of `fingerprint` in `records` (oldest first): its good
     /// loads that could be loads under a `ready.timeout` of `timeout`
     /// (others are skipped); none without one.
-    pub fn of(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Option<History> {
+    pub(crate) fn of(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Option<History> {
         History::of_loads(records, fingerprint, timeout, |_| true)
     }
 
     /// The histories of `fingerprint` by page-cache class, each from the
     /// loads of its class only; a class without a load has none.
-    pub fn by_class(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Vec<(CacheClass, History)> {
+    pub(crate) fn by_class(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Vec<(CacheClass, History)> {
         <CacheClass as strum::VariantArray>::VARIANTS
             .iter()
             .copied()
@@ -717,7 +717,7 @@ impl LoadTrack {
 
     /// The read-ahead's counters now; whether what `STATUS=` shows of
     /// them changed.
-    pub fn prefetched(&mut self, p: PrefetchNow, now: Instant) -> bool {
+    pub(crate) fn prefetched(&mut self, p: PrefetchNow, now: Instant) -> bool {
         let shown = |t: &LoadTrack| t.prefetch_shown().map(|p| p.text());
         let before = shown(self);
         self.prefetch = Some(p);
@@ -757,7 +757,7 @@ impl LoadTrack {
     /// speed, against the phases' medians (with the read-ahead, the disk
     /// reads while vLLM starts: the two phases together; without it, the
     /// weights phase alone). Zero without the figures it needs.
-    pub fn cold_extra(&self) -> Duration {
+    pub(crate) fn cold_extra(&self) -> Duration {
         let (Some(h), Some(bytes), Some(r)) = (self.history(), self.start.weights_bytes, self.start.residency) else {
             return Duration::ZERO;
         };
@@ -772,11 +772,7 @@ impl LoadTrack {
         cold.saturating_sub(window)
     }
 
-    pub fn fingerprint(&self) -> &str {
-        &self.start.fingerprint
-    }
-
-    pub fn history(&self) -> Option<&History> {
+    pub(crate) fn history(&self) -> Option<&History> {
         self.start.history.as_ref()
     }
 
@@ -866,7 +862,7 @@ impl LoadTrack {
 
     /// The phase under way: the next the setup's loads went through after
     /// the last that ended (the next of the profile without history).
-    pub fn current(&self) -> LoadPhase {
+    pub(crate) fn current(&self) -> LoadPhase {
         let last = self.ends.iter().rposition(Option::is_some);
         let next = |p: &LoadPhase| last.is_none_or(|i| index(*p) > i);
         self.expected()
@@ -876,7 +872,7 @@ impl LoadTrack {
     }
 
     /// The phases that ended, each with its time from the end before it.
-    pub fn phases(&self) -> Vec<PhaseTime> {
+    pub(crate) fn phases(&self) -> Vec<PhaseTime> {
         let mut from = self.spawned;
         let mut out = Vec::new();
         for (i, end) in self.ends.iter().enumerate() {
@@ -898,7 +894,7 @@ impl LoadTrack {
     }
 
     /// Where the load is, for `STATUS=` and the status document.
-    pub fn now(&self, now: Instant) -> LoadNow {
+    pub(crate) fn now(&self, now: Instant) -> LoadNow {
         let phase = self.current();
         let expected = self.expected();
         let index = expected
@@ -929,7 +925,7 @@ impl LoadTrack {
     /// [`HISTORY_MIN`] recorded loads when that is longer, at most
     /// [`HISTORY_BOUND`] × `stall` (history only lengthens a deadline, and
     /// only so far).
-    pub fn stall(&self, stall: Duration, factor: f64) -> Duration {
+    pub(crate) fn stall(&self, stall: Duration, factor: f64) -> Duration {
         let phase = self.current();
         self.history()
             .and_then(|h| h.phase(phase))
@@ -941,7 +937,7 @@ impl LoadTrack {
     /// How long the whole load may take: `timeout`, or `factor` × the
     /// setup's median load over at least [`HISTORY_MIN`] recorded loads
     /// when that is longer, at most [`HISTORY_BOUND`] × `timeout`.
-    pub fn timeout(&self, timeout: Duration, factor: f64) -> Duration {
+    pub(crate) fn timeout(&self, timeout: Duration, factor: f64) -> Duration {
         let recent = self.history().filter(|h| h.loads.min(HISTORY_LOADS) >= HISTORY_MIN);
         recent
             .and_then(|h| times(h.median, factor))
@@ -1020,7 +1016,7 @@ impl LoadTrack {
 /// What is worth a warning in a ready load of a known setup: its compile
 /// cache used less than the setup's loads did before, or it was slower
 /// than their median by more than `factor`, overall or in one phase.
-pub fn alarms(r: &LoadRecord, h: &History, factor: f64) -> Vec<String> {
+pub(crate) fn alarms(r: &LoadRecord, h: &History, factor: f64) -> Vec<String> {
     let mut out = Vec::new();
     let n = h.loads;
     if let (Some(now), Some(best)) = (&r.cache, &h.best_cache)
@@ -1080,39 +1076,39 @@ fn slow_weights(r: &LoadRecord, disk: Option<f64>, faster: Option<&str>) -> Opti
 /// Where a load is now.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadNow {
-    pub phase: LoadPhase,
+    pub(crate) phase: LoadPhase,
     /// The phase's place among those expected (1-based), and how many.
-    pub index: usize,
-    pub of: usize,
-    pub elapsed: Duration,
+    pub(crate) index: usize,
+    pub(crate) of: usize,
+    pub(crate) elapsed: Duration,
     /// When the load began (the spawn): its elapsed time taken later is
     /// [`LoadNow::as_of`].
-    pub began: Instant,
+    pub(crate) began: Instant,
     /// The expected total now (see the module's doc), and the setup's last
     /// load; none without history.
-    pub expected: Option<Duration>,
-    pub last: Option<Duration>,
+    pub(crate) expected: Option<Duration>,
+    pub(crate) last: Option<Duration>,
     /// The setup's median load: the fixed yardstick of the metric the
     /// alerts compare the elapsed time with, and of the front door's hold
     /// (a load past it is held, not refused on a guess).
-    pub median: Option<Duration>,
+    pub(crate) median: Option<Duration>,
     /// The estimate in force, for [`LoadNow::as_of`].
-    pub estimate: Option<Estimate>,
+    pub(crate) estimate: Option<Estimate>,
     /// The estimate's expected error from history (a fraction, see
     /// [`History::error`]).
-    pub error: Option<f64>,
-    pub fingerprint: String,
+    pub(crate) error: Option<f64>,
+    pub(crate) fingerprint: String,
     /// With `[preload]`: which kind of start this is.
-    pub preload: Option<crate::supervisor::preload::StartKind>,
+    pub(crate) preload: Option<crate::supervisor::preload::StartKind>,
     /// The read-ahead of the weights, during the start and weights phases.
-    pub prefetch: Option<PrefetchNow>,
+    pub(crate) prefetch: Option<PrefetchNow>,
 }
 
 impl LoadNow {
     /// The same load with its elapsed time at `now` (a phase that logs
     /// nothing changes nothing else of it): what an answer given later
     /// than the last step shows.
-    pub fn as_of(&self, now: Instant) -> LoadNow {
+    pub(crate) fn as_of(&self, now: Instant) -> LoadNow {
         let elapsed = now.saturating_duration_since(self.began);
         LoadNow { elapsed, expected: self.estimate.map(|e| e.at(elapsed)).or(self.expected), ..self.clone() }
     }
@@ -1120,7 +1116,7 @@ impl LoadNow {
     /// `loading 3/7 compile · 2m10s of ~4m50s ±4% (last 4m42s)` (the
     /// expected error once history has it), or `… · 12s (no earlier load of
     /// this setup)`.
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         let head = format!("loading {}/{} {} · {}", self.index, self.of, self.phase, short(self.elapsed));
         let error = match self.error {
             Some(e) if e * 100.0 < 1.0 => " ±<1%".to_string(),

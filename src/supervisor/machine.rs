@@ -210,7 +210,8 @@ impl Machine {
         }
     }
 
-    pub fn policy(&self) -> &Policy {
+    #[cfg(test)]
+    pub(crate) fn policy(&self) -> &Policy {
         &self.policy
     }
 
@@ -218,20 +219,22 @@ impl Machine {
     /// upgrade in place); `None` unless ready with no fatal line waiting
     /// for its grace and no drain under way (a drain held is handed over;
     /// one that ends in a restart, a reload or a stop is waited for).
-    pub fn save(&self, now: Instant) -> Option<Saved> {
+    #[cfg(test)]
+    pub(crate) fn save(&self, now: Instant) -> Option<Saved> {
         self.save_of(&self.state, now)
     }
 
     /// A drain that has not yet ended in what it is for (held drained, a
     /// restart, a reload, a stop): an upgrade waits for it.
-    pub fn drain_under_way(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn drain_under_way(&self) -> bool {
         upgrade::drain_under_way(&self.state)
     }
 
     /// A machine that takes over the ready run `saved` of a predecessor
     /// (version `from`): its first event, [`Event::Begin`], starts the
     /// health checks and says so, with no new `READY=1`.
-    pub fn adopt(policy: Policy, seed: u64, saved: &Saved, from: &str, now: Instant) -> Machine {
+    pub(crate) fn adopt(policy: Policy, seed: u64, saved: &Saved, from: &str, now: Instant) -> Machine {
         let mut m = Machine::new(policy, seed);
         let back = |d: Duration| now.checked_sub(d).unwrap_or(now);
         let run = Run {
@@ -263,17 +266,14 @@ impl Machine {
     }
 
     /// The current (or last) start number.
-    pub fn starts(&self) -> u32 {
+    pub(crate) fn starts(&self) -> u32 {
         self.starts
     }
 
     /// Consecutive failed starts.
-    pub fn failures(&self) -> u32 {
+    #[cfg(test)]
+    pub(crate) fn failures(&self) -> u32 {
         self.failures
-    }
-
-    pub fn restarts(&self) -> u32 {
-        self.restarts
     }
 
     pub fn cause(&self) -> Option<&Cause> {
@@ -281,7 +281,7 @@ impl Machine {
     }
 
     /// The exit code, once the machine is done.
-    pub fn done(&self) -> Option<Code> {
+    pub(crate) fn done(&self) -> Option<Code> {
         match self.state {
             State::Done(code) => Some(code),
             _ => None,
@@ -294,7 +294,7 @@ impl Machine {
 
     /// Why the serving model's answers are being checked again, while they
     /// are (it is out of rotation meanwhile).
-    pub fn recheck_reason(&self) -> Option<&str> {
+    pub(crate) fn recheck_reason(&self) -> Option<&str> {
         match &self.state {
             State::Ready(Serving { recheck: Some(r), .. }) => Some(&r.reason),
             _ => None,
@@ -304,19 +304,20 @@ impl Machine {
     /// Whether requests may go to the model now: ready, in rotation, its
     /// answers not being proven again (see [`Phase::serving`]). A front
     /// door holds requests while this is false.
-    pub fn serving(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn serving(&self) -> bool {
         self.phase().serving()
     }
 
     /// A ready run has logged a fatal line and is waiting out its grace to
     /// exit: still "ready", but what is sent to it now fails (vLLM answers
     /// 500 once its engine died), so the front door holds instead.
-    pub fn failing(&self) -> bool {
+    pub(crate) fn failing(&self) -> bool {
         matches!(&self.state, State::Ready(s) if s.run.fatal_at.is_some())
     }
 
     /// The current run's latest progress line, while starting.
-    pub fn progress(&self) -> Option<&str> {
+    pub(crate) fn progress(&self) -> Option<&str> {
         match &self.state {
             State::Starting(l) => l.progress.as_deref(),
             _ => None,
@@ -324,7 +325,7 @@ impl Machine {
     }
 
     /// What the status document and the metrics show.
-    pub fn snapshot(&self) -> crate::supervisor::snapshot::Snapshot {
+    pub(crate) fn snapshot(&self) -> crate::supervisor::snapshot::Snapshot {
         crate::supervisor::snapshot::Snapshot {
             phase: self.phase(),
             child_pid: self.child_pid(),
@@ -359,7 +360,7 @@ impl Machine {
     }
 
     /// The attempt number of the current or next start.
-    pub fn attempt(&self) -> u32 {
+    pub(crate) fn attempt(&self) -> u32 {
         self.failures.saturating_add(1)
     }
 
@@ -371,7 +372,7 @@ impl Machine {
     }
 
     /// The pid of the child, while there is one.
-    pub fn child_pid(&self) -> Option<u32> {
+    pub(crate) fn child_pid(&self) -> Option<u32> {
         match &self.state {
             State::Starting(l) => Some(l.run.pid),
             State::Ready(s) | State::Adopted { serving: s, .. } => Some(s.run.pid),
@@ -383,7 +384,7 @@ impl Machine {
     }
 
     /// When the machine wants a `Tick`.
-    pub fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
         let p = &self.policy;
         match &self.state {
             State::Starting(l) => [
@@ -544,7 +545,7 @@ impl Machine {
 
     /// Where the load under way is, for the status document: as of the
     /// last event it saw.
-    pub fn load_now(&self) -> Option<crate::supervisor::load::LoadNow> {
+    pub(crate) fn load_now(&self) -> Option<crate::supervisor::load::LoadNow> {
         match &self.state {
             State::Starting(l) => Some(l.track.now(l.seen)),
             _ => None,

@@ -10,20 +10,21 @@
 
 pub mod classify;
 pub mod events;
-pub mod exit;
-pub mod fit;
+pub(crate) mod exit;
+pub(crate) mod fit;
 pub mod golden;
 pub mod hints;
 pub mod load;
-pub mod machine;
+pub(crate) mod machine;
 pub mod outcome;
 pub mod policy;
-pub mod preload;
-pub mod progress;
-pub mod snapshot;
+pub(crate) mod preload;
+pub(crate) mod progress;
+pub(crate) mod snapshot;
 
-pub use self::events::{
-    Cause, Effect, Event, FailureKind, Note, Record, ReportOrder, RunOf, Saved, Severity, Topic, Upgrade,
-};
+pub(crate) use self::events::{Effect, Record, ReportOrder, Saved, Severity, Topic, Upgrade};
+pub use self::events::{Event, Note};
 pub use self::machine::{Machine, State};
-pub use self::policy::{Policy, prepare_timeout};
+pub use self::policy::Policy;
+#[cfg(test)]
+pub(crate) use self::policy::prepare_timeout;

@@ -53,9 +53,9 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: &[Phase] = <Phase as strum::VariantArray>::VARIANTS;
+    pub(crate) const ALL: &[Phase] = <Phase as strum::VariantArray>::VARIANTS;
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         self.into()
     }
 
@@ -63,7 +63,8 @@ impl Phase {
     /// taken out of rotation (a drain) nor waiting for its answers to be
     /// proven again (a re-check). `/readyz` answers 200 only then; a front
     /// door holds requests in every other phase.
-    pub fn serving(self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn serving(self) -> bool {
         self == Phase::Ready
     }
 }
@@ -116,7 +117,7 @@ pub enum FailureClass {
 }
 
 impl FailureClass {
-    pub const ALL: &[FailureClass] = <FailureClass as strum::VariantArray>::VARIANTS;
+    pub(crate) const ALL: &[FailureClass] = <FailureClass as strum::VariantArray>::VARIANTS;
 
     pub fn as_str(self) -> &'static str {
         self.into()
@@ -145,7 +146,7 @@ impl Permanence {
     }
 
     /// From the classifier's match of the permanent patterns.
-    pub fn of_match(index: Option<usize>) -> Permanence {
+    pub(crate) fn of_match(index: Option<usize>) -> Permanence {
         index.map_or(Permanence::Transient, Permanence::Pattern)
     }
 }
@@ -153,24 +154,24 @@ impl Permanence {
 /// Why a start could not happen (a pre-start step, or the spawn itself).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StartFailure {
-    pub cause: String,
+    pub(crate) cause: String,
     /// A retry would fail the same way (a missing program, a bad patch).
-    pub permanent: bool,
+    pub(crate) permanent: bool,
     /// This machine cannot run it at all (vLLM refuses the platform): no
     /// retry, whatever `restart.permanent-attempts` says.
-    pub unsupported: bool,
+    pub(crate) unsupported: bool,
 }
 
 impl StartFailure {
-    pub fn transient(cause: impl Into<String>) -> StartFailure {
+    pub(crate) fn transient(cause: impl Into<String>) -> StartFailure {
         StartFailure { cause: cause.into(), permanent: false, unsupported: false }
     }
 
-    pub fn permanent(cause: impl Into<String>) -> StartFailure {
+    pub(crate) fn permanent(cause: impl Into<String>) -> StartFailure {
         StartFailure { cause: cause.into(), permanent: true, unsupported: false }
     }
 
-    pub fn unsupported(cause: impl Into<String>) -> StartFailure {
+    pub(crate) fn unsupported(cause: impl Into<String>) -> StartFailure {
         StartFailure { cause: cause.into(), permanent: true, unsupported: true }
     }
 }
@@ -207,7 +208,7 @@ impl fmt::Display for Exit {
 /// are raised by the CPU or the C library, not sent by a supervisor.
 /// SIGILL is an instruction this CPU or kernel refuses (a build for
 /// another CPU, or AMX tiles used without the kernel's permission).
-pub fn crash_words(s: Signal) -> Option<&'static str> {
+pub(crate) fn crash_words(s: Signal) -> Option<&'static str> {
     match s {
         Signal::SIGILL => Some("illegal instruction"),
         Signal::SIGSEGV => Some("segmentation fault"),

@@ -9,91 +9,91 @@ use crate::config::Settings;
 
 /// Before ready there is nothing to drain, and vLLM can lose a SIGTERM sent
 /// during its load: the stop signal is repeated this often …
-pub const LOAD_STOP_RESEND: Duration = Duration::from_secs(1);
+pub(crate) const LOAD_STOP_RESEND: Duration = Duration::from_secs(1);
 /// … and SIGKILL follows after at most this long (or `stop-timeout`, if
 /// shorter). The same short grace applies to what is left of a failed run.
-pub const LOAD_STOP_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const LOAD_STOP_GRACE: Duration = Duration::from_secs(10);
 /// After SIGKILL, how long the tree gets to be gone. A process still there
 /// is stuck in the kernel (state `D`; for a GPU server, usually the driver):
 /// it is reported and the warden gives up on it.
 pub const KILL_GRACE: Duration = Duration::from_secs(10);
 /// How long the report of such survivors may take (reading `/proc` of a
 /// process stuck in the kernel can hang too).
-pub const DESCRIBE_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const DESCRIBE_GRACE: Duration = Duration::from_secs(5);
 /// What the pre-start steps may take beyond their own waits (leftovers,
 /// port, GPUs): patches, `/proc` scans, the GPU query's own time limit.
-pub const PREPARE_MARGIN: Duration = Duration::from_secs(60);
+pub(crate) const PREPARE_MARGIN: Duration = Duration::from_secs(60);
 /// How long one run of an external command (the GPU query) may take.
-pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const COMMAND_TIMEOUT: Duration = Duration::from_secs(20);
 /// What a failure report may take beyond `reports.timeout` (which bounds
 /// its commands) before the machine stops waiting for it: its file writes.
-pub const REPORT_MARGIN: Duration = Duration::from_secs(5);
+pub(crate) const REPORT_MARGIN: Duration = Duration::from_secs(5);
 
 /// The parts of the settings the machine acts on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
     /// Readiness waits for a `ready.log` line (else the HTTP check alone).
-    pub ready_log: bool,
+    pub(crate) ready_log: bool,
     /// Readiness waits for a 200 from `ready.http` after the line.
-    pub ready_http: bool,
-    pub ready_timeout: Duration,
-    pub stall: Duration,
+    pub(crate) ready_http: bool,
+    pub(crate) ready_timeout: Duration,
+    pub(crate) stall: Duration,
     /// After a fatal line, how long the child gets to exit on its own.
-    pub grace: Duration,
-    pub stop_signal: Signal,
-    pub stop_timeout: Duration,
+    pub(crate) grace: Duration,
+    pub(crate) stop_signal: Signal,
+    pub(crate) stop_timeout: Duration,
     /// How long the pre-start steps may take in all.
-    pub prepare_timeout: Duration,
-    pub restart: crate::config::Restart,
+    pub(crate) prepare_timeout: Duration,
+    pub(crate) restart: crate::config::Restart,
     /// A remedy line for known causes.
-    pub hints: crate::supervisor::hints::Hints,
+    pub(crate) hints: crate::supervisor::hints::Hints,
     /// A drain is unready at once, then waits this long before it looks
     /// at the requests in flight …
-    pub drain_delay: Duration,
+    pub(crate) drain_delay: Duration,
     /// … and at most this long for none to be running or waiting.
-    pub drain_timeout: Duration,
+    pub(crate) drain_timeout: Duration,
     /// A stop, and a reload that restarts the child, drain a serving child
     /// first.
-    pub drain_on_stop: bool,
+    pub(crate) drain_on_stop: bool,
     /// How long a failed run waits for its failure report before it is
     /// stopped; `None`: no reports.
-    pub report: Option<Duration>,
+    pub(crate) report: Option<Duration>,
     /// The profile tells a load's phases: `STATUS=` shows the phase and
     /// the estimate.
-    pub phases: bool,
+    pub(crate) phases: bool,
     /// `ledger.slow-factor` and `ledger.deadline-factor`.
-    pub slow_factor: f64,
-    pub deadline_factor: f64,
+    pub(crate) slow_factor: f64,
+    pub(crate) deadline_factor: f64,
     /// The golden check before `READY=1`, and what a mismatch does; none:
     /// no check.
-    pub golden: Option<crate::config::GoldenPolicy>,
+    pub(crate) golden: Option<crate::config::GoldenPolicy>,
     /// What the golden check may take (`golden.timeout`).
-    pub golden_timeout: Duration,
+    pub(crate) golden_timeout: Duration,
     /// While serving, re-check the answers this often (`golden.interval`).
-    pub golden_interval: Option<Duration>,
+    pub(crate) golden_interval: Option<Duration>,
     /// Memory-fit recovery (`[fit]`), when on.
-    pub fit: Option<crate::config::Fit>,
+    pub(crate) fit: Option<crate::config::Fit>,
     /// Last-known-good rollback (`[rollback]`) is on.
-    pub rollback: bool,
+    pub(crate) rollback: bool,
     /// What an engine without requests comes to (`front.idle-stop`); none:
     /// it serves for ever.
-    pub idle: Option<IdlePolicy>,
+    pub(crate) idle: Option<IdlePolicy>,
 }
 
 /// `front.idle-stop`, `idle-action`, `idle-sleep-level`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct IdlePolicy {
+pub(crate) struct IdlePolicy {
     /// No request for this long, and none in flight: the engine is idle.
-    pub after: Duration,
+    pub(crate) after: Duration,
     /// Stopped, or put to sleep at `level`.
-    pub action: crate::config::IdleAction,
-    pub level: u8,
+    pub(crate) action: crate::config::IdleAction,
+    pub(crate) level: u8,
 }
 
 /// The pre-start steps' whole budget: stopping leftovers (stop timeout and
 /// the kill grace), the port wait, the GPU wait and one more query, the
 /// Ray cluster's wait and one more look, plus a margin for the rest.
-pub fn prepare_timeout(s: &Settings) -> Duration {
+pub(crate) fn prepare_timeout(s: &Settings) -> Duration {
     // The Ray gate's last look may start just before its wait ends.
     let ray = s
         .prestart
@@ -149,7 +149,7 @@ impl Policy {
 
     /// The delay before attempt `n + 1`, after `n` consecutive failures,
     /// before jitter: `initial × factor^(n-1)`, capped.
-    pub fn backoff(&self, n: u32) -> Duration {
+    pub(crate) fn backoff(&self, n: u32) -> Duration {
         let exp = self.restart.factor.powi(n.saturating_sub(1).min(1000) as i32);
         let secs = (self.restart.initial_delay.as_secs_f64() * exp).min(self.restart.max_delay.as_secs_f64());
         Duration::from_secs_f64(secs.max(0.0))

@@ -11,21 +11,21 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// Requests being generated now (a gauge).
-pub const RUNNING: &str = "vllm:num_requests_running";
+pub(crate) const RUNNING: &str = "vllm:num_requests_running";
 /// Requests queued (a gauge).
-pub const WAITING: &str = "vllm:num_requests_waiting";
+pub(crate) const WAITING: &str = "vllm:num_requests_waiting";
 /// Tokens generated so far (a counter).
-pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
+pub(crate) const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
 /// Prompt tokens processed so far (a counter).
-pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+pub(crate) const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 
 /// What one scrape says, each metric summed over its label sets.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Reading {
-    pub running: f64,
-    pub waiting: f64,
+pub(crate) struct Reading {
+    pub(crate) running: f64,
+    pub(crate) waiting: f64,
     /// Generation plus prompt tokens: either moving is progress.
-    pub tokens: f64,
+    pub(crate) tokens: f64,
 }
 
 /// Why a scrape gives no reading.
@@ -39,7 +39,7 @@ pub enum Unreadable {
 
 /// Read a scrape of vLLM's `/metrics` (the Prometheus text format, parsed
 /// by `nom-openmetrics`).
-pub fn read(text: &str) -> Result<Reading, Unreadable> {
+pub(crate) fn read(text: &str) -> Result<Reading, Unreadable> {
     let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
         let shown = e.to_string();
         Unreadable::Format(shown.chars().take(200).collect())
@@ -79,7 +79,7 @@ fn through_last_sample(text: &str) -> &str {
 
 /// The requests running or waiting in a scrape, summed over label sets:
 /// what a drain waits to see at zero.
-pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
+pub(crate) fn in_flight(text: &str) -> Result<f64, Unreadable> {
     let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
         let shown = e.to_string();
         Unreadable::Format(shown.chars().take(200).collect())
@@ -101,7 +101,7 @@ pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
 
 /// What the series of readings says.
 #[derive(Debug, Clone, PartialEq)]
-pub enum ProgressVerdict {
+pub(crate) enum ProgressVerdict {
     /// Tokens moved, or nothing was asked of the engine.
     Fine,
     /// Requests running or waiting, and no token for `stall` or longer.
@@ -110,7 +110,7 @@ pub enum ProgressVerdict {
 
 impl ProgressVerdict {
     /// The cause line of a stalled engine.
-    pub fn cause(&self) -> Option<String> {
+    pub(crate) fn cause(&self) -> Option<String> {
         match self {
             ProgressVerdict::Fine => None,
             ProgressVerdict::Stalled { running, waiting, for_ } => Some(format!(
@@ -124,7 +124,7 @@ impl ProgressVerdict {
 /// Judges readings over time: the engine is stalled when it has had work
 /// (running or waiting) for `stall` without a token moving.
 #[derive(Debug, Clone)]
-pub struct Watch {
+pub(crate) struct Watch {
     stall: Duration,
     last: Option<Reading>,
     /// When tokens last moved, or the engine last had nothing to do.
@@ -132,11 +132,11 @@ pub struct Watch {
 }
 
 impl Watch {
-    pub fn new(stall: Duration) -> Watch {
+    pub(crate) fn new(stall: Duration) -> Watch {
         Watch { stall, last: None, moved_at: None }
     }
 
-    pub fn observe(&mut self, r: Reading, now: Instant) -> ProgressVerdict {
+    pub(crate) fn observe(&mut self, r: Reading, now: Instant) -> ProgressVerdict {
         let idle = r.running + r.waiting <= 0.0;
         let moved = self.last.is_none_or(|l| r.tokens != l.tokens);
         self.last = Some(r);
@@ -154,7 +154,7 @@ impl Watch {
     }
 
     /// The last reading: are requests in flight?
-    pub fn busy(&self) -> bool {
+    pub(crate) fn busy(&self) -> bool {
         self.last.is_some_and(|r| r.running + r.waiting > 0.0)
     }
 }

@@ -21,7 +21,7 @@ use crate::supervisor::{ReportOrder, Saved};
 
 /// A start and its tree: the pre-start steps, the spawn, the signals,
 /// what is left after them, and the leader's exit.
-pub trait Launch {
+pub(crate) trait Launch {
     /// Start the pre-start steps of `start`; `Event::Prepared` when done,
     /// `Event::PrepareStep` for each step.
     fn prepare(&mut self, start: u32);
@@ -46,7 +46,7 @@ pub trait Launch {
 
 /// The HTTP checks of a run: readiness, health, the golden answers, the
 /// requests in flight.
-pub trait Checks {
+pub(crate) trait Checks {
     /// Wait until start `start` answers: `Event::HttpReady`.
     fn probe(&mut self, start: u32);
     /// Check the health of ready start `start` until the run ends;
@@ -63,7 +63,7 @@ pub trait Checks {
 
 /// An engine without requests (`front.idle-stop`): asleep, awake, or
 /// stopped and parked.
-pub trait Idle {
+pub(crate) trait Idle {
     /// Put the engine of run `start` to sleep at `level`, its health checks
     /// ended: `Event::Slept`.
     fn sleep(&mut self, start: u32, level: u8);
@@ -75,7 +75,7 @@ pub trait Idle {
 }
 
 /// The failure report of a failed run.
-pub trait Reports {
+pub(crate) trait Reports {
     /// Write the failure report of the failed run, off the loop, while
     /// its tree is still there; `Event::Reported` when done. Returns the
     /// report's folder, or `None` when no report can be written (nothing
@@ -89,7 +89,7 @@ pub trait Reports {
 /// The load ledger, and what a start is made of for recovering by
 /// itself: memory fit's values and pins, the last-known-good setup, a
 /// rollback to it.
-pub trait Loads {
+pub(crate) trait Loads {
     /// What the ledger knows of the setup just spawned.
     fn load_start(&mut self) -> Option<LoadStart>;
     /// A load ended: into the ledger, off the loop.
@@ -112,7 +112,7 @@ pub trait Loads {
 
 /// The upgrade in place: the new binary checked, the run's lines paused
 /// at a line's end, the exec that hands the ready run over.
-pub trait Upgrade {
+pub(crate) trait Upgrade {
     /// Ask the binary at the warden's path for its version, off the loop:
     /// `Input::UpgradeChecked`.
     fn check_upgrade(&mut self);
@@ -130,7 +130,7 @@ pub trait Upgrade {
 }
 
 /// The config: read again, and put to use.
-pub trait Config {
+pub(crate) trait Config {
     /// Read the config file again, off the loop; `Input::Reload` follows.
     fn read_config(&mut self);
     /// Use these settings: the warden's own at once (the health checks of a
@@ -142,7 +142,7 @@ pub trait Config {
 }
 
 /// The backend's own background tasks, watched.
-pub trait Tasks {
+pub(crate) trait Tasks {
     /// Wait until a background task of the backend ends unexpectedly, and
     /// name it; pending while none does. Cancel-safe. The backend has
     /// already done what it can so that the tree can still be stopped (the

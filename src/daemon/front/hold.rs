@@ -17,7 +17,7 @@ use super::Gate;
 
 /// What a held request is told when its wait ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Release {
+pub(crate) enum Release {
     /// The engine serves: send it.
     Go,
     /// The warden is ending: answer 503.
@@ -30,7 +30,7 @@ pub enum Release {
 
 /// Why a request is not held.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refused {
+pub(crate) enum Refused {
     /// The queue holds `max-held` already.
     Full { why: String, eta: Option<Duration> },
     /// The engine will not serve before the request's wait is over.
@@ -42,7 +42,7 @@ pub enum Refused {
 }
 
 /// The outcome of asking for a place.
-pub enum Place<'q> {
+pub(crate) enum Place<'q> {
     /// The engine serves now: no wait.
     Go,
     /// Held: wait on the ticket.
@@ -50,7 +50,7 @@ pub enum Place<'q> {
 }
 
 /// The queue; shared by every connection of the front door.
-pub struct Queue {
+pub(crate) struct Queue {
     max: usize,
     inner: Mutex<Inner>,
     /// Told the queue's length after every change (the held gauge).
@@ -72,10 +72,10 @@ struct Inner {
 }
 
 /// A held request's place; dropping it (a client gone) frees the place.
-pub struct Ticket<'q> {
+pub(crate) struct Ticket<'q> {
     queue: &'q Queue,
     id: u64,
-    pub release: oneshot::Receiver<Release>,
+    pub(crate) release: oneshot::Receiver<Release>,
 }
 
 impl Drop for Ticket<'_> {
@@ -92,7 +92,7 @@ impl Drop for Ticket<'_> {
 
 impl Queue {
     /// At most `max` held; `on_len` is told the length after each change.
-    pub fn new(max: usize, on_len: impl Fn(usize) + Send + Sync + 'static) -> Queue {
+    pub(crate) fn new(max: usize, on_len: impl Fn(usize) + Send + Sync + 'static) -> Queue {
         Queue { max, inner: Mutex::default(), on_len: Box::new(on_len) }
     }
 
@@ -101,17 +101,13 @@ impl Queue {
     }
 
     /// Requests held now.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.lock().waiting.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.lock().waiting.is_empty()
     }
 
     /// A place for a request that may wait `budget`, the gate being what
     /// `gate` holds now.
-    pub fn admit<'q>(&'q self, gate: &watch::Receiver<Gate>, budget: Duration) -> Result<Place<'q>, Refused> {
+    pub(crate) fn admit<'q>(&'q self, gate: &watch::Receiver<Gate>, budget: Duration) -> Result<Place<'q>, Refused> {
         let mut inner = self.lock();
         let (why, eta) = match &*gate.borrow() {
             Gate::Serving => return Ok(Place::Go),
@@ -138,7 +134,7 @@ impl Queue {
 
     /// The gate changed to `gate`: release every held request in arrival
     /// order when it serves (or is closed). Returns how many.
-    pub fn gate_changed(&self, gate: &watch::Receiver<Gate>) -> usize {
+    pub(crate) fn gate_changed(&self, gate: &watch::Receiver<Gate>) -> usize {
         let mut inner = self.lock();
         let release = match &*gate.borrow() {
             Gate::Serving => Release::Go,
@@ -159,7 +155,7 @@ impl Queue {
     /// nothing is held, and what is held now is told
     /// [`Release::Upgrading`] (its wait lives in this process, which the
     /// exec ends). Returns how many were held.
-    pub fn hand_over(&self, on: bool) -> usize {
+    pub(crate) fn hand_over(&self, on: bool) -> usize {
         let mut inner = self.lock();
         inner.handing_over = on;
         if !on {
@@ -175,7 +171,7 @@ impl Queue {
 }
 
 /// What a request held for an idle engine is told.
-pub const IDLE_WHY: &str = "model idle, starting";
+pub(crate) const IDLE_WHY: &str = "model idle, starting";
 
 #[cfg(test)]
 mod tests {

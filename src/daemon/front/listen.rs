@@ -36,21 +36,21 @@ use crate::config::{Front, Listen};
 /// The listen queue asked for: clients that connect while the warden is
 /// not accepting (its own restart, an upgrade's exec) wait here. The kernel
 /// caps it at `net.core.somaxconn` (4096 by default since Linux 5.4).
-pub const BACKLOG: i32 = 4096;
+pub(crate) const BACKLOG: i32 = 4096;
 
 /// The names of the warden's own descriptors in systemd's store
 /// (`front-0`, `front-1`, …). A `.socket` unit's `FileDescriptorName=` must
 /// not begin with it.
-pub const STORE_PREFIX: &str = "front-";
+pub(crate) const STORE_PREFIX: &str = "front-";
 
 /// The mode of a unix socket the warden creates: the service's user and
 /// group may connect.
-pub const UNIX_MODE: u32 = 0o660;
+pub(crate) const UNIX_MODE: u32 = 0o660;
 
 /// One listening socket, non-blocking and closed on exec, ready for
 /// tokio's `from_std`.
 #[derive(Debug)]
-pub enum Listener {
+pub(crate) enum Listener {
     Tcp(std::net::TcpListener),
     Unix(std::os::unix::net::UnixListener),
 }
@@ -80,7 +80,7 @@ impl Listener {
 /// Why the front door cannot open: said at start, and the warden ends
 /// (exit 78).
 #[derive(Debug, thiserror::Error)]
-pub enum ListenError {
+pub(crate) enum ListenError {
     #[error("front.listen {address}: cannot listen: {source}")]
     Bind { address: String, source: io::Error },
     #[error("front.listen unix:{}: its folder does not exist", .0.display())]
@@ -149,7 +149,7 @@ impl Inherited {
     /// inherits them; with `take` false (an upgrade's successor, whose
     /// sockets come from the hand-off) only the variables are removed.
     /// Call from `main`, before any thread exists.
-    pub fn from_env(take: bool) -> Inherited {
+    pub(crate) fn from_env(take: bool) -> Inherited {
         let mut out = Inherited::default();
         // SAFETY: called from `main` before any other thread is started,
         // so no other thread reads the environment meanwhile.
@@ -179,7 +179,7 @@ impl Inherited {
     /// `(descriptor, address)`: each is taken only once checked to be an
     /// open listening socket with that local address, never one of
     /// `reserved` (the lock, the child's output, the log) or a standard one.
-    pub fn handed_over(named: &[(RawFd, String)], reserved: &[RawFd]) -> Inherited {
+    pub(crate) fn handed_over(named: &[(RawFd, String)], reserved: &[RawFd]) -> Inherited {
         let mut out = Inherited::default();
         let mut taken = Vec::new();
         for (raw, address) in named {
@@ -224,7 +224,7 @@ impl Inherited {
     /// what they are: for a successor whose hand-off could not be used
     /// (its predecessor kept them open all the same). Call before anything
     /// of this process opens a socket.
-    pub fn found() -> Inherited {
+    pub(crate) fn found() -> Inherited {
         let mut out = Inherited::default();
         let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return out };
         let fds: Vec<RawFd> =
@@ -244,11 +244,6 @@ impl Inherited {
             }
         }
         out
-    }
-
-    /// Nothing was handed over.
-    pub fn is_empty(&self) -> bool {
-        self.passed.is_empty() && self.notes.is_empty()
     }
 }
 
@@ -291,7 +286,7 @@ fn parse_shown(s: &str) -> Option<Listen> {
 /// not used is closed (and, from systemd's store, taken out of it). Under
 /// systemd, every socket not from a `.socket` unit is then kept in the
 /// service's store. Call before anything starts.
-pub fn open(front: &Front, inherited: Inherited) -> Result<Vec<(Listen, Listener)>, ListenError> {
+pub(crate) fn open(front: &Front, inherited: Inherited) -> Result<Vec<(Listen, Listener)>, ListenError> {
     let (listeners, origins, stale) = take_or_bind(&front.listen, inherited, true)?;
     store(&listeners, &origins, &stale);
     Ok(listeners)
@@ -300,7 +295,7 @@ pub fn open(front: &Front, inherited: Inherited) -> Result<Vec<(Listen, Listener
 /// Without `[front]`: what was handed over is closed (and taken out of
 /// systemd's store); a `.socket` unit's socket is an error, as nothing
 /// would answer its clients.
-pub fn without_front(inherited: Inherited) -> Result<(), ListenError> {
+pub(crate) fn without_front(inherited: Inherited) -> Result<(), ListenError> {
     let (_, _, stale) = take_or_bind(&[], inherited, false)?;
     store(&[], &[], &stale);
     Ok(())
@@ -433,7 +428,7 @@ fn bind(listen: &Listen) -> Result<Listener, ListenError> {
 /// Whether a unix socket can be made at `path`, as `check` sees it: its
 /// folder exists, and the path holds nothing or a socket (stale, or the
 /// one a running warden or a `.socket` unit listens on). Changes nothing.
-pub fn unix_path_usable(path: &Path) -> Result<(), ListenError> {
+pub(crate) fn unix_path_usable(path: &Path) -> Result<(), ListenError> {
     let folder = path.parent().unwrap_or(Path::new("/"));
     if !folder.is_dir() {
         return Err(ListenError::NoFolder(path.to_path_buf()));
@@ -528,19 +523,19 @@ fn store_plan(origins: &[Origin], stale: &[String]) -> Vec<(usize, String)> {
 /// beside without closing the socket.
 #[derive(Debug)]
 pub struct Kept {
-    pub listen: Listen,
-    pub fd: OwnedFd,
+    pub(crate) listen: Listen,
+    pub(crate) fd: OwnedFd,
 }
 
 impl Kept {
     /// What the hand-off says of it: its descriptor and address.
-    pub fn handed(&self) -> (RawFd, String) {
+    pub(crate) fn handed(&self) -> (RawFd, String) {
         (self.fd.as_raw_fd(), self.listen.shown())
     }
 }
 
 /// The sockets of `listeners`, kept for an upgrade in place.
-pub fn kept(listeners: &[(Listen, Listener)]) -> io::Result<Vec<Kept>> {
+pub(crate) fn kept(listeners: &[(Listen, Listener)]) -> io::Result<Vec<Kept>> {
     listeners.iter().map(|(l, s)| Ok(Kept { listen: l.clone(), fd: s.as_fd().try_clone_to_owned()? })).collect()
 }
 

@@ -58,33 +58,33 @@ use crate::tell::metrics::Metrics;
 /// How long a client has to send a request's head, on a new connection
 /// and between two requests on a kept-alive one (as uvicorn's keep-alive,
 /// vLLM's own: clients' pools expect a few seconds at least).
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a body that is read before it is sent (up to [`RESEND_MAX`])
 /// may take to arrive.
-pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long such a body may make no progress (no byte comes): a client
 /// that stalls mid-body is answered 408 then, not at
 /// [`BODY_READ_TIMEOUT`]. As the header read's: a client that sends a
 /// body sends it at once.
-pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The largest request body kept to be sent again (a completion's body is
 /// a few KiB): larger bodies are streamed to the engine, never resent.
-pub const RESEND_MAX: u64 = 1 << 20;
+pub(crate) const RESEND_MAX: u64 = 1 << 20;
 
 /// The front door's connections take at most this share of the warden's
 /// descriptor limit (`RLIMIT_NOFILE`), whatever `front.max-connections`
 /// says: each also takes an upstream connection while it is forwarded.
-pub const NOFILE_SHARE: u64 = 8;
+pub(crate) const NOFILE_SHARE: u64 = 8;
 
 /// The read buffer of one client connection: a request head larger than
 /// this is answered 431 (the body is streamed, not buffered).
-pub const MAX_BUF: usize = 64 << 10;
+pub(crate) const MAX_BUF: usize = 64 << 10;
 
 /// The most headers a request may have; more is answered 431.
-pub const MAX_HEADERS: usize = 100;
+pub(crate) const MAX_HEADERS: usize = 100;
 
 /// Idle upstream connections kept for reuse.
 const POOL_IDLE: usize = 64;
@@ -94,7 +94,7 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// sets for sleep mode): RPC into the workers, cache resets, server
 /// internals, sleep and wake. vLLM itself warns they must never be
 /// exposed; the front door answers 404 for them and everything under them.
-pub const DEV_ROUTES: &[&str] = &[
+pub(crate) const DEV_ROUTES: &[&str] = &[
     "/sleep",
     "/wake_up",
     "/is_sleeping",
@@ -119,13 +119,13 @@ type UpBody = BoxBody<Bytes, BoxError>;
 
 /// What the front door has now, for the status document.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Now {
-    pub held: usize,
-    pub in_flight: usize,
+pub(crate) struct Now {
+    pub(crate) held: usize,
+    pub(crate) in_flight: usize,
 }
 
 /// Everything the connections share.
-pub struct Door {
+pub(crate) struct Door {
     front: Front,
     base: String,
     gate: watch::Receiver<Gate>,
@@ -143,7 +143,7 @@ impl std::fmt::Debug for Door {
 }
 
 impl Door {
-    pub fn new(
+    pub(crate) fn new(
         front: &Front,
         engine: &Engine,
         gate: watch::Receiver<Gate>,
@@ -169,14 +169,14 @@ impl Door {
     }
 
     /// Requests held and forwarded now.
-    pub fn now(&self) -> Now {
+    pub(crate) fn now(&self) -> Now {
         Now { held: self.queue.len(), in_flight: self.in_flight.load(Ordering::Relaxed) }
     }
 }
 
 /// Serve `listeners` until aborted; every listener's connections count
 /// against one cap.
-pub async fn serve(door: Arc<Door>, listeners: Vec<(Listen, Listener)>) {
+pub(crate) async fn serve(door: Arc<Door>, listeners: Vec<(Listen, Listener)>) {
     let cap = connection_cap(door.front.max_connections, crate::daemon::server::nofile_limit());
     let permits = Arc::new(tokio::sync::Semaphore::new(cap));
     let mut tasks = tokio::task::JoinSet::new();
@@ -204,7 +204,7 @@ pub async fn serve(door: Arc<Door>, listeners: Vec<(Listen, Listener)>) {
 
 /// `max-connections`, or an eighth of the descriptor limit `nofile` when
 /// that is lower; at least one.
-pub fn connection_cap(max: u32, nofile: u64) -> usize {
+pub(crate) fn connection_cap(max: u32, nofile: u64) -> usize {
     let share = usize::try_from(nofile / NOFILE_SHARE).unwrap_or(usize::MAX);
     (max as usize).min(share).max(1)
 }
@@ -396,12 +396,12 @@ where
 }
 
 /// The outcomes counted in `vllm_warden_front_requests_total`.
-pub mod outcome {
-    pub const FORWARDED: &str = "forwarded";
-    pub const HELD: &str = "held";
-    pub const REJECTED: &str = "rejected";
-    pub const UPSTREAM_ERROR: &str = "upstream_error";
-    pub const RETRIED: &str = "retried";
+pub(crate) mod outcome {
+    pub(crate) const FORWARDED: &str = "forwarded";
+    pub(crate) const HELD: &str = "held";
+    pub(crate) const REJECTED: &str = "rejected";
+    pub(crate) const UPSTREAM_ERROR: &str = "upstream_error";
+    pub(crate) const RETRIED: &str = "retried";
 }
 
 /// A request in the front door's hands: told to the activity (for idle
@@ -464,7 +464,7 @@ impl<B: Body + Unpin, T: Unpin> Body for Kept<B, T> {
 /// ends one whose generation failed (an error event, then `[DONE]`): the
 /// client reads why, in the shape it reads tokens in, where a torn
 /// connection says nothing.
-pub const STREAM_CUT_EVENT: &str = concat!(
+pub(crate) const STREAM_CUT_EVENT: &str = concat!(
     r#"data: {"error": {"message": "the model's engine stopped in the middle of this answer", "#,
     r#""type": "upstream_error", "param": null, "code": 502}}"#,
     "\n\ndata: [DONE]\n\n"
@@ -810,7 +810,8 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
 /// What vLLM 0.32 answers a request while its engine is dead (the
 /// EngineCore died; its API server has not yet shut down): 500 and this
 /// message, as `create_error_response(EngineDeadError)` makes it.
-pub const ENGINE_DEAD_MESSAGE: &str = "EngineCore encountered an issue. See stack trace (above) for the root cause.";
+pub(crate) const ENGINE_DEAD_MESSAGE: &str =
+    "EngineCore encountered an issue. See stack trace (above) for the root cause.";
 
 /// The longest body [`engine_dead`] reads: vLLM's is 150 bytes.
 const ENGINE_DEAD_MAX: u64 = 1024;
@@ -950,7 +951,7 @@ fn upgrading() -> Response<UpBody> {
 }
 
 /// A duration as a person reads it in an answer: `3m`, `2m10s`, `12s`.
-pub fn shown(d: Duration) -> String {
+pub(crate) fn shown(d: Duration) -> String {
     let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
     match (s / 3600, s / 60 % 60, s % 60) {
         (0, 0, s) => format!("{s}s"),
@@ -976,7 +977,7 @@ fn too_large(max: u64) -> Response<UpBody> {
 }
 
 /// An answer of the front door's own, shaped as OpenAI's errors.
-pub fn error(code: StatusCode, kind: &str, message: String, retry: Option<Duration>) -> Response<UpBody> {
+pub(crate) fn error(code: StatusCode, kind: &str, message: String, retry: Option<Duration>) -> Response<UpBody> {
     let body = serde_json::json!({
         "error": {"message": message, "type": kind, "param": null, "code": code.as_u16()}
     });
@@ -1004,7 +1005,7 @@ fn content_length(h: &HeaderMap) -> Option<Result<u64, ()>> {
 /// too, whatever it names: Python's router matches a route's `$` before a
 /// final newline (`/sleep%0a` is `/sleep` there), and no route of the API
 /// has one.
-pub fn is_dev_route(path: &str) -> bool {
+pub(crate) fn is_dev_route(path: &str) -> bool {
     let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
     if decoded.chars().any(char::is_control) {
         return true;
@@ -1020,7 +1021,7 @@ pub fn is_dev_route(path: &str) -> bool {
 /// Remove the hop-by-hop headers (RFC 9110 §7.6.1): `Connection` and
 /// those it names, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`,
 /// `Upgrade`, and `Proxy-*`.
-pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
     let named: Vec<HeaderName> = h
         .get_all(header::CONNECTION)
         .iter()
@@ -1043,7 +1044,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 
 /// Append the client to `X-Forwarded-For` and `Forwarded` (RFC 7239:
 /// `for`, `proto=http`, and the `host` it asked for).
-pub fn add_forwarded(h: &mut HeaderMap, peer: Option<IpAddr>) {
+pub(crate) fn add_forwarded(h: &mut HeaderMap, peer: Option<IpAddr>) {
     static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
     static FORWARDED: HeaderName = HeaderName::from_static("forwarded");
     let append = |h: &mut HeaderMap, name: &HeaderName, value: String| {

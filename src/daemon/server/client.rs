@@ -25,7 +25,7 @@ const MAX_BODY: usize = 4 << 20;
 
 /// `method path` over the socket; the status and the body (at most
 /// 4 MiB, lossily UTF-8).
-pub async fn call(socket: &Path, method: &str, path: &str) -> Result<(u16, String), ClientError> {
+pub(crate) async fn call(socket: &Path, method: &str, path: &str) -> Result<(u16, String), ClientError> {
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|source| ClientError::Connect { path: socket.display().to_string(), source })?;

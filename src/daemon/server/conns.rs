@@ -30,7 +30,7 @@ use super::Moved;
 
 /// Who opened a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Peer {
+pub(crate) enum Peer {
     /// A TCP client's address (an IPv4 address mapped into IPv6 as the
     /// IPv4 address).
     Ip(std::net::IpAddr),
@@ -52,7 +52,7 @@ impl std::fmt::Display for Peer {
 }
 
 /// What a connection's task tells the table while it serves.
-pub struct Use {
+pub(crate) struct Use {
     /// When a byte last moved, either way.
     moved: Moved,
     /// Requests begun, and answered (a request in flight is their
@@ -63,7 +63,7 @@ pub struct Use {
 
 impl Use {
     /// A request begins; it is over when the guard is dropped.
-    pub fn begin(self: &Arc<Self>) -> InFlight {
+    pub(crate) fn begin(self: &Arc<Self>) -> InFlight {
         self.begun.fetch_add(1, Ordering::Relaxed);
         InFlight(self.clone())
     }
@@ -78,7 +78,7 @@ impl Use {
 }
 
 /// A request in flight on a connection.
-pub struct InFlight(Arc<Use>);
+pub(crate) struct InFlight(Arc<Use>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -88,7 +88,7 @@ impl Drop for InFlight {
 
 /// How a connection is told to close.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Close {
+pub(crate) enum Close {
     /// It has had a request: at once between two, else after its answer
     /// (which says `Connection: close`).
     AfterAnswer,
@@ -105,7 +105,7 @@ struct Entry {
 
 /// The connections of one listener.
 #[derive(Default)]
-pub struct Table {
+pub(crate) struct Table {
     inner: Mutex<Inner>,
 }
 
@@ -116,12 +116,12 @@ struct Inner {
 }
 
 /// A connection's place in the table, for as long as its task holds it.
-pub struct Slot {
+pub(crate) struct Slot {
     table: Arc<Table>,
     id: u64,
-    pub conn: Arc<Use>,
+    pub(crate) conn: Arc<Use>,
     /// Fires when the connection should close, and how.
-    pub close: tokio::sync::oneshot::Receiver<Close>,
+    pub(crate) close: tokio::sync::oneshot::Receiver<Close>,
 }
 
 impl Drop for Slot {
@@ -131,11 +131,11 @@ impl Drop for Slot {
 }
 
 /// A new connection's place.
-pub struct Admitted {
-    pub slot: Slot,
+pub(crate) struct Admitted {
+    pub(crate) slot: Slot,
     /// The peer held its most: one of its own connections was told to
     /// close for this one.
-    pub made_room: bool,
+    pub(crate) made_room: bool,
 }
 
 impl Table {
@@ -145,7 +145,7 @@ impl Table {
 
     /// A new connection from `peer`, which may hold at most `per_peer`
     /// (at least one) connections not told to close.
-    pub fn admit(self: &Arc<Self>, peer: Peer, per_peer: usize, moved: Moved) -> Admitted {
+    pub(crate) fn admit(self: &Arc<Self>, peer: Peer, per_peer: usize, moved: Moved) -> Admitted {
         let mut inner = self.lock();
         let held = inner.conns.values().filter(|e| e.peer == peer && e.close.is_some()).count();
         // One of the peer's own makes room: any, those without a request
@@ -165,7 +165,7 @@ impl Table {
     /// one that has gone longest without a byte. False when none can: a
     /// connection that has not had its request yet keeps its place (it may
     /// be the probe that another is waiting behind).
-    pub fn make_room(&self) -> bool {
+    pub(crate) fn make_room(&self) -> bool {
         let mut inner = self.lock();
         inner.victim(|_| true, false).is_some_and(|id| inner.tell(id))
     }

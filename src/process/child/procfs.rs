@@ -24,7 +24,8 @@ pub struct ProcStat {
 /// Parse `/proc/PID/stat` (the `procfs` crate's parser): the command name,
 /// which its process chooses, may hold spaces, ')' and bytes that are not
 /// UTF-8; the fields are read after the last ')'.
-pub fn parse_stat(text: &str) -> Option<ProcStat> {
+#[cfg(test)]
+pub(crate) fn parse_stat(text: &str) -> Option<ProcStat> {
     ::procfs::process::Stat::from_read(text.as_bytes()).ok().map(from_crate)
 }
 
@@ -44,14 +45,14 @@ fn from_crate(st: ::procfs::process::Stat) -> ProcStat {
 pub(super) static HELPERS: Mutex<Vec<(i32, u64)>> = Mutex::new(Vec::new());
 
 /// `pid`, a child of the warden, is a helper, not part of the tree.
-pub fn register_helper(pid: i32) {
+pub(crate) fn register_helper(pid: i32) {
     if let Some(st) = read_stat(pid) {
         HELPERS.lock().unwrap_or_else(|p| p.into_inner()).push((pid, st.start_time));
     }
     children_born();
 }
 
-pub fn unregister_helper(pid: i32) {
+pub(crate) fn unregister_helper(pid: i32) {
     HELPERS.lock().unwrap_or_else(|p| p.into_inner()).retain(|(p, _)| *p != pid);
 }
 
@@ -162,7 +163,7 @@ pub(super) fn children_files() -> bool {
 
 /// Every process listed in `/proc`, the warden's children being reaped
 /// left out ([`being_reaped`]).
-pub fn processes() -> impl Iterator<Item = i32> {
+pub(crate) fn processes() -> impl Iterator<Item = i32> {
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
@@ -228,7 +229,7 @@ pub(super) fn any_left(root: i32, leader: Option<i32>) -> bool {
 /// kernel it waits) and name. Reads only `/proc/PID/{stat,wchan,comm}`,
 /// which answer even for a process stuck in the kernel (its `cmdline` may
 /// not). Zombies are not counted: they are gone but for their reap.
-pub fn describe_survivors() -> (usize, String) {
+pub(crate) fn describe_survivors() -> (usize, String) {
     let me = std::process::id() as i32;
     let left = descendants(me);
     if left.is_empty() {

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use super::Exit;
 
 /// Called with the exit of a watched pid, once.
-pub type OnExit = Box<dyn FnOnce(Exit) + Send>;
+pub(crate) type OnExit = Box<dyn FnOnce(Exit) + Send>;
 
 /// The pids whose exit someone waits for. Held across a spawn and its
 /// registration: the reaper, reading the exit of a process that died at
@@ -29,7 +29,7 @@ pub(super) fn exited(pid: i32, exit: Exit) {
 /// `on_exit(pid)` makes what is called with its exit, which the reaper
 /// cannot read before it is registered. `registered(pid)` runs first,
 /// before any exit of it can be handed on.
-pub fn spawn_watched(
+pub(crate) fn spawn_watched(
     cmd: &mut Command,
     registered: impl FnOnce(i32),
     on_exit: impl FnOnce(i32) -> OnExit,

@@ -10,13 +10,13 @@ use nix::sys::signal::Signal;
 
 /// GPU compute processes as `gpu-query` lists them: `pid, used_memory`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuApp {
-    pub pid: i32,
-    pub mem_mib: u64,
+pub(crate) struct GpuApp {
+    pub(crate) pid: i32,
+    pub(crate) mem_mib: u64,
 }
 
 /// Parse nvidia-smi's `--query-compute-apps=pid,used_memory --format=csv,noheader,nounits`.
-pub fn parse_gpu_apps(text: &str) -> Vec<GpuApp> {
+pub(crate) fn parse_gpu_apps(text: &str) -> Vec<GpuApp> {
     text.lines()
         .filter_map(|l| {
             let mut f = l.split(',').map(str::trim);
@@ -27,13 +27,13 @@ pub fn parse_gpu_apps(text: &str) -> Vec<GpuApp> {
         .collect()
 }
 
-pub fn describe_gpu_apps(apps: &[GpuApp]) -> String {
+pub(crate) fn describe_gpu_apps(apps: &[GpuApp]) -> String {
     apps.iter().map(|a| format!("pid {} ({} MiB)", a.pid, a.mem_mib)).collect::<Vec<_>>().join(", ")
 }
 
 /// Why the GPU query gave no answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum QueryError {
+pub(crate) enum QueryError {
     /// It could not be run (other than not installed).
     Failed(String),
     /// It did not finish within its time limit and was killed.
@@ -44,7 +44,7 @@ pub enum QueryError {
 /// installed. It runs in its own process group, which is SIGKILLed when the
 /// time is up (a query that hangs on a failing driver must not hold the
 /// start).
-pub async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<GpuApp>>, QueryError> {
+pub(crate) async fn query_gpus(cmd: &[String], timeout: Duration) -> Result<Option<Vec<GpuApp>>, QueryError> {
     let shown = crate::util::redact::command(cmd);
     match run_command(cmd, timeout, 1 << 20, false).await {
         Ok(out) => Ok(out.map(|o| parse_gpu_apps(&o))),
@@ -90,7 +90,7 @@ impl Drop for Hold {
 /// blocking thread (starting a process holds the thread that does it until
 /// the process has exec'd); the warden's reaper collects its exit, which is
 /// not needed.
-pub async fn run_command(
+pub(crate) async fn run_command(
     cmd: &[String],
     timeout: Duration,
     max: u64,

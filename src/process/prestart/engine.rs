@@ -12,7 +12,7 @@ use crate::util::fsutil::Dir;
 
 /// Why the engine's folder cannot be made ready.
 #[derive(Debug, thiserror::Error)]
-pub enum EngineFolderError {
+pub(crate) enum EngineFolderError {
     #[error("the engine's socket {0} has no folder")]
     NoFolder(String),
     #[error("the engine's socket folder {path}: {source}")]
@@ -33,7 +33,7 @@ pub enum EngineFolderError {
 /// Make the folder of `socket` the warden's, mode 0700 (created so when
 /// missing, never through a symlink), and remove a socket left at `socket`
 /// (only a socket: anything else there is refused, not removed).
-pub fn engine_folder(socket: &Path) -> Result<(), EngineFolderError> {
+pub(crate) fn engine_folder(socket: &Path) -> Result<(), EngineFolderError> {
     let shown = |p: &Path| crate::util::escape::one_line(&p.display().to_string(), 512);
     let (Some(parent), Some(name), Some(file)) =
         (socket.parent().and_then(Path::parent), socket.parent().and_then(Path::file_name), socket.file_name())

@@ -27,7 +27,7 @@ pub(super) fn identity(m: &std::fs::Metadata) -> (u64, u64) {
 /// (`/dev/shm/sem.WUuiYZ (deleted)` in `/proc/PID/maps` for what is now
 /// `/dev/shm/sem.mp-…`), and a renamed file keeps its inode. One pass over
 /// `/proc`, none when no path names a regular file.
-pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
+pub(crate) fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
     let mut out: HashMap<PathBuf, BTreeSet<i32>> = HashMap::new();
     let ids: HashMap<(u64, u64), &PathBuf> = paths
         .iter()
@@ -81,7 +81,7 @@ pub fn in_use(paths: &[PathBuf]) -> HashMap<PathBuf, BTreeSet<i32>> {
 /// would be read before every start. The time must be older than the
 /// listing by [`UNCHANGED_MARGIN`], as file times advance in clock ticks:
 /// an entry made in the tick of the listing could leave it the same.
-pub fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
+pub(crate) fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
     let stamp = folder_stamp(dir);
     let unchanged =
         |cache: &Matchless| stamp.is_some_and(|s| cache.get(dir).is_some_and(|(was, g)| *was == s && g == globs));
@@ -106,7 +106,7 @@ pub fn candidates(dir: &Path, globs: &[String]) -> Vec<PathBuf> {
 }
 
 /// See [`candidates`].
-pub const UNCHANGED_MARGIN: Duration = Duration::from_secs(1);
+pub(crate) const UNCHANGED_MARGIN: Duration = Duration::from_secs(1);
 
 /// Which folder is at a path, and when its entries last changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,14 +127,14 @@ pub(super) static MATCHLESS: LazyLock<Mutex<Matchless>> = LazyLock::new(Mutex::d
 
 /// What cleaning a folder did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Cleaned {
-    pub removed: Vec<PathBuf>,
+pub(crate) struct Cleaned {
+    pub(crate) removed: Vec<PathBuf>,
     /// Kept, and why.
-    pub kept: Vec<(PathBuf, String)>,
+    pub(crate) kept: Vec<(PathBuf, String)>,
 }
 
 impl Cleaned {
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let names = |v: &mut dyn Iterator<Item = &PathBuf>| {
             v.map(|p| p.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned()))
                 .collect::<Vec<_>>()
@@ -151,15 +151,9 @@ impl Cleaned {
     }
 }
 
-/// Remove the entries of `dir` matching `globs` that belong to `uid` and
-/// that no live process has open or mapped.
-pub fn clean(dir: &Path, globs: &[String], uid: u32, in_use: &HashMap<PathBuf, BTreeSet<i32>>) -> Cleaned {
-    clean_candidates(candidates(dir, globs), uid, in_use)
-}
-
 /// Remove those of `paths` that are regular files of `uid` and that no
 /// live process has open or mapped.
-pub fn clean_candidates(paths: Vec<PathBuf>, uid: u32, in_use: &HashMap<PathBuf, BTreeSet<i32>>) -> Cleaned {
+pub(crate) fn clean_candidates(paths: Vec<PathBuf>, uid: u32, in_use: &HashMap<PathBuf, BTreeSet<i32>>) -> Cleaned {
     let mut out = Cleaned::default();
     for path in paths {
         let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };

@@ -16,31 +16,31 @@ use crate::util::fsutil::replace;
 
 /// One process of the child's tree, as recorded in the state directory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Recorded {
-    pub pid: i32,
+pub(crate) struct Recorded {
+    pub(crate) pid: i32,
     /// Clock ticks after boot: a recycled pid has another.
-    pub start_time: u64,
+    pub(crate) start_time: u64,
 }
 
 /// The record: whose tree it is, on which boot, and the processes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RecordedTree {
+pub(crate) struct RecordedTree {
     /// `/proc/sys/kernel/random/boot_id`: start times mean nothing across boots.
-    pub boot_id: String,
+    pub(crate) boot_id: String,
     /// The instance name: a record is never taken for another instance's.
-    pub instance: String,
+    pub(crate) instance: String,
     /// The run token the warden put in its children's environment
     /// ([`RUN_TOKEN`]): a process is taken for a leftover only if its own
     /// environment holds it, which no record can forge.
-    pub token: String,
-    pub tree: Vec<Recorded>,
+    pub(crate) token: String,
+    pub(crate) tree: Vec<Recorded>,
 }
 
 /// The environment variable that marks the warden's children as its own.
-pub const RUN_TOKEN: &str = "VLLM_WARDEN_RUN_TOKEN";
+pub(crate) const RUN_TOKEN: &str = "VLLM_WARDEN_RUN_TOKEN";
 
 /// A new run token: 128 random bits from the kernel, in hex.
-pub fn new_run_token() -> io::Result<String> {
+pub(crate) fn new_run_token() -> io::Result<String> {
     use std::io::Read;
     let mut b = [0u8; 16];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
@@ -49,7 +49,7 @@ pub fn new_run_token() -> io::Result<String> {
 
 /// True when `pid`'s environment holds `RUN_TOKEN=token`, in any of its
 /// entries (the procfs crate's map would keep one value per name).
-pub fn carries_token(pid: i32, token: &str) -> bool {
+pub(crate) fn carries_token(pid: i32, token: &str) -> bool {
     let want = format!("{RUN_TOKEN}={token}");
     std::fs::read(format!("/proc/{pid}/environ"))
         .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == want.as_bytes()))
@@ -63,14 +63,14 @@ pub(super) fn record_path(state_dir: &Path) -> PathBuf {
     state_dir.join("tree.json")
 }
 
-pub fn boot_id() -> String {
+pub(crate) fn boot_id() -> String {
     procfs::sys::kernel::random::boot_id().unwrap_or_default()
 }
 
 /// Write the warden's live descendants (the child's tree) to the state
 /// directory, so that a warden started after this one was killed can find
 /// them.
-pub fn record_tree(state_dir: &Path, instance: &str, token: &str) -> io::Result<()> {
+pub(crate) fn record_tree(state_dir: &Path, instance: &str, token: &str) -> io::Result<()> {
     let tree: Vec<Recorded> = descendants(std::process::id() as i32)
         .into_iter()
         .map(|p| Recorded { pid: p.pid, start_time: p.start_time })
@@ -82,13 +82,13 @@ pub fn record_tree(state_dir: &Path, instance: &str, token: &str) -> io::Result<
 }
 
 /// The tree is gone: forget it.
-pub fn clear_record(state_dir: &Path) {
+pub(crate) fn clear_record(state_dir: &Path) {
     let _ = std::fs::remove_file(record_path(state_dir));
 }
 
 /// Read a small regular file of the state directory, never following a
 /// symlink and never blocking on a FIFO or a device.
-pub fn read_state_file(path: &Path, max: u64) -> io::Result<Vec<u8>> {
+pub(crate) fn read_state_file(path: &Path, max: u64) -> io::Result<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
@@ -145,7 +145,7 @@ pub(super) fn cgroup_of(pid: i32) -> Option<String> {
 /// now used by another process, a process of another user, one outside the
 /// unit's cgroup (under systemd), pid 1, the warden and its ancestors are
 /// left out.
-pub fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
+pub(crate) fn leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
     leftovers_at(&record_path(state_dir), instance)
 }
 
@@ -157,7 +157,13 @@ fn daemon_record_path(state_dir: &Path) -> PathBuf {
 
 /// Record the weight-cache daemon `pid` (started at `start_time`, carrying
 /// `token`), so that a warden started after this one was killed stops it.
-pub fn record_daemon(state_dir: &Path, instance: &str, token: &str, pid: i32, start_time: u64) -> io::Result<()> {
+pub(crate) fn record_daemon(
+    state_dir: &Path,
+    instance: &str,
+    token: &str,
+    pid: i32,
+    start_time: u64,
+) -> io::Result<()> {
     std::fs::create_dir_all(state_dir)?;
     let record = RecordedTree {
         boot_id: boot_id(),
@@ -170,13 +176,13 @@ pub fn record_daemon(state_dir: &Path, instance: &str, token: &str, pid: i32, st
 }
 
 /// The weight-cache daemon is gone: forget it.
-pub fn clear_daemon_record(state_dir: &Path) {
+pub(crate) fn clear_daemon_record(state_dir: &Path) {
     let _ = std::fs::remove_file(daemon_record_path(state_dir));
 }
 
 /// What is left of a weight-cache daemon an earlier warden recorded, by
 /// the same rules as [`leftovers`].
-pub fn daemon_leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
+pub(crate) fn daemon_leftovers(state_dir: &Path, instance: &str) -> Vec<ProcStat> {
     leftovers_at(&daemon_record_path(state_dir), instance)
 }
 
@@ -233,7 +239,7 @@ fn leftovers_at(path: &Path, instance: &str) -> Vec<ProcStat> {
 /// them, and they are provably that run's (this process is their parent or
 /// subreaper). The warden's own helpers (a GPU query, the kernel-message
 /// follower) are not running before the first spawn.
-pub fn inherited_tree() -> Vec<ProcStat> {
+pub(crate) fn inherited_tree() -> Vec<ProcStat> {
     descendants(std::process::id() as i32).into_iter().filter(|p| p.state != 'Z').collect()
 }
 
@@ -283,12 +289,12 @@ impl PidFd {
     "leftover process(es) survived SIGKILL: {}",
     .0.iter().map(|(pid, state)| format!("pid {pid} (state {state})")).collect::<Vec<_>>().join(", ")
 )]
-pub struct SurvivedKill(pub Vec<(i32, char)>);
+pub(crate) struct SurvivedKill(pub(crate) Vec<(i32, char)>);
 
 /// Stop leftover processes as a stop does: `sig`, then SIGKILL after
 /// `timeout`, then at most `kill_grace` more. `Err` lists the processes
 /// still there.
-pub async fn stop_leftovers(
+pub(crate) async fn stop_leftovers(
     procs: &[ProcStat],
     sig: Signal,
     timeout: Duration,

@@ -5,7 +5,7 @@ use std::io;
 
 /// A process's command line, for messages: an argument that is not UTF-8
 /// shown lossy (the procfs crate refuses the whole line).
-pub fn cmdline(pid: i32) -> String {
+pub(crate) fn cmdline(pid: i32) -> String {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let args: Vec<String> =
         raw.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
@@ -56,7 +56,7 @@ pub(super) mod diag {
     /// listening ports per address, and one message holds one socket.
     const MAX_MESSAGES: usize = 1 << 20;
 
-    pub fn listening_inodes(port: u16) -> io::Result<BTreeSet<u64>> {
+    pub(crate) fn listening_inodes(port: u16) -> io::Result<BTreeSet<u64>> {
         let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
         socket.bind_auto()?;
         socket.connect(&SocketAddr::new(0, 0))?;
@@ -122,7 +122,7 @@ pub(super) mod diag {
 }
 
 /// The processes listening on `port`: pid and command line.
-pub fn port_holders(port: u16) -> Vec<(i32, String)> {
+pub(crate) fn port_holders(port: u16) -> Vec<(i32, String)> {
     let inodes = listening_inodes(port);
     if inodes.is_empty() {
         return Vec::new();
@@ -143,7 +143,7 @@ pub fn port_holders(port: u16) -> Vec<(i32, String)> {
 
 /// What a look at a port found.
 #[derive(Debug)]
-pub enum Port {
+pub(crate) enum Port {
     /// A server could listen on it now.
     Free,
     /// Something listens on it, or the bind says it is in use.
@@ -155,7 +155,7 @@ pub enum Port {
 /// Look at `port`: a listening socket on it, else a trial bind. Only
 /// `EADDRINUSE` means held; another bind error (permission denied, the
 /// warden out of descriptors) is [`Port::Unknown`] with that error.
-pub fn look_at_port(port: u16) -> Port {
+pub(crate) fn look_at_port(port: u16) -> Port {
     if !listening_inodes(port).is_empty() {
         return Port::Held;
     }
@@ -167,13 +167,13 @@ pub fn look_at_port(port: u16) -> Port {
 }
 
 /// True when a server could listen on `port` now.
-pub fn port_free(port: u16) -> bool {
+pub(crate) fn port_free(port: u16) -> bool {
     matches!(look_at_port(port), Port::Free)
 }
 
 /// A bind error that says nothing about the port, as a cause: the warden's
 /// own shortage named as such, else the error as it is.
-pub fn describe_port_error(port: u16, e: &io::Error) -> String {
+pub(crate) fn describe_port_error(port: u16, e: &io::Error) -> String {
     match crate::util::errno::own_shortage(e) {
         Some(why) => format!("cannot check port {port}: {why} ({e})"),
         None => format!("cannot check port {port}: binding it failed: {e}"),
@@ -182,7 +182,7 @@ pub fn describe_port_error(port: u16, e: &io::Error) -> String {
 
 /// Why a server could not listen on `port` now (`None`: it could): its
 /// holders, or the bind's own error.
-pub fn port_blocker(port: u16) -> Option<String> {
+pub(crate) fn port_blocker(port: u16) -> Option<String> {
     match look_at_port(port) {
         Port::Free => None,
         Port::Held => Some(describe_holders(port)),
@@ -191,7 +191,7 @@ pub fn port_blocker(port: u16) -> Option<String> {
 }
 
 /// The holders of `port`, for a cause or a status line.
-pub fn describe_holders(port: u16) -> String {
+pub(crate) fn describe_holders(port: u16) -> String {
     let holders = port_holders(port);
     if holders.is_empty() {
         return format!("port {port} is in use");

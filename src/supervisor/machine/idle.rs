@@ -28,7 +28,7 @@ impl Machine {
     /// the front door's quiet counts from when it became ready (a load
     /// longer than `idle-stop` does not stop the engine at once). `None`
     /// in any other state, or without `idle-stop`.
-    pub fn idle_watch(&self) -> Option<(Duration, Instant)> {
+    pub(crate) fn idle_watch(&self) -> Option<(Duration, Instant)> {
         let idle = self.policy.idle?;
         match &self.state {
             State::Ready(s) if s.drain.is_none() && s.run.fatal_at.is_none() => Some((idle.after, s.ready_at)),
@@ -38,14 +38,14 @@ impl Machine {
 
     /// The engine is idle (stopped or asleep): a request that comes
     /// starts or wakes it ([`Event::Wanted`]).
-    pub fn idle_now(&self) -> bool {
+    pub(crate) fn idle_now(&self) -> bool {
         matches!(self.state, State::Parked(_) | State::Asleep(Dormant { stage: SleepStage::Asleep { .. }, .. }))
     }
 
     /// How long the engine takes to serve from idle, as far as is known:
     /// a start's estimate from the ledger (the setup's median load, else
     /// this warden's last load), a wake's from the last wake.
-    pub fn idle_eta(&self) -> Option<Duration> {
+    pub(crate) fn idle_eta(&self) -> Option<Duration> {
         match &self.state {
             State::Asleep(_) => self.last_wake,
             _ => self.estimate.or(self.last_load),

@@ -13,7 +13,7 @@ use crate::supervisor::outcome::Permanence;
 
 /// What is known of one run of the child, from its spawn on.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Run {
+pub(crate) struct Run {
     pub(super) start: u32,
     pub(super) pid: u32,
     pub(super) spawned_at: Instant,
@@ -84,7 +84,7 @@ pub struct Serving {
 
 /// A re-check of a serving model's golden answers under way.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Recheck {
+pub(crate) struct Recheck {
     /// Why (the journal and `STATUS=` say it).
     pub(super) reason: String,
     /// Out of rotation since then: the pause the journal and metrics give.
@@ -96,7 +96,7 @@ pub struct Recheck {
 
 /// What a drain ends in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DrainFor {
+pub(crate) enum DrainFor {
     /// The child keeps running, out of rotation, until undrained.
     Hold,
     /// The child is started again (`restart`).
@@ -109,7 +109,7 @@ pub enum DrainFor {
 
 /// How far a drain has gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DrainStage {
+pub(crate) enum DrainStage {
     /// Unready; the balancer is given until then to notice.
     Delay { until: Instant },
     /// Waiting for no request running or waiting, at most until then.
@@ -120,10 +120,10 @@ pub enum DrainStage {
 
 /// A drain under way: what it is for, how far it has gone, since when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ActiveDrain {
-    pub for_: DrainFor,
-    pub stage: DrainStage,
-    pub began: Instant,
+pub(crate) struct ActiveDrain {
+    pub(crate) for_: DrainFor,
+    pub(crate) stage: DrainStage,
+    pub(crate) began: Instant,
 }
 
 /// Why the tree is being stopped.
@@ -144,7 +144,7 @@ pub enum Purpose {
 
 /// How far a stop has escalated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Escalation {
+pub(crate) enum Escalation {
     /// The stop signal was sent; it is sent again at `resend_at` (before
     /// ready, while the leader lives), and SIGKILL follows at `kill_at`.
     Signalled { kill_at: Instant, resend_at: Option<Instant> },
@@ -167,7 +167,7 @@ pub struct Stop {
 /// A run on its way out (failed, or being stopped): loading, its load
 /// over, or serving.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Leaving {
+pub(crate) enum Leaving {
     Loading(Run),
     Serving(Serving),
 }
@@ -279,7 +279,7 @@ pub struct Dormant {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SleepStage {
+pub(crate) enum SleepStage {
     /// `/sleep` asked, not yet confirmed.
     Falling,
     /// Confirmed asleep since then.
