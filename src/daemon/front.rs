@@ -238,7 +238,6 @@ impl Activity {
 }
 
 /// The least margin [`idle_hold`] gives beyond the estimate.
-#[cfg(test)]
 pub(crate) const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
 
 /// How long a request that wakes an idle engine may wait
@@ -248,7 +247,6 @@ pub(crate) const IDLE_HOLD_MARGIN: Duration = Duration::from_secs(30);
 /// load is rarely exactly its median; past this it is not going well);
 /// with no estimate (the setup never loaded on this host), the start's
 /// own deadline, `ready.timeout`.
-#[cfg(test)]
 pub(crate) fn idle_hold(front: &crate::config::Front, eta: Option<Duration>, ready_timeout: Duration) -> Duration {
     match (front.idle_hold, eta) {
         (Some(set), _) => set,

@@ -271,6 +271,7 @@ impl Endpoint {
 /// endpoint's), and where it forwards.
 struct FrontDoor {
     front: crate::config::Front,
+    ready_timeout: std::time::Duration,
     engine: crate::config::Engine,
     listeners: Vec<(crate::config::Listen, front::Listener)>,
 }
@@ -286,7 +287,7 @@ impl FrontDoor {
             tracing::error!("[front] needs the engine's address, which this profile does not give");
             return Err(Code::Config);
         };
-        Ok(Some(FrontDoor { front: f.clone(), engine, listeners }))
+        Ok(Some(FrontDoor { front: f.clone(), ready_timeout: settings.ready.timeout, engine, listeners }))
     }
 
     /// The door, its gate given to the observer and its requests told to
@@ -298,7 +299,14 @@ impl FrontDoor {
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let starting = front::Gate::Holding { why: "model starting".into(), eta: None };
         let (gate_tx, gate_rx) = tokio::sync::watch::channel(starting);
-        let door = front::Door::new(&self.front, &self.engine, gate_rx, activity, observer.status.metrics());
+        let door = front::Door::new(
+            &self.front,
+            self.ready_timeout,
+            &self.engine,
+            gate_rx,
+            activity,
+            observer.status.metrics(),
+        );
         observer.front = Some(observer::FrontSide {
             gate: gate_tx,
             door: door.clone(),

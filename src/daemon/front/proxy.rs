@@ -127,6 +127,9 @@ pub(crate) struct Now {
 /// Everything the connections share.
 pub(crate) struct Door {
     front: Front,
+    /// `ready.timeout`: how long a request that starts an idle engine with
+    /// no estimate may wait (see [`super::idle_hold`]).
+    ready_timeout: Duration,
     base: String,
     gate: watch::Receiver<Gate>,
     queue: hold::Queue,
@@ -145,6 +148,7 @@ impl std::fmt::Debug for Door {
 impl Door {
     pub(crate) fn new(
         front: &Front,
+        ready_timeout: Duration,
         engine: &Engine,
         gate: watch::Receiver<Gate>,
         activity: Arc<Activity>,
@@ -159,6 +163,7 @@ impl Door {
         Arc::new(Door {
             queue: hold::Queue::new(front.max_held as usize, move |n| gauge.front.set_held(n)),
             front: front.clone(),
+            ready_timeout,
             base: crate::config::engine_base(engine),
             gate,
             activity,
@@ -878,7 +883,7 @@ async fn wait_turn(
     held: &mut bool,
 ) -> Option<Response<UpBody>> {
     let budget = match &*gate.borrow() {
-        Gate::Idle { eta } => door.front.idle_hold.unwrap_or_else(|| idle_hold(door.front.hold, *eta)),
+        Gate::Idle { eta } => super::idle_hold(&door.front, *eta, door.ready_timeout),
         _ => budget,
     };
     let place = door.queue.admit(gate, budget);
@@ -928,10 +933,6 @@ async fn wait_turn(
 /// The wait of a request that wakes an idle engine, without
 /// `front.idle-hold`: the estimate and a margin (a quarter, and 10 s),
 /// never less than `hold`.
-fn idle_hold(hold: Duration, eta: Option<Duration>) -> Duration {
-    eta.map_or(hold, |e| hold.max(e + e / 4 + Duration::from_secs(10)))
-}
-
 fn refusal(refused: Refused, budget: Duration) -> Response<UpBody> {
     match refused {
         Refused::Full { why, eta } => {
