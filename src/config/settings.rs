@@ -168,7 +168,7 @@ pub struct Health {
     pub(crate) kernel_messages: Vec<String>,
 }
 
-/// `[ledger]`: the record of every load (see `observe::ledger`).
+/// `[ledger]`: the record of every load (see `tell::ledger`).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Ledger {
     /// How many loads the ledger keeps; 0: none is recorded.

@@ -2,7 +2,7 @@
 //! how long each phase took, what its compile cache did, what the ledger of
 //! earlier loads of the same setup expects of it, and what is worth an
 //! alarm. Pure: the lines' signals come from the classifier, the clock from
-//! the machine, the history from the ledger (`observe::ledger`).
+//! the machine, the history from the ledger (`tell::ledger`).
 //!
 //! **The estimate** of a load's total, at elapsed time `t` in phase `k`
 //! (begun at `s`, when the phase before it ended), is
@@ -159,7 +159,7 @@ pub struct PhaseTime {
 /// history of that setup, and its weights.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct LoadStart {
-    /// The setup's fingerprint (see `observe::ledger::Setup`).
+    /// The setup's fingerprint (see `tell::ledger::Setup`).
     pub(crate) fingerprint: String,
     pub(crate) history: Option<History>,
     /// The model's weight files, in bytes, when they are local.
@@ -482,7 +482,7 @@ pub struct LoadRecord {
     /// setup failed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rollback: bool,
-    /// What the fingerprint is made of (`observe::ledger::Setup`), as JSON.
+    /// What the fingerprint is made of (`tell::ledger::Setup`), as JSON.
     #[serde(default)]
     pub(crate) setup: serde_json::Value,
     /// The boot and the weights' identity the load saw: whether the page
