@@ -11,10 +11,14 @@
 //! | [`tell`] | telling the world: the status document and metrics, sd_notify and the outbox, the journal, the load ledger and setups, failure reports |
 //! | [`observe`] | watching the child: its output pipe, the log follower and rotation, health and golden checks, the kernel's messages, OOM kills |
 //! | [`process`] | the child's process tree: spawning, signalling, reaping, leftovers, the lock, Ray, the caches |
-//! | [`supervisor`] | the pure supervisor: the state machine, its vocabulary, outcomes, exit codes, log classification, hints |
-//! | [`config`] | TOML → validated settings, the built-in profiles |
+//! | [`config`] | TOML → validated settings, and the machine's policy built from them |
 //! | [`patch`] | JSON edits of model files, atomic writes, backups, revert |
 //! | [`util`] | small shared tools: atomic files, escaping, redaction, watched tasks, logging, the writers' worker |
+//!
+//! Below them all, in its own package, is [`supervisor`] (`vllm-warden-core`):
+//! the pure supervisor, its state machine and vocabulary (outcomes, exit
+//! codes, log classification, the built-in profiles, hints), which depends
+//! on nothing of this package's and does no I/O.
 
 pub mod cli;
 pub mod config;
@@ -22,6 +26,7 @@ pub mod daemon;
 pub mod observe;
 pub mod patch;
 pub mod process;
-pub mod supervisor;
 pub mod tell;
 pub mod util;
+
+pub use vllm_warden_core as supervisor;

@@ -4,13 +4,12 @@
 
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
-use tokio::time::Instant;
 use vllm_warden::config::{self, Dirs};
 use vllm_warden::process::child::Exit;
+use vllm_warden::supervisor::Signal;
 use vllm_warden::supervisor::classify::{Class, Classifier, Splitter};
 use vllm_warden::supervisor::outcome::Phase;
-use vllm_warden::supervisor::{Event, Machine, Policy, State};
+use vllm_warden::supervisor::{Event, Machine, State};
 
 fn lines(name: &str) -> Vec<String> {
     let path = format!("{}/tests/fixtures/{name}.log", env!("CARGO_MANIFEST_DIR"));
@@ -33,8 +32,8 @@ fn settings() -> vllm_warden::config::Settings {
 fn replay(name: &str, exit: Exit, stop_at: Option<&str>) -> Machine {
     let s = settings();
     let mut c = Classifier::new(&s.patterns).unwrap();
-    let mut m = Machine::new(Policy::from_settings(&s), 1);
-    let now = Instant::now();
+    let mut m = Machine::new(vllm_warden::daemon::policy::policy(&s), 1);
+    let now = vllm_warden::util::clock::now();
     m.step(Event::Begin, now);
     m.step(Event::Spawned { start: 1, pid: 10 }, now);
     for text in lines(name) {
@@ -132,7 +131,8 @@ fn inductor_without_openssl_is_permanent_with_a_hint() {
         "torch._inductor.exc.InductorError: FileNotFoundError: [Errno 2] No such file or directory: 'openssl'"
     );
     assert!(permanent);
-    let hint = vllm_warden::supervisor::hints::Hints::new(config::profile::Profile::Vllm, &[], &[], &[]).find(&text);
+    let hint =
+        vllm_warden::supervisor::hints::Hints::new(config::profile::Profile::Vllm, &[], Vec::new(), &[]).find(&text);
     let hint = hint.unwrap();
     assert!(hint.contains("apt install g++ python3-dev openssl") && hint.contains("--enforce-eager"), "{hint}");
     // The compiler and the headers, as torch and Triton say they miss them.
@@ -249,7 +249,7 @@ fn a_real_load_tells_its_phases_and_its_compile_cache() {
     use vllm_warden::supervisor::load::{CacheOutcome, LoadMark, LoadPhase, LoadStart, LoadTrack};
     let s = settings();
     let mut c = Classifier::new(&s.patterns).unwrap();
-    let t0 = Instant::now();
+    let t0 = vllm_warden::util::clock::now();
     let mut track = LoadTrack::new(LoadStart::default(), t0);
     let mut marks = Vec::new();
     for (i, text) in lines("a_success_sigterm_main").into_iter().enumerate() {

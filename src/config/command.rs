@@ -3,6 +3,8 @@
 //! own default ports live here, below the profiles and the defaults that
 //! both use them.
 
+use vllm_warden_core::profile::Profile;
+
 /// vLLM's port when its command names none.
 pub(crate) const PORT: u16 = 8000;
 /// A Ray head's GCS port when its command names none.
@@ -117,6 +119,19 @@ pub(crate) fn valid_address(address: &str) -> bool {
             && !host.starts_with('-')
     };
     port_ok && host_ok
+}
+
+/// The port checked free before a start when the config gives none:
+/// `--port` in the command, else the server's default (vLLM's 8000,
+/// the Ray head's GCS on 6379); a node joining a Ray cluster listens on
+/// none that is known beforehand.
+pub(crate) fn default_port(profile: Profile, command: &[String]) -> Option<u16> {
+    let given = port_of(command);
+    match profile {
+        Profile::Vllm | Profile::None => Some(given.unwrap_or(PORT)),
+        Profile::RayHead => Some(given.unwrap_or(RAY_PORT)),
+        Profile::RayWorker => None,
+    }
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use crate::config::profile::Profile;
+use vllm_warden_core::profile::Profile;
 
 const fn minutes(n: u64) -> Duration {
     Duration::from_secs(n * 60)
@@ -95,12 +95,9 @@ pub(crate) const GOLDEN_INTERVAL: Duration = Duration::ZERO;
 /// between which bounds (vLLM's own default is 0.9), the shortest
 /// `--max-model-len` set and the multiple it is rounded down to, and how
 /// many adjustments in a row.
-pub(crate) const FIT_STEP: f64 = 0.02;
-pub(crate) const FIT_MIN_UTILIZATION: f64 = 0.5;
-pub(crate) const FIT_MAX_UTILIZATION: f64 = 0.95;
-pub(crate) const FIT_MIN_MODEL_LEN: u32 = 4096;
-pub(crate) const FIT_MODEL_LEN_MULTIPLE: u32 = 1024;
-pub(crate) const FIT_ATTEMPTS: u32 = 3;
+pub(crate) use vllm_warden_core::policy::{
+    FIT_ATTEMPTS, FIT_MAX_UTILIZATION, FIT_MIN_MODEL_LEN, FIT_MIN_UTILIZATION, FIT_MODEL_LEN_MULTIPLE, FIT_STEP,
+};
 
 /// `[rollback]`: how many setups that reached ready are kept.
 pub(crate) const ROLLBACK_KEEP: u32 = 10;

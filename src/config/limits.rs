@@ -7,8 +7,8 @@ use std::ops::RangeInclusive;
 use std::time::Duration;
 
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
-/// The longest duration any key accepts.
-pub const LONGEST: Duration = DAY.saturating_mul(30);
+/// The longest duration any key accepts (the core's bound on its deadlines).
+pub use vllm_warden_core::policy::LONGEST;
 /// The shortest duration a key that must be positive accepts.
 pub(crate) const SHORTEST: Duration = Duration::from_millis(1);
 

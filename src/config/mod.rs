@@ -17,7 +17,7 @@ pub(crate) mod keys;
 pub mod limits;
 pub(crate) mod preload;
 mod problem;
-pub mod profile;
+pub use vllm_warden_core::profile;
 mod reader;
 mod settings;
 
@@ -37,9 +37,11 @@ use crate::patch::Patch;
 pub(crate) use self::problem::{Problem, Problems};
 pub use self::settings::Settings;
 pub(crate) use self::settings::{
-    Child, Cluster, Drain, Engine, Fatal, Fit, FitArg, Front, Golden, GoldenPolicy, Health, IdleAction, Ledger, Listen,
-    Prefetch, Prestart, Ready, Reports, Restart, Rollback, Rotation, Server, Status,
+    Child, Cluster, Drain, Engine, Fatal, Front, Golden, Health, Ledger, Listen, Prefetch, Prestart, Ready, Reports,
+    Rollback, Rotation, Server, Status,
 };
+/// The settings' parts the machine acts on, in the core's vocabulary.
+pub use vllm_warden_core::policy::{Fit, FitArg, GoldenPolicy, IdleAction, Restart};
 
 /// The folder of the instances' configs: `NAME.toml` is instance NAME's,
 /// as the unit `vllm-warden@NAME` reads it.
@@ -555,7 +557,7 @@ fn prestart(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Pr
         }
         Some(globs)
     });
-    let port = k.read("port", profile.default_port(command), |r, v| {
+    let port = k.read("port", command::default_port(profile, command), |r, v| {
         let n = r.integer(v, "port", u16::MAX.into())?;
         if n == 0 {
             r.problem(Some(v.span()), "`port` must be at least 1");

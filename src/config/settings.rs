@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use crate::config::profile::{Patterns, Profile};
 use crate::patch::Patch;
+use vllm_warden_core::policy::{Fit, GoldenPolicy, IdleAction, Restart};
+use vllm_warden_core::profile::{Patterns, Profile};
 
 impl Settings {
     /// The cluster that confirms a Ray node's readiness after its ready
@@ -112,18 +113,6 @@ pub struct Fatal {
     pub grace: Duration,
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct Restart {
-    pub initial_delay: Duration,
-    pub max_delay: Duration,
-    pub factor: f64,
-    pub jitter: f64,
-    pub reset_after: Duration,
-    /// 0 = never give up.
-    pub(crate) max_attempts: u32,
-    pub(crate) permanent_attempts: u32,
-}
-
 /// `[prestart] ray-*`: the cluster a start needs (what it asks and how:
 /// `process::ray`).
 #[derive(Debug, Clone, PartialEq)]
@@ -216,75 +205,6 @@ pub struct Golden {
     pub(crate) interval: Duration,
 }
 
-/// `[fit]`: memory-fit recovery. A start that fails with one of vLLM's
-/// memory-fit errors is started again with the argument moved the way
-/// the error asks, within bounds; a value that reaches ready is pinned
-/// for the setup.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Fit {
-    pub(crate) enabled: bool,
-    /// The arguments it may set.
-    pub(crate) adjust: Vec<FitArg>,
-    /// How far `--gpu-memory-utilization` moves at a time.
-    pub(crate) step: f64,
-    pub(crate) min_utilization: f64,
-    pub(crate) max_utilization: f64,
-    /// The shortest `--max-model-len` it sets.
-    pub(crate) min_model_len: u64,
-    /// `--max-model-len` is rounded down to a multiple of this.
-    pub(crate) model_len_multiple: u64,
-    /// Adjustments in a row, at most.
-    pub(crate) attempts: u32,
-}
-
-impl Default for Fit {
-    /// Off, with the documented bounds.
-    fn default() -> Fit {
-        use crate::config::defaults as d;
-        Fit {
-            enabled: false,
-            adjust: FitArg::ALL.to_vec(),
-            step: d::FIT_STEP,
-            min_utilization: d::FIT_MIN_UTILIZATION,
-            max_utilization: d::FIT_MAX_UTILIZATION,
-            min_model_len: u64::from(d::FIT_MIN_MODEL_LEN),
-            model_len_multiple: u64::from(d::FIT_MODEL_LEN_MULTIPLE),
-            attempts: d::FIT_ATTEMPTS,
-        }
-    }
-}
-
-/// An argument of vLLM's that memory fit may set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum FitArg {
-    MaxModelLen,
-    GpuMemoryUtilization,
-}
-
-impl FitArg {
-    pub(crate) const ALL: [FitArg; 2] = [FitArg::MaxModelLen, FitArg::GpuMemoryUtilization];
-
-    /// As `fit.adjust` and the status document name it.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            FitArg::MaxModelLen => "max-model-len",
-            FitArg::GpuMemoryUtilization => "gpu-memory-utilization",
-        }
-    }
-
-    /// As vLLM's command line spells it.
-    pub(crate) fn flag(self) -> &'static str {
-        match self {
-            FitArg::MaxModelLen => "--max-model-len",
-            FitArg::GpuMemoryUtilization => "--gpu-memory-utilization",
-        }
-    }
-
-    pub(crate) fn of_name(name: &str) -> Option<FitArg> {
-        FitArg::ALL.into_iter().find(|a| a.name() == name)
-    }
-}
-
 /// `[rollback]`: a changed setup that fails permanently is replaced by
 /// the last setup that reached ready.
 #[derive(Debug, Clone, PartialEq)]
@@ -292,15 +212,6 @@ pub(crate) struct Rollback {
     pub(crate) enabled: bool,
     /// How many setups that reached ready are kept.
     pub(crate) keep: u32,
-}
-
-/// What a mismatch does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum GoldenPolicy {
-    /// `READY=1` with a warning.
-    Warn,
-    /// A failed run, class `wrong_answers`; no `READY=1`.
-    Fail,
 }
 
 /// `[reports]`: the failure report written for every failed run.
@@ -402,15 +313,6 @@ impl Front {
     pub(crate) fn sleeps(&self) -> bool {
         self.idle_stop.is_some() && self.idle_action == IdleAction::Sleep
     }
-}
-
-/// What `front.idle-stop` does to an idle engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum IdleAction {
-    /// The engine is stopped (GPUs and `/dev/shm` free, as after any stop).
-    Stop,
-    /// vLLM's own sleep mode (`/sleep?level=N`), woken by `/wake_up`.
-    Sleep,
 }
 
 /// `[front]`: the warden owns the model's address and forwards to the

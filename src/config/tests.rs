@@ -644,10 +644,10 @@ fn a_ray_head_confirms_itself_and_waits_for_nothing() {
     let c = s.prestart.ray.as_ref().unwrap();
     assert_eq!((c.address.as_str(), c.gate), ("127.0.0.3:6391", false));
     assert_eq!(s.prestart.port, Some(6391));
-    assert_eq!(crate::supervisor::prepare_timeout(&s), {
+    assert_eq!(crate::daemon::policy::prepare_timeout(&s), {
         let mut plain = s.clone();
         plain.prestart.ray = None;
-        crate::supervisor::prepare_timeout(&plain)
+        crate::daemon::policy::prepare_timeout(&plain)
     });
     let p = parse_str(&format!("profile = \"ray-head\"\n{cmd}[prestart]\nray-min-nodes = 2\n")).unwrap_err();
     assert!(p.to_string().contains("a `ray-head` starts the cluster and waits for none"), "{p}");
@@ -665,7 +665,7 @@ fn a_server_on_ray_waits_for_the_cluster_it_names() {
     assert_eq!(s.ready_by_ray(), None, "a vLLM server is ready by its HTTP check");
     let mut without = s.clone();
     without.prestart.ray = None;
-    let extra = crate::supervisor::prepare_timeout(&s) - crate::supervisor::prepare_timeout(&without);
+    let extra = crate::daemon::policy::prepare_timeout(&s) - crate::daemon::policy::prepare_timeout(&without);
     assert_eq!(extra, Duration::from_secs(300) + crate::process::ray::STATUS_TIMEOUT);
     // Not the default profile's server without an address.
     assert!(parse_str(&format!("{base}ray-address = \"127.0.0.3:6391\"\n")).unwrap().prestart.ray.is_some());

@@ -621,7 +621,7 @@ impl ports::Launch for RealBackend {
         };
         // The kernel's message names a pid of the whole host: only the
         // leader's, killed by SIGKILL, is the run's for sure.
-        let killed = matches!(exit, crate::supervisor::outcome::Exit::Signal(Signal::SIGKILL));
+        let killed = matches!(exit, crate::supervisor::outcome::Exit::Signal(crate::supervisor::Signal::SIGKILL));
         let mark = self.reports.run.as_ref().and_then(|r| r.kernel.as_ref());
         let lines = self.kernel.follower.as_ref().map(|(_, f)| f.oom_kills(mark)).unwrap_or_default();
         let leader = lines.iter().rev().filter_map(|l| oom::kill(l)).find(|k| killed && k.pid == pid);

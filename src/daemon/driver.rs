@@ -23,9 +23,10 @@ use crate::process::child::TreeEvent;
 use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
 use crate::supervisor::exit::Code;
-use crate::supervisor::{Effect, Event, Machine, Policy, Record, Severity, Topic, Upgrade};
+use crate::supervisor::{Effect, Event, Machine, Record, Severity, Topic, Upgrade};
 use crate::tell::notify::Notifier;
 use crate::tell::status::{LastReload, ReloadOutcome};
+use crate::util::clock::{self, to_tokio};
 
 pub(crate) mod ports;
 
@@ -301,7 +302,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             // While an exit waits for its lines, nothing else may come
             // between them: requests, inputs and deadlines wait too.
             let open = exiting.is_none();
-            let deadline = self.machine.next_deadline();
+            let deadline = self.machine.next_deadline().map(to_tokio);
             let patience = exiting.as_ref().map(|x| x.patience);
             let retry = self.notifier.retry_at();
             let due = self.observer.due().map(Instant::from_std);
@@ -410,6 +411,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     /// While one is in flight, looked at again `idle-stop` from now.
     fn idle_at(&self) -> Option<Instant> {
         let (after, ready_at) = self.machine.idle_watch()?;
+        let ready_at = to_tokio(ready_at);
         let activity = self.activity.as_ref()?;
         let now = Instant::now();
         let since = match activity.quiet_for(now) {
@@ -423,6 +425,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
     /// `idle-stop` or more.
     fn idle_quiet(&self) -> Option<Duration> {
         let (after, ready_at) = self.machine.idle_watch()?;
+        let ready_at = to_tokio(ready_at);
         let now = Instant::now();
         let quiet = self.activity.as_ref()?.quiet_for(now)?.min(now - ready_at);
         (quiet >= after).then_some(quiet)
@@ -451,7 +454,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
 
     /// One event through the machine, and its effects carried out.
     fn step(&mut self, ev: Event, events: &mut VecDeque<Event>, held: &mut Held, handover: &mut Handover) {
-        let mut effects = self.machine.step(ev, Instant::now());
+        let mut effects = self.machine.step(ev, clock::now());
         // The report begun by this event, for its `failed` journal event;
         // the machine has its folder at once, so that one write of the
         // status files says the failure and its report.
@@ -464,7 +467,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             match &report {
                 Some(path) => {
                     let started = Event::ReportStarted { start, path: path.display().to_string() };
-                    effects.extend(self.machine.step(started, Instant::now()));
+                    effects.extend(self.machine.step(started, clock::now()));
                 }
                 // None can be written: nothing to wait for.
                 None => events.push_back(Event::Reported { start }),
@@ -506,7 +509,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::Rollback => {
                     let policy = self.backend.rollback().and_then(|settings| {
                         let c = Classifier::new(&settings.patterns).map_err(|e| e.to_string())?;
-                        let policy = Box::new(Policy::from_settings(&settings));
+                        let policy = Box::new(crate::daemon::policy::policy(&settings));
                         self.observer.reconfigure(&settings);
                         self.backend.reconfigure(settings, c);
                         Ok(policy)
@@ -520,7 +523,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 Effect::Wake { start } => self.backend.wake(start),
                 Effect::Parked => self.backend.parked(),
                 Effect::Health { start } => self.backend.health(start),
-                Effect::Terminate(sig) => self.backend.terminate(sig),
+                Effect::Terminate(sig) => self.backend.terminate(crate::process::signal::os(sig)),
                 Effect::KillTree => self.backend.kill_tree(),
                 Effect::DescribeSurvivors => self.backend.describe_survivors(),
                 Effect::WatchLoad { start } => self.backend.watch_load(start),
@@ -634,7 +637,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
             Input::Reload(result) => match *result {
                 Ok(settings) => match Classifier::new(&settings.patterns) {
                     Ok(c) => {
-                        let policy = Box::new(Policy::from_settings(&settings));
+                        let policy = Box::new(crate::daemon::policy::policy(&settings));
                         self.observer.reconfigure(&settings);
                         let plan = self.backend.reconfigure(settings, c);
                         let outcome = match plan {

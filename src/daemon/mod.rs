@@ -17,6 +17,7 @@ pub mod environment;
 pub mod front;
 pub mod idle;
 mod observer;
+pub mod policy;
 pub mod prefetch;
 pub mod preload;
 pub mod prepare;
@@ -119,7 +120,7 @@ pub async fn run(
         requests: control_tx,
     };
     reload::save_running(&settings);
-    let policy = Policy::from_settings(&settings);
+    let policy = crate::daemon::policy::policy(&settings);
     let cleanup = settings.clone();
     let adopted = handover.adopted.clone();
     let backend = RealBackend::new(settings, classifier, tx, lines_tx, gatherer, token, handover, last_check, outbox);
@@ -215,7 +216,7 @@ fn open_front(
 fn machine(backend: &mut RealBackend, policy: Policy, adopted: Option<upgrade::Handoff>) -> Machine {
     match adopted.map(|state| backend.adopt(&state).map(|()| state)) {
         Some(Ok(state)) => {
-            Machine::adopt(policy, fastrand::u64(..), &state.machine, &state.from, tokio::time::Instant::now())
+            Machine::adopt(policy, fastrand::u64(..), &state.machine, &state.from, crate::util::clock::now())
         }
         Some(Err(e)) => {
             // The child is ours and recorded with its token: the pre-start

@@ -380,7 +380,7 @@ mod tests {
             index: 1,
             of: 3,
             elapsed: Duration::from_secs(elapsed),
-            began: tokio::time::Instant::now(),
+            began: crate::util::clock::now(),
             expected: expected.map(Duration::from_secs),
             last: None,
             fingerprint: String::new(),

@@ -624,7 +624,7 @@ async fn startupz(State(api): State<Api>) -> Response {
         // It has loaded once; it is given back until a request comes.
         Phase::Idle => text(StatusCode::OK, format!("{phase}\n")),
         phase => {
-            let load = load.map(|l| crate::tell::status::LoadDoc::of(&l.as_of(tokio::time::Instant::now())));
+            let load = load.map(|l| crate::tell::status::LoadDoc::of(&l.as_of(crate::util::clock::now())));
             let body = serde_json::json!({ "state": phase.as_str(), "load": load });
             (StatusCode::SERVICE_UNAVAILABLE, [(header::CONTENT_TYPE, "application/json")], format!("{body}\n"))
                 .into_response()

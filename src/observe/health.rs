@@ -534,7 +534,7 @@ pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
             let off = match scrape(&spec.api, h.timeout).await {
                 Scrape::Text(text) => match crate::supervisor::progress::read(&text) {
                     Ok(reading) => {
-                        if let Some(cause) = w.observe(reading, now).cause() {
+                        if let Some(cause) = w.observe(reading, crate::util::clock::ToCore::to_core(now)).cause() {
                             crate::observe::facts::check_failed(crate::observe::facts::Check::Progress);
                             return cause;
                         }

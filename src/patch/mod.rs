@@ -52,6 +52,16 @@ pub struct Patch {
     pub max_size: Option<u64>,
 }
 
+impl Patch {
+    /// What it does, in words: `remove a.b, set c` (for a hint that names
+    /// the file).
+    pub(crate) fn what(&self) -> String {
+        let mut what: Vec<String> = self.remove.iter().map(|r| format!("remove {r}")).collect();
+        what.extend(self.set.iter().map(|(k, _)| format!("set {k}")));
+        what.join(", ")
+    }
+}
+
 /// The patches of one file, in config order.
 #[derive(Debug, Clone)]
 pub(crate) struct FilePatch<'a> {

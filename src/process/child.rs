@@ -400,7 +400,10 @@ mod tests {
     #[test]
     fn exit_reads_well() {
         assert_eq!(Exit::Code(1).to_string(), "exit code 1");
-        assert_eq!(Exit::Signal(Signal::SIGKILL).to_string(), "killed by SIGKILL");
-        assert_eq!(Exit::Signal(Signal::SIGILL).to_string(), "killed by SIGILL: illegal instruction");
+        assert_eq!(Exit::Signal(crate::supervisor::Signal::SIGKILL).to_string(), "killed by SIGKILL");
+        assert_eq!(
+            Exit::Signal(crate::supervisor::Signal::SIGILL).to_string(),
+            "killed by SIGILL: illegal instruction"
+        );
     }
 }

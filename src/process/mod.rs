@@ -13,3 +13,4 @@ pub(crate) mod lock;
 pub(crate) mod preload;
 pub mod prestart;
 pub(crate) mod ray;
+pub mod signal;

@@ -5,6 +5,7 @@
 //!
 //! Uses nothing of the crate; knows nothing of vLLM, the child or systemd.
 
+pub mod clock;
 pub mod errno;
 pub mod escape;
 pub mod fsutil;

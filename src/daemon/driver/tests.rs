@@ -221,7 +221,7 @@ impl ports::Launch for Fake {
         }
         let alive: Vec<u32> = self.alive.lock().unwrap().iter().copied().collect();
         for pid in alive {
-            self.end(pid, Exit::Signal(Signal::SIGKILL));
+            self.end(pid, Exit::Signal(crate::supervisor::Signal::SIGKILL));
         }
         let _ = self.tx.send(Input::Tree(TreeEvent::Empty));
     }
@@ -255,7 +255,7 @@ impl ports::Launch for Fake {
     }
     fn oom_killed(&mut self, _pid: u32, exit: Exit) -> Option<String> {
         // The kernel's OOM killer ends the leader with SIGKILL.
-        let killed = exit == Exit::Signal(Signal::SIGKILL);
+        let killed = exit == Exit::Signal(crate::supervisor::Signal::SIGKILL);
         self.oom.clone().filter(|_| killed)
     }
 }
@@ -432,7 +432,7 @@ fn policy() -> Policy {
         ready_timeout: Duration::from_secs(3600),
         stall: Duration::from_secs(60),
         grace: Duration::from_secs(5),
-        stop_signal: Signal::SIGTERM,
+        stop_signal: crate::supervisor::Signal::SIGTERM,
         stop_timeout: Duration::from_secs(30),
         prepare_timeout: Duration::from_secs(300),
         hints: crate::supervisor::hints::Hints::none(),
@@ -1254,7 +1254,7 @@ async fn a_leader_killed_by_the_oom_killer_fails_with_that_cause() {
     p.restart.max_attempts = 1;
     let oom = "killed by the kernel's OOM killer: pid 101 (python3), anon-rss 60.0 GiB".to_string();
     let q = Quirks { oom: Some(oom.clone()), ..Quirks::default() };
-    let killed = Plan::Exit { lines: vec![READY], gap: S(2), exit: Exit::Signal(Signal::SIGKILL) };
+    let killed = Plan::Exit { lines: vec![READY], gap: S(2), exit: Exit::Signal(crate::supervisor::Signal::SIGKILL) };
     let o = run_with(p, vec![killed], q, None, None).await;
     assert_eq!(o.code, Code::GaveUp);
     let last = statuses(&o).last().map(|(_, s)| s.clone()).unwrap_or_default();

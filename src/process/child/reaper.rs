@@ -17,7 +17,7 @@ pub(super) fn exit_of(pid: i32) -> Option<Exit> {
     let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
     match waitid(Id::Pid(Pid::from_raw(pid)), flags) {
         Ok(WaitStatus::Exited(_, code)) => Some(Exit::Code(code)),
-        Ok(WaitStatus::Signaled(_, sig, _)) => Some(Exit::Signal(sig)),
+        Ok(WaitStatus::Signaled(_, sig, _)) => Some(Exit::Signal(crate::process::signal::core(sig))),
         _ => None,
     }
 }
@@ -56,7 +56,7 @@ pub(super) fn reap_loop(inner: &Mutex<Inner>, me: i32, generation: u64) {
         let seen = waitid(Id::All, WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
         let (pid, exit) = match seen {
             Ok(WaitStatus::Exited(pid, code)) => (pid, Exit::Code(code)),
-            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, Exit::Signal(sig)),
+            Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, Exit::Signal(crate::process::signal::core(sig))),
             Ok(_) | Err(Errno::EINTR) => continue,
             Err(Errno::ECHILD) => {
                 let count = BORN.0.lock().unwrap_or_else(|p| p.into_inner());

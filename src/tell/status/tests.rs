@@ -207,7 +207,7 @@ fn the_document_and_status_show_the_load_and_the_last_load() {
         index: 3,
         of: 7,
         elapsed: Duration::from_secs(130),
-        began: tokio::time::Instant::now(),
+        began: crate::util::clock::now(),
         expected: Some(Duration::from_secs(290)),
         last: Some(Duration::from_secs(282)),
         fingerprint: "abc".into(),
@@ -279,7 +279,7 @@ fn the_metrics_an_alert_needs_follow_the_snapshot() {
         index: 2,
         of: 7,
         elapsed: Duration::from_secs(130),
-        began: tokio::time::Instant::now() - Duration::from_secs(130),
+        began: crate::util::clock::now() - Duration::from_secs(130),
         expected: Some(Duration::from_secs(300)), // the live estimate: not the metric
         last: None,
         fingerprint: "abc".into(),

@@ -41,7 +41,7 @@ pub enum Code {
 }
 
 impl Code {
-    pub(crate) fn as_u8(self) -> u8 {
+    pub fn as_u8(self) -> u8 {
         match self {
             Code::Ok => 0,
             Code::PatchFailed | Code::NoReport => 1,

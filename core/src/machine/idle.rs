@@ -18,17 +18,17 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::Instant;
 
 use super::*;
-use crate::config::IdleAction;
+use crate::policy::IdleAction;
 
 impl Machine {
     /// A ready run with no drain and no fatal line waiting for its grace:
     /// the front door's quiet counts from when it became ready (a load
     /// longer than `idle-stop` does not stop the engine at once). `None`
     /// in any other state, or without `idle-stop`.
-    pub(crate) fn idle_watch(&self) -> Option<(Duration, Instant)> {
+    pub fn idle_watch(&self) -> Option<(Duration, Instant)> {
         let idle = self.policy.idle?;
         match &self.state {
             State::Ready(s) if s.drain.is_none() && s.run.fatal_at.is_none() => Some((idle.after, s.ready_at)),
@@ -38,14 +38,14 @@ impl Machine {
 
     /// The engine is idle (stopped or asleep): a request that comes
     /// starts or wakes it ([`Event::Wanted`]).
-    pub(crate) fn idle_now(&self) -> bool {
+    pub fn idle_now(&self) -> bool {
         matches!(self.state, State::Parked(_) | State::Asleep(Dormant { stage: SleepStage::Asleep { .. }, .. }))
     }
 
     /// How long the engine takes to serve from idle, as far as is known:
     /// a start's estimate from the ledger (the setup's median load, else
     /// this warden's last load), a wake's from the last wake.
-    pub(crate) fn idle_eta(&self) -> Option<Duration> {
+    pub fn idle_eta(&self) -> Option<Duration> {
         match &self.state {
             State::Asleep(_) => self.last_wake,
             _ => self.estimate.or(self.last_load),
@@ -216,7 +216,7 @@ impl Machine {
                 self.fail(State::Ready(d.serving), cause, None, now)
             }
             (SleepStage::Checking { at }, Event::GoldenChecked { verdict, .. }) => {
-                use crate::supervisor::golden::Verdict;
+                use crate::golden::Verdict;
                 let text = verdict.text();
                 self.last_golden = Some(verdict.clone());
                 self.golden_checks += 1;

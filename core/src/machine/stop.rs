@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::Instant;
 
 use super::*;
 
@@ -362,7 +362,7 @@ impl Machine {
     pub(super) fn announce(&mut self, c: &Cause, pid: u32, then: &str, fx: &mut Vec<Effect>) {
         self.cause = Some(c.clone());
         self.last_failure =
-            Some(crate::supervisor::snapshot::LastFailure { cause: c.text.clone(), class: c.class(), report: None });
+            Some(crate::snapshot::LastFailure { cause: c.text.clone(), class: c.class(), report: None });
         let about = RunOf { pid: Some(pid), attempt: self.attempt() };
         fx.push(record_of(Severity::Error, Topic::Failed, format!("run failed: {}", c.shown()), about));
         fx.push(Effect::Notify(vec![status(format!("failed ({}{then}): {}", self.attempts_text(), c.shown()))]));
@@ -717,13 +717,13 @@ impl Machine {
     /// moved, or give up saying why no move fits.
     fn fit_after(
         &mut self,
-        fit: &crate::config::Fit,
-        problem: &crate::supervisor::fit::Problem,
+        fit: &crate::policy::Fit,
+        problem: &crate::fit::Problem,
         cause: &Cause,
         now: Instant,
         mut fx: Vec<Effect>,
     ) -> (State, Vec<Effect>) {
-        use crate::supervisor::fit::{Move, decide};
+        use crate::fit::{Move, decide};
         let refuse = |why: String| format!("failed permanently: {}; memory fit cannot help: {why}", cause.text);
         if self.fit.moves >= fit.attempts {
             let why = format!("{} adjustments in a row did not fit (`fit.attempts`)", self.fit.moves);
@@ -779,8 +779,7 @@ impl Machine {
         fx.push(record(Severity::Warn, Topic::Rollback, said.clone()));
         fx.push(Effect::Notify(vec![status(said)]));
         fx.push(Effect::Rollback);
-        self.rollback.active =
-            Some(crate::supervisor::snapshot::RolledBack { failed, cause: cause.text.clone(), good, good_at });
+        self.rollback.active = Some(crate::snapshot::RolledBack { failed, cause: cause.text.clone(), good, good_at });
         (State::RollingBack { code, text }, fx)
     }
 

@@ -11,15 +11,15 @@ use std::sync::{Arc, Mutex};
 
 use regex::Regex;
 
-use crate::config::profile::{LoadSignal, Patterns};
-use crate::supervisor::load::{CacheOutcome, LoadMark};
+use crate::load::{CacheOutcome, LoadMark};
+use crate::profile::{LoadSignal, Patterns};
 
 /// Longest line kept; the rest of a longer line is dropped.
-pub(crate) const MAX_LINE: usize = 64 * 1024;
+pub const MAX_LINE: usize = 64 * 1024;
 
 /// Processes whose traceback state is kept; the least recently seen half
 /// is forgotten when a new one would pass this.
-pub(crate) const TRACEBACK_PROCESSES: usize = 1024;
+pub const TRACEBACK_PROCESSES: usize = 1024;
 
 /// Cuts a byte stream into clean text lines.
 #[derive(Debug, Default)]
@@ -34,7 +34,7 @@ pub struct Splitter {
 impl Splitter {
     /// Bytes of a line not yet ended, read but not handed on (none while
     /// the rest of an over-long line is being dropped).
-    pub(crate) fn pending(&self) -> u64 {
+    pub fn pending(&self) -> u64 {
         if self.overflow { 0 } else { self.buf.len() as u64 }
     }
 
@@ -45,7 +45,7 @@ impl Splitter {
 
     /// Cut `bytes` into lines and call `f` with each non-blank one; a line
     /// that is whole in `bytes` and needs no cleaning is not copied.
-    pub(crate) fn feed(&mut self, mut bytes: &[u8], mut f: impl FnMut(&str)) {
+    pub fn feed(&mut self, mut bytes: &[u8], mut f: impl FnMut(&str)) {
         while !bytes.is_empty() {
             let end = memchr::memchr2(b'\n', b'\r', bytes);
             let chunk = &bytes[..end.unwrap_or(bytes.len())];
@@ -104,7 +104,7 @@ fn clean<'a>(raw: &'a [u8], scratch: &'a mut String) -> &'a str {
 /// a terminal shows, not a control to drop (Ray's and Python logging's
 /// `TIME\tLEVEL …`). Only lines that hold a control byte or a C1
 /// character come here (see [`clean`]).
-pub(crate) fn strip(raw: &[u8], out: &mut String) {
+pub fn strip(raw: &[u8], out: &mut String) {
     let spaced: Vec<u8>;
     let raw = if memchr::memchr(b'\t', raw).is_some() {
         spaced = raw.iter().map(|&b| if b == b'\t' { b' ' } else { b }).collect();
@@ -139,10 +139,10 @@ pub enum Level {
 
 /// The final exception line of a Python traceback.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Exception {
+pub struct Exception {
     /// Chained tracebacks ("During handling of the above exception …")
     /// share a group; a later line of the same group replaces an earlier.
-    pub(crate) group: u64,
+    pub group: u64,
     pub(crate) text: String,
 }
 
@@ -156,7 +156,7 @@ pub struct Line {
     pub(crate) level: Option<Level>,
     pub class: Class,
     /// Set when this line ends a traceback.
-    pub(crate) exception: Option<Exception>,
+    pub exception: Option<Exception>,
     /// Index of the first permanent pattern the line matches, for fatal
     /// lines and exception lines.
     pub permanent: Option<usize>,
@@ -168,7 +168,7 @@ pub struct Line {
     pub load: Vec<LoadMark>,
     /// One of vLLM's memory-fit errors, on a fatal line or an exception
     /// line.
-    pub(crate) fit: Option<crate::supervisor::fit::Problem>,
+    pub(crate) fit: Option<crate::fit::Problem>,
 }
 
 impl Line {
@@ -296,7 +296,7 @@ fn parse_prefix(text: &str) -> Result<Option<Prefix<'_>>, ()> {
 
 /// The process a line comes from, as vLLM's prefix names it (`""` for a
 /// line without one), and the line's message after the prefix.
-pub(crate) fn process_and_message(text: &str) -> (&str, &str) {
+pub fn process_and_message(text: &str) -> (&str, &str) {
     match parse_prefix(text) {
         Ok(Some(p)) => (p.process, &text[p.end..]),
         _ => ("", text),
@@ -305,10 +305,10 @@ pub(crate) fn process_and_message(text: &str) -> (&str, &str) {
 
 /// The verdict on a line borrowed from the follower's buffer.
 #[derive(Debug)]
-pub(crate) struct LineVerdict {
-    pub(crate) level: Option<Level>,
+pub struct LineVerdict {
+    pub level: Option<Level>,
     /// The line, owned, when it [`matters`](Line::matters).
-    pub(crate) line: Option<Line>,
+    pub line: Option<Line>,
 }
 
 /// Classifies lines with the effective patterns.
@@ -334,7 +334,7 @@ pub struct Classifier {
     /// an ASCII one ([`parse_prefix`] reads every other line).
     prefix: Arc<Regex>,
     shards: Arc<Regex>,
-    /// vLLM's line for a worker process that ended ([`crate::config::profile::WORKER_DIED`]).
+    /// vLLM's line for a worker process that ended ([`crate::profile::WORKER_DIED`]).
     worker_died: Arc<Regex>,
     /// Traceback state per process (vLLM prefixes each line with its
     /// process; raw stderr lines share the key "").
@@ -459,7 +459,7 @@ impl Classifier {
                 Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
                     .expect("static regex"),
             ),
-            worker_died: Arc::new(Regex::new(crate::config::profile::WORKER_DIED).expect("static regex")),
+            worker_died: Arc::new(Regex::new(crate::profile::WORKER_DIED).expect("static regex")),
             tracebacks: Tracebacks::default(),
             next_group: 0,
         })
@@ -484,7 +484,7 @@ impl Classifier {
     }
 
     /// Classify a borrowed line; it is copied only if it matters.
-    pub(crate) fn classify_ref(&mut self, text: &str) -> LineVerdict {
+    pub fn classify_ref(&mut self, text: &str) -> LineVerdict {
         let (prefix, kind, exception, load) = self.judge(text);
         let end = prefix.as_ref().map_or(0, |p| p.end);
         let level = prefix.and_then(|p| p.level);
@@ -594,8 +594,8 @@ impl Classifier {
     /// exit code vLLM prints for it is the signal's number, negated.
     fn named_cause(&self, message: &str) -> Option<String> {
         let c = self.worker_died.captures(message)?;
-        let signal = nix::sys::signal::Signal::try_from(c[1].parse::<i32>().ok()?).ok()?;
-        Some(match crate::supervisor::outcome::crash_words(signal) {
+        let signal = crate::Signal::from_number(c[1].parse::<i32>().ok()?)?;
+        Some(match crate::outcome::crash_words(signal) {
             Some(words) => format!("engine worker died: {words} ({})", signal.as_str()),
             None => format!("engine worker died: killed by {}", signal.as_str()),
         })
@@ -663,8 +663,8 @@ impl Classifier {
 
 /// One of vLLM's memory-fit errors in `message`
 /// (`vllm/v1/core/kv_cache_utils.py`, torch's out-of-memory errors).
-pub(crate) fn fit_problem(message: &str) -> Option<crate::supervisor::fit::Problem> {
-    use crate::supervisor::fit::Problem;
+pub(crate) fn fit_problem(message: &str) -> Option<crate::fit::Problem> {
+    use crate::fit::Problem;
     static KV: std::sync::LazyLock<Regex> = std::sync::LazyLock::new(|| {
         Regex::new(r"max seq len \((\d{1,12})\).*larger than the available KV cache memory").expect("a valid pattern")
     });

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::Instant;
 
 /// Requests being generated now (a gauge).
 pub(crate) const RUNNING: &str = "vllm:num_requests_running";
@@ -21,8 +21,8 @@ pub(crate) const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 
 /// What one scrape says, each metric summed over its label sets.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Reading {
-    pub(crate) running: f64,
+pub struct Reading {
+    pub running: f64,
     pub(crate) waiting: f64,
     /// Generation plus prompt tokens: either moving is progress.
     pub(crate) tokens: f64,
@@ -39,7 +39,7 @@ pub enum Unreadable {
 
 /// Read a scrape of vLLM's `/metrics` (the Prometheus text format, parsed
 /// by `nom-openmetrics`).
-pub(crate) fn read(text: &str) -> Result<Reading, Unreadable> {
+pub fn read(text: &str) -> Result<Reading, Unreadable> {
     let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
         let shown = e.to_string();
         Unreadable::Format(shown.chars().take(200).collect())
@@ -79,7 +79,7 @@ fn through_last_sample(text: &str) -> &str {
 
 /// The requests running or waiting in a scrape, summed over label sets:
 /// what a drain waits to see at zero.
-pub(crate) fn in_flight(text: &str) -> Result<f64, Unreadable> {
+pub fn in_flight(text: &str) -> Result<f64, Unreadable> {
     let (_, families) = nom_openmetrics::parser::prometheus(through_last_sample(text)).map_err(|e| {
         let shown = e.to_string();
         Unreadable::Format(shown.chars().take(200).collect())
@@ -101,7 +101,7 @@ pub(crate) fn in_flight(text: &str) -> Result<f64, Unreadable> {
 
 /// What the series of readings says.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum ProgressVerdict {
+pub enum ProgressVerdict {
     /// Tokens moved, or nothing was asked of the engine.
     Fine,
     /// Requests running or waiting, and no token for `stall` or longer.
@@ -110,7 +110,7 @@ pub(crate) enum ProgressVerdict {
 
 impl ProgressVerdict {
     /// The cause line of a stalled engine.
-    pub(crate) fn cause(&self) -> Option<String> {
+    pub fn cause(&self) -> Option<String> {
         match self {
             ProgressVerdict::Fine => None,
             ProgressVerdict::Stalled { running, waiting, for_ } => Some(format!(
@@ -124,7 +124,7 @@ impl ProgressVerdict {
 /// Judges readings over time: the engine is stalled when it has had work
 /// (running or waiting) for `stall` without a token moving.
 #[derive(Debug, Clone)]
-pub(crate) struct Watch {
+pub struct Watch {
     stall: Duration,
     last: Option<Reading>,
     /// When tokens last moved, or the engine last had nothing to do.
@@ -132,11 +132,11 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    pub(crate) fn new(stall: Duration) -> Watch {
+    pub fn new(stall: Duration) -> Watch {
         Watch { stall, last: None, moved_at: None }
     }
 
-    pub(crate) fn observe(&mut self, r: Reading, now: Instant) -> ProgressVerdict {
+    pub fn observe(&mut self, r: Reading, now: Instant) -> ProgressVerdict {
         let idle = r.running + r.waiting <= 0.0;
         let moved = self.last.is_none_or(|l| r.tokens != l.tokens);
         self.last = Some(r);
@@ -154,7 +154,7 @@ impl Watch {
     }
 
     /// The last reading: are requests in flight?
-    pub(crate) fn busy(&self) -> bool {
+    pub fn busy(&self) -> bool {
         self.last.is_some_and(|r| r.running + r.waiting > 0.0)
     }
 }
@@ -230,7 +230,7 @@ mod tests {
     #[test]
     fn requests_in_flight_on_real_scrapes() {
         let fixture = |name: &str| {
-            std::fs::read_to_string(format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+            std::fs::read_to_string(format!("{}/../tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
         };
         assert_eq!(in_flight(&fixture("vllm-0.32.0-metrics-fresh.txt")), Ok(0.0));
         let served = fixture("vllm-0.32.0-metrics.txt");

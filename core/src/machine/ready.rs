@@ -2,7 +2,7 @@
 //! requests that move it (stop, restart, drain, undrain), and what ends it
 //! (an exit, a fatal line's grace, a failed health check, a GPU fault).
 
-use tokio::time::Instant;
+use crate::Instant;
 
 use super::*;
 

@@ -8,39 +8,39 @@ use serde::{Deserialize, Serialize};
 
 /// The answer to one prompt.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(crate) struct Answer {
-    pub(crate) prompt: String,
+pub struct Answer {
+    pub prompt: String,
     /// The tokens as the server named them (`token_id:N` where vLLM gives
     /// ids), else the text's pieces.
-    pub(crate) tokens: Vec<String>,
+    pub tokens: Vec<String>,
     /// Each token's logprob; none where the server gave none.
     #[serde(default)]
-    pub(crate) logprobs: Vec<Option<f64>>,
-    pub(crate) text: String,
+    pub logprobs: Vec<Option<f64>>,
+    pub text: String,
 }
 
 /// A set of answers: one per prompt, and how long they took.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Answers {
-    pub(crate) answers: Vec<Answer>,
+    pub answers: Vec<Answer>,
     /// The whole check's wall time, in milliseconds.
-    pub(crate) ms: f64,
+    pub ms: f64,
 }
 
 /// Where two sets of answers first part.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Difference {
-    pub(crate) prompt: String,
+pub struct Difference {
+    pub prompt: String,
     /// The first token that differs (its index), or the first logprob
     /// beyond the tolerance.
     pub(crate) at: usize,
-    pub(crate) what: String,
+    pub what: String,
 }
 
 /// Compare `now` with `reference`: `Ok` when every prompt's tokens are the
 /// same and each logprob moved by at most `tolerance` (where both have
 /// one), else the first difference.
-pub(crate) fn compare(reference: &Answers, now: &Answers, tolerance: f64) -> Result<(), Difference> {
+pub fn compare(reference: &Answers, now: &Answers, tolerance: f64) -> Result<(), Difference> {
     for (i, r) in reference.answers.iter().enumerate() {
         let Some(n) = now.answers.iter().find(|a| a.prompt == r.prompt) else {
             return Err(Difference { prompt: r.prompt.clone(), at: 0, what: format!("prompt {} not answered", i + 1) });
@@ -107,7 +107,7 @@ pub enum Verdict {
 
 impl Verdict {
     /// One line for `STATUS=`, the journal and the status document.
-    pub(crate) fn text(&self) -> String {
+    pub fn text(&self) -> String {
         match self {
             Verdict::Same { prompts, ms } => format!("answers as recorded ({prompts} prompt(s), {ms} ms)"),
             Verdict::Recorded { prompts, ms } => {
@@ -123,7 +123,7 @@ impl Verdict {
         }
     }
 
-    pub(crate) fn name(&self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             Verdict::Same { .. } => "same",
             Verdict::Recorded { .. } => "recorded",
@@ -135,13 +135,13 @@ impl Verdict {
         }
     }
 
-    pub(crate) const NAMES: [&'static str; 7] =
+    pub const NAMES: [&'static str; 7] =
         ["same", "recorded", "changed", "failed", "unrecorded", "no_answer", "skipped"];
 }
 
 /// Two sets of answers side by side, token by token, for `golden diff` and
 /// a failure report.
-pub(crate) fn side_by_side(reference: &Answers, now: &Answers, tolerance: f64) -> String {
+pub fn side_by_side(reference: &Answers, now: &Answers, tolerance: f64) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     for r in &reference.answers {

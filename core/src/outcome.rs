@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use nix::sys::signal::Signal;
+use crate::Signal;
 use serde::{Deserialize, Serialize};
 
 /// What the warden is doing, as the status document, the metrics and
@@ -53,9 +53,9 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub(crate) const ALL: &[Phase] = <Phase as strum::VariantArray>::VARIANTS;
+    pub const ALL: &[Phase] = <Phase as strum::VariantArray>::VARIANTS;
 
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         self.into()
     }
 
@@ -117,7 +117,7 @@ pub enum FailureClass {
 }
 
 impl FailureClass {
-    pub(crate) const ALL: &[FailureClass] = <FailureClass as strum::VariantArray>::VARIANTS;
+    pub const ALL: &[FailureClass] = <FailureClass as strum::VariantArray>::VARIANTS;
 
     pub fn as_str(self) -> &'static str {
         self.into()
@@ -154,20 +154,20 @@ impl Permanence {
 /// Why a start could not happen (a pre-start step, or the spawn itself).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StartFailure {
-    pub(crate) cause: String,
+    pub cause: String,
     /// A retry would fail the same way (a missing program, a bad patch).
-    pub(crate) permanent: bool,
+    pub permanent: bool,
     /// This machine cannot run it at all (vLLM refuses the platform): no
     /// retry, whatever `restart.permanent-attempts` says.
     pub(crate) unsupported: bool,
 }
 
 impl StartFailure {
-    pub(crate) fn transient(cause: impl Into<String>) -> StartFailure {
+    pub fn transient(cause: impl Into<String>) -> StartFailure {
         StartFailure { cause: cause.into(), permanent: false, unsupported: false }
     }
 
-    pub(crate) fn permanent(cause: impl Into<String>) -> StartFailure {
+    pub fn permanent(cause: impl Into<String>) -> StartFailure {
         StartFailure { cause: cause.into(), permanent: true, unsupported: false }
     }
 

@@ -13,19 +13,19 @@
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Patterns {
     /// A line matching one of these, then the HTTP check, means ready.
-    pub(crate) ready: Vec<String>,
+    pub ready: Vec<String>,
     /// Lines that show the load is moving (shown in `STATUS=`, restart the
     /// stall deadline).
     pub(crate) progress: Vec<String>,
     /// Lines that mean this run is lost.
-    pub(crate) fatal: Vec<String>,
+    pub fatal: Vec<String>,
     /// Lines that are never fatal, whatever else they match.
     pub(crate) ignore: Vec<String>,
     /// Causes that a retry cannot fix; a line matching one is fatal too.
     pub(crate) permanent: Vec<String>,
     /// What lines tell of a load's phases and its compile cache (the load
     /// ledger); not changed by a config.
-    pub(crate) load: Vec<(LoadSignal, String)>,
+    pub load: Vec<(LoadSignal, String)>,
 }
 
 /// The phases of a model's load, in their order: the process starts (and
@@ -50,7 +50,7 @@ pub enum LoadPhase {
 }
 
 impl LoadPhase {
-    pub(crate) const ALL: [LoadPhase; 9] = [
+    pub const ALL: [LoadPhase; 9] = [
         LoadPhase::Start,
         LoadPhase::Weights,
         LoadPhase::Compile,
@@ -77,7 +77,7 @@ impl LoadPhase {
     }
 
     /// What the phase is, in a few words, for `loads show`.
-    pub(crate) fn words(self) -> &'static str {
+    pub fn words(self) -> &'static str {
         match self {
             LoadPhase::Start => "process start, engine and workers up",
             LoadPhase::Weights => "weights read",
@@ -100,7 +100,7 @@ impl std::fmt::Display for LoadPhase {
 
 /// What a line tells of a load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LoadSignal {
+pub enum LoadSignal {
     /// The phase's work is done (a later line of the same phase, before a
     /// later phase ended, moves its end).
     Ends(LoadPhase),
@@ -131,7 +131,7 @@ pub enum List {
 impl List {
     pub const ALL: [List; 5] = [List::Ready, List::Progress, List::Fatal, List::Ignore, List::Permanent];
 
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             List::Ready => "ready",
             List::Progress => "progress",
@@ -153,7 +153,7 @@ impl Patterns {
         }
     }
 
-    pub(crate) fn list_mut(&mut self, which: List) -> &mut Vec<String> {
+    pub fn list_mut(&mut self, which: List) -> &mut Vec<String> {
         match which {
             List::Ready => &mut self.ready,
             List::Progress => &mut self.progress,
@@ -176,7 +176,7 @@ pub enum Profile {
 }
 
 impl Profile {
-    pub(crate) fn parse(name: &str) -> Option<Profile> {
+    pub fn parse(name: &str) -> Option<Profile> {
         match name {
             "vllm" => Some(Profile::Vllm),
             "ray-head" => Some(Profile::RayHead),
@@ -186,7 +186,7 @@ impl Profile {
         }
     }
 
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Profile::Vllm => "vllm",
             Profile::RayHead => "ray-head",
@@ -196,11 +196,11 @@ impl Profile {
     }
 
     /// The names `profile = "…"` accepts.
-    pub(crate) const NAMES: [&'static str; 4] = ["vllm", "ray-head", "ray-worker", "none"];
+    pub const NAMES: [&'static str; 4] = ["vllm", "ray-head", "ray-worker", "none"];
 
     /// A Ray node, whose readiness is confirmed by the cluster and whose
     /// session folders are cleaned.
-    pub(crate) fn is_ray(self) -> bool {
+    pub fn is_ray(self) -> bool {
         matches!(self, Profile::RayHead | Profile::RayWorker)
     }
 
@@ -212,23 +212,9 @@ impl Profile {
         }
     }
 
-    /// The port checked free before a start when the config gives none:
-    /// `--port` in the command, else the server's default (vLLM's 8000,
-    /// the Ray head's GCS on 6379); a node joining a Ray cluster listens on
-    /// none that is known beforehand.
-    pub(crate) fn default_port(self, command: &[String]) -> Option<u16> {
-        use crate::config::command::{PORT, RAY_PORT, port_of};
-        let given = port_of(command);
-        match self {
-            Profile::Vllm | Profile::None => Some(given.unwrap_or(PORT)),
-            Profile::RayHead => Some(given.unwrap_or(RAY_PORT)),
-            Profile::RayWorker => None,
-        }
-    }
-
     /// Globs in the temporary folders: every vLLM run leaves a
     /// `vllm_dist_*` file (its torch.distributed rendezvous) behind.
-    pub(crate) fn temp_globs(self) -> Vec<String> {
+    pub fn temp_globs(self) -> Vec<String> {
         match self {
             Profile::None | Profile::RayHead | Profile::RayWorker => Vec::new(),
             Profile::Vllm => to_strings(&["vllm_dist_*"]),
@@ -242,7 +228,7 @@ impl Profile {
     /// vLLM's workers run in the Ray nodes' trees: a node's warden cleans
     /// the same files. (Ray's own object store file is unlinked as soon as
     /// it is mapped.)
-    pub(crate) fn shm_globs(self) -> Vec<String> {
+    pub fn shm_globs(self) -> Vec<String> {
         match self {
             Profile::None => Vec::new(),
             Profile::Vllm | Profile::RayHead | Profile::RayWorker => {

@@ -21,7 +21,7 @@
 //! ```
 
 use super::*;
-use crate::supervisor::events::Upgrade;
+use crate::events::Upgrade;
 
 /// An upgrade asked for and its binary checked (to `version`): how far its
 /// hand-over has gone.
@@ -84,7 +84,7 @@ impl Machine {
             Upgrade::Checked(Err(why)) => {
                 let text = format!("upgrade refused: {why}");
                 // Shown by `systemctl status` until the next change of state.
-                let shown = crate::util::escape::one_line(&text, 512);
+                let shown = text.clone();
                 vec![say(Severity::Error, text), Effect::Notify(vec![status(shown)])]
             }
             Upgrade::Checked(Ok(version)) => {

@@ -64,18 +64,18 @@ mod upgrade;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::Instant;
 
-use crate::supervisor::classify::{Class, Line};
-use crate::supervisor::exit::Code;
-use crate::supervisor::load::{LoadOutcome, LoadPhase, LoadRecord, LoadTrack};
-use crate::supervisor::outcome::Exit;
-use crate::supervisor::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
+use crate::classify::{Class, Line};
+use crate::exit::Code;
+use crate::load::{LoadOutcome, LoadPhase, LoadRecord, LoadTrack};
+use crate::outcome::Exit;
+use crate::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
 
 pub use self::state::*;
 use self::stop::{into_run, leader_gone, phase_of};
-use crate::supervisor::events::*;
-use crate::supervisor::policy::*;
+use crate::events::*;
+use crate::policy::*;
 
 /// The supervisor: its state and its counters.
 #[derive(Debug)]
@@ -103,17 +103,17 @@ pub struct Machine {
     /// Failed runs by class.
     failure_counts: BTreeMap<FailureClass, u64>,
     /// The last failed run: its cause and report; kept after ready.
-    last_failure: Option<crate::supervisor::snapshot::LastFailure>,
+    last_failure: Option<crate::snapshot::LastFailure>,
     /// The last load that ended, and how many have.
     last_load_record: Option<std::sync::Arc<LoadRecord>>,
     loads_ended: u32,
     /// The last golden check's verdict, and how many checks there were.
-    last_golden: Option<crate::supervisor::golden::Verdict>,
+    last_golden: Option<crate::golden::Verdict>,
     golden_checks: u32,
     /// Re-checks of a serving model's answers (see `machine/recheck.rs`).
     rechecks: recheck::Rechecks,
     /// Memory fit.
-    fit: crate::supervisor::fit::FitState,
+    fit: crate::fit::FitState,
     /// Last-known-good rollback.
     rollback: Rollback,
     /// Engines stopped, and put to sleep, for want of requests.
@@ -139,7 +139,7 @@ struct Rollback {
     last_good: Option<(String, String)>,
     /// The rollback in force: the failed setup's fingerprint and cause,
     /// and the good one's fingerprint and time.
-    active: Option<crate::supervisor::snapshot::RolledBack>,
+    active: Option<crate::snapshot::RolledBack>,
 }
 
 /// Beyond `golden.timeout`, before the stall deadline of a golden check
@@ -234,7 +234,7 @@ impl Machine {
     /// A machine that takes over the ready run `saved` of a predecessor
     /// (version `from`): its first event, [`Event::Begin`], starts the
     /// health checks and says so, with no new `READY=1`.
-    pub(crate) fn adopt(policy: Policy, seed: u64, saved: &Saved, from: &str, now: Instant) -> Machine {
+    pub fn adopt(policy: Policy, seed: u64, saved: &Saved, from: &str, now: Instant) -> Machine {
         let mut m = Machine::new(policy, seed);
         let back = |d: Duration| now.checked_sub(d).unwrap_or(now);
         let run = Run {
@@ -266,7 +266,7 @@ impl Machine {
     }
 
     /// The current (or last) start number.
-    pub(crate) fn starts(&self) -> u32 {
+    pub fn starts(&self) -> u32 {
         self.starts
     }
 
@@ -281,7 +281,7 @@ impl Machine {
     }
 
     /// The exit code, once the machine is done.
-    pub(crate) fn done(&self) -> Option<Code> {
+    pub fn done(&self) -> Option<Code> {
         match self.state {
             State::Done(code) => Some(code),
             _ => None,
@@ -294,7 +294,7 @@ impl Machine {
 
     /// Why the serving model's answers are being checked again, while they
     /// are (it is out of rotation meanwhile).
-    pub(crate) fn recheck_reason(&self) -> Option<&str> {
+    pub fn recheck_reason(&self) -> Option<&str> {
         match &self.state {
             State::Ready(Serving { recheck: Some(r), .. }) => Some(&r.reason),
             _ => None,
@@ -312,12 +312,12 @@ impl Machine {
     /// A ready run has logged a fatal line and is waiting out its grace to
     /// exit: still "ready", but what is sent to it now fails (vLLM answers
     /// 500 once its engine died), so the front door holds instead.
-    pub(crate) fn failing(&self) -> bool {
+    pub fn failing(&self) -> bool {
         matches!(&self.state, State::Ready(s) if s.run.fatal_at.is_some())
     }
 
     /// The current run's latest progress line, while starting.
-    pub(crate) fn progress(&self) -> Option<&str> {
+    pub fn progress(&self) -> Option<&str> {
         match &self.state {
             State::Starting(l) => l.progress.as_deref(),
             _ => None,
@@ -325,8 +325,8 @@ impl Machine {
     }
 
     /// What the status document and the metrics show.
-    pub(crate) fn snapshot(&self) -> crate::supervisor::snapshot::Snapshot {
-        crate::supervisor::snapshot::Snapshot {
+    pub fn snapshot(&self) -> crate::snapshot::Snapshot {
+        crate::snapshot::Snapshot {
             phase: self.phase(),
             child_pid: self.child_pid(),
             attempt: self.attempt(),
@@ -360,7 +360,7 @@ impl Machine {
     }
 
     /// The attempt number of the current or next start.
-    pub(crate) fn attempt(&self) -> u32 {
+    pub fn attempt(&self) -> u32 {
         self.failures.saturating_add(1)
     }
 
@@ -372,7 +372,7 @@ impl Machine {
     }
 
     /// The pid of the child, while there is one.
-    pub(crate) fn child_pid(&self) -> Option<u32> {
+    pub fn child_pid(&self) -> Option<u32> {
         match &self.state {
             State::Starting(l) => Some(l.run.pid),
             State::Ready(s) | State::Adopted { serving: s, .. } => Some(s.run.pid),
@@ -384,7 +384,7 @@ impl Machine {
     }
 
     /// When the machine wants a `Tick`.
-    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+    pub fn next_deadline(&self) -> Option<Instant> {
         let p = &self.policy;
         match &self.state {
             State::Starting(l) => [
@@ -490,7 +490,7 @@ impl Machine {
     /// The start that failed used pinned values: they are dropped (a pin
     /// is what fitted once; a start it fails is no longer proof of it).
     fn unpin(&mut self, fx: &mut Vec<Effect>) {
-        use crate::supervisor::fit::Source;
+        use crate::fit::Source;
         let pinned: BTreeMap<_, _> = self
             .fit
             .used
@@ -545,7 +545,7 @@ impl Machine {
 
     /// Where the load under way is, for the status document: as of the
     /// last event it saw.
-    pub(crate) fn load_now(&self) -> Option<crate::supervisor::load::LoadNow> {
+    pub fn load_now(&self) -> Option<crate::load::LoadNow> {
         match &self.state {
             State::Starting(l) => Some(l.track.now(l.seen)),
             _ => None,
@@ -984,11 +984,8 @@ impl Machine {
         };
         let mut cause = Cause { text: failure.cause, kind: FailureKind::Spawn, permanence, hint: None };
         cause.hint = self.policy.hints.find(&cause.text);
-        self.last_failure = Some(crate::supervisor::snapshot::LastFailure {
-            cause: cause.text.clone(),
-            class: cause.class(),
-            report: None,
-        });
+        self.last_failure =
+            Some(crate::snapshot::LastFailure { cause: cause.text.clone(), class: cause.class(), report: None });
         // Said before the failure counts: the attempt that failed, not the next.
         let about = RunOf { pid: None, attempt: self.attempt() };
         let fx = vec![record_of(Severity::Error, Topic::Failed, format!("start failed: {}", cause.shown()), about)];
@@ -1038,7 +1035,7 @@ impl Machine {
         {
             // Out of memory counts while the weights load, not after.
             let weights = matches!(loading.track.current(), LoadPhase::Start | LoadPhase::Weights);
-            if *p != crate::supervisor::fit::Problem::OutOfMemory || weights {
+            if *p != crate::fit::Problem::OutOfMemory || weights {
                 self.fit.problem = Some(p.clone());
             }
         }
@@ -1106,15 +1103,15 @@ impl Machine {
     fn golden_checked(
         &mut self,
         mut loading: Loading,
-        verdict: crate::supervisor::golden::Verdict,
+        verdict: crate::golden::Verdict,
         now: Instant,
     ) -> (State, Vec<Effect>) {
-        use crate::supervisor::golden::Verdict;
+        use crate::golden::Verdict;
         loading.track.end(LoadPhase::Golden, now);
         let text = verdict.text();
         self.last_golden = Some(verdict.clone());
         self.golden_checks += 1;
-        let fail = self.policy.golden == Some(crate::config::GoldenPolicy::Fail);
+        let fail = self.policy.golden == Some(crate::policy::GoldenPolicy::Fail);
         match verdict {
             Verdict::Same { .. } | Verdict::Recorded { .. } => {
                 let mut fx = vec![record(Severity::Info, Topic::Golden, text)];
@@ -1170,7 +1167,7 @@ impl Machine {
     }
 
     fn become_ready(&mut self, loading: Loading, now: Instant, warning: Option<String>) -> (State, Vec<Effect>) {
-        use crate::supervisor::fit::{Source, shown as fit_shown};
+        use crate::fit::{Source, shown as fit_shown};
         let Loading { run, track, .. } = loading;
         let took = now - run.spawned_at;
         self.last_load = Some(took);

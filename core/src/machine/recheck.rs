@@ -7,7 +7,7 @@
 //! on a run, which becomes its cause.
 
 use super::*;
-use crate::supervisor::golden::Verdict;
+use crate::golden::Verdict;
 
 /// What the machine keeps of re-checks.
 #[derive(Debug, Default)]
@@ -103,7 +103,7 @@ impl Machine {
         self.rechecks.count += 1;
         self.rechecks.paused += out;
         let after = format!("re-checked after {}", r.reason);
-        let fail = self.policy.golden == Some(crate::config::GoldenPolicy::Fail);
+        let fail = self.policy.golden == Some(crate::policy::GoldenPolicy::Fail);
         let (cause, warn) = match &verdict {
             Verdict::Same { .. } | Verdict::Recorded { .. } | Verdict::Skipped { .. } => (None, false),
             Verdict::Unrecorded { .. } => (None, true),

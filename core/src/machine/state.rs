@@ -2,14 +2,14 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::Instant;
 
-use crate::supervisor::classify::Exception;
-use crate::supervisor::events::{Cause, FailureKind};
+use crate::classify::Exception;
+use crate::events::{Cause, FailureKind};
 
-use crate::supervisor::exit::Code;
-use crate::supervisor::load::{LoadStart, LoadTrack, PrefetchNow};
-use crate::supervisor::outcome::Permanence;
+use crate::exit::Code;
+use crate::load::{LoadStart, LoadTrack, PrefetchNow};
+use crate::outcome::Permanence;
 
 /// What is known of one run of the child, from its spawn on.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,5 +1,5 @@
 use super::*;
-use crate::config::profile::Profile;
+use crate::profile::Profile;
 use proptest::prelude::*;
 
 fn vllm() -> Classifier {
@@ -174,7 +174,7 @@ proptest! {
 /// The fast path and the whole line classify every real line alike.
 #[test]
 fn borrowed_and_owned_classification_agree_on_real_logs() {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
     let mut n = 0;
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
@@ -352,9 +352,9 @@ fn a_worker_killed_by_a_signal_is_named_by_it() {
 /// 0.32: each is read as the problem it is, with the numbers it gives.
 #[test]
 fn the_memory_fit_errors_of_real_logs_are_read_with_their_numbers() {
-    use crate::supervisor::fit::Problem;
+    use crate::fit::Problem;
     let problems = |log: &str| -> Vec<Problem> {
-        let mut c = Classifier::new(&crate::config::profile::Profile::Vllm.patterns()).unwrap();
+        let mut c = Classifier::new(&crate::profile::Profile::Vllm.patterns()).unwrap();
         log.lines().filter_map(|l| c.classify(l.to_string()).fit).collect()
     };
     let kv = problems(include_str!("../../../tests/fixtures/e_kv_cache_estimate.log"));
@@ -367,9 +367,7 @@ fn the_memory_fit_errors_of_real_logs_are_read_with_their_numbers() {
     assert!(!none.is_empty() && none.iter().all(|p| *p == Problem::NoCacheMemory), "{none:?}");
     assert!(problems(include_str!("../../../tests/fixtures/e_max_model_len_too_large.log")).is_empty());
     assert_eq!(
-        crate::supervisor::classify::fit_problem(
-            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
-        ),
+        crate::classify::fit_problem("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
         Some(Problem::OutOfMemory)
     );
 }

@@ -4,11 +4,11 @@
 
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
+use crate::Signal;
 
-use crate::supervisor::classify::Line;
-use crate::supervisor::outcome::{Exit, FailureClass, Permanence, Prepared, StartFailure};
-use crate::supervisor::policy::Policy;
+use crate::classify::Line;
+use crate::outcome::{Exit, FailureClass, Permanence, Prepared, StartFailure};
+use crate::policy::Policy;
 
 /// One message to the service manager.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,7 +22,7 @@ pub enum Note {
 
 /// What kind of thing ended a run, before permanence is considered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FailureKind {
+pub enum FailureKind {
     FatalLine,
     Exit,
     Stall,
@@ -41,7 +41,7 @@ pub(crate) enum FailureKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cause {
     pub text: String,
-    pub(crate) kind: FailureKind,
+    pub kind: FailureKind,
     pub permanence: Permanence,
     /// What to do about it, when the cause is a known one.
     pub hint: Option<String>,
@@ -102,13 +102,13 @@ pub enum Event {
     /// before its `Spawned`.
     LoadKnown {
         start: u32,
-        load: Box<crate::supervisor::load::LoadStart>,
+        load: Box<crate::load::LoadStart>,
     },
     /// The read-ahead of start `start`'s weights (`[prefetch]`), as it
     /// goes: shown in `STATUS=`, kept in the load's record.
     Prefetched {
         start: u32,
-        now: crate::supervisor::load::PrefetchNow,
+        now: crate::load::PrefetchNow,
     },
     Spawned {
         start: u32,
@@ -128,7 +128,7 @@ pub enum Event {
     /// The golden check of start `start` is over.
     GoldenChecked {
         start: u32,
-        verdict: crate::supervisor::golden::Verdict,
+        verdict: crate::golden::Verdict,
     },
     /// `health.failures` consecutive health or canary checks failed.
     HealthFailed {
@@ -284,7 +284,7 @@ impl Event {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Severity {
+pub enum Severity {
     Info,
     Warn,
     Error,
@@ -292,7 +292,7 @@ pub(crate) enum Severity {
 
 /// The `EVENT=` field of a warden event in the journal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Topic {
+pub enum Topic {
     Spawned,
     ReadyLine,
     Ready,
@@ -328,7 +328,7 @@ pub(crate) enum Topic {
 }
 
 impl Topic {
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Topic::Spawned => "spawned",
             Topic::ReadyLine => "ready-line",
@@ -357,7 +357,7 @@ impl Topic {
     }
 
     /// The journal's `MESSAGE_ID` of the events worth a query of their own.
-    pub(crate) fn message_id(self) -> Option<&'static str> {
+    pub fn message_id(self) -> Option<&'static str> {
         match self {
             Topic::LoadAlarm => Some(LOAD_ALARM_MESSAGE_ID),
             Topic::GoldenMismatch => Some(GOLDEN_MISMATCH_MESSAGE_ID),
@@ -384,23 +384,23 @@ pub(crate) const ROLLBACK_MESSAGE_ID: &str = "e41f6b8d2c9a4e7f9b3d5a1c8e6f2d07";
 /// A warden event for the journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
-    pub(crate) severity: Severity,
-    pub(crate) topic: Topic,
-    pub(crate) message: String,
+    pub severity: Severity,
+    pub topic: Topic,
+    pub message: String,
     /// The run the event is about, when that is not simply the machine's
     /// run of the moment: a failure names the attempt that failed and the
     /// pid that ran it, though by the time it is logged the leader may be
     /// gone (a run that exited) or the failure already counted (a start
     /// that failed). `None`: the machine's current child and attempt.
-    pub(crate) about: Option<RunOf>,
+    pub about: Option<RunOf>,
 }
 
 /// A run as the journal names it (`CHILD_PID`, `ATTEMPT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RunOf {
+pub struct RunOf {
     /// The run's child; none for a start that never spawned.
-    pub(crate) pid: Option<u32>,
-    pub(crate) attempt: u32,
+    pub pid: Option<u32>,
+    pub attempt: u32,
 }
 
 /// What to do.
@@ -449,18 +449,18 @@ pub enum Effect {
     Notify(Vec<Note>),
     Log(Record),
     /// A load ended: into the ledger.
-    LoadEnded(Box<crate::supervisor::load::LoadRecord>),
+    LoadEnded(Box<crate::load::LoadRecord>),
     /// Ask the golden prompts of start `start`; `GoldenChecked` follows.
     Golden {
         start: u32,
     },
     /// Memory fit: the next starts set these arguments over the command
     /// line's and over the setup's pinned values (empty: none).
-    Fit(std::collections::BTreeMap<crate::config::FitArg, String>),
+    Fit(std::collections::BTreeMap<crate::policy::FitArg, String>),
     /// A start with fitted values reached ready: pin them for its setup.
-    Pin(std::collections::BTreeMap<crate::config::FitArg, String>),
+    Pin(std::collections::BTreeMap<crate::policy::FitArg, String>),
     /// A start with pinned values failed: drop those pins of its setup.
-    Unpin(std::collections::BTreeMap<crate::config::FitArg, String>),
+    Unpin(std::collections::BTreeMap<crate::policy::FitArg, String>),
     /// The setup of the run just ready is good: keep it as the
     /// last-known-good.
     SetupGood,
@@ -505,43 +505,43 @@ pub enum Effect {
 /// What the failure report of a run is to say, as the machine knows it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReportOrder {
-    pub(crate) start: u32,
-    pub(crate) attempt: u32,
+    pub start: u32,
+    pub attempt: u32,
     /// The run's child (its leader), which may have exited already.
-    pub(crate) pid: u32,
-    pub(crate) cause: String,
-    pub(crate) class: FailureClass,
-    pub(crate) hint: Option<String>,
+    pub pid: u32,
+    pub cause: String,
+    pub class: FailureClass,
+    pub hint: Option<String>,
     /// When the first progress line came, the run became ready, and it
     /// failed, each counted from the spawn.
-    pub(crate) first_progress: Option<Duration>,
-    pub(crate) ready: Option<Duration>,
-    pub(crate) failed: Duration,
+    pub first_progress: Option<Duration>,
+    pub ready: Option<Duration>,
+    pub failed: Duration,
     /// How the leader ended, when it has.
-    pub(crate) exit: Option<Exit>,
+    pub exit: Option<Exit>,
 }
 
 /// A ready run handed to a successor warden (see
-/// [`Machine::save`](crate::supervisor::Machine::save)): the instants as
+/// [`Machine::save`](crate::Machine::save)): the instants as
 /// time elapsed, since the successor's clock is its own.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Saved {
-    pub(crate) start: u32,
-    pub(crate) pid: u32,
-    pub(crate) ready_for: Duration,
-    pub(crate) running_for: Duration,
-    pub(crate) starts: u32,
-    pub(crate) failures: u32,
-    pub(crate) restarts: u32,
-    pub(crate) exits: u32,
-    pub(crate) last_load: Option<Duration>,
-    pub(crate) failure_counts: std::collections::BTreeMap<FailureClass, u64>,
+    pub start: u32,
+    pub pid: u32,
+    pub ready_for: Duration,
+    pub running_for: Duration,
+    pub starts: u32,
+    pub failures: u32,
+    pub restarts: u32,
+    pub exits: u32,
+    pub last_load: Option<Duration>,
+    pub failure_counts: std::collections::BTreeMap<FailureClass, u64>,
     /// Absent from a predecessor that did not know it.
     #[serde(default)]
-    pub(crate) last_failure: Option<crate::supervisor::snapshot::LastFailure>,
+    pub last_failure: Option<crate::snapshot::LastFailure>,
     /// The run was drained and held out of rotation: the successor holds
     /// it so (`/readyz` 503) until `undrain`. Absent from a predecessor
     /// that did not know it.
     #[serde(default)]
-    pub(crate) drained: bool,
+    pub drained: bool,
 }

@@ -40,10 +40,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::Instant;
 use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
 
-pub use crate::config::profile::LoadPhase;
+pub use crate::profile::LoadPhase;
 
 /// What one line told of the load (see `config::profile::LoadSignal`),
 /// with what it captured.
@@ -83,7 +83,7 @@ impl CacheOutcome {
         }
     }
 
-    pub(crate) const NAMES: [&'static str; 4] = ["hit", "load-failure", "miss", "disabled"];
+    pub const NAMES: [&'static str; 4] = ["hit", "load-failure", "miss", "disabled"];
 
     /// How much of the cache was used: a hit, then a load failure (vLLM
     /// compiles again but finds its kernels), then a miss.
@@ -114,7 +114,7 @@ impl CacheOutcome {
         }
     }
 
-    pub(crate) fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         match self {
             CacheOutcome::LoadFailure { reason } => format!("load-failure ({reason})"),
             o => o.name().to_string(),
@@ -160,31 +160,31 @@ pub struct PhaseTime {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct LoadStart {
     /// The setup's fingerprint (see `tell::ledger::Setup`).
-    pub(crate) fingerprint: String,
-    pub(crate) history: Option<History>,
+    pub fingerprint: String,
+    pub history: Option<History>,
     /// The model's weight files, in bytes, when they are local.
-    pub(crate) weights_bytes: Option<u64>,
+    pub weights_bytes: Option<u64>,
     /// The first load since boot or since the weights changed.
-    pub(crate) cold: Option<bool>,
+    pub cold: Option<bool>,
     /// The memory-fit arguments the start used, and where each came from.
-    pub(crate) used: crate::supervisor::fit::Used,
+    pub used: crate::fit::Used,
     /// The last setup that reached ready, when it is not this one: its
     /// fingerprint and when it was recorded.
-    pub(crate) last_good: Option<(String, String)>,
+    pub last_good: Option<(String, String)>,
     /// With `[preload]`: which kind of start this is.
-    pub(crate) preload: Option<crate::supervisor::preload::PreloadStart>,
+    pub preload: Option<crate::preload::PreloadStart>,
     /// The fraction of the weight files' bytes in the page cache at the
     /// spawn (what was there before, and what the read-ahead added).
-    pub(crate) residency: Option<f64>,
+    pub residency: Option<f64>,
     /// The read-ahead (`[prefetch]`) reads the weights beside the load.
-    pub(crate) prefetch: bool,
+    pub prefetch: bool,
     /// vLLM's faster loaders, named where they apply to the command: the
     /// hint of a load whose weights phase ran below half the disk's speed.
-    pub(crate) faster_loaders: Option<String>,
+    pub faster_loaders: Option<String>,
     /// The setup's history of each page-cache class with a load in it:
     /// once the residency at the spawn is counted, the load's own class
     /// replaces `history` (see [`CacheClass`]).
-    pub(crate) classes: Vec<(CacheClass, History)>,
+    pub classes: Vec<(CacheClass, History)>,
 }
 
 /// How a load found its weights in the page cache, which decides how long
@@ -192,7 +192,7 @@ pub struct LoadStart {
 /// machine: a history of loads of one class estimates a load of that class
 /// (a warm load is not estimated from cold ones, nor the other way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, strum::VariantArray)]
-pub(crate) enum CacheClass {
+pub enum CacheClass {
     /// At least half the weights' bytes cached at the spawn.
     Warm,
     /// Less, with the read-ahead reading the rest beside the start.
@@ -239,18 +239,18 @@ impl CacheClass {
 /// from the disk, what it found in the page cache, and how fast the disk
 /// gave it what it read.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
-pub(crate) struct PrefetchRecord {
+pub struct PrefetchRecord {
     /// Read from the disk by the read-ahead.
-    pub(crate) bytes: u64,
+    pub bytes: u64,
     /// Skipped: already in the page cache.
-    pub(crate) resident_bytes: u64,
+    pub resident_bytes: u64,
     /// The time its reads took, first to last.
-    pub(crate) secs: f64,
+    pub secs: f64,
     /// `bytes` ÷ `secs`: the disk's speed for this model on this load.
-    pub(crate) gbps: f64,
+    pub gbps: f64,
     /// Stopped at the memory bound (`prefetch.max-memory-fraction`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub(crate) partial: bool,
+    pub partial: bool,
 }
 
 /// The read-ahead of a start as it goes, from the counters its threads
@@ -260,23 +260,23 @@ pub struct PrefetchNow {
     /// The bytes of the weight files vLLM will read.
     pub total: u64,
     /// Of them, in the page cache when the read-ahead began.
-    pub(crate) cached_at_start: u64,
+    pub cached_at_start: u64,
     /// Read from the disk so far.
     pub read: u64,
     /// Skipped as the reads came to them: already in the page cache.
     pub resident: u64,
     /// The time the reads took so far.
-    pub(crate) secs: f64,
+    pub secs: f64,
     /// Stopped (or will stop) at the memory bound.
-    pub(crate) partial: bool,
+    pub partial: bool,
     /// Over: every file read, the bound reached, or stopped.
-    pub(crate) done: bool,
+    pub done: bool,
     /// The page cache's speed, timed on resident weights.
-    pub(crate) cache_gbps: Option<f64>,
+    pub cache_gbps: Option<f64>,
     /// Threads read (else the residency only is measured).
-    pub(crate) reads: bool,
+    pub reads: bool,
     /// `cached_at_start` is counted (before, it is 0 whatever is cached).
-    pub(crate) measured: bool,
+    pub measured: bool,
 }
 
 /// The read-ahead's reads are a measure of the disk from this many bytes
@@ -286,7 +286,7 @@ pub(crate) const DISK_MEASURE_MIN: u64 = 256 << 20;
 impl PrefetchNow {
     /// The record's part: none before anything was looked at, nor when
     /// nothing was to be read (`prefetch.enabled` off).
-    pub(crate) fn record(&self) -> Option<PrefetchRecord> {
+    pub fn record(&self) -> Option<PrefetchRecord> {
         (self.total > 0 && self.reads).then(|| PrefetchRecord {
             bytes: self.read,
             resident_bytes: self.resident,
@@ -303,7 +303,7 @@ impl PrefetchNow {
 
     /// The fraction of the weights in the page cache now, as far as the
     /// read-ahead knows: what was there, and what it added.
-    pub(crate) fn residency(&self) -> Option<f64> {
+    pub fn residency(&self) -> Option<f64> {
         (self.total > 0 && self.measured)
             .then(|| (self.cached_at_start.saturating_add(self.read) as f64 / self.total as f64).min(1.0))
     }
@@ -350,11 +350,11 @@ pub(crate) fn efficiency(
 /// What earlier good loads of one setup took: the ledger's ready loads of
 /// it that are usable (see [`History::of`]).
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct History {
+pub struct History {
     /// Usable ready loads of the setup in the ledger (the medians are over
     /// the last [`HISTORY_LOADS`] of them).
     pub(crate) loads: usize,
-    pub(crate) median: Duration,
+    pub median: Duration,
     pub(crate) last: Duration,
     /// The phases of the last good load, in order, each with its median
     /// over the loads that had it.
@@ -403,7 +403,7 @@ pub(crate) const SLOW_FLOOR: Duration = Duration::from_secs(1);
 
 /// The fractions of a ready load's real duration at which the ledger keeps
 /// what the estimate said.
-pub(crate) const SNAPSHOTS: [f64; 3] = [0.25, 0.5, 0.75];
+pub const SNAPSHOTS: [f64; 3] = [0.25, 0.5, 0.75];
 
 /// The most pieces of the estimate a load keeps (see the module's doc).
 pub(crate) const PIECES: usize = 64;
@@ -411,20 +411,20 @@ pub(crate) const PIECES: usize = 64;
 /// What the estimate said at a fraction of a load's real duration: one of
 /// a ledger record's `estimates`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub(crate) struct EstimateAt {
+pub struct EstimateAt {
     /// The fraction of the real duration (0.25, 0.5, 0.75).
-    pub(crate) at: f64,
-    pub(crate) elapsed_secs: f64,
+    pub at: f64,
+    pub elapsed_secs: f64,
     /// The total the estimate expected then.
-    pub(crate) expected_secs: f64,
+    pub expected_secs: f64,
     /// `(expected - real) / real`: above 0, the estimate said longer.
-    pub(crate) error: f64,
+    pub error: f64,
 }
 
 /// The estimate between two changes (see the module's doc): at elapsed
 /// `t`, the total is `max(floor, t + later)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Estimate {
+pub struct Estimate {
     /// The elapsed time the current phase began at plus its median and
     /// everything after it.
     pub(crate) floor: Duration,
@@ -454,21 +454,21 @@ pub struct LoadRecord {
     /// Counts up over the ledger's life.
     pub id: u64,
     /// When the child was spawned (RFC 3339).
-    pub(crate) at: String,
-    pub(crate) start: u32,
+    pub at: String,
+    pub start: u32,
     pub outcome: LoadOutcome,
     pub total_secs: f64,
     pub phases: Vec<PhaseTime>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheOutcome>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) weights_bytes: Option<u64>,
+    pub weights_bytes: Option<u64>,
     /// vLLM's own seconds for reading the weights.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) weights_secs: Option<f64>,
+    pub weights_secs: Option<f64>,
     /// Weight bytes over the weights phase (vLLM's seconds where given).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) gbps: Option<f64>,
+    pub gbps: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cold: Option<bool>,
     /// This load's warnings (slower than the median, the cache missed).
@@ -484,28 +484,28 @@ pub struct LoadRecord {
     pub rollback: bool,
     /// What the fingerprint is made of (`tell::ledger::Setup`), as JSON.
     #[serde(default)]
-    pub(crate) setup: serde_json::Value,
+    pub setup: serde_json::Value,
     /// The boot and the weights' identity the load saw: whether the page
     /// cache was cold for the next one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) boot: Option<String>,
+    pub boot: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) weights_id: Option<String>,
+    pub weights_id: Option<String>,
     /// What the estimate said at 25, 50 and 75 % of the load's real
     /// duration (a ready load of a setup with history only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) estimates: Vec<EstimateAt>,
+    pub estimates: Vec<EstimateAt>,
     /// The fraction (0..1) of the weight files' bytes in the page cache
     /// when the child was spawned (replaces `cold`, kept for old records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residency: Option<f64>,
     /// The read-ahead of the weights (`[prefetch]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) prefetch: Option<PrefetchRecord>,
+    pub prefetch: Option<PrefetchRecord>,
     /// The weights phase's speed against the disk's (or the page cache's
     /// for what was cached): see [`efficiency`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) efficiency: Option<f64>,
+    pub efficiency: Option<f64>,
 }
 
 impl LoadRecord {
@@ -514,7 +514,7 @@ impl LoadRecord {
     }
 
     /// What the estimate said at `at` (one of [`SNAPSHOTS`]).
-    pub(crate) fn estimate(&self, at: f64) -> Option<&EstimateAt> {
+    pub fn estimate(&self, at: f64) -> Option<&EstimateAt> {
         self.estimates.iter().find(|e| (e.at - at).abs() < 1e-6)
     }
 
@@ -544,7 +544,7 @@ fn median(mut xs: Vec<Duration>) -> Duration {
 /// missing figure is none, and none is longer than the longest deadline a
 /// config may set.
 fn secs(x: f64) -> Duration {
-    let longest = crate::config::limits::LONGEST;
+    let longest = crate::policy::LONGEST;
     if x.is_nan() || x <= 0.0 {
         Duration::ZERO
     } else {
@@ -577,13 +577,13 @@ impl History {
     /// The history of `fingerprint` in `records` (oldest first): its good
     /// loads that could be loads under a `ready.timeout` of `timeout`
     /// (others are skipped); none without one.
-    pub(crate) fn of(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Option<History> {
+    pub fn of(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Option<History> {
         History::of_loads(records, fingerprint, timeout, |_| true)
     }
 
     /// The histories of `fingerprint` by page-cache class, each from the
     /// loads of its class only; a class without a load has none.
-    pub(crate) fn by_class(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Vec<(CacheClass, History)> {
+    pub fn by_class(records: &[LoadRecord], fingerprint: &str, timeout: Duration) -> Vec<(CacheClass, History)> {
         <CacheClass as strum::VariantArray>::VARIANTS
             .iter()
             .copied()
@@ -961,9 +961,7 @@ impl LoadTrack {
                 .start
                 .used
                 .iter()
-                .filter(|(_, (_, s))| {
-                    matches!(s, crate::supervisor::fit::Source::Pinned | crate::supervisor::fit::Source::Fitted)
-                })
+                .filter(|(_, (_, s))| matches!(s, crate::fit::Source::Pinned | crate::fit::Source::Fitted))
                 .map(|(a, (v, _))| (a.name().to_string(), v.clone()))
                 .collect(),
             rollback: false,
@@ -1076,39 +1074,39 @@ fn slow_weights(r: &LoadRecord, disk: Option<f64>, faster: Option<&str>) -> Opti
 /// Where a load is now.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadNow {
-    pub(crate) phase: LoadPhase,
+    pub phase: LoadPhase,
     /// The phase's place among those expected (1-based), and how many.
-    pub(crate) index: usize,
-    pub(crate) of: usize,
-    pub(crate) elapsed: Duration,
+    pub index: usize,
+    pub of: usize,
+    pub elapsed: Duration,
     /// When the load began (the spawn): its elapsed time taken later is
     /// [`LoadNow::as_of`].
-    pub(crate) began: Instant,
+    pub began: Instant,
     /// The expected total now (see the module's doc), and the setup's last
     /// load; none without history.
-    pub(crate) expected: Option<Duration>,
-    pub(crate) last: Option<Duration>,
+    pub expected: Option<Duration>,
+    pub last: Option<Duration>,
     /// The setup's median load: the fixed yardstick of the metric the
     /// alerts compare the elapsed time with, and of the front door's hold
     /// (a load past it is held, not refused on a guess).
-    pub(crate) median: Option<Duration>,
+    pub median: Option<Duration>,
     /// The estimate in force, for [`LoadNow::as_of`].
-    pub(crate) estimate: Option<Estimate>,
+    pub estimate: Option<Estimate>,
     /// The estimate's expected error from history (a fraction, see
     /// [`History::error`]).
-    pub(crate) error: Option<f64>,
-    pub(crate) fingerprint: String,
+    pub error: Option<f64>,
+    pub fingerprint: String,
     /// With `[preload]`: which kind of start this is.
-    pub(crate) preload: Option<crate::supervisor::preload::StartKind>,
+    pub preload: Option<crate::preload::StartKind>,
     /// The read-ahead of the weights, during the start and weights phases.
-    pub(crate) prefetch: Option<PrefetchNow>,
+    pub prefetch: Option<PrefetchNow>,
 }
 
 impl LoadNow {
     /// The same load with its elapsed time at `now` (a phase that logs
     /// nothing changes nothing else of it): what an answer given later
     /// than the last step shows.
-    pub(crate) fn as_of(&self, now: Instant) -> LoadNow {
+    pub fn as_of(&self, now: Instant) -> LoadNow {
         let elapsed = now.saturating_duration_since(self.began);
         LoadNow { elapsed, expected: self.estimate.map(|e| e.at(elapsed)).or(self.expected), ..self.clone() }
     }
@@ -1116,7 +1114,7 @@ impl LoadNow {
     /// `loading 3/7 compile · 2m10s of ~4m50s ±4% (last 4m42s)` (the
     /// expected error once history has it), or `… · 12s (no earlier load of
     /// this setup)`.
-    pub(crate) fn text(&self) -> String {
+    pub fn text(&self) -> String {
         let head = format!("loading {}/{} {} · {}", self.index, self.of, self.phase, short(self.elapsed));
         let error = match self.error {
             Some(e) if e * 100.0 < 1.0 => " ±<1%".to_string(),

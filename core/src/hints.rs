@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 
 use regex::Regex;
 
-use crate::config::profile::Profile;
-use crate::patch::Patch;
+use crate::profile::Profile;
 
 /// The vLLM profile's hints: a pattern searched in the cause line, and the
 /// hint (`MODEL` is replaced by the model folder from the command).
@@ -126,13 +125,19 @@ impl PartialEq for Hints {
 
 impl Hints {
     /// No hint at all.
-    #[cfg(test)]
-    pub(crate) fn none() -> Hints {
+    pub fn none() -> Hints {
         Hints { table: Vec::new(), not_json: None, patched: Vec::new(), model: None }
     }
 
-    /// `extra`: the config's `(match, text)` pairs, already validated.
-    pub fn new(profile: Profile, extra: &[(String, String)], patches: &[Patch], command: &[String]) -> Hints {
+    /// `extra`: the config's `(match, text)` pairs, already validated;
+    /// `patched`: the files the config patches, each with what its patches
+    /// do in words (`remove a.b, set c`).
+    pub fn new(
+        profile: Profile,
+        extra: &[(String, String)],
+        patched: Vec<(PathBuf, String)>,
+        command: &[String],
+    ) -> Hints {
         let builtin: &[(&str, &str)] = match profile {
             Profile::Vllm => VLLM,
             Profile::RayHead | Profile::RayWorker => RAY,
@@ -145,14 +150,6 @@ impl Hints {
             .filter_map(|(m, t)| Regex::new(m).ok().map(|r| (r, t.to_string())))
             .collect();
         let not_json = (profile == Profile::Vllm).then(|| Regex::new(NOT_JSON)).and_then(Result::ok);
-        let patched = patches
-            .iter()
-            .map(|p| {
-                let mut what: Vec<String> = p.remove.iter().map(|r| format!("remove {r}")).collect();
-                what.extend(p.set.iter().map(|(k, _)| format!("set {k}")));
-                (p.file.clone(), what.join(", "))
-            })
-            .collect();
         Hints { table, not_json, patched, model: model_of(command) }
     }
 
@@ -186,16 +183,17 @@ fn model_of(command: &[String]) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn hints(patches: &[Patch]) -> Hints {
+    fn hints(patched: &[(&str, &str)]) -> Hints {
         let command: Vec<String> = ["vllm", "serve", "/models/kimi", "--port", "8000"].map(String::from).to_vec();
-        Hints::new(Profile::Vllm, &[], patches, &command)
+        let patched = patched.iter().map(|(f, what)| (PathBuf::from(f), what.to_string())).collect();
+        Hints::new(Profile::Vllm, &[], patched, &command)
     }
 
     /// The Ray profiles' hints against lines `ray start --block` wrote.
     #[test]
     fn every_ray_hint_matches_a_real_line() {
         let command: Vec<String> = ["ray", "start", "--address=127.0.0.3:6391", "--block"].map(String::from).to_vec();
-        let h = Hints::new(Profile::RayWorker, &[], &[], &command);
+        let h = Hints::new(Profile::RayWorker, &[], Vec::new(), &command);
         let real = [
             "2026-11-30 17:09:42,138 ERR scripts.py:1304 -- Some Ray subprocesses exited unexpectedly:",
             "[2026-11-30 17:16:18,596 W 17542 17542] rpc_client.h:153: Failed to connect to GCS at address 127.0.0.3:6399 within 5 seconds.",
@@ -205,7 +203,7 @@ mod tests {
             assert_eq!(h.find(line).as_deref(), Some(*text));
         }
         assert_eq!(real.len(), RAY.len(), "a real line for every Ray hint");
-        assert_eq!(Hints::new(Profile::Vllm, &[], &[], &command).find(real[0]), None);
+        assert_eq!(Hints::new(Profile::Vllm, &[], Vec::new(), &command).find(real[0]), None);
     }
 
     /// Every built-in hint against a real line: from `tests/fixtures/`
@@ -259,12 +257,7 @@ mod tests {
     #[test]
     fn a_malformed_json_file_is_named_with_the_patch_that_edits_it() {
         let line = "OSError: It looks like the config file at '/srv/models/d/config.json' is not a valid JSON file.";
-        let patch = Patch {
-            file: "/srv/models/d/config.json".into(),
-            remove: vec!["quantization_config.kv_cache_scheme".into()],
-            set: vec![],
-            max_size: None,
-        };
+        let patch = ("/srv/models/d/config.json", "remove quantization_config.kv_cache_scheme");
         let hint = hints(&[patch]).find(line).unwrap();
         assert!(hint.starts_with("/srv/models/d/config.json is not valid JSON; the warden patches it ([[patch]]: remove quantization_config.kv_cache_scheme)"), "{hint}");
         assert!(hints(&[]).find(line).unwrap().contains("no [[patch]] edits it"));
@@ -274,7 +267,7 @@ mod tests {
     fn config_hints_come_first() {
         let command = vec!["vllm".to_string()];
         let extra = vec![("Address already".to_string(), "ask the on-call".to_string())];
-        let h = Hints::new(Profile::Vllm, &extra, &[], &command);
+        let h = Hints::new(Profile::Vllm, &extra, Vec::new(), &command);
         assert_eq!(h.find("OSError: [Errno 98] Address already in use").as_deref(), Some("ask the on-call"));
     }
 }

@@ -1,9 +1,9 @@
 //! Table tests of the pure state machine: events in, effects and states out.
 
 use super::*;
-use crate::config::profile::Profile;
-use crate::supervisor::classify::Classifier;
-use nix::sys::signal::Signal;
+use crate::Signal;
+use crate::classify::Classifier;
+use crate::profile::Profile;
 
 fn policy() -> Policy {
     Policy {
@@ -17,7 +17,7 @@ fn policy() -> Policy {
         stop_signal: Signal::SIGTERM,
         stop_timeout: Duration::from_secs(90),
         prepare_timeout: Duration::from_secs(300),
-        hints: crate::supervisor::hints::Hints::none(),
+        hints: crate::hints::Hints::none(),
         report: None,
         phases: false,
         slow_factor: 1.5,
@@ -25,7 +25,7 @@ fn policy() -> Policy {
         golden: None,
         golden_timeout: Duration::from_secs(60),
         golden_interval: None,
-        restart: crate::config::Restart {
+        restart: crate::policy::Restart {
             initial_delay: Duration::from_secs(10),
             max_delay: Duration::from_secs(300),
             factor: 2.0,
@@ -42,7 +42,7 @@ fn policy() -> Policy {
 }
 
 /// The test policy with other restart settings.
-fn restart(change: impl FnOnce(&mut crate::config::Restart)) -> Policy {
+fn restart(change: impl FnOnce(&mut crate::policy::Restart)) -> Policy {
     let mut p = policy();
     change(&mut p.restart);
     p
@@ -605,7 +605,7 @@ fn a_failed_run_is_reported_before_its_stop_with_its_timings() {
 /// failure's first word did.
 #[test]
 fn the_stop_after_a_report_keeps_the_hint() {
-    let hints = crate::supervisor::hints::Hints::new(Profile::Vllm, &[], &[], &[]);
+    let hints = crate::hints::Hints::new(Profile::Vllm, &[], Vec::new(), &[]);
     let mut s = Sim::new(Policy { hints, ..reporting() });
     s.ready(100);
     let fx = s.ev(Event::HealthFailed { start: 1, cause: "RuntimeError: Executor failed.".into() });
@@ -624,7 +624,7 @@ fn the_stop_after_a_report_keeps_the_hint() {
 /// report. Every status that names the failure has its hint.
 #[test]
 fn every_status_of_a_failure_has_its_hint() {
-    let hints = crate::supervisor::hints::Hints::new(Profile::RayHead, &[], &[], &[]);
+    let hints = crate::hints::Hints::new(Profile::RayHead, &[], Vec::new(), &[]);
     let mut patterns = Profile::RayHead.patterns();
     patterns.ready.push("Application startup complete".into());
     let mut s = Sim::new(Policy { hints, ..reporting() });
@@ -732,53 +732,53 @@ fn without_reports_a_failure_stops_at_once() {
 }
 
 /// One machine in each state the loop can wait in, reached by real events.
-fn every_waiting_state() -> Vec<(&'static str, Machine)> {
+fn every_waiting_state() -> Vec<(&'static str, Sim)> {
     let mut out = Vec::new();
     let fresh = || Sim::new(policy());
-    out.push(("idle", fresh().m));
+    out.push(("idle", fresh()));
     let mut s = fresh();
     s.ev(Event::Begin);
-    out.push(("launching", s.m));
+    out.push(("launching", s));
     let mut s = fresh();
     s.ev(Event::Begin);
     s.ev(Event::StopRequested);
-    out.push(("launching, stop pending", s.m));
+    out.push(("launching, stop pending", s));
     let mut s = fresh();
     s.ev(Event::Begin);
     s.ev(Event::Reload { policy: Box::new(policy()), summary: "restarting the child: child.env changed".into() });
-    out.push(("launching, relaunch pending", s.m));
+    out.push(("launching, relaunch pending", s));
     let mut s = fresh();
     s.spawned(100);
-    out.push(("starting", s.m));
+    out.push(("starting", s));
     let mut s = fresh();
     s.ready(100);
-    out.push(("ready", s.m));
-    let mut s = fresh();
-    s.ready(100);
-    s.ev(Event::StopRequested);
-    out.push(("stopping, signalled", s.m));
+    out.push(("ready", s));
     let mut s = fresh();
     s.ready(100);
     s.ev(Event::StopRequested);
+    out.push(("stopping, signalled", s));
+    let mut s = fresh();
+    s.ready(100);
     s.ev(Event::StopRequested);
-    out.push(("stopping, killed", s.m));
+    s.ev(Event::StopRequested);
+    out.push(("stopping, killed", s));
     let mut s = fresh();
     s.ready(100);
     s.ev(Event::StopRequested);
     s.ev(Event::StopRequested);
     s.at(20.0).tick();
     assert!(matches!(s.m.state(), State::Stopping(Stop { escalation: Escalation::Abandoning { .. }, .. })));
-    out.push(("stopping, abandoning", s.m));
+    out.push(("stopping, abandoning", s));
     let mut s = fresh();
     s.spawned(100);
     s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
     s.ev(Event::TreeGone);
-    out.push(("backoff", s.m));
+    out.push(("backoff", s));
     let mut s = Sim::new(reporting());
     s.ready(100);
     s.ev(Event::HealthFailed { start: 1, cause: "engine stalled: 1 running, 0 waiting, no token for 2m".into() });
     assert!(matches!(s.m.state(), State::Reporting(_)));
-    out.push(("reporting", s.m));
+    out.push(("reporting", s));
     out
 }
 
@@ -797,8 +797,8 @@ fn waits_on_a_sure_event(m: &Machine) -> Option<&'static str> {
 
 #[test]
 fn every_state_has_a_way_out() {
-    for (name, m) in every_waiting_state() {
-        assert!(m.next_deadline().is_some() || waits_on_a_sure_event(&m).is_some(), "{name}: no way out");
+    for (name, s) in every_waiting_state() {
+        assert!(s.m.next_deadline().is_some() || waits_on_a_sure_event(&s.m).is_some(), "{name}: no way out");
     }
 }
 
@@ -878,7 +878,7 @@ fn an_upgrade_hands_a_held_drain_over_and_waits_for_one_under_way() {
     let saved = s.m.save(s.now).expect("held drained: handed over");
     assert!(saved.drained);
     let mut next = Machine::adopt(policy(), 1, &saved, "0.1.0", s.now);
-    assert_eq!(next.phase(), crate::supervisor::outcome::Phase::Drained);
+    assert_eq!(next.phase(), crate::outcome::Phase::Drained);
     let fx = next.step(Event::Begin, s.now);
     assert!(statuses(&fx).iter().any(|t| t.ends_with("; drained: pid 100, out of rotation")), "{fx:?}");
     // A restart asked while drained stops the child: nothing to hand over.
@@ -896,7 +896,7 @@ fn an_upgrade_hands_a_held_drain_over_and_waits_for_one_under_way() {
 /// from the setup's history.
 mod loads {
     use super::*;
-    use crate::supervisor::load::{CacheOutcome, History, LoadOutcome, LoadPhase, LoadRecord, LoadStart, PhaseTime};
+    use crate::load::{CacheOutcome, History, LoadOutcome, LoadPhase, LoadRecord, LoadStart, PhaseTime};
 
     fn phased() -> Policy {
         Policy { phases: true, ..policy() }
@@ -1078,8 +1078,8 @@ mod loads {
 /// The golden check between the HTTP check and `READY=1`.
 mod golden {
     use super::*;
-    use crate::config::GoldenPolicy;
-    use crate::supervisor::golden::Verdict;
+    use crate::golden::Verdict;
+    use crate::policy::GoldenPolicy;
 
     fn checked(on: GoldenPolicy, verdict: Verdict) -> (Sim, Vec<Effect>) {
         let mut s = Sim::new(Policy { golden: Some(on), ..policy() });
@@ -1176,8 +1176,8 @@ mod golden {
 /// checked; a serving model's answers are proven again out of rotation.
 mod recheck {
     use super::*;
-    use crate::config::GoldenPolicy;
-    use crate::supervisor::golden::Verdict;
+    use crate::golden::Verdict;
+    use crate::policy::GoldenPolicy;
 
     fn same() -> Verdict {
         Verdict::Same { prompts: 1, ms: 40 }
@@ -1399,9 +1399,9 @@ mod recheck {
 /// ready is pinned; a reload drops what was fitted.
 mod fit {
     use super::*;
-    use crate::config::{Fit, FitArg};
-    use crate::supervisor::fit::Source;
-    use crate::supervisor::load::LoadStart;
+    use crate::fit::Source;
+    use crate::load::LoadStart;
+    use crate::policy::{Fit, FitArg};
 
     const KV: &str = "(EngineCore pid=7) ERROR 12-02 12:26:28 [core.py:1510] ValueError: To serve at least one request with the model's max seq len (1500000), (1.43 GiB KV cache is needed, which is larger than the available KV cache memory (1.0 GiB). Based on the available memory, the estimated maximum model length is 1048448. Try increasing `gpu_memory_utilization`";
     const NO_CACHE: &str = "(EngineCore pid=7) ERROR 11-29 18:21:33 [core.py:1510] ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`";
@@ -1443,7 +1443,7 @@ mod fit {
             fit.message,
             "memory fit 1/2: the KV cache cannot hold one request of 1500000 tokens (vLLM estimates 1048448 fit); restarting with --max-model-len 1047552 (was 1500000: vLLM estimates 1048448 tokens fit, rounded down to a multiple of 1024)"
         );
-        assert_eq!(Topic::Fit.message_id(), Some(crate::supervisor::events::FIT_MESSAGE_ID));
+        assert_eq!(Topic::Fit.message_id(), Some(crate::events::FIT_MESSAGE_ID));
         // The backend sets it; the start reports it as fitted.
         let used = BTreeMap::from([(FitArg::MaxModelLen, ("1047552".to_string(), Source::Fitted))]);
         let load = LoadStart { fingerprint: "00000000000000aa".into(), used, ..Default::default() };
@@ -1537,7 +1537,7 @@ mod fit {
 /// replaced by the last good one, once, and said everywhere.
 mod rollback {
     use super::*;
-    use crate::supervisor::load::LoadStart;
+    use crate::load::LoadStart;
 
     const BAD: &str = "(APIServer pid=7) ERROR 12-02 12:00:00 [x.py:1] ValueError: Failed to find a kernel that can implement the NVFP4 linear layer.";
 
@@ -1740,14 +1740,14 @@ fn a_failure_event_names_the_pid_and_attempt_that_failed() {
 }
 
 /// The test policy with an idle engine stopped (or put to sleep) after 30 minutes.
-fn idle(action: crate::config::IdleAction) -> Policy {
-    let idle = crate::supervisor::policy::IdlePolicy { after: Duration::from_secs(1800), action, level: 1 };
+fn idle(action: crate::policy::IdleAction) -> Policy {
+    let idle = crate::policy::IdlePolicy { after: Duration::from_secs(1800), action, level: 1 };
     Policy { idle: Some(idle), ..policy() }
 }
 
 #[test]
 fn an_idle_engine_is_stopped_through_the_normal_stop_and_started_by_the_next_request() {
-    let mut s = Sim::new(idle(crate::config::IdleAction::Stop));
+    let mut s = Sim::new(idle(crate::policy::IdleAction::Stop));
     s.at(0.0).ready(100);
     let fx = s.at(1900.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
     assert_eq!(s.state(), "stopping");
@@ -1788,7 +1788,7 @@ fn idle_asks_nothing_of_a_draining_or_unconfigured_engine_and_a_parked_one_stops
     s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
     assert_eq!(s.state(), "ready", "without idle-stop nothing happens");
 
-    let mut s = Sim::new(idle(crate::config::IdleAction::Stop));
+    let mut s = Sim::new(idle(crate::policy::IdleAction::Stop));
     s.ready(100);
     assert!(s.m.idle_watch().is_some());
     s.ev(Event::DrainRequested);
@@ -1796,7 +1796,7 @@ fn idle_asks_nothing_of_a_draining_or_unconfigured_engine_and_a_parked_one_stops
     s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
     assert_eq!(s.state(), "draining", "a drain is the operator's: idle waits for it");
 
-    let mut s = Sim::new(idle(crate::config::IdleAction::Stop));
+    let mut s = Sim::new(idle(crate::policy::IdleAction::Stop));
     s.ready(100);
     s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
     s.ev(Event::TreeGone);
@@ -1807,8 +1807,8 @@ fn idle_asks_nothing_of_a_draining_or_unconfigured_engine_and_a_parked_one_stops
 
 #[test]
 fn a_sleeping_engine_is_woken_by_a_request_and_serves_after_its_golden_answers() {
-    use crate::supervisor::golden::Verdict;
-    let p = Policy { golden: Some(crate::config::GoldenPolicy::Warn), ..idle(crate::config::IdleAction::Sleep) };
+    use crate::golden::Verdict;
+    let p = Policy { golden: Some(crate::policy::GoldenPolicy::Warn), ..idle(crate::policy::IdleAction::Sleep) };
     let mut s = Sim::new(p);
     s.spawned(100);
     s.line("INFO:     Application startup complete.");
@@ -1843,9 +1843,9 @@ fn a_sleeping_engine_is_woken_by_a_request_and_serves_after_its_golden_answers()
 
 #[test]
 fn a_wake_that_fails_or_answers_wrongly_restarts_the_engine() {
-    use crate::supervisor::golden::Verdict;
+    use crate::golden::Verdict;
     let asleep = |golden| {
-        let mut s = Sim::new(Policy { golden, ..idle(crate::config::IdleAction::Sleep) });
+        let mut s = Sim::new(Policy { golden, ..idle(crate::policy::IdleAction::Sleep) });
         s.spawned(100);
         s.line("INFO:     Application startup complete.");
         s.ev(Event::HttpReady { start: 1 });
@@ -1867,7 +1867,7 @@ fn a_wake_that_fails_or_answers_wrongly_restarts_the_engine() {
 
     // Other answers than before the sleep: a restart, even where a load's
     // mismatch would only warn.
-    let mut s = asleep(Some(crate::config::GoldenPolicy::Warn));
+    let mut s = asleep(Some(crate::policy::GoldenPolicy::Warn));
     s.ev(Event::Woke { start: 1, result: Ok(()) });
     let changed = Verdict::Changed { text: "prompt 1: token 3 differs".into(), ms: 5 };
     s.ev(Event::GoldenChecked { start: 1, verdict: changed });
@@ -1877,7 +1877,7 @@ fn a_wake_that_fails_or_answers_wrongly_restarts_the_engine() {
 
 #[test]
 fn a_sleep_that_is_not_confirmed_stops_the_engine_and_a_sleeper_that_exits_has_failed() {
-    let mut s = Sim::new(idle(crate::config::IdleAction::Sleep));
+    let mut s = Sim::new(idle(crate::policy::IdleAction::Sleep));
     s.ready(100);
     s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
     let fx = s.ev(Event::Slept { start: 1, result: Err("/sleep: HTTP 404".into()) });
@@ -1885,7 +1885,7 @@ fn a_sleep_that_is_not_confirmed_stops_the_engine_and_a_sleeper_that_exits_has_f
     s.ev(Event::TreeGone);
     assert_eq!((s.state(), s.m.snapshot().idle_stops), ("idle", 1), "stopped instead, GPUs given back");
 
-    let mut s = Sim::new(idle(crate::config::IdleAction::Sleep));
+    let mut s = Sim::new(idle(crate::policy::IdleAction::Sleep));
     s.ready(100);
     s.ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
     s.ev(Event::Slept { start: 1, result: Ok(()) });
@@ -1899,7 +1899,7 @@ fn a_sleep_that_is_not_confirmed_stops_the_engine_and_a_sleeper_that_exits_has_f
 /// the lines followed again when it does not happen.
 mod upgrade {
     use super::*;
-    use crate::supervisor::events::Upgrade;
+    use crate::events::Upgrade;
 
     const DIED: &str = "(APIServer pid=7) ERROR 11-29 18:16:28 [core_client.py:564] Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.";
 
@@ -2065,11 +2065,11 @@ mod upgrade {
 /// it, and `STATUS=` still says the engine is idle.
 #[test]
 fn a_reload_of_the_wardens_settings_while_idle_is_taken() {
-    for action in [crate::config::IdleAction::Stop, crate::config::IdleAction::Sleep] {
+    for action in [crate::policy::IdleAction::Stop, crate::policy::IdleAction::Sleep] {
         let mut s = Sim::new(idle(action));
         s.at(0.0).ready(100);
         s.at(1900.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
-        if action == crate::config::IdleAction::Stop {
+        if action == crate::policy::IdleAction::Stop {
             s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
             s.ev(Event::TreeGone);
         } else {

@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::config::{Fit, FitArg};
+use crate::policy::{Fit, FitArg};
 
 /// vLLM's `--gpu-memory-utilization` when its command sets none.
-pub(crate) const VLLM_UTILIZATION: &str = "0.9";
+pub const VLLM_UTILIZATION: &str = "0.9";
 
 /// One of vLLM's memory-fit errors.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,7 +48,7 @@ impl Problem {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::IntoStaticStr)]
 #[serde(rename_all = "kebab-case")]
 #[strum(serialize_all = "kebab-case")]
-pub(crate) enum Source {
+pub enum Source {
     /// The command line as configured.
     Config,
     /// Not on the command line: vLLM's default.
@@ -61,13 +61,13 @@ pub(crate) enum Source {
 }
 
 impl Source {
-    pub(crate) fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         self.into()
     }
 }
 
 /// The value of each fit argument a start used, and where it came from.
-pub(crate) type Used = BTreeMap<FitArg, (String, Source)>;
+pub type Used = BTreeMap<FitArg, (String, Source)>;
 
 /// The arguments of `used` set by memory fit (pinned or fitted), as
 /// `--flag value` words: what `STATUS=` and the journal show.
@@ -112,7 +112,7 @@ pub(crate) enum Move {
 /// command's own length (memory fit only shortens it), a
 /// `--gpu-memory-utilization` within `fit.min-utilization` and
 /// `fit.max-utilization` (memory fit moves it both ways between them).
-pub(crate) fn check_pin(arg: FitArg, value: &str, own: Option<&str>, fit: &Fit) -> Result<(), String> {
+pub fn check_pin(arg: FitArg, value: &str, own: Option<&str>, fit: &Fit) -> Result<(), String> {
     if !fit.enabled {
         return Err("`fit.enabled` is off".into());
     }

@@ -15,7 +15,7 @@
 
 use std::fmt;
 
-use crate::supervisor::outcome::{Exit, StartFailure};
+use crate::outcome::{Exit, StartFailure};
 
 /// The exception vLLM raises where CUDA IPC is not to be had.
 pub(crate) const UNSUPPORTED_PLATFORM: &str = "UnsupportedPlatformForIPCError";
@@ -25,7 +25,7 @@ pub(crate) const UNSUPPORTED_QUANT: &str = "UnsupportedQuantForIPCError";
 
 /// What one of the daemon's lines says.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum DaemonLine {
+pub enum DaemonLine {
     /// Every rank holds its weights and serves them.
     Ready,
     /// Loading goes on: shown in `STATUS=`.
@@ -57,7 +57,7 @@ fn exception(line: &str) -> Option<String> {
     well_formed.then(|| format!("{short}: {}", text.trim()))
 }
 
-pub(crate) fn classify(line: &str) -> DaemonLine {
+pub fn classify(line: &str) -> DaemonLine {
     let line = line.trim_end();
     if line.contains("Weight cache daemon READY") {
         return DaemonLine::Ready;
@@ -80,7 +80,7 @@ pub(crate) fn classify(line: &str) -> DaemonLine {
 
 /// What a start finds of the daemon.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Found {
+pub enum Found {
     /// None runs (the first start, or it ended).
     None,
     /// One runs, with this command, ready or not.
@@ -89,7 +89,7 @@ pub(crate) enum Found {
 
 /// What a start does with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Plan {
+pub enum Plan {
     /// Keep it: the engine maps its weights.
     Keep,
     /// Start one.
@@ -98,7 +98,7 @@ pub(crate) enum Plan {
     Replace,
 }
 
-pub(crate) fn plan(found: &Found, wanted: &[String]) -> Plan {
+pub fn plan(found: &Found, wanted: &[String]) -> Plan {
     match found {
         Found::None => Plan::Start,
         Found::Running { command, ready: true } if command == wanted => Plan::Keep,
@@ -109,7 +109,7 @@ pub(crate) fn plan(found: &Found, wanted: &[String]) -> Plan {
 /// How the daemon ended before it was ready: a failed start. vLLM's own
 /// refusal of this machine is final (no retry can change the platform);
 /// anything else may pass.
-pub(crate) fn failed_before_ready(exit: Option<Exit>, last_error: Option<&DaemonLine>) -> StartFailure {
+pub fn failed_before_ready(exit: Option<Exit>, last_error: Option<&DaemonLine>) -> StartFailure {
     let ended = match exit {
         Some(e) => format!("the weight-cache daemon ended before it was ready ({e})"),
         None => "the weight-cache daemon ended before it was ready".to_string(),
@@ -122,7 +122,7 @@ pub(crate) fn failed_before_ready(exit: Option<Exit>, last_error: Option<&Daemon
 }
 
 /// The daemon ended while the engine started or served: that run fails.
-pub(crate) fn lost(pid: u32, exit: Option<Exit>, last_error: Option<&str>) -> String {
+pub fn lost(pid: u32, exit: Option<Exit>, last_error: Option<&str>) -> String {
     let how = exit.map(|e| format!(" ({e})")).unwrap_or_default();
     match last_error {
         Some(e) => format!("the weight-cache daemon (pid {pid}) ended{how}: {e}"),
@@ -133,7 +133,7 @@ pub(crate) fn lost(pid: u32, exit: Option<Exit>, last_error: Option<&str>) -> St
 /// Which kind of start: shown in `STATUS=` and kept in the load ledger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub(crate) enum StartKind {
+pub enum StartKind {
     /// The engine loads the weights itself (no daemon, or one just
     /// started: its load is this start's).
     Full,
@@ -163,12 +163,12 @@ impl StartKind {
 /// What the load ledger keeps of a start with `[preload]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PreloadStart {
-    pub(crate) kind: StartKind,
+    pub kind: StartKind,
     /// A full start: the daemon's own load of the weights, before the
     /// engine's spawn (the engine's load is the record's `total_secs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) daemon_ms: Option<u64>,
-    pub(crate) daemon_pid: u32,
+    pub daemon_ms: Option<u64>,
+    pub daemon_pid: u32,
 }
 
 impl fmt::Display for PreloadStart {
@@ -186,20 +186,20 @@ impl fmt::Display for PreloadStart {
 /// What the status document shows of the daemon.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DaemonView {
-    pub(crate) pid: u32,
+    pub pid: u32,
     /// `starting`, `ready` or `stopping`.
-    pub(crate) state: String,
+    pub state: String,
     /// What its last progress line said (ranks loaded, GiB allocated).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) progress: Option<String>,
+    pub progress: Option<String>,
     /// GPU memory its processes hold, as `prestart.gpu-query` lists it,
     /// when that could be asked (measured once it is ready).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) gpu_memory_mib: Option<u64>,
+    pub gpu_memory_mib: Option<u64>,
 }
 
 /// A reload: whether the daemon starts again.
-pub(crate) fn daemon_restarts(old: &[String], new: &[String], enabled_before: bool, enabled_now: bool) -> bool {
+pub fn daemon_restarts(old: &[String], new: &[String], enabled_before: bool, enabled_now: bool) -> bool {
     enabled_before != enabled_now || (enabled_now && old != new)
 }
 
