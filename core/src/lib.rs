@@ -13,6 +13,7 @@
 //! carries the effects out.
 
 pub mod classify;
+pub mod control;
 pub mod events;
 pub mod exit;
 pub mod fit;

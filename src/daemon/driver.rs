@@ -22,6 +22,7 @@ use crate::observe::logwatch::Delivery;
 use crate::process::child::TreeEvent;
 use crate::supervisor::Note;
 use crate::supervisor::classify::Classifier;
+use crate::supervisor::control::Control;
 use crate::supervisor::exit::Code;
 use crate::supervisor::{Effect, Event, Machine, Record, Severity, Topic, Upgrade};
 use crate::tell::notify::Notifier;
@@ -41,12 +42,9 @@ pub enum Request {
     /// SIGUSR2: replace the warden by the binary at its path, keeping the
     /// ready child (see [`crate::daemon::upgrade`]).
     Upgrade,
-    /// `POST /drain`: out of rotation, and held there.
-    Drain,
-    /// `POST /undrain`: back into rotation.
-    Undrain,
-    /// `POST /restart`: drain, then start the child again.
-    Restart,
+    /// `POST /drain`, `/undrain`, `/restart` (which phases take them:
+    /// [`Control`]).
+    Control(Control),
 }
 
 /// When the loop last turned, for `/livez`: the loop beats at every turn
@@ -313,9 +311,7 @@ impl<B: Backend, N: Notifier> Loop<'_, B, N> {
                 request = stamped(&woke_at, requests.next()), if requests_open && open => { match request {
                     Some(Request::Stop) => events.push_back(Event::StopRequested),
                     Some(Request::Reload) => self.backend.read_config(),
-                    Some(Request::Drain) => events.push_back(Event::DrainRequested),
-                    Some(Request::Undrain) => events.push_back(Event::UndrainRequested),
-                    Some(Request::Restart) => events.push_back(Event::RestartRequested),
+                    Some(Request::Control(c)) => events.push_back(c.event()),
                     Some(Request::Upgrade) => events.push_back(Event::Upgrade(Upgrade::Requested)),
                     None => {
                         requests_open = false;

@@ -40,6 +40,7 @@ use axum::routing::{get, post};
 use tokio::sync::{mpsc, watch};
 
 use crate::daemon::driver::{Heartbeat, Request};
+use crate::supervisor::control::Control;
 use crate::supervisor::outcome::Phase;
 use crate::tell::metrics::Metrics;
 
@@ -565,9 +566,9 @@ fn router(api: Api) -> Router {
         .route("/startupz", get(startupz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
-        .route("/drain", post(|s, h| change(s, h, Request::Drain)))
-        .route("/undrain", post(|s, h| change(s, h, Request::Undrain)))
-        .route("/restart", post(|s, h| change(s, h, Request::Restart)))
+        .route("/drain", post(|s, h| change(s, h, Control::Drain)))
+        .route("/undrain", post(|s, h| change(s, h, Control::Undrain)))
+        .route("/restart", post(|s, h| change(s, h, Control::Restart)))
         .route("/reload", post(reload))
         .with_state(api)
 }
@@ -663,28 +664,6 @@ async fn metrics(State(api): State<Api>) -> Response {
 
 /// The phases in which a request applies, and the phases that show the
 /// loop took it.
-fn applies(r: Request, phase: Phase) -> bool {
-    use Phase::*;
-    match r {
-        Request::Drain => matches!(phase, Ready | Rechecking | Draining | Drained),
-        Request::Undrain => matches!(phase, Ready | Rechecking | Draining | Drained),
-        Request::Restart => matches!(phase, Starting | Ready | Rechecking | Draining | Drained | Backoff),
-        Request::Stop | Request::Reload | Request::Upgrade => false,
-    }
-}
-
-fn taken(r: Request, before: Phase, now: Phase) -> bool {
-    use Phase::*;
-    match r {
-        Request::Drain => matches!(now, Draining | Drained),
-        Request::Undrain => !matches!(now, Draining | Drained),
-        // A restart from a serving child drains it first; one asked while
-        // draining changes only what the drain ends in.
-        Request::Restart => now != before || matches!(before, Starting | Draining),
-        Request::Stop | Request::Reload | Request::Upgrade => true,
-    }
-}
-
 fn allowed(access: &Access, headers: &HeaderMap) -> bool {
     match access {
         Access::Local => true,
@@ -715,26 +694,27 @@ fn forbidden(access: &Access, headers: &HeaderMap) -> Option<Response> {
     Some(text(StatusCode::FORBIDDEN, why.into()))
 }
 
-async fn change(State(api): State<Api>, headers: HeaderMap, r: Request) -> Response {
+/// A change, answered by the core's rule for it ([`Control`]): 409 in a
+/// phase it does not apply to, 200 when it is so already, else 202 once
+/// the loop shows it taken.
+async fn change(State(api): State<Api>, headers: HeaderMap, c: Control) -> Response {
     if let Some(refused) = forbidden(&api.access, &headers) {
         return refused;
     }
     let mut view = api.shared.view.clone();
     let before = view.borrow_and_update().phase;
-    if !applies(r, before) {
-        return text(StatusCode::CONFLICT, format!("{before}: nothing to {}\n", verb(r)));
+    if !c.applies(before) {
+        return text(StatusCode::CONFLICT, format!("{before}: nothing to {}\n", c.as_str()));
     }
-    let idle =
-        matches!((r, before), (Request::Drain, Phase::Draining | Phase::Drained) | (Request::Undrain, Phase::Ready));
-    if idle {
+    if c.already(before) {
         return text(StatusCode::OK, format!("{before}\n"));
     }
-    if api.shared.requests.send(r).is_err() {
+    if api.shared.requests.send(Request::Control(c)).is_err() {
         return text(StatusCode::SERVICE_UNAVAILABLE, "the warden is exiting\n".into());
     }
     // Answered once the loop shows it took the request, so that a
     // `/readyz` asked right after a drain already says 503.
-    let shown = tokio::time::timeout(ANSWER_WAIT, view.wait_for(|v| taken(r, before, v.phase)))
+    let shown = tokio::time::timeout(ANSWER_WAIT, view.wait_for(|v| c.taken(before, v.phase)))
         .await
         .ok()
         .and_then(Result::ok)
@@ -781,17 +761,6 @@ async fn reload(State(api): State<Api>, headers: HeaderMap) -> Response {
             StatusCode::GATEWAY_TIMEOUT,
             format!("asked; no verdict within {}s (see the journal)\n", RELOAD_WAIT.as_secs()),
         ),
-    }
-}
-
-fn verb(r: Request) -> &'static str {
-    match r {
-        Request::Drain => "drain",
-        Request::Undrain => "undrain",
-        Request::Restart => "restart",
-        Request::Stop => "stop",
-        Request::Reload => "reload",
-        Request::Upgrade => "upgrade",
     }
 }
 

@@ -3,6 +3,7 @@
 use super::*;
 use crate::Signal;
 use crate::classify::Classifier;
+use crate::control::Control;
 use crate::profile::Profile;
 
 fn policy() -> Policy {
@@ -2089,4 +2090,92 @@ fn a_reload_of_the_wardens_settings_while_idle_is_taken() {
             "{action:?}: {fx:?}"
         );
     }
+}
+
+/// Every phase the endpoint can see a change asked in, with a machine in
+/// it (the states of each; a stop under way in two kinds).
+fn every_phase_for_a_change() -> Vec<(&'static str, Sim)> {
+    use crate::golden::Verdict;
+    use crate::policy::{GoldenPolicy, IdleAction};
+    // The machine before `Begin` is never seen: the driver sends it first.
+    let mut out: Vec<_> = every_waiting_state().into_iter().filter(|(name, _)| *name != "idle").collect();
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.ev(Event::DrainRequested);
+    out.push(("draining", s));
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.ev(Event::DrainRequested);
+    s.at(5.0).tick();
+    s.ev(Event::Quiet { start: 1 });
+    assert_eq!(s.state(), "drained");
+    out.push(("drained", s));
+    let golden = Policy { golden: Some(GoldenPolicy::Warn), ..policy() };
+    let mut s = Sim::new(golden);
+    s.spawned(100);
+    s.line("INFO:     Application startup complete.");
+    s.ev(Event::HttpReady { start: 1 });
+    s.ev(Event::GoldenChecked { start: 1, verdict: Verdict::Recorded { prompts: 1, ms: 5 } });
+    s.ev(Event::Recheck { reason: "Xid 31".into() });
+    assert_eq!(s.state(), "rechecking");
+    out.push(("rechecking", s));
+    let mut s = Sim::new(idle(IdleAction::Stop));
+    s.ready(100);
+    s.at(1900.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "idle");
+    out.push(("idle, stopped", s));
+    let p = Policy { golden: Some(GoldenPolicy::Warn), ..idle(IdleAction::Sleep) };
+    let mut s = Sim::new(p);
+    s.spawned(100);
+    s.line("INFO:     Application startup complete.");
+    s.ev(Event::HttpReady { start: 1 });
+    s.ev(Event::GoldenChecked { start: 1, verdict: Verdict::Recorded { prompts: 1, ms: 5 } });
+    s.at(1900.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    s.ev(Event::Slept { start: 1, result: Ok(()) });
+    assert_eq!(s.state(), "idle");
+    out.push(("idle, asleep", s));
+    let mut s = Sim::new(policy());
+    s.ready(100);
+    s.ev(Event::StopRequested);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "stopped");
+    out.push(("stopped", s));
+    out
+}
+
+/// The endpoint answers a change (`POST /drain`, `/undrain`, `/restart`)
+/// by the core's rule for it, `Control`, and the machine acts by the same:
+/// in a phase it does not apply to, the machine does nothing with it
+/// (409); when it is so already, the machine is not asked (200); else the
+/// machine acts on it and the phase it comes to shows it taken (202).
+/// A stop or a restart already under way while the pre-start steps are
+/// cancelled is the one exception: it goes on, and the answer (202) says
+/// the phase it shows.
+#[test]
+fn the_endpoints_rule_for_a_change_is_the_machines() {
+    let mut seen = std::collections::BTreeSet::new();
+    for &c in Control::ALL {
+        for (name, mut s) in every_phase_for_a_change() {
+            let before = s.m.phase();
+            let was = format!("{:?}", s.m.state());
+            seen.insert(before.as_str());
+            if c.already(before) {
+                continue;
+            }
+            let fx = s.ev(c.event());
+            let acted = !fx.is_empty() || format!("{:?}", s.m.state()) != was;
+            if !c.applies(before) || name == "launching, stop pending" || name == "launching, relaunch pending" {
+                assert!(!acted, "{c:?} in {name} ({before}): {fx:?}\n{was}\n{:?}", s.m.state());
+                continue;
+            }
+            assert!(acted, "{c:?} in {name} ({before}): the machine did nothing");
+            let after = s.m.phase();
+            assert!(c.taken(before, after), "{c:?} in {name}: {before} -> {after} does not show it taken");
+        }
+    }
+    let all: std::collections::BTreeSet<&str> = crate::outcome::Phase::ALL.iter().map(|p| p.as_str()).collect();
+    assert_eq!(seen, all, "every phase is tried");
 }

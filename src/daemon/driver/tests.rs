@@ -787,7 +787,11 @@ async fn without_drain_on_stop_a_stop_signals_at_once() {
 async fn restart_drains_then_starts_the_child_again() {
     use crate::supervisor::outcome::Phase;
     let serving = Plan::Run { lines: vec![READY], gap: S(2) };
-    let q = Quirks { busy_until: Some(S(18)), requests: vec![(S(10), Request::Restart)], ..Quirks::default() };
+    let q = Quirks {
+        busy_until: Some(S(18)),
+        requests: vec![(S(10), Request::Control(Control::Restart))],
+        ..Quirks::default()
+    };
     let o = run_with(policy(), vec![serving.clone(), serving], q, Some(S(100)), None).await;
     assert_eq!(o.code, Code::Ok);
     assert_eq!(terminations(&o)[0], S(18));
@@ -805,7 +809,7 @@ async fn a_plain_drain_holds_the_child_drained_until_undrained() {
     let serving = Plan::Run { lines: vec![READY], gap: S(2) };
     let q = Quirks {
         busy_until: Some(S(12)),
-        requests: vec![(S(10), Request::Drain), (S(30), Request::Undrain)],
+        requests: vec![(S(10), Request::Control(Control::Drain)), (S(30), Request::Control(Control::Undrain))],
         ..Quirks::default()
     };
     let o = run_with(policy(), vec![serving], q, Some(S(50)), None).await;
@@ -1326,7 +1330,7 @@ async fn an_upgrade_waits_for_a_drain_under_way() {
     let q = Quirks {
         upgrade: Some(Ok("9.9.9".into())),
         busy_until: Some(S(12)),
-        requests: vec![(S(10), Request::Drain), (S(11), Request::Upgrade)],
+        requests: vec![(S(10), Request::Control(Control::Drain)), (S(11), Request::Upgrade)],
         ..Quirks::default()
     };
     let serving = Plan::Run { lines: vec![READY], gap: S(2) };
