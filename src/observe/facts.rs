@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 /// The kinds of health check after ready.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Check {
+pub(crate) enum Check {
     /// The HTTP check (`health.http`).
     Health,
     /// The one-token completion (`health.canary-interval`).
@@ -21,17 +21,17 @@ pub enum Check {
 }
 
 /// Their names, for the metric's `check` label, in the order of [`Check`].
-pub const CHECKS: [&str; 3] = ["health", "canary", "progress"];
+pub(crate) const CHECKS: [&str; 3] = ["health", "canary", "progress"];
 
 static FAILED: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 
 /// A check of this kind failed.
-pub fn check_failed(check: Check) {
+pub(crate) fn check_failed(check: Check) {
     FAILED[check as usize].fetch_add(1, Ordering::Relaxed);
 }
 
 /// Failed checks so far, by kind, in the order of [`CHECKS`].
-pub fn checks_failed() -> [u64; 3] {
+pub(crate) fn checks_failed() -> [u64; 3] {
     [0, 1, 2].map(|i| FAILED[i].load(Ordering::Relaxed))
 }
 
@@ -40,10 +40,10 @@ static GPU_WAIT: Mutex<Option<Instant>> = Mutex::new(None);
 /// The start waits for GPU compute processes to exit (their memory to be
 /// released) while the guard lives: dropped when the wait ends, and when
 /// the start is cancelled in the middle of it.
-pub struct GpuWaiting(());
+pub(crate) struct GpuWaiting(());
 
 impl GpuWaiting {
-    pub fn begin() -> GpuWaiting {
+    pub(crate) fn begin() -> GpuWaiting {
         *GPU_WAIT.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         GpuWaiting(())
     }
@@ -56,7 +56,7 @@ impl Drop for GpuWaiting {
 }
 
 /// How long the start has been waiting for the GPUs; zero when it is not.
-pub fn gpu_waited() -> Duration {
+pub(crate) fn gpu_waited() -> Duration {
     GPU_WAIT.lock().unwrap_or_else(|e| e.into_inner()).map_or(Duration::ZERO, |t| t.elapsed())
 }
 

@@ -20,11 +20,11 @@ use crate::observe::health::client;
 use crate::supervisor::golden::{Answer, Answers, Verdict, compare};
 
 /// The golden folder of the state directory.
-pub const FOLDER: &str = "golden";
+pub(crate) const FOLDER: &str = "golden";
 const REFERENCES: &str = "references.json";
 const LAST: &str = "last.json";
 /// References kept: one per setup, the oldest dropped.
-pub const KEEP: usize = 50;
+pub(crate) const KEEP: usize = 50;
 /// The most `references.json` or `last.json` may hold: what is read, and
 /// so what is written.
 pub const MAX_STORE: u64 = 16 << 20;
@@ -32,49 +32,49 @@ pub const MAX_STORE: u64 = 16 << 20;
 /// with their tokens and logprobs; 32 answers of 2 000 tokens take about
 /// 3 MiB): a quarter of the store, so that four setups at least are
 /// always kept.
-pub const MAX_REFERENCE: usize = (MAX_STORE / 4) as usize;
+pub(crate) const MAX_REFERENCE: usize = (MAX_STORE / 4) as usize;
 /// Where `golden accept` puts an unreadable `references.json` before it
 /// writes a new one (the last one set aside only).
-pub const UNREADABLE: &str = "references.json.unreadable";
+pub(crate) const UNREADABLE: &str = "references.json.unreadable";
 /// The most one answer, or a prompts file, may hold.
 const MAX_BODY: usize = 1 << 20;
 const MAX_FILE: u64 = 64 << 10;
 
 /// A setup's reference answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Reference {
-    pub fingerprint: String,
+pub(crate) struct Reference {
+    pub(crate) fingerprint: String,
     /// The questions asked: the prompts and `max-tokens` (see
     /// [`questions`]); answers to other questions are not compared.
     #[serde(default)]
-    pub questions: String,
+    pub(crate) questions: String,
     #[serde(default)]
-    pub setup: serde_json::Value,
-    pub at: String,
-    pub answers: Answers,
+    pub(crate) setup: serde_json::Value,
+    pub(crate) at: String,
+    pub(crate) answers: Answers,
 }
 
 /// The last check: its answers, what they were compared with and the
 /// verdict.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Last {
-    pub fingerprint: String,
+pub(crate) struct Last {
+    pub(crate) fingerprint: String,
     #[serde(default)]
-    pub questions: String,
+    pub(crate) questions: String,
     #[serde(default)]
-    pub setup: serde_json::Value,
-    pub at: String,
-    pub verdict: String,
-    pub text: String,
-    pub answers: Option<Answers>,
+    pub(crate) setup: serde_json::Value,
+    pub(crate) at: String,
+    pub(crate) verdict: String,
+    pub(crate) text: String,
+    pub(crate) answers: Option<Answers>,
     /// The fingerprint of the reference compared with, if any.
-    pub against: Option<String>,
-    pub tolerance: f64,
+    pub(crate) against: Option<String>,
+    pub(crate) tolerance: f64,
 }
 
 /// The prompts: the config's, then the file's (one a line, blank lines
 /// skipped), at most [`crate::config::limits::GOLDEN_PROMPTS`] in all.
-pub fn prompts(g: &crate::config::Golden) -> Result<Vec<String>, String> {
+pub(crate) fn prompts(g: &crate::config::Golden) -> Result<Vec<String>, String> {
     let mut out = g.prompts.clone();
     if let Some(path) = &g.prompts_file {
         let text = read_bounded(path, MAX_FILE).map_err(|e| format!("golden.prompts-file {}: {e}", path.display()))?;
@@ -98,7 +98,7 @@ fn read_bounded(path: &Path, max: u64) -> std::io::Result<String> {
 
 /// Why the golden prompts got no answers to compare.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Unanswered {
+pub(crate) enum Unanswered {
     /// The server gave none: nothing within the timeout, no connection
     /// (refused, cut), or a 5xx. A failed run.
     NoAnswer(String),
@@ -112,7 +112,7 @@ pub enum Unanswered {
 
 impl Unanswered {
     /// The verdict it is.
-    pub fn verdict(self) -> Verdict {
+    pub(crate) fn verdict(self) -> Verdict {
         match self {
             Unanswered::NoAnswer(text) => Verdict::NoAnswer { text },
             Unanswered::NoCompletions(text) => Verdict::Skipped { text },
@@ -134,7 +134,7 @@ fn unanswered(what: &str, e: client::Error, timeout: Duration) -> Unanswered {
 }
 
 /// Ask `prompts` of the server at `api`, all within `timeout`.
-pub async fn ask(
+pub(crate) async fn ask(
     api: &crate::observe::health::Api,
     prompts: &[String],
     max_tokens: u32,
@@ -203,7 +203,7 @@ fn folder(state_dir: &Path) -> PathBuf {
 /// The references, oldest first; none when there is no file (a file that
 /// is not references, or larger than [`MAX_STORE`], is an error: it is
 /// not overwritten blindly).
-pub fn references(state_dir: &Path) -> Result<Vec<Reference>, String> {
+pub(crate) fn references(state_dir: &Path) -> Result<Vec<Reference>, String> {
     let path = folder(state_dir).join(REFERENCES);
     match read_in(state_dir, REFERENCES, MAX_STORE) {
         Ok(text) => serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display())),
@@ -212,7 +212,7 @@ pub fn references(state_dir: &Path) -> Result<Vec<Reference>, String> {
     }
 }
 
-pub fn last(state_dir: &Path) -> Result<Option<Last>, String> {
+pub(crate) fn last(state_dir: &Path) -> Result<Option<Last>, String> {
     let path = folder(state_dir).join(LAST);
     match read_in(state_dir, LAST, MAX_STORE) {
         Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| format!("{}: {e}", path.display())),
@@ -307,12 +307,6 @@ fn keep(state_dir: &Path, mut all: Vec<Reference>, r: Reference, aside: Option<&
     save(state_dir, REFERENCES, &text, aside).map_err(|e| format!("cannot save the golden references: {e}"))
 }
 
-/// `r` becomes the reference of its setup (replacing its old one), in
-/// the store as it is now.
-pub fn set_reference(state_dir: &Path, r: Reference) -> Result<(), String> {
-    keep(state_dir, references(state_dir)?, r, None)
-}
-
 fn now() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
@@ -320,16 +314,16 @@ fn now() -> String {
 /// What a setup is, for the check: its fingerprint and description, and
 /// the questions asked of it.
 #[derive(Debug, Clone)]
-pub struct Subject {
-    pub fingerprint: String,
-    pub setup: serde_json::Value,
-    pub questions: String,
+pub(crate) struct Subject {
+    pub(crate) fingerprint: String,
+    pub(crate) setup: serde_json::Value,
+    pub(crate) questions: String,
 }
 
 /// The questions: a hash of the prompts and `max-tokens`. Other prompts,
 /// or longer answers, are other questions with references of their own,
 /// never "changed answers".
-pub fn questions(prompts: &[String], max_tokens: u32) -> String {
+pub(crate) fn questions(prompts: &[String], max_tokens: u32) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(max_tokens.to_le_bytes());
@@ -344,7 +338,13 @@ pub fn questions(prompts: &[String], max_tokens: u32) -> String {
 /// to be recorded, and say the verdict. Blocking (files). A store that
 /// cannot be read or written is a warning ([`Verdict::Unrecorded`]), never
 /// a failed check: the model answered.
-pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f64, accept_changes: bool) -> Verdict {
+pub(crate) fn judge(
+    state_dir: &Path,
+    subject: &Subject,
+    answers: Answers,
+    tolerance: f64,
+    accept_changes: bool,
+) -> Verdict {
     let ms = answers.ms.round() as u64;
     let prompts = answers.answers.len();
     let all = match references(state_dir) {
@@ -419,7 +419,7 @@ pub fn judge(state_dir: &Path, subject: &Subject, answers: Answers, tolerance: f
 }
 
 /// Record that the check could not be made, and why.
-pub fn failed(state_dir: &Path, subject: &Subject, why: Unanswered, tolerance: f64) -> Verdict {
+pub(crate) fn failed(state_dir: &Path, subject: &Subject, why: Unanswered, tolerance: f64) -> Verdict {
     let verdict = why.verdict();
     save_last(state_dir, subject, &verdict, None, None, tolerance);
     verdict
@@ -463,11 +463,11 @@ fn short(s: &str) -> String {
 }
 
 /// The file of a failure report with the answers side by side.
-pub const REPORT_FILE: &str = "golden.txt";
+pub(crate) const REPORT_FILE: &str = "golden.txt";
 
 /// The last answers beside the reference they were compared with, token by
 /// token; none without both.
-pub fn diff(state_dir: &Path) -> Option<String> {
+pub(crate) fn diff(state_dir: &Path) -> Option<String> {
     let last = last(state_dir).ok()??;
     let answers = last.answers.as_ref()?;
     let against = last.against.as_deref()?;
@@ -483,15 +483,15 @@ pub fn diff(state_dir: &Path) -> Option<String> {
 /// What `golden accept` did: the setup whose reference the last answers
 /// became, and the error of the unreadable store it set aside, if any.
 #[derive(Debug)]
-pub struct Accepted {
-    pub fingerprint: String,
-    pub replaced: Option<String>,
+pub(crate) struct Accepted {
+    pub(crate) fingerprint: String,
+    pub(crate) replaced: Option<String>,
 }
 
 /// `golden accept`: the last answers become the reference of their setup.
 /// An unreadable store is set aside ([`UNREADABLE`]) and a new one begun
 /// with them.
-pub fn accept(state_dir: &Path) -> Result<Accepted, String> {
+pub(crate) fn accept(state_dir: &Path) -> Result<Accepted, String> {
     let last = last(state_dir)?.ok_or("no golden answers yet")?;
     let answers = last.answers.ok_or_else(|| format!("the last golden check kept no answers: {}", last.text))?;
     let (all, replaced) = match references(state_dir) {
@@ -512,7 +512,7 @@ pub fn accept(state_dir: &Path) -> Result<Accepted, String> {
 /// What differs between two setups, key by key: the reason of a verdict
 /// whose answers changed with the setup (and what `loads`, `setups` and a
 /// rollback show).
-pub fn setup_changes(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+pub(crate) fn setup_changes(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
     use serde_json::Value;
     let mut out = Vec::new();
     let str_of = |v: Option<&Value>| match v {

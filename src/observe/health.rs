@@ -21,23 +21,23 @@ use crate::config::Settings;
 /// the socket; any other URL (an operator's own `ready.http` elsewhere) is
 /// connected as it is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Api {
+pub(crate) struct Api {
     /// `http://127.0.0.1:<port>`, or `http://localhost` for a unix engine.
-    pub base: String,
-    pub socket: Option<std::path::PathBuf>,
+    pub(crate) base: String,
+    pub(crate) socket: Option<std::path::PathBuf>,
 }
 
 impl Api {
     /// The engine's API as the settings place it; an engine that serves no
     /// HTTP (a Ray node) is given the default port, which nothing asks.
-    pub fn of(s: &Settings) -> Api {
+    pub(crate) fn of(s: &Settings) -> Api {
         match &s.engine {
             Some(e) => Api::engine(e),
             None => Api::tcp(format!("http://127.0.0.1:{}", s.prestart.port.unwrap_or(crate::config::defaults::PORT))),
         }
     }
 
-    pub fn engine(e: &crate::config::Engine) -> Api {
+    pub(crate) fn engine(e: &crate::config::Engine) -> Api {
         let socket = match e {
             crate::config::Engine::Unix(path) => Some(path.clone()),
             crate::config::Engine::Loopback(_) => None,
@@ -46,27 +46,27 @@ impl Api {
     }
 
     /// A server on TCP at `base` (`http://HOST:PORT`).
-    pub fn tcp(base: impl Into<String>) -> Api {
+    pub(crate) fn tcp(base: impl Into<String>) -> Api {
         Api { base: base.into(), socket: None }
     }
 
     /// `path` (beginning with `/`) on the engine.
-    pub fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
 
     /// `GET url`, through the engine's socket when `url` is the engine's.
-    pub fn get(&self, url: &str) -> client::Request {
+    pub(crate) fn get(&self, url: &str) -> client::Request {
         client::Request::get(url).via(self.route(url))
     }
 
     /// `POST url` of a JSON document, routed as [`Api::get`].
-    pub fn post_json(&self, url: &str, body: &serde_json::Value) -> client::Request {
+    pub(crate) fn post_json(&self, url: &str, body: &serde_json::Value) -> client::Request {
         client::Request::post_json(url, body).via(self.route(url))
     }
 
     /// The socket `url` goes through: the engine's, for a URL of its base.
-    pub fn route(&self, url: &str) -> Option<&std::path::Path> {
+    pub(crate) fn route(&self, url: &str) -> Option<&std::path::Path> {
         let socket = self.socket.as_deref()?;
         let rest = url.strip_prefix(&self.base)?;
         (rest.is_empty() || rest.starts_with('/') || rest.starts_with('?')).then_some(socket)
@@ -75,18 +75,18 @@ impl Api {
 
 /// What to check: `[health]`, and where the server's API is.
 #[derive(Debug, Clone)]
-pub struct Spec {
-    pub health: crate::config::Health,
+pub(crate) struct Spec {
+    pub(crate) health: crate::config::Health,
     /// The engine's API, for `/v1/models`, `/v1/completions`, `/metrics`.
-    pub api: Api,
+    pub(crate) api: Api,
 }
 
 impl Spec {
-    pub fn from_settings(s: &Settings) -> Spec {
+    pub(crate) fn from_settings(s: &Settings) -> Spec {
         Spec { health: s.health.clone(), api: Api::of(s) }
     }
 
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.health.http.is_some() || !self.health.canary_interval.is_zero() || !self.health.progress_stall.is_zero()
     }
 }
@@ -96,10 +96,10 @@ impl Spec {
 /// milliseconds since the epoch; 0 = never. Set from the log, read by the
 /// canary, which does not add a request while real traffic visibly flows.
 #[derive(Debug, Clone, Default)]
-pub struct Traffic(Arc<AtomicU64>);
+pub(crate) struct Traffic(Arc<AtomicU64>);
 
 impl Traffic {
-    pub fn saw_generation(&self) {
+    pub(crate) fn saw_generation(&self) {
         let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         self.0.store(ms, Ordering::Relaxed);
     }
@@ -112,7 +112,7 @@ impl Traffic {
 }
 
 /// Recognises vLLM's throughput line with tokens generated.
-pub struct GenerationLine(Regex);
+pub(crate) struct GenerationLine(Regex);
 
 impl Default for GenerationLine {
     fn default() -> Self {
@@ -121,7 +121,7 @@ impl Default for GenerationLine {
 }
 
 impl GenerationLine {
-    pub fn matches(&self, line: &str) -> bool {
+    pub(crate) fn matches(&self, line: &str) -> bool {
         self.0.captures(line).and_then(|c| c[1].parse::<f64>().ok()).is_some_and(|x| x > 0.0)
     }
 }
@@ -186,18 +186,18 @@ pub mod client {
     /// A request: `GET` without a body, or `POST` of a JSON document.
     #[derive(Debug, Clone)]
     pub struct Request {
-        pub method: Method,
-        pub url: String,
+        pub(crate) method: Method,
+        pub(crate) url: String,
         /// A JSON body (sent as `application/json; charset=utf-8`).
         pub json: Option<Bytes>,
         /// `Authorization: Bearer …`.
         pub bearer: Option<String>,
         /// How much of the body is read: `None`, none of it (the status is
         /// the answer); else at most this much, more is an error.
-        pub read: Option<usize>,
+        pub(crate) read: Option<usize>,
         /// The unix socket the request is connected through (the URL's host
         /// is then only its `Host:`); `None`: TCP to the URL's host.
-        pub socket: Option<std::path::PathBuf>,
+        pub(crate) socket: Option<std::path::PathBuf>,
     }
 
     impl Request {
@@ -224,7 +224,7 @@ pub mod client {
         }
 
         /// Connected through the unix socket `socket`, when one is given.
-        pub fn via(mut self, socket: Option<&std::path::Path>) -> Request {
+        pub(crate) fn via(mut self, socket: Option<&std::path::Path>) -> Request {
             self.socket = socket.map(std::path::Path::to_path_buf);
             self
         }
@@ -238,7 +238,7 @@ pub mod client {
     }
 
     impl Answer {
-        pub fn json(&self) -> Result<serde_json::Value, Error> {
+        pub(crate) fn json(&self) -> Result<serde_json::Value, Error> {
             Ok(serde_json::from_slice(&self.body)?)
         }
     }
@@ -271,7 +271,7 @@ pub mod client {
     }
 
     /// `req` within `timeout`, on the runtime of the caller.
-    pub async fn send(req: Request, timeout: Duration) -> Result<Answer, Error> {
+    pub(crate) async fn send(req: Request, timeout: Duration) -> Result<Answer, Error> {
         let client = match &req.socket {
             Some(socket) => through(socket)?,
             None => shared()?.clone(),
@@ -331,7 +331,7 @@ fn status_text(code: hyper::StatusCode) -> String {
 
 /// Why a check did not pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Miss {
+pub(crate) enum Miss {
     /// The server failed it: counted against the child.
     Server(String),
     /// The warden could not make it (out of descriptors or memory): said,
@@ -349,7 +349,7 @@ impl Miss {
         Miss::Server(format!("{what}{}", describe(e, timeout)))
     }
 
-    pub fn text(&self) -> &str {
+    pub(crate) fn text(&self) -> &str {
         match self {
             Miss::Server(t) | Miss::Warden(t) => t,
         }
@@ -362,12 +362,14 @@ fn shortage(e: &client::Error) -> Option<&'static str> {
 }
 
 /// One `GET`; `Err` names why it failed.
-pub async fn check(url: &str, timeout: Duration) -> Result<(), Miss> {
+#[cfg(test)]
+pub(crate) async fn check(url: &str, timeout: Duration) -> Result<(), Miss> {
     check_request(client::Request::get(url), timeout).await
 }
 
-/// [`check`] of a request made already (routed through the engine's socket).
-pub async fn check_request(req: client::Request, timeout: Duration) -> Result<(), Miss> {
+/// One request made already (a `GET`, routed through the engine's socket
+/// or not); `Err` names why it failed.
+pub(crate) async fn check_request(req: client::Request, timeout: Duration) -> Result<(), Miss> {
     match client::send(req, timeout).await {
         Ok(r) if r.status.is_success() => Ok(()),
         Ok(r) => Err(Miss::Server(status_text(r.status))),
@@ -407,7 +409,7 @@ pub async fn http_ok_async(url: &str, timeout: Duration) -> bool {
 
 /// [`http_ok_async`] of a request made already (routed through the
 /// engine's socket).
-pub async fn request_ok(req: client::Request, timeout: Duration) -> bool {
+pub(crate) async fn request_ok(req: client::Request, timeout: Duration) -> bool {
     matches!(client::send(req, timeout).await, Ok(r) if r.status == 200)
 }
 
@@ -483,7 +485,7 @@ async fn scrape(api: &Api, timeout: Duration) -> Scrape {
 
 /// The requests running or waiting on the server at `api`, from its
 /// `/metrics`; `Err` says why there is no count.
-pub async fn in_flight(api: &Api, timeout: Duration) -> Result<f64, CheckError> {
+pub(crate) async fn in_flight(api: &Api, timeout: Duration) -> Result<f64, CheckError> {
     let base = &api.base;
     match scrape(api, timeout).await {
         Scrape::Text(text) => Ok(crate::supervisor::progress::in_flight(&text)?),
@@ -503,18 +505,18 @@ impl Default for LastCheck {
 }
 
 impl LastCheck {
-    pub fn set(&self, passed: bool) {
+    pub(crate) fn set(&self, passed: bool) {
         self.0.store(passed, Ordering::Relaxed);
     }
 
-    pub fn passed(&self) -> bool {
+    pub(crate) fn passed(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
 }
 
 /// Check until `h.failures` checks in a row have failed, or the server's
 /// metrics show a stalled engine; returns the cause line.
-pub async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
+pub(crate) async fn watch(spec: Spec, traffic: Traffic, last: LastCheck) -> String {
     let h = &spec.health;
     let mut failed = 0;
     let mut next_canary = tokio::time::Instant::now() + h.canary_interval;

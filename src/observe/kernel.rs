@@ -25,7 +25,7 @@ use regex::Regex;
 /// fallen off the bus, 92 high single-bit ECC error rate, 94 contained ECC
 /// error, 95 uncontained ECC error, 119 GSP RPC timeout, 154 GPU recovery
 /// action changed (a reset or reboot is required).
-pub const FATAL_XIDS: &[(u32, &str)] = &[
+pub(crate) const FATAL_XIDS: &[(u32, &str)] = &[
     (48, "double-bit ECC error"),
     (62, "internal micro-controller halt"),
     (79, "GPU has fallen off the bus"),
@@ -40,7 +40,7 @@ pub const FATAL_XIDS: &[(u32, &str)] = &[
 /// answers wrong, with what they mean (NVIDIA's Xid catalogue): the
 /// serving model is taken out of rotation and its golden answers are asked
 /// again.
-pub const RECHECK_XIDS: &[(u32, &str)] = &[
+pub(crate) const RECHECK_XIDS: &[(u32, &str)] = &[
     // An exception in the graphics engine (a kernel's illegal address or
     // instruction); usually the application's, the context may be damaged.
     (13, "graphics engine exception"),
@@ -76,27 +76,27 @@ static OFF_THE_BUS: LazyLock<Regex> = LazyLock::new(|| {
 
 /// A fatal GPU fault in a kernel message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fault {
-    pub xid: u32,
-    pub what: &'static str,
+pub(crate) struct Fault {
+    pub(crate) xid: u32,
+    pub(crate) what: &'static str,
     /// `0000:41:00.0`
-    pub pci: String,
+    pub(crate) pci: String,
 }
 
 impl Fault {
-    pub fn cause(&self) -> String {
+    pub(crate) fn cause(&self) -> String {
         format!("GPU fault: Xid {} ({}) on {} — needs a reset or reboot", self.xid, self.what, self.pci)
     }
 
     /// Why the answers are checked again, for one of [`RECHECK_XIDS`].
-    pub fn recheck_reason(&self) -> String {
+    pub(crate) fn recheck_reason(&self) -> String {
         format!("GPU fault: Xid {} ({}) on {}", self.xid, self.what, self.pci)
     }
 }
 
 /// What a kernel message means for the run.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Kernel {
+pub(crate) enum Kernel {
     /// A fatal GPU fault (the first one only).
     Fatal(Fault),
     /// A fault that leaves the process running, on one of the instance's
@@ -109,7 +109,7 @@ pub enum Kernel {
 
 /// A fault of one of [`RECHECK_XIDS`] a kernel message reports, if it
 /// reports one.
-pub fn recheck(line: &str) -> Option<Fault> {
+pub(crate) fn recheck(line: &str) -> Option<Fault> {
     let c = XID.captures(line)?;
     let xid: u32 = c[2].parse().ok()?;
     let (_, what) = RECHECK_XIDS.iter().find(|(x, _)| *x == xid)?;
@@ -121,7 +121,7 @@ pub fn recheck(line: &str) -> Option<Fault> {
 /// and the child's `CUDA_VISIBLE_DEVICES` (indexes or UUIDs; unset: every
 /// GPU). `None` when they cannot be told (no answer, or a device the query
 /// does not list): then every GPU counts.
-pub fn instance_gpus(query: &str, visible: Option<&str>) -> Option<Vec<String>> {
+pub(crate) fn instance_gpus(query: &str, visible: Option<&str>) -> Option<Vec<String>> {
     let mut all = Vec::new();
     for line in query.lines().filter(|l| !l.trim().is_empty()) {
         let f: Vec<&str> = line.split(',').map(str::trim).collect();
@@ -149,7 +149,7 @@ fn with_function(pci: &str) -> String {
 }
 
 /// The fatal fault a kernel message reports, if it reports one.
-pub fn fault(line: &str) -> Option<Fault> {
+pub(crate) fn fault(line: &str) -> Option<Fault> {
     if let Some(c) = XID.captures(line) {
         let xid: u32 = c[2].parse().ok()?;
         let (_, what) = FATAL_XIDS.iter().find(|(x, _)| *x == xid)?;
@@ -166,7 +166,7 @@ pub fn fault(line: &str) -> Option<Fault> {
 /// of an instruction this CPU refused); or the OOM killer's (`Killed process
 /// PID (name) total-vm:…`, `oom-kill:…`: the memory figures of a host OOM
 /// kill). What goes into a failure report's `kernel.txt`.
-pub fn gpu_related(line: &str) -> bool {
+pub(crate) fn gpu_related(line: &str) -> bool {
     static GPU: LazyLock<Regex> = LazyLock::new(|| {
         Regex::new(
             r"NVRM: Xid|fallen off the bus|GPU has fallen|NVRM: GPU at PCI|NVRM: .*(?:GSP|ECC|RmInit)|trap invalid opcode|Killed process \d+|oom-kill:",
@@ -178,7 +178,7 @@ pub fn gpu_related(line: &str) -> bool {
 
 /// The follower of one run; killed (with its group) when dropped.
 #[derive(Debug)]
-pub struct KernelFollower {
+pub(crate) struct KernelFollower {
     pid: nix::unistd::Pid,
     seen: Arc<Mutex<Seen>>,
     /// The instance's GPUs; `None`: not known, every GPU counts.
@@ -224,25 +224,25 @@ impl Seen {
 /// Where a run began among the messages of a follower: what the follower
 /// reads from then on is the run's (see [`Mark::since`]).
 #[derive(Debug, Clone)]
-pub struct Mark {
+pub(crate) struct Mark {
     seen: Arc<Mutex<Seen>>,
     at: u64,
 }
 
 /// The messages of a run that concern the GPUs, as its follower read them.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Since {
-    pub gpu: Vec<String>,
+pub(crate) struct Since {
+    pub(crate) gpu: Vec<String>,
     /// Every message read since the mark.
-    pub all: u64,
+    pub(crate) all: u64,
     /// Some of those about the GPUs were dropped (the oldest first).
-    pub cut: bool,
+    pub(crate) cut: bool,
 }
 
 impl Mark {
     /// What was read since the mark; `None` when the follower has stopped
     /// reading, and may have missed some.
-    pub fn since(&self) -> Option<Since> {
+    pub(crate) fn since(&self) -> Option<Since> {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         if !seen.reading {
             return None;
@@ -255,26 +255,26 @@ impl Mark {
 impl KernelFollower {
     /// The instance's GPUs, whose faults call for a re-check (`None`:
     /// every GPU's).
-    pub fn set_gpus(&self, gpus: Option<Vec<String>>) {
+    pub(crate) fn set_gpus(&self, gpus: Option<Vec<String>>) {
         *self.gpus.lock().unwrap_or_else(|p| p.into_inner()) = gpus;
     }
 
     /// The follower's list of the instance's GPUs, to be set later (off
     /// the loop, once asked).
-    pub fn gpus(&self) -> Arc<Mutex<Option<Vec<String>>>> {
+    pub(crate) fn gpus(&self) -> Arc<Mutex<Option<Vec<String>>>> {
         self.gpus.clone()
     }
 
     /// The messages of the latest OOM kills the follower read (the
     /// kernel's `Killed process PID (name) …` lines), newest last.
-    pub fn oom_kills(&self, since: Option<&Mark>) -> Vec<String> {
+    pub(crate) fn oom_kills(&self, since: Option<&Mark>) -> Vec<String> {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         let at = since.map_or(0, |m| m.at);
         seen.gpu.iter().filter(|(n, t)| *n >= at && t.contains("Killed process ")).map(|(_, t)| t.clone()).collect()
     }
 
     /// Here, among what the follower reads; `None` when it no longer reads.
-    pub fn mark(&self) -> Option<Mark> {
+    pub(crate) fn mark(&self) -> Option<Mark> {
         let at = {
             let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
             seen.reading.then_some(seen.count)?
@@ -294,7 +294,7 @@ impl Drop for KernelFollower {
 /// per line); `on_fault` is called from a thread of its own for the first
 /// fatal fault and for every fault that calls for a re-check, and the
 /// follower reads on. `Ok(None)`: the command is not installed.
-pub fn follow(
+pub(crate) fn follow(
     source: &[String],
     mut on_fault: impl FnMut(Kernel) + Send + 'static,
 ) -> std::io::Result<Option<KernelFollower>> {

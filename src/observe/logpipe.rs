@@ -47,14 +47,14 @@ use crate::util::tasks::{Lifetime, Tasks};
 /// The size asked for the pipe (`F_SETPIPE_SZ`); the kernel's default is
 /// 64 KiB, and an unprivileged process may have up to
 /// `/proc/sys/fs/pipe-max-size` (1 MiB by default).
-pub const PIPE_SIZE: usize = 1 << 20;
+pub(crate) const PIPE_SIZE: usize = 1 << 20;
 
 /// How much one read of the pipe takes.
 const READ: usize = 256 << 10;
 
 /// The most bytes set aside for the follower while the file cannot be
 /// written.
-pub const SPILL: usize = 4 << 20;
+pub(crate) const SPILL: usize = 4 << 20;
 
 /// The pipe and the log file the child's output goes through.
 pub struct Sink {
@@ -86,7 +86,7 @@ impl std::fmt::Debug for Sink {
 
 /// The log file and what goes with it; held through [`Sink::lock`].
 #[derive(Debug)]
-pub struct Log {
+pub(crate) struct Log {
     /// The log file, appended to (`O_APPEND`).
     file: File,
     /// Its length as the writer knows it: where the next write lands.
@@ -105,7 +105,7 @@ pub struct Log {
 
 /// What one move from the pipe to the file did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Moved {
+pub(crate) enum Moved {
     Bytes(usize),
     /// Nothing in the pipe now.
     Empty,
@@ -117,7 +117,7 @@ pub enum Moved {
 /// stderr, the read end for the warden. Both ends close on exec (std gives
 /// the child its copies as 1 and 2); the pipe is enlarged to [`PIPE_SIZE`]
 /// where the kernel allows.
-pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     // Best effort: a user over its pipe quota (`pipe-user-pages-soft`)
     // keeps the default size, which only makes the child wait sooner.
@@ -128,7 +128,7 @@ pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 impl Sink {
     /// The read end `pipe` of the child's output, moved to the end of the
     /// log file `file` (opened for appending) at `path`.
-    pub fn new(pipe: OwnedFd, file: File, path: &Path) -> io::Result<Arc<Sink>> {
+    pub(crate) fn new(pipe: OwnedFd, file: File, path: &Path) -> io::Result<Arc<Sink>> {
         let flags = rustix::fs::fcntl_getfl(&pipe)?;
         rustix::fs::fcntl_setfl(&pipe, flags | rustix::fs::OFlags::NONBLOCK)?;
         let len = file.metadata()?.len();
@@ -156,7 +156,7 @@ impl Sink {
 
     /// Hold the writer: while the guard lives, nothing is read from the
     /// pipe and nothing reaches the file.
-    pub fn lock(&self) -> MutexGuard<'_, Log> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Log> {
         self.log.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -164,7 +164,7 @@ impl Sink {
     /// has exited, and all it wrote is in the pipe). Never waits for the
     /// follower: with the file refusing writes and the bytes set aside
     /// full, the rest stays in the pipe for the writer's thread.
-    pub fn flush(&self) {
+    pub(crate) fn flush(&self) {
         let mut log = self.lock();
         // What is there now, not what a child writing on adds meanwhile.
         let mut left = rustix::io::ioctl_fionread(&self.pipe).unwrap_or(u64::MAX);
@@ -253,7 +253,7 @@ impl Sink {
 
     /// Take the oldest bytes set aside, if they come after `read_to` (the
     /// follower has read the file up to there: they are next).
-    pub fn take_spilled(&self, read_to: u64) -> Option<Vec<u8>> {
+    pub(crate) fn take_spilled(&self, read_to: u64) -> Option<Vec<u8>> {
         let bytes = self.lock().take_spilled(read_to);
         if bytes.is_some() {
             self.room.notify_all();
@@ -263,51 +263,51 @@ impl Sink {
 
     /// Let the writer know that bytes set aside were taken by whoever held
     /// it ([`Log::take_spilled`]).
-    pub fn room_again(&self) {
+    pub(crate) fn room_again(&self) {
         self.room.notify_all();
     }
 
     /// Readable when bytes were set aside; [`Sink::spill_seen`] empties it.
-    pub fn spilled_fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn spilled_fd(&self) -> BorrowedFd<'_> {
         self.spilled.as_fd()
     }
 
-    pub fn spill_seen(&self) {
+    pub(crate) fn spill_seen(&self) {
         let _ = self.spilled.read();
     }
 
     /// The descriptors an upgrade keeps across its exec: the pipe's read
     /// end and the log file (what [`Sink::lock`] guards is not taken).
-    pub fn fds(&self) -> (RawFd, RawFd) {
+    pub(crate) fn fds(&self) -> (RawFd, RawFd) {
         (self.pipe.as_raw_fd(), self.log_fd)
     }
 
     /// A descriptor of the log file (the same open file).
-    pub fn file(&self) -> io::Result<File> {
+    pub(crate) fn file(&self) -> io::Result<File> {
         self.lock().file.try_clone()
     }
 
     /// The log file's path.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 }
 
 impl Log {
     /// The log file, to read and copy (the rotation's last step).
-    pub fn file(&self) -> &File {
+    pub(crate) fn file(&self) -> &File {
         &self.file
     }
 
     /// The log file's length, as written.
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.len
     }
 
     /// [`Sink::take_spilled`], by whoever holds the writer (who lets it
     /// know that there is room again when it lets go: the writer looks
     /// again at least every second).
-    pub fn take_spilled(&mut self, read_to: u64) -> Option<Vec<u8>> {
+    pub(crate) fn take_spilled(&mut self, read_to: u64) -> Option<Vec<u8>> {
         if self.spill.front().is_none_or(|(at, _)| *at > read_to) {
             return None;
         }
@@ -316,17 +316,12 @@ impl Log {
         Some(bytes)
     }
 
-    /// Whether nothing has been written to the file.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Cut the file's first `at` bytes out (a rotation, which copied them):
     /// the file emptied and `write_rest` called to write back what it held
     /// after them; the bytes set aside, which come after the file's end,
     /// shift with it. `Err` when the file could not be emptied (it is as it
     /// was).
-    pub fn cut(&mut self, at: u64, write_rest: impl FnOnce(&mut File) -> io::Result<()>) -> io::Result<()> {
+    pub(crate) fn cut(&mut self, at: u64, write_rest: impl FnOnce(&mut File) -> io::Result<()>) -> io::Result<()> {
         let before = self.len;
         self.file.set_len(0)?;
         if let Err(e) = write_rest(&mut self.file) {
@@ -346,7 +341,7 @@ impl Log {
 
 /// The log writer's thread: started per child, ended when no process holds
 /// the pipe's write end any more, or when dropped.
-pub struct Writer {
+pub(crate) struct Writer {
     sink: Arc<Sink>,
     task: tokio::task::AbortHandle,
 }
@@ -354,7 +349,7 @@ pub struct Writer {
 impl Writer {
     /// Start moving the child's output from `sink`'s pipe to its file, on
     /// a thread watched as the task "log writer" (its panic is the task's).
-    pub fn start(sink: Arc<Sink>, tasks: &mut Tasks) -> Writer {
+    pub(crate) fn start(sink: Arc<Sink>, tasks: &mut Tasks) -> Writer {
         let s = sink.clone();
         let thread = tokio::task::spawn_blocking(move || write_until_ended(&s));
         let task = tasks.spawn("log writer", Lifetime::Finite, async move {
@@ -367,13 +362,13 @@ impl Writer {
         Writer { sink, task }
     }
 
-    pub fn sink(&self) -> &Arc<Sink> {
+    pub(crate) fn sink(&self) -> &Arc<Sink> {
         &self.sink
     }
 
     /// Move the pipe at most every `every` while it is not full (the child
     /// is ready: see [`Sink`]'s `pace_ms`).
-    pub fn pace(&self, every: Duration) {
+    pub(crate) fn pace(&self, every: Duration) {
         let ms = u64::try_from(every.as_millis()).unwrap_or(u64::MAX);
         self.sink.pace_ms.store(ms, Ordering::SeqCst);
     }

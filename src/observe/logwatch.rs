@@ -36,8 +36,8 @@ const READ: usize = 64 * 1024;
 
 /// A batch is handed on once it holds this many lines or this many bytes of
 /// text, and at the end of every read.
-pub const BATCH_LINES: usize = 256;
-pub const BATCH_BYTES: usize = 64 * 1024;
+pub(crate) const BATCH_LINES: usize = 256;
+pub(crate) const BATCH_BYTES: usize = 64 * 1024;
 
 /// While a drain is asked for, an empty batch every this many reads
 /// (1 MiB) tells the loop that a long tail is still being read.
@@ -67,7 +67,7 @@ pub enum Delivery {
 /// Bytes of line text handed on and not yet dropped by the loop, and the
 /// most there ever were: the follower's memory, measured.
 #[derive(Debug, Clone, Default)]
-pub struct Gauge(Arc<(AtomicUsize, AtomicUsize)>);
+pub(crate) struct Gauge(Arc<(AtomicUsize, AtomicUsize)>);
 
 impl Gauge {
     pub(crate) fn hold(&self, bytes: usize) -> Held {
@@ -77,12 +77,14 @@ impl Gauge {
     }
 
     /// Bytes held now.
-    pub fn held(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
         self.0.0.load(Ordering::Relaxed)
     }
 
     /// The most bytes ever held at once.
-    pub fn high_water(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn high_water(&self) -> usize {
         self.0.1.load(Ordering::Relaxed)
     }
 }
@@ -370,6 +372,8 @@ impl Reader {
 pub struct LogFollower {
     control: Arc<Control>,
     task: tokio::task::AbortHandle,
+    /// What the tests read of the batches held.
+    #[cfg(test)]
     gauge: Gauge,
 }
 
@@ -435,7 +439,12 @@ impl LogFollower {
                 std::panic::resume_unwind(e.into_panic());
             }
         });
-        Ok(LogFollower { control, task, gauge })
+        Ok(LogFollower {
+            control,
+            task,
+            #[cfg(test)]
+            gauge,
+        })
     }
 
     /// Read the file to its end now, without waiting for inotify, then
@@ -446,30 +455,31 @@ impl LogFollower {
     }
 
     /// Classify with `classifier` (reloaded patterns) from the next read on.
-    pub fn reclassify(&self, classifier: Classifier) {
+    pub(crate) fn reclassify(&self, classifier: Classifier) {
         self.control.ask(|a| a.classifier = Some(classifier));
     }
 
     /// Where the file ended when the follower last read it to its end for
     /// [`LogFollower::drain`]: known once its [`Delivery::Drained`] is received.
-    pub fn drained_to(&self) -> Option<u64> {
+    pub(crate) fn drained_to(&self) -> Option<u64> {
         Some(self.control.drained.load(Ordering::SeqCst)).filter(|at| *at != u64::MAX)
     }
 
     /// Read at most every `every` from now on: a serving child's lines are
     /// gathered for a few milliseconds, so that a chatty child costs a few
     /// wake-ups a second, not one a line. A drain is still answered at once.
-    pub fn pace(&self, every: std::time::Duration) {
+    pub(crate) fn pace(&self, every: std::time::Duration) {
         self.control.ask(|a| a.pace = Some(every));
     }
 
     /// Rotate with these settings from now on (a reload).
-    pub fn rotation(&self, settings: Rotation) {
+    pub(crate) fn rotation(&self, settings: Rotation) {
         self.control.ask(|a| a.rotation = Some(settings));
     }
 
     /// The bytes of the batches handed on and not yet dropped.
-    pub fn gauge(&self) -> &Gauge {
+    #[cfg(test)]
+    pub(crate) fn gauge(&self) -> &Gauge {
         &self.gauge
     }
 }
@@ -477,7 +487,7 @@ impl LogFollower {
 impl LogFollower {
     /// Stop reading: the thread ends after the read under way; see
     /// [`LogFollower::ended`].
-    pub fn stop_reading(&self) {
+    pub(crate) fn stop_reading(&self) {
         self.control.ask(|a| a.stop = true);
     }
 
@@ -485,7 +495,7 @@ impl LogFollower {
     /// the first line not handed on whole, from which another follower can
     /// go on. Every batch handed on before it is in the channel; the
     /// thread may wait for room there, so the caller empties it meanwhile.
-    pub fn ended(&self, patience: std::time::Duration) -> Option<u64> {
+    pub(crate) fn ended(&self, patience: std::time::Duration) -> Option<u64> {
         let ended = self.control.ended.lock().unwrap_or_else(|p| p.into_inner());
         let (ended, _) = self
             .control

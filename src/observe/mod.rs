@@ -9,11 +9,11 @@
 //! nothing: what a line or an answer means for the run is the
 //! supervisor's; when to look is the daemon's.
 
-pub mod facts;
+pub(crate) mod facts;
 pub mod golden;
 pub mod health;
-pub mod kernel;
+pub(crate) mod kernel;
 pub mod logpipe;
 pub mod logwatch;
 pub mod oom;
-pub mod rotate;
+pub(crate) mod rotate;

@@ -14,19 +14,19 @@ use std::sync::LazyLock;
 use regex::Regex;
 
 /// The cause's first words: `status`, the metrics and the tests find it.
-pub const KILLED: &str = "killed by the kernel's OOM killer (host memory)";
+pub(crate) const KILLED: &str = "killed by the kernel's OOM killer (host memory)";
 
 /// The warden's memory cgroup: where its OOM kills are counted, and its
 /// limit and peak.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cgroup {
+pub(crate) struct Cgroup {
     dir: PathBuf,
     v2: bool,
 }
 
 /// The memory cgroup `/proc/self/cgroup` names (`0::/system.slice/x`, or
 /// cgroup v1's `4:memory:/x`), under `root` (`/sys/fs/cgroup`).
-pub fn cgroup_of(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
+pub(crate) fn cgroup_of(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
     use procfs::FromRead;
     let mut v2 = None;
     for group in procfs::ProcessCGroups::from_read(proc_self_cgroup.as_bytes()).ok()? {
@@ -42,7 +42,7 @@ pub fn cgroup_of(proc_self_cgroup: &str, root: &Path) -> Option<Cgroup> {
 }
 
 /// The warden's own memory cgroup, when the files say which.
-pub fn cgroup() -> Option<Cgroup> {
+pub(crate) fn cgroup() -> Option<Cgroup> {
     let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     cgroup_of(&text, Path::new("/sys/fs/cgroup")).filter(|c| c.kills().is_some())
 }
@@ -56,7 +56,7 @@ fn read(path: &Path) -> Option<String> {
 }
 
 /// `oom_kill N` of `memory.events` or `memory.oom_control`.
-pub fn kills_in(text: &str) -> Option<u64> {
+pub(crate) fn kills_in(text: &str) -> Option<u64> {
     text.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|n| n.trim().parse().ok())
 }
 
@@ -67,14 +67,14 @@ fn size(bytes: u64) -> String {
 
 impl Cgroup {
     /// OOM kills in the cgroup (and below it) so far.
-    pub fn kills(&self) -> Option<u64> {
+    pub(crate) fn kills(&self) -> Option<u64> {
         let file = if self.v2 { "memory.events" } else { "memory.oom_control" };
         kills_in(&read(&self.dir.join(file))?)
     }
 
     /// Its limit and peak, as the cause shows them (`limit 512 MiB, peak
     /// 512 MiB`); what is readable.
-    pub fn figures(&self) -> Option<String> {
+    pub(crate) fn figures(&self) -> Option<String> {
         let (limit, peak) = if self.v2 {
             ("memory.max", "memory.peak")
         } else {
@@ -91,20 +91,20 @@ impl Cgroup {
 
 /// One process the kernel's OOM killer ended, as its message says.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Kill {
-    pub pid: u32,
-    pub name: String,
+pub(crate) struct Kill {
+    pub(crate) pid: u32,
+    pub(crate) name: String,
     /// `total-vm`, `anon-rss`, in KiB.
-    pub total_vm: Option<u64>,
-    pub anon_rss: Option<u64>,
+    pub(crate) total_vm: Option<u64>,
+    pub(crate) anon_rss: Option<u64>,
     /// Killed for a cgroup's limit (`Memory cgroup out of memory`), not
     /// the host's.
-    pub cgroup: bool,
+    pub(crate) cgroup: bool,
 }
 
 /// `Out of memory: Killed process 4242 (python3) total-vm:8123456kB,
 /// anon-rss:5234567kB, …` (or `Memory cgroup out of memory: …`).
-pub fn kill(line: &str) -> Option<Kill> {
+pub(crate) fn kill(line: &str) -> Option<Kill> {
     static KILL: LazyLock<Regex> = LazyLock::new(|| {
         Regex::new(r"(Memory cgroup )?[Oo]ut of memory.*: Killed process (\d+) \(([^)]*)\)(.*)").expect("static regex")
     });
@@ -127,7 +127,7 @@ pub fn kill(line: &str) -> Option<Kill> {
 /// The cause of a run one of whose processes the OOM killer ended: `kill`
 /// as the kernel's message named it, else `kills` counted by the cgroup
 /// during the run; `figures` the cgroup's.
-pub fn cause(kill: Option<&Kill>, kills: u64, figures: Option<&str>) -> String {
+pub(crate) fn cause(kill: Option<&Kill>, kills: u64, figures: Option<&str>) -> String {
     let mut text = match kill {
         Some(k) => {
             let mut t = format!("{KILLED}: pid {} ({})", k.pid, crate::util::escape::one_line(&k.name, 64));

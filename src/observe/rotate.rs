@@ -33,7 +33,7 @@ use crate::util::fsutil::Dir;
 
 /// Rotates one log file: the follower's thread holds it.
 pub struct Rotator {
-    pub settings: Rotation,
+    pub(crate) settings: Rotation,
     dir: Dir,
     /// The log file's name in `dir`.
     name: OsString,
@@ -50,7 +50,7 @@ pub struct Rotator {
 /// Held by whoever reads the log's bytes by offset (a failure report): no
 /// rotation moves them meanwhile. A rotation takes it for its whole run, on
 /// the follower's thread.
-pub type Hold = Arc<tokio::sync::Mutex<()>>;
+pub(crate) type Hold = Arc<tokio::sync::Mutex<()>>;
 
 impl std::fmt::Debug for Rotator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -60,7 +60,7 @@ impl std::fmt::Debug for Rotator {
 
 impl Rotator {
     /// For the log file that `sink` writes.
-    pub fn new(sink: Arc<Sink>, settings: Rotation) -> io::Result<Rotator> {
+    pub(crate) fn new(sink: Arc<Sink>, settings: Rotation) -> io::Result<Rotator> {
         let path = sink.path();
         let name = path
             .file_name()
@@ -72,17 +72,17 @@ impl Rotator {
     }
 
     /// Rotate only while `hold` is free.
-    pub fn with_hold(self, hold: Hold) -> Rotator {
+    pub(crate) fn with_hold(self, hold: Hold) -> Rotator {
         Rotator { hold: Some(hold), ..self }
     }
 
     /// The hold, to be taken for a rotation.
-    pub fn hold(&self) -> Option<Hold> {
+    pub(crate) fn hold(&self) -> Option<Hold> {
         self.hold.clone()
     }
 
     /// The log's writer.
-    pub fn sink(&self) -> &Arc<Sink> {
+    pub(crate) fn sink(&self) -> &Arc<Sink> {
         &self.sink
     }
 
@@ -92,7 +92,7 @@ impl Rotator {
     }
 
     /// A new temporary copy beside `NAME.1`; `None` when no copy is kept.
-    pub fn begin(&self) -> io::Result<Option<(File, OsString)>> {
+    pub(crate) fn begin(&self) -> io::Result<Option<(File, OsString)>> {
         if self.settings.keep == 0 {
             return Ok(None);
         }
@@ -100,7 +100,7 @@ impl Rotator {
     }
 
     /// Copy bytes `from..to` of the log to the end of `copy`.
-    pub fn copy(&self, source: &File, copy: &mut File, from: u64, to: u64) -> io::Result<()> {
+    pub(crate) fn copy(&self, source: &File, copy: &mut File, from: u64, to: u64) -> io::Result<()> {
         copy_range(source, copy, from, to)
     }
 
@@ -109,7 +109,7 @@ impl Rotator {
     /// emptied and the rest written back at its start. Up to 1 MiB is kept
     /// in memory; more (a follower far behind a flooding child) in a
     /// temporary file beside the log, removed after.
-    pub fn cut(&self, log: &mut Log, source: &File, at: u64) -> io::Result<()> {
+    pub(crate) fn cut(&self, log: &mut Log, source: &File, at: u64) -> io::Result<()> {
         const IN_MEMORY: u64 = 1 << 20;
         let end = log.len();
         let rest_len = end.saturating_sub(at);
@@ -127,7 +127,7 @@ impl Rotator {
     /// Put the finished copy in place as `NAME.1`, shifting the older ones
     /// (the oldest beyond `keep` removed), and start compressing those
     /// beyond the first when asked.
-    pub fn finish(&mut self, copy: Option<(File, OsString)>) -> io::Result<()> {
+    pub(crate) fn finish(&mut self, copy: Option<(File, OsString)>) -> io::Result<()> {
         let Some((file, tmp)) = copy else { return Ok(()) };
         drop(file);
         {
@@ -158,7 +158,7 @@ impl Rotator {
     }
 
     /// Throw away an unfinished copy.
-    pub fn discard(&self, tmp: &OsStr) {
+    pub(crate) fn discard(&self, tmp: &OsStr) {
         let _ = self.dir.remove(tmp);
     }
 
@@ -192,8 +192,9 @@ impl Rotator {
         }
     }
 
-    /// Wait for the compressor (tests, and the end of a follower).
-    pub fn wait_compressed(&mut self) {
+    /// Wait for the compressor.
+    #[cfg(test)]
+    pub(crate) fn wait_compressed(&mut self) {
         if let Some(h) = self.compressor.take() {
             let _ = h.join();
         }

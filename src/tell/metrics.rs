@@ -20,7 +20,7 @@ use crate::supervisor::snapshot::Snapshot;
 /// `GET /metrics` and written to the textfile-collector file, in the
 /// Prometheus text format (0.0.4), names prefixed `vllm_warden_`, each with
 /// `# HELP` and `# TYPE`, every sample labelled with the instance's `name`.
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     state: Family<Vec<(String, String)>, Gauge>,
     ready: Gauge,
@@ -73,13 +73,13 @@ pub struct Metrics {
     gpu_wait: Gauge<f64, AtomicU64>,
     gave_up: Gauge,
     /// The front door's (`[front]`): its requests, held and in flight.
-    pub front: FrontMetrics,
+    pub(crate) front: FrontMetrics,
 }
 
 /// What the front door counts: requests by outcome (one request may count
 /// under several: held, then forwarded), how long requests were held, and
 /// the requests held and forwarded now.
-pub struct FrontMetrics {
+pub(crate) struct FrontMetrics {
     requests: Family<Vec<(String, String)>, Counter>,
     held_seconds: Histogram,
     in_flight: Gauge,
@@ -87,7 +87,7 @@ pub struct FrontMetrics {
 }
 
 /// The outcomes of `front_requests_total`.
-pub const FRONT_OUTCOMES: [&str; 5] = ["forwarded", "held", "rejected", "upstream_error", "retried"];
+pub(crate) const FRONT_OUTCOMES: [&str; 5] = ["forwarded", "held", "rejected", "upstream_error", "retried"];
 
 impl FrontMetrics {
     fn new() -> FrontMetrics {
@@ -130,25 +130,25 @@ impl FrontMetrics {
     }
 
     /// One request had `outcome` (one of [`FRONT_OUTCOMES`]).
-    pub fn count(&self, outcome: &str) {
+    pub(crate) fn count(&self, outcome: &str) {
         self.requests.get_or_create(&vec![("outcome".into(), outcome.into())]).inc();
     }
 
-    pub fn held_for(&self, d: Duration) {
+    pub(crate) fn held_for(&self, d: Duration) {
         self.held_seconds.observe(d.as_secs_f64());
     }
 
-    pub fn set_in_flight(&self, n: usize) {
+    pub(crate) fn set_in_flight(&self, n: usize) {
         self.in_flight.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
-    pub fn set_held(&self, n: usize) {
+    pub(crate) fn set_held(&self, n: usize) {
         self.held.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// Requests held and in flight now, as the gauges say (live: set by
     /// the front door at each change).
-    pub fn now(&self) -> (usize, usize) {
+    pub(crate) fn now(&self) -> (usize, usize) {
         let n = |g: &Gauge| usize::try_from(g.get()).unwrap_or(0);
         (n(&self.held), n(&self.in_flight))
     }
@@ -161,7 +161,7 @@ impl std::fmt::Debug for Metrics {
 }
 
 impl Metrics {
-    pub fn new(name: &str, started: SystemTime) -> Metrics {
+    pub(crate) fn new(name: &str, started: SystemTime) -> Metrics {
         let labels = [(std::borrow::Cow::Borrowed("name"), std::borrow::Cow::Owned(name.to_string()))];
         let mut registry = Registry::with_prefix_and_labels("vllm_warden", labels.into_iter());
         let m = Metrics {
@@ -367,7 +367,7 @@ impl Metrics {
     }
 
     /// Bring every metric to what `snap` says.
-    pub fn set(&self, snap: &Snapshot, journal_dropped: u64) {
+    pub(crate) fn set(&self, snap: &Snapshot, journal_dropped: u64) {
         for &p in Phase::ALL {
             let v = i64::from(p == snap.phase);
             self.state.get_or_create(&vec![("state".into(), p.as_str().into())]).set(v);
@@ -471,7 +471,7 @@ impl Metrics {
     }
 
     /// A reload ended at `at`: applied (`ok`) or refused.
-    pub fn reloaded(&self, ok: bool, at: SystemTime) {
+    pub(crate) fn reloaded(&self, ok: bool, at: SystemTime) {
         self.reload_ok.set(i64::from(ok));
         if ok {
             self.reload_ok_at.set(at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64());
@@ -480,11 +480,11 @@ impl Metrics {
 
     /// The exposition text.
     /// One turn of the driver's loop took `took`.
-    pub fn loop_turn(&self, took: Duration) {
+    pub(crate) fn loop_turn(&self, took: Duration) {
         self.loop_turn.observe(took.as_secs_f64());
     }
 
-    pub fn encode(&self) -> String {
+    pub(crate) fn encode(&self) -> String {
         self.refresh();
         let mut out = String::new();
         // Writing into a String cannot fail.
@@ -516,7 +516,8 @@ fn raise(c: &Counter, total: u64) {
 }
 
 /// The metrics of `snap` as text, from a registry of their own.
-pub fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped: u64) -> String {
+#[cfg(test)]
+pub(crate) fn metrics(name: &str, snap: &Snapshot, started: SystemTime, journal_dropped: u64) -> String {
     let m = Metrics::new(name, started);
     m.set(snap, journal_dropped);
     m.encode()

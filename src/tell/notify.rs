@@ -98,7 +98,7 @@ fn retry_after(n: u32) -> std::time::Duration {
 /// `STATUS=` and `EXTEND_TIMEOUT_USEC=` only; a missed `WATCHDOG=1` is
 /// not kept (the next one follows while the loop turns).
 #[derive(Debug, Default)]
-pub struct SdNotifier {
+pub(crate) struct SdNotifier {
     /// `$NOTIFY_SOCKET`, read once at start; `None`: notifications are off.
     target: Option<std::ffi::OsString>,
     sock: Option<UnixDatagram>,
@@ -131,7 +131,7 @@ fn coalesce(pending: &mut Vec<Note>, note: &Note) {
 }
 
 impl SdNotifier {
-    pub fn from_env() -> SdNotifier {
+    pub(crate) fn from_env() -> SdNotifier {
         SdNotifier { target: std::env::var_os("NOTIFY_SOCKET").filter(|s| !s.is_empty()), ..SdNotifier::default() }
     }
 
@@ -234,7 +234,7 @@ impl Notifier for SdNotifier {
 }
 
 /// How often a status of the same kind is printed again in the foreground.
-pub const FOREGROUND_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const FOREGROUND_EVERY: Duration = Duration::from_secs(10);
 
 /// The warden run in the foreground (a terminal, a container's log): every
 /// status also goes to the warden's own log, where the operator is looking,
@@ -243,14 +243,14 @@ pub const FOREGROUND_EVERY: Duration = Duration::from_secs(10);
 /// kind with new figures at most every [`FOREGROUND_EVERY`]; the same text
 /// never twice. Everything else goes to `inner` unchanged.
 #[derive(Debug)]
-pub struct Foreground<N> {
+pub(crate) struct Foreground<N> {
     inner: N,
     /// The text last printed, and when.
     shown: Option<(String, std::time::Instant)>,
 }
 
 impl<N: Notifier> Foreground<N> {
-    pub fn new(inner: N) -> Foreground<N> {
+    pub(crate) fn new(inner: N) -> Foreground<N> {
         Foreground { inner, shown: None }
     }
 }
@@ -262,12 +262,16 @@ fn kind(text: &str) -> impl Iterator<Item = &str> {
 }
 
 /// Whether two statuses are of one kind: the same words but for figures.
-pub fn same_kind(a: &str, b: &str) -> bool {
+pub(crate) fn same_kind(a: &str, b: &str) -> bool {
     kind(a).eq(kind(b))
 }
 
 /// Whether `text` is printed at `now`, after `shown`.
-pub fn foreground_due(shown: Option<&(String, std::time::Instant)>, text: &str, now: std::time::Instant) -> bool {
+pub(crate) fn foreground_due(
+    shown: Option<&(String, std::time::Instant)>,
+    text: &str,
+    now: std::time::Instant,
+) -> bool {
     match shown {
         None => true,
         Some((last, _)) if last == text => false,
@@ -302,7 +306,7 @@ impl<N: Notifier> Notifier for Foreground<N> {
 
 /// The watchdog period asked for by systemd (`WATCHDOG_USEC`, for this pid
 /// when `WATCHDOG_PID` is set), halved as systemd recommends.
-pub fn watchdog_interval() -> Option<Duration> {
+pub(crate) fn watchdog_interval() -> Option<Duration> {
     std::env::var_os("NOTIFY_SOCKET")?;
     if let Ok(pid) = std::env::var("WATCHDOG_PID")
         && pid.parse::<u32>().ok() != Some(std::process::id())
@@ -323,7 +327,7 @@ const FD_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 /// in `LISTEN_FDNAMES`) when it starts the service again, and holds it
 /// meanwhile. Nothing is sent, and `Ok(false)` returned, without
 /// `$NOTIFY_SOCKET`. One message a descriptor: the name is the message's.
-pub fn store_fd(name: &str, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool> {
+pub(crate) fn store_fd(name: &str, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool> {
     use std::os::fd::AsRawFd;
     let msg = format!("FDSTORE=1\nFDNAME={name}\n");
     send_with_fds(&msg, &[fd.as_raw_fd()])
@@ -331,7 +335,7 @@ pub fn store_fd(name: &str, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<
 
 /// Take every descriptor named `name` out of the store
 /// (`FDSTOREREMOVE=1`, `FDNAME=`); systemd closes its copies.
-pub fn remove_stored(name: &str) -> std::io::Result<bool> {
+pub(crate) fn remove_stored(name: &str) -> std::io::Result<bool> {
     let msg = format!("FDSTOREREMOVE=1\nFDNAME={name}\n");
     send_with_fds(&msg, &[])
 }

@@ -70,7 +70,7 @@ fn lock(files: &Mutex<Files>) -> MutexGuard<'_, Files> {
 impl Outbox {
     /// Start the writer's thread, which sends notes through `notifier`;
     /// `notifier` back if the thread cannot be started.
-    pub fn start<N: Notifier + 'static>(notifier: N) -> Result<Outbox, N> {
+    pub(crate) fn start<N: Notifier + 'static>(notifier: N) -> Result<Outbox, N> {
         let files = Arc::new(Mutex::new(Files::default()));
         // Handed to the thread, or back if it cannot start.
         let handed = Arc::new(Mutex::new(Some(notifier)));
@@ -85,7 +85,7 @@ impl Outbox {
     }
 
     /// Files written, and jobs run, at once by their caller.
-    pub fn direct() -> Outbox {
+    pub(crate) fn direct() -> Outbox {
         Outbox { thread: None }
     }
 
@@ -94,7 +94,7 @@ impl Outbox {
     /// the writer's thread (then `Ok` at once; a failure is logged there),
     /// else at once. The thread is woken by the notes that follow, or by
     /// [`Outbox::kick`] (one wake-up for a change and its notes).
-    pub fn replace(&self, path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    pub(crate) fn replace(&self, path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
         let Some(t) = &self.thread else { return write_file(path, bytes, mode) };
         let mut f = lock(&t.files);
         match f.waiting.iter_mut().find(|(p, ..)| p == path) {
@@ -107,7 +107,7 @@ impl Outbox {
     /// Have the files posted written, with no note after them (a change
     /// that notifies nothing): the observer of the state calls it once
     /// each change is carried out.
-    pub fn kick(&self) {
+    pub(crate) fn kick(&self) {
         let Some(t) = &self.thread else { return };
         let mut f = lock(&t.files);
         if f.waiting.is_empty() || f.kicked {
@@ -128,7 +128,7 @@ impl Outbox {
     /// on a busy machine that thread does not take the CPU the news waits
     /// for. `job` runs on the writer's thread: it must be quick and must not
     /// wait for the outbox (it hands work on to a thread of its own).
-    pub fn after_sent(&self, job: impl FnOnce() + Send + 'static) {
+    pub(crate) fn after_sent(&self, job: impl FnOnce() + Send + 'static) {
         match &self.thread {
             Some(t) => {
                 t.worker.send(Item::After(Box::new(job)));
@@ -141,7 +141,7 @@ impl Outbox {
     /// could not be delivered is not waited for), at most `limit`; false if
     /// that did not come. Before the warden exits or execs, nothing posted
     /// is lost.
-    pub fn settle(&self, limit: Duration) -> bool {
+    pub(crate) fn settle(&self, limit: Duration) -> bool {
         let Some(t) = &self.thread else { return true };
         self.kick();
         t.worker.flush(limit)
@@ -234,14 +234,14 @@ impl<N: Notifier + 'static> Handler<Item> for Writer<N> {
 /// The loop's notifier with the outbox: every note goes behind the files
 /// posted before it, but `WATCHDOG=1`, sent at once through a notifier of
 /// its own when there is one.
-pub struct Behind {
+pub(crate) struct Behind {
     outbox: Outbox,
     watchdog: Option<Box<dyn Notifier>>,
 }
 
 impl Behind {
     /// The notes through `outbox`; `WATCHDOG=1` through `watchdog`.
-    pub fn new(outbox: Outbox, watchdog: Option<Box<dyn Notifier>>) -> Behind {
+    pub(crate) fn new(outbox: Outbox, watchdog: Option<Box<dyn Notifier>>) -> Behind {
         Behind { outbox, watchdog }
     }
 }

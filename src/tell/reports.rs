@@ -32,19 +32,19 @@ mod later;
 mod parts;
 mod store;
 
-pub use self::later::*;
-pub use self::parts::*;
+pub(crate) use self::later::*;
+pub(crate) use self::parts::*;
 pub use self::store::*;
 
 /// The folder of every report, in the state directory.
-pub const FOLDER: &str = "reports";
+pub(crate) const FOLDER: &str = "reports";
 /// The files of a report, and its one sub-folder.
-pub const SUMMARY: &str = "summary.json";
-pub const LOG_TAIL: &str = "log-tail.txt";
-pub const TREE: &str = "tree.txt";
-pub const GPU: &str = "gpu.txt";
-pub const KERNEL: &str = "kernel.txt";
-pub const PY_SPY: &str = "py-spy";
+pub(crate) const SUMMARY: &str = "summary.json";
+pub(crate) const LOG_TAIL: &str = "log-tail.txt";
+pub(crate) const TREE: &str = "tree.txt";
+pub(crate) const GPU: &str = "gpu.txt";
+pub(crate) const KERNEL: &str = "kernel.txt";
+pub(crate) const PY_SPY: &str = "py-spy";
 const FILES: [&str; 5] = [SUMMARY, LOG_TAIL, TREE, GPU, KERNEL];
 
 /// How much of a run's log is read at most: its last part, when longer.
@@ -64,26 +64,26 @@ const PROC_MAX: u64 = 64 << 10;
 /// The report of a run, as `summary.json` holds it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Summary {
-    pub instance: String,
+    pub(crate) instance: String,
     /// The start number (`start N` in the log marker).
-    pub start: u32,
-    pub attempt: u32,
+    pub(crate) start: u32,
+    pub(crate) attempt: u32,
     /// The run's child (its leader); none in a report of an older warden.
     #[serde(default)]
-    pub pid: Option<u32>,
+    pub(crate) pid: Option<u32>,
     pub cause: String,
     pub class: FailureClass,
     pub hint: Option<String>,
-    pub timings: Timings,
+    pub(crate) timings: Timings,
     /// How the leader ended, when it had before the report.
     pub exit: Option<String>,
-    pub warden_version: String,
+    pub(crate) warden_version: String,
     /// From the run's log (`… version 0.32.0`).
     pub vllm_version: Option<String>,
     /// sha256 of the config text the run was started with.
-    pub config_sha256: String,
+    pub(crate) config_sha256: String,
     /// The files `[[patch]]` changed, from the patches' manifest.
-    pub patched_files: Vec<PatchedFile>,
+    pub(crate) patched_files: Vec<PatchedFile>,
     /// What each part of the report holds, or why it is missing.
     pub parts: BTreeMap<String, String>,
     /// False while the report is being written, and for one cut short.
@@ -92,66 +92,66 @@ pub struct Summary {
 
 /// RFC 3339 UTC instants of the run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Timings {
-    pub spawn: String,
-    pub first_progress: Option<String>,
-    pub ready: Option<String>,
-    pub failure: String,
+pub(crate) struct Timings {
+    pub(crate) spawn: String,
+    pub(crate) first_progress: Option<String>,
+    pub(crate) ready: Option<String>,
+    pub(crate) failure: String,
     /// The report was begun, and finished.
-    pub report_begun: String,
-    pub report_done: Option<String>,
+    pub(crate) report_begun: String,
+    pub(crate) report_done: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PatchedFile {
-    pub file: String,
-    pub original_sha256: String,
-    pub patched_sha256: String,
+pub(crate) struct PatchedFile {
+    pub(crate) file: String,
+    pub(crate) original_sha256: String,
+    pub(crate) patched_sha256: String,
 }
 
 /// Everything one report needs, gathered on the loop (no I/O there).
 #[derive(Debug, Clone)]
-pub struct Job {
+pub(crate) struct Job {
     /// The state directory: `reports/` is made in it.
-    pub state_dir: PathBuf,
+    pub(crate) state_dir: PathBuf,
     /// The report's folder name (see [`folder_name`]).
-    pub name: String,
-    pub instance: String,
-    pub order: ReportOrder,
+    pub(crate) name: String,
+    pub(crate) instance: String,
+    pub(crate) order: ReportOrder,
     /// When the run was spawned, and when the report was asked for.
-    pub spawned: SystemTime,
-    pub begun: SystemTime,
-    pub log_file: PathBuf,
+    pub(crate) spawned: SystemTime,
+    pub(crate) begun: SystemTime,
+    pub(crate) log_file: PathBuf,
     /// Where the run's lines begin in the log.
-    pub log_offset: u64,
-    pub settings: crate::config::Reports,
-    pub config_sha256: String,
+    pub(crate) log_offset: u64,
+    pub(crate) settings: crate::config::Reports,
+    pub(crate) config_sha256: String,
     /// Classifies the log's lines, for the traceback groups.
-    pub classifier: Classifier,
+    pub(crate) classifier: Classifier,
     /// The warden's pid: the tree is its descendants.
-    pub warden: i32,
+    pub(crate) warden: i32,
     /// Set once nothing is left of the run (see
     /// [`crate::process::child::Tree::run_ended`]): from then on there is no tree
     /// to look for, and nothing waits for the report's file work, which
     /// yields to the next start.
-    pub run_ended: Arc<std::sync::atomic::AtomicBool>,
+    pub(crate) run_ended: Arc<std::sync::atomic::AtomicBool>,
     /// The run's log (the child's own descriptor) and where it ended, when
     /// already known: the log was read to its end after the exit. With the
     /// run ended too, nothing of it is left to take before a new one starts
     /// but its GPU snapshot.
-    pub log_taken: Option<(Arc<fs::File>, u64)>,
+    pub(crate) log_taken: Option<(Arc<fs::File>, u64)>,
     /// Where the run began among the kernel messages the warden follows,
     /// if it followed them from before its spawn: with the default
     /// `reports.kernel-messages`, `kernel.txt` is what the follower read
     /// since (no command runs), as long as it read on all along.
-    pub kernel: Option<crate::observe::kernel::Mark>,
+    pub(crate) kernel: Option<crate::observe::kernel::Mark>,
     /// Held from the report's start until its log is read: no rotation
     /// moves the run's lines meanwhile.
-    pub log_hold: Option<crate::observe::rotate::Hold>,
+    pub(crate) log_hold: Option<crate::observe::rotate::Hold>,
 }
 
 /// `20261130T134105.123Z-kimi-3`: sorts by time.
-pub fn folder_name(at: SystemTime, instance: &str, attempt: u32) -> String {
+pub(crate) fn folder_name(at: SystemTime, instance: &str, attempt: u32) -> String {
     let t = humantime::format_rfc3339_millis(at).to_string();
     let t: String = t.chars().filter(|c| *c != '-' && *c != ':').collect();
     format!("{t}-{instance}-{attempt}")
@@ -161,7 +161,7 @@ static NAME: LazyLock<Regex> =
     LazyLock::new(|| Regex::new(r"^(\d{8}T\d{6}\.\d{3}Z)-(.+)-(\d{1,10})$").expect("static regex"));
 
 /// A folder name of ours for `instance`: its time and attempt.
-pub fn parse_name<'a>(name: &'a str, instance: &str) -> Option<(&'a str, u32)> {
+pub(crate) fn parse_name<'a>(name: &'a str, instance: &str) -> Option<(&'a str, u32)> {
     let c = NAME.captures(name)?;
     if c.get(2)?.as_str() != instance {
         return None;
@@ -221,7 +221,7 @@ fn write_summary(dir: &Path, s: &Summary) -> io::Result<()> {
 /// What follows (the log read up to that end, the kernel's messages, the
 /// summary, retention) needs nothing of the run any more and may go on
 /// beside a new one.
-pub async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf> {
+pub(crate) async fn write(job: Job, taken: impl FnOnce() + Send) -> io::Result<PathBuf> {
     let t0 = Instant::now();
     let budget = job.settings.timeout;
     let dir = job.state_dir.join(FOLDER).join(&job.name);

@@ -34,16 +34,16 @@ const PINS_KEEP: usize = 200;
 
 /// A setup that reached ready.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SetupRecord {
-    pub fingerprint: String,
+pub(crate) struct SetupRecord {
+    pub(crate) fingerprint: String,
     /// When it reached ready last (RFC 3339, UTC).
-    pub at: String,
+    pub(crate) at: String,
     /// The config file, and its text as the warden ran it.
-    pub config_file: PathBuf,
-    pub config: String,
+    pub(crate) config_file: PathBuf,
+    pub(crate) config: String,
     /// vLLM's version, the command line and `child.env` (masked), the
     /// patched files' sha256.
-    pub setup: crate::tell::ledger::Setup,
+    pub(crate) setup: crate::tell::ledger::Setup,
 }
 
 /// A fingerprint as the warden makes them: 16 lowercase hex digits.
@@ -73,7 +73,7 @@ fn setups_dir(state_dir: &Path, create: bool) -> std::io::Result<Dir> {
 }
 
 /// Keep `record` as a setup that reached ready, and at most `keep` setups.
-pub fn record_good(state_dir: &Path, record: &SetupRecord, keep: u32) -> std::io::Result<()> {
+pub(crate) fn record_good(state_dir: &Path, record: &SetupRecord, keep: u32) -> std::io::Result<()> {
     if !valid_fingerprint(&record.fingerprint) {
         return Err(std::io::Error::other(format!("{:?} is not a setup fingerprint", record.fingerprint)));
     }
@@ -89,7 +89,7 @@ pub fn record_good(state_dir: &Path, record: &SetupRecord, keep: u32) -> std::io
 }
 
 /// A record of this warden's making, for a good setup now.
-pub fn good_now(s: &crate::config::Settings, facts: &crate::tell::ledger::Facts) -> SetupRecord {
+pub(crate) fn good_now(s: &crate::config::Settings, facts: &crate::tell::ledger::Facts) -> SetupRecord {
     SetupRecord {
         fingerprint: facts.fingerprint.clone(),
         at: now_rfc3339(),
@@ -125,14 +125,14 @@ fn list_in(dir: &Dir) -> Vec<SetupRecord> {
 /// Every setup of instance `instance` that reached ready, newest first: a
 /// record whose config names another instance (or does not read) is
 /// skipped.
-pub fn list(state_dir: &Path, instance: &str) -> Vec<SetupRecord> {
+pub(crate) fn list(state_dir: &Path, instance: &str) -> Vec<SetupRecord> {
     let all = setups_dir(state_dir, false).map(|d| list_in(&d)).unwrap_or_default();
     all.into_iter().filter(|r| instance_of(r).as_deref() == Some(instance)).collect()
 }
 
 /// The setup `id` of instance `instance` (a fingerprint, or a unique
 /// beginning of one).
-pub fn find(state_dir: &Path, instance: &str, id: &str) -> Result<SetupRecord, String> {
+pub(crate) fn find(state_dir: &Path, instance: &str, id: &str) -> Result<SetupRecord, String> {
     let all = list(state_dir, instance);
     let hits: Vec<&SetupRecord> = all.iter().filter(|r| r.fingerprint.starts_with(id) && !id.is_empty()).collect();
     match hits.as_slice() {
@@ -151,7 +151,7 @@ const PIN_TEXT_MAX: usize = 64;
 /// (argument name → value): data, for `supervisor::fit::check_pin` to
 /// judge before a start uses any. A pins file that is not the pins' JSON is
 /// none, said once per read.
-pub fn pins(state_dir: &Path, fingerprint: &str) -> BTreeMap<String, String> {
+pub(crate) fn pins(state_dir: &Path, fingerprint: &str) -> BTreeMap<String, String> {
     let Ok(dir) = state(state_dir, false) else { return BTreeMap::new() };
     let all: Pins = match read_pins(&dir) {
         Ok(all) => all,
@@ -180,7 +180,7 @@ fn read_pins(dir: &Dir) -> Result<Pins, String> {
 
 /// Drop the pins of setup `fingerprint` that still have the values of
 /// `values` (a start with them failed).
-pub fn unpin(state_dir: &Path, fingerprint: &str, values: &BTreeMap<FitArg, String>) -> std::io::Result<()> {
+pub(crate) fn unpin(state_dir: &Path, fingerprint: &str, values: &BTreeMap<FitArg, String>) -> std::io::Result<()> {
     let dir = state(state_dir, false)?;
     let mut all: Pins = read_pins(&dir).unwrap_or_default();
     let Some(entry) = all.get_mut(fingerprint) else { return Ok(()) };
@@ -198,7 +198,7 @@ pub fn unpin(state_dir: &Path, fingerprint: &str, values: &BTreeMap<FitArg, Stri
 }
 
 /// Pin `values` for setup `fingerprint` (over what it had).
-pub fn pin(state_dir: &Path, fingerprint: &str, values: &BTreeMap<FitArg, String>) -> std::io::Result<()> {
+pub(crate) fn pin(state_dir: &Path, fingerprint: &str, values: &BTreeMap<FitArg, String>) -> std::io::Result<()> {
     if !valid_fingerprint(fingerprint) {
         return Err(std::io::Error::other(format!("{fingerprint:?} is not a setup fingerprint")));
     }

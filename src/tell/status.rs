@@ -16,114 +16,114 @@ use std::collections::BTreeMap;
 
 use crate::supervisor::outcome::Exit;
 use crate::supervisor::outcome::Phase;
-pub use crate::supervisor::snapshot::{LastFailure, Snapshot};
+pub(crate) use crate::supervisor::snapshot::{LastFailure, Snapshot};
 use crate::tell::metrics::Metrics;
 use crate::tell::outbox::Outbox;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LastExit {
-    pub code: Option<i32>,
-    pub signal: Option<String>,
-    pub at: String,
+pub(crate) struct LastExit {
+    pub(crate) code: Option<i32>,
+    pub(crate) signal: Option<String>,
+    pub(crate) at: String,
 }
 
 /// The status document, as written to `status.file`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Doc {
-    pub name: String,
-    pub version: String,
-    pub warden_pid: u32,
-    pub state: Phase,
-    pub child_pid: Option<u32>,
-    pub attempt: u32,
-    pub restarts: u32,
+pub(crate) struct Doc {
+    pub(crate) name: String,
+    pub(crate) version: String,
+    pub(crate) warden_pid: u32,
+    pub(crate) state: Phase,
+    pub(crate) child_pid: Option<u32>,
+    pub(crate) attempt: u32,
+    pub(crate) restarts: u32,
     /// When the current state began.
-    pub since: String,
-    pub ready_since: Option<String>,
-    pub progress: Option<String>,
-    pub last_exit: Option<LastExit>,
-    pub cause: Option<String>,
+    pub(crate) since: String,
+    pub(crate) ready_since: Option<String>,
+    pub(crate) progress: Option<String>,
+    pub(crate) last_exit: Option<LastExit>,
+    pub(crate) cause: Option<String>,
     /// What to do about the cause, when it is a known one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hint: Option<String>,
+    pub(crate) hint: Option<String>,
     /// Set when the warden has exited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub exit_code: Option<i32>,
+    pub(crate) exit_code: Option<i32>,
     /// The last failed run and its failure report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_failure: Option<LastFailure>,
+    pub(crate) last_failure: Option<LastFailure>,
     /// Where the child's caches go, and their size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache: Option<Cache>,
+    pub(crate) cache: Option<Cache>,
     /// The load under way: its phase and the estimate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub load: Option<LoadDoc>,
+    pub(crate) load: Option<LoadDoc>,
     /// The last load that ended, as the ledger has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_load: Option<LastLoad>,
+    pub(crate) last_load: Option<LastLoad>,
     /// The last golden check: `same`, `recorded`, `changed`, `failed` or
     /// `unrecorded`, and what it found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub golden: Option<GoldenDoc>,
+    pub(crate) golden: Option<GoldenDoc>,
     /// Why the answers are being checked again (the model out of rotation
     /// meanwhile), while they are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rechecking: Option<String>,
+    pub(crate) rechecking: Option<String>,
     /// Re-checks of the serving model's answers, and the seconds out of
     /// rotation they took in all.
     #[serde(default, skip_serializing_if = "is_zero")]
-    pub rechecks: u32,
+    pub(crate) rechecks: u32,
     #[serde(default, skip_serializing_if = "is_zero_f64")]
-    pub recheck_paused_seconds: f64,
+    pub(crate) recheck_paused_seconds: f64,
     /// The weight-cache daemon (`[preload]`), while one runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preload: Option<crate::supervisor::preload::DaemonView>,
+    pub(crate) preload: Option<crate::supervisor::preload::DaemonView>,
     /// Memory fit: each fit argument the current (or last) start used,
     /// its value and where it came from (`config`, `default`, `pinned`,
     /// `fitted`), and the adjustments since the last ready.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub fit: BTreeMap<String, FitValue>,
+    pub(crate) fit: BTreeMap<String, FitValue>,
     #[serde(default, skip_serializing_if = "is_zero")]
-    pub fit_adjustments: u32,
+    pub(crate) fit_adjustments: u32,
     /// `configured`, or `last-known-good` while a rollback is in force.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub setup: Option<String>,
+    pub(crate) setup: Option<String>,
     /// The fingerprint of the setup in use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fingerprint: Option<String>,
+    pub(crate) fingerprint: Option<String>,
     /// While a rollback is in force: both setups, and why the new one
     /// failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rollback: Option<crate::supervisor::snapshot::RolledBack>,
+    pub(crate) rollback: Option<crate::supervisor::snapshot::RolledBack>,
     /// The last reload asked of this warden (`systemctl reload`,
     /// `vllm-warden reload`, SIGHUP): when, what became of it, and every
     /// problem of a refused config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_reload: Option<LastReload>,
+    pub(crate) last_reload: Option<LastReload>,
     /// The front door (`[front]`): where clients connect, where the engine
     /// listens, and the requests held and in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub front: Option<FrontDoc>,
+    pub(crate) front: Option<FrontDoc>,
 }
 
 /// The front door, in the status document.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FrontDoc {
+pub(crate) struct FrontDoc {
     /// The addresses clients connect to (`0.0.0.0:8000`, `unix:/run/…`).
-    pub listen: Vec<String>,
+    pub(crate) listen: Vec<String>,
     /// Where the engine serves, reached only by the warden.
-    pub engine: String,
+    pub(crate) engine: String,
     /// Requests waiting for the engine to serve.
-    pub held: usize,
+    pub(crate) held: usize,
     /// Requests forwarded and not yet answered.
-    pub in_flight: usize,
+    pub(crate) in_flight: usize,
 }
 
 /// What became of a reload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, strum::IntoStaticStr)]
 #[serde(rename_all = "kebab-case")]
 #[strum(serialize_all = "kebab-case")]
-pub enum ReloadOutcome {
+pub(crate) enum ReloadOutcome {
     /// Only the warden's own settings changed: applied to the running child.
     Applied,
     /// The child sees a change: it is started again.
@@ -135,26 +135,26 @@ pub enum ReloadOutcome {
 }
 
 impl ReloadOutcome {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         self.into()
     }
 }
 
 /// The last reload, as the status document and `POST /reload` show it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LastReload {
-    pub at: String,
-    pub outcome: ReloadOutcome,
+pub(crate) struct LastReload {
+    pub(crate) at: String,
+    pub(crate) outcome: ReloadOutcome,
     /// What changed (or "nothing changed"), or why the config was refused.
-    pub summary: String,
+    pub(crate) summary: String,
     /// Every problem of a refused config, each with its file:line:col.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub problems: Vec<String>,
+    pub(crate) problems: Vec<String>,
 }
 
 impl LastReload {
     /// A reload that ended now, its texts made safe to show.
-    pub fn now(outcome: ReloadOutcome, summary: &str, problems: &[String]) -> LastReload {
+    pub(crate) fn now(outcome: ReloadOutcome, summary: &str, problems: &[String]) -> LastReload {
         LastReload {
             at: rfc3339(SystemTime::now()),
             outcome,
@@ -169,46 +169,46 @@ fn is_zero(n: &u32) -> bool {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FitValue {
-    pub value: String,
-    pub source: String,
+pub(crate) struct FitValue {
+    pub(crate) value: String,
+    pub(crate) source: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GoldenDoc {
-    pub verdict: String,
-    pub text: String,
+pub(crate) struct GoldenDoc {
+    pub(crate) verdict: String,
+    pub(crate) text: String,
 }
 
 /// The load under way.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LoadDoc {
-    pub phase: String,
+pub(crate) struct LoadDoc {
+    pub(crate) phase: String,
     /// The phase's place among those expected (1-based), and how many.
-    pub index: usize,
-    pub of: usize,
-    pub elapsed_secs: f64,
+    pub(crate) index: usize,
+    pub(crate) of: usize,
+    pub(crate) elapsed_secs: f64,
     /// The estimate of the load's total from its setup's history (see
     /// `supervisor::load`), and the setup's last load; absent without
     /// history.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expected_secs: Option<f64>,
+    pub(crate) expected_secs: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_secs: Option<f64>,
+    pub(crate) last_secs: Option<f64>,
     /// How far off the estimate is expected to be, from the setup's
     /// history: the median of the recent loads' worst absolute error from
     /// 25 % of the load on (a fraction); absent until loads kept what
     /// their estimate said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expected_error: Option<f64>,
-    pub fingerprint: String,
+    pub(crate) expected_error: Option<f64>,
+    pub(crate) fingerprint: String,
     /// As in `STATUS=`.
-    pub text: String,
+    pub(crate) text: String,
 }
 
 impl LoadDoc {
     /// `load` of the status document (and of the endpoint's `/startupz`).
-    pub fn of(l: &crate::supervisor::load::LoadNow) -> LoadDoc {
+    pub(crate) fn of(l: &crate::supervisor::load::LoadNow) -> LoadDoc {
         LoadDoc {
             phase: l.phase.name().into(),
             index: l.index,
@@ -225,44 +225,44 @@ impl LoadDoc {
 
 /// The last load that ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LastLoad {
-    pub outcome: String,
-    pub total_secs: f64,
+pub(crate) struct LastLoad {
+    pub(crate) outcome: String,
+    pub(crate) total_secs: f64,
     /// Each phase that ended, in order, and its seconds.
-    pub phases: Vec<(String, f64)>,
+    pub(crate) phases: Vec<(String, f64)>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache: Option<String>,
+    pub(crate) cache: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gbps: Option<f64>,
+    pub(crate) gbps: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cold: Option<bool>,
+    pub(crate) cold: Option<bool>,
     /// The fraction of the weights in the page cache at the spawn.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub residency: Option<f64>,
+    pub(crate) residency: Option<f64>,
     /// The disk's speed as the read-ahead measured it (GB/s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub disk_gbps: Option<f64>,
+    pub(crate) disk_gbps: Option<f64>,
     /// The weights phase against the disk's speed (or the page cache's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub efficiency: Option<f64>,
+    pub(crate) efficiency: Option<f64>,
     /// Its warnings: slower than its setup's median, or the compile cache
     /// did less than before.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub alarms: Vec<String>,
-    pub fingerprint: String,
+    pub(crate) alarms: Vec<String>,
+    pub(crate) fingerprint: String,
 }
 
 /// The cache directory (`child.cache-dir`) and its size, measured at each
 /// start and each ready.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cache {
-    pub dir: String,
+pub(crate) struct Cache {
+    pub(crate) dir: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bytes: Option<u64>,
+    pub(crate) bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub files: Option<u64>,
+    pub(crate) files: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub measured_at: Option<String>,
+    pub(crate) measured_at: Option<String>,
 }
 
 /// A human field from data (a log line, a process's command line): one
@@ -286,10 +286,10 @@ fn rfc3339(t: SystemTime) -> String {
 
 /// How often a change of the progress line alone, or of the journal's
 /// dropped lines, is written; every other change is written at once.
-pub const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+pub(crate) const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
 /// Keeps both files up to date.
-pub struct Reporter {
+pub(crate) struct Reporter {
     name: String,
     doc_path: PathBuf,
     metrics_path: Option<PathBuf>,
@@ -329,7 +329,7 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    pub fn new(name: &str, doc_path: &Path, metrics_path: Option<&Path>, outbox: Outbox) -> Reporter {
+    pub(crate) fn new(name: &str, doc_path: &Path, metrics_path: Option<&Path>, outbox: Outbox) -> Reporter {
         let now = SystemTime::now();
         Reporter {
             outbox,
@@ -360,7 +360,7 @@ impl Reporter {
 
     /// The cache directory to show and measure (a reloaded config may
     /// change it).
-    pub fn set_cache_dir(&mut self, dir: Option<&Path>) {
+    pub(crate) fn set_cache_dir(&mut self, dir: Option<&Path>) {
         if self.cache_dir.as_deref() != dir {
             self.cache_dir = dir.map(Path::to_path_buf);
             self.meter = crate::process::caches::Meter::default();
@@ -373,7 +373,7 @@ impl Reporter {
 
     /// Write to these paths from now on (a reloaded config); the next
     /// update writes them whole, whatever changed.
-    pub fn set_paths(&mut self, doc_path: &Path, metrics_path: Option<&Path>) {
+    pub(crate) fn set_paths(&mut self, doc_path: &Path, metrics_path: Option<&Path>) {
         if self.doc_path != doc_path || self.metrics_path.as_deref() != metrics_path {
             self.doc_path = doc_path.to_path_buf();
             self.metrics_path = metrics_path.map(Path::to_path_buf);
@@ -388,7 +388,7 @@ impl Reporter {
     /// [`PROGRESS_EVERY`] ago (then [`Reporter::due`] says when). Whoever
     /// hears of a change of state finds the files saying it. A failure to
     /// write is logged, never fatal.
-    pub fn update(&mut self, snap: &Snapshot) {
+    pub(crate) fn update(&mut self, snap: &Snapshot) {
         if self.last.as_ref() == Some(snap) && !self.moved {
             return;
         }
@@ -432,7 +432,7 @@ impl Reporter {
     /// The count of the metric `vllm_warden_journal_dropped_lines_total`;
     /// written with the next change, or at [`Reporter::due`].
     /// The weight-cache daemon as it is now (`[preload]`).
-    pub fn set_preload(&mut self, view: Option<crate::supervisor::preload::DaemonView>) {
+    pub(crate) fn set_preload(&mut self, view: Option<crate::supervisor::preload::DaemonView>) {
         if self.preload != view {
             self.preload = view;
             self.pending = true;
@@ -441,7 +441,7 @@ impl Reporter {
 
     /// The front door as it is now (`[front]`): written with the next
     /// change, or at [`Reporter::due`].
-    pub fn set_front(&mut self, front: Option<FrontDoc>) {
+    pub(crate) fn set_front(&mut self, front: Option<FrontDoc>) {
         if self.front != front {
             self.front = front;
             self.pending = true;
@@ -450,14 +450,14 @@ impl Reporter {
 
     /// A reload ended: in the document and the metrics with the next write,
     /// which is due at once.
-    pub fn set_last_reload(&mut self, r: LastReload) {
+    pub(crate) fn set_last_reload(&mut self, r: LastReload) {
         self.metrics.reloaded(r.outcome != ReloadOutcome::Refused, SystemTime::now());
         self.last_reload = Some(r);
         self.pending = true;
         self.written_at = None;
     }
 
-    pub fn set_journal_dropped(&mut self, n: u64) {
+    pub(crate) fn set_journal_dropped(&mut self, n: u64) {
         if n != self.journal_dropped {
             self.journal_dropped = n;
             self.pending = true;
@@ -466,13 +466,13 @@ impl Reporter {
 
     /// A write waits (notifications of the same change wait with it); a
     /// size being measured holds nothing.
-    pub fn write_waits(&self) -> bool {
+    pub(crate) fn write_waits(&self) -> bool {
         self.pending
     }
 
     /// When [`Reporter::flush`] should write what waits (or look whether
     /// the cache's size has come).
-    pub fn due(&self) -> Option<std::time::Instant> {
+    pub(crate) fn due(&self) -> Option<std::time::Instant> {
         if self.pending {
             return Some(self.written_at.map_or_else(std::time::Instant::now, |t| t + PROGRESS_EVERY));
         }
@@ -482,7 +482,7 @@ impl Reporter {
     }
 
     /// Write what waits, if anything does.
-    pub fn flush(&mut self) {
+    pub(crate) fn flush(&mut self) {
         if self.meter.take().1 {
             self.pending = true;
         }
@@ -492,19 +492,19 @@ impl Reporter {
     }
 
     /// The registry behind the metrics file, for the HTTP endpoint.
-    pub fn metrics(&self) -> Arc<Metrics> {
+    pub(crate) fn metrics(&self) -> Arc<Metrics> {
         self.metrics.clone()
     }
 
     /// One turn of the loop, into its histogram (served by `/metrics`; the
     /// metrics file has it as of its last write).
-    pub fn loop_turn(&self, took: Duration) {
+    pub(crate) fn loop_turn(&self, took: Duration) {
         self.metrics.loop_turn(took);
     }
 
     /// The status document as last made: what the file says (or would, if
     /// it could not be written).
-    pub fn document(&self) -> Option<Arc<str>> {
+    pub(crate) fn document(&self) -> Option<Arc<str>> {
         self.document.clone()
     }
 

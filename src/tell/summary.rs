@@ -11,7 +11,7 @@ use crate::tell::status::{Doc, safe};
 
 /// What `status` concludes from the document.
 #[derive(Debug, Clone, PartialEq)]
-pub enum StatusVerdict {
+pub(crate) enum StatusVerdict {
     Ready(Doc),
     NotReady(Doc),
     /// No file, a stopped warden, or a warden pid that is gone.
@@ -19,13 +19,13 @@ pub enum StatusVerdict {
 }
 
 /// Read the document and tell whether its warden is still there.
-pub fn read(path: &Path) -> StatusVerdict {
+pub(crate) fn read(path: &Path) -> StatusVerdict {
     let Ok(text) = std::fs::read_to_string(path) else { return StatusVerdict::NotRunning(None) };
     verdict(&text)
 }
 
 /// What a document says (from the file, or from the warden's socket).
-pub fn verdict(text: &str) -> StatusVerdict {
+pub(crate) fn verdict(text: &str) -> StatusVerdict {
     let Ok(doc) = serde_json::from_str::<Doc>(text) else { return StatusVerdict::NotRunning(None) };
     if doc.state == Phase::Stopped || doc.exit_code.is_some() || !warden_alive(doc.warden_pid) {
         return StatusVerdict::NotRunning(Some(doc));
@@ -43,7 +43,7 @@ fn warden_alive(pid: u32) -> bool {
 }
 
 /// The short human summary of `status`.
-pub fn summary(v: &StatusVerdict) -> String {
+pub(crate) fn summary(v: &StatusVerdict) -> String {
     let doc = match v {
         StatusVerdict::Ready(d) | StatusVerdict::NotReady(d) => d,
         StatusVerdict::NotRunning(None) => return "not running (no status file)".to_string(),

@@ -6,7 +6,7 @@
 use vllm_warden_core::Instant;
 
 /// A tokio instant as the core's.
-pub trait ToCore {
+pub(crate) trait ToCore {
     fn to_core(self) -> Instant;
 }
 
@@ -17,7 +17,7 @@ impl ToCore for tokio::time::Instant {
 }
 
 /// The core's instant as tokio's, to sleep until it.
-pub fn to_tokio(t: Instant) -> tokio::time::Instant {
+pub(crate) fn to_tokio(t: Instant) -> tokio::time::Instant {
     tokio::time::Instant::from_std(t.into_std())
 }
 

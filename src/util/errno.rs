@@ -2,7 +2,7 @@
 
 /// The warden's own lack of a resource, named, when `e` is one: the error
 /// is the warden's, never the child's.
-pub fn own_shortage(e: &std::io::Error) -> Option<&'static str> {
+pub(crate) fn own_shortage(e: &std::io::Error) -> Option<&'static str> {
     match e.raw_os_error()? {
         libc::EMFILE => Some("the warden is out of file descriptors"),
         libc::ENFILE => Some("the system is out of file descriptors"),

@@ -6,12 +6,12 @@
 //! text came from.
 
 /// How long a `STATUS=` (and any other one-line human field) may be.
-pub const MAX_LINE: usize = 1024;
+pub(crate) const MAX_LINE: usize = 1024;
 
 /// `text` as one visible line of at most `max` characters: C0 and C1
 /// controls, DEL and the Unicode line and paragraph separators are written
 /// as `\n`, `\r`, `\t`, `\x1b`, `\u{2028}`; a longer text is cut with `…`.
-pub fn one_line(text: &str, max: usize) -> String {
+pub(crate) fn one_line(text: &str, max: usize) -> String {
     let mut out = String::with_capacity(text.len().min(max + 8));
     let mut chars = 0usize;
     for c in text.chars() {
@@ -40,7 +40,8 @@ pub fn one_line(text: &str, max: usize) -> String {
 }
 
 /// True for the characters [`one_line`] escapes.
-pub fn is_unsafe(c: char) -> bool {
+#[cfg(test)]
+pub(crate) fn is_unsafe(c: char) -> bool {
     (c as u32) < 0x20 || ('\u{7f}'..='\u{9f}').contains(&c) || c == '\u{2028}' || c == '\u{2029}'
 }
 

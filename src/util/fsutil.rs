@@ -25,7 +25,7 @@ use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 /// half-written file, but a power loss may lose the last write. For files
 /// that describe the running process (status, metrics), rewritten often and
 /// meaningless after a reboot.
-pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+pub(crate) fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = path.with_file_name(format!(".{name}.vllm-warden.tmp"));
     let create = || OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp);
@@ -52,7 +52,7 @@ pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
 /// Why this user cannot use a folder to write in: it must be a folder it
 /// can write and enter, or one it can create.
 #[derive(Debug)]
-pub enum Unwritable {
+pub(crate) enum Unwritable {
     /// It is there, and is this kind of file (see [`kind_of`]).
     NotAFolder(&'static str),
     /// A folder this user may not write or enter.
@@ -68,7 +68,7 @@ pub enum Unwritable {
 
 /// `Ok` when `dir` is a folder this user can write and enter (links
 /// followed), or one it can create.
-pub fn writable_folder(dir: &Path) -> Result<(), Unwritable> {
+pub(crate) fn writable_folder(dir: &Path) -> Result<(), Unwritable> {
     use nix::unistd::{AccessFlags, access};
     let rw = |d: &Path| access(d, AccessFlags::W_OK | AccessFlags::X_OK).map_err(io::Error::from);
     match fs::metadata(dir) {
@@ -87,7 +87,7 @@ pub fn writable_folder(dir: &Path) -> Result<(), Unwritable> {
 }
 
 /// The kind of a file, in words, for a message: `a FIFO (named pipe)`.
-pub fn kind_of(m: &fs::Metadata) -> &'static str {
+pub(crate) fn kind_of(m: &fs::Metadata) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     let t = m.file_type();
     if t.is_file() {
@@ -112,15 +112,15 @@ pub fn kind_of(m: &fs::Metadata) -> &'static str {
 /// What a name pointed at when it was looked at: a file replaced, or
 /// written in place, since then has another stamp.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stamp {
-    pub dev: u64,
-    pub ino: u64,
-    pub size: u64,
-    pub mtime: (i64, i64),
+pub(crate) struct Stamp {
+    pub(crate) dev: u64,
+    pub(crate) ino: u64,
+    pub(crate) size: u64,
+    pub(crate) mtime: (i64, i64),
 }
 
 impl Stamp {
-    pub fn of(m: &fs::Metadata) -> Stamp {
+    pub(crate) fn of(m: &fs::Metadata) -> Stamp {
         Stamp { dev: m.dev(), ino: m.ino(), size: m.size(), mtime: (m.mtime(), m.mtime_nsec()) }
     }
 }
@@ -147,7 +147,7 @@ impl BeneathError {
     }
 
     /// The error of the system call, if that is what it was.
-    pub fn io_error(&self) -> Option<&io::Error> {
+    pub(crate) fn io_error(&self) -> Option<&io::Error> {
         match self {
             BeneathError::Io { source, .. } => Some(source),
             _ => None,
@@ -160,7 +160,7 @@ const MAX_LINKS: usize = 40;
 
 /// A folder, opened once. Names under it are opened relative to it.
 #[derive(Debug)]
-pub struct Dir {
+pub(crate) struct Dir {
     fd: OwnedFd,
     path: PathBuf,
 }
@@ -168,14 +168,14 @@ pub struct Dir {
 impl Dir {
     /// Open the folder at `path`, following symlinks: the path itself is
     /// trusted (it comes from the config or from systemd).
-    pub fn open(path: &Path) -> io::Result<Dir> {
+    pub(crate) fn open(path: &Path) -> io::Result<Dir> {
         let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
         Ok(Dir { fd, path: path.to_path_buf() })
     }
 
     /// The folder `name` right under this one, never through a symlink;
     /// created with `mode` first when `create` says so and it is missing.
-    pub fn child_dir(&self, name: &OsStr, create: Option<u32>) -> io::Result<Dir> {
+    pub(crate) fn child_dir(&self, name: &OsStr, create: Option<u32>) -> io::Result<Dir> {
         if let Some(mode) = create {
             match rustix::fs::mkdirat(&self.fd, name, Mode::from_raw_mode(mode)) {
                 Ok(()) | Err(rustix::io::Errno::EXIST) => {}
@@ -193,27 +193,27 @@ impl Dir {
         Ok(Dir { fd, path: self.path.join(name) })
     }
 
-    pub fn try_clone(&self) -> io::Result<Dir> {
+    pub(crate) fn try_clone(&self) -> io::Result<Dir> {
         Ok(Dir { fd: self.fd.try_clone()?, path: self.path.clone() })
     }
 
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
-    pub fn fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
 
     /// The folder's own metadata.
-    pub fn metadata(&self) -> io::Result<fs::Metadata> {
+    pub(crate) fn metadata(&self) -> io::Result<fs::Metadata> {
         let f = File::from(self.fd.try_clone()?);
         f.metadata()
     }
 
     /// What `name` is, without following it if it is a symlink; `None` when
     /// there is no such name.
-    pub fn lstat(&self, name: &OsStr) -> io::Result<Option<fs::Metadata>> {
+    pub(crate) fn lstat(&self, name: &OsStr) -> io::Result<Option<fs::Metadata>> {
         let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         match rustix::fs::openat(&self.fd, name, flags, Mode::empty()) {
             Ok(fd) => File::from(fd).metadata().map(Some),
@@ -223,7 +223,7 @@ impl Dir {
     }
 
     /// The target of the symlink `name`.
-    pub fn read_link(&self, name: &OsStr) -> io::Result<OsString> {
+    pub(crate) fn read_link(&self, name: &OsStr) -> io::Result<OsString> {
         let target = rustix::fs::readlinkat(&self.fd, name, Vec::new())?;
         Ok(OsStr::from_bytes(target.as_bytes()).to_os_string())
     }
@@ -233,7 +233,7 @@ impl Dir {
     /// controlling terminal. Anything but a regular file is refused; so is
     /// one with more than one name (a hard link planted to reach a file
     /// elsewhere) when `single_link` says so.
-    pub fn open_regular(&self, name: &OsStr, single_link: bool) -> Result<(File, fs::Metadata), BeneathError> {
+    pub(crate) fn open_regular(&self, name: &OsStr, single_link: bool) -> Result<(File, fs::Metadata), BeneathError> {
         let path = self.path.join(name);
         let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = match rustix::fs::openat(&self.fd, name, flags, Mode::empty()) {
@@ -269,7 +269,7 @@ impl Dir {
     /// climbs above the folder is refused. The result is a regular file
     /// opened for reading as [`Dir::open_regular`] does, with the path it
     /// really is at relative to this folder and the links followed.
-    pub fn open_beneath(&self, rel: &Path) -> Result<Beneath, BeneathError> {
+    pub(crate) fn open_beneath(&self, rel: &Path) -> Result<Beneath, BeneathError> {
         let real = fs::canonicalize(&self.path).map_err(|e| BeneathError::io(&self.path, e))?;
         // The folders below `self` on the way, with their names.
         let mut stack: Vec<Dir> = Vec::new();
@@ -337,7 +337,7 @@ impl Dir {
 
     /// The folder `rel` (relative to this one) without leaving this one:
     /// each component must be a real folder, never a symlink.
-    pub fn dir_beneath(&self, rel: &Path) -> Result<Dir, BeneathError> {
+    pub(crate) fn dir_beneath(&self, rel: &Path) -> Result<Dir, BeneathError> {
         let mut cur: Option<Dir> = None;
         for c in rel.components() {
             match c {
@@ -368,7 +368,7 @@ impl Dir {
     /// write `bytes` to it with `mode` and `owner` (when it differs from
     /// ours), synced. Returns its name. A file or folder left at an earlier
     /// name by a killed writer is in no one's way.
-    pub fn write_temp(
+    pub(crate) fn write_temp(
         &self,
         target: &OsStr,
         bytes: &[u8],
@@ -393,7 +393,7 @@ impl Dir {
 
     /// A symlink to `link_target` beside `target`, under a name as
     /// [`Dir::write_temp`] makes.
-    pub fn symlink_temp(&self, target: &OsStr, link_target: &OsStr) -> io::Result<OsString> {
+    pub(crate) fn symlink_temp(&self, target: &OsStr, link_target: &OsStr) -> io::Result<OsString> {
         loop {
             let name = temp_name(target);
             match rustix::fs::symlinkat(link_target, &self.fd, &name) {
@@ -406,7 +406,7 @@ impl Dir {
 
     /// A new empty file beside `target`, named as [`Dir::write_temp`] names
     /// them, mode 0600; the caller writes it and renames or removes it.
-    pub fn create_temp(&self, target: &OsStr) -> io::Result<(File, OsString)> {
+    pub(crate) fn create_temp(&self, target: &OsStr) -> io::Result<(File, OsString)> {
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         loop {
             let name = temp_name(target);
@@ -420,7 +420,13 @@ impl Dir {
 
     /// Create `name` new with `bytes` (never replacing anything there),
     /// synced; `Ok(false)` when the name is taken.
-    pub fn create_new(&self, name: &OsStr, bytes: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<bool> {
+    pub(crate) fn create_new(
+        &self,
+        name: &OsStr,
+        bytes: &[u8],
+        mode: u32,
+        owner: Option<(u32, u32)>,
+    ) -> io::Result<bool> {
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let mut f = match rustix::fs::openat(&self.fd, name, flags, Mode::from_raw_mode(0o600)) {
             Ok(fd) => File::from(fd),
@@ -441,7 +447,13 @@ impl Dir {
 
     /// Write `name` whole by a temporary file and rename, synced, folder
     /// included.
-    pub fn write_atomic(&self, name: &OsStr, bytes: &[u8], mode: u32, owner: Option<(u32, u32)>) -> io::Result<()> {
+    pub(crate) fn write_atomic(
+        &self,
+        name: &OsStr,
+        bytes: &[u8],
+        mode: u32,
+        owner: Option<(u32, u32)>,
+    ) -> io::Result<()> {
         let tmp = self.write_temp(name, bytes, mode, owner)?;
         if let Err(e) = self.rename(&tmp, name) {
             let _ = self.remove(&tmp);
@@ -452,7 +464,7 @@ impl Dir {
 
     /// Swap the entries `a` and `b` in one step (`RENAME_EXCHANGE`).
     /// `Ok(false)`: the filesystem cannot; nothing was done.
-    pub fn exchange(&self, a: &OsStr, b: &OsStr) -> io::Result<bool> {
+    pub(crate) fn exchange(&self, a: &OsStr, b: &OsStr) -> io::Result<bool> {
         match rustix::fs::renameat_with(&self.fd, a, &self.fd, b, RenameFlags::EXCHANGE) {
             Ok(()) => Ok(true),
             Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP) => Ok(false),
@@ -460,21 +472,21 @@ impl Dir {
         }
     }
 
-    pub fn rename(&self, from: &OsStr, to: &OsStr) -> io::Result<()> {
+    pub(crate) fn rename(&self, from: &OsStr, to: &OsStr) -> io::Result<()> {
         Ok(rustix::fs::renameat(&self.fd, from, &self.fd, to)?)
     }
 
     /// Remove the name `name` (a file or a symlink, never a folder).
-    pub fn remove(&self, name: &OsStr) -> io::Result<()> {
+    pub(crate) fn remove(&self, name: &OsStr) -> io::Result<()> {
         Ok(rustix::fs::unlinkat(&self.fd, name, AtFlags::empty())?)
     }
 
-    pub fn sync(&self) -> io::Result<()> {
+    pub(crate) fn sync(&self) -> io::Result<()> {
         Ok(rustix::fs::fsync(&self.fd)?)
     }
 
     /// Whether the effective user may create and remove names here.
-    pub fn writable(&self) -> io::Result<()> {
+    pub(crate) fn writable(&self) -> io::Result<()> {
         let access = rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK;
         Ok(rustix::fs::accessat(&self.fd, ".", access, AtFlags::EACCESS)?)
     }
@@ -482,7 +494,7 @@ impl Dir {
     /// Temporary files of [`Dir::write_temp`] beside `target` whose writer
     /// is gone (killed between its write and its rename): removed. A
     /// writer still alive keeps its own.
-    pub fn remove_stale_temps(&self, target: &OsStr) {
+    pub(crate) fn remove_stale_temps(&self, target: &OsStr) {
         let Ok(list) = rustix::fs::Dir::read_from(&self.fd) else { return };
         let prefix = temp_prefix(target);
         for entry in list.flatten() {
@@ -503,13 +515,16 @@ impl Dir {
 
 /// A file opened by [`Dir::open_beneath`].
 #[derive(Debug)]
-pub struct Beneath {
-    pub file: File,
-    pub meta: fs::Metadata,
-    /// Where it really is, relative to the folder.
-    pub rel: PathBuf,
-    /// The links followed on the way: each link and its target.
-    pub links: Vec<(PathBuf, PathBuf)>,
+pub(crate) struct Beneath {
+    pub(crate) file: File,
+    pub(crate) meta: fs::Metadata,
+    /// Where it really is, relative to the folder, and the links followed
+    /// on the way (each link and its target): what the tests of a
+    /// resolution look at.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) rel: PathBuf,
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) links: Vec<(PathBuf, PathBuf)>,
 }
 
 /// Put the components of `p` before those still to resolve.
@@ -532,7 +547,7 @@ fn push_front(todo: &mut VecDeque<OsString>, p: &Path, at: &Path) -> Result<(), 
 }
 
 /// Read at most `max` bytes of `file`; `Err(size)` when there are more.
-pub fn read_capped(file: &File, max: u64) -> io::Result<Result<Vec<u8>, u64>> {
+pub(crate) fn read_capped(file: &File, max: u64) -> io::Result<Result<Vec<u8>, u64>> {
     let mut buf = Vec::new();
     file.take(max.saturating_add(1)).read_to_end(&mut buf)?;
     if buf.len() as u64 > max {

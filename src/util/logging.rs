@@ -23,7 +23,7 @@ use crate::util::worker::Worker;
 
 /// How events are written to stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum Format {
+pub(crate) enum Format {
     /// The journal under systemd, else readable lines.
     #[default]
     Text,
@@ -35,7 +35,7 @@ pub enum Format {
 /// Whether colours are used: `--color`, and the `NO_COLOR` convention
 /// (<https://no-color.org>: set and not empty, no colour unless asked).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum Colour {
+pub(crate) enum Colour {
     /// On a terminal, unless `NO_COLOR` is set.
     #[default]
     Auto,
@@ -45,7 +45,7 @@ pub enum Colour {
 
 impl Colour {
     /// Whether text written to stderr is coloured.
-    pub fn on_stderr(self) -> bool {
+    pub(crate) fn on_stderr(self) -> bool {
         match self {
             Colour::Always => true,
             Colour::Never => false,
@@ -58,7 +58,7 @@ impl Colour {
 }
 
 /// Install the global subscriber once; later calls do nothing.
-pub fn init(format: Format, colour: Colour) {
+pub(crate) fn init(format: Format, colour: Colour) {
     install(format, colour);
     // A panic may end the process: what was logged before it goes out first.
     static HOOK: std::sync::Once = std::sync::Once::new();
@@ -102,7 +102,7 @@ fn install(format: Format, colour: Colour) {
 
 /// Whether the warden's own events go to the journal (else to stderr,
 /// where whoever started it reads them).
-pub fn to_journal() -> bool {
+pub(crate) fn to_journal() -> bool {
     TO_JOURNAL.load(std::sync::atomic::Ordering::Relaxed)
 }
 

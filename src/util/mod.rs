@@ -7,9 +7,9 @@
 
 pub mod clock;
 pub mod errno;
-pub mod escape;
-pub mod fsutil;
+pub(crate) mod escape;
+pub(crate) mod fsutil;
 pub mod logging;
-pub mod redact;
+pub(crate) mod redact;
 pub mod tasks;
-pub mod worker;
+pub(crate) mod worker;

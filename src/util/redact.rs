@@ -36,7 +36,7 @@ fn secret_option(name: &str) -> bool {
 }
 
 /// An environment variable's name names a secret.
-pub fn secret_key(key: &str) -> bool {
+pub(crate) fn secret_key(key: &str) -> bool {
     let k = key.to_ascii_uppercase();
     ENV_WORDS.iter().any(|w| k.contains(w))
 }
@@ -60,7 +60,7 @@ fn url(arg: &str) -> Cow<'_, str> {
 }
 
 /// The command line, each argument quoted when it needs to be, secrets masked.
-pub fn command(argv: &[String]) -> String {
+pub(crate) fn command(argv: &[String]) -> String {
     let mut out = Vec::with_capacity(argv.len());
     let mut mask_next = false;
     for arg in argv {
@@ -87,7 +87,7 @@ pub fn command(argv: &[String]) -> String {
 }
 
 /// `KEY=value` pairs, secrets masked.
-pub fn env(env: &BTreeMap<String, String>) -> String {
+pub(crate) fn env(env: &BTreeMap<String, String>) -> String {
     env.iter()
         .map(|(k, v)| if secret_key(k) { format!("{k}={MASK}") } else { format!("{k}={}", quote(&url(v))) })
         .collect::<Vec<_>>()
@@ -97,7 +97,7 @@ pub fn env(env: &BTreeMap<String, String>) -> String {
 /// Free text (a log line, a cause, a status) with every secret the rules
 /// above can see masked. Text with nothing that could be one is returned
 /// as it is, after one cheap scan.
-pub fn text(s: &str) -> Cow<'_, str> {
+pub(crate) fn text(s: &str) -> Cow<'_, str> {
     if !MAYBE.is_match(s) {
         return Cow::Borrowed(s);
     }

@@ -12,7 +12,7 @@ use tokio::task::{AbortHandle, Id, JoinSet};
 
 /// How long a task is meant to live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lifetime {
+pub(crate) enum Lifetime {
     /// Until its owner aborts it: ending on its own is a failure.
     Owned,
     /// It finishes when its work is done; only a panic is a failure.
@@ -28,10 +28,10 @@ pub struct Tasks {
 
 /// A task that ended when it should not have.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Failed {
-    pub name: &'static str,
+pub(crate) struct Failed {
+    pub(crate) name: &'static str,
     /// What happened: "ended", or "panicked: <message>".
-    pub how: String,
+    pub(crate) how: String,
 }
 
 impl std::fmt::Display for Failed {
@@ -43,7 +43,7 @@ impl std::fmt::Display for Failed {
 impl Tasks {
     /// Spawn `task` on the current runtime; the handle aborts it (an
     /// aborted task is never a failure).
-    pub fn spawn<F>(&mut self, name: &'static str, lifetime: Lifetime, task: F) -> AbortHandle
+    pub(crate) fn spawn<F>(&mut self, name: &'static str, lifetime: Lifetime, task: F) -> AbortHandle
     where
         F: Future<Output = ()> + Send + 'static,
     {
@@ -54,7 +54,7 @@ impl Tasks {
 
     /// Wait for the next task to end unexpectedly; pending for ever while
     /// none does. Cancel-safe: no end is lost if the wait is dropped.
-    pub async fn failed(&mut self) -> Failed {
+    pub(crate) async fn failed(&mut self) -> Failed {
         loop {
             let Some(result) = self.set.join_next_with_id().await else {
                 return std::future::pending().await;
@@ -97,7 +97,7 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 /// unset in normal use. Only with the `fault-injection` feature, which the
 /// tests turn on and a release build does not.
 #[cfg(feature = "fault-injection")]
-pub fn injected_panic(name: &str) -> bool {
+pub(crate) fn injected_panic(name: &str) -> bool {
     static WHICH: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     WHICH.get_or_init(|| std::env::var("VLLM_WARDEN_TEST_PANIC").ok()).as_deref() == Some(name)
 }
@@ -105,7 +105,7 @@ pub fn injected_panic(name: &str) -> bool {
 /// Without the `fault-injection` feature nothing is injected: the hooks
 /// are compiled out.
 #[cfg(not(feature = "fault-injection"))]
-pub const fn injected_panic(_: &str) -> bool {
+pub(crate) const fn injected_panic(_: &str) -> bool {
     false
 }
 
@@ -116,7 +116,7 @@ pub const fn injected_panic(_: &str) -> bool {
 /// does. Read once; unset in normal use. Only with the `fault-injection`
 /// feature.
 #[cfg(feature = "fault-injection")]
-pub fn injected_slow_reap() -> Option<std::time::Duration> {
+pub(crate) fn injected_slow_reap() -> Option<std::time::Duration> {
     static HOLD: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
     *HOLD.get_or_init(|| {
         let ms = std::env::var("VLLM_WARDEN_TEST_SLOW_REAP").ok()?.parse().ok()?;
@@ -126,7 +126,7 @@ pub fn injected_slow_reap() -> Option<std::time::Duration> {
 
 /// Without the `fault-injection` feature no reap is held.
 #[cfg(not(feature = "fault-injection"))]
-pub const fn injected_slow_reap() -> Option<std::time::Duration> {
+pub(crate) const fn injected_slow_reap() -> Option<std::time::Duration> {
     None
 }
 

@@ -19,14 +19,14 @@ use std::time::{Duration, Instant};
 /// A writer thread's stack. Writers format little and recurse not at all;
 /// the default of 2 MiB is only address space, but what a thread touches
 /// stays resident, and a smaller stack keeps a runaway from touching much.
-pub const STACK: usize = 256 << 10;
+pub(crate) const STACK: usize = 256 << 10;
 
 /// How often, at the most, a worker says what it dropped.
-pub const SAY_DROPPED_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const SAY_DROPPED_EVERY: Duration = Duration::from_secs(10);
 
 /// What a worker's thread does with each item, and when it wakes by itself
 /// with none (a retry that is due).
-pub trait Handler<T>: Send + 'static {
+pub(crate) trait Handler<T>: Send + 'static {
     /// Do `item`: called in the order the items were queued.
     fn handle(&mut self, item: T);
     /// When to be woken with nothing queued; `None` waits for an item.
@@ -50,13 +50,13 @@ impl<T, F: FnMut(T) + Send + 'static> Handler<T> for Each<F> {
 
 /// How a worker says what its full queue dropped: the number new since it
 /// last said, and the total.
-pub type Say = Box<dyn FnMut(u64, u64) + Send>;
+pub(crate) type Say = Box<dyn FnMut(u64, u64) + Send>;
 
 /// The most bytes that may wait, and how an item is weighed.
 type ByteBound<T> = (usize, fn(&T) -> usize);
 
 /// A worker to be started: its name, bounds and stack.
-pub struct Spec<T> {
+pub(crate) struct Spec<T> {
     name: String,
     items: usize,
     bytes: Option<ByteBound<T>>,
@@ -66,7 +66,7 @@ pub struct Spec<T> {
 }
 
 /// The handle of a worker's thread: queue, count, flush.
-pub struct Worker<T> {
+pub(crate) struct Worker<T> {
     open: Arc<Open<T>>,
 }
 
@@ -130,19 +130,19 @@ impl<T> Shared<T> {
 
 impl<T: Send + 'static> Worker<T> {
     /// A worker named `name` (its thread's name), holding at most `items`.
-    pub fn named(name: &str, items: usize) -> Spec<T> {
+    pub(crate) fn named(name: &str, items: usize) -> Spec<T> {
         Spec { name: name.to_string(), items, bytes: None, stack: STACK, every: SAY_DROPPED_EVERY, say: None }
     }
 
     /// Queue `item`; `false` if the queue is full (the item is dropped and
     /// counted) or the thread is gone.
-    pub fn send(&self, item: T) -> bool {
+    pub(crate) fn send(&self, item: T) -> bool {
         self.try_send(item).map_err(|_| self.open.shared.lock().dropped += 1).is_ok()
     }
 
     /// Queue `item`, or have it back, not counted, when it does not fit:
     /// for a writer that does it some other way.
-    pub fn try_send(&self, item: T) -> Result<(), T> {
+    pub(crate) fn try_send(&self, item: T) -> Result<(), T> {
         let s = &self.open.shared;
         let weight = s.weigh(&item);
         let mut st = s.lock();
@@ -160,25 +160,20 @@ impl<T: Send + 'static> Worker<T> {
         Ok(())
     }
 
-    /// Count `n` items dropped before they reached the queue (a writer that
-    /// takes part of what it is handed).
-    pub fn count_dropped(&self, n: u64) {
-        self.open.shared.lock().dropped += n;
-    }
-
     /// Items dropped so far.
-    pub fn dropped(&self) -> u64 {
+    pub(crate) fn dropped(&self) -> u64 {
         self.open.shared.lock().dropped
     }
 
     /// The most items, and bytes, that ever waited at once.
-    pub fn high_water(&self) -> (usize, usize) {
+    #[cfg(test)]
+    pub(crate) fn high_water(&self) -> (usize, usize) {
         self.open.shared.lock().high_water
     }
 
     /// Wait until every item queued before this call is done, at most
     /// `limit`; whether that came.
-    pub fn flush(&self, limit: Duration) -> bool {
+    pub(crate) fn flush(&self, limit: Duration) -> bool {
         let s = &self.open.shared;
         let st = s.lock();
         let target = st.queued;
@@ -186,23 +181,17 @@ impl<T: Send + 'static> Worker<T> {
             s.done.wait_timeout_while(st, limit, |st| st.handled < target).unwrap_or_else(|p| p.into_inner());
         !waited.timed_out()
     }
-
-    /// Wake the thread now (a handler whose [`Handler::wake_at`] moved
-    /// earlier).
-    pub fn nudge(&self) {
-        self.open.shared.posted.notify_one();
-    }
 }
 
 impl<T: Send + 'static> Spec<T> {
     /// Bound the queue in bytes too, each item weighed by `weigh`.
-    pub fn bytes(mut self, max: usize, weigh: fn(&T) -> usize) -> Spec<T> {
+    pub(crate) fn bytes(mut self, max: usize, weigh: fn(&T) -> usize) -> Spec<T> {
         self.bytes = Some((max, weigh));
         self
     }
 
     /// The thread's stack, when it needs more than [`STACK`].
-    pub fn stack(mut self, bytes: usize) -> Spec<T> {
+    pub(crate) fn stack(mut self, bytes: usize) -> Spec<T> {
         self.stack = bytes;
         self
     }
@@ -210,19 +199,19 @@ impl<T: Send + 'static> Spec<T> {
     /// Say the drops with `say`, at most every `every` (by default in the
     /// log, every [`SAY_DROPPED_EVERY`]): the warden's own log writer
     /// cannot log through itself.
-    pub fn say_dropped(mut self, every: Duration, say: impl FnMut(u64, u64) + Send + 'static) -> Spec<T> {
+    pub(crate) fn say_dropped(mut self, every: Duration, say: impl FnMut(u64, u64) + Send + 'static) -> Spec<T> {
         self.every = every;
         self.say = Some(Box::new(say));
         self
     }
 
     /// Start the thread, `handle` called with each item.
-    pub fn start(self, handle: impl FnMut(T) + Send + 'static) -> io::Result<Worker<T>> {
+    pub(crate) fn start(self, handle: impl FnMut(T) + Send + 'static) -> io::Result<Worker<T>> {
         self.start_with(Each(handle))
     }
 
     /// Start the thread with a handler that may also wake by itself.
-    pub fn start_with(self, handler: impl Handler<T>) -> io::Result<Worker<T>> {
+    pub(crate) fn start_with(self, handler: impl Handler<T>) -> io::Result<Worker<T>> {
         let (worker, shared) = self.unstarted_parts();
         let name = shared.name.clone();
         let every = self.every;
@@ -242,7 +231,7 @@ impl<T: Send + 'static> Spec<T> {
     /// The queue with no thread behind it: what is sent waits. For the
     /// tests of a writer's bounds.
     #[cfg(test)]
-    pub fn unstarted(self) -> Worker<T> {
+    pub(crate) fn unstarted(self) -> Worker<T> {
         self.unstarted_parts().0
     }
 

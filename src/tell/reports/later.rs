@@ -89,7 +89,7 @@ pub(super) static STARTING: (Mutex<Option<Instant>>, Condvar) = (Mutex::new(None
 /// start, which nothing of the report is needed for any more (even at
 /// `SCHED_IDLE`, a thread in the kernel's file code keeps its CPU until
 /// the call returns, on a kernel built without preemption).
-pub fn start_under_way(on: bool) {
+pub(crate) fn start_under_way(on: bool) {
     let (since, changed) = &STARTING;
     let mut since = since.lock().unwrap_or_else(|p| p.into_inner());
     *since = on.then(Instant::now);
@@ -97,8 +97,10 @@ pub fn start_under_way(on: bool) {
 }
 
 /// Says, when dropped, that the start is no longer under way.
-pub struct StartOver;
+#[cfg(test)]
+pub(crate) struct StartOver;
 
+#[cfg(test)]
 impl Drop for StartOver {
     fn drop(&mut self) {
         start_under_way(false);
@@ -115,6 +117,6 @@ pub(super) fn wait_for_start() {
 }
 
 /// Wait, up to `within`, for the file work handed over so far to be done.
-pub async fn settle(within: Duration) {
+pub(crate) async fn settle(within: Duration) {
     let _ = tokio::time::timeout(within, work(true, || ())).await;
 }

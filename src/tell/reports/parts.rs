@@ -244,7 +244,7 @@ pub(super) fn clock() -> Option<(u64, u64)> {
 }
 
 /// `tree.txt`: one process a line, parents first.
-pub fn describe_tree(tree: &[ProcStat]) -> String {
+pub(crate) fn describe_tree(tree: &[ProcStat]) -> String {
     let clock = clock();
     let mut out = format!(
         "# the server's process tree when the run failed: {} process(es)\n{:<8} {:<8} {:<16} {:<24} {:<24} {:>10}  {}\n",

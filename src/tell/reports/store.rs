@@ -12,9 +12,9 @@ use super::*;
 /// One report on disk, as `reports` lists it.
 #[derive(Debug, Clone)]
 pub struct Listed {
-    pub name: String,
+    pub(crate) name: String,
     pub path: PathBuf,
-    pub attempt: u32,
+    pub(crate) attempt: u32,
     /// Bytes of its files.
     pub size: u64,
     /// Its summary, when it can be read.
@@ -68,7 +68,7 @@ pub(super) fn shown(text: &str) -> String {
 
 /// `reports list`: one report a line, oldest first; the time is the start
 /// of the folder's name, which `show` and `path` take.
-pub fn table(all: &[Listed]) -> String {
+pub(crate) fn table(all: &[Listed]) -> String {
     let mut out = format!("{:<20}  {:>7}  {:<10}  {:>10}  {}\n", "TIME", "ATTEMPT", "CLASS", "SIZE", "CAUSE");
     for r in all {
         let time = r.name.split('-').next().unwrap_or_default();
@@ -82,7 +82,7 @@ pub fn table(all: &[Listed]) -> String {
 }
 
 /// `reports show`: one report, readable.
-pub fn show(r: &Listed) -> String {
+pub(crate) fn show(r: &Listed) -> String {
     let mut out = format!("report {} ({})\n", r.name, r.path.display());
     let Some(s) = &r.summary else {
         out.push_str("no readable summary.json\n");
@@ -134,7 +134,7 @@ impl Summary {
 }
 
 /// Bytes of a report's regular files (its own and `py-spy/`'s), no link followed.
-pub fn size_of(dir: &Path) -> u64 {
+pub(crate) fn size_of(dir: &Path) -> u64 {
     let mut total = 0;
     for sub in [dir.to_path_buf(), dir.join(PY_SPY)] {
         if !fs::symlink_metadata(&sub).is_ok_and(|m| m.is_dir()) {
@@ -153,7 +153,7 @@ pub fn size_of(dir: &Path) -> u64 {
 }
 
 /// A report's `summary.json`, bounded, not through a symlink.
-pub fn read_summary(dir: &Path) -> Option<Summary> {
+pub(crate) fn read_summary(dir: &Path) -> Option<Summary> {
     let f = fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dir.join(SUMMARY)).ok()?;
     let mut text = Vec::new();
     f.take(1 << 20).read_to_end(&mut text).ok()?;
@@ -196,7 +196,7 @@ pub(super) fn remove(dir: &Path) -> io::Result<()> {
 /// all, removing the oldest first; the report just written (`current`) is
 /// always kept, and so is any newer one (a later run's, being written
 /// beside it: its own retention follows).
-pub fn retain(root: &Path, instance: &str, keep: u32, max: u64, current: &str) {
+pub(crate) fn retain(root: &Path, instance: &str, keep: u32, max: u64, current: &str) {
     let Some(state) = root.parent() else { return };
     let Ok(all) = list_with(state, instance, false) else { return };
     let mut total: u64 = all.iter().map(|r| r.size).sum();
