@@ -930,9 +930,8 @@ async fn wait_turn(
     }
 }
 
-/// The wait of a request that wakes an idle engine, without
-/// `front.idle-hold`: the estimate and a margin (a quarter, and 10 s),
-/// never less than `hold`.
+/// The answer to a request the queue would not hold: 503, with when to
+/// ask again.
 fn refusal(refused: Refused, budget: Duration) -> Response<UpBody> {
     match refused {
         Refused::Full { why, eta } => {
