@@ -255,6 +255,17 @@ fn level_word(s: &str) -> Option<(Level, usize)> {
     LEVELS.iter().find(|(w, _)| s.starts_with(w)).map(|(w, l)| (*l, w.len()))
 }
 
+/// The prefix as a pattern, for lines where a Unicode digit stands where
+/// vLLM writes an ASCII one ([`parse_prefix`] reads every other line).
+/// Compiled at the first such line, which a run seldom meets: its one-pass
+/// DFA alone is about 340 KB.
+static PREFIX: std::sync::LazyLock<Regex> = std::sync::LazyLock::new(|| {
+    Regex::new(
+        r"^(?:\((?<proc>[^)]*)\) (?<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?|(?<ulevel>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+)",
+    )
+    .expect("static regex")
+});
+
 /// `(Proc pid=N) LEVEL MM-DD hh:mm:ss [file:line] ` or uvicorn's
 /// `LEVEL:   `, read by hand: `Err(())` when a digit's place holds a
 /// non-ASCII character (a Unicode digit), for the regex to decide.
@@ -330,9 +341,6 @@ pub struct Classifier {
     /// The load's signals, as one set and each with its captures.
     load: Searcher,
     load_signals: Arc<Vec<(LoadSignal, Regex)>>,
-    /// The prefix, for lines where a Unicode digit stands where vLLM writes
-    /// an ASCII one ([`parse_prefix`] reads every other line).
-    prefix: Arc<Regex>,
     shards: Arc<Regex>,
     /// vLLM's line for a worker process that ended ([`crate::profile::WORKER_DIED`]).
     worker_died: Arc<Regex>,
@@ -451,10 +459,6 @@ impl Classifier {
             ready: ready?,
             progress: progress?,
             any: Searcher::new(&all).ok(),
-            prefix: Arc::new(Regex::new(
-                r"^(?:\((?<proc>[^)]*)\) (?<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?|(?<ulevel>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+)",
-            )
-            .expect("static regex")),
             shards: Arc::new(
                 Regex::new(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \| (\d+)/(\d+)")
                     .expect("static regex"),
@@ -527,7 +531,7 @@ impl Classifier {
     fn judge<'t>(&mut self, text: &'t str) -> (Option<Prefix<'t>>, Kind, Option<Exception>, Vec<LoadMark>) {
         let prefix = match parse_prefix(text) {
             Ok(p) => p,
-            Err(()) => self.prefix.captures(text).map(|c| Prefix {
+            Err(()) => PREFIX.captures(text).map(|c| Prefix {
                 process: c.name("proc").map_or("", |m| m.as_str()),
                 level: c.name("level").or(c.name("ulevel")).and_then(|m| level_word(m.as_str())).map(|(l, _)| l),
                 end: c.get(0).map_or(0, |m| m.end()),

@@ -152,7 +152,6 @@ proptest! {
             2 => format!("({proc_}) {level} {date}"),
             _ => format!("{rest}{level}: x"),
         };
-        static PREFIX: std::sync::LazyLock<Arc<Regex>> = std::sync::LazyLock::new(|| vllm().prefix);
         let theirs = PREFIX.captures(&text).map(|m| {
             let proc_ = m.name("proc").map_or("", |p| p.as_str()).to_string();
             let level = m.name("level").or(m.name("ulevel")).map(|l| l.as_str().to_string());
