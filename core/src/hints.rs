@@ -125,7 +125,8 @@ impl PartialEq for Hints {
 
 impl Hints {
     /// No hint at all.
-    pub fn none() -> Hints {
+    #[cfg(test)]
+    pub(crate) fn none() -> Hints {
         Hints { table: Vec::new(), not_json: None, patched: Vec::new(), model: None }
     }
 

@@ -84,8 +84,7 @@ impl Machine {
             Upgrade::Checked(Err(why)) => {
                 let text = format!("upgrade refused: {why}");
                 // Shown by `systemctl status` until the next change of state.
-                let shown = text.clone();
-                vec![say(Severity::Error, text), Effect::Notify(vec![status(shown)])]
+                vec![say(Severity::Error, text.clone()), Effect::Notify(vec![status(text)])]
             }
             Upgrade::Checked(Ok(version)) => {
                 let mut fx = vec![];

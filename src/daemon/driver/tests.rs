@@ -435,7 +435,7 @@ fn policy() -> Policy {
         stop_signal: crate::supervisor::Signal::SIGTERM,
         stop_timeout: Duration::from_secs(30),
         prepare_timeout: Duration::from_secs(300),
-        hints: crate::supervisor::hints::Hints::none(),
+        hints: crate::supervisor::hints::Hints::new(Profile::None, &[], Vec::new(), &[]),
         report: None,
         phases: false,
         slow_factor: 1.5,
