@@ -369,6 +369,33 @@ fn send_with_fds(msg: &str, fds: &[std::os::fd::RawFd]) -> std::io::Result<bool>
 mod tests {
     use super::*;
 
+    /// Fill the queue of the datagram socket at `path` to the receiver's
+    /// limit, whatever the host's `net.unix.max_dgram_qlen` (10 by the
+    /// kernel, 512 by systemd's sysctl defaults): a sender is refused when
+    /// its own send buffer is full as well as when the receiver's queue is,
+    /// and a long queue outlasts one sender's buffer. Fresh senders are
+    /// added until one cannot send its first datagram: only the receiver's
+    /// full queue refuses that. Returns how many were queued, and the
+    /// senders (whose queued datagrams stay charged to them until read).
+    fn fill_queue(path: &Path) -> (usize, Vec<UnixDatagram>) {
+        let mut queued = 0;
+        let mut fillers = Vec::new();
+        loop {
+            let filler = UnixDatagram::unbound().unwrap();
+            filler.connect(path).unwrap();
+            filler.set_nonblocking(true).unwrap();
+            let before = queued;
+            while filler.send(b"X=1\n").is_ok() {
+                queued += 1;
+                assert!(queued < 1_000_000, "the queue never filled");
+            }
+            fillers.push(filler);
+            if queued == before {
+                return (queued, fillers);
+            }
+        }
+    }
+
     /// A receiver whose queue is full: the notes wait, coalesced (`READY=1`
     /// ahead, only the newest status), the first retry comes within a few
     /// milliseconds, and once the receiver reads, one datagram delivers
@@ -379,15 +406,7 @@ mod tests {
         let path = dir.path().join("notify");
         let receiver = UnixDatagram::bind(&path).unwrap();
         receiver.set_nonblocking(true).unwrap();
-        // Fill its queue (`net.unix.max_dgram_qlen`, whatever it is here).
-        let filler = UnixDatagram::unbound().unwrap();
-        filler.connect(&path).unwrap();
-        filler.set_nonblocking(true).unwrap();
-        let mut queued = 0;
-        while filler.send(b"X=1\n").is_ok() {
-            queued += 1;
-            assert!(queued < 1_000_000, "the queue never filled");
-        }
+        let (queued, _fillers) = fill_queue(&path);
         let mut n = SdNotifier { target: Some(path.clone().into_os_string()), ..SdNotifier::default() };
         n.notify(&[Note::Status("loading 0".into())]);
         let wait = n.retry_at().expect("a retry is due") - tokio::time::Instant::now();
@@ -456,6 +475,10 @@ mod tests {
             n.notify(&[Note::Status(format!("loading {statuses}"))]);
             assert!(statuses < 10_000, "the queue never filled");
         }
+        // The warden's sender may have run out of its own buffer before the
+        // listener's queue was full (a long `net.unix.max_dgram_qlen`):
+        // fill the rest, so that a fresh sender is refused too.
+        let (_, _fillers) = fill_queue(&path);
         n.notify(&[Note::Ready]);
         n.notify(&[Note::Status("ready: pid 1".into())]);
         assert!(n.retry_at().is_some(), "kept for a retry");
