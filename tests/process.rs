@@ -516,7 +516,8 @@ fn status_is_0_when_ready_and_counts_failures_by_class() {
     for want in [
         "vllm_warden_ready{name=\"t\"} 1",
         "vllm_warden_failures_total{name=\"t\",class=\"fatal_line\"} 1",
-        "vllm_warden_restarts_total{name=\"t\"} 1",
+        "vllm_warden_restarts_total{name=\"t\",reason=\"failure\"} 1",
+        "vllm_warden_restarts_total{name=\"t\",reason=\"restart\"} 0",
         "vllm_warden_last_load_duration_seconds{name=\"t\"} ",
     ] {
         assert!(metrics.contains(want), "{want}:\n{metrics}");

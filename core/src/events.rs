@@ -533,6 +533,9 @@ pub struct Saved {
     pub starts: u32,
     pub failures: u32,
     pub restarts: u32,
+    /// Absent from a predecessor that did not know it.
+    #[serde(default)]
+    pub restarts_by: std::collections::BTreeMap<crate::outcome::RestartReason, u32>,
     pub exits: u32,
     pub last_load: Option<Duration>,
     pub failure_counts: std::collections::BTreeMap<FailureClass, u64>,

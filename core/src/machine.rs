@@ -70,7 +70,7 @@ use crate::classify::{Class, Line};
 use crate::exit::Code;
 use crate::load::{LoadOutcome, LoadPhase, LoadRecord, LoadTrack};
 use crate::outcome::Exit;
-use crate::outcome::{FailureClass, Permanence, Phase, Prepared, StartFailure};
+use crate::outcome::{FailureClass, Permanence, Phase, Prepared, RestartReason, StartFailure};
 
 pub use self::state::*;
 use self::stop::{into_run, leader_gone, phase_of};
@@ -90,6 +90,7 @@ pub struct Machine {
     failures: u32,
     /// Spawns after the first.
     restarts: u32,
+    restarts_by: BTreeMap<RestartReason, u32>,
     /// The permanent cause of the last failures, and how many in a row.
     permanent_streak: Option<(Permanence, u32)>,
     last_exit: Option<Exit>,
@@ -188,6 +189,7 @@ impl Machine {
             starts: 0,
             failures: 0,
             restarts: 0,
+            restarts_by: BTreeMap::new(),
             permanent_streak: None,
             last_exit: None,
             exits: 0,
@@ -254,6 +256,7 @@ impl Machine {
         m.starts = saved.starts;
         m.failures = saved.failures;
         m.restarts = saved.restarts;
+        m.restarts_by = saved.restarts_by.clone();
         m.exits = saved.exits;
         m.last_load = saved.last_load;
         m.failure_counts = saved.failure_counts.clone();
@@ -331,6 +334,7 @@ impl Machine {
             child_pid: self.child_pid(),
             attempt: self.attempt(),
             restarts: self.restarts,
+            restarts_by: self.restarts_by.clone(),
             starts: self.starts,
             progress: self.progress().map(String::from),
             cause: self.cause.as_ref().map(|c| c.text.clone()),
@@ -578,7 +582,7 @@ impl Machine {
     fn in_idle(&mut self, event: Event, now: Instant) -> (State, Vec<Effect>) {
         use Event as E;
         match event {
-            E::Begin => self.launch(now),
+            E::Begin => self.launch(None, now),
             E::StopRequested => self.finish(Code::Ok, "stopped on request".into(), vec![]),
             E::TaskFailed { task } => self.task_failed(State::Idle, task, now),
             E::Reload { policy, summary } => self.reload(State::Idle, *policy, summary, now),
@@ -674,7 +678,7 @@ impl Machine {
         match (then, event) {
             (then, E::Prepared { result, .. }) => match (then, result) {
                 (AfterPrepare::Stop(purpose), _) => self.stopped(purpose, None, now, vec![]),
-                (AfterPrepare::Relaunch, _) => self.launch(now),
+                (AfterPrepare::Relaunch(why), _) => self.launch(Some(why), now),
                 (then @ AfterPrepare::Spawn { .. }, Prepared::Done) => {
                     (S::Launching { start, then, known }, vec![Effect::Spawn { start }])
                 }
@@ -695,7 +699,7 @@ impl Machine {
             (then, E::Spawned { pid, .. }) => self.spawned(start, then, known, pid, now),
             (then, E::SpawnFailed { failure, .. }) => match then {
                 AfterPrepare::Stop(purpose) => self.stopped(purpose, None, now, vec![]),
-                AfterPrepare::Relaunch => self.launch(now),
+                AfterPrepare::Relaunch(why) => self.launch(Some(why), now),
                 AfterPrepare::Spawn { .. } => self.start_failed(failure, now),
             },
             (AfterPrepare::Spawn { deadline, .. }, E::PrepareStep { text, .. }) => {
@@ -725,7 +729,7 @@ impl Machine {
                 self.failures = 0;
                 self.permanent_streak = None;
                 let fx = vec![record(Severity::Info, Topic::Stop, "restart requested".into()), Effect::CancelPrepare];
-                (S::Launching { start, then: AfterPrepare::Relaunch, known }, fx)
+                (S::Launching { start, then: AfterPrepare::Relaunch(RestartReason::Restart), known }, fx)
             }
             (then, E::TaskFailed { task }) => self.task_failed(S::Launching { start, then, known }, task, now),
             (then, E::Reload { policy, summary }) => {
@@ -813,7 +817,8 @@ impl Machine {
         // load is recorded.
         let purpose = match then {
             AfterPrepare::Stop(purpose) => purpose,
-            AfterPrepare::Relaunch => Purpose::Reload,
+            AfterPrepare::Relaunch(RestartReason::Restart) => Purpose::Restart,
+            AfterPrepare::Relaunch(_) => Purpose::Reload,
             AfterPrepare::Spawn { .. } => return (State::Starting(loading), fx),
         };
         self.stop_leaving(Leaving::Loading(loading.run), purpose, now, fx, true)
@@ -953,11 +958,14 @@ impl Machine {
         (state, vec![])
     }
 
-    fn launch(&mut self, now: Instant) -> (State, Vec<Effect>) {
+    /// Start the engine: the warden's first start (`why` is `None`), or
+    /// again for `why`.
+    fn launch(&mut self, why: Option<RestartReason>, now: Instant) -> (State, Vec<Effect>) {
         self.fit.problem = None;
         self.starts += 1;
-        if self.starts > 1 {
+        if let Some(why) = why {
             self.restarts += 1;
+            *self.restarts_by.entry(why).or_default() += 1;
         }
         let start = self.starts;
         let fx = vec![
@@ -1240,7 +1248,7 @@ impl Machine {
         self.permanent_streak = None;
         self.fit = Default::default();
         let mut fx = vec![Effect::Fit(BTreeMap::new())];
-        let (next, more) = self.launch(now);
+        let (next, more) = self.launch(Some(RestartReason::Rollback), now);
         fx.extend(more);
         (next, fx)
     }

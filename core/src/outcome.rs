@@ -124,6 +124,50 @@ impl FailureClass {
     }
 }
 
+/// Why the engine was started again (a spawn after the warden's first):
+/// what alerts tell apart, so that what the warden does on purpose never
+/// reads as a crash.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    strum::VariantArray,
+    strum::IntoStaticStr,
+)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum RestartReason {
+    /// A failed run, after its backoff (or at once with no backoff).
+    Failure,
+    /// Asked for: `vllm-warden restart` (the control endpoint).
+    Restart,
+    /// A reload whose changes the child must see.
+    Reload,
+    /// A request came for an engine stopped for want of requests
+    /// (`front.idle-stop`).
+    Wake,
+    /// Memory fit moved an argument after a fit error.
+    Fit,
+    /// The warden turned to the last-known-good setup after giving up on
+    /// the new one (`[rollback]`).
+    Rollback,
+}
+
+impl RestartReason {
+    pub const ALL: &[RestartReason] = <RestartReason as strum::VariantArray>::VARIANTS;
+
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+}
+
 /// Whether a retry can fix a failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Permanence {

@@ -14,7 +14,9 @@ pub struct Snapshot {
     pub phase: Phase,
     pub child_pid: Option<u32>,
     pub attempt: u32,
+    /// Spawns after the first, in all and by why.
     pub restarts: u32,
+    pub restarts_by: BTreeMap<crate::outcome::RestartReason, u32>,
     /// Spawns so far.
     pub starts: u32,
     pub progress: Option<String>,

@@ -432,6 +432,7 @@ mod tests {
                 starts: 1,
                 failures: 0,
                 restarts: 0,
+                restarts_by: Default::default(),
                 exits: 0,
                 last_load: None,
                 failure_counts: Default::default(),

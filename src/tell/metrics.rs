@@ -13,7 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::supervisor::outcome::{FailureClass, Phase};
+use crate::supervisor::outcome::{FailureClass, Phase, RestartReason};
 use crate::supervisor::snapshot::Snapshot;
 
 /// The warden's metrics: one registry (`prometheus-client`), served by
@@ -25,7 +25,8 @@ pub(crate) struct Metrics {
     state: Family<Vec<(String, String)>, Gauge>,
     ready: Gauge,
     child_starts: Counter,
-    restarts: Counter,
+    /// Spawns after the first, by why (`reason`).
+    restarts: Family<Vec<(String, String)>, Counter>,
     failures: Family<Vec<(String, String)>, Counter>,
     /// One sample once a run was ready; none before.
     last_load: Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>,
@@ -169,7 +170,7 @@ impl Metrics {
             state: Family::default(),
             ready: Gauge::default(),
             child_starts: Counter::default(),
-            restarts: Counter::default(),
+            restarts: Family::default(),
             failures: Family::default(),
             last_load: Family::default(),
             journal_dropped: Counter::default(),
@@ -230,10 +231,18 @@ impl Metrics {
         for &c in FailureClass::ALL {
             let _ = m.failures.get_or_create(&vec![("class".into(), c.as_str().into())]);
         }
+        // Every reason from 0, so that the first of each is an increase.
+        for &r in RestartReason::ALL {
+            let _ = m.restarts.get_or_create(&vec![("reason".into(), r.as_str().into())]);
+        }
         registry.register("state", "1 for the state the warden is in, 0 for the others", m.state.clone());
         registry.register("ready", "1 when the model is serving", m.ready.clone());
         registry.register("child_starts", "Children spawned", m.child_starts.clone());
-        registry.register("restarts", "Spawns after the first", m.restarts.clone());
+        registry.register(
+            "restarts",
+            "Spawns after the first, by why: failure, restart (asked for), reload, wake (idle), fit, rollback",
+            m.restarts.clone(),
+        );
         registry.register("failures", "Failed runs by the class of their cause", m.failures.clone());
         registry.register_with_unit(
             "last_load_duration",
@@ -374,7 +383,10 @@ impl Metrics {
         }
         self.ready.set(i64::from(snap.phase == Phase::Ready));
         raise(&self.child_starts, snap.starts.into());
-        raise(&self.restarts, snap.restarts.into());
+        for &r in RestartReason::ALL {
+            let n = snap.restarts_by.get(&r).copied().unwrap_or(0);
+            raise(&self.restarts.get_or_create(&vec![("reason".into(), r.as_str().into())]), n.into());
+        }
         for &c in FailureClass::ALL {
             let n = snap.failures.get(&c).copied().unwrap_or(0);
             raise(&self.failures.get_or_create(&vec![("class".into(), c.as_str().into())]), n);

@@ -106,12 +106,12 @@ impl Machine {
         match event {
             Event::Wanted => {
                 let text = format!("a request came after {} idle: starting the engine", secs(now - p.since));
-                let (next, mut fx) = self.launch(now);
+                let (next, mut fx) = self.launch(Some(RestartReason::Wake), now);
                 fx.insert(0, record(Severity::Info, Topic::Idle, text));
                 (next, fx)
             }
             Event::RestartRequested => {
-                let (next, mut fx) = self.launch(now);
+                let (next, mut fx) = self.launch(Some(RestartReason::Restart), now);
                 fx.insert(0, record(Severity::Info, Topic::Stop, "restart requested".into()));
                 (next, fx)
             }

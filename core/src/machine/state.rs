@@ -217,8 +217,9 @@ pub enum AfterPrepare {
     /// Spawn, if the steps are over by `deadline`; `step` is the one now
     /// under way.
     Spawn { deadline: Instant, step: Option<String> },
-    /// A reload came meanwhile: start again with the new config.
-    Relaunch,
+    /// A reload or a restart came meanwhile: start again (with the new
+    /// config), for this reason.
+    Relaunch(crate::outcome::RestartReason),
     /// A stop (or a failure of the warden) came meanwhile.
     Stop(Purpose),
 }

@@ -201,11 +201,11 @@ impl Machine {
         use Event as E;
         let state = |cause| State::Backoff { until, cause };
         match event {
-            E::Tick if now >= until => self.launch(now),
+            E::Tick if now >= until => self.launch(Some(RestartReason::Failure), now),
             E::RestartRequested => {
                 self.failures = 0;
                 self.permanent_streak = None;
-                let (next, mut fx) = self.launch(now);
+                let (next, mut fx) = self.launch(Some(RestartReason::Restart), now);
                 fx.insert(0, record(Severity::Info, Topic::Stop, "restart requested".into()));
                 (next, fx)
             }
@@ -603,13 +603,13 @@ impl Machine {
                 (State::Reporting(r), fx)
             }
             State::Backoff { .. } => {
-                let (next, more) = self.launch(now);
+                let (next, more) = self.launch(Some(RestartReason::Reload), now);
                 (next, fx.into_iter().chain(more).collect())
             }
             State::Launching { start, then: AfterPrepare::Spawn { .. }, known } => {
                 let mut fx = fx;
                 fx.push(Effect::CancelPrepare);
-                (State::Launching { start, then: AfterPrepare::Relaunch, known }, fx)
+                (State::Launching { start, then: AfterPrepare::Relaunch(RestartReason::Reload), known }, fx)
             }
             // A stop is under way, or the start is already being redone.
             other => (other, vec![]),
@@ -653,7 +653,8 @@ impl Machine {
         match purpose {
             Purpose::Shutdown => self.finish(Code::Ok, "stopped on request".into(), fx),
             Purpose::Failure(cause) => self.after_failure(cause, ready_for, now, fx),
-            Purpose::Reload | Purpose::Restart => self.launch(now),
+            Purpose::Reload => self.launch(Some(RestartReason::Reload), now),
+            Purpose::Restart => self.launch(Some(RestartReason::Restart), now),
             Purpose::Internal(why) => self.finish(Code::Internal, format!("internal failure: {why}"), fx),
             Purpose::Idle(quiet) => self.parked(quiet, now, fx),
         }
@@ -706,7 +707,7 @@ impl Machine {
         fx.push(record(Severity::Warn, Topic::Backoff, text.clone()));
         fx.push(Effect::Notify(vec![status(text), Note::ExtendTimeout(delay + self.policy.stall)]));
         if delay.is_zero() {
-            let (state, more) = self.launch(now);
+            let (state, more) = self.launch(Some(RestartReason::Failure), now);
             fx.extend(more);
             return (state, fx);
         }
@@ -749,7 +750,7 @@ impl Machine {
                 fx.push(record(Severity::Warn, Topic::Fit, text.clone()));
                 fx.push(Effect::Notify(vec![status(text)]));
                 fx.push(Effect::Fit(self.fit.set.clone()));
-                let (state, more) = self.launch(now);
+                let (state, more) = self.launch(Some(RestartReason::Fit), now);
                 fx.extend(more);
                 (state, fx)
             }

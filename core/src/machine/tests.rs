@@ -522,6 +522,84 @@ fn a_reload_stops_the_ready_child_and_starts_again_with_the_new_policy() {
     assert_eq!(s.m.failures, 0, "a new config starts the count again");
 }
 
+/// Each start after the first is counted by why: a crash, an operator's
+/// restart (ready, in backoff, while preparing), a reload, an idle wake;
+/// the first start is none of them.
+#[test]
+fn restarts_are_counted_by_why() {
+    use crate::outcome::RestartReason as R;
+    let by = |s: &Sim| s.m.snapshot().restarts_by.into_iter().collect::<Vec<_>>();
+    let mut s = Sim::new(idle(crate::policy::IdleAction::Stop));
+    s.ready(100);
+    assert_eq!((s.m.snapshot().restarts, by(&s)), (0, vec![]));
+    // A crash: backoff, then a start for the failure.
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    s.now = backoff_until(&s.m).unwrap();
+    s.tick();
+    s.ready(101);
+    // An operator's restart of a ready engine.
+    s.ev(Event::RestartRequested);
+    assert_eq!(s.state(), "draining");
+    let start = s.m.starts;
+    s.now = s.now + Duration::from_secs(5);
+    s.tick();
+    s.ev(Event::Quiet { start });
+    assert_eq!(s.state(), "stopping");
+    s.ev(Event::ChildExited { pid: 101, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "starting");
+    // A restart asked while its start prepares, then one in backoff.
+    s.ev(Event::RestartRequested);
+    let start = s.m.starts;
+    s.ev(Event::Prepared { start, result: Prepared::Done });
+    s.spawned(102);
+    s.ev(Event::ChildExited { pid: 102, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "backoff");
+    s.ev(Event::RestartRequested);
+    // A reload that restarts the child.
+    s.ready(103);
+    s.ev(Event::Reload {
+        policy: Box::new(idle(crate::policy::IdleAction::Stop)),
+        summary: "restarting the child: child.env changed".into(),
+    });
+    s.ev(Event::ChildExited { pid: 103, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    // Idle, then woken by a request.
+    s.ready(104);
+    s.at(5000.0).ev(Event::IdleFor { quiet: Duration::from_secs(1800) });
+    s.ev(Event::ChildExited { pid: 104, exit: Exit::Code(0) });
+    s.ev(Event::TreeGone);
+    assert_eq!(s.state(), "idle");
+    s.ev(Event::Wanted);
+    let snap = s.m.snapshot();
+    assert_eq!(by(&s), vec![(R::Failure, 1), (R::Restart, 3), (R::Reload, 1), (R::Wake, 1)]);
+    assert_eq!(snap.restarts, 6, "the total is their sum");
+    assert_eq!(snap.starts, 7);
+}
+
+/// The counts by why go to an upgrade's successor with the run, and a
+/// predecessor that did not know them hands over none.
+#[test]
+fn restarts_by_why_survive_an_upgrade() {
+    let mut s = Sim::new(policy());
+    s.spawned(100);
+    s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
+    s.ev(Event::TreeGone);
+    s.now = backoff_until(&s.m).unwrap();
+    s.tick();
+    s.ready(101);
+    let saved = s.m.save(s.now).unwrap();
+    let next = Machine::adopt(policy(), 1, &saved, "0.1.0", s.now);
+    assert_eq!(next.snapshot().restarts_by, s.m.snapshot().restarts_by);
+    assert_eq!(next.snapshot().restarts_by.get(&crate::outcome::RestartReason::Failure), Some(&1));
+    let mut old = serde_json::to_value(&saved).unwrap();
+    old.as_object_mut().unwrap().remove("restarts_by");
+    let saved: Saved = serde_json::from_value(old).unwrap();
+    assert!(saved.restarts_by.is_empty());
+}
+
 #[test]
 fn a_reload_during_backoff_starts_at_once() {
     let mut s = Sim::new(policy());
@@ -788,7 +866,7 @@ fn every_waiting_state() -> Vec<(&'static str, Sim)> {
 fn waits_on_a_sure_event(m: &Machine) -> Option<&'static str> {
     match m.state() {
         State::Idle => Some("Begin: queued by the driver before it first waits"),
-        State::Launching { then: AfterPrepare::Stop(_) | AfterPrepare::Relaunch, .. } => {
+        State::Launching { then: AfterPrepare::Stop(_) | AfterPrepare::Relaunch(_), .. } => {
             Some("Prepared: sent by the backend as it cancels the steps")
         }
         State::Ready(_) => Some("ChildExited, HealthFailed: from watched tasks"),
@@ -1437,6 +1515,8 @@ mod fit {
         let fx = fail_with(&mut s, 100, &[(FitArg::MaxModelLen, "1500000", Source::Config)], KV);
         assert_eq!(fit_set(&fx), Some(BTreeMap::from([(FitArg::MaxModelLen, "1047552".to_string())])));
         assert!(fx.contains(&Effect::Prepare { start: 2 }), "no backoff: {fx:?}");
+        let by = s.m.snapshot().restarts_by;
+        assert_eq!(by, BTreeMap::from([(crate::outcome::RestartReason::Fit, 1)]), "a move, not a retry");
         let said: Vec<&Record> =
             fx.iter().filter_map(|e| if let Effect::Log(r) = e { Some(r) } else { None }).collect();
         let fit = said.iter().find(|r| r.topic == Topic::Fit).unwrap();
@@ -1573,6 +1653,8 @@ mod rollback {
         assert_eq!(s.m.done(), None);
         let fx = s.ev(Event::RolledBack { policy: Ok(Box::new(one_try(true))) });
         assert!(fx.contains(&Effect::Prepare { start: 2 }), "{fx:?}");
+        let by = s.m.snapshot().restarts_by;
+        assert_eq!(by, BTreeMap::from([(crate::outcome::RestartReason::Rollback, 1)]), "not a retry of the failure");
         // The good setup's own start.
         s.ev(Event::Prepared { start: 2, result: Prepared::Done });
         let load = LoadStart { fingerprint: good.0.into(), ..Default::default() };

@@ -67,6 +67,7 @@ impl Machine {
             starts: self.starts,
             failures: self.failures,
             restarts: self.restarts,
+            restarts_by: self.restarts_by.clone(),
             exits: self.exits,
             last_load: self.last_load,
             failure_counts: self.failure_counts.clone(),

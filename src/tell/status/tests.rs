@@ -14,6 +14,7 @@ fn snap() -> Snapshot {
         child_pid: Some(42),
         attempt: 2,
         restarts: 1,
+        restarts_by: BTreeMap::from([(crate::supervisor::outcome::RestartReason::Failure, 1)]),
         starts: 2,
         progress: None,
         cause: None,
