@@ -225,9 +225,34 @@ fn dashboard_queries(d: &serde_json::Value) -> Vec<String> {
 fn with_values(expr: &str) -> String {
     expr.replace("$__rate_interval", "1m")
         .replace("$__range", "1h")
+        .replace("${host:regex}", "h")
         .replace("$host", "h")
         .replace("$name", ".*")
         .replace("$model", ".*")
+}
+
+/// The host variable is the part of `instance` before its port, for an
+/// IPv6 target (`[::1]:9400`, which made it `[` and every panel a regexp
+/// error), a DNS name and an IPv4 address alike; the panels select by it
+/// escaped (`${host:regex}`, Grafana's regex format), so that each host's
+/// instances and no other's match, as Prometheus matches (anchored).
+#[test]
+fn the_host_variable_selects_ipv6_dns_and_ipv4_targets() {
+    let d = dashboard();
+    let host = d["templating"]["list"].as_array().unwrap().iter().find(|v| v["name"] == "host").unwrap();
+    let re = host["regex"].as_str().unwrap().trim_start_matches('/').trim_end_matches('/');
+    let re = regex::Regex::new(re).unwrap();
+    let targets = ["[::1]:9400", "[2001:db8::5]:9400", "gpu-7.example.com:9400", "10.1.2.3:9400", "localhost:9400"];
+    let hosts: Vec<&str> = targets.iter().map(|t| re.captures(t).unwrap().get(1).unwrap().as_str()).collect();
+    assert_eq!(hosts, ["[::1]", "[2001:db8::5]", "gpu-7.example.com", "10.1.2.3", "localhost"]);
+    let text = serde_json::to_string(&d).unwrap();
+    assert!(!text.contains("$host:"), "every selector takes the host escaped: ${{host:regex}}");
+    for (h, target) in hosts.iter().zip(targets) {
+        // Grafana's regex format escapes what a regex means.
+        let selector = regex::Regex::new(&format!("^(?:{}:.*)$", regex::escape(h))).unwrap();
+        let matched: Vec<&str> = targets.iter().copied().filter(|t| selector.is_match(t)).collect();
+        assert_eq!(matched, [target], "{h}");
+    }
 }
 
 /// Grafana dashboards of schema version 39 (Grafana 10.4 and 11): every

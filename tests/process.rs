@@ -684,6 +684,91 @@ fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     assert_eq!(w.stop(), 0);
 }
 
+/// What the status document and the metrics say of the past is the same
+/// after an upgrade in place as before it: the last exit, the last failed
+/// run and when it was counted, the last load, since when the run is
+/// ready, the restarts by why; only the warden's own fields change.
+#[test]
+fn an_upgrade_in_place_keeps_the_status_history() {
+    let bin = tempfile::tempdir().unwrap();
+    let path = bin.path().join("vllm-warden");
+    std::fs::copy(common::exe(), &path).unwrap();
+    let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
+    let mut w = Warden::start_with(
+        |d, p| {
+            let count = d.join("runs");
+            let args =
+                ["--shards", "1", "--fail", "nccl", "--fail-times", "1", "--count-file", count.to_str().unwrap()];
+            config(d, p, &args, "", FAST)
+        },
+        opts,
+    );
+    w.wait_ready();
+    let doc = |w: &Warden| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap()
+    };
+    let metric = |w: &Warden, name: &str| -> String {
+        let text = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
+        let mut lines: Vec<_> = text.lines().filter(|l| l.starts_with(name)).collect();
+        lines.sort();
+        lines.join("\n")
+    };
+    let before = doc(&w);
+    let failed_at = metric(&w, "vllm_warden_last_failure_timestamp_seconds");
+    let restarts = metric(&w, "vllm_warden_restarts_total");
+    assert!(before["last_exit"].is_object() && before["last_load"].is_object(), "{before:#}");
+    assert!(before["last_failure"].is_object() && before["ready_since"].is_string(), "{before:#}");
+    assert!(!failed_at.is_empty() && restarts.contains("reason=\"failure\"} 1"), "{failed_at}\n{restarts}");
+    // Past a second: a time taken anew would show.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    w.ask_upgrade(&path);
+    w.wait_note("the upgrade", |n| n.starts_with("STATUS=upgraded from"));
+    w.wait_note("back in rotation", |n| n.contains("; back in rotation after "));
+    w.wait_for_file("status.json", |w| doc(w)["state"] == "ready" && doc(w)["golden"]["verdict"] == "same");
+    let after = doc(&w);
+    for field in ["last_exit", "last_failure", "last_load", "ready_since", "restarts", "child_pid"] {
+        assert_eq!(after[field], before[field], "{field} after the upgrade:\n{after:#}\nbefore:\n{before:#}");
+    }
+    assert_eq!(metric(&w, "vllm_warden_last_failure_timestamp_seconds"), failed_at);
+    assert_eq!(metric(&w, "vllm_warden_restarts_total"), restarts);
+    assert_eq!(w.stop(), 0);
+}
+
+/// A new warden of the instance (systemd started it again) goes on from
+/// the past its predecessor kept in the state directory: the last failed
+/// run and when it was counted, and the last exit, until it has its own.
+#[test]
+fn a_new_warden_of_the_instance_goes_on_from_the_history_in_its_state_directory() {
+    let mut w = Warden::start(|d, p| {
+        let count = d.join("runs");
+        let args = ["--shards", "1", "--fail", "nccl", "--fail-times", "1", "--count-file", count.to_str().unwrap()];
+        config(d, p, &args, "", FAST)
+    });
+    w.wait_ready();
+    let doc = |w: &Warden| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap()
+    };
+    let failed_at = |w: &Warden| {
+        let text = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
+        text.lines().find(|l| l.starts_with("vllm_warden_last_failure_timestamp_seconds")).map(String::from)
+    };
+    let before = doc(&w);
+    let at = failed_at(&w).expect("a failure was counted");
+    assert_eq!(w.stop(), 0);
+    let stopped = doc(&w);
+    assert!(stopped["last_exit"].is_object(), "{stopped:#}");
+    assert!(w.path("state/history.json").is_file(), "kept in the state directory");
+    std::fs::remove_file(w.path("status.json")).unwrap();
+    w.spawn();
+    w.wait_ready();
+    let after = doc(&w);
+    assert_eq!(after["last_failure"], before["last_failure"], "{after:#}");
+    assert_eq!(after["last_exit"], stopped["last_exit"], "{after:#}");
+    assert_eq!(failed_at(&w).as_deref(), Some(at.as_str()));
+    assert_eq!(after["restarts"], 0, "the new warden's own count");
+    assert_eq!(w.stop(), 0);
+}
+
 /// An upgrade in place while the child logs a request line every
 /// millisecond: the lines written before, during (while no warden reads the
 /// pipe, across the exec) and after it are all in the log, in order, once

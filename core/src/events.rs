@@ -547,4 +547,11 @@ pub struct Saved {
     /// that did not know it.
     #[serde(default)]
     pub drained: bool,
+    /// The last load that ended, and the last golden verdict: what the
+    /// status document shows of them goes on showing. Absent from a
+    /// predecessor that did not know them.
+    #[serde(default)]
+    pub last_load_record: Option<crate::load::LoadRecord>,
+    #[serde(default)]
+    pub golden: Option<crate::golden::Verdict>,
 }

@@ -76,7 +76,8 @@ fn clip(t: &str) -> String {
 }
 
 /// What the check found, as the machine acts on it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Verdict {
     /// The same answers as this setup's reference.
     Same { prompts: usize, ms: u64 },

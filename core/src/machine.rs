@@ -261,6 +261,8 @@ impl Machine {
         m.last_load = saved.last_load;
         m.failure_counts = saved.failure_counts.clone();
         m.last_failure = saved.last_failure.clone();
+        m.last_load_record = saved.last_load_record.clone().map(std::sync::Arc::new);
+        m.last_golden = saved.golden.clone();
         m
     }
 
@@ -331,6 +333,10 @@ impl Machine {
     pub fn snapshot(&self) -> crate::snapshot::Snapshot {
         crate::snapshot::Snapshot {
             phase: self.phase(),
+            ready_at: match &self.state {
+                State::Ready(s) | State::Adopted { serving: s, .. } => Some(s.ready_at),
+                _ => None,
+            },
             child_pid: self.child_pid(),
             attempt: self.attempt(),
             restarts: self.restarts,

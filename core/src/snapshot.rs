@@ -12,6 +12,9 @@ use crate::outcome::{Exit, FailureClass, Phase};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
     pub phase: Phase,
+    /// When the run now serving (or held: drained, rechecking) became
+    /// ready; kept through drains, re-checks and an upgrade's hand-over.
+    pub ready_at: Option<crate::Instant>,
     pub child_pid: Option<u32>,
     pub attempt: u32,
     /// Spawns after the first, in all and by why.

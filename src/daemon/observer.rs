@@ -109,6 +109,7 @@ impl StateObserver {
             s.status.metrics_file.as_deref(),
             outbox.clone(),
         );
+        status.resume(&s.state_dir);
         status.set_cache_dir(s.child.cache_dir.as_deref());
         StateObserver {
             status,

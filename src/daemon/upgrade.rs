@@ -438,6 +438,8 @@ mod tests {
                 failure_counts: Default::default(),
                 last_failure: None,
                 drained: false,
+                last_load_record: None,
+                golden: None,
             },
             listeners: Vec::new(),
         }

@@ -375,6 +375,22 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
+    /// Failed runs counted before this warden (handed over by an upgrade:
+    /// `seen` of them), and when the last was counted, if known: the
+    /// timestamp stays what it was.
+    pub(crate) fn resume_failures(&self, seen: u64, at: Option<f64>) {
+        self.failures_seen.store(seen, std::sync::atomic::Ordering::Relaxed);
+        if let Some(at) = at {
+            self.last_failure_at.get_or_create(&vec![]).set(at);
+        }
+    }
+
+    /// When the last failed run was counted, in seconds since the epoch.
+    pub(crate) fn last_failure_at(&self) -> Option<f64> {
+        // The family holds one unlabelled sample once a failure was counted.
+        self.last_failure_at.get(&vec![]).map(|g| g.get())
+    }
+
     /// Bring every metric to what `snap` says.
     pub(crate) fn set(&self, snap: &Snapshot, journal_dropped: u64) {
         for &p in Phase::ALL {

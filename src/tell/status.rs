@@ -300,7 +300,14 @@ pub(crate) struct Reporter {
     /// The phase the document shows, and since when.
     phase: Option<Phase>,
     since: SystemTime,
-    ready_since: Option<SystemTime>,
+    /// Since when the run is ready: the machine's instant and the time it
+    /// was on this clock.
+    ready_since: Option<(crate::supervisor::Instant, SystemTime)>,
+    /// The past the document shows until this warden has its own
+    /// (`history.json` in the state directory), and where it is kept.
+    history: history::History,
+    history_path: Option<PathBuf>,
+    written_history: Option<String>,
     exits: u32,
     last_exit: Option<LastExit>,
     written_doc: Option<String>,
@@ -341,6 +348,9 @@ impl Reporter {
             phase: None,
             since: now,
             ready_since: None,
+            history: history::History::default(),
+            history_path: None,
+            written_history: None,
             exits: 0,
             last_exit: None,
             written_doc: None,
@@ -356,6 +366,17 @@ impl Reporter {
             front: None,
             meter: crate::process::caches::Meter::default(),
         }
+    }
+
+    /// Go on from the past kept in `state_dir` (see [`history`]), and keep
+    /// it there from now on. Before the first update.
+    pub(crate) fn resume(&mut self, state_dir: &Path) {
+        let past = history::History::read(state_dir);
+        self.last_exit = past.last_exit.clone();
+        self.last_reload = past.last_reload.clone();
+        self.written_history = Some(past.to_json());
+        self.history = past;
+        self.history_path = Some(state_dir.join(history::FILE));
     }
 
     /// The cache directory to show and measure (a reloaded config may
@@ -396,6 +417,23 @@ impl Reporter {
             *last == Snapshot { progress: last.progress.clone(), load: last.load.clone(), ..snap.clone() }
         });
         let now = SystemTime::now();
+        if self.last.is_none() && self.history_path.is_some() {
+            // The first of a warden that went on from the past: what the
+            // machine brought from before (an upgrade's hand-over) is not
+            // news of this warden's.
+            self.exits = snap.exits;
+            self.metrics.resume_failures(snap.failures.values().sum(), self.history.last_failure_at);
+        }
+        self.ready_since = snap.ready_at.map(|t| match self.ready_since {
+            Some((known, at)) if known == t => (known, at),
+            // The run a predecessor kept, taken over by an upgrade.
+            _ if self.last.is_none()
+                && let Some(r) = self.history.ready.filter(|r| Some(r.pid) == snap.child_pid) =>
+            {
+                (t, SystemTime::UNIX_EPOCH + Duration::from_secs_f64(r.since))
+            }
+            _ => (t, now - (crate::util::clock::now() - t)),
+        });
         if self.phase != Some(snap.phase) {
             // Before a load and after it: what the load added.
             if let Some(dir) = &self.cache_dir
@@ -405,7 +443,6 @@ impl Reporter {
             }
             self.phase = Some(snap.phase);
             self.since = now;
-            self.ready_since = (snap.phase == Phase::Ready).then_some(now);
         }
         if snap.exits != self.exits {
             self.exits = snap.exits;
@@ -527,6 +564,7 @@ impl Reporter {
                 Err(e) => tracing::warn!(error = %e, file = %self.doc_path.display(), "cannot write the status file"),
             }
         }
+        self.keep_history(&doc);
         if let Some(path) = &self.metrics_path {
             let text = self.metrics.encode();
             if self.written_metrics.as_deref() != Some(&text) {
@@ -539,6 +577,30 @@ impl Reporter {
         self.last = Some(snap);
     }
 
+    /// Keep what `doc` says of the past in the state directory, when it
+    /// changed.
+    fn keep_history(&mut self, doc: &Doc) {
+        let Some(path) = &self.history_path else { return };
+        self.history = history::History {
+            last_exit: doc.last_exit.clone(),
+            last_failure: doc.last_failure.clone(),
+            last_failure_at: self.metrics.last_failure_at(),
+            last_load: doc.last_load.clone(),
+            last_reload: doc.last_reload.clone(),
+            ready: self.ready_since.zip(doc.child_pid).map(|((_, at), pid)| history::ReadyRun {
+                pid,
+                since: at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64(),
+            }),
+        };
+        let text = self.history.to_json();
+        if self.written_history.as_deref() != Some(&text) {
+            match self.outbox.replace(path, text.as_bytes(), 0o644) {
+                Ok(()) => self.written_history = Some(text),
+                Err(e) => tracing::warn!(error = %e, file = %path.display(), "cannot write the status history"),
+            }
+        }
+    }
+
     fn doc(&self, snap: &Snapshot) -> Doc {
         Doc {
             name: self.name.clone(),
@@ -549,7 +611,7 @@ impl Reporter {
             attempt: snap.attempt,
             restarts: snap.restarts,
             since: rfc3339(self.since),
-            ready_since: self.ready_since.map(rfc3339),
+            ready_since: self.ready_since.map(|(_, at)| rfc3339(at)),
             progress: snap.progress.as_deref().map(safe),
             last_exit: self.last_exit.clone(),
             cause: snap.cause.as_deref().map(safe),
@@ -564,11 +626,11 @@ impl Reporter {
                     measured_at: size.map(|s| rfc3339(s.at)),
                 }
             }),
-            last_failure: snap.last_failure.as_ref().map(|f| LastFailure {
-                cause: safe(&f.cause),
-                class: f.class,
-                report: f.report.as_deref().map(safe),
-            }),
+            last_failure: snap
+                .last_failure
+                .as_ref()
+                .map(|f| LastFailure { cause: safe(&f.cause), class: f.class, report: f.report.as_deref().map(safe) })
+                .or_else(|| self.history.last_failure.clone()),
             load: snap.load.as_ref().map(LoadDoc::of),
             golden: snap.golden.as_ref().map(|v| GoldenDoc { verdict: v.name().into(), text: safe(&v.text()) }),
             rechecking: snap.rechecking.as_deref().map(safe),
@@ -598,26 +660,31 @@ impl Reporter {
                 progress: v.progress.as_deref().map(safe),
                 ..v.clone()
             }),
-            last_load: snap.last_load_record.as_ref().map(|r| LastLoad {
-                outcome: match &r.outcome {
-                    crate::supervisor::load::LoadOutcome::Failed { class, .. } => format!("failed ({class})"),
-                    crate::supervisor::load::LoadOutcome::Stopped { why } => format!("stopped ({})", safe(why)),
-                    o => o.word().into(),
-                },
-                total_secs: round(r.total_secs),
-                phases: r.phases.iter().map(|t| (t.phase.name().to_string(), round(t.secs))).collect(),
-                cache: r.cache.as_ref().map(|c| safe(&c.describe())),
-                gbps: r.gbps.map(round),
-                cold: r.cold,
-                residency: r.residency.map(round),
-                disk_gbps: r.prefetch.filter(|p| p.bytes > 0).map(|p| round(p.gbps)),
-                efficiency: r.efficiency.map(round),
-                alarms: r.alarms.iter().map(|a| safe(a)).collect(),
-                fingerprint: safe(&r.fingerprint),
-            }),
+            last_load: snap
+                .last_load_record
+                .as_ref()
+                .map(|r| LastLoad {
+                    outcome: match &r.outcome {
+                        crate::supervisor::load::LoadOutcome::Failed { class, .. } => format!("failed ({class})"),
+                        crate::supervisor::load::LoadOutcome::Stopped { why } => format!("stopped ({})", safe(why)),
+                        o => o.word().into(),
+                    },
+                    total_secs: round(r.total_secs),
+                    phases: r.phases.iter().map(|t| (t.phase.name().to_string(), round(t.secs))).collect(),
+                    cache: r.cache.as_ref().map(|c| safe(&c.describe())),
+                    gbps: r.gbps.map(round),
+                    cold: r.cold,
+                    residency: r.residency.map(round),
+                    disk_gbps: r.prefetch.filter(|p| p.bytes > 0).map(|p| round(p.gbps)),
+                    efficiency: r.efficiency.map(round),
+                    alarms: r.alarms.iter().map(|a| safe(a)).collect(),
+                    fingerprint: safe(&r.fingerprint),
+                })
+                .or_else(|| self.history.last_load.clone()),
         }
     }
 }
 
+mod history;
 #[cfg(test)]
 mod tests;

@@ -542,7 +542,7 @@ fn restarts_are_counted_by_why() {
     s.ev(Event::RestartRequested);
     assert_eq!(s.state(), "draining");
     let start = s.m.starts;
-    s.now = s.now + Duration::from_secs(5);
+    s.now += Duration::from_secs(5);
     s.tick();
     s.ev(Event::Quiet { start });
     assert_eq!(s.state(), "stopping");
@@ -579,10 +579,11 @@ fn restarts_are_counted_by_why() {
     assert_eq!(snap.starts, 7);
 }
 
-/// The counts by why go to an upgrade's successor with the run, and a
-/// predecessor that did not know them hands over none.
+/// The counts by why, since when the run is ready and its last load go to
+/// an upgrade's successor with the run; a predecessor that did not know
+/// them hands over none.
 #[test]
-fn restarts_by_why_survive_an_upgrade() {
+fn restarts_by_why_and_the_runs_history_survive_an_upgrade() {
     let mut s = Sim::new(policy());
     s.spawned(100);
     s.ev(Event::ChildExited { pid: 100, exit: Exit::Code(1) });
@@ -590,14 +591,25 @@ fn restarts_by_why_survive_an_upgrade() {
     s.now = backoff_until(&s.m).unwrap();
     s.tick();
     s.ready(101);
+    s.at(500.0);
     let saved = s.m.save(s.now).unwrap();
     let next = Machine::adopt(policy(), 1, &saved, "0.1.0", s.now);
     assert_eq!(next.snapshot().restarts_by, s.m.snapshot().restarts_by);
+    // What the status document shows of the run goes on: since when it is
+    // ready, and the load that made it so.
+    let (before, after) = (s.m.snapshot(), next.snapshot());
+    assert!(before.ready_at.is_some());
+    assert_eq!(after.ready_at, before.ready_at);
+    assert!(before.last_load_record.is_some());
+    assert_eq!(after.last_load_record, before.last_load_record);
+    assert_eq!(after.golden, before.golden);
     assert_eq!(next.snapshot().restarts_by.get(&crate::outcome::RestartReason::Failure), Some(&1));
     let mut old = serde_json::to_value(&saved).unwrap();
-    old.as_object_mut().unwrap().remove("restarts_by");
+    for field in ["restarts_by", "last_load_record", "golden"] {
+        old.as_object_mut().unwrap().remove(field);
+    }
     let saved: Saved = serde_json::from_value(old).unwrap();
-    assert!(saved.restarts_by.is_empty());
+    assert!(saved.restarts_by.is_empty() && saved.last_load_record.is_none() && saved.golden.is_none());
 }
 
 #[test]

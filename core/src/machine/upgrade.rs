@@ -73,6 +73,8 @@ impl Machine {
             failure_counts: self.failure_counts.clone(),
             last_failure: self.last_failure.clone(),
             drained: serving.drain.is_some(),
+            last_load_record: self.last_load_record.as_deref().cloned(),
+            golden: self.last_golden.clone(),
         })
     }
 

@@ -11,6 +11,7 @@ fn snap() -> Snapshot {
         setup: None,
         rolled_back: None,
         phase: Phase::Ready,
+        ready_at: Some(crate::util::clock::now()),
         child_pid: Some(42),
         attempt: 2,
         restarts: 1,
