@@ -1250,20 +1250,22 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 continue;
             }
             "/v1/completions" => {
-                let mut body = String::new();
-                let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
-                let asked = serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default();
-                let max_tokens = asked["max_tokens"].as_u64().unwrap_or(1).min(100_000);
                 let engine = engine.clone();
-                if asked["stream"].as_bool() == Some(true) {
-                    std::thread::spawn(move || stream_completion(req, &asked, max_tokens, &engine));
-                    continue;
-                }
-                let weights = how.answers_from.as_ref().and_then(|f| std::fs::read(f).ok()).unwrap_or_default();
-                let weights = how.sleep.weights(weights);
-                // Answered from its own thread once generated, so that
-                // requests run side by side, as in a real engine.
+                let (answers_from, sleep) = (how.answers_from.clone(), how.sleep.clone());
+                // Read and answered from its own thread, so that requests
+                // run side by side, as in a real engine: uvicorn reads one
+                // request's body while it serves others.
                 std::thread::spawn(move || {
+                    let mut body = String::new();
+                    let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                    let asked = serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default();
+                    let max_tokens = asked["max_tokens"].as_u64().unwrap_or(1).min(100_000);
+                    if asked["stream"].as_bool() == Some(true) {
+                        stream_completion(req, &asked, max_tokens, &engine);
+                        return;
+                    }
+                    let weights = answers_from.as_ref().and_then(|f| std::fs::read(f).ok()).unwrap_or_default();
+                    let weights = sleep.weights(weights);
                     if !engine.complete(max_tokens) {
                         let _ = req.respond(engine_dead());
                         return;
