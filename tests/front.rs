@@ -606,7 +606,7 @@ fn an_upgrade_cuts_no_request_in_flight() {
 }
 
 /// What outsiders found: a body that stops coming is answered 408 after
-/// `BODY_IDLE_TIMEOUT` (5 s), not after the whole body's 60 s; a request
+/// `BODY_IDLE_TIMEOUT` (5 s), not after a deadline for the whole body; a request
 /// with two `Host` headers is answered 400 and `CONNECT` 405, neither
 /// forwarded.
 #[test]
@@ -691,7 +691,9 @@ fn slow_sender(
         while sent.is_ok() {
             sent = s.write_all(&[b' '; 1024]);
             std::thread::sleep(Duration::from_millis(250));
-            // Anything come back (the door's answer, or its close)?
+            // Anything come back (the door's answer, or its close)? Looked
+            // at before the next write, which a closed socket would answer
+            // with a reset.
             s.set_nonblocking(true).unwrap();
             let mut b = [0u8; 1];
             let ended = !matches!(s.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
@@ -757,15 +759,20 @@ fn slow_bodies_at_the_connection_cap_are_cut_and_fresh_requests_served() {
     took.sort();
     eprintln!("fresh requests with {SLOW} slow senders attached: {took:?}");
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let mut cut = 0;
+    let (mut cut, mut unread) = (0, 0);
     for s in slow {
-        for a in s.join().unwrap().into_iter().flatten() {
+        for a in s.join().unwrap() {
+            let Some(a) = a else {
+                unread += 1;
+                continue;
+            };
             assert!(a.starts_with("HTTP/1.1 408"), "{a}");
             assert!(header(&a, "connection").is_some_and(|c| c == "close"), "{a}");
             cut += 1;
         }
     }
-    assert!(cut >= SLOW, "{cut} answered 408");
+    eprintln!("slow senders cut: {cut} answered 408, {unread} closed before their answer was read");
+    assert!(cut >= SLOW, "{cut} answered 408, {unread} closed unread");
     // Nothing of theirs left with the engine.
     let deadline = Instant::now() + TIMEOUT;
     while d.metric(IN_FLIGHT) > 0.0 {

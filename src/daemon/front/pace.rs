@@ -136,6 +136,10 @@ where
             return Poll::Ready(None);
         }
         if self.clocks.is_none() {
+            if self.body.is_end_stream() {
+                // No body (a GET, `Content-Length: 0`): nothing to time.
+                return self.end(None);
+            }
             let now = Instant::now();
             let due = self.due(now, 0);
             self.conn.sending(now);
@@ -192,5 +196,105 @@ where
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::daemon::front::share::{Made, Peer, Slot, Table};
+    use http_body_util::BodyExt;
+
+    /// A body fed by a test, a piece at a time.
+    struct Fed(tokio::sync::mpsc::UnboundedReceiver<Bytes>);
+
+    impl Body for Fed {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    /// A body at `rate` whose client sends `piece` bytes every `every`,
+    /// `pieces` of them (then holds its connection open, sending nothing).
+    fn fed(rate: u64, piece: usize, every: Duration, pieces: usize) -> (Paced<Fed>, Arc<Table>, Slot) {
+        let table = Arc::new(Table::default());
+        let (slot, _) = table.admit(Peer::Unknown, 4, rate);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            for _ in 0..pieces {
+                if tx.send(Bytes::from(vec![b' '; piece])).is_err() {
+                    return;
+                }
+                tokio::time::sleep(every).await;
+            }
+            std::future::pending::<()>().await;
+        });
+        (Paced::new(Fed(rx), rate, slot.conn.clone()), table, slot)
+    }
+
+    /// Read until the body ends: what it read, and the cut (if any).
+    async fn read(mut body: Paced<Fed>) -> (u64, Option<Cut>) {
+        let mut n = 0;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => n += f.data_ref().map_or(0, |d| d.len() as u64),
+                Err(e) => return (n, cut_of(&*e)),
+            }
+        }
+        (n, None)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_a_little_at_a_time_cannot_stretch_its_deadline() {
+        // 4 KiB a second against a floor of 16: 5 s + 4t/16 = t, at 6.7 s.
+        let (body, _t, _slot) = fed(16 << 10, 1024, Duration::from_millis(250), usize::MAX);
+        let began = Instant::now();
+        let (n, cut) = read(body).await;
+        let took = began.elapsed();
+        assert_eq!(cut, Some(Cut::Slow(16 << 10)));
+        assert!(took > Duration::from_millis(6500) && took < Duration::from_millis(6800), "{took:?}");
+        assert!(n < 30 << 10, "{n}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stops_is_cut_after_five_seconds_whatever_it_sent_before() {
+        let (body, _t, _slot) = fed(16 << 10, 1 << 20, Duration::from_millis(10), 1);
+        let began = Instant::now();
+        assert_eq!(read(body).await, (1 << 20, Some(Cut::Stalled)));
+        assert_eq!(began.elapsed(), BODY_IDLE_TIMEOUT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_at_the_floor_comes_whole_and_its_clock_starts_when_it_is_read() {
+        // 32 KiB a second against a floor of 16, read after 30 s held:
+        // the wait is not the client's.
+        let (mut body, _t, _slot) = fed(16 << 10, 1024, Duration::from_micros(31_250), 640);
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let mut n = 0;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(60), body.frame()).await {
+                Ok(Some(Ok(f))) => n += f.data_ref().map_or(0, |d| d.len()),
+                Ok(other) => panic!("{:?}", other.map(|r| r.map(|_| ()))),
+                Err(_) => panic!("never cut, never ended"),
+            }
+            if n == 640 << 10 {
+                break;
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_body_asked_to_make_room_is_cut() {
+        let rate = 16 << 10;
+        let (body, table, _slot) = fed(rate, 100, Duration::from_millis(250), usize::MAX);
+        let reading = tokio::spawn(read(body));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(matches!(table.make_room(rate), Ok((Peer::Unknown, Made::Slow(r))) if r < 1000));
+        assert_eq!(reading.await.unwrap().1, Some(Cut::MadeRoom));
     }
 }

@@ -159,7 +159,7 @@ pub(crate) struct Door {
 }
 
 /// Connects the engine refused, as the log says them: once when a burst
-/// begins (at most once a [`REFUSALS_EVERY`]), and once when it ends.
+/// begins (at most once a [`WARN_EVERY`]), and once when it ends.
 #[derive(Debug, Default)]
 struct Refusals {
     said: Option<tokio::time::Instant>,
@@ -168,10 +168,10 @@ struct Refusals {
 }
 
 /// How often the log says at most that the engine refuses connections,
-/// and each of the door's own warnings of a flood.
-const REFUSALS_EVERY: Duration = Duration::from_secs(60);
+/// and each of the door's warnings of a flood of slow clients.
+const WARN_EVERY: Duration = Duration::from_secs(60);
 
-/// A warning said at most once per [`REFUSALS_EVERY`].
+/// A warning said at most once per [`WARN_EVERY`].
 #[derive(Debug, Default)]
 struct Throttle(std::sync::Mutex<Option<tokio::time::Instant>>);
 
@@ -179,7 +179,7 @@ impl Throttle {
     fn due(&self) -> bool {
         let mut at = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let now = tokio::time::Instant::now();
-        let due = at.is_none_or(|a| now >= a + REFUSALS_EVERY);
+        let due = at.is_none_or(|a| now >= a + WARN_EVERY);
         if due {
             *at = Some(now);
         }
@@ -241,7 +241,7 @@ impl Door {
             return;
         }
         let now = tokio::time::Instant::now();
-        if r.said.is_none_or(|s| now >= s + REFUSALS_EVERY) {
+        if r.said.is_none_or(|s| now >= s + WARN_EVERY) {
             r.said = Some(now);
             tracing::warn!(
                 EVENT = "front",
@@ -254,15 +254,9 @@ impl Door {
     }
 
     /// A body was cut for its pace (said at most once a minute).
-    fn said_too_slow(&self, peer: Peer, what: &str) {
+    fn said_too_slow(&self, peer: Peer, cut: Cut, what: &str) {
         if self.said_slow.due() {
-            tracing::warn!(
-                EVENT = "front",
-                "a request body from {peer} came too slowly (no byte for {}s, or under front.min-body-rate = {} \
-                 bytes a second): answered 408, {what}",
-                pace::BODY_IDLE_TIMEOUT.as_secs(),
-                self.front.min_body_rate
-            );
+            tracing::warn!(EVENT = "front", "a request body from {peer} came too slowly ({cut}): answered 408, {what}");
         }
     }
 
@@ -732,23 +726,19 @@ fn limit(n: u64) -> usize {
 /// (kept, to be sent again if need be), or, past the bound, what was read
 /// followed by the rest as it comes. Or the answer: 413 past `max`, 400
 /// for a body that breaks off (a chunked body that is not one), 408 for
-/// one that does not come, or too slowly.
-async fn read_body(mut body: Paced, max: u64) -> Result<Payload, Response<UpBody>> {
+/// one that does not come, or too slowly (and why).
+async fn read_body(mut body: Paced, max: u64) -> Result<Payload, (Response<UpBody>, Option<Cut>)> {
     let mut read = Vec::new();
     loop {
         let frame = match body.frame().await {
             None => return Ok(Payload::Kept(Bytes::from(read))),
             Some(Err(e)) => {
                 if let Some(cut) = pace::cut_of(&*e) {
-                    return Err(too_slow(cut));
+                    return Err((too_slow(cut), Some(cut)));
                 }
                 tracing::debug!(error = %e, "the front door could not read a request's body");
-                return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    "the body is not whole".into(),
-                    None,
-                ));
+                let whole = "the body is not whole".into();
+                return Err((error(StatusCode::BAD_REQUEST, "invalid_request_error", whole, None), None));
             }
             Some(Ok(frame)) => frame,
         };
@@ -756,7 +746,7 @@ async fn read_body(mut body: Paced, max: u64) -> Result<Payload, Response<UpBody
         let Ok(data) = frame.into_data() else { continue };
         read.extend_from_slice(&data);
         if read.len() as u64 > max {
-            return Err(too_large(max));
+            return Err((too_large(max), None));
         }
         if read.len() as u64 > RESEND_MAX {
             let rest = Limited::new(body, limit(max - read.len() as u64));
@@ -853,10 +843,10 @@ async fn forward(door: &Arc<Door>, peer: Peer, conn: Arc<share::Conn>, req: Requ
         // breaks off never reaches the engine.
         _ => match read_body(body, max).await {
             Ok(p) => p,
-            Err(answer) => {
+            Err((answer, cut)) => {
                 door.metrics.front.count(outcome::REJECTED);
-                if answer.status() == StatusCode::REQUEST_TIMEOUT {
-                    door.said_too_slow(peer, "nothing was sent to the engine");
+                if let Some(cut) = cut {
+                    door.said_too_slow(peer, cut, "nothing was sent to the engine");
                 }
                 return answer;
             }
@@ -954,7 +944,7 @@ async fn forward(door: &Arc<Door>, peer: Peer, conn: Arc<share::Conn>, req: Requ
                     // aborted with its connection (vLLM sees the
                     // disconnect), and no answer of it came.
                     door.metrics.front.count(outcome::REJECTED);
-                    door.said_too_slow(peer, "its request to the engine was aborted");
+                    door.said_too_slow(peer, cut, "its request to the engine was aborted");
                     return too_slow(cut);
                 }
                 if is_clients_body(&e) {
