@@ -262,7 +262,7 @@ impl Door {
 
     /// A connection to the engine was made: a burst of refusals is over.
     fn connected(&self) {
-        if !self.refusing.swap(false, Ordering::Relaxed) {
+        if !self.refusing.load(Ordering::Relaxed) || !self.refusing.swap(false, Ordering::Relaxed) {
             return;
         }
         let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
