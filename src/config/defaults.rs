@@ -146,6 +146,11 @@ pub(crate) const FRONT_HOLD: Duration = Duration::from_secs(30);
 pub(crate) const FRONT_MAX_HELD: u32 = 256;
 /// `front.max-body`: 32 MiB, room for long prompts and images inline.
 pub(crate) const FRONT_MAX_BODY: u64 = 32 << 20;
+/// `front.min-body-rate`, bytes a second: 256 kbit/s, under any link a
+/// client of a model's API sends from (a 100 MB body over it takes 53
+/// minutes), and over what a slow sender that holds a connection cheaply
+/// pays (1 KiB every 4 s is 256 B/s).
+pub(crate) const FRONT_MIN_BODY_RATE: u64 = 32 << 10;
 /// `front.max-connections`.
 pub(crate) const FRONT_MAX_CONNECTIONS: u32 = 1024;
 /// `front.idle-sleep-level`.

@@ -190,6 +190,7 @@ pub(crate) const KEYS: &[Key] = &[
     own("front.max-held", Warden),
     own("front.retry-unanswered", Warden),
     own("front.max-body", Warden),
+    own("front.min-body-rate", Warden),
     own("front.max-connections", Warden),
     own("front.idle-stop", Warden),
     own("front.idle-action", Warden),

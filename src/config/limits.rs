@@ -50,6 +50,8 @@ pub(crate) const GOLDEN_PROMPTS: usize = 32;
 
 /// `front.max-body`, in bytes: 1 KiB to 4 GiB.
 pub(crate) const FRONT_MAX_BODY: RangeInclusive<u64> = 1 << 10..=4 << 30;
+/// `front.min-body-rate`, bytes a second: 0 (none) to 1 GiB.
+pub(crate) const FRONT_MIN_BODY_RATE: RangeInclusive<u64> = 0..=1 << 30;
 /// `front.max-held`: up to a million.
 pub(crate) const FRONT_MAX_HELD: RangeInclusive<u32> = 0..=1_000_000;
 /// `front.max-connections`.

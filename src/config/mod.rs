@@ -825,6 +825,9 @@ fn front(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Optio
     });
     let retry_unanswered = k.read("retry-unanswered", false, |r, v| r.boolean(v, "retry-unanswered"));
     let max_body = k.read("max-body", defaults::FRONT_MAX_BODY, |r, v| size(r, v, "max-body", limits::FRONT_MAX_BODY));
+    let min_body_rate = k.read("min-body-rate", defaults::FRONT_MIN_BODY_RATE, |r, v| {
+        size(r, v, "min-body-rate", limits::FRONT_MIN_BODY_RATE)
+    });
     let max_connections = k.read("max-connections", defaults::FRONT_MAX_CONNECTIONS, |r, v| {
         let n = r.integer(v, "max-connections", (*limits::FRONT_MAX_CONNECTIONS.end()).into())?;
         if n < 1 {
@@ -869,6 +872,7 @@ fn front(mut k: Keys<'_, '_, '_>, profile: Profile, command: &[String]) -> Optio
         max_held,
         retry_unanswered,
         max_body,
+        min_body_rate,
         max_connections,
         idle_stop,
         idle_action,

@@ -331,6 +331,9 @@ pub(crate) struct Front {
     pub(crate) retry_unanswered: bool,
     /// The largest request body, in bytes.
     pub(crate) max_body: u64,
+    /// The slowest a request body may come, in bytes a second, on average
+    /// after its first seconds; 0: no such floor.
+    pub(crate) min_body_rate: u64,
     /// The most client connections at once (kept under the descriptor
     /// limit).
     pub(crate) max_connections: u32,

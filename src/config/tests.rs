@@ -228,6 +228,7 @@ fn the_man_page_shows_the_default_constants() {
         ("front.hold", duration(defaults::FRONT_HOLD)),
         ("front.max-held", defaults::FRONT_MAX_HELD.to_string()),
         ("front.max-body", quoted(&format!("{} MiB", defaults::FRONT_MAX_BODY >> 20))),
+        ("front.min-body-rate", quoted(&format!("{} KiB", defaults::FRONT_MIN_BODY_RATE >> 10))),
         ("front.max-connections", defaults::FRONT_MAX_CONNECTIONS.to_string()),
         ("front.idle-sleep-level", defaults::FRONT_IDLE_SLEEP_LEVEL.to_string()),
         ("front.idle-stop", quoted("0s")),

@@ -19,11 +19,15 @@
 //!
 //! Its parts: `front/proxy.rs` serves the listeners and forwards, holds
 //! or answers each request; `front/hold.rs` is the queue of held
-//! requests; `front/listen.rs` opens the listeners (bound, passed by
-//! systemd, or kept across an upgrade).
+//! requests; `front/pace.rs` the pace a request body must keep;
+//! `front/share.rs` the connections by client, and which makes room when
+//! the door is full; `front/listen.rs` opens the listeners (bound, passed
+//! by systemd, or kept across an upgrade).
 
 pub(crate) mod hold;
+pub(crate) mod pace;
 pub(crate) mod proxy;
+pub(crate) mod share;
 
 pub(crate) use listen::Listener;
 pub(crate) use proxy::Door;

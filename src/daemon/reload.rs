@@ -289,7 +289,8 @@ fn compare(old: &Settings, new: &Settings, cmp: &mut dyn FnMut(Compared, String,
     fields!(cmp, opt old.front, front: Front {
         // Above.
         listen: _,
-        hold, max_held, retry_unanswered, max_body, max_connections, idle_stop, idle_action, idle_sleep_level,
+        hold, max_held, retry_unanswered, max_body, min_body_rate, max_connections, idle_stop, idle_action,
+        idle_sleep_level,
         idle_hold,
     });
     // Not a key: where the engine serves follows from the command,

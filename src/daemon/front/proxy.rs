@@ -25,12 +25,15 @@
 //!
 //! The same protections as the warden's endpoint: a request head must come
 //! within [`HEADER_READ_TIMEOUT`] (also between two requests of a
-//! kept-alive connection), a body that pauses no longer than
-//! [`BODY_IDLE_TIMEOUT`], one `Host`, no `CONNECT`, at most
-//! `front.max-connections` connections at
-//! once (never more than an eighth of the descriptor limit: more wait in
-//! the kernel's queue), and the warden's own lack of a resource is said as
-//! the warden's (503), never blamed on the engine.
+//! kept-alive connection), a body at the pace of `pace.rs` (no pause of
+//! 5 s, `front.min-body-rate` on average: else 408, the engine's request
+//! aborted if it was under way), one `Host`, no `CONNECT`, at most
+//! `front.max-connections` connections at once (never more than an eighth
+//! of the descriptor limit), and the warden's own lack of a resource is
+//! said as the warden's (503), never blamed on the engine. At the cap, a
+//! new connection is taken and a kept-alive or slow one makes room for it
+//! (`share.rs`), else it waits; one client past its share of the door
+//! makes room from its own.
 
 use std::future::Future;
 use std::net::IpAddr;
@@ -51,6 +54,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::watch;
 
 use super::hold::{self, Place, Refused, Release};
+use super::pace::{self, Cut, Paced};
+use super::share::{self, Peer};
 use super::{Activity, Gate, Listener};
 use crate::config::{Engine, Front, Listen};
 use crate::tell::metrics::Metrics;
@@ -59,16 +64,6 @@ use crate::tell::metrics::Metrics;
 /// and between two requests on a kept-alive one (as uvicorn's keep-alive,
 /// vLLM's own: clients' pools expect a few seconds at least).
 pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How long a body that is read before it is sent (up to [`RESEND_MAX`])
-/// may take to arrive.
-pub(crate) const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// How long such a body may make no progress (no byte comes): a client
-/// that stalls mid-body is answered 408 then, not at
-/// [`BODY_READ_TIMEOUT`]. As the header read's: a client that sends a
-/// body sends it at once.
-pub(crate) const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The largest request body kept to be sent again (a completion's body is
 /// a few KiB): larger bodies are streamed to the engine, never resent.
@@ -85,6 +80,20 @@ pub(crate) const MAX_BUF: usize = 64 << 10;
 
 /// The most headers a request may have; more is answered 431.
 pub(crate) const MAX_HEADERS: usize = 100;
+
+/// How long a request keeps trying to connect to an engine that the gate
+/// says serves but that takes no connection now (its accept queue full:
+/// uvicorn's is capped by `net.core.somaxconn`, 128 on kernels before
+/// 5.4, and a release of every held request at ready comes at once).
+/// Past it, or when the gate stops serving, the request waits for the
+/// gate as any other.
+pub(crate) const CONNECT_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The first pause before a connect is tried again; doubled up to
+/// [`CONNECT_PAUSE_MAX`], each drawn between half and all of it, so that a
+/// burst refused together does not come back together.
+const CONNECT_PAUSE: Duration = Duration::from_millis(10);
+const CONNECT_PAUSE_MAX: Duration = Duration::from_millis(500);
 
 /// Idle upstream connections kept for reuse.
 const POOL_IDLE: usize = 64;
@@ -137,6 +146,45 @@ pub(crate) struct Door {
     metrics: Arc<Metrics>,
     client: Client<Connector, UpBody>,
     in_flight: AtomicUsize,
+    /// The connections by client.
+    table: Arc<share::Table>,
+    /// When the log last said that the door is full, that a client holds
+    /// its share, that a body was cut for its pace.
+    said_full: Throttle,
+    said_share: Throttle,
+    said_slow: Throttle,
+    /// The engine refuses connections now (see [`Door::refused`]).
+    refusing: std::sync::atomic::AtomicBool,
+    refusals: std::sync::Mutex<Refusals>,
+}
+
+/// Connects the engine refused, as the log says them: once when a burst
+/// begins (at most once a [`WARN_EVERY`]), and once when it ends.
+#[derive(Debug, Default)]
+struct Refusals {
+    said: Option<tokio::time::Instant>,
+    /// Tries refused since the burst began.
+    tries: u64,
+}
+
+/// How often the log says at most that the engine refuses connections,
+/// and each of the door's warnings of a flood of slow clients.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// A warning said at most once per [`WARN_EVERY`].
+#[derive(Debug, Default)]
+struct Throttle(std::sync::Mutex<Option<tokio::time::Instant>>);
+
+impl Throttle {
+    fn due(&self) -> bool {
+        let mut at = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let now = tokio::time::Instant::now();
+        let due = at.is_none_or(|a| now >= a + WARN_EVERY);
+        if due {
+            *at = Some(now);
+        }
+        due
+    }
 }
 
 impl std::fmt::Debug for Door {
@@ -170,12 +218,56 @@ impl Door {
             metrics,
             client,
             in_flight: AtomicUsize::new(0),
+            table: Arc::default(),
+            said_full: Throttle::default(),
+            said_share: Throttle::default(),
+            said_slow: Throttle::default(),
+            refusing: std::sync::atomic::AtomicBool::new(false),
+            refusals: std::sync::Mutex::default(),
         })
     }
 
     /// Requests held and forwarded now.
     pub(crate) fn now(&self) -> Now {
         Now { held: self.queue.len(), in_flight: self.in_flight.load(Ordering::Relaxed) }
+    }
+
+    /// The engine refused a connect (`why`) that is tried again: said when
+    /// a burst of them begins, not for each request.
+    fn refused(&self, why: &dyn std::fmt::Display) {
+        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        r.tries += 1;
+        if self.refusing.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        if r.said.is_none_or(|s| now >= s + WARN_EVERY) {
+            r.said = Some(now);
+            tracing::warn!(
+                EVENT = "front",
+                error = %why,
+                "the engine takes no connection now (its accept queue may be full): \
+                 each request tries again for up to {}",
+                shown(CONNECT_PATIENCE)
+            );
+        }
+    }
+
+    /// A body was cut for its pace (said at most once a minute).
+    fn said_too_slow(&self, peer: Peer, cut: Cut, what: &str) {
+        if self.said_slow.due() {
+            tracing::warn!(EVENT = "front", "a request body from {peer} came too slowly ({cut}): answered 408, {what}");
+        }
+    }
+
+    /// A connection to the engine was made: a burst of refusals is over.
+    fn connected(&self) {
+        if !self.refusing.load(Ordering::Relaxed) || !self.refusing.swap(false, Ordering::Relaxed) {
+            return;
+        }
+        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        let tries = std::mem::take(&mut r.tries);
+        tracing::info!(EVENT = "front", "the engine takes connections again ({tries} connects were tried again)");
     }
 }
 
@@ -186,24 +278,25 @@ pub(crate) async fn serve(door: Arc<Door>, listeners: Vec<(Listen, Listener)>) {
     let permits = Arc::new(tokio::sync::Semaphore::new(cap));
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(release(door.clone()));
+    let per_peer = (cap / share::PEER_SHARE).max(1);
     for (listen, l) in listeners {
         let (door, permits) = (door.clone(), permits.clone());
         match l {
             Listener::Tcp(l) => match tokio::net::TcpListener::from_std(l) {
                 Ok(l) => {
-                    tasks.spawn(accept(l, listen, door, permits));
+                    tasks.spawn(accept(l, listen, door, permits, Share { cap, per_peer }));
                 }
                 Err(e) => tracing::error!(EVENT = "front", error = %e, "cannot serve {}", listen.shown()),
             },
             Listener::Unix(l) => match tokio::net::UnixListener::from_std(l) {
                 Ok(l) => {
-                    tasks.spawn(accept(l, listen, door, permits));
+                    tasks.spawn(accept(l, listen, door, permits, Share { cap, per_peer }));
                 }
                 Err(e) => tracing::error!(EVENT = "front", error = %e, "cannot serve {}", listen.shown()),
             },
         }
     }
-    tracing::debug!(connections = cap, "the front door serves");
+    tracing::debug!(connections = cap, per_peer, "the front door serves");
     while tasks.join_next().await.is_some() {}
 }
 
@@ -243,26 +336,36 @@ async fn release(door: Arc<Door>) {
     }
 }
 
+/// How many connections the door serves, and one client holds while
+/// others may need them.
+#[derive(Debug, Clone, Copy)]
+struct Share {
+    cap: usize,
+    per_peer: usize,
+}
+
 /// A listener of the front door: TCP or a unix socket.
 trait Accept: Send + 'static {
     type Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
-    /// A connection, and the client's address (none on a unix socket).
-    fn accept(&self) -> impl Future<Output = std::io::Result<(Self::Io, Option<IpAddr>)>> + Send;
+    /// A connection, and who opened it.
+    fn accept(&self) -> impl Future<Output = std::io::Result<(Self::Io, Peer)>> + Send;
 }
 
 impl Accept for tokio::net::TcpListener {
     type Io = tokio::net::TcpStream;
-    async fn accept(&self) -> std::io::Result<(Self::Io, Option<IpAddr>)> {
+    async fn accept(&self) -> std::io::Result<(Self::Io, Peer)> {
         let (s, addr) = tokio::net::TcpListener::accept(self).await?;
         let _ = s.set_nodelay(true);
-        Ok((s, Some(addr.ip().to_canonical())))
+        Ok((s, Peer::Ip(addr.ip().to_canonical())))
     }
 }
 
 impl Accept for tokio::net::UnixListener {
     type Io = tokio::net::UnixStream;
-    async fn accept(&self) -> std::io::Result<(Self::Io, Option<IpAddr>)> {
-        Ok((tokio::net::UnixListener::accept(self).await?.0, None))
+    async fn accept(&self) -> std::io::Result<(Self::Io, Peer)> {
+        let s = tokio::net::UnixListener::accept(self).await?.0;
+        let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+        Ok((s, peer))
     }
 }
 
@@ -277,7 +380,14 @@ async fn handing_over(handover: &mut watch::Receiver<bool>, on: bool) -> bool {
 /// up to a second.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
 
-async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits: Arc<tokio::sync::Semaphore>) {
+async fn accept<L: Accept>(
+    listener: L,
+    listen: Listen,
+    door: Arc<Door>,
+    permits: Arc<tokio::sync::Semaphore>,
+    share: Share,
+) {
+    let Share { cap, per_peer } = share;
     let mut pause = ACCEPT_PAUSE;
     let mut warned: Option<tokio::time::Instant> = None;
     let mut handover = door.activity.handover();
@@ -296,16 +406,6 @@ async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits
         if accepting.is_none() {
             accepting = Some(door.activity.accepting());
         }
-        // At the cap, new connections wait in the kernel's queue (they
-        // hold none of the warden's descriptors) until one ends.
-        let permit = tokio::select! {
-            biased;
-            true = handing_over(&mut handover, true) => continue,
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => return,
-            },
-        };
         let accepted = tokio::select! {
             biased;
             true = handing_over(&mut handover, true) => continue,
@@ -336,29 +436,94 @@ async fn accept<L: Accept>(listener: L, listen: Listen, door: Arc<Door>, permits
         // would exec with the connection in its hands, and the kernel
         // would answer its client's request with a reset.
         let open = door.activity.opened();
+        // At the cap, the connection is taken all the same (one
+        // descriptor past the cap) and a kept-alive or slow one makes room
+        // for it; with none that may, it waits for the first to end, and
+        // the others wait in the kernel's queue.
+        let Some(permit) = door.permit(&permits, cap).await else { return };
+        let (slot, made) = door.table.admit(peer, per_peer, door.front.min_body_rate);
+        if made.is_some() && door.said_share.due() {
+            tracing::warn!(
+                EVENT = "front",
+                "the front door serves {per_peer} connections from {peer}, the most one client holds while \
+                 others may need them: its kept-alive or slow ones make room for its new ones"
+            );
+        }
         let door = door.clone();
         tokio::spawn(async move {
-            connection(io, peer, door).await;
+            connection(io, peer, slot, door).await;
             drop(open);
             drop(permit);
         });
     }
 }
 
-/// Serve one client connection until it ends.
-async fn connection<I>(io: I, peer: Option<IpAddr>, door: Arc<Door>)
+impl Door {
+    /// A place for a connection just accepted: a free one, or one made
+    /// for it (see `share.rs`), or the first to end. `None` when the door
+    /// no longer serves.
+    async fn permit(
+        &self,
+        permits: &Arc<tokio::sync::Semaphore>,
+        cap: usize,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        use tokio::sync::TryAcquireError;
+        match permits.clone().try_acquire_owned() {
+            Ok(p) => return Some(p),
+            Err(TryAcquireError::Closed) => return None,
+            Err(TryAcquireError::NoPermits) => {}
+        }
+        loop {
+            let made = self.table.make_room(self.front.min_body_rate);
+            if self.said_full.due() {
+                let how = match made {
+                    Ok((peer, share::Made::Idle)) => format!("a kept-alive connection of {peer} is closed"),
+                    Ok((peer, share::Made::Slow(rate))) => {
+                        format!("a body of {peer} coming at {rate} bytes a second is cut (408)")
+                    }
+                    Err(_) => "none is idle or slow: it waits for the first to end".to_string(),
+                };
+                tracing::warn!(
+                    EVENT = "front",
+                    "the front door serves {cap} connections, its most (front.max-connections), and another came: {how}",
+                );
+            }
+            // A body is judged slow after its first second, and a body
+            // judged may fall under the floor later: looked at again then,
+            // or a second on, while the door stays full.
+            let now = tokio::time::Instant::now();
+            let again = match made {
+                Err(Some(judged)) => judged.min(now + share::JUDGED_AFTER),
+                _ => now + share::JUDGED_AFTER,
+            };
+            tokio::select! {
+                p = permits.clone().acquire_owned() => return p.ok(),
+                _ = tokio::time::sleep_until(again) => {}
+            }
+        }
+    }
+}
+
+/// Serve one client connection in its `slot` until it ends, or until it
+/// is asked to make room (at once between two requests; a slow body is
+/// cut, see `pace.rs`).
+async fn connection<I>(io: I, peer: Peer, slot: share::Slot, door: Arc<Door>)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut handover = door.activity.handover();
+    let mut cut = std::pin::pin!(slot.conn.cut());
     // Whether a request has begun on the connection: one just accepted
     // may have its request on the way (or in the socket unread).
     let (begun_tx, mut begun) = watch::channel(false);
     let begun_tx = Arc::new(begun_tx);
+    let conn = slot.conn.clone();
     let service = hyper::service::service_fn(move |req| {
         let door = door.clone();
+        let conn = conn.clone();
         begun_tx.send_replace(true);
-        async move { Ok::<_, std::convert::Infallible>(handle(door, peer, req).await) }
+        conn.asked();
+        async move { Ok::<_, std::convert::Infallible>(handle(door, peer, conn, req).await) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -369,6 +534,12 @@ where
     let mut conn = std::pin::pin!(conn);
     let ended = tokio::select! {
         ended = conn.as_mut() => ended,
+        () = &mut cut => {
+            // Asked to make room: closed now between two requests, else
+            // after the answer under way (a slow body's 408).
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
         true = handing_over(&mut handover, true) => {
             // An upgrade's exec is near: the request under way (if any)
             // is answered whole, then the connection is closed (a client
@@ -410,14 +581,17 @@ pub(crate) mod outcome {
 }
 
 /// A request in the front door's hands: told to the activity (for idle
-/// stop) while it lives, which is until its answer's body is done.
+/// stop) while it lives, which is until its answer's body is done; then
+/// its connection is between two requests.
 struct InHand {
     door: Arc<Door>,
+    conn: Arc<share::Conn>,
 }
 
 impl Drop for InHand {
     fn drop(&mut self) {
         self.door.activity.end();
+        self.conn.answered();
     }
 }
 
@@ -548,50 +722,31 @@ fn limit(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
 
-/// Read a body up to [`RESEND_MAX`] within [`BODY_READ_TIMEOUT`]: whole
+/// Read a body up to [`RESEND_MAX`] at its pace (`pace.rs`): whole
 /// (kept, to be sent again if need be), or, past the bound, what was read
 /// followed by the rest as it comes. Or the answer: 413 past `max`, 400
 /// for a body that breaks off (a chunked body that is not one), 408 for
-/// one that does not come.
-async fn read_body(mut body: Incoming, max: u64) -> Result<Payload, Response<UpBody>> {
-    let deadline = tokio::time::Instant::now() + BODY_READ_TIMEOUT;
+/// one that does not come, or too slowly (and why).
+async fn read_body(mut body: Paced, max: u64) -> Result<Payload, (Response<UpBody>, Option<Cut>)> {
     let mut read = Vec::new();
     loop {
-        let idle = tokio::time::Instant::now() + BODY_IDLE_TIMEOUT;
-        let frame = match tokio::time::timeout_at(deadline.min(idle), body.frame()).await {
-            Err(_) if idle < deadline => {
-                return Err(error(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "invalid_request_error",
-                    format!("no byte of the body came for {}s", BODY_IDLE_TIMEOUT.as_secs()),
-                    None,
-                ));
-            }
-            Err(_) => {
-                return Err(error(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "invalid_request_error",
-                    format!("the body did not come within {}s", BODY_READ_TIMEOUT.as_secs()),
-                    None,
-                ));
-            }
-            Ok(None) => return Ok(Payload::Kept(Bytes::from(read))),
-            Ok(Some(Err(e))) => {
+        let frame = match body.frame().await {
+            None => return Ok(Payload::Kept(Bytes::from(read))),
+            Some(Err(e)) => {
+                if let Some(cut) = pace::cut_of(&*e) {
+                    return Err((too_slow(cut), Some(cut)));
+                }
                 tracing::debug!(error = %e, "the front door could not read a request's body");
-                return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    "the body is not whole".into(),
-                    None,
-                ));
+                let whole = "the body is not whole".into();
+                return Err((error(StatusCode::BAD_REQUEST, "invalid_request_error", whole, None), None));
             }
-            Ok(Some(Ok(frame))) => frame,
+            Some(Ok(frame)) => frame,
         };
         // Trailers are dropped (vLLM reads none).
         let Ok(data) = frame.into_data() else { continue };
         read.extend_from_slice(&data);
         if read.len() as u64 > max {
-            return Err(too_large(max));
+            return Err((too_large(max), None));
         }
         if read.len() as u64 > RESEND_MAX {
             let rest = Limited::new(body, limit(max - read.len() as u64));
@@ -600,10 +755,18 @@ async fn read_body(mut body: Incoming, max: u64) -> Result<Payload, Response<UpB
     }
 }
 
+/// The answer to a body cut for its pace: 408, and the connection closed
+/// (the rest of the body is never read).
+fn too_slow(cut: Cut) -> Response<UpBody> {
+    let mut res = error(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", cut.to_string(), None);
+    res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    res
+}
+
 /// A body begun: what was read of it, then the rest.
 struct Prefixed {
     read: Option<Bytes>,
-    rest: Limited<Incoming>,
+    rest: Limited<Paced>,
 }
 
 impl Body for Prefixed {
@@ -617,16 +780,17 @@ impl Body for Prefixed {
     }
 }
 
-async fn handle(door: Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -> Response<UpBody> {
+async fn handle(door: Arc<Door>, peer: Peer, conn: Arc<share::Conn>, req: Request<Incoming>) -> Response<UpBody> {
     let idle = matches!(*door.gate.borrow(), Gate::Idle { .. });
     door.activity.begin(idle);
-    let in_hand = InHand { door: door.clone() };
-    let answer = forward(&door, peer, req).await;
+    let in_hand = InHand { door: door.clone(), conn: conn.clone() };
+    let answer = forward(&door, peer, conn, req).await;
     answer.map(|body| Kept { body, _kept: in_hand }.boxed())
 }
 
-async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>) -> Response<UpBody> {
+async fn forward(door: &Arc<Door>, peer: Peer, conn: Arc<share::Conn>, req: Request<Incoming>) -> Response<UpBody> {
     let (mut parts, body) = req.into_parts();
+    let body = Paced::new(body, door.front.min_body_rate, conn);
     if parts.method == hyper::Method::CONNECT {
         // A tunnel is no request of the API (and vLLM has no use for one).
         door.metrics.front.count(outcome::REJECTED);
@@ -679,14 +843,21 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
         // breaks off never reaches the engine.
         _ => match read_body(body, max).await {
             Ok(p) => p,
-            Err(answer) => {
+            Err((answer, cut)) => {
                 door.metrics.front.count(outcome::REJECTED);
+                if let Some(cut) = cut {
+                    door.said_too_slow(peer, cut, "nothing was sent to the engine");
+                }
                 return answer;
             }
         },
     };
     strip_hop_by_hop(&mut parts.headers);
-    add_forwarded(&mut parts.headers, peer);
+    let addr = match peer {
+        Peer::Ip(ip) => Some(ip),
+        Peer::Uid(_) | Peer::Unknown => None,
+    };
+    add_forwarded(&mut parts.headers, addr);
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let uri: Uri = match format!("{}{path}", door.base).parse() {
         Ok(u) => u,
@@ -698,6 +869,9 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
     parts.uri = uri;
     // Whether it was held already (counted once), and sent once more.
     let (mut held, mut retried) = (false, false);
+    // While an engine that serves refuses its connect: until when it is
+    // tried again, and the next pause.
+    let (mut connect_until, mut pause) = (None, CONNECT_PAUSE);
     let mut gate = door.gate.clone();
     loop {
         if let Some(answer) = wait_turn(door, &gate, door.front.hold, &mut held).await {
@@ -721,6 +895,7 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
         let forwarding = Forwarding::new(door);
         match door.client.request(up).await {
             Ok(res) => {
+                door.connected();
                 let res = match engine_dead(res).await {
                     Ok(res) => res,
                     Err(()) => {
@@ -764,6 +939,14 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
                     door.metrics.front.count(outcome::REJECTED);
                     return too_large(max);
                 }
+                if let Some(cut) = pace::cut_of(&e) {
+                    // Cut while it was streamed: the engine's request is
+                    // aborted with its connection (vLLM sees the
+                    // disconnect), and no answer of it came.
+                    door.metrics.front.count(outcome::REJECTED);
+                    door.said_too_slow(peer, cut, "its request to the engine was aborted");
+                    return too_slow(cut);
+                }
                 if is_clients_body(&e) {
                     // The client's body broke off while it was streamed:
                     // the client's fault, not the engine's.
@@ -776,6 +959,22 @@ async fn forward(door: &Arc<Door>, peer: Option<IpAddr>, req: Request<Incoming>)
                     );
                 }
                 let resendable = matches!(payload, Payload::Kept(_));
+                let now = tokio::time::Instant::now();
+                if e.is_connect()
+                    && resendable
+                    && matches!(*gate.borrow(), Gate::Serving)
+                    && now < *connect_until.get_or_insert(now + CONNECT_PATIENCE)
+                {
+                    // An engine that serves, whose accept queue is full (a
+                    // release of every held request at once): tried again
+                    // after a pause, under a deadline of its own. A gate that
+                    // stops serving meanwhile holds it in the queue.
+                    door.refused(&io_error(&e).map_or_else(|| e.to_string(), |io| io.to_string()));
+                    let drawn = pause.mul_f64(0.5 + fastrand::f64() / 2.0);
+                    pause = (pause * 2).min(CONNECT_PAUSE_MAX);
+                    tokio::time::sleep(drawn).await;
+                    continue;
+                }
                 if e.is_connect() && resendable {
                     // Never reached the engine: it is not serving, whatever
                     // the gate said a moment ago. Held until the machine
@@ -1074,10 +1273,15 @@ pub(crate) fn add_forwarded(h: &mut HeaderMap, peer: Option<IpAddr>) {
 
 /// The warden's own lack of a resource, in an error of the client.
 fn own_shortage(e: &hyper_util::client::legacy::Error) -> Option<&'static str> {
+    io_error(e).and_then(crate::util::errno::own_shortage)
+}
+
+/// The system's error under an error of the client.
+fn io_error(e: &hyper_util::client::legacy::Error) -> Option<&std::io::Error> {
     let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
     while let Some(s) = source {
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
-            return crate::util::errno::own_shortage(io);
+            return Some(io);
         }
         source = s.source();
     }
