@@ -118,7 +118,7 @@ fn text(o: &Output) -> (String, String) {
 
 #[test]
 fn check_lists_the_childs_folders_and_names_one_it_cannot_write() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::tempdir();
     let d = dir.path();
     let cfg = d.join("m.toml");
     std::fs::write(d.join("file"), "").unwrap();

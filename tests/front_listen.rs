@@ -87,7 +87,7 @@ fn the_front_door_listens_on_every_address_and_keeps_them_in_the_store() {
     let front = common::free_port();
     let (tx, rx) = mpsc::channel();
     let opts = Opts { notify_fds: Some(tx), ..Opts::default() };
-    let stale = tempfile::tempdir().unwrap();
+    let stale = common::tempdir();
     let sock = stale.path().join("front.sock");
     // A socket file nobody listens on: what a warden killed leaves.
     drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
@@ -118,7 +118,7 @@ fn the_front_door_listens_on_every_address_and_keeps_them_in_the_store() {
 /// refuses to start (78) and says why; the file is as it was.
 #[test]
 fn a_regular_file_at_the_unix_path_is_refused_and_kept() {
-    let d = tempfile::tempdir().unwrap();
+    let d = common::tempdir();
     let path = d.path().join("front.sock");
     std::fs::write(&path, "precious").unwrap();
     let listen = vec![format!("unix:{}", path.display())];
@@ -244,7 +244,7 @@ fn an_upgrade_keeps_the_front_doors_sockets() {
     let exe = bin.path().join("vllm-warden");
     std::fs::copy(common::exe(), &exe).unwrap();
     let front = common::free_port();
-    let sock_dir = tempfile::tempdir().unwrap();
+    let sock_dir = common::tempdir();
     let sock = sock_dir.path().join("front.sock");
     let listen = vec![format!("127.0.0.1:{front}"), format!("unix:{}", sock.display())];
     let opts = Opts { exe: Some(exe.clone()), ..Opts::default() };
@@ -319,7 +319,7 @@ fn an_unusable_hand_off_still_keeps_the_sockets() {
 /// missing.
 #[test]
 fn check_names_a_unix_path_the_front_door_cannot_use() {
-    let d = tempfile::tempdir().unwrap();
+    let d = common::tempdir();
     let file = d.path().join("file.sock");
     std::fs::write(&file, "").unwrap();
     let missing = d.path().join("no-such-folder/front.sock");

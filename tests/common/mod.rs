@@ -102,6 +102,24 @@ pub struct Opts {
     pub notify_fds: Option<mpsc::Sender<(String, Vec<std::os::fd::OwnedFd>)>>,
 }
 
+/// The longest folder of a test's files: within it go sockets whose paths
+/// have limits of their own (`preload.socket-dir` `DIR/wc`, at most 64
+/// bytes; vLLM's sockets folder `DIR/run/vllm-ipc`, at most 70, else the
+/// warden leaves it unset; `DIR/notify.sock` and `DIR/run/control.sock`
+/// within `sun_path`'s 107).
+pub const MAX_DIR: usize = 57;
+
+/// A new temporary folder for a test's files: in the usual temporary
+/// folder (`TMPDIR`), or in `/tmp` when a path there would be longer than
+/// [`MAX_DIR`] (a deep `TMPDIR`, as some CI runners and `pam_tmpdir` set).
+pub fn tempdir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    if dir.path().as_os_str().len() <= MAX_DIR {
+        return dir;
+    }
+    tempfile::tempdir_in("/tmp").unwrap()
+}
+
 /// One datagram of the notify socket, with the descriptors it carries.
 fn recv_with_fds(sock: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
@@ -126,7 +144,7 @@ impl Warden {
     }
 
     pub fn start_with(make: impl FnOnce(&Path, u16) -> String, opts: Opts) -> Warden {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempdir();
         let port = free_port();
         let cfg = dir.path().join("t.toml");
         std::fs::write(&cfg, make(dir.path(), port)).unwrap();
