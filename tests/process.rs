@@ -289,13 +289,7 @@ fn a_second_warden_on_the_same_instance_exits_69_and_touches_nothing() {
     let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", FAST));
     w.wait_ready();
     let tree = w.descendants();
-    let out = std::process::Command::new(common::exe())
-        .args(["run", "-c"])
-        .arg(w.path("t.toml"))
-        .env("STATE_DIRECTORY", w.path("state"))
-        .env_remove("NOTIFY_SOCKET")
-        .output()
-        .unwrap();
+    let out = w.command("run").env_remove("NOTIFY_SOCKET").output().unwrap();
     assert_eq!(out.status.code(), Some(69));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("instance \"t\" is already supervised by pid {}", w.pid)), "{err}");
@@ -365,6 +359,8 @@ fn without_notify_socket_the_warden_works_the_same() {
         .env_remove("NOTIFY_SOCKET")
         .env_remove("JOURNAL_STREAM")
         .env("STATE_DIRECTORY", dir.path().join("state"))
+        // Its own control socket, not /run/vllm-warden/t/'s.
+        .env("RUNTIME_DIRECTORY", dir.path().join("run"))
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(78));
@@ -456,8 +452,7 @@ fn a_patch_that_cannot_apply_is_a_permanent_failed_start() {
 }
 
 fn status_cmd(w: &Warden, json: bool) -> (i32, String) {
-    let mut c = std::process::Command::new(common::exe());
-    c.args(["status", "-c"]).arg(w.path("t.toml"));
+    let mut c = w.command("status");
     if json {
         c.arg("--json");
     }
@@ -533,7 +528,12 @@ fn status_without_a_running_instance_is_4() {
         format!("[child]\ncommand = [\"/bin/true\"]\n[status]\nfile = \"{}/none.json\"\n", dir.path().display()),
     )
     .unwrap();
-    let o = std::process::Command::new(common::exe()).args(["status", "-c"]).arg(&cfg).output().unwrap();
+    let o = std::process::Command::new(common::exe())
+        .args(["status", "-c"])
+        .arg(&cfg)
+        .env("RUNTIME_DIRECTORY", dir.path().join("run"))
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(4));
     assert!(
         String::from_utf8_lossy(&o.stdout)

@@ -61,7 +61,7 @@ fn status_endpoint(w: &Warden, budget: Duration) -> serde_json::Value {
 
 /// `vllm-warden status -c …`: its exit code and output.
 fn status_command(w: &Warden) -> (i32, String) {
-    let o = std::process::Command::new(common::exe()).args(["status", "-c"]).arg(w.path("t.toml")).output().unwrap();
+    let o = w.command("status").output().unwrap();
     (o.status.code().unwrap(), String::from_utf8_lossy(&o.stdout).into_owned())
 }
 

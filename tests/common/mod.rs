@@ -465,14 +465,7 @@ impl Warden {
     /// `vllm-warden COMMAND -c CONFIG ARGS…` on this instance's config and
     /// state, as an operator runs it: whether it exited 0, and its stdout.
     pub fn cli(&self, args: &[&str]) -> (bool, String) {
-        let out = Command::new(exe())
-            .args(&args[..1])
-            .arg("-c")
-            .arg(self.path("t.toml"))
-            .args(&args[1..])
-            .env("STATE_DIRECTORY", self.path("state"))
-            .output()
-            .unwrap();
+        let out = self.command(args[0]).args(&args[1..]).output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         if !out.status.success() {
             eprintln!("vllm-warden {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
@@ -480,14 +473,28 @@ impl Warden {
         (out.status.success(), text)
     }
 
-    /// `EXE upgrade` on this instance, as an operator runs it: exit 0.
-    pub fn ask_upgrade(&self, exe: &Path) {
-        let out = Command::new(exe)
-            .args(["upgrade", "-c"])
+    /// `vllm-warden COMMAND -c CONFIG` on this instance, in its unit's
+    /// environment: its state and runtime folders (without the latter a
+    /// command asks `/run/vllm-warden/t/control.sock`, which another test's
+    /// warden of the same name may hold). More arguments may follow.
+    pub fn command(&self, what: &str) -> Command {
+        self.command_of(Path::new(exe()), what)
+    }
+
+    /// [`Warden::command`] with another binary.
+    pub fn command_of(&self, exe: &Path, what: &str) -> Command {
+        let mut c = Command::new(exe);
+        c.arg(what)
+            .arg("-c")
             .arg(self.path("t.toml"))
             .env("STATE_DIRECTORY", self.path("state"))
-            .output()
-            .unwrap();
+            .env("RUNTIME_DIRECTORY", self.path("run"));
+        c
+    }
+
+    /// `EXE upgrade` on this instance, as an operator runs it: exit 0.
+    pub fn ask_upgrade(&self, exe: &Path) {
+        let out = self.command_of(exe, "upgrade").output().unwrap();
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
