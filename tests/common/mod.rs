@@ -100,6 +100,46 @@ pub struct Opts {
     /// Where the notifications that carry descriptors (`FDSTORE=1`) go,
     /// with the descriptors, as systemd receives them.
     pub notify_fds: Option<mpsc::Sender<(String, Vec<std::os::fd::OwnedFd>)>>,
+    /// Leave the host's own `journalctl` and `nvidia-smi` to the warden.
+    /// Without it, [`HOST_STUBS`] stand first in its `PATH`.
+    pub host_tools: bool,
+}
+
+/// What the warden would ask of the host by default, answered as on a
+/// machine without journald or GPUs, so that no test depends on the host it
+/// runs on: `journalctl` (its kernel-message follower, `journalctl -k -f`:
+/// on a host with journald every warden would see the kernel lines another
+/// test writes to `/dev/kmsg`, and re-check) waits and says nothing, as it
+/// does without a journal; `nvidia-smi` (the GPU query before a start and
+/// the instance's GPU addresses: on a GPU host real addresses that no
+/// test's fake Xid line names, and a busy GPU holding every start for
+/// `gpu-idle-wait`) answers no GPU. The follower waits in a shell of its
+/// own name (a `read` on a fifo nobody writes), with no child: the harness
+/// tells it from the child's tree by its name. A test that sets its own
+/// kernel source or GPU query in its config is not touched by them. Made in
+/// each test's folder (`host-stubs/`).
+pub const HOST_STUBS: [(&str, &str); 2] = [
+    (
+        "journalctl",
+        "#!/bin/sh\n# Stands in for the host's journalctl (see tests/common/mod.rs).\n\
+         for a in \"$@\"; do\n  case $a in -f|--follow) read -r _ <> \"${0%/*}/never\"; exit 0;; esac\ndone\nexit 0\n",
+    ),
+    ("nvidia-smi", "#!/bin/sh\n# Stands in for the host's nvidia-smi (see tests/common/mod.rs): no GPU.\nexit 0\n"),
+];
+
+/// [`HOST_STUBS`] in `dir` (made once), with the fifo the follower waits on.
+fn host_stubs(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if dir.exists() {
+        return;
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    for (name, text) in HOST_STUBS {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    nix::unistd::mkfifo(&dir.join("never"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
 }
 
 /// The longest folder of a test's files: within it go sockets whose paths
@@ -233,6 +273,14 @@ impl Warden {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        if !opts.host_tools {
+            // Before the test's own PATH, if it sets one.
+            let stubs = self.path("host-stubs");
+            host_stubs(&stubs);
+            let path = opts.env.iter().rev().find(|(k, _)| k == "PATH").map(|(_, v)| v.clone());
+            let path = path.or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
+            cmd.env("PATH", format!("{}:{path}", stubs.display()));
+        }
         if opts.blocked_signals {
             use std::os::unix::process::CommandExt;
             // SAFETY: only sigprocmask between fork and exec.
