@@ -658,17 +658,31 @@ fn wait_for(budget: Duration, path: &Path, done: &dyn Fn() -> bool) {
     }
     let budget = budget.saturating_sub(start.elapsed());
     let (tx, rx) = mpsc::channel();
-    let mut watcher = notify::recommended_watcher(move |_| {
+    // Held here so that the wait below waits, with or without a watcher.
+    let _held = tx.clone();
+    let watcher = notify::recommended_watcher(move |_| {
         let _ = tx.send(());
     })
-    .unwrap();
-    watcher.watch(path.parent().unwrap(), notify::RecursiveMode::NonRecursive).unwrap();
+    .and_then(|mut w| w.watch(path.parent().unwrap(), notify::RecursiveMode::NonRecursive).map(|()| w));
+    // A watcher is an inotify instance, and a user has
+    // `fs.inotify.max_user_instances` of them (128 by default) for all
+    // its processes: on a many-core host running as many tests at once,
+    // with the wardens' own, they run out. Then the file is looked at
+    // every 50 ms instead.
+    let poll = match &watcher {
+        Ok(_) => None,
+        Err(e) => {
+            eprintln!("no inotify watch on {} ({e}): looking every 50 ms", path.display());
+            Some(Duration::from_millis(50))
+        }
+    };
     let deadline = Instant::now() + budget;
     while !done() {
         let left = deadline.saturating_duration_since(Instant::now());
         assert!(!left.is_zero(), "timed out after {} waiting for {}", secs(budget), path.display());
-        let _ = rx.recv_timeout(left);
+        let _ = rx.recv_timeout(poll.map_or(left, |p| p.min(left)));
     }
+    drop(watcher);
 }
 
 /// The number of descriptors `pid` has open.
