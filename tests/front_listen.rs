@@ -91,9 +91,22 @@ fn the_front_door_listens_on_every_address_and_keeps_them_in_the_store() {
     let sock = stale.path().join("front.sock");
     // A socket file nobody listens on: what a warden killed leaves.
     drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
-    let listen = vec![format!("0.0.0.0:{front}"), format!("[::]:{front}"), format!("unix:{}", sock.display())];
+    // IPv6 may be off (`ipv6.disable=1`, `net.ipv6.conf.all.disable_ipv6`,
+    // a container without it): then `[::]:P` is left out, and the test
+    // says so.
+    let ipv6 = match std::net::TcpListener::bind("[::1]:0") {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPED (in part): no IPv6 on this host ([::1]: {e}): [::]:{front} is not tried");
+            false
+        }
+    };
+    let mut listen = vec![format!("0.0.0.0:{front}"), format!("unix:{}", sock.display())];
+    if ipv6 {
+        listen.insert(1, format!("[::]:{front}"));
+    }
     let mut w = Warden::start_with(|d, p| front_config(d, p, &listen), opts);
-    let got = stored(&rx, 3);
+    let got = stored(&rx, listen.len());
     for (i, (text, fds)) in got.iter().enumerate() {
         assert_eq!(text, &format!("FDSTORE=1\nFDNAME=front-{i}\n"));
         assert_eq!(fds.len(), 1, "one descriptor a message");
@@ -104,10 +117,14 @@ fn the_front_door_listens_on_every_address_and_keeps_them_in_the_store() {
     }
     let local = |fd: &OwnedFd| socket2::SockRef::from(fd).local_addr().unwrap();
     assert_eq!(local(&got[0].1[0]).as_socket().unwrap().to_string(), format!("0.0.0.0:{front}"));
-    assert_eq!(local(&got[1].1[0]).as_socket().unwrap().to_string(), format!("[::]:{front}"));
-    assert_eq!(local(&got[2].1[0]).as_pathname().unwrap(), sock);
+    if ipv6 {
+        assert_eq!(local(&got[1].1[0]).as_socket().unwrap().to_string(), format!("[::]:{front}"));
+    }
+    assert_eq!(local(&got.last().unwrap().1[0]).as_pathname().unwrap(), sock);
     connects_tcp(&format!("127.0.0.1:{front}")).unwrap();
-    connects_tcp(&format!("[::1]:{front}")).unwrap();
+    if ipv6 {
+        connects_tcp(&format!("[::1]:{front}")).unwrap();
+    }
     connects_unix(&sock).unwrap();
     assert_eq!(std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777, 0o660);
     w.wait_ready();
