@@ -556,8 +556,7 @@ fn the_log_rotated_under_a_flood_loses_no_line() {
 fn the_log_rotated_on_tmpfs_under_a_flood_loses_no_line() {
     // /dev/shm is half the memory by default, but a container's is 64 MiB:
     // the flood's log needs room, twice it for a margin.
-    let free =
-        nix::sys::statvfs::statvfs("/dev/shm").map(|s| u64::from(s.blocks_available()) * u64::from(s.fragment_size()));
+    let free = nix::sys::statvfs::statvfs("/dev/shm").map(|s| s.blocks_available() * s.fragment_size());
     match free {
         Ok(free) if free >= 2 * FLOOD => {}
         Ok(free) => {
