@@ -118,7 +118,7 @@ fn text(o: &Output) -> (String, String) {
 
 #[test]
 fn check_lists_the_childs_folders_and_names_one_it_cannot_write() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::tempdir();
     let d = dir.path();
     let cfg = d.join("m.toml");
     std::fs::write(d.join("file"), "").unwrap();
@@ -219,8 +219,12 @@ fn check_names_a_model_folder_without_its_config_and_an_offline_hub_model_not_in
 
 /// For a test that runs the warden as nobody: a folder nobody can reach,
 /// with a copy of the binary in it; `None` (the test says why it did not
-/// run) when not root or no such folder can be made.
+/// run) when not root or no such folder can be made. What the test makes
+/// from then on is readable by nobody whatever the host's umask (027 or
+/// 077 on hardened hosts): nextest runs each test in a process of its own,
+/// so the umask set here touches no other test.
 fn as_nobody() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     if !nix::unistd::geteuid().is_root() {
         eprintln!("SKIPPED: needs root, to run the warden as uid {}", nobody::UID);
         return None;

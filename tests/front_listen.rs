@@ -87,13 +87,26 @@ fn the_front_door_listens_on_every_address_and_keeps_them_in_the_store() {
     let front = common::free_port();
     let (tx, rx) = mpsc::channel();
     let opts = Opts { notify_fds: Some(tx), ..Opts::default() };
-    let stale = tempfile::tempdir().unwrap();
+    let stale = common::tempdir();
     let sock = stale.path().join("front.sock");
     // A socket file nobody listens on: what a warden killed leaves.
     drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
-    let listen = vec![format!("0.0.0.0:{front}"), format!("[::]:{front}"), format!("unix:{}", sock.display())];
+    // IPv6 may be off (`ipv6.disable=1`, `net.ipv6.conf.all.disable_ipv6`,
+    // a container without it): then `[::]:P` is left out, and the test
+    // says so.
+    let ipv6 = match std::net::TcpListener::bind("[::1]:0") {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPED (in part): no IPv6 on this host ([::1]: {e}): [::]:{front} is not tried");
+            false
+        }
+    };
+    let mut listen = vec![format!("0.0.0.0:{front}"), format!("unix:{}", sock.display())];
+    if ipv6 {
+        listen.insert(1, format!("[::]:{front}"));
+    }
     let mut w = Warden::start_with(|d, p| front_config(d, p, &listen), opts);
-    let got = stored(&rx, 3);
+    let got = stored(&rx, listen.len());
     for (i, (text, fds)) in got.iter().enumerate() {
         assert_eq!(text, &format!("FDSTORE=1\nFDNAME=front-{i}\n"));
         assert_eq!(fds.len(), 1, "one descriptor a message");
@@ -104,10 +117,14 @@ fn the_front_door_listens_on_every_address_and_keeps_them_in_the_store() {
     }
     let local = |fd: &OwnedFd| socket2::SockRef::from(fd).local_addr().unwrap();
     assert_eq!(local(&got[0].1[0]).as_socket().unwrap().to_string(), format!("0.0.0.0:{front}"));
-    assert_eq!(local(&got[1].1[0]).as_socket().unwrap().to_string(), format!("[::]:{front}"));
-    assert_eq!(local(&got[2].1[0]).as_pathname().unwrap(), sock);
+    if ipv6 {
+        assert_eq!(local(&got[1].1[0]).as_socket().unwrap().to_string(), format!("[::]:{front}"));
+    }
+    assert_eq!(local(&got.last().unwrap().1[0]).as_pathname().unwrap(), sock);
     connects_tcp(&format!("127.0.0.1:{front}")).unwrap();
-    connects_tcp(&format!("[::1]:{front}")).unwrap();
+    if ipv6 {
+        connects_tcp(&format!("[::1]:{front}")).unwrap();
+    }
     connects_unix(&sock).unwrap();
     assert_eq!(std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777, 0o660);
     w.wait_ready();
@@ -118,7 +135,7 @@ fn the_front_door_listens_on_every_address_and_keeps_them_in_the_store() {
 /// refuses to start (78) and says why; the file is as it was.
 #[test]
 fn a_regular_file_at_the_unix_path_is_refused_and_kept() {
-    let d = tempfile::tempdir().unwrap();
+    let d = common::tempdir();
     let path = d.path().join("front.sock");
     std::fs::write(&path, "precious").unwrap();
     let listen = vec![format!("unix:{}", path.display())];
@@ -244,7 +261,7 @@ fn an_upgrade_keeps_the_front_doors_sockets() {
     let exe = bin.path().join("vllm-warden");
     std::fs::copy(common::exe(), &exe).unwrap();
     let front = common::free_port();
-    let sock_dir = tempfile::tempdir().unwrap();
+    let sock_dir = common::tempdir();
     let sock = sock_dir.path().join("front.sock");
     let listen = vec![format!("127.0.0.1:{front}"), format!("unix:{}", sock.display())];
     let opts = Opts { exe: Some(exe.clone()), ..Opts::default() };
@@ -319,7 +336,7 @@ fn an_unusable_hand_off_still_keeps_the_sockets() {
 /// missing.
 #[test]
 fn check_names_a_unix_path_the_front_door_cannot_use() {
-    let d = tempfile::tempdir().unwrap();
+    let d = common::tempdir();
     let file = d.path().join("file.sock");
     std::fs::write(&file, "").unwrap();
     let missing = d.path().join("no-such-folder/front.sock");

@@ -144,12 +144,7 @@ fn a_reload_of_the_health_interval_keeps_the_child_and_changes_the_cadence() {
     let text = std::fs::read_to_string(w.path("t.toml")).unwrap();
     std::fs::write(w.path("t.toml"), text.replace("interval = \"1h\"", "interval = \"100ms\"")).unwrap();
     // What a reload would do, asked before it is done.
-    let diff = std::process::Command::new(common::exe())
-        .args(["check", "--diff", "-c"])
-        .arg(w.path("t.toml"))
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
+    let diff = w.command("check").arg("--diff").output().unwrap();
     let out = String::from_utf8_lossy(&diff.stdout);
     assert_eq!(diff.status.code(), Some(0), "{out}");
     // The verdict first, then what the reload would do.

@@ -226,6 +226,10 @@ fn a_missing_file_and_a_path_through_a_non_object_are_clear_errors() {
 
 #[test]
 fn a_read_only_folder_is_a_clear_error_and_nothing_is_written() {
+    // What it makes must be readable by nobody whatever the host's umask
+    // (027 or 077 on hardened hosts). nextest runs each test in a process
+    // of its own, so this touches no other test.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     let m = Model::new();
     std::fs::set_permissions(&m.snapshot, std::fs::Permissions::from_mode(0o555)).unwrap();
     // Root writes anywhere: run the command as nobody then, from a copy of

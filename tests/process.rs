@@ -289,13 +289,7 @@ fn a_second_warden_on_the_same_instance_exits_69_and_touches_nothing() {
     let mut w = Warden::start(|d, p| config(d, p, &["--shards", "1"], "", FAST));
     w.wait_ready();
     let tree = w.descendants();
-    let out = std::process::Command::new(common::exe())
-        .args(["run", "-c"])
-        .arg(w.path("t.toml"))
-        .env("STATE_DIRECTORY", w.path("state"))
-        .env_remove("NOTIFY_SOCKET")
-        .output()
-        .unwrap();
+    let out = w.command("run").env_remove("NOTIFY_SOCKET").output().unwrap();
     assert_eq!(out.status.code(), Some(69));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("instance \"t\" is already supervised by pid {}", w.pid)), "{err}");
@@ -365,6 +359,8 @@ fn without_notify_socket_the_warden_works_the_same() {
         .env_remove("NOTIFY_SOCKET")
         .env_remove("JOURNAL_STREAM")
         .env("STATE_DIRECTORY", dir.path().join("state"))
+        // Its own control socket, not /run/vllm-warden/t/'s.
+        .env("RUNTIME_DIRECTORY", dir.path().join("run"))
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(78));
@@ -456,8 +452,7 @@ fn a_patch_that_cannot_apply_is_a_permanent_failed_start() {
 }
 
 fn status_cmd(w: &Warden, json: bool) -> (i32, String) {
-    let mut c = std::process::Command::new(common::exe());
-    c.args(["status", "-c"]).arg(w.path("t.toml"));
+    let mut c = w.command("status");
     if json {
         c.arg("--json");
     }
@@ -534,7 +529,12 @@ fn status_without_a_running_instance_is_4() {
         format!("[child]\ncommand = [\"/bin/true\"]\n[status]\nfile = \"{}/none.json\"\n", dir.path().display()),
     )
     .unwrap();
-    let o = std::process::Command::new(common::exe()).args(["status", "-c"]).arg(&cfg).output().unwrap();
+    let o = std::process::Command::new(common::exe())
+        .args(["status", "-c"])
+        .arg(&cfg)
+        .env("RUNTIME_DIRECTORY", dir.path().join("run"))
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(4));
     assert!(
         String::from_utf8_lossy(&o.stdout)
@@ -555,12 +555,32 @@ fn the_log_rotated_under_a_flood_loses_no_line() {
 /// The same on tmpfs.
 #[test]
 fn the_log_rotated_on_tmpfs_under_a_flood_loses_no_line() {
+    // /dev/shm is half the memory by default, but a container's is 64 MiB:
+    // the flood's log needs room, twice it for a margin.
+    let free = nix::sys::statvfs::statvfs("/dev/shm").map(|s| s.blocks_available() * s.fragment_size());
+    match free {
+        Ok(free) if free >= 2 * FLOOD => {}
+        Ok(free) => {
+            eprintln!(
+                "SKIPPED: /dev/shm has {} MiB free, under the {} MiB this test wants",
+                free >> 20,
+                (2 * FLOOD) >> 20
+            );
+            return;
+        }
+        Err(e) => {
+            eprintln!("SKIPPED: /dev/shm: {e}");
+            return;
+        }
+    }
     let shm = tempfile::tempdir_in("/dev/shm").unwrap();
     rotated_under_a_flood(Some(shm.path()));
 }
 
+/// What the child writes before its ready line in the flood tests.
+const FLOOD: u64 = 50 << 20;
+
 fn rotated_under_a_flood(log_dir: Option<&std::path::Path>) {
-    const FLOOD: u64 = 50 << 20;
     let log_dir = log_dir.map(|p| p.to_path_buf());
     let mut w = Warden::start(|d, p| {
         let count = d.join("runs");

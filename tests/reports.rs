@@ -28,14 +28,7 @@ fn sections() -> String {
 }
 
 fn reports_cmd(w: &Warden, args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(common::exe())
-        .arg("reports")
-        .args(["-c"])
-        .arg(w.path("t.toml"))
-        .args(args)
-        .env("STATE_DIRECTORY", w.path("state"))
-        .output()
-        .unwrap();
+    let out = w.command("reports").args(args).output().unwrap();
     (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
@@ -153,8 +146,7 @@ fn a_wedged_engine_leaves_a_failure_report_with_every_part_and_no_secret() {
         serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap();
     assert_eq!(doc["last_failure"]["report"], dir.display().to_string(), "{doc}");
     assert_eq!(doc["last_failure"]["class"], "health");
-    let status =
-        std::process::Command::new(common::exe()).args(["status", "-c"]).arg(w.path("t.toml")).output().unwrap();
+    let status = w.command("status").output().unwrap();
     let status = String::from_utf8_lossy(&status.stdout);
     assert!(status.contains(&format!("\nreport: {}", dir.display())), "{status}");
 

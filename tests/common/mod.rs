@@ -100,6 +100,64 @@ pub struct Opts {
     /// Where the notifications that carry descriptors (`FDSTORE=1`) go,
     /// with the descriptors, as systemd receives them.
     pub notify_fds: Option<mpsc::Sender<(String, Vec<std::os::fd::OwnedFd>)>>,
+    /// Leave the host's own `journalctl` and `nvidia-smi` to the warden.
+    /// Without it, [`HOST_STUBS`] stand first in its `PATH`.
+    pub host_tools: bool,
+}
+
+/// What the warden would ask of the host by default, answered as on a
+/// machine without journald or GPUs, so that no test depends on the host it
+/// runs on: `journalctl` (its kernel-message follower, `journalctl -k -f`:
+/// on a host with journald every warden would see the kernel lines another
+/// test writes to `/dev/kmsg`, and re-check) waits and says nothing, as it
+/// does without a journal; `nvidia-smi` (the GPU query before a start and
+/// the instance's GPU addresses: on a GPU host real addresses that no
+/// test's fake Xid line names, and a busy GPU holding every start for
+/// `gpu-idle-wait`) answers no GPU. The follower waits in a shell of its
+/// own name (a `read` on a fifo nobody writes), with no child: the harness
+/// tells it from the child's tree by its name. A test that sets its own
+/// kernel source or GPU query in its config is not touched by them. Made in
+/// each test's folder (`host-stubs/`).
+pub const HOST_STUBS: [(&str, &str); 2] = [
+    (
+        "journalctl",
+        "#!/bin/sh\n# Stands in for the host's journalctl (see tests/common/mod.rs).\n\
+         for a in \"$@\"; do\n  case $a in -f|--follow) read -r _ <> \"${0%/*}/never\"; exit 0;; esac\ndone\nexit 0\n",
+    ),
+    ("nvidia-smi", "#!/bin/sh\n# Stands in for the host's nvidia-smi (see tests/common/mod.rs): no GPU.\nexit 0\n"),
+];
+
+/// [`HOST_STUBS`] in `dir` (made once), with the fifo the follower waits on.
+fn host_stubs(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if dir.exists() {
+        return;
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    for (name, text) in HOST_STUBS {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    nix::unistd::mkfifo(&dir.join("never"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+}
+
+/// The longest folder of a test's files: within it go sockets whose paths
+/// have limits of their own (`preload.socket-dir` `DIR/wc`, at most 64
+/// bytes; vLLM's sockets folder `DIR/run/vllm-ipc`, at most 70, else the
+/// warden leaves it unset; `DIR/notify.sock` and `DIR/run/control.sock`
+/// within `sun_path`'s 107).
+pub const MAX_DIR: usize = 57;
+
+/// A new temporary folder for a test's files: in the usual temporary
+/// folder (`TMPDIR`), or in `/tmp` when a path there would be longer than
+/// [`MAX_DIR`] (a deep `TMPDIR`, as some CI runners and `pam_tmpdir` set).
+pub fn tempdir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    if dir.path().as_os_str().len() <= MAX_DIR {
+        return dir;
+    }
+    tempfile::tempdir_in("/tmp").unwrap()
 }
 
 /// One datagram of the notify socket, with the descriptors it carries.
@@ -126,7 +184,7 @@ impl Warden {
     }
 
     pub fn start_with(make: impl FnOnce(&Path, u16) -> String, opts: Opts) -> Warden {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempdir();
         let port = free_port();
         let cfg = dir.path().join("t.toml");
         std::fs::write(&cfg, make(dir.path(), port)).unwrap();
@@ -215,6 +273,14 @@ impl Warden {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        if !opts.host_tools {
+            // Before the test's own PATH, if it sets one.
+            let stubs = self.path("host-stubs");
+            host_stubs(&stubs);
+            let path = opts.env.iter().rev().find(|(k, _)| k == "PATH").map(|(_, v)| v.clone());
+            let path = path.or_else(|| std::env::var("PATH").ok()).unwrap_or_default();
+            cmd.env("PATH", format!("{}:{path}", stubs.display()));
+        }
         if opts.blocked_signals {
             use std::os::unix::process::CommandExt;
             // SAFETY: only sigprocmask between fork and exec.
@@ -447,14 +513,7 @@ impl Warden {
     /// `vllm-warden COMMAND -c CONFIG ARGS…` on this instance's config and
     /// state, as an operator runs it: whether it exited 0, and its stdout.
     pub fn cli(&self, args: &[&str]) -> (bool, String) {
-        let out = Command::new(exe())
-            .args(&args[..1])
-            .arg("-c")
-            .arg(self.path("t.toml"))
-            .args(&args[1..])
-            .env("STATE_DIRECTORY", self.path("state"))
-            .output()
-            .unwrap();
+        let out = self.command(args[0]).args(&args[1..]).output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         if !out.status.success() {
             eprintln!("vllm-warden {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
@@ -462,14 +521,28 @@ impl Warden {
         (out.status.success(), text)
     }
 
-    /// `EXE upgrade` on this instance, as an operator runs it: exit 0.
-    pub fn ask_upgrade(&self, exe: &Path) {
-        let out = Command::new(exe)
-            .args(["upgrade", "-c"])
+    /// `vllm-warden COMMAND -c CONFIG` on this instance, in its unit's
+    /// environment: its state and runtime folders (without the latter a
+    /// command asks `/run/vllm-warden/t/control.sock`, which another test's
+    /// warden of the same name may hold). More arguments may follow.
+    pub fn command(&self, what: &str) -> Command {
+        self.command_of(Path::new(exe()), what)
+    }
+
+    /// [`Warden::command`] with another binary.
+    pub fn command_of(&self, exe: &Path, what: &str) -> Command {
+        let mut c = Command::new(exe);
+        c.arg(what)
+            .arg("-c")
             .arg(self.path("t.toml"))
             .env("STATE_DIRECTORY", self.path("state"))
-            .output()
-            .unwrap();
+            .env("RUNTIME_DIRECTORY", self.path("run"));
+        c
+    }
+
+    /// `EXE upgrade` on this instance, as an operator runs it: exit 0.
+    pub fn ask_upgrade(&self, exe: &Path) {
+        let out = self.command_of(exe, "upgrade").output().unwrap();
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
@@ -585,17 +658,31 @@ fn wait_for(budget: Duration, path: &Path, done: &dyn Fn() -> bool) {
     }
     let budget = budget.saturating_sub(start.elapsed());
     let (tx, rx) = mpsc::channel();
-    let mut watcher = notify::recommended_watcher(move |_| {
+    // Held here so that the wait below waits, with or without a watcher.
+    let _held = tx.clone();
+    let watcher = notify::recommended_watcher(move |_| {
         let _ = tx.send(());
     })
-    .unwrap();
-    watcher.watch(path.parent().unwrap(), notify::RecursiveMode::NonRecursive).unwrap();
+    .and_then(|mut w| w.watch(path.parent().unwrap(), notify::RecursiveMode::NonRecursive).map(|()| w));
+    // A watcher is an inotify instance, and a user has
+    // `fs.inotify.max_user_instances` of them (128 by default) for all
+    // its processes: on a many-core host running as many tests at once,
+    // with the wardens' own, they run out. Then the file is looked at
+    // every 50 ms instead.
+    let poll = match &watcher {
+        Ok(_) => None,
+        Err(e) => {
+            eprintln!("no inotify watch on {} ({e}): looking every 50 ms", path.display());
+            Some(Duration::from_millis(50))
+        }
+    };
     let deadline = Instant::now() + budget;
     while !done() {
         let left = deadline.saturating_duration_since(Instant::now());
         assert!(!left.is_zero(), "timed out after {} waiting for {}", secs(budget), path.display());
-        let _ = rx.recv_timeout(left);
+        let _ = rx.recv_timeout(poll.map_or(left, |p| p.min(left)));
     }
+    drop(watcher);
 }
 
 /// The number of descriptors `pid` has open.
