@@ -422,3 +422,140 @@ fn records_this_user_may_not_read_are_said_so() {
         assert!(!out.contains("no setup") && !out.contains("not running"), "{what:?}: {out}");
     }
 }
+
+/// A command run with its output in files, waited for with `wait4` under
+/// [`common::TIMEOUT`] (killed, and `None`, when it does not end): its
+/// exit code, stdout, stderr and its peak resident memory in KiB. Its
+/// address space is capped at 1 GiB, so that a command that reads without
+/// bound fails here instead of filling the machine's memory.
+fn measured(args: &[&str], env: &[(&str, &Path)]) -> Option<(i32, String, String, u64)> {
+    use std::os::unix::process::CommandExt;
+    let out = tempfile::tempdir().unwrap();
+    let (o, e) = (out.path().join("out"), out.path().join("err"));
+    let mut cmd = Command::new(common::exe());
+    cmd.args(args)
+        .env_remove("JOURNAL_STREAM")
+        .env_remove("VLLM_WARDEN_CONFIG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&o).unwrap())
+        .stderr(std::fs::File::create(&e).unwrap());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    // SAFETY: setrlimit is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            let cap = libc::rlimit { rlim_cur: 1 << 30, rlim_max: 1 << 30 };
+            if libc::setrlimit(libc::RLIMIT_AS, &cap) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    let pid = child.id() as libc::pid_t;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+        // SAFETY: waits for our own child; both pointers are to locals.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        assert_eq!(r, pid);
+        let code = if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { -libc::WTERMSIG(status) };
+        let _ = tx.send((code, usage.ru_maxrss as u64));
+    });
+    let Ok((code, rss)) = rx.recv_timeout(common::TIMEOUT) else {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        return None;
+    };
+    std::mem::forget(child);
+    Some((code, std::fs::read_to_string(o).unwrap(), std::fs::read_to_string(e).unwrap(), rss))
+}
+
+/// The resident memory a command may reach on a file it must refuse.
+const RSS_CAP_KIB: u64 = 64 << 10;
+
+/// Files that are not configs: a FIFO, a link to `/dev/zero`, a 1 GB
+/// sparse file. Each is made in `dir` as `NAME.toml`.
+fn not_configs(dir: &Path, name: &str) -> Vec<(&'static str, std::path::PathBuf)> {
+    let fifo = dir.join(format!("fifo-{name}"));
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+    let zero = dir.join(format!("zero-{name}"));
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    let huge = dir.join(format!("huge-{name}"));
+    std::fs::File::create(&huge).unwrap().set_len(1 << 30).unwrap();
+    vec![
+        ("a FIFO (named pipe), not a regular file", fifo),
+        ("a character device, not a regular file", zero),
+        ("1073741824 bytes, over the limit of ", huge),
+    ]
+}
+
+/// Issue 56 B5: a FIFO config hung `status` and `drain` for ever,
+/// `/dev/zero` grew `undrain` and `reload` to 22.9 GB, a 1 GB file aborted
+/// on a 7.3 GB allocation. Each command now refuses the file at once, in
+/// little memory, and says what it is; the commands that work under a
+/// broken config go on as the instance of the file's name.
+#[test]
+fn a_config_that_is_a_fifo_a_device_or_huge_is_refused_at_once_in_little_memory() {
+    let d = tempfile::tempdir().unwrap();
+    let (state, run) = (d.path().join("state"), d.path().join("run"));
+    let env = [("STATE_DIRECTORY", state.as_path()), ("RUNTIME_DIRECTORY", run.as_path())];
+    let mut peak = Vec::new();
+    for (said, file) in not_configs(d.path(), "cfg") {
+        let cfg = d.path().join("kimi.toml");
+        let _ = std::fs::remove_file(&cfg);
+        std::os::unix::fs::symlink(&file, &cfg).unwrap();
+        let cfg = cfg.to_str().unwrap();
+        for (cmd, want) in [("status", 4), ("drain", 4), ("undrain", 4), ("reload", 4), ("loads", 0), ("check", 78)] {
+            let (code, out, err, rss) = measured(&[cmd, "-c", cfg], &env)
+                .unwrap_or_else(|| panic!("`{cmd}` on {} did not end", file.display()));
+            assert_eq!(code, want, "`{cmd}` on {}: {out}{err}", file.display());
+            assert!(
+                err.contains(&format!("{cfg}: cannot read config: {said}")),
+                "`{cmd}` on {}: {err}",
+                file.display()
+            );
+            assert!(rss < RSS_CAP_KIB, "`{cmd}` on {}: {rss} KiB", file.display());
+            if cmd != "check" {
+                assert!(err.contains("going on as instance \"kimi\""), "`{cmd}`: {err}");
+            }
+            peak.push((cmd, file.file_name().unwrap().to_string_lossy().into_owned(), rss));
+        }
+    }
+    eprintln!("peak resident memory (KiB): {peak:?}");
+}
+
+/// Issue 56 B5: `list` hung on a FIFO `status.json` and spent 2.1 GB on
+/// `/dev/zero`. The status file is refused at once and said so: `status`
+/// exits 4 with the reason, `list` shows the state as unknown and why.
+#[test]
+fn a_status_file_that_is_a_fifo_a_device_or_huge_is_refused_at_once_in_little_memory() {
+    let d = tempfile::tempdir().unwrap();
+    let configs = d.path().join("configs");
+    std::fs::create_dir(&configs).unwrap();
+    let env = [("VLLM_WARDEN_CONFIG_DIR", configs.as_path())];
+    let mut peak = Vec::new();
+    for (said, file) in not_configs(d.path(), "status") {
+        let text = format!(
+            "[child]\ncommand = [\"/bin/true\"]\n[status]\nfile = \"{}\"\n[server]\nsocket = \"{}\"\n",
+            file.display(),
+            d.path().join("control.sock").display()
+        );
+        std::fs::write(configs.join("kimi.toml"), text).unwrap();
+        let (code, out, err, rss) =
+            measured(&["list", "--json"], &env).unwrap_or_else(|| panic!("`list` on {} did not end", file.display()));
+        assert_eq!(code, 0, "{out}{err}");
+        let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(rows[0]["state"], "unknown", "{out}");
+        assert!(rows[0]["unknown"].as_str().unwrap().contains(said), "{out}");
+        assert!(rss < RSS_CAP_KIB, "`list` on {}: {rss} KiB", file.display());
+        peak.push(("list", file.file_name().unwrap().to_string_lossy().into_owned(), rss));
+        let (code, out, err, rss) =
+            measured(&["status", "kimi"], &env).unwrap_or_else(|| panic!("`status` on {} did not end", file.display()));
+        assert_eq!(code, 4, "{out}{err}");
+        assert!(err.contains(&format!("its status file {} cannot be read: {said}", file.display())), "{err}");
+        assert!(rss < RSS_CAP_KIB, "`status` on {}: {rss} KiB", file.display());
+        peak.push(("status", file.file_name().unwrap().to_string_lossy().into_owned(), rss));
+    }
+    eprintln!("peak resident memory (KiB): {peak:?}");
+}

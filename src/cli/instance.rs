@@ -147,6 +147,9 @@ pub(crate) enum Seen {
     /// Neither the control socket nor the status file may be read by this
     /// user: a warden may well run. Why, in a sentence.
     Denied(String),
+    /// No warden answers, and the status file is there but cannot be read
+    /// (a FIFO, a device, too large, not a file). Why, in a sentence.
+    Unreadable(String),
 }
 
 /// The instance's status: from its warden (the control socket) when one
@@ -160,11 +163,16 @@ pub(crate) fn look(s: &crate::config::Settings, timeout: std::time::Duration) ->
         Err(ClientError::Connect { source, .. }) if denied(&source) => Some(source),
         _ => None,
     };
-    match std::fs::File::open(&s.status.file) {
+    match crate::tell::summary::read(&s.status.file) {
+        Ok(v) => Seen::Verdict(Box::new(v)),
         Err(e) if denied(&e) => {
             let socket = socket.map_or_else(String::new, |e| format!(", nor open {} ({e})", s.server.socket.display()));
             Seen::Denied(format!("permission denied: cannot read {} ({e}){socket}", s.status.file.display()))
         }
-        _ => Seen::Verdict(Box::new(crate::tell::summary::read(&s.status.file))),
+        Err(e) => Seen::Unreadable(format!(
+            "no warden answers on {}, and its status file {} cannot be read: {e}",
+            s.server.socket.display(),
+            s.status.file.display()
+        )),
     }
 }

@@ -349,6 +349,14 @@ fn status(path: &Path, a: &StatusArgs) -> Code {
             eprintln!("vllm-warden: {}: {why}: run this as the service's user or a member of its group", s.name);
             return Code::NoPermission;
         }
+        Seen::Unreadable(why) => {
+            eprintln!(
+                "vllm-warden: {}: not running as far as can be seen: {}",
+                s.name,
+                crate::util::escape::one_line(&why, crate::util::escape::MAX_LINE)
+            );
+            return Code::NotRunning;
+        }
     };
     if a.json {
         match &verdict {

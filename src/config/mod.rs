@@ -76,10 +76,23 @@ impl Dirs {
 
 /// Read and validate a config file.
 pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Problems(vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
-    })?;
+    let text = read(path).map_err(|p| Problems(vec![p]))?;
     parse(&text, path, dirs)
+}
+
+/// The text of a config file: a regular file (or a link to one) of at most
+/// [`limits::CONFIG_SIZE`] bytes, read without blocking
+/// ([`crate::util::fsutil::read_small`]): a FIFO, a device or a huge file
+/// is a problem said at once, never a command that hangs or fills memory.
+pub(crate) fn read(path: &Path) -> Result<String, Problem> {
+    let problem = |e: &dyn std::fmt::Display| Problem {
+        file: path.to_path_buf(),
+        at: None,
+        message: format!("cannot read config: {e}"),
+    };
+    let bytes = crate::util::fsutil::read_small(path, limits::CONFIG_SIZE, crate::util::fsutil::Links::Follow)
+        .map_err(|e| problem(&e))?;
+    String::from_utf8(bytes).map_err(|_| problem(&"not UTF-8 text"))
 }
 
 /// Validate config text; `path` names the file in problems and gives the
@@ -96,11 +109,9 @@ pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems>
 /// they could be read (each value with a problem left at its default) and
 /// every problem. No settings when the file cannot be read or is not TOML.
 pub(crate) fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
-    match std::fs::read_to_string(path) {
+    match read(path) {
         Ok(text) => parse_all(&text, path, dirs),
-        Err(e) => {
-            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
-        }
+        Err(p) => (None, vec![p]),
     }
 }
 
@@ -111,12 +122,10 @@ pub(crate) fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Probl
 /// when it cannot be read or is not TOML, its `name` if that much reads,
 /// else the file's stem, and every default. With every problem found.
 pub(crate) fn load_lenient(path: &Path, dirs: &Dirs) -> (Settings, Vec<Problem>) {
-    let text = std::fs::read_to_string(path);
+    let text = read(path);
     let (settings, problems) = match &text {
         Ok(text) => parse_all(text, path, dirs),
-        Err(e) => {
-            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
-        }
+        Err(p) => (None, vec![p.clone()]),
     };
     if let Some(s) = settings {
         return (s, problems);

@@ -546,6 +546,58 @@ fn push_front(todo: &mut VecDeque<OsString>, p: &Path, at: &Path) -> Result<(), 
     Ok(())
 }
 
+/// Whether [`read_small`] follows a symlink at the last component of its
+/// path: a config may be a link to a file kept elsewhere; a file of the
+/// state folder is never reached through one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Links {
+    Follow,
+    Refuse,
+}
+
+/// The whole of a small regular file that someone else may have made
+/// anything: opened without blocking (a FIFO cannot hold the open, nor a
+/// device its read) and never as a controlling terminal, refused unless it
+/// is a regular file, refused when it is larger than `max` bytes, and read
+/// for at most `max` + 1 bytes whatever its size says (a file that grows
+/// while it is read is refused too). Every file a command reads whole goes
+/// through here. The errors say what the file is, without its path (the
+/// caller names it): `a FIFO (named pipe), not a regular file`,
+/// `1073741824 bytes, over the limit of 1048576`; a file that is not there,
+/// or that this user may not open, keeps its own error kind.
+pub(crate) fn read_small(path: &Path, max: u64, links: Links) -> io::Result<Vec<u8>> {
+    let mut flags = libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+    if links == Links::Refuse {
+        flags |= libc::O_NOFOLLOW;
+    }
+    let file = match OpenOptions::new().read(true).custom_flags(flags).open(path) {
+        Ok(f) => f,
+        // A socket cannot be opened (ENXIO), a symlink refused (ELOOP):
+        // say what it is.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO | libc::ELOOP)) => {
+            return Err(match fs::symlink_metadata(path) {
+                Ok(m) if !m.is_file() => not_regular(&m),
+                _ => e,
+            });
+        }
+        Err(e) => return Err(e),
+    };
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    let too_large =
+        |size: u64| io::Error::new(io::ErrorKind::InvalidData, format!("{size} bytes, over the limit of {max}"));
+    if meta.len() > max {
+        return Err(too_large(meta.len()));
+    }
+    read_capped(&file, max)?.map_err(too_large)
+}
+
+fn not_regular(m: &fs::Metadata) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, format!("{}, not a regular file", kind_of(m)))
+}
+
 /// Read at most `max` bytes of `file`; `Err(size)` when there are more.
 pub(crate) fn read_capped(file: &File, max: u64) -> io::Result<Result<Vec<u8>, u64>> {
     let mut buf = Vec::new();
