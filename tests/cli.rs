@@ -559,3 +559,35 @@ fn a_status_file_that_is_a_fifo_a_device_or_huge_is_refused_at_once_in_little_me
     }
     eprintln!("peak resident memory (KiB): {peak:?}");
 }
+
+/// Issue 56 B6: `name = ".."` was refused, but a file named `...toml` was
+/// instance `..` (state `/var/lib/vllm-warden/..`, control socket
+/// `/run/control.sock`), and a file's name with a newline or an escape
+/// was a name too. One rule for a name from anywhere: every command
+/// refuses such a file, and says why.
+#[test]
+fn an_instance_named_after_its_file_is_held_to_the_rule_of_names() {
+    let d = tempfile::tempdir().unwrap();
+    let text = "[child]\ncommand = [\"/bin/true\"]\n";
+    for stem in ["..", "a\nb", "a\u{1b}[31mb"] {
+        let cfg = d.path().join(format!("{stem}.toml"));
+        std::fs::write(&cfg, text).unwrap();
+        let cfg = cfg.to_str().unwrap();
+        for (cmd, want) in [("check", 78), ("run", 78), ("status", 2), ("drain", 2), ("loads", 2), ("upgrade", 2)] {
+            let (code, out, err) = warden(&[cmd, "-c", cfg]);
+            assert_eq!(code, want, "`{cmd}` on {stem:?}: {out}{err}");
+            assert!(err.contains("is not an instance name (letters, digits"), "`{cmd}` on {stem:?}: {err}");
+            assert!(!err.contains('\u{1b}'), "`{cmd}`: the escape is shown escaped: {err:?}");
+            assert!(!err.contains("going on as instance"), "`{cmd}` on {stem:?}: {err}");
+            assert!(!out.contains("/run/control.sock") && !err.contains("/run/control.sock"), "{out}{err}");
+        }
+        // A `name` in the file names the instance: its file's name is then only a file's.
+        std::fs::write(d.path().join(format!("{stem}.toml")), format!("name = \"kimi\"\n{text}")).unwrap();
+        let (code, out, err) = warden(&["check", "-c", cfg]);
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.contains("config of instance \"kimi\" is valid"), "{out}");
+    }
+    let (code, _, err) = warden(&["status", ".."]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("\"..\" is not an instance name"), "{err}");
+}

@@ -27,7 +27,7 @@ pub(crate) const CONFIG_ENV: &str = "VLLM_WARDEN_CONFIG";
 pub(crate) enum Choice {
     #[error("give the instance's NAME or -c FILE, not both")]
     Both,
-    #[error("{0:?} is not an instance name (letters, digits, '-', '_' or '.'); a config file is given with -c FILE")]
+    #[error("{}; a config file is given with -c FILE", config::not_a_name(.0))]
     BadName(String),
     #[error("no instance on this host (no NAME.toml in {dir}, none running in {run}): name its config with -c FILE")]
     None { dir: String, run: String },

@@ -167,8 +167,20 @@ fn load(path: &Path) -> Result<Settings, Code> {
 /// The instance of a command that needs only its name and folders: the
 /// config as far as it reads (`config::load_lenient`); when it has
 /// problems, one warning line saying what is used instead.
-fn lenient(path: &Path) -> Settings {
+///
+/// A file whose instance name is not one (`...toml` is not instance `..`)
+/// gives no folders to go on with: refused, with 2, as a `NAME` that is
+/// not one is.
+fn lenient(path: &Path) -> Result<Settings, Code> {
     let (s, problems) = config::load_lenient(path, &Dirs::from_env());
+    if !config::valid_name(&s.name) {
+        eprintln!(
+            "vllm-warden: {}: the instance is named after the file, and {}: rename the file NAME.toml, or give `name` in it",
+            crate::util::escape::one_line(&path.display().to_string(), crate::util::escape::MAX_LINE),
+            config::not_a_name(&s.name)
+        );
+        return Err(Code::Usage);
+    }
     if let Some(first) = problems.first() {
         let more = match problems.len() - 1 {
             0 => String::new(),
@@ -181,7 +193,7 @@ fn lenient(path: &Path) -> Settings {
             s.server.socket.display()
         );
     }
-    s
+    Ok(s)
 }
 
 /// `1 problem`, `2 problems`.
@@ -340,7 +352,10 @@ fn list(json: bool) -> Code {
 }
 
 fn status(path: &Path, a: &StatusArgs) -> Code {
-    let s = lenient(path);
+    let s = match lenient(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     use crate::tell::summary::StatusVerdict;
     // Through the socket when a warden answers there; else the file.
     let verdict = match instance::look(&s, ANSWER_TIMEOUT) {
@@ -401,7 +416,10 @@ fn reload_verdict(body: &str) -> String {
 
 /// `drain`, `undrain`, `restart`, `reload`: a POST over the control socket.
 fn control(config: &Path, path: &str) -> Code {
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     // A reload is answered once the config was read and checked: it may
     // take longer.
     let within = if path == "/reload" { crate::daemon::server::RELOAD_WAIT + ANSWER_TIMEOUT } else { ANSWER_TIMEOUT };
@@ -454,7 +472,10 @@ fn control(config: &Path, path: &str) -> Code {
 }
 
 fn reports(path: &Path, a: &ReportsArgs) -> Code {
-    let s = lenient(path);
+    let s = match lenient(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &[crate::tell::reports::FOLDER]) {
         return code;
     }
@@ -512,7 +533,10 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
 
 fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
     use args::LoadsCmd;
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &[]) {
         return code;
     }
@@ -560,7 +584,10 @@ fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
 
 fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
     use args::SetupsCmd;
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &["setups"]) {
         return code;
     }
@@ -630,7 +657,10 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
     use crate::observe::golden;
     use crate::util::escape::one_line;
     use args::GoldenCmd;
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &[golden::FOLDER]) {
         return code;
     }
@@ -870,6 +900,9 @@ fn run(
 fn running_config(path: &Path) -> Option<Settings> {
     let dirs = Dirs::from_env();
     let (s, _) = config::load_lenient(path, &dirs);
+    if !config::valid_name(&s.name) {
+        return None;
+    }
     let running = crate::daemon::reload::running_path(&s.state_dir);
     let bytes = crate::process::prestart::read_state_file(&running, 1 << 20).ok()?;
     let settings = config::parse(&String::from_utf8_lossy(&bytes), path, &dirs).ok()?;
@@ -884,7 +917,10 @@ fn running_config(path: &Path) -> Option<Settings> {
 /// Ask the running warden of the instance to upgrade in place: SIGUSR2 to
 /// the lock's holder, once it is seen to be a `vllm-warden run` process.
 fn upgrade(path: &Path) -> Code {
-    let settings = lenient(path);
+    let settings = match lenient(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     let pid = match crate::process::lock::InstanceLock::holder(&settings.state_dir) {
         Ok(Some(pid)) => pid,
         Ok(None) => {
