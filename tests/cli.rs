@@ -591,3 +591,39 @@ fn an_instance_named_after_its_file_is_held_to_the_rule_of_names() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("\"..\" is not an instance name"), "{err}");
 }
+
+/// Issue 56: a typo in the instance's name (`drain kimmi`) read as "not
+/// running", exit 4, the documented "nothing to do": a `preStop: drain`
+/// with a typo skipped its drain. A name with no config, no state and no
+/// runtime folder is no instance: said, with the known ones, and 2.
+#[test]
+fn a_name_that_is_no_instance_is_said_so_not_taken_for_one_not_running() {
+    let d = tempfile::tempdir().unwrap();
+    let configs = d.path().join("configs");
+    std::fs::create_dir(&configs).unwrap();
+    std::fs::write(configs.join("kimi.toml"), "[child]\ncommand = [\"/bin/true\"]\n").unwrap();
+    let (state, run) = (d.path().join("state"), d.path().join("run"));
+    let cli = |args: &[&str], state: &Path| {
+        let o = Command::new(common::exe())
+            .args(args)
+            .env("VLLM_WARDEN_CONFIG_DIR", &configs)
+            .env("STATE_DIRECTORY", state)
+            .env("RUNTIME_DIRECTORY", &run)
+            .env_remove("VLLM_WARDEN_CONFIG")
+            .output()
+            .unwrap();
+        (o.status.code().unwrap(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    for cmd in ["drain", "undrain", "restart", "reload", "status", "upgrade", "loads", "check", "run"] {
+        let (code, err) = cli(&[cmd, "kimmi"], &state);
+        assert_eq!(code, 2, "`{cmd} kimmi`: {err}");
+        assert!(err.contains("no instance \"kimmi\" (known: kimi)"), "`{cmd} kimmi`: {err}");
+    }
+    // The instance that is there but not running: 4, as before.
+    assert_eq!(cli(&["drain", "kimi"], &state).0, 4);
+    // No config, but a state folder: an instance that ran (its config
+    // removed since) is still one.
+    std::fs::create_dir(&state).unwrap();
+    let (code, err) = cli(&["drain", "kimmi"], &state);
+    assert_eq!(code, 4, "{err}");
+}

@@ -33,12 +33,23 @@ pub(crate) enum Choice {
     None { dir: String, run: String },
     #[error("{} instances on this host ({}): name one, e.g. `vllm-warden {cmd} {}`", .names.len(), .names.join(", "), .names[0])]
     Many { names: Vec<String>, cmd: String },
+    #[error("no instance {name:?} ({})", known_names(.known, .dir))]
+    Unknown { name: String, known: Vec<String>, dir: String },
     #[error("{dir}: cannot list the instances: {source}")]
     Unlisted {
         dir: String,
         #[source]
         source: std::io::Error,
     },
+}
+
+/// `known: kimi, tiny`, or where none was found.
+fn known_names(known: &[String], dir: &str) -> String {
+    if known.is_empty() {
+        format!("none on this host: no NAME.toml in {dir}, none running in {}", defaults::RUN_DIR)
+    } else {
+        format!("known: {}", known.join(", "))
+    }
 }
 
 /// The folder of the instances' configs.
@@ -60,7 +71,17 @@ pub(crate) fn choose(file: Option<&Path>, name: Option<&str>, cmd: &str) -> Resu
     match (file, name) {
         (Some(_), Some(_)) => Err(Choice::Both),
         (Some(f), None) => Ok(f.to_path_buf()),
-        (None, Some(n)) if config::valid_name(n) => Ok(config_of(n)),
+        (None, Some(n)) if config::valid_name(n) => {
+            let config = config_of(n);
+            if !is_there(&config) && !has_folders(n) {
+                // A typo (`drain kimmi`) is not an instance that is not
+                // running: a `preStop: drain` must not skip its drain
+                // in silence.
+                let known = all().map(|f| f.into_iter().map(|f| f.name).collect()).unwrap_or_default();
+                return Err(Choice::Unknown { name: n.to_string(), known, dir: config_dir().display().to_string() });
+            }
+            Ok(config)
+        }
         (None, Some(n)) => Err(Choice::BadName(n.to_string())),
         (None, None) => {
             if let Some(f) = std::env::var_os(CONFIG_ENV).filter(|v| !v.is_empty()) {
@@ -76,6 +97,20 @@ pub(crate) fn choose(file: Option<&Path>, name: Option<&str>, cmd: &str) -> Resu
             }
         }
     }
+}
+
+/// Something is at `path` (a file, a link, even a broken one).
+fn is_there(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// Instance `name` has a state or a runtime folder, where the config
+/// reader would put them (`$STATE_DIRECTORY`, `$RUNTIME_DIRECTORY`, else
+/// the defaults): it ran, or runs, even without a config.
+fn has_folders(name: &str) -> bool {
+    let dirs = config::Dirs::from_env();
+    let state = dirs.state.clone().unwrap_or_else(|| Path::new(defaults::STATE_DIR).join(name));
+    is_there(&state) || is_there(&config::runtime_dir(name, &dirs))
 }
 
 /// An instance of the host.
