@@ -627,3 +627,48 @@ fn a_name_that_is_no_instance_is_said_so_not_taken_for_one_not_running() {
     let (code, err) = cli(&["drain", "kimmi"], &state);
     assert_eq!(code, 4, "{err}");
 }
+
+/// Issue 56: a `front.listen` or `server.listen` port already taken
+/// passed `check`; `run` exited 78 without naming the holder and left its
+/// control socket behind, which `list` then showed as an instance.
+/// `check` names the holder, by pid and command line, as the port check
+/// before a start does; so does `run`, which leaves no socket.
+#[test]
+fn a_listen_address_already_taken_is_named_with_its_holder_and_leaves_nothing_behind() {
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap();
+    let me = std::process::id();
+    for (key, top, section) in [
+        ("front.listen", "profile = \"none\"\n", format!("[front]\nlisten = [\"{taken}\"]\n")),
+        ("server.listen", "", format!("[server]\nlisten = \"{taken}\"\n")),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let (state, run) = (d.path().join("state"), d.path().join("run"));
+        let text =
+            format!("{top}{}{section}", common::config(d.path(), common::free_port(), &["--shards", "1"], "", ""));
+        let cfg = d.path().join("t.toml");
+        std::fs::write(&cfg, text).unwrap();
+        let cmd = |what: &str| {
+            let o = Command::new(common::exe())
+                .args([what, "-c"])
+                .arg(&cfg)
+                .env("STATE_DIRECTORY", &state)
+                .env("RUNTIME_DIRECTORY", &run)
+                .env_remove("JOURNAL_STREAM")
+                .env_remove("NOTIFY_SOCKET")
+                .output()
+                .unwrap();
+            (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stderr).into_owned())
+        };
+        let held = format!("port {} is held by pid {me} (", taken.port());
+        let (code, err) = cmd("check");
+        assert_eq!(code, 78, "{key}: {err}");
+        assert!(err.contains(&format!("`{key}` {taken}: {held}")), "{key}: {err}");
+        let (code, err) = cmd("run");
+        assert_eq!(code, 78, "{key}: {err}");
+        assert!(err.contains(&held), "{key}: the holder is named: {err}");
+        let socket = run.join("control.sock");
+        assert!(!socket.exists(), "{key}: no control socket is left behind: {err}");
+    }
+    drop(holder);
+}

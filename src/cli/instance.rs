@@ -128,9 +128,13 @@ pub(crate) struct Found {
 /// or a status file. A config folder that is not there has no instances;
 /// one that cannot be read is an error (the list would be wrong).
 pub(crate) fn all() -> Result<Vec<Found>, Choice> {
-    let dir = config_dir();
+    all_in(&config_dir(), Path::new(defaults::RUN_DIR))
+}
+
+/// [`all`], with the config folder `dir` and the runtime folders in `run_dir`.
+fn all_in(dir: &Path, run_dir: &Path) -> Result<Vec<Found>, Choice> {
     let mut names = std::collections::BTreeMap::new();
-    match std::fs::read_dir(&dir) {
+    match std::fs::read_dir(dir) {
         Ok(entries) => {
             for e in entries.flatten() {
                 let path = e.path();
@@ -146,11 +150,11 @@ pub(crate) fn all() -> Result<Vec<Found>, Choice> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(source) => return Err(Choice::Unlisted { dir: dir.display().to_string(), source }),
     }
-    if let Ok(entries) = std::fs::read_dir(defaults::RUN_DIR) {
+    if let Ok(entries) = std::fs::read_dir(run_dir) {
         for e in entries.flatten() {
             let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
             let run = e.path();
-            let live = run.join(defaults::SOCKET).exists() || run.join("status.json").exists();
+            let live = listened(&run.join(defaults::SOCKET)) || run.join("status.json").exists();
             if config::valid_name(&name) && live {
                 names.entry(name).or_insert(false);
             }
@@ -160,6 +164,25 @@ pub(crate) fn all() -> Result<Vec<Found>, Choice> {
         .into_iter()
         .map(|(name, configured)| Found { config: dir.join(format!("{name}.toml")), name, configured })
         .collect())
+}
+
+/// Someone listens on the unix socket at `path`, or may (this user may
+/// not connect, or its queue is full): a connection tried without
+/// waiting. A socket nobody listens on (left by a warden that was killed)
+/// is no running instance.
+pub(crate) fn listened(path: &Path) -> bool {
+    use nix::errno::Errno;
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    let Ok(addr) = UnixAddr::new(path) else { return false };
+    let Ok(fd) = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)
+    else {
+        // Cannot tell: as before, what is there counts.
+        return path.exists();
+    };
+    match connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr) {
+        Ok(()) | Err(Errno::EAGAIN | Errno::EINPROGRESS | Errno::EACCES | Errno::EPERM) => true,
+        Err(_) => false,
+    }
 }
 
 /// One request over the control socket, answered within `timeout`.
@@ -209,5 +232,29 @@ pub(crate) fn look(s: &crate::config::Settings, timeout: std::time::Duration) ->
             s.server.socket.display(),
             s.status.file.display()
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 56: a warden that ended before it served (its front door's
+    /// port taken) left its control socket, which `list` counted as a
+    /// running instance, so every command without a NAME refused. A
+    /// socket nobody listens on is no instance; one a warden listens on is.
+    #[test]
+    fn a_control_socket_nobody_listens_on_is_no_instance() {
+        let d = tempfile::tempdir().unwrap();
+        let (configs, run) = (d.path().join("configs"), d.path().join("run"));
+        for name in ["dead", "live"] {
+            std::fs::create_dir_all(run.join(name)).unwrap();
+        }
+        drop(std::os::unix::net::UnixListener::bind(run.join("dead").join(defaults::SOCKET)).unwrap());
+        let _live = std::os::unix::net::UnixListener::bind(run.join("live").join(defaults::SOCKET)).unwrap();
+        assert!(run.join("dead").join(defaults::SOCKET).exists(), "the socket file stays");
+        let names: Vec<String> = all_in(&configs, &run).unwrap().into_iter().map(|f| f.name).collect();
+        assert_eq!(names, ["live"]);
+        assert!(!listened(&d.path().join("nothing-here")));
     }
 }

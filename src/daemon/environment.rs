@@ -62,7 +62,42 @@ pub(crate) fn check_environment(s: &Settings) -> Vec<Problem> {
             say(e.to_string());
         }
     }
+    let tcp = s.front.iter().flat_map(|f| &f.listen).filter_map(|l| match l {
+        crate::config::Listen::Tcp(a) => Some(("front.listen", *a)),
+        crate::config::Listen::Unix(_) => None,
+    });
+    for (key, addr) in tcp.chain(s.server.listen.map(|a| ("server.listen", a))) {
+        if let Some(who) = address_taken(addr, &s.state_dir) {
+            say(format!("`{key}` {addr}: {who}: `run` could not listen there"));
+        }
+    }
     out
+}
+
+/// Who holds `addr`, when a listener could not be bound there now (as the
+/// warden binds it: `SO_REUSEADDR`, an IPv6 address IPv6-only); none when
+/// it could, or when only the instance's own running warden (the holder of
+/// its lock) or systemd (a `.socket` unit, or the warden's sockets in its
+/// store) holds it, which `run` is given.
+fn address_taken(addr: std::net::SocketAddr, state_dir: &Path) -> Option<String> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None).ok()?;
+    let _ = socket.set_reuse_address(true);
+    if addr.is_ipv6() {
+        let _ = socket.set_only_v6(true);
+    }
+    match socket.bind(&addr.into()) {
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
+        _ => return None,
+    }
+    let ours: Vec<i32> = std::iter::once(1)
+        .chain(crate::process::lock::InstanceLock::holder(state_dir).ok().flatten().map(|p| p as i32))
+        .collect();
+    let holders = crate::process::prestart::port_holders(addr.port());
+    if holders.iter().any(|(pid, _)| ours.contains(pid)) {
+        return None;
+    }
+    Some(crate::process::prestart::describe_holders(addr.port()))
 }
 
 /// What keeps the child from starting, as this process's user (the
