@@ -672,3 +672,44 @@ fn a_listen_address_already_taken_is_named_with_its_holder_and_leaves_nothing_be
     }
     drop(holder);
 }
+
+/// Issue 56: `loads show NAME` and `golden diff NAME` refused the NAME
+/// after the subcommand's own subcommand, though `-c` goes anywhere. It
+/// goes there too, after the IDs; a lone word that cannot be an ID is the
+/// NAME; a NAME given twice is a usage error.
+#[test]
+fn the_name_goes_after_a_subcommands_own_subcommand_too() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("kimi.toml"), "[child]\ncommand = [\"/bin/true\"]\n").unwrap();
+    let cli = |args: &[&str]| {
+        let o = Command::new(common::exe())
+            .args(args)
+            .env("VLLM_WARDEN_CONFIG_DIR", d.path())
+            .env_remove("VLLM_WARDEN_CONFIG")
+            .env_remove("STATE_DIRECTORY")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.code().unwrap(), text)
+    };
+    let state = "/var/lib/vllm-warden/kimi";
+    for (args, code, said) in [
+        (&["loads", "show", "kimi"][..], 1, format!("no load in {state}/loads.jsonl")),
+        (&["loads", "show", "3", "kimi"], 1, format!("no load 3 in {state}/loads.jsonl")),
+        (&["loads", "kimi", "show", "3"], 1, format!("no load 3 in {state}/loads.jsonl")),
+        (&["loads", "list", "kimi"], 0, format!("no loads in {state}/loads.jsonl")),
+        (&["loads", "compare", "1", "2", "kimi"], 1, format!("no load 1 in {state}/loads.jsonl")),
+        (&["golden", "diff", "kimi"], 1, "no golden answers to compare yet".into()),
+        (&["golden", "show", "kimi"], 0, "no golden check yet".into()),
+        (&["reports", "show", "kimi"], 1, format!("no failure report in {state}/reports")),
+        (&["reports", "list", "kimi"], 0, format!("no failure reports in {state}/reports")),
+        (&["setups", "show", "kimi"], 1, "no setup has reached ready yet".into()),
+        (&["setups", "diff", "kimi"], 1, "no setup has reached ready yet".into()),
+        (&["loads", "kimi", "show", "kimi"], 2, "the instance is named twice".into()),
+        (&["loads", "show", "x", "kimi"], 2, "\"x\" is not a load's ID".into()),
+    ] {
+        let (got, text) = cli(args);
+        assert_eq!(got, code, "{args:?}: {text}");
+        assert!(text.contains(&said), "{args:?}: {text}");
+    }
+}

@@ -92,10 +92,18 @@ pub fn main() -> Code {
         Cmd::Undrain(i) => chosen(&i, "undrain").map_or_else(|c| c, |p| control(&p, "/undrain")),
         Cmd::Restart(i) => chosen(&i, "restart").map_or_else(|c| c, |p| control(&p, "/restart")),
         Cmd::Reload(i) => chosen(&i, "reload").map_or_else(|c| c, |p| control(&p, "/reload")),
-        Cmd::Reports(a) => chosen(&a.instance, "reports").map_or_else(|c| c, |p| reports(&p, &a)),
-        Cmd::Loads(a) => chosen(&a.instance, "loads").map_or_else(|c| c, |p| loads_cmd(&p, &a)),
-        Cmd::Setups(a) => chosen(&a.instance, "setups").map_or_else(|c| c, |p| setups_cmd(&p, &a)),
-        Cmd::Golden(a) => chosen(&a.instance, "golden").map_or_else(|c| c, |p| golden_cmd(&p, &a)),
+        Cmd::Reports(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "reports")).map_or_else(|c| c, |p| reports(&p, &a))
+        }
+        Cmd::Loads(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "loads")).map_or_else(|c| c, |p| loads_cmd(&p, &a))
+        }
+        Cmd::Setups(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "setups")).map_or_else(|c| c, |p| setups_cmd(&p, &a))
+        }
+        Cmd::Golden(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "golden")).map_or_else(|c| c, |p| golden_cmd(&p, &a))
+        }
         Cmd::Demo => crate::cli::demo::main(colour),
         Cmd::Assets { dir } => match crate::cli::assets::write(&dir) {
             Ok(()) => Code::Ok,
@@ -105,6 +113,15 @@ pub fn main() -> Code {
             }
         },
     }
+}
+
+/// A NAME given after a subcommand's own subcommand, settled
+/// ([`args::settle`]); why not on stderr, and 2.
+fn settled(r: Result<(), String>) -> Result<(), Code> {
+    r.map_err(|e| {
+        eprintln!("vllm-warden: {}", crate::util::escape::one_line(&e, crate::util::escape::MAX_LINE));
+        Code::Usage
+    })
 }
 
 /// The arguments, with clap's own help and errors coloured as `--color`
@@ -506,7 +523,7 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
         }
     };
     match &a.what {
-        None | Some(ReportsCmd::List) => {
+        None | Some(ReportsCmd::List { .. }) => {
             if all.is_empty() {
                 outln!("no failure reports in {}", s.state_dir.join(crate::tell::reports::FOLDER).display());
             } else {
@@ -514,14 +531,14 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
             }
             Code::Ok
         }
-        Some(ReportsCmd::Show { id }) => match pick(id) {
+        Some(ReportsCmd::Show { id, .. }) => match pick(id) {
             Ok(r) => {
                 out!("{}", crate::tell::reports::show(&r));
                 Code::Ok
             }
             Err(code) => code,
         },
-        Some(ReportsCmd::Path { id }) => match pick(id) {
+        Some(ReportsCmd::Path { id, .. }) => match pick(id) {
             Ok(r) => {
                 outln!("{}", r.path.display());
                 Code::Ok
@@ -551,13 +568,13 @@ fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
             Some(id) => all.iter().find(|r| r.id == id),
         };
         found.ok_or_else(|| {
-            let what = id.map_or("any load".to_string(), |i| format!("load {i}"));
+            let what = id.map_or("load".to_string(), |i| format!("load {i}"));
             eprintln!("vllm-warden: no {what} in {}", path.display());
             Code::NoReport
         })
     };
     match &a.what {
-        None | Some(LoadsCmd::List) => {
+        None | Some(LoadsCmd::List { .. }) => {
             if all.is_empty() {
                 outln!("no loads in {}", path.display());
             } else {
@@ -565,14 +582,14 @@ fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
             }
             Code::Ok
         }
-        Some(LoadsCmd::Show { id }) => match pick(*id) {
+        Some(LoadsCmd::Show { id, .. }) => match pick(args::LoadsArgs::shown(id)) {
             Ok(r) => {
                 out!("{}", loads::show(r));
                 Code::Ok
             }
             Err(code) => code,
         },
-        Some(LoadsCmd::Compare { a, b }) => match (pick(Some(*a)), pick(Some(*b))) {
+        Some(LoadsCmd::Compare { a, b, .. }) => match (pick(Some(*a)), pick(Some(*b))) {
             (Ok(x), Ok(y)) => {
                 out!("{}", loads::compare(x, y));
                 Code::Ok
@@ -597,7 +614,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
         Code::NoReport
     };
     match &a.what {
-        None | Some(SetupsCmd::List) => {
+        None | Some(SetupsCmd::List { .. }) => {
             if all.is_empty() {
                 outln!("no setup has reached ready yet ({})", s.state_dir.join("setups").display());
             } else {
@@ -605,7 +622,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
             }
             Code::Ok
         }
-        Some(SetupsCmd::Show { id }) => {
+        Some(SetupsCmd::Show { id, .. }) => {
             let found = match id {
                 Some(id) => crate::tell::setups::find(&s.state_dir, &s.name, id),
                 None => all.first().cloned().ok_or_else(|| "no setup has reached ready yet".to_string()),
@@ -618,7 +635,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
                 Err(why) => fail(why),
             }
         }
-        Some(SetupsCmd::Diff { a: x, b: y }) => {
+        Some(SetupsCmd::Diff { a: x, b: y, .. }) => {
             // The newest load of another setup than `good`: after a
             // rollback, the setup that failed.
             let latest = |good: &str| {
@@ -668,8 +685,8 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
         eprintln!("vllm-warden: {e}");
         Code::NoReport
     };
-    match a.what.as_ref().unwrap_or(&GoldenCmd::Show) {
-        GoldenCmd::Show => {
+    match a.what.as_ref().unwrap_or(&GoldenCmd::Show { name: None }) {
+        GoldenCmd::Show { .. } => {
             // What can be read is shown; what cannot is said (and `accept`
             // replaces an unreadable store).
             let mut code = Code::Ok;
@@ -707,7 +724,7 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
             }
             code
         }
-        GoldenCmd::Diff => match golden::diff(&s.state_dir) {
+        GoldenCmd::Diff { .. } => match golden::diff(&s.state_dir) {
             Some(text) => {
                 for line in text.lines() {
                     outln!("{}", one_line(line, 2000));
@@ -716,7 +733,7 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
             }
             None => fail("no golden answers to compare yet (a check with a reference before it)".into()),
         },
-        GoldenCmd::Accept => match golden::accept(&s.state_dir) {
+        GoldenCmd::Accept { .. } => match golden::accept(&s.state_dir) {
             Ok(done) => {
                 if let Some(e) = &done.replaced {
                     outln!(
