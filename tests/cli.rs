@@ -713,3 +713,29 @@ fn the_name_goes_after_a_subcommands_own_subcommand_too() {
         assert!(text.contains(&said), "{args:?}: {text}");
     }
 }
+
+/// Issue 56: a user of the source found no completions (`completions` was
+/// unknown; the generator was a hidden `assets DIR`). `completions SHELL`
+/// prints the script the package installs; `assets DIR` writes the man
+/// pages and every script, and is listed.
+#[test]
+fn completions_are_printed_for_each_shell_and_the_assets_are_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = warden(&["assets", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    for (shell, file, first) in [
+        ("bash", "vllm-warden.bash", "_vllm_warden() {"),
+        ("zsh", "_vllm-warden", "#compdef vllm-warden"),
+        ("fish", "vllm-warden.fish", ""),
+    ] {
+        let (code, out, err) = warden(&["completions", shell]);
+        assert_eq!(code, 0, "{shell}: {err}");
+        assert_eq!(out, std::fs::read_to_string(dir.path().join("completions").join(file)).unwrap(), "{shell}");
+        assert!(out.starts_with(first) && out.contains("completions"), "{shell}: {out}");
+    }
+    assert!(dir.path().join("man/vllm-warden.8").is_file() && dir.path().join("man/vllm-warden.toml.5").is_file());
+    let (_, help, _) = warden(&["--help"]);
+    assert!(help.contains("\n  completions ") && help.contains("\n  assets "), "{help}");
+    let (code, _, err) = warden(&["completions", "tcsh"]);
+    assert_eq!(code, 2, "{err}");
+}

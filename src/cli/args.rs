@@ -368,7 +368,17 @@ pub(crate) enum Cmd {
     Golden(GoldenArgs),
     /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
     Demo,
-    /// Write the man pages and shell completions into a folder (packaging).
-    #[command(hide = true)]
-    Assets { dir: PathBuf },
+    /// Print the completion script of SHELL, e.g.
+    /// `vllm-warden completions bash > /etc/bash_completion.d/vllm-warden`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (`DIR/man/`) and the bash, zsh and fish
+    /// completions (`DIR/completions/`) into DIR, as the package installs
+    /// them.
+    Assets {
+        #[arg(value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+        dir: PathBuf,
+    },
 }

@@ -105,6 +105,10 @@ pub fn main() -> Code {
             settled(a.settle()).and_then(|()| chosen(&a.instance, "golden")).map_or_else(|c| c, |p| golden_cmd(&p, &a))
         }
         Cmd::Demo => crate::cli::demo::main(colour),
+        Cmd::Completions { shell } => {
+            out!("{}", String::from_utf8_lossy(&crate::cli::assets::completion(shell)));
+            Code::Ok
+        }
         Cmd::Assets { dir } => match crate::cli::assets::write(&dir) {
             Ok(()) => Code::Ok,
             Err(e) => {
