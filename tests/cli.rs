@@ -123,6 +123,10 @@ fn run_with_an_invalid_config_exits_78() {
 fn demo_runs_the_whole_lifecycle() {
     let (code, out, err) = warden(&["demo"]);
     assert_eq!(code, 0, "{out}\n{err}");
+    // Issue 56: its first screen was 13 warnings of 340 characters about
+    // the caches it put in its own temporary folder.
+    let said = format!("{out}{err}");
+    assert!(!said.contains("EVENT=\"caches\"") && !said.contains("temporary folder"), "{said}");
     assert_eq!(out.matches("systemd <- READY=1").count(), 2, "{out}");
     assert!(out.contains("Loading safetensors checkpoint shards: 4/8 (50%)"), "{out}");
     assert!(out.contains("STATUS=applying 1 patch"), "{out}");

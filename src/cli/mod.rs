@@ -861,6 +861,11 @@ fn run(
         }
     };
     crate::util::logging::init(log_format, colour);
+    // What the operator's setup risks (caches lost at every restart …),
+    // said by `run`; never by the demo, whose setup is its own.
+    for w in crate::daemon::environment::describe_child(&settings).1 {
+        tracing::warn!(INSTANCE = settings.name.as_str(), EVENT = "caches", "{w}");
+    }
     let from_upgrade = adopted.is_some();
     let adopted = match adopted {
         Some(Ok(state)) => Some(state),

@@ -109,9 +109,6 @@ pub async fn run(
     // What the front door tells the loop of its requests (`[front]`).
     let activity = front_door.as_ref().map(|_| std::sync::Arc::new(front::Activity::default()));
     let front_door = front_door.zip(activity.clone()).map(|(f, a)| f.open(&mut observer, a));
-    for w in environment::describe_child(&settings).1 {
-        tracing::warn!(INSTANCE = settings.name.as_str(), EVENT = "caches", "{w}");
-    }
     let shared = server::Shared {
         view: view_rx,
         heartbeat,
