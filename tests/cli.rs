@@ -743,3 +743,24 @@ fn completions_are_printed_for_each_shell_and_the_assets_are_listed() {
     let (code, _, err) = warden(&["completions", "tcsh"]);
     assert_eq!(code, 2, "{err}");
 }
+
+/// Issue 56 B5: `check` opened the token file blocking, so a FIFO there
+/// held it for ever. It is refused at once.
+#[test]
+fn check_refuses_a_token_file_that_is_a_fifo_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let token = d.path().join("token");
+    nix::unistd::mkfifo(&token, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let cfg = d.path().join("kimi.toml");
+    let text = format!(
+        "[child]\ncommand = [\"/bin/true\"]\n[server]\nlisten = \"127.0.0.1:0\"\ntoken-file = \"{}\"\n",
+        token.display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let state = d.path().join("state");
+    let (code, out, err, rss) = measured(&["check", "-c", cfg.to_str().unwrap()], &[("STATE_DIRECTORY", &state)])
+        .expect("`check` on a FIFO token file did not end");
+    assert_eq!(code, 78, "{out}{err}");
+    assert!(err.contains(&format!("`server.token-file`: {}: not a regular file", token.display())), "{err}");
+    assert!(rss < RSS_CAP_KIB, "{rss} KiB");
+}

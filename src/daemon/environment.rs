@@ -309,8 +309,18 @@ fn executable(p: &Path) -> Result<(), AccessError> {
 /// its path (for `#!/usr/bin/env NAME`, NAME as found in PATH) and why.
 fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, String)> {
     use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
     let mut head = [0u8; 4096];
-    let n = std::fs::File::open(script).and_then(|mut f| f.read(&mut head)).ok()?;
+    // Without blocking: a FIFO at the program's path cannot hold `check`.
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(script)
+        .ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let n = file.read(&mut head).ok()?;
     let line = head[..n].strip_prefix(b"#!")?;
     let line = String::from_utf8_lossy(line.split(|b| *b == b'\n').next()?).into_owned();
     let mut words = line.split_whitespace();
@@ -508,9 +518,9 @@ fn snapshot(repo: &Path, revision: &str) -> Option<PathBuf> {
     if direct.is_dir() {
         return Some(direct);
     }
-    let mut text = String::new();
-    use std::io::Read;
-    std::fs::File::open(repo.join("refs").join(revision)).ok()?.take(256).read_to_string(&mut text).ok()?;
+    let file = repo.join("refs").join(revision);
+    let text = crate::util::fsutil::read_small(&file, 256, crate::util::fsutil::Links::Follow).ok()?;
+    let text = String::from_utf8_lossy(&text);
     let commit = text.trim();
     (plain(commit) && !commit.starts_with('.')).then(|| repo.join("snapshots").join(commit)).filter(|d| d.is_dir())
 }
@@ -672,7 +682,12 @@ fn compile_missing(command: &[String], path: &str, program: Option<&Path>) -> Ve
 /// names it. True when that cannot be told (not a venv).
 fn python_headers(program: &Path) -> bool {
     let Some(venv) = program.parent().and_then(Path::parent) else { return true };
-    let Ok(cfg) = std::fs::read_to_string(venv.join("pyvenv.cfg")) else { return true };
+    let Ok(cfg) =
+        crate::util::fsutil::read_small(&venv.join("pyvenv.cfg"), 64 << 10, crate::util::fsutil::Links::Follow)
+    else {
+        return true;
+    };
+    let cfg = String::from_utf8_lossy(&cfg);
     let key = |k: &str| {
         cfg.lines().find_map(|l| {
             let (a, b) = l.split_once('=')?;
