@@ -7,8 +7,10 @@
 //! names no one else uses (pid and 64 random bits), and [`Dir::open_beneath`]
 //! follows symlinks by hand, refusing any that leads out of the folder. The
 //! patches use it for model files and for the state directory, both of which
-//! the service user can change while root reads them. What is written is not
-//! known here.
+//! the service user can change while root reads them. [`read_small`] reads
+//! a small file whole that someone else may have made a FIFO, a device or a
+//! disk image: without blocking, regular files only, within a limit. What
+//! is written or read is not known here.
 
 use std::collections::VecDeque;
 use std::ffi::{OsStr, OsString};
