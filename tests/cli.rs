@@ -432,6 +432,8 @@ fn records_this_user_may_not_read_are_said_so() {
 /// exit code, stdout, stderr and its peak resident memory in KiB. Its
 /// address space is capped at 1 GiB, so that a command that reads without
 /// bound fails here instead of filling the machine's memory.
+// The child is reaped by `wait4`, for its resource usage, not by `Child::wait`.
+#[allow(clippy::zombie_processes)]
 fn measured(args: &[&str], env: &[(&str, &Path)]) -> Option<(i32, String, String, u64)> {
     use std::os::unix::process::CommandExt;
     let out = tempfile::tempdir().unwrap();
