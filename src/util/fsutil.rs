@@ -698,6 +698,31 @@ mod tests {
     }
 
     #[test]
+    fn a_small_file_is_read_whole_and_anything_else_refused_at_once() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("f");
+        std::fs::write(&file, b"0123456789").unwrap();
+        assert_eq!(read_small(&file, 10, Links::Refuse).unwrap(), b"0123456789");
+        let e = read_small(&file, 9, Links::Refuse).unwrap_err();
+        assert_eq!(e.to_string(), "10 bytes, over the limit of 9");
+        let fifo = d.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let e = read_small(&fifo, 1 << 20, Links::Follow).unwrap_err();
+        assert_eq!(e.to_string(), "a FIFO (named pipe), not a regular file");
+        let zero = d.path().join("zero");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let e = read_small(&zero, 1 << 20, Links::Follow).unwrap_err();
+        assert_eq!(e.to_string(), "a character device, not a regular file");
+        let e = read_small(&zero, 1 << 20, Links::Refuse).unwrap_err();
+        assert_eq!(e.to_string(), "a symlink, not a regular file");
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert_eq!(read_small(&link, 10, Links::Follow).unwrap(), b"0123456789");
+        let e = read_small(&d.path().join("none"), 10, Links::Follow).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+    }
+
+    #[test]
     fn a_fifo_is_refused_without_blocking() {
         let d = tempfile::tempdir().unwrap();
         nix::unistd::mkfifo(&d.path().join("f"), nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
