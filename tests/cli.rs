@@ -123,6 +123,10 @@ fn run_with_an_invalid_config_exits_78() {
 fn demo_runs_the_whole_lifecycle() {
     let (code, out, err) = warden(&["demo"]);
     assert_eq!(code, 0, "{out}\n{err}");
+    // Issue 56: its first screen was 13 warnings of 340 characters about
+    // the caches it put in its own temporary folder.
+    let said = format!("{out}{err}");
+    assert!(!said.contains("EVENT=\"caches\"") && !said.contains("temporary folder"), "{said}");
     assert_eq!(out.matches("systemd <- READY=1").count(), 2, "{out}");
     assert!(out.contains("Loading safetensors checkpoint shards: 4/8 (50%)"), "{out}");
     assert!(out.contains("STATUS=applying 1 patch"), "{out}");
@@ -421,4 +425,344 @@ fn records_this_user_may_not_read_are_said_so() {
         assert!(err.contains("permission denied"), "{what:?}: {err}");
         assert!(!out.contains("no setup") && !out.contains("not running"), "{what:?}: {out}");
     }
+}
+
+/// A command run with its output in files, waited for with `wait4` under
+/// [`common::TIMEOUT`] (killed, and `None`, when it does not end): its
+/// exit code, stdout, stderr and its peak resident memory in KiB. Its
+/// address space is capped at 1 GiB, so that a command that reads without
+/// bound fails here instead of filling the machine's memory.
+// The child is reaped by `wait4`, for its resource usage, not by `Child::wait`.
+#[allow(clippy::zombie_processes)]
+fn measured(args: &[&str], env: &[(&str, &Path)]) -> Option<(i32, String, String, u64)> {
+    use std::os::unix::process::CommandExt;
+    let out = tempfile::tempdir().unwrap();
+    let (o, e) = (out.path().join("out"), out.path().join("err"));
+    let mut cmd = Command::new(common::exe());
+    cmd.args(args)
+        .env_remove("JOURNAL_STREAM")
+        .env_remove("VLLM_WARDEN_CONFIG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&o).unwrap())
+        .stderr(std::fs::File::create(&e).unwrap());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    // SAFETY: setrlimit is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            let cap = libc::rlimit { rlim_cur: 1 << 30, rlim_max: 1 << 30 };
+            if libc::setrlimit(libc::RLIMIT_AS, &cap) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    let pid = child.id() as libc::pid_t;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut status, mut usage) = (0, unsafe { std::mem::zeroed::<libc::rusage>() });
+        // SAFETY: waits for our own child; both pointers are to locals.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        assert_eq!(r, pid);
+        let code = if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { -libc::WTERMSIG(status) };
+        let _ = tx.send((code, usage.ru_maxrss as u64));
+    });
+    let Ok((code, rss)) = rx.recv_timeout(common::TIMEOUT) else {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        return None;
+    };
+    std::mem::forget(child);
+    Some((code, std::fs::read_to_string(o).unwrap(), std::fs::read_to_string(e).unwrap(), rss))
+}
+
+/// The resident memory a command may reach on a file it must refuse.
+const RSS_CAP_KIB: u64 = 64 << 10;
+
+/// Files that are not configs: a FIFO, a link to `/dev/zero`, a 1 GB
+/// sparse file. Each is made in `dir` as `NAME.toml`.
+fn not_configs(dir: &Path, name: &str) -> Vec<(&'static str, std::path::PathBuf)> {
+    let fifo = dir.join(format!("fifo-{name}"));
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+    let zero = dir.join(format!("zero-{name}"));
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    let huge = dir.join(format!("huge-{name}"));
+    std::fs::File::create(&huge).unwrap().set_len(1 << 30).unwrap();
+    vec![
+        ("a FIFO (named pipe), not a regular file", fifo),
+        ("a character device, not a regular file", zero),
+        ("1073741824 bytes, over the limit of ", huge),
+    ]
+}
+
+/// Issue 56 B5: a FIFO config hung `status` and `drain` for ever,
+/// `/dev/zero` grew `undrain` and `reload` to 22.9 GB, a 1 GB file aborted
+/// on a 7.3 GB allocation. Each command now refuses the file at once, in
+/// little memory, and says what it is; the commands that work under a
+/// broken config go on as the instance of the file's name.
+#[test]
+fn a_config_that_is_a_fifo_a_device_or_huge_is_refused_at_once_in_little_memory() {
+    let d = tempfile::tempdir().unwrap();
+    let (state, run) = (d.path().join("state"), d.path().join("run"));
+    let env = [("STATE_DIRECTORY", state.as_path()), ("RUNTIME_DIRECTORY", run.as_path())];
+    let mut peak = Vec::new();
+    for (said, file) in not_configs(d.path(), "cfg") {
+        let cfg = d.path().join("kimi.toml");
+        let _ = std::fs::remove_file(&cfg);
+        std::os::unix::fs::symlink(&file, &cfg).unwrap();
+        let cfg = cfg.to_str().unwrap();
+        for (cmd, want) in [("status", 4), ("drain", 4), ("undrain", 4), ("reload", 4), ("loads", 0), ("check", 78)] {
+            let (code, out, err, rss) = measured(&[cmd, "-c", cfg], &env)
+                .unwrap_or_else(|| panic!("`{cmd}` on {} did not end", file.display()));
+            assert_eq!(code, want, "`{cmd}` on {}: {out}{err}", file.display());
+            assert!(
+                err.contains(&format!("{cfg}: cannot read config: {said}")),
+                "`{cmd}` on {}: {err}",
+                file.display()
+            );
+            assert!(rss < RSS_CAP_KIB, "`{cmd}` on {}: {rss} KiB", file.display());
+            if cmd != "check" {
+                assert!(err.contains("going on as instance \"kimi\""), "`{cmd}`: {err}");
+            }
+            peak.push((cmd, file.file_name().unwrap().to_string_lossy().into_owned(), rss));
+        }
+    }
+    eprintln!("peak resident memory (KiB): {peak:?}");
+}
+
+/// Issue 56 B5: `list` hung on a FIFO `status.json` and spent 2.1 GB on
+/// `/dev/zero`. The status file is refused at once and said so: `status`
+/// exits 4 with the reason, `list` shows the state as unknown and why.
+#[test]
+fn a_status_file_that_is_a_fifo_a_device_or_huge_is_refused_at_once_in_little_memory() {
+    let d = tempfile::tempdir().unwrap();
+    let configs = d.path().join("configs");
+    std::fs::create_dir(&configs).unwrap();
+    let env = [("VLLM_WARDEN_CONFIG_DIR", configs.as_path())];
+    let mut peak = Vec::new();
+    for (said, file) in not_configs(d.path(), "status") {
+        let text = format!(
+            "[child]\ncommand = [\"/bin/true\"]\n[status]\nfile = \"{}\"\n[server]\nsocket = \"{}\"\n",
+            file.display(),
+            d.path().join("control.sock").display()
+        );
+        std::fs::write(configs.join("kimi.toml"), text).unwrap();
+        let (code, out, err, rss) =
+            measured(&["list", "--json"], &env).unwrap_or_else(|| panic!("`list` on {} did not end", file.display()));
+        assert_eq!(code, 0, "{out}{err}");
+        let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(rows[0]["state"], "unknown", "{out}");
+        assert!(rows[0]["unknown"].as_str().unwrap().contains(said), "{out}");
+        assert!(rss < RSS_CAP_KIB, "`list` on {}: {rss} KiB", file.display());
+        peak.push(("list", file.file_name().unwrap().to_string_lossy().into_owned(), rss));
+        let (code, out, err, rss) =
+            measured(&["status", "kimi"], &env).unwrap_or_else(|| panic!("`status` on {} did not end", file.display()));
+        assert_eq!(code, 4, "{out}{err}");
+        assert!(err.contains(&format!("its status file {} cannot be read: {said}", file.display())), "{err}");
+        assert!(rss < RSS_CAP_KIB, "`status` on {}: {rss} KiB", file.display());
+        peak.push(("status", file.file_name().unwrap().to_string_lossy().into_owned(), rss));
+    }
+    eprintln!("peak resident memory (KiB): {peak:?}");
+}
+
+/// Issue 56 B6: `name = ".."` was refused, but a file named `...toml` was
+/// instance `..` (state `/var/lib/vllm-warden/..`, control socket
+/// `/run/control.sock`), and a file's name with a newline or an escape
+/// was a name too. One rule for a name from anywhere: every command
+/// refuses such a file, and says why.
+#[test]
+fn an_instance_named_after_its_file_is_held_to_the_rule_of_names() {
+    let d = tempfile::tempdir().unwrap();
+    let text = "[child]\ncommand = [\"/bin/true\"]\n";
+    for stem in ["..", "a\nb", "a\u{1b}[31mb"] {
+        let cfg = d.path().join(format!("{stem}.toml"));
+        std::fs::write(&cfg, text).unwrap();
+        let cfg = cfg.to_str().unwrap();
+        for (cmd, want) in [("check", 78), ("run", 78), ("status", 2), ("drain", 2), ("loads", 2), ("upgrade", 2)] {
+            let (code, out, err) = warden(&[cmd, "-c", cfg]);
+            assert_eq!(code, want, "`{cmd}` on {stem:?}: {out}{err}");
+            assert!(err.contains("is not an instance name (letters, digits"), "`{cmd}` on {stem:?}: {err}");
+            assert!(!err.contains('\u{1b}'), "`{cmd}`: the escape is shown escaped: {err:?}");
+            assert!(!err.contains("going on as instance"), "`{cmd}` on {stem:?}: {err}");
+            assert!(!out.contains("/run/control.sock") && !err.contains("/run/control.sock"), "{out}{err}");
+        }
+        // A `name` in the file names the instance: its file's name is then only a file's.
+        std::fs::write(d.path().join(format!("{stem}.toml")), format!("name = \"kimi\"\n{text}")).unwrap();
+        let (code, out, err) = warden(&["check", "-c", cfg]);
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.contains("config of instance \"kimi\" is valid"), "{out}");
+    }
+    let (code, _, err) = warden(&["status", ".."]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("\"..\" is not an instance name"), "{err}");
+}
+
+/// Issue 56: a typo in the instance's name (`drain kimmi`) read as "not
+/// running", exit 4, the documented "nothing to do": a `preStop: drain`
+/// with a typo skipped its drain. A name with no config, no state and no
+/// runtime folder is no instance: said, with the known ones, and 2.
+#[test]
+fn a_name_that_is_no_instance_is_said_so_not_taken_for_one_not_running() {
+    let d = tempfile::tempdir().unwrap();
+    let configs = d.path().join("configs");
+    std::fs::create_dir(&configs).unwrap();
+    std::fs::write(configs.join("kimi.toml"), "[child]\ncommand = [\"/bin/true\"]\n").unwrap();
+    let (state, run) = (d.path().join("state"), d.path().join("run"));
+    let cli = |args: &[&str], state: &Path| {
+        let o = Command::new(common::exe())
+            .args(args)
+            .env("VLLM_WARDEN_CONFIG_DIR", &configs)
+            .env("STATE_DIRECTORY", state)
+            .env("RUNTIME_DIRECTORY", &run)
+            .env_remove("VLLM_WARDEN_CONFIG")
+            .output()
+            .unwrap();
+        (o.status.code().unwrap(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    for cmd in ["drain", "undrain", "restart", "reload", "status", "upgrade", "loads", "check", "run"] {
+        let (code, err) = cli(&[cmd, "kimmi"], &state);
+        assert_eq!(code, 2, "`{cmd} kimmi`: {err}");
+        assert!(err.contains("no instance \"kimmi\" (known: kimi)"), "`{cmd} kimmi`: {err}");
+    }
+    // The instance that is there but not running: 4, as before.
+    assert_eq!(cli(&["drain", "kimi"], &state).0, 4);
+    // No config, but a state folder: an instance that ran (its config
+    // removed since) is still one.
+    std::fs::create_dir(&state).unwrap();
+    let (code, err) = cli(&["drain", "kimmi"], &state);
+    assert_eq!(code, 4, "{err}");
+}
+
+/// Issue 56: a `front.listen` or `server.listen` port already taken
+/// passed `check`; `run` exited 78 without naming the holder and left its
+/// control socket behind, which `list` then showed as an instance.
+/// `check` names the holder, by pid and command line, as the port check
+/// before a start does; so does `run`, which leaves no socket.
+#[test]
+fn a_listen_address_already_taken_is_named_with_its_holder_and_leaves_nothing_behind() {
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap();
+    let me = std::process::id();
+    for (key, top, section) in [
+        ("front.listen", "profile = \"none\"\n", format!("[front]\nlisten = [\"{taken}\"]\n")),
+        ("server.listen", "", format!("[server]\nlisten = \"{taken}\"\n")),
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let (state, run) = (d.path().join("state"), d.path().join("run"));
+        let text =
+            format!("{top}{}{section}", common::config(d.path(), common::free_port(), &["--shards", "1"], "", ""));
+        let cfg = d.path().join("t.toml");
+        std::fs::write(&cfg, text).unwrap();
+        let cmd = |what: &str| {
+            let o = Command::new(common::exe())
+                .args([what, "-c"])
+                .arg(&cfg)
+                .env("STATE_DIRECTORY", &state)
+                .env("RUNTIME_DIRECTORY", &run)
+                .env_remove("JOURNAL_STREAM")
+                .env_remove("NOTIFY_SOCKET")
+                .output()
+                .unwrap();
+            (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stderr).into_owned())
+        };
+        let held = format!("port {} is held by pid {me} (", taken.port());
+        let (code, err) = cmd("check");
+        assert_eq!(code, 78, "{key}: {err}");
+        assert!(err.contains(&format!("`{key}` {taken}: {held}")), "{key}: {err}");
+        let (code, err) = cmd("run");
+        assert_eq!(code, 78, "{key}: {err}");
+        assert!(err.contains(&held), "{key}: the holder is named: {err}");
+        let socket = run.join("control.sock");
+        assert!(!socket.exists(), "{key}: no control socket is left behind: {err}");
+    }
+    drop(holder);
+}
+
+/// Issue 56: `loads show NAME` and `golden diff NAME` refused the NAME
+/// after the subcommand's own subcommand, though `-c` goes anywhere. It
+/// goes there too, after the IDs; a lone word that cannot be an ID is the
+/// NAME; a NAME given twice is a usage error.
+#[test]
+fn the_name_goes_after_a_subcommands_own_subcommand_too() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("kimi.toml"), "[child]\ncommand = [\"/bin/true\"]\n").unwrap();
+    let cli = |args: &[&str]| {
+        let o = Command::new(common::exe())
+            .args(args)
+            .env("VLLM_WARDEN_CONFIG_DIR", d.path())
+            .env_remove("VLLM_WARDEN_CONFIG")
+            .env_remove("STATE_DIRECTORY")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        (o.status.code().unwrap(), text)
+    };
+    let state = "/var/lib/vllm-warden/kimi";
+    for (args, code, said) in [
+        (&["loads", "show", "kimi"][..], 1, format!("no load in {state}/loads.jsonl")),
+        (&["loads", "show", "3", "kimi"], 1, format!("no load 3 in {state}/loads.jsonl")),
+        (&["loads", "kimi", "show", "3"], 1, format!("no load 3 in {state}/loads.jsonl")),
+        (&["loads", "list", "kimi"], 0, format!("no loads in {state}/loads.jsonl")),
+        (&["loads", "compare", "1", "2", "kimi"], 1, format!("no load 1 in {state}/loads.jsonl")),
+        (&["golden", "diff", "kimi"], 1, "no golden answers to compare yet".into()),
+        (&["golden", "show", "kimi"], 0, "no golden check yet".into()),
+        (&["reports", "show", "kimi"], 1, format!("no failure report in {state}/reports")),
+        (&["reports", "list", "kimi"], 0, format!("no failure reports in {state}/reports")),
+        (&["setups", "show", "kimi"], 1, "no setup has reached ready yet".into()),
+        (&["setups", "diff", "kimi"], 1, "no setup has reached ready yet".into()),
+        (&["loads", "kimi", "show", "kimi"], 2, "the instance is named twice".into()),
+        (&["loads", "show", "x", "kimi"], 2, "\"x\" is not a load's ID".into()),
+    ] {
+        let (got, text) = cli(args);
+        assert_eq!(got, code, "{args:?}: {text}");
+        assert!(text.contains(&said), "{args:?}: {text}");
+    }
+}
+
+/// Issue 56: a user of the source found no completions (`completions` was
+/// unknown; the generator was a hidden `assets DIR`). `completions SHELL`
+/// prints the script the package installs; `assets DIR` writes the man
+/// pages and every script, and is listed.
+#[test]
+fn completions_are_printed_for_each_shell_and_the_assets_are_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, _, err) = warden(&["assets", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    for (shell, file, first) in [
+        ("bash", "vllm-warden.bash", "_vllm_warden() {"),
+        ("zsh", "_vllm-warden", "#compdef vllm-warden"),
+        ("fish", "vllm-warden.fish", ""),
+    ] {
+        let (code, out, err) = warden(&["completions", shell]);
+        assert_eq!(code, 0, "{shell}: {err}");
+        assert_eq!(out, std::fs::read_to_string(dir.path().join("completions").join(file)).unwrap(), "{shell}");
+        assert!(out.starts_with(first) && out.contains("completions"), "{shell}: {out}");
+    }
+    assert!(dir.path().join("man/vllm-warden.8").is_file() && dir.path().join("man/vllm-warden.toml.5").is_file());
+    let (_, help, _) = warden(&["--help"]);
+    assert!(help.contains("\n  completions ") && help.contains("\n  assets "), "{help}");
+    let (code, _, err) = warden(&["completions", "tcsh"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+/// Issue 56 B5: `check` opened the token file blocking, so a FIFO there
+/// held it for ever. It is refused at once.
+#[test]
+fn check_refuses_a_token_file_that_is_a_fifo_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let token = d.path().join("token");
+    nix::unistd::mkfifo(&token, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let cfg = d.path().join("kimi.toml");
+    let text = format!(
+        "[child]\ncommand = [\"/bin/true\"]\n[server]\nlisten = \"127.0.0.1:0\"\ntoken-file = \"{}\"\n",
+        token.display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let state = d.path().join("state");
+    let (code, out, err, rss) = measured(&["check", "-c", cfg.to_str().unwrap()], &[("STATE_DIRECTORY", &state)])
+        .expect("`check` on a FIFO token file did not end");
+    assert_eq!(code, 78, "{out}{err}");
+    assert!(err.contains(&format!("`server.token-file`: {}: not a regular file", token.display())), "{err}");
+    assert!(rss < RSS_CAP_KIB, "{rss} KiB");
 }

@@ -103,16 +103,25 @@ pub(crate) struct ReportsArgs {
 #[derive(Debug, Subcommand)]
 pub(crate) enum ReportsCmd {
     /// Every report, oldest first: time, attempt, class, size, cause (the default).
-    List,
+    List {
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
     /// One report as a readable summary (the latest by default).
     Show {
         /// A report's folder name, or the start of it (its time).
         id: Option<String>,
+        /// The instance, here or before `show`.
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
     },
     /// The folder of one report (the latest by default).
     Path {
         /// A report's folder name, or the start of it (its time).
         id: Option<String>,
+        /// The instance, here or before `path`.
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
     },
 }
 
@@ -128,15 +137,27 @@ pub(crate) struct LoadsArgs {
 pub(crate) enum LoadsCmd {
     /// Every load in the ledger, oldest first: time, outcome, total, each
     /// phase, compile cache, GB/s (the default).
-    List,
+    List {
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
     /// One load: its setup, cache and weights, its phases as bars (the
     /// latest by default).
     Show {
         /// A load's number (the ID column of `list`).
-        id: Option<u64>,
+        id: Option<String>,
+        /// The instance, here or before `show`.
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
     },
     /// Two loads side by side, and what differed in their setups.
-    Compare { a: u64, b: u64 },
+    Compare {
+        a: u64,
+        b: u64,
+        /// The instance, here or before `compare`.
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -150,17 +171,29 @@ pub(crate) struct SetupsArgs {
 #[derive(Debug, Subcommand)]
 pub(crate) enum SetupsCmd {
     /// The setups recorded as reaching ready, newest first (the default).
-    List,
+    List {
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
     /// One setup: its config file, vLLM, command, environment (masked),
     /// patched files (the newest by default).
     Show {
         /// A setup's fingerprint, or the start of it.
         id: Option<String>,
+        /// The instance, here or before `show`.
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
     },
     /// What differs between two setups: arguments, environment, patches.
     /// Without arguments: the newest recorded against the setup of the
     /// latest load of another (after a rollback, the one that failed).
-    Diff { a: Option<String>, b: Option<String> },
+    Diff {
+        a: Option<String>,
+        b: Option<String>,
+        /// The instance, here or before `diff`.
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -174,12 +207,119 @@ pub(crate) struct GoldenArgs {
 #[derive(Debug, Subcommand)]
 pub(crate) enum GoldenCmd {
     /// The last check and the reference answers of every setup (the default).
-    Show,
+    Show {
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
     /// The last answers beside the reference they were compared with, token by token.
-    Diff,
+    Diff {
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
     /// The last answers become the reference of their setup: the next
     /// start compares against them.
-    Accept,
+    Accept {
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+    },
+}
+
+/// The instance's NAME may come after a subcommand's own subcommand and its
+/// IDs (`loads show 3 kimi`, `golden diff kimi`) as well as before it; a
+/// lone word that cannot be an ID is the NAME (`loads show kimi`: a load's
+/// ID is a number, a report's begins with its time's digits, a setup's is
+/// hexadecimal). Given in both places, it is a usage error.
+pub(crate) fn settle(instance: &mut InstanceArg, inner: Option<&mut Option<String>>) -> Result<(), String> {
+    let Some(inner) = inner else { return Ok(()) };
+    match (&instance.name, inner.take()) {
+        (_, None) => Ok(()),
+        (None, Some(n)) => {
+            instance.name = Some(n);
+            Ok(())
+        }
+        (Some(a), Some(b)) => Err(format!("the instance is named twice ({a:?} and {b:?}): give NAME once")),
+    }
+}
+
+/// A lone ID that cannot be one is the NAME: `id` moved into `name`
+/// when `name` is not given.
+fn id_or_name(id: &mut Option<String>, name: &mut Option<String>, is_id: impl Fn(&str) -> bool) {
+    if name.is_none() && id.as_deref().is_some_and(|i| !is_id(i)) {
+        *name = id.take();
+    }
+}
+
+impl ReportsArgs {
+    /// The NAME wherever it was given, in `instance` ([`settle`]).
+    pub(crate) fn settle(&mut self) -> Result<(), String> {
+        let inner = match &mut self.what {
+            None => None,
+            Some(ReportsCmd::List { name }) => Some(name),
+            Some(ReportsCmd::Show { id, name } | ReportsCmd::Path { id, name }) => {
+                id_or_name(id, name, |i| i.starts_with(|c: char| c.is_ascii_digit()));
+                Some(name)
+            }
+        };
+        settle(&mut self.instance, inner)
+    }
+}
+
+impl LoadsArgs {
+    /// The NAME wherever it was given, in `instance` ([`settle`]).
+    pub(crate) fn settle(&mut self) -> Result<(), String> {
+        let inner = match &mut self.what {
+            None => None,
+            Some(LoadsCmd::List { name } | LoadsCmd::Compare { name, .. }) => Some(name),
+            Some(LoadsCmd::Show { id, name }) => {
+                id_or_name(id, name, |i| i.parse::<u64>().is_ok());
+                if let Some(i) = id.as_deref().filter(|i| i.parse::<u64>().is_err()) {
+                    return Err(format!("{:?} is not a load's ID (a number: the ID column of `loads list`)", i));
+                }
+                Some(name)
+            }
+        };
+        settle(&mut self.instance, inner)
+    }
+
+    /// The load `show` asks for (a number, once [`LoadsArgs::settle`]d).
+    pub(crate) fn shown(id: &Option<String>) -> Option<u64> {
+        id.as_deref().and_then(|i| i.parse().ok())
+    }
+}
+
+impl SetupsArgs {
+    /// The NAME wherever it was given, in `instance` ([`settle`]).
+    pub(crate) fn settle(&mut self) -> Result<(), String> {
+        let hex = |i: &str| i.chars().all(|c| c.is_ascii_hexdigit());
+        let inner = match &mut self.what {
+            None => None,
+            Some(SetupsCmd::List { name }) => Some(name),
+            Some(SetupsCmd::Show { id, name }) => {
+                id_or_name(id, name, hex);
+                Some(name)
+            }
+            Some(SetupsCmd::Diff { a, b, name }) => {
+                if b.is_some() {
+                    id_or_name(b, name, hex);
+                } else {
+                    id_or_name(a, name, hex);
+                }
+                Some(name)
+            }
+        };
+        settle(&mut self.instance, inner)
+    }
+}
+
+impl GoldenArgs {
+    /// The NAME wherever it was given, in `instance` ([`settle`]).
+    pub(crate) fn settle(&mut self) -> Result<(), String> {
+        let inner = match &mut self.what {
+            None => None,
+            Some(GoldenCmd::Show { name } | GoldenCmd::Diff { name } | GoldenCmd::Accept { name }) => Some(name),
+        };
+        settle(&mut self.instance, inner)
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -228,7 +368,17 @@ pub(crate) enum Cmd {
     Golden(GoldenArgs),
     /// Run the whole lifecycle against the simulated vLLM (vllm-warden-sim).
     Demo,
-    /// Write the man pages and shell completions into a folder (packaging).
-    #[command(hide = true)]
-    Assets { dir: PathBuf },
+    /// Print the completion script of SHELL, e.g.
+    /// `vllm-warden completions bash > /etc/bash_completion.d/vllm-warden`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (`DIR/man/`) and the bash, zsh and fish
+    /// completions (`DIR/completions/`) into DIR, as the package installs
+    /// them.
+    Assets {
+        #[arg(value_name = "DIR", value_hint = clap::ValueHint::DirPath)]
+        dir: PathBuf,
+    },
 }

@@ -80,7 +80,7 @@ fn row(f: &Found) -> Row {
     };
     let verdict = match &seen {
         Seen::Verdict(v) => Some(v.as_ref()),
-        Seen::Denied(why) => {
+        Seen::Denied(why) | Seen::Unreadable(why) => {
             r.state = "unknown".into();
             r.unknown = Some(why.clone());
             None

@@ -92,11 +92,23 @@ pub fn main() -> Code {
         Cmd::Undrain(i) => chosen(&i, "undrain").map_or_else(|c| c, |p| control(&p, "/undrain")),
         Cmd::Restart(i) => chosen(&i, "restart").map_or_else(|c| c, |p| control(&p, "/restart")),
         Cmd::Reload(i) => chosen(&i, "reload").map_or_else(|c| c, |p| control(&p, "/reload")),
-        Cmd::Reports(a) => chosen(&a.instance, "reports").map_or_else(|c| c, |p| reports(&p, &a)),
-        Cmd::Loads(a) => chosen(&a.instance, "loads").map_or_else(|c| c, |p| loads_cmd(&p, &a)),
-        Cmd::Setups(a) => chosen(&a.instance, "setups").map_or_else(|c| c, |p| setups_cmd(&p, &a)),
-        Cmd::Golden(a) => chosen(&a.instance, "golden").map_or_else(|c| c, |p| golden_cmd(&p, &a)),
+        Cmd::Reports(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "reports")).map_or_else(|c| c, |p| reports(&p, &a))
+        }
+        Cmd::Loads(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "loads")).map_or_else(|c| c, |p| loads_cmd(&p, &a))
+        }
+        Cmd::Setups(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "setups")).map_or_else(|c| c, |p| setups_cmd(&p, &a))
+        }
+        Cmd::Golden(mut a) => {
+            settled(a.settle()).and_then(|()| chosen(&a.instance, "golden")).map_or_else(|c| c, |p| golden_cmd(&p, &a))
+        }
         Cmd::Demo => crate::cli::demo::main(colour),
+        Cmd::Completions { shell } => {
+            out!("{}", String::from_utf8_lossy(&crate::cli::assets::completion(shell)));
+            Code::Ok
+        }
         Cmd::Assets { dir } => match crate::cli::assets::write(&dir) {
             Ok(()) => Code::Ok,
             Err(e) => {
@@ -105,6 +117,15 @@ pub fn main() -> Code {
             }
         },
     }
+}
+
+/// A NAME given after a subcommand's own subcommand, settled
+/// ([`args::settle`]); why not on stderr, and 2.
+fn settled(r: Result<(), String>) -> Result<(), Code> {
+    r.map_err(|e| {
+        eprintln!("vllm-warden: {}", crate::util::escape::one_line(&e, crate::util::escape::MAX_LINE));
+        Code::Usage
+    })
 }
 
 /// The arguments, with clap's own help and errors coloured as `--color`
@@ -167,8 +188,20 @@ fn load(path: &Path) -> Result<Settings, Code> {
 /// The instance of a command that needs only its name and folders: the
 /// config as far as it reads (`config::load_lenient`); when it has
 /// problems, one warning line saying what is used instead.
-fn lenient(path: &Path) -> Settings {
+///
+/// A file whose instance name is not one (`...toml` is not instance `..`)
+/// gives no folders to go on with: refused, with 2, as a `NAME` that is
+/// not one is.
+fn lenient(path: &Path) -> Result<Settings, Code> {
     let (s, problems) = config::load_lenient(path, &Dirs::from_env());
+    if !config::valid_name(&s.name) {
+        eprintln!(
+            "vllm-warden: {}: the instance is named after the file, and {}: rename the file NAME.toml, or give `name` in it",
+            crate::util::escape::one_line(&path.display().to_string(), crate::util::escape::MAX_LINE),
+            config::not_a_name(&s.name)
+        );
+        return Err(Code::Usage);
+    }
     if let Some(first) = problems.first() {
         let more = match problems.len() - 1 {
             0 => String::new(),
@@ -181,7 +214,7 @@ fn lenient(path: &Path) -> Settings {
             s.server.socket.display()
         );
     }
-    s
+    Ok(s)
 }
 
 /// `1 problem`, `2 problems`.
@@ -340,7 +373,10 @@ fn list(json: bool) -> Code {
 }
 
 fn status(path: &Path, a: &StatusArgs) -> Code {
-    let s = lenient(path);
+    let s = match lenient(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     use crate::tell::summary::StatusVerdict;
     // Through the socket when a warden answers there; else the file.
     let verdict = match instance::look(&s, ANSWER_TIMEOUT) {
@@ -348,6 +384,14 @@ fn status(path: &Path, a: &StatusArgs) -> Code {
         Seen::Denied(why) => {
             eprintln!("vllm-warden: {}: {why}: run this as the service's user or a member of its group", s.name);
             return Code::NoPermission;
+        }
+        Seen::Unreadable(why) => {
+            eprintln!(
+                "vllm-warden: {}: not running as far as can be seen: {}",
+                s.name,
+                crate::util::escape::one_line(&why, crate::util::escape::MAX_LINE)
+            );
+            return Code::NotRunning;
         }
     };
     if a.json {
@@ -393,7 +437,10 @@ fn reload_verdict(body: &str) -> String {
 
 /// `drain`, `undrain`, `restart`, `reload`: a POST over the control socket.
 fn control(config: &Path, path: &str) -> Code {
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     // A reload is answered once the config was read and checked: it may
     // take longer.
     let within = if path == "/reload" { crate::daemon::server::RELOAD_WAIT + ANSWER_TIMEOUT } else { ANSWER_TIMEOUT };
@@ -446,7 +493,10 @@ fn control(config: &Path, path: &str) -> Code {
 }
 
 fn reports(path: &Path, a: &ReportsArgs) -> Code {
-    let s = lenient(path);
+    let s = match lenient(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &[crate::tell::reports::FOLDER]) {
         return code;
     }
@@ -477,7 +527,7 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
         }
     };
     match &a.what {
-        None | Some(ReportsCmd::List) => {
+        None | Some(ReportsCmd::List { .. }) => {
             if all.is_empty() {
                 outln!("no failure reports in {}", s.state_dir.join(crate::tell::reports::FOLDER).display());
             } else {
@@ -485,14 +535,14 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
             }
             Code::Ok
         }
-        Some(ReportsCmd::Show { id }) => match pick(id) {
+        Some(ReportsCmd::Show { id, .. }) => match pick(id) {
             Ok(r) => {
                 out!("{}", crate::tell::reports::show(&r));
                 Code::Ok
             }
             Err(code) => code,
         },
-        Some(ReportsCmd::Path { id }) => match pick(id) {
+        Some(ReportsCmd::Path { id, .. }) => match pick(id) {
             Ok(r) => {
                 outln!("{}", r.path.display());
                 Code::Ok
@@ -504,7 +554,10 @@ fn reports(path: &Path, a: &ReportsArgs) -> Code {
 
 fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
     use args::LoadsCmd;
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &[]) {
         return code;
     }
@@ -519,13 +572,13 @@ fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
             Some(id) => all.iter().find(|r| r.id == id),
         };
         found.ok_or_else(|| {
-            let what = id.map_or("any load".to_string(), |i| format!("load {i}"));
+            let what = id.map_or("load".to_string(), |i| format!("load {i}"));
             eprintln!("vllm-warden: no {what} in {}", path.display());
             Code::NoReport
         })
     };
     match &a.what {
-        None | Some(LoadsCmd::List) => {
+        None | Some(LoadsCmd::List { .. }) => {
             if all.is_empty() {
                 outln!("no loads in {}", path.display());
             } else {
@@ -533,14 +586,14 @@ fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
             }
             Code::Ok
         }
-        Some(LoadsCmd::Show { id }) => match pick(*id) {
+        Some(LoadsCmd::Show { id, .. }) => match pick(args::LoadsArgs::shown(id)) {
             Ok(r) => {
                 out!("{}", loads::show(r));
                 Code::Ok
             }
             Err(code) => code,
         },
-        Some(LoadsCmd::Compare { a, b }) => match (pick(Some(*a)), pick(Some(*b))) {
+        Some(LoadsCmd::Compare { a, b, .. }) => match (pick(Some(*a)), pick(Some(*b))) {
             (Ok(x), Ok(y)) => {
                 out!("{}", loads::compare(x, y));
                 Code::Ok
@@ -552,7 +605,10 @@ fn loads_cmd(config: &Path, a: &args::LoadsArgs) -> Code {
 
 fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
     use args::SetupsCmd;
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &["setups"]) {
         return code;
     }
@@ -562,7 +618,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
         Code::NoReport
     };
     match &a.what {
-        None | Some(SetupsCmd::List) => {
+        None | Some(SetupsCmd::List { .. }) => {
             if all.is_empty() {
                 outln!("no setup has reached ready yet ({})", s.state_dir.join("setups").display());
             } else {
@@ -570,7 +626,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
             }
             Code::Ok
         }
-        Some(SetupsCmd::Show { id }) => {
+        Some(SetupsCmd::Show { id, .. }) => {
             let found = match id {
                 Some(id) => crate::tell::setups::find(&s.state_dir, &s.name, id),
                 None => all.first().cloned().ok_or_else(|| "no setup has reached ready yet".to_string()),
@@ -583,7 +639,7 @@ fn setups_cmd(config: &Path, a: &args::SetupsArgs) -> Code {
                 Err(why) => fail(why),
             }
         }
-        Some(SetupsCmd::Diff { a: x, b: y }) => {
+        Some(SetupsCmd::Diff { a: x, b: y, .. }) => {
             // The newest load of another setup than `good`: after a
             // rollback, the setup that failed.
             let latest = |good: &str| {
@@ -622,7 +678,10 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
     use crate::observe::golden;
     use crate::util::escape::one_line;
     use args::GoldenCmd;
-    let s = lenient(config);
+    let s = match lenient(config) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     if let Err(code) = readable(&s, &[golden::FOLDER]) {
         return code;
     }
@@ -630,8 +689,8 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
         eprintln!("vllm-warden: {e}");
         Code::NoReport
     };
-    match a.what.as_ref().unwrap_or(&GoldenCmd::Show) {
-        GoldenCmd::Show => {
+    match a.what.as_ref().unwrap_or(&GoldenCmd::Show { name: None }) {
+        GoldenCmd::Show { .. } => {
             // What can be read is shown; what cannot is said (and `accept`
             // replaces an unreadable store).
             let mut code = Code::Ok;
@@ -669,7 +728,7 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
             }
             code
         }
-        GoldenCmd::Diff => match golden::diff(&s.state_dir) {
+        GoldenCmd::Diff { .. } => match golden::diff(&s.state_dir) {
             Some(text) => {
                 for line in text.lines() {
                     outln!("{}", one_line(line, 2000));
@@ -678,7 +737,7 @@ fn golden_cmd(config: &Path, a: &args::GoldenArgs) -> Code {
             }
             None => fail("no golden answers to compare yet (a check with a reference before it)".into()),
         },
-        GoldenCmd::Accept => match golden::accept(&s.state_dir) {
+        GoldenCmd::Accept { .. } => match golden::accept(&s.state_dir) {
             Ok(done) => {
                 if let Some(e) = &done.replaced {
                     outln!(
@@ -802,6 +861,11 @@ fn run(
         }
     };
     crate::util::logging::init(log_format, colour);
+    // What the operator's setup risks (caches lost at every restart …),
+    // said by `run`; never by the demo, whose setup is its own.
+    for w in crate::daemon::environment::describe_child(&settings).1 {
+        tracing::warn!(INSTANCE = settings.name.as_str(), EVENT = "caches", "{w}");
+    }
     let from_upgrade = adopted.is_some();
     let adopted = match adopted {
         Some(Ok(state)) => Some(state),
@@ -862,6 +926,9 @@ fn run(
 fn running_config(path: &Path) -> Option<Settings> {
     let dirs = Dirs::from_env();
     let (s, _) = config::load_lenient(path, &dirs);
+    if !config::valid_name(&s.name) {
+        return None;
+    }
     let running = crate::daemon::reload::running_path(&s.state_dir);
     let bytes = crate::process::prestart::read_state_file(&running, 1 << 20).ok()?;
     let settings = config::parse(&String::from_utf8_lossy(&bytes), path, &dirs).ok()?;
@@ -876,7 +943,10 @@ fn running_config(path: &Path) -> Option<Settings> {
 /// Ask the running warden of the instance to upgrade in place: SIGUSR2 to
 /// the lock's holder, once it is seen to be a `vllm-warden run` process.
 fn upgrade(path: &Path) -> Code {
-    let settings = lenient(path);
+    let settings = match lenient(path) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     let pid = match crate::process::lock::InstanceLock::holder(&settings.state_dir) {
         Ok(Some(pid)) => pid,
         Ok(None) => {

@@ -20,6 +20,11 @@ pub(crate) const PERIOD: RangeInclusive<Duration> = SHORTEST..=LONGEST;
 /// is far beyond any load.
 pub(crate) const START: RangeInclusive<Duration> = SHORTEST..=DAY.saturating_mul(7);
 
+/// A config file, in bytes: 1 MiB, some hundred times the longest real
+/// one, so that a file that is something else (a disk image, a log, a
+/// link to `/dev/zero`) is refused before it is read.
+pub(crate) const CONFIG_SIZE: u64 = 1 << 20;
+
 /// `[[patch]] max-size`, in bytes: up to 4 GiB, so that a mistake
 /// cannot ask the warden to read a disk image.
 pub(crate) const PATCH_MAX_SIZE: RangeInclusive<u64> = 1..=4 << 30;

@@ -76,10 +76,23 @@ impl Dirs {
 
 /// Read and validate a config file.
 pub fn load(path: &Path, dirs: &Dirs) -> Result<Settings, Problems> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Problems(vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
-    })?;
+    let text = read(path).map_err(|p| Problems(vec![p]))?;
     parse(&text, path, dirs)
+}
+
+/// The text of a config file: a regular file (or a link to one) of at most
+/// [`limits::CONFIG_SIZE`] bytes, read without blocking
+/// ([`crate::util::fsutil::read_small`]): a FIFO, a device or a huge file
+/// is a problem said at once, never a command that hangs or fills memory.
+pub(crate) fn read(path: &Path) -> Result<String, Problem> {
+    let problem = |e: &dyn std::fmt::Display| Problem {
+        file: path.to_path_buf(),
+        at: None,
+        message: format!("cannot read config: {e}"),
+    };
+    let bytes = crate::util::fsutil::read_small(path, limits::CONFIG_SIZE, crate::util::fsutil::Links::Follow)
+        .map_err(|e| problem(&e))?;
+    String::from_utf8(bytes).map_err(|_| problem(&"not UTF-8 text"))
 }
 
 /// Validate config text; `path` names the file in problems and gives the
@@ -96,11 +109,9 @@ pub fn parse(text: &str, path: &Path, dirs: &Dirs) -> Result<Settings, Problems>
 /// they could be read (each value with a problem left at its default) and
 /// every problem. No settings when the file cannot be read or is not TOML.
 pub(crate) fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Problem>) {
-    match std::fs::read_to_string(path) {
+    match read(path) {
         Ok(text) => parse_all(&text, path, dirs),
-        Err(e) => {
-            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
-        }
+        Err(p) => (None, vec![p]),
     }
 }
 
@@ -111,12 +122,10 @@ pub(crate) fn load_all(path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Probl
 /// when it cannot be read or is not TOML, its `name` if that much reads,
 /// else the file's stem, and every default. With every problem found.
 pub(crate) fn load_lenient(path: &Path, dirs: &Dirs) -> (Settings, Vec<Problem>) {
-    let text = std::fs::read_to_string(path);
+    let text = read(path);
     let (settings, problems) = match &text {
         Ok(text) => parse_all(text, path, dirs),
-        Err(e) => {
-            (None, vec![Problem { file: path.to_path_buf(), at: None, message: format!("cannot read config: {e}") }])
-        }
+        Err(p) => (None, vec![p.clone()]),
     };
     if let Some(s) = settings {
         return (s, problems);
@@ -156,9 +165,8 @@ fn parse_all(text: &str, path: &Path, dirs: &Dirs) -> (Option<Settings>, Vec<Pro
 
 /// The whole document, section by section.
 fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Settings {
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("vllm").to_string();
     let mut top = Keys::new(r, Some(doc), None, "", String::new());
-    let name = top.read("name", stem, instance_name);
+    let name = top.read("name", stem_of(path), instance_name);
     let profile = top.read("profile", defaults::PROFILE, profile);
     let [
         child_v,
@@ -186,6 +194,17 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     ]
     .map(|k| top.take(k));
     drop(top);
+    // Without a valid `name`, the file's own name is the instance's, and
+    // is held to the same rule: `...toml` is not instance `..`.
+    if !valid_name(&name) {
+        r.problem(
+            None,
+            format!(
+                "the instance is named after the file, and {}: rename the file NAME.toml, or give `name` in it",
+                not_a_name(&name)
+            ),
+        );
+    }
     let hints = hints(r, hint_v);
 
     let mut patterns = profile.patterns();
@@ -263,28 +282,47 @@ fn settings(r: &mut Reader<'_>, doc: &Table<'_>, path: &Path, dirs: &Dirs) -> Se
     }
 }
 
-/// An instance's name: letters, digits, '-', '_' or '.', not first. It
-/// names folders and files (`NAME.toml`, `/run/vllm-warden/NAME`).
+/// What an instance's name may be, as messages say it.
+pub(crate) const NAME_RULE: &str = "letters, digits, '-', '_' or '.', not beginning with '.'";
+
+/// An instance's name: [`NAME_RULE`]. It names folders and files
+/// (`NAME.toml`, `/var/lib/vllm-warden/NAME`, `/run/vllm-warden/NAME`), so
+/// `..` or a name with a newline or an escape must never be one. The one
+/// rule for a name from anywhere: the `NAME` argument, a config's `name`,
+/// a config file's name, a folder of the host's runtime folder.
 pub(crate) fn valid_name(n: &str) -> bool {
     !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) && !n.starts_with('.')
 }
 
+/// `".." is not an instance name (letters, …)`: a name refused by
+/// [`valid_name`], made one visible line.
+pub(crate) fn not_a_name(n: &str) -> String {
+    format!("\"{}\" is not an instance name ({NAME_RULE})", crate::util::escape::one_line(n, 200))
+}
+
+/// The instance name a config file's own name gives (its stem), before it
+/// is checked: `kimi.toml` → `kimi`, `...toml` → `..`.
+fn stem_of(path: &Path) -> String {
+    path.file_stem().map_or_else(String::new, |s| s.to_string_lossy().into_owned())
+}
+
 /// The instance a config file's `text` at `path` names, as [`load`] reads
-/// it (`name`, else the file's stem); none when the text is not TOML or
-/// its `name` is not a string.
+/// it (`name`, else the file's stem); none when the text is not TOML, its
+/// `name` is not a string, or what it names is not an instance name.
 pub(crate) fn instance_in(text: &str, path: &Path) -> Option<String> {
     let doc: toml::Table = toml::from_str(text).ok()?;
-    match doc.get("name") {
+    let name = match doc.get("name") {
         Some(v) => v.as_str().map(str::to_string),
-        None => Some(path.file_stem().and_then(|s| s.to_str()).unwrap_or("vllm").to_string()),
-    }
+        None => Some(stem_of(path)),
+    };
+    name.filter(|n| valid_name(n))
 }
 
 fn instance_name(r: &mut Reader<'_>, v: &Value<'_>) -> Option<String> {
     let n = r.string(v, "name")?;
     let ok = valid_name(&n);
     if !ok {
-        r.problem(Some(v.span()), format!("`name` {n:?} must be letters, digits, '-', '_' or '.'"));
+        r.problem(Some(v.span()), format!("`name`: {}", not_a_name(&n)));
     }
     ok.then_some(n)
 }

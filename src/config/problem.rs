@@ -14,11 +14,11 @@ pub struct Problem {
 
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The file's name is someone's: shown, never acted on by a terminal.
+        let file = crate::util::escape::one_line(&self.file.display().to_string(), crate::util::escape::MAX_LINE);
         match self.at {
-            Some((line, col)) => {
-                write!(f, "{}:{line}:{col}: {}", self.file.display(), self.message)
-            }
-            None => write!(f, "{}: {}", self.file.display(), self.message),
+            Some((line, col)) => write!(f, "{file}:{line}:{col}: {}", self.message),
+            None => write!(f, "{file}: {}", self.message),
         }
     }
 }

@@ -62,7 +62,42 @@ pub(crate) fn check_environment(s: &Settings) -> Vec<Problem> {
             say(e.to_string());
         }
     }
+    let tcp = s.front.iter().flat_map(|f| &f.listen).filter_map(|l| match l {
+        crate::config::Listen::Tcp(a) => Some(("front.listen", *a)),
+        crate::config::Listen::Unix(_) => None,
+    });
+    for (key, addr) in tcp.chain(s.server.listen.map(|a| ("server.listen", a))) {
+        if let Some(who) = address_taken(addr, &s.state_dir) {
+            say(format!("`{key}` {addr}: {who}: `run` could not listen there"));
+        }
+    }
     out
+}
+
+/// Who holds `addr`, when a listener could not be bound there now (as the
+/// warden binds it: `SO_REUSEADDR`, an IPv6 address IPv6-only); none when
+/// it could, or when only the instance's own running warden (the holder of
+/// its lock) or systemd (a `.socket` unit, or the warden's sockets in its
+/// store) holds it, which `run` is given.
+fn address_taken(addr: std::net::SocketAddr, state_dir: &Path) -> Option<String> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None).ok()?;
+    let _ = socket.set_reuse_address(true);
+    if addr.is_ipv6() {
+        let _ = socket.set_only_v6(true);
+    }
+    match socket.bind(&addr.into()) {
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {}
+        _ => return None,
+    }
+    let ours: Vec<i32> = std::iter::once(1)
+        .chain(crate::process::lock::InstanceLock::holder(state_dir).ok().flatten().map(|p| p as i32))
+        .collect();
+    let holders = crate::process::prestart::port_holders(addr.port());
+    if holders.iter().any(|(pid, _)| ours.contains(pid)) {
+        return None;
+    }
+    Some(crate::process::prestart::describe_holders(addr.port()))
 }
 
 /// What keeps the child from starting, as this process's user (the
@@ -274,8 +309,18 @@ fn executable(p: &Path) -> Result<(), AccessError> {
 /// its path (for `#!/usr/bin/env NAME`, NAME as found in PATH) and why.
 fn interpreter_problem(script: &Path, path: Option<&str>) -> Option<(String, String)> {
     use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
     let mut head = [0u8; 4096];
-    let n = std::fs::File::open(script).and_then(|mut f| f.read(&mut head)).ok()?;
+    // Without blocking: a FIFO at the program's path cannot hold `check`.
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(script)
+        .ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let n = file.read(&mut head).ok()?;
     let line = head[..n].strip_prefix(b"#!")?;
     let line = String::from_utf8_lossy(line.split(|b| *b == b'\n').next()?).into_owned();
     let mut words = line.split_whitespace();
@@ -473,9 +518,9 @@ fn snapshot(repo: &Path, revision: &str) -> Option<PathBuf> {
     if direct.is_dir() {
         return Some(direct);
     }
-    let mut text = String::new();
-    use std::io::Read;
-    std::fs::File::open(repo.join("refs").join(revision)).ok()?.take(256).read_to_string(&mut text).ok()?;
+    let file = repo.join("refs").join(revision);
+    let text = crate::util::fsutil::read_small(&file, 256, crate::util::fsutil::Links::Follow).ok()?;
+    let text = String::from_utf8_lossy(&text);
     let commit = text.trim();
     (plain(commit) && !commit.starts_with('.')).then(|| repo.join("snapshots").join(commit)).filter(|d| d.is_dir())
 }
@@ -637,7 +682,12 @@ fn compile_missing(command: &[String], path: &str, program: Option<&Path>) -> Ve
 /// names it. True when that cannot be told (not a venv).
 fn python_headers(program: &Path) -> bool {
     let Some(venv) = program.parent().and_then(Path::parent) else { return true };
-    let Ok(cfg) = std::fs::read_to_string(venv.join("pyvenv.cfg")) else { return true };
+    let Ok(cfg) =
+        crate::util::fsutil::read_small(&venv.join("pyvenv.cfg"), 64 << 10, crate::util::fsutil::Links::Follow)
+    else {
+        return true;
+    };
+    let cfg = String::from_utf8_lossy(&cfg);
     let key = |k: &str| {
         cfg.lines().find_map(|l| {
             let (a, b) = l.split_once('=')?;

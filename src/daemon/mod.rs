@@ -109,9 +109,6 @@ pub async fn run(
     // What the front door tells the loop of its requests (`[front]`).
     let activity = front_door.as_ref().map(|_| std::sync::Arc::new(front::Activity::default()));
     let front_door = front_door.zip(activity.clone()).map(|(f, a)| f.open(&mut observer, a));
-    for w in environment::describe_child(&settings).1 {
-        tracing::warn!(INSTANCE = settings.name.as_str(), EVENT = "caches", "{w}");
-    }
     let shared = server::Shared {
         view: view_rx,
         heartbeat,
@@ -201,7 +198,20 @@ fn open_front(
         None => front::listen::without_front(inherited).map(|()| Vec::new()),
     };
     let listeners = opened.map_err(|e| {
-        tracing::error!(EVENT = "front", error = %e, "cannot open the front door");
+        // An address in use: by whom, as the port check before a start says it.
+        let held = match &e {
+            front::listen::ListenError::Bind { address, source } if source.kind() == std::io::ErrorKind::AddrInUse => {
+                address
+                    .parse::<std::net::SocketAddr>()
+                    .ok()
+                    .map(|a| crate::process::prestart::describe_holders(a.port()))
+            }
+            _ => None,
+        };
+        match held {
+            Some(who) => tracing::error!(EVENT = "front", error = %e, "cannot open the front door: {who}"),
+            None => tracing::error!(EVENT = "front", error = %e, "cannot open the front door"),
+        }
         Code::Config
     })?;
     handover.kept = front::listen::kept(&listeners).map_err(|e| {
@@ -230,9 +240,21 @@ fn machine(backend: &mut RealBackend, policy: Policy, adopted: Option<upgrade::H
 
 /// The endpoint's listeners, bound before anything starts: a TCP listener
 /// that cannot be had is a config problem; the socket is worth a warning.
+/// A warden that ends before it serves them (a front door's address in
+/// use) removes its control socket: a socket nobody listens on would be
+/// taken for a running instance.
 struct Endpoint {
     socket: Option<tokio::net::UnixListener>,
     tcp: Option<(tokio::net::TcpListener, Option<String>)>,
+    path: std::path::PathBuf,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if self.socket.take().is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 impl Endpoint {
@@ -244,24 +266,33 @@ impl Endpoint {
                 None
             }
         };
-        let tcp = match settings.server.listen.map(|a| server::bind_tcp(a, settings.server.token_file.as_deref())) {
+        let mut endpoint = Endpoint { socket, tcp: None, path: settings.server.socket.clone() };
+        endpoint.tcp = match settings.server.listen.map(|a| server::bind_tcp(a, settings.server.token_file.as_deref()))
+        {
             Some(Ok(l)) => Some(l),
             Some(Err(e)) => {
-                tracing::error!(error = %e, "cannot serve [server] listen");
+                // An address in use: by whom, as the port check before a start says it.
+                match &e {
+                    server::ListenError::Tcp { addr, source } if source.kind() == std::io::ErrorKind::AddrInUse => {
+                        let who = crate::process::prestart::describe_holders(addr.port());
+                        tracing::error!(error = %e, "cannot serve [server] listen: {who}");
+                    }
+                    _ => tracing::error!(error = %e, "cannot serve [server] listen"),
+                }
                 return Err(Code::Config);
             }
             None => None,
         };
-        Ok(Endpoint { socket, tcp })
+        Ok(endpoint)
     }
 
     /// Watched as every other task: an endpoint that stops serving is a
     /// part of the warden that died.
-    fn serve(self, tasks: &mut Tasks, shared: server::Shared) {
-        if let Some(l) = self.socket {
+    fn serve(mut self, tasks: &mut Tasks, shared: server::Shared) {
+        if let Some(l) = self.socket.take() {
             tasks.spawn("control socket", Lifetime::Owned, server::serve_socket(l, shared.clone()));
         }
-        if let Some((l, token)) = self.tcp {
+        if let Some((l, token)) = self.tcp.take() {
             tasks.spawn("TCP endpoint", Lifetime::Owned, server::serve_tcp(l, token, shared));
         }
     }

@@ -119,8 +119,13 @@ pub(crate) fn read_token(path: &Path) -> Result<String, TokenError> {
     use std::io::Read;
     use std::os::unix::fs::PermissionsExt;
     let read = |source| TokenError::Read { path: path.to_path_buf(), source };
-    let file = std::fs::File::open(path).map_err(read)?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Without blocking, a regular file only: a FIFO cannot hold `check`.
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(read)?;
     let meta = file.metadata().map_err(read)?;
+    if !meta.is_file() {
+        return Err(read(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file")));
+    }
     if meta.permissions().mode() & 0o004 != 0 {
         return Err(TokenError::WorldReadable { path: path.to_path_buf() });
     }

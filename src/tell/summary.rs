@@ -18,10 +18,19 @@ pub(crate) enum StatusVerdict {
     NotRunning(Option<Doc>),
 }
 
-/// Read the document and tell whether its warden is still there.
-pub(crate) fn read(path: &Path) -> StatusVerdict {
-    let Ok(text) = std::fs::read_to_string(path) else { return StatusVerdict::NotRunning(None) };
-    verdict(&text)
+/// The largest status document read: some hundred times a real one.
+pub(crate) const MAX_DOC: u64 = 1 << 20;
+
+/// Read the document and tell whether its warden is still there; no file
+/// is no warden. A file that cannot be read (this user may not, it is a
+/// FIFO or a device, it is larger than [`MAX_DOC`]) is an error, said by
+/// the caller: never a read that blocks or fills memory.
+pub(crate) fn read(path: &Path) -> std::io::Result<StatusVerdict> {
+    match crate::util::fsutil::read_small(path, MAX_DOC, crate::util::fsutil::Links::Follow) {
+        Ok(bytes) => Ok(verdict(&String::from_utf8_lossy(&bytes))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(StatusVerdict::NotRunning(None)),
+        Err(e) => Err(e),
+    }
 }
 
 /// What a document says (from the file, or from the warden's socket).

@@ -7,8 +7,10 @@
 //! names no one else uses (pid and 64 random bits), and [`Dir::open_beneath`]
 //! follows symlinks by hand, refusing any that leads out of the folder. The
 //! patches use it for model files and for the state directory, both of which
-//! the service user can change while root reads them. What is written is not
-//! known here.
+//! the service user can change while root reads them. [`read_small`] reads
+//! a small file whole that someone else may have made a FIFO, a device or a
+//! disk image: without blocking, regular files only, within a limit. What
+//! is written or read is not known here.
 
 use std::collections::VecDeque;
 use std::ffi::{OsStr, OsString};
@@ -546,6 +548,58 @@ fn push_front(todo: &mut VecDeque<OsString>, p: &Path, at: &Path) -> Result<(), 
     Ok(())
 }
 
+/// Whether [`read_small`] follows a symlink at the last component of its
+/// path: a config may be a link to a file kept elsewhere; a file of the
+/// state folder is never reached through one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Links {
+    Follow,
+    Refuse,
+}
+
+/// The whole of a small regular file that someone else may have made
+/// anything: opened without blocking (a FIFO cannot hold the open, nor a
+/// device its read) and never as a controlling terminal, refused unless it
+/// is a regular file, refused when it is larger than `max` bytes, and read
+/// for at most `max` + 1 bytes whatever its size says (a file that grows
+/// while it is read is refused too). Every file a command reads whole goes
+/// through here. The errors say what the file is, without its path (the
+/// caller names it): `a FIFO (named pipe), not a regular file`,
+/// `1073741824 bytes, over the limit of 1048576`; a file that is not there,
+/// or that this user may not open, keeps its own error kind.
+pub(crate) fn read_small(path: &Path, max: u64, links: Links) -> io::Result<Vec<u8>> {
+    let mut flags = libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+    if links == Links::Refuse {
+        flags |= libc::O_NOFOLLOW;
+    }
+    let file = match OpenOptions::new().read(true).custom_flags(flags).open(path) {
+        Ok(f) => f,
+        // A socket cannot be opened (ENXIO), a symlink refused (ELOOP):
+        // say what it is.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO | libc::ELOOP)) => {
+            return Err(match fs::symlink_metadata(path) {
+                Ok(m) if !m.is_file() => not_regular(&m),
+                _ => e,
+            });
+        }
+        Err(e) => return Err(e),
+    };
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(not_regular(&meta));
+    }
+    let too_large =
+        |size: u64| io::Error::new(io::ErrorKind::InvalidData, format!("{size} bytes, over the limit of {max}"));
+    if meta.len() > max {
+        return Err(too_large(meta.len()));
+    }
+    read_capped(&file, max)?.map_err(too_large)
+}
+
+fn not_regular(m: &fs::Metadata) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, format!("{}, not a regular file", kind_of(m)))
+}
+
 /// Read at most `max` bytes of `file`; `Err(size)` when there are more.
 pub(crate) fn read_capped(file: &File, max: u64) -> io::Result<Result<Vec<u8>, u64>> {
     let mut buf = Vec::new();
@@ -641,6 +695,31 @@ mod tests {
         }
         let e = dir.open_beneath(Path::new("../secret")).unwrap_err();
         assert!(matches!(e, BeneathError::Outside { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_small_file_is_read_whole_and_anything_else_refused_at_once() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("f");
+        std::fs::write(&file, b"0123456789").unwrap();
+        assert_eq!(read_small(&file, 10, Links::Refuse).unwrap(), b"0123456789");
+        let e = read_small(&file, 9, Links::Refuse).unwrap_err();
+        assert_eq!(e.to_string(), "10 bytes, over the limit of 9");
+        let fifo = d.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let e = read_small(&fifo, 1 << 20, Links::Follow).unwrap_err();
+        assert_eq!(e.to_string(), "a FIFO (named pipe), not a regular file");
+        let zero = d.path().join("zero");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let e = read_small(&zero, 1 << 20, Links::Follow).unwrap_err();
+        assert_eq!(e.to_string(), "a character device, not a regular file");
+        let e = read_small(&zero, 1 << 20, Links::Refuse).unwrap_err();
+        assert_eq!(e.to_string(), "a symlink, not a regular file");
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert_eq!(read_small(&link, 10, Links::Follow).unwrap(), b"0123456789");
+        let e = read_small(&d.path().join("none"), 10, Links::Follow).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
     }
 
     #[test]

@@ -87,24 +87,10 @@ pub(crate) fn clear_record(state_dir: &Path) {
 }
 
 /// Read a small regular file of the state directory, never following a
-/// symlink and never blocking on a FIFO or a device.
+/// symlink and never blocking on a FIFO or a device
+/// ([`crate::util::fsutil::read_small`]).
 pub(crate) fn read_state_file(path: &Path, max: u64) -> io::Result<Vec<u8>> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)?;
-    let meta = file.metadata()?;
-    if !meta.is_file() {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "not a regular file"));
-    }
-    if meta.len() > max {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("larger than {max} bytes")));
-    }
-    let mut out = Vec::new();
-    file.take(max).read_to_end(&mut out)?;
-    Ok(out)
+    crate::util::fsutil::read_small(path, max, crate::util::fsutil::Links::Refuse)
 }
 
 /// Processes that may never be signalled as leftovers, whatever a record

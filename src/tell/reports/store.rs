@@ -3,8 +3,7 @@
 
 use std::fmt::Write as _;
 use std::fs;
-use std::io::{self, Read};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io;
 use std::path::{Path, PathBuf};
 
 use super::*;
@@ -154,9 +153,7 @@ pub(crate) fn size_of(dir: &Path) -> u64 {
 
 /// A report's `summary.json`, bounded, not through a symlink.
 pub(crate) fn read_summary(dir: &Path) -> Option<Summary> {
-    let f = fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(dir.join(SUMMARY)).ok()?;
-    let mut text = Vec::new();
-    f.take(1 << 20).read_to_end(&mut text).ok()?;
+    let text = crate::util::fsutil::read_small(&dir.join(SUMMARY), 1 << 20, crate::util::fsutil::Links::Refuse).ok()?;
     serde_json::from_slice(&text).ok()
 }
 

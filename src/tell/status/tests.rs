@@ -349,10 +349,10 @@ fn moved_files_are_written_at_the_next_update_whatever_changed() {
 fn a_gone_warden_is_not_running() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("status.json");
-    assert_eq!(read(&path), StatusVerdict::NotRunning(None));
+    assert_eq!(read(&path).unwrap(), StatusVerdict::NotRunning(None));
     let mut doc = Reporter::new("kimi", &path, None, Outbox::direct()).doc(&snap());
     doc.warden_pid = u32::MAX - 1;
     std::fs::write(&path, serde_json::to_string(&doc).unwrap()).unwrap();
-    assert!(matches!(read(&path), StatusVerdict::NotRunning(Some(_))));
-    assert!(summary(&read(&path)).contains("not running (warden"));
+    assert!(matches!(read(&path).unwrap(), StatusVerdict::NotRunning(Some(_))));
+    assert!(summary(&read(&path).unwrap()).contains("not running (warden"));
 }
