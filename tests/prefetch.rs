@@ -133,9 +133,15 @@ fn the_weights_are_read_ahead_and_each_load_records_the_page_cache() {
     w.wait_for_file("state/loads.jsonl", |w| records(w).len() == 2);
     let rs = records(&w);
     let warm = rs.last().unwrap();
-    assert_eq!(warm["residency"], 1.0, "{warm}");
-    assert_eq!(warm["prefetch"]["bytes"], 0, "{warm}");
-    assert_eq!(warm["prefetch"]["resident_bytes"], 2 * SHARD as u64, "{warm}");
+    // Warm: what the first load read is cached, less what memory pressure
+    // on a busy machine may have taken back since (a few pages were seen
+    // to go); the read-ahead reads exactly what is not.
+    let residency = warm["residency"].as_f64().unwrap();
+    assert!(residency >= 0.98, "{warm}");
+    let (read, resident) =
+        (warm["prefetch"]["bytes"].as_u64().unwrap(), warm["prefetch"]["resident_bytes"].as_u64().unwrap());
+    assert_eq!(read + resident, 2 * SHARD as u64, "{warm}");
+    assert!(resident as f64 >= 0.98 * (2 * SHARD) as f64, "{warm}");
     assert!(warm["efficiency"].as_f64().is_some_and(|e| e > 0.0), "against the page cache: {warm}");
     assert_eq!(w.stop(), 0);
 
@@ -144,10 +150,13 @@ fn the_weights_are_read_ahead_and_each_load_records_the_page_cache() {
     assert!(show.contains("read-ahead: 0.03 GB read from the disk in "), "{show}");
     let (ok, list) = w.cli(&["loads", "list"]);
     assert!(ok && list.lines().next().unwrap().contains("CACHED  DISK  EFF"), "{list}");
-    assert!(list.lines().nth(2).unwrap().contains("100%"), "{list}");
+    assert!(list.lines().nth(2).unwrap().contains(&format!("{:.0}%", residency * 100.0)), "{list}");
     // `check` says what the read-ahead will do: both shards are cached now.
     let (_, text) = w.cli(&["check"]);
     let err = "";
     assert!(text.contains("read-ahead of the weights: 2 file(s) of "), "{text}{err}");
-    assert!(text.contains("0.03 GB, in vLLM's order, 2 thread(s); 100% in the page cache now"), "{text}");
+    // What is cached now, as measured now (a busy machine's memory
+    // pressure may have taken a few pages back).
+    let now = text.split("0.03 GB, in vLLM's order, 2 thread(s); ").nth(1).and_then(|t| t.split('%').next());
+    assert!(now.and_then(|p| p.parse::<u32>().ok()).is_some_and(|p| p >= 98), "{text}");
 }
