@@ -194,8 +194,21 @@ fn kill_the_server_and_see_it_restart(w: &mut Warden) {
 fn a_dead_reaper_stops_the_tree_and_exits_70() {
     // The hook makes the reaper panic at an exit other than the child's
     // while the child runs: the kernel-message follower's, a `cat` of a
-    // FIFO that ends when the test opens and closes the FIFO. No GPU query.
-    let opts = Opts { env: vec![("VLLM_WARDEN_TEST_PANIC".into(), "reaper".into())], ..Opts::default() };
+    // FIFO that ends when the test opens and closes the FIFO. No other
+    // command may end meanwhile: no GPU query, and a PATH of `cat` alone,
+    // so that no `nvidia-smi` (the host's, or the tests' stand-in) is
+    // asked for the GPUs' addresses.
+    let bin = tempfile::tempdir().unwrap();
+    let cat = ["/usr/bin/cat", "/bin/cat"].into_iter().find(|c| std::path::Path::new(c).exists()).unwrap();
+    std::os::unix::fs::symlink(cat, bin.path().join("cat")).unwrap();
+    let opts = Opts {
+        env: vec![
+            ("VLLM_WARDEN_TEST_PANIC".into(), "reaper".into()),
+            ("PATH".into(), bin.path().display().to_string()),
+        ],
+        host_tools: true,
+        ..Opts::default()
+    };
     let mut w = Warden::start_with(
         |d, p| {
             let fifo = d.join("go");
