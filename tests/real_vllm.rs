@@ -12,6 +12,8 @@
 //! set to it, so a load that hangs is reported by the warden before a wait
 //! expires.
 
+#[path = "real_vllm/bad_requests.rs"]
+mod bad_requests;
 mod common;
 #[path = "real_vllm/prefetch.rs"]
 mod prefetch;
