@@ -133,7 +133,8 @@ impl Message {
 /// One line of the source: a `/dev/kmsg` record (`6,1234,5678901,-;text`:
 /// the priority is facility × 8 + level) or a journal entry as
 /// `journalctl -o json` writes it (`_TRANSPORT` `kernel`, the facility in
-/// `SYSLOG_FACILITY`, which older journald left out of the kernel's own; `MESSAGE` a string, or its bytes when they are not UTF-8).
+/// `SYSLOG_FACILITY`, which older journald left out of the kernel's own;
+/// `MESSAGE` a string, or its bytes when they are not UTF-8).
 pub(crate) fn parse(line: &str) -> Read {
     static KMSG: LazyLock<Regex> =
         LazyLock::new(|| Regex::new(r"^(\d{1,10}),\d{1,20},(\d{1,20}),[^;]*;").expect("static regex"));
@@ -169,8 +170,10 @@ pub(crate) fn parse(line: &str) -> Read {
         (Some("kernel"), Some(f)) => f.parse().unwrap_or(u32::MAX),
         _ => u32::MAX,
     };
+    // A date RFC 3339 can write (before the year 10000).
     let when = field("__REALTIME_TIMESTAMP")
         .and_then(|t| t.parse::<u64>().ok())
+        .filter(|us| *us < 253_402_300_800_000_000)
         .map(|us| humantime::format_rfc3339_micros(std::time::UNIX_EPOCH + std::time::Duration::from_micros(us)));
     let shown = match when {
         Some(t) => format!("{t} kernel: {}", shown(&text)),
@@ -650,6 +653,8 @@ mod tests {
         let bytes = journal(r#""_TRANSPORT":"kernel","MESSAGE":[78,86,82,77,58,32,255,10,120]"#);
         assert_eq!((bytes.1.as_str(), bytes.2.as_str()), ("NVRM: \u{fffd}\nx", "kernel: NVRM: \u{fffd}\\nx"));
         assert_eq!(parse(r#"{"_TRANSPORT":"kernel","MESSAGE":null}"#), Read::Nothing);
+        let late = journal(r#""__REALTIME_TIMESTAMP":"18446744073709551615","_TRANSPORT":"kernel","MESSAGE":"x""#);
+        assert_eq!(late.2, "kernel: x", "a date past 9999 is left out");
     }
 
     /// What a follower read since a mark: the kernel's messages about the
