@@ -115,9 +115,10 @@ fn a_fatal_gpu_fault_in_the_kernel_messages_stops_the_restart_loop() {
     let tree = w.descendants();
     // Opening blocks until the follower reads: no line can be missed.
     let mut kmsg = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    // A `/dev/kmsg` record of the kernel's (facility 0, level 4).
     std::io::Write::write_all(
         &mut kmsg,
-        b"2026-11-30T10:00:00+0000 host kernel: NVRM: Xid (PCI:0000:41:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n",
+        b"4,1234,5678901,-;NVRM: Xid (PCI:0000:41:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n",
     )
     .unwrap();
     assert_eq!(w.wait_exit(), 78);
@@ -128,6 +129,51 @@ fn a_fatal_gpu_fault_in_the_kernel_messages_stops_the_restart_loop() {
     );
     assert!(tree.iter().all(common::gone), "the tree is stopped: {tree:?}");
     assert_eq!(w.log().matches("--- vllm-warden: start").count(), 1, "no restart");
+}
+
+/// Issue 56 (B4): a fatal Xid naming another GPU ended this instance for
+/// good, although the non-fatal ones were filtered to its own GPUs. With
+/// the instance's GPUs told (`nvidia-smi`, a stand-in on `PATH`, says GPU 0
+/// is at 0000:41:00.0), an Xid 48 on 0000:5e:00 is said and does nothing;
+/// the Xid 79 on its own GPU that follows ends the run, naming it (before:
+/// the first, on the other GPU, ended it: exit 78 on 0000:5e:00.0).
+#[test]
+fn a_fatal_gpu_fault_on_another_gpu_leaves_the_instance_running() {
+    let bin = tempfile::tempdir().unwrap();
+    let smi = bin.path().join("nvidia-smi");
+    std::fs::write(
+        &smi,
+        "#!/bin/sh\ncase \"$*\" in *--query-gpu=index,uuid,pci.bus_id*) echo '0, GPU-aaaa-1111, 00000000:41:00.0';; esac\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&smi, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.path().display(), std::env::var("PATH").unwrap_or_default());
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("kmsg");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let source = format!("[health]\nkernel-messages = [\"cat\", \"{}\"]\n", fifo.display());
+    let opts = common::Opts { env: vec![("PATH".into(), path)], ..Default::default() };
+    let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", &format!("{FAST}{source}")), opts);
+    w.wait_ready();
+    w.wait_logged("the instance's GPUs, for the kernel's messages told=Some([\"0000:41:00.0\"])");
+    let mut kmsg = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    std::io::Write::write_all(
+        &mut kmsg,
+        b"4,1,1000000,-;NVRM: Xid (PCI:0000:5e:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.\n",
+    )
+    .unwrap();
+    w.wait_logged("kernel: GPU fault: Xid 48 (double-bit ECC error) on 0000:5e:00.0 (not one of this instance's GPUs)");
+    std::io::Write::write_all(
+        &mut kmsg,
+        b"4,2,2000000,-;NVRM: Xid (PCI:0000:41:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n",
+    )
+    .unwrap();
+    assert_eq!(w.wait_exit(), 78);
+    let last = w.statuses().last().unwrap().to_string();
+    assert_eq!(
+        last,
+        "failed permanently: GPU fault: Xid 79 (GPU has fallen off the bus) on 0000:41:00.0 — needs a reset or reboot"
+    );
 }
 
 /// Issue "change without reloading the model": a reload that changes only

@@ -82,6 +82,36 @@ fn successful_runs_become_ready_with_no_fatal_line_before_the_stop() {
     }
 }
 
+/// Issue 56, the traceback question: a client's request can make vLLM's
+/// API server log a traceback (`Error in completion stream generator.`: a
+/// streamed completion with a token id out of the vocabulary, a
+/// `logit_bias` out of it, a regex or JSON schema xgrammar rejects, one
+/// quoting `EngineDeadError CUDA error Traceback (most recent call
+/// last)`), and a traceback was a fatal line: one request failed the
+/// serving run. The real log of such a corpus (`j_bad_requests`) has no
+/// fatal line and its run no failure before the stop; the records are the
+/// requests', the exceptions none of the run's.
+#[test]
+fn a_clients_bad_requests_never_fail_a_serving_run() {
+    let s = settings();
+    let mut c = Classifier::new(&s.patterns).unwrap();
+    let (mut ready, mut tracebacks) = (false, 0);
+    for text in lines("j_bad_requests") {
+        if text.contains("[shutdown]") {
+            break;
+        }
+        tracebacks += usize::from(text.contains("Traceback (most recent call last)"));
+        let l = c.classify(text.clone());
+        assert_ne!(l.class, Class::Fatal, "{text}");
+        assert_eq!(l.exception, None, "{text}");
+        ready |= l.class == Class::Ready;
+    }
+    assert!(ready && tracebacks >= 10, "{tracebacks} tracebacks");
+    let m = replay("j_bad_requests", Exit::Code(0), Some("[shutdown] API server: shutdown triggered"));
+    assert_eq!(m.phase(), Phase::Stopping);
+    assert_eq!(m.cause(), None);
+}
+
 #[test]
 fn progress_lines_are_seen_in_a_real_load() {
     let s = settings();

@@ -287,8 +287,9 @@ fn only_the_newest_reports_are_kept() {
 /// GPUs that the warden's follower read from the spawn on (no command).
 #[test]
 fn an_exited_run_is_reported_beside_the_next_start() {
-    // In place of `journalctl -k -f`: a GPU message and another, again and again.
-    let follower = r#"["sh", "-c", "while :; do echo 'kernel: NVRM: Xid (PCI:0000:41:00): 13, pid=1, name=x'; echo 'kernel: usb 1-1: new device'; sleep 0.02; done"]"#;
+    // In place of `journalctl -k -f`: a GPU message and another, again and
+    // again, as the kernel's records (`/dev/kmsg`).
+    let follower = r#"["sh", "-c", "while :; do echo '4,1,2000001,-;NVRM: Xid (PCI:0000:41:00): 13, pid=1, name=x'; echo '6,2,2000002,-;usb 1-1: new device'; sleep 0.02; done"]"#;
     let mut w = Warden::start(|d, p| {
         let extra = format!(
             "[restart]\ninitial-delay = \"0s\"\nmax-attempts = 3\n[health]\nkernel-messages = {follower}\n\
@@ -322,7 +323,7 @@ fn an_exited_run_is_reported_beside_the_next_start() {
         let (n, all): (usize, usize) = (n.parse().unwrap(), all.parse().unwrap());
         assert!(n >= 2 && all >= 2 * n - 1, "{kernel}");
         assert_eq!(lines.lines().count(), n, "{kernel}");
-        assert!(lines.lines().all(|l| l == "kernel: NVRM: Xid (PCI:0000:41:00): 13, pid=1, name=x"), "{kernel}");
+        assert!(lines.lines().all(|l| l == "[    2.000001] NVRM: Xid (PCI:0000:41:00): 13, pid=1, name=x"), "{kernel}");
     }
 }
 

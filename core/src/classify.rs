@@ -348,7 +348,16 @@ pub struct Classifier {
     /// process; raw stderr lines share the key "").
     tracebacks: Tracebacks,
     next_group: u64,
+    /// The server's words for a failed request, from a message's start
+    /// (`Patterns::request_errors`).
+    request: Searcher,
+    /// Per process, the prefix of the request's record under way (see
+    /// [`Classifier::request_record`]), at most [`REQUEST_RECORDS`].
+    requests: HashMap<String, String>,
 }
+
+/// Processes whose request record is followed at once; more forget all.
+const REQUEST_RECORDS: usize = 64;
 
 enum Kind {
     Ignored,
@@ -447,7 +456,9 @@ impl Classifier {
         let lists = [&p.ignore, &p.fatal, &p.permanent, &p.ready, &p.progress];
         let [ignore, fatal, permanent, ready, progress] = lists.map(|l| Searcher::new(l));
         let load: Vec<&String> = p.load.iter().map(|(_, pat)| pat).collect();
-        let all: Vec<&String> = lists.iter().flat_map(|l| l.iter()).chain(load.iter().copied()).collect();
+        let all: Vec<&String> =
+            lists.iter().flat_map(|l| l.iter()).chain(load.iter().copied()).chain(p.request_errors.iter()).collect();
+        let request: Vec<String> = p.request_errors.iter().map(|r| format!("^(?:{r})")).collect();
         let load_signals =
             p.load.iter().map(|(sig, pat)| Regex::new(pat).map(|re| (*sig, re))).collect::<Result<Vec<_>, _>>()?;
         Ok(Classifier {
@@ -466,12 +477,43 @@ impl Classifier {
             worker_died: Arc::new(Regex::new(crate::profile::WORKER_DIED).expect("static regex")),
             tracebacks: Tracebacks::default(),
             next_group: 0,
+            request: Searcher::new(&request)?,
+            requests: HashMap::new(),
         })
     }
 
     /// Forget traceback state between runs.
     pub fn reset(&mut self) {
         self.tracebacks.states.clear();
+        self.requests.clear();
+    }
+
+    /// Whether a prefixed line belongs to the log record of a request that
+    /// failed: one whose message begins with the server's words for it
+    /// (`Patterns::request_errors`), and the lines of the same process
+    /// after it with the very same prefix (vLLM writes a record's prefix,
+    /// its time to the second and its source line included, on each of its
+    /// lines: the traceback's, the exception's, the chained ones'). A line
+    /// of that process with another prefix ends the record.
+    fn request_record(&mut self, process: &str, head: &str, message: &str, plain: bool) -> bool {
+        if process.is_empty() {
+            return false;
+        }
+        if !plain && self.request.is_match(message) {
+            if self.requests.len() >= REQUEST_RECORDS && !self.requests.contains_key(process) {
+                self.requests.clear();
+            }
+            self.requests.insert(process.to_string(), head.to_string());
+            return true;
+        }
+        match self.requests.get(process) {
+            Some(h) if h == head => true,
+            Some(_) => {
+                self.requests.remove(process);
+                false
+            }
+            None => false,
+        }
     }
 
     /// The most processes whose traceback state was held at once.
@@ -538,6 +580,14 @@ impl Classifier {
             }),
         };
         let plain = self.any.as_mut().is_some_and(|any| !any.is_match(text));
+        if let Some(p) = &prefix
+            && (!self.requests.is_empty() || !plain)
+            && self.request_record(p.process, &text[..p.end], &text[p.end..], plain)
+        {
+            // A request's failure, whatever it quotes: neither fatal nor a
+            // traceback of the run's.
+            return (prefix, Kind::Plain, None, Vec::new());
+        }
         let load = if plain { Vec::new() } else { self.load_marks(text) };
         let kind = match () {
             _ if plain => Kind::Plain,

@@ -26,6 +26,12 @@ pub struct Patterns {
     /// What lines tell of a load's phases and its compile cache (the load
     /// ledger); not changed by a config.
     pub load: Vec<(LoadSignal, String)>,
+    /// The server's own words for one request that failed, at the start of
+    /// a prefixed line's message: the log record such a line begins (every
+    /// line of it carries the same prefix: the traceback under it, its
+    /// exception, the chained ones) is the request's, never a fatal line,
+    /// whatever it quotes. Not changed by a config.
+    pub(crate) request_errors: Vec<String>,
 }
 
 /// The phases of a model's load, in their order: the process starts (and
@@ -308,7 +314,30 @@ fn vllm() -> Patterns {
             r"Python\.h: No such file or directory",
         ]),
         load: vllm_load(),
+        request_errors: vllm_request_errors(),
     }
+}
+
+/// vLLM's API server's messages for a request that failed, each logged
+/// with its traceback (`logger.exception`) while the server serves on
+/// (vLLM 0.32, `entrypoints/`): a streamed answer's error (a token id out of
+/// the vocabulary, a `logit_bias` or structured-output schema it rejects,
+/// found once the stream has begun), the other APIs' request errors, and
+/// with `--log-error-stack` every error answered to a client. A client
+/// writes them at will: one request must not fail a serving run. The
+/// engine's death is told by its own lines and the server's exit.
+fn vllm_request_errors() -> Vec<String> {
+    to_strings(&[
+        // completion, chat completion, transcription, translation
+        r"Error in [a-z ]*stream generator\.",
+        r"Error in parser creation\.",
+        r"Error in token generation stream\.",
+        r"Error in message stream converter\.",
+        r"Error converting chat completion stream to v2",
+        r"Error in (?:create_messages|count_tokens|/cohere/v2/chat(?:/render)?): ",
+        r"Error (?:preparing request components|building prompts|during generation)$",
+        r"(?:HTTPException|RequestValidationError|Engine Exception) caught\. Request id: ",
+    ])
 }
 
 /// vLLM's lines for the phases of a load and its compile cache, from its
@@ -368,6 +397,7 @@ fn ray(role: Profile) -> Patterns {
         fatal,
         ignore: Vec::new(),
         load: Vec::new(),
+        request_errors: Vec::new(),
         permanent: to_strings(&[
             // click's usage errors: the command line itself is wrong.
             r"^Error: (No such option|Invalid value|Missing option|Got unexpected extra argument)",

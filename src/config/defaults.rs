@@ -59,7 +59,7 @@ pub(crate) const PROGRESS_STALL: Duration = minutes(2);
 pub(crate) const CANARY_INTERVAL: Duration = minutes(1);
 pub(crate) const CANARY_TIMEOUT: Duration = minutes(1);
 /// New kernel messages as they come, followed while a run lives.
-pub(crate) const KERNEL_MESSAGES: [&str; 7] = ["journalctl", "-k", "-f", "-n", "0", "-o", "short-iso"];
+pub(crate) const KERNEL_MESSAGES: [&str; 7] = ["journalctl", "-k", "-f", "-n", "0", "-o", "json"];
 
 /// `status.file` is `status.json` in `$RUNTIME_DIRECTORY`, else in
 /// `NAME/` here.

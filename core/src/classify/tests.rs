@@ -386,3 +386,51 @@ fn a_dropped_copy_hands_its_search_cache_on() {
     next.classify_ref("INFO:     Application startup complete.");
     assert!(c.ignore.set.spare.lock().unwrap().is_none(), "the next copy took it");
 }
+
+/// Issue 56: a request's failure that vLLM's API server logs with its
+/// traceback is one log record, every line with the same prefix: none of
+/// it is fatal, whatever it quotes. A traceback of the same process under
+/// another prefix (the engine's output handler), or of another process,
+/// still is.
+#[test]
+fn a_failed_requests_record_is_never_fatal() {
+    let mut c = vllm();
+    let p = "(APIServer pid=7) ERROR 12-07 17:59:03 [serving.py:500] ";
+    let record = [
+        "Error in completion stream generator.",
+        "Traceback (most recent call last):",
+        "  File \"/opt/vllm/lib/python3.11/site-packages/vllm/sampling_params.py\", line 1395, in verify",
+        "vllm.exceptions.VLLMValidationError: Grammar error: Invalid type: EngineDeadError CUDA error",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "Traceback (most recent call last):",
+        "vllm.exceptions.VLLMValidationError: Grammar error: at 1(8): invalid regex:",
+        "   1 | start: /NCCL error Fatal Python error[/",
+    ];
+    for m in record {
+        let l = c.classify(format!("{p}{m}"));
+        assert_eq!((l.class, l.exception), (Class::Plain, None), "{m}");
+    }
+    // The same process, another record: the engine's death in the server.
+    let other = "(APIServer pid=7) ERROR 12-07 17:59:04 [async_llm.py:700] ";
+    assert_eq!(c.classify(format!("{other}AsyncLLM output_handler failed.")).class, Class::Plain);
+    assert_eq!(c.classify(format!("{other}Traceback (most recent call last):")).class, Class::Fatal);
+    let exc = c.classify(format!("{other}vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."));
+    assert_eq!(exc.class, Class::Fatal);
+    assert!(exc.exception.is_some());
+    // Another process meanwhile: its own.
+    let mut c = vllm();
+    assert_eq!(c.classify(format!("{p}Error in chat completion stream generator.")).class, Class::Plain);
+    let engine = "(EngineCore pid=8) ERROR 12-07 17:59:03 [core.py:1000] ";
+    assert_eq!(c.classify(format!("{engine}EngineCore encountered a fatal error.")).class, Class::Fatal);
+    assert_eq!(c.classify(format!("{p}Traceback (most recent call last):")).class, Class::Plain);
+    // Words of the list elsewhere than at a message's start, or a line
+    // without vLLM's prefix, begin nothing.
+    let mut c = vllm();
+    let q = "(APIServer pid=7) INFO 12-07 17:59:03 [logger.py:1] ";
+    assert_eq!(c.classify(format!("{q}prompt: 'Error in completion stream generator.'")).class, Class::Plain);
+    assert_eq!(c.classify(format!("{q}Traceback (most recent call last):")).class, Class::Fatal);
+    let mut c = vllm();
+    assert_eq!(c.classify("Error in completion stream generator.".into()).class, Class::Plain);
+    assert_eq!(c.classify("Traceback (most recent call last):".into()).class, Class::Fatal);
+}
