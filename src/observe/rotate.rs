@@ -11,9 +11,11 @@
 //! followed the copied part: the start of a line not yet ended and what the
 //! follower has not read yet. No line is lost and none is torn in two, on
 //! any filesystem, however fast the child writes (meanwhile its output
-//! waits in the pipe). What is written back is kept small: a rotation waits
-//! while the follower is more than 1 MiB behind (`observe::logwatch`), and
-//! the copy then holds more than the size. Emptying in place rather than
+//! waits in the pipe). What is written back is kept small: once the file
+//! has reached its size the writer waits for the rotation
+//! (`observe::logpipe`), and a rotation waits while the follower is more
+//! than 1 MiB behind (`observe::logwatch`); more than 1 MiB goes through a
+//! temporary file. Emptying in place rather than
 //! renaming keeps the inode that the follower, the failure reports (which
 //! read by offset, under [`Hold`]) and an upgrade's hand-off know the file
 //! by. The follower's thread drives this; the compression runs on a thread
