@@ -109,7 +109,7 @@ fn the_weights_are_read_ahead_and_each_load_records_the_page_cache() {
     assert_eq!(warm["residency"], 1.0, "{warm}");
     assert_eq!(warm["prefetch"]["bytes"], 0, "{warm}");
     assert_eq!(warm["prefetch"]["resident_bytes"], 2 * SHARD as u64, "{warm}");
-    assert!(warm["efficiency"].as_f64().is_some_and(|e| e > 0.0), "against the page cache: {warm}");
+    assert!(warm.get("efficiency").is_none(), "nothing read from the disk, nothing to measure: {warm}");
     assert_eq!(w.stop(), 0);
 
     let (ok, show) = w.cli(&["loads", "show", "1"]);
