@@ -142,7 +142,7 @@ fn the_weights_are_read_ahead_and_each_load_records_the_page_cache() {
         (warm["prefetch"]["bytes"].as_u64().unwrap(), warm["prefetch"]["resident_bytes"].as_u64().unwrap());
     assert_eq!(read + resident, 2 * SHARD as u64, "{warm}");
     assert!(resident as f64 >= 0.98 * (2 * SHARD) as f64, "{warm}");
-    assert!(warm["efficiency"].as_f64().is_some_and(|e| e > 0.0), "against the page cache: {warm}");
+    assert!(warm.get("efficiency").is_none(), "nothing read from the disk, nothing to measure: {warm}");
     assert_eq!(w.stop(), 0);
 
     let (ok, show) = w.cli(&["loads", "show", "1"]);

@@ -558,8 +558,11 @@ fn status_without_a_running_instance_is_4() {
 /// A child that writes 50 MB at full speed before its ready line, into a
 /// log rotated every MiB: the ready line and then the fatal line are still
 /// seen; every line written is in one of the files, once, in order, and
-/// whole (each rotation is cut at the end of a line). (A follower behind the
-/// child, as a debug build is, makes fewer, larger copies.)
+/// whole (each rotation is cut at the end of a line); and no file holds
+/// more than the size, one read of the pipe (256 KiB) and what the pipe
+/// held at the child's exit (the writer waits for each rotation: a
+/// follower behind the child, as a debug build is, made fewer, larger
+/// copies before).
 #[test]
 fn the_log_rotated_under_a_flood_loses_no_line() {
     rotated_under_a_flood(None);
@@ -670,6 +673,7 @@ fn rotated_under_a_flood(log_dir: Option<&std::path::Path>) {
     // In order, no line twice, none missing.
     assert!(seen.windows(2).all(|w| w[0] < w[1]), "lines out of order or twice");
     assert_eq!(lost, 0, "lines lost in {} rotations", copies.len());
+    assert!(largest <= (1 << 20) + (256 << 10) + (1 << 20), "a file of {largest} bytes (size 1 MiB)");
 }
 
 /// `vllm-warden upgrade` while ready, with the binary at the warden's path

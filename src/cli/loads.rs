@@ -160,7 +160,10 @@ pub(crate) fn show(r: &LoadRecord) -> String {
         );
     }
     if let Some(e) = r.efficiency {
-        let _ = writeln!(out, "efficiency: {e:.2} (the weights phase against the disk's speed, or the page cache's)");
+        let _ = writeln!(
+            out,
+            "efficiency: {e:.2} (the weights phase against the disk's speed, for what it read from the disk)"
+        );
     }
     for a in &r.alarms {
         let _ = writeln!(out, "alarm: {}", safe(a));

@@ -22,6 +22,15 @@
 //! - a child that writes faster than the disk takes fills the pipe (1 MiB,
 //!   enlarged with `F_SETPIPE_SZ` where allowed); its writes then wait
 //!   (backpressure, as a slow terminal would make them);
+//! - a file that has reached its rotation size (`child.log-max-size`): the
+//!   writer waits for the rotation before it writes more (the child's
+//!   output waits in the pipe meanwhile, then the child), so that a copy
+//!   holds the size and at most one read of the pipe more, and the part
+//!   moved back to the file's start at the cut stays small, however fast
+//!   the child writes and however slow the follower reads. A rotation that
+//!   does not come within [`ROTATION_PATIENCE`] (the follower held up, or
+//!   gone) does not hold the child longer: the file grows past its size
+//!   until the next rotation, which moves all of it; nothing is dropped;
 //! - a file that cannot be written (a full disk, an I/O error): the writer
 //!   goes on draining the pipe; what the file refused is set aside in
 //!   memory ([`SPILL`] at most), where the follower reads it in its place
@@ -56,13 +65,20 @@ const READ: usize = 256 << 10;
 /// written.
 pub(crate) const SPILL: usize = 4 << 20;
 
+/// How long the writer waits for the rotation of a file that has reached
+/// its size before it writes on.
+pub(crate) const ROTATION_PATIENCE: Duration = Duration::from_secs(2);
+
 /// The pipe and the log file the child's output goes through.
 pub struct Sink {
     /// The read end, non-blocking; read only under `log`'s lock.
     pipe: OwnedFd,
     log: Mutex<Log>,
-    /// The set-aside bytes have room again.
+    /// The set-aside bytes have room again, or the file was cut.
     room: Condvar,
+    /// The file's rotation size: once it holds this many bytes, the writer
+    /// waits for the rotation (`u64::MAX`: not rotated).
+    rotate_at: std::sync::atomic::AtomicU64,
     /// Written when bytes are set aside: wakes the follower.
     spilled: EventFd,
     /// Wakes the writer's thread to stop.
@@ -101,6 +117,8 @@ pub(crate) struct Log {
     spill_bytes: usize,
     /// Since the file refused a write: why, and the bytes missing from it.
     failing: Option<(String, u64)>,
+    /// The rotations' cuts so far.
+    cuts: u64,
 }
 
 /// What one move from the pipe to the file did.
@@ -143,8 +161,10 @@ impl Sink {
                 spill: VecDeque::new(),
                 spill_bytes: 0,
                 failing: None,
+                cuts: 0,
             }),
             room: Condvar::new(),
+            rotate_at: u64::MAX.into(),
             spilled: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?,
             wake: EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?,
             stop: AtomicBool::new(false),
@@ -178,7 +198,7 @@ impl Sink {
 
     /// One read of the pipe, written to the file (or set aside).
     fn move_once(&self, log: &mut Log) -> Moved {
-        let Log { file, len, buf, ended, spill, spill_bytes, failing } = log;
+        let Log { file, len, buf, ended, spill, spill_bytes, failing, .. } = log;
         if *ended {
             return Moved::Ended;
         }
@@ -262,8 +282,16 @@ impl Sink {
     }
 
     /// Let the writer know that bytes set aside were taken by whoever held
-    /// it ([`Log::take_spilled`]).
+    /// it ([`Log::take_spilled`]), or that the file was cut.
     pub(crate) fn room_again(&self) {
+        self.room.notify_all();
+    }
+
+    /// The file is rotated once it holds `size` bytes (`None`: it is not
+    /// rotated, or no longer followed): from there on the writer waits for
+    /// the rotation before it writes more (see [`ROTATION_PATIENCE`]).
+    pub(crate) fn rotate_at(&self, size: Option<u64>) {
+        self.rotate_at.store(size.unwrap_or(u64::MAX), Ordering::SeqCst);
         self.room.notify_all();
     }
 
@@ -335,6 +363,7 @@ impl Log {
         for (spilled_at, _) in &mut self.spill {
             *spilled_at = spilled_at.saturating_sub(at);
         }
+        self.cuts += 1;
         Ok(())
     }
 }
@@ -386,6 +415,9 @@ impl Drop for Writer {
 /// Wait for the pipe, move what it holds, until it ends or the writer is
 /// stopped.
 fn write_until_ended(sink: &Sink) {
+    // The cut count when a rotation last kept the writer waiting past
+    // its patience: it waits again only after the next cut.
+    let mut gave_up: Option<u64> = None;
     loop {
         if sink.stop.load(Ordering::SeqCst) {
             return;
@@ -407,6 +439,28 @@ fn write_until_ended(sink: &Sink) {
         // (the child's writes wait in turn once the pipe is full).
         while log.spill_bytes + READ > SPILL && !sink.stop.load(Ordering::SeqCst) {
             log = sink.room.wait_timeout(log, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        // The file has reached its size: wait for the rotation (the
+        // child's writes wait in the pipe, then in the child).
+        let full = |log: &Log| log.len >= sink.rotate_at.load(Ordering::SeqCst);
+        if full(&log) && gave_up != Some(log.cuts) {
+            let (cuts, until) = (log.cuts, std::time::Instant::now() + ROTATION_PATIENCE);
+            while log.cuts == cuts && full(&log) && !sink.stop.load(Ordering::SeqCst) {
+                let Some(left) = until.checked_duration_since(std::time::Instant::now()).filter(|d| !d.is_zero())
+                else {
+                    gave_up = Some(cuts);
+                    tracing::warn!(
+                        EVENT = "log-file",
+                        "the log file {} reached its size ({} bytes) and was not rotated within {}s: the child's \
+                         output is written on past it until the next rotation (nothing is dropped)",
+                        sink.path.display(),
+                        log.len,
+                        ROTATION_PATIENCE.as_secs()
+                    );
+                    break;
+                };
+                log = sink.room.wait_timeout(log, left).unwrap_or_else(|p| p.into_inner()).0;
+            }
         }
         let moved = sink.move_once(&mut log);
         drop(log);
@@ -479,6 +533,28 @@ mod tests {
         let mut text = String::new();
         File::open(&path).unwrap().read_to_string(&mut text).unwrap();
         assert_eq!(text, "ok\n");
+    }
+
+    /// A file at its rotation size whose rotation never comes (nothing
+    /// follows it): the writer waits, then writes on; nothing is dropped.
+    #[test]
+    fn a_rotation_that_never_comes_holds_nothing_back() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("t.log");
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap();
+        let (s, mut child) = sink(d.path(), file);
+        s.rotate_at(Some(1 << 20));
+        let thread = {
+            let s = s.clone();
+            std::thread::spawn(move || write_until_ended(&s))
+        };
+        // Three times the size, more than the pipe holds.
+        let text: String =
+            (0..40_000).map(|i| format!("line {i:08} of a child whose log is never rotated\n")).collect();
+        child.write_all(text.as_bytes()).unwrap();
+        drop(child);
+        thread.join().unwrap();
+        assert!(std::fs::read_to_string(&path).unwrap() == text);
     }
 
     /// The writer's thread moves what comes, and ends at the pipe's end.

@@ -295,8 +295,8 @@ impl Reader {
     /// Copy the file to `NAME.1` up to the end of the last whole line read
     /// and cut that much out of it (the rest, not read yet or a line not
     /// yet ended, moved to its start while the writer is held): nothing is
-    /// lost or torn. A follower far behind reads on first (a copy then
-    /// holds more than the size).
+    /// lost or torn. A follower far behind reads on first (the writer
+    /// waits for the rotation meanwhile: see `observe::logpipe`).
     fn rotate(&mut self) {
         /// A rotation waits while the follower is further behind than this:
         /// what it has not read is moved back to the file's start while the
@@ -316,6 +316,7 @@ impl Reader {
             Err(e) => {
                 tracing::warn!(error = %e, "cannot rotate the log file: no copy made; it grows on");
                 rot.settings.max_size = rot.settings.max_size.saturating_mul(2);
+                rot.sink().rotate_at(Some(rot.settings.max_size));
                 self.rotator = Some(rot);
                 return;
             }
@@ -515,7 +516,15 @@ impl Drop for LogFollower {
 
 /// The follower's thread; at its end, where the next reader should start.
 fn follow(mut reader: Reader, inotify: &Inotify, control: &Control) {
+    // The writer waits for the rotations of a file at its size while this
+    // thread makes them, and no longer.
+    if let Some(r) = &reader.rotator {
+        r.sink().rotate_at(Some(r.settings.max_size));
+    }
     follow_until_stopped(&mut reader, inotify, control);
+    if let Some(r) = &reader.rotator {
+        r.sink().rotate_at(None);
+    }
     *control.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(reader.resume_at);
     control.ended_now.notify_all();
 }
@@ -533,6 +542,7 @@ fn follow_until_stopped(reader: &mut Reader, inotify: &Inotify, control: &Contro
             && let Some(r) = reader.rotator.as_mut()
         {
             r.settings = settings;
+            r.sink().rotate_at(Some(settings.max_size));
         }
         if drain && let Some(s) = &reader.sink {
             // What the child wrote before its exit is in the pipe.

@@ -11,9 +11,11 @@
 //! followed the copied part: the start of a line not yet ended and what the
 //! follower has not read yet. No line is lost and none is torn in two, on
 //! any filesystem, however fast the child writes (meanwhile its output
-//! waits in the pipe). What is written back is kept small: a rotation waits
-//! while the follower is more than 1 MiB behind (`observe::logwatch`), and
-//! the copy then holds more than the size. Emptying in place rather than
+//! waits in the pipe). What is written back is kept small: once the file
+//! has reached its size the writer waits for the rotation
+//! (`observe::logpipe`), and a rotation waits while the follower is more
+//! than 1 MiB behind (`observe::logwatch`); more than 1 MiB goes through a
+//! temporary file. Emptying in place rather than
 //! renaming keeps the inode that the follower, the failure reports (which
 //! read by offset, under [`Hold`]) and an upgrade's hand-off know the file
 //! by. The follower's thread drives this; the compression runs on a thread
@@ -360,6 +362,46 @@ mod tests {
         child.write_all(b"after\n").unwrap();
         r.sink().flush();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "after\n");
+    }
+
+    /// A cut whose rest is more than is kept in memory (the child wrote on
+    /// while the copy was made): the rest goes through a temporary file and
+    /// is the file's new start, every byte of it. (It was lost: the
+    /// temporary file, open for writing only, could not be read back.)
+    #[test]
+    fn a_rest_larger_than_memory_is_written_back_whole() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("m.log");
+        let (mut r, mut child) = rotator(&path, settings(3, false));
+        let line = |i: u32| format!("line {i:08} of the child, long enough to fill some MiB in a moment\n");
+        let text: String = (0..60_000).map(line).collect();
+        // More than the pipe holds: written from a thread of its own.
+        let writing = std::thread::spawn(move || child.write_all(text.as_bytes()).map(|()| child));
+        let sink = r.sink().clone();
+        while !writing.is_finished() {
+            sink.flush();
+        }
+        let _child = writing.join().unwrap().unwrap();
+        sink.flush();
+        let all = std::fs::read(&path).unwrap();
+        assert_eq!(all.len(), 60_000 * line(0).len());
+        // Cut after the first MiB's last line: more than 1 MiB is left.
+        let at = all[..1 << 20].iter().rposition(|b| *b == b'\n').unwrap() as u64 + 1;
+        let mut copy = r.begin().unwrap();
+        r.copy(&File::open(&path).unwrap(), &mut copy.as_mut().unwrap().0, 0, at).unwrap();
+        let mut log = sink.lock();
+        r.cut(&mut log, &File::open(&path).unwrap(), at).unwrap();
+        assert_eq!(log.len(), all.len() as u64 - at);
+        drop(log);
+        r.finish(copy).unwrap();
+        assert_eq!(std::fs::read(d.path().join("m.log.1")).unwrap(), &all[..at as usize]);
+        let rest = std::fs::read(&path).unwrap();
+        assert!(
+            rest == all[at as usize..],
+            "the file holds {} of the rest's {} bytes",
+            rest.len(),
+            all.len() as u64 - at
+        );
     }
 
     /// A symlink planted where a copy goes is moved or removed as a name,

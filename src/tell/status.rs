@@ -242,7 +242,8 @@ pub(crate) struct LastLoad {
     /// The disk's speed as the read-ahead measured it (GB/s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) disk_gbps: Option<f64>,
-    /// The weights phase against the disk's speed (or the page cache's).
+    /// The weights phase against the disk's speed, for what it read from
+    /// the disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) efficiency: Option<f64>,
     /// Its warnings: slower than its setup's median, or the compile cache

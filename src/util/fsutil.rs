@@ -407,9 +407,10 @@ impl Dir {
     }
 
     /// A new empty file beside `target`, named as [`Dir::write_temp`] names
-    /// them, mode 0600; the caller writes it and renames or removes it.
+    /// them, mode 0600, open for writing and reading back; the caller
+    /// writes it and renames or removes it.
     pub(crate) fn create_temp(&self, target: &OsStr) -> io::Result<(File, OsString)> {
-        let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         loop {
             let name = temp_name(target);
             match rustix::fs::openat(&self.fd, &name, flags, Mode::from_raw_mode(0o600)) {

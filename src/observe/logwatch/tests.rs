@@ -374,3 +374,126 @@ async fn a_file_that_cannot_be_written_still_has_its_lines_classified() {
     assert_eq!(ready, vec![Class::Ready]);
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "before\n");
 }
+
+/// Counts the lines the follower read, and tells at the end of each read.
+struct Counted {
+    now: u64,
+    read: Arc<(Mutex<u64>, std::sync::Condvar)>,
+}
+
+impl Tap for Counted {
+    fn line(&mut self, _text: &str, _level: Option<Level>) {
+        self.now += 1;
+    }
+
+    fn end_of_read(&mut self) {
+        *self.read.0.lock().unwrap() = self.now;
+        self.read.1.notify_all();
+    }
+}
+
+/// A child flooding its log, rotated every MiB, first kept about a MiB
+/// ahead of the follower (each rotation then comes with the follower
+/// almost a MiB behind, while the child writes on), then as fast as it
+/// can write: every line it wrote (numbered) is in the files once, in
+/// order and whole, and every copy holds the size and at most one read of
+/// the pipe more (the writer waits for each rotation). Before, the rest of
+/// a cut past a MiB was lost whole (a file or two of lines at a file's
+/// boundary), and a follower behind a child writing at full speed made no
+/// copy until the child stopped.
+#[tokio::test]
+async fn a_flood_rotated_every_mib_loses_and_tears_no_line() {
+    const N: u64 = 400_000;
+    const SIZE: u64 = 1 << 20;
+    let line =
+        |i: u64| format!("(APIServer pid=1) INFO 12-07 17:00:00 [loggers.py:248] flood {i:010} Received request\n");
+    let len = line(0).len() as u64;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.log");
+    let file = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
+    let (out, mut lines) = mpsc::channel(QUEUE);
+    let mut tasks = Tasks::default();
+    let rotation = Rotation { max_size: SIZE, keep: 1000, compress: false };
+    let read = Arc::new((Mutex::new(0u64), std::sync::Condvar::new()));
+    let tap = Counted { now: 0, read: read.clone() };
+    let (f, mut child, _sink, _writer) = piped(&path, file, Some(rotation), Some(Box::new(tap)), out, &mut tasks);
+    let (drained_tx, drained) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        while let Some(d) = lines.recv().await {
+            if matches!(d, Delivery::Drained { .. }) {
+                let _ = drained_tx.send(());
+                return;
+            }
+        }
+    });
+    let writing = std::thread::spawn(move || {
+        let mut w = std::io::BufWriter::with_capacity(64 << 10, &mut child);
+        // About a MiB ahead of the follower, in writes of 64 KiB.
+        let ahead = (SIZE + (128 << 10)) / len;
+        for i in 0..N / 2 {
+            if i % 512 == 0 {
+                w.flush().unwrap();
+                let (lock, cv) = &*read;
+                let mut n = lock.lock().unwrap();
+                while i > *n + ahead {
+                    n = cv.wait(n).unwrap();
+                }
+            }
+            w.write_all(line(i).as_bytes()).unwrap();
+        }
+        let began = std::time::Instant::now();
+        for i in N / 2..N {
+            w.write_all(line(i).as_bytes()).unwrap();
+        }
+        w.flush().unwrap();
+        drop(w);
+        (child, began.elapsed())
+    });
+    let (child, took) = tokio::task::spawn_blocking(move || writing.join().unwrap()).await.unwrap();
+    f.drain();
+    tokio::time::timeout(Duration::from_secs(60), drained).await.expect("drained within 60 s").unwrap();
+    drop(child);
+    let mut copies: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            Some((name.strip_prefix("t.log.")?.parse().ok()?, dir.path().join(name)))
+        })
+        .collect();
+    copies.sort_by_key(|c| std::cmp::Reverse(c.0));
+    let (mut next, mut lost, mut gaps, mut torn, mut largest) = (0u64, 0u64, 0, Vec::new(), 0);
+    for p in copies.iter().map(|(_, p)| p).chain([&path]) {
+        let text = std::fs::read(p).unwrap();
+        // The newest copy may hold what the drain moved from the pipe at
+        // once.
+        if p != &path && p != &dir.path().join("t.log.1") {
+            largest = largest.max(text.len() as u64);
+        }
+        for l in text.split_inclusive(|b| *b == b'\n') {
+            let l = String::from_utf8_lossy(l);
+            match l.split_once(" flood ").and_then(|(_, r)| r.get(..10)?.parse::<u64>().ok()) {
+                Some(n) if l == line(n) && n >= next => {
+                    lost += n - next;
+                    gaps += usize::from(n > next);
+                    next = n + 1;
+                }
+                _ => torn.push(format!("{}: {l:?}", p.display())),
+            }
+        }
+    }
+    lost += N - next;
+    println!(
+        "{N} lines ({} MB), the second half written in {:.2} s ({:.1} MB/s): {} copies, the largest {largest} bytes; \
+         {lost} lost in {gaps} gap(s), {} torn",
+        N * len / 1_000_000,
+        took.as_secs_f64(),
+        (N / 2 * len) as f64 / 1e6 / took.as_secs_f64(),
+        copies.len(),
+        torn.len()
+    );
+    assert!(torn.is_empty(), "{} torn, out of order or twice; the first: {:?}", torn.len(), &torn[..torn.len().min(3)]);
+    assert_eq!(lost, 0, "lines lost in {} rotations", copies.len());
+    // One read of the pipe past the size, at most.
+    assert!(largest <= SIZE + (256 << 10), "a copy of {largest} bytes, for a size of {SIZE}");
+    assert!(copies.len() as u64 >= N * len / (SIZE + (256 << 10)), "{} copies", copies.len());
+}
