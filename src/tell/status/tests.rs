@@ -356,3 +356,34 @@ fn a_gone_warden_is_not_running() {
     assert!(matches!(read(&path).unwrap(), StatusVerdict::NotRunning(Some(_))));
     assert!(summary(&read(&path).unwrap()).contains("not running (warden"));
 }
+
+/// vllm-warden(8)'s METRICS table names every metric the warden exposes,
+/// and nothing else: each `# TYPE` of a full exposition (the front door's
+/// included) is a row, and each row is a metric of the registry (those
+/// shown "absent" until they have a value too).
+#[test]
+fn the_man_pages_metrics_table_is_the_exposition() {
+    let man = include_str!("../../../docs/vllm-warden.8.md");
+    let section = man.split("\n# METRICS\n").nth(1).unwrap().split("\n# ").next().unwrap();
+    let rows: std::collections::BTreeSet<String> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `vllm_warden_"))
+        .map(|l| format!("vllm_warden_{}", l.split(['`', '{']).next().unwrap()))
+        .collect();
+    let text = crate::tell::metrics::metrics("kimi", &snap(), std::time::SystemTime::now(), 0);
+    let mut exposed = std::collections::BTreeSet::new();
+    for l in text.lines() {
+        let Some(rest) = l.strip_prefix("# TYPE ") else { continue };
+        exposed.insert(rest.split_once(' ').unwrap().0.to_string());
+    }
+    let undocumented: Vec<_> = exposed.difference(&rows).collect();
+    assert!(undocumented.is_empty(), "exposed, not in vllm-warden(8) METRICS: {undocumented:?}");
+    let unsaid: Vec<_> = rows
+        .difference(&exposed)
+        .filter(|row| {
+            let line = section.lines().find(|l| l.starts_with(&format!("| `{row}"))).unwrap();
+            !line.contains("absent") && !line.contains("during a load only")
+        })
+        .collect();
+    assert!(unsaid.is_empty(), "in the table, not exposed, and not said to be absent without a value: {unsaid:?}");
+}
