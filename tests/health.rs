@@ -152,7 +152,9 @@ fn a_fatal_gpu_fault_on_another_gpu_leaves_the_instance_running() {
     let fifo = dir.path().join("kmsg");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let source = format!("[health]\nkernel-messages = [\"cat\", \"{}\"]\n", fifo.display());
-    let opts = common::Opts { env: vec![("PATH".into(), path)], ..Default::default() };
+    // Its own stand-in, not the harness's (which answers as a host without
+    // GPUs would).
+    let opts = common::Opts { env: vec![("PATH".into(), path)], host_tools: true, ..Default::default() };
     let mut w = Warden::start_with(|d, p| config(d, p, &["--shards", "1"], "", &format!("{FAST}{source}")), opts);
     w.wait_ready();
     w.wait_logged("the instance's GPUs, for the kernel's messages told=Some([\"0000:41:00.0\"])");
