@@ -679,6 +679,52 @@ fn a_listen_address_already_taken_is_named_with_its_holder_and_leaves_nothing_be
     drop(holder);
 }
 
+/// A holder the user running `check` cannot see (another user's process:
+/// under the shipped unit `check` runs as the service user, and across
+/// `systemctl restart` the front door's sockets wait in systemd's store,
+/// held by PID 1) is left to `run`: `check` does not fail the start on it.
+#[test]
+fn check_leaves_a_holder_it_cannot_see_to_run() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root, to hold the port as another user than the check's ({})", nobody::UID);
+        return;
+    }
+    let dir = match nobody::tempdir() {
+        Ok(d) => d,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap();
+    let exe = nobody::copy_binary(common::exe(), dir.path());
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    nix::unistd::chown(&state, Some(nix::unistd::Uid::from_raw(nobody::UID)), None).unwrap();
+    let cfg = dir.path().join("kimi.toml");
+    let text = format!(
+        "[child]\ncommand = [\"/bin/true\"]\n[status]\nfile = \"{}\"\n[server]\nlisten = \"{taken}\"\n",
+        state.join("status.json").display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let o = Command::new(&exe)
+        .args(["check", "-c"])
+        .arg(&cfg)
+        .env("STATE_DIRECTORY", &state)
+        .env_remove("RUNTIME_DIRECTORY")
+        .uid(nobody::UID)
+        .gid(nobody::UID)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("`server.listen`"), "a holder this user cannot see is left to `run`: {err}");
+    drop(holder);
+}
+
 /// Issue 56: `loads show NAME` and `golden diff NAME` refused the NAME
 /// after the subcommand's own subcommand, though `-c` goes anywhere. It
 /// goes there too, after the IDs; a lone word that cannot be an ID is the

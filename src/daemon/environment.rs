@@ -78,7 +78,8 @@ pub(crate) fn check_environment(s: &Settings) -> Vec<Problem> {
 /// warden binds it: `SO_REUSEADDR`, an IPv6 address IPv6-only); none when
 /// it could, or when only the instance's own running warden (the holder of
 /// its lock) or systemd (a `.socket` unit, or the warden's sockets in its
-/// store) holds it, which `run` is given.
+/// store) holds it, which `run` is given, or when no holder can be seen
+/// by this user.
 fn address_taken(addr: std::net::SocketAddr, state_dir: &Path) -> Option<String> {
     use socket2::{Domain, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None).ok()?;
@@ -94,7 +95,11 @@ fn address_taken(addr: std::net::SocketAddr, state_dir: &Path) -> Option<String>
         .chain(crate::process::lock::InstanceLock::holder(state_dir).ok().flatten().map(|p| p as i32))
         .collect();
     let holders = crate::process::prestart::port_holders(addr.port());
-    if holders.iter().any(|(pid, _)| ours.contains(pid)) {
+    // A holder this user cannot see is left to `run`, which names it or is
+    // given the socket: under the shipped unit `check` runs as the service
+    // user, and across `systemctl restart` the front door's sockets wait in
+    // systemd's store, held by PID 1, whose descriptors it may not read.
+    if holders.is_empty() || holders.iter().any(|(pid, _)| ours.contains(pid)) {
         return None;
     }
     Some(crate::process::prestart::describe_holders(addr.port()))
