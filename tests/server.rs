@@ -454,7 +454,10 @@ fn an_upgrade_while_drained_comes_back_drained() {
 #[test]
 fn an_upgrade_during_a_restarts_drain_waits_for_the_restart() {
     let listen = free_port();
-    let (_bin, path, mut w) = upgradable(listen, "[drain]\ndelay = \"2s\"\n");
+    // The drain's delay leaves the upgrade, asked once the drain is seen,
+    // time to come during it on a machine starved of CPU (a turn of the
+    // loop was once held 1.4 s, past a delay of 2 s).
+    let (_bin, path, mut w) = upgradable(listen, "[drain]\ndelay = \"6s\"\n");
     w.wait_ready();
     let leader = w.descendants().into_iter().find(|p| p.ppid == w.pid as i32).unwrap();
     let (code, out) = command(&w, "restart");

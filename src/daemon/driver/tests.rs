@@ -935,9 +935,13 @@ async fn each_turn_of_the_loop_is_measured() {
     let o = run_with(policy(), vec![ok], q, Some(S(10)), None).await;
     assert_eq!(o.code, Code::Ok);
     assert!(o.turns.len() > 3, "{:?}", o.turns);
-    let slow: Vec<_> = o.turns.iter().filter(|t| **t >= SLOW_TURN).collect();
-    assert_eq!(slow.len(), 1, "{:?}", o.turns);
-    assert!(*slow[0] >= held);
+    // The held turn is seen at its length; the others are short, as the
+    // median says: on a machine starved of CPU any turn may also be slow
+    // (two of seven were once over 130 ms).
+    assert!(o.turns.iter().any(|t| *t >= held), "{:?}", o.turns);
+    let mut sorted = o.turns.clone();
+    sorted.sort();
+    assert!(sorted[sorted.len() / 2] < SLOW_TURN, "{:?}", o.turns);
 }
 
 /// The test policy with an engine idle after a minute without requests.
