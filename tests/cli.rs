@@ -383,24 +383,33 @@ fn the_bash_completion_completes_every_level() {
     assert!(show.contains(&"--config".to_string()), "vllm-warden setups diff -<Tab>: {show:?}");
 }
 
+/// For a test that runs the warden as [`nobody::UID`]: a folder that user
+/// can reach and a copy of the binary in it; `None`, said SKIPPED with
+/// `why` root is needed, when not root or no such folder can be had.
+fn as_nobody(why: &str) -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root, {why} (uid {})", nobody::UID);
+        return None;
+    }
+    match nobody::tempdir() {
+        Ok(dir) => {
+            let exe = nobody::copy_binary(common::exe(), dir.path());
+            Some((dir, exe))
+        }
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            None
+        }
+    }
+}
+
 /// A user who may not read the state folder is told so, with 77: not "no
 /// setup has reached ready yet" and 0, not "none", not 70.
 #[test]
 fn records_this_user_may_not_read_are_said_so() {
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED: needs root, to run the commands as uid {}", nobody::UID);
-        return;
-    }
-    let dir = match nobody::tempdir() {
-        Ok(d) => d,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
-    let exe = nobody::copy_binary(common::exe(), dir.path());
+    let Some((dir, exe)) = as_nobody("to run the commands as another user") else { return };
     let state = dir.path().join("state");
     std::fs::create_dir_all(state.join("setups")).unwrap();
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).unwrap();
@@ -687,20 +696,9 @@ fn a_listen_address_already_taken_is_named_with_its_holder_and_leaves_nothing_be
 fn check_leaves_a_holder_it_cannot_see_to_run() {
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED: needs root, to hold the port as another user than the check's ({})", nobody::UID);
-        return;
-    }
-    let dir = match nobody::tempdir() {
-        Ok(d) => d,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
+    let Some((dir, exe)) = as_nobody("to hold the port as another user than the check's") else { return };
     let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let taken = holder.local_addr().unwrap();
-    let exe = nobody::copy_binary(common::exe(), dir.path());
     let state = dir.path().join("state");
     std::fs::create_dir_all(&state).unwrap();
     nix::unistd::chown(&state, Some(nix::unistd::Uid::from_raw(nobody::UID)), None).unwrap();

@@ -721,6 +721,18 @@ fn an_upgrade_in_place_keeps_the_child_and_supervises_it_after() {
     assert_eq!(w.stop(), 0);
 }
 
+/// A simulated vLLM whose first run fails (NCCL), then serves.
+fn failing_once(d: &std::path::Path, p: u16) -> String {
+    let count = d.join("runs");
+    let args = ["--shards", "1", "--fail", "nccl", "--fail-times", "1", "--count-file", count.to_str().unwrap()];
+    config(d, p, &args, "", FAST)
+}
+
+/// The status document as it is now.
+fn doc(w: &Warden) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap()
+}
+
 /// What the status document and the metrics say of the past is the same
 /// after an upgrade in place as before it: the last exit, the last failed
 /// run and when it was counted, the last load, since when the run is
@@ -731,19 +743,8 @@ fn an_upgrade_in_place_keeps_the_status_history() {
     let path = bin.path().join("vllm-warden");
     std::fs::copy(common::exe(), &path).unwrap();
     let opts = common::Opts { exe: Some(path.clone()), ..Default::default() };
-    let mut w = Warden::start_with(
-        |d, p| {
-            let count = d.join("runs");
-            let args =
-                ["--shards", "1", "--fail", "nccl", "--fail-times", "1", "--count-file", count.to_str().unwrap()];
-            config(d, p, &args, "", FAST)
-        },
-        opts,
-    );
+    let mut w = Warden::start_with(failing_once, opts);
     w.wait_ready();
-    let doc = |w: &Warden| -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap()
-    };
     let metric = |w: &Warden, name: &str| -> String {
         let text = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
         let mut lines: Vec<_> = text.lines().filter(|l| l.starts_with(name)).collect();
@@ -776,15 +777,8 @@ fn an_upgrade_in_place_keeps_the_status_history() {
 /// run and when it was counted, and the last exit, until it has its own.
 #[test]
 fn a_new_warden_of_the_instance_goes_on_from_the_history_in_its_state_directory() {
-    let mut w = Warden::start(|d, p| {
-        let count = d.join("runs");
-        let args = ["--shards", "1", "--fail", "nccl", "--fail-times", "1", "--count-file", count.to_str().unwrap()];
-        config(d, p, &args, "", FAST)
-    });
+    let mut w = Warden::start(failing_once);
     w.wait_ready();
-    let doc = |w: &Warden| -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(w.path("status.json")).unwrap()).unwrap()
-    };
     let failed_at = |w: &Warden| {
         let text = std::fs::read_to_string(w.path("vllm_warden.prom")).unwrap();
         text.lines().find(|l| l.starts_with("vllm_warden_last_failure_timestamp_seconds")).map(String::from)

@@ -308,7 +308,8 @@ pub(crate) struct Reporter {
     /// (`history.json` in the state directory), and where it is kept.
     history: history::History,
     history_path: Option<PathBuf>,
-    written_history: Option<String>,
+    /// The file holds `history`.
+    history_kept: bool,
     exits: u32,
     last_exit: Option<LastExit>,
     written_doc: Option<String>,
@@ -351,7 +352,7 @@ impl Reporter {
             ready_since: None,
             history: history::History::default(),
             history_path: None,
-            written_history: None,
+            history_kept: false,
             exits: 0,
             last_exit: None,
             written_doc: None,
@@ -375,7 +376,8 @@ impl Reporter {
         let past = history::History::read(state_dir);
         self.last_exit = past.last_exit.clone();
         self.last_reload = past.last_reload.clone();
-        self.written_history = Some(past.to_json());
+        // What the file holds (or nothing, which needs no writing).
+        self.history_kept = true;
         self.history = past;
         self.history_path = Some(state_dir.join(history::FILE));
     }
@@ -582,7 +584,7 @@ impl Reporter {
     /// changed.
     fn keep_history(&mut self, doc: &Doc) {
         let Some(path) = &self.history_path else { return };
-        self.history = history::History {
+        let next = history::History {
             last_exit: doc.last_exit.clone(),
             last_failure: doc.last_failure.clone(),
             last_failure_at: self.metrics.last_failure_at(),
@@ -593,13 +595,18 @@ impl Reporter {
                 since: at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64(),
             }),
         };
-        let text = self.history.to_json();
-        if self.written_history.as_deref() != Some(&text) {
-            match self.outbox.replace(path, text.as_bytes(), 0o644) {
-                Ok(()) => self.written_history = Some(text),
-                Err(e) => tracing::warn!(error = %e, file = %path.display(), "cannot write the status history"),
-            }
+        // Most writes change nothing of the past: nothing to write.
+        if next == self.history && self.history_kept {
+            return;
         }
+        self.history = next;
+        self.history_kept = match self.outbox.replace(path, self.history.to_json().as_bytes(), 0o644) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, file = %path.display(), "cannot write the status history");
+                false
+            }
+        };
     }
 
     fn doc(&self, snap: &Snapshot) -> Doc {

@@ -35,28 +35,7 @@ pub(crate) const PEER_SHARE: usize = 4;
 /// moments say nothing of its rate.
 pub(crate) const JUDGED_AFTER: Duration = Duration::from_secs(1);
 
-/// Who opened a connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Peer {
-    /// A TCP client's address (an IPv4 address mapped into IPv6 as the
-    /// IPv4 address).
-    Ip(std::net::IpAddr),
-    /// A unix socket client's user.
-    Uid(u32),
-    /// A unix socket client whose credentials could not be read: all of
-    /// them count as one.
-    Unknown,
-}
-
-impl std::fmt::Display for Peer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Peer::Ip(ip) => write!(f, "{ip}"),
-            Peer::Uid(uid) => write!(f, "uid {uid}"),
-            Peer::Unknown => f.write_str("an unknown user"),
-        }
-    }
-}
+pub(crate) use crate::util::peer::Peer;
 
 /// Where a connection's request is.
 #[derive(Debug, Clone, Copy, PartialEq)]
